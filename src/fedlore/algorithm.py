@@ -1,0 +1,66 @@
+"""The Algorithm protocol: four methods over explicit state and plain messages.
+
+| method          | side   | takes                                              | returns               |
+|-----------------|--------|----------------------------------------------------|-----------------------|
+| ``init_server`` | server | model, rng                                         | State                 |
+| ``broadcast``   | server | State, round, client id                            | Broadcast             |
+| ``client_update``| client| Broadcast, client State or None, model, data, rng  | (Reply, State)        |
+| ``aggregate``   | server | State, [(client id, Reply)], round                 | (State, metrics)      |
+
+The algorithm object holds only hyperparameters (a frozen dataclass). The model handed to
+``init_server`` and ``client_update`` is a scratch workspace: an algorithm must load every
+parameter and buffer it relies on from the message or the client state, so a reply never depends
+on which clients used the workspace before.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from fedlore.types import Broadcast, Reply, Scalars, State
+
+if TYPE_CHECKING:
+    from fedlore.data.client_data import ClientData
+
+
+@runtime_checkable
+class Algorithm(Protocol):
+    """A federated method. Implementations are frozen dataclasses of hyperparameters."""
+
+    name: ClassVar[str]
+
+    def init_server(self, model: nn.Module, rng: torch.Generator) -> State:
+        """Build the round-0 server state from the initial model weights."""
+        ...
+
+    def broadcast(self, state: State, rnd: int, client_id: int) -> Broadcast:
+        """The message client ``client_id`` receives at round ``rnd`` (0-based)."""
+        ...
+
+    def client_update(
+        self,
+        msg: Broadcast,
+        state: State | None,
+        model: nn.Module,
+        data: ClientData,
+        rng: torch.Generator,
+    ) -> tuple[Reply, State]:
+        """Local training. ``state`` is None at a client's first contact."""
+        ...
+
+    def aggregate(
+        self, state: State, replies: list[tuple[int, Reply]], rnd: int
+    ) -> tuple[State, Scalars]:
+        """Combine the accepted replies of round ``rnd`` into the next server state."""
+        ...
+
+    def global_arrays(self, state: State) -> dict[str, torch.Tensor]:
+        """The global model's parameters and buffers (names of ``model.state_dict()``)."""
+        ...
+
+    def expected_reply(self, state: State, rnd: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """Key -> (shape, dtype) of a valid reply at round ``rnd``; used to reject bad uploads."""
+        ...

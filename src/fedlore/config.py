@@ -1,0 +1,221 @@
+"""Experiment configuration: YAML -> frozen, validated pydantic model.
+
+Unknown keys are errors at every level; ``key=value`` overrides use dotted keys that mirror the
+YAML (``partition.alpha=0.1``, ``algorithms=[fedlore,fedfull]``). Values in overrides are parsed
+as YAML scalars/lists. A config file may name a ``base`` file (relative to itself) whose keys it
+overrides, so experiment files only state what differs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(_Strict):
+    """Which data set, where it lives, and the per-client split."""
+
+    name: str = "digits"
+    root: str | None = None
+    test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    fraction: float = Field(1.0, gt=0.0, le=1.0)
+    """Share |D| of the training set kept (stratified) before partitioning."""
+    noise: float = Field(0.0, ge=0.0)
+    """Gaussian input noise level eps: x <- clip(x + eps * N(0, 1), 0, 1)."""
+    label_flip: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of training labels replaced by a uniformly drawn other class."""
+
+
+class PartitionConfig(_Strict):
+    """How the training set is split over clients."""
+
+    name: str = "dirichlet"
+    alpha: float = Field(0.5, gt=0.0)
+    """Dirichlet concentration alpha (smaller = more heterogeneous)."""
+    min_size: int = Field(0, ge=0)
+    """Dirichlet: redraw until every client has at least this many training examples."""
+    major_classes: int = Field(2, ge=1)
+    """Step: number of major classes per client."""
+    major_share: float = Field(0.8, gt=0.0, le=1.0)
+    """Step: share of a client's data that comes from its major classes."""
+
+
+class OptimConfig(_Strict):
+    """Local optimizer settings shared by all methods (parity, reference section 13)."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate schedule over all local steps of the run (rounds x local_steps)."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    grad_clip: float | None = Field(None, gt=0.0)
+    scale: float = Field(1.0, gt=0.0)
+    """alpha of the projected update (FedLore, GaLore): W <- W - lr * alpha * P N."""
+
+
+class ModelConfig(_Strict):
+    """Model name in the registry and its keyword arguments."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+    name: str = "mlp"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class EvalConfig(_Strict):
+    every: int = Field(1, ge=1)
+    """Evaluate the global model every this many rounds (and always after the last)."""
+    batch_size: int = Field(512, ge=1)
+    clients: bool = False
+    """Also score the global model on every client's local test split (mean in metrics)."""
+
+
+class Config(_Strict):
+    """A whole experiment. Every key means what it says; see ``experiments/quickstart.yaml``."""
+
+    name: str = "experiment"
+    rounds: int = Field(20, ge=1)
+    num_clients: int = Field(10, ge=1)
+    participation: float = Field(1.0, gt=0.0, le=1.0)
+    """Participation rate C: each round samples max(1, round(C * num_clients)) clients."""
+    local_steps: int = Field(10, ge=1)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(1e-3, gt=0.0)
+    rank: int = Field(8, ge=1)
+    algorithms: list[str] = Field(default_factory=lambda: ["fedlore"])
+    seeds: list[int] = Field(default_factory=lambda: [42])
+    output_dir: str = "runs"
+    engine: Literal["local", "flower-sim"] = "local"
+    weighting: Literal["num_examples", "uniform"] = "num_examples"
+    """Aggregation weights p_i: data size (default) or uniform, the same rule for all methods."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    partition: PartitionConfig = Field(default_factory=PartitionConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    method: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Per-method hyperparameter overrides, e.g. ``method: {fedfull: {lr: 1e-4}}``."""
+    checkpoint: bool = True
+    progress: bool = True
+
+    @field_validator("algorithms", mode="before")
+    @classmethod
+    def _one_or_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("seeds", mode="before")
+    @classmethod
+    def _seed_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, int) else v
+
+    @field_validator("algorithms")
+    @classmethod
+    def _nonempty(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("at least one algorithm is needed")
+        return v
+
+    def clients_per_round(self) -> int:
+        """Number of clients sampled each round: max(1, round(C * num_clients))."""
+        return max(1, round(self.participation * self.num_clients))
+
+
+class ConfigError(ValueError):
+    """A config that does not validate; the message names each bad field and value."""
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "method":
+            out[k] = _deep_merge(out[k], v)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a config file, resolving its ``base`` chain (a path relative to the file).
+
+    Raises:
+        ConfigError: if the file is missing, is not a mapping, or its base chain loops.
+    """
+    path = Path(path)
+    seen: list[Path] = []
+    layers: list[dict[str, Any]] = []
+    while True:
+        path = path.resolve()
+        if path in seen:
+            raise ConfigError(f"config base chain loops at {path}")
+        seen.append(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+        base = raw.pop("base", None)
+        layers.append(raw)
+        if base is None:
+            break
+        path = path.parent / str(base)
+    merged: dict[str, Any] = {}
+    for layer in reversed(layers):
+        merged = _deep_merge(merged, layer)
+    return merged
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key=value`` overrides (dotted keys, YAML-parsed values) to a raw config dict.
+
+    Raises:
+        ConfigError: when an override has no ``=`` or descends into a non-mapping.
+    """
+    out = _deep_merge({}, raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, _, text = item.partition("=")
+        value = yaml.safe_load(text) if text != "" else None
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {item!r}: {p!r} is not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def validate(raw: dict[str, Any]) -> Config:
+    """Validate a raw dict into a :class:`Config`.
+
+    Raises:
+        ConfigError: listing every bad field as ``dotted.key: problem (got value)``.
+    """
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key"
+            lines.append(f"{loc}: {msg} (got {err.get('input')!r})")
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read, override and validate a config. ``path=None`` starts from the defaults."""
+    raw = read_yaml(path) if path is not None else {}
+    return validate(apply_overrides(raw, overrides or []))

@@ -1,0 +1,1 @@
+"""Data sources, partitions, corruption and per-client splits (local files only)."""

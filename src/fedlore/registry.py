@@ -1,0 +1,78 @@
+"""Explicit name -> factory tables for algorithms, models, data sources and partitioners.
+
+Each table is filled by a ``register_*`` decorator in the module that defines the entry; the
+``get_*`` functions import the package that holds the entries first, so a name always resolves
+without import-order surprises. Unknown names raise ``KeyError`` listing the known ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_TABLES: dict[str, dict[str, Any]] = {
+    "algorithm": {},
+    "model": {},
+    "source": {},
+    "partition": {},
+}
+# The package whose import fills each table.
+_PACKAGES = {
+    "algorithm": "fedlore.algorithms",
+    "model": "fedlore.models",
+    "source": "fedlore.data.sources",
+    "partition": "fedlore.data.partition",
+}
+
+
+def _register(kind: str, name: str) -> Callable[[F], F]:
+    def deco(obj: F) -> F:
+        table = _TABLES[kind]
+        if name in table and table[name] is not obj:
+            raise ValueError(f"{kind} {name!r} is registered twice")
+        table[name] = obj
+        return obj
+
+    return deco
+
+
+def register_algorithm(name: str) -> Callable[[F], F]:
+    """Register an algorithm class (a frozen hyperparameter dataclass) under ``name``."""
+    return _register("algorithm", name)
+
+
+def register_model(name: str) -> Callable[[F], F]:
+    """Register a model factory ``f(input_shape, num_classes, **kwargs) -> nn.Module``."""
+    return _register("model", name)
+
+
+def register_source(name: str) -> Callable[[F], F]:
+    """Register a data-source loader ``f(root, **kwargs) -> DataSource``."""
+    return _register("source", name)
+
+
+def register_partition(name: str) -> Callable[[F], F]:
+    """Register a partitioner ``f(labels, num_clients, rng, **kwargs) -> list[index array]``."""
+    return _register("partition", name)
+
+
+def get(kind: str, name: str) -> Any:
+    """Look up ``name`` in the ``kind`` table.
+
+    Raises:
+        KeyError: naming the unknown entry and listing the registered ones.
+    """
+    importlib.import_module(_PACKAGES[kind])
+    table = _TABLES[kind]
+    if name not in table:
+        raise KeyError(f"unknown {kind} {name!r}; registered: {sorted(table)}")
+    return table[name]
+
+
+def names(kind: str) -> list[str]:
+    """Sorted registered names of one kind."""
+    importlib.import_module(_PACKAGES[kind])
+    return sorted(_TABLES[kind])

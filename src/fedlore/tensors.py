@@ -1,0 +1,113 @@
+"""Pure helpers on :data:`fedlore.types.Arrays` (named tensors). No side effects."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from fedlore.types import Arrays
+
+
+def nbytes(arrays: Arrays) -> int:
+    """Total payload size in bytes (``numel * element_size`` summed over all tensors)."""
+    return sum(int(t.numel()) * t.element_size() for t in arrays.values())
+
+
+def select(arrays: Arrays, prefix: str, strip: bool = True) -> Arrays:
+    """The tensors whose key starts with ``prefix`` (``strip`` removes the prefix)."""
+    n = len(prefix)
+    return {(k[n:] if strip else k): v for k, v in arrays.items() if k.startswith(prefix)}
+
+
+def with_prefix(arrays: Arrays, prefix: str) -> Arrays:
+    """The same tensors with ``prefix`` prepended to every key."""
+    return {prefix + k: v for k, v in arrays.items()}
+
+
+def weighted_mean(items: Sequence[Arrays], weights: Sequence[float]) -> Arrays:
+    """Key-wise weighted mean ``Σ_i w_i x_i / Σ_i w_i`` computed in float64, cast back.
+
+    Args:
+        items: N dicts with identical keys and shapes.
+        weights: N non-negative scalars with a positive sum.
+
+    Raises:
+        ValueError: on empty input, mismatched keys, or non-positive total weight.
+    """
+    if not items:
+        raise ValueError("weighted_mean needs at least one item")
+    if len(items) != len(weights):
+        raise ValueError(f"{len(items)} items but {len(weights)} weights")
+    total = float(sum(weights))
+    if not total > 0:
+        raise ValueError(f"weights must have a positive sum, got {list(weights)}")
+    keys = items[0].keys()
+    out: Arrays = {}
+    for k in keys:
+        ref = items[0][k]
+        if not (ref.is_floating_point() or ref.is_complex()):
+            out[k] = ref.clone()  # integer buffers (e.g. BatchNorm counters): take the first
+            continue
+        acc = torch.zeros(ref.shape, dtype=torch.float64)
+        for item, w in zip(items, weights, strict=True):
+            if item.keys() != keys:
+                raise ValueError("weighted_mean: items have different keys")
+            acc += float(w) * item[k].to(torch.float64)
+        out[k] = (acc / total).to(ref.dtype)
+    return out
+
+
+def add(a: Arrays, b: Arrays, alpha: float = 1.0) -> Arrays:
+    """``a + alpha * b`` key-wise (keys of ``a``; every key of ``a`` must be in ``b``)."""
+    return {k: a[k] + alpha * b[k].to(a[k].dtype) for k in a}
+
+
+def sub(a: Arrays, b: Arrays) -> Arrays:
+    """``a - b`` key-wise."""
+    return {k: a[k] - b[k].to(a[k].dtype) for k in a}
+
+
+def scale(a: Arrays, factor: float) -> Arrays:
+    """``factor * a`` key-wise."""
+    return {k: factor * v for k, v in a.items()}
+
+
+def clone(a: Arrays) -> Arrays:
+    """Detached CPU contiguous copies (the form every message and state holds)."""
+    return {k: v.detach().to("cpu").clone().contiguous() for k, v in a.items()}
+
+
+def all_finite(a: Arrays) -> bool:
+    """True when every floating tensor holds only finite values."""
+    return all(bool(torch.isfinite(v).all()) for v in a.values() if v.is_floating_point())
+
+
+def model_arrays(model: nn.Module) -> Arrays:
+    """Parameters and buffers of ``model`` as detached CPU copies (``state_dict`` names)."""
+    return clone(dict(model.state_dict()))
+
+
+def load_model_arrays(model: nn.Module, arrays: Arrays, strict: bool = True) -> None:
+    """Load ``arrays`` into ``model`` in place.
+
+    Raises:
+        KeyError: with ``strict``, when keys are missing or unexpected (names them).
+    """
+    own = model.state_dict()
+    if strict:
+        missing = sorted(set(own) - set(arrays))
+        extra = sorted(set(arrays) - set(own))
+        if missing or extra:
+            raise KeyError(f"model arrays mismatch: missing={missing[:5]} unexpected={extra[:5]}")
+    with torch.no_grad():
+        for k, v in arrays.items():
+            if k in own:
+                own[k].copy_(v)
+
+
+def max_abs_diff(a: Arrays, b: Arrays, keys: Iterable[str] | None = None) -> float:
+    """Largest elementwise ``|a - b|`` over the given (default: shared) keys."""
+    ks = list(keys) if keys is not None else [k for k in a if k in b]
+    return max((float((a[k].double() - b[k].double()).abs().max()) for k in ks), default=0.0)
