@@ -1,11 +1,11 @@
 """The Algorithm protocol: four methods over explicit state and plain messages.
 
-| method          | side   | takes                                              | returns               |
-|-----------------|--------|----------------------------------------------------|-----------------------|
-| ``init_server`` | server | model, rng                                         | State                 |
-| ``broadcast``   | server | State, round, client id                            | Broadcast             |
-| ``client_update``| client| Broadcast, client State or None, model, data, rng  | (Reply, State)        |
-| ``aggregate``   | server | State, [(client id, Reply)], round                 | (State, metrics)      |
+Methods (side: takes -> returns):
+
+* ``init_server`` (server): model, rng -> State
+* ``broadcast`` (server): State, round, client id -> Broadcast
+* ``client_update`` (client): Broadcast, client State or None, model, data, rng -> (Reply, State)
+* ``aggregate`` (server): State, [(client id, Reply or None)], round -> (State, metrics)
 
 The algorithm object holds only hyperparameters (a frozen dataclass). The model handed to
 ``init_server`` and ``client_update`` is a scratch workspace: an algorithm must load every
@@ -52,9 +52,13 @@ class Algorithm(Protocol):
         ...
 
     def aggregate(
-        self, state: State, replies: list[tuple[int, Reply]], rnd: int
+        self, state: State, replies: list[tuple[int, Reply | None]], rnd: int
     ) -> tuple[State, Scalars]:
-        """Combine the accepted replies of round ``rnd`` into the next server state."""
+        """Combine round ``rnd``'s replies into the next server state.
+
+        ``replies`` has one entry per sampled client; ``None`` marks a client whose reply was
+        lost or rejected (it must not enter the model).
+        """
         ...
 
     def global_arrays(self, state: State) -> dict[str, torch.Tensor]:

@@ -92,7 +92,8 @@ class Config(_Strict):
     algorithms: list[str] = Field(default_factory=lambda: ["fedlore"])
     seeds: list[int] = Field(default_factory=lambda: [42])
     output_dir: str = "runs"
-    engine: Literal["local", "flower-sim"] = "local"
+    engine: Literal["local"] = "local"
+    """Transport: "local" (in-process, the embedded default)."""
     weighting: Literal["num_examples", "uniform"] = "num_examples"
     """Aggregation weights p_i: data size (default) or uniform, the same rule for all methods."""
     data: DataConfig = Field(default_factory=DataConfig)
@@ -134,9 +135,7 @@ class ConfigError(ValueError):
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "method":
-            out[k] = _deep_merge(out[k], v)
-        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
             out[k] = _deep_merge(out[k], v)
         else:
             out[k] = v

@@ -1,0 +1,122 @@
+"""Hyperparameters every method shares, and small helpers the method modules reuse.
+
+Parity (reference notes section 13): every method gets the same K local steps, the same
+minibatches, the same learning-rate schedule, the same optimizer reset each round (a fresh
+optimizer per round), the same gradient clipping, weight-decay policy and aggregation weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from fedlore.data.client_data import TensorSplit, minibatches
+from fedlore.train.local import Schedule
+from fedlore.types import Reply, Scalars
+
+ReplySpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """Local-training hyperparameters shared by all methods.
+
+    Attributes:
+        lr: base learning rate (eta).
+        local_steps: K, optimizer steps per client per round.
+        batch_size: B.
+        rounds: T, used by the learning-rate schedule.
+        betas, eps: Adam coefficients.
+        weight_decay: decoupled decay lambda.
+        schedule: ``"constant"`` or ``"cosine"`` over all T*K local steps.
+        min_lr_ratio: final lr of the cosine schedule as a share of ``lr``.
+        grad_clip: global gradient-norm clip (None: off).
+        weighting: aggregation weights p_i, ``"num_examples"`` (n_i / Σ n_j) or ``"uniform"``.
+    """
+
+    lr: float = 1e-3
+    local_steps: int = 10
+    batch_size: int = 32
+    rounds: int = 20
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.0
+    grad_clip: float | None = None
+    weighting: Literal["num_examples", "uniform"] = "num_examples"
+
+    def lr_schedule(self) -> Schedule:
+        """The run's :class:`~fedlore.train.local.Schedule`."""
+        return Schedule(self.lr, self.schedule, self.rounds * self.local_steps, self.min_lr_ratio)
+
+    def round_lrs(self, rnd: int) -> list[float]:
+        """Learning rates of the K local steps of round ``rnd``."""
+        return self.lr_schedule().round_lrs(max(rnd, 0), self.local_steps)
+
+    def round_decay(self, rnd: int) -> float:
+        """``a = Π_k (1 - lr_k * weight_decay)``, the common decay of round ``rnd`` (Prop. 8)."""
+        a = 1.0
+        for lr in self.round_lrs(rnd):
+            a *= 1.0 - lr * self.weight_decay
+        return a
+
+    def weights(self, replies: list[Reply]) -> list[float]:
+        """Aggregation weights p_i of the given replies (not normalized)."""
+        if self.weighting == "uniform":
+            return [1.0] * len(replies)
+        return [float(r.num_examples) for r in replies]
+
+
+def build_hyper(cls: type, common: dict[str, Any], overrides: dict[str, Any]) -> Any:
+    """Instantiate algorithm ``cls`` from common settings plus per-method overrides.
+
+    Common keys that ``cls`` does not declare are dropped; override keys must all be fields.
+
+    Raises:
+        ValueError: naming an override key that ``cls`` has no field for.
+    """
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(
+            f"{cls.__name__} has no hyperparameter(s) {unknown}; known: {sorted(fields)}"
+        )
+    kw = {k: v for k, v in common.items() if k in fields}
+    kw.update(overrides)
+    for k, v in list(kw.items()):
+        if isinstance(v, list):
+            kw[k] = tuple(v)
+    return cls(**kw)
+
+
+def construction_gradients(
+    model: nn.Module, split: TensorSplit, batch_size: int, rng: torch.Generator, names: list[str]
+) -> dict[str, torch.Tensor]:
+    """Gradients of the mean cross-entropy on one fresh minibatch, for the named parameters.
+
+    This is the separate construction minibatch of seed Algorithm 2 line 4 (Local GaLore) and of
+    FedLore's gradient-based P^0. Entries with non-finite values are returned as they are; the
+    caller decides (``top_left_singular`` refuses them).
+    """
+    model.train()
+    model.zero_grad(set_to_none=True)
+    x, y = next(iter(minibatches(split, batch_size, 1, rng)))
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    params = dict(model.named_parameters())
+    out = {}
+    for k in names:
+        g = params[k].grad
+        out[k] = torch.zeros_like(params[k]) if g is None else g.detach().clone()
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def reply_metrics(num_examples: int, **values: float | int) -> Scalars:
+    """Reply metrics with the aggregation weight under its standard key."""
+    return {"num_examples": int(num_examples), **values}

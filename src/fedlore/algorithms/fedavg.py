@@ -1,0 +1,129 @@
+"""FedAvg (McMahan et al., AISTATS 2017) and FedFull (FedAvg with local AdamW on all weights).
+
+Server: broadcast the dense global model; aggregate ``W <- W + Σ p_i Δ_i`` with the clients'
+dense deltas. Client: a fresh optimizer each round (parity with FedLore's moment reset,
+reference notes section 2), K local steps, upload ``update.* = W_K - W^t``.
+Bytes per m x n matrix: mn up and mn down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from torch import nn
+
+from fedlore.algorithms.base import Hyper, ReplySpec, reply_metrics
+from fedlore.data.client_data import ClientData
+from fedlore.registry import register_algorithm
+from fedlore.tensors import (
+    load_model_arrays,
+    model_arrays,
+    select,
+    sub,
+    weighted_mean,
+    with_prefix,
+)
+from fedlore.train.local import local_train
+from fedlore.types import Broadcast, Reply, Scalars, State
+
+
+class DenseServer:
+    """Server side of every method whose clients upload dense deltas ``update.*``: broadcast
+    ``model.*``, aggregate ``W <- W + Σ p_i Δ_i / Σ p_i``. Mixed into a :class:`Hyper` dataclass."""
+
+    def init_server(self, model: nn.Module, rng: torch.Generator) -> State:
+        return State(arrays=with_prefix(model_arrays(model), "model."))
+
+    def broadcast(self, state: State, rnd: int, client_id: int) -> Broadcast:
+        return Broadcast(arrays=select(state.arrays, "model.", strip=False), config={"round": rnd})
+
+    def aggregate(
+        self, state: State, replies: list[tuple[int, Reply | None]], rnd: int
+    ) -> tuple[State, Scalars]:
+        ok = [r for _, r in replies if r is not None]
+        if not ok:
+            return state, {"aggregated": 0}
+        weights = self.weights(ok)  # type: ignore[attr-defined]
+        mean = weighted_mean([select(r.arrays, "update.") for r in ok], weights)
+        model = select(state.arrays, "model.")
+        new = {k: v + mean[k].to(v.dtype) for k, v in model.items()}
+        return State(arrays=with_prefix(new, "model."), values=dict(state.values)), {
+            "aggregated": len(ok)
+        }
+
+    def global_arrays(self, state: State) -> dict[str, torch.Tensor]:
+        return select(state.arrays, "model.")
+
+    def expected_reply(self, state: State, rnd: int) -> ReplySpec:
+        return {
+            "update." + k: (tuple(v.shape), v.dtype)
+            for k, v in select(state.arrays, "model.").items()
+        }
+
+
+@register_algorithm("fedfull")
+@dataclass(frozen=True)
+class FedFull(DenseServer, Hyper):
+    """FedAvg whose clients run AdamW (``local_optimizer="adamw"``) or SGD on every parameter."""
+
+    name: ClassVar[str] = "fedfull"
+    setup_rounds: ClassVar[int] = 0
+    local_optimizer: Literal["adamw", "sgd"] = "adamw"
+    momentum: float = 0.0
+
+    def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """A fresh local optimizer (its moments start at zero every round)."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        if self.local_optimizer == "sgd":
+            return torch.optim.SGD(
+                params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+            )
+        return torch.optim.AdamW(
+            params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
+        )
+
+    def client_update(
+        self,
+        msg: Broadcast,
+        state: State | None,
+        model: nn.Module,
+        data: ClientData,
+        rng: torch.Generator,
+    ) -> tuple[Reply, State]:
+        start = select(msg.arrays, "model.")
+        load_model_arrays(model, start)
+        opt = self.make_optimizer(model)
+        stats = local_train(
+            model,
+            data.train,
+            opt,
+            self.round_lrs(int(msg.config["round"])),
+            self.batch_size,
+            rng,
+            grad_clip=self.grad_clip,
+        )
+        state_bytes = sum(
+            v.numel() * v.element_size()
+            for st in opt.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor) and v.ndim > 0
+        )
+        delta = sub(model_arrays(model), start)
+        metrics = reply_metrics(
+            data.num_examples,
+            train_loss=stats.mean_loss,
+            skipped_steps=stats.skipped_steps,
+            optimizer_state_bytes=state_bytes,
+        )
+        return Reply(arrays=with_prefix(delta, "update."), metrics=metrics), State()
+
+
+@register_algorithm("fedavg")
+@dataclass(frozen=True)
+class FedAvg(FedFull):
+    """FedAvg with local SGD (McMahan et al. 2017), the deterministic baseline of Meta-BayFL."""
+
+    name: ClassVar[str] = "fedavg"
+    local_optimizer: Literal["adamw", "sgd"] = "sgd"

@@ -1,0 +1,372 @@
+"""FedLore (seed Algorithm 1), FedLore-Random (Algorithm 4) and FedLore with a fixed basis.
+
+Per projected matrix W (view m x n, rank r), round t:
+
+* server -> client: the increments the client's cache lacks, ``(Δ^s, P^s)`` for rounds
+  ``s`` since the client last synced (under full participation just ``Δ^{t-1}``, r x n), or the
+  dense model if that is cheaper (first contact, long absence, log exhausted); plus ``P^t``
+  (m x r) when the client does not hold it. Unprojected tensors travel densely.
+* client: ``cache <- a_s cache + P^s Δ^s`` for each missed round (Proposition 8), then K steps of
+  :class:`~fedlore.optim.projected_adam.ProjectedAdam` in ``P^t`` (moments reset), uploading
+  ``ΔZ_i`` (r x n, lr-weighted, so a schedule inside the round stays exact) and, for FedLore,
+  the candidate ``P_i`` = top-r left singular vectors of its last finite local gradient (m x r;
+  the current basis when no step had a finite gradient).
+* server: ``Δ^t = Σ p_i ΔZ_i``; ``W^{t+1} = a_t W^t + P^t Δ^t``; ``P^{t+1}`` = top-r left
+  singular vectors of ``[sqrt(p_1) P_1, ..., sqrt(p_N) P_N]`` (FedLore), ``SharedBasis(seed)``
+  (FedLore-Random, only a seed travels), or ``P^t`` again (fixed basis, the "w/o dynamic
+  subspace" ablation of seed Table 4).
+
+P^0: ``init_basis="gradient"`` (default) spends one setup exchange (round -1, counted in the
+byte totals) in which the sampled clients upload the top-r left singular vectors of one
+construction-minibatch gradient at W^0 and the server averages their projectors as above;
+``init_basis="random"`` takes a seeded random orthonormal basis. The server tracks each
+client's cache round only from accepted replies; a client whose reply was lost or rejected gets
+the dense model at its next contact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from torch import nn
+
+from fedlore.algorithms.base import ReplySpec, construction_gradients, reply_metrics
+from fedlore.algorithms.lowrank import (
+    LowRankHyper,
+    apply_increment,
+    plan_from_state,
+    plan_values,
+    seeded_bases,
+    train_projected,
+)
+from fedlore.data.client_data import ClientData
+from fedlore.optim.subspace import MatrixSpec, average_projectors, top_left_singular
+from fedlore.registry import register_algorithm
+from fedlore.seeding import BASIS, derive_seed
+from fedlore.tensors import (
+    load_model_arrays,
+    model_arrays,
+    nbytes,
+    select,
+    weighted_mean,
+    with_prefix,
+)
+from fedlore.types import Arrays, Broadcast, Reply, Scalars, State
+
+BasisRule = Literal["candidates", "random", "fixed"]
+
+
+@register_algorithm("fedlore")
+@dataclass(frozen=True)
+class FedLore(LowRankHyper):
+    """FedLore: a shared, refreshed low-rank basis per weight matrix (seed Algorithm 1).
+
+    Attributes:
+        init_basis: how P^0 is built, ``"gradient"`` (setup exchange) or ``"random"``.
+        server_basis: ``"svd"`` of the m x Nr stack, or ``"gram"`` (eigh of the Nr x Nr Gram).
+        log_rounds: rounds of increments the server keeps for catching up returning clients.
+    """
+
+    name: ClassVar[str] = "fedlore"
+    basis_rule: ClassVar[BasisRule] = "candidates"
+    init_basis: Literal["gradient", "random"] = "gradient"
+    server_basis: Literal["svd", "gram"] = "svd"
+    log_rounds: int = 8
+
+    @property
+    def setup_rounds(self) -> int:
+        """1 when P^0 comes from client gradients (a basis-only exchange before round 0)."""
+        return int(self.basis_rule != "random" and self.init_basis == "gradient")
+
+    # ----------------------------------------------------------------- server
+    def init_server(self, model: nn.Module, rng: torch.Generator) -> State:
+        plan = self.plan(model)
+        values: Scalars = {**plan_values(plan), "basis_id": -1}
+        arrays = with_prefix(model_arrays(model), "model.")
+        base = int(torch.randint(0, 2**62, (1,), generator=rng))
+        values["base_seed"] = base
+        if self.basis_rule == "random":
+            values["basis_id"] = derive_seed(base, BASIS, 0)
+        elif self.init_basis == "random":
+            arrays.update(with_prefix(seeded_bases(derive_seed(base, BASIS, 0), plan), "bank.0."))
+            values["basis_id"] = 0
+        return State(arrays, values)
+
+    def _bank(self, state: State, bid: int, plan: dict[str, MatrixSpec]) -> Arrays:
+        if self.basis_rule == "random":
+            return seeded_bases(bid, plan)
+        return select(state.arrays, f"bank.{bid}.")
+
+    def broadcast(self, state: State, rnd: int, client_id: int) -> Broadcast:
+        model = select(state.arrays, "model.", strip=False)
+        if rnd < 0:
+            return Broadcast(arrays=model, config={"round": rnd, "mode": "dense"})
+        vals = state.values
+        cur = int(vals["basis_id"])
+        plan_keys = {k[5:] for k in vals if k.startswith("plan.")}
+        version = vals.get(f"version.{client_id}")
+        held = int(vals.get(f"held.{client_id}", -1))
+        config: Scalars = {"round": rnd, "mode": "dense", "basis_id": cur}
+        dense_arrays = dict(model)
+        dense_held = held
+        options = []
+        if version is not None and all(f"log.{s}.decay" in vals for s in range(int(version), rnd)):
+            v = int(version)
+            arrays = {
+                "dense." + k: t
+                for k, t in select(state.arrays, "model.").items()
+                if k not in plan_keys
+            }
+            log_cfg: Scalars = {"mode": "log", "from_round": v}
+            b = held
+            for s in range(v, rnd):
+                bid = int(vals[f"log.{s}.basis_id"])
+                log_cfg[f"decay.{s}"] = vals[f"log.{s}.decay"]
+                log_cfg[f"basis_id.{s}"] = bid
+                if bid != b:
+                    arrays.update(self._bank_message(state, bid))
+                    b = bid
+                arrays.update(select(state.arrays, f"log.{s}.", strip=False))
+            if b != cur:
+                arrays.update(self._bank_message(state, cur))
+            options.append((nbytes(arrays), arrays, log_cfg))
+        if dense_held != cur:
+            dense_arrays.update(self._bank_message(state, cur))
+        options.append((nbytes(dense_arrays) + 1, dense_arrays, {"mode": "dense"}))
+        _, arrays, extra = min(options, key=lambda o: o[0])
+        config.update(extra)
+        return Broadcast(arrays=arrays, config=config)
+
+    def _bank_message(self, state: State, bid: int) -> Arrays:
+        if self.basis_rule == "random":
+            return {}  # only the seed (the id, in config) travels
+        return select(state.arrays, f"bank.{bid}.", strip=False)
+
+    def aggregate(
+        self, state: State, replies: list[tuple[int, Reply | None]], rnd: int
+    ) -> tuple[State, Scalars]:
+        ok = [(c, r) for c, r in replies if r is not None]
+        weights = self.weights([r for _, r in ok])
+        plan = plan_from_state(state, self.rank)
+        arrays = dict(state.arrays)
+        values = dict(state.values)
+        metrics: Scalars = {"aggregated": len(ok)}
+        for c, r in replies:
+            if r is None:
+                values.pop(f"version.{c}", None)
+                values.pop(f"held.{c}", None)
+        if rnd < 0:  # setup exchange: P^0 from the clients' gradient candidates
+            if ok:
+                p0 = self._next_basis([r for _, r in ok], weights, plan)
+                arrays.update(with_prefix(p0, "bank.0."))
+                values["basis_id"] = 0
+                for c, _ in ok:
+                    values[f"version.{c}"] = 0
+                    values[f"held.{c}"] = -1
+            return State(arrays, values), metrics
+        cur = int(values["basis_id"])
+        if cur == -1:
+            raise RuntimeError("FedLore has no basis: the setup exchange got no valid reply")
+        basis = self._bank(state, cur, plan)
+        decay = self.round_decay(rnd) if ok else 1.0
+        model = select(arrays, "model.")
+        if ok:
+            deltas = weighted_mean([select(r.arrays, "update.") for _, r in ok], weights)
+            dense = weighted_mean([select(r.arrays, "dense.") for _, r in ok], weights)
+        else:
+            deltas = {k: torch.zeros(s.rank, s.n, dtype=model[k].dtype) for k, s in plan.items()}
+            dense = {k: v for k, v in model.items() if k not in plan}
+        for k, s in plan.items():
+            arrays["model." + k] = apply_increment(model[k], s, basis[k], deltas[k], decay)
+            arrays[f"log.{rnd}.{k}"] = deltas[k]
+        for k, v in dense.items():
+            arrays["model." + k] = v
+        values[f"log.{rnd}.decay"] = decay
+        values[f"log.{rnd}.basis_id"] = cur
+        for c, _ in ok:
+            values[f"version.{c}"] = rnd
+            values[f"held.{c}"] = cur
+        # next basis
+        if self.basis_rule == "random":
+            nxt = derive_seed(int(values["base_seed"]), BASIS, rnd + 1)
+        elif self.basis_rule == "candidates" and ok:
+            nxt = rnd + 1
+            new = self._next_basis([r for _, r in ok], weights, plan)
+            arrays.update(with_prefix(new, f"bank.{nxt}."))
+            metrics["basis_overlap"] = sum(
+                float((new[k].double().t() @ basis[k].double()).pow(2).sum()) / s.rank
+                for k, s in plan.items()
+            ) / max(len(plan), 1)
+        else:
+            nxt = cur
+        values["basis_id"] = nxt
+        self._trim(arrays, values, rnd)
+        return State(arrays, values), metrics
+
+    def _next_basis(
+        self, replies: list[Reply], weights: list[float], plan: dict[str, MatrixSpec]
+    ) -> Arrays:
+        return {
+            k: average_projectors(
+                [r.arrays["cand." + k] for r in replies], weights, s.rank, self.server_basis
+            )
+            for k, s in plan.items()
+        }
+
+    def _trim(self, arrays: Arrays, values: Scalars, rnd: int) -> None:
+        """Keep ``log_rounds`` rounds of increments and the bases they (or round t+1) use."""
+        oldest = rnd + 1 - self.log_rounds
+        for key in [k for k in values if k.startswith("log.")]:
+            if int(key.split(".")[1]) < oldest:
+                del values[key]
+        for key in [k for k in arrays if k.startswith("log.")]:
+            if int(key.split(".")[1]) < oldest:
+                del arrays[key]
+        live = {int(values["basis_id"])} | {
+            int(v) for k, v in values.items() if k.startswith("log.") and k.endswith(".basis_id")
+        }
+        for key in [k for k in arrays if k.startswith("bank.")]:
+            if int(key.split(".")[1]) not in live:
+                del arrays[key]
+
+    def global_arrays(self, state: State) -> dict[str, torch.Tensor]:
+        return select(state.arrays, "model.")
+
+    def expected_reply(self, state: State, rnd: int) -> ReplySpec:
+        plan = plan_from_state(state, self.rank)
+        model = select(state.arrays, "model.")
+        spec: ReplySpec = {}
+        if self.basis_rule == "candidates":
+            spec.update({f"cand.{k}": ((s.m, s.rank), torch.float32) for k, s in plan.items()})
+        if rnd < 0:
+            return spec
+        spec.update({f"update.{k}": ((s.rank, s.n), model[k].dtype) for k, s in plan.items()})
+        spec.update(
+            {f"dense.{k}": (tuple(v.shape), v.dtype) for k, v in model.items() if k not in plan}
+        )
+        return spec
+
+    # ----------------------------------------------------------------- client
+    def _client_bases(self, msg: Broadcast, bid: int, plan: dict[str, MatrixSpec]) -> Arrays:
+        if self.basis_rule == "random":
+            return seeded_bases(bid, plan)
+        got = select(msg.arrays, f"bank.{bid}.")
+        if set(got) != set(plan):
+            raise KeyError(f"broadcast lacks basis {bid} for {sorted(set(plan) - set(got))[:3]}")
+        return got
+
+    def client_update(
+        self,
+        msg: Broadcast,
+        state: State | None,
+        model: nn.Module,
+        data: ClientData,
+        rng: torch.Generator,
+    ) -> tuple[Reply, State]:
+        plan = self.plan(model)
+        rnd = int(msg.config["round"])
+        if rnd < 0:
+            load_model_arrays(model, select(msg.arrays, "model."))
+            grads = construction_gradients(model, data.train, self.batch_size, rng, list(plan))
+            cands = {k: self._candidate(plan[k], plan[k].view(grads[k]), None) for k in plan}
+            new_state = State(
+                arrays=with_prefix(model_arrays(model), "cache."), values={"version": 0, "held": -1}
+            )
+            return Reply(with_prefix(cands, "cand."), reply_metrics(data.num_examples)), new_state
+        cache, bases, held = self._synchronize(msg, state, plan, rnd)
+        cur = int(msg.config["basis_id"])
+        if cur != held:
+            bases, held = self._client_bases(msg, cur, plan), cur
+        load_model_arrays(model, cache)
+        res = train_projected(
+            self,
+            model,
+            data.train,
+            plan,
+            bases,
+            self.round_lrs(rnd),
+            rng,
+            keep_last_grad=self.basis_rule == "candidates",
+        )
+        final = model_arrays(model)
+        out = with_prefix(res.coords, "update.")
+        out.update({"dense." + k: v for k, v in final.items() if k not in plan})
+        if self.basis_rule == "candidates":
+            out.update(
+                {
+                    f"cand.{k}": self._candidate(s, res.last_grads.get(k), bases[k])
+                    for k, s in plan.items()
+                }
+            )
+        metrics = reply_metrics(
+            data.num_examples,
+            train_loss=res.stats.mean_loss,
+            skipped_steps=res.stats.skipped_steps,
+            optimizer_state_bytes=res.state_bytes,
+            basis_bytes=res.basis_bytes,
+        )
+        new_state = State(
+            arrays={**with_prefix(cache, "cache."), **with_prefix(bases, "basis.")},
+            values={"version": rnd, "held": held},
+        )
+        return Reply(out, metrics), new_state
+
+    def _candidate(
+        self, spec: MatrixSpec, grad: torch.Tensor | None, fallback: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Top-r left singular vectors of a gradient view; the fallback (current basis) if the
+        gradient is missing or not finite; an all-zero gradient gives the standard basis."""
+        if grad is None or not bool(torch.isfinite(grad).all()):
+            if fallback is None:
+                return torch.eye(spec.m, spec.rank)
+            return fallback.to(torch.float32).clone()
+        return top_left_singular(grad, spec.rank, self.candidate_svd)
+
+    def _synchronize(
+        self, msg: Broadcast, state: State | None, plan: dict[str, MatrixSpec], rnd: int
+    ) -> tuple[Arrays, Arrays, int]:
+        """Bring the cached global model to W^rnd; returns (cache, held bases, held basis id)."""
+        held = int(state.values.get("held", -1)) if state is not None else -1
+        bases = select(state.arrays, "basis.") if state is not None else {}
+        if msg.config["mode"] == "dense":
+            return select(msg.arrays, "model."), bases, held
+        if state is None:
+            raise RuntimeError("client has no cached model but the server sent increments")
+        own = int(state.values["version"])
+        start = int(msg.config["from_round"])
+        if own < start:
+            raise RuntimeError(f"client cache is at round {own}; increments start at {start}")
+        cache = select(state.arrays, "cache.")
+        for s in range(own, rnd):
+            bid = int(msg.config[f"basis_id.{s}"])
+            if bid != held:
+                bases, held = self._client_bases(msg, bid, plan), bid
+            decay = float(msg.config[f"decay.{s}"])
+            for k, spec in plan.items():
+                cache[k] = apply_increment(
+                    cache[k], spec, bases[k], msg.arrays[f"log.{s}.{k}"], decay
+                )
+        cache.update(select(msg.arrays, "dense."))
+        return cache, bases, held
+
+
+@register_algorithm("fedlore_random")
+@dataclass(frozen=True)
+class FedLoreRandom(FedLore):
+    """FedLore-Random (seed Algorithm 4): the basis is rebuilt from a broadcast seed; no
+    candidate upload. Bytes per matrix: rn up, rn down (+ a seed)."""
+
+    name: ClassVar[str] = "fedlore_random"
+    basis_rule: ClassVar[BasisRule] = "random"
+
+
+@register_algorithm("fedlore_fixed")
+@dataclass(frozen=True)
+class FedLoreFixed(FedLore):
+    """FedLore with P^t = P^0 for all rounds (seed Table 4, "w/o dynamic subspace"); the basis
+    travels once per client."""
+
+    name: ClassVar[str] = "fedlore_fixed"
+    basis_rule: ClassVar[BasisRule] = "fixed"

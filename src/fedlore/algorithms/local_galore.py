@@ -1,0 +1,69 @@
+"""Local GaLore in federated training (seed Appendix E, Algorithm 2).
+
+Each client builds its own basis ``P_i`` per projected matrix from the top-r left singular
+vectors of a round-start gradient on a separate construction minibatch (line 4–6), runs K steps
+of Adam in ``P_i`` coordinates with moments reset (lines 8–18), and uploads the dense update
+``ΔW_i = W_K - W^t`` (line 20–21); the server adds the weighted mean (line 24). The projection
+side and the set of projected tensors follow the same rule as FedLore
+(:func:`fedlore.optim.subspace.projection_plan`). Bytes per matrix: mn up, mn down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from fedlore.algorithms.base import construction_gradients, reply_metrics
+from fedlore.algorithms.fedavg import DenseServer
+from fedlore.algorithms.lowrank import LowRankHyper, train_projected
+from fedlore.data.client_data import ClientData
+from fedlore.optim.subspace import top_left_singular
+from fedlore.registry import register_algorithm
+from fedlore.tensors import load_model_arrays, model_arrays, select, sub, with_prefix
+from fedlore.types import Broadcast, Reply, State
+
+
+@register_algorithm("local_galore")
+@dataclass(frozen=True)
+class LocalGaLore(DenseServer, LowRankHyper):
+    """Per-client gradient-SVD bases with dense uploads (the subspace-fragmentation baseline)."""
+
+    name: ClassVar[str] = "local_galore"
+    setup_rounds: ClassVar[int] = 0
+
+    def client_update(
+        self,
+        msg: Broadcast,
+        state: State | None,
+        model: nn.Module,
+        data: ClientData,
+        rng: torch.Generator,
+    ) -> tuple[Reply, State]:
+        start = select(msg.arrays, "model.")
+        load_model_arrays(model, start)
+        plan = self.plan(model)
+        grads = construction_gradients(model, data.train, self.batch_size, rng, list(plan))
+        bases = {}
+        for k, s in plan.items():
+            g = s.view(grads[k])
+            finite = bool(torch.isfinite(g).all())
+            bases[k] = (
+                top_left_singular(g, s.rank, self.candidate_svd)
+                if finite
+                else torch.eye(s.m, s.rank)
+            )
+        res = train_projected(
+            self, model, data.train, plan, bases, self.round_lrs(int(msg.config["round"])), rng
+        )
+        delta = sub(model_arrays(model), start)
+        metrics = reply_metrics(
+            data.num_examples,
+            train_loss=res.stats.mean_loss,
+            skipped_steps=res.stats.skipped_steps,
+            optimizer_state_bytes=res.state_bytes,
+            basis_bytes=res.basis_bytes,
+        )
+        return Reply(with_prefix(delta, "update."), metrics), State()

@@ -1,0 +1,155 @@
+"""Shared pieces of the projected-gradient methods (FedLore, its variants, Local GaLore).
+
+Kept here so that every method uses one projection rule, one projected-Adam training routine
+and one increment formula on both server and client (identical operations in identical order
+give bit-identical caches, which the synchronization tests rely on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from fedlore.algorithms.base import Hyper
+from fedlore.data.client_data import TensorSplit
+from fedlore.optim.projected_adam import ProjectedAdam
+from fedlore.optim.subspace import MatrixSpec, SideRule, projection_plan, random_basis
+from fedlore.train.local import TrainStats, local_train
+from fedlore.types import Arrays, State
+
+
+@dataclass(frozen=True)
+class LowRankHyper(Hyper):
+    """Hyperparameters of the projected methods.
+
+    Attributes:
+        rank: r per projected matrix.
+        scale: alpha, multiplier of the projected update (seed: alpha = 1).
+        side: projection side rule, ``"left"`` (the seed), ``"right"``, ``"auto"`` (GaLore std).
+        exclude: parameter-name prefixes never projected (the classifier head).
+        candidate_svd: ``"exact"`` or ``"randomized"`` SVD for client-side bases.
+    """
+
+    rank: int = 8
+    scale: float = 1.0
+    side: SideRule = "left"
+    exclude: tuple[str, ...] = ("head.",)
+    candidate_svd: Literal["exact", "randomized"] = "exact"
+
+    def plan(self, model: nn.Module) -> dict[str, MatrixSpec]:
+        """The projection plan of ``model`` (see :func:`fedlore.optim.subspace.projection_plan`)."""
+        return projection_plan(model, self.rank, self.side, self.exclude)
+
+
+def plan_values(plan: dict[str, MatrixSpec]) -> dict[str, str]:
+    """The plan as state values ``plan.<name> = side`` (shapes come from the model arrays)."""
+    return {f"plan.{k}": s.side for k, s in plan.items()}
+
+
+def plan_from_state(state: State, rank: int) -> dict[str, MatrixSpec]:
+    """Rebuild the projection plan from ``plan.*`` values and ``model.*`` shapes of a state."""
+    out = {}
+    for key, side in state.values.items():
+        if not key.startswith("plan."):
+            continue
+        name = key[5:]
+        shape = tuple(state.arrays["model." + name].shape)
+        out_dim, in_dim = shape[0], int(torch.Size(shape[1:]).numel())
+        m, n = (out_dim, in_dim) if side == "left" else (in_dim, out_dim)
+        out[name] = MatrixSpec(name, shape, "left" if side == "left" else "right", m, n, rank)
+    return out
+
+
+def apply_increment(
+    weight: torch.Tensor, spec: MatrixSpec, basis: torch.Tensor, delta: torch.Tensor, decay: float
+) -> torch.Tensor:
+    """``a W + P Δ`` in the parameter's shape: the server update and the client's cache sync.
+
+    Args:
+        weight: the parameter (its own shape).
+        spec: its projection spec.
+        basis: ``m x r``.
+        delta: aggregated coordinates ``r x n``.
+        decay: a, the round's common decay factor (1.0 without weight decay).
+    """
+    return spec.unview(decay * spec.view(weight) + basis @ delta.to(weight.dtype)).contiguous()
+
+
+def seeded_bases(seed: int, plan: dict[str, MatrixSpec]) -> Arrays:
+    """FedLore-Random's SharedBasis(seed): one random orthonormal basis per projected matrix,
+    seeded by (round seed, position of the matrix in the plan)."""
+    return {
+        k: random_basis(int(seed) * 1_000_003 + j, s.m, s.rank)
+        for j, (k, s) in enumerate(plan.items())
+    }
+
+
+@dataclass(frozen=True)
+class ProjectedResult:
+    """Outcome of :func:`train_projected`.
+
+    Attributes:
+        stats: loss and skipped steps.
+        coords: name -> Z (``r x n``), with ``W_K = a W_0 + P Z``.
+        last_grads: name -> view (``m x n``) of the last finite gradient (absent if none).
+        state_bytes: bytes of the optimizer's moment tensors.
+        basis_bytes: bytes of the bases held by the optimizer.
+    """
+
+    stats: TrainStats
+    coords: Arrays
+    last_grads: Arrays
+    state_bytes: int
+    basis_bytes: int
+
+
+def train_projected(
+    hyper: LowRankHyper,
+    model: nn.Module,
+    split: TensorSplit,
+    plan: dict[str, MatrixSpec],
+    bases: Arrays,
+    lrs: list[float],
+    rng: torch.Generator,
+    keep_last_grad: bool = False,
+) -> ProjectedResult:
+    """K steps of :class:`ProjectedAdam`: projected matrices in ``bases``, the rest dense AdamW."""
+    params = dict(model.named_parameters())
+    projected = [(params[k], plan[k], bases[k]) for k in plan]
+    dense = [p for k, p in params.items() if k not in plan and p.requires_grad]
+    opt = ProjectedAdam(
+        dense,
+        projected,
+        lr=hyper.lr,
+        betas=hyper.betas,
+        eps=hyper.eps,
+        weight_decay=hyper.weight_decay,
+        scale=hyper.scale,
+    )
+    last: Arrays = {}
+    hooks: list[Callable[[nn.Module, int], None]] = []
+    if keep_last_grad:
+
+        def remember(_: nn.Module, __: int) -> None:
+            for k, s in plan.items():
+                g = params[k].grad
+                if g is not None:
+                    last[k] = s.view(g).detach().clone()
+
+        hooks.append(remember)
+    stats = local_train(
+        model,
+        split,
+        opt,
+        lrs,
+        hyper.batch_size,
+        rng,
+        on_grad=hooks,
+        grad_clip=hyper.grad_clip,
+    )
+    coords = {k: opt.coords[params[k]].detach().clone() for k in plan}
+    return ProjectedResult(stats, coords, last, opt.state_bytes(), opt.basis_bytes())

@@ -1,0 +1,239 @@
+"""A federation: one data source split over clients, built deterministically from a seed.
+
+:func:`build_federation` loads the source, keeps a stratified share |D| of its training set,
+partitions it over the clients, splits each client's share into local train/test, and applies
+input noise and label flips. It keeps the (possibly noisy) training tensors once plus index
+arrays per client; :meth:`Federation.client` materializes one client's :class:`ClientData`.
+
+Seeding: every random step draws from its own stream ``np.random.default_rng([seed, STREAM])``
+(``[seed, STREAM, client]`` for per-client steps), so the same seed gives the same federation
+for every method and every call, and changing one step (e.g. the noise level) leaves the others
+(e.g. the partition) unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedlore import registry
+from fedlore.config import Config
+from fedlore.data.client_data import ClientData, TensorSplit
+from fedlore.data.corruption import add_gaussian_noise, flip_labels, subsample_stratified
+from fedlore.data.sources import DataSource
+
+# Stream ids: one per purpose, never reused.
+STREAM_FRACTION = 0
+STREAM_PARTITION = 1
+STREAM_SPLIT = 2
+STREAM_NOISE_TRAIN = 3
+STREAM_NOISE_TEST = 4
+STREAM_FLIP = 5
+
+
+def _torch_generator(seed: int, stream: int) -> torch.Generator:
+    derived = int(np.random.default_rng([seed, stream]).integers(2**63 - 1))
+    return torch.Generator().manual_seed(derived)
+
+
+def split_local(
+    indices: np.ndarray, test_fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Split one client's indices at random into local train and test parts.
+
+    The test part has ``round(test_fraction · n)`` indices, clamped to [1, n - 1] when n ≥ 2, so
+    both parts are non-empty; a client with a single example keeps it for training.
+
+    Args:
+        indices: int array ``[n]`` of the client's example indices.
+        test_fraction: share of the client's examples held out for its local test split.
+        rng: source of the split.
+
+    Returns:
+        ``(train, test)``: sorted int64 index arrays, disjoint, together equal to ``indices``.
+    """
+    n = len(indices)
+    if n < 2:
+        return np.sort(indices).astype(np.int64), np.zeros(0, dtype=np.int64)
+    n_test = min(max(1, round(test_fraction * n)), n - 1)
+    perm = rng.permutation(indices)
+    return np.sort(perm[n_test:]).astype(np.int64), np.sort(perm[:n_test]).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Federation:
+    """Clients' data as index arrays into one shared training pool.
+
+    Attributes:
+        source: registry name of the data source.
+        pool: the kept training set; inputs ``[n, C, H, W]`` with noise already applied, labels
+            ``[n]`` the true (unflipped) classes.
+        train_labels: labels ``[n]`` that clients train on (with label flips, if configured).
+        train_indices: per client, sorted indices into ``pool`` of its local training split.
+        test_indices: per client, sorted indices into ``pool`` of its local test split.
+        central_test: the source's official test set (with noise, if configured).
+        num_classes: number of classes.
+        input_shape: shape of one example, ``(C, H, W)``.
+        class_names: one name per class.
+    """
+
+    source: str
+    pool: TensorSplit
+    train_labels: torch.Tensor
+    train_indices: tuple[np.ndarray, ...]
+    test_indices: tuple[np.ndarray, ...]
+    central_test: TensorSplit
+    num_classes: int
+    input_shape: tuple[int, ...]
+    class_names: list[str]
+
+    @property
+    def num_clients(self) -> int:
+        """Number of clients N."""
+        return len(self.train_indices)
+
+    def client(self, i: int) -> ClientData:
+        """Materialize client ``i``'s data (copies of its rows; identical on every call).
+
+        Raises:
+            IndexError: when ``i`` is not in ``[0, num_clients)``.
+        """
+        if not 0 <= i < self.num_clients:
+            raise IndexError(f"client {i} out of range [0, {self.num_clients})")
+        tr = torch.from_numpy(self.train_indices[i])
+        te = torch.from_numpy(self.test_indices[i])
+        return ClientData(
+            client_id=i,
+            train=TensorSplit(self.pool.x[tr], self.train_labels[tr]),
+            test=TensorSplit(self.pool.x[te], self.pool.y[te]),
+        )
+
+    def client_sizes(self) -> np.ndarray:
+        """Local training examples per client, int64 ``[N]`` (the aggregation weights)."""
+        return np.array([len(idx) for idx in self.train_indices], dtype=np.int64)
+
+    def histogram(self) -> np.ndarray:
+        """Per-client counts of true training labels, int64 ``[N, num_classes]``.
+
+        Counts use the true classes (before label flips), so they show the partition itself.
+        """
+        y = self.pool.y.numpy()
+        return np.stack(
+            [np.bincount(y[idx], minlength=self.num_classes) for idx in self.train_indices]
+        ).astype(np.int64)
+
+    def format_histogram(self) -> str:
+        """A plain-text table: one row per client with its count per class and its total."""
+        hist = self.histogram()
+        rows = [[str(i), *map(str, h), str(h.sum())] for i, h in enumerate(hist)]
+        rows.append(["all", *map(str, hist.sum(axis=0)), str(hist.sum())])
+        header = ["client", *map(str, range(self.num_classes)), "total"]
+        widths = [max(len(r[j]) for r in [header, *rows]) for j in range(len(header))]
+
+        def fmt(r: list[str]) -> str:
+            cells = [c.rjust(w) for c, w in zip(r, widths, strict=True)]
+            return " ".join([cells[0], "|", *cells[1:-1], "|", cells[-1]])
+
+        lines = [
+            f"{self.source}: {self.num_clients} clients, {self.num_classes} classes, "
+            f"training examples per client and class",
+            fmt(header),
+            "-" * len(fmt(header)),
+            *(fmt(r) for r in rows[:-1]),
+            "-" * len(fmt(header)),
+            fmt(rows[-1]),
+        ]
+        return "\n".join(lines)
+
+
+def _check_cover(parts: list[np.ndarray], n: int, name: str) -> None:
+    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    if len(flat) != n or not np.array_equal(np.sort(flat), np.arange(n)):
+        raise ValueError(f"partition {name!r} does not cover each of the {n} indices exactly once")
+
+
+def build_federation(cfg: Config, seed: int) -> Federation:
+    """Build the federation of an experiment for one seed.
+
+    Steps: load ``cfg.data.name`` from ``cfg.data.root``; keep a stratified share
+    ``cfg.data.fraction`` of the training set; partition it over ``cfg.num_clients`` clients with
+    ``cfg.partition``; split each client's examples into local train/test with
+    ``cfg.data.test_fraction``; add input noise ``cfg.data.noise`` to the kept training inputs
+    (so to client train and test) and, from another stream, to the central test set; flip a
+    share ``cfg.data.label_flip`` of each client's training labels.
+
+    Args:
+        cfg: the experiment config.
+        seed: the experiment seed (≥ 0); the only source of randomness.
+
+    Returns:
+        The :class:`Federation`.
+
+    Raises:
+        ValueError: on a negative seed, a partition that is not a cover, or a client left with
+            no training data (the message suggests ``partition.min_size``).
+    """
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    source: DataSource = registry.get("source", cfg.data.name)(cfg.data.root)
+    keep = subsample_stratified(
+        source.train.y.numpy(), cfg.data.fraction, np.random.default_rng([seed, STREAM_FRACTION])
+    )
+    pool = source.train if len(keep) == len(source.train) else source.train.subset(keep)
+    labels = pool.y.numpy()
+
+    partition = registry.get("partition", cfg.partition.name)
+    parts = partition(
+        labels,
+        cfg.num_clients,
+        np.random.default_rng([seed, STREAM_PARTITION]),
+        **cfg.partition.model_dump(exclude={"name"}),
+    )
+    _check_cover(parts, len(labels), cfg.partition.name)
+
+    train_idx, test_idx = [], []
+    for i, part in enumerate(parts):
+        tr, te = split_local(
+            part, cfg.data.test_fraction, np.random.default_rng([seed, STREAM_SPLIT, i])
+        )
+        if len(tr) == 0:
+            raise ValueError(
+                f"client {i} received no training data from partition {cfg.partition.name!r} "
+                f"({cfg.partition.model_dump(exclude={'name'})}, {len(labels)} examples, "
+                f"{cfg.num_clients} clients); set partition.min_size >= 1 or use fewer clients"
+            )
+        train_idx.append(tr)
+        test_idx.append(te)
+
+    train_labels = pool.y.clone()
+    if cfg.data.label_flip > 0:
+        for i, tr in enumerate(train_idx):
+            rng = np.random.default_rng([seed, STREAM_FLIP, i])
+            flipped = flip_labels(labels[tr], cfg.data.label_flip, source.num_classes, rng)
+            train_labels[torch.from_numpy(tr)] = torch.from_numpy(flipped)
+
+    central_test = source.test
+    if cfg.data.noise > 0:
+        pool = TensorSplit(
+            add_gaussian_noise(pool.x, cfg.data.noise, _torch_generator(seed, STREAM_NOISE_TRAIN)),
+            pool.y,
+        )
+        central_test = TensorSplit(
+            add_gaussian_noise(
+                source.test.x, cfg.data.noise, _torch_generator(seed, STREAM_NOISE_TEST)
+            ),
+            source.test.y,
+        )
+    return Federation(
+        source=source.name,
+        pool=pool,
+        train_labels=train_labels,
+        train_indices=tuple(train_idx),
+        test_indices=tuple(test_idx),
+        central_test=central_test,
+        num_classes=source.num_classes,
+        input_shape=source.input_shape,
+        class_names=list(source.class_names),
+    )

@@ -1,0 +1,140 @@
+"""THE round loop: sample -> broadcast -> transport.send -> validate -> aggregate -> callbacks.
+
+Communication is counted here, from the tensors actually in the messages: ``bytes_down`` sums
+the broadcast arrays sent this round, ``bytes_up`` the reply arrays received (rejected ones
+included: they crossed the wire). Scalars (round index, seeds) are not counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from fedlore.algorithm import Algorithm
+from fedlore.engine.transport import Transport
+from fedlore.tensors import nbytes
+from fedlore.types import Reply, State
+
+log = logging.getLogger(__name__)
+
+Row = dict[str, Any]
+
+
+class Callback(Protocol):
+    """Called after every round with the round's metrics row and the new server state."""
+
+    def on_round_end(self, rnd: int, row: Row, state: State) -> None: ...
+
+
+def validate_reply(
+    reply: Reply, expected: dict[str, tuple[tuple[int, ...], torch.dtype]]
+) -> str | None:
+    """Why ``reply`` must be rejected, or None if it is acceptable.
+
+    Checks: ``num_examples`` is a positive integer; the array keys are exactly the expected
+    ones; each array has the expected shape and dtype; every floating array is finite.
+    """
+    n = reply.metrics.get("num_examples")
+    if not isinstance(n, int | float) or isinstance(n, bool) or not n > 0 or int(n) != n:
+        return f"num_examples must be a positive integer, got {n!r}"
+    missing = sorted(set(expected) - set(reply.arrays))
+    extra = sorted(set(reply.arrays) - set(expected))
+    if missing or extra:
+        return f"array keys differ: missing {missing[:3]}, unexpected {extra[:3]}"
+    for k, (shape, dtype) in expected.items():
+        t = reply.arrays[k]
+        if tuple(t.shape) != tuple(shape):
+            return f"{k}: shape {tuple(t.shape)}, expected {tuple(shape)}"
+        if t.dtype != dtype:
+            return f"{k}: dtype {t.dtype}, expected {dtype}"
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return f"{k}: contains NaN or Inf"
+    return None
+
+
+@dataclass
+class RoundLoop:
+    """Drives an algorithm over a transport.
+
+    Attributes:
+        algorithm: the method.
+        transport: delivers messages.
+        sampler: round -> sorted client ids.
+        evaluate: server state -> metrics (``accuracy``, ``loss``, ...), or None to skip.
+        eval_every: evaluate every this many rounds (and after the last round).
+        callbacks: called after every round.
+    """
+
+    algorithm: Algorithm
+    transport: Transport
+    sampler: Callable[[int], list[int]]
+    evaluate: Callable[[State], dict[str, float]] | None = None
+    eval_every: int = 1
+    callbacks: Sequence[Callback] = ()
+
+    def run_round(self, state: State, rnd: int, last_round: int) -> tuple[State, Row]:
+        """One round (``rnd < 0`` is an algorithm's setup exchange); returns (state, row)."""
+        t0 = time.perf_counter()
+        ids = self.sampler(rnd)
+        messages = {cid: self.algorithm.broadcast(state, rnd, cid) for cid in ids}
+        results = self.transport.send(rnd, messages)
+        expected = self.algorithm.expected_reply(state, rnd)
+        accepted: list[tuple[int, Reply | None]] = []
+        rejected: list[str] = []
+        bytes_up = 0
+        for cid in ids:
+            res = results.get(cid)
+            if isinstance(res, Reply):
+                bytes_up += nbytes(res.arrays)
+                reason = validate_reply(res, expected)
+            else:
+                reason = "no reply" if res is None else f"{type(res).__name__}: {res}"
+            if reason is None and isinstance(res, Reply):
+                accepted.append((cid, res))
+            else:
+                log.warning("round %d: rejected client %d: %s", rnd, cid, reason)
+                rejected.append(f"{cid}: {reason}")
+                accepted.append((cid, None))
+        state, agg = self.algorithm.aggregate(state, accepted, rnd)
+        ok = [r for _, r in accepted if r is not None]
+        row: Row = {
+            "round": rnd,
+            "clients": len(ids),
+            "accepted": len(ok),
+            "rejected": len(rejected),
+            "bytes_up": bytes_up,
+            "bytes_down": sum(nbytes(m.arrays) for m in messages.values()),
+            "train_loss": _mean([r.metrics.get("train_loss") for r in ok]),
+            "optimizer_state_bytes": max(
+                (int(r.metrics.get("optimizer_state_bytes", 0)) for r in ok), default=0
+            ),
+            "skipped_steps": sum(int(r.metrics.get("skipped_steps", 0)) for r in ok),
+        }
+        if rejected:
+            row["rejected_reasons"] = rejected
+        row.update(agg)
+        if rnd >= 0 and self.evaluate is not None and (
+            (rnd + 1) % self.eval_every == 0 or rnd == last_round
+        ):
+            row.update(self.evaluate(state))
+        row["wall_s"] = time.perf_counter() - t0
+        return state, row
+
+    def run(self, state: State, start: int, rounds: int) -> State:
+        """Rounds ``start .. rounds-1`` (start may be negative for setup exchanges)."""
+        for rnd in range(start, rounds):
+            state, row = self.run_round(state, rnd, rounds - 1)
+            for cb in self.callbacks:
+                cb.on_round_end(rnd, row, state)
+        return state
+
+
+def _mean(values: list[Any]) -> float | None:
+    xs = [float(v) for v in values if isinstance(v, int | float) and math.isfinite(float(v))]
+    return sum(xs) / len(xs) if xs else None

@@ -1,0 +1,75 @@
+"""Transports move one round's broadcasts to clients and bring their replies back.
+
+:class:`LocalTransport` is the embedded default: clients run in this process one after another,
+each materialized (data split, RNG) only while it runs, on one shared scratch model; their state
+lives in a :class:`~fedlore.engine.store.ClientStore`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+from torch import nn
+
+from fedlore.algorithm import Algorithm
+from fedlore.data.client_data import ClientData
+from fedlore.engine.store import ClientStore
+from fedlore.seeding import CLIENT, generator
+from fedlore.types import Broadcast, Reply
+
+log = logging.getLogger(__name__)
+
+
+class Transport(Protocol):
+    """Sends one message per sampled client; returns each client's reply or the error it raised."""
+
+    def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
+        """Deliver ``messages`` (client id -> Broadcast) for round ``rnd``."""
+        ...
+
+
+class LocalTransport:
+    """In-process transport.
+
+    Args:
+        algorithm: the method whose ``client_update`` runs.
+        client_data: client id -> :class:`ClientData` (called only for sampled clients).
+        model_factory: builds the scratch model once.
+        seed: run seed; client ``c`` at round ``t`` draws from ``generator(seed, CLIENT, t, c)``.
+        store: where client states live between rounds.
+    """
+
+    def __init__(
+        self,
+        algorithm: Algorithm,
+        client_data: Callable[[int], ClientData],
+        model_factory: Callable[[], nn.Module],
+        seed: int,
+        store: ClientStore,
+    ) -> None:
+        self.algorithm = algorithm
+        self.client_data = client_data
+        self.model = model_factory()
+        self.seed = seed
+        self.store = store
+
+    def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
+        out: dict[int, Reply | BaseException] = {}
+        for cid in sorted(messages):
+            try:
+                data = self.client_data(cid)
+                reply, state = self.algorithm.client_update(
+                    messages[cid],
+                    self.store.get(cid),
+                    self.model,
+                    data,
+                    generator(self.seed, CLIENT, rnd, cid),
+                )
+                self.store.put(cid, state)
+                out[cid] = reply
+            except Exception as e:  # a failing client must not stop the round
+                log.warning("client %d failed in round %d: %s: %s", cid, rnd, type(e).__name__, e)
+                out[cid] = e
+        return out

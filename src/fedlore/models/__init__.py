@@ -1,0 +1,57 @@
+"""Model registry: ``mlp``, ``cnn``, ``resnet20/32/44/56``.
+
+Importing this package imports every model module, which registers its factories with
+:func:`fedlore.registry.register_model`. A factory has the signature
+``f(input_shape, num_classes, **kwargs) -> nn.Module`` where ``input_shape`` is the per-example
+shape without the batch dimension (``(C, H, W)`` for images). Every model names its final
+classifier Linear ``head``, so classifier parameter names start with ``head.`` (low-rank
+optimizers exclude them). Initialization draws from torch's global generator at construction
+only: seed with ``torch.manual_seed`` right before building for a reproducible model.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch import nn
+
+from fedlore import registry
+from fedlore.models import cnn, mlp, resnet
+from fedlore.models.common import check_num_classes, check_shape
+
+__all__ = ["build_model", "cnn", "mlp", "resnet"]
+
+
+def build_model(
+    name: str, input_shape: tuple[int, ...], num_classes: int, **kwargs: Any
+) -> nn.Module:
+    """Build the registered model ``name``.
+
+    Args:
+        name: registry name, e.g. ``"cnn"``.
+        input_shape: per-example shape without the batch dimension, e.g. ``(1, 28, 28)``.
+        num_classes: number of classes ``K``; the model maps ``[B, *input_shape]`` to ``[B, K]``.
+        **kwargs: model-specific keyword arguments (see each factory).
+
+    Returns:
+        A freshly initialized ``nn.Module`` with a ``head`` Linear classifier.
+
+    Raises:
+        KeyError: if ``name`` is not registered (the message lists the registered names).
+        ValueError: on a malformed or unsupported input shape, a bad class count, an unknown
+            keyword argument, or a bad keyword value, naming the model and the offending value.
+    """
+    factory = registry.get("model", name)
+    shape = check_shape(name, input_shape)
+    check_num_classes(name, num_classes)
+    params = inspect.signature(factory).parameters
+    accepted = [p for p, spec in params.items() if spec.kind is inspect.Parameter.KEYWORD_ONLY]
+    has_var_kw = any(s.kind is inspect.Parameter.VAR_KEYWORD for s in params.values())
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown and not has_var_kw:
+        raise ValueError(f"model {name!r}: unknown kwargs {unknown}; accepted: {accepted}")
+    model = factory(shape, num_classes, **kwargs)
+    if not isinstance(getattr(model, "head", None), nn.Linear):
+        raise ValueError(f"model {name!r} does not name its classifier Linear 'head'")
+    return model

@@ -1,0 +1,1 @@
+"""Projected optimizers and subspace construction (FedLore, GaLore)."""

@@ -1,0 +1,135 @@
+"""Adam whose moments live in the coordinates of bases handed to it (never computes a basis).
+
+For a projected parameter with view ``G`` (``m x n``) and basis ``P`` (``m x r``), one step is
+(seed Algorithm 1 lines 14–18, with the decoupled decay of Proposition 8):
+
+    R = Pᵀ G                                   (r x n)
+    M <- b1 M + (1 - b1) R ;  V <- b2 V + (1 - b2) R ⊙ R
+    N = (M / (1 - b1^k)) / (sqrt(V / (1 - b2^k)) + eps)
+    D = -lr_k * scale * N ;   a_k = 1 - lr_k * weight_decay
+    W <- a_k W + P D ;        Z <- a_k Z + D
+
+``Z`` (the coordinate increment, ``r x n``) is what a FedLore client uploads: after K steps
+``W_K = (Π a_k) W_0 + P Z`` exactly (Proposition 8), also with a learning-rate schedule inside
+the round because ``Z`` accumulates the lr-weighted directions (Appendix D). Our ``Z`` therefore
+includes ``-lr * scale`` (the paper's ``ΔZ`` times ``-ηα`` for a constant lr).
+
+Dense (unprojected) parameters get plain AdamW with the same betas, eps, lr and decoupled decay.
+Moments start at zero when the optimizer is made; FedLore makes a fresh one every round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from fedlore.optim.subspace import MatrixSpec
+
+
+class ProjectedAdam(torch.optim.Optimizer):
+    """Adam with per-parameter projection onto given bases.
+
+    Args:
+        dense: parameters updated with ordinary AdamW.
+        projected: ``(parameter, spec, basis)`` triples; ``basis`` is ``spec.m x spec.rank``
+            with orthonormal columns.
+        lr: learning rate (the training loop may change ``param_groups[i]["lr"]`` each step).
+        betas: (b1, b2).
+        eps: added to ``sqrt(V_hat)``.
+        weight_decay: decoupled decay coefficient lambda (0 = none).
+        scale: alpha, the multiplier of projected updates (dense ones are not scaled).
+
+    Raises:
+        ValueError: if a basis has the wrong shape or a parameter appears twice.
+    """
+
+    def __init__(
+        self,
+        dense: Iterable[nn.Parameter],
+        projected: Iterable[tuple[nn.Parameter, MatrixSpec, torch.Tensor]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        scale: float = 1.0,
+    ) -> None:
+        dense = list(dense)
+        proj = list(projected)
+        self.specs: dict[nn.Parameter, MatrixSpec] = {}
+        self.bases: dict[nn.Parameter, torch.Tensor] = {}
+        self.coords: dict[nn.Parameter, torch.Tensor] = {}
+        for p, spec, basis in proj:
+            if tuple(basis.shape) != (spec.m, spec.rank):
+                raise ValueError(
+                    f"basis for {spec.name} has shape {tuple(basis.shape)}, "
+                    f"expected {(spec.m, spec.rank)}"
+                )
+            self.specs[p] = spec
+            self.bases[p] = basis.to(p.dtype)
+            self.coords[p] = torch.zeros(spec.rank, spec.n, dtype=p.dtype)
+        groups = []
+        if dense:
+            groups.append({"params": dense, "projected": False})
+        if proj:
+            groups.append({"params": [p for p, _, _ in proj], "projected": True})
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(groups, defaults)
+        self.scale = scale
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate of every group (called by the loop for a schedule)."""
+        for g in self.param_groups:
+            g["lr"] = lr
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001
+        """One Adam step on every parameter that has a gradient."""
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                spec = self.specs.get(p) if group["projected"] else None
+                if spec is not None:
+                    g = self.bases[p].t() @ spec.view(g)  # R = Pᵀ G, r x n
+                st = self.state[p]
+                if not st:
+                    st["step"] = 0
+                    st["exp_avg"] = torch.zeros_like(g)
+                    st["exp_avg_sq"] = torch.zeros_like(g)
+                st["step"] += 1
+                k = st["step"]
+                st["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
+                st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+                m_hat = st["exp_avg"] / (1 - b1**k)
+                v_hat = st["exp_avg_sq"] / (1 - b2**k)
+                direction = m_hat / (v_hat.sqrt() + eps)
+                decay = 1.0 - lr * wd
+                if spec is None:
+                    if wd:
+                        p.mul_(decay)
+                    p.add_(direction, alpha=-lr)
+                    continue
+                d = direction * (-lr * self.scale)
+                basis = self.bases[p]
+                w = spec.view(p)
+                p.copy_(spec.unview(decay * w + basis @ d))
+                self.coords[p].mul_(decay).add_(d)
+        return loss
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer's moment tensors (``exp_avg``, ``exp_avg_sq``), all parameters."""
+        total = 0
+        for st in self.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    total += v.numel() * v.element_size()
+        return total
+
+    def basis_bytes(self) -> int:
+        """Bytes of the bases held for projected parameters."""
+        return sum(b.numel() * b.element_size() for b in self.bases.values())

@@ -1,0 +1,264 @@
+"""Orthonormal bases of gradient subspaces, and how they are built and averaged.
+
+A projected weight ``W`` (any shape ``[out, ...]``) is seen as a matrix ``view`` of shape
+``m x n``: ``W.reshape(out, -1)`` for the *left* side (the seed's convention, Algorithm 1:
+``P`` is ``m x r``, coordinates ``r x n``) or its transpose for the *right* side (GaLore's
+``proj_type='std'`` choice when ``out >= in``). The side is decided once, when the
+:class:`MatrixSpec` is made, and every function below works on the view, so FedLore, Local
+GaLore and FedLore-Random share one rule.
+
+Sources: seed ``000_7a70688bd6d66f38`` Algorithm 1 lines 21 and 27 (TopLeftSVD of the last
+gradient; of the stacked candidates ``[P_1..P_N]/sqrt(N)``), Algorithm 4 (SharedBasis from a
+seed); GaLore (Zhao et al., ICML 2024) for the side rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+Side = Literal["left", "right"]
+SideRule = Literal["left", "right", "auto"]
+
+
+@dataclass(frozen=True)
+class MatrixSpec:
+    """How one parameter is projected.
+
+    Attributes:
+        name: the parameter's ``state_dict`` name.
+        shape: the parameter's own shape (e.g. conv ``[out, in, kh, kw]``).
+        side: ``"left"`` (view = ``W.reshape(out, -1)``) or ``"right"`` (its transpose).
+        m: rows of the view (the basis is ``m x r``).
+        n: columns of the view (coordinates and moments are ``r x n``).
+        rank: r, ``1 <= r < min(m, n)``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    side: Side
+    m: int
+    n: int
+    rank: int
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        """The ``m x n`` matrix view of a tensor of this parameter's shape."""
+        mat = t.reshape(self.shape[0], -1)
+        return mat if self.side == "left" else mat.t()
+
+    def unview(self, mat: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`view`: an ``m x n`` matrix back to the parameter's shape."""
+        full = mat if self.side == "left" else mat.t()
+        return full.reshape(self.shape)
+
+
+def projection_plan(
+    model: nn.Module,
+    rank: int,
+    side: SideRule = "left",
+    exclude: tuple[str, ...] = ("head.",),
+) -> dict[str, MatrixSpec]:
+    """Which parameters of ``model`` are projected, and how.
+
+    Projected: weights of ``nn.Linear`` and ``nn.Conv*`` layers (conv kernels as
+    ``out x in*kh*kw``), except names starting with a prefix in ``exclude`` (the classifier head)
+    and matrices with ``min(m, n) <= rank`` (a rank-r basis would cover them fully, and
+    r(m+n) >= mn scalars would cost more than the dense tensor). Biases, norms, embeddings and
+    the head are trained densely with AdamW and travel densely, as in GaLore.
+
+    Args:
+        model: the model (only its module types and parameter shapes are read).
+        rank: r >= 1.
+        side: ``"left"`` (the seed), ``"right"``, or ``"auto"`` (GaLore ``std``: right if
+            ``out >= in``, else left).
+        exclude: name prefixes never projected.
+
+    Returns:
+        ``state_dict`` name -> :class:`MatrixSpec`, in model order.
+
+    Raises:
+        ValueError: if ``rank < 1`` or ``side`` is unknown.
+    """
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    if side not in ("left", "right", "auto"):
+        raise ValueError(f"side must be 'left', 'right' or 'auto', got {side!r}")
+    plan: dict[str, MatrixSpec] = {}
+    for mod_name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d):
+            continue
+        name = f"{mod_name}.weight" if mod_name else "weight"
+        if any(name.startswith(p) for p in exclude):
+            continue
+        shape = tuple(mod.weight.shape)
+        out_dim, in_dim = shape[0], int(mod.weight[0].numel())
+        chosen: Side
+        if side == "auto":
+            chosen = "right" if out_dim >= in_dim else "left"
+        else:
+            chosen = side
+        m, n = (out_dim, in_dim) if chosen == "left" else (in_dim, out_dim)
+        if min(m, n) <= rank:
+            continue
+        plan[name] = MatrixSpec(name, shape, chosen, m, n, rank)
+    return plan
+
+
+def _fix_signs(u: torch.Tensor) -> torch.Tensor:
+    """Make the largest-magnitude entry of each column positive (a deterministic representative)."""
+    idx = u.abs().argmax(dim=0)
+    signs = torch.sign(u[idx, torch.arange(u.shape[1])])
+    signs[signs == 0] = 1.0
+    return u * signs
+
+
+def top_left_singular(
+    mat: torch.Tensor,
+    rank: int,
+    method: Literal["exact", "randomized"] = "exact",
+    generator: torch.Generator | None = None,
+    oversample: int = 10,
+    niter: int = 2,
+) -> torch.Tensor:
+    """Top-r left singular vectors of ``mat`` (TopLeftSVD_r in the seed).
+
+    Computed in float64 and returned in float32 with a deterministic sign per column.
+
+    Args:
+        mat: ``m x k`` finite matrix.
+        rank: r, ``1 <= r <= m``.
+        method: ``"exact"`` (``torch.linalg.svd``) or ``"randomized"`` (Halko et al. 2011,
+            range finder with ``r + oversample`` columns and ``niter`` power iterations, seeded
+            by ``generator``).
+        generator: CPU generator for the randomized method.
+        oversample: extra random columns for the randomized method.
+        niter: power iterations for the randomized method.
+
+    Returns:
+        ``m x r`` float32 matrix with orthonormal columns. An all-zero ``mat`` yields the first r
+        standard basis vectors (no direction is preferred; documented, never NaN).
+
+    Raises:
+        ValueError: if ``mat`` is not 2-D, has non-finite entries, or ``rank`` is out of range.
+    """
+    if mat.ndim != 2:
+        raise ValueError(f"expected a matrix, got shape {tuple(mat.shape)}")
+    m, k = mat.shape
+    if not 1 <= rank <= m:
+        raise ValueError(f"rank must be in [1, {m}], got {rank}")
+    if not bool(torch.isfinite(mat).all()):
+        raise ValueError("cannot take the SVD of a matrix with NaN or Inf entries")
+    a = mat.detach().to(torch.float64)
+    if float(a.abs().max()) == 0.0:
+        return torch.eye(m, rank, dtype=torch.float32)
+    if method == "exact" or rank + oversample >= min(m, k):
+        u, _, _ = torch.linalg.svd(a, full_matrices=False)
+        u = u[:, :rank]
+    elif method == "randomized":
+        q = min(rank + oversample, k)
+        omega = torch.randn(k, q, dtype=torch.float64, generator=generator)
+        y, _ = torch.linalg.qr(a @ omega)
+        for _ in range(niter):
+            z, _ = torch.linalg.qr(a.t() @ y)
+            y, _ = torch.linalg.qr(a @ z)
+        ub, _, _ = torch.linalg.svd(y.t() @ a, full_matrices=False)
+        u = (y @ ub)[:, :rank]
+    else:
+        raise ValueError(f"unknown SVD method {method!r}")
+    if u.shape[1] < rank:  # k < rank: pad with an orthonormal complement
+        extra = torch.linalg.qr(torch.cat([u, torch.eye(m, rank, dtype=u.dtype)], dim=1))[0]
+        u = extra[:, :rank]
+    return _fix_signs(u).to(torch.float32).contiguous()
+
+
+def average_projectors(
+    bases: list[torch.Tensor],
+    weights: list[float],
+    rank: int,
+    method: Literal["svd", "gram"] = "svd",
+) -> torch.Tensor:
+    """Leading rank-r eigenspace of the weighted average projector ``Σ_i p_i P_i P_iᵀ``.
+
+    Uses ``B = [sqrt(p_1) P_1, ..., sqrt(p_N) P_N]`` (``m x N r``), so ``B Bᵀ`` is the average
+    projector and its top-r left singular vectors are the next shared basis (seed Algorithm 1
+    line 27; with uniform ``p_i = 1/N`` this is ``[P_1..P_N]/sqrt(N)``). ``method="gram"`` takes
+    the eigendecomposition of the ``Nr x Nr`` Gram matrix ``BᵀB`` and maps back with
+    ``U = B V Σ^{-1}``, cheaper when ``N r << m``.
+
+    Args:
+        bases: N matrices ``m x r_i`` with orthonormal columns.
+        weights: N non-negative aggregation weights (normalized here).
+        rank: r of the result.
+
+    Returns:
+        ``m x r`` float32 orthonormal basis.
+
+    Raises:
+        ValueError: on empty input, mismatched rows, or non-positive total weight.
+    """
+    if not bases:
+        raise ValueError("average_projectors needs at least one basis")
+    m = bases[0].shape[0]
+    if any(b.shape[0] != m for b in bases):
+        raise ValueError("all candidate bases must have the same number of rows")
+    total = float(sum(weights))
+    if not total > 0:
+        raise ValueError("weights must have a positive sum")
+    stacked = torch.cat(
+        [
+            b.to(torch.float64) * (float(w) / total) ** 0.5
+            for b, w in zip(bases, weights, strict=True)
+        ],
+        dim=1,
+    )
+    if method == "svd":
+        return top_left_singular(stacked, rank)
+    if method != "gram":
+        raise ValueError(f"unknown method {method!r}")
+    gram = stacked.t() @ stacked
+    evals, evecs = torch.linalg.eigh(gram)  # ascending
+    order = torch.argsort(evals, descending=True)[:rank]
+    sv = evals[order].clamp_min(0).sqrt()
+    keep = sv > 1e-10 * max(float(sv[0]), 1e-300)
+    u = stacked @ evecs[:, order[keep]] / sv[keep]
+    if u.shape[1] < rank:
+        u = torch.linalg.qr(torch.cat([u, torch.eye(m, rank, dtype=u.dtype)], dim=1))[0][:, :rank]
+    return _fix_signs(u).to(torch.float32).contiguous()
+
+
+def random_basis(seed: int, m: int, rank: int) -> torch.Tensor:
+    """A seeded random orthonormal ``m x r`` basis, reproducible on every party.
+
+    Gaussian ``m x r`` from a CPU generator seeded with ``seed``, QR in float64 with the sign
+    fixed so that ``diag(R) > 0`` (the Haar-distributed representative), cast to float32.
+    Source: seed Algorithm 4 (SharedBasis); reference notes section 5 on determinism.
+    """
+    if not 1 <= rank <= m:
+        raise ValueError(f"rank must be in [1, {m}], got {rank}")
+    gen = torch.Generator().manual_seed(int(seed) % (2**63))
+    g = torch.randn(m, rank, dtype=torch.float64, generator=gen)
+    q, r = torch.linalg.qr(g)
+    d = torch.sign(torch.diagonal(r))
+    d[d == 0] = 1.0
+    return (q * d).to(torch.float32).contiguous()
+
+
+def projector_distance(p: torch.Tensor, q: torch.Tensor) -> float:
+    """Spectral norm ``||P Pᵀ - Q Qᵀ||_2`` (0 for the same subspace, 1 if some direction of one is
+    orthogonal to the other); a basis-invariant subspace distance."""
+    pp = p.double() @ p.double().t()
+    qq = q.double() @ q.double().t()
+    return float(torch.linalg.matrix_norm(pp - qq, ord=2))
+
+
+def captured_energy(basis: torch.Tensor, mat: torch.Tensor) -> float:
+    """Retained-energy ratio ``||P Pᵀ G||_F^2 / ||G||_F^2`` in [0, 1] (1.0 for G = 0)."""
+    g = mat.double()
+    total = float((g * g).sum())
+    if total == 0.0:
+        return 1.0
+    proj = basis.double().t() @ g
+    return float((proj * proj).sum()) / total

@@ -1,0 +1,1 @@
+"""Run store, mean ± std tables over seeds, and plots (``fedlore report``)."""

@@ -1,0 +1,163 @@
+"""Curves over seeds: mean with a ±std band (sample std, ddof=1), one line per method.
+
+Figures are drawn on a bare :class:`matplotlib.figure.Figure` with the Agg canvas, so nothing
+touches pyplot's global figure registry or the process-wide backend setting.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from fedlore.results.store import RunRecord, value
+
+BYTES_PER_MB = 1e6
+"""MB here is the SI megabyte, 10^6 bytes."""
+
+PerRound = dict[int, float]
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample std (ddof=1) of ``values``; the std is 0 for fewer than two values."""
+    arr = np.asarray(values, dtype=float)
+    if arr.size == 0:
+        return float("nan"), float("nan")
+    return float(arr.mean()), (float(arr.std(ddof=1)) if arr.size >= 2 else 0.0)
+
+
+def by_round(rows: list[dict[str, Any]], key: str) -> PerRound:
+    """round -> ``row[key]`` for the rows where it is a finite number."""
+    out: PerRound = {}
+    for r in rows:
+        v = value(r, key)
+        if v is not None:
+            out[int(r["round"])] = v
+    return out
+
+
+def cumulative_mb(rows: list[dict[str, Any]]) -> PerRound:
+    """round -> bytes up + down of rounds ``0..round`` (inclusive), in MB."""
+    out: PerRound = {}
+    total = 0.0
+    for r in rows:
+        total += (value(r, "bytes_up") or 0.0) + (value(r, "bytes_down") or 0.0)
+        out[int(r["round"])] = total / BYTES_PER_MB
+    return out
+
+
+def aggregate(per_seed: list[PerRound]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean and std over seeds at each round where at least one seed has a value.
+
+    Returns:
+        ``(rounds [T], mean [T], std [T])``.
+    """
+    rounds = sorted(set().union(*per_seed)) if per_seed else []
+    stats = [mean_std([s[t] for s in per_seed if t in s]) for t in rounds]
+    return (
+        np.asarray(rounds, dtype=int),
+        np.asarray([m for m, _ in stats], dtype=float),
+        np.asarray([s for _, s in stats], dtype=float),
+    )
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _curve_figure(
+    runs: dict[str, list[RunRecord]],
+    xy: Callable[[RunRecord], tuple[PerRound, PerRound]],
+    xlabel: str,
+    ylabel: str,
+    logx: bool = False,
+) -> Figure:
+    """One line per method: y mean ± std against x mean, both averaged over seeds per round."""
+    fig = Figure(figsize=(6.0, 4.0), layout="constrained")
+    ax = fig.add_subplot()
+    for method, records in runs.items():
+        pairs = [xy(r) for r in records]
+        ys = [{t: v for t, v in y.items() if t in x} for x, y in pairs]
+        rounds, y_mean, y_std = aggregate(ys)
+        if rounds.size == 0:
+            continue
+        # x is averaged over the same seeds as y at each round.
+        xs = [{t: x[t] for t in y} for (x, _), y in zip(pairs, ys, strict=True)]
+        x_mean = np.asarray([np.mean([x[t] for x in xs if t in x]) for t in rounds])
+        keep = x_mean > 0 if logx else np.ones_like(x_mean, dtype=bool)
+        (line,) = ax.plot(x_mean[keep], y_mean[keep], label=f"{method} (n={len(records)})")
+        ax.fill_between(
+            x_mean[keep],
+            (y_mean - y_std)[keep],
+            (y_mean + y_std)[keep],
+            color=line.get_color(),
+            alpha=0.2,
+            linewidth=0,
+        )
+    if logx:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    if ax.get_lines():
+        ax.legend()
+    return fig
+
+
+def _file_stem(key: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
+
+
+def plot(
+    runs: dict[str, list[RunRecord]], out_dir: Path, keys: Sequence[str] | None = None
+) -> list[Path]:
+    """Write ``accuracy_vs_round.png``, ``accuracy_vs_bytes.png`` and one
+    ``<key>_vs_round.png`` per extra key.
+
+    Args:
+        runs: method -> runs over seeds, as from :func:`fedlore.results.store.load_runs`.
+        out_dir: directory for the PNGs (created if missing).
+        keys: extra numeric row keys (e.g. diagnostics) to plot against the round.
+
+    Returns:
+        The paths written.
+
+    Raises:
+        ValueError: if an extra key has no finite numeric value in any row of any run.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def round_axis(key: str) -> Callable[[RunRecord], tuple[PerRound, PerRound]]:
+        def xy(r: RunRecord) -> tuple[PerRound, PerRound]:
+            y = by_round(r.rows, key)
+            return {t: float(t) for t in y}, y
+
+        return xy
+
+    def acc_vs_bytes(r: RunRecord) -> tuple[PerRound, PerRound]:
+        return cumulative_mb(r.rows), by_round(r.rows, "accuracy")
+
+    written = [
+        _save(
+            _curve_figure(runs, round_axis("accuracy"), "round", "accuracy"),
+            out_dir / "accuracy_vs_round.png",
+        ),
+        _save(
+            _curve_figure(runs, acc_vs_bytes, "cumulative MB (up + down)", "accuracy", logx=True),
+            out_dir / "accuracy_vs_bytes.png",
+        ),
+    ]
+    for key in keys or []:
+        if not any(by_round(r.rows, key) for records in runs.values() for r in records):
+            raise ValueError(f"plot: key {key!r} has no numeric value in any metrics row")
+        fig = _curve_figure(runs, round_axis(key), "round", key)
+        written.append(_save(fig, out_dir / f"{_file_stem(key)}_vs_round.png"))
+    return written

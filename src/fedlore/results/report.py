@@ -1,0 +1,205 @@
+"""``fedlore report``: mean ± std tables over seeds, CSV, Markdown and plots for finished runs.
+
+Statistics are over seeds: the mean and the sample standard deviation (ddof=1) when there are
+at least two seeds, else a std of 0. Accuracies are reported in percent, traffic in MB
+(10^6 bytes), optimizer state in bytes (rendered as KB/MB), round time in seconds.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fedlore.results.plots import BYTES_PER_MB, mean_std, plot
+from fedlore.results.store import IncompleteRunWarning, RunRecord, is_experiment_dir, load_runs
+
+__all__ = [
+    "COLUMNS",
+    "IncompleteRunWarning",
+    "RunRecord",
+    "load_runs",
+    "plot",
+    "report",
+    "summary_table",
+    "to_csv",
+    "to_markdown",
+]
+
+COLUMNS = [
+    "method",
+    "n_seeds",
+    "final_accuracy_pct_mean",
+    "final_accuracy_pct_std",
+    "best_accuracy_pct_mean",
+    "best_accuracy_pct_std",
+    "mb_up_mean",
+    "mb_down_mean",
+    "optimizer_state_bytes_mean",
+    "wall_s_per_round_mean",
+    "wall_s_per_round_std",
+]
+"""Keys of every :func:`summary_table` row, in CSV column order."""
+
+
+def _summary_values(records: list[RunRecord], key: str, scale: float = 1.0) -> list[float]:
+    out = []
+    for r in records:
+        v = r.summary.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+            out.append(float(v) * scale)
+    return out
+
+
+def _stat(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return mean_std(values)
+
+
+def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
+    """One row per method with mean ± std over its seeds.
+
+    Args:
+        runs: method -> runs over seeds (from :func:`load_runs`).
+
+    Returns:
+        Rows with the keys in :data:`COLUMNS`: ``n_seeds``; final and best accuracy in percent
+        (mean, std); mean total MB up and down per run; mean per-client optimizer-state bytes;
+        seconds per round (mean, std). A statistic is None when no seed reports it.
+    """
+    table = []
+    for method, records in runs.items():
+        final_m, final_s = _stat(_summary_values(records, "final_accuracy", 100.0))
+        best_m, best_s = _stat(_summary_values(records, "best_accuracy", 100.0))
+        wall_m, wall_s = _stat(_summary_values(records, "wall_s_per_round"))
+        table.append(
+            {
+                "method": method,
+                "n_seeds": len(records),
+                "final_accuracy_pct_mean": final_m,
+                "final_accuracy_pct_std": final_s,
+                "best_accuracy_pct_mean": best_m,
+                "best_accuracy_pct_std": best_s,
+                "mb_up_mean": _stat(_summary_values(records, "bytes_up_total", 1 / BYTES_PER_MB))[
+                    0
+                ],
+                "mb_down_mean": _stat(
+                    _summary_values(records, "bytes_down_total", 1 / BYTES_PER_MB)
+                )[0],
+                "optimizer_state_bytes_mean": _stat(
+                    _summary_values(records, "optimizer_state_bytes")
+                )[0],
+                "wall_s_per_round_mean": wall_m,
+                "wall_s_per_round_std": wall_s,
+            }
+        )
+    return table
+
+
+def _pm(mean: float | None, std: float | None, digits: int = 2) -> str:
+    if mean is None:
+        return "–"
+    return f"{mean:.{digits}f} ± {(std or 0.0):.{digits}f}"
+
+
+def _num(v: float | None) -> str:
+    if v is None:
+        return "–"
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.2f}" if abs(v) >= 1 else f"{v:.3g}"
+
+
+def _bytes(v: float | None) -> str:
+    if v is None:
+        return "–"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(v) >= size:
+            return f"{v / size:.2f} {unit}"
+    return f"{v:.0f} B"
+
+
+def to_markdown(table: list[dict[str, Any]]) -> str:
+    """Render :func:`summary_table` rows as a Markdown table (accuracies in %, mean ± std)."""
+    header = [
+        "method",
+        "seeds",
+        "final acc. (%)",
+        "best acc. (%)",
+        "MB up",
+        "MB down",
+        "optimizer state",
+        "s / round",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in table:
+        cells = [
+            str(row["method"]),
+            str(row["n_seeds"]),
+            _pm(row["final_accuracy_pct_mean"], row["final_accuracy_pct_std"]),
+            _pm(row["best_accuracy_pct_mean"], row["best_accuracy_pct_std"]),
+            _num(row["mb_up_mean"]),
+            _num(row["mb_down_mean"]),
+            _bytes(row["optimizer_state_bytes_mean"]),
+            _pm(row["wall_s_per_round_mean"], row["wall_s_per_round_std"], digits=3),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(table: list[dict[str, Any]], path: Path) -> None:
+    """Write :func:`summary_table` rows to ``path`` with the :data:`COLUMNS` header; missing
+    statistics are empty cells, numbers are written at full precision."""
+    with Path(path).open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for row in table:
+            writer.writerow({k: "" if row.get(k) is None else row[k] for k in COLUMNS})
+
+
+def _report_experiment(exp_dir: Path, keys: Sequence[str] | None) -> str:
+    runs = load_runs(exp_dir)
+    table = summary_table(runs)
+    pngs = plot(runs, exp_dir, keys=keys)
+    to_csv(table, exp_dir / "report.csv")
+    images = "\n\n".join(f"![{p.stem.replace('_', ' ')}]({p.name})" for p in pngs)
+    text = (
+        f"# {exp_dir.name}\n\n{to_markdown(table)}\n"
+        "Mean ± sample std (ddof=1) over seeds; MB = 10^6 bytes, totals per run; optimizer "
+        "state per client.\n\n"
+        f"{images}\n"
+    )
+    (exp_dir / "report.md").write_text(text)
+    return text
+
+
+def report(path: Path, keys: Sequence[str] | None = None) -> str:
+    """Write ``report.md``, ``report.csv`` and the PNG plots for one or several experiments.
+
+    Args:
+        path: an experiment directory (``runs/quickstart``) or an output directory holding
+            several experiments (``runs``); each experiment gets its own files.
+        keys: extra numeric metrics-row keys to plot against the round (see :func:`plot`).
+
+    Returns:
+        The Markdown text (experiments concatenated, in name order).
+
+    Raises:
+        FileNotFoundError: if ``path`` is missing or holds no runs.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"report: directory not found: {path}")
+    if is_experiment_dir(path):
+        experiments = [path]
+    else:
+        experiments = sorted(d for d in path.iterdir() if is_experiment_dir(d))
+    if not experiments:
+        raise FileNotFoundError(
+            f"report: no runs found in {path}: expected <experiment>/<method>/seed-<s>/ "
+            "or <method>/seed-<s>/ below it"
+        )
+    return "\n".join(_report_experiment(d, keys) for d in experiments)

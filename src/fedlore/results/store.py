@@ -1,0 +1,190 @@
+"""Reading finished runs back from disk.
+
+Layout (written by the engine's metrics callback)::
+
+    <output_dir>/<experiment>/<method>/seed-<s>/metrics.jsonl   one JSON object per round
+    <output_dir>/<experiment>/<method>/seed-<s>/summary.json    totals for the run
+
+A metrics row has at least ``round`` (int, 0-based), ``loss``, ``bytes_up`` and ``bytes_down``
+(bytes, summed over the round's clients), ``optimizer_state_bytes`` (bytes, per client) and
+``wall_s`` (seconds for the round); ``accuracy`` (fraction in [0, 1]) is absent or null on
+rounds without evaluation. A summary has at least ``method``, ``seed``, ``final_accuracy``,
+``best_accuracy``, ``bytes_up_total``, ``bytes_down_total``, ``optimizer_state_bytes``,
+``wall_s_per_round`` and ``rounds``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SEED_DIR = re.compile(r"^seed-(-?\d+)$")
+
+
+class IncompleteRunWarning(UserWarning):
+    """A run directory is incomplete (missing or unreadable files) and was skipped or repaired."""
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One run (one method, one seed) read from disk.
+
+    Attributes:
+        seed: the seed from the ``seed-<s>`` directory name.
+        rows: metrics rows sorted by ``round`` (may be empty when only a summary exists).
+        summary: the run's ``summary.json``, or one derived from ``rows`` (then
+            ``summary["derived"]`` is True).
+        path: the run directory.
+    """
+
+    seed: int
+    rows: list[dict[str, Any]]
+    summary: dict[str, Any]
+    path: Path = field(default_factory=Path)
+
+
+def value(row: dict[str, Any], key: str) -> float | None:
+    """``row[key]`` as a finite float, or None when it is missing, null, non-numeric or NaN/inf."""
+    v = row.get(key)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """Read a ``metrics.jsonl`` file; unreadable lines (e.g. a truncated last line) are skipped
+    with an :class:`IncompleteRunWarning`. Rows are returned sorted by ``round``."""
+    rows: list[dict[str, Any]] = []
+    for i, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            warnings.warn(
+                f"{path}:{i}: skipping unreadable line ({e})", IncompleteRunWarning, stacklevel=2
+            )
+            continue
+        if not isinstance(row, dict) or not isinstance(row.get("round"), int):
+            warnings.warn(
+                f"{path}:{i}: skipping a row without an int 'round'",
+                IncompleteRunWarning,
+                stacklevel=2,
+            )
+            continue
+        rows.append(row)
+    return sorted(rows, key=lambda r: int(r["round"]))
+
+
+def derive_summary(method: str, seed: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A ``summary.json`` equivalent computed from metrics rows.
+
+    ``final_accuracy`` is the last evaluated accuracy, ``best_accuracy`` the maximum (None if no
+    round was evaluated); byte totals are sums; ``optimizer_state_bytes`` is the peak over
+    rounds; ``wall_s_per_round`` the mean round time; ``rounds`` the number of rows.
+    """
+    acc = [a for a in (value(r, "accuracy") for r in rows) if a is not None]
+    walls = [w for w in (value(r, "wall_s") for r in rows) if w is not None]
+    states = [s for s in (value(r, "optimizer_state_bytes") for r in rows) if s is not None]
+    return {
+        "method": method,
+        "seed": seed,
+        "final_accuracy": acc[-1] if acc else None,
+        "best_accuracy": max(acc) if acc else None,
+        "bytes_up_total": sum(value(r, "bytes_up") or 0.0 for r in rows),
+        "bytes_down_total": sum(value(r, "bytes_down") or 0.0 for r in rows),
+        "optimizer_state_bytes": max(states) if states else None,
+        "wall_s_per_round": sum(walls) / len(walls) if walls else None,
+        "rounds": len(rows),
+        "derived": True,
+    }
+
+
+def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
+    metrics_path, summary_path = run_dir / "metrics.jsonl", run_dir / "summary.json"
+    rows = read_rows(metrics_path) if metrics_path.is_file() else []
+    summary: dict[str, Any] | None = None
+    if summary_path.is_file():
+        try:
+            loaded = json.loads(summary_path.read_text())
+            summary = loaded if isinstance(loaded, dict) else None
+        except json.JSONDecodeError:
+            summary = None
+        if summary is None:
+            warnings.warn(
+                f"{summary_path}: unreadable, ignoring it", IncompleteRunWarning, stacklevel=3
+            )
+    if summary is None:
+        if not rows:
+            warnings.warn(
+                f"{run_dir}: no summary.json and no metrics rows; skipping the run",
+                IncompleteRunWarning,
+                stacklevel=3,
+            )
+            return None
+        warnings.warn(
+            f"{run_dir}: no summary.json (unfinished run?); deriving it from "
+            f"{len(rows)} metrics rows",
+            IncompleteRunWarning,
+            stacklevel=3,
+        )
+        summary = derive_summary(method, seed, rows)
+    elif not rows:
+        warnings.warn(
+            f"{run_dir}: no metrics rows; the run appears in tables but not in plots",
+            IncompleteRunWarning,
+            stacklevel=3,
+        )
+    return RunRecord(seed=seed, rows=rows, summary=summary, path=run_dir)
+
+
+def is_experiment_dir(path: Path) -> bool:
+    """Whether ``path`` holds ``<method>/seed-<s>/`` run directories."""
+    return path.is_dir() and any(
+        d.is_dir() and SEED_DIR.match(d.name)
+        for m in path.iterdir()
+        if m.is_dir()
+        for d in m.iterdir()
+    )
+
+
+def load_runs(exp_dir: Path) -> dict[str, list[RunRecord]]:
+    """Load every run of one experiment.
+
+    Args:
+        exp_dir: ``<output_dir>/<experiment>``, holding ``<method>/seed-<s>/`` directories.
+
+    Returns:
+        method name (the directory name) -> runs sorted by seed; methods sorted by name.
+        Incomplete runs are repaired (summary derived from metrics) or skipped, each with an
+        :class:`IncompleteRunWarning`.
+
+    Raises:
+        FileNotFoundError: if ``exp_dir`` does not exist or holds no readable run.
+    """
+    exp_dir = Path(exp_dir)
+    if not exp_dir.is_dir():
+        raise FileNotFoundError(f"experiment directory not found: {exp_dir}")
+    runs: dict[str, list[RunRecord]] = {}
+    for method_dir in sorted(p for p in exp_dir.iterdir() if p.is_dir()):
+        records = []
+        for run_dir in sorted(p for p in method_dir.iterdir() if p.is_dir()):
+            m = SEED_DIR.match(run_dir.name)
+            if m is None:
+                continue
+            record = _load_run(method_dir.name, int(m.group(1)), run_dir)
+            if record is not None:
+                records.append(record)
+        if records:
+            runs[method_dir.name] = sorted(records, key=lambda r: r.seed)
+    if not runs:
+        raise FileNotFoundError(
+            f"no runs found in {exp_dir}: expected <method>/seed-<s>/metrics.jsonl "
+            "(and summary.json) below it"
+        )
+    return runs

@@ -1,0 +1,197 @@
+"""Run an experiment: every method of the config for every seed, side by side.
+
+Output: ``<output_dir>/<name>/<method>/seed-<s>/metrics.jsonl`` (one object per round),
+``summary.json`` and ``checkpoint.pt`` beside it. A run whose ``summary.json`` exists is complete;
+with ``resume=True`` an incomplete run continues from its checkpoint and reaches the same final
+metrics as an uninterrupted run (all randomness is derived from seed, round and client).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedlore import registry
+from fedlore.algorithm import Algorithm
+from fedlore.algorithms import build_hyper
+from fedlore.config import Config
+from fedlore.data.federation import Federation, build_federation
+from fedlore.engine.callbacks import Checkpointer, MetricsWriter, ProgressBar
+from fedlore.engine.loop import Callback, RoundLoop
+from fedlore.engine.sampling import sample_clients
+from fedlore.engine.store import ClientStore
+from fedlore.engine.transport import LocalTransport
+from fedlore.models import build_model
+from fedlore.seeding import MODEL_INIT, SERVER_INIT, derive_seed, generator
+from fedlore.tensors import load_model_arrays
+from fedlore.train.local import evaluate
+from fedlore.types import State
+
+log = logging.getLogger(__name__)
+
+
+def make_algorithm(name: str, cfg: Config) -> Algorithm:
+    """The registered method ``name`` with the config's common settings and its ``method.<name>``
+    overrides.
+
+    Raises:
+        KeyError: for an unknown method; ValueError: for an override the method does not have.
+    """
+    cls = registry.get("algorithm", name)
+    common = {
+        "lr": cfg.lr,
+        "local_steps": cfg.local_steps,
+        "batch_size": cfg.batch_size,
+        "rounds": cfg.rounds,
+        "rank": cfg.rank,
+        "betas": cfg.optim.betas,
+        "eps": cfg.optim.eps,
+        "weight_decay": cfg.optim.weight_decay,
+        "schedule": cfg.optim.schedule,
+        "min_lr_ratio": cfg.optim.min_lr_ratio,
+        "grad_clip": cfg.optim.grad_clip,
+        "scale": cfg.optim.scale,
+        "weighting": cfg.weighting,
+    }
+    algo: Algorithm = build_hyper(cls, common, dict(cfg.method.get(name, {})))
+    return algo
+
+
+def model_factory(cfg: Config, fed: Federation, seed: int) -> Callable[[], nn.Module]:
+    """Builds the model with the same initial weights for every method of a seed (the global
+    torch RNG is forked, so nothing outside is disturbed)."""
+
+    def build() -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(seed, MODEL_INIT))
+            return build_model(
+                cfg.model.name, tuple(fed.input_shape), fed.num_classes, **cfg.model.kwargs
+            )
+
+    return build
+
+
+def run_dir(cfg: Config, method: str, seed: int) -> Path:
+    """``<output_dir>/<name>/<method>/seed-<seed>``."""
+    return Path(cfg.output_dir) / cfg.name / method / f"seed-{seed}"
+
+
+def run_one(
+    cfg: Config,
+    method: str,
+    seed: int,
+    fed: Federation | None = None,
+    resume: bool = False,
+    stop_after: int | None = None,
+    extra_callbacks: tuple[Callback, ...] = (),
+) -> dict[str, Any] | None:
+    """Run one method for one seed; returns its summary (None if stopped early by ``stop_after``,
+    which simulates a killed run for tests)."""
+    out = run_dir(cfg, method, seed)
+    summary_path = out / "summary.json"
+    if resume and summary_path.exists():
+        done: dict[str, Any] = json.loads(summary_path.read_text())
+        return done
+    out.mkdir(parents=True, exist_ok=True)
+    fed = fed if fed is not None else build_federation(cfg, seed)
+    algo = make_algorithm(method, cfg)
+    build = model_factory(cfg, fed, seed)
+    eval_model = build()
+    store = ClientStore()
+    state = algo.init_server(eval_model, generator(seed, SERVER_INIT))
+    start = -int(getattr(algo, "setup_rounds", 0))
+    metrics = MetricsWriter(out / "metrics.jsonl")
+    ckpt_path = out / "checkpoint.pt"
+    if resume and ckpt_path.exists():
+        last, state, store = Checkpointer.load(ckpt_path)
+        metrics.truncate_after(last)
+        start = last + 1
+        log.info("resuming %s seed %d after round %d", method, seed, last)
+    else:
+        metrics.path.write_text("")
+    transport = LocalTransport(algo, fed.client, build, seed, store)
+
+    def evaluate_state(s: State) -> dict[str, float]:
+        load_model_arrays(eval_model, algo.global_arrays(s))
+        res = evaluate(eval_model, fed.central_test, cfg.eval.batch_size)
+        row = {"accuracy": res["accuracy"], "loss": res["loss"]}
+        if cfg.eval.clients:
+            accs = [
+                evaluate(eval_model, fed.client(c).test)["accuracy"]
+                for c in range(fed.num_clients)
+            ]
+            finite = [a for a in accs if math.isfinite(a)]
+            row["client_accuracy_mean"] = sum(finite) / max(len(finite), 1)
+        return row
+
+    callbacks: list[Callback] = [metrics]
+    if cfg.checkpoint:
+        callbacks.append(Checkpointer(ckpt_path, store))
+    callbacks.extend(extra_callbacks)
+    bar = None
+    if cfg.progress:
+        bar = ProgressBar(f"{method} seed {seed}", start - start, cfg.rounds - start)
+        callbacks.append(bar)
+    loop = RoundLoop(
+        algo,
+        transport,
+        lambda rnd: sample_clients(cfg.num_clients, cfg.clients_per_round(), seed, rnd),
+        evaluate_state,
+        cfg.eval.every,
+        callbacks,
+    )
+    end = cfg.rounds if stop_after is None else min(cfg.rounds, stop_after + 1)
+    try:
+        loop.run(state, start, end)
+    finally:
+        if bar is not None:
+            bar.close()
+    if end < cfg.rounds:
+        return None
+    summary = summarize(method, seed, metrics.path)
+    summary_path.write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def summarize(method: str, seed: int, metrics_path: Path) -> dict[str, Any]:
+    """The ``summary.json`` of a finished run, computed from its ``metrics.jsonl``."""
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    train = [r for r in rows if r["round"] >= 0]
+    accs = [r["accuracy"] for r in train if r.get("accuracy") is not None]
+    return {
+        "method": method,
+        "seed": seed,
+        "rounds": len(train),
+        "final_accuracy": accs[-1] if accs else None,
+        "best_accuracy": max(accs) if accs else None,
+        "final_loss": next((r["loss"] for r in reversed(train) if r.get("loss") is not None), None),
+        "bytes_up_total": sum(r["bytes_up"] for r in rows),
+        "bytes_down_total": sum(r["bytes_down"] for r in rows),
+        "optimizer_state_bytes": max((r["optimizer_state_bytes"] for r in rows), default=0),
+        "wall_s_per_round": sum(r["wall_s"] for r in train) / max(len(train), 1),
+        "wall_s_total": sum(r["wall_s"] for r in rows),
+        "rejected_total": sum(r.get("rejected", 0) for r in rows),
+    }
+
+
+def run_experiment(cfg: Config, resume: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """Every method x seed of ``cfg``; the federation of a seed is built once and shared, so all
+    methods see identical client data. Returns method -> summaries."""
+    out: dict[str, list[dict[str, Any]]] = {m: [] for m in cfg.algorithms}
+    for name in cfg.method:
+        if name not in cfg.algorithms:
+            registry.get("algorithm", name)  # unknown names fail; unused known ones are fine
+    for seed in cfg.seeds:
+        fed = build_federation(cfg, seed)
+        for method in cfg.algorithms:
+            summary = run_one(cfg, method, seed, fed=fed, resume=resume)
+            if summary is not None:
+                out[method].append(summary)
+    return out

@@ -1,0 +1,1 @@
+"""The one local-training loop (with hooks) and evaluation."""

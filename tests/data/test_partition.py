@@ -1,0 +1,118 @@
+"""Partitioners and corruption helpers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedlore import registry
+from fedlore.data.corruption import add_gaussian_noise, flip_labels, subsample_stratified
+from fedlore.data.partition import partition_dirichlet, partition_step
+
+LABELS = np.repeat(np.arange(10), 200)  # 2,000 examples, 10 balanced classes
+ALL_KWARGS = {"alpha": 0.5, "min_size": 5, "major_classes": 2, "major_share": 0.8}
+
+
+def _entropy(labels: np.ndarray, parts: list[np.ndarray]) -> float:
+    ent = []
+    for p in parts:
+        q = np.bincount(labels[p], minlength=10) / max(len(p), 1)
+        q = q[q > 0]
+        ent.append(float(-(q * np.log(q)).sum()))
+    return float(np.mean(ent))
+
+
+@pytest.mark.parametrize("name", ["iid", "dirichlet", "step"])
+def test_cover_sorted_deterministic(name: str) -> None:
+    part = registry.get("partition", name)
+    a = part(LABELS, 7, np.random.default_rng(1), **ALL_KWARGS)
+    b = part(LABELS, 7, np.random.default_rng(1), **ALL_KWARGS)
+    c = part(LABELS, 7, np.random.default_rng(2), **ALL_KWARGS)
+    assert len(a) == 7
+    assert all(p.dtype == np.int64 and np.all(np.diff(p) > 0) for p in a)
+    assert np.array_equal(np.sort(np.concatenate(a)), np.arange(len(LABELS)))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))
+
+
+def test_iid_sizes_equal() -> None:
+    parts = registry.get("partition", "iid")(LABELS, 3, np.random.default_rng(0))
+    assert sorted(len(p) for p in parts) == [666, 667, 667]
+    with pytest.raises(ValueError, match="num_clients=3"):
+        registry.get("partition", "iid")(np.zeros(2, np.int64), 3, np.random.default_rng(0))
+
+
+def test_dirichlet_small_alpha_more_skewed() -> None:
+    ent = {}
+    for alpha in (0.05, 100.0):
+        vals = [
+            _entropy(LABELS, partition_dirichlet(LABELS, 10, np.random.default_rng(s), alpha))
+            for s in range(3)
+        ]
+        ent[alpha] = np.mean(vals)
+    assert ent[0.05] < 1.0 < 2.0 < ent[100.0]  # log(10) = 2.30 is perfectly mixed
+
+
+def test_dirichlet_min_size_and_infeasible() -> None:
+    parts = partition_dirichlet(LABELS, 20, np.random.default_rng(0), alpha=0.3, min_size=30)
+    assert min(len(p) for p in parts) >= 30
+    with pytest.raises(ValueError, match=r"alpha=0\.3, min_size=150, num_clients=20"):
+        partition_dirichlet(LABELS, 20, np.random.default_rng(0), alpha=0.3, min_size=150)
+    with pytest.raises(ValueError, match=r"alpha=0\.01, min_size=99"):
+        partition_dirichlet(LABELS, 20, np.random.default_rng(0), alpha=0.01, min_size=99)
+    with pytest.raises(ValueError, match="alpha"):
+        partition_dirichlet(LABELS, 5, np.random.default_rng(0), alpha=0.0)
+
+
+@pytest.mark.parametrize(("num_clients", "share"), [(10, 0.8), (5, 0.98), (20, 0.6)])
+def test_step_major_share(num_clients: int, share: float) -> None:
+    parts = partition_step(LABELS, num_clients, np.random.default_rng(3), 2, share)
+    for p in parts:
+        counts = np.sort(np.bincount(LABELS[p], minlength=10))[::-1]
+        assert counts[:2].sum() / len(p) == pytest.approx(share, abs=0.02)
+        assert np.all(counts[2:] > 0)  # every minor class gets a slice
+    sizes = [len(p) for p in parts]
+    assert max(sizes) - min(sizes) <= 10
+
+
+def test_step_reproduces_paper_numbers() -> None:
+    # Meta-BayFL Sec. V-B: 10 clients, 4,000 images per class -> 1,960 per major, 10 per minor.
+    labels = np.repeat(np.arange(10), 4000)
+    for p in partition_step(labels, 10, np.random.default_rng(0), 2, 0.98):
+        assert sorted(np.bincount(labels[p], minlength=10).tolist()) == [10] * 8 + [1960] * 2
+
+
+def test_step_invalid() -> None:
+    with pytest.raises(ValueError, match="major_classes"):
+        partition_step(LABELS, 4, np.random.default_rng(0), major_classes=11)
+    with pytest.raises(ValueError, match="infeasible"):
+        partition_step(LABELS, 2, np.random.default_rng(0), major_classes=2, major_share=1.0)
+
+
+def test_subsample_stratified() -> None:
+    labels = np.concatenate([np.repeat(np.arange(4), 100), [4]])
+    keep = subsample_stratified(labels, 0.25, np.random.default_rng(0))
+    assert np.bincount(labels[keep]).tolist() == [25, 25, 25, 25, 1]
+    assert np.all(np.diff(keep) > 0)
+    with pytest.raises(ValueError, match=r"1\.5"):
+        subsample_stratified(labels, 1.5, np.random.default_rng(0))
+
+
+def test_gaussian_noise_clipped_and_seeded() -> None:
+    x = torch.rand(50, 1, 4, 4)
+    a = add_gaussian_noise(x, 0.3, torch.Generator().manual_seed(0))
+    b = add_gaussian_noise(x, 0.3, torch.Generator().manual_seed(0))
+    assert torch.equal(a, b) and not torch.equal(a, x)
+    assert float(a.min()) >= 0.0 and float(a.max()) <= 1.0
+    assert torch.equal(add_gaussian_noise(x, 0.0, torch.Generator()), x)
+
+
+def test_flip_labels_always_other_class() -> None:
+    y = np.arange(1000) % 10
+    out = flip_labels(y, 0.3, 10, np.random.default_rng(0))
+    changed = out != y
+    assert changed.sum() == 300 and out.min() >= 0 and out.max() < 10
+    assert np.array_equal(flip_labels(y, 0.0, 10, np.random.default_rng(0)), y)
+    with pytest.raises(ValueError, match=r"1\.2"):
+        flip_labels(y, 1.2, 10, np.random.default_rng(0))

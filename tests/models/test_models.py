@@ -1,0 +1,125 @@
+"""Model registry: shapes, gradients, head naming, parameter counts, shape errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fedlore import registry
+from fedlore.models import build_model
+
+SHAPES = [(1, 8, 8), (1, 28, 28), (3, 32, 32)]
+MODELS = ["mlp", "cnn", "resnet20", "resnet32", "resnet44", "resnet56"]
+
+
+def n_params(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def test_all_models_registered() -> None:
+    assert set(MODELS) <= set(registry.names("model"))
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_backward_head(name: str, shape: tuple[int, int, int]) -> None:
+    torch.manual_seed(0)
+    model = build_model(name, shape, 7)
+    x = torch.rand(3, *shape)
+    out = model(x)
+    assert out.shape == (3, 7)
+    out.logsumexp(1).sum().backward()
+    assert isinstance(model.head, nn.Linear) and model.head.out_features == 7
+    names = [n for n, _ in model.named_parameters()]
+    assert [n for n in names if n.startswith("head.")] == ["head.weight", "head.bias"]
+    for n, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), n
+    assert any(p.grad.abs().sum() > 0 for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("name", ["cnn", "resnet20"])
+def test_seeded_construction_is_deterministic(name: str) -> None:
+    torch.manual_seed(3)
+    a = build_model(name, (1, 28, 28), 10)
+    torch.manual_seed(3)
+    b = build_model(name, (1, 28, 28), 10)
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert ka == kb and torch.equal(va, vb)
+
+
+def test_cnn_parameter_count_matches_mcmahan() -> None:
+    # McMahan et al. (2017) report 1,663,370 parameters for their MNIST CNN (28x28, 10 classes):
+    # conv 1->32 (832) + conv 32->64 (51,264) + Linear 3136->512 (1,606,144) + head (5,130).
+    assert n_params(build_model("cnn", (1, 28, 28), 10)) == 1_663_370
+
+
+def test_cnn_kwargs() -> None:
+    m = build_model("cnn", (3, 32, 32), 10, channels=(8, 16), hidden=64, dropout=0.5)
+    assert m.fc.in_features == 16 * 8 * 8 and m.fc.out_features == 64
+    assert m(torch.rand(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_mlp_kwargs() -> None:
+    m = build_model("mlp", (1, 8, 8), 10, hidden=[32], dropout=0.1)
+    linears = [mod for mod in m.modules() if isinstance(mod, nn.Linear)]
+    assert [(lin.in_features, lin.out_features) for lin in linears] == [(64, 32), (32, 10)]
+    assert any(isinstance(mod, nn.Dropout) for mod in m.modules())
+    linear = build_model("mlp", (5,), 3, hidden=[])
+    assert n_params(linear) == 5 * 3 + 3
+
+
+@pytest.mark.parametrize(("name", "n"), [("resnet20", 3), ("resnet32", 5), ("resnet56", 9)])
+def test_resnet_depth(name: str, n: int) -> None:
+    model = build_model(name, (3, 32, 32), 10)
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    # Option-A shortcuts are parameter-free: all convs are main-path, 6n + 1 of them.
+    assert len(convs) == 6 * n + 1 and len(linears) == 1
+    assert len(convs) + len(linears) == int(name.removeprefix("resnet"))
+    assert [c.out_channels for c in convs[:: 2 * n]] == [16, 16, 32, 64]
+
+
+def test_resnet20_parameter_count() -> None:
+    # He et al. (2016) table 6: ResNet-20 has 0.27 M parameters (269,722 with option A, CIFAR-10).
+    assert n_params(build_model("resnet20", (3, 32, 32), 10)) == 269_722
+
+
+def test_resnet_group_norm_and_width() -> None:
+    model = build_model("resnet20", (3, 32, 32), 100, norm="group", width=8, groups=4)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    norms = [m for m in model.modules() if isinstance(m, nn.GroupNorm)]
+    assert norms and all(m.num_groups == 4 for m in norms)
+    assert model.head.in_features == 32
+    assert not list(model.buffers())  # no client-specific running statistics
+    model.eval()
+    assert model(torch.rand(1, 3, 32, 32)).shape == (1, 100)
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "match"),
+    [
+        ("cnn", (28, 28), r"\(C, H, W\)"),
+        ("cnn", (1, 2, 2), r"H and W >= 4"),
+        ("resnet20", (3, 4, 4), r"H and W >= 8"),
+        ("resnet20", (784,), r"\(C, H, W\)"),
+        ("mlp", (1, 0, 8), r"positive ints"),
+        ("mlp", (), r"must not be empty"),
+    ],
+)
+def test_bad_input_shape(name: str, shape: tuple[int, ...], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_model(name, shape, 10)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match=r"unknown kwargs \['depth'\]"):
+        build_model("cnn", (1, 28, 28), 10, depth=3)
+    with pytest.raises(ValueError, match="num_classes"):
+        build_model("mlp", (1, 8, 8), 0)
+    with pytest.raises(ValueError, match="norm must be"):
+        build_model("resnet20", (3, 32, 32), 10, norm="layer")
+    with pytest.raises(ValueError, match="divide width"):
+        build_model("resnet20", (3, 32, 32), 10, norm="group", groups=3)
+    with pytest.raises(KeyError, match="unknown model 'vgg'"):
+        build_model("vgg", (3, 32, 32), 10)

@@ -1,0 +1,192 @@
+"""Report: mean ± std over seeds with hand-checkable numbers, CSV, plots, fallbacks, errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fedlore.results.report import (
+    COLUMNS,
+    IncompleteRunWarning,
+    load_runs,
+    plot,
+    report,
+    summary_table,
+    to_csv,
+    to_markdown,
+)
+
+SQRT2 = math.sqrt(2.0)
+
+
+def write_run(
+    exp: Path, method: str, seed: int, rows: list[dict[str, Any]], summary: dict[str, Any] | None
+) -> Path:
+    run = exp / method / f"seed-{seed}"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if summary is not None:
+        (run / "summary.json").write_text(json.dumps({"method": method, "seed": seed, **summary}))
+    return run
+
+
+def rows_for(accs: list[float | None], up: float, down: float) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for t, a in enumerate(accs):
+        row: dict[str, Any] = {
+            "round": t,
+            "loss": 1.0 / (t + 1),
+            "bytes_up": up,
+            "bytes_down": down,
+            "optimizer_state_bytes": 500,
+            "wall_s": 0.5,
+            "retained_energy": 0.1 * t,
+        }
+        if a is not None:
+            row["accuracy"] = a
+        rows.append(row)
+    return rows
+
+
+def summ(final: float, best: float, up: float, down: float, opt: float, wall: float) -> dict:
+    return {
+        "final_accuracy": final,
+        "best_accuracy": best,
+        "bytes_up_total": up,
+        "bytes_down_total": down,
+        "optimizer_state_bytes": opt,
+        "wall_s_per_round": wall,
+        "rounds": 3,
+    }
+
+
+@pytest.fixture
+def exp(tmp_path: Path) -> Path:
+    """2 methods x 2 seeds with known summaries."""
+    e = tmp_path / "runs" / "quick"
+    write_run(
+        e, "fedavg", 1, rows_for([0.5, None, 0.8], 1e6, 2e6), summ(0.80, 0.82, 2e6, 4e6, 1000, 1.0)
+    )
+    write_run(
+        e, "fedavg", 2, rows_for([0.6, 0.7, 0.84], 2e6, 3e6), summ(0.84, 0.86, 4e6, 6e6, 3000, 3.0)
+    )
+    write_run(
+        e, "fedlore", 1, rows_for([0.4, 0.6, 0.9], 1e5, 1e5), summ(0.90, 0.90, 3e5, 3e5, 2e6, 0.5)
+    )
+    write_run(
+        e, "fedlore", 2, rows_for([0.5, 0.7, 0.9], 1e5, 1e5), summ(0.90, 0.91, 3e5, 3e5, 2e6, 0.5)
+    )
+    return e
+
+
+def test_summary_table_mean_and_sample_std(exp: Path) -> None:
+    runs = load_runs(exp)
+    assert list(runs) == ["fedavg", "fedlore"]
+    assert [r.seed for r in runs["fedavg"]] == [1, 2]
+    assert [r["round"] for r in runs["fedavg"][0].rows] == [0, 1, 2]
+    fedavg, fedlore = summary_table(runs)
+    assert fedavg["method"] == "fedavg" and fedavg["n_seeds"] == 2
+    # final: 80 and 84 % -> mean 82, sample std sqrt(((80-82)^2 + (84-82)^2) / 1) = 2 sqrt 2.
+    assert fedavg["final_accuracy_pct_mean"] == pytest.approx(82.0)
+    assert fedavg["final_accuracy_pct_std"] == pytest.approx(2 * SQRT2)
+    assert fedavg["best_accuracy_pct_mean"] == pytest.approx(84.0)
+    assert fedavg["best_accuracy_pct_std"] == pytest.approx(2 * SQRT2)
+    assert fedavg["mb_up_mean"] == pytest.approx(3.0)
+    assert fedavg["mb_down_mean"] == pytest.approx(5.0)
+    assert fedavg["optimizer_state_bytes_mean"] == pytest.approx(2000.0)
+    assert fedavg["wall_s_per_round_mean"] == pytest.approx(2.0)
+    assert fedavg["wall_s_per_round_std"] == pytest.approx(SQRT2)
+    assert fedlore["final_accuracy_pct_std"] == 0.0
+    assert fedlore["best_accuracy_pct_mean"] == pytest.approx(90.5)
+    assert fedlore["best_accuracy_pct_std"] == pytest.approx(0.5 * SQRT2)
+    assert fedlore["mb_up_mean"] == pytest.approx(0.3)
+
+
+def test_single_seed_std_is_zero(tmp_path: Path) -> None:
+    write_run(tmp_path, "a", 7, rows_for([0.3], 10, 10), summ(0.3, 0.3, 10, 10, 8, 0.2))
+    (row,) = summary_table(load_runs(tmp_path))
+    assert row["n_seeds"] == 1
+    assert row["final_accuracy_pct_mean"] == pytest.approx(30.0)
+    assert row["final_accuracy_pct_std"] == 0.0 and row["wall_s_per_round_std"] == 0.0
+
+
+def test_markdown_and_csv(exp: Path, tmp_path: Path) -> None:
+    table = summary_table(load_runs(exp))
+    md = to_markdown(table)
+    assert "| fedavg | 2 | 82.00 ± 2.83 | 84.00 ± 2.83 | 3.00 | 5.00 | 2.00 KB |" in md
+    assert "| fedlore | 2 | 90.00 ± 0.00 | 90.50 ± 0.71 | 0.3 | 0.3 | 2.00 MB |" in md
+    out = tmp_path / "t.csv"
+    to_csv(table, out)
+    with out.open() as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == COLUMNS
+        rows = list(reader)
+    assert [r["method"] for r in rows] == ["fedavg", "fedlore"]
+    assert float(rows[0]["final_accuracy_pct_std"]) == pytest.approx(2 * SQRT2)
+    assert float(rows[0]["mb_down_mean"]) == pytest.approx(5.0)
+
+
+def test_plots_written(exp: Path, tmp_path: Path) -> None:
+    out = tmp_path / "plots"
+    paths = plot(load_runs(exp), out, keys=["retained_energy"])
+    names = sorted(p.name for p in paths)
+    assert names == [
+        "accuracy_vs_bytes.png",
+        "accuracy_vs_round.png",
+        "retained_energy_vs_round.png",
+    ]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 1000
+    with pytest.raises(ValueError, match="'nope'"):
+        plot(load_runs(exp), out, keys=["nope"])
+
+
+def test_missing_summary_is_derived_with_warning(tmp_path: Path) -> None:
+    run = write_run(tmp_path, "m", 3, rows_for([0.5, 0.9, None, 0.7], 100, 200), None)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"round": 4, "accur')  # a run killed mid-write
+    with pytest.warns(IncompleteRunWarning) as caught:
+        runs = load_runs(tmp_path)
+    messages = " ".join(str(w.message) for w in caught)
+    assert "no summary.json" in messages and "unreadable line" in messages
+    (record,) = runs["m"]
+    s = record.summary
+    assert s["derived"] is True and s["method"] == "m" and s["seed"] == 3
+    assert s["final_accuracy"] == 0.7 and s["best_accuracy"] == 0.9 and s["rounds"] == 4
+    assert s["bytes_up_total"] == 400 and s["bytes_down_total"] == 800
+    assert s["optimizer_state_bytes"] == 500 and s["wall_s_per_round"] == 0.5
+
+
+def test_empty_run_dir_is_skipped(exp: Path) -> None:
+    (exp / "fedavg" / "seed-9").mkdir()
+    (exp / "fedavg" / "notes").mkdir()  # not a seed directory: ignored silently
+    with pytest.warns(IncompleteRunWarning, match="skipping the run"):
+        runs = load_runs(exp)
+    assert [r.seed for r in runs["fedavg"]] == [1, 2]
+
+
+def test_nothing_found_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no runs found"):
+        load_runs(tmp_path)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_runs(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="no runs found"):
+        report(tmp_path)
+
+
+def test_report_experiment_and_output_dir(exp: Path) -> None:
+    text = report(exp)
+    assert text.startswith("# quick\n") and "82.00 ± 2.83" in text
+    for name in ["report.md", "report.csv", "accuracy_vs_round.png", "accuracy_vs_bytes.png"]:
+        assert (exp / name).stat().st_size > 0
+    assert (exp / "report.md").read_text() == text
+    other = exp.parent / "other"
+    write_run(other, "fedfull", 0, rows_for([0.1, 0.2], 5, 5), summ(0.2, 0.2, 10, 10, 1, 1.0))
+    both = report(exp.parent)
+    assert both.index("# other") < both.index("# quick")  # name order
+    assert (other / "report.csv").is_file() and (other / "accuracy_vs_bytes.png").is_file()
