@@ -39,7 +39,7 @@ def _split_args(items: list[str]) -> tuple[Path | None, list[str]]:
         elif config is None:
             config = Path(it)
         else:
-            raise ConfigError(f"unexpected argument {it!r}: give one CONFIG and key=value overrides")
+            raise ConfigError(f"unexpected argument {it!r}: give one CONFIG, then key=value")
     return config, overrides
 
 

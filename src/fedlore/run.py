@@ -124,8 +124,7 @@ def run_one(
         row = {"accuracy": res["accuracy"], "loss": res["loss"]}
         if cfg.eval.clients:
             accs = [
-                evaluate(eval_model, fed.client(c).test)["accuracy"]
-                for c in range(fed.num_clients)
+                evaluate(eval_model, fed.client(c).test)["accuracy"] for c in range(fed.num_clients)
             ]
             finite = [a for a in accs if math.isfinite(a)]
             row["client_accuracy_mean"] = sum(finite) / max(len(finite), 1)

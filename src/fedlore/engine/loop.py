@@ -119,8 +119,10 @@ class RoundLoop:
         if rejected:
             row["rejected_reasons"] = rejected
         row.update(agg)
-        if rnd >= 0 and self.evaluate is not None and (
-            (rnd + 1) % self.eval_every == 0 or rnd == last_round
+        if (
+            rnd >= 0
+            and self.evaluate is not None
+            and ((rnd + 1) % self.eval_every == 0 or rnd == last_round)
         ):
             row.update(self.evaluate(state))
         row["wall_s"] = time.perf_counter() - t0

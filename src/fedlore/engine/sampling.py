@@ -18,7 +18,7 @@ def sample_clients(num_clients: int, per_round: int, seed: int, rnd: int) -> lis
         ValueError: if ``num_clients < 1`` or ``per_round < 1``.
     """
     if num_clients < 1 or per_round < 1:
-        raise ValueError(f"need num_clients >= 1 and per_round >= 1, got {num_clients}, {per_round}")
+        raise ValueError(f"need num_clients, per_round >= 1, got {num_clients}, {per_round}")
     if per_round >= num_clients:
         return list(range(num_clients))
     rng = np.random.default_rng(derive_seed(seed, SAMPLING, rnd))

@@ -34,7 +34,7 @@ class ClientStore:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """A plain dict of tensors and scalars (for ``torch.save`` with ``weights_only`` loading)."""
+        """A plain dict of tensors and scalars (loadable with ``weights_only=True``)."""
         return {str(c): {"arrays": s.arrays, "values": s.values} for c, s in self._states.items()}
 
     @classmethod

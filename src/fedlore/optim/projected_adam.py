@@ -84,7 +84,7 @@ class ProjectedAdam(torch.optim.Optimizer):
             g["lr"] = lr
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001
+    def step(self, closure=None):
         """One Adam step on every parameter that has a gradient."""
         loss = closure() if closure is not None else None
         for group in self.param_groups:
