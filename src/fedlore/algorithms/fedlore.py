@@ -26,6 +26,7 @@ the dense model at its next contact.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -54,6 +55,8 @@ from fedlore.tensors import (
     with_prefix,
 )
 from fedlore.types import Arrays, Broadcast, Reply, Scalars, State
+
+log = logging.getLogger(__name__)
 
 BasisRule = Literal["candidates", "random", "fixed"]
 
@@ -160,15 +163,16 @@ class FedLore(LowRankHyper):
         if rnd < 0:  # setup exchange: P^0 from the clients' gradient candidates
             if ok:
                 p0 = self._next_basis([r for _, r in ok], weights, plan)
-                arrays.update(with_prefix(p0, "bank.0."))
-                values["basis_id"] = 0
-                for c, _ in ok:
-                    values[f"version.{c}"] = 0
-                    values[f"held.{c}"] = -1
+            else:  # nothing valid came back: fall back to a seeded random P^0 (logged)
+                log.warning("FedLore setup exchange got no valid reply; P^0 is random")
+                p0 = seeded_bases(derive_seed(int(values["base_seed"]), BASIS, 0), plan)
+            arrays.update(with_prefix(p0, "bank.0."))
+            values["basis_id"] = 0
+            for c, _ in ok:
+                values[f"version.{c}"] = 0
+                values[f"held.{c}"] = -1
             return State(arrays, values), metrics
         cur = int(values["basis_id"])
-        if cur == -1:
-            raise RuntimeError("FedLore has no basis: the setup exchange got no valid reply")
         basis = self._bank(state, cur, plan)
         decay = self.round_decay(rnd) if ok else 1.0
         model = select(arrays, "model.")
@@ -238,7 +242,7 @@ class FedLore(LowRankHyper):
         plan = plan_from_state(state, self.rank)
         model = select(state.arrays, "model.")
         spec: ReplySpec = {}
-        if self.basis_rule == "candidates":
+        if self.basis_rule == "candidates" or rnd < 0:
             spec.update({f"cand.{k}": ((s.m, s.rank), torch.float32) for k, s in plan.items()})
         if rnd < 0:
             return spec
@@ -270,7 +274,7 @@ class FedLore(LowRankHyper):
         if rnd < 0:
             load_model_arrays(model, select(msg.arrays, "model."))
             grads = construction_gradients(model, data.train, self.batch_size, rng, list(plan))
-            cands = {k: self._candidate(plan[k], plan[k].view(grads[k]), None) for k in plan}
+            cands = {k: self._candidate(plan[k], plan[k].view(grads[k]), None, rng) for k in plan}
             new_state = State(
                 arrays=with_prefix(model_arrays(model), "cache."), values={"version": 0, "held": -1}
             )
@@ -296,7 +300,7 @@ class FedLore(LowRankHyper):
         if self.basis_rule == "candidates":
             out.update(
                 {
-                    f"cand.{k}": self._candidate(s, res.last_grads.get(k), bases[k])
+                    f"cand.{k}": self._candidate(s, res.last_grads.get(k), bases[k], rng)
                     for k, s in plan.items()
                 }
             )
@@ -314,7 +318,11 @@ class FedLore(LowRankHyper):
         return Reply(out, metrics), new_state
 
     def _candidate(
-        self, spec: MatrixSpec, grad: torch.Tensor | None, fallback: torch.Tensor | None
+        self,
+        spec: MatrixSpec,
+        grad: torch.Tensor | None,
+        fallback: torch.Tensor | None,
+        rng: torch.Generator,
     ) -> torch.Tensor:
         """Top-r left singular vectors of a gradient view; the fallback (current basis) if the
         gradient is missing or not finite; an all-zero gradient gives the standard basis."""
@@ -322,7 +330,7 @@ class FedLore(LowRankHyper):
             if fallback is None:
                 return torch.eye(spec.m, spec.rank)
             return fallback.to(torch.float32).clone()
-        return top_left_singular(grad, spec.rank, self.candidate_svd)
+        return top_left_singular(grad, spec.rank, self.candidate_svd, generator=rng)
 
     def _synchronize(
         self, msg: Broadcast, state: State | None, plan: dict[str, MatrixSpec], rnd: int

@@ -51,7 +51,7 @@ class LocalGaLore(DenseServer, LowRankHyper):
             g = s.view(grads[k])
             finite = bool(torch.isfinite(g).all())
             bases[k] = (
-                top_left_singular(g, s.rank, self.candidate_svd)
+                top_left_singular(g, s.rank, self.candidate_svd, generator=rng)
                 if finite
                 else torch.eye(s.m, s.rank)
             )

@@ -1,5 +1,8 @@
 """THE round loop: sample -> broadcast -> transport.send -> validate -> aggregate -> callbacks.
 
+``wall_s`` is the round's time (sampling, broadcast, client training, validation, aggregation)
+without evaluation, which is timed separately as ``eval_s``.
+
 Communication is counted here, from the tensors actually in the messages: ``bytes_down`` sums
 the broadcast arrays sent this round, ``bytes_up`` the reply arrays received (rejected ones
 included: they crossed the wire). Scalars (round index, seeds) are not counted.
@@ -119,13 +122,15 @@ class RoundLoop:
         if rejected:
             row["rejected_reasons"] = rejected
         row.update(agg)
+        row["wall_s"] = time.perf_counter() - t0
         if (
             rnd >= 0
             and self.evaluate is not None
             and ((rnd + 1) % self.eval_every == 0 or rnd == last_round)
         ):
+            t1 = time.perf_counter()
             row.update(self.evaluate(state))
-        row["wall_s"] = time.perf_counter() - t0
+            row["eval_s"] = time.perf_counter() - t1
         return state, row
 
     def run(self, state: State, start: int, rounds: int) -> State:

@@ -121,6 +121,21 @@ class ProjectedAdam(torch.optim.Optimizer):
                 self.coords[p].mul_(decay).add_(d)
         return loss
 
+    @torch.no_grad()
+    def skip_step(self) -> None:
+        """A skipped step (non-finite loss or gradient): no moment update and no gradient
+        direction, but the common decay ``a_k = 1 - lr_k * weight_decay`` is still applied to
+        every weight and to ``Z``, so ``W_K = (Π a_k) W_0 + P Z`` keeps holding with the same
+        ``a`` the server uses (Proposition 8)."""
+        for group in self.param_groups:
+            decay = 1.0 - group["lr"] * group["weight_decay"]
+            if decay == 1.0:
+                continue
+            for p in group["params"]:
+                p.mul_(decay)
+                if p in self.coords:
+                    self.coords[p].mul_(decay)
+
     def state_bytes(self) -> int:
         """Bytes of the optimizer's moment tensors (``exp_avg``, ``exp_avg_sq``), all parameters."""
         total = 0

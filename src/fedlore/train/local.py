@@ -2,8 +2,10 @@
 
 Hooks: ``loss_terms`` add to the minibatch loss (FedProx, Ditto, ELBO's KL), ``on_grad`` sees
 the gradients before the optimizer step (FedLore keeps the last finite gradient for its
-candidate basis). A step whose loss or gradient is not finite is skipped entirely (no moment
-update, no weight change) and counted in ``skipped_steps``, like a mixed-precision grad scaler.
+candidate basis). A step whose loss or gradient is not finite is skipped (no moment update, no
+gradient direction) and counted in ``skipped_steps``, like a mixed-precision grad scaler; an
+optimizer with a ``skip_step()`` method is told, so ProjectedAdam can still apply the round's
+common weight decay (keeping Proposition 8 exact).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchmetrics.classification import MulticlassAccuracy
 
 from fedlore.data.client_data import TensorSplit, minibatches
 
@@ -111,12 +114,14 @@ def local_train(
             loss = loss + term(model)
         if not bool(torch.isfinite(loss)):
             skipped += 1
+            _skip(optimizer)
             continue
         loss.backward()
         grads = [p.grad for p in params if p.grad is not None]
         if not all(bool(torch.isfinite(g).all()) for g in grads):
             skipped += 1
             optimizer.zero_grad(set_to_none=True)
+            _skip(optimizer)
             continue
         if grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -128,6 +133,13 @@ def local_train(
     return TrainStats(mean_loss=mean, steps=len(lrs), skipped_steps=skipped)
 
 
+def _skip(optimizer: torch.optim.Optimizer) -> None:
+    """Tell an optimizer that defines ``skip_step`` (ProjectedAdam) that a step was skipped."""
+    skip = getattr(optimizer, "skip_step", None)
+    if callable(skip):
+        skip()
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, split: TensorSplit, batch_size: int = 512) -> dict[str, float]:
     """Accuracy (torchmetrics, micro) and mean cross-entropy of ``model`` on ``split``.
@@ -135,8 +147,6 @@ def evaluate(model: nn.Module, split: TensorSplit, batch_size: int = 512) -> dic
     Returns:
         ``{"accuracy": share in [0, 1], "loss": mean NLL in nats, "num_examples": count}``.
     """
-    from torchmetrics.classification import MulticlassAccuracy
-
     model.eval()
     n = len(split)
     if n == 0:

@@ -1,0 +1,383 @@
+"""FedLore's client caches, message sizes and initial basis, through the real round loop.
+
+Runs FedLore (and its variants / FedFull for the byte counts) with ``RoundLoop`` +
+``LocalTransport`` + ``ClientStore`` on a tiny MLP with random client data.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fedlore.algorithm import Algorithm
+from fedlore.algorithms.fedavg import FedFull
+from fedlore.algorithms.fedlore import FedLore, FedLoreFixed, FedLoreRandom
+from fedlore.algorithms.local_galore import LocalGaLore
+from fedlore.config import Config
+from fedlore.data.client_data import ClientData, TensorSplit
+from fedlore.engine.loop import RoundLoop
+from fedlore.engine.sampling import sample_clients
+from fedlore.engine.store import ClientStore
+from fedlore.engine.transport import LocalTransport
+from fedlore.optim.subspace import average_projectors, projection_plan, projector_distance
+from fedlore.run import run_dir, run_one
+from fedlore.seeding import CLIENT, generator
+from fedlore.tensors import select
+from fedlore.types import Broadcast, Reply, State
+
+IN, H1, H2, NCLS = 20, 16, 12, 3
+RANK = 2
+SEED = 5
+SIZES = [30, 41, 25, 36]
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(IN, H1)
+        self.fc2 = nn.Linear(H1, H2)
+        self.head = nn.Linear(H2, NCLS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def build() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Net()
+
+
+def client_data(cid: int) -> ClientData:
+    g = torch.Generator().manual_seed(1000 + cid)
+    n = SIZES[cid]
+    x = torch.randn(n, IN, generator=g) + cid
+    y = torch.randint(0, NCLS, (n,), generator=g)
+    return ClientData(cid, TensorSplit(x, y), TensorSplit(x[:5], y[:5]))
+
+
+class RecordingTransport:
+    """LocalTransport that also records each message's config and the synced cache the client
+    stored right after it (cache.* = the model the client started the round from)."""
+
+    def __init__(self, inner: LocalTransport) -> None:
+        self.inner = inner
+        self.configs: dict[int, dict[int, dict[str, Any]]] = {}
+        self.caches: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+        self.messages: dict[int, dict[int, Broadcast]] = {}
+
+    def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
+        out = self.inner.send(rnd, messages)
+        self.messages[rnd] = dict(messages)
+        self.configs[rnd] = {c: dict(m.config) for c, m in messages.items()}
+        self.caches[rnd] = {}
+        for c in messages:
+            st = self.inner.store.get(c)
+            if st is not None:
+                self.caches[rnd][c] = select(st.arrays, "cache.")
+        return out
+
+
+@dataclass
+class Run:
+    algo: Algorithm
+    state: State
+    store: ClientStore
+    transport: RecordingTransport
+    rows: dict[int, dict[str, Any]] = field(default_factory=dict)
+    globals_at: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+def run_rounds(algo: Algorithm, rounds: int, per_round: int = len(SIZES)) -> Run:
+    store = ClientStore()
+    inner = LocalTransport(algo, client_data, build, SEED, store)
+    transport = RecordingTransport(inner)
+    state = algo.init_server(build(), generator(SEED, 2))
+    run = Run(algo, state, store, transport)
+    start = -int(getattr(algo, "setup_rounds", 0))
+    run.globals_at[start] = algo.global_arrays(state)
+
+    class Recorder:
+        def on_round_end(self, rnd: int, row: dict[str, Any], st: State) -> None:
+            run.rows[rnd] = row
+            run.globals_at[rnd + 1] = algo.global_arrays(st)
+
+    loop = RoundLoop(
+        algo,
+        transport,
+        lambda rnd: sample_clients(len(SIZES), per_round, SEED, rnd),
+        callbacks=[Recorder()],
+    )
+    run.state = loop.run(state, start, rounds)
+    for rnd, row in run.rows.items():
+        assert row["rejected"] == 0, (rnd, row.get("rejected_reasons"))
+    return run
+
+
+def fedlore(**kw: Any) -> FedLore:
+    base: dict[str, Any] = {"rank": RANK, "local_steps": 2, "batch_size": 8, "lr": 1e-2}
+    base.update(kw)
+    return FedLore(**base)
+
+
+def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+    assert set(a) == set(b), what
+    for k in a:
+        assert torch.equal(a[k], b[k]), (
+            f"{what}: {k} differs by {float((a[k].double() - b[k].double()).abs().max())}"
+        )
+
+
+def sync_with_next_broadcast(run: Run, rnd: int, cid: int) -> tuple[Broadcast, dict]:
+    """Client ``cid`` receives round ``rnd``'s broadcast; returns it and the client's cache after
+    synchronizing (``client_update`` stores the synced cache as ``cache.*``)."""
+    msg = run.algo.broadcast(run.state, rnd, cid)
+    _, new_state = run.algo.client_update(
+        msg, run.store.get(cid), build(), client_data(cid), generator(SEED, CLIENT, rnd, cid)
+    )
+    return msg, select(new_state.arrays, "cache.")
+
+
+# ------------------------------------------------------------------------------ cache sync
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+def test_full_participation_caches_match_server(weight_decay: float) -> None:
+    rounds = 4
+    run = run_rounds(fedlore(weight_decay=weight_decay, schedule="cosine", rounds=6), rounds)
+    # during the run: every client started every round from exactly the server model
+    for rnd in range(rounds):
+        for cid, cache in run.transport.caches[rnd].items():
+            assert_bitwise(cache, run.globals_at[rnd], f"round {rnd} client {cid}")
+            if rnd >= 1:
+                assert run.transport.configs[rnd][cid]["mode"] == "log"
+    # after the run: syncing with the next broadcast reproduces the final server model
+    final = run.algo.global_arrays(run.state)
+    assert not torch.equal(final["fc1.weight"], run.globals_at[0]["fc1.weight"])
+    for cid in range(len(SIZES)):
+        stored = select(run.store.get(cid).arrays, "cache.")
+        assert_bitwise(stored, run.globals_at[rounds - 1], f"stored cache of {cid}")
+        msg, cache = sync_with_next_broadcast(run, rounds, cid)
+        assert msg.config["mode"] == "log"
+        assert_bitwise(cache, final, f"client {cid}")
+
+
+def test_partial_participation_long_log_caches_match_server() -> None:
+    rounds = 7
+    run = run_rounds(fedlore(log_rounds=50, rounds=rounds + 1), rounds, per_round=2)
+    caught_up = 0  # log messages carrying more than one missed round
+    for rnd in range(rounds):
+        for cid, cache in run.transport.caches[rnd].items():
+            assert_bitwise(cache, run.globals_at[rnd], f"round {rnd} client {cid}")
+            cfg = run.transport.configs[rnd][cid]
+            if cfg["mode"] == "log" and rnd - int(cfg["from_round"]) >= 2:
+                caught_up += 1
+    assert caught_up >= 1, "no returning client was caught up with several increments"
+    final = run.algo.global_arrays(run.state)
+    seen = {c for r in range(-1, rounds) for c in run.transport.configs.get(r, {})}
+    for cid in range(len(SIZES)):
+        msg, cache = sync_with_next_broadcast(run, rounds, cid)
+        if cid not in seen:
+            assert msg.config["mode"] == "dense"
+        assert_bitwise(cache, final, f"client {cid}")
+
+
+def test_log_rounds_one_returning_clients_get_dense_model() -> None:
+    rounds = 6
+    run = run_rounds(fedlore(log_rounds=1, rounds=rounds + 1), rounds, per_round=2)
+    kept = [k for k in run.state.values if k.startswith("log.") and k.endswith(".decay")]
+    assert kept == [f"log.{rounds - 1}.decay"]
+    modes = {"log": 0, "dense": 0}
+    version: dict[int, int] = {}  # round of the model each client caches (setup: W^0)
+    for rnd in range(-1, rounds):
+        for cid, cfg in run.transport.configs.get(rnd, {}).items():
+            if rnd >= 0:
+                # only a client whose cache is W^{rnd-1} (or W^rnd) can be served from a
+                # one-round log; everyone else must get the dense model
+                fresh = version.get(cid, -10) >= rnd - 1
+                assert cfg["mode"] == ("log" if fresh else "dense"), (rnd, cid, cfg)
+                modes[cfg["mode"]] += 1
+                msg = run.transport.messages[rnd][cid]
+                if cfg["mode"] == "dense":
+                    assert set(select(msg.arrays, "model.")) == set(run.globals_at[rnd])
+                cache = run.transport.caches[rnd][cid]
+                assert_bitwise(cache, run.globals_at[rnd], f"round {rnd} client {cid}")
+            version[cid] = max(rnd, 0)
+    assert modes["dense"] >= 1 and modes["log"] >= 1, modes
+    final = run.algo.global_arrays(run.state)
+    for cid in range(len(SIZES)):
+        msg, cache = sync_with_next_broadcast(run, rounds, cid)
+        expected = "log" if version.get(cid, -10) >= rounds - 1 else "dense"
+        assert msg.config["mode"] == expected
+        assert_bitwise(cache, final, f"client {cid}")
+
+
+# ------------------------------------------------------------------------------ bytes
+def plan_and_dense_bytes() -> tuple[dict, int, int]:
+    model = build()
+    plan = projection_plan(model, RANK)
+    assert {k: (s.m, s.n) for k, s in plan.items()} == {
+        "fc1.weight": (H1, IN),
+        "fc2.weight": (H2, H1),
+    }
+    full = sum(t.numel() * 4 for t in model.state_dict().values())
+    dense = full - sum(s.m * s.n * 4 for s in plan.values())
+    return plan, dense, full
+
+
+N = len(SIZES)
+
+
+def test_fedlore_bytes_per_round() -> None:
+    plan, dense, full = plan_and_dense_bytes()
+    run = run_rounds(fedlore(), 3)
+    mr = sum(s.m * s.rank * 4 for s in plan.values())
+    rn = sum(s.rank * s.n * 4 for s in plan.values())
+    assert mr + rn == sum(s.rank * (s.m + s.n) * 4 for s in plan.values())
+    # setup round: dense model down, candidate bases up
+    assert run.rows[-1]["bytes_down"] == N * full
+    assert run.rows[-1]["bytes_up"] == N * mr
+    # round 0: the cache is W^0 already, only P^0 (and unprojected tensors) travel down
+    assert run.rows[0]["bytes_down"] == N * (dense + mr)
+    for rnd in (0, 1, 2):
+        assert run.rows[rnd]["bytes_up"] == N * (rn + mr + dense), rnd
+    for rnd in (1, 2):
+        assert run.rows[rnd]["bytes_down"] == N * (rn + mr + dense), rnd
+        for cid, msg in run.transport.messages[rnd].items():
+            proj = {k: v for k, v in msg.arrays.items() if not k.startswith("dense.")}
+            assert {k: tuple(v.shape) for k, v in proj.items()} == {
+                **{f"log.{rnd - 1}.{k}": (s.rank, s.n) for k, s in plan.items()},
+                **{f"bank.{rnd}.{k}": (s.m, s.rank) for k, s in plan.items()},
+            }, (rnd, cid)
+            assert sum(v.numel() * 4 for v in proj.values()) == sum(
+                s.rank * (s.m + s.n) * 4 for s in plan.values()
+            )
+
+
+def test_dense_baselines_bytes() -> None:
+    _, _, full = plan_and_dense_bytes()
+    for algo in (
+        FedFull(local_steps=2, batch_size=8),
+        LocalGaLore(rank=RANK, local_steps=2, batch_size=8),
+    ):
+        run = run_rounds(algo, 2)
+        for rnd in (0, 1):
+            assert run.rows[rnd]["bytes_down"] == N * full, algo.name
+            assert run.rows[rnd]["bytes_up"] == N * full, algo.name
+
+
+def test_fedlore_random_bytes() -> None:
+    plan, dense, full = plan_and_dense_bytes()
+    run = run_rounds(FedLoreRandom(rank=RANK, local_steps=2, batch_size=8), 3)
+    rn = sum(s.rank * s.n * 4 for s in plan.values())
+    assert -1 not in run.rows
+    assert run.rows[0]["bytes_down"] == N * full  # first contact: dense model, seed only
+    for rnd in (0, 1, 2):
+        assert run.rows[rnd]["bytes_up"] == N * (rn + dense)
+    for rnd in (1, 2):
+        assert run.rows[rnd]["bytes_down"] == N * (rn + dense)
+
+
+@pytest.mark.parametrize("init_basis", ["random", "gradient"])
+def test_fedlore_fixed_bytes(init_basis: str) -> None:
+    plan, dense, full = plan_and_dense_bytes()
+    algo = FedLoreFixed(rank=RANK, local_steps=2, batch_size=8, init_basis=init_basis)
+    run = run_rounds(algo, 3)
+    rn = sum(s.rank * s.n * 4 for s in plan.values())
+    mr = sum(s.m * s.rank * 4 for s in plan.values())
+    if init_basis == "gradient":
+        # setup exchange: dense model down, gradient candidates up (accepted, see run_rounds)
+        assert algo.setup_rounds == 1
+        assert run.rows[-1]["bytes_down"] == N * full
+        assert run.rows[-1]["bytes_up"] == N * mr
+        assert run.rows[0]["bytes_down"] == N * (dense + mr)  # cache is W^0: only P^0
+    else:
+        assert -1 not in run.rows
+        assert run.rows[0]["bytes_down"] == N * (full + mr)  # first contact: model and P^0
+    for rnd in (0, 1, 2):
+        assert run.rows[rnd]["bytes_up"] == N * (rn + dense)
+    for rnd in (1, 2):
+        assert run.rows[rnd]["bytes_down"] == N * (rn + dense)
+    bank = [k for k in run.state.arrays if k.startswith("bank.")]
+    assert bank and all(k.startswith("bank.0.") for k in bank)
+    for k, s in plan.items():
+        p = run.state.arrays[f"bank.0.{k}"]
+        assert p.shape == (s.m, s.rank)
+        assert torch.allclose(p.t() @ p, torch.eye(s.rank), atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ P^0
+def test_gradient_p0_is_orthonormal_projector_average() -> None:
+    algo = fedlore()
+    assert algo.setup_rounds == 1
+    run = run_rounds(algo, 0)  # only the setup exchange (round -1)
+    plan = projection_plan(build(), RANK)
+    assert run.state.values["basis_id"] == 0
+    p0 = select(run.state.arrays, "bank.0.")
+    assert set(p0) == set(plan)
+    # recompute the candidates the clients uploaded and average their projectors
+    init = algo.init_server(build(), generator(SEED, 2))
+    replies = []
+    for cid in range(N):
+        msg = algo.broadcast(init, -1, cid)
+        assert msg.config["mode"] == "dense"
+        reply, _ = algo.client_update(
+            msg, None, build(), client_data(cid), generator(SEED, CLIENT, -1, cid)
+        )
+        replies.append(reply)
+    for k, s in plan.items():
+        p = p0[k]
+        assert p.shape == (s.m, s.rank) and p.dtype == torch.float32
+        assert torch.allclose(p.t() @ p, torch.eye(s.rank), atol=1e-6)
+        cands = [r.arrays["cand." + k] for r in replies]
+        for c in cands:
+            assert torch.allclose(c.t() @ c, torch.eye(s.rank), atol=1e-6)
+        expected = average_projectors(cands, [float(n) for n in SIZES], s.rank)
+        assert projector_distance(p, expected) < 1e-5
+        # heterogeneous clients: their candidate subspaces are not all the same
+        assert max(projector_distance(c, cands[0]) for c in cands) > 1e-2
+
+
+def test_random_init_skips_setup_round() -> None:
+    algo = fedlore(init_basis="random")
+    assert algo.setup_rounds == 0
+    state = algo.init_server(build(), generator(SEED, 2))
+    assert state.values["basis_id"] == 0
+    for k, s in projection_plan(build(), RANK).items():
+        p = state.arrays[f"bank.0.{k}"]
+        assert p.shape == (s.m, s.rank)
+        assert torch.allclose(p.t() @ p, torch.eye(s.rank), atol=1e-6)
+    run = run_rounds(algo, 1)
+    assert sorted(run.rows) == [0]
+    assert sorted(run.transport.configs) == [0]
+
+
+@pytest.mark.parametrize(("init_basis", "first_round"), [("gradient", -1), ("random", 0)])
+def test_run_one_setup_round_rows(tmp_path, init_basis: str, first_round: int) -> None:
+    cfg = Config(
+        name="sync",
+        rounds=1,
+        num_clients=3,
+        local_steps=2,
+        batch_size=16,
+        rank=RANK,
+        algorithms=["fedlore"],
+        output_dir=str(tmp_path),
+        progress=False,
+        checkpoint=False,
+        model={"name": "mlp", "kwargs": {"hidden": [16, 16]}},
+        method={"fedlore": {"init_basis": init_basis}},
+    )
+    summary = run_one(cfg, "fedlore", 0)
+    assert summary is not None and summary["rejected_total"] == 0
+    rows = [
+        json.loads(x)
+        for x in (run_dir(cfg, "fedlore", 0) / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["round"] for r in rows] == list(range(first_round, 1))
+    if init_basis == "gradient":
+        # digits MLP 64 -> 16 -> 16 -> head: two projected 16 x 64 and 16 x 16 matrices
+        assert rows[0]["bytes_up"] == 3 * (16 * RANK + 16 * RANK) * 4
