@@ -8,6 +8,7 @@ overrides, so experiment files only state what differs.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Literal
 
@@ -84,7 +85,7 @@ class Config(_Strict):
     rounds: int = Field(20, ge=1)
     num_clients: int = Field(10, ge=1)
     participation: float = Field(1.0, gt=0.0, le=1.0)
-    """Participation rate C: each round samples max(1, round(C * num_clients)) clients."""
+    """Participation rate C: each round samples max(1, floor(C * num_clients)) clients."""
     local_steps: int = Field(10, ge=1)
     batch_size: int = Field(32, ge=1)
     lr: float = Field(1e-3, gt=0.0)
@@ -124,8 +125,8 @@ class Config(_Strict):
         return v
 
     def clients_per_round(self) -> int:
-        """Number of clients sampled each round: max(1, round(C * num_clients))."""
-        return max(1, round(self.participation * self.num_clients))
+        """Number of clients sampled each round: max(1, floor(C * num_clients))."""
+        return max(1, int(self.participation * self.num_clients + 1e-9))
 
 
 class ConfigError(ValueError):
@@ -178,7 +179,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     Raises:
         ConfigError: when an override has no ``=`` or descends into a non-mapping.
     """
-    out = _deep_merge({}, raw)
+    out = copy.deepcopy(raw)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")

@@ -187,6 +187,8 @@ def run_experiment(cfg: Config, resume: bool = False) -> dict[str, list[dict[str
     for name in cfg.method:
         if name not in cfg.algorithms:
             registry.get("algorithm", name)  # unknown names fail; unused known ones are fine
+    for name in cfg.algorithms:
+        make_algorithm(name, cfg)  # unknown methods and bad hyperparameters fail before any work
     for seed in cfg.seeds:
         fed = build_federation(cfg, seed)
         for method in cfg.algorithms:

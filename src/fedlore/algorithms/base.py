@@ -50,6 +50,24 @@ class Hyper:
     grad_clip: float | None = None
     weighting: Literal["num_examples", "uniform"] = "num_examples"
 
+    def __post_init__(self) -> None:
+        checks = {
+            "lr": self.lr > 0,
+            "local_steps": self.local_steps >= 1,
+            "batch_size": self.batch_size >= 1,
+            "rounds": self.rounds >= 1,
+            "betas": all(0 <= b < 1 for b in self.betas) and len(self.betas) == 2,
+            "eps": self.eps > 0,
+            "weight_decay": self.weight_decay >= 0,
+            "schedule": self.schedule in ("constant", "cosine"),
+            "min_lr_ratio": 0 <= self.min_lr_ratio <= 1,
+            "grad_clip": self.grad_clip is None or self.grad_clip > 0,
+            "weighting": self.weighting in ("num_examples", "uniform"),
+        }
+        for field, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{type(self).__name__}: invalid {field}={getattr(self, field)!r}")
+
     def lr_schedule(self) -> Schedule:
         """The run's :class:`~fedlore.train.local.Schedule`."""
         return Schedule(self.lr, self.schedule, self.rounds * self.local_steps, self.min_lr_ratio)

@@ -78,6 +78,15 @@ class FedLore(LowRankHyper):
     server_basis: Literal["svd", "gram"] = "svd"
     log_rounds: int = 8
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.init_basis not in ("gradient", "random"):
+            raise ValueError(f"FedLore: invalid init_basis={self.init_basis!r}")
+        if self.server_basis not in ("svd", "gram"):
+            raise ValueError(f"FedLore: invalid server_basis={self.server_basis!r}")
+        if self.log_rounds < 1:
+            raise ValueError(f"FedLore: invalid log_rounds={self.log_rounds!r}")
+
     @property
     def setup_rounds(self) -> int:
         """1 when P^0 comes from client gradients (a basis-only exchange before round 0)."""

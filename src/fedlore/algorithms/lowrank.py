@@ -40,6 +40,17 @@ class LowRankHyper(Hyper):
     exclude: tuple[str, ...] = ("head.",)
     candidate_svd: Literal["exact", "randomized"] = "exact"
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rank < 1:
+            raise ValueError(f"{type(self).__name__}: invalid rank={self.rank!r}")
+        if self.scale <= 0:
+            raise ValueError(f"{type(self).__name__}: invalid scale={self.scale!r}")
+        if self.side not in ("left", "right", "auto"):
+            raise ValueError(f"{type(self).__name__}: invalid side={self.side!r}")
+        if self.candidate_svd not in ("exact", "randomized"):
+            raise ValueError(f"{type(self).__name__}: invalid candidate_svd={self.candidate_svd!r}")
+
     def plan(self, model: nn.Module) -> dict[str, MatrixSpec]:
         """The projection plan of ``model`` (see :func:`fedlore.optim.subspace.projection_plan`)."""
         return projection_plan(model, self.rank, self.side, self.exclude)

@@ -40,12 +40,22 @@ def validate_reply(
 ) -> str | None:
     """Why ``reply`` must be rejected, or None if it is acceptable.
 
-    Checks: ``num_examples`` is a positive integer; the array keys are exactly the expected
-    ones; each array has the expected shape and dtype; every floating array is finite.
+    Checks: ``num_examples`` is a finite positive integer; every array is a tensor; the array
+    keys are exactly the expected ones; each array has the expected shape and dtype, is detached,
+    and (if floating or complex) finite.
     """
     n = reply.metrics.get("num_examples")
-    if not isinstance(n, int | float) or isinstance(n, bool) or not n > 0 or int(n) != n:
+    if (
+        not isinstance(n, int | float)
+        or isinstance(n, bool)
+        or not math.isfinite(n)
+        or not n > 0
+        or int(n) != n
+    ):
         return f"num_examples must be a positive integer, got {n!r}"
+    bad = sorted(k for k, v in reply.arrays.items() if not isinstance(v, torch.Tensor))
+    if bad:
+        return f"arrays that are not tensors: {bad[:3]}"
     missing = sorted(set(expected) - set(reply.arrays))
     extra = sorted(set(reply.arrays) - set(expected))
     if missing or extra:
@@ -56,7 +66,9 @@ def validate_reply(
             return f"{k}: shape {tuple(t.shape)}, expected {tuple(shape)}"
         if t.dtype != dtype:
             return f"{k}: dtype {t.dtype}, expected {dtype}"
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if t.requires_grad:
+            return f"{k}: requires grad (replies must be detached)"
+        if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
             return f"{k}: contains NaN or Inf"
     return None
 
@@ -94,7 +106,9 @@ class RoundLoop:
         for cid in ids:
             res = results.get(cid)
             if isinstance(res, Reply):
-                bytes_up += nbytes(res.arrays)
+                bytes_up += nbytes(
+                    {k: v for k, v in res.arrays.items() if isinstance(v, torch.Tensor)}
+                )
                 reason = validate_reply(res, expected)
             else:
                 reason = "no reply" if res is None else f"{type(res).__name__}: {res}"

@@ -1,0 +1,265 @@
+"""Kill-and-resume gives the run an uninterrupted one would have given, and the CLI around it.
+
+``run_one(..., stop_after=k)`` simulates a kill right after round ``k`` (its checkpoint is on
+disk); ``run_one(..., resume=True)`` continues from it. Every metric except wall time must match
+an uninterrupted run in another output directory, round by round.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fedlore.cli import main
+from fedlore.config import Config, load_config
+from fedlore.engine.callbacks import Checkpointer
+from fedlore.run import run_dir, run_one
+
+SEED = 3
+ROUNDS = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread() -> Iterator[None]:
+    """Tiny models: one intra-op thread is many times faster on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _cfg(out: Path, *extra: str) -> Config:
+    return load_config(
+        None,
+        [
+            "name=resume",
+            "num_clients=3",
+            f"rounds={ROUNDS}",
+            "local_steps=2",
+            "batch_size=16",
+            "lr=3e-3",
+            "rank=4",
+            "model.kwargs={hidden: [32]}",
+            "partition.min_size=10",
+            "progress=false",
+            f"output_dir={out}",
+            *extra,
+        ],
+    )
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _is_timing(key: str) -> bool:
+    """Wall-clock measurements (``wall_s``, ``eval_s``, ``wall_s_per_round``, ...)."""
+    return key.endswith("_s") or "_s_" in key
+
+
+def _no_timing(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if not _is_timing(k)}
+
+
+_REFERENCE: dict[tuple[str, tuple[str, ...]], tuple[dict[str, Any], Path]] = {}
+
+
+def _reference(
+    method: str, factory: pytest.TempPathFactory, *extra: str
+) -> tuple[dict[str, Any], Path]:
+    """Uninterrupted run (cached per method and config): its summary and its run directory."""
+    key = (method, extra)
+    if key not in _REFERENCE:
+        cfg = _cfg(factory.mktemp("reference"), *extra)
+        summary = run_one(cfg, method, SEED)
+        assert summary is not None
+        _REFERENCE[key] = (summary, run_dir(cfg, method, SEED))
+    return _REFERENCE[key]
+
+
+def _assert_same_run(
+    got: Path, want: Path, got_summary: dict[str, Any], want_summary: dict[str, Any]
+) -> None:
+    assert _no_timing(got_summary) == _no_timing(want_summary)
+    assert json.loads((got / "summary.json").read_text()) == got_summary
+    a, b = _rows(got / "metrics.jsonl"), _rows(want / "metrics.jsonl")
+    assert [r["round"] for r in a] == [r["round"] for r in b]
+    for ra, rb in zip(a, b, strict=True):
+        assert _no_timing(ra) == _no_timing(rb), ra["round"]
+    # the final server state and client store are the same tensors
+    ra_, sa, store_a = Checkpointer.load(got / "checkpoint.pt")
+    rb_, sb, store_b = Checkpointer.load(want / "checkpoint.pt")
+    assert ra_ == rb_ == ROUNDS - 1
+    assert sa.values == sb.values and sa.arrays.keys() == sb.arrays.keys()
+    for k in sa.arrays:
+        assert torch.equal(sa.arrays[k], sb.arrays[k]), k
+    assert store_a.to_dict().keys() == store_b.to_dict().keys()
+    for cid, st in store_a.to_dict().items():
+        other = store_b.to_dict()[cid]
+        assert st["values"] == other["values"]
+        for k, t in st["arrays"].items():
+            assert torch.equal(t, other["arrays"][k]), (cid, k)
+
+
+KILLS = [
+    ("fedlore", -1),  # right after the setup exchange (P^0 from client gradients)
+    ("fedlore", 1),  # a middle round
+    ("fedlore", ROUNDS - 2),  # the last round before the end
+    ("fedfull", -1),  # killed before its first round: nothing to resume from
+    ("fedfull", 0),
+    ("fedfull", 1),
+    ("fedfull", ROUNDS - 2),
+]
+
+
+@pytest.mark.parametrize(("method", "kill_after"), KILLS)
+def test_resume_matches_uninterrupted_run(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, method: str, kill_after: int
+) -> None:
+    want_summary, want = _reference(method, tmp_path_factory)
+    cfg = _cfg(tmp_path)
+    out = run_dir(cfg, method, SEED)
+    assert run_one(cfg, method, SEED, stop_after=kill_after) is None
+    assert not (out / "summary.json").exists()
+    done = [r["round"] for r in _rows(out / "metrics.jsonl")]
+    start = -1 if method == "fedlore" else 0
+    assert done == list(range(start, kill_after + 1))
+    if done:
+        assert Checkpointer.load(out / "checkpoint.pt")[0] == kill_after
+    got_summary = run_one(cfg, method, SEED, resume=True)
+    assert got_summary is not None
+    assert got_summary["rounds"] == ROUNDS
+    assert got_summary["final_accuracy"] is not None
+    _assert_same_run(out, want, got_summary, want_summary)
+
+
+def test_fedlore_clients_keep_state_across_the_kill(tmp_path: Path) -> None:
+    """The store really is part of the checkpoint (else 'resume matches' would be vacuous for
+    stateless clients only)."""
+    cfg = _cfg(tmp_path)
+    run_one(cfg, "fedlore", SEED, stop_after=0)
+    _, _, store = Checkpointer.load(run_dir(cfg, "fedlore", SEED) / "checkpoint.pt")
+    assert len(store) == cfg.num_clients
+    assert store.nbytes() > 0
+    run_one(cfg, "fedfull", SEED, stop_after=0)
+    _, _, store = Checkpointer.load(run_dir(cfg, "fedfull", SEED) / "checkpoint.pt")
+    assert len(store) == 0
+
+
+def test_two_kills_then_resume(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    want_summary, want = _reference("fedlore", tmp_path_factory)
+    cfg = _cfg(tmp_path)
+    assert run_one(cfg, "fedlore", SEED, stop_after=-1) is None
+    assert run_one(cfg, "fedlore", SEED, resume=True, stop_after=1) is None
+    got = run_one(cfg, "fedlore", SEED, resume=True)
+    assert got is not None
+    _assert_same_run(run_dir(cfg, "fedlore", SEED), want, got, want_summary)
+
+
+@pytest.mark.parametrize("method", ["fedlore", "fedfull"])
+def test_torn_temp_checkpoint_and_torn_metrics_line(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, method: str
+) -> None:
+    """A kill inside ``atomic_save`` leaves ``checkpoint.pt.tmp`` garbage; a kill between the
+    metrics row and the checkpoint leaves a row (maybe half written) past the checkpoint."""
+    want_summary, want = _reference(method, tmp_path_factory)
+    cfg = _cfg(tmp_path)
+    out = run_dir(cfg, method, SEED)
+    run_one(cfg, method, SEED, stop_after=1)
+    (out / "checkpoint.pt.tmp").write_bytes(b"\x80\x02garbage, not a torch file" * 10)
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"round": 2, "accuracy": 0.99, "wall_s": 0.0}) + "\n")
+        f.write('{"round": 3, "accur')  # torn last line
+    got = run_one(cfg, method, SEED, resume=True)
+    assert got is not None
+    _assert_same_run(out, want, got, want_summary)
+    assert not (out / "checkpoint.pt.tmp").exists()  # replaced by the next atomic save
+
+
+def test_resume_of_a_finished_run_returns_its_summary(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "rounds=2")
+    first = run_one(cfg, "fedfull", SEED)
+    out = run_dir(cfg, "fedfull", SEED)
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
+    again = run_one(cfg, "fedfull", SEED, resume=True)
+    assert again == first
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
+
+
+def test_without_resume_a_run_starts_over(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "rounds=2")
+    run_one(cfg, "fedfull", SEED, stop_after=0)
+    run_one(cfg, "fedfull", SEED)
+    assert [r["round"] for r in _rows(run_dir(cfg, "fedfull", SEED) / "metrics.jsonl")] == [0, 1]
+
+
+# ------------------------------------------------------------------------------------ CLI
+
+
+def _cli_config(tmp_path: Path) -> tuple[Path, Path]:
+    runs = tmp_path / "runs"
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(
+        "name: clitest\nnum_clients: 3\nrounds: 5\nlocal_steps: 2\nbatch_size: 16\n"
+        "lr: 3.0e-3\nrank: 4\nalgorithms: [fedfull, fedlore]\nseeds: [0]\n"
+        f"output_dir: {runs}\nprogress: false\n"
+        "partition:\n  min_size: 10\nmodel:\n  name: mlp\n  kwargs: {hidden: [32]}\n"
+    )
+    return cfg_file, runs / "clitest"
+
+
+def test_cli_run_then_resume_does_not_rerun(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg_file, exp = _cli_config(tmp_path)
+    assert main(["run", str(cfg_file), "rounds=2"]) == 0
+    out = capsys.readouterr().out
+    assert "fedfull" in out and "fedlore" in out  # the mean ± std table
+    assert (exp / "report.md").is_file() and (exp / "report.csv").is_file()
+    files = {
+        m: (exp / m / "seed-0" / "summary.json", exp / m / "seed-0" / "metrics.jsonl")
+        for m in ("fedfull", "fedlore")
+    }
+    for summary, metrics in files.values():
+        assert json.loads(summary.read_text())["rounds"] == 2  # the override reached the run
+        assert [r["round"] for r in _rows(metrics) if r["round"] >= 0] == [0, 1]
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for pair in files.values() for p in pair}
+
+    assert main(["run", str(cfg_file), "rounds=2", "--resume"]) == 0
+    assert "fedfull" in capsys.readouterr().out
+    after = {p: (p.read_bytes(), p.stat().st_mtime_ns) for pair in files.values() for p in pair}
+    assert after == before  # wall_s would differ on a rerun
+
+
+@pytest.mark.parametrize(
+    ("override", "needles"),
+    [
+        ("participation=0", ["participation", "got 0"]),
+        ("lr=-1", ["lr", "got -1"]),
+        ("partition.alpha=0", ["partition.alpha", "got 0"]),
+        ("roundz=2", ["roundz", "unknown key"]),
+        ("algorithms=[fedmagic]", ["fedmagic", "fedlore"]),
+        ("method.fedfull.bogus=1", ["bogus"]),
+        ("rounds", ["key=value"]),
+    ],
+)
+def test_cli_bad_override_exits_2_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], override: str, needles: list[str]
+) -> None:
+    cfg_file, exp = _cli_config(tmp_path)
+    assert main(["run", str(cfg_file), override]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("fedlore: error:")
+    for needle in needles:
+        assert needle in captured.err, captured.err
+    assert not (exp / "report.md").exists()
+
+
+def test_cli_missing_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(tmp_path / "absent.yaml")]) == 2
+    assert "absent.yaml" in capsys.readouterr().err

@@ -1,0 +1,310 @@
+"""Config loading: YAML, ``base`` chains, ``key=value`` overrides, strict validation, and how
+``method.<name>`` overrides reach the algorithm (``fedlore.run.make_algorithm``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pydantic
+import pytest
+
+from fedlore import registry
+from fedlore.config import Config, ConfigError, apply_overrides, load_config, read_yaml
+from fedlore.run import make_algorithm, run_experiment
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------------------------ YAML
+
+
+def test_yaml_file_is_loaded_and_missing_keys_take_defaults(tmp_path: Path) -> None:
+    cfg_file = _write(
+        tmp_path / "exp.yaml",
+        "name: tiny\nrounds: 7\nlr: 0.02\nalgorithms: [fedfull]\n"
+        "partition:\n  name: iid\nmodel:\n  name: mlp\n  kwargs: {hidden: [16, 8]}\n",
+    )
+    cfg = load_config(cfg_file)
+    assert cfg.name == "tiny" and cfg.rounds == 7 and cfg.lr == 0.02
+    assert cfg.algorithms == ["fedfull"]
+    assert cfg.partition.name == "iid"
+    assert cfg.partition.alpha == Config().partition.alpha  # untouched nested default
+    assert cfg.model.kwargs == {"hidden": [16, 8]}
+    assert cfg.num_clients == Config().num_clients
+
+
+def test_quickstart_config_loads() -> None:
+    path = Path(__file__).resolve().parents[1] / "experiments" / "quickstart.yaml"
+    cfg = load_config(path)
+    assert cfg.name == "quickstart" and cfg.data.name == "digits"
+    assert cfg.algorithms == ["fedlore", "fedfull", "local_galore"]
+    assert set(cfg.algorithms) <= set(registry.names("algorithm"))
+
+
+def test_empty_yaml_gives_defaults(tmp_path: Path) -> None:
+    assert load_config(_write(tmp_path / "empty.yaml", "")) == Config()
+
+
+def test_non_mapping_yaml_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(_write(tmp_path / "list.yaml", "- 1\n- 2\n"))
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_config_is_frozen() -> None:
+    cfg = load_config(None)
+    with pytest.raises(pydantic.ValidationError):
+        cfg.rounds = 3  # type: ignore[misc]
+
+
+# ------------------------------------------------------------------------------ base chain
+
+
+def test_base_chain_merges_deeply_and_later_files_win(tmp_path: Path) -> None:
+    _write(
+        tmp_path / "base.yaml",
+        "name: base\nrounds: 50\nlr: 0.1\n"
+        "partition:\n  name: dirichlet\n  alpha: 0.5\n  min_size: 3\n",
+    )
+    # the middle file lives in a sub-folder: its base is relative to itself
+    _write(
+        tmp_path / "sub" / "mid.yaml", "base: ../base.yaml\nrounds: 20\npartition:\n  alpha: 0.2\n"
+    )
+    top = _write(tmp_path / "top.yaml", "base: sub/mid.yaml\nname: top\n")
+    raw = read_yaml(top)
+    assert "base" not in raw
+    cfg = load_config(top)
+    assert cfg.name == "top"  # top wins
+    assert cfg.rounds == 20  # mid wins over base
+    assert cfg.lr == 0.1  # only in base
+    assert cfg.partition.alpha == 0.2  # nested key from mid ...
+    assert cfg.partition.name == "dirichlet" and cfg.partition.min_size == 3  # ... merged, kept
+
+
+def test_base_chain_loop_is_an_error(tmp_path: Path) -> None:
+    _write(tmp_path / "a.yaml", "base: b.yaml\nrounds: 1\n")
+    _write(tmp_path / "b.yaml", "base: a.yaml\nrounds: 2\n")
+    with pytest.raises(ConfigError, match="loops"):
+        load_config(tmp_path / "a.yaml")
+
+
+def test_missing_base_is_an_error(tmp_path: Path) -> None:
+    top = _write(tmp_path / "top.yaml", "base: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match=re.escape("nowhere.yaml")):
+        load_config(top)
+
+
+# ------------------------------------------------------------------------------- overrides
+
+
+def test_dotted_overrides_on_top_of_a_file(tmp_path: Path) -> None:
+    f = _write(tmp_path / "exp.yaml", "rounds: 9\npartition:\n  alpha: 0.5\n  min_size: 4\n")
+    cfg = load_config(f, ["partition.alpha=0.1", "rounds=3"])
+    assert cfg.partition.alpha == 0.1
+    assert cfg.partition.min_size == 4  # sibling of the overridden key survives
+    assert cfg.rounds == 3
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("algorithms=[fedlore,fedfull]", ["fedlore", "fedfull"]),
+        ("algorithms=[fedlore, fedfull]", ["fedlore", "fedfull"]),
+        ("algorithms=fedlore", ["fedlore"]),
+        ("algorithms=fedfull", ["fedfull"]),
+    ],
+)
+def test_algorithms_override_is_a_list(override: str, expected: list[str]) -> None:
+    assert load_config(None, [override]).algorithms == expected
+
+
+@pytest.mark.parametrize(("override", "expected"), [("seeds=[1,2]", [1, 2]), ("seeds=3", [3])])
+def test_seeds_override(override: str, expected: list[int]) -> None:
+    assert load_config(None, [override]).seeds == expected
+
+
+def test_override_values_are_yaml_parsed() -> None:
+    cfg = load_config(
+        None, ["model.kwargs={hidden: [16]}", "data.root=", "optim.betas=[0.8,0.9]", "lr=1e-2"]
+    )
+    assert cfg.model.kwargs == {"hidden": [16]}
+    assert cfg.data.root is None  # empty value -> null
+    assert cfg.optim.betas == (0.8, 0.9)
+    assert cfg.lr == pytest.approx(0.01)
+
+
+def test_override_does_not_mutate_its_input() -> None:
+    raw = {"partition": {"alpha": 0.5}}
+    out = apply_overrides(raw, ["partition.alpha=0.1"])
+    assert raw == {"partition": {"alpha": 0.5}} and out["partition"]["alpha"] == 0.1
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [("rounds", "key=value"), ("rounds.deep=1", "'rounds' is not a section")],
+)
+def test_malformed_overrides(override: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(None, ["rounds=3", override])
+
+
+# ------------------------------------------------------------------ unknown keys, bad values
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["roundz=3", "partition.alpah=0.1", "data.nmae=digits", "optim.lrr=1", "eval.evry=2"],
+)
+def test_unknown_keys_are_errors_naming_the_key(override: str) -> None:
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert re.search(rf"^\s*{re.escape(key)}: unknown key", str(err.value), re.M), str(err.value)
+
+
+def test_unknown_keys_in_yaml_are_errors(tmp_path: Path) -> None:
+    f = _write(tmp_path / "exp.yaml", "rounds: 2\npartition:\n  alhpa: 0.3\ncolour: red\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(f)
+    msg = str(err.value)
+    assert "partition.alhpa: unknown key" in msg and "colour: unknown key" in msg  # all listed
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "shown"),
+    [
+        ("participation=0", "participation", "0"),
+        ("participation=1.5", "participation", "1.5"),
+        ("lr=-1", "lr", "-1"),
+        ("partition.alpha=0", "partition.alpha", "0"),
+        ("rounds=0", "rounds", "0"),
+        ("num_clients=0", "num_clients", "0"),
+        ("local_steps=-2", "local_steps", "-2"),
+        ("batch_size=0", "batch_size", "0"),
+        ("rank=0", "rank", "0"),
+        ("data.fraction=0", "data.fraction", "0"),
+        ("algorithms=[]", "algorithms", "[]"),
+        ("rounds=many", "rounds", "'many'"),
+    ],
+)
+def test_invalid_values_name_field_and_value(override: str, field: str, shown: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert isinstance(err.value, ValueError)
+    line = rf"^\s*{re.escape(field)}: .*\(got {re.escape(shown)}\)$"
+    assert re.search(line, str(err.value), re.M), str(err.value)
+
+
+def test_every_issue_key_exists_and_is_settable() -> None:
+    overrides = {
+        "rounds": 7,
+        "num_clients": 5,
+        "participation": 0.4,
+        "local_steps": 4,
+        "batch_size": 8,
+        "lr": 0.05,
+        "rank": 3,
+        "algorithms": ["fedfull", "fedlore"],
+        "seeds": [5, 6],
+        "data.name": "fashion_mnist",
+        "data.root": "/data/somewhere",
+        "partition.name": "iid",
+        "partition.alpha": 0.3,
+        "output_dir": "out/dir",
+    }
+    items = []
+    for k, v in overrides.items():
+        text = "[" + ",".join(map(str, v)) + "]" if isinstance(v, list) else str(v)
+        items.append(f"{k}={text}")
+    cfg = load_config(None, items)
+    for k, v in overrides.items():
+        obj: object = cfg
+        for part in k.split("."):
+            obj = getattr(obj, part)
+        assert obj == v, k
+        assert v != _default(k), f"{k}: test value equals the default, so it proves nothing"
+
+
+def _default(dotted: str) -> object:
+    obj: object = Config()
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_clients_per_round_follows_participation() -> None:
+    assert load_config(None, ["num_clients=10", "participation=0.3"]).clients_per_round() == 3
+    assert load_config(None, ["num_clients=10", "participation=1.0"]).clients_per_round() == 10
+    assert load_config(None, ["num_clients=10", "participation=0.01"]).clients_per_round() == 1
+
+
+# ------------------------------------------------------------------ method.<name> overrides
+
+
+def test_common_settings_reach_every_algorithm() -> None:
+    cfg = load_config(None, ["lr=0.02", "local_steps=4", "batch_size=8", "rounds=6", "rank=3"])
+    for name in registry.names("algorithm"):
+        algo = make_algorithm(name, cfg)
+        assert (algo.lr, algo.local_steps, algo.batch_size, algo.rounds) == (0.02, 4, 8, 6)
+        if "rank" in {f.name for f in dataclasses.fields(algo)}:
+            assert algo.rank == 3
+
+
+def test_method_overrides_reach_only_their_algorithm() -> None:
+    cfg = load_config(
+        None,
+        [
+            "lr=0.01",
+            "method.fedfull.lr=0.5",
+            "method.fedfull.betas=[0.8,0.95]",
+            "method.fedlore.init_basis=random",
+            "method.fedlore.rank=2",
+        ],
+    )
+    full = make_algorithm("fedfull", cfg)
+    assert full.lr == 0.5 and full.betas == (0.8, 0.95)  # list -> tuple (hashable, frozen)
+    lore = make_algorithm("fedlore", cfg)
+    assert lore.lr == 0.01 and lore.rank == 2 and lore.init_basis == "random"
+    assert lore.setup_rounds == 0  # a random P^0 needs no setup exchange
+    assert make_algorithm("fedlore", load_config(None)).setup_rounds == 1
+    assert make_algorithm("local_galore", cfg).lr == 0.01
+
+
+def test_method_overrides_from_yaml(tmp_path: Path) -> None:
+    f = _write(tmp_path / "exp.yaml", "method:\n  fedfull:\n    local_optimizer: sgd\n")
+    assert make_algorithm("fedfull", load_config(f)).local_optimizer == "sgd"
+
+
+def test_unknown_hyperparameter_is_a_value_error_naming_it() -> None:
+    cfg = load_config(None, ["method.fedfull.bogus_knob=1"])
+    with pytest.raises(ValueError, match="bogus_knob"):
+        make_algorithm("fedfull", cfg)
+    make_algorithm("fedlore", cfg)  # other methods are unaffected
+
+
+def test_unknown_method_is_a_key_error_listing_registered_ones() -> None:
+    with pytest.raises(KeyError) as err:
+        make_algorithm("fedmagic", load_config(None))
+    msg = str(err.value)
+    assert "fedmagic" in msg
+    for name in registry.names("algorithm"):
+        assert repr(name) in msg
+
+
+def test_unknown_method_section_fails_before_any_run(tmp_path: Path) -> None:
+    cfg = load_config(
+        None, ["algorithms=fedfull", "method.fedmagic.lr=1", f"output_dir={tmp_path}"]
+    )
+    with pytest.raises(KeyError, match="fedmagic"):
+        run_experiment(cfg)
+    assert not any(tmp_path.iterdir())  # nothing was run or written
