@@ -78,6 +78,19 @@ class EvalConfig(_Strict):
     """Also score the global model on every client's local test split (mean in metrics)."""
 
 
+class FlowerConfig(_Strict):
+    """Settings of the Flower engines (``engine=flower-sim`` and ``flwr run`` deployments)."""
+
+    round_timeout_s: float | None = Field(None, gt=0.0)
+    """Seconds the server waits for replies each round (None: wait for every sampled client)."""
+    max_message_mb: float | None = Field(None, gt=0.0)
+    """Refuse to send a broadcast whose arrays exceed this many MB (10^6 bytes)."""
+    wait_for_nodes_s: float = Field(60.0, ge=0.0)
+    """Seconds the server waits at start for ``num_clients`` SuperNodes to connect."""
+    num_cpus: int = Field(2, ge=1)
+    """Simulation: CPUs given to the Ray backend (each ClientApp uses one)."""
+
+
 class Config(_Strict):
     """A whole experiment. Every key means what it says; see ``experiments/quickstart.yaml``."""
 
@@ -93,8 +106,9 @@ class Config(_Strict):
     algorithms: list[str] = Field(default_factory=lambda: ["fedlore"])
     seeds: list[int] = Field(default_factory=lambda: [42])
     output_dir: str = "runs"
-    engine: Literal["local"] = "local"
-    """Transport: "local" (in-process, the embedded default)."""
+    engine: Literal["local", "flower-sim"] = "local"
+    """Transport: "local" (in-process, the embedded default) or "flower-sim" (Flower's
+    Simulation Engine with the Ray backend; needs the ``flower`` extra)."""
     weighting: Literal["num_examples", "uniform"] = "num_examples"
     """Aggregation weights p_i: data size (default) or uniform, the same rule for all methods."""
     data: DataConfig = Field(default_factory=DataConfig)
@@ -102,6 +116,7 @@ class Config(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    flower: FlowerConfig = Field(default_factory=FlowerConfig)
     method: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per-method hyperparameter overrides, e.g. ``method: {fedfull: {lr: 1e-4}}``."""
     checkpoint: bool = True

@@ -27,7 +27,7 @@ from fedlore.engine.callbacks import Checkpointer, MetricsWriter, ProgressBar
 from fedlore.engine.loop import Callback, RoundLoop
 from fedlore.engine.sampling import sample_clients
 from fedlore.engine.store import ClientStore
-from fedlore.engine.transport import LocalTransport
+from fedlore.engine.transport import LocalTransport, Transport
 from fedlore.models import build_model
 from fedlore.seeding import MODEL_INIT, SERVER_INIT, derive_seed, generator
 from fedlore.tensors import load_model_arrays
@@ -91,9 +91,13 @@ def run_one(
     resume: bool = False,
     stop_after: int | None = None,
     extra_callbacks: tuple[Callback, ...] = (),
+    make_transport: Callable[..., Transport] | None = None,
 ) -> dict[str, Any] | None:
     """Run one method for one seed; returns its summary (None if stopped early by ``stop_after``,
-    which simulates a killed run for tests)."""
+    which simulates a killed run for tests).
+
+    ``make_transport(algorithm, client_data, model_factory, seed, store)`` replaces the
+    in-process transport (the Flower ServerApp passes one over its Grid)."""
     out = run_dir(cfg, method, seed)
     summary_path = out / "summary.json"
     if resume and summary_path.exists():
@@ -116,7 +120,8 @@ def run_one(
         log.info("resuming %s seed %d after round %d", method, seed, last)
     else:
         metrics.path.write_text("")
-    transport = LocalTransport(algo, fed.client, build, seed, store)
+    factory = make_transport if make_transport is not None else LocalTransport
+    transport = factory(algo, fed.client, build, seed, store)
 
     def evaluate_state(s: State) -> dict[str, float]:
         load_model_arrays(eval_model, algo.global_arrays(s))
@@ -192,7 +197,12 @@ def run_experiment(cfg: Config, resume: bool = False) -> dict[str, list[dict[str
     for seed in cfg.seeds:
         fed = build_federation(cfg, seed)
         for method in cfg.algorithms:
-            summary = run_one(cfg, method, seed, fed=fed, resume=resume)
+            if cfg.engine == "flower-sim":
+                from fedlore.flower.simulation import run_simulated
+
+                summary: dict[str, Any] | None = run_simulated(cfg, method, seed, resume=resume)
+            else:
+                summary = run_one(cfg, method, seed, fed=fed, resume=resume)
             if summary is not None:
                 out[method].append(summary)
     return out

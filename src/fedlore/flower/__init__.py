@@ -1,0 +1,22 @@
+"""Flower (flwr) integration: the only package of fedlore that imports flwr.
+
+* :mod:`fedlore.flower.codec` — lossless Arrays / Broadcast / Reply / State <-> Flower records.
+* :mod:`fedlore.flower.transport` — a :class:`~fedlore.engine.transport.Transport` over a Flower
+  ``Grid`` (one message per sampled client, replies within a timeout).
+* :mod:`fedlore.flower.app` — the ServerApp (runs fedlore's round loop) and the ClientApp (calls
+  the same ``client_update``, client state in ``Context.state``).
+
+Install with ``pip install -e '.[flower]'``.
+"""
+
+import os
+
+# Offline, quiet, no runtime dependency installation (shared/ENVIRONMENT.md, Flower traps).
+for _key, _value in {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "HF_HUB_OFFLINE": "1",
+}.items():
+    os.environ.setdefault(_key, _value)

@@ -1,0 +1,133 @@
+"""A :class:`~fedlore.engine.transport.Transport` over a Flower ``Grid``.
+
+Each round's broadcasts become one ``Message`` per sampled client (``message_type="train"``,
+addressed to the SuperNode that holds that client's partition), sent together with
+``grid.send_and_receive(..., timeout=round_timeout)``. Replies that arrive in time are decoded;
+a client whose reply carries an error comes back as an exception; a client that does not answer
+in time (a dead SuperNode) is simply absent, so the round loop aggregates the rest.
+
+Before the first round the transport asks every connected node for its ``partition-id``
+(``message_type="query"``) to map fedlore client ids to Flower node ids; nodes that join later
+are picked up by :meth:`FlowerTransport.refresh_nodes`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from fedlore.flower.codec import broadcast_to_record, record_nbytes, record_to_reply
+from fedlore.types import Broadcast, Reply
+
+log = logging.getLogger(__name__)
+
+
+class MessageTooLarge(ValueError):
+    """A broadcast exceeds the configured size limit (raised before anything is sent)."""
+
+
+def check_size(client_id: int, msg: Broadcast, limit_bytes: int | None) -> None:
+    """Fail before sending when ``msg``'s arrays exceed ``limit_bytes``, naming the largest.
+
+    Raises:
+        MessageTooLarge: listing the five largest arrays and what to change.
+    """
+    if limit_bytes is None:
+        return
+    sizes = sorted(((t.numel() * t.element_size(), k) for k, t in msg.arrays.items()), reverse=True)
+    total = sum(s for s, _ in sizes)
+    if total > limit_bytes:
+        top = ", ".join(f"{k} ({s / 1e6:.2f} MB)" for s, k in sizes[:5])
+        raise MessageTooLarge(
+            f"broadcast to client {client_id} is {total / 1e6:.2f} MB, over the limit of "
+            f"{limit_bytes / 1e6:.2f} MB (flower.max_message_mb); largest arrays: {top}. "
+            "Raise the limit, lower the rank, or use a method that sends low-rank payloads."
+        )
+
+
+class FlowerTransport:
+    """Sends fedlore broadcasts through a Flower ``Grid``.
+
+    Args:
+        grid: the ServerApp's grid.
+        round_timeout: seconds to wait for replies each round (None: wait for all).
+        max_message_bytes: refuse to send a broadcast larger than this (None: no limit).
+        wait_for_nodes: seconds to wait for the first nodes to connect.
+        expected_nodes: how many nodes to wait for (at most ``wait_for_nodes``).
+    """
+
+    def __init__(
+        self,
+        grid: Grid,
+        round_timeout: float | None = None,
+        max_message_bytes: int | None = None,
+        wait_for_nodes: float = 60.0,
+        expected_nodes: int = 1,
+    ) -> None:
+        self.grid = grid
+        self.round_timeout = round_timeout
+        self.max_message_bytes = max_message_bytes
+        self.node_of: dict[int, int] = {}
+        self.wire_bytes_down = 0
+        self.wire_bytes_up = 0
+        deadline = time.monotonic() + wait_for_nodes
+        while len(list(grid.get_node_ids())) < expected_nodes and time.monotonic() < deadline:
+            time.sleep(0.5)
+        self.refresh_nodes()
+
+    def refresh_nodes(self, node_ids: Iterable[int] | None = None) -> None:
+        """Ask nodes for their ``partition-id`` and update the client -> node map."""
+        known = set(self.node_of.values())
+        ids = [n for n in (node_ids or self.grid.get_node_ids()) if n not in known]
+        if not ids:
+            return
+        msgs = [
+            Message(RecordDict({"q": ConfigRecord({"ask": "partition-id"})}), n, "query")
+            for n in ids
+        ]
+        for reply in self.grid.send_and_receive(msgs, timeout=self.round_timeout):
+            if reply.has_error():
+                continue
+            pid = reply.content.config_records["identity"]["partition-id"]
+            if isinstance(pid, int):
+                self.node_of[pid] = reply.metadata.src_node_id
+        log.info("flower transport: %d clients mapped to nodes", len(self.node_of))
+
+    def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
+        """Deliver one round's broadcasts; see the module docstring for failures."""
+        if any(c not in self.node_of for c in messages):
+            self.refresh_nodes()
+        out: dict[int, Reply | BaseException] = {}
+        outgoing: list[Message] = []
+        client_of: dict[int, int] = {}
+        for cid, msg in messages.items():
+            check_size(cid, msg, self.max_message_bytes)
+            node = self.node_of.get(cid)
+            if node is None:
+                out[cid] = LookupError(f"no connected SuperNode holds client {cid}")
+                continue
+            content = broadcast_to_record(msg)
+            self.wire_bytes_down += record_nbytes(content.array_records["arrays"])
+            outgoing.append(Message(content, node, "train", group_id=str(rnd)))
+            client_of[node] = cid
+        for reply in self.grid.send_and_receive(outgoing, timeout=self.round_timeout):
+            sender = client_of.get(reply.metadata.src_node_id)
+            if sender is None:
+                continue
+            cid = sender
+            if reply.has_error():
+                out[cid] = RuntimeError(f"client {cid}: {reply.error.reason}")
+                continue
+            self.wire_bytes_up += record_nbytes(reply.content.array_records["arrays"])
+            out[cid] = record_to_reply(reply.content)
+        missing = sorted(set(client_of.values()) - set(out))
+        if missing:
+            log.warning("round %d: no reply in time from clients %s", rnd, missing)
+            # a node that does not answer may be gone: ask again who is there next round
+            for cid in missing:
+                self.node_of.pop(cid, None)
+        return out
