@@ -15,8 +15,8 @@ export RAY_USAGE_STATS_ENABLED := 0
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# torch is pinned to the CPU build that lies on this machine's disk; install it first so
-	# that nothing later pulls another build.
+	# torch is pinned (2.13.0, the CPU build of our machines); install it first so that no
+	# later requirement pulls another (multi-GB CUDA) build.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)

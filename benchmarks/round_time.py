@@ -108,8 +108,12 @@ def main() -> None:
     ]
     res = {m: measure(m, overrides, a.rounds) for m in ("fedfull", "fedlore", "local_galore")}
     base = res["fedfull"]["wall_s_per_round"]
-    print(f"# round time: {a.model} on {a.data}, {a.clients} clients, K={a.local_steps}, r={a.rank}")
-    print("| method | s / round | ratio vs FedFull | SVD share of client time | aggregate s / round |")
+    print(
+        f"# round time: {a.model} on {a.data}, {a.clients} clients, K={a.local_steps}, r={a.rank}"
+    )
+    print(
+        "| method | s / round | ratio vs FedFull | SVD share of client time | aggregate s / round |"
+    )
     print("|---|---|---|---|---|")
     for m, r in res.items():
         print(

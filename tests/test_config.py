@@ -308,3 +308,34 @@ def test_unknown_method_section_fails_before_any_run(tmp_path: Path) -> None:
     with pytest.raises(KeyError, match="fedmagic"):
         run_experiment(cfg)
     assert not any(tmp_path.iterdir())  # nothing was run or written
+
+
+@pytest.mark.parametrize("name", ["../../etc", "a/b", "..", ".hidden", ""])
+def test_name_must_be_a_plain_folder_name(name: str) -> None:
+    with pytest.raises(ConfigError, match="name"):
+        load_config(None, [f"name={name!r}"] if name else ["name=''"])
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "lr=.inf",
+        "lr=.nan",
+        "partition.alpha=.inf",
+        "seeds=[]",
+        "seeds=[1,1]",
+        "algorithms=[fedlore,fedlore]",
+    ],
+)
+def test_non_finite_empty_and_duplicate_values_are_errors(override: str) -> None:
+    with pytest.raises(ConfigError, match=override.split("=")[0].split(".")[-1]):
+        load_config(None, [override])
+
+
+def test_malformed_yaml_is_a_config_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(None, ["rounds=["])

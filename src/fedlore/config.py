@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class DataConfig(_Strict):
@@ -65,7 +65,9 @@ class OptimConfig(_Strict):
 class ModelConfig(_Strict):
     """Model name in the registry and its keyword arguments."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, allow_inf_nan=False, protected_namespaces=()
+    )
     name: str = "mlp"
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
@@ -132,11 +134,21 @@ class Config(_Strict):
     def _seed_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, int) else v
 
-    @field_validator("algorithms")
+    @field_validator("algorithms", "seeds")
     @classmethod
-    def _nonempty(cls, v: list[str]) -> list[str]:
+    def _nonempty_unique(cls, v: list[Any]) -> list[Any]:
         if not v:
-            raise ValueError("at least one algorithm is needed")
+            raise ValueError("at least one entry is needed")
+        dup = sorted({x for x in v if v.count(x) > 1})
+        if dup:
+            raise ValueError(f"duplicate entries {dup}")
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if not v or "/" in v or "\\" in v or v in (".", "..") or v.startswith("."):
+            raise ValueError("must be a plain folder name (no path separators, not . or ..)")
         return v
 
     def clients_per_round(self) -> int:
@@ -174,7 +186,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         seen.append(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        raw = yaml.safe_load(path.read_text()) or {}
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
         base = raw.pop("base", None)
@@ -199,7 +214,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
         key, _, text = item.partition("=")
-        value = yaml.safe_load(text) if text != "" else None
+        try:
+            value = yaml.safe_load(text) if text != "" else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
         node = out
         parts = key.strip().split(".")
         for p in parts[:-1]:

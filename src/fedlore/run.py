@@ -182,6 +182,7 @@ def summarize(method: str, seed: int, metrics_path: Path) -> dict[str, Any]:
         "wall_s_per_round": sum(r["wall_s"] for r in train) / max(len(train), 1),
         "wall_s_total": sum(r["wall_s"] for r in rows),
         "rejected_total": sum(r.get("rejected", 0) for r in rows),
+        "skipped_steps_total": sum(r.get("skipped_steps", 0) for r in rows),
     }
 
 

@@ -32,7 +32,7 @@ def arrays_to_record(arrays: Arrays) -> ArrayRecord:
             raise TypeError(f"array {k!r} is a {type(t).__name__}, not a tensor")
         if t.dtype == torch.bfloat16:
             raise TypeError(f"array {k!r} is bfloat16, which Flower records cannot carry; cast it")
-        out[k] = Array(np.ascontiguousarray(t.detach().cpu().numpy()))
+        out[k] = Array(t.detach().cpu().contiguous().numpy())  # 0-d stays 0-d
     return ArrayRecord(out)
 
 

@@ -90,10 +90,14 @@ def cnn(
     """
     shape = check_image_shape("cnn", input_shape, min_hw=4)
     check_num_classes("cnn", num_classes)
+    if isinstance(channels, str | bytes) or not all(
+        isinstance(c, int) and not isinstance(c, bool) for c in channels
+    ):
+        raise ValueError(f"model 'cnn': channels must be two positive ints, got {channels!r}")
     chans = tuple(int(c) for c in channels)
     if len(chans) != 2 or min(chans) <= 0:
         raise ValueError(f"model 'cnn': channels must be two positive ints, got {channels!r}")
-    if hidden <= 0:
+    if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden <= 0:
         raise ValueError(f"model 'cnn': hidden must be positive, got {hidden!r}")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"model 'cnn': dropout must be in [0, 1), got {dropout!r}")

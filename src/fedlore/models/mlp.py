@@ -65,6 +65,10 @@ def mlp(
     """
     shape = check_shape("mlp", input_shape)
     check_num_classes("mlp", num_classes)
+    if isinstance(hidden, str | bytes) or not all(
+        isinstance(h, int) and not isinstance(h, bool) for h in hidden
+    ):
+        raise ValueError(f"model 'mlp': hidden must be a list of integers, got {hidden!r}")
     widths = [int(h) for h in hidden]
     if any(h <= 0 for h in widths):
         raise ValueError(f"model 'mlp': hidden widths must be positive, got {list(hidden)!r}")

@@ -40,6 +40,8 @@ COLUMNS = [
     "optimizer_state_bytes_mean",
     "wall_s_per_round_mean",
     "wall_s_per_round_std",
+    "rejected_total_mean",
+    "skipped_steps_total_mean",
 ]
 """Keys of every :func:`summary_table` row, in CSV column order."""
 
@@ -94,14 +96,20 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
                 )[0],
                 "wall_s_per_round_mean": wall_m,
                 "wall_s_per_round_std": wall_s,
+                "rejected_total_mean": _stat(_summary_values(records, "rejected_total"))[0],
+                "skipped_steps_total_mean": _stat(_summary_values(records, "skipped_steps_total"))[
+                    0
+                ],
             }
         )
     return table
 
 
-def _pm(mean: float | None, std: float | None, digits: int = 2) -> str:
+def _pm(mean: float | None, std: float | None, digits: int = 2, n: int = 2) -> str:
     if mean is None:
         return "–"
+    if n < 2:  # one seed: no spread to report
+        return f"{mean:.{digits}f}"
     return f"{mean:.{digits}f} ± {(std or 0.0):.{digits}f}"
 
 
@@ -111,6 +119,10 @@ def _num(v: float | None) -> str:
     if abs(v) >= 100:
         return f"{v:,.0f}"
     return f"{v:.2f}" if abs(v) >= 1 else f"{v:.3g}"
+
+
+def _count(v: float | None) -> str:
+    return "–" if v is None else f"{v:g}"
 
 
 def _bytes(v: float | None) -> str:
@@ -133,18 +145,22 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
         "MB down",
         "optimizer state",
         "s / round",
+        "rejected / skipped",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in table:
+        n = int(row["n_seeds"])
+        rej, skip = row.get("rejected_total_mean"), row.get("skipped_steps_total_mean")
         cells = [
             str(row["method"]),
-            str(row["n_seeds"]),
-            _pm(row["final_accuracy_pct_mean"], row["final_accuracy_pct_std"]),
-            _pm(row["best_accuracy_pct_mean"], row["best_accuracy_pct_std"]),
+            str(n),
+            _pm(row["final_accuracy_pct_mean"], row["final_accuracy_pct_std"], n=n),
+            _pm(row["best_accuracy_pct_mean"], row["best_accuracy_pct_std"], n=n),
             _num(row["mb_up_mean"]),
             _num(row["mb_down_mean"]),
             _bytes(row["optimizer_state_bytes_mean"]),
-            _pm(row["wall_s_per_round_mean"], row["wall_s_per_round_std"], digits=3),
+            _pm(row["wall_s_per_round_mean"], row["wall_s_per_round_std"], digits=3, n=n),
+            f"{_count(rej)} / {_count(skip)}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -168,8 +184,10 @@ def _report_experiment(exp_dir: Path, keys: Sequence[str] | None) -> str:
     images = "\n\n".join(f"![{p.stem.replace('_', ' ')}]({p.name})" for p in pngs)
     text = (
         f"# {exp_dir.name}\n\n{to_markdown(table)}\n"
-        "Mean ± sample std (ddof=1) over seeds; MB = 10^6 bytes, totals per run; optimizer "
-        "state per client.\n\n"
+        "Mean ± sample std (ddof=1) over seeds (no ± with one seed); MB = 10^6 bytes, totals "
+        "per run; optimizer state per client (moment tensors); s / round without evaluation; "
+        "rejected client replies and skipped local steps (non-finite loss or gradient) per run."
+        "\n\n"
         f"{images}\n"
     )
     (exp_dir / "report.md").write_text(text)
