@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("flwr", reason="the flower extra is not installed")  # installed by make test
-
 from fedlore.flower.codec import (
     arrays_to_record,
     broadcast_to_record,
