@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# A loopback Flower deployment of fedlore: 1 SuperLink + N SuperNodes on 127.0.0.1, then
+# `flwr run .` of fedlore's ServerApp/ClientApp; every process started here is stopped by PID.
+#
+#   scripts/flower_local_federation.sh [N] [key=value ...]
+#   N=3 METHOD=fedlore CONFIG=experiments/quickstart.yaml scripts/flower_local_federation.sh 3 rounds=2
+#
+# TLS and node authentication: start flower-superlink with --ssl-ca-certfile/--ssl-certfile/
+# --ssl-keyfile (and --enable-supernode-auth --auth-list-public-keys), the SuperNodes with
+# --root-certificates (and --auth-supernode-private-key/--auth-supernode-public-key), and set
+# root-certificates instead of insecure in the connection below (Flower's deployment docs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+N=${1:-3}; shift || true
+METHOD=${METHOD:-fedlore}
+CONFIG=$(realpath "${CONFIG:-experiments/quickstart.yaml}")
+OVERRIDES="num_clients=$N progress=false $*"
+BIN=$(realpath "${BIN:-.venv/bin}")
+export PATH="$BIN:$PATH"   # the SuperLink and SuperNodes spawn flower-superexec, flwr-serverapp, flwr-clientapp
+BASE_PORT=${BASE_PORT:-19090}
+WORK=$(mktemp -d /tmp/fedlore-flower.XXXXXX)
+
+export FLWR_HOME="$WORK/flwr" FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 \
+  FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1
+mkdir -p "$FLWR_HOME"
+
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+}
+trap cleanup EXIT INT TERM
+
+LINK=127.0.0.1:$BASE_PORT   # Flower 1.42 serves Fleet, Control and ServerAppIo on one HTTP API
+"$BIN/flower-superlink" --insecure --database "$WORK/state.db" \
+  --disable-runtime-dependency-installation --host 127.0.0.1 --port "$BASE_PORT" \
+  > "$WORK/superlink.log" 2>&1 &
+PIDS+=($!)
+echo "SuperLink pid $! (logs in $WORK)"
+sleep 3
+for i in $(seq 0 $((N - 1))); do
+  "$BIN/flower-supernode" --insecure --superlink "$LINK" \
+    --host 127.0.0.1 --port $((BASE_PORT + 10 + i)) \
+    --node-config "partition-id=$i num-partitions=$N" > "$WORK/supernode-$i.log" 2>&1 &
+  PIDS+=($!)
+  echo "SuperNode $i pid $!"
+done
+cat > "$FLWR_HOME/config.toml" <<TOML
+[superlink]
+default = "fedlore-local"
+
+[superlink.fedlore-local]
+address = "$LINK"
+insecure = true
+TOML
+sleep 3
+"$BIN/flwr" run . fedlore-local --stream \
+  --run-config "config='$CONFIG' method='$METHOD' overrides='$OVERRIDES'"
