@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,15 +55,6 @@ LAST_CHECKED_ROUND = 1
 LEARNING_LR = 3e-2
 LEARNING_OVERRIDES: dict[str, list[str]] = {"fedavg": ["method.fedavg.lr=0.3"]}
 LEARNING_MARGIN = 0.2
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models: one intra-op thread is many times faster on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _cfg(*extra: str) -> Config:

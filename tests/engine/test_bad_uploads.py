@@ -8,7 +8,7 @@ dropped (and the aggregate of the remaining clients only).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,15 +30,6 @@ SEED = 0
 VICTIM = 1
 NUM_CLIENTS = 4
 LAST_ROUND = 1  # rounds 0 and 1 (plus FedLore's setup round -1)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models: one intra-op thread is many times faster on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ an uninterrupted run in another output directory, round by round.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +21,6 @@ from fedlore.run import run_dir, run_one
 
 SEED = 3
 ROUNDS = 4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models: one intra-op thread is many times faster on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _cfg(out: Path, *extra: str) -> Config:
