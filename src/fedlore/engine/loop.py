@@ -125,6 +125,7 @@ class RoundLoop:
             "clients": len(ids),
             "accepted": len(ok),
             "rejected": len(rejected),
+            "accepted_clients": [c for c, r in accepted if r is not None],
             "bytes_up": bytes_up,
             "bytes_down": sum(nbytes(m.arrays) for m in messages.values()),
             "train_loss": _mean([r.metrics.get("train_loss") for r in ok]),

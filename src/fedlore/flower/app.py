@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shlex
 import logging
 from pathlib import Path
 from typing import Any
@@ -127,7 +128,7 @@ def make_apps(cfg: Config, method: str, seed: int) -> tuple[ServerApp, ClientApp
 def _from_run_config(context: Context) -> tuple[Config, str, int]:
     rc = context.run_config
     path = Path(str(rc.get("config", "experiments/quickstart.yaml")))
-    overrides = [o for o in str(rc.get("overrides", "")).split() if o]
+    overrides = shlex.split(str(rc.get("overrides", "")))  # quotes keep spaces in a value
     cfg = load_config(path, overrides)
     method = str(rc.get("method", cfg.algorithms[0]))
     seed = int(rc.get("seed", cfg.seeds[0]))

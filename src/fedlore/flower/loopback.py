@@ -1,0 +1,140 @@
+"""A Flower deployment on 127.0.0.1 (one SuperLink, N SuperNodes) for demos, tests and the
+deployment benchmark: real ``flower-superlink`` / ``flower-supernode`` processes and
+``flwr run .`` of fedlore's app (``[tool.flwr.app]`` in ``pyproject.toml``). Every process it
+starts is stopped by PID in :meth:`LoopbackFederation.close`. Insecure (no TLS) by design: it
+only listens on loopback; see ``scripts/flower_local_federation.sh`` for the TLS and
+node-authentication flags of a real deployment.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LoopbackFederation:
+    """Processes of a loopback deployment, stopped by PID on :meth:`close`.
+
+    Args:
+        work: a fresh folder for ``FLWR_HOME``, the SuperLink database and the logs.
+        num_nodes: SuperNodes, with ``partition-id`` 0..num_nodes-1.
+    """
+
+    def __init__(self, work: Path, num_nodes: int) -> None:
+        self.work = work
+        self.num_nodes = num_nodes
+        self.port = _free_port()
+        self.env = {
+            **os.environ,
+            "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+            "FLWR_HOME": str(work / "flwr"),
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "HF_HUB_OFFLINE": "1",
+        }
+        (work / "flwr").mkdir(parents=True)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.nodes: dict[int, subprocess.Popen[bytes]] = {}
+
+    def _start(self, args: list[str], log: str) -> subprocess.Popen[bytes]:
+        out = (self.work / log).open("ab")
+        p = subprocess.Popen(args, env=self.env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.procs.append(p)
+        return p
+
+    def start_superlink(self) -> None:
+        self._start(
+            [
+                str(BIN / "flower-superlink"),
+                "--insecure",
+                "--database",
+                str(self.work / "state.db"),
+                "--disable-runtime-dependency-installation",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+            "superlink.log",
+        )
+        (self.work / "flwr" / "config.toml").write_text(
+            '[superlink]\ndefault = "local"\n\n[superlink.local]\n'
+            f'address = "127.0.0.1:{self.port}"\ninsecure = true\n'
+        )
+
+    def start_node(self, pid: int) -> None:
+        self.nodes[pid] = self._start(
+            [
+                str(BIN / "flower-supernode"),
+                "--insecure",
+                "--superlink",
+                f"127.0.0.1:{self.port}",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(_free_port()),
+                "--node-config",
+                f"partition-id={pid} num-partitions={self.num_nodes}",
+            ],
+            f"supernode-{pid}.log",
+        )
+
+    def start(self) -> None:
+        """Start the SuperLink and every SuperNode; give them a few seconds to connect."""
+        self.start_superlink()
+        time.sleep(3)
+        for pid in range(self.num_nodes):
+            self.start_node(pid)
+        time.sleep(3)
+
+    def submit(self, config: Path, method: str, seed: int, overrides: str) -> None:
+        """``flwr run .`` of fedlore's app with this config (returns once the run is submitted).
+
+        Raises:
+            RuntimeError: with flwr's output when the submission fails.
+        """
+        run_config = (
+            f"config='{Path(config).resolve()}' method='{method}' seed={seed} "
+            f"overrides='{overrides}'"
+        )
+        res = subprocess.run(
+            [str(BIN / "flwr"), "run", ".", "local", "--run-config", run_config],
+            env=self.env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if res.returncode != 0:
+            raise RuntimeError(f"flwr run failed:\n{res.stdout}\n{res.stderr}")
+
+    def kill_node(self, pid: int) -> None:
+        self.nodes[pid].send_signal(signal.SIGKILL)
+        self.nodes[pid].wait(timeout=30)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
