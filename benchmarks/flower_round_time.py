@@ -1,9 +1,10 @@
 """Flower engines vs the in-process transport: wall seconds per round on one config (not a test).
 
 Runs the same config (``experiments/quickstart.yaml``: digits, MLP, N clients, K local steps,
-FedLore and FedFull) three ways in one go: in-process (``engine=local``), Flower's Simulation Engine (Ray backend), and a loopback
-deployment (SuperLink + N SuperNodes, ``flwr run .``). Per-round wall time excludes evaluation
-and the first (warm-up) round; the ratio is against the in-process transport.
+FedLore and FedFull) three ways in one go: in-process (``engine=local``), Flower's Simulation
+Engine (Ray backend), and a loopback deployment (SuperLink + N SuperNodes, ``flwr run .``).
+Per-round wall time excludes evaluation and the first (warm-up) round; the ratio is against the
+in-process transport.
 
     python benchmarks/flower_round_time.py [--clients 4] [--rounds 4] [--skip-deployment]
 """

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import functools
 import json
-import shlex
 import logging
+import shlex
 from pathlib import Path
 from typing import Any
 
