@@ -7,6 +7,9 @@ Methods (side: takes -> returns):
 * ``client_update`` (client): Broadcast, client State or None, model, data, rng -> (Reply, State)
 * ``aggregate`` (server): State, [(client id, Reply or None)], round -> (State, metrics)
 
+An algorithm may declare ``setup_rounds`` (default 0): that many exchanges run before round 0,
+numbered -setup_rounds .. -1 (FedLore's gradient-based P^0); they are counted in the byte totals.
+
 The algorithm object holds only hyperparameters (a frozen dataclass). The model handed to
 ``init_server`` and ``client_update`` is a scratch workspace: an algorithm must load every
 parameter and buffer it relies on from the message or the client state, so a reply never depends
