@@ -43,9 +43,9 @@ from fedlore.algorithms.lowrank import (
     train_projected,
 )
 from fedlore.data.client_data import ClientData
-from fedlore.optim.subspace import MatrixSpec, average_projectors, top_left_singular
+from fedlore.optim.subspace import MatrixSpec, average_projectors
 from fedlore.registry import register_algorithm
-from fedlore.seeding import BASIS, derive_seed
+from fedlore.seeding import BASIS, derive_seed, generator
 from fedlore.tensors import (
     load_model_arrays,
     model_arrays,
@@ -68,21 +68,22 @@ class FedLore(LowRankHyper):
 
     Attributes:
         init_basis: how P^0 is built, ``"gradient"`` (setup exchange) or ``"random"``.
-        server_basis: ``"svd"`` of the m x Nr stack, or ``"gram"`` (eigh of the Nr x Nr Gram).
+        server_basis: ``"svd"`` of the m x Nr stack (exact), ``"randomized"`` (seeded range
+            finder with the ``svd_*`` settings), or ``"gram"`` (eigh of the Nr x Nr Gram).
         log_rounds: rounds of increments the server keeps for catching up returning clients.
     """
 
     name: ClassVar[str] = "fedlore"
     basis_rule: ClassVar[BasisRule] = "candidates"
     init_basis: Literal["gradient", "random"] = "gradient"
-    server_basis: Literal["svd", "gram"] = "svd"
+    server_basis: Literal["svd", "randomized", "gram"] = "svd"
     log_rounds: int = 8
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.init_basis not in ("gradient", "random"):
             raise ValueError(f"FedLore: invalid init_basis={self.init_basis!r}")
-        if self.server_basis not in ("svd", "gram"):
+        if self.server_basis not in ("svd", "randomized", "gram"):
             raise ValueError(f"FedLore: invalid server_basis={self.server_basis!r}")
         if self.log_rounds < 1:
             raise ValueError(f"FedLore: invalid log_rounds={self.log_rounds!r}")
@@ -171,7 +172,7 @@ class FedLore(LowRankHyper):
                 values.pop(f"held.{c}", None)
         if rnd < 0:  # setup exchange: P^0 from the clients' gradient candidates
             if ok:
-                p0 = self._next_basis([r for _, r in ok], weights, plan)
+                p0 = self._next_basis([r for _, r in ok], weights, plan, values, rnd)
             else:  # nothing valid came back: fall back to a seeded random P^0 (logged)
                 log.warning("FedLore setup exchange got no valid reply; P^0 is random")
                 p0 = seeded_bases(derive_seed(int(values["base_seed"]), BASIS, 0), plan)
@@ -206,7 +207,7 @@ class FedLore(LowRankHyper):
             nxt = derive_seed(int(values["base_seed"]), BASIS, rnd + 1)
         elif self.basis_rule == "candidates" and ok:
             nxt = rnd + 1
-            new = self._next_basis([r for _, r in ok], weights, plan)
+            new = self._next_basis([r for _, r in ok], weights, plan, values, rnd)
             arrays.update(with_prefix(new, f"bank.{nxt}."))
             metrics["basis_overlap"] = sum(
                 float((new[k].double().t() @ basis[k].double()).pow(2).sum()) / s.rank
@@ -219,11 +220,23 @@ class FedLore(LowRankHyper):
         return State(arrays, values), metrics
 
     def _next_basis(
-        self, replies: list[Reply], weights: list[float], plan: dict[str, MatrixSpec]
+        self,
+        replies: list[Reply],
+        weights: list[float],
+        plan: dict[str, MatrixSpec],
+        values: Scalars,
+        rnd: int,
     ) -> Arrays:
+        rng = generator(int(values["base_seed"]), BASIS, rnd, 1)  # randomized server SVD only
         return {
             k: average_projectors(
-                [r.arrays["cand." + k] for r in replies], weights, s.rank, self.server_basis
+                [r.arrays["cand." + k] for r in replies],
+                weights,
+                s.rank,
+                self.server_basis,
+                generator=rng,
+                oversample=self.svd_oversample,
+                niter=self.svd_niter,
             )
             for k, s in plan.items()
         }
@@ -339,7 +352,7 @@ class FedLore(LowRankHyper):
             if fallback is None:
                 return torch.eye(spec.m, spec.rank)
             return fallback.to(torch.float32).clone()
-        return top_left_singular(grad, spec.rank, self.candidate_svd, generator=rng)
+        return self.top_r(grad, spec.rank, rng)
 
     def _synchronize(
         self, msg: Broadcast, state: State | None, plan: dict[str, MatrixSpec], rnd: int

@@ -20,7 +20,6 @@ from fedlore.algorithms.base import construction_gradients, reply_metrics
 from fedlore.algorithms.fedavg import DenseServer
 from fedlore.algorithms.lowrank import LowRankHyper, train_projected
 from fedlore.data.client_data import ClientData
-from fedlore.optim.subspace import top_left_singular
 from fedlore.registry import register_algorithm
 from fedlore.tensors import load_model_arrays, model_arrays, select, sub, with_prefix
 from fedlore.types import Broadcast, Reply, State
@@ -50,11 +49,7 @@ class LocalGaLore(DenseServer, LowRankHyper):
         for k, s in plan.items():
             g = s.view(grads[k])
             finite = bool(torch.isfinite(g).all())
-            bases[k] = (
-                top_left_singular(g, s.rank, self.candidate_svd, generator=rng)
-                if finite
-                else torch.eye(s.m, s.rank)
-            )
+            bases[k] = self.top_r(g, s.rank, rng) if finite else torch.eye(s.m, s.rank)
         res = train_projected(
             self, model, data.train, plan, bases, self.round_lrs(int(msg.config["round"])), rng
         )

@@ -17,7 +17,13 @@ from torch import nn
 from fedlore.algorithms.base import Hyper
 from fedlore.data.client_data import TensorSplit
 from fedlore.optim.projected_adam import ProjectedAdam
-from fedlore.optim.subspace import MatrixSpec, SideRule, projection_plan, random_basis
+from fedlore.optim.subspace import (
+    MatrixSpec,
+    SideRule,
+    projection_plan,
+    random_basis,
+    top_left_singular,
+)
 from fedlore.train.local import TrainStats, local_train
 from fedlore.types import Arrays, State
 
@@ -32,6 +38,8 @@ class LowRankHyper(Hyper):
         side: projection side rule, ``"left"`` (the seed), ``"right"``, ``"auto"`` (GaLore std).
         exclude: parameter-name prefixes never projected (the classifier head).
         candidate_svd: ``"exact"`` or ``"randomized"`` SVD for client-side bases.
+        svd_oversample: extra columns of the randomized range finder (Halko et al. 2011).
+        svd_niter: power iterations of the randomized range finder.
     """
 
     rank: int = 8
@@ -39,6 +47,8 @@ class LowRankHyper(Hyper):
     side: SideRule = "left"
     exclude: tuple[str, ...] = ("head.",)
     candidate_svd: Literal["exact", "randomized"] = "exact"
+    svd_oversample: int = 10
+    svd_niter: int = 2
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -48,8 +58,19 @@ class LowRankHyper(Hyper):
             raise ValueError(f"{type(self).__name__}: invalid scale={self.scale!r}")
         if self.side not in ("left", "right", "auto"):
             raise ValueError(f"{type(self).__name__}: invalid side={self.side!r}")
+        if self.svd_oversample < 0 or self.svd_niter < 0:
+            raise ValueError(
+                f"{type(self).__name__}: svd_oversample and svd_niter must be >= 0, got "
+                f"{self.svd_oversample}, {self.svd_niter}"
+            )
         if self.candidate_svd not in ("exact", "randomized"):
             raise ValueError(f"{type(self).__name__}: invalid candidate_svd={self.candidate_svd!r}")
+
+    def top_r(self, mat: torch.Tensor, rank: int, rng: torch.Generator) -> torch.Tensor:
+        """Client-side top-r left singular vectors with this method's SVD settings."""
+        return top_left_singular(
+            mat, rank, self.candidate_svd, rng, self.svd_oversample, self.svd_niter
+        )
 
     def plan(self, model: nn.Module) -> dict[str, MatrixSpec]:
         """The projection plan of ``model`` (see :func:`fedlore.optim.subspace.projection_plan`)."""

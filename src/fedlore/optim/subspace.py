@@ -185,7 +185,10 @@ def average_projectors(
     bases: list[torch.Tensor],
     weights: list[float],
     rank: int,
-    method: Literal["svd", "gram"] = "svd",
+    method: Literal["svd", "randomized", "gram"] = "svd",
+    generator: torch.Generator | None = None,
+    oversample: int = 10,
+    niter: int = 2,
 ) -> torch.Tensor:
     """Leading rank-r eigenspace of the weighted average projector ``Σ_i p_i P_i P_iᵀ``.
 
@@ -199,6 +202,9 @@ def average_projectors(
         bases: N matrices ``m x r_i`` with orthonormal columns.
         weights: N non-negative aggregation weights (normalized here).
         rank: r of the result.
+        method: ``"svd"`` (exact), ``"randomized"`` (seeded range finder, see
+            :func:`top_left_singular`) or ``"gram"``.
+        generator, oversample, niter: settings of the randomized method.
 
     Returns:
         ``m x r`` float32 orthonormal basis.
@@ -223,6 +229,8 @@ def average_projectors(
     )
     if method == "svd":
         return top_left_singular(stacked, rank)
+    if method == "randomized":
+        return top_left_singular(stacked, rank, "randomized", generator, oversample, niter)
     if method != "gram":
         raise ValueError(f"unknown method {method!r}")
     gram = stacked.t() @ stacked
