@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -59,29 +59,14 @@ def weighted_mean(items: Sequence[Arrays], weights: Sequence[float]) -> Arrays:
     return out
 
 
-def add(a: Arrays, b: Arrays, alpha: float = 1.0) -> Arrays:
-    """``a + alpha * b`` key-wise (keys of ``a``; every key of ``a`` must be in ``b``)."""
-    return {k: a[k] + alpha * b[k].to(a[k].dtype) for k in a}
-
-
 def sub(a: Arrays, b: Arrays) -> Arrays:
     """``a - b`` key-wise."""
     return {k: a[k] - b[k].to(a[k].dtype) for k in a}
 
 
-def scale(a: Arrays, factor: float) -> Arrays:
-    """``factor * a`` key-wise."""
-    return {k: factor * v for k, v in a.items()}
-
-
 def clone(a: Arrays) -> Arrays:
     """Detached CPU contiguous copies (the form every message and state holds)."""
     return {k: v.detach().to("cpu").clone().contiguous() for k, v in a.items()}
-
-
-def all_finite(a: Arrays) -> bool:
-    """True when every floating tensor holds only finite values."""
-    return all(bool(torch.isfinite(v).all()) for v in a.values() if v.is_floating_point())
 
 
 def model_arrays(model: nn.Module) -> Arrays:
@@ -105,9 +90,3 @@ def load_model_arrays(model: nn.Module, arrays: Arrays, strict: bool = True) -> 
         for k, v in arrays.items():
             if k in own:
                 own[k].copy_(v)
-
-
-def max_abs_diff(a: Arrays, b: Arrays, keys: Iterable[str] | None = None) -> float:
-    """Largest elementwise ``|a - b|`` over the given (default: shared) keys."""
-    ks = list(keys) if keys is not None else [k for k in a if k in b]
-    return max((float((a[k].double() - b[k].double()).abs().max()) for k in ks), default=0.0)

@@ -65,7 +65,3 @@ class State:
 
     arrays: Arrays = field(default_factory=dict)
     values: Scalars = field(default_factory=dict)
-
-    def copy(self) -> State:
-        """A shallow copy whose dicts can be modified independently (tensors are shared)."""
-        return State(dict(self.arrays), dict(self.values))
