@@ -195,6 +195,10 @@ def test_unknown_keys_in_yaml_are_errors(tmp_path: Path) -> None:
         ("data.fraction=0", "data.fraction", "0"),
         ("algorithms=[]", "algorithms", "[]"),
         ("rounds=many", "rounds", "'many'"),
+        ("diagnostics.every=-1", "diagnostics.every", "-1"),
+        ("diagnostics.batch_size=0", "diagnostics.batch_size", "0"),
+        ("diagnostics.clients=some", "diagnostics.clients", "'some'"),
+        ("store.max_memory_mb=0", "store.max_memory_mb", "0"),
     ],
 )
 def test_invalid_values_name_field_and_value(override: str, field: str, shown: str) -> None:
@@ -221,6 +225,11 @@ def test_every_issue_key_exists_and_is_settable() -> None:
         "partition.name": "iid",
         "partition.alpha": 0.3,
         "output_dir": "out/dir",
+        "diagnostics.every": 5,
+        "diagnostics.batch_size": 16,
+        "diagnostics.clients": "sampled",
+        "store.max_memory_mb": 64.0,
+        "store.spill_dir": "/tmp/spill",
     }
     items = []
     for k, v in overrides.items():
@@ -339,3 +348,9 @@ def test_malformed_yaml_is_a_config_error(tmp_path: Path) -> None:
         load_config(bad)
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(None, ["rounds=["])
+
+
+def test_diagnostics_period_reaches_fedlore_only_where_it_has_the_field() -> None:
+    cfg = load_config(None, ["diagnostics.every=3"])
+    assert make_algorithm("fedlore", cfg).diagnostics_every == 3  # type: ignore[attr-defined]
+    assert not hasattr(make_algorithm("fedfull", cfg), "diagnostics_every")

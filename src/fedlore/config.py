@@ -80,6 +80,34 @@ class EvalConfig(_Strict):
     """Also score the global model on every client's local test split (mean in metrics)."""
 
 
+class DiagnosticsConfig(_Strict):
+    """Subspace diagnostics (seed Appendix D, "Diagnostics"); off by default.
+
+    Every ``every`` rounds the server measures, at the round-start model W^t, each client's
+    gradient on a fixed diagnostic batch and reports ``diag.*`` metrics (retained energy,
+    residual, coupling bias, candidate certificate; see :mod:`fedlore.diagnostics`). The cost is
+    reported as ``diag_s`` (seconds) and ``diag_bytes_up`` (FedLore's candidate gradients).
+    """
+
+    every: int = Field(0, ge=0)
+    """Measure at rounds t with t % every == 0 (0: never)."""
+    batch_size: int = Field(64, ge=1)
+    """Examples in each client's diagnostic batch (fewer if the client has fewer)."""
+    clients: Literal["all", "sampled"] = "all"
+    """Clients whose gradients form G_t: every client (the global objective) or the round's
+    sampled clients only (cheaper)."""
+
+
+class StoreConfig(_Strict):
+    """Where the in-process transport keeps client states between rounds."""
+
+    max_memory_mb: float | None = Field(1024.0, gt=0.0)
+    """States beyond this many MB (10^6 bytes) spill to disk, least recently used first
+    (None: never spill)."""
+    spill_dir: str | None = None
+    """Directory of spilled states (None: ``client_states/`` inside the run's directory)."""
+
+
 class FlowerConfig(_Strict):
     """Settings of the Flower engines (``engine=flower-sim`` and ``flwr run`` deployments)."""
 
@@ -119,6 +147,8 @@ class Config(_Strict):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     flower: FlowerConfig = Field(default_factory=FlowerConfig)
+    diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
     method: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per-method hyperparameter overrides, e.g. ``method: {fedfull: {lr: 1e-4}}``."""
     checkpoint: bool = True

@@ -23,6 +23,7 @@ from fedlore.algorithm import Algorithm
 from fedlore.algorithms import build_hyper
 from fedlore.config import Config
 from fedlore.data.federation import Federation, build_federation
+from fedlore.diagnostics import Diagnoser
 from fedlore.engine.callbacks import Checkpointer, MetricsWriter, ProgressBar
 from fedlore.engine.loop import Callback, RoundLoop
 from fedlore.engine.sampling import sample_clients
@@ -59,6 +60,7 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
         "grad_clip": cfg.optim.grad_clip,
         "scale": cfg.optim.scale,
         "weighting": cfg.weighting,
+        "diagnostics_every": cfg.diagnostics.every,
     }
     algo: Algorithm = build_hyper(cls, common, dict(cfg.method.get(name, {})))
     return algo
@@ -108,13 +110,19 @@ def run_one(
     algo = make_algorithm(method, cfg)
     build = model_factory(cfg, fed, seed)
     eval_model = build()
-    store = ClientStore()
+    spill = (
+        Path(cfg.store.spill_dir) / cfg.name / method / f"seed-{seed}"
+        if cfg.store.spill_dir
+        else out / "client_states"
+    )
+    max_bytes = None if cfg.store.max_memory_mb is None else int(cfg.store.max_memory_mb * 1e6)
+    store = ClientStore(max_bytes, spill)
     state = algo.init_server(eval_model, generator(seed, SERVER_INIT))
     start = -int(getattr(algo, "setup_rounds", 0))
     metrics = MetricsWriter(out / "metrics.jsonl")
     ckpt_path = out / "checkpoint.pt"
     if resume and ckpt_path.exists():
-        last, state, store = Checkpointer.load(ckpt_path)
+        last, state, store = Checkpointer.load(ckpt_path, max_bytes, spill)
         metrics.truncate_after(last)
         start = last + 1
         log.info("resuming %s seed %d after round %d", method, seed, last)
@@ -143,6 +151,20 @@ def run_one(
     if cfg.progress:
         bar = ProgressBar(f"{method} seed {seed}", start - start, cfg.rounds - start)
         callbacks.append(bar)
+    diagnoser = None
+    if cfg.diagnostics.every > 0:
+        diagnoser = Diagnoser(
+            algo,
+            eval_model,
+            fed.client,
+            fed.num_clients,
+            cfg.diagnostics.every,
+            cfg.diagnostics.batch_size,
+            cfg.diagnostics.clients,
+            seed,
+            cfg.rank,
+            uniform=cfg.weighting == "uniform",
+        )
     loop = RoundLoop(
         algo,
         transport,
@@ -150,6 +172,7 @@ def run_one(
         evaluate_state,
         cfg.eval.every,
         callbacks,
+        diagnoser,
     )
     end = cfg.rounds if stop_after is None else min(cfg.rounds, stop_after + 1)
     try:
@@ -183,6 +206,8 @@ def summarize(method: str, seed: int, metrics_path: Path) -> dict[str, Any]:
         "wall_s_total": sum(r["wall_s"] for r in rows),
         "rejected_total": sum(r.get("rejected", 0) for r in rows),
         "skipped_steps_total": sum(r.get("skipped_steps", 0) for r in rows),
+        "diag_s_total": sum(r.get("diag_s", 0.0) for r in rows),
+        "diag_bytes_up_total": sum(r.get("diag_bytes_up", 0) for r in rows),
     }
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 # Purpose tags (any distinct integers).
-MODEL_INIT, SERVER_INIT, CLIENT, SAMPLING, BASIS = 1, 2, 3, 4, 5
+MODEL_INIT, SERVER_INIT, CLIENT, SAMPLING, BASIS, DIAG = 1, 2, 3, 4, 5, 6
 
 
 def derive_seed(*parts: int) -> int:

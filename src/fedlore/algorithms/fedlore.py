@@ -16,6 +16,10 @@ Per projected matrix W (view m x n, rank r), round t:
   (FedLore-Random, only a seed travels), or ``P^t`` again (fixed basis, the "w/o dynamic
   subspace" ablation of seed Table 4).
 
+Partial participation: the sums above run over the round's accepted replies, so ``P^{t+1}``
+comes from the active clients' candidates only (seed Appendix D notes that its certificate
+assumes full participation; the diagnostics measure the residual either way).
+
 P^0: ``init_basis="gradient"`` (default) spends one setup exchange (round -1, counted in the
 byte totals) in which the sampled clients upload the top-r left singular vectors of one
 construction-minibatch gradient at W^0 and the server averages their projectors as above;
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -43,6 +47,7 @@ from fedlore.algorithms.lowrank import (
     train_projected,
 )
 from fedlore.data.client_data import ClientData
+from fedlore.diagnostics import CERTIFICATE_TERMS, candidate_certificate
 from fedlore.optim.subspace import MatrixSpec, average_projectors
 from fedlore.registry import register_algorithm
 from fedlore.seeding import BASIS, derive_seed, generator
@@ -71,6 +76,10 @@ class FedLore(LowRankHyper):
         server_basis: ``"svd"`` of the m x Nr stack (exact), ``"randomized"`` (seeded range
             finder with the ``svd_*`` settings), or ``"gram"`` (eigh of the Nr x Nr Gram).
         log_rounds: rounds of increments the server keeps for catching up returning clients.
+        diagnostics_every: the run's diagnostics period D (0: off). In the round before each
+            measured round, FedLore's clients also upload their candidate gradient ``H_i``
+            (``diag.H.*``, counted as ``diag_bytes_up``), from which the server keeps the terms
+            of the Proposition 2 certificate (see :mod:`fedlore.diagnostics`).
     """
 
     name: ClassVar[str] = "fedlore"
@@ -78,6 +87,8 @@ class FedLore(LowRankHyper):
     init_basis: Literal["gradient", "random"] = "gradient"
     server_basis: Literal["svd", "randomized", "gram"] = "svd"
     log_rounds: int = 8
+    diagnostics_every: int = 0
+    diagnostic_kind: ClassVar[Literal["shared", "client"]] = "shared"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,6 +98,19 @@ class FedLore(LowRankHyper):
             raise ValueError(f"FedLore: invalid server_basis={self.server_basis!r}")
         if self.log_rounds < 1:
             raise ValueError(f"FedLore: invalid log_rounds={self.log_rounds!r}")
+        if self.diagnostics_every < 0:
+            raise ValueError(f"FedLore: invalid diagnostics_every={self.diagnostics_every!r}")
+
+    def _uploads_candidates(self, rnd: int) -> bool:
+        """Whether round ``rnd``'s clients upload candidate gradients for the next diagnostics."""
+        d = self.diagnostics_every
+        return (
+            self.basis_rule == "candidates"
+            and d > 0
+            and rnd >= 0
+            and (rnd + 1) % d == 0
+            and rnd + 1 < self.rounds
+        )
 
     @property
     def setup_rounds(self) -> int:
@@ -122,6 +146,8 @@ class FedLore(LowRankHyper):
         version = vals.get(f"version.{client_id}")
         held = int(vals.get(f"held.{client_id}", -1))
         config: Scalars = {"round": rnd, "mode": "dense", "basis_id": cur}
+        if self._uploads_candidates(rnd):
+            config["diag_upload"] = True
         dense_arrays = dict(model)
         dense_held = held
         options = []
@@ -166,6 +192,10 @@ class FedLore(LowRankHyper):
         arrays = dict(state.arrays)
         values = dict(state.values)
         metrics: Scalars = {"aggregated": len(ok)}
+        for key in [k for k in arrays if k.startswith("diag.")]:
+            del arrays[key]
+        for key in [k for k in values if k.startswith("diag.")]:
+            del values[key]
         for c, r in replies:
             if r is None:
                 values.pop(f"version.{c}", None)
@@ -213,6 +243,8 @@ class FedLore(LowRankHyper):
                 float((new[k].double().t() @ basis[k].double()).pow(2).sum()) / s.rank
                 for k, s in plan.items()
             ) / max(len(plan), 1)
+            if self._uploads_candidates(rnd):
+                self._keep_certificate(arrays, values, [r for _, r in ok], weights, new, rnd)
         else:
             nxt = cur
         values["basis_id"] = nxt
@@ -240,6 +272,48 @@ class FedLore(LowRankHyper):
             )
             for k, s in plan.items()
         }
+
+    @staticmethod
+    def _keep_certificate(
+        arrays: Arrays,
+        values: Scalars,
+        replies: list[Reply],
+        weights: list[float],
+        new: Arrays,
+        rnd: int,
+    ) -> None:
+        """Store the Proposition 2 terms of the candidates for the diagnostics of round
+        ``rnd + 1`` (``diag.hbar.*`` arrays, ``diag.<term>.<matrix>`` values)."""
+        for k in new:
+            stats, hbar = candidate_certificate(
+                [r.arrays["diag.H." + k] for r in replies],
+                [r.arrays["cand." + k] for r in replies],
+                weights,
+                new[k],
+            )
+            arrays["diag.hbar." + k] = hbar
+            for term, v in stats.items():
+                values[f"diag.{term}.{k}"] = v
+        values["diag.for_round"] = rnd + 1
+
+    def diagnostic_candidates(self, state: State, rnd: int) -> dict[str, dict[str, Any]] | None:
+        """Per matrix: the candidate terms of Proposition 2 for round ``rnd`` and ``hbar``, the
+        weighted mean of the candidate gradients (None when the last round kept none)."""
+        vals = state.values
+        if vals.get("diag.for_round") != rnd:
+            return None
+        out: dict[str, dict[str, Any]] = {}
+        for k, t in select(state.arrays, "diag.hbar.").items():
+            out[k] = {term: vals[f"diag.{term}.{k}"] for term in CERTIFICATE_TERMS}
+            out[k]["hbar"] = t
+        return out
+
+    def diagnostic_bases(
+        self, state: State, rnd: int, grads: Arrays | None, rng: torch.Generator
+    ) -> Arrays:
+        """The shared bases round ``rnd`` trains in (the same for every client)."""
+        plan = plan_from_state(state, self.rank)
+        return self._bank(state, int(state.values["basis_id"]), plan)
 
     def _trim(self, arrays: Arrays, values: Scalars, rnd: int) -> None:
         """Keep ``log_rounds`` rounds of increments and the bases they (or round t+1) use."""
@@ -272,6 +346,8 @@ class FedLore(LowRankHyper):
         spec.update(
             {f"dense.{k}": (tuple(v.shape), v.dtype) for k, v in model.items() if k not in plan}
         )
+        if self._uploads_candidates(rnd):
+            spec.update({f"diag.H.{k}": ((s.m, s.n), model[k].dtype) for k, s in plan.items()})
         return spec
 
     # ----------------------------------------------------------------- client
@@ -326,6 +402,12 @@ class FedLore(LowRankHyper):
                     for k, s in plan.items()
                 }
             )
+        if self.basis_rule == "candidates" and msg.config.get("diag_upload"):
+            for k, s in plan.items():  # H_i for the diagnostics (zero when no finite gradient)
+                h = res.last_grads.get(k)
+                if h is None or not bool(torch.isfinite(h).all()):
+                    h = torch.zeros(s.m, s.n, dtype=final[k].dtype)
+                out[f"diag.H.{k}"] = h.contiguous()
         metrics = reply_metrics(
             data.num_examples,
             train_loss=res.stats.mean_loss,

@@ -11,7 +11,7 @@ side and the set of projected tensors follow the same rule as FedLore
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from fedlore.algorithms.lowrank import LowRankHyper, train_projected
 from fedlore.data.client_data import ClientData
 from fedlore.registry import register_algorithm
 from fedlore.tensors import load_model_arrays, model_arrays, select, sub, with_prefix
-from fedlore.types import Broadcast, Reply, State
+from fedlore.types import Arrays, Broadcast, Reply, State
 
 
 @register_algorithm("local_galore")
@@ -32,6 +32,26 @@ class LocalGaLore(DenseServer, LowRankHyper):
 
     name: ClassVar[str] = "local_galore"
     setup_rounds: ClassVar[int] = 0
+    diagnostic_kind: ClassVar[Literal["shared", "client"]] = "client"
+
+    def client_bases(self, grads: Arrays, rng: torch.Generator) -> Arrays:
+        """Algorithm 2 lines 4–6: per projected matrix, the top-r left singular vectors of its
+        gradient view ``m x n`` (``m x r``); the first r standard basis vectors if the gradient
+        is not finite."""
+        bases = {}
+        for k, g in grads.items():
+            finite = bool(torch.isfinite(g).all())
+            bases[k] = self.top_r(g, self.rank, rng) if finite else torch.eye(g.shape[0], self.rank)
+        return bases
+
+    def diagnostic_bases(
+        self, state: State, rnd: int, grads: Arrays | None, rng: torch.Generator
+    ) -> Arrays:
+        """The bases a client would build from gradient views ``grads`` (the diagnostic batch
+        stands in for its construction minibatch)."""
+        if grads is None:
+            raise ValueError("Local GaLore's bases are per client: pass the client's gradients")
+        return self.client_bases(grads, rng)
 
     def client_update(
         self,
@@ -45,11 +65,7 @@ class LocalGaLore(DenseServer, LowRankHyper):
         load_model_arrays(model, start)
         plan = self.plan(model)
         grads = construction_gradients(model, data.train, self.batch_size, rng, list(plan))
-        bases = {}
-        for k, s in plan.items():
-            g = s.view(grads[k])
-            finite = bool(torch.isfinite(g).all())
-            bases[k] = self.top_r(g, s.rank, rng) if finite else torch.eye(s.m, s.rank)
+        bases = self.client_bases({k: s.view(grads[k]) for k, s in plan.items()}, rng)
         res = train_projected(
             self, model, data.train, plan, bases, self.round_lrs(int(msg.config["round"])), rng
         )

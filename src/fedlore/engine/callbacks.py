@@ -61,7 +61,11 @@ class Checkpointer:
     """Saves the server state and every client state after each round.
 
     The checkpoint is a plain dict of tensors and scalars (loadable with ``weights_only=True``):
-    ``{"round": t, "server": {"arrays", "values"}, "clients": ClientStore.to_dict()}``.
+    ``{"round": t, "server": {"arrays", "values"}, "clients": ClientStore.to_dict()}``. Client
+    states the store spilled to disk are named, not copied: their files are fsynced before the
+    checkpoint is committed, and only after the commit does the store delete the spill files the
+    new checkpoint no longer names (:meth:`ClientStore.collect_garbage`), so a kill at any moment
+    leaves the last committed checkpoint and every file it names.
     """
 
     def __init__(self, path: Path, store: ClientStore) -> None:
@@ -69,21 +73,38 @@ class Checkpointer:
         self.store = store
 
     def on_round_end(self, rnd: int, row: dict[str, Any], state: State) -> None:
+        clients = self.store.to_dict()
+        self.store.sync()
         atomic_save(
             {
                 "round": rnd,
                 "server": {"arrays": state.arrays, "values": state.values},
-                "clients": self.store.to_dict(),
+                "clients": clients,
             },
             self.path,
         )
+        self.store.collect_garbage()
 
     @staticmethod
-    def load(path: Path) -> tuple[int, State, ClientStore]:
-        """(last completed round, server state, client store) of a checkpoint."""
+    def load(
+        path: Path, max_memory_bytes: int | None = None, spill_dir: Path | None = None
+    ) -> tuple[int, State, ClientStore]:
+        """(last completed round, server state, client store) of a checkpoint.
+
+        Args:
+            path: the checkpoint file.
+            max_memory_bytes: the restored store's memory limit in bytes (None: no limit).
+            spill_dir: where the run spilled client states (needed when the checkpoint names
+                spilled states, and with a limit); spilled states stay there until read.
+
+        Raises:
+            FileNotFoundError: when ``path`` does not exist.
+            ValueError: when the checkpoint names spilled states but ``spill_dir`` is None.
+        """
         raw = torch.load(path, weights_only=True)
         server = State(dict(raw["server"]["arrays"]), dict(raw["server"]["values"]))
-        return int(raw["round"]), server, ClientStore.from_dict(raw["clients"])
+        store = ClientStore.from_dict(raw["clients"], max_memory_bytes, spill_dir)
+        return int(raw["round"]), server, store
 
 
 class ProgressBar:

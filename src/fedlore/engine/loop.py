@@ -1,11 +1,13 @@
 """THE round loop: sample -> broadcast -> transport.send -> validate -> aggregate -> callbacks.
 
 ``wall_s`` is the round's time (sampling, broadcast, client training, validation, aggregation)
-without evaluation, which is timed separately as ``eval_s``.
+without evaluation and diagnostics, which are timed separately as ``eval_s`` and ``diag_s``.
 
 Communication is counted here, from the tensors actually in the messages: ``bytes_down`` sums
 the broadcast arrays sent this round, ``bytes_up`` the reply arrays received (rejected ones
-included: they crossed the wire). Scalars (round index, seeds) are not counted.
+included: they crossed the wire). Scalars (round index, seeds) are not counted. Reply arrays
+named ``diag.*`` exist only for diagnostics (FedLore's candidate gradients) and are counted as
+``diag_bytes_up`` instead.
 """
 
 from __future__ import annotations
@@ -84,6 +86,9 @@ class RoundLoop:
         evaluate: server state -> metrics (``accuracy``, ``loss``, ...), or None to skip.
         eval_every: evaluate every this many rounds (and after the last round).
         callbacks: called after every round.
+        diagnose: ``(state, round, sampled ids) -> diag.* metrics`` measured at the start of
+            the round (see :class:`fedlore.diagnostics.Diagnoser`); it returns {} on rounds it
+            skips.
     """
 
     algorithm: Algorithm
@@ -92,23 +97,31 @@ class RoundLoop:
     evaluate: Callable[[State], dict[str, float]] | None = None
     eval_every: int = 1
     callbacks: Sequence[Callback] = ()
+    diagnose: Callable[[State, int, list[int]], dict[str, float]] | None = None
 
     def run_round(self, state: State, rnd: int, last_round: int) -> tuple[State, Row]:
         """One round (``rnd < 0`` is an algorithm's setup exchange); returns (state, row)."""
         t0 = time.perf_counter()
         ids = self.sampler(rnd)
+        diag: dict[str, float] = {}
+        diag_s = 0.0
+        if self.diagnose is not None and rnd >= 0:
+            t1 = time.perf_counter()
+            diag = self.diagnose(state, rnd, ids)
+            diag_s = time.perf_counter() - t1
         messages = {cid: self.algorithm.broadcast(state, rnd, cid) for cid in ids}
         results = self.transport.send(rnd, messages)
         expected = self.algorithm.expected_reply(state, rnd)
         accepted: list[tuple[int, Reply | None]] = []
         rejected: list[str] = []
-        bytes_up = 0
+        bytes_up = diag_bytes_up = 0
         for cid in ids:
             res = results.get(cid)
             if isinstance(res, Reply):
-                bytes_up += nbytes(
-                    {k: v for k, v in res.arrays.items() if isinstance(v, torch.Tensor)}
-                )
+                sent = {k: v for k, v in res.arrays.items() if isinstance(v, torch.Tensor)}
+                extra = {k: v for k, v in sent.items() if k.startswith("diag.")}
+                diag_bytes_up += nbytes(extra)
+                bytes_up += nbytes(sent) - nbytes(extra)
                 reason = validate_reply(res, expected)
             else:
                 reason = "no reply" if res is None else f"{type(res).__name__}: {res}"
@@ -137,7 +150,13 @@ class RoundLoop:
         if rejected:
             row["rejected_reasons"] = rejected
         row.update(agg)
-        row["wall_s"] = time.perf_counter() - t0
+        row["wall_s"] = time.perf_counter() - t0 - diag_s
+        if diag:
+            row.update(diag)
+            row["diag_s"] = diag_s
+            row["diag_bytes_up"] = 0
+        if diag_bytes_up:
+            row["diag_bytes_up"] = diag_bytes_up
         if (
             rnd >= 0
             and self.evaluate is not None

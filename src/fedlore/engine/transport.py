@@ -1,8 +1,9 @@
 """Transports move one round's broadcasts to clients and bring their replies back.
 
 :class:`LocalTransport` is the embedded default: clients run in this process one after another,
-each materialized (data split, RNG) only while it runs, on one shared scratch model; their state
-lives in a :class:`~fedlore.engine.store.ClientStore`.
+each materialized (data split, RNG, optimizer) only while it runs, on one shared scratch model;
+their state lives in a :class:`~fedlore.engine.store.ClientStore` (compact, spilling to disk
+past its memory limit), so memory grows with the clients of a round, not of the federation.
 """
 
 from __future__ import annotations
@@ -58,18 +59,25 @@ class LocalTransport:
     def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
         out: dict[int, Reply | BaseException] = {}
         for cid in sorted(messages):
-            try:
-                data = self.client_data(cid)
-                reply, state = self.algorithm.client_update(
-                    messages[cid],
-                    self.store.get(cid),
-                    self.model,
-                    data,
-                    generator(self.seed, CLIENT, rnd, cid),
-                )
-                self.store.put(cid, state)
-                out[cid] = reply
-            except Exception as e:  # a failing client must not stop the round
-                log.warning("client %d failed in round %d: %s: %s", cid, rnd, type(e).__name__, e)
-                out[cid] = e
+            out[cid] = self._run_client(rnd, cid, messages[cid])
         return out
+
+    def _run_client(self, rnd: int, cid: int, msg: Broadcast) -> Reply | BaseException:
+        """One client's turn. Its data, optimizer and the state it started from are locals of
+        this call, so nothing of the client outlives its turn except its reply and the state put
+        in the store (a failure's traceback, which would pin them, is dropped after logging)."""
+        try:
+            data = self.client_data(cid)
+            reply, state = self.algorithm.client_update(
+                msg,
+                self.store.get(cid),
+                self.model,
+                data,
+                generator(self.seed, CLIENT, rnd, cid),
+            )
+            self.store.put(cid, state)
+            return reply
+        except Exception as e:  # a failing client must not stop the round
+            log.warning("client %d failed in round %d: %s: %s", cid, rnd, type(e).__name__, e)
+            log.debug("client %d traceback", cid, exc_info=e)
+            return e.with_traceback(None)

@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from fedlore.results.plots import BYTES_PER_MB, mean_std, plot
-from fedlore.results.store import IncompleteRunWarning, RunRecord, is_experiment_dir, load_runs
+from fedlore.results.store import (
+    IncompleteRunWarning,
+    RunRecord,
+    is_experiment_dir,
+    load_runs,
+    value,
+)
 
 __all__ = [
     "COLUMNS",
@@ -176,9 +182,81 @@ def to_csv(table: list[dict[str, Any]], path: Path) -> None:
             writer.writerow({k: "" if row.get(k) is None else row[k] for k in COLUMNS})
 
 
+DIAGNOSTIC_KEYS = (
+    "diag.retained_energy",
+    "diag.rho2",
+    "diag.d_r",
+    "diag.b_norm2",
+    "diag.inner",
+    "diag.certificate2",
+)
+"""Diagnostics summarized and plotted by default when runs have them (see
+:mod:`fedlore.diagnostics`)."""
+
+
+def diagnostics_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
+    """Per method: each :data:`DIAGNOSTIC_KEYS` metric averaged over a run's measured rounds,
+    then mean ± std over seeds; plus the measured rounds per run and the diagnostics' seconds
+    and candidate-gradient MB per run. Methods without diagnostics are left out."""
+    table = []
+    for method, records in runs.items():
+        row: dict[str, Any] = {"method": method, "n_seeds": len(records)}
+        found = False
+        for key in DIAGNOSTIC_KEYS:
+            per_run = []
+            for r in records:
+                vals = [v for v in (value(x, key) for x in r.rows) if v is not None]
+                if vals:
+                    per_run.append(sum(vals) / len(vals))
+            row[key] = _stat(per_run)
+            found = found or bool(per_run)
+        if not found:
+            continue
+        row["measured_rounds"] = _stat(
+            [float(sum(1 for x in r.rows if "diag_s" in x)) for r in records]
+        )[0]
+        row["diag_s"] = _stat([sum(value(x, "diag_s") or 0.0 for x in r.rows) for r in records])[0]
+        row["diag_mb_up"] = _stat(
+            [sum(value(x, "diag_bytes_up") or 0.0 for x in r.rows) / BYTES_PER_MB for r in records]
+        )[0]
+        table.append(row)
+    return table
+
+
+def diagnostics_markdown(table: list[dict[str, Any]]) -> str:
+    """Render :func:`diagnostics_table` rows as Markdown (empty string for no rows)."""
+    if not table:
+        return ""
+    keys = [k for k in DIAGNOSTIC_KEYS if any(row[k][0] is not None for row in table)]
+    header = ["method", *[k.removeprefix("diag.") for k in keys], "rounds", "s", "MB up"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in table:
+        n = int(row["n_seeds"])
+        cells = [str(row["method"])]
+        for k in keys:
+            mean, std = row[k]
+            cells.append(
+                "–"
+                if mean is None
+                else _pm(mean, std, digits=3, n=n)
+                if abs(mean) < 100
+                else _num(mean)
+            )
+        cells += [_count(row["measured_rounds"]), _num(row["diag_s"]), _num(row["diag_mb_up"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _report_experiment(exp_dir: Path, keys: Sequence[str] | None) -> str:
     runs = load_runs(exp_dir)
     table = summary_table(runs)
+    diag = diagnostics_table(runs)
+    if keys is None:
+        keys = [
+            k
+            for k in DIAGNOSTIC_KEYS
+            if any(value(x, k) is not None for rs in runs.values() for r in rs for x in r.rows)
+        ]
     pngs = plot(runs, exp_dir, keys=keys)
     to_csv(table, exp_dir / "report.csv")
     images = "\n\n".join(f"![{p.stem.replace('_', ' ')}]({p.name})" for p in pngs)
@@ -188,8 +266,16 @@ def _report_experiment(exp_dir: Path, keys: Sequence[str] | None) -> str:
         "per run; optimizer state per client (moment tensors); s / round without evaluation; "
         "rejected client replies and skipped local steps (non-finite loss or gradient) per run."
         "\n\n"
-        f"{images}\n"
     )
+    if diag:
+        text += (
+            "## Diagnostics\n\n"
+            f"{diagnostics_markdown(diag)}\n"
+            "Each value is averaged over a run's measured rounds, then mean ± std over seeds; "
+            "rounds, seconds and candidate-gradient MB uploaded are per run "
+            "(see fedlore.diagnostics).\n\n"
+        )
+    text += f"{images}\n"
     (exp_dir / "report.md").write_text(text)
     return text
 
