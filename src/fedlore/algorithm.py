@@ -68,6 +68,10 @@ class Algorithm(Protocol):
         """The global model's parameters and buffers (names of ``model.state_dict()``)."""
         ...
 
-    def expected_reply(self, state: State, rnd: int) -> dict[str, tuple[tuple[int, ...], Any]]:
-        """Key -> (shape, dtype) of a valid reply at round ``rnd``; used to reject bad uploads."""
+    def expected_reply(
+        self, state: State, rnd: int, client_id: int | None = None
+    ) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """Key -> (shape, dtype) of a valid reply at round ``rnd`` from ``client_id``; used to
+        reject bad uploads. Methods whose reply shapes differ per client (heterogeneous LoRA
+        ranks) need the id; the others ignore it."""
         ...

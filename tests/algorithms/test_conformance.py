@@ -174,7 +174,13 @@ def _setup(name: str, fed: Federation) -> Setup:
 
 
 def _check_well_formed(
-    algo: Algorithm, state: State, rnd: int, reply: Reply, new_state: State, n_train: int
+    algo: Algorithm,
+    state: State,
+    rnd: int,
+    cid: int,
+    reply: Reply,
+    new_state: State,
+    n_train: int,
 ) -> None:
     assert isinstance(reply, Reply) and isinstance(new_state, State)
     assert reply.arrays, "a reply without arrays carries nothing"
@@ -188,7 +194,7 @@ def _check_well_formed(
             assert bool(torch.isfinite(t).all()), k
     for k, v in reply.metrics.items():
         assert isinstance(v, int | float | str | bool), (k, type(v))
-    assert validate_reply(reply, algo.expected_reply(state, rnd)) is None
+    assert validate_reply(reply, algo.expected_reply(state, rnd, cid)) is None
     assert reply.metrics["num_examples"] == n_train
     assert isinstance(reply.metrics["num_examples"], int)
     assert reply.num_examples == n_train
@@ -228,7 +234,7 @@ def test_client_update_is_pure_and_well_formed(name: str, fed: Federation) -> No
                     msg, client_state, scratch, data, generator(SEED, CLIENT, rnd, cid)
                 )
                 outs.append((reply, _clone_arrays(reply.arrays), new_state))
-                _check_well_formed(s.algo, state, rnd, reply, new_state, len(data.train))
+                _check_well_formed(s.algo, state, rnd, cid, reply, new_state, len(data.train))
 
             first, first_copy, first_state = outs[0]
             for trial, (reply, _, new_state) in enumerate(outs[1:], start=1):

@@ -1,6 +1,17 @@
 """One short module per method; importing this package registers them all."""
 
-from fedlore.algorithms import fedavg, fedlore, local_galore  # noqa: F401
+from fedlore.algorithms import (  # noqa: F401
+    fedavg,
+    fedlore,
+    local_galore,
+    lora_fair,
+    lora_fedit,
+    lora_ffa,
+    lora_flexlora,
+    lora_flora,
+    lora_frlora,
+    lora_rolora,
+)
 from fedlore.algorithms.base import Hyper, build_hyper
 
 __all__ = ["Hyper", "build_hyper"]

@@ -56,7 +56,7 @@ class DenseServer:
     def global_arrays(self, state: State) -> dict[str, torch.Tensor]:
         return select(state.arrays, "model.")
 
-    def expected_reply(self, state: State, rnd: int) -> ReplySpec:
+    def expected_reply(self, state: State, rnd: int, client_id: int | None = None) -> ReplySpec:
         return {
             "update." + k: (tuple(v.shape), v.dtype)
             for k, v in select(state.arrays, "model.").items()

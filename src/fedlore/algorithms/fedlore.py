@@ -334,7 +334,7 @@ class FedLore(LowRankHyper):
     def global_arrays(self, state: State) -> dict[str, torch.Tensor]:
         return select(state.arrays, "model.")
 
-    def expected_reply(self, state: State, rnd: int) -> ReplySpec:
+    def expected_reply(self, state: State, rnd: int, client_id: int | None = None) -> ReplySpec:
         plan = plan_from_state(state, self.rank)
         model = select(state.arrays, "model.")
         spec: ReplySpec = {}

@@ -13,13 +13,15 @@ for every method and every call, and changing one step (e.g. the noise level) le
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from fedlore import registry
-from fedlore.config import Config
+from fedlore.config import Config, DataConfig
 from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.data.corruption import add_gaussian_noise, flip_labels, subsample_stratified
 from fedlore.data.sources import DataSource
@@ -68,14 +70,14 @@ class Federation:
 
     Attributes:
         source: registry name of the data source.
-        pool: the kept training set; inputs ``[n, C, H, W]`` with noise already applied, labels
-            ``[n]`` the true (unflipped) classes.
+        pool: the kept training set; inputs ``[n, C, H, W]`` with noise already applied (text:
+            int64 token ids ``[n, L]``), labels ``[n]`` the true (unflipped) classes.
         train_labels: labels ``[n]`` that clients train on (with label flips, if configured).
         train_indices: per client, sorted indices into ``pool`` of its local training split.
         test_indices: per client, sorted indices into ``pool`` of its local test split.
         central_test: the source's official test set (with noise, if configured).
         num_classes: number of classes.
-        input_shape: shape of one example, ``(C, H, W)``.
+        input_shape: shape of one example, ``(C, H, W)`` (text: ``(L,)``).
         class_names: one name per class.
     """
 
@@ -154,6 +156,37 @@ def _check_cover(parts: list[np.ndarray], n: int, name: str) -> None:
         raise ValueError(f"partition {name!r} does not cover each of the {n} indices exactly once")
 
 
+# DataConfig fields that only some sources take (the text sources): passed as keyword arguments
+# to a loader that declares them; set to a non-default value for any other source, an error.
+SOURCE_OPTIONS = ("tokenizer", "max_length", "categories")
+
+
+def load_source(data: DataConfig) -> DataSource:
+    """Call the registered loader ``data.name`` with ``data.root`` and the options it takes.
+
+    Raises:
+        KeyError: for an unknown source.
+        ValueError: when an option of :data:`SOURCE_OPTIONS` is set for a source that does not
+            take it, or input noise is asked of a source whose inputs are token ids.
+    """
+    loader = registry.get("source", data.name)
+    accepted = inspect.signature(loader).parameters
+    options: dict[str, Any] = {}
+    for key in SOURCE_OPTIONS:
+        value = getattr(data, key)
+        if key in accepted:
+            options[key] = value
+        elif value != DataConfig.model_fields[key].default:
+            raise ValueError(f"data.{key}={value!r} has no effect on source {data.name!r}")
+    source: DataSource = loader(data.root, **options)
+    if data.noise > 0 and not source.train.x.is_floating_point():
+        raise ValueError(
+            f"data.noise={data.noise} adds pixel noise, but source {data.name!r} gives "
+            f"{source.train.x.dtype} inputs (token ids); use data.label_flip for label noise"
+        )
+    return source
+
+
 def build_federation(cfg: Config, seed: int) -> Federation:
     """Build the federation of an experiment for one seed.
 
@@ -177,7 +210,7 @@ def build_federation(cfg: Config, seed: int) -> Federation:
     """
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
-    source: DataSource = registry.get("source", cfg.data.name)(cfg.data.root)
+    source = load_source(cfg.data)
     keep = subsample_stratified(
         source.train.y.numpy(), cfg.data.fraction, np.random.default_rng([seed, STREAM_FRACTION])
     )

@@ -1,9 +1,10 @@
 """Image data sources read from local files: digits, Fashion-MNIST (IDX), CIFAR-10/100 (pickle).
 
-Every loader has the signature ``f(root: str | None = None) -> DataSource`` and is registered
-under its name with :func:`fedlore.registry.register_source`. Nothing is downloaded: a loader
-reads the files under ``root`` (or a documented default) and fails with a message that names
-every path it looked at and how to get the data.
+Every loader has the signature ``f(root: str | None = None, **options) -> DataSource`` and is
+registered under its name with :func:`fedlore.registry.register_source`. Nothing is downloaded: a
+loader reads the files under ``root`` (or a documented default) and fails with a message that
+names every path it looked at and how to get the data. Text sources (``fortunes``, ``text_csv``,
+``text_jsonl``) live in :mod:`fedlore.data.text` and take keyword options (tokenizer, length).
 
 Images are float32 ``[B, C, H, W]`` scaled to [0, 1]; labels are int64 ``[B]``.
 """
@@ -42,10 +43,11 @@ class DataSource:
 
     Attributes:
         name: registry name of the source (``"digits"``, ``"cifar10"``, ...).
-        train: training split, images float32 ``[B, C, H, W]`` in [0, 1], labels int64 ``[B]``.
+        train: training split, images float32 ``[B, C, H, W]`` in [0, 1] (text: int64 token
+            ids ``[B, L]``), labels int64 ``[B]``.
         test: the official (central) test split, same layout.
         num_classes: number of classes; labels lie in ``[0, num_classes)``.
-        input_shape: shape of one example, ``(C, H, W)``.
+        input_shape: shape of one example, ``(C, H, W)`` (text: ``(L,)``).
         class_names: ``num_classes`` human-readable names, index = label.
     """
 
@@ -322,3 +324,7 @@ def load_cifar100(root: str | None = None) -> DataSource:
         input_shape=(3, 32, 32),
         class_names=_class_names(folder / "meta", b"fine_label_names", 100),
     )
+
+
+# Registers the text sources. Imported last: fedlore.data.text imports DataSource from here.
+from fedlore.data import text as _text  # noqa: E402, F401

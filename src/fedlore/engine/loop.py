@@ -111,7 +111,6 @@ class RoundLoop:
             diag_s = time.perf_counter() - t1
         messages = {cid: self.algorithm.broadcast(state, rnd, cid) for cid in ids}
         results = self.transport.send(rnd, messages)
-        expected = self.algorithm.expected_reply(state, rnd)
         accepted: list[tuple[int, Reply | None]] = []
         rejected: list[str] = []
         bytes_up = diag_bytes_up = 0
@@ -122,7 +121,7 @@ class RoundLoop:
                 extra = {k: v for k, v in sent.items() if k.startswith("diag.")}
                 diag_bytes_up += nbytes(extra)
                 bytes_up += nbytes(sent) - nbytes(extra)
-                reason = validate_reply(res, expected)
+                reason = validate_reply(res, self.algorithm.expected_reply(state, rnd, cid))
             else:
                 reason = "no reply" if res is None else f"{type(res).__name__}: {res}"
             if reason is None and isinstance(res, Reply):

@@ -1,4 +1,4 @@
-"""Model registry: ``mlp``, ``cnn``, ``resnet20/32/44/56``.
+"""Model registry: ``mlp``, ``cnn``, ``resnet20/32/44/56``, ``vit``, ``text_encoder``.
 
 Importing this package imports every model module, which registers its factories with
 :func:`fedlore.registry.register_model`. A factory has the signature
@@ -7,6 +7,10 @@ shape without the batch dimension (``(C, H, W)`` for images). Every model names 
 classifier Linear ``head``, so classifier parameter names start with ``head.`` (low-rank
 optimizers exclude them). Initialization draws from torch's global generator at construction
 only: seed with ``torch.manual_seed`` right before building for a reproducible model.
+
+``vit`` and ``text_encoder`` are built on Hugging Face transformers, imported only when one of
+them is built; they load from local folders only (see :mod:`fedlore.models.text`). Text models
+take int64 token ids ``[B, L]`` (``input_shape = (L,)``) and mask padding themselves.
 """
 
 from __future__ import annotations
@@ -17,10 +21,10 @@ from typing import Any
 from torch import nn
 
 from fedlore import registry
-from fedlore.models import cnn, mlp, resnet
+from fedlore.models import cnn, mlp, resnet, text, vit
 from fedlore.models.common import check_num_classes, check_shape
 
-__all__ = ["build_model", "cnn", "mlp", "resnet"]
+__all__ = ["build_model", "cnn", "mlp", "resnet", "text", "vit"]
 
 
 def build_model(

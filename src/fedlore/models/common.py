@@ -1,14 +1,18 @@
-"""Shape checks shared by the model factories.
+"""Checks and helpers shared by the model factories.
 
 Every factory validates the ``input_shape`` it is given with these helpers, so a bad shape fails
 with the same clear ``ValueError`` whether the factory is reached through
-:func:`fedlore.models.build_model` or called directly from the registry.
+:func:`fedlore.models.build_model` or called directly from the registry. The Hugging Face
+models (:mod:`fedlore.models.vit`, :mod:`fedlore.models.text`) also share the local-folder check
+and the log silencer below.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 
 def check_shape(model: str, input_shape: Sequence[int]) -> tuple[int, ...]:
@@ -74,3 +78,56 @@ def check_num_classes(model: str, num_classes: int) -> int:
             f"model {model!r}: num_classes must be a positive int, got {num_classes!r}"
         )
     return num_classes
+
+
+def local_hf_folder(model: str, folder: str | Path, hint: str) -> Path:
+    """Check that ``folder`` is a local Hugging Face model folder (it holds ``config.json``).
+
+    Nothing is ever fetched from the Hub: every transformers call in fedlore passes
+    ``local_files_only=True`` on a folder checked here first.
+
+    Args:
+        model: registry name of the model, for the error message.
+        folder: the folder to check.
+        hint: how to get a folder (appended to the error message).
+
+    Returns:
+        The folder as a resolved :class:`~pathlib.Path`.
+
+    Raises:
+        FileNotFoundError: naming the folder (and the missing ``config.json``) and the hint.
+    """
+    path = Path(folder).expanduser().resolve()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model {model!r}: local Hugging Face folder {path} does not exist. {hint}"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {model!r}: {path} holds no config.json, so it is not a Hugging Face model "
+            f"folder. {hint}"
+        )
+    return path
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' load reports and progress bars for the duration of the block.
+
+    Loading a backbone without its pooler, or a checkpoint saved from a model with a different
+    head, prints an "UNEXPECTED keys" report and a progress bar per load; fedlore builds the same
+    model many times per run (one per client transport and evaluation), so they are noise.
+    Errors still propagate as exceptions.
+    """
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()

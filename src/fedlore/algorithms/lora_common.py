@@ -1,0 +1,410 @@
+"""What the seven federated LoRA baselines share; each method module states only what differs
+(which factors train, what the server computes, how a client's adapter starts, what is merged).
+
+Wire names (adapters fp32; other tensors keep the model's dtype):
+
+* ``model.<k>``: frozen base tensors under plain ``state_dict`` names, sent at first contact (or
+  when a merge method's client is too far behind for the log).
+* ``dense.<k>``: parameters under ``dense_prefixes`` (the classifier ``head.``): never adapted,
+  trained with AdamW like the factors, sent both ways every round and averaged with the weights
+  p_i (reference notes section 13.3; FRLoRA's code does this, the others are silent).
+* ``lora.<mod>.A`` (``r x n``) / ``lora.<mod>.B`` (``m x r``): adapter factors.
+* ``log.<s>.<mod>.*``: round s's merge payload (FLoRA, FRLoRA), from which a client rebuilds
+  the merge into its cached base with the server's function, so both stay bit-identical.
+
+Server state: ``model.*`` (the current base with the current dense values), the global
+``lora.*``, ``log.*`` and method extras; values ``changed.lora.<...>`` (the round whose
+aggregate last changed that tensor, -1 at init) and ``version.<cid>`` (the round whose broadcast
+the client last acted on with an accepted reply). A broadcast carries the global adapter
+tensors changed since the client's version (all at first contact), so a frozen factor crosses
+once (FFA-LoRA's A) and RoLoRA sends only the factor that moved.
+
+Client state: ``cache.*`` (the frozen base as synced), ``held.<mod>.A|B`` (the global adapter
+tensors as received, never the locally trained ones), value ``version``.
+
+Round (parity with every other method, reference notes section 13): each client works on a deep
+copy of the scratch model (peft mutates modules, and heterogeneous ranks need a fresh adapter),
+loads base + dense strictly, injects the adapter, trains the round's factors and the dense
+parameters with a fresh AdamW for K steps on the same minibatches and schedule as every method,
+and uploads the trained factors and dense parameters. Aggregation weights are :meth:`Hyper.weights`
+(data size by default, uniform as an option) for every method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from fedlore.algorithms.base import Hyper, ReplySpec, reply_metrics
+from fedlore.data.client_data import ClientData
+from fedlore.lora import (
+    Factor,
+    Target,
+    adapted_copy,
+    adapter_arrays,
+    dense_arrays,
+    find_targets,
+    kaiming_a,
+    merge,
+    product,
+    scaling,
+    set_trainable,
+    zeros_b,
+)
+from fedlore.seeding import derive_seed
+from fedlore.tensors import nbytes, select, weighted_mean, with_prefix
+from fedlore.train.local import local_train
+from fedlore.types import Arrays, Broadcast, Reply, Scalars, State
+
+# purpose tags for streams derived from the client generator without consuming it, so every
+# method draws the same minibatches (parity)
+_FRESH, _DROPOUT = 101, 102
+
+
+@dataclass(frozen=True)
+class LoraMethod(Hyper):
+    """Hyperparameters shared by the LoRA baselines, and the protocol they share.
+
+    Attributes:
+        rank: r (the run's ``rank``; seed Appendix B: 8).
+        lora_alpha: PEFT lora_alpha; scaling ``s = lora_alpha / r`` (default 16: s = 2 at r = 8,
+            the FLoRA/FRLoRA/FlexLoRA code defaults ``alpha = 2r``).
+        lora_dropout: LoRA dropout (default 0: deterministic; > 0 draws from a stream derived
+            from the client's generator).
+        target_modules: adapted Linear names (peft suffix rule, e.g. ``["query", "key",
+            "value", "dense"]``); empty = every ``nn.Linear`` outside ``dense_prefixes``.
+        dense_prefixes: parameter-name prefixes trained and sent densely, never adapted.
+        log_rounds: merge methods keep this many rounds of merge payloads for clients that
+            missed rounds (older ones get the dense base).
+    """
+
+    rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    target_modules: tuple[str, ...] = ()
+    dense_prefixes: tuple[str, ...] = ("head.",)
+    log_rounds: int = 8
+
+    setup_rounds: ClassVar[int] = 0
+    merges: ClassVar[bool] = False
+    """Whether the server merges a payload into the base every round (FLoRA, FRLoRA)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        checks = {
+            "rank": self.rank >= 1,
+            "lora_alpha": self.lora_alpha > 0,
+            "lora_dropout": 0.0 <= self.lora_dropout < 1.0,
+            "target_modules": all(isinstance(t, str) and t for t in self.target_modules),
+            "dense_prefixes": all(isinstance(p, str) and p for p in self.dense_prefixes),
+            "log_rounds": self.log_rounds >= 1,
+        }
+        for field, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{type(self).__name__}: invalid {field}={getattr(self, field)!r}")
+
+    # ------------------------------------------------------------------ method hooks
+    def client_rank(self, client_id: int) -> int:
+        """r_k of a client (homogeneous: ``rank``)."""
+        return self.rank
+
+    def ranks(self) -> set[int]:
+        """Every client rank in use."""
+        return {self.rank}
+
+    def max_rank(self) -> int:
+        """The largest client rank."""
+        return max(self.ranks())
+
+    def client_scale(self, rank: int) -> float:
+        """s_k of a client of rank ``rank``: ``lora_alpha / rank``."""
+        return scaling(self.lora_alpha, rank)
+
+    def trained(self, rnd: int) -> tuple[Factor, ...]:
+        """The factors clients train and upload in round ``rnd``."""
+        return ("A", "B")
+
+    def init_adapters(
+        self, base: Arrays, targets: dict[str, Target], rng: torch.Generator
+    ) -> Arrays:
+        """Round-0 global adapter ``<mod>.A|B``: PEFT init from the server generator (A Kaiming-
+        uniform, B zero) at the largest rank, identical for every client."""
+        out: Arrays = {}
+        for mod, t in targets.items():
+            out[f"{mod}.A"] = kaiming_a(self.max_rank(), t.n, rng)
+            out[f"{mod}.B"] = zeros_b(t.m, self.max_rank())
+        return out
+
+    def down_adapters(self, state: State, rnd: int, client_id: int, version: int | None) -> Arrays:
+        """Adapter tensors sent to a client (``<mod>.A|B``): the global ones changed since the
+        round of its cache (all of them at first contact)."""
+        out = {}
+        for k, v in select(state.arrays, "lora.").items():
+            changed = int(state.values.get(f"changed.lora.{k}", -1))
+            if version is None or changed >= version:
+                out[k] = v
+        return out
+
+    def start_adapters(
+        self,
+        held: Arrays,
+        rnd: int,
+        rank: int,
+        targets: dict[str, Target],
+        fresh: torch.Generator,
+    ) -> Arrays:
+        """A client's adapter at the start of local training (default: the global one)."""
+        return dict(held)
+
+    def aggregate_adapters(
+        self, arrays: Arrays, replies: list[tuple[int, Reply]], p: list[float], rnd: int
+    ) -> tuple[Arrays, Scalars]:
+        """Update the server's arrays (a copy, mutate it) from the accepted replies.
+
+        Args:
+            arrays: the new server arrays (replace ``lora.*`` entries, add extras).
+            replies: (client id, reply) in client-id order.
+            p: normalized aggregation weights p_i.
+            rnd: the round.
+
+        Returns:
+            (merge payload ``<mod>.*`` for merge methods, else {}; metrics).
+        """
+        raise NotImplementedError
+
+    def merge_deltas(self, log: Arrays, held: Arrays, modules: list[str]) -> Arrays:
+        """``<mod>`` -> fp32 ΔW merged into the base from one round's payload ``<mod>.*``;
+        ``held`` holds the global adapter tensors (only ones that never change may be used)."""
+        return {}
+
+    def global_deltas(self, state: State) -> Arrays:
+        """``<mod>`` -> fp32 ΔW of the global model on top of ``model.*`` (default ``s B A`` of the
+        global adapter)."""
+        s = self.client_scale(self.rank)
+        adapters = select(state.arrays, "lora.")
+        return {
+            mod: product(adapters[f"{mod}.B"], adapters[f"{mod}.A"], s)
+            for mod in _targets(state)
+            if f"{mod}.A" in adapters
+        }
+
+    # ------------------------------------------------------------------ server
+    def init_server(self, model: nn.Module, rng: torch.Generator) -> State:
+        targets = find_targets(model, self.target_modules, self.dense_prefixes)
+        for t in targets.values():
+            if self.max_rank() > min(t.m, t.n):
+                raise ValueError(
+                    f"{type(self).__name__}: rank {self.max_rank()} exceeds min(m, n) = "
+                    f"{min(t.m, t.n)} of {t.name}"
+                )
+        base = {k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}
+        dense = [k for k, _ in model.named_parameters() if k.startswith(self.dense_prefixes)]
+        adapters = self.init_adapters(base, targets, rng)
+        values: Scalars = {
+            "lora_modules": ",".join(targets),
+            "dense_keys": ",".join(dense),
+            "log_from": 0,
+        }
+        values.update({f"changed.lora.{k}": -1 for k in adapters})
+        return State({**with_prefix(base, "model."), **with_prefix(adapters, "lora.")}, values)
+
+    def broadcast(self, state: State, rnd: int, client_id: int) -> Broadcast:
+        vals = state.values
+        raw = vals.get(f"version.{client_id}")
+        version = None if raw is None else int(raw)
+        model = select(state.arrays, "model.")
+        dense_keys = _dense_keys(state)
+        config: Scalars = {"round": rnd, "rank": self.client_rank(client_id)}
+        arrays = {"dense." + k: model[k] for k in dense_keys}
+        arrays.update(with_prefix(self.down_adapters(state, rnd, client_id, version), "lora."))
+        frozen = {"model." + k: v for k, v in model.items() if k not in dense_keys}
+        if version is None:
+            config["mode"] = "dense"
+            arrays.update(frozen)
+        elif self.merges:
+            logs = [s for s in range(version, rnd) if vals.get(f"merged.{s}")]
+            payload: Arrays = {}
+            for s in logs:
+                payload.update(select(state.arrays, f"log.{s}.", strip=False))
+            if version >= int(vals["log_from"]) and nbytes(payload) <= nbytes(frozen):
+                config.update(mode="cached", from_round=version, logs=",".join(map(str, logs)))
+                arrays.update(payload)
+            else:
+                config["mode"] = "dense"
+                arrays.update(frozen)
+        else:
+            config.update(mode="cached", from_round=version, logs="")
+        return Broadcast(arrays, config)
+
+    def aggregate(
+        self, state: State, replies: list[tuple[int, Reply | None]], rnd: int
+    ) -> tuple[State, Scalars]:
+        arrays, values = dict(state.arrays), dict(state.values)
+        for c, r in replies:
+            if r is None:  # its cache may or may not have moved: dense at next contact
+                values.pop(f"version.{c}", None)
+        ok = [(c, r) for c, r in replies if r is not None]
+        if not ok:
+            return State(arrays, values), {"aggregated": 0}
+        weights = self.weights([r for _, r in ok])
+        total = float(sum(weights))
+        p = [w / total for w in weights]
+        dense = weighted_mean([select(r.arrays, "dense.") for _, r in ok], weights)
+        arrays.update(with_prefix(dense, "model."))
+        log, metrics = self.aggregate_adapters(arrays, ok, p, rnd)
+        for k, v in arrays.items():
+            if k.startswith("lora.") and state.arrays.get(k) is not v:
+                values[f"changed.{k}"] = rnd
+        if log:
+            held = select(arrays, "lora.")
+            for mod, delta in self.merge_deltas(log, held, _targets(state)).items():
+                arrays[f"model.{mod}.weight"] = merge(arrays[f"model.{mod}.weight"], delta)
+            arrays.update(with_prefix(log, f"log.{rnd}."))
+            values[f"merged.{rnd}"] = 1
+        for c, _ in ok:
+            values[f"version.{c}"] = rnd
+        oldest = rnd + 1 - self.log_rounds
+        for key in [k for k in arrays if k.startswith("log.") and int(k.split(".")[1]) < oldest]:
+            del arrays[key]
+        for key in [k for k in values if k.startswith("merged.") and int(k[7:]) < oldest]:
+            del values[key]
+        values["log_from"] = max(0, oldest)
+        return State(arrays, values), {"aggregated": len(ok), **metrics}
+
+    def global_arrays(self, state: State) -> dict[str, torch.Tensor]:
+        """``model.*`` with ``W + ΔW`` of :meth:`global_deltas` merged in fp32 (plain names)."""
+        model = select(state.arrays, "model.")
+        for mod, delta in self.global_deltas(state).items():
+            model[f"{mod}.weight"] = merge(model[f"{mod}.weight"], delta)
+        return model
+
+    def expected_reply(self, state: State, rnd: int, client_id: int | None = None) -> ReplySpec:
+        """Keys, shapes and dtypes of a valid reply.
+
+        Raises:
+            ValueError: with heterogeneous ranks and no ``client_id`` (the shapes depend on it).
+        """
+        if client_id is None:
+            if len(self.ranks()) > 1:
+                raise ValueError(
+                    f"{type(self).__name__}: heterogeneous client ranks {sorted(self.ranks())} "
+                    "give replies of different shapes; call expected_reply(state, rnd, client_id)"
+                )
+            client_id = 0
+        r = self.client_rank(client_id)
+        model = select(state.arrays, "model.")
+        spec: ReplySpec = {
+            "dense." + k: (tuple(model[k].shape), model[k].dtype) for k in _dense_keys(state)
+        }
+        for mod in _targets(state):
+            m, n = model[f"{mod}.weight"].shape
+            for f in self.trained(rnd):
+                spec[f"lora.{mod}.{f}"] = ((r, n) if f == "A" else (m, r), torch.float32)
+        return spec
+
+    # ------------------------------------------------------------------ client
+    def client_update(
+        self,
+        msg: Broadcast,
+        state: State | None,
+        model: nn.Module,
+        data: ClientData,
+        rng: torch.Generator,
+    ) -> tuple[Reply, State]:
+        rnd, rank = int(msg.config["round"]), int(msg.config["rank"])
+        targets = find_targets(model, self.target_modules, self.dense_prefixes)
+        base, held = self._synchronize(msg, state, targets)
+        seed = rng.initial_seed()
+        fresh = torch.Generator().manual_seed(derive_seed(seed, _FRESH, rnd))
+        start = self.start_adapters(held, rnd, rank, targets, fresh)
+
+        plain = {**base, **select(msg.arrays, "dense.")}
+        alpha = self.client_scale(rank) * rank
+        work = adapted_copy(model, plain, targets, start, rank, alpha, self.lora_dropout)
+        trained = self.trained(rnd)
+        params = set_trainable(work, trained, self.dense_prefixes)
+        opt = torch.optim.AdamW(
+            params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
+        )
+        with torch.random.fork_rng(devices=[]):  # LoRA dropout draws from the client's stream
+            torch.manual_seed(derive_seed(seed, _DROPOUT))
+            stats = local_train(
+                work,
+                data.train,
+                opt,
+                self.round_lrs(rnd),
+                self.batch_size,
+                rng,
+                grad_clip=self.grad_clip,
+            )
+        out = with_prefix(adapter_arrays(work, trained), "lora.")
+        out.update(with_prefix(dense_arrays(work, self.dense_prefixes), "dense."))
+        state_bytes = sum(
+            v.numel() * v.element_size()
+            for st in opt.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor) and v.ndim > 0
+        )
+        metrics = reply_metrics(
+            data.num_examples,
+            train_loss=stats.mean_loss,
+            skipped_steps=stats.skipped_steps,
+            optimizer_state_bytes=state_bytes,
+        )
+        new_state = State(
+            {**with_prefix(base, "cache."), **with_prefix(held, "held.")}, {"version": rnd}
+        )
+        return Reply(out, metrics), new_state
+
+    def _synchronize(
+        self, msg: Broadcast, state: State | None, targets: dict[str, Target]
+    ) -> tuple[Arrays, Arrays]:
+        """(frozen base, held global adapter) as of this round's broadcast."""
+        held = select(state.arrays, "held.") if state is not None else {}
+        held.update(select(msg.arrays, "lora."))
+        if msg.config["mode"] == "dense":
+            return select(msg.arrays, "model."), held
+        if state is None:
+            raise RuntimeError("client has no cached base but the server sent none")
+        own, start = int(state.values["version"]), int(msg.config["from_round"])
+        if own < start:
+            raise RuntimeError(f"client cache is at round {own}; the server assumed {start}")
+        base = select(state.arrays, "cache.")
+        logs = [int(s) for s in str(msg.config["logs"]).split(",") if s]
+        for s in logs:
+            if s < own:
+                continue
+            for mod, delta in self.merge_deltas(
+                select(msg.arrays, f"log.{s}."), held, list(targets)
+            ).items():
+                base[f"{mod}.weight"] = merge(base[f"{mod}.weight"], delta)
+        return base, held
+
+
+def _targets(state: State) -> list[str]:
+    return [m for m in str(state.values["lora_modules"]).split(",") if m]
+
+
+def _dense_keys(state: State) -> list[str]:
+    return [k for k in str(state.values["dense_keys"]).split(",") if k]
+
+
+def factor_means(
+    replies: list[tuple[int, Reply]], p: list[float], factors: tuple[Factor, ...]
+) -> Arrays:
+    """Weighted means ``Σ p_i X_i`` of the uploaded factors (``<mod>.A|B``, float64 sums)."""
+    keys = [f".{f}" for f in factors]
+    items = [
+        {k: v for k, v in select(r.arrays, "lora.").items() if k.endswith(tuple(keys))}
+        for _, r in replies
+    ]
+    return weighted_mean(items, p)
+
+
+def reply_modules(replies: list[tuple[int, Reply]]) -> list[str]:
+    """The adapted module names of (validated, hence identically keyed) replies, in key order."""
+    keys = replies[0][1].arrays
+    return list(dict.fromkeys(k[5:-2] for k in keys if k.startswith("lora.")))

@@ -1,0 +1,505 @@
+"""Golden checks of the federated LoRA baselines (issue 5, reference notes sections 6-12).
+
+Hand-made replies where a number can be checked by hand; a small protocol driver (broadcast ->
+client_update -> aggregate, every reply validated against ``expected_reply`` for its client)
+where a property must hold over a whole run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fedlore.algorithms.lora_common import LoraMethod
+from fedlore.algorithms.lora_fair import LoRAFAIR, direction_gap
+from fedlore.algorithms.lora_fedit import FedIT
+from fedlore.algorithms.lora_ffa import FFALoRA
+from fedlore.algorithms.lora_flexlora import FlexLoRA
+from fedlore.algorithms.lora_flora import FLoRA
+from fedlore.algorithms.lora_frlora import FRLoRA
+from fedlore.algorithms.lora_rolora import RoLoRA
+from fedlore.data.client_data import ClientData, TensorSplit
+from fedlore.engine.loop import validate_reply
+from fedlore.lora import product
+from fedlore.seeding import CLIENT, generator
+from fedlore.tensors import select, weighted_mean
+from fedlore.types import Broadcast, Reply, State
+
+IN, HID, NCLS = 6, 5, 3
+STEPS, LR, BATCH = 2, 1e-2, 8
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(IN, HID)
+        self.head = nn.Linear(HID, NCLS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc1(x)))
+
+
+class Tiny(nn.Module):
+    """One bias-free 4 x 4 Linear (the hand-checkable case) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, bias=False)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lin(x))
+
+
+def build() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Net()
+
+
+def initial_fc1() -> torch.Tensor:
+    """fc1.weight of the initial model (m x n)."""
+    return build().state_dict()["fc1.weight"]
+
+
+def tiny() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Tiny()
+
+
+def client_data(cid: int, n: int = 24) -> ClientData:
+    g = torch.Generator().manual_seed(100 + cid)
+    x = torch.randn(n, IN, generator=g) + 0.3 * cid
+    y = torch.randint(0, NCLS, (n,), generator=g)
+    return ClientData(cid, TensorSplit(x, y), TensorSplit(x[:4], y[:4]))
+
+
+def init(algo: LoraMethod, model: nn.Module | None = None) -> State:
+    return algo.init_server(build() if model is None else model, torch.Generator().manual_seed(7))
+
+
+def replies_of(
+    state: State, factors: list[dict[str, torch.Tensor]], sizes: tuple[int, ...]
+) -> list[tuple[int, Reply | None]]:
+    """Replies of clients 0, 1, ... with the given factors and data sizes."""
+    pairs = zip(factors, sizes, strict=True)
+    return [(c, make_reply(state, f, n)) for c, (f, n) in enumerate(pairs)]
+
+
+def make_reply(state: State, factors: dict[str, torch.Tensor], n: int) -> Reply:
+    """A reply carrying ``factors`` (``<mod>.A|B``) and the server's dense tensors."""
+    dense = {
+        "dense." + k: state.arrays["model." + k].clone()
+        for k in str(state.values["dense_keys"]).split(",")
+    }
+    lora = {"lora." + k: v.contiguous() for k, v in factors.items()}
+    return Reply({**lora, **dense}, {"num_examples": n})
+
+
+@dataclass
+class Round:
+    rnd: int
+    before: State
+    msgs: dict[int, Broadcast]
+    replies: list[tuple[int, Reply]]
+    after: State
+    metrics: dict
+    clients: dict[int, State]
+
+
+def drive(
+    algo: LoraMethod, rounds: int, sample: Callable[[int], list[int]]
+) -> tuple[list[Round], dict[int, State]]:
+    """Run the protocol by hand on one shared scratch model (like the in-process transport)."""
+    state = init(algo)
+    scratch = build()
+    store: dict[int, State] = {}
+    history = []
+    for rnd in range(rounds):
+        ids = sample(rnd)
+        msgs = {c: algo.broadcast(state, rnd, c) for c in ids}
+        replies: list[tuple[int, Reply]] = []
+        for c in ids:
+            reply, new = algo.client_update(
+                msgs[c], store.get(c), scratch, client_data(c), generator(0, CLIENT, rnd, c)
+            )
+            assert validate_reply(reply, algo.expected_reply(state, rnd, c)) is None
+            store[c] = new
+            replies.append((c, reply))
+        after, metrics = algo.aggregate(state, [(c, r) for c, r in replies], rnd)
+        history.append(Round(rnd, state, msgs, replies, after, metrics, dict(store)))
+        state = after
+    return history, store
+
+
+def lora_keys(arrays: dict[str, torch.Tensor]) -> set[str]:
+    return {k for k in arrays if k.startswith("lora.")}
+
+
+# ------------------------------------------------------- factor vs product averaging (by hand)
+
+E1 = torch.tensor([1.0, 0.0, 0.0, 0.0])
+E2 = torch.tensor([0.0, 1.0, 0.0, 0.0])
+# p = (1/3, 2/3) from data sizes 1 and 2; s = lora_alpha / r = 1
+PRODUCT_AVG = torch.diag(torch.tensor([1 / 3, 2 / 3, 0.0, 0.0]))
+FACTOR_AVG = torch.zeros(4, 4)
+FACTOR_AVG[:2, :2] = torch.tensor([[1 / 9, 2 / 9], [2 / 9, 4 / 9]])
+
+
+def orthogonal_clients(algo: LoraMethod, state: State) -> list[tuple[int, Reply | None]]:
+    replies: list[tuple[int, Reply | None]] = [
+        (0, make_reply(state, {"lin.A": E1[None, :], "lin.B": E1[:, None]}, 1)),
+        (1, make_reply(state, {"lin.A": E2[None, :], "lin.B": E2[:, None]}, 2)),
+    ]
+    for cid, r in replies:
+        assert r is not None and validate_reply(r, algo.expected_reply(state, 0, cid)) is None
+    return replies
+
+
+def test_factor_averaging_vs_product_averaging_two_orthogonal_rank1_clients() -> None:
+    """Clients (B, A) = (e1, e1ᵀ) with n = 1 and (e2, e2ᵀ) with n = 2.
+
+    Factor means: B̄ = Āᵀ = (1/3, 2/3, 0, 0), so B̄Ā = [[1/9, 2/9], [2/9, 4/9]]; the product mean
+    is diag(1/3, 2/3). Their difference is -Σ p_i (B_i - B̄)(A_i - Ā) (section 0 identity).
+    """
+    fedit = FedIT(rank=1, lora_alpha=1.0)
+    s0 = init(fedit, tiny())
+    w0 = s0.arrays["model.lin.weight"]
+    s1, _ = fedit.aggregate(s0, orthogonal_clients(fedit, s0), 0)
+    torch.testing.assert_close(s1.arrays["lora.lin.A"], torch.tensor([[1 / 3, 2 / 3, 0.0, 0.0]]))
+    torch.testing.assert_close(fedit.global_arrays(s1)["lin.weight"] - w0, FACTOR_AVG)
+    bbar, abar = s1.arrays["lora.lin.B"], s1.arrays["lora.lin.A"]
+    dev1 = (E1[:, None] - bbar) @ (E1[None, :] - abar)
+    dev2 = (E2[:, None] - bbar) @ (E2[None, :] - abar)
+    cov = (1 / 3) * dev1 + (2 / 3) * dev2
+    torch.testing.assert_close(FACTOR_AVG - PRODUCT_AVG, -cov)
+
+    flora = FLoRA(rank=1, lora_alpha=1.0)
+    s0 = init(flora, tiny())
+    s1, _ = flora.aggregate(s0, orthogonal_clients(flora, s0), 0)
+    torch.testing.assert_close(s1.arrays["model.lin.weight"] - w0, PRODUCT_AVG)
+    torch.testing.assert_close(flora.global_arrays(s1)["lin.weight"] - w0, PRODUCT_AVG)
+
+    flex = FlexLoRA(rank=1, lora_alpha=1.0)
+    s0 = init(flex, tiny())
+    s1, _ = flex.aggregate(s0, orthogonal_clients(flex, s0), 0)
+    torch.testing.assert_close(flex.global_arrays(s1)["lin.weight"] - w0, PRODUCT_AVG)
+    msg = flex.broadcast(s1, 1, 0)  # rank 1: keeps the stronger direction, e2 with 2/3
+    got = product(msg.arrays["lora.lin.B"], msg.arrays["lora.lin.A"])
+    torch.testing.assert_close(got.abs(), torch.diag(torch.tensor([0.0, 2 / 3, 0.0, 0.0])))
+
+
+# ------------------------------------------------------------------------------- FLoRA
+
+
+@pytest.mark.parametrize("rule", ["proportional", "fixed"])
+def test_flora_stack_is_the_weighted_sum_of_client_products_with_heterogeneous_ranks(
+    rule: str,
+) -> None:
+    algo = FLoRA(rank=2, lora_alpha=4.0, client_ranks=(1, 2, 3), alpha_rule=rule)  # type: ignore[arg-type]
+    state = init(algo)
+    g = torch.Generator().manual_seed(5)
+    sizes = (5, 3, 2)
+    replies: list[tuple[int, Reply | None]] = []
+    want = torch.zeros(HID, IN, dtype=torch.float64)
+    for cid, n in enumerate(sizes):
+        r = algo.client_rank(cid)
+        a, b = torch.randn(r, IN, generator=g), torch.randn(HID, r, generator=g)
+        reply = make_reply(state, {"fc1.A": a, "fc1.B": b}, n)
+        assert validate_reply(reply, algo.expected_reply(state, 0, cid)) is None
+        replies.append((cid, reply))
+        want += n / sum(sizes) * algo.client_scale(r) * (b.double() @ a.double())
+    expected_scales = [2.0] * 3 if rule == "proportional" else [4.0, 2.0, 4 / 3]
+    assert [algo.client_scale(algo.client_rank(c)) for c in range(3)] == expected_scales
+    new, metrics = algo.aggregate(state, replies, 0)
+    assert metrics["stack_rank"] == 6
+    got = new.arrays["model.fc1.weight"].double() - state.arrays["model.fc1.weight"].double()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert new.arrays["log.0.fc1.A"].shape == (6, IN)  # the stack every client receives
+    assert new.arrays["log.0.fc1.B"].shape == (HID, 6)
+    assert not lora_keys(new.arrays)  # and no global adapter
+    msg = algo.broadcast(new, 1, 1)  # here the 5 x 6 base is smaller than the stack: dense
+    assert msg.config["mode"] == "dense" and "model.fc1.weight" in msg.arrays
+    with pytest.raises(ValueError, match="heterogeneous"):
+        algo.expected_reply(state, 0)
+
+
+def test_flora_next_round_starts_from_fresh_adapters_on_the_merged_base() -> None:
+    lr = 1e-2
+    algo = FLoRA(rank=2, lora_alpha=4.0, client_ranks=(2, 3), local_steps=1, lr=lr, batch_size=8)
+    hist, store = drive(algo, 3, lambda rnd: [0, 1])
+    for h in hist:
+        for c, reply in h.replies:
+            r = algo.client_rank(c)
+            a, b = reply.arrays["lora.fc1.A"], reply.arrays["lora.fc1.B"]
+            assert a.shape == (r, IN) and b.shape == (HID, r)
+            # B started at zero: one AdamW step moves an entry by at most about lr; A got no
+            # gradient (s Bᵀ G = 0 at B = 0), so it is the fresh Kaiming draw itself
+            assert float(b.abs().max()) <= lr * 1.001
+            assert float(a.abs().max()) <= 1 / math.sqrt(IN)
+            if h.rnd > 0:
+                prev = dict(hist[h.rnd - 1].replies)[c].arrays["lora.fc1.A"]
+                assert float((a - prev).abs().max()) > 10 * lr  # a new draw, not a continuation
+        assert not lora_keys(h.after.arrays)  # no global adapter survives a round
+    final = hist[-1].before  # the base the clients synced to in the last round
+    for c, st in store.items():
+        for k, v in select(st.arrays, "cache.").items():
+            assert torch.equal(v, final.arrays["model." + k]), (c, k)
+
+
+# ---------------------------------------------------------------------------- FlexLoRA
+
+
+def test_flexlora_redistributes_the_truncated_svd_of_the_weighted_average_product() -> None:
+    algo = FlexLoRA(rank=2, lora_alpha=8.0, client_ranks=(2, 4, 1))
+    state = init(algo)
+    g = torch.Generator().manual_seed(6)
+    sizes = (3, 1, 4)
+    replies: list[tuple[int, Reply | None]] = []
+    w_bar = torch.zeros(HID, IN, dtype=torch.float64)
+    for cid, n in enumerate(sizes):
+        msg = algo.broadcast(state, 0, cid)  # round 0: PEFT init at the client's rank
+        r = algo.client_rank(cid)
+        assert msg.arrays["lora.fc1.A"].shape == (r, IN)
+        assert not msg.arrays["lora.fc1.B"].any()
+        a, b = torch.randn(r, IN, generator=g), torch.randn(HID, r, generator=g)
+        replies.append((cid, make_reply(state, {"fc1.A": a, "fc1.B": b}, n)))
+        w_bar += n / sum(sizes) * algo.client_scale(r) * (b.double() @ a.double())
+    new, _ = algo.aggregate(state, replies, 0)
+    torch.testing.assert_close(
+        algo.global_arrays(new)["fc1.weight"].double() - state.arrays["model.fc1.weight"].double(),
+        w_bar,
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    u, s, vh = torch.linalg.svd(w_bar, full_matrices=False)
+    for cid in range(3):
+        r = algo.client_rank(cid)
+        msg = algo.broadcast(new, 1, cid)
+        a, b = msg.arrays["lora.fc1.A"], msg.arrays["lora.fc1.B"]
+        assert a.shape == (r, IN) and b.shape == (HID, r)
+        got = algo.client_scale(r) * (b.double() @ a.double())
+        torch.testing.assert_close(got, (u[:, :r] * s[:r]) @ vh[:r], rtol=1e-5, atol=1e-5)
+        # Eckart-Young: what is lost is exactly the spectral tail
+        tail = float(s[r:].pow(2).sum().sqrt())
+        assert abs(float(torch.linalg.norm(w_bar - got)) - tail) < 1e-4
+        torch.testing.assert_close(a @ a.T, torch.eye(r), rtol=0, atol=1e-5)  # S lives in B
+
+
+# ---------------------------------------------------------------------------- FFA-LoRA
+
+
+def test_ffa_lora_a_is_bit_identical_on_all_clients_for_the_whole_run() -> None:
+    algo = FFALoRA(rank=2, lora_alpha=4.0, local_steps=STEPS, lr=LR, batch_size=BATCH)
+    hist, store = drive(algo, 4, lambda rnd: [0, 1, 2] if rnd % 2 == 0 else [1, 2])
+    a0 = hist[0].before.arrays["lora.fc1.A"]
+    for h in hist:
+        assert torch.equal(h.after.arrays["lora.fc1.A"], a0)
+        for c, msg in h.msgs.items():
+            first = h.rnd == 0 or c not in hist[h.rnd - 1].clients
+            assert ("lora.fc1.A" in msg.arrays) == first  # A crosses once per client
+        for _, reply in h.replies:
+            assert lora_keys(reply.arrays) == {"lora.fc1.B"}
+        for c, st in h.clients.items():
+            assert torch.equal(st.arrays["held.fc1.A"], a0), (h.rnd, c)
+        # exact aggregation: the global product is the weighted mean of the clients' products
+        p = [r.num_examples for _, r in h.replies]
+        s = algo.client_scale(2)
+        ideal = weighted_mean(
+            [{"d": product(r.arrays["lora.fc1.B"], a0, s)} for _, r in h.replies], p
+        )["d"]
+        got = product(h.after.arrays["lora.fc1.B"], h.after.arrays["lora.fc1.A"], s)
+        torch.testing.assert_close(got, ideal, rtol=1e-5, atol=1e-6)
+    assert set(store) == {0, 1, 2}
+
+
+# ------------------------------------------------------------------------------ RoLoRA
+
+
+def test_rolora_alternates_b_then_a_by_global_round_under_partial_participation() -> None:
+    algo = RoLoRA(rank=2, lora_alpha=4.0, local_steps=STEPS, lr=LR, batch_size=BATCH)
+    schedule = [[0, 1], [2, 3], [0, 2], [1, 3], [0, 3], [1, 2]]
+    hist, _ = drive(algo, len(schedule), lambda rnd: schedule[rnd])
+    s = algo.client_scale(2)
+    for h in hist:
+        trained, frozen = ("B", "A") if h.rnd % 2 == 0 else ("A", "B")
+        for _, reply in h.replies:
+            assert lora_keys(reply.arrays) == {f"lora.fc1.{trained}"}, h.rnd
+        before, after = h.before.arrays, h.after.arrays
+        assert torch.equal(after[f"lora.fc1.{frozen}"], before[f"lora.fc1.{frozen}"])
+        assert not torch.equal(after[f"lora.fc1.{trained}"], before[f"lora.fc1.{trained}"])
+        # exact: the global product is the weighted mean of the clients' products
+        p = [r.num_examples for _, r in h.replies]
+        prods = []
+        for _, r in h.replies:
+            f = {frozen: before[f"lora.fc1.{frozen}"], trained: r.arrays[f"lora.fc1.{trained}"]}
+            prods.append({"d": product(f["B"], f["A"], s)})
+        got = product(after["lora.fc1.B"], after["lora.fc1.A"], s)
+        torch.testing.assert_close(got, weighted_mean(prods, p)["d"], rtol=1e-5, atol=1e-6)
+        # a client from the previous round only needs the factor that moved (the frozen one);
+        # a returning client gets both current factors
+        for c, msg in h.msgs.items():
+            got_keys = lora_keys(msg.arrays)
+            if h.rnd > 0 and c in dict(hist[h.rnd - 1].replies):
+                assert got_keys == {f"lora.fc1.{frozen}"}, (h.rnd, c)
+            else:
+                assert got_keys == {"lora.fc1.A", "lora.fc1.B"}, (h.rnd, c)
+
+
+# ------------------------------------------------------------------------------ FRLoRA
+
+
+def test_frlora_residual_init_and_merge() -> None:
+    algo = FRLoRA(rank=2, lora_alpha=4.0)
+    state = init(algo)
+    s = algo.client_scale(2)
+    w0 = initial_fc1()
+    a0, b0 = state.arrays["lora.fc1.A"], state.arrays["lora.fc1.B"]
+    w_res = state.arrays["model.fc1.weight"]
+    torch.testing.assert_close(w_res + product(b0, a0, s), w0, rtol=0, atol=1e-6)
+    u, sv, vh = torch.linalg.svd(w0.double(), full_matrices=False)
+    torch.testing.assert_close(
+        product(b0, a0, s).double(), (u[:, :2] * sv[:2]) @ vh[:2], rtol=1e-5, atol=1e-6
+    )
+    g = torch.Generator().manual_seed(8)
+    factors = [{"fc1.A": a0 + 0.1 * torch.randn(2, IN, generator=g)} for _ in range(2)]
+    for f in factors:
+        f["fc1.B"] = b0 + 0.1 * torch.randn(HID, 2, generator=g)
+    replies = replies_of(state, factors, (1, 3))
+    new, _ = algo.aggregate(state, replies, 0)
+    abar = 0.25 * factors[0]["fc1.A"] + 0.75 * factors[1]["fc1.A"]
+    bbar = 0.25 * factors[0]["fc1.B"] + 0.75 * factors[1]["fc1.B"]
+    want = w_res.double() + s * (bbar.double() @ abar.double() - b0.double() @ a0.double())
+    torch.testing.assert_close(new.arrays["model.fc1.weight"].double(), want, atol=1e-6, rtol=0)
+    assert torch.equal(new.arrays["lora.fc1.A"], a0)  # (A0, B0) are never recomputed
+    torch.testing.assert_close(
+        algo.global_arrays(new)["fc1.weight"].double(),
+        w0.double() + s * (bbar.double() @ abar.double() - b0.double() @ a0.double()),
+        atol=2e-6,
+        rtol=0,
+    )
+    msg = algo.broadcast(new, 1, 0)  # down: (Ā, B̄) of round 0, not the dense base
+    assert set(msg.arrays) >= {"log.0.fc1.A", "log.0.fc1.B"}
+    assert not any(k.startswith("model.") for k in msg.arrays)
+
+
+@pytest.mark.parametrize("freeze_a", [False, True])
+def test_frlora_run_restarts_from_a0_b0_and_keeps_clients_in_sync(freeze_a: bool) -> None:
+    lr = 1e-2
+    algo = FRLoRA(rank=2, lora_alpha=4.0, local_steps=1, lr=lr, batch_size=8, freeze_a=freeze_a)
+    hist, store = drive(algo, 4, lambda rnd: [0, 1] if rnd != 2 else [1])
+    a0, b0 = hist[0].before.arrays["lora.fc1.A"], hist[0].before.arrays["lora.fc1.B"]
+    for h in hist:
+        for _, reply in h.replies:
+            # every round starts from (A0, B0): one AdamW step stays within about lr of it
+            assert float((reply.arrays["lora.fc1.B"] - b0).abs().max()) <= lr * 1.001
+            if not freeze_a:
+                assert float((reply.arrays["lora.fc1.A"] - a0).abs().max()) <= lr * 1.001
+            assert lora_keys(reply.arrays) == (
+                {"lora.fc1.B"} if freeze_a else {"lora.fc1.A", "lora.fc1.B"}
+            )
+    final = hist[-1].before
+    for c, st in store.items():  # client 0 missed round 2 and caught up from the log
+        for k, v in select(st.arrays, "cache.").items():
+            assert torch.equal(v, final.arrays["model." + k]), (c, k)
+    # the accumulated global update exceeds rank r when A trains, stays in rowspace(A0) if not
+    w0 = initial_fc1().double()
+    delta = algo.global_arrays(hist[-1].after)["fc1.weight"].double() - w0
+    rank = int(torch.linalg.matrix_rank(delta, atol=1e-5))
+    assert rank <= 2 if freeze_a else rank > 2
+
+
+# ---------------------------------------------------------------------------- LoRA-FAIR
+
+
+def test_lora_fair_correction_reduces_the_direction_gap() -> None:
+    algo = LoRAFAIR(rank=2, lora_alpha=4.0)
+    state = init(algo)
+    g = torch.Generator().manual_seed(9)
+    a, b = torch.randn(2, IN, generator=g), torch.randn(HID, 2, generator=g)
+    factors = [
+        {
+            "fc1.A": a + 0.7 * torch.randn(2, IN, generator=g),
+            "fc1.B": b + 0.7 * torch.randn(HID, 2, generator=g),
+        }
+        for _ in range(3)
+    ]
+    replies = replies_of(state, factors, (2, 5, 3))
+    new, metrics = algo.aggregate(state, replies, 0)
+    p = [0.2, 0.5, 0.3]
+    ideal = torch.zeros(HID, IN, dtype=torch.float64)
+    abar, bbar = torch.zeros(2, IN), torch.zeros(HID, 2)
+    for f, pk in zip(factors, p, strict=True):
+        ideal += pk * (f["fc1.B"].double() @ f["fc1.A"].double())
+        abar += pk * f["fc1.A"]
+        bbar += pk * f["fc1.B"]
+    torch.testing.assert_close(new.arrays["lora.fc1.A"], abar)  # A is the plain mean
+    before = float(direction_gap(ideal, bbar.double() @ abar.double()))
+    after = float(direction_gap(ideal, new.arrays["lora.fc1.B"].double() @ abar.double()))
+    assert after < 0.9 * before, (before, after)
+    assert metrics["fair_gap_after"] == pytest.approx(after, rel=1e-6, abs=1e-12)
+    assert metrics["fair_gap_before"] == pytest.approx(before, rel=1e-6)
+    # no ΔB can beat the projection of the ideal onto rowspace(Ā): 1 - ||ideal P|| / ||ideal||;
+    # without the penalty the solver reaches that floor
+    proj = torch.linalg.pinv(abar.double()) @ abar.double()
+    floor = 1.0 - float(torch.linalg.norm(ideal @ proj) / torch.linalg.norm(ideal))
+    assert floor <= after
+    _, loose = LoRAFAIR(rank=2, lora_alpha=4.0, fair_lambda=0.0, fair_steps=2000).aggregate(
+        state, replies, 0
+    )
+    assert float(loose["fair_gap_after"]) == pytest.approx(floor, rel=0.02)
+    # without solver steps LoRA-FAIR is FedIT
+    plain, _ = LoRAFAIR(rank=2, lora_alpha=4.0, fair_steps=0).aggregate(state, replies, 0)
+    torch.testing.assert_close(plain.arrays["lora.fc1.B"], bbar)
+
+
+# ------------------------------------------------------------------------ hyperparameters
+
+
+def test_hyperparameters_are_validated() -> None:
+    with pytest.raises(ValueError, match="lora_alpha"):
+        FedIT(lora_alpha=0.0)
+    with pytest.raises(ValueError, match="lora_dropout"):
+        FedIT(lora_dropout=1.0)
+    with pytest.raises(ValueError, match="client_ranks"):
+        FLoRA(client_ranks=(4, 0))
+    with pytest.raises(ValueError, match="alpha_rule"):
+        FlexLoRA(alpha_rule="other")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fair_steps"):
+        LoRAFAIR(fair_steps=-1)
+    with pytest.raises(ValueError, match="rank 6 exceeds"):
+        FedIT(rank=6).init_server(build(), torch.Generator())
+
+
+@pytest.mark.parametrize("method", ["flora", "flexlora"])
+def test_heterogeneous_ranks_run_end_to_end(tmp_path: Path, method: str) -> None:
+    """The round loop validates each reply against its own client's rank (none rejected)."""
+    from fedlore.config import load_config
+    from fedlore.run import run_dir, run_one
+
+    cfg = load_config(
+        None,
+        [
+            "num_clients=3",
+            "rounds=3",
+            "local_steps=2",
+            "batch_size=16",
+            "rank=4",
+            "model.kwargs={hidden: [32]}",
+            "partition.min_size=10",
+            "progress=false",
+            f"method.{method}.client_ranks=[2, 4, 8]",
+            f"output_dir={tmp_path}",
+        ],
+    )
+    summary = run_one(cfg, method, 7)
+    assert summary is not None and summary["rejected_total"] == 0
+    rows = (run_dir(cfg, method, 7) / "metrics.jsonl").read_text().splitlines()
+    assert all('"accepted": 3' in r for r in rows)

