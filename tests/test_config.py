@@ -354,3 +354,12 @@ def test_diagnostics_period_reaches_fedlore_only_where_it_has_the_field() -> Non
     cfg = load_config(None, ["diagnostics.every=3"])
     assert make_algorithm("fedlore", cfg).diagnostics_every == 3  # type: ignore[attr-defined]
     assert not hasattr(make_algorithm("fedfull", cfg), "diagnostics_every")
+
+
+def test_one_name_for_a_list_of_names_and_wrong_types_are_value_errors() -> None:
+    cfg = load_config(None, ["method.fedit.target_modules=head"])
+    assert make_algorithm("fedit", cfg).target_modules == ("head",)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"FedLore.*wrong type"):
+        make_algorithm("fedlore", load_config(None, ["method.fedlore.lr=abc"]))
+    with pytest.raises(ValueError, match=r"FlexLoRA|flexlora|client_ranks"):
+        make_algorithm("flexlora", load_config(None, ["method.flexlora.client_ranks=4"]))

@@ -8,9 +8,11 @@ metrics as an uninterrupted run (all randomness is derived from seed, round and 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from torch import nn
 from fedlore import registry
 from fedlore.algorithm import Algorithm
 from fedlore.algorithms import build_hyper
-from fedlore.config import Config
+from fedlore.config import Config, ConfigError
 from fedlore.data.federation import Federation, build_federation
 from fedlore.diagnostics import Diagnoser
 from fedlore.engine.callbacks import Checkpointer, MetricsWriter, ProgressBar
@@ -102,19 +104,23 @@ def run_one(
     in-process transport (the Flower ServerApp passes one over its Grid)."""
     out = run_dir(cfg, method, seed)
     summary_path = out / "summary.json"
+    spill = spill_dir(cfg, method, seed)
+    if resume:
+        check_same_config(cfg, method, out)
     if resume and summary_path.exists():
         done: dict[str, Any] = json.loads(summary_path.read_text())
         return done
+    if not resume:  # a fresh run: nothing of an earlier run in this folder may survive
+        for stale in ("summary.json", "checkpoint.pt", "checkpoint.pt.tmp", "config.json"):
+            (out / stale).unlink(missing_ok=True)
+        shutil.rmtree(spill, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(_run_config(cfg, method), indent=2))
     fed = fed if fed is not None else build_federation(cfg, seed)
+    check_model_fits_data(cfg.model.name, fed)
     algo = make_algorithm(method, cfg)
     build = model_factory(cfg, fed, seed)
     eval_model = build()
-    spill = (
-        Path(cfg.store.spill_dir) / cfg.name / method / f"seed-{seed}"
-        if cfg.store.spill_dir
-        else out / "client_states"
-    )
     max_bytes = None if cfg.store.max_memory_mb is None else int(cfg.store.max_memory_mb * 1e6)
     store = ClientStore(max_bytes, spill)
     state = algo.init_server(eval_model, generator(seed, SERVER_INIT))
@@ -184,7 +190,72 @@ def run_one(
         return None
     summary = summarize(method, seed, metrics.path)
     summary_path.write_text(json.dumps(summary, indent=2))
+    # a finished run is never resumed: its spilled client states are no longer needed
+    shutil.rmtree(spill, ignore_errors=True)
     return summary
+
+
+def spill_dir(cfg: Config, method: str, seed: int) -> Path:
+    """Where a run's client states spill: ``client_states/`` in its run directory, or below
+    ``store.spill_dir`` in a folder unique to the run directory (two runs never share one)."""
+    out = run_dir(cfg, method, seed)
+    if not cfg.store.spill_dir:
+        return out / "client_states"
+    tag = hashlib.sha1(str(out.resolve()).encode()).hexdigest()[:10]
+    return Path(cfg.store.spill_dir) / f"{cfg.name}-{method}-seed{seed}-{tag}"
+
+
+_NOT_RESULT_KEYS = ("progress", "algorithms", "seeds", "method", "store", "output_dir", "flower")
+"""Config keys that do not change a run's results (or, ``method``, are compared per method)."""
+
+
+def _run_config(cfg: Config, method: str) -> dict[str, Any]:
+    raw = cfg.model_dump(mode="json")
+    out = {k: v for k, v in raw.items() if k not in _NOT_RESULT_KEYS}
+    out["method"] = raw["method"].get(method, {})
+    return out
+
+
+def check_same_config(cfg: Config, method: str, out: Path) -> None:
+    """Refuse to resume a run that an earlier, different config started.
+
+    Raises:
+        ConfigError: naming the keys whose values differ from ``config.json`` in ``out``.
+    """
+    path = out / "config.json"
+    if not path.exists():
+        return
+    before = json.loads(path.read_text())
+    now = _run_config(cfg, method)
+    diff = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    if diff:
+        details = "; ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in diff[:5])
+        raise ConfigError(
+            f"--resume: {out} was started with a different config ({details}); run without "
+            "--resume to start over, or restore the config"
+        )
+
+
+def check_model_fits_data(model: str, fed: Federation) -> None:
+    """Token-id data (text sources) needs a model that takes token ids, and image or feature
+    data a model that does not.
+
+    Raises:
+        ConfigError: naming the model, the data's input dtype and the models that fit.
+    """
+    factory = registry.get("model", model)
+    takes_tokens = bool(getattr(factory, "takes_token_ids", False))
+    tokens = not fed.pool.x.is_floating_point()
+    if tokens and not takes_tokens:
+        raise ConfigError(
+            f"model {model!r} takes float inputs, but the data are token ids ({fed.pool.x.dtype}, "
+            "a text source): use model.name=text_encoder"
+        )
+    if takes_tokens and not tokens:
+        raise ConfigError(
+            f"model {model!r} takes token ids, but the data are float features "
+            f"({fed.pool.x.dtype}): use a text source (data.name=fortunes, text_csv, text_jsonl)"
+        )
 
 
 def summarize(method: str, seed: int, metrics_path: Path) -> dict[str, Any]:

@@ -6,6 +6,7 @@ metrics."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 
 from fedlore.config import Config, validate
 from fedlore.engine.callbacks import Checkpointer, atomic_save
-from fedlore.engine.store import ClientStore
+from fedlore.engine.store import ClientStore, StoreError
 from fedlore.engine.transport import LocalTransport
 from fedlore.run import run_dir, run_one
 from fedlore.types import Broadcast, Reply, State
@@ -237,11 +238,11 @@ def test_missing_spill_file_names_the_file(tmp_path: Path) -> None:
     store.put(1, _state(1.0))
     (name,) = _spill_files(tmp_path)
     (tmp_path / name).unlink()
-    with pytest.raises(FileNotFoundError, match=name.replace(".", r"\.")):
+    with pytest.raises(StoreError, match=name.replace(".", r"\.")):
         store.get(0)
     (tmp_path / "0.99.pt").write_bytes(b"not a torch file")
     broken = ClientStore.from_dict({"0": {"spilled": "0.99.pt", "nbytes": 1}}, None, tmp_path)
-    with pytest.raises(RuntimeError, match=r"0\.99\.pt"):
+    with pytest.raises(StoreError, match=r"0\.99\.pt"):
         broken.get(0)
 
 
@@ -376,8 +377,16 @@ def test_spilling_run_killed_and_resumed_matches_uninterrupted_run(tmp_path: Pat
     with pytest.raises(_Killed):
         run_one(cfg, "fedlore", SEED, resume=True, make_transport=_killing_transport(3))
     assert [r["round"] for r in _rows(got / "metrics.jsonl")] == [-1, 0, 1, 2]
-    summary = run_one(cfg, "fedlore", SEED, resume=True)
+    snapshot = tmp_path / "snapshot"
+
+    class Snapshot:  # runs after the checkpointer: keeps the files the checkpoint names
+        def on_round_end(self, rnd: int, row: dict, state: State) -> None:
+            shutil.rmtree(snapshot, ignore_errors=True)
+            shutil.copytree(spill, snapshot)
+
+    summary = run_one(cfg, "fedlore", SEED, resume=True, extra_callbacks=(Snapshot(),))
     assert summary is not None and summary["rounds"] == ROUNDS
+    assert not spill.exists()  # a finished run's spill files are removed
 
     a, b = _rows(got / "metrics.jsonl"), _rows(want / "metrics.jsonl")
     assert [r["round"] for r in a] == [r["round"] for r in b] == list(range(-1, ROUNDS))
@@ -385,14 +394,14 @@ def test_spilling_run_killed_and_resumed_matches_uninterrupted_run(tmp_path: Pat
         assert _no_timing(ra) == _no_timing(rb), ra["round"]
         for key in ("accuracy", "loss", "bytes_up", "bytes_down"):
             assert key not in rb or ra[key] == rb[key]
-    # the final client states are the same tensors; the spill directory holds exactly the
+    # the final client states are the same tensors; the spill directory held exactly the
     # files the final checkpoint names
-    _, _, sa = Checkpointer.load(got / "checkpoint.pt", None, spill)
+    _, _, sa = Checkpointer.load(got / "checkpoint.pt", None, snapshot)
     _, _, sb = Checkpointer.load(want / "checkpoint.pt")
     assert sa.num_spilled() > 0 and sb.num_spilled() == 0
     assert sa.client_ids() == sb.client_ids()
     named = {e["spilled"] for e in sa.to_dict().values() if "spilled" in e}
-    assert _spill_files(spill) == named
+    assert _spill_files(snapshot) == named
     for c in sb.client_ids():
         want_state = sb.get(c)
         assert want_state is not None

@@ -106,10 +106,19 @@ def build_hyper(cls: type, common: dict[str, Any], overrides: dict[str, Any]) ->
         )
     kw = {k: v for k, v in common.items() if k in fields}
     kw.update(overrides)
+    types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
     for k, v in list(kw.items()):
         if isinstance(v, list):
             kw[k] = tuple(v)
-    return cls(**kw)
+        elif isinstance(v, str) and types[k].startswith("tuple[str"):
+            kw[k] = (v,)  # one name for a list-of-names field, not its letters
+    try:
+        return cls(**kw)
+    except TypeError as e:  # e.g. a string where a number is needed
+        bad = {k: overrides[k] for k in overrides}
+        raise ValueError(
+            f"{cls.__name__}: a hyperparameter has the wrong type ({e}); got {bad}"
+        ) from e
 
 
 def construction_gradients(

@@ -68,6 +68,13 @@ def _compact(state: State) -> State:
     return State(arrays, dict(state.values))
 
 
+class StoreError(RuntimeError):
+    """The store cannot write or read a spilled state (disk full, file deleted or unreadable).
+
+    Not a client failure: the transport lets it stop the run, so that no client is silently
+    dropped round after round; resume from the last checkpoint once the cause is fixed."""
+
+
 @dataclass(frozen=True)
 class _Spilled:
     """A state on disk: its file name (inside the spill directory) and its tensor bytes."""
@@ -93,7 +100,8 @@ class ClientStore:
     as read-only.
 
     Raises:
-        ValueError: on a negative limit, or a limit without ``spill_dir``.
+        ValueError: on a negative limit, a limit without ``spill_dir``, or a ``spill_dir`` that
+            cannot be created (e.g. below a file).
     """
 
     def __init__(self, max_memory_bytes: int | None = None, spill_dir: Path | None = None) -> None:
@@ -101,6 +109,11 @@ class ClientStore:
             raise ValueError(f"max_memory_bytes must be >= 0 or None, got {max_memory_bytes}")
         if max_memory_bytes is not None and spill_dir is None:
             raise ValueError("a memory limit needs a spill_dir for the states beyond it")
+        if spill_dir is not None and max_memory_bytes is not None:
+            try:  # fail now, not at the first spill in the middle of a round
+                Path(spill_dir).mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"cannot use spill_dir {spill_dir}: {e}") from e
         self.max_memory_bytes = max_memory_bytes
         self.spill_dir = Path(spill_dir) if spill_dir is not None else None
         self._mem: OrderedDict[int, State] = OrderedDict()  # least recently used first
@@ -118,8 +131,8 @@ class ClientStore:
         a spilled state is read back into memory (which may spill others).
 
         Raises:
-            FileNotFoundError: when the spilled state's file is missing (names the file).
-            RuntimeError: when that file cannot be read as a state (names the file).
+            StoreError: when the spilled state's file is missing or cannot be read (names
+                the file).
         """
         if client_id in self._mem:
             self._mem.move_to_end(client_id)
@@ -327,9 +340,12 @@ class ClientStore:
         state = self._mem[client_id]
         name = f"{client_id}.{self._generation}.pt"
         self._generation += 1
-        self.spill_dir.mkdir(parents=True, exist_ok=True)
         payload: dict[str, Any] = {"arrays": dict(state.arrays), "values": dict(state.values)}
-        torch.save(payload, self.spill_dir / name)
+        try:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            torch.save(payload, self.spill_dir / name)
+        except OSError as e:
+            raise StoreError(f"cannot spill the state of client {client_id} to {name}: {e}") from e
         self._unsynced.add(name)
         self._remove_from_memory(client_id)
         self._spilled[client_id] = _Spilled(name, _state_bytes(state))
@@ -338,13 +354,16 @@ class ClientStore:
         assert self.spill_dir is not None
         path = self.spill_dir / ref.file
         if not path.is_file():
-            raise FileNotFoundError(f"spilled state of client {client_id} is missing: {path}")
+            raise StoreError(
+                f"spilled state of client {client_id} is missing: {path} (was the spill "
+                "directory deleted or shared with another run?)"
+            )
         try:
             raw = torch.load(path, weights_only=True)
             arrays: Arrays = dict(raw["arrays"])
             values = dict(raw["values"])
         except Exception as e:
-            raise RuntimeError(
+            raise StoreError(
                 f"cannot read the spilled state of client {client_id} from {path}: {e}"
             ) from e
         return State(arrays, values)

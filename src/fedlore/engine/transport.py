@@ -16,7 +16,7 @@ from torch import nn
 
 from fedlore.algorithm import Algorithm
 from fedlore.data.client_data import ClientData
-from fedlore.engine.store import ClientStore
+from fedlore.engine.store import ClientStore, StoreError
 from fedlore.seeding import CLIENT, generator
 from fedlore.types import Broadcast, Reply
 
@@ -77,6 +77,8 @@ class LocalTransport:
             )
             self.store.put(cid, state)
             return reply
+        except StoreError:
+            raise  # the server's own storage failed: stop rather than drop clients silently
         except Exception as e:  # a failing client must not stop the round
             log.warning("client %d failed in round %d: %s: %s", cid, rnd, type(e).__name__, e)
             log.debug("client %d traceback", cid, exc_info=e)

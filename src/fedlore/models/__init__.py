@@ -55,7 +55,12 @@ def build_model(
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown and not has_var_kw:
         raise ValueError(f"model {name!r}: unknown kwargs {unknown}; accepted: {accepted}")
-    model = factory(shape, num_classes, **kwargs)
+    try:
+        model = factory(shape, num_classes, **kwargs)
+    except TypeError as e:  # a kwarg of the wrong type (e.g. an int where a list is needed)
+        raise ValueError(
+            f"model {name!r}: a keyword argument has the wrong type ({e}): {kwargs}"
+        ) from e
     if not isinstance(getattr(model, "head", None), nn.Linear):
         raise ValueError(f"model {name!r} does not name its classifier Linear 'head'")
     return model

@@ -268,3 +268,7 @@ def text_encoder(
     backbone = backbone.float()
     pad = pad_token_id if pad_token_id is not None else pad_token_id_of(folder, config)
     return TextClassifier(backbone, int(config.hidden_size), num_classes, pad, normalize)
+
+
+text_encoder.takes_token_ids = True  # type: ignore[attr-defined]
+"""Read by :func:`fedlore.run.check_model_fits_data`: this model's inputs are token ids."""
