@@ -199,6 +199,10 @@ def test_unknown_keys_in_yaml_are_errors(tmp_path: Path) -> None:
         ("diagnostics.batch_size=0", "diagnostics.batch_size", "0"),
         ("diagnostics.clients=some", "diagnostics.clients", "'some'"),
         ("store.max_memory_mb=0", "store.max_memory_mb", "0"),
+        ("store.max_memory_mb=true", "store.max_memory_mb", "True"),  # true is not 1
+        ("diagnostics.batch_size=true", "diagnostics.batch_size", "True"),
+        ("lr=true", "lr", "True"),
+        ("data.root=false", "data.root", "False"),
     ],
 )
 def test_invalid_values_name_field_and_value(override: str, field: str, shown: str) -> None:

@@ -10,14 +10,37 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+
+def _admits_bool(annotation: Any) -> bool:
+    """Whether a field's type accepts a boolean as such (``bool`` or ``Any`` somewhere in it)."""
+    if annotation is bool or annotation is Any:
+        return True
+    return any(_admits_bool(a) for a in get_args(annotation))
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        """``true`` is not 1 (pydantic's lax mode would take it for a number or a string)."""
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(v, bool) and field is not None and not _admits_bool(field.annotation):
+            raise ValueError("expected a number or text, got a boolean")
+        return v
 
 
 class DataConfig(_Strict):

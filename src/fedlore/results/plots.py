@@ -93,7 +93,13 @@ def _curve_figure(
         xs = [{t: x[t] for t in y} for (x, _), y in zip(pairs, ys, strict=True)]
         x_mean = np.asarray([np.mean([x[t] for x in xs if t in x]) for t in rounds])
         keep = x_mean > 0 if logx else np.ones_like(x_mean, dtype=bool)
-        (line,) = ax.plot(x_mean[keep], y_mean[keep], label=f"{method} (n={len(records)})")
+        (line,) = ax.plot(
+            x_mean[keep],
+            y_mean[keep],
+            label=f"{method} (n={len(records)})",
+            marker="o" if int(keep.sum()) <= 12 else None,  # a single point must be visible
+            markersize=3,
+        )
         ax.fill_between(
             x_mean[keep],
             (y_mean - y_std)[keep],
