@@ -80,3 +80,71 @@ def test_simulation_carries_diagnostics(tmp_path: Path) -> None:
     assert a[1]["diag_bytes_up"] == b[1]["diag_bytes_up"] > 0  # round 0 uploads H_i
     for key in ("diag.retained_energy", "diag.rho2", "diag.d_r", "diag.certificate2"):
         assert b[-1][key] == pytest.approx(a[-1][key], rel=1e-4), key
+
+
+def test_ctrl_c_stops_a_simulation_at_once_and_leaves_a_checkpoint(tmp_path: Path) -> None:
+    """Flower's shutdown would wait forever on its threads; SIGINT ends the run with status 130
+    and the last checkpoint stays loadable for --resume."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "sig"
+    args = [
+        sys.executable,
+        "-m",
+        "fedlore.cli",
+        "run",
+        *SMALL,
+        "rounds=500",
+        "algorithms=[fedlore]",
+        "flower.num_cpus=1",
+        "engine=flower-sim",
+        f"output_dir={out}",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    started = time.time()
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    metrics = out / "quickstart" / "fedlore" / "seed-42" / "metrics.jsonl"  # the default config
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, (proc.stderr.read().decode() if proc.stderr else "")[-3000:]
+    proc.send_signal(signal.SIGINT)
+    try:
+        rc = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        _kill_ray_helpers_started_after(started)
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    assert rc == 130, err[-2000:]
+    assert "--resume" in err
+    last, _, _ = Checkpointer.load(metrics.with_name("checkpoint.pt"))
+    assert last >= 1
+
+
+def _kill_ray_helpers_started_after(t0: float) -> None:
+    """Ray's dashboard and runtime-env agents can outlive an interrupted driver (they are not
+    its children): stop the ones this test started, by PID."""
+    import time
+
+    import psutil
+
+    quiet = 0
+    deadline = time.monotonic() + 20
+    while quiet < 3 and time.monotonic() < deadline:  # agents may still be starting
+        found = False
+        for p in psutil.process_iter(["cmdline", "create_time"]):
+            try:
+                cmd = " ".join(p.info["cmdline"] or [])
+                if p.info["create_time"] >= t0 - 1 and cmd.startswith("ray::"):
+                    p.kill()
+                    found = True
+            except psutil.Error:
+                continue
+        quiet = 0 if found else quiet + 1
+        time.sleep(1)

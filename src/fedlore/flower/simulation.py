@@ -2,12 +2,23 @@
 
 The ServerApp runs fedlore's round loop in a thread of this process; ``num_clients`` virtual
 SuperNodes (``partition-id`` 0..N-1) run the ClientApp in Ray actors, one CPU each.
+
+Ctrl-C (SIGINT) during a simulation ends the process at once with exit status 130: Flower's
+shutdown would otherwise wait forever on its worker threads. Nothing is lost: checkpoints are
+written atomically after every round, so ``--resume`` continues from the last one (Ray's own
+processes end with their driver).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import signal
+import sys
+import threading
+from types import FrameType
 from typing import Any
 
 from fedlore.config import Config
@@ -31,16 +42,45 @@ def run_simulated(cfg: Config, method: str, seed: int, resume: bool = False) -> 
         done: dict[str, Any] = json.loads(summary_path.read_text())
         return done
     server, client = make_apps(cfg, method, seed)
-    run_simulation(
-        server_app=server,
-        client_app=client,
-        num_supernodes=cfg.num_clients,
-        backend_config={
-            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": {"num_cpus": cfg.flower.num_cpus, "include_dashboard": False},
-        },
-    )
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, _stop_now) if main else None
+    try:
+        run_simulation(
+            server_app=server,
+            client_app=client,
+            num_supernodes=cfg.num_clients,
+            backend_config={
+                "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                "init_args": {"num_cpus": cfg.flower.num_cpus, "include_dashboard": False},
+            },
+        )
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
     if not summary_path.exists():
         raise RuntimeError(f"the Flower simulation of {method} (seed {seed}) wrote no summary")
     result: dict[str, Any] = json.loads(summary_path.read_text())
     return result
+
+
+def _stop_now(signum: int, frame: FrameType | None) -> None:
+    """SIGINT handler of a running simulation: say how to continue, then exit at once (130)."""
+    sys.stderr.write(
+        "\ninterrupted: the Flower simulation stops now; continue with `fedlore run ... --resume`\n"
+    )
+    sys.stderr.flush()
+    watchdog = threading.Timer(10.0, os._exit, args=(130,))  # in case Ray's shutdown hangs
+    watchdog.daemon = True
+    watchdog.start()
+    try:  # stop Ray and every process it started (they would outlive a bare exit)
+        import psutil  # a dependency of ray
+        import ray
+
+        started = psutil.Process().children(recursive=True)
+        ray.shutdown()
+        for p in started:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+    except Exception:  # exiting anyway
+        pass
+    os._exit(130)
