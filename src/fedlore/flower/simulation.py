@@ -3,10 +3,11 @@
 The ServerApp runs fedlore's round loop in a thread of this process; ``num_clients`` virtual
 SuperNodes (``partition-id`` 0..N-1) run the ClientApp in Ray actors, one CPU each.
 
-Ctrl-C (SIGINT) during a simulation ends the process at once with exit status 130: Flower's
-shutdown would otherwise wait forever on its worker threads. Nothing is lost: checkpoints are
-written atomically after every round, so ``--resume`` continues from the last one (Ray's own
-processes end with their driver).
+Ctrl-C (SIGINT) during a simulation ends the process at once with exit status 130 (Flower's
+shutdown would otherwise wait forever on its worker threads) and shuts Ray down. A simulated run
+is not resumed from its checkpoint: its client states live in Flower's ``Context.state`` of the
+virtual SuperNodes, which a new simulation does not have, so ``--resume`` returns a finished
+run's summary and starts an unfinished one over.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ def run_simulated(cfg: Config, method: str, seed: int, resume: bool = False) -> 
     """
     from flwr.simulation import run_simulation
 
-    from fedlore.run import run_dir
+    from fedlore.run import check_same_config, run_dir
 
     summary_path = run_dir(cfg, method, seed) / "summary.json"
+    if resume:
+        check_same_config(cfg, method, summary_path.parent)
     if resume and summary_path.exists():
         done: dict[str, Any] = json.loads(summary_path.read_text())
         return done
@@ -66,7 +69,8 @@ def run_simulated(cfg: Config, method: str, seed: int, resume: bool = False) -> 
 def _stop_now(signum: int, frame: FrameType | None) -> None:
     """SIGINT handler of a running simulation: say how to continue, then exit at once (130)."""
     sys.stderr.write(
-        "\ninterrupted: the Flower simulation stops now; continue with `fedlore run ... --resume`\n"
+        "\ninterrupted: the Flower simulation stops now (a simulated run restarts from round 0 "
+        "when run again: its client states lived in Flower's Context.state)\n"
     )
     sys.stderr.flush()
     watchdog = threading.Timer(10.0, os._exit, args=(130,))  # in case Ray's shutdown hangs
