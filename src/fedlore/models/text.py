@@ -218,8 +218,8 @@ def text_encoder(
         FileNotFoundError: when the folder (or the default package) is missing, naming it and
             how to get it.
         ValueError: on a shape that is not ``(L,)`` or is longer than the encoder's positions,
-            unknown ``config_overrides`` keys, overrides without ``random_init``, or a bad
-            dropout.
+            unknown ``config_overrides`` keys, overrides without ``random_init``, a vocabulary
+            smaller than the folder's, or a bad dropout.
     """
     shape = check_shape("text_encoder", input_shape)
     check_num_classes("text_encoder", num_classes)
@@ -246,8 +246,14 @@ def text_encoder(
             f"model 'text_encoder': config_overrides keys {unknown} are not attributes of the "
             f"{type(config).__name__} in {folder}"
         )
+    vocab = getattr(config, "vocab_size", None)
     for key, value in (config_overrides or {}).items():
         setattr(config, key, value)
+    if isinstance(vocab, int) and int(getattr(config, "vocab_size", vocab)) < vocab:
+        raise ValueError(
+            f"model 'text_encoder': config_overrides vocab_size={config.vocab_size} is smaller "
+            f"than the folder's vocabulary ({vocab} tokens, which its tokenizer emits)"
+        )
     for key in _DROPOUT_KEYS:
         if isinstance(getattr(config, key, None), float):
             setattr(config, key, float(dropout))
