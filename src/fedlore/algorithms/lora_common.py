@@ -32,6 +32,7 @@ and uploads the trained factors and dense parameters. Aggregation weights are :m
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -65,7 +66,7 @@ _FRESH, _DROPOUT = 101, 102
 
 
 @dataclass(frozen=True)
-class LoraMethod(Hyper):
+class LoraMethod(Hyper, abc.ABC):
     """Hyperparameters shared by the LoRA baselines, and the protocol they share.
 
     Attributes:
@@ -159,10 +160,12 @@ class LoraMethod(Hyper):
         """A client's adapter at the start of local training (default: the global one)."""
         return dict(held)
 
+    @abc.abstractmethod
     def aggregate_adapters(
         self, arrays: Arrays, replies: list[tuple[int, Reply]], p: list[float], rnd: int
     ) -> tuple[Arrays, Scalars]:
-        """Update the server's arrays (a copy, mutate it) from the accepted replies.
+        """The method's server step (each method module defines it): update the server's arrays
+        (a copy, mutate it) from the accepted replies.
 
         Args:
             arrays: the new server arrays (replace ``lora.*`` entries, add extras).
@@ -173,7 +176,6 @@ class LoraMethod(Hyper):
         Returns:
             (merge payload ``<mod>.*`` for merge methods, else {}; metrics).
         """
-        raise NotImplementedError
 
     def merge_deltas(self, log: Arrays, held: Arrays, modules: list[str]) -> Arrays:
         """``<mod>`` -> fp32 ΔW merged into the base from one round's payload ``<mod>.*``;
