@@ -110,6 +110,36 @@ class OptimConfig(_Strict):
     """alpha of the projected update (FedLore, GaLore): W <- W - lr * alpha * P N."""
 
 
+class ParamsConfig(_Strict):
+    """Which tensors every method trains, and how (reference notes section 13.3: the same rule
+    for all methods).
+
+    A method projects (FedLore, Local GaLore) or adapts (the LoRA methods) the Linear weights
+    outside ``exclude``; FedFull trains them densely. Every other parameter that ``freeze`` does
+    not match trains densely with AdamW under every method and is averaged with p_i; frozen
+    tensors keep their initial values and cross the wire only at a client's first contact.
+    """
+
+    freeze: list[str] = Field(default_factory=list)
+    """Glob patterns over ``state_dict`` names (``fnmatch``), e.g. ``"encoder.embeddings.*"`` or
+    ``"*.bias"``. A pattern that matches nothing is an error."""
+    exclude: list[str] = Field(default_factory=lambda: ["head."])
+    """Name prefixes never projected or adapted (trained densely instead): the classifier head.
+    Setting it replaces the default, so keep ``"head."`` in the list. A prefix that matches
+    nothing is an error."""
+
+    @field_validator("freeze", "exclude")
+    @classmethod
+    def _names(cls, v: list[str]) -> list[str]:
+        bad = [p for p in v if not p.strip()]
+        if bad:
+            raise ValueError(f"empty pattern {bad}")
+        dup = sorted({p for p in v if v.count(p) > 1})
+        if dup:
+            raise ValueError(f"duplicate patterns {dup}")
+        return v
+
+
 class ModelConfig(_Strict):
     """Model name in the registry and its keyword arguments."""
 
@@ -192,6 +222,7 @@ class Config(_Strict):
     data: DataConfig = Field(default_factory=DataConfig)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
+    params: ParamsConfig = Field(default_factory=ParamsConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     flower: FlowerConfig = Field(default_factory=FlowerConfig)

@@ -63,8 +63,17 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
         "scale": cfg.optim.scale,
         "weighting": cfg.weighting,
         "diagnostics_every": cfg.diagnostics.every,
+        "freeze": tuple(cfg.params.freeze),
+        "exclude": tuple(cfg.params.exclude),
     }
-    algo: Algorithm = build_hyper(cls, common, dict(cfg.method.get(name, {})))
+    overrides = dict(cfg.method.get(name, {}))
+    for key in ("freeze", "exclude"):
+        if key in overrides:
+            raise ValueError(
+                f"method.{name}.{key}: set params.{key} instead; it applies to every method "
+                "alike (reference notes section 13.3)"
+            )
+    algo: Algorithm = build_hyper(cls, common, overrides)
     return algo
 
 
@@ -110,20 +119,23 @@ def run_one(
     if resume and summary_path.exists():
         done: dict[str, Any] = json.loads(summary_path.read_text())
         return done
+    # every check that can refuse the config runs before anything in the run folder is touched
+    fed = fed if fed is not None else build_federation(cfg, seed)
+    check_model_fits_data(cfg.model.name, fed)
+    check_tokenizer_matches_model(cfg, fed)
+    algo = make_algorithm(method, cfg)
+    build = model_factory(cfg, fed, seed)
+    eval_model = build()
+    check_params(cfg, eval_model)
+    state = algo.init_server(eval_model, generator(seed, SERVER_INIT))
     if not resume:  # a fresh run: nothing of an earlier run in this folder may survive
         for stale in ("summary.json", "checkpoint.pt", "checkpoint.pt.tmp", "config.json"):
             (out / stale).unlink(missing_ok=True)
         shutil.rmtree(spill, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(_run_config(cfg, method), indent=2))
-    fed = fed if fed is not None else build_federation(cfg, seed)
-    check_model_fits_data(cfg.model.name, fed)
-    algo = make_algorithm(method, cfg)
-    build = model_factory(cfg, fed, seed)
-    eval_model = build()
     max_bytes = None if cfg.store.max_memory_mb is None else int(cfg.store.max_memory_mb * 1e6)
     store = ClientStore(max_bytes, spill)
-    state = algo.init_server(eval_model, generator(seed, SERVER_INIT))
     start = -int(getattr(algo, "setup_rounds", 0))
     metrics = MetricsWriter(out / "metrics.jsonl")
     ckpt_path = out / "checkpoint.pt"
@@ -236,6 +248,41 @@ def check_same_config(cfg: Config, method: str, out: Path) -> None:
         )
 
 
+def check_params(cfg: Config, model: nn.Module) -> None:
+    """Every ``params.exclude`` prefix names at least one tensor of ``model`` (a typo would
+    silently project or adapt the head); ``params.freeze`` is checked by each method.
+
+    Raises:
+        ConfigError: naming the prefixes that match nothing.
+    """
+    names = list(model.state_dict())
+    unused = [p for p in cfg.params.exclude if not any(n.startswith(p) for n in names)]
+    if unused:
+        raise ConfigError(
+            f"params.exclude prefix(es) {unused} match no tensor of model {cfg.model.name!r} "
+            f"(names look like {names[:3]})"
+        )
+
+
+def preflight(cfg: Config, fed: Federation) -> None:
+    """Refuse a config that would fail part-way: the model fits the data, the tokenizer is the
+    model's, and every method accepts ``params`` and its hyperparameters on the real model
+    (its server state is built once and dropped). Runs before any run folder is touched.
+
+    Raises:
+        ConfigError: naming the method and the problem.
+    """
+    check_model_fits_data(cfg.model.name, fed)
+    check_tokenizer_matches_model(cfg, fed)
+    model = model_factory(cfg, fed, cfg.seeds[0])()
+    check_params(cfg, model)
+    for name in cfg.algorithms:
+        try:
+            make_algorithm(name, cfg).init_server(model, generator(cfg.seeds[0], SERVER_INIT))
+        except ValueError as e:
+            raise ConfigError(f"method {name!r}: {e}") from e
+
+
 def check_model_fits_data(model: str, fed: Federation) -> None:
     """Token-id data (text sources) needs a model that takes token ids, and image or feature
     data a model that does not.
@@ -255,6 +302,60 @@ def check_model_fits_data(model: str, fed: Federation) -> None:
         raise ConfigError(
             f"model {model!r} takes token ids, but the data are float features "
             f"({fed.pool.x.dtype}): use a text source (data.name=fortunes, text_csv, text_jsonl)"
+        )
+
+
+def check_tokenizer_matches_model(cfg: Config, fed: Federation) -> None:
+    """Text data must be tokenized with the text model's own tokenizer: ``data.tokenizer`` and
+    ``model.kwargs.path`` name the same folder, or folders whose tokenizers (as Hugging Face
+    loads them: ``tokenizer.json`` when present, else ``vocab.txt``) map the same tokens to the
+    same ids with the same pad id; and no token id reaches past the model's embedding table
+    (``vocab_size`` of the folder's ``config.json``, or of ``model.kwargs.config_overrides``).
+
+    Raises:
+        ConfigError: naming the folders and what differs.
+    """
+    if fed.pool.x.is_floating_point():
+        return
+    from fedlore.data.text import load_tokenizer
+    from fedlore.models.text import resolve_text_folder
+
+    try:
+        data_dir = resolve_text_folder(cfg.data.tokenizer).resolve()
+    except FileNotFoundError as e:
+        raise ConfigError(f"data.tokenizer: {e}") from e
+    try:
+        model_dir = resolve_text_folder(cfg.model.kwargs.get("path")).resolve()
+    except FileNotFoundError as e:
+        raise ConfigError(f"model.kwargs.path: {e}") from e
+    data_tok = load_tokenizer(data_dir)
+    if data_dir != model_dir:
+        model_tok = load_tokenizer(model_dir)
+        differs = []
+        ours, theirs = data_tok.get_vocab(), model_tok.get_vocab()
+        if ours != theirs:
+            moved = sum(1 for t, i in ours.items() if theirs.get(t) != i)
+            differs.append(
+                f"vocabularies ({len(ours)} vs {len(theirs)} tokens; {moved} of the data's "
+                "tokens have another id or none in the model's)"
+            )
+        if data_tok.pad_token_id != model_tok.pad_token_id:
+            differs.append(f"pad ids ({data_tok.pad_token_id} vs {model_tok.pad_token_id})")
+        if differs:
+            raise ConfigError(
+                f"data.tokenizer={str(data_dir)!r} and model.kwargs.path={str(model_dir)!r} have "
+                f"different {' and '.join(differs)}: the data would be tokenized for another "
+                "model. Set data.tokenizer to the model's folder (or leave both unset for "
+                "all-MiniLM-L6-v2)."
+            )
+    overrides = cfg.model.kwargs.get("config_overrides") or {}
+    vocab_size = overrides.get("vocab_size")
+    if vocab_size is None:
+        vocab_size = json.loads((model_dir / "config.json").read_text()).get("vocab_size")
+    if isinstance(vocab_size, int) and len(data_tok) > vocab_size:
+        raise ConfigError(
+            f"the tokenizer in {str(data_dir)!r} has {len(data_tok)} tokens but the model's "
+            f"embedding table has vocab_size={vocab_size} rows: ids past it cannot be embedded"
         )
 
 
@@ -291,8 +392,10 @@ def run_experiment(cfg: Config, resume: bool = False) -> dict[str, list[dict[str
             registry.get("algorithm", name)  # unknown names fail; unused known ones are fine
     for name in cfg.algorithms:
         make_algorithm(name, cfg)  # unknown methods and bad hyperparameters fail before any work
+    first = build_federation(cfg, cfg.seeds[0])
+    preflight(cfg, first)
     for seed in cfg.seeds:
-        fed = build_federation(cfg, seed)
+        fed = first if seed == cfg.seeds[0] else build_federation(cfg, seed)
         for method in cfg.algorithms:
             if cfg.engine == "flower-sim":
                 from fedlore.flower.simulation import run_simulated

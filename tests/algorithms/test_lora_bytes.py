@@ -4,7 +4,8 @@ Counted by the round loop from the tensors actually sent, per m x n adapted matr
 FedIT, LoRA-FAIR, FRLoRA r(m+n) up and down; FFA-LoRA mr both ways; RoLoRA the trained factor up
 (mr in B-rounds, rn in A-rounds) and the factor the previous round moved down; FlexLoRA r_k(m+n)
 both ways; FLoRA r_k(m+n) up and (Σ_k r_k)(m+n) down. On top: the dense head both ways every
-round, and at first contact the frozen base (mn + m bias) and the initial adapter.
+round, and at first contact the frozen base (mn) and the initial adapter. Dense: every parameter
+neither adapted nor frozen (the adapted layer's bias m and the head), as for FedLore.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from fedlore.types import State
 
 SEED, N, R, ROUNDS = 3, 3, 2, 3
 M, NIN, CLASSES = 16, 64, 10  # body.0 = Linear(64, 16); head = Linear(16, 10)
-HEAD = CLASSES * M + CLASSES
-BASE = M * NIN + M
+DENSE = CLASSES * M + CLASSES + M  # head + the adapted layer's bias
+BASE = M * NIN
 F32 = 4
 
 
@@ -89,8 +90,8 @@ def test_bytes_per_round_match_section_14(name: str) -> None:
         up, down = section14(name, rnd)
         if rnd == 0:
             down = BASE + FIRST_ADAPTER[name]
-        assert row["bytes_up"] == N * F32 * (up + HEAD), rnd
-        assert row["bytes_down"] == N * F32 * (down + HEAD), rnd
+        assert row["bytes_up"] == N * F32 * (up + DENSE), rnd
+        assert row["bytes_down"] == N * F32 * (down + DENSE), rnd
 
 
 @pytest.mark.parametrize("name", ["flexlora", "flora"])
@@ -115,9 +116,9 @@ def test_heterogeneous_ranks_bytes_per_client(name: str) -> None:
             assert validate_reply(reply, algo.expected_reply(state, rnd, c)) is None
             replies.append((c, reply))
             up, down = section14(name, rnd, ranks[c], sum(ranks))
-            assert nbytes(reply.arrays) == F32 * (up + HEAD)
+            assert nbytes(reply.arrays) == F32 * (up + DENSE)
             if rnd == 0:
                 down = BASE + (ranks[c] * (M + NIN) if name == "flexlora" else 0)
-            assert nbytes(msgs[c].arrays) == F32 * (down + HEAD), (rnd, c)
+            assert nbytes(msgs[c].arrays) == F32 * (down + DENSE), (rnd, c)
         state, _ = algo.aggregate(state, [(c, r) for c, r in replies], rnd)
     assert all(torch.isfinite(v).all() for v in algo.global_arrays(state).values())

@@ -6,6 +6,7 @@ entries, plus a ``.dat``, a ``.u8`` and an ``off/`` folder that must be skipped)
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,6 +28,8 @@ from fedlore.data.text import (
     stratified_split,
     tokenize,
 )
+from fedlore.models.text import minilm_folder
+from fedlore.run import check_tokenizer_matches_model
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 FORTUNES = FIXTURES / "fortunes"
@@ -215,3 +218,42 @@ def test_source_options_are_checked() -> None:
         load_config(None, ["data.categories=[off/rude]"])
     # digits accepts the text options at their defaults (as a dumped config has them)
     assert load_source(load_config(None, ["data.max_length=64"]).data).name == "digits"
+
+
+def _tokenizer_copy(dst: Path, change_vocab: bool, extra_tokens: int = 0) -> Path:
+    src = minilm_folder()
+    dst.mkdir()
+    for name in ("config.json", "special_tokens_map.json", "tokenizer_config.json", "vocab.txt"):
+        (dst / name).write_bytes((src / name).read_bytes())
+    if change_vocab:  # rebuilt from vocab.txt (no tokenizer.json): one token differs
+        words = (dst / "vocab.txt").read_text().splitlines()
+        words[-1] = "fedlore-not-a-minilm-token"
+        (dst / "vocab.txt").write_text("\n".join(words) + "\n")
+    if extra_tokens:
+        words = (dst / "vocab.txt").read_text().splitlines()
+        words += [f"fedlore-extra-{i}" for i in range(extra_tokens)]
+        (dst / "vocab.txt").write_text("\n".join(words) + "\n")
+    return dst
+
+
+def test_tokenizer_must_match_the_text_model(tmp_path: Path) -> None:
+    tokens = SimpleNamespace(pool=SimpleNamespace(x=torch.zeros(2, 3, dtype=torch.long)))
+    same = _tokenizer_copy(tmp_path / "same", change_vocab=False)
+    other = _tokenizer_copy(tmp_path / "other", change_vocab=True)
+    base = ["data.name=fortunes", "model.name=text_encoder"]
+    check_tokenizer_matches_model(load_config(None, base), tokens)  # type: ignore[arg-type]
+    cfg = load_config(None, [*base, f"data.tokenizer={same}"])
+    check_tokenizer_matches_model(cfg, tokens)  # type: ignore[arg-type]  # same vocabulary
+    cfg = load_config(None, [*base, f"data.tokenizer={other}"])
+    with pytest.raises(ConfigError, match="different vocabularies") as err:
+        check_tokenizer_matches_model(cfg, tokens)  # type: ignore[arg-type]
+    assert str(other) in str(err.value) and "model.kwargs.path" in str(err.value)
+    cfg = load_config(None, [*base, "data.tokenizer=/nonexistent/tok"])
+    with pytest.raises(ConfigError, match=r"data\.tokenizer.*/nonexistent/tok"):
+        check_tokenizer_matches_model(cfg, tokens)  # type: ignore[arg-type]
+    big = _tokenizer_copy(tmp_path / "big", change_vocab=True, extra_tokens=5)
+    cfg = load_config(None, [*base, f"data.tokenizer={big}", f"model.kwargs={{path: {big}}}"])
+    with pytest.raises(ConfigError, match="vocab_size=30522"):
+        check_tokenizer_matches_model(cfg, tokens)  # type: ignore[arg-type]
+    floats = SimpleNamespace(pool=SimpleNamespace(x=torch.zeros(2, 3)))
+    check_tokenizer_matches_model(cfg, floats)  # type: ignore[arg-type]  # not text: no check

@@ -8,6 +8,7 @@ optimizer per round), the same gradient clipping, weight-decay policy and aggreg
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,8 +16,9 @@ import torch
 from torch import nn
 
 from fedlore.data.client_data import TensorSplit, minibatches
+from fedlore.tensors import select
 from fedlore.train.local import Schedule
-from fedlore.types import Reply, Scalars
+from fedlore.types import Reply, Scalars, State
 
 ReplySpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -36,6 +38,11 @@ class Hyper:
         min_lr_ratio: final lr of the cosine schedule as a share of ``lr``.
         grad_clip: global gradient-norm clip (None: off).
         weighting: aggregation weights p_i, ``"num_examples"`` (n_i / Σ n_j) or ``"uniform"``.
+        freeze: glob patterns (:func:`fnmatch.fnmatchcase`) over ``state_dict`` names; matching
+            tensors are never trained, uploaded or averaged by any method and cross the wire only
+            at a client's first contact (reference notes section 13.3: the same non-adapted
+            parameters train under every method). Everything else that a method does not
+            project or adapt trains densely with AdamW and is averaged with p_i.
     """
 
     lr: float = 1e-3
@@ -49,6 +56,7 @@ class Hyper:
     min_lr_ratio: float = 0.0
     grad_clip: float | None = None
     weighting: Literal["num_examples", "uniform"] = "num_examples"
+    freeze: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         checks = {
@@ -63,6 +71,7 @@ class Hyper:
             "min_lr_ratio": 0 <= self.min_lr_ratio <= 1,
             "grad_clip": self.grad_clip is None or self.grad_clip > 0,
             "weighting": self.weighting in ("num_examples", "uniform"),
+            "freeze": all(isinstance(p, str) and p for p in self.freeze),
         }
         for field, ok in checks.items():
             if not ok:
@@ -82,6 +91,54 @@ class Hyper:
         for lr in self.round_lrs(rnd):
             a *= 1.0 - lr * self.weight_decay
         return a
+
+    def is_frozen(self, name: str) -> bool:
+        """Whether tensor ``name`` (a plain ``state_dict`` name) matches a ``freeze`` pattern."""
+        return any(fnmatch.fnmatchcase(name, p) for p in self.freeze)
+
+    def check_freeze(self, model: nn.Module) -> None:
+        """Refuse ``freeze`` patterns that match no tensor of ``model`` (a typo would silently
+        train everything) or that leave no parameter to train.
+
+        Raises:
+            ValueError: naming the patterns that match nothing, or saying nothing trains.
+        """
+        names = list(model.state_dict())
+        unused = [p for p in self.freeze if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+        if unused:
+            raise ValueError(
+                f"params.freeze pattern(s) {unused} match no tensor of the model "
+                f"(names look like {names[:3]})"
+            )
+        if self.freeze and all(self.is_frozen(n) for n, _ in model.named_parameters()):
+            raise ValueError(f"params.freeze={list(self.freeze)} freezes every parameter")
+
+    def fill_frozen(
+        self, arrays: dict[str, torch.Tensor], state: State | None, model: nn.Module
+    ) -> dict[str, torch.Tensor]:
+        """Client side: ``arrays`` (plain names) with the frozen tensors the server left out
+        taken from the client's ``cache.*`` (frozen tensors never change, so a cache from any
+        round is current).
+
+        Raises:
+            RuntimeError: when a left-out frozen tensor is not in the client's cache.
+        """
+        missing = [k for k in model.state_dict() if self.is_frozen(k) and k not in arrays]
+        if not missing:
+            return arrays
+        cache = select(state.arrays, "cache.") if state is not None else {}
+        lost = [k for k in missing if k not in cache]
+        if lost:
+            raise RuntimeError(
+                f"the server sent no frozen tensors {lost[:3]} and the client holds none "
+                "(its state was lost)"
+            )
+        return {**arrays, **{k: cache[k] for k in missing}}
+
+    def set_frozen(self, model: nn.Module) -> None:
+        """``requires_grad = not frozen`` for every parameter of ``model`` (idempotent)."""
+        for name, p in model.named_parameters():
+            p.requires_grad_(not self.is_frozen(name))
 
     def weights(self, replies: list[Reply]) -> list[float]:
         """Aggregation weights p_i of the given replies (not normalized)."""

@@ -31,27 +31,39 @@ from fedlore.types import Broadcast, Reply, Scalars, State
 
 class DenseServer:
     """Server side of every method whose clients upload dense deltas ``update.*``: broadcast
-    ``model.*``, aggregate ``W <- W + Σ p_i Δ_i / Σ p_i``. Mixed into a :class:`Hyper` dataclass."""
+    ``model.*``, aggregate ``W <- W + Σ p_i Δ_i / Σ p_i``. Mixed into a :class:`Hyper` dataclass.
+
+    Frozen tensors (:attr:`Hyper.freeze`) are sent only until a client has replied once (value
+    ``seen.<cid>``); the client keeps them as ``cache.*`` in its state and never uploads them.
+    """
 
     def init_server(self, model: nn.Module, rng: torch.Generator) -> State:
+        self.check_freeze(model)  # type: ignore[attr-defined]
         return State(arrays=with_prefix(model_arrays(model), "model."))
 
     def broadcast(self, state: State, rnd: int, client_id: int) -> Broadcast:
-        return Broadcast(arrays=select(state.arrays, "model.", strip=False), config={"round": rnd})
+        model = select(state.arrays, "model.", strip=False)
+        if state.values.get(f"seen.{client_id}"):
+            model = {k: v for k, v in model.items() if not self.is_frozen(k[6:])}  # type: ignore[attr-defined]
+        return Broadcast(arrays=model, config={"round": rnd})
 
     def aggregate(
         self, state: State, replies: list[tuple[int, Reply | None]], rnd: int
     ) -> tuple[State, Scalars]:
-        ok = [r for _, r in replies if r is not None]
+        values = dict(state.values)
+        for c, r in replies:
+            if r is None:  # its cache may be gone: send the frozen tensors again
+                values.pop(f"seen.{c}", None)
+        ok = [(c, r) for c, r in replies if r is not None]
         if not ok:
-            return state, {"aggregated": 0}
-        weights = self.weights(ok)  # type: ignore[attr-defined]
-        mean = weighted_mean([select(r.arrays, "update.") for r in ok], weights)
+            return State(arrays=dict(state.arrays), values=values), {"aggregated": 0}
+        weights = self.weights([r for _, r in ok])  # type: ignore[attr-defined]
+        mean = weighted_mean([select(r.arrays, "update.") for _, r in ok], weights)
         model = select(state.arrays, "model.")
-        new = {k: v + mean[k].to(v.dtype) for k, v in model.items()}
-        return State(arrays=with_prefix(new, "model."), values=dict(state.values)), {
-            "aggregated": len(ok)
-        }
+        new = {k: v + mean[k].to(v.dtype) if k in mean else v for k, v in model.items()}
+        if self.freeze:  # type: ignore[attr-defined]
+            values.update({f"seen.{c}": 1 for c, _ in ok})
+        return State(arrays=with_prefix(new, "model."), values=values), {"aggregated": len(ok)}
 
     def global_arrays(self, state: State) -> dict[str, torch.Tensor]:
         return select(state.arrays, "model.")
@@ -60,7 +72,34 @@ class DenseServer:
         return {
             "update." + k: (tuple(v.shape), v.dtype)
             for k, v in select(state.arrays, "model.").items()
+            if not self.is_frozen(k)  # type: ignore[attr-defined]
         }
+
+    def dense_start(
+        self, msg: Broadcast, state: State | None, model: nn.Module
+    ) -> tuple[dict[str, torch.Tensor], State]:
+        """Client side: load W^t (broadcast + cached frozen tensors) into ``model``, mark the
+        frozen parameters, and return (W^t by plain name, the client state to keep).
+
+        Raises:
+            RuntimeError: when the server left out frozen tensors the client does not hold.
+        """
+        start = self.fill_frozen(select(msg.arrays, "model."), state, model)  # type: ignore[attr-defined]
+        frozen = [k for k in start if self.is_frozen(k)]  # type: ignore[attr-defined]
+        load_model_arrays(model, start)
+        self.set_frozen(model)  # type: ignore[attr-defined]
+        keep = State(arrays={"cache." + k: start[k] for k in frozen}) if frozen else State()
+        return start, keep
+
+    def dense_update(
+        self, model: nn.Module, start: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """``update.* = W_K - W^t`` of the tensors that are not frozen."""
+        delta = sub(model_arrays(model), start)
+        return with_prefix(
+            {k: v for k, v in delta.items() if not self.is_frozen(k)},  # type: ignore[attr-defined]
+            "update.",
+        )
 
 
 @register_algorithm("fedfull")
@@ -92,8 +131,7 @@ class FedFull(DenseServer, Hyper):
         data: ClientData,
         rng: torch.Generator,
     ) -> tuple[Reply, State]:
-        start = select(msg.arrays, "model.")
-        load_model_arrays(model, start)
+        start, keep = self.dense_start(msg, state, model)
         opt = self.make_optimizer(model)
         stats = local_train(
             model,
@@ -110,14 +148,13 @@ class FedFull(DenseServer, Hyper):
             for v in st.values()
             if isinstance(v, torch.Tensor) and v.ndim > 0
         )
-        delta = sub(model_arrays(model), start)
         metrics = reply_metrics(
             data.num_examples,
             train_loss=stats.mean_loss,
             skipped_steps=stats.skipped_steps,
             optimizer_state_bytes=state_bytes,
         )
-        return Reply(arrays=with_prefix(delta, "update."), metrics=metrics), State()
+        return Reply(arrays=self.dense_update(model, start), metrics=metrics), keep
 
 
 @register_algorithm("fedavg")

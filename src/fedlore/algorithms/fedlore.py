@@ -119,7 +119,8 @@ class FedLore(LowRankHyper):
 
     # ----------------------------------------------------------------- server
     def init_server(self, model: nn.Module, rng: torch.Generator) -> State:
-        plan = self.plan(model)
+        self.check_freeze(model)
+        plan = self.checked_plan(model)
         values: Scalars = {**plan_values(plan), "basis_id": -1}
         arrays = with_prefix(model_arrays(model), "model.")
         base = int(torch.randint(0, 2**62, (1,), generator=rng))
@@ -153,10 +154,9 @@ class FedLore(LowRankHyper):
         options = []
         if version is not None and all(f"log.{s}.decay" in vals for s in range(int(version), rnd)):
             v = int(version)
+            server_model = select(state.arrays, "model.")
             arrays = {
-                "dense." + k: t
-                for k, t in select(state.arrays, "model.").items()
-                if k not in plan_keys
+                "dense." + k: server_model[k] for k in self.dense_keys(server_model, plan_keys)
             }
             log_cfg: Scalars = {"mode": "log", "from_round": v}
             b = held
@@ -171,6 +171,8 @@ class FedLore(LowRankHyper):
             if b != cur:
                 arrays.update(self._bank_message(state, cur))
             options.append((nbytes(arrays), arrays, log_cfg))
+        if version is not None:  # the client holds a cache: frozen tensors stay there
+            dense_arrays = {k: v for k, v in model.items() if not self.is_frozen(k[6:])}
         if dense_held != cur:
             dense_arrays.update(self._bank_message(state, cur))
         options.append((nbytes(dense_arrays) + 1, dense_arrays, {"mode": "dense"}))
@@ -221,7 +223,7 @@ class FedLore(LowRankHyper):
             dense = weighted_mean([select(r.arrays, "dense.") for _, r in ok], weights)
         else:
             deltas = {k: torch.zeros(s.rank, s.n, dtype=model[k].dtype) for k, s in plan.items()}
-            dense = {k: v for k, v in model.items() if k not in plan}
+            dense = {}
         for k, s in plan.items():
             arrays["model." + k] = apply_increment(model[k], s, basis[k], deltas[k], decay)
             arrays[f"log.{rnd}.{k}"] = deltas[k]
@@ -344,7 +346,10 @@ class FedLore(LowRankHyper):
             return spec
         spec.update({f"update.{k}": ((s.rank, s.n), model[k].dtype) for k, s in plan.items()})
         spec.update(
-            {f"dense.{k}": (tuple(v.shape), v.dtype) for k, v in model.items() if k not in plan}
+            {
+                f"dense.{k}": (tuple(model[k].shape), model[k].dtype)
+                for k in self.dense_keys(model, plan)
+            }
         )
         if self._uploads_candidates(rnd):
             spec.update({f"diag.H.{k}": ((s.m, s.n), model[k].dtype) for k, s in plan.items()})
@@ -368,6 +373,7 @@ class FedLore(LowRankHyper):
         rng: torch.Generator,
     ) -> tuple[Reply, State]:
         plan = self.plan(model)
+        self.set_frozen(model)
         rnd = int(msg.config["round"])
         if rnd < 0:
             load_model_arrays(model, select(msg.arrays, "model."))
@@ -377,7 +383,7 @@ class FedLore(LowRankHyper):
                 arrays=with_prefix(model_arrays(model), "cache."), values={"version": 0, "held": -1}
             )
             return Reply(with_prefix(cands, "cand."), reply_metrics(data.num_examples)), new_state
-        cache, bases, held = self._synchronize(msg, state, plan, rnd)
+        cache, bases, held = self._synchronize(msg, state, plan, rnd, model)
         cur = int(msg.config["basis_id"])
         if cur != held:
             bases, held = self._client_bases(msg, cur, plan), cur
@@ -394,7 +400,7 @@ class FedLore(LowRankHyper):
         )
         final = model_arrays(model)
         out = with_prefix(res.coords, "update.")
-        out.update({"dense." + k: v for k, v in final.items() if k not in plan})
+        out.update({"dense." + k: final[k] for k in self.dense_keys(final, plan)})
         if self.basis_rule == "candidates":
             out.update(
                 {
@@ -437,13 +443,18 @@ class FedLore(LowRankHyper):
         return self.top_r(grad, spec.rank, rng)
 
     def _synchronize(
-        self, msg: Broadcast, state: State | None, plan: dict[str, MatrixSpec], rnd: int
+        self,
+        msg: Broadcast,
+        state: State | None,
+        plan: dict[str, MatrixSpec],
+        rnd: int,
+        model: nn.Module,
     ) -> tuple[Arrays, Arrays, int]:
         """Bring the cached global model to W^rnd; returns (cache, held bases, held basis id)."""
         held = int(state.values.get("held", -1)) if state is not None else -1
         bases = select(state.arrays, "basis.") if state is not None else {}
         if msg.config["mode"] == "dense":
-            return select(msg.arrays, "model."), bases, held
+            return self.fill_frozen(select(msg.arrays, "model."), state, model), bases, held
         if state is None:
             raise RuntimeError("client has no cached model but the server sent increments")
         own = int(state.values["version"])

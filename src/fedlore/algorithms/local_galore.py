@@ -21,7 +21,6 @@ from fedlore.algorithms.fedavg import DenseServer
 from fedlore.algorithms.lowrank import LowRankHyper, train_projected
 from fedlore.data.client_data import ClientData
 from fedlore.registry import register_algorithm
-from fedlore.tensors import load_model_arrays, model_arrays, select, sub, with_prefix
 from fedlore.types import Arrays, Broadcast, Reply, State
 
 
@@ -33,6 +32,10 @@ class LocalGaLore(DenseServer, LowRankHyper):
     name: ClassVar[str] = "local_galore"
     setup_rounds: ClassVar[int] = 0
     diagnostic_kind: ClassVar[Literal["shared", "client"]] = "client"
+
+    def init_server(self, model: nn.Module, rng: torch.Generator) -> State:
+        self.checked_plan(model)
+        return super().init_server(model, rng)
 
     def client_bases(self, grads: Arrays, rng: torch.Generator) -> Arrays:
         """Algorithm 2 lines 4–6: per projected matrix, the top-r left singular vectors of its
@@ -61,15 +64,13 @@ class LocalGaLore(DenseServer, LowRankHyper):
         data: ClientData,
         rng: torch.Generator,
     ) -> tuple[Reply, State]:
-        start = select(msg.arrays, "model.")
-        load_model_arrays(model, start)
+        start, keep = self.dense_start(msg, state, model)
         plan = self.plan(model)
         grads = construction_gradients(model, data.train, self.batch_size, rng, list(plan))
         bases = self.client_bases({k: s.view(grads[k]) for k, s in plan.items()}, rng)
         res = train_projected(
             self, model, data.train, plan, bases, self.round_lrs(int(msg.config["round"])), rng
         )
-        delta = sub(model_arrays(model), start)
         metrics = reply_metrics(
             data.num_examples,
             train_loss=res.stats.mean_loss,
@@ -77,4 +78,4 @@ class LocalGaLore(DenseServer, LowRankHyper):
             optimizer_state_bytes=res.state_bytes,
             basis_bytes=res.basis_bytes,
         )
-        return Reply(with_prefix(delta, "update."), metrics), State()
+        return Reply(self.dense_update(model, start), metrics), keep

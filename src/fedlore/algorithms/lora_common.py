@@ -5,9 +5,12 @@ Wire names (adapters fp32; other tensors keep the model's dtype):
 
 * ``model.<k>``: frozen base tensors under plain ``state_dict`` names, sent at first contact (or
   when a merge method's client is too far behind for the log).
-* ``dense.<k>``: parameters under ``dense_prefixes`` (the classifier ``head.``): never adapted,
-  trained with AdamW like the factors, sent both ways every round and averaged with the weights
-  p_i (reference notes section 13.3; FRLoRA's code does this, the others are silent).
+* ``dense.<k>``: every parameter that is neither adapted nor frozen (the classifier head, biases,
+  norms, embeddings unless :attr:`Hyper.freeze` names them): trained with AdamW like the factors,
+  sent both ways every round and averaged with the weights p_i. This is the rule FedFull, Local
+  GaLore and FedLore follow for their unprojected tensors, so every method trains the same
+  parameters (reference notes section 13.3; FRLoRA's code trains the head, the others are
+  silent). Frozen tensors (and buffers) travel only at first contact, as ``model.<k>``.
 * ``lora.<mod>.A`` (``r x n``) / ``lora.<mod>.B`` (``m x r``): adapter factors.
 * ``log.<s>.<mod>.*``: round s's merge payload (FLoRA, FRLoRA), from which a client rebuilds
   the merge into its cached base with the server's function, so both stay bit-identical.
@@ -76,8 +79,10 @@ class LoraMethod(Hyper, abc.ABC):
         lora_dropout: LoRA dropout (default 0: deterministic; > 0 draws from a stream derived
             from the client's generator).
         target_modules: adapted Linear names (peft suffix rule, e.g. ``["query", "key",
-            "value", "dense"]``); empty = every ``nn.Linear`` outside ``dense_prefixes``.
-        dense_prefixes: parameter-name prefixes trained and sent densely, never adapted.
+            "value", "dense"]``); empty = every ``nn.Linear`` outside ``exclude`` (the same
+            matrices FedLore projects, less convolutions).
+        exclude: parameter-name prefixes never adapted (the classifier head): they train
+            densely like every other non-adapted, non-frozen parameter.
         log_rounds: merge methods keep this many rounds of merge payloads for clients that
             missed rounds (older ones get the dense base).
     """
@@ -86,7 +91,7 @@ class LoraMethod(Hyper, abc.ABC):
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     target_modules: tuple[str, ...] = ()
-    dense_prefixes: tuple[str, ...] = ("head.",)
+    exclude: tuple[str, ...] = ("head.",)
     log_rounds: int = 8
 
     setup_rounds: ClassVar[int] = 0
@@ -100,7 +105,7 @@ class LoraMethod(Hyper, abc.ABC):
             "lora_alpha": self.lora_alpha > 0,
             "lora_dropout": 0.0 <= self.lora_dropout < 1.0,
             "target_modules": all(isinstance(t, str) and t for t in self.target_modules),
-            "dense_prefixes": all(isinstance(p, str) and p for p in self.dense_prefixes),
+            "exclude": all(isinstance(p, str) and p for p in self.exclude),
             "log_rounds": self.log_rounds >= 1,
         }
         for field, ok in checks.items():
@@ -193,9 +198,31 @@ class LoraMethod(Hyper, abc.ABC):
             if f"{mod}.A" in adapters
         }
 
+    def targets(self, model: nn.Module) -> dict[str, Target]:
+        """The adapted Linears: :func:`~fedlore.lora.find_targets` without frozen ones.
+
+        Raises:
+            ValueError: when nothing is left to adapt.
+        """
+        found = find_targets(model, self.target_modules, self.exclude)
+        out = {k: t for k, t in found.items() if not self.is_frozen(f"{k}.weight")}
+        if not out:
+            raise ValueError(
+                f"{type(self).__name__}: every LoRA target is frozen (freeze={list(self.freeze)})"
+            )
+        return out
+
+    def dense_keys(self, model: nn.Module, targets: dict[str, Target]) -> list[str]:
+        """Plain names of the parameters trained densely: neither adapted nor frozen."""
+        adapted = {f"{t}.weight" for t in targets}
+        return [
+            k for k, _ in model.named_parameters() if k not in adapted and not self.is_frozen(k)
+        ]
+
     # ------------------------------------------------------------------ server
     def init_server(self, model: nn.Module, rng: torch.Generator) -> State:
-        targets = find_targets(model, self.target_modules, self.dense_prefixes)
+        self.check_freeze(model)
+        targets = self.targets(model)
         for t in targets.values():
             if self.max_rank() > min(t.m, t.n):
                 raise ValueError(
@@ -203,7 +230,7 @@ class LoraMethod(Hyper, abc.ABC):
                     f"{min(t.m, t.n)} of {t.name}"
                 )
         base = {k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}
-        dense = [k for k, _ in model.named_parameters() if k.startswith(self.dense_prefixes)]
+        dense = self.dense_keys(model, targets)
         adapters = self.init_adapters(base, targets, rng)
         values: Scalars = {
             "lora_modules": ",".join(targets),
@@ -231,12 +258,14 @@ class LoraMethod(Hyper, abc.ABC):
             payload: Arrays = {}
             for s in logs:
                 payload.update(select(state.arrays, f"log.{s}.", strip=False))
-            if version >= int(vals["log_from"]) and nbytes(payload) <= nbytes(frozen):
+            # the client holds a cache: tensors frozen by params.freeze stay there
+            base = {k: v for k, v in frozen.items() if not self.is_frozen(k[6:])}
+            if version >= int(vals["log_from"]) and nbytes(payload) <= nbytes(base):
                 config.update(mode="cached", from_round=version, logs=",".join(map(str, logs)))
                 arrays.update(payload)
             else:
                 config["mode"] = "dense"
-                arrays.update(frozen)
+                arrays.update(base)
         else:
             config.update(mode="cached", from_round=version, logs="")
         return Broadcast(arrays, config)
@@ -317,8 +346,9 @@ class LoraMethod(Hyper, abc.ABC):
         rng: torch.Generator,
     ) -> tuple[Reply, State]:
         rnd, rank = int(msg.config["round"]), int(msg.config["rank"])
-        targets = find_targets(model, self.target_modules, self.dense_prefixes)
-        base, held = self._synchronize(msg, state, targets)
+        targets = self.targets(model)
+        dense = set(self.dense_keys(model, targets))
+        base, held = self._synchronize(msg, state, targets, model)
         seed = rng.initial_seed()
         fresh = torch.Generator().manual_seed(derive_seed(seed, _FRESH, rnd))
         start = self.start_adapters(held, rnd, rank, targets, fresh)
@@ -327,7 +357,7 @@ class LoraMethod(Hyper, abc.ABC):
         alpha = self.client_scale(rank) * rank
         work = adapted_copy(model, plain, targets, start, rank, alpha, self.lora_dropout)
         trained = self.trained(rnd)
-        params = set_trainable(work, trained, self.dense_prefixes)
+        params = set_trainable(work, trained, dense)
         opt = torch.optim.AdamW(
             params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
         )
@@ -343,7 +373,7 @@ class LoraMethod(Hyper, abc.ABC):
                 grad_clip=self.grad_clip,
             )
         out = with_prefix(adapter_arrays(work, trained), "lora.")
-        out.update(with_prefix(dense_arrays(work, self.dense_prefixes), "dense."))
+        out.update(with_prefix(dense_arrays(work, dense), "dense."))
         state_bytes = sum(
             v.numel() * v.element_size()
             for st in opt.state.values()
@@ -362,13 +392,13 @@ class LoraMethod(Hyper, abc.ABC):
         return Reply(out, metrics), new_state
 
     def _synchronize(
-        self, msg: Broadcast, state: State | None, targets: dict[str, Target]
+        self, msg: Broadcast, state: State | None, targets: dict[str, Target], model: nn.Module
     ) -> tuple[Arrays, Arrays]:
         """(frozen base, held global adapter) as of this round's broadcast."""
         held = select(state.arrays, "held.") if state is not None else {}
         held.update(select(msg.arrays, "lora."))
         if msg.config["mode"] == "dense":
-            return select(msg.arrays, "model."), held
+            return self.fill_frozen(select(msg.arrays, "model."), state, model), held
         if state is None:
             raise RuntimeError("client has no cached base but the server sent none")
         own, start = int(state.values["version"]), int(msg.config["from_round"])

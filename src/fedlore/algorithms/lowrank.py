@@ -7,7 +7,7 @@ give bit-identical caches, which the synchronization tests rely on).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,7 +36,8 @@ class LowRankHyper(Hyper):
         rank: r per projected matrix.
         scale: alpha, multiplier of the projected update (seed: alpha = 1).
         side: projection side rule, ``"left"`` (the seed), ``"right"``, ``"auto"`` (GaLore std).
-        exclude: parameter-name prefixes never projected (the classifier head).
+        exclude: parameter-name prefixes never projected (the classifier head); they train
+            densely. Tensors matching :attr:`Hyper.freeze` are neither projected nor trained.
         candidate_svd: ``"exact"`` or ``"randomized"`` SVD for client-side bases.
         svd_oversample: extra columns of the randomized range finder (Halko et al. 2011).
         svd_niter: power iterations of the randomized range finder.
@@ -73,8 +74,31 @@ class LowRankHyper(Hyper):
         )
 
     def plan(self, model: nn.Module) -> dict[str, MatrixSpec]:
-        """The projection plan of ``model`` (see :func:`fedlore.optim.subspace.projection_plan`)."""
-        return projection_plan(model, self.rank, self.side, self.exclude)
+        """The projection plan of ``model`` (see :func:`fedlore.optim.subspace.projection_plan`),
+        without frozen matrices."""
+        plan = projection_plan(model, self.rank, self.side, self.exclude)
+        return {k: s for k, s in plan.items() if not self.is_frozen(k)}
+
+    def checked_plan(self, model: nn.Module) -> dict[str, MatrixSpec]:
+        """:meth:`plan`, refusing a model with nothing to project (the method would silently be
+        dense training of what is left).
+
+        Raises:
+            ValueError: naming the rank and the exclude / freeze settings.
+        """
+        plan = self.plan(model)
+        if not plan:
+            raise ValueError(
+                f"{type(self).__name__}: no Linear/Conv weight to project at rank {self.rank} "
+                f"(min(m, n) must exceed the rank; exclude={list(self.exclude)}, "
+                f"freeze={list(self.freeze)})"
+            )
+        return plan
+
+    def dense_keys(self, names: Iterable[str], projected: Container[str]) -> list[str]:
+        """The ``names`` that train (and travel) densely: neither ``projected`` (plan keys) nor
+        frozen."""
+        return [k for k in names if k not in projected and not self.is_frozen(k)]
 
 
 def plan_values(plan: dict[str, MatrixSpec]) -> dict[str, str]:

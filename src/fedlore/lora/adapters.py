@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,20 +47,20 @@ class Target:
 
 
 def find_targets(
-    model: nn.Module, target_modules: Sequence[str] = (), dense_prefixes: Sequence[str] = ()
+    model: nn.Module, target_modules: Sequence[str] = (), exclude: Sequence[str] = ()
 ) -> dict[str, Target]:
     """The ``nn.Linear`` modules that get an adapter, in module order.
 
-    A Linear is adapted when its ``<name>.weight`` does not start with a dense prefix (the
-    classifier head trains densely) and, if ``target_modules`` is given, its name equals a target
-    or ends with ``"." + target`` (peft's suffix rule: ``["query", "value", "dense"]``).
+    A Linear is adapted when its ``<name>.weight`` does not start with a prefix in ``exclude``
+    (the classifier head trains densely) and, if ``target_modules`` is given, its name equals a
+    target or ends with ``"." + target`` (peft's suffix rule: ``["query", "value", "dense"]``).
 
     Raises:
         ValueError: a target names a module that is not ``nn.Linear``, or nothing is adapted.
     """
     out: dict[str, Target] = {}
     for name, mod in model.named_modules():
-        if not name or any(f"{name}.weight".startswith(p) for p in dense_prefixes):
+        if not name or any(f"{name}.weight".startswith(p) for p in exclude):
             continue
         if target_modules and not any(name == t or name.endswith("." + t) for t in target_modules):
             continue
@@ -73,7 +73,7 @@ def find_targets(
     if not out:
         raise ValueError(
             f"no nn.Linear to adapt (target_modules={list(target_modules)}, "
-            f"dense_prefixes={list(dense_prefixes)})"
+            f"exclude={list(exclude)})"
         )
     return out
 
@@ -185,25 +185,25 @@ def adapted_copy(
 
 
 def set_trainable(
-    model: nn.Module, factors: Sequence[str], dense_prefixes: Sequence[str]
+    model: nn.Module, factors: Sequence[str], dense: Collection[str]
 ) -> list[nn.Parameter]:
-    """Train the adapter factors named in ``factors`` and the parameters whose plain name starts
-    with a dense prefix; freeze everything else. Returns the trainable parameters."""
+    """Train the adapter factors named in ``factors`` and the parameters whose plain name is in
+    ``dense``; freeze everything else. Returns the trainable parameters."""
     out = []
     for name, p in model.named_parameters():
         hit = _LORA.match(name)
-        on = hit["factor"] in factors if hit else plain_name(name).startswith(tuple(dense_prefixes))
+        on = hit["factor"] in factors if hit else plain_name(name) in dense
         p.requires_grad_(on)
         if on:
             out.append(p)
     return out
 
 
-def dense_arrays(model: nn.Module, dense_prefixes: Sequence[str]) -> Arrays:
-    """Detached CPU copies of the parameters under ``dense_prefixes``, by plain name."""
+def dense_arrays(model: nn.Module, dense: Collection[str]) -> Arrays:
+    """Detached CPU copies of the parameters whose plain name is in ``dense``."""
     out = {}
     for name, p in model.named_parameters():
         key = plain_name(name)
-        if key.startswith(tuple(dense_prefixes)):
+        if key in dense:
             out[key] = p.detach().to("cpu").clone().contiguous()
     return out
