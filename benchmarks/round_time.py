@@ -5,6 +5,12 @@ wall seconds per round (and the FedLore / FedFull ratio), the share of FedLore's
 spent in SVD (candidate bases), and server aggregation time per round.
 
     python benchmarks/round_time.py [--data fashion_mnist|digits] [--model cnn] [--rounds 3]
+    python benchmarks/round_time.py --config experiments/pretrain_table3.yaml \
+        --out benchmarks/results/pretrain_round_time.json     # the small LLaMA (issue 6)
+
+With ``--config`` the experiment's data, model, clients, local steps, rank and optimizer are
+used as they are (``--data``, ``--model``, ``--clients``, ``--local-steps`` and ``--rank`` are
+ignored), every client takes part in every round, and only the first seed is measured.
 
 Threads: run it alone on the machine; it sets ``torch.set_num_threads(--threads)``.
 """
@@ -45,8 +51,10 @@ class Timer:
             self.calls += 1
 
 
-def measure(method: str, overrides: list[str], rounds: int) -> dict[str, float]:
-    cfg = load_config(None, [*overrides, f"rounds={rounds}", f"algorithms={method}"])
+def measure(
+    method: str, overrides: list[str], rounds: int, config: Path | None = None
+) -> dict[str, float]:
+    cfg = load_config(config, [*overrides, f"rounds={rounds}", f"algorithms={method}"])
     fed = build_federation(cfg, 0)
     algo = make_algorithm(method, cfg)
     build = model_factory(cfg, fed, 0)
@@ -92,24 +100,32 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--config", type=Path, default=None, help="an experiment config to time")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/round_time.json"))
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    overrides = [
-        f"data.name={a.data}",
-        f"model.name={a.model}",
-        f"num_clients={a.clients}",
-        f"local_steps={a.local_steps}",
-        f"rank={a.rank}",
-        "partition.name=iid",
-        "batch_size=32",
-        "progress=false",
-        "checkpoint=false",
-    ]
-    res = {m: measure(m, overrides, a.rounds) for m in ("fedfull", "fedlore", "local_galore")}
+    run_opts = ["progress=false", "checkpoint=false"]
+    if a.config is None:
+        overrides = [
+            f"data.name={a.data}",
+            f"model.name={a.model}",
+            f"num_clients={a.clients}",
+            f"local_steps={a.local_steps}",
+            f"rank={a.rank}",
+            "partition.name=iid",
+            "batch_size=32",
+            *run_opts,
+        ]
+    else:
+        overrides = run_opts
+    res = {
+        m: measure(m, overrides, a.rounds, a.config) for m in ("fedfull", "fedlore", "local_galore")
+    }
     base = res["fedfull"]["wall_s_per_round"]
+    cfg = load_config(a.config, overrides)
     print(
-        f"# round time: {a.model} on {a.data}, {a.clients} clients, K={a.local_steps}, r={a.rank}"
+        f"# round time: {cfg.model.name} {cfg.model.kwargs} on {cfg.data.name}, "
+        f"{cfg.num_clients} clients, K={cfg.local_steps}, r={cfg.rank}, {a.threads} threads"
     )
     print(
         "| method | s / round | ratio vs FedFull | SVD share of client time | aggregate s / round |"

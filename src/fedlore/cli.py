@@ -1,9 +1,12 @@
-"""``fedlore run | report | partition``: the command line.
+"""``fedlore run | report | partition | fortunes-c4``: the command line.
 
 * ``fedlore run [CONFIG] [key=value ...] [--resume]`` runs every method x seed of the config
   (default: ``experiments/quickstart.yaml``) and prints the mean ± std table.
 * ``fedlore report RUN_DIR`` writes ``report.md``, ``report.csv`` and plots and prints the table.
-* ``fedlore partition CONFIG [key=value ...]`` prints each client's class histogram per seed.
+* ``fedlore partition CONFIG [key=value ...]`` prints each client's class histogram per seed
+  (documents per source group for a pre-training corpus).
+* ``fedlore fortunes-c4 OUT_DIR [--root FOLDER]`` converts Debian's fortunes corpus into C4-format
+  ``c4-train.jsonl`` / ``c4-validation.jsonl`` (one source host per category file).
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     p_rep.add_argument("run_dir", type=Path)
     p_part = sub.add_parser("partition", help="print per-client class histograms")
     p_part.add_argument("args", nargs="*", help="[CONFIG] [key=value ...]")
+    p_conv = sub.add_parser("fortunes-c4", help="convert the fortunes corpus to C4 JSONL files")
+    p_conv.add_argument("out_dir", type=Path)
+    p_conv.add_argument("--root", default=None, help="fortunes folder (default: Debian's)")
     ns = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if ns.verbose else logging.WARNING,
@@ -66,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
             from fedlore.results.report import report
 
             print(report(ns.run_dir))
+            return 0
+        if ns.command == "fortunes-c4":
+            from fedlore.data.corpus import convert_fortunes
+
+            for written in convert_fortunes(ns.out_dir, ns.root):
+                lines = sum(1 for _ in written.open(encoding="utf-8"))
+                print(f"wrote {written} ({lines} documents)")
             return 0
         path, overrides = _split_args(ns.args)
         cfg = load_config(path if path is not None else _default_config(), overrides)
@@ -87,6 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"fedlore: error: {msg}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            "fedlore: interrupted; `fedlore run ... --resume` continues unfinished runs from "
+            "their last checkpoint",
+            file=sys.stderr,
+        )
+        return 130
 
 
 if __name__ == "__main__":

@@ -64,7 +64,20 @@ class DataConfig(_Strict):
     the tokenizer's pad id."""
     categories: list[str] | None = None
     """fortunes: category files used as classes, label = position in sorted order (None:
-    ``fedlore.data.text.FORTUNES_CATEGORIES``)."""
+    ``fedlore.data.text.FORTUNES_CATEGORIES``); fortunes_c4: the category files converted (None:
+    all but ``fedlore.data.corpus.FORTUNES_C4_EXCLUDED``)."""
+    vocab_size: int = Field(4096, ge=258)
+    """Pre-training corpora (c4, fortunes_c4) without ``tokenizer``: size of the byte-level BPE
+    vocabulary trained on the training documents."""
+    max_documents: int | None = Field(None, ge=1)
+    """c4: keep the first this many training documents in file order (None: all)."""
+    validation_documents: int | None = Field(None, ge=1)
+    """c4: keep the first this many validation documents in file order (None: all)."""
+    sampling: Literal["round", "stream"] | None = None
+    """How clients draw local minibatches: ``round`` (fresh permutations each round, seeded by
+    seed, round and client), ``stream`` (one shuffled stream per client over the whole run,
+    restarted when exhausted; seed 000's pre-training protocol). None: ``stream`` for the
+    pre-training corpora, ``round`` otherwise."""
 
     @field_validator("categories")
     @classmethod

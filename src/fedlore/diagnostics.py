@@ -37,6 +37,7 @@ from fedlore.data.client_data import ClientData
 from fedlore.optim.subspace import MatrixSpec, projection_plan
 from fedlore.seeding import DIAG, derive_seed, generator
 from fedlore.tensors import load_model_arrays
+from fedlore.train.local import task_loss
 from fedlore.types import Arrays, State
 
 CERTIFICATE_TERMS = ("eps_loc2", "M", "d_r", "eps_eig")
@@ -215,7 +216,7 @@ class Diagnoser:
         model.zero_grad(set_to_none=True)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(self.seed, DIAG, cid))
-            loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+            loss = task_loss(model(x[idx]), y[idx])
         loss.backward()
         params = dict(model.named_parameters())
         views = {}

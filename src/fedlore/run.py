@@ -32,6 +32,7 @@ from fedlore.engine.sampling import sample_clients
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport, Transport
 from fedlore.models import build_model
+from fedlore.results.store import lm_summary
 from fedlore.seeding import MODEL_INIT, SERVER_INIT, derive_seed, generator
 from fedlore.tensors import load_model_arrays
 from fedlore.train.local import evaluate
@@ -123,6 +124,10 @@ def run_one(
     fed = fed if fed is not None else build_federation(cfg, seed)
     check_model_fits_data(cfg.model.name, fed)
     check_tokenizer_matches_model(cfg, fed)
+    check_eval(cfg, fed)
+    fingerprint = fed.fingerprint()
+    if resume:
+        check_same_data(out, fingerprint)
     algo = make_algorithm(method, cfg)
     build = model_factory(cfg, fed, seed)
     eval_model = build()
@@ -133,7 +138,8 @@ def run_one(
             (out / stale).unlink(missing_ok=True)
         shutil.rmtree(spill, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(_run_config(cfg, method), indent=2))
+    written = {**_run_config(cfg, method), "data_fingerprint": fingerprint}
+    (out / "config.json").write_text(json.dumps(written, indent=2))
     max_bytes = None if cfg.store.max_memory_mb is None else int(cfg.store.max_memory_mb * 1e6)
     store = ClientStore(max_bytes, spill)
     start = -int(getattr(algo, "setup_rounds", 0))
@@ -153,6 +159,8 @@ def run_one(
         load_model_arrays(eval_model, algo.global_arrays(s))
         res = evaluate(eval_model, fed.central_test, cfg.eval.batch_size)
         row = {"accuracy": res["accuracy"], "loss": res["loss"]}
+        if "perplexity" in res:
+            row["perplexity"] = res["perplexity"]
         if cfg.eval.clients:
             accs = [
                 evaluate(eval_model, fed.client(c).test)["accuracy"] for c in range(fed.num_clients)
@@ -238,6 +246,7 @@ def check_same_config(cfg: Config, method: str, out: Path) -> None:
     if not path.exists():
         return
     before = json.loads(path.read_text())
+    before.pop("data_fingerprint", None)  # compared by check_same_data
     now = _run_config(cfg, method)
     diff = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
     if diff:
@@ -245,6 +254,26 @@ def check_same_config(cfg: Config, method: str, out: Path) -> None:
         raise ConfigError(
             f"--resume: {out} was started with a different config ({details}); run without "
             "--resume to start over, or restore the config"
+        )
+
+
+def check_same_data(out: Path, fingerprint: str) -> None:
+    """Refuse to resume a run whose data changed since it started (the files under
+    ``data.root``, a tokenizer folder): the same config would otherwise continue on other
+    clients' data.
+
+    Raises:
+        ConfigError: naming the run folder and both fingerprints.
+    """
+    path = out / "config.json"
+    if not path.exists():
+        return
+    before = json.loads(path.read_text()).get("data_fingerprint")
+    if before is not None and before != fingerprint:
+        raise ConfigError(
+            f"--resume: the data of {out} changed since the run started (fingerprint {before} "
+            f"-> {fingerprint}): files under data.root or the tokenizer differ. Restore them, or "
+            "run without --resume to start over"
         )
 
 
@@ -274,6 +303,7 @@ def preflight(cfg: Config, fed: Federation) -> None:
     """
     check_model_fits_data(cfg.model.name, fed)
     check_tokenizer_matches_model(cfg, fed)
+    check_eval(cfg, fed)
     model = model_factory(cfg, fed, cfg.seeds[0])()
     check_params(cfg, model)
     for name in cfg.algorithms:
@@ -285,13 +315,23 @@ def preflight(cfg: Config, fed: Federation) -> None:
 
 def check_model_fits_data(model: str, fed: Federation) -> None:
     """Token-id data (text sources) needs a model that takes token ids, and image or feature
-    data a model that does not.
+    data a model that does not; a pre-training corpus needs a causal language model, and
+    labelled data a classifier.
 
     Raises:
         ConfigError: naming the model, the data's input dtype and the models that fit.
     """
     factory = registry.get("model", model)
     takes_tokens = bool(getattr(factory, "takes_token_ids", False))
+    causal = bool(getattr(factory, "causal_lm", False))
+    lm_data = fed.task == "language_modeling"
+    if lm_data != causal:
+        raise ConfigError(
+            f"model {model!r} is "
+            + ("a causal language model" if causal else "a classifier")
+            + f", but data source {fed.source!r} is "
+            + ("a pre-training corpus: use model.name=llama" if lm_data else "labelled")
+        )
     tokens = not fed.pool.x.is_floating_point()
     if tokens and not takes_tokens:
         raise ConfigError(
@@ -305,6 +345,20 @@ def check_model_fits_data(model: str, fed: Federation) -> None:
         )
 
 
+def check_eval(cfg: Config, fed: Federation) -> None:
+    """Per-client evaluation needs local test splits, which a pre-training corpus does not
+    have (every training document belongs to exactly one client's training data).
+
+    Raises:
+        ConfigError: for ``eval.clients=true`` on a pre-training corpus.
+    """
+    if cfg.eval.clients and fed.task == "language_modeling":
+        raise ConfigError(
+            f"eval.clients=true: {fed.source!r} clients have no local test split (the common "
+            "validation corpus is evaluated every eval.every rounds); set eval.clients=false"
+        )
+
+
 def check_tokenizer_matches_model(cfg: Config, fed: Federation) -> None:
     """Text data must be tokenized with the text model's own tokenizer: ``data.tokenizer`` and
     ``model.kwargs.path`` name the same folder, or folders whose tokenizers (as Hugging Face
@@ -315,8 +369,8 @@ def check_tokenizer_matches_model(cfg: Config, fed: Federation) -> None:
     Raises:
         ConfigError: naming the folders and what differs.
     """
-    if fed.pool.x.is_floating_point():
-        return
+    if fed.pool.x.is_floating_point() or fed.task == "language_modeling":
+        return  # a pre-training model takes its vocabulary size from the data's tokenizer
     from fedlore.data.text import load_tokenizer
     from fedlore.models.text import resolve_text_folder
 
@@ -364,6 +418,7 @@ def summarize(method: str, seed: int, metrics_path: Path) -> dict[str, Any]:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = [r for r in rows if r["round"] >= 0]
     accs = [r["accuracy"] for r in train if r.get("accuracy") is not None]
+    lm = lm_summary(train)
     return {
         "method": method,
         "seed": seed,
@@ -380,6 +435,7 @@ def summarize(method: str, seed: int, metrics_path: Path) -> dict[str, Any]:
         "skipped_steps_total": sum(r.get("skipped_steps", 0) for r in rows),
         "diag_s_total": sum(r.get("diag_s", 0.0) for r in rows),
         "diag_bytes_up_total": sum(r.get("diag_bytes_up", 0) for r in rows),
+        **lm,
     }
 
 

@@ -8,7 +8,11 @@ import torch
 
 from fedlore import registry
 from fedlore.data.corruption import add_gaussian_noise, flip_labels, subsample_stratified
-from fedlore.data.partition import partition_dirichlet, partition_step
+from fedlore.data.partition import (
+    partition_dirichlet,
+    partition_source_dirichlet,
+    partition_step,
+)
 
 LABELS = np.repeat(np.arange(10), 200)  # 2,000 examples, 10 balanced classes
 ALL_KWARGS = {"alpha": 0.5, "min_size": 5, "major_classes": 2, "major_share": 0.8}
@@ -23,7 +27,7 @@ def _entropy(labels: np.ndarray, parts: list[np.ndarray]) -> float:
     return float(np.mean(ent))
 
 
-@pytest.mark.parametrize("name", ["iid", "dirichlet", "step"])
+@pytest.mark.parametrize("name", ["iid", "dirichlet", "step", "source_dirichlet"])
 def test_cover_sorted_deterministic(name: str) -> None:
     part = registry.get("partition", name)
     a = part(LABELS, 7, np.random.default_rng(1), **ALL_KWARGS)
@@ -116,3 +120,69 @@ def test_flip_labels_always_other_class() -> None:
     assert np.array_equal(flip_labels(y, 0.0, 10, np.random.default_rng(0)), y)
     with pytest.raises(ValueError, match=r"1\.2"):
         flip_labels(y, 1.2, 10, np.random.default_rng(0))
+
+
+def _seed_protocol_first_draw(
+    groups: np.ndarray, num_clients: int, alpha: float, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Seed 000's allocation written out step by step (Eqs. 68-70), one draw, no redraw."""
+    parts: list[list[int]] = [[] for _ in range(num_clients)]
+    for c in np.unique(groups):
+        idx = np.flatnonzero(groups == c)
+        m = len(idx)
+        p = rng.dirichlet(np.full(num_clients, alpha))
+        n = np.floor(m * p).astype(int)
+        frac = m * p - n
+        for i in sorted(range(num_clients), key=lambda i: (-frac[i], i))[: m - n.sum()]:
+            n[i] += 1
+        shuffled = rng.permutation(idx)
+        start = 0
+        for i in range(num_clients):
+            parts[i] += shuffled[start : start + n[i]].tolist()
+            start += n[i]
+    return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+
+
+def test_source_dirichlet_follows_the_seed_protocol() -> None:
+    rng = np.random.default_rng(3)
+    groups = rng.integers(0, 7, size=500)
+    parts = partition_source_dirichlet(groups, 20, np.random.default_rng(11), alpha=0.5)
+    expected = _seed_protocol_first_draw(groups, 20, 0.5, np.random.default_rng(11))
+    assert all(len(p) for p in expected)  # this draw needs no redraw
+    assert all(np.array_equal(a, b) for a, b in zip(parts, expected, strict=True))
+    flat = np.concatenate(parts)
+    assert np.array_equal(np.sort(flat), np.arange(500))  # disjoint and covering
+    for c in range(7):  # per group, the client counts add up to the group's size
+        counts = [int((groups[p] == c).sum()) for p in parts]
+        assert sum(counts) == int((groups == c).sum())
+
+
+def test_source_dirichlet_redraws_an_empty_client_reproducibly() -> None:
+    groups = np.array([0] * 4 + [1] * 6)  # two groups, 10 documents over 5 clients
+    first = _seed_protocol_first_draw(groups, 5, 0.5, np.random.default_rng(0))
+    assert min(len(p) for p in first) == 0  # the first draw leaves a client empty
+    a = partition_source_dirichlet(groups, 5, np.random.default_rng(0), alpha=0.5)
+    b = partition_source_dirichlet(groups, 5, np.random.default_rng(0), alpha=0.5)
+    assert min(len(p) for p in a) >= 1
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    # the redraw continued the same generator: replaying draws until none is empty gives it
+    rng = np.random.default_rng(0)
+    draw = _seed_protocol_first_draw(groups, 5, 0.5, rng)
+    while min(len(p) for p in draw) == 0:
+        draw = _seed_protocol_first_draw(groups, 5, 0.5, rng)
+    assert all(np.array_equal(x, y) for x, y in zip(a, draw, strict=True))
+
+
+def test_source_dirichlet_min_size() -> None:
+    groups = np.random.default_rng(0).integers(0, 4, size=200)
+    parts = partition_source_dirichlet(groups, 10, np.random.default_rng(1), 0.3, min_size=8)
+    assert min(len(p) for p in parts) >= 8
+    with pytest.raises(ValueError, match=r"lower partition\.min_size"):
+        partition_source_dirichlet(groups, 10, np.random.default_rng(1), 0.01, min_size=19)
+
+
+def test_source_dirichlet_errors() -> None:
+    with pytest.raises(ValueError, match="exceeds the 3 documents"):
+        partition_source_dirichlet(np.zeros(3, dtype=np.int64), 4, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="alpha must be > 0"):
+        partition_source_dirichlet(np.zeros(3, dtype=np.int64), 2, np.random.default_rng(0), 0.0)

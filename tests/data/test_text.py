@@ -237,7 +237,9 @@ def _tokenizer_copy(dst: Path, change_vocab: bool, extra_tokens: int = 0) -> Pat
 
 
 def test_tokenizer_must_match_the_text_model(tmp_path: Path) -> None:
-    tokens = SimpleNamespace(pool=SimpleNamespace(x=torch.zeros(2, 3, dtype=torch.long)))
+    tokens = SimpleNamespace(
+        task="classification", pool=SimpleNamespace(x=torch.zeros(2, 3, dtype=torch.long))
+    )
     same = _tokenizer_copy(tmp_path / "same", change_vocab=False)
     other = _tokenizer_copy(tmp_path / "other", change_vocab=True)
     base = ["data.name=fortunes", "model.name=text_encoder"]

@@ -69,6 +69,42 @@ def test_simulation_matches_in_process(tmp_path: Path, method: str, rounds: int)
     assert ours_up <= summary["wire_bytes_up_total"] <= ours_up * 1.05 + 10_000
 
 
+def test_pretraining_simulation_matches_in_process(tmp_path: Path) -> None:
+    """LLaMA on the C4 fixture (source groups, per-client streams, perplexity) over Flower."""
+    c4 = Path(__file__).parents[1] / "fixtures" / "c4"
+    pre = [
+        "data.name=c4",
+        f"data.root={c4}",
+        "data.max_length=16",
+        "data.vocab_size=300",
+        "partition.name=source_dirichlet",
+        "model.name=llama",
+        "model.kwargs={size: micro, hidden: 32, intermediate: 64, heads: 2}",
+        "rank=4",
+        "batch_size=4",
+    ]
+    runs = {}
+    for engine in ("local", "sim"):
+        cfg = load_config(
+            None,
+            [
+                *SMALL[:-2],
+                *pre,
+                "flower.num_cpus=2",
+                "rounds=2",
+                "algorithms=[fedlore]",
+                f"output_dir={tmp_path / engine}",
+            ],
+        )
+        summary = (
+            run_one(cfg, "fedlore", 42) if engine == "local" else run_simulated(cfg, "fedlore", 42)
+        )
+        assert summary is not None
+        runs[engine] = summary
+    assert runs["sim"]["final_perplexity"] == pytest.approx(runs["local"]["final_perplexity"])
+    assert runs["sim"]["bytes_up_total"] == runs["local"]["bytes_up_total"]
+
+
 def test_simulation_carries_diagnostics(tmp_path: Path) -> None:
     """FedLore's candidate gradients cross Flower's wire; the diagnostics equal in-process ones."""
     extra = ["diagnostics.every=1", "diagnostics.batch_size=16"]

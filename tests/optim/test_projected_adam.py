@@ -192,7 +192,8 @@ def test_nan_loss_batches_are_skipped() -> None:
     assert 0 < sum(flags) < k
     model = Tiny()
     opt, _, _ = tiny_opt(model)
-    stats = local_train(model, split, opt, [1e-2] * k, bs, torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
+    stats = local_train(model, minibatches(split, bs, k, gen), opt, [1e-2] * k)
     assert stats.skipped_steps == sum(flags)
     assert stats.steps == k
     for p in model.parameters():
@@ -209,9 +210,8 @@ def test_nan_gradient_with_finite_loss_is_skipped() -> None:
     def poison(m: nn.Module) -> torch.Tensor:
         return 0.0 * torch.sqrt((m.fc.weight * 0.0).sum())
 
-    stats = local_train(
-        model, data(), opt, [1e-2] * 4, 4, torch.Generator().manual_seed(0), loss_terms=[poison]
-    )
+    batches = minibatches(data(), 4, 4, torch.Generator().manual_seed(0))
+    stats = local_train(model, batches, opt, [1e-2] * 4, loss_terms=[poison])
     assert stats.skipped_steps == 4
     assert stats.mean_loss != stats.mean_loss  # NaN: no finite step
     after = model_arrays(model)
@@ -234,9 +234,8 @@ def test_last_gradient_is_last_finite_one() -> None:
     replay = copy.deepcopy(model)
     plan = algo.plan(model)
     bases = {key: random_basis(3, s.m, s.rank) for key, s in plan.items()}
-    res = train_projected(
-        algo, model, split, plan, bases, [1e-2] * k, torch.Generator().manual_seed(seed), True
-    )
+    batches = minibatches(split, bs, k, torch.Generator().manual_seed(seed))
+    res = train_projected(algo, model, batches, plan, bases, [1e-2] * k, True)
     assert res.stats.skipped_steps == sum(flags)
     # replay with a hook that records every taken step's gradient
     seen: dict[int, torch.Tensor] = {}
@@ -250,9 +249,8 @@ def test_last_gradient_is_last_finite_one() -> None:
     def hook(_: nn.Module, step: int) -> None:
         seen[step] = plan["fc.weight"].view(params["fc.weight"].grad).detach().clone()
 
-    local_train(
-        replay, split, opt, [1e-2] * k, bs, torch.Generator().manual_seed(seed), on_grad=[hook]
-    )
+    batches = minibatches(split, bs, k, torch.Generator().manual_seed(seed))
+    local_train(replay, batches, opt, [1e-2] * k, on_grad=[hook])
     assert max(seen) == last_ok
     assert torch.equal(res.last_grads["fc.weight"], seen[last_ok])
 

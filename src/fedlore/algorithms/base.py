@@ -17,7 +17,7 @@ from torch import nn
 
 from fedlore.data.client_data import TensorSplit, minibatches
 from fedlore.tensors import select
-from fedlore.train.local import Schedule
+from fedlore.train.local import Schedule, task_loss
 from fedlore.types import Reply, Scalars, State
 
 ReplySpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -181,7 +181,8 @@ def build_hyper(cls: type, common: dict[str, Any], overrides: dict[str, Any]) ->
 def construction_gradients(
     model: nn.Module, split: TensorSplit, batch_size: int, rng: torch.Generator, names: list[str]
 ) -> dict[str, torch.Tensor]:
-    """Gradients of the mean cross-entropy on one fresh minibatch, for the named parameters.
+    """Gradients of the mean cross-entropy (:func:`~fedlore.train.local.task_loss`) on one
+    fresh minibatch, for the named parameters.
 
     This is the separate construction minibatch of seed Algorithm 2 line 4 (Local GaLore) and of
     FedLore's gradient-based P^0. Entries with non-finite values are returned as they are; the
@@ -190,7 +191,7 @@ def construction_gradients(
     model.train()
     model.zero_grad(set_to_none=True)
     x, y = next(iter(minibatches(split, batch_size, 1, rng)))
-    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss = task_loss(model(x), y)
     loss.backward()
     params = dict(model.named_parameters())
     out = {}

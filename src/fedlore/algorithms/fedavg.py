@@ -133,13 +133,13 @@ class FedFull(DenseServer, Hyper):
     ) -> tuple[Reply, State]:
         start, keep = self.dense_start(msg, state, model)
         opt = self.make_optimizer(model)
+        rnd = int(msg.config["round"])
+        lrs = self.round_lrs(rnd)
         stats = local_train(
             model,
-            data.train,
+            data.batches(self.batch_size, len(lrs), rng, rnd),
             opt,
-            self.round_lrs(int(msg.config["round"])),
-            self.batch_size,
-            rng,
+            lrs,
             grad_clip=self.grad_clip,
         )
         state_bytes = sum(

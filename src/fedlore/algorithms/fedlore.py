@@ -388,14 +388,14 @@ class FedLore(LowRankHyper):
         if cur != held:
             bases, held = self._client_bases(msg, cur, plan), cur
         load_model_arrays(model, cache)
+        lrs = self.round_lrs(rnd)
         res = train_projected(
             self,
             model,
-            data.train,
+            data.batches(self.batch_size, len(lrs), rng, rnd),
             plan,
             bases,
-            self.round_lrs(rnd),
-            rng,
+            lrs,
             keep_last_grad=self.basis_rule == "candidates",
         )
         final = model_arrays(model)

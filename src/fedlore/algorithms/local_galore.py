@@ -68,9 +68,10 @@ class LocalGaLore(DenseServer, LowRankHyper):
         plan = self.plan(model)
         grads = construction_gradients(model, data.train, self.batch_size, rng, list(plan))
         bases = self.client_bases({k: s.view(grads[k]) for k, s in plan.items()}, rng)
-        res = train_projected(
-            self, model, data.train, plan, bases, self.round_lrs(int(msg.config["round"])), rng
-        )
+        rnd = int(msg.config["round"])
+        lrs = self.round_lrs(rnd)
+        batches = data.batches(self.batch_size, len(lrs), rng, rnd)
+        res = train_projected(self, model, batches, plan, bases, lrs)
         metrics = reply_metrics(
             data.num_examples,
             train_loss=res.stats.mean_loss,

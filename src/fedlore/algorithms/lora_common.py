@@ -363,13 +363,12 @@ class LoraMethod(Hyper, abc.ABC):
         )
         with torch.random.fork_rng(devices=[]):  # LoRA dropout draws from the client's stream
             torch.manual_seed(derive_seed(seed, _DROPOUT))
+            lrs = self.round_lrs(rnd)
             stats = local_train(
                 work,
-                data.train,
+                data.batches(self.batch_size, len(lrs), rng, rnd),
                 opt,
-                self.round_lrs(rnd),
-                self.batch_size,
-                rng,
+                lrs,
                 grad_clip=self.grad_clip,
             )
         out = with_prefix(adapter_arrays(work, trained), "lora.")

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from fedlore.algorithms.base import Hyper
-from fedlore.data.client_data import TensorSplit
 from fedlore.optim.projected_adam import ProjectedAdam
 from fedlore.optim.subspace import (
     MatrixSpec,
@@ -166,14 +165,14 @@ class ProjectedResult:
 def train_projected(
     hyper: LowRankHyper,
     model: nn.Module,
-    split: TensorSplit,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
     plan: dict[str, MatrixSpec],
     bases: Arrays,
     lrs: list[float],
-    rng: torch.Generator,
     keep_last_grad: bool = False,
 ) -> ProjectedResult:
-    """K steps of :class:`ProjectedAdam`: projected matrices in ``bases``, the rest dense AdamW."""
+    """K steps of :class:`ProjectedAdam` on ``batches`` (K = ``len(lrs)``): projected matrices
+    in ``bases``, the rest dense AdamW."""
     params = dict(model.named_parameters())
     projected = [(params[k], plan[k], bases[k]) for k in plan]
     dense = [p for k, p in params.items() if k not in plan and p.requires_grad]
@@ -197,15 +196,6 @@ def train_projected(
                     last[k] = s.view(g).detach().clone()
 
         hooks.append(remember)
-    stats = local_train(
-        model,
-        split,
-        opt,
-        lrs,
-        hyper.batch_size,
-        rng,
-        on_grad=hooks,
-        grad_clip=hyper.grad_clip,
-    )
+    stats = local_train(model, batches, opt, lrs, on_grad=hooks, grad_clip=hyper.grad_clip)
     coords = {k: opt.coords[params[k]].detach().clone() for k in plan}
     return ProjectedResult(stats, coords, last, opt.state_bytes(), opt.basis_bytes())

@@ -42,16 +42,42 @@ class ClientData:
         client_id: the client's index in the federation (0-based).
         train: local training split (its size is the aggregation weight ``num_examples``).
         test: local test split (never read by training).
+        stream_seed: None: every round draws its minibatches from fresh permutations seeded by
+            (seed, round, client) (:func:`minibatches`). An int: the client reads one shuffled
+            stream over the whole run, reshuffled and restarted when exhausted, round ``t``
+            continuing where round ``t - 1`` ended (:func:`stream_batches`; seed 000's
+            pre-training protocol).
     """
 
     client_id: int
     train: TensorSplit
     test: TensorSplit
+    stream_seed: int | None = None
 
     @property
     def num_examples(self) -> int:
         """Number of local training examples."""
         return len(self.train)
+
+    def batches(
+        self, batch_size: int, num_batches: int, rng: torch.Generator, rnd: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The ``num_batches`` training minibatches of round ``rnd`` (see :attr:`stream_seed`).
+
+        Args:
+            batch_size: B (capped at the split size).
+            num_batches: K, the round's local steps.
+            rng: the round's client generator (used by per-round sampling only).
+            rnd: the round (a stream starts round ``t`` at batch ``t·K``; rounds < 0 read the
+                stream's start).
+
+        Raises:
+            ValueError: when the split is empty or ``batch_size`` < 1.
+        """
+        if self.stream_seed is None:
+            return minibatches(self.train, batch_size, num_batches, rng)
+        start = max(int(rnd), 0) * num_batches
+        return stream_batches(self.train, batch_size, num_batches, self.stream_seed, start)
 
 
 def minibatches(
@@ -80,3 +106,56 @@ def minibatches(
             idx = perm[start : start + bs]
             yield split.x[idx], split.y[idx]
             drawn += 1
+
+
+def stream_batches(
+    split: TensorSplit, batch_size: int, num_batches: int, seed: int, start: int = 0
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches ``start .. start + num_batches - 1`` of a client's endless shuffled stream.
+
+    The stream is the concatenation of permutations of the split, permutation ``e`` seeded by
+    ``derive_seed(seed, e)``: the client reads every example once before any is repeated, then
+    reshuffles and restarts (seed 000, "Client sizes and local sampling"). Batch ``j`` holds
+    stream items ``[j·b, (j+1)·b)`` with ``b = min(batch_size, len(split))``, so every batch has
+    ``b`` examples and may straddle two permutations. Only the permutations that the requested
+    batches touch are drawn, so any window of the stream costs the same.
+
+    Args:
+        split: the client's training split (n examples).
+        batch_size: B.
+        num_batches: number of batches to yield.
+        seed: the client's stream seed.
+        start: index of the first batch.
+
+    Raises:
+        ValueError: when the split is empty, ``batch_size`` < 1 or ``start`` < 0.
+    """
+    from fedlore.seeding import derive_seed
+
+    n = len(split)
+    if n == 0:
+        raise ValueError("cannot draw minibatches from an empty split")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    b = min(batch_size, n)
+    perms: dict[int, torch.Tensor] = {}
+
+    def perm(e: int) -> torch.Tensor:
+        if e not in perms:
+            perms.clear()  # a batch touches at most two consecutive permutations
+            perms[e] = torch.randperm(
+                n, generator=torch.Generator().manual_seed(derive_seed(seed, e))
+            )
+        return perms[e]
+
+    for j in range(start, start + num_batches):
+        first, last = j * b, (j + 1) * b - 1
+        e0, e1 = first // n, last // n
+        if e0 == e1:
+            idx = perm(e0)[first % n : last % n + 1]
+        else:
+            head = perm(e0)[first % n :]
+            idx = torch.cat([head, perm(e1)[: last % n + 1]])
+        yield split.x[idx], split.y[idx]

@@ -13,7 +13,9 @@ for every method and every call, and changing one step (e.g. the noise level) le
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ import torch
 from fedlore import registry
 from fedlore.config import Config, DataConfig
 from fedlore.data.client_data import ClientData, TensorSplit
+from fedlore.data.corpus import IGNORE_INDEX, Corpus
 from fedlore.data.corruption import add_gaussian_noise, flip_labels, subsample_stratified
 from fedlore.data.sources import DataSource
 
@@ -33,6 +36,7 @@ STREAM_SPLIT = 2
 STREAM_NOISE_TRAIN = 3
 STREAM_NOISE_TEST = 4
 STREAM_FLIP = 5
+STREAM_SAMPLING = 6
 
 
 def _torch_generator(seed: int, stream: int) -> torch.Generator:
@@ -79,6 +83,15 @@ class Federation:
         num_classes: number of classes.
         input_shape: shape of one example, ``(C, H, W)`` (text: ``(L,)``).
         class_names: one name per class.
+        task: ``"classification"`` or ``"language_modeling"`` (a pre-training corpus: ``pool``
+            holds every client's packed sequences ``[n, L]`` with next-token targets ``[n, L]``,
+            ``num_classes`` is the vocabulary size, ``central_test`` the packed validation
+            corpus, and clients have no local test split).
+        stream_seeds: per client, the seed of its minibatch stream (None: per-round sampling;
+            see :class:`~fedlore.data.client_data.ClientData`).
+        group_names: language modeling: the source groups (normalized hostnames).
+        group_histogram: language modeling: documents per client and source group,
+            int64 ``[N, len(group_names)]``.
     """
 
     source: str
@@ -90,6 +103,10 @@ class Federation:
     num_classes: int
     input_shape: tuple[int, ...]
     class_names: list[str]
+    task: str = "classification"
+    stream_seeds: tuple[int, ...] | None = None
+    group_names: tuple[str, ...] = ()
+    group_histogram: np.ndarray | None = None
 
     @property
     def num_clients(self) -> int:
@@ -110,37 +127,87 @@ class Federation:
             client_id=i,
             train=TensorSplit(self.pool.x[tr], self.train_labels[tr]),
             test=TensorSplit(self.pool.x[te], self.pool.y[te]),
+            stream_seed=None if self.stream_seeds is None else self.stream_seeds[i],
         )
+
+    def fingerprint(self) -> str:
+        """A digest of every client's data, the central test set and the sampling seeds (16 hex
+        characters): equal for equal federations, different when the files behind a source
+        changed. Stored in a run's ``config.json`` so ``--resume`` can refuse changed data."""
+        h = hashlib.sha1()
+        tensors = (self.pool.x, self.pool.y, self.train_labels, self.central_test.x)
+        for t in (*tensors, self.central_test.y):
+            h.update(str((t.dtype, tuple(t.shape))).encode())
+            h.update(t.contiguous().numpy().tobytes())
+        for idx in (*self.train_indices, *self.test_indices):
+            h.update(np.ascontiguousarray(idx, dtype=np.int64).tobytes() + b"|")
+        h.update(repr(self.stream_seeds).encode())
+        return h.hexdigest()[:16]
 
     def client_sizes(self) -> np.ndarray:
         """Local training examples per client, int64 ``[N]`` (the aggregation weights)."""
         return np.array([len(idx) for idx in self.train_indices], dtype=np.int64)
 
     def histogram(self) -> np.ndarray:
-        """Per-client counts of true training labels, int64 ``[N, num_classes]``.
+        """Per-client counts of true training labels, int64 ``[N, num_classes]``; for a
+        pre-training corpus, documents per client and source group ``[N, len(group_names)]``.
 
         Counts use the true classes (before label flips), so they show the partition itself.
         """
+        if self.group_histogram is not None:
+            return self.group_histogram
         y = self.pool.y.numpy()
         return np.stack(
             [np.bincount(y[idx], minlength=self.num_classes) for idx in self.train_indices]
         ).astype(np.int64)
 
-    def format_histogram(self) -> str:
-        """A plain-text table: one row per client with its count per class and its total."""
+    def format_histogram(self, max_columns: int = 40) -> str:
+        """A plain-text table: one row per client with its count per class and its total.
+
+        With more than ``max_columns`` classes or source groups (a web corpus has thousands of
+        hosts) each row summarizes instead: total, groups present, and the largest group with
+        its share.
+        """
         hist = self.histogram()
+        if hist.shape[1] > max_columns:
+            names = list(self.group_names) or [str(c) for c in range(hist.shape[1])]
+            kind = "source groups" if self.group_names else "classes"
+            out = [
+                f"{self.source}: {self.num_clients} clients, {hist.shape[1]} {kind} "
+                f"(more than {max_columns}: one summary line per client)",
+                "client | total | groups present | largest group (share)",
+            ]
+            for i, h in enumerate(hist):
+                top = int(h.argmax())
+                share = h[top] / max(int(h.sum()), 1)
+                out.append(
+                    f"{i:6d} | {int(h.sum()):5d} | {int((h > 0).sum()):14d} | "
+                    f"{names[top]} ({100 * share:.1f} %)"
+                )
+            return "\n".join(out)
         rows = [[str(i), *map(str, h), str(h.sum())] for i, h in enumerate(hist)]
         rows.append(["all", *map(str, hist.sum(axis=0)), str(hist.sum())])
-        header = ["client", *map(str, range(self.num_classes)), "total"]
+        header = ["client", *map(str, range(hist.shape[1])), "total"]
         widths = [max(len(r[j]) for r in [header, *rows]) for j in range(len(header))]
 
         def fmt(r: list[str]) -> str:
             cells = [c.rjust(w) for c, w in zip(r, widths, strict=True)]
             return " ".join([cells[0], "|", *cells[1:-1], "|", cells[-1]])
 
+        if self.group_histogram is not None:
+            title = (
+                f"{self.source}: {self.num_clients} clients, {len(self.group_names)} source "
+                "groups, documents per client and group (groups: "
+                + ", ".join(f"{j}={g}" for j, g in enumerate(self.group_names))
+                + ")"
+            )
+        else:
+            title = (
+                f"{self.source}: {self.num_clients} clients, {self.num_classes} classes, "
+                "training examples per client and class"
+            )
         lines = [
-            f"{self.source}: {self.num_clients} clients, {self.num_classes} classes, "
-            f"training examples per client and class",
+            title,
             fmt(header),
             "-" * len(fmt(header)),
             *(fmt(r) for r in rows[:-1]),
@@ -158,10 +225,17 @@ def _check_cover(parts: list[np.ndarray], n: int, name: str) -> None:
 
 # DataConfig fields that only some sources take (the text sources): passed as keyword arguments
 # to a loader that declares them; set to a non-default value for any other source, an error.
-SOURCE_OPTIONS = ("tokenizer", "max_length", "categories")
+SOURCE_OPTIONS = (
+    "tokenizer",
+    "max_length",
+    "categories",
+    "vocab_size",
+    "max_documents",
+    "validation_documents",
+)
 
 
-def load_source(data: DataConfig) -> DataSource:
+def load_source(data: DataConfig) -> DataSource | Corpus:
     """Call the registered loader ``data.name`` with ``data.root`` and the options it takes.
 
     Raises:
@@ -178,7 +252,9 @@ def load_source(data: DataConfig) -> DataSource:
             options[key] = value
         elif value != DataConfig.model_fields[key].default:
             raise ValueError(f"data.{key}={value!r} has no effect on source {data.name!r}")
-    source: DataSource = loader(data.root, **options)
+    source: DataSource | Corpus = loader(data.root, **options)
+    if isinstance(source, Corpus):
+        return source
     if data.noise > 0 and not source.train.x.is_floating_point():
         raise ValueError(
             f"data.noise={data.noise} adds pixel noise, but source {data.name!r} gives "
@@ -211,6 +287,8 @@ def build_federation(cfg: Config, seed: int) -> Federation:
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     source = load_source(cfg.data)
+    if isinstance(source, Corpus):
+        return corpus_federation(cfg, seed, source)
     keep = subsample_stratified(
         source.train.y.numpy(), cfg.data.fraction, np.random.default_rng([seed, STREAM_FRACTION])
     )
@@ -269,4 +347,106 @@ def build_federation(cfg: Config, seed: int) -> Federation:
         num_classes=source.num_classes,
         input_shape=source.input_shape,
         class_names=list(source.class_names),
+        stream_seeds=_stream_seeds(seed, cfg.num_clients)
+        if cfg.data.sampling == "stream"
+        else None,
+    )
+
+
+def _stream_seeds(seed: int, num_clients: int) -> tuple[int, ...]:
+    return tuple(
+        int(np.random.default_rng([seed, STREAM_SAMPLING, i]).integers(2**62))
+        for i in range(num_clients)
+    )
+
+
+def _check_targets(split: TensorSplit, what: str) -> None:
+    """Refuse packed data in which no position has a next-token target."""
+    if not bool((split.y != IGNORE_INDEX).any()):
+        raise ValueError(
+            f"{what} holds no next-token target ({int(split.x.numel())} token positions): its "
+            "documents are empty or too short; a language model cannot train or be scored on it"
+        )
+
+
+def corpus_federation(cfg: Config, seed: int, corpus: Corpus) -> Federation:
+    """The federation of a pre-training corpus (seed 000, "C4 Partitioning Protocol").
+
+    Steps: keep a uniform random share ``cfg.data.fraction`` of the training documents (at least
+    one per client; a stratified share would keep one document of every one-page host); allocate
+    the kept documents to ``cfg.num_clients`` clients with ``cfg.partition`` over their source
+    groups (``source_dirichlet`` is the seed's rule), before tokenization;
+    per client, tokenize and pack its documents in corpus order into sequences of
+    ``cfg.data.max_length`` tokens (:func:`fedlore.data.corpus.pack_documents`); pack the
+    validation corpus the same way as the common test set. The partition stream
+    ``[seed, STREAM_PARTITION]`` is separate from every training stream, so the allocation is
+    the same for every method. Clients sample minibatches from their own streams unless
+    ``cfg.data.sampling`` is ``round``.
+
+    Raises:
+        ValueError: when the config asks for something a corpus does not have (input noise,
+            label flips, a local test split), the partition is not a cover of the documents, or
+            a client's data or the validation corpus has no next-token target (documents too
+            short to predict anything).
+    """
+    data = cfg.data
+    unsupported = {
+        "noise": data.noise > 0,
+        "label_flip": data.label_flip > 0,
+        "test_fraction": data.test_fraction != DataConfig.model_fields["test_fraction"].default,
+    }
+    bad = [k for k, v in unsupported.items() if v]
+    if bad:
+        raise ValueError(
+            f"data.{bad[0]} has no effect on the pre-training corpus {corpus.name!r} (documents "
+            "have no labels or pixels, and the validation corpus is the common test set)"
+        )
+    groups = corpus.train_groups
+    keep = np.arange(len(groups), dtype=np.int64)
+    if data.fraction < 1.0:  # a uniform share of the documents (most web hosts have one or two)
+        rng = np.random.default_rng([seed, STREAM_FRACTION])
+        size = max(cfg.num_clients, round(data.fraction * len(groups)))
+        keep = np.sort(rng.choice(len(groups), size=min(size, len(groups)), replace=False))
+    partition = registry.get("partition", cfg.partition.name)
+    parts = partition(
+        groups[keep],
+        cfg.num_clients,
+        np.random.default_rng([seed, STREAM_PARTITION]),
+        **cfg.partition.model_dump(exclude={"name"}),
+    )
+    _check_cover(parts, len(keep), cfg.partition.name)
+    docs = [keep[p] for p in parts]
+    for i, d in enumerate(docs):
+        if len(d) == 0:
+            raise ValueError(
+                f"client {i} received no documents from partition {cfg.partition.name!r} "
+                f"({len(keep)} documents, {cfg.num_clients} clients); use source_dirichlet, "
+                "which redraws until no client is empty, or fewer clients"
+            )
+    packed = [corpus.pack([corpus.train_texts[j] for j in d]) for d in docs]
+    for i, (d, p) in enumerate(zip(docs, packed, strict=True)):
+        _check_targets(p, f"client {i} ({len(d)} documents)")
+    central_test = corpus.pack(corpus.validation_texts)
+    _check_targets(
+        central_test, f"the validation corpus ({len(corpus.validation_texts)} documents)"
+    )
+    sizes = np.cumsum([0, *(len(p) for p in packed)])
+    pool = TensorSplit(torch.cat([p.x for p in packed]), torch.cat([p.y for p in packed]))
+    empty = np.zeros(0, dtype=np.int64)
+    counts = np.stack([np.bincount(groups[d], minlength=len(corpus.group_names)) for d in docs])
+    sampling = data.sampling or "stream"
+    return Federation(
+        source=corpus.name,
+        pool=pool,
+        train_labels=pool.y,
+        train_indices=tuple(np.arange(a, b, dtype=np.int64) for a, b in itertools.pairwise(sizes)),
+        test_indices=tuple(empty for _ in docs),
+        central_test=central_test,
+        num_classes=corpus.vocab_size,
+        input_shape=(data.max_length,),
+        class_names=[],
+        task="language_modeling",
+        stream_seeds=_stream_seeds(seed, cfg.num_clients) if sampling == "stream" else None,
+        group_names=tuple(corpus.group_names),
+        group_histogram=counts.astype(np.int64),
     )

@@ -12,6 +12,9 @@ Schemes:
       effects of non-identical data distribution for federated visual classification".
     * ``step``: a few major classes per client plus a small equal share of every minor class,
       the 'Step' scenario of Meta-BayFL (Rahman & Nguyen, Sec. V-B, crediting Cao et al. 2019).
+    * ``source_dirichlet``: seed 000's C4 allocation of source groups (here the "labels" are
+      source-group ids): per-group Dirichlet proportions rounded by largest remainder, redrawn
+      while some client is empty.
 """
 
 from __future__ import annotations
@@ -225,3 +228,68 @@ def partition_step(
         for client, chunk in enumerate(np.split(idx, np.cumsum(counts)[:-1])):
             pieces[client].append(chunk)
     return _assemble(pieces)
+
+
+@register_partition("source_dirichlet")
+def partition_source_dirichlet(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    alpha: float = 0.5,
+    min_size: int = 0,
+    **_: Any,
+) -> list[np.ndarray]:
+    """Seed 000's C4 allocation: a Dirichlet split of every source group, exact integer counts.
+
+    Source: seed 000, Appendix "C4 Partitioning Protocol" (Eqs. 68-70). For each group c (in
+    increasing group id) with ``M_c`` documents: draw ``p_c ~ Dir(alpha·1_N)``; set
+    ``n_{c,i} = floor(M_c p_{c,i})``; give the ``M_c - Σ_i n_{c,i}`` remaining documents one each
+    to the clients with the largest fractional remainders ``M_c p_{c,i} - n_{c,i}`` (ties: lower
+    client index); shuffle the group's documents and hand out consecutive blocks of sizes
+    ``n_{c,1}, ..., n_{c,N}``. If any client ends with no document (or, with ``min_size`` > 1,
+    fewer than ``min_size``), the whole allocation is redrawn with the next values of the same
+    ``rng`` (at most :data:`MAX_DIRICHLET_ATTEMPTS` times). Client sizes are not rebalanced.
+    Unlike ``dirichlet`` (cut points at ``floor(cumsum(p)·M)``), the counts here are the seed's
+    largest-remainder rounding.
+
+    Args:
+        labels: int array ``[M]`` of source-group ids (any integers; one group per value).
+        num_clients: number of clients N.
+        rng: source of the proportions and shuffles (its own stream, separate from training).
+        alpha: concentration alpha_C4 (> 0; the seed uses 0.5).
+        min_size: documents every client must receive (0 or 1: the seed's rule, none empty).
+
+    Returns:
+        N sorted int64 index arrays, disjoint, covering ``0..M-1``, none empty.
+
+    Raises:
+        ValueError: on alpha ≤ 0, min_size < 0, N · max(1, min_size) > M, or when no draw in
+            :data:`MAX_DIRICHLET_ATTEMPTS` gives every client enough documents.
+    """
+    labels = _check(labels, num_clients)
+    if alpha <= 0:
+        raise ValueError(f"source_dirichlet alpha must be > 0, got {alpha}")
+    if min_size < 0:
+        raise ValueError(f"source_dirichlet min_size must be >= 0, got {min_size}")
+    need = max(1, min_size)
+    if num_clients * need > len(labels):
+        raise ValueError(
+            f"source_dirichlet: num_clients={num_clients} x {need} document(s) each exceeds the "
+            f"{len(labels)} documents, so some client would receive too few"
+        )
+    by_group = [np.flatnonzero(labels == c) for c in np.unique(labels)]
+    for _attempt in range(MAX_DIRICHLET_ATTEMPTS):
+        pieces: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        for idx in by_group:
+            p = rng.dirichlet(np.full(num_clients, alpha))
+            counts = _largest_remainder(len(idx), p)
+            for client, block in enumerate(np.split(rng.permutation(idx), np.cumsum(counts)[:-1])):
+                pieces[client].append(block)
+        parts = _assemble(pieces)
+        if min(len(p) for p in parts) >= need:
+            return parts
+    raise ValueError(
+        f"source_dirichlet: no draw in {MAX_DIRICHLET_ATTEMPTS} attempts gave each of the "
+        f"{num_clients} clients >= {need} document(s) (alpha={alpha}, {len(labels)} documents "
+        f"in {len(by_group)} groups); raise alpha, lower partition.min_size or use fewer clients"
+    )

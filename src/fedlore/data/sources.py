@@ -326,5 +326,7 @@ def load_cifar100(root: str | None = None) -> DataSource:
     )
 
 
-# Registers the text sources. Imported last: fedlore.data.text imports DataSource from here.
+# Registers the text sources and the pre-training corpora. Imported last: fedlore.data.text
+# imports DataSource from here.
+from fedlore.data import corpus as _corpus  # noqa: E402, F401
 from fedlore.data import text as _text  # noqa: E402, F401

@@ -108,7 +108,8 @@ class Checkpointer:
 
 
 class ProgressBar:
-    """A rich progress bar over rounds showing the last accuracy and bytes."""
+    """A rich progress bar over rounds showing the last accuracy (perplexity for a language
+    model)."""
 
     def __init__(self, description: str, start: int, total: int) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -124,8 +125,10 @@ class ProgressBar:
         self.progress.start()
 
     def on_round_end(self, rnd: int, row: dict[str, Any], state: State) -> None:
-        acc = row.get("accuracy")
+        acc, ppl = row.get("accuracy"), row.get("perplexity")
         info = f"acc {acc:.3f}" if isinstance(acc, float) else ""
+        if isinstance(ppl, float):
+            info = f"ppl {ppl:.2f}"
         self.progress.update(self.task, advance=1, info=info)
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""Model registry: ``mlp``, ``cnn``, ``resnet20/32/44/56``, ``vit``, ``text_encoder``.
+"""Model registry: ``mlp``, ``cnn``, ``resnet20/32/44/56``, ``vit``, ``text_encoder``, ``llama``.
 
 Importing this package imports every model module, which registers its factories with
 :func:`fedlore.registry.register_model`. A factory has the signature
@@ -21,10 +21,10 @@ from typing import Any
 from torch import nn
 
 from fedlore import registry
-from fedlore.models import cnn, mlp, resnet, text, vit
+from fedlore.models import cnn, llama, mlp, resnet, text, vit
 from fedlore.models.common import check_num_classes, check_shape
 
-__all__ = ["build_model", "cnn", "mlp", "resnet", "text", "vit"]
+__all__ = ["build_model", "cnn", "llama", "mlp", "resnet", "text", "vit"]
 
 
 def build_model(

@@ -79,6 +79,7 @@ def _curve_figure(
     xlabel: str,
     ylabel: str,
     logx: bool = False,
+    logy: bool = False,
 ) -> Figure:
     """One line per method: y mean ± std against x mean, both averaged over seeds per round."""
     fig = Figure(figsize=(6.0, 4.0), layout="constrained")
@@ -111,6 +112,8 @@ def _curve_figure(
     if logx:
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels overlap on short ranges
+    if logy:
+        ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
@@ -126,7 +129,8 @@ def _file_stem(key: str) -> str:
 def plot(
     runs: dict[str, list[RunRecord]], out_dir: Path, keys: Sequence[str] | None = None
 ) -> list[Path]:
-    """Write ``accuracy_vs_round.png``, ``accuracy_vs_bytes.png`` and one
+    """Write ``accuracy_vs_round.png``, ``accuracy_vs_bytes.png`` (for language models
+    ``perplexity_vs_round.png`` and ``perplexity_vs_bytes.png``, log scale) and one
     ``<key>_vs_round.png`` per extra key.
 
     Args:
@@ -150,17 +154,22 @@ def plot(
 
         return xy
 
-    def acc_vs_bytes(r: RunRecord) -> tuple[PerRound, PerRound]:
-        return cumulative_mb(r.rows), by_round(r.rows, "accuracy")
+    lm = any(by_round(r.rows, "perplexity") for records in runs.values() for r in records)
+    metric = "perplexity" if lm else "accuracy"
+
+    def metric_vs_bytes(r: RunRecord) -> tuple[PerRound, PerRound]:
+        return cumulative_mb(r.rows), by_round(r.rows, metric)
 
     written = [
         _save(
-            _curve_figure(runs, round_axis("accuracy"), "round", "accuracy"),
-            out_dir / "accuracy_vs_round.png",
+            _curve_figure(runs, round_axis(metric), "round", metric, logy=lm),
+            out_dir / f"{metric}_vs_round.png",
         ),
         _save(
-            _curve_figure(runs, acc_vs_bytes, "cumulative MB (up + down)", "accuracy", logx=True),
-            out_dir / "accuracy_vs_bytes.png",
+            _curve_figure(
+                runs, metric_vs_bytes, "cumulative MB (up + down)", metric, logx=True, logy=lm
+            ),
+            out_dir / f"{metric}_vs_bytes.png",
         ),
     ]
     for key in keys or []:

@@ -48,8 +48,14 @@ COLUMNS = [
     "wall_s_per_round_std",
     "rejected_total_mean",
     "skipped_steps_total_mean",
+    "final_loss_mean",
+    "final_loss_std",
+    "final_perplexity_mean",
+    "final_perplexity_std",
+    "best_perplexity_mean",
 ]
-"""Keys of every :func:`summary_table` row, in CSV column order."""
+"""Keys of every :func:`summary_table` row, in CSV column order (the perplexity columns are
+empty for classifiers)."""
 
 
 def _summary_values(records: list[RunRecord], key: str, scale: float = 1.0) -> list[float]:
@@ -75,7 +81,8 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
 
     Returns:
         Rows with the keys in :data:`COLUMNS`: ``n_seeds``; final and best accuracy in percent
-        (mean, std); mean total MB up and down per run; mean per-client optimizer-state bytes;
+        (mean, std); final loss and perplexity (mean, std) and best perplexity (language
+        models); mean total MB up and down per run; mean per-client optimizer-state bytes;
         seconds per round (mean, std). A statistic is None when no seed reports it.
     """
     table = []
@@ -83,6 +90,8 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
         final_m, final_s = _stat(_summary_values(records, "final_accuracy", 100.0))
         best_m, best_s = _stat(_summary_values(records, "best_accuracy", 100.0))
         wall_m, wall_s = _stat(_summary_values(records, "wall_s_per_round"))
+        loss_m, loss_s = _stat(_summary_values(records, "final_loss"))
+        ppl_m, ppl_s = _stat(_summary_values(records, "final_perplexity"))
         table.append(
             {
                 "method": method,
@@ -106,6 +115,17 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
                 "skipped_steps_total_mean": _stat(_summary_values(records, "skipped_steps_total"))[
                     0
                 ],
+                "final_loss_mean": loss_m,
+                "final_loss_std": loss_s,
+                "final_perplexity_mean": ppl_m,
+                "final_perplexity_std": ppl_s,
+                "best_perplexity_mean": _stat(_summary_values(records, "best_perplexity"))[0],
+                "diverged_runs": sum(
+                    1
+                    for r in records
+                    if "final_perplexity" in r.summary and r.summary["final_perplexity"] is None
+                ),
+                "language_model": any("final_perplexity" in r.summary for r in records),
             }
         )
     return table
@@ -114,6 +134,8 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
 def _pm(mean: float | None, std: float | None, digits: int = 2, n: int = 2) -> str:
     if mean is None:
         return "–"
+    if abs(mean) >= 1e5:  # a perplexity of a barely trained or diverging model
+        return f"{mean:.3g}" if n < 2 else f"{mean:.3g} ± {(std or 0.0):.2g}"
     if n < 2:  # one seed: no spread to report
         return f"{mean:.{digits}f}"
     return f"{mean:.{digits}f} ± {(std or 0.0):.{digits}f}"
@@ -141,12 +163,21 @@ def _bytes(v: float | None) -> str:
 
 
 def to_markdown(table: list[dict[str, Any]]) -> str:
-    """Render :func:`summary_table` rows as a Markdown table (accuracies in %, mean ± std)."""
+    """Render :func:`summary_table` rows as a Markdown table (accuracies in %, mean ± std).
+
+    When any row has a perplexity (language models), the accuracy columns give way to the final
+    validation loss (nats per token), the final perplexity and the next-token accuracy.
+    """
+    lm = any(row.get("language_model") for row in table)
+    quality = (
+        ["val loss", "val PPL", "next-token acc. (%)"]
+        if lm
+        else ["final acc. (%)", "best acc. (%)"]
+    )
     header = [
         "method",
         "seeds",
-        "final acc. (%)",
-        "best acc. (%)",
+        *quality,
         "MB up",
         "MB down",
         "optimizer state",
@@ -157,11 +188,22 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
     for row in table:
         n = int(row["n_seeds"])
         rej, skip = row.get("rejected_total_mean"), row.get("skipped_steps_total_mean")
+        acc = _pm(row["final_accuracy_pct_mean"], row["final_accuracy_pct_std"], n=n)
+        if lm:
+            ppl = _pm(row.get("final_perplexity_mean"), row.get("final_perplexity_std"), n=n)
+            if row.get("diverged_runs"):
+                ppl += f" ({row['diverged_runs']} of {n} diverged)"
+            first = [
+                _pm(row.get("final_loss_mean"), row.get("final_loss_std"), digits=3, n=n),
+                ppl,
+                acc,
+            ]
+        else:
+            first = [acc, _pm(row["best_accuracy_pct_mean"], row["best_accuracy_pct_std"], n=n)]
         cells = [
             str(row["method"]),
             str(n),
-            _pm(row["final_accuracy_pct_mean"], row["final_accuracy_pct_std"], n=n),
-            _pm(row["best_accuracy_pct_mean"], row["best_accuracy_pct_std"], n=n),
+            *first,
             _num(row["mb_up_mean"]),
             _num(row["mb_down_mean"]),
             _bytes(row["optimizer_state_bytes_mean"]),

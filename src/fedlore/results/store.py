@@ -81,16 +81,34 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: int(r["round"]))
 
 
+def lm_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``final_perplexity`` (of the last evaluated round; None when it was not finite, i.e. the
+    run diverged) and ``best_perplexity`` (the lowest finite one, None if none) of a language
+    model's metrics rows; empty for a classifier (no row has a ``perplexity`` key)."""
+    evaluated = [r for r in rows if "perplexity" in r]
+    if not evaluated:
+        return {}
+    finite = [float(r["perplexity"]) for r in evaluated if r["perplexity"] is not None]
+    return {
+        "final_perplexity": evaluated[-1]["perplexity"],
+        "best_perplexity": min(finite) if finite else None,
+    }
+
+
 def derive_summary(method: str, seed: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """A ``summary.json`` equivalent computed from metrics rows.
 
     ``final_accuracy`` is the last evaluated accuracy, ``best_accuracy`` the maximum (None if no
-    round was evaluated); byte totals are sums; ``optimizer_state_bytes`` is the peak over
-    rounds; ``wall_s_per_round`` the mean round time; ``rounds`` the number of rows.
+    round was evaluated), ``final_loss`` the last evaluated loss; language models add
+    ``final_perplexity`` and ``best_perplexity`` (the minimum); byte totals are sums;
+    ``optimizer_state_bytes`` is the peak over rounds; ``wall_s_per_round`` the mean round
+    time; ``rounds`` the number of rows.
     """
     acc = [a for a in (value(r, "accuracy") for r in rows) if a is not None]
     walls = [w for w in (value(r, "wall_s") for r in rows) if w is not None]
     states = [s for s in (value(r, "optimizer_state_bytes") for r in rows) if s is not None]
+    losses = [v for v in (value(r, "loss") for r in rows) if v is not None]
+    lm = lm_summary([r for r in rows if isinstance(r.get("round"), int) and r["round"] >= 0])
     return {
         "method": method,
         "seed": seed,
@@ -101,7 +119,9 @@ def derive_summary(method: str, seed: int, rows: list[dict[str, Any]]) -> dict[s
         "optimizer_state_bytes": max(states) if states else None,
         "wall_s_per_round": sum(walls) / len(walls) if walls else None,
         "rounds": len(rows),
+        "final_loss": losses[-1] if losses else None,
         "derived": True,
+        **lm,
     }
 
 

@@ -11,7 +11,7 @@ common weight decay (keeping Proposition 8 exact).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from fedlore.data.client_data import TensorSplit, minibatches
+from fedlore.data.client_data import TensorSplit
+from fedlore.data.corpus import IGNORE_INDEX
 
 LossTerm = Callable[[nn.Module], torch.Tensor]
 GradHook = Callable[[nn.Module, int], None]
@@ -72,28 +73,43 @@ class TrainStats:
     skipped_steps: int
 
 
+def task_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of a classifier or a causal language model.
+
+    Args:
+        logits: ``[B, K]`` class scores, or ``[B, L, V]`` next-token scores.
+        targets: ``[B]`` classes, or ``[B, L]`` next-token ids with :data:`IGNORE_INDEX` where
+            a position does not count (padding, a sequence's last position).
+
+    Returns:
+        Scalar: the mean NLL in nats over the counted targets (NaN when none counts, so the
+        step is skipped).
+    """
+    if logits.dim() == 3:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(logits, targets)
+
+
 def local_train(
     model: nn.Module,
-    split: TensorSplit,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
     optimizer: torch.optim.Optimizer,
     lrs: Sequence[float],
-    batch_size: int,
-    rng: torch.Generator,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = task_loss,
     loss_terms: Sequence[LossTerm] = (),
     on_grad: Sequence[GradHook] = (),
     grad_clip: float | None = None,
 ) -> TrainStats:
-    """Run ``len(lrs)`` local steps of ``optimizer`` on minibatches of ``split``.
+    """Run ``len(lrs)`` local steps of ``optimizer``, one per minibatch of ``batches``.
 
     Args:
         model: trained in place (``model.train()`` is set).
-        split: local training data.
+        batches: at least K ``(inputs, targets)`` minibatches, e.g.
+            :meth:`fedlore.data.client_data.ClientData.batches` (seeded by the caller from seed,
+            round and client); only the first K are read.
         optimizer: any torch optimizer; its groups' ``lr`` is set to ``lrs[k]`` before step k.
         lrs: learning rate of each local step (length K).
-        batch_size: B.
-        rng: draws the minibatches (seeded by the caller from seed, round and client).
-        loss_fn: ``(logits, targets) -> scalar``.
+        loss_fn: ``(logits, targets) -> scalar`` (default :func:`task_loss`).
         loss_terms: extra scalar terms added to the loss (each gets the model).
         on_grad: called as ``hook(model, k)`` after backward, before the step (finite grads only).
         grad_clip: clip the global gradient norm to this value (None = no clipping).
@@ -105,7 +121,7 @@ def local_train(
     params = [p for p in model.parameters() if p.requires_grad]
     losses: list[float] = []
     skipped = 0
-    for k, (x, y) in enumerate(minibatches(split, batch_size, len(lrs), rng)):
+    for k, (x, y) in zip(range(len(lrs)), batches, strict=False):
         for g in optimizer.param_groups:
             g["lr"] = lrs[k]
         optimizer.zero_grad(set_to_none=True)
@@ -140,19 +156,54 @@ def _skip(optimizer: torch.optim.Optimizer) -> None:
         skip()
 
 
+EVAL_LOGITS_ELEMENTS = 2**24
+"""Language models: at most this many logits (batch x positions x vocabulary, 64 MiB in fp32)
+per evaluation forward pass."""
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, split: TensorSplit, batch_size: int = 512) -> dict[str, float]:
-    """Accuracy (torchmetrics, micro) and mean cross-entropy of ``model`` on ``split``.
+    """Accuracy and mean cross-entropy of ``model`` on ``split``; perplexity for a language model.
+
+    Classifiers (logits ``[B, K]``): accuracy (torchmetrics, micro) and mean NLL per example.
+    Language models (logits ``[B, L, V]``, targets ``[B, L]``): NLL summed over every target
+    that is not :data:`IGNORE_INDEX` divided by their count, perplexity ``exp`` of that mean
+    (seed 000, "Evaluation and reproducibility"), and next-token top-1 accuracy over the same
+    tokens. Batches are cut to at most :data:`EVAL_LOGITS_ELEMENTS` logits.
 
     Returns:
-        ``{"accuracy": share in [0, 1], "loss": mean NLL in nats, "num_examples": count}``.
+        ``{"accuracy": share in [0, 1], "loss": mean NLL in nats, "num_examples": count}``, plus
+        ``"perplexity"`` and ``"num_tokens"`` (counted targets) for a language model. NaN
+        values when nothing counts.
     """
     model.eval()
     n = len(split)
     if n == 0:
         return {"accuracy": float("nan"), "loss": float("nan"), "num_examples": 0}
-    logits = torch.cat([model(split.x[i : i + batch_size]) for i in range(0, n, batch_size)])
-    num_classes = logits.shape[-1]
-    acc = MulticlassAccuracy(num_classes=num_classes, average="micro")(logits, split.y)
-    loss = F.cross_entropy(logits, split.y)
-    return {"accuracy": float(acc), "loss": float(loss), "num_examples": n}
+    if split.y.dim() == 1:
+        logits = torch.cat([model(split.x[i : i + batch_size]) for i in range(0, n, batch_size)])
+        num_classes = logits.shape[-1]
+        acc = MulticlassAccuracy(num_classes=num_classes, average="micro")(logits, split.y)
+        loss = F.cross_entropy(logits, split.y)
+        return {"accuracy": float(acc), "loss": float(loss), "num_examples": n}
+    nll, correct, tokens = 0.0, 0, 0
+    per_row = split.x.shape[1] * int(model(split.x[:1]).shape[-1])  # logits of one sequence
+    step = max(1, min(batch_size, EVAL_LOGITS_ELEMENTS // per_row))
+    for i in range(0, n, step):
+        y = split.y[i : i + step].flatten()
+        keep = y != IGNORE_INDEX
+        logits = model(split.x[i : i + step]).flatten(0, 1)[keep]
+        nll += float(F.cross_entropy(logits, y[keep], reduction="sum"))
+        correct += int((logits.argmax(-1) == y[keep]).sum())
+        tokens += int(keep.sum())
+    if tokens == 0:
+        nan = float("nan")
+        return {"accuracy": nan, "loss": nan, "perplexity": nan, "num_examples": n, "num_tokens": 0}
+    mean = nll / tokens
+    return {
+        "accuracy": correct / tokens,
+        "loss": mean,
+        "perplexity": math.exp(mean) if mean < 700 else float("inf"),
+        "num_examples": n,
+        "num_tokens": tokens,
+    }
