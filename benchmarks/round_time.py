@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-import fedlore.algorithms.fedlore as fedlore_mod
-import fedlore.algorithms.local_galore as galore_mod
+import fedlore.algorithms.lowrank as lowrank_mod
 from fedlore.config import load_config
 from fedlore.data.federation import build_federation
 from fedlore.engine.loop import RoundLoop
@@ -59,9 +58,8 @@ def measure(
     algo = make_algorithm(method, cfg)
     build = model_factory(cfg, fed, 0)
     store = ClientStore()
-    svd = Timer(fedlore_mod.top_left_singular)
-    fedlore_mod.top_left_singular = svd  # type: ignore[assignment]
-    galore_mod.top_left_singular = svd  # type: ignore[assignment]
+    svd = Timer(lowrank_mod.top_left_singular)  # every client-side basis (LowRankHyper.top_r)
+    lowrank_mod.top_left_singular = svd  # type: ignore[assignment]
     transport = LocalTransport(algo, fed.client, build, 0, store)
     client_time = Timer(transport.send)
     transport.send = client_time  # type: ignore[method-assign]

@@ -15,8 +15,9 @@ Usage::
 
 Each run is ``fedlore run CONFIG algorithms=<m> seeds=<s> lr=<lr> output_dir=<runs>/lr-<lr>
 [--set overrides] --resume`` in its own process (a killed driver resumes where it stopped;
-``<runs>`` defaults to the config's ``output_dir``). Writes ``<out>/table.md`` and
-``<out>/table.json``. Bytes per client per round count every byte of the run, FedLore's setup
+``<runs>`` defaults to the config's ``output_dir``). Writes ``<out>/table.md``,
+``<out>/table.json`` and the curves of the chosen runs (``<out>/*_vs_round.png``,
+``*_vs_bytes.png``). Bytes per client per round count every byte of the run, FedLore's setup
 exchange (round -1) included, divided by the client contacts of the training rounds.
 """
 
@@ -34,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from fedlore.config import load_config
+from fedlore.results.plots import plot
+from fedlore.results.store import load_runs
 
 TABLE_ONLY = False
 EXTRA: list[str] = []  # --set overrides passed to every run
@@ -235,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['wall_s_per_round']:.1f} |"
         )
     (out / "table.md").write_text("\n".join(lines) + "\n")
+    # curves of the chosen runs, one line per method (accuracy or perplexity vs round and bytes)
+    chosen_runs = {m: load_runs(Path(args.runs) / f"lr-{chosen[m]:g}" / name)[m] for m in methods}
+    plot(chosen_runs, out)
     print("\n".join(lines))
     return 0
 
