@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedlore.seeding import derive_seed
+
 
 @dataclass(frozen=True)
 class TensorSplit:
@@ -44,9 +46,10 @@ class ClientData:
         test: local test split (never read by training).
         stream_seed: None: every round draws its minibatches from fresh permutations seeded by
             (seed, round, client) (:func:`minibatches`). An int: the client reads one shuffled
-            stream over the whole run, reshuffled and restarted when exhausted, round ``t``
-            continuing where round ``t - 1`` ended (:func:`stream_batches`; seed 000's
-            pre-training protocol).
+            stream over the whole run, reshuffled and restarted when exhausted; round ``t``
+            reads batches ``t·K .. t·K + K - 1`` of it, so under full participation it continues
+            where round ``t - 1`` ended and a round the client sits out skips its part
+            (:func:`stream_batches`; seed 000's pre-training protocol).
     """
 
     client_id: int
@@ -130,8 +133,6 @@ def stream_batches(
     Raises:
         ValueError: when the split is empty, ``batch_size`` < 1 or ``start`` < 0.
     """
-    from fedlore.seeding import derive_seed
-
     n = len(split)
     if n == 0:
         raise ValueError("cannot draw minibatches from an empty split")
