@@ -223,6 +223,25 @@ def _check_cover(parts: list[np.ndarray], n: int, name: str) -> None:
         raise ValueError(f"partition {name!r} does not cover each of the {n} indices exactly once")
 
 
+def partition_labels(cfg: Config, seed: int, labels: np.ndarray) -> list[np.ndarray]:
+    """Split ``labels`` (classes, or source groups of documents) over ``cfg.num_clients`` with
+    the registered partitioner ``cfg.partition.name``, drawing from the partition stream
+    ``[seed, STREAM_PARTITION]`` only.
+
+    Raises:
+        ValueError: from the partitioner, or when its parts do not cover every index once.
+    """
+    partition = registry.get("partition", cfg.partition.name)
+    parts: list[np.ndarray] = partition(
+        labels,
+        cfg.num_clients,
+        np.random.default_rng([seed, STREAM_PARTITION]),
+        **cfg.partition.model_dump(exclude={"name"}),
+    )
+    _check_cover(parts, len(labels), cfg.partition.name)
+    return parts
+
+
 # DataConfig fields that only some sources take (the text sources): passed as keyword arguments
 # to a loader that declares them; set to a non-default value for any other source, an error.
 SOURCE_OPTIONS = (
@@ -295,14 +314,7 @@ def build_federation(cfg: Config, seed: int) -> Federation:
     pool = source.train if len(keep) == len(source.train) else source.train.subset(keep)
     labels = pool.y.numpy()
 
-    partition = registry.get("partition", cfg.partition.name)
-    parts = partition(
-        labels,
-        cfg.num_clients,
-        np.random.default_rng([seed, STREAM_PARTITION]),
-        **cfg.partition.model_dump(exclude={"name"}),
-    )
-    _check_cover(parts, len(labels), cfg.partition.name)
+    parts = partition_labels(cfg, seed, labels)
 
     train_idx, test_idx = [], []
     for i, part in enumerate(parts):
@@ -407,15 +419,7 @@ def corpus_federation(cfg: Config, seed: int, corpus: Corpus) -> Federation:
         rng = np.random.default_rng([seed, STREAM_FRACTION])
         size = max(cfg.num_clients, round(data.fraction * len(groups)))
         keep = np.sort(rng.choice(len(groups), size=min(size, len(groups)), replace=False))
-    partition = registry.get("partition", cfg.partition.name)
-    parts = partition(
-        groups[keep],
-        cfg.num_clients,
-        np.random.default_rng([seed, STREAM_PARTITION]),
-        **cfg.partition.model_dump(exclude={"name"}),
-    )
-    _check_cover(parts, len(keep), cfg.partition.name)
-    docs = [keep[p] for p in parts]
+    docs = [keep[p] for p in partition_labels(cfg, seed, groups[keep])]
     for i, d in enumerate(docs):
         if len(d) == 0:
             raise ValueError(
