@@ -13,7 +13,10 @@ numbered -setup_rounds .. -1 (FedLore's gradient-based P^0); they are counted in
 The algorithm object holds only hyperparameters (a frozen dataclass). The model handed to
 ``init_server`` and ``client_update`` is a scratch workspace: an algorithm must load every
 parameter and buffer it relies on from the message or the client state, so a reply never depends
-on which clients used the workspace before.
+on which clients used the workspace before. A method whose model differs from the registered one
+(a Bayesian or MC-dropout twin, :mod:`fedlore.algorithms.bayes`) converts the workspace in place,
+idempotently, in ``init_server`` and ``client_update``; ``global_arrays`` then names the
+converted model's tensors.
 """
 
 from __future__ import annotations

@@ -168,7 +168,15 @@ class EvalConfig(_Strict):
     """Evaluate the global model every this many rounds (and always after the last)."""
     batch_size: int = Field(512, ge=1)
     clients: bool = False
-    """Also score the global model on every client's local test split (mean in metrics)."""
+    """Also score the global model on every client's local test split (G-local: pooled
+    ``client_accuracy``, ``client_loss``, ``client_ece`` and the client mean
+    ``client_accuracy_mean``)."""
+    local: bool = False
+    """In the last round every client also scores its freshly trained local model on its own
+    test split (P-local: ``local_accuracy``, ``local_loss``, ``local_ece``, pooled)."""
+    mc_samples: int = Field(20, ge=0)
+    """S, the MC predictive's weight samples for models with stochastic layers (BNN, MC
+    dropout); 0 scores one pass with the posterior means / dropout off."""
 
 
 class DiagnosticsConfig(_Strict):

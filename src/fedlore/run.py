@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +23,7 @@ from fedlore import registry
 from fedlore.algorithm import Algorithm
 from fedlore.algorithms import build_hyper
 from fedlore.config import Config, ConfigError
+from fedlore.data.client_data import TensorSplit
 from fedlore.data.federation import Federation, build_federation
 from fedlore.diagnostics import Diagnoser
 from fedlore.engine.callbacks import Checkpointer, MetricsWriter, ProgressBar
@@ -35,7 +35,7 @@ from fedlore.models import build_model
 from fedlore.results.store import lm_summary
 from fedlore.seeding import MODEL_INIT, SERVER_INIT, derive_seed, generator
 from fedlore.tensors import load_model_arrays
-from fedlore.train.local import evaluate
+from fedlore.train.local import classification_metrics, evaluate, predictive_log_probs
 from fedlore.types import State
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,8 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
         "scale": cfg.optim.scale,
         "weighting": cfg.weighting,
         "diagnostics_every": cfg.diagnostics.every,
+        "local_eval": cfg.eval.local,
+        "mc_samples": cfg.eval.mc_samples,
         "freeze": tuple(cfg.params.freeze),
         "exclude": tuple(cfg.params.exclude),
     }
@@ -155,18 +157,17 @@ def run_one(
     factory = make_transport if make_transport is not None else LocalTransport
     transport = factory(algo, fed.client, build, seed, store)
 
+    client_tests = [fed.client(c).test for c in range(fed.num_clients)] if cfg.eval.clients else []
+
     def evaluate_state(s: State) -> dict[str, float]:
         load_model_arrays(eval_model, algo.global_arrays(s))
-        res = evaluate(eval_model, fed.central_test, cfg.eval.batch_size)
-        row = {"accuracy": res["accuracy"], "loss": res["loss"]}
-        if "perplexity" in res:
-            row["perplexity"] = res["perplexity"]
+        bs, mc = cfg.eval.batch_size, cfg.eval.mc_samples
+        res = evaluate(eval_model, fed.central_test, bs, mc)
+        row: dict[str, float] = {
+            k: res[k] for k in ("accuracy", "loss", "ece", "perplexity") if k in res
+        }
         if cfg.eval.clients:
-            accs = [
-                evaluate(eval_model, fed.client(c).test)["accuracy"] for c in range(fed.num_clients)
-            ]
-            finite = [a for a in accs if math.isfinite(a)]
-            row["client_accuracy_mean"] = sum(finite) / max(len(finite), 1)
+            row.update(global_local_metrics(eval_model, client_tests, bs, mc))
         return row
 
     callbacks: list[Callback] = [metrics]
@@ -213,6 +214,26 @@ def run_one(
     # a finished run is never resumed: its spilled client states are no longer needed
     shutil.rmtree(spill, ignore_errors=True)
     return summary
+
+
+def global_local_metrics(
+    model: nn.Module, tests: list[TensorSplit], batch_size: int, mc_samples: int
+) -> dict[str, float]:
+    """G-local (reference notes Part 0.8): the global model on every client's test split, one
+    predictive pass over their concatenation. Pooled ``client_accuracy``, ``client_loss`` (NLL)
+    and ``client_ece`` over all test examples, and ``client_accuracy_mean``, the unweighted mean
+    over clients with a test split."""
+    tests = [t for t in tests if len(t)]
+    if not tests:
+        return {}
+    pooled = TensorSplit.concat(tests)
+    log_probs = predictive_log_probs(model, pooled.x, batch_size, mc_samples)
+    out = {f"client_{k}": v for k, v in classification_metrics(log_probs, pooled.y).items()}
+    out.pop("client_num_examples")
+    hits = (log_probs.argmax(-1) == pooled.y).float()
+    per = [float(h.mean()) for h in hits.split([len(t) for t in tests])]
+    out["client_accuracy_mean"] = sum(per) / len(per)
+    return out
 
 
 def spill_dir(cfg: Config, method: str, seed: int) -> Path:
@@ -304,11 +325,11 @@ def preflight(cfg: Config, fed: Federation) -> None:
     check_model_fits_data(cfg.model.name, fed)
     check_tokenizer_matches_model(cfg, fed)
     check_eval(cfg, fed)
-    model = model_factory(cfg, fed, cfg.seeds[0])()
-    check_params(cfg, model)
+    build = model_factory(cfg, fed, cfg.seeds[0])
+    check_params(cfg, build())
     for name in cfg.algorithms:
-        try:
-            make_algorithm(name, cfg).init_server(model, generator(cfg.seeds[0], SERVER_INIT))
+        try:  # a fresh model per method: a method may convert its workspace (a BNN)
+            make_algorithm(name, cfg).init_server(build(), generator(cfg.seeds[0], SERVER_INIT))
         except ValueError as e:
             raise ConfigError(f"method {name!r}: {e}") from e
 
@@ -436,7 +457,35 @@ def summarize(method: str, seed: int, metrics_path: Path) -> dict[str, Any]:
         "diag_s_total": sum(r.get("diag_s", 0.0) for r in rows),
         "diag_bytes_up_total": sum(r.get("diag_bytes_up", 0) for r in rows),
         **lm,
+        **_last_values(train),
     }
+
+
+SUMMARY_LAST = {
+    "final_ece": "ece",
+    "final_client_accuracy": "client_accuracy",
+    "final_client_loss": "client_loss",
+    "final_client_ece": "client_ece",
+    "final_client_accuracy_mean": "client_accuracy_mean",
+    "local_accuracy": "local_accuracy",
+    "local_loss": "local_loss",
+    "local_ece": "local_ece",
+}
+"""Summary key -> row key whose last recorded value it holds (when any round recorded it)."""
+
+
+def _last_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary's optional metrics: the last value of each :data:`SUMMARY_LAST` key, and
+    ``client_train_s_per_round`` (mean seconds of local training per client per round)."""
+    out: dict[str, Any] = {}
+    for key, src in SUMMARY_LAST.items():
+        val = next((r[src] for r in reversed(rows) if r.get(src) is not None), None)
+        if val is not None:
+            out[key] = val
+    times = [r["client_train_s"] for r in rows if r.get("client_train_s") is not None]
+    if times:
+        out["client_train_s_per_round"] = sum(times) / len(times)
+    return out
 
 
 def run_experiment(cfg: Config, resume: bool = False) -> dict[str, list[dict[str, Any]]]:

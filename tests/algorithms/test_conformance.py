@@ -53,7 +53,10 @@ LAST_CHECKED_ROUND = 1
 # 0.1), too close to chance to tell learning from noise; at 3e-2 every Adam-based method reaches
 # 0.5-0.75 over seeds 0-3. Plain SGD (FedAvg) needs a larger step: 0.12 at 3e-2, 0.7 at 0.3.
 LEARNING_LR = 3e-2
-LEARNING_OVERRIDES: dict[str, list[str]] = {"fedavg": ["method.fedavg.lr=0.3"]}
+LEARNING_OVERRIDES: dict[str, list[str]] = {
+    "fedavg": ["method.fedavg.lr=0.3"],
+    "fedprox": ["method.fedprox.lr=0.3"],
+}
 LEARNING_MARGIN = 0.2
 
 

@@ -317,7 +317,7 @@ def _strip(row: dict[str, Any]) -> dict[str, Any]:
     return {
         k: v
         for k, v in row.items()
-        if k not in ("wall_s", "rejected_reasons", "bytes_up", "train_loss")
+        if k not in ("wall_s", "client_train_s", "rejected_reasons", "bytes_up", "train_loss")
     }
 
 

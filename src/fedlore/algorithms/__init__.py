@@ -1,6 +1,7 @@
 """One short module per method; importing this package registers them all."""
 
 from fedlore.algorithms import (  # noqa: F401
+    bayes,
     fedavg,
     fedlore,
     local_galore,

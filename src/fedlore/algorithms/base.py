@@ -15,10 +15,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from fedlore.data.client_data import TensorSplit, minibatches
+from fedlore.data.client_data import ClientData, TensorSplit, minibatches
 from fedlore.tensors import select
-from fedlore.train.local import Schedule, task_loss
-from fedlore.types import Reply, Scalars, State
+from fedlore.train.local import Schedule, evaluate, task_loss
+from fedlore.types import Reply, Scalar, Scalars, State
 
 ReplySpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -43,6 +43,12 @@ class Hyper:
             at a client's first contact (reference notes section 13.3: the same non-adapted
             parameters train under every method). Everything else that a method does not
             project or adapt trains densely with AdamW and is averaged with p_i.
+        local_eval: in the last round, a client also scores the model it just trained on its
+            own test split (P-local, reference notes Part 0.8) and reports ``local_accuracy``,
+            ``local_loss``, ``local_ece`` and ``local_n`` (methods built on
+            :func:`local_eval_metrics`).
+        mc_samples: S, the MC predictive's samples for models with stochastic layers (0: one
+            pass with the posterior means / dropout off).
     """
 
     lr: float = 1e-3
@@ -57,6 +63,8 @@ class Hyper:
     grad_clip: float | None = None
     weighting: Literal["num_examples", "uniform"] = "num_examples"
     freeze: tuple[str, ...] = ()
+    local_eval: bool = False
+    mc_samples: int = 20
 
     def __post_init__(self) -> None:
         checks = {
@@ -72,6 +80,7 @@ class Hyper:
             "grad_clip": self.grad_clip is None or self.grad_clip > 0,
             "weighting": self.weighting in ("num_examples", "uniform"),
             "freeze": all(isinstance(p, str) and p for p in self.freeze),
+            "mc_samples": self.mc_samples >= 0,
         }
         for field, ok in checks.items():
             if not ok:
@@ -202,6 +211,23 @@ def construction_gradients(
     return out
 
 
-def reply_metrics(num_examples: int, **values: float | int) -> Scalars:
+def local_eval_metrics(hyper: Hyper, model: nn.Module, data: ClientData, rnd: int) -> Scalars:
+    """P-local metrics of a client's freshly trained ``model`` on its own test split, in the
+    run's last round when ``hyper.local_eval`` is on (else ``{}``): ``local_accuracy``,
+    ``local_loss`` (NLL, nats), ``local_ece`` and ``local_n`` (test examples), with the MC
+    predictive over ``hyper.mc_samples`` draws for a stochastic model. The test split is read
+    only here, after training."""
+    if not hyper.local_eval or rnd != hyper.rounds - 1 or len(data.test) == 0:
+        return {}
+    res = evaluate(model, data.test, mc_samples=hyper.mc_samples)
+    return {
+        "local_accuracy": res["accuracy"],
+        "local_loss": res["loss"],
+        "local_ece": res["ece"],
+        "local_n": len(data.test),
+    }
+
+
+def reply_metrics(num_examples: int, **values: Scalar) -> Scalars:
     """Reply metrics with the aggregation weight under its standard key."""
     return {"num_examples": int(num_examples), **values}

@@ -8,13 +8,14 @@ Bytes per m x n matrix: mn up and mn down.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
 from torch import nn
 
-from fedlore.algorithms.base import Hyper, ReplySpec, reply_metrics
+from fedlore.algorithms.base import Hyper, ReplySpec, local_eval_metrics, reply_metrics
 from fedlore.data.client_data import ClientData
 from fedlore.registry import register_algorithm
 from fedlore.tensors import (
@@ -25,7 +26,7 @@ from fedlore.tensors import (
     weighted_mean,
     with_prefix,
 )
-from fedlore.train.local import local_train
+from fedlore.train.local import LossTerm, local_train
 from fedlore.types import Broadcast, Reply, Scalars, State
 
 
@@ -58,12 +59,28 @@ class DenseServer:
         if not ok:
             return State(arrays=dict(state.arrays), values=values), {"aggregated": 0}
         weights = self.weights([r for _, r in ok])  # type: ignore[attr-defined]
-        mean = weighted_mean([select(r.arrays, "update.") for _, r in ok], weights)
         model = select(state.arrays, "model.")
+        mean = self.mean_update(model, [select(r.arrays, "update.") for _, r in ok], weights)
         new = {k: v + mean[k].to(v.dtype) if k in mean else v for k, v in model.items()}
         if self.freeze:  # type: ignore[attr-defined]
             values.update({f"seen.{c}": 1 for c, _ in ok})
         return State(arrays=with_prefix(new, "model."), values=values), {"aggregated": len(ok)}
+
+    def mean_update(
+        self,
+        model: dict[str, torch.Tensor],
+        updates: list[dict[str, torch.Tensor]],
+        weights: list[float],
+    ) -> dict[str, torch.Tensor]:
+        """The step the global model takes: ``Σ p_i Δ_i / Σ p_i`` (FedAvg). Methods that combine
+        some tensors otherwise (Bayesian posteriors) override this.
+
+        Args:
+            model: the global tensors W^t by plain name.
+            updates: each accepted client's ``Δ_i`` by plain name.
+            weights: the p_i (not normalized).
+        """
+        return weighted_mean(updates, weights)
 
     def global_arrays(self, state: State) -> dict[str, torch.Tensor]:
         return select(state.arrays, "model.")
@@ -102,6 +119,17 @@ class DenseServer:
         )
 
 
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of an optimizer's per-parameter state tensors (Adam's two moments; scalars such as
+    the step count are not counted)."""
+    return sum(
+        v.numel() * v.element_size()
+        for st in opt.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor) and v.ndim > 0
+    )
+
+
 @register_algorithm("fedfull")
 @dataclass(frozen=True)
 class FedFull(DenseServer, Hyper):
@@ -135,26 +163,29 @@ class FedFull(DenseServer, Hyper):
         opt = self.make_optimizer(model)
         rnd = int(msg.config["round"])
         lrs = self.round_lrs(rnd)
+        t0 = time.perf_counter()
         stats = local_train(
             model,
             data.batches(self.batch_size, len(lrs), rng, rnd),
             opt,
             lrs,
+            loss_terms=self.loss_terms(start),
             grad_clip=self.grad_clip,
         )
-        state_bytes = sum(
-            v.numel() * v.element_size()
-            for st in opt.state.values()
-            for v in st.values()
-            if isinstance(v, torch.Tensor) and v.ndim > 0
-        )
+        train_s = time.perf_counter() - t0
         metrics = reply_metrics(
             data.num_examples,
             train_loss=stats.mean_loss,
             skipped_steps=stats.skipped_steps,
-            optimizer_state_bytes=state_bytes,
+            optimizer_state_bytes=optimizer_state_bytes(opt),
+            train_s=train_s,
+            **local_eval_metrics(self, model, data, rnd),
         )
         return Reply(arrays=self.dense_update(model, start), metrics=metrics), keep
+
+    def loss_terms(self, start: dict[str, torch.Tensor]) -> list[LossTerm]:
+        """Extra terms of the local objective (none; FedProx adds its proximal term)."""
+        return []
 
 
 @register_algorithm("fedavg")
@@ -164,3 +195,37 @@ class FedAvg(FedFull):
 
     name: ClassVar[str] = "fedavg"
     local_optimizer: Literal["adamw", "sgd"] = "sgd"
+
+
+@register_algorithm("fedprox")
+@dataclass(frozen=True)
+class FedProx(FedAvg):
+    """FedProx (Li et al., MLSys 2020): FedAvg whose clients minimise
+    ``h_k(w) = F_k(w) + (mu / 2) ||w - w^t||²`` over the trained tensors, with ``w^t`` the
+    round's global weights (litian96/FedProx ``PerturbedGradientDescent``: the step adds
+    ``mu (w - w^t)`` to the gradient).
+
+    ``mu`` defaults to 0.01, inside the authors' tuning grid {0.001, 0.01, 0.1, 0.5, 1}
+    (reference notes Part 5; PFLlib's default 0 would make it FedAvg, so 0 is refused).
+    """
+
+    name: ClassVar[str] = "fedprox"
+    mu: float = 0.01
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.mu > 0:
+            raise ValueError(f"FedProx: mu must be > 0 (mu = 0 is FedAvg), got {self.mu!r}")
+
+    def loss_terms(self, start: dict[str, torch.Tensor]) -> list[LossTerm]:
+        """``(mu / 2) Σ ||w - w^t||²`` over the parameters that train."""
+        anchor = {k: v.detach().clone() for k, v in start.items()}
+
+        def prox(model: nn.Module) -> torch.Tensor:
+            total = torch.zeros(())
+            for name, p in model.named_parameters():
+                if p.requires_grad and name in anchor:
+                    total = total + (p - anchor[name]).pow(2).sum()
+            return 0.5 * self.mu * total
+
+        return [prox]

@@ -30,6 +30,17 @@ class TensorSplit:
     def __len__(self) -> int:
         return int(self.x.shape[0])
 
+    @staticmethod
+    def concat(splits: list[TensorSplit]) -> TensorSplit:
+        """The splits' rows one after another (a copy).
+
+        Raises:
+            ValueError: for an empty list.
+        """
+        if not splits:
+            raise ValueError("TensorSplit.concat needs at least one split")
+        return TensorSplit(torch.cat([s.x for s in splits]), torch.cat([s.y for s in splits]))
+
     def subset(self, idx: np.ndarray | torch.Tensor) -> TensorSplit:
         """The rows at ``idx`` (a copy)."""
         t = torch.as_tensor(np.asarray(idx), dtype=torch.long)

@@ -263,10 +263,6 @@ def _class_names(path: Path, key: bytes, num_classes: int) -> list[str]:
     return names
 
 
-def _concat(splits: list[TensorSplit]) -> TensorSplit:
-    return TensorSplit(torch.cat([s.x for s in splits]), torch.cat([s.y for s in splits]))
-
-
 @register_source("cifar10")
 def load_cifar10(root: str | None = None) -> DataSource:
     """CIFAR-10 (Krizhevsky 2009) from the python batches (``cifar-10-python.tar.gz``, extracted).
@@ -290,7 +286,7 @@ def load_cifar10(root: str | None = None) -> DataSource:
     )
     return DataSource(
         name="cifar10",
-        train=_concat([_cifar_split(folder / f, b"labels", 10) for f in train_files]),
+        train=TensorSplit.concat([_cifar_split(folder / f, b"labels", 10) for f in train_files]),
         test=_cifar_split(folder / "test_batch", b"labels", 10),
         num_classes=10,
         input_shape=(3, 32, 32),

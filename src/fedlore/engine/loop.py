@@ -146,6 +146,7 @@ class RoundLoop:
             ),
             "skipped_steps": sum(int(r.metrics.get("skipped_steps", 0)) for r in ok),
         }
+        row.update(client_reports(accepted))
         if rejected:
             row["rejected_reasons"] = rejected
         row.update(agg)
@@ -173,6 +174,42 @@ class RoundLoop:
             for cb in self.callbacks:
                 cb.on_round_end(rnd, row, state)
         return state
+
+
+LOCAL_KEYS = ("local_accuracy", "local_loss", "local_ece")
+"""P-local reply metrics, pooled over clients weighted by their test size ``local_n``."""
+
+PER_CLIENT_KEYS = ("lr_chosen",)
+"""Reply metrics recorded per client (``{client id: value}``) in the round's row."""
+
+
+def client_reports(accepted: list[tuple[int, Reply | None]]) -> Row:
+    """What the round's row records from the accepted replies' metrics besides the loss:
+
+    * ``client_train_s``: mean seconds of local training per client (reply ``train_s``);
+    * ``local_accuracy`` / ``local_loss`` / ``local_ece``: P-local scores pooled with weights
+      ``local_n`` (accuracy and NLL are then the pooled values; ECE the test-size-weighted mean of
+      the clients' ECEs), with ``local_clients`` = how many reported;
+    * :data:`PER_CLIENT_KEYS` per client, e.g. ``lr_chosen: {"3": 0.001}``.
+    """
+    ok = [(c, r) for c, r in accepted if r is not None]
+    row: Row = {}
+    train_s = _mean([r.metrics.get("train_s") for _, r in ok])
+    if train_s is not None:
+        row["client_train_s"] = train_s
+    local = [r.metrics for _, r in ok if isinstance(r.metrics.get("local_n"), int | float)]
+    total = sum(float(m["local_n"]) for m in local)
+    if local and total > 0:
+        for key in LOCAL_KEYS:
+            vals = [(float(m[key]), float(m["local_n"])) for m in local if key in m]
+            if vals and all(math.isfinite(v) for v, _ in vals):
+                row[key] = sum(v * n for v, n in vals) / sum(n for _, n in vals)
+        row["local_clients"] = len(local)
+    for key in PER_CLIENT_KEYS:
+        per = {str(c): r.metrics[key] for c, r in ok if key in r.metrics}
+        if per:
+            row[key] = per
+    return row
 
 
 def _mean(values: list[Any]) -> float | None:

@@ -161,11 +161,83 @@ EVAL_LOGITS_ELEMENTS = 2**24
 per evaluation forward pass."""
 
 
+ECE_BINS = 15
+"""Equal-width confidence bins of the expected calibration error (Guo et al. 2017)."""
+
+EVAL_SAMPLING_SEED = 20170
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, split: TensorSplit, batch_size: int = 512) -> dict[str, float]:
+def predictive_log_probs(
+    model: nn.Module, x: torch.Tensor, batch_size: int = 512, mc_samples: int = 0
+) -> torch.Tensor:
+    """Log predictive probabilities ``log p(y | x)`` of a classifier.
+
+    A model with stochastic layers (:mod:`fedlore.bayes`) and ``mc_samples = S >= 1`` gives the
+    MC predictive ``log (1/S) Σ_s softmax(f(x; w_s))`` (reference notes Part 0.4), computed as
+    ``logsumexp_s log_softmax - log S``; the S draws use a fixed seed (the same weights for every
+    model evaluated, restored global RNG). Otherwise one pass with sampling off (the posterior
+    means; dropout off). The model is put in ``eval()`` mode either way (BatchNorm frozen); the
+    sampling switch is independent of it.
+
+    Args:
+        model: maps ``[B, ...]`` to logits ``[B, K]``.
+        x: inputs ``[n, ...]``.
+        batch_size: examples per forward pass.
+        mc_samples: S (0: deterministic pass).
+
+    Returns:
+        ``[n, K]`` float tensor of log probabilities.
+    """
+    from fedlore.bayes.layers import is_stochastic, sampling
+
+    model.eval()
+    n = int(x.shape[0])
+
+    def one_pass() -> torch.Tensor:
+        chunks = [model(x[i : i + batch_size]).float() for i in range(0, n, batch_size)]
+        return F.log_softmax(torch.cat(chunks), -1)
+
+    if mc_samples < 1 or not is_stochastic(model):
+        with sampling(model, False):
+            return one_pass()
+    with sampling(model, True), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(EVAL_SAMPLING_SEED)
+        draws = torch.stack([one_pass() for _ in range(mc_samples)])
+    return torch.logsumexp(draws, 0) - math.log(mc_samples)
+
+
+def classification_metrics(log_probs: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    """Accuracy, NLL and ECE of predictive log probabilities.
+
+    Args:
+        log_probs: ``[n, K]`` log predictive probabilities.
+        y: ``[n]`` class indices.
+
+    Returns:
+        ``accuracy`` (argmax, torchmetrics micro), ``loss`` (mean NLL ``-log p(y|x)`` in nats),
+        ``ece`` (torchmetrics ``multiclass_calibration_error``, 15 equal-width bins, L1;
+        Guo et al. 2017), and ``num_examples``.
+    """
+    from torchmetrics.functional.classification import multiclass_calibration_error
+
+    k = int(log_probs.shape[-1])
+    probs = log_probs.exp()
+    acc = MulticlassAccuracy(num_classes=k, average="micro")(probs, y)
+    nll = F.nll_loss(log_probs, y)
+    ece = multiclass_calibration_error(probs, y, num_classes=k, n_bins=ECE_BINS, norm="l1")
+    return {"accuracy": float(acc), "loss": float(nll), "ece": float(ece), "num_examples": len(y)}
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, split: TensorSplit, batch_size: int = 512, mc_samples: int = 0
+) -> dict[str, float]:
     """Accuracy and mean cross-entropy of ``model`` on ``split``; perplexity for a language model.
 
-    Classifiers (logits ``[B, K]``): accuracy (torchmetrics, micro) and mean NLL per example.
+    Classifiers (logits ``[B, K]``): accuracy (torchmetrics, micro), mean NLL per example and ECE
+    of the predictive distribution (:func:`predictive_log_probs`: the MC predictive over
+    ``mc_samples`` draws for a model with stochastic layers, else one deterministic pass).
     Language models (logits ``[B, L, V]``, targets ``[B, L]``): NLL summed over every target
     that is not :data:`IGNORE_INDEX` divided by their count, perplexity ``exp`` of that mean
     (seed 000, "Evaluation and reproducibility"), and next-token top-1 accuracy over the same
@@ -173,19 +245,17 @@ def evaluate(model: nn.Module, split: TensorSplit, batch_size: int = 512) -> dic
 
     Returns:
         ``{"accuracy": share in [0, 1], "loss": mean NLL in nats, "num_examples": count}``, plus
-        ``"perplexity"`` and ``"num_tokens"`` (counted targets) for a language model. NaN
-        values when nothing counts.
+        ``"ece"`` for a classifier, ``"perplexity"`` and ``"num_tokens"`` (counted targets) for a
+        language model. NaN values when nothing counts.
     """
     model.eval()
     n = len(split)
     if n == 0:
         return {"accuracy": float("nan"), "loss": float("nan"), "num_examples": 0}
     if split.y.dim() == 1:
-        logits = torch.cat([model(split.x[i : i + batch_size]) for i in range(0, n, batch_size)])
-        num_classes = logits.shape[-1]
-        acc = MulticlassAccuracy(num_classes=num_classes, average="micro")(logits, split.y)
-        loss = F.cross_entropy(logits, split.y)
-        return {"accuracy": float(acc), "loss": float(loss), "num_examples": n}
+        return classification_metrics(
+            predictive_log_probs(model, split.x, batch_size, mc_samples), split.y
+        )
     nll, correct, tokens = 0.0, 0, 0
     per_row = split.x.shape[1] * int(model(split.x[:1]).shape[-1])  # logits of one sequence
     step = max(1, min(batch_size, EVAL_LOGITS_ELEMENTS // per_row))

@@ -1,0 +1,161 @@
+"""Run a config over a grid of settings, every method x seed, and tabulate the final metrics.
+
+Protocol (issue 7, the Meta-BayFL tables): every combination of the ``--vary`` settings (their
+cartesian product) runs every method of ``--methods`` (default: the config's) for every seed of
+the config. Reported per (setting, method): mean ± sample std over seeds of the global model's
+final central-test accuracy, NLL and ECE, the clients' local-model (P-local) accuracy when
+``eval.local`` is on, the mean local-training seconds per client per round, and the learning
+rates the clients chose (Meta methods).
+
+Usage::
+
+    python experiments/sweep.py experiments/bayes_table2.yaml \\
+        --vary data.fraction=1.0,0.5,0.25,0.1 --vary data.noise=0,1e-4,1e-3,1e-2,1e-1 \\
+        --jobs 2 --runs runs --out experiments/results/bayes_table2
+
+Each run is ``fedlore run CONFIG name=<name>-<setting> algorithms=<m> seeds=<s> <k=v ...>
+output_dir=<runs> [--set overrides] --resume`` in its own process, so a killed sweep resumes
+where it stopped. Writes ``<out>/table.md`` and ``<out>/table.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from fedlore.config import load_config
+
+COLUMNS = (
+    ("final_accuracy", "acc. (%)", 100.0),
+    ("final_loss", "NLL", 1.0),
+    ("final_ece", "ECE", 1.0),
+    ("local_accuracy", "P-local acc. (%)", 100.0),
+    ("client_train_s_per_round", "client s / round", 1.0),
+)
+
+
+def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
+    """``"key=v1,v2"`` items -> [(key, [v1, v2])]."""
+    out = []
+    for item in items:
+        key, _, values = item.partition("=")
+        if not values:
+            raise SystemExit(f"--vary {item!r}: expected KEY=V1,V2,...")
+        out.append((key.strip(), [v.strip() for v in values.split(",")]))
+    return out
+
+
+def label(setting: tuple[tuple[str, str], ...]) -> str:
+    """A run-folder-safe name of one setting, e.g. ``fraction-0.5_noise-0.01``."""
+    return "_".join(f"{k.rsplit('.', 1)[-1]}-{v}" for k, v in setting) or "base"
+
+
+def stat(values: list[float], scale: float) -> str:
+    xs = [v * scale for v in values]
+    if not xs:
+        return "–"
+    if len(xs) == 1:
+        return f"{xs[0]:.3g}" if scale == 1.0 else f"{xs[0]:.2f}"
+    m, s = statistics.mean(xs), statistics.stdev(xs)
+    return f"{m:.3g} ± {s:.2g}" if scale == 1.0 else f"{m:.2f} ± {s:.2f}"
+
+
+def chosen_lrs(path: Path) -> dict[str, int]:
+    """How often each learning rate was chosen over the run's clients and rounds."""
+    counts: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        for lr in (row.get("lr_chosen") or {}).values():
+            counts[f"{lr:g}"] = counts.get(f"{lr:g}", 0) + 1
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("config")
+    ap.add_argument("--vary", action="append", default=[], help="KEY=V1,V2,...")
+    ap.add_argument("--methods", default=None, help="comma-separated (default: the config's)")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--runs", default=None, help="runs root (default: the config's output_dir)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for every run")
+    ap.add_argument("--table-only", action="store_true", help="tabulate finished runs only")
+    args = ap.parse_args(argv)
+    cfg = load_config(args.config)
+    methods = args.methods.split(",") if args.methods else list(cfg.algorithms)
+    root = args.runs or cfg.output_dir
+    vary = parse_vary(args.vary)
+    settings = [
+        tuple(zip([k for k, _ in vary], combo, strict=True))
+        for combo in itertools.product(*[vs for _, vs in vary])
+    ]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+    def run(setting: tuple[tuple[str, str], ...], method: str, seed: int) -> None:
+        name = f"{cfg.name}-{label(setting)}"
+        if (Path(root) / name / method / f"seed-{seed}" / "summary.json").exists():  # done
+            return
+        cmd = [
+            sys.executable, "-m", "fedlore.cli", "run", args.config,
+            f"name={name}", f"algorithms={method}", f"seeds={seed}", f"output_dir={root}",
+            "progress=false", *[f"{k}={v}" for k, v in setting], *args.set, "--resume",
+        ]  # fmt: skip
+        log = logs / f"{label(setting)}-{method}-{seed}.log"
+        with log.open("w") as fh:
+            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
+        print(f"{label(setting)} {method} seed {seed}: rc={rc}", flush=True)
+
+    if not args.table_only:
+        jobs = [(s, m, seed) for s in settings for m in methods for seed in cfg.seeds]
+        with ThreadPoolExecutor(args.jobs) as pool:
+            list(pool.map(lambda j: run(*j), jobs))
+
+    records: list[dict[str, Any]] = []
+    lines = [
+        "| setting | method | seeds | " + " | ".join(h for _, h, _ in COLUMNS) + " | lr chosen |",
+        "|---|---|---|" + "---|" * len(COLUMNS) + "---|",
+    ]
+    for setting in settings:
+        for method in methods:
+            runs = [Path(root) / f"{cfg.name}-{label(setting)}" / method / f"seed-{s}" for s in cfg.seeds]
+            done = [json.loads((r / "summary.json").read_text()) for r in runs if (r / "summary.json").exists()]  # fmt: skip
+            if not done:
+                continue
+            lrs: dict[str, int] = {}
+            for r in runs:
+                if (r / "metrics.jsonl").exists():
+                    for k, v in chosen_lrs(r / "metrics.jsonl").items():
+                        lrs[k] = lrs.get(k, 0) + v
+            rec: dict[str, Any] = {"setting": dict(setting), "method": method, "seeds": len(done)}
+            cells = []
+            for key, _, scale in COLUMNS:
+                vals = [float(d[key]) for d in done if d.get(key) is not None]
+                rec[key] = vals
+                cells.append(stat(vals, scale))
+            rec["lr_chosen"] = lrs
+            records.append(rec)
+            lr_cell = ", ".join(f"{k}: {v}" for k, v in sorted(lrs.items())) or "–"
+            lines.append(
+                f"| {label(setting)} | {method} | {len(done)} | " + " | ".join(cells) + f" | {lr_cell} |"
+            )  # fmt: skip
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    (out / "table.json").write_text(json.dumps(records, indent=2))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

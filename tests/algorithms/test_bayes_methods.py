@@ -1,0 +1,280 @@
+"""Meta-BayFL and its comparators: ELBO, learning-rate selection, aggregation rules, FedProx, and
+what a run records (chosen learning rates per client, P-local and G-local metrics)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fedlore.algorithms.bayes import (
+    MetaBayFL,
+    combine_gaussians,
+    elbo_kl_term,
+    meta_loss,
+    meta_split,
+    pick_lowest,
+)
+from fedlore.algorithms.fedavg import FedProx
+from fedlore.bayes import bayesianize, is_bayesian, kl_divergence, sampling
+from fedlore.config import load_config
+from fedlore.data.client_data import ClientData, TensorSplit, minibatches
+from fedlore.run import make_algorithm, run_dir, run_one
+from fedlore.train.local import local_train
+
+
+def _regression_case() -> tuple[nn.Module, TensorSplit, TensorSplit]:
+    """A 2-class linear problem whose classes split on x[0]; a tiny model starting at zero."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 4, generator=g)
+    y = (x[:, 0] > 0).long()
+    model = nn.Sequential(nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.zero_()
+    return model, TensorSplit(x[:160], y[:160]), TensorSplit(x[160:], y[160:])
+
+
+@pytest.mark.parametrize("trials", ["sequential", "batched"])
+def test_learning_rate_selection_picks_the_best_candidate(trials: str) -> None:
+    model, fit, meta = _regression_case()
+    # 1e-6 barely moves; 1e4 overshoots into a terrible (or non-finite) loss; 0.5 learns
+    algo = MetaBayFL(
+        posterior="none",
+        candidate_lrs=(1e-6, 0.5, 1e4),
+        temp_steps=10,
+        batch_size=32,
+        local_optimizer="sgd",
+        trials=trials,  # type: ignore[arg-type]
+    )
+    opt = algo.make_optimizer(model)
+    before = copy.deepcopy(model.state_dict())
+    chosen, scores = algo.select_lr(model, opt, fit, meta, [], seed=3)
+    assert chosen == 0.5
+    # the scores are the candidates' meta losses, recomputed independently
+    for lr, score in zip(algo.candidate_lrs, scores, strict=True):
+        trial = copy.deepcopy(model)
+        topt = torch.optim.SGD(trial.parameters(), lr=lr)
+        g = torch.Generator().manual_seed(3)
+        with torch.random.fork_rng():
+            torch.manual_seed(3)
+            local_train(trial, minibatches(fit, 32, 10, g), topt, [lr] * 10)
+            expect = meta_loss(trial, meta, [])
+        if lr < 1e4:
+            assert math.isclose(score, expect, rel_tol=1e-5)
+    assert scores[1] < scores[0] and not scores[2] <= scores[1]
+    # the trials do not touch the local model
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_pick_lowest_rules() -> None:
+    assert pick_lowest((1e-2, 1e-3, 1e-4), [0.5, 0.2, 0.3]) == 1e-3
+    assert pick_lowest((1e-2, 1e-3), [0.2, 0.2]) == 1e-2  # tie: the earlier candidate
+    assert pick_lowest((1e-2, 1e-3), [float("nan"), 5.0]) == 1e-3  # non-finite never wins
+    assert pick_lowest((1e-2, 1e-3), [float("inf"), float("nan")]) == 1e-3  # none: smallest
+    with pytest.raises(ValueError):
+        pick_lowest((1e-2,), [])
+
+
+def test_elbo_kl_term_is_beta_kl_over_n() -> None:
+    model = bayesianize(nn.Sequential(nn.Linear(3, 2)), rho_init=-2.0)
+    term = elbo_kl_term(0.5, 40)
+    kl = float(kl_divergence(model).detach())
+    assert math.isclose(float(term(model).detach()), 0.5 * kl / 40, rel_tol=1e-6)
+    with pytest.raises(ValueError, match="N_k"):
+        elbo_kl_term(1.0, 0)
+
+
+def test_meta_split_is_fixed_disjoint_and_twenty_percent() -> None:
+    x = torch.arange(50, dtype=torch.float32).unsqueeze(1)
+    data = ClientData(
+        3, TensorSplit(x, torch.zeros(50, dtype=torch.long)), TensorSplit(x[:1], x[:1, 0].long())
+    )
+    fit, meta = meta_split(data, 0.2)
+    fit2, meta2 = meta_split(data, 0.2)
+    assert len(meta) == 10 and len(fit) == 40
+    assert torch.equal(meta.x, meta2.x) and torch.equal(fit.x, fit2.x)
+    assert set(meta.x[:, 0].tolist()).isdisjoint(fit.x[:, 0].tolist())
+    tiny = ClientData(
+        0, TensorSplit(x[:1], torch.zeros(1, dtype=torch.long)), TensorSplit(x[:1], x[:1, 0].long())
+    )
+    with pytest.raises(ValueError, match="at least 2"):
+        meta_split(tiny, 0.2)
+
+
+def test_combine_gaussians_rules() -> None:
+    mu = [torch.tensor([0.0]), torch.tensor([2.0])]
+    rho = [torch.tensor([-5.0]), torch.tensor([-2.0])]
+    w = [1.0, 1.0]
+    sp = torch.nn.functional.softplus
+    m, r = combine_gaussians(mu, rho, w, "mean")
+    assert torch.allclose(m, torch.tensor([1.0])) and torch.allclose(r, torch.tensor([-3.5]))
+    assert math.isclose(float(sp(r)), 0.0298, abs_tol=1e-3)  # reference notes 0.6 (A): 0.030
+    _, r = combine_gaussians(mu, rho, w, "sigma")
+    assert math.isclose(float(sp(r)), 0.0668, abs_tol=1e-3)  # (B): 0.067
+    _, r = combine_gaussians(mu, rho, w, "moment")
+    s1, s2 = float(sp(rho[0])), float(sp(rho[1]))
+    assert math.isclose(float(sp(r)) ** 2, 0.5 * (s1**2 + s2**2) + 1.0, rel_tol=1e-4)  # + spread
+    m, r = combine_gaussians(mu, rho, w, "precision")
+    p1, p2 = 0.5 / s1**2, 0.5 / s2**2
+    assert math.isclose(float(m), 2.0 * p2 / (p1 + p2), rel_tol=1e-4)
+    assert math.isclose(float(sp(r)), (p1 + p2) ** -0.5, rel_tol=1e-4)
+    same = combine_gaussians([mu[0], mu[0]], [rho[1], rho[1]], [3.0, 1.0], "precision")
+    assert torch.allclose(same[0], mu[0]) and torch.allclose(same[1], rho[1], atol=1e-5)
+
+
+def test_server_combines_posteriors_by_rule() -> None:
+    model = {
+        "l.weight_mu": torch.zeros(2),
+        "l.weight_rho": torch.full((2,), -3.0),
+        "b": torch.zeros(2),
+    }
+    ups = [
+        {"l.weight_mu": torch.ones(2), "l.weight_rho": torch.zeros(2), "b": torch.ones(2)},
+        {"l.weight_mu": -torch.ones(2), "l.weight_rho": torch.full((2,), 2.0), "b": torch.ones(2)},
+    ]
+    mean = MetaBayFL().mean_update(model, ups, [1.0, 1.0])
+    assert torch.allclose(mean["l.weight_rho"], torch.ones(2))
+    sig = MetaBayFL(posterior_aggregation="sigma").mean_update(model, ups, [1.0, 1.0])
+    s = torch.nn.functional.softplus(torch.tensor([-3.0, -1.0]))
+    combined = torch.nn.functional.softplus(model["l.weight_rho"] + sig["l.weight_rho"])
+    assert torch.allclose(combined, s.mean().expand(2), atol=1e-6)  # sigma averaged
+    assert torch.allclose(sig["b"], torch.ones(2))  # deterministic tensors always average
+
+
+def test_fedprox_term_pulls_towards_the_global_model() -> None:
+    algo = FedProx(mu=0.5)
+    model = nn.Linear(2, 1)
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    (term,) = algo.loss_terms(start)
+    assert float(term(model)) == 0.0
+    with torch.no_grad():
+        model.weight += 2.0
+    loss = term(model)
+    loss.backward()
+    assert math.isclose(float(loss), 0.5 * 0.5 * 4.0 * 2)  # (mu/2) * ||dW||^2 over 2 entries
+    assert torch.allclose(model.weight.grad, torch.full((1, 2), 0.5 * 2.0))  # mu (w - w^t)
+    with pytest.raises(ValueError, match="mu = 0 is FedAvg"):
+        FedProx(mu=0.0)
+
+
+def test_bad_hyperparameters_are_refused() -> None:
+    for bad in (
+        {"candidate_lrs": ()},
+        {"candidate_lrs": (-1.0,)},
+        {"temp_steps": 0},
+        {"meta_fraction": 1.0},
+        {"prior_sigma": 0.0},
+        {"posterior_aggregation": "median"},
+        {"dropout": 1.0},
+    ):
+        with pytest.raises(ValueError, match="invalid"):
+            MetaBayFL(**bad)  # type: ignore[arg-type]
+
+
+def test_run_records_chosen_lrs_and_local_and_global_metrics(tmp_path: Path) -> None:
+    cfg = load_config(
+        None,
+        [
+            "name=bayes",
+            "num_clients=3",
+            "rounds=2",
+            "local_steps=6",
+            "batch_size=16",
+            "algorithms=[meta_bayfl]",
+            "model.kwargs={hidden: [16]}",
+            "partition.min_size=10",
+            "eval.clients=true",
+            "eval.local=true",
+            "eval.mc_samples=4",
+            "method.meta_bayfl.temp_steps=2",
+            f"output_dir={tmp_path}",
+            "progress=false",
+        ],
+    )
+    summary = run_one(cfg, "meta_bayfl", 42)
+    assert summary is not None
+    rows = [
+        json.loads(x)
+        for x in (run_dir(cfg, "meta_bayfl", 42) / "metrics.jsonl").read_text().splitlines()
+    ]
+    for row in rows:
+        assert set(row["lr_chosen"]) == {"0", "1", "2"}
+        assert all(v in (1e-2, 1e-3, 1e-4) for v in row["lr_chosen"].values())
+        assert row["client_train_s"] > 0
+    last = rows[-1]
+    for key in (
+        "local_accuracy",
+        "local_loss",
+        "local_ece",
+        "client_accuracy",
+        "client_ece",
+        "ece",
+    ):
+        assert math.isfinite(last[key]), key
+    assert "local_accuracy" not in rows[0]  # P-local is scored in the last round only
+    assert summary["local_accuracy"] == last["local_accuracy"]
+    assert summary["client_train_s_per_round"] > 0
+    assert isinstance(make_algorithm("meta_bayfl", cfg), MetaBayFL)
+
+
+def test_bnn_sends_twice_the_bytes_of_fedavg(tmp_path: Path) -> None:
+    base = [
+        "num_clients=2",
+        "rounds=1",
+        "local_steps=2",
+        "model.kwargs={hidden: [16]}",
+        "partition.min_size=10",
+        f"output_dir={tmp_path}",
+        "progress=false",
+    ]
+    out = {}
+    for m in ("fedavg", "bayfl"):
+        cfg = load_config(None, [*base, f"name={m}", f"algorithms=[{m}]"])
+        s = run_one(cfg, m, 42)
+        assert s is not None
+        out[m] = s["bytes_up_total"]
+    assert out["bayfl"] == 2 * out["fedavg"]
+
+
+def test_prepare_model_converts_once() -> None:
+    net = nn.Sequential(nn.Linear(3, 2))
+    algo = MetaBayFL()
+    first = algo.prepare_model(net)
+    names = list(first.state_dict())
+    assert is_bayesian(first) and list(algo.prepare_model(first).state_dict()) == names
+
+
+@pytest.mark.parametrize("posterior", ["none", "bnn", "mcdropout"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_batched_trials_equal_sequential_trials(posterior: str, optimizer: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(120, 1, 8, 8, generator=g), torch.randint(0, 3, (120,), generator=g)
+    fit, meta = TensorSplit(x[:96], y[:96]), TensorSplit(x[96:], y[96:])
+    out = {}
+    for trials in ("sequential", "batched"):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(72, 3))
+        algo = MetaBayFL(
+            posterior=posterior,  # type: ignore[arg-type]
+            local_optimizer=optimizer,  # type: ignore[arg-type]
+            trials=trials,  # type: ignore[arg-type]
+            temp_steps=4,
+            batch_size=16,
+        )
+        algo.prepare_model(model)
+        opt = algo.make_optimizer(model)
+        terms = [elbo_kl_term(1.0, 96)] if posterior == "bnn" else []
+        pre = torch.Generator().manual_seed(3)  # two steps first: the trials continue Adam
+        local_train(model, minibatches(fit, 16, 2, pre), opt, [1e-3, 1e-3], loss_terms=terms)
+        with sampling(model, True):
+            out[trials] = algo.select_lr(model, opt, fit, meta, terms, seed=7)
+    assert out["sequential"][0] == out["batched"][0]
+    assert torch.allclose(
+        torch.tensor(out["sequential"][1]), torch.tensor(out["batched"][1]), rtol=1e-4
+    )

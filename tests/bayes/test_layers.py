@@ -1,0 +1,173 @@
+"""Mean-field Gaussian layers, KL, prior, MC dropout, the converters, the MC predictive."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.distributions import Normal
+from torch.distributions import kl_divergence as torch_kl
+
+from fedlore.bayes import (
+    BayesConv2d,
+    BayesLinear,
+    GaussianPrior,
+    MCDropoutLinear,
+    add_mc_dropout,
+    bayesianize,
+    gaussian_kl,
+    inverse_softplus,
+    is_bayesian,
+    kl_divergence,
+    log_prior,
+    log_softplus,
+    sampling,
+)
+from fedlore.data.client_data import TensorSplit
+from fedlore.models import build_model
+from fedlore.train.local import evaluate, predictive_log_probs
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return build_model("cnn", (1, 8, 8), 3, channels=(2, 3), hidden=5)
+
+
+def test_kl_is_zero_at_the_prior_and_positive_elsewhere() -> None:
+    prior = GaussianPrior(0.3, 0.5)
+    layer = BayesLinear(nn.Linear(4, 3), prior, rho_init=0.0)
+    with torch.no_grad():
+        layer.weight_mu.fill_(0.3)
+        layer.bias_mu.fill_(0.3)  # type: ignore[union-attr]
+        rho = inverse_softplus(0.5)
+        layer.weight_rho.fill_(float(rho))
+        layer.bias_rho.fill_(float(rho))  # type: ignore[union-attr]
+    assert abs(float(layer.kl().detach())) < 1e-5
+    with torch.no_grad():
+        layer.weight_mu[0, 0] += 0.1
+    assert float(layer.kl().detach()) > 0
+    with torch.no_grad():
+        layer.weight_mu[0, 0] -= 0.1
+        layer.bias_rho[1] -= 1.0  # type: ignore[index]
+    assert float(layer.kl().detach()) > 0
+
+
+def test_kl_matches_torch_distributions() -> None:
+    torch.manual_seed(1)
+    mu, rho = torch.randn(50), torch.randn(50) * 2 - 3
+    ours = gaussian_kl(mu, log_softplus(rho), -0.2, 0.7)
+    ref = torch_kl(Normal(mu, torch.nn.functional.softplus(rho)), Normal(-0.2, 0.7)).sum()
+    assert torch.allclose(ours, ref, rtol=1e-5)
+    model = bayesianize(_cnn(), GaussianPrior(0.0, 1.0), rho_init=-4.0)
+    total = sum(float(m.kl()) for m in model.modules() if isinstance(m, BayesLinear | BayesConv2d))
+    assert math.isclose(float(kl_divergence(model)), total, rel_tol=1e-6)
+
+
+def test_log_prior_of_a_weight_far_in_the_tail_is_finite() -> None:
+    prior = GaussianPrior(0.0, 1.0)
+    far = torch.tensor([1e20, -3e19, 40.0])
+    value = prior.log_prob(far)
+    assert math.isfinite(float(value)) and float(value) < -1e38
+    # the density itself underflows to 0 here; its log, computed in log space, does not
+    assert float(Normal(0.0, 1.0).log_prob(torch.tensor(40.0)).exp()) == 0.0
+    assert math.isclose(
+        float(prior.log_prob(torch.tensor([40.0]))), -800.0 - 0.5 * math.log(2 * math.pi)
+    )
+    layer = BayesLinear(nn.Linear(2, 1), prior, rho_init=-300.0)  # sigma underflows in fp32
+    assert math.isfinite(float(layer.kl().detach()))  # log sigma = rho, not log(0)
+    with torch.no_grad():
+        layer.weight_mu.fill_(1e20)
+    assert math.isfinite(float(layer.log_prior().detach()))
+    assert torch.equal(log_softplus(torch.tensor([-300.0])), torch.tensor([-300.0]))
+
+
+def test_sampling_flag_is_independent_of_train_and_eval() -> None:
+    model = bayesianize(_cnn(), rho_init=-1.0)
+    x = torch.rand(4, 1, 8, 8)
+    model.eval()
+    with sampling(model, True):
+        a, b = model(x), model(x)
+    assert not torch.allclose(a, b)  # eval mode still samples
+    model.train()
+    with sampling(model, False):
+        c, d = model(x), model(x)
+    assert torch.equal(c, d)  # train mode with sampling off uses the means
+    assert all(m.sampling for m in model.modules() if hasattr(m, "sampling"))  # restored
+
+
+def test_bayesianize_keeps_the_deterministic_model_as_its_mean() -> None:
+    det = _cnn()
+    x = torch.rand(4, 1, 8, 8)
+    ref = det(x)
+    model = bayesianize(det, rho_init=-5.0)
+    names = list(model.state_dict())
+    assert "fc.weight_mu" in names and "fc.weight_rho" in names and "fc.weight" not in names
+    assert is_bayesian(model)
+    with sampling(model, False):
+        assert torch.allclose(model(x), ref)
+    assert bayesianize(model) is model and list(model.state_dict()) == names  # idempotent
+    sigma = torch.nn.functional.softplus(model.fc.weight_rho)  # type: ignore[union-attr]
+    assert torch.allclose(sigma, torch.full_like(sigma, 0.0067153), atol=1e-6)
+
+
+def test_mc_dropout_keeps_names_and_turns_off_with_the_flag() -> None:
+    det = _cnn()
+    x = torch.rand(8, 1, 8, 8)
+    ref = det(x)
+    names = list(det.state_dict())
+    model = add_mc_dropout(det, p=0.5)
+    assert list(model.state_dict()) == names
+    assert isinstance(model.fc, MCDropoutLinear)
+    model.eval()
+    with sampling(model, False):
+        assert torch.allclose(model(x), ref)
+    with sampling(model, True):
+        assert not torch.allclose(model(x), model(x))
+    with pytest.raises(ValueError, match="MC dropout p"):
+        add_mc_dropout(_cnn(), p=1.0)
+
+
+def test_mc_predictive_averages_probabilities_not_log_probabilities() -> None:
+    model = bayesianize(_cnn(), rho_init=0.0)
+    x = torch.rand(6, 1, 8, 8)
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    log_p = predictive_log_probs(model, x, mc_samples=7)
+    assert torch.allclose(log_p.exp().sum(-1), torch.ones(6), atol=1e-5)
+    # same seed -> same draws -> same predictive; more draws -> another estimate
+    assert torch.equal(log_p, predictive_log_probs(model, x, mc_samples=7))
+    assert not torch.allclose(log_p, predictive_log_probs(model, x, mc_samples=3))
+    res = evaluate(model, TensorSplit(x, y), mc_samples=7)
+    nll = -log_p[torch.arange(6), y].mean()
+    assert math.isclose(res["loss"], float(nll), rel_tol=1e-5)
+    assert 0.0 <= res["ece"] <= 1.0
+    # Jensen: the NLL of the averaged probabilities is at most the mean NLL of the draws
+    stacked = torch.stack([torch.log_softmax(model(x), -1) for _ in range(3)])
+    avg = torch.logsumexp(stacked, 0) - math.log(3)
+    assert float(-avg[torch.arange(6), y].mean()) <= float(-stacked[:, torch.arange(6), y].mean())
+
+
+def test_deterministic_model_ignores_mc_samples() -> None:
+    model = _cnn()
+    x = torch.rand(5, 1, 8, 8)
+    assert torch.equal(
+        predictive_log_probs(model, x, mc_samples=20), predictive_log_probs(model, x)
+    )
+
+
+def test_log_prior_sums_layers() -> None:
+    model = bayesianize(_cnn())
+    total = sum(
+        float(m.log_prior()) for m in model.modules() if isinstance(m, BayesLinear | BayesConv2d)
+    )
+    assert math.isclose(float(log_prior(model)), total, rel_tol=1e-9)
+
+
+def test_bad_prior_and_conv_mode_are_refused() -> None:
+    with pytest.raises(ValueError, match="sigma > 0"):
+        GaussianPrior(0.0, 0.0)
+    with pytest.raises(ValueError, match="padding_mode"):
+        BayesConv2d(nn.Conv2d(1, 1, 3, padding_mode="reflect"), GaussianPrior(), -5.0)
+    with pytest.raises(ValueError, match=r"no nn\.Linear or nn\.Conv2d"):
+        bayesianize(nn.Sequential(nn.ReLU()))
