@@ -14,6 +14,8 @@ client in every round, no evaluation: the mean local-training seconds per client
 The first round of each method is a warm-up and is not counted.
 
     python benchmarks/bayes_time.py [--config experiments/bayes_table4.yaml] [--rounds 4]
+    python benchmarks/bayes_time.py --set local_steps=240 \
+        --out benchmarks/results/bayes_time_epoch.json        # K = about one local epoch
 
 Threads: run it alone on the machine; it sets ``torch.set_num_threads(--threads)``.
 """
@@ -75,9 +77,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/bayes_time.json"))
+    p.add_argument("--set", action="append", default=[], help="KEY=VALUE config override")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    base = ["progress=false", "checkpoint=false", "eval.local=false"]
+    base = ["progress=false", "checkpoint=false", "eval.local=false", *a.set]
     res = {
         name: measure(a.config, method, [*base, *extra], a.rounds)
         for name, (method, extra) in VARIANTS.items()

@@ -172,8 +172,10 @@ class EvalConfig(_Strict):
     ``client_accuracy``, ``client_loss``, ``client_ece`` and the client mean
     ``client_accuracy_mean``)."""
     local: bool = False
-    """In the last round every client also scores its freshly trained local model on its own
-    test split (P-local: ``local_accuracy``, ``local_loss``, ``local_ece``, pooled)."""
+    """In the last round every client sampled in it also scores its freshly trained local model
+    on its own test split (P-local): ``local_accuracy`` and ``local_loss`` pooled over their test
+    examples, ``local_ece`` the test-size-weighted mean of the clients' ECEs, ``local_clients``
+    how many reported."""
     mc_samples: int = Field(20, ge=0)
     """S, the MC predictive's weight samples for models with stochastic layers (BNN, MC
     dropout); 0 scores one pass with the posterior means / dropout off."""

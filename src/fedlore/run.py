@@ -470,6 +470,7 @@ SUMMARY_LAST = {
     "local_accuracy": "local_accuracy",
     "local_loss": "local_loss",
     "local_ece": "local_ece",
+    "local_clients": "local_clients",
 }
 """Summary key -> row key whose last recorded value it holds (when any round recorded it)."""
 

@@ -157,7 +157,9 @@ def test_fedprox_term_pulls_towards_the_global_model() -> None:
         model.weight += 2.0
     loss = term(model)
     loss.backward()
-    assert math.isclose(float(loss), 0.5 * 0.5 * 4.0 * 2)  # (mu/2) * ||dW||^2 over 2 entries
+    assert math.isclose(
+        float(loss), 0.5 * 0.5 * 4.0 * 2, rel_tol=1e-6
+    )  # (mu/2) ||dW||^2, 2 entries
     assert torch.allclose(model.weight.grad, torch.full((1, 2), 0.5 * 2.0))  # mu (w - w^t)
     with pytest.raises(ValueError, match="mu = 0 is FedAvg"):
         FedProx(mu=0.0)
@@ -278,3 +280,54 @@ def test_batched_trials_equal_sequential_trials(posterior: str, optimizer: str) 
     assert torch.allclose(
         torch.tensor(out["sequential"][1]), torch.tensor(out["batched"][1]), rtol=1e-4
     )
+
+
+def test_yaml_numbers_without_a_dot_are_numbers() -> None:
+    cfg = load_config(
+        None, ["method.meta_bayfl.candidate_lrs=[1e-2,1e-3]", "method.meta_bayfl.beta_kl=1e-1"]
+    )
+    algo = make_algorithm("meta_bayfl", cfg)
+    assert isinstance(algo, MetaBayFL)
+    assert algo.candidate_lrs == (1e-2, 1e-3) and algo.beta_kl == 0.1
+    bad = load_config(None, ["method.meta_bayfl.candidate_lrs=[fast]"])
+    with pytest.raises(ValueError, match="'fast' is not a number"):
+        make_algorithm("meta_bayfl", bad)
+
+
+def test_batched_trials_count_the_kl_of_frozen_layers() -> None:
+    _, fit, meta = _regression_case()
+    out = {}
+    for trials in ("sequential", "batched"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        algo = MetaBayFL(trials=trials, candidate_lrs=(0.1, 0.01, 0.001), temp_steps=3)  # type: ignore[arg-type]
+        algo.prepare_model(model)
+        for name, p in model.named_parameters():
+            p.requires_grad_(not name.endswith("_rho"))  # params.freeze=["*_rho"]
+        opt = algo.make_optimizer(model)
+        terms = [elbo_kl_term(1.0, len(fit))]
+        with sampling(model, True):
+            out[trials] = algo.select_lr(model, opt, fit, meta, terms, seed=2)
+    assert out["sequential"][0] == out["batched"][0]
+    assert torch.allclose(
+        torch.tensor(out["sequential"][1]), torch.tensor(out["batched"][1]), rtol=1e-4
+    )
+
+
+def test_combine_gaussians_keeps_tiny_sigmas() -> None:
+    mu = [torch.zeros(3), torch.zeros(3)]
+    rho = [torch.full((3,), -200.0), torch.full((3,), -200.0)]
+    for rule in ("mean", "sigma", "moment", "precision"):
+        m, r = combine_gaussians(mu, rho, [1.0, 2.0], rule)  # type: ignore[arg-type]
+        assert torch.allclose(m, mu[0]) and torch.allclose(r, rho[0], rtol=1e-5), (rule, r)
+
+
+def test_a_client_with_one_example_trains_without_a_search() -> None:
+    model, fit, _ = _regression_case()
+    one = ClientData(0, fit.subset(torch.tensor([0])), fit.subset(torch.tensor([1])))
+    algo = MetaBayFL(posterior="none", local_steps=2, batch_size=4)
+    state = algo.init_server(model, torch.Generator())
+    msg = algo.broadcast(state, 0, 0)
+    reply, _ = algo.client_update(msg, None, model, one, torch.Generator().manual_seed(0))
+    assert reply.num_examples == 1 and "lr_chosen" not in reply.metrics
+    assert any(float(v.abs().sum()) > 0 for v in reply.arrays.values())

@@ -171,3 +171,18 @@ def test_bad_prior_and_conv_mode_are_refused() -> None:
         BayesConv2d(nn.Conv2d(1, 1, 3, padding_mode="reflect"), GaussianPrior(), -5.0)
     with pytest.raises(ValueError, match=r"no nn\.Linear or nn\.Conv2d"):
         bayesianize(nn.Sequential(nn.ReLU()))
+
+
+def test_diverged_predictions_score_nan_not_chance() -> None:
+    from fedlore.train.local import classification_metrics
+
+    res = classification_metrics(torch.full((10, 10), float("nan")), torch.arange(10))
+    assert all(math.isnan(res[k]) for k in ("accuracy", "loss", "ece"))
+
+
+def test_mc_dropout_that_drops_nothing_is_refused() -> None:
+    convs = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU())
+    with pytest.raises(ValueError, match="drops nothing"):
+        add_mc_dropout(convs, p=0.5, conv_p=0.2)  # the first conv never drops
+    with pytest.raises(ValueError, match="drops nothing"):
+        add_mc_dropout(_cnn(), p=0.0)

@@ -190,3 +190,29 @@ def test_report_experiment_and_output_dir(exp: Path) -> None:
     both = report(exp.parent)
     assert both.index("# other") < both.index("# quick")  # name order
     assert (other / "report.csv").is_file() and (other / "accuracy_vs_bytes.png").is_file()
+
+
+def test_calibration_local_and_client_time_columns(tmp_path: Path) -> None:
+    e = tmp_path / "runs" / "bayes"
+    extra = {
+        "final_loss": 0.5,
+        "final_ece": 0.04,
+        "local_accuracy": 0.9,
+        "client_train_s_per_round": 0.25,
+    }
+    for seed, ece in ((1, 0.04), (2, 0.08)):
+        write_run(
+            e,
+            "bayfl",
+            seed,
+            rows_for([0.7], 1e6, 1e6),
+            {**summ(0.7, 0.7, 1e6, 1e6, 0, 1.0), **extra, "final_ece": ece},
+        )
+    (row,) = summary_table(load_runs(e))
+    assert row["final_ece_mean"] == pytest.approx(0.06)
+    assert row["local_accuracy_pct_mean"] == pytest.approx(90.0)
+    md = to_markdown([row])
+    header = md.splitlines()[0]
+    assert "NLL" in header and "ECE" in header and "P-local acc. (%)" in header
+    assert "client train s / round" in header
+    assert "0.060 ± 0.028" in md and "0.25" in md

@@ -178,6 +178,8 @@ def build_hyper(cls: type, common: dict[str, Any], overrides: dict[str, Any]) ->
             kw[k] = tuple(v)
         elif isinstance(v, str) and types[k].startswith("tuple[str"):
             kw[k] = (v,)  # one name for a list-of-names field, not its letters
+        if "float" in types[k]:  # YAML 1.1 reads 1e-3 (no dot) as a string
+            kw[k] = _as_floats(k, kw[k])
     try:
         return cls(**kw)
     except TypeError as e:  # e.g. a string where a number is needed
@@ -185,6 +187,25 @@ def build_hyper(cls: type, common: dict[str, Any], overrides: dict[str, Any]) ->
         raise ValueError(
             f"{cls.__name__}: a hyperparameter has the wrong type ({e}); got {bad}"
         ) from e
+
+
+def _as_floats(name: str, value: Any) -> Any:
+    """``value`` with strings that spell numbers (``"1e-3"``) turned into floats, in a tuple or
+    alone; other values unchanged (the dataclass check then names them).
+
+    Raises:
+        ValueError: for a string that is not a number.
+    """
+
+    def conv(v: Any) -> Any:
+        if not isinstance(v, str):
+            return v
+        try:
+            return float(v)
+        except ValueError:
+            raise ValueError(f"hyperparameter {name}: {v!r} is not a number") from None
+
+    return tuple(conv(v) for v in value) if isinstance(value, tuple) else conv(value)
 
 
 def construction_gradients(

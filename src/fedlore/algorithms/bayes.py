@@ -54,9 +54,11 @@ from fedlore.bayes.layers import (
     GaussianPrior,
     add_mc_dropout,
     bayesianize,
+    gaussian_kl,
     inverse_softplus,
     is_bayesian,
     kl_divergence,
+    log_softplus,
     sampling,
     seeded,
 )
@@ -137,10 +139,14 @@ def combine_gaussians(
     * ``precision`` (D): conflation, ``tau = Σ a_i / sigma_i²``,
       ``mu = Σ a_i mu_i / sigma_i² / tau``, ``sigma = tau^-1/2``.
 
-    Computed in float64.
+    Computed in float64 (sigma through log-softplus, so a client's sigma is exact down to
+    rho = -708; below that it counts as the smallest positive float64).
 
     Returns:
         (mu, rho), each of the inputs' shape and dtype.
+
+    Raises:
+        ValueError: for an unknown ``rule``.
     """
     w = torch.tensor(weights, dtype=torch.float64)
     w = w / w.sum()
@@ -148,21 +154,22 @@ def combine_gaussians(
     a = w.view(shape)
     mu = torch.stack([m.double() for m in mus])
     rho = torch.stack([r.double() for r in rhos])
-    sigma = torch.nn.functional.softplus(rho)
+    tiny = torch.finfo(torch.float64).tiny
+    sigma = log_softplus(rho).exp().clamp_min(tiny)  # exact down to rho = -708
     if rule == "mean":
         out_mu, out_rho = (a * mu).sum(0), (a * rho).sum(0)
     elif rule == "sigma":
         out_mu = (a * mu).sum(0)
-        out_rho = inverse_softplus((a * sigma).sum(0).clamp_min(1e-30))
+        out_rho = inverse_softplus((a * sigma).sum(0).clamp_min(tiny))
     elif rule == "moment":
         out_mu = (a * mu).sum(0)
-        var = ((a * (sigma**2 + mu**2)).sum(0) - out_mu**2).clamp_min(1e-60)
-        out_rho = inverse_softplus(var.sqrt())
+        spread = (a * (mu - out_mu) ** 2).sum(0)  # Σ a (σ² + μ²) - μ̄², without cancellation
+        out_rho = inverse_softplus(((a * sigma**2).sum(0) + spread).sqrt().clamp_min(tiny))
     elif rule == "precision":
         prec = a / sigma**2
         tau = prec.sum(0)
         out_mu = (prec * mu).sum(0) / tau
-        out_rho = inverse_softplus(tau.rsqrt())
+        out_rho = inverse_softplus(tau.rsqrt().clamp_min(tiny))
     else:
         raise ValueError(f"unknown posterior aggregation {rule!r}")
     return out_mu.to(mus[0].dtype), out_rho.to(rhos[0].dtype)
@@ -295,7 +302,8 @@ class MetaBayFL(FedFull):
         model = self.prepare_model(model)
         start, keep = self.dense_start(msg, state, model)
         rnd = int(msg.config["round"])
-        search = self.lr_search != "none"
+        # a client with fewer than 2 examples cannot hold out d: it trains at the fixed lr
+        search = self.lr_search != "none" and data.num_examples >= 2
         fit, meta = meta_split(data, self.meta_fraction) if search else (data.train, None)
         n_fit = len(fit)
         terms = [elbo_kl_term(self.beta_kl, n_fit)] if is_bayesian(model) else []
@@ -390,8 +398,10 @@ class MetaBayFL(FedFull):
 def meta_loss(
     model: nn.Module, meta: TensorSplit, terms: list[LossTerm], batch_size: int = 512
 ) -> float:
-    """Seed Eq. 19 on the meta split d: the mean task loss of one stochastic pass (the
-    layers' current sampling flags; BatchNorm in eval mode) plus the ELBO's KL terms.
+    """The score of a temporary copy on the meta split d: seed Eq. 19's mean loss over d (one
+    stochastic pass with the layers' current sampling flags; BatchNorm in eval mode) plus the
+    ELBO's KL terms, i.e. the per-example negative ELBO, our reading of "the lowest loss"
+    (reference notes Part 16 #5; ``terms`` is empty for deterministic models, leaving Eq. 19).
 
     Returns:
         A float (nats per example); NaN/inf when the trial diverged.
@@ -440,8 +450,6 @@ def batched_trials(
     """
     from torch.func import functional_call, grad_and_value, vmap
 
-    from fedlore.bayes.layers import GaussianPrior, gaussian_kl, log_softplus
-
     named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
     frozen = {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad}
     j = len(algo.candidate_lrs)
@@ -461,6 +469,7 @@ def batched_trials(
     n_fit = len(fit)
 
     def kl(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        """KL of every Bayesian layer, frozen (mu, rho) included, as kl_divergence(model)."""
         total = torch.zeros(())
         for key in p:
             if key.endswith("_rho"):
@@ -469,8 +478,9 @@ def batched_trials(
         return total
 
     def objective(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = task_loss(functional_call(model, {**p, **frozen}, (x,)), y)
-        return loss + algo.beta_kl * kl(p) / n_fit if bayes else loss
+        full = {**p, **frozen}
+        loss = task_loss(functional_call(model, full, (x,)), y)
+        return loss + algo.beta_kl * kl(full) / n_fit if bayes else loss
 
     step_fn = vmap(grad_and_value(objective), in_dims=(0, None, None), randomness="same")
     score_fn = vmap(objective, in_dims=(0, None, None), randomness="same")

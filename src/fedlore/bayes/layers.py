@@ -50,14 +50,20 @@ def log_softplus(rho: torch.Tensor) -> torch.Tensor:
 
 def inverse_softplus(sigma: torch.Tensor | float) -> torch.Tensor:
     """``rho = log(exp(sigma) - 1)``, the inverse of softplus, computed as
-    ``sigma + log(-expm1(-sigma))`` (stable for small and large sigma).
+    ``sigma + log(-expm1(-sigma))`` (stable for small and large sigma), in ``sigma``'s dtype
+    (the default dtype for a Python number).
 
     Raises:
         ValueError: when a sigma is not positive.
     """
-    s = torch.as_tensor(sigma, dtype=torch.get_default_dtype())
+    s = torch.as_tensor(sigma)
+    if not s.is_floating_point():
+        s = s.to(torch.get_default_dtype())
     if not bool((s > 0).all()):
-        raise ValueError("inverse_softplus: sigma must be > 0")
+        raise ValueError(
+            f"inverse_softplus: sigma must be > 0 (smallest given: {float(s.min()):.3g}, "
+            f"dtype {s.dtype})"
+        )
     return s + torch.log(-torch.expm1(-s))
 
 
@@ -310,7 +316,8 @@ def add_mc_dropout(model: nn.Module, p: float = 0.5, conv_p: float = 0.0) -> nn.
         ``model`` itself.
 
     Raises:
-        ValueError: for rates outside [0, 1), or a model without an ``nn.Linear``.
+        ValueError: for rates outside [0, 1), or when no layer would drop anything (no
+            ``nn.Linear`` with ``p > 0`` and no second ``nn.Conv2d`` with ``conv_p > 0``).
     """
     for name, rate in (("p", p), ("conv_p", conv_p)):
         if not 0.0 <= rate < 1.0:
@@ -331,10 +338,13 @@ def add_mc_dropout(model: nn.Module, p: float = 0.5, conv_p: float = 0.0) -> nn.
         return new
 
     swap: tuple[type, ...] = (nn.Linear, nn.Conv2d) if conv_p > 0 else (nn.Linear,)
-    if _replace(model, swap, make) == 0 and not any(
-        isinstance(m, MCDropoutLinear) for m in model.modules()
-    ):
-        raise ValueError(f"{type(model).__name__} has no nn.Linear to put MC dropout before")
+    _replace(model, swap, make)
+    dropping = [m for m in model.modules() if isinstance(m, MCDropoutLinear | MCDropoutConv2d)]
+    if not any(m.p > 0 for m in dropping):
+        raise ValueError(
+            f"MC dropout on {type(model).__name__} drops nothing: it needs an nn.Linear with "
+            f"p > 0 (got p={p}) or a second nn.Conv2d with conv_p > 0 (got conv_p={conv_p})"
+        )
     return model
 
 

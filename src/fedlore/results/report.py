@@ -53,9 +53,15 @@ COLUMNS = [
     "final_perplexity_mean",
     "final_perplexity_std",
     "best_perplexity_mean",
+    "final_ece_mean",
+    "final_ece_std",
+    "local_accuracy_pct_mean",
+    "local_accuracy_pct_std",
+    "client_train_s_per_round_mean",
 ]
 """Keys of every :func:`summary_table` row, in CSV column order (the perplexity columns are
-empty for classifiers)."""
+empty for classifiers; ECE, P-local accuracy and client training time are empty for runs that
+did not record them)."""
 
 
 def _summary_values(records: list[RunRecord], key: str, scale: float = 1.0) -> list[float]:
@@ -82,8 +88,10 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
     Returns:
         Rows with the keys in :data:`COLUMNS`: ``n_seeds``; final and best accuracy in percent
         (mean, std); final loss and perplexity (mean, std) and best perplexity (language
-        models); mean total MB up and down per run; mean per-client optimizer-state bytes;
-        seconds per round (mean, std). A statistic is None when no seed reports it.
+        models); final ECE, P-local accuracy in percent and client training seconds per round
+        where the runs recorded them; mean total MB up and down per run; mean per-client
+        optimizer-state bytes; seconds per round (mean, std). A statistic is None when no seed
+        reports it.
     """
     table = []
     for method, records in runs.items():
@@ -92,6 +100,8 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
         wall_m, wall_s = _stat(_summary_values(records, "wall_s_per_round"))
         loss_m, loss_s = _stat(_summary_values(records, "final_loss"))
         ppl_m, ppl_s = _stat(_summary_values(records, "final_perplexity"))
+        ece_m, ece_s = _stat(_summary_values(records, "final_ece"))
+        local_m, local_s = _stat(_summary_values(records, "local_accuracy", 100.0))
         table.append(
             {
                 "method": method,
@@ -120,6 +130,13 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
                 "final_perplexity_mean": ppl_m,
                 "final_perplexity_std": ppl_s,
                 "best_perplexity_mean": _stat(_summary_values(records, "best_perplexity"))[0],
+                "final_ece_mean": ece_m,
+                "final_ece_std": ece_s,
+                "local_accuracy_pct_mean": local_m,
+                "local_accuracy_pct_std": local_s,
+                "client_train_s_per_round_mean": _stat(
+                    _summary_values(records, "client_train_s_per_round")
+                )[0],
                 "diverged_runs": sum(
                     1
                     for r in records
@@ -166,14 +183,21 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
     """Render :func:`summary_table` rows as a Markdown table (accuracies in %, mean ± std).
 
     When any row has a perplexity (language models), the accuracy columns give way to the final
-    validation loss (nats per token), the final perplexity and the next-token accuracy.
+    validation loss (nats per token), the final perplexity and the next-token accuracy. Classifier
+    runs that recorded an ECE add the final NLL and ECE; runs with ``eval.local`` the P-local
+    accuracy; runs with client timing the local-training seconds per client and round.
     """
     lm = any(row.get("language_model") for row in table)
+    calib = not lm and any(row.get("final_ece_mean") is not None for row in table)
+    local = any(row.get("local_accuracy_pct_mean") is not None for row in table)
+    timed = any(row.get("client_train_s_per_round_mean") is not None for row in table)
     quality = (
         ["val loss", "val PPL", "next-token acc. (%)"]
         if lm
         else ["final acc. (%)", "best acc. (%)"]
     )
+    quality += ["NLL", "ECE"] if calib else []
+    quality += ["P-local acc. (%)"] if local else []
     header = [
         "method",
         "seeds",
@@ -182,6 +206,7 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
         "MB down",
         "optimizer state",
         "s / round",
+        *(["client train s / round"] if timed else []),
         "rejected / skipped",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -200,6 +225,15 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
             ]
         else:
             first = [acc, _pm(row["best_accuracy_pct_mean"], row["best_accuracy_pct_std"], n=n)]
+        if calib:
+            first += [
+                _pm(row.get("final_loss_mean"), row.get("final_loss_std"), digits=3, n=n),
+                _pm(row.get("final_ece_mean"), row.get("final_ece_std"), digits=3, n=n),
+            ]
+        if local:
+            first.append(
+                _pm(row.get("local_accuracy_pct_mean"), row.get("local_accuracy_pct_std"), n=n)
+            )
         cells = [
             str(row["method"]),
             str(n),
@@ -208,6 +242,7 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
             _num(row["mb_down_mean"]),
             _bytes(row["optimizer_state_bytes_mean"]),
             _pm(row["wall_s_per_round_mean"], row["wall_s_per_round_std"], digits=3, n=n),
+            *([_num(row.get("client_train_s_per_round_mean"))] if timed else []),
             f"{_count(rej)} / {_count(skip)}",
         ]
         lines.append("| " + " | ".join(cells) + " |")

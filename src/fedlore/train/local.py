@@ -217,11 +217,15 @@ def classification_metrics(log_probs: torch.Tensor, y: torch.Tensor) -> dict[str
     Returns:
         ``accuracy`` (argmax, torchmetrics micro), ``loss`` (mean NLL ``-log p(y|x)`` in nats),
         ``ece`` (torchmetrics ``multiclass_calibration_error``, 15 equal-width bins, L1;
-        Guo et al. 2017), and ``num_examples``.
+        Guo et al. 2017), and ``num_examples``; all NaN when a log probability is not finite
+        (a diverged model), never a chance-level accuracy read from NaN probabilities.
     """
     from torchmetrics.functional.classification import multiclass_calibration_error
 
     k = int(log_probs.shape[-1])
+    if not bool(torch.isfinite(log_probs).all()):  # a diverged model: no score is meaningful
+        nan = float("nan")
+        return {"accuracy": nan, "loss": nan, "ece": nan, "num_examples": len(y)}
     probs = log_probs.exp()
     acc = MulticlassAccuracy(num_classes=k, average="micro")(probs, y)
     nll = F.nll_loss(log_probs, y)
