@@ -130,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for setting in settings:
         for method in methods:
-            runs = [Path(root) / f"{cfg.name}-{label(setting)}" / method / f"seed-{s}" for s in cfg.seeds]
-            done = [json.loads((r / "summary.json").read_text()) for r in runs if (r / "summary.json").exists()]  # fmt: skip
+            folder = Path(root) / f"{cfg.name}-{label(setting)}" / method
+            runs = [folder / f"seed-{s}" for s in cfg.seeds]
+            finished = [r / "summary.json" for r in runs if (r / "summary.json").exists()]
+            done = [json.loads(f.read_text()) for f in finished]
             if not done:
                 continue
             lrs: dict[str, int] = {}
@@ -148,9 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             rec["lr_chosen"] = lrs
             records.append(rec)
             lr_cell = ", ".join(f"{k}: {v}" for k, v in sorted(lrs.items())) or "–"
-            lines.append(
-                f"| {label(setting)} | {method} | {len(done)} | " + " | ".join(cells) + f" | {lr_cell} |"
-            )  # fmt: skip
+            head = f"| {label(setting)} | {method} | {len(done)} | "
+            lines.append(head + " | ".join(cells) + f" | {lr_cell} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     (out / "table.json").write_text(json.dumps(records, indent=2))
     print("\n".join(lines))
