@@ -179,7 +179,7 @@ def build_hyper(cls: type, common: dict[str, Any], overrides: dict[str, Any]) ->
         elif isinstance(v, str) and types[k].startswith("tuple[str"):
             kw[k] = (v,)  # one name for a list-of-names field, not its letters
         if "float" in types[k]:  # YAML 1.1 reads 1e-3 (no dot) as a string
-            kw[k] = _as_floats(k, kw[k])
+            kw[k] = _as_floats(f"{cls.__name__}: hyperparameter {k}", kw[k])
     try:
         return cls(**kw)
     except TypeError as e:  # e.g. a string where a number is needed
@@ -189,12 +189,13 @@ def build_hyper(cls: type, common: dict[str, Any], overrides: dict[str, Any]) ->
         ) from e
 
 
-def _as_floats(name: str, value: Any) -> Any:
+def _as_floats(what: str, value: Any) -> Any:
     """``value`` with strings that spell numbers (``"1e-3"``) turned into floats, in a tuple or
     alone; other values unchanged (the dataclass check then names them).
 
     Raises:
-        ValueError: for a string that is not a number.
+        ValueError: for a string that is not a number, prefixed by ``what`` (the method and
+            hyperparameter).
     """
 
     def conv(v: Any) -> Any:
@@ -203,7 +204,7 @@ def _as_floats(name: str, value: Any) -> Any:
         try:
             return float(v)
         except ValueError:
-            raise ValueError(f"hyperparameter {name}: {v!r} is not a number") from None
+            raise ValueError(f"{what} has the wrong type: {v!r} is not a number") from None
 
     return tuple(conv(v) for v in value) if isinstance(value, tuple) else conv(value)
 

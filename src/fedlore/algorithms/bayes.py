@@ -197,12 +197,14 @@ class MetaBayFL(FedFull):
         posterior_aggregation: ``"mean"`` (A), ``"sigma"`` (B), ``"moment"`` (C) or
             ``"precision"`` (D) of :func:`combine_gaussians`; deterministic tensors always
             average.
-        trials: ``"batched"`` runs the J temporary copies as one vectorized computation
-            (:func:`batched_trials`, ``torch.func.vmap`` over the candidates; models with
-            BatchNorm or a gradient clip fall back), ``"sequential"`` one copy after another.
-            Both draw the same weight samples and give the same scores up to float rounding
-            while every trial step is finite (a batched trial stops at its first non-finite
-            step; a sequential one skips it).
+        trials: ``"sequential"`` (default) trains the J temporary copies one after another;
+            ``"batched"`` runs them as one vectorized computation (:func:`batched_trials`,
+            ``torch.func.vmap`` over the candidates; models with BatchNorm or a gradient clip
+            fall back to sequential). Both draw the same weight samples and give the same scores
+            up to float rounding while every trial step is finite (a batched trial stops at its
+            first non-finite step; a sequential one skips it). Batched is slower on CPU for
+            conv nets (``vmap`` turns each conv into a grouped conv): see
+            ``benchmarks/bayes_time.py``.
     """
 
     name: ClassVar[str] = "meta_bayfl"
@@ -219,7 +221,7 @@ class MetaBayFL(FedFull):
     dropout: float = 0.5
     conv_dropout: float = 0.0
     posterior_aggregation: Aggregation = "mean"
-    trials: Literal["batched", "sequential"] = "batched"
+    trials: Literal["batched", "sequential"] = "sequential"
 
     def __post_init__(self) -> None:
         super().__post_init__()
