@@ -7,8 +7,11 @@ Methods (side: takes -> returns):
 * ``client_update`` (client): Broadcast, client State or None, model, data, rng -> (Reply, State)
 * ``aggregate`` (server): State, [(client id, Reply or None)], round -> (State, metrics)
 
-An algorithm may declare ``setup_rounds`` (default 0): that many exchanges run before round 0,
-numbered -setup_rounds .. -1 (FedLore's gradient-based P^0); they are counted in the byte totals.
+An algorithm may declare ``per_client_metrics`` (default none): reply metrics the round loop
+records per client (``{client id: value}``) in each round's row, e.g. Meta-BayFL's chosen
+learning rate. An algorithm may declare ``setup_rounds`` (default 0): that many exchanges run
+before round 0, numbered -setup_rounds .. -1 (FedLore's gradient-based P^0); they are counted in
+the byte totals.
 
 The algorithm object holds only hyperparameters (a frozen dataclass). The model handed to
 ``init_server`` and ``client_update`` is a scratch workspace: an algorithm must load every

@@ -208,6 +208,7 @@ class MetaBayFL(FedFull):
     """
 
     name: ClassVar[str] = "meta_bayfl"
+    per_client_metrics: ClassVar[tuple[str, ...]] = ("lr_chosen",)
     posterior: Literal["bnn", "mcdropout", "none"] = "bnn"
     lr_search: Literal["per_epoch", "per_round", "none"] = "per_epoch"
     candidate_lrs: tuple[float, ...] = (1e-2, 1e-3, 1e-4)

@@ -146,7 +146,7 @@ class RoundLoop:
             ),
             "skipped_steps": sum(int(r.metrics.get("skipped_steps", 0)) for r in ok),
         }
-        row.update(client_reports(accepted))
+        row.update(client_reports(accepted, getattr(self.algorithm, "per_client_metrics", ())))
         if rejected:
             row["rejected_reasons"] = rejected
         row.update(agg)
@@ -179,18 +179,16 @@ class RoundLoop:
 LOCAL_KEYS = ("local_accuracy", "local_loss", "local_ece")
 """P-local reply metrics, pooled over clients weighted by their test size ``local_n``."""
 
-PER_CLIENT_KEYS = ("lr_chosen",)
-"""Reply metrics recorded per client (``{client id: value}``) in the round's row."""
 
-
-def client_reports(accepted: list[tuple[int, Reply | None]]) -> Row:
+def client_reports(accepted: list[tuple[int, Reply | None]], per_client: Sequence[str] = ()) -> Row:
     """What the round's row records from the accepted replies' metrics besides the loss:
 
     * ``client_train_s``: mean seconds of local training per client (reply ``train_s``);
     * ``local_accuracy`` / ``local_loss`` / ``local_ece``: P-local scores pooled with weights
       ``local_n`` (accuracy and NLL are then the pooled values; ECE the test-size-weighted mean of
       the clients' ECEs), with ``local_clients`` = how many reported;
-    * :data:`PER_CLIENT_KEYS` per client, e.g. ``lr_chosen: {"3": 0.001}``.
+    * the reply metrics named in ``per_client`` (an algorithm's ``per_client_metrics``) per
+      client, e.g. ``lr_chosen: {"3": 0.001}``.
     """
     ok = [(c, r) for c, r in accepted if r is not None]
     row: Row = {}
@@ -205,7 +203,7 @@ def client_reports(accepted: list[tuple[int, Reply | None]]) -> Row:
             if vals and all(math.isfinite(v) for v, _ in vals):
                 row[key] = sum(v * n for v, n in vals) / sum(n for _, n in vals)
         row["local_clients"] = len(local)
-    for key in PER_CLIENT_KEYS:
+    for key in per_client:
         per = {str(c): r.metrics[key] for c, r in ok if key in r.metrics}
         if per:
             row[key] = per
