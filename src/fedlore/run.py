@@ -157,7 +157,10 @@ def run_one(
     factory = make_transport if make_transport is not None else LocalTransport
     transport = factory(algo, fed.client, build, seed, store)
 
-    client_tests = [fed.client(c).test for c in range(fed.num_clients)] if cfg.eval.clients else []
+    tests = [fed.client(c).test for c in range(fed.num_clients)] if cfg.eval.clients else []
+    tests = [t for t in tests if len(t)]
+    pooled_tests = TensorSplit.concat(tests) if tests else None  # built once per run
+    test_sizes = [len(t) for t in tests]
 
     def evaluate_state(s: State) -> dict[str, float]:
         load_model_arrays(eval_model, algo.global_arrays(s))
@@ -167,7 +170,7 @@ def run_one(
             k: res[k] for k in ("accuracy", "loss", "ece", "perplexity") if k in res
         }
         if cfg.eval.clients:
-            row.update(global_local_metrics(eval_model, client_tests, bs, mc))
+            row.update(global_local_metrics(eval_model, pooled_tests, test_sizes, bs, mc))
         return row
 
     callbacks: list[Callback] = [metrics]
@@ -217,21 +220,24 @@ def run_one(
 
 
 def global_local_metrics(
-    model: nn.Module, tests: list[TensorSplit], batch_size: int, mc_samples: int
+    model: nn.Module,
+    pooled: TensorSplit | None,
+    sizes: list[int],
+    batch_size: int,
+    mc_samples: int,
 ) -> dict[str, float]:
     """G-local (reference notes Part 0.8): the global model on every client's test split, one
-    predictive pass over their concatenation. Pooled ``client_accuracy``, ``client_loss`` (NLL)
-    and ``client_ece`` over all test examples, and ``client_accuracy_mean``, the unweighted mean
-    over clients with a test split."""
-    tests = [t for t in tests if len(t)]
-    if not tests:
+    predictive pass over their concatenation ``pooled`` (client after client, ``sizes`` examples
+    each; None when no client has a test split). Pooled ``client_accuracy``, ``client_loss``
+    (NLL) and ``client_ece`` over all test examples, and ``client_accuracy_mean``, the unweighted
+    mean over clients."""
+    if pooled is None:
         return {}
-    pooled = TensorSplit.concat(tests)
     log_probs = predictive_log_probs(model, pooled.x, batch_size, mc_samples)
     out = {f"client_{k}": v for k, v in classification_metrics(log_probs, pooled.y).items()}
     out.pop("client_num_examples")
     hits = (log_probs.argmax(-1) == pooled.y).float()
-    per = [float(h.mean()) for h in hits.split([len(t) for t in tests])]
+    per = [float(h.mean()) for h in hits.split(sizes)]
     out["client_accuracy_mean"] = sum(per) / len(per)
     return out
 
