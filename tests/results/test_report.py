@@ -198,6 +198,7 @@ def test_calibration_local_and_client_time_columns(tmp_path: Path) -> None:
         "final_loss": 0.5,
         "final_ece": 0.04,
         "local_accuracy": 0.9,
+        "final_client_accuracy": 0.75,
         "client_train_s_per_round": 0.25,
     }
     for seed, ece in ((1, 0.04), (2, 0.08)):
@@ -211,8 +212,12 @@ def test_calibration_local_and_client_time_columns(tmp_path: Path) -> None:
     (row,) = summary_table(load_runs(e))
     assert row["final_ece_mean"] == pytest.approx(0.06)
     assert row["local_accuracy_pct_mean"] == pytest.approx(90.0)
+    assert row["client_accuracy_pct_mean"] == pytest.approx(75.0)
     md = to_markdown([row])
     header = md.splitlines()[0]
     assert "NLL" in header and "ECE" in header and "P-local acc. (%)" in header
+    # global (G-local) and personal (P-local) accuracy side by side
+    assert header.index("G-local acc. (%)") < header.index("P-local acc. (%)")
+    assert "75.00 ± 0.00 | 90.00 ± 0.00" in md
     assert "client train s / round" in header
     assert "0.060 ± 0.028" in md and "0.25" in md

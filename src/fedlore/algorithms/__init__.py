@@ -2,8 +2,12 @@
 
 from fedlore.algorithms import (  # noqa: F401
     bayes,
+    ditto,
     fedavg,
+    fedbe,
+    fedfomo,
     fedlore,
+    fedmask,
     local_galore,
     lora_fair,
     lora_fedit,
@@ -12,6 +16,8 @@ from fedlore.algorithms import (  # noqa: F401
     lora_flora,
     lora_frlora,
     lora_rolora,
+    pfedbayes,
+    pfedme,
 )
 from fedlore.algorithms.base import Hyper, build_hyper
 

@@ -235,13 +235,18 @@ def construction_gradients(
 
 def local_eval_metrics(hyper: Hyper, model: nn.Module, data: ClientData, rnd: int) -> Scalars:
     """P-local metrics of a client's freshly trained ``model`` on its own test split, in the
-    run's last round when ``hyper.local_eval`` is on (else ``{}``): ``local_accuracy``,
-    ``local_loss`` (NLL, nats), ``local_ece`` and ``local_n`` (test examples), with the MC
-    predictive over ``hyper.mc_samples`` draws for a stochastic model. The test split is read
-    only here, after training."""
+    run's last round when ``hyper.local_eval`` is on (else ``{}``): see :func:`local_scores`.
+    The test split is read only here, after training."""
     if not hyper.local_eval or rnd != hyper.rounds - 1 or len(data.test) == 0:
         return {}
-    res = evaluate(model, data.test, mc_samples=hyper.mc_samples)
+    return local_scores(model, data, hyper.mc_samples)
+
+
+def local_scores(model: nn.Module, data: ClientData, mc_samples: int) -> Scalars:
+    """``model`` on ``data.test``: ``local_accuracy`` (share), ``local_loss`` (NLL, nats),
+    ``local_ece`` and ``local_n`` (test examples), with the MC predictive over ``mc_samples``
+    draws for a stochastic model (:func:`~fedlore.train.local.evaluate`)."""
+    res = evaluate(model, data.test, mc_samples=mc_samples)
     return {
         "local_accuracy": res["accuracy"],
         "local_loss": res["loss"],

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fedlore.algorithms.base import Hyper, ReplySpec, local_eval_metrics, reply_metrics
+from fedlore.algorithms.personal import prox_term
 from fedlore.data.client_data import ClientData
 from fedlore.registry import register_algorithm
 from fedlore.tensors import (
@@ -119,6 +120,21 @@ class DenseServer:
         )
 
 
+def local_optimizer(
+    hyper: Hyper, model: nn.Module, kind: Literal["adamw", "sgd"], momentum: float = 0.0
+) -> torch.optim.Optimizer:
+    """A fresh optimizer over ``model``'s trainable parameters (its state starts empty every
+    round): SGD with ``momentum`` or AdamW, at ``hyper``'s lr, betas, eps and weight decay."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind == "sgd":
+        return torch.optim.SGD(
+            params, lr=hyper.lr, momentum=momentum, weight_decay=hyper.weight_decay
+        )
+    return torch.optim.AdamW(
+        params, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps, weight_decay=hyper.weight_decay
+    )
+
+
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of an optimizer's per-parameter state tensors (Adam's two moments; scalars such as
     the step count are not counted)."""
@@ -142,14 +158,7 @@ class FedFull(DenseServer, Hyper):
 
     def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """A fresh local optimizer (its moments start at zero every round)."""
-        params = [p for p in model.parameters() if p.requires_grad]
-        if self.local_optimizer == "sgd":
-            return torch.optim.SGD(
-                params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
-            )
-        return torch.optim.AdamW(
-            params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
-        )
+        return local_optimizer(self, model, self.local_optimizer, self.momentum)
 
     def client_update(
         self,
@@ -219,13 +228,4 @@ class FedProx(FedAvg):
 
     def loss_terms(self, start: dict[str, torch.Tensor]) -> list[LossTerm]:
         """``(mu / 2) Σ ||w - w^t||²`` over the parameters that train."""
-        anchor = {k: v.detach().clone() for k, v in start.items()}
-
-        def prox(model: nn.Module) -> torch.Tensor:
-            total = torch.zeros(())
-            for name, p in model.named_parameters():
-                if p.requires_grad and name in anchor:
-                    total = total + (p - anchor[name]).pow(2).sum()
-            return 0.5 * self.mu * total
-
-        return [prox]
+        return [prox_term(start, self.mu)]

@@ -116,6 +116,54 @@ def gaussian_kl(
     return 0.5 * (var_ratio + mean_term - 1.0).sum() + (math.log(sigma_p) - log_sigma_q).sum()
 
 
+def gaussian_kl_between(
+    mu_q: torch.Tensor, log_sigma_q: torch.Tensor, mu_p: torch.Tensor, log_sigma_p: torch.Tensor
+) -> torch.Tensor:
+    """Closed-form ``KL(N(mu_q, sigma_q²) || N(mu_p, sigma_p²))`` between two same-shape
+    mean-field Gaussians, summed over elements:
+
+    ``Σ_i [log sigma_p - log sigma_q + (sigma_q² + (mu_q - mu_p)²) / (2 sigma_p²) - 1/2]``
+
+    (the KL between a personal posterior and the local copy of the global one, pFedBayes,
+    Zhang et al. ICML 2022, Eq. 4; :func:`gaussian_kl` is the case of a scalar prior).
+
+    Args:
+        mu_q, log_sigma_q, mu_p, log_sigma_p: tensors of one shape.
+
+    Returns:
+        0-d tensor (nats), differentiable in all four.
+    """
+    inv_var_p = torch.exp(-2.0 * log_sigma_p)
+    ratio = torch.exp(2.0 * log_sigma_q) * inv_var_p
+    return (
+        0.5 * (ratio + (mu_q - mu_p) ** 2 * inv_var_p - 1.0).sum()
+        + (log_sigma_p - log_sigma_q).sum()
+    )
+
+
+def posterior_kl(q: nn.Module, p: nn.Module) -> torch.Tensor:
+    """``KL(q || p)`` summed over the mean-field Gaussian layers of two models of the same
+    architecture (layers paired by name), in nats; the deterministic tensors do not enter.
+
+    Raises:
+        ValueError: when the two models' Bayesian layers do not pair up.
+    """
+    ql = {n: m for n, m in q.named_modules() if isinstance(m, _BayesMixin)}
+    pl = {n: m for n, m in p.named_modules() if isinstance(m, _BayesMixin)}
+    if ql.keys() != pl.keys():
+        raise ValueError(f"posterior_kl: Bayesian layers differ ({sorted(ql)} vs {sorted(pl)})")
+    total = torch.zeros(())
+    for name, a in ql.items():
+        b = pl[name]
+        pairs = [(a.weight_mu, a.weight_rho, b.weight_mu, b.weight_rho)]
+        if a.bias_mu is not None and a.bias_rho is not None and b.bias_mu is not None:
+            assert b.bias_rho is not None
+            pairs.append((a.bias_mu, a.bias_rho, b.bias_mu, b.bias_rho))
+        for mq, rq, mp, rp in pairs:
+            total = total + gaussian_kl_between(mq, log_softplus(rq), mp, log_softplus(rp))
+    return total
+
+
 class Stochastic:
     """Mixin of every layer whose forward pass can draw a sample; ``sampling`` switches it."""
 

@@ -1,9 +1,11 @@
 """A federation: one data source split over clients, built deterministically from a seed.
 
 :func:`build_federation` loads the source, keeps a stratified share |D| of its training set,
-partitions it over the clients, splits each client's share into local train/test, and applies
-input noise and label flips. It keeps the (possibly noisy) training tensors once plus index
-arrays per client; :meth:`Federation.client` materializes one client's :class:`ClientData`.
+holds out a stratified share of that pool as the server's unlabeled set U
+(``data.server_fraction``, the same for every method), partitions the rest over the clients,
+splits each client's share into local train/test, and applies input noise and label flips. It
+keeps the (possibly noisy) training tensors once plus index arrays per client;
+:meth:`Federation.client` materializes one client's :class:`ClientData`.
 
 Seeding: every random step draws from its own stream ``np.random.default_rng([seed, STREAM])``
 (``[seed, STREAM, client]`` for per-client steps), so the same seed gives the same federation
@@ -23,7 +25,7 @@ import numpy as np
 import torch
 
 from fedlore import registry
-from fedlore.config import Config, DataConfig
+from fedlore.config import Config, ConfigError, DataConfig
 from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.data.corpus import IGNORE_INDEX, Corpus
 from fedlore.data.corruption import add_gaussian_noise, flip_labels, subsample_stratified
@@ -37,6 +39,7 @@ STREAM_NOISE_TRAIN = 3
 STREAM_NOISE_TEST = 4
 STREAM_FLIP = 5
 STREAM_SAMPLING = 6
+STREAM_SERVER = 7
 
 
 def _torch_generator(seed: int, stream: int) -> torch.Generator:
@@ -92,6 +95,9 @@ class Federation:
         group_names: language modeling: the source groups (normalized hostnames).
         group_histogram: language modeling: documents per client and source group,
             int64 ``[N, len(group_names)]``.
+        server_indices: sorted indices into ``pool`` of the server's unlabeled set U
+            (``data.server_fraction``; None when there is none). Disjoint from every client's
+            train and test indices; see :attr:`server_unlabeled`.
     """
 
     source: str
@@ -107,6 +113,16 @@ class Federation:
     stream_seeds: tuple[int, ...] | None = None
     group_names: tuple[str, ...] = ()
     group_histogram: np.ndarray | None = None
+    server_indices: np.ndarray | None = None
+
+    @property
+    def server_unlabeled(self) -> torch.Tensor | None:
+        """The server's unlabeled set U: inputs ``[n_U, ...]`` of ``pool`` at
+        :attr:`server_indices` (a copy; noise applied as to the clients' training inputs), or
+        None without ``data.server_fraction``. Its labels are never exposed to an algorithm."""
+        if self.server_indices is None:
+            return None
+        return self.pool.x[torch.from_numpy(self.server_indices)]
 
     @property
     def num_clients(self) -> int:
@@ -142,6 +158,8 @@ class Federation:
         for idx in (*self.train_indices, *self.test_indices):
             h.update(np.ascontiguousarray(idx, dtype=np.int64).tobytes() + b"|")
         h.update(repr(self.stream_seeds).encode())
+        if self.server_indices is not None:  # absent without U: earlier fingerprints still hold
+            h.update(b"server|" + np.ascontiguousarray(self.server_indices, np.int64).tobytes())
         return h.hexdigest()[:16]
 
     def client_sizes(self) -> np.ndarray:
@@ -242,6 +260,43 @@ def partition_labels(cfg: Config, seed: int, labels: np.ndarray) -> list[np.ndar
     return parts
 
 
+def hold_out_server(
+    labels: np.ndarray, fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray | None, np.ndarray]:
+    """Split the pool into the server's unlabeled set U and the clients' share.
+
+    U is a stratified share: each class with n_c examples gives ``max(1, round(fraction · n_c))``
+    of them (:func:`~fedlore.data.corruption.subsample_stratified`, as ``data.fraction``).
+
+    Args:
+        labels: int array ``[n]`` of the pool's true classes.
+        fraction: ``data.server_fraction`` in [0, 1); 0 holds nothing out.
+        rng: the server stream ``[seed, STREAM_SERVER]`` (used only when ``fraction > 0``).
+
+    Returns:
+        ``(server, clients)``: sorted int64 indices into the pool, disjoint, together all of
+        ``[0, n)``; ``server`` is None when ``fraction`` is 0 (``clients`` is then ``arange(n)``).
+
+    Raises:
+        ConfigError: when ``fraction`` is outside [0, 1) or U would take every example.
+    """
+    n = len(labels)
+    everything = np.arange(n, dtype=np.int64)
+    if not 0.0 <= fraction < 1.0:
+        raise ConfigError(f"data.server_fraction must be in [0, 1), got {fraction}")
+    if fraction == 0.0:
+        return None, everything
+    server = subsample_stratified(labels, fraction, rng)
+    clients = np.setdiff1d(everything, server, assume_unique=True)
+    if len(clients) == 0:
+        raise ConfigError(
+            f"data.server_fraction={fraction} holds out all {n} training examples (at least one "
+            "per class) for the server: nothing is left for the clients; lower it or raise "
+            "data.fraction"
+        )
+    return server, clients
+
+
 # DataConfig fields that only some sources take (the text sources): passed as keyword arguments
 # to a loader that declares them; set to a non-default value for any other source, an error.
 SOURCE_OPTIONS = (
@@ -286,7 +341,9 @@ def build_federation(cfg: Config, seed: int) -> Federation:
     """Build the federation of an experiment for one seed.
 
     Steps: load ``cfg.data.name`` from ``cfg.data.root``; keep a stratified share
-    ``cfg.data.fraction`` of the training set; partition it over ``cfg.num_clients`` clients with
+    ``cfg.data.fraction`` of the training set; hold out a stratified share
+    ``cfg.data.server_fraction`` of it as the server's unlabeled set U (:func:`hold_out_server`,
+    stream ``[seed, STREAM_SERVER]``); partition the rest over ``cfg.num_clients`` clients with
     ``cfg.partition``; split each client's examples into local train/test with
     ``cfg.data.test_fraction``; add input noise ``cfg.data.noise`` to the kept training inputs
     (so to client train and test) and, from another stream, to the central test set; flip a
@@ -302,6 +359,8 @@ def build_federation(cfg: Config, seed: int) -> Federation:
     Raises:
         ValueError: on a negative seed, a partition that is not a cover, or a client left with
             no training data (the message suggests ``partition.min_size``).
+        ConfigError: when ``data.server_fraction`` leaves the clients nothing, or is set for a
+            pre-training corpus.
     """
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
@@ -313,8 +372,11 @@ def build_federation(cfg: Config, seed: int) -> Federation:
     )
     pool = source.train if len(keep) == len(source.train) else source.train.subset(keep)
     labels = pool.y.numpy()
-
-    parts = partition_labels(cfg, seed, labels)
+    server_idx, client_idx = hold_out_server(
+        labels, cfg.data.server_fraction, np.random.default_rng([seed, STREAM_SERVER])
+    )
+    # without U, client_idx is arange(n): the partition is exactly the one without this step
+    parts = [client_idx[p] for p in partition_labels(cfg, seed, labels[client_idx])]
 
     train_idx, test_idx = [], []
     for i, part in enumerate(parts):
@@ -324,7 +386,7 @@ def build_federation(cfg: Config, seed: int) -> Federation:
         if len(tr) == 0:
             raise ValueError(
                 f"client {i} received no training data from partition {cfg.partition.name!r} "
-                f"({cfg.partition.model_dump(exclude={'name'})}, {len(labels)} examples, "
+                f"({cfg.partition.model_dump(exclude={'name'})}, {len(client_idx)} examples, "
                 f"{cfg.num_clients} clients); set partition.min_size >= 1 or use fewer clients"
             )
         train_idx.append(tr)
@@ -362,6 +424,7 @@ def build_federation(cfg: Config, seed: int) -> Federation:
         stream_seeds=_stream_seeds(seed, cfg.num_clients)
         if cfg.data.sampling == "stream"
         else None,
+        server_indices=server_idx,
     )
 
 
@@ -406,10 +469,11 @@ def corpus_federation(cfg: Config, seed: int, corpus: Corpus) -> Federation:
         "noise": data.noise > 0,
         "label_flip": data.label_flip > 0,
         "test_fraction": data.test_fraction != DataConfig.model_fields["test_fraction"].default,
+        "server_fraction": data.server_fraction > 0,
     }
     bad = [k for k, v in unsupported.items() if v]
     if bad:
-        raise ValueError(
+        raise ConfigError(
             f"data.{bad[0]} has no effect on the pre-training corpus {corpus.name!r} (documents "
             "have no labels or pixels, and the validation corpus is the common test set)"
         )

@@ -55,13 +55,15 @@ COLUMNS = [
     "best_perplexity_mean",
     "final_ece_mean",
     "final_ece_std",
+    "client_accuracy_pct_mean",
+    "client_accuracy_pct_std",
     "local_accuracy_pct_mean",
     "local_accuracy_pct_std",
     "client_train_s_per_round_mean",
 ]
 """Keys of every :func:`summary_table` row, in CSV column order (the perplexity columns are
-empty for classifiers; ECE, P-local accuracy and client training time are empty for runs that
-did not record them)."""
+empty for classifiers; ECE, G-local and P-local accuracy and client training time are empty for
+runs that did not record them)."""
 
 
 def _summary_values(records: list[RunRecord], key: str, scale: float = 1.0) -> list[float]:
@@ -88,7 +90,9 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
     Returns:
         Rows with the keys in :data:`COLUMNS`: ``n_seeds``; final and best accuracy in percent
         (mean, std); final loss and perplexity (mean, std) and best perplexity (language
-        models); final ECE, P-local accuracy in percent and client training seconds per round
+        models); final ECE, G-local accuracy (the global model on the clients' test splits,
+        ``eval.clients``) and P-local accuracy (each client's own, personal or last local, model
+        on its test split, ``eval.local``) in percent, and client training seconds per round
         where the runs recorded them; mean total MB up and down per run; mean per-client
         optimizer-state bytes; seconds per round (mean, std). A statistic is None when no seed
         reports it.
@@ -102,6 +106,7 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
         ppl_m, ppl_s = _stat(_summary_values(records, "final_perplexity"))
         ece_m, ece_s = _stat(_summary_values(records, "final_ece"))
         local_m, local_s = _stat(_summary_values(records, "local_accuracy", 100.0))
+        glocal_m, glocal_s = _stat(_summary_values(records, "final_client_accuracy", 100.0))
         table.append(
             {
                 "method": method,
@@ -132,6 +137,8 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
                 "best_perplexity_mean": _stat(_summary_values(records, "best_perplexity"))[0],
                 "final_ece_mean": ece_m,
                 "final_ece_std": ece_s,
+                "client_accuracy_pct_mean": glocal_m,
+                "client_accuracy_pct_std": glocal_s,
                 "local_accuracy_pct_mean": local_m,
                 "local_accuracy_pct_std": local_s,
                 "client_train_s_per_round_mean": _stat(
@@ -185,11 +192,14 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
     When any row has a perplexity (language models), the accuracy columns give way to the final
     validation loss (nats per token), the final perplexity and the next-token accuracy. Classifier
     runs that recorded an ECE add the final NLL and ECE; runs with ``eval.local`` the P-local
-    accuracy; runs with client timing the local-training seconds per client and round.
+    accuracy, beside the G-local accuracy of runs with ``eval.clients``, so a personalized
+    method's global and personal scores stand side by side; runs with client timing the
+    local-training seconds per client and round.
     """
     lm = any(row.get("language_model") for row in table)
     calib = not lm and any(row.get("final_ece_mean") is not None for row in table)
     local = any(row.get("local_accuracy_pct_mean") is not None for row in table)
+    glocal = any(row.get("client_accuracy_pct_mean") is not None for row in table)
     timed = any(row.get("client_train_s_per_round_mean") is not None for row in table)
     quality = (
         ["val loss", "val PPL", "next-token acc. (%)"]
@@ -197,6 +207,7 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
         else ["final acc. (%)", "best acc. (%)"]
     )
     quality += ["NLL", "ECE"] if calib else []
+    quality += ["G-local acc. (%)"] if glocal else []
     quality += ["P-local acc. (%)"] if local else []
     header = [
         "method",
@@ -230,6 +241,10 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
                 _pm(row.get("final_loss_mean"), row.get("final_loss_std"), digits=3, n=n),
                 _pm(row.get("final_ece_mean"), row.get("final_ece_std"), digits=3, n=n),
             ]
+        if glocal:
+            first.append(
+                _pm(row.get("client_accuracy_pct_mean"), row.get("client_accuracy_pct_std"), n=n)
+            )
         if local:
             first.append(
                 _pm(row.get("local_accuracy_pct_mean"), row.get("local_accuracy_pct_std"), n=n)
