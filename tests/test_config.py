@@ -367,3 +367,31 @@ def test_one_name_for_a_list_of_names_and_wrong_types_are_value_errors() -> None
         make_algorithm("fedlore", load_config(None, ["method.fedlore.lr=abc"]))
     with pytest.raises(ValueError, match=r"FlexLoRA|flexlora|client_ranks"):
         make_algorithm("flexlora", load_config(None, ["method.flexlora.client_ranks=4"]))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("method.pfedme.inner_steps=2.5", "inner_steps must be a whole number"),
+        ("method.fedfomo.num_candidates=true", "num_candidates must be a whole number"),
+        ("method.fedbe.swa=maybe", "swa must be true or false"),
+        ("method.ditto.lam=.inf", "lam must be a finite number"),
+        ("method.fedbe.var_scale=-.inf", "var_scale must be a finite number"),
+    ],
+)
+def test_hyperparameter_kinds_are_checked(override: str, message: str) -> None:
+    name = override.split(".")[1]
+    with pytest.raises(ValueError, match=message):
+        make_algorithm(name, load_config(None, [override]))
+    # a whole float is taken as the int it spells
+    algo = make_algorithm("pfedme", load_config(None, ["method.pfedme.inner_steps=3.0"]))
+    assert algo.inner_steps == 3 and isinstance(algo.inner_steps, int)  # type: ignore[attr-defined]
+
+
+def test_a_method_refuses_fewer_clients_per_round_than_it_needs() -> None:
+    cfg = load_config(None, ["num_clients=4", "participation=0.25"])  # one client per round
+    with pytest.raises(ValueError, match="fedmask needs at least 2 clients per round"):
+        make_algorithm("fedmask", cfg)
+    make_algorithm("fedavg", cfg)  # the others do not care
+    with pytest.raises(ValueError, match="lr \\* lam"):
+        make_algorithm("pfedme", load_config(None, ["lr=0.3"]))  # 0.3 * 15 >= 2

@@ -13,6 +13,10 @@ learning rate. An algorithm may declare ``setup_rounds`` (default 0): that many 
 before round 0, numbered -setup_rounds .. -1 (FedLore's gradient-based P^0); they are counted in
 the byte totals.
 
+An algorithm may declare ``min_clients_per_round`` (default 1): a config that samples fewer
+clients per round is refused by :func:`fedlore.run.make_algorithm` (FedMask's overlap rule keeps
+nothing with fewer than ``min_overlap`` clients).
+
 An algorithm may declare ``needs_server_data = True`` (default False): it trains on the server's
 unlabeled set U (``data.server_fraction``; FedBE's distillation). The run then calls
 ``init_server(model, rng, unlabeled=U)`` with U's inputs ``[n_U, ...]`` (never labels) through

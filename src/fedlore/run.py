@@ -46,7 +46,8 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
     overrides.
 
     Raises:
-        KeyError: for an unknown method; ValueError: for an override the method does not have.
+        KeyError: for an unknown method; ValueError: for an override the method does not have,
+            or fewer clients per round than the method's ``min_clients_per_round``.
     """
     cls = registry.get("algorithm", name)
     common = {
@@ -77,6 +78,12 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
                 "alike (reference notes section 13.3)"
             )
     algo: Algorithm = build_hyper(cls, common, overrides)
+    need = int(getattr(algo, "min_clients_per_round", 1))
+    if cfg.clients_per_round() < need:
+        raise ValueError(
+            f"{name} needs at least {need} clients per round, the config samples "
+            f"{cfg.clients_per_round()} (num_clients x participation)"
+        )
     return algo
 
 
@@ -261,6 +268,9 @@ def global_local_metrics(
     log_probs = predictive_log_probs(model, pooled.x, batch_size, mc_samples)
     out = {f"client_{k}": v for k, v in classification_metrics(log_probs, pooled.y).items()}
     out.pop("client_num_examples")
+    if not bool(torch.isfinite(log_probs).all()):  # a diverged model: no score is meaningful
+        out["client_accuracy_mean"] = float("nan")
+        return out
     hits = (log_probs.argmax(-1) == pooled.y).float()
     per = [float(h.mean()) for h in hits.split(sizes)]
     out["client_accuracy_mean"] = sum(per) / len(per)

@@ -19,6 +19,7 @@ from fedlore.algorithms.fedbe import (  # importing it registers ``fedbe``
     UNLABELED_KEY,
     FedBE,
     distill,
+    ensemble_probs,
     fedbe_kl,
     gaussian_samples,
     sharpen,
@@ -305,6 +306,27 @@ def test_server_step_starts_at_fedavg_and_keeps_u(tmp_path: Path) -> None:
     # a round whose replies were all lost keeps the model and U
     same, _ = fedbe.aggregate(new, [(0, None), (1, None)], 1)
     assert all(torch.equal(same.arrays[k], new.arrays[k]) for k in new.arrays)
+
+
+def test_diverged_teachers_are_left_out_and_counted(tmp_path: Path) -> None:
+    model, start, x, _ = _distill_setup()
+    bad = {k: torch.full_like(v, float("nan")) for k, v in start.items()}
+    mean, votes = ensemble_probs(model, [start, bad, start], x)
+    assert mean is not None and votes.shape == (2, len(x)) and torch.isfinite(mean).all()
+    assert ensemble_probs(model, [bad], x)[0] is None
+    cfg = _cfg(tmp_path)
+    # samples drawn with a huge variance predict Inf/NaN: only w̄ and the 3 clients teach
+    fedbe, state, replies = _one_round("fedbe", cfg, var_scale=1e38)
+    _, metrics = fedbe.aggregate(state, replies, 0)
+    assert metrics["server_bad_teachers"] == 10 and metrics["server_teachers"] == 4
+    assert metrics["server_skipped_steps"] == 0
+    # every teacher diverged: the round keeps the FedAvg model and says so
+    huge = [(c, Reply({k: v * 1e38 for k, v in r.arrays.items()}, r.metrics)) for c, r in replies]
+    new, metrics = fedbe.aggregate(state, huge, 0)  # type: ignore[arg-type]
+    avg_state, _ = make_algorithm("fedavg", cfg).aggregate(state, huge, 0)  # type: ignore[arg-type]
+    assert metrics["server_teachers"] == 0 and metrics["server_bad_teachers"] == 14
+    for k, v in fedbe.global_arrays(new).items():
+        assert torch.equal(v, avg_state.arrays["model." + k])
 
 
 def test_bad_hyperparameters_are_refused(tmp_path: Path) -> None:

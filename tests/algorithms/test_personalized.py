@@ -300,3 +300,21 @@ def test_fomo_client_downloads_what_it_asked_for() -> None:
         got = sorted({int(k.split(".")[1]) for k in msg.arrays if k.startswith("cand.")})
         assert got == sorted(asked) and c not in got and len(got) == 2
         assert "model.0.weight" not in msg.arrays  # the initial model only at first contact
+
+
+def test_diverged_scores_are_nan_not_invented() -> None:
+    from fedlore.engine.loop import client_reports
+    from fedlore.run import global_local_metrics
+    from fedlore.types import Reply
+
+    ok = Reply(metrics={"num_examples": 5, "local_n": 4, "local_accuracy": 0.5})
+    bad = Reply(metrics={"num_examples": 5, "local_n": 4, "local_accuracy": float("nan")})
+    assert client_reports([(0, ok), (1, ok)])["local_accuracy"] == 0.5
+    row = client_reports([(0, ok), (1, bad)])
+    assert math.isnan(row["local_accuracy"]) and row["local_clients"] == 2
+    model = _model()
+    with torch.no_grad():
+        model[0].weight.fill_(float("nan"))
+    pooled = TensorSplit.concat([_client(0).test, _client(1).test])
+    out = global_local_metrics(model, pooled, [24, 24], 64, 0)
+    assert math.isnan(out["client_accuracy"]) and math.isnan(out["client_accuracy_mean"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -178,8 +179,10 @@ def build_hyper(cls: type, common: dict[str, Any], overrides: dict[str, Any]) ->
             kw[k] = tuple(v)
         elif isinstance(v, str) and types[k].startswith("tuple[str"):
             kw[k] = (v,)  # one name for a list-of-names field, not its letters
+        what = f"{cls.__name__}: hyperparameter {k}"
         if "float" in types[k]:  # YAML 1.1 reads 1e-3 (no dot) as a string
-            kw[k] = _as_floats(f"{cls.__name__}: hyperparameter {k}", kw[k])
+            kw[k] = _as_floats(what, kw[k])
+        kw[k] = _check_kind(what, types[k], kw[k])
     try:
         return cls(**kw)
     except TypeError as e:  # e.g. a string where a number is needed
@@ -187,6 +190,36 @@ def build_hyper(cls: type, common: dict[str, Any], overrides: dict[str, Any]) ->
         raise ValueError(
             f"{cls.__name__}: a hyperparameter has the wrong type ({e}); got {bad}"
         ) from e
+
+
+def _check_kind(what: str, kind: str, value: Any) -> Any:
+    """``value`` checked against a field's annotation ``kind``: whole numbers for ``int``
+    fields (``2.0`` becomes ``2``), true/false for ``bool`` fields, finite numbers for ``float``
+    fields (None stays where the field allows it; other annotations pass unchanged).
+
+    Raises:
+        ValueError: naming ``what`` and the bad value.
+    """
+    items = value if isinstance(value, tuple) else (value,)
+    if value is None and "None" in kind:
+        return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ValueError(f"{what} must be true or false, got {value!r}")
+        return value
+    if kind.startswith(("int", "tuple[int")):
+        out = []
+        for v in items:
+            whole = isinstance(v, float) and math.isfinite(v) and v.is_integer()
+            if isinstance(v, bool) or not (isinstance(v, int) or whole):
+                raise ValueError(f"{what} must be a whole number, got {v!r}")
+            out.append(int(v))
+        return tuple(out) if isinstance(value, tuple) else out[0]
+    if kind.startswith(("float", "tuple[float")):
+        for v in items:
+            if isinstance(v, bool) or (isinstance(v, int | float) and not math.isfinite(float(v))):
+                raise ValueError(f"{what} must be a finite number, got {v!r}")
+    return value
 
 
 def _as_floats(what: str, value: Any) -> Any:

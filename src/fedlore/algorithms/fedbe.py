@@ -69,12 +69,14 @@ checkpointed with the state and never broadcast) and the value ``fedbe.seed`` (d
 run draws what an uninterrupted one does). The server-side model workspace is a deep copy of the
 model given to ``init_server``; every tensor is loaded into it before each use.
 
-Server metrics in each round's row: ``server_teachers`` (ensemble size),
-``server_teacher_agreement`` (mean share of U on which a teacher's argmax equals the
-ensemble's), ``server_kl_fedavg`` and ``server_kl_student`` (KL(pseudo-labels || model) in nats
-per example, mean over U, of w̄ and of the broadcast student), ``server_distill_loss`` (FedBE's
-training loss, mean over the last epoch's steps), ``server_steps`` (S) and ``server_swa_models``
-(snapshots averaged).
+Server metrics in each round's row: ``server_teachers`` (ensemble size: teachers with finite
+predictions on U), ``server_bad_teachers`` (left out for non-finite predictions; when every
+teacher is, the round keeps w̄ and logs a warning), ``server_skipped_steps`` (distillation
+steps with a non-finite loss, also logged), ``server_teacher_agreement`` (mean share of U on
+which a teacher's argmax equals the ensemble's), ``server_kl_fedavg`` and ``server_kl_student``
+(KL(pseudo-labels || model) in nats per example, mean over U, of w̄ and of the broadcast
+student), ``server_distill_loss`` (FedBE's training loss, mean over the last epoch's steps),
+``server_steps`` (S) and ``server_swa_models`` (snapshots averaged).
 
 Costs: bytes up and down are FedAvg's (the weights). The server runs ``1 + M + K`` forward passes
 over U, ``S`` SGD steps, and keeps U in its checkpoint.
@@ -83,6 +85,7 @@ over U, ``S`` SGD steps, and keeps U in its checkpoint.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -99,6 +102,8 @@ from fedlore.seeding import derive_seed
 from fedlore.tensors import load_model_arrays, model_arrays, select, with_prefix
 from fedlore.train.local import predictive_log_probs
 from fedlore.types import Arrays, Reply, Scalars, State
+
+log = logging.getLogger(__name__)
 
 UNLABELED_KEY = "server.unlabeled"
 """Server-state key of U's inputs (never broadcast: :meth:`DenseServer.broadcast` sends
@@ -207,7 +212,7 @@ def sharpen(probs: torch.Tensor, temperature: float) -> torch.Tensor:
 
 def ensemble_probs(
     model: nn.Module, teachers: Sequence[Arrays], x: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The teachers' mean softmax over ``x`` (``merge_logits``, method ``"mean"``).
 
     Each teacher is loaded into ``model`` and run in ``eval()`` mode (dropout off, BatchNorm on
@@ -219,18 +224,22 @@ def ensemble_probs(
         x: U's inputs ``[n, ...]``.
 
     Returns:
-        ``(mean, argmax)``: ``[n, C]`` float32 mean probabilities and ``[T, n]`` int64 argmax of
-        each teacher.
+        ``(mean, argmax)``: ``[n, C]`` float32 mean probabilities and ``[T', n]`` int64 argmax of
+        each of the T' teachers whose predictions are finite (a diverged teacher, e.g. a sample
+        drawn with a huge variance, is left out); ``(None, [0, n])`` when none is finite.
     """
     total: torch.Tensor | None = None
     votes = []
     for t in teachers:
         load_model_arrays(model, t)
         probs = predictive_log_probs(model, x, TEACHER_BATCH, 0).exp()
+        if not bool(torch.isfinite(probs).all()):
+            continue
         total = probs if total is None else total + probs
         votes.append(probs.argmax(-1))
-    assert total is not None
-    return total / len(teachers), torch.stack(votes)
+    if total is None:
+        return None, torch.zeros(0, len(x), dtype=torch.int64)
+    return total / len(votes), torch.stack(votes)
 
 
 def fedbe_kl(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -285,14 +294,16 @@ class DistillResult:
         arrays: the broadcast student (the SWA average, or the last SGD iterate without SWA),
             every ``state_dict`` tensor by plain name.
         loss: mean :func:`fedbe_kl` over the last epoch's steps.
-        steps: S, optimizer steps taken.
+        steps: S, minibatches drawn (optimizer steps taken plus skipped ones).
         swa_models: snapshots in the average (0 without SWA).
+        skipped: steps skipped for a non-finite loss.
     """
 
     arrays: Arrays
     loss: float
     steps: int
     swa_models: int
+    skipped: int = 0
 
 
 def distill(
@@ -339,7 +350,7 @@ def distill(
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     averaged = AveragedModel(model) if swa else None
-    snapshots, step = 0, 0
+    snapshots, step, skipped = 0, 0, 0
     last_epoch: list[float] = []
     dropout_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
     with torch.random.fork_rng(devices=[]):
@@ -354,6 +365,7 @@ def distill(
                 loss = fedbe_kl(model(x[idx]), targets[idx])
                 step += 1
                 if not bool(torch.isfinite(loss)):
+                    skipped += 1
                     continue
                 loss.backward()
                 opt.step()
@@ -366,7 +378,7 @@ def distill(
     # no snapshot only when every step after the SWA start was skipped (non-finite losses)
     result = averaged.module if averaged is not None and snapshots else model
     mean_loss = sum(last_epoch) / len(last_epoch) if last_epoch else float("nan")
-    return DistillResult(model_arrays(result), mean_loss, step, snapshots)
+    return DistillResult(model_arrays(result), mean_loss, step, snapshots, skipped)
 
 
 @register_algorithm("fedbe")
@@ -493,13 +505,29 @@ class FedBE(FedAvg):
             teachers += clients
         x = state.arrays[UNLABELED_KEY]
         mean, votes = ensemble_probs(ws, teachers, x)
+        if mean is None:  # every teacher diverged: nothing to distil, broadcast w̄
+            log.warning("fedbe round %d: no teacher has finite predictions on U; FedAvg kept", rnd)
+            return State({**fedavg.arrays, **keep}, fedavg.values), {
+                **metrics,
+                "server_teachers": 0,
+                "server_bad_teachers": len(teachers),
+            }
         targets = sharpen(mean, self.temperature)
         load_model_arrays(ws, wbar)
         kl_fedavg = kl_per_example(ws, x, targets)
         out = distill(ws, wbar, x, targets, generator=g, **self._distill_kwargs())
         load_model_arrays(ws, out.arrays)
+        if out.skipped:
+            log.warning(
+                "fedbe round %d: %d of %d distillation steps skipped (non-finite loss)",
+                rnd,
+                out.skipped,
+                out.steps,
+            )
         extra: dict[str, Any] = {
-            "server_teachers": len(teachers),
+            "server_teachers": len(votes),
+            "server_bad_teachers": len(teachers) - len(votes),
+            "server_skipped_steps": out.skipped,
             "server_teacher_agreement": float((votes == mean.argmax(-1)).float().mean()),
             "server_kl_fedavg": kl_fedavg,
             "server_kl_student": kl_per_example(ws, x, targets),

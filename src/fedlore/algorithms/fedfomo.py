@@ -152,11 +152,15 @@ class FedFomo(Personalized, FedAvg):
             "epsilon_decay": self.epsilon_decay >= 0,
             "val_fraction": 0.0 < self.val_fraction < 1.0,
             "distance": self.distance in ("l1", "l2"),
-            "freeze": not self.freeze,
         }
         for field, ok in checks.items():
             if not ok:
                 raise ValueError(f"fedfomo: invalid {field}={getattr(self, field)!r}")
+        if self.freeze:
+            raise ValueError(
+                f"fedfomo combines and uploads whole client models; params.freeze="
+                f"{list(self.freeze)} is not supported by it (leave it empty)"
+            )
 
     # -- server ---------------------------------------------------------------------------
 

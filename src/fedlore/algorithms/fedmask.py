@@ -171,7 +171,7 @@ class MaskedLinear(MaskedLayer):
 
     Args:
         layer: the ``nn.Linear`` whose weight and bias become the fixed W and b.
-        score: initial score of every masked entry (1.0: all active).
+        score: initial score of every masked entry (> 0: all active).
         mask_bias: mask the bias too (else it stays fixed and always on).
     """
 
@@ -368,7 +368,9 @@ class FedMask(Personalized, Hyper):
             scores, at the common ``lr``.
         momentum: SGD momentum.
 
-    ``freeze`` has no effect: every tensor but the mask scores is fixed anyway.
+    ``params.freeze`` is refused: every tensor but the mask scores is fixed anyway.
+    ``min_clients_per_round`` = ``min_overlap``: a run with fewer clients per round is refused
+    (no position could reach the overlap; the network would be dead).
     """
 
     name: ClassVar[str] = "fedmask"
@@ -397,12 +399,22 @@ class FedMask(Personalized, Hyper):
         for field, ok in checks.items():
             if not ok:
                 raise ValueError(f"{self.name}: invalid {field}={getattr(self, field)!r}")
+        if self.freeze:
+            raise ValueError(
+                f"fedmask trains only mask scores over fixed weights; params.freeze="
+                f"{list(self.freeze)} does not apply to it (leave it empty)"
+            )
+
+    @property
+    def min_clients_per_round(self) -> int:
+        """The fewest clients a round needs: ``min_overlap`` (else no position survives)."""
+        return self.min_overlap
 
     # -- model ----------------------------------------------------------------------------
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Convert the workspace model in place, idempotently (:func:`maskify`, every score 1.0:
-        the initial aggregated mask A^0 is all ones)."""
+        """Convert the workspace model in place, idempotently (:func:`maskify`, every score
+        ``score_init``: the initial aggregated mask A^0 has every entry on)."""
         return maskify(
             model, self.masked_layers, self.score_init, self.mask_bias, self.fixed_weights
         )
@@ -410,7 +422,8 @@ class FedMask(Personalized, Hyper):
     # -- server ---------------------------------------------------------------------------
 
     def init_server(self, model: nn.Module, rng: torch.Generator) -> State:
-        """``model.*``: the converted initial model (W, scores = A^0 = 1, keep = True)."""
+        """``model.*``: the converted initial model (W, scores = A^0 = ``score_init``, keep =
+        True)."""
         return State(arrays=with_prefix(model_arrays(self.prepare_model(model)), "model."))
 
     @staticmethod

@@ -20,10 +20,11 @@ of CharlieDinh/pFedMe); the copy avoids that.
 
 Defaults (CharlieDinh/pFedMe ``README.md``, MNIST non-convex, and ``main.py``): ``lam = 15``,
 ``inner_steps = 5``, ``personal_lr = 0.09``, ``beta = 1``; the global step ``lr`` is the run's
-common ``lr`` (the README uses 0.005). The code's extra L2 term ``mu · theta`` (mu = 1e-3, not in
-the paper) is ``l2`` (default 0, the paper's objective). Unlike the official code, only the
-sampled clients train (every client computes in every round there), so bytes and time are the
-ones of a real partial-participation federation.
+common ``lr`` (the README uses 0.005). ``lr · lam`` and ``personal_lr · lam`` must stay below 2
+(each update is then a contraction towards its proximal target; refused otherwise). The code's
+extra L2 term ``mu · theta`` (mu = 1e-3, not in the paper) is ``l2`` (default 0, the paper's
+objective). Unlike the official code, only the sampled clients train (every client computes in
+every round there), so bytes and time are the ones of a real partial-participation federation.
 """
 
 from __future__ import annotations
@@ -79,6 +80,14 @@ class PFedMe(BetaMixing, Personalized, FedAvg):
         for field, ok in checks.items():
             if not ok:
                 raise ValueError(f"pfedme: invalid {field}={getattr(self, field)!r}")
+        # both updates contract towards their target only when step * lam < 2
+        for what, step in (("lr", self.lr), ("personal_lr", self.personal_lr)):
+            if step * self.lam >= 2.0:
+                raise ValueError(
+                    f"pfedme: {what} * lam = {step} * {self.lam} = {step * self.lam:g} >= 2: the "
+                    f"{'w_i' if what == 'lr' else 'theta'} update overshoots its proximal target "
+                    "and diverges; lower the step or lam (the sources keep it below 1)"
+                )
 
     def client_update(
         self,

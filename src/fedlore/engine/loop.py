@@ -186,7 +186,8 @@ def client_reports(accepted: list[tuple[int, Reply | None]], per_client: Sequenc
     * ``client_train_s``: mean seconds of local training per client (reply ``train_s``);
     * ``local_accuracy`` / ``local_loss`` / ``local_ece``: P-local scores pooled with weights
       ``local_n`` (accuracy and NLL are then the pooled values; ECE the test-size-weighted mean of
-      the clients' ECEs), with ``local_clients`` = how many reported;
+      the clients' ECEs; NaN when a client's score is not finite), with ``local_clients`` = how
+      many reported;
     * the reply metrics named in ``per_client`` (an algorithm's ``per_client_metrics``) per
       client, e.g. ``lr_chosen: {"3": 0.001}``.
     """
@@ -202,6 +203,8 @@ def client_reports(accepted: list[tuple[int, Reply | None]], per_client: Sequenc
             vals = [(float(m[key]), float(m["local_n"])) for m in local if key in m]
             if vals and all(math.isfinite(v) for v, _ in vals):
                 row[key] = sum(v * n for v, n in vals) / sum(n for _, n in vals)
+            elif vals:  # a diverged local model: the pooled score is NaN, not left out
+                row[key] = float("nan")
         row["local_clients"] = len(local)
     for key in per_client:
         per = {str(c): r.metrics[key] for c, r in ok if key in r.metrics}
