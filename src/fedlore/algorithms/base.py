@@ -270,9 +270,15 @@ def local_eval_metrics(hyper: Hyper, model: nn.Module, data: ClientData, rnd: in
     """P-local metrics of a client's freshly trained ``model`` on its own test split, in the
     run's last round when ``hyper.local_eval`` is on (else ``{}``): see :func:`local_scores`.
     The test split is read only here, after training."""
-    if not hyper.local_eval or rnd != hyper.rounds - 1 or len(data.test) == 0:
+    if not local_eval_due(hyper, rnd) or len(data.test) == 0:
         return {}
     return local_scores(model, data, hyper.mc_samples)
+
+
+def local_eval_due(hyper: Hyper, rnd: int) -> bool:
+    """Whether a client reports P-local scores in round ``rnd``: ``local_eval`` is on and it is
+    the run's last round."""
+    return hyper.local_eval and rnd == hyper.rounds - 1
 
 
 def local_scores(model: nn.Module, data: ClientData, mc_samples: int) -> Scalars:

@@ -37,7 +37,7 @@ from fedlore.data.client_data import ClientData
 from fedlore.registry import register_algorithm
 from fedlore.tensors import load_model_arrays, select
 from fedlore.train.local import local_train
-from fedlore.types import Broadcast, Reply, State
+from fedlore.types import Broadcast, Reply, Scalars, State
 
 
 @register_algorithm("ditto")
@@ -65,6 +65,10 @@ class Ditto(Personalized, FedAvg):
             raise ValueError(f"ditto: personal_steps must be >= 1, got {self.personal_steps}")
         if self.personal_lr is not None and not self.personal_lr > 0:
             raise ValueError(f"ditto: personal_lr must be > 0, got {self.personal_lr}")
+
+    def trained_model_metrics(self, model: nn.Module, data: ClientData, rnd: int) -> Scalars:
+        """None for the global side: Ditto's P-local is the personal ``v_k`` (scored below)."""
+        return {}
 
     def client_update(
         self,

@@ -188,9 +188,14 @@ class FedFull(DenseServer, Hyper):
             skipped_steps=stats.skipped_steps,
             optimizer_state_bytes=optimizer_state_bytes(opt),
             train_s=train_s,
-            **local_eval_metrics(self, model, data, rnd),
+            **self.trained_model_metrics(model, data, rnd),
         )
         return Reply(arrays=self.dense_update(model, start), metrics=metrics), keep
+
+    def trained_model_metrics(self, model: nn.Module, data: ClientData, rnd: int) -> Scalars:
+        """P-local scores of the model the client just trained (last round, ``local_eval``);
+        a method whose personal model is another one (Ditto) reports that one instead."""
+        return local_eval_metrics(self, model, data, rnd)
 
     def loss_terms(self, start: dict[str, torch.Tensor]) -> list[LossTerm]:
         """Extra terms of the local objective (none; FedProx adds its proximal term)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedlore.algorithms.base import Hyper, local_scores
+from fedlore.algorithms.base import Hyper, local_eval_due, local_scores
 from fedlore.data.client_data import ClientData
 from fedlore.tensors import load_model_arrays, select, weighted_mean, with_prefix
 from fedlore.train.local import LossTerm
@@ -123,6 +123,6 @@ class Personalized:
         (the same gate as :func:`~fedlore.algorithms.base.local_eval_metrics`). Called after
         local training, so the test split is read only once the personal model is final."""
         hyper: Hyper = self  # type: ignore[assignment]
-        if not hyper.local_eval or rnd != hyper.rounds - 1:
+        if not local_eval_due(hyper, rnd):
             return {}
         return self.evaluate_personal(state, model, data)
