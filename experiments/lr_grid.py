@@ -1,17 +1,20 @@
-"""Run a table experiment with a learning rate per method chosen from a small grid.
+"""Run a table experiment with a learning rate per method chosen from a grid.
 
-Protocol (issues 5 and 6): every method runs seed 42 (the config's first seed) at every learning
-rate of its grid; the rate with the best final test accuracy on that seed (language models: the
-lowest final validation perplexity, as seed 000's Table 8; ties: the smaller rate) is then run on
-the remaining seeds. Reported: mean ± std over all seeds at the chosen rate, and
-the grid's seed-42 accuracies, so the selection is visible. Seed 42 is both the selection and a
-reported seed (stated in the results README).
+Protocol (seed 000, "Learning Rate Selection"; issue 16): every method runs the config's first
+seed at every learning rate of its grid; the rate with the best final score on the *selection
+split* (``data.selection_fraction``: training data held out of every client, never the reported
+test set) wins: the highest selection accuracy, or for a language model the lowest selection
+perplexity (seed 000's Table 8 selects by validation perplexity); a diverged run never wins;
+ties go to the smaller rate. The chosen rate then runs on the remaining seeds. Reported: mean ±
+std over all seeds of the test metrics at the chosen rate (central test set; a corpus's
+validation documents), and the first seed's selection scores over the grid, so the choice is
+visible. A config without a selection split is refused.
 
 Usage::
 
     python experiments/lr_grid.py experiments/vision_table1.yaml \\
-        --grid fedfull,local_galore,fedlore=3e-4,1e-3,3e-3 --grid fedit,...=1e-3,3e-3 \\
-        --jobs 2 --out experiments/results/vision_table1
+        --grid fedfull,local_galore,fedlore,fedit=1e-4,3e-4,5e-4,8e-4,1e-3,3e-3,5e-3 \\
+        --grid ffa_lora,...=5e-4,1e-3,3e-3,5e-3 --jobs 2 --out experiments/results/vision_table1
 
 Each run is ``fedlore run CONFIG algorithms=<m> seeds=<s> lr=<lr> output_dir=<runs>/lr-<lr>
 [--set overrides] --resume`` in its own process (a killed driver resumes where it stopped;
@@ -89,14 +92,34 @@ def summary(root: str, name: str, lr: float, method: str, seed: int) -> dict[str
     return data
 
 
+SEED_GRID = (1e-4, 3e-4, 5e-4, 8e-4, 1e-3, 3e-3, 5e-3)
+"""Seed 000's learning-rate grid (Section 5 "Hyperparameter Settings", Appendices A and B)."""
+
+
 def score(result: dict[str, Any]) -> float:
-    """The selection score of a finished run (higher is better): the final accuracy, or minus
-    the final validation perplexity for a language model."""
-    if "final_perplexity" in result:  # None: the run diverged
-        ppl = result["final_perplexity"]
+    """The selection score of a finished run (higher is better): the final accuracy on the
+    selection split, or minus the final selection perplexity for a language model; ``-inf`` for
+    a run that diverged.
+
+    Raises:
+        SystemExit: when the run has no selection-split score (``data.selection_fraction`` 0):
+            the reported test set must not choose the rate.
+    """
+    if "final_perplexity" in result:
+        if "final_selection_perplexity" not in result:
+            raise SystemExit(NO_SELECTION)
+        ppl = result["final_selection_perplexity"]
         return -float("inf") if ppl is None else -float(ppl)
-    acc = result["final_accuracy"]
-    return -float("inf") if acc is None else float(acc)
+    if "final_selection_accuracy" not in result and result.get("final_accuracy") is not None:
+        raise SystemExit(NO_SELECTION)
+    acc = result.get("final_selection_accuracy")
+    return -float("inf") if acc is None or acc != acc else float(acc)
+
+
+NO_SELECTION = (
+    "lr_grid: the runs have no selection-split score; set data.selection_fraction (e.g. 0.1) "
+    "so that the rate is chosen on held-out training data, not on the reported test set"
+)
 
 
 def per_round(root: str, name: str, lr: float, method: str, seed: int) -> dict[str, float]:
@@ -137,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     TABLE_ONLY = args.table_only
     EXTRA[:] = args.set
     cfg = load_config(args.config, list(args.set))
+    if cfg.data.selection_fraction == 0:
+        raise SystemExit(NO_SELECTION)
     name, methods, seeds = cfg.name, list(cfg.algorithms), list(cfg.seeds)
     args.runs = args.runs or cfg.output_dir
     grid = parse_grid(args.grid)
@@ -161,7 +186,12 @@ def main(argv: list[str] | None = None) -> int:
             with lock:
                 failed.append(str(e))
             return
-        scores = {lr: score(summary(args.runs, name, lr, method, first)) for lr in grid[method]}
+        try:
+            scores = {lr: score(summary(args.runs, name, lr, method, first)) for lr in grid[method]}
+        except SystemExit as e:
+            with lock:
+                failed.append(str(e))
+            return
         best = max(grid[method], key=lambda lr: (scores[lr], -lr))
         with lock:
             chosen[method] = best
@@ -198,15 +228,23 @@ def main(argv: list[str] | None = None) -> int:
         "methods": {},
     }
     lm = "final_perplexity" in summary(args.runs, name, chosen[methods[0]], methods[0], first)
-    key, scale, label = (
-        ("final_perplexity", 1.0, "val PPL") if lm else ("final_accuracy", 100.0, "final acc. %")
+    key, sel_key, scale, label = (
+        ("final_perplexity", "final_selection_perplexity", 1.0, "val PPL")
+        if lm
+        else ("final_accuracy", "final_selection_accuracy", 100.0, "final acc. %")
     )
+
+    def number(result: dict[str, Any], k: str) -> float:
+        v = result.get(k)
+        return float("nan") if v is None else scale * float(v)
+
     for method in methods:
         lr = chosen[method]
         runs = [summary(args.runs, name, lr, method, s) for s in seeds]
-        vals = [scale * r[key] for r in runs]
-        losses = [r["final_loss"] for r in runs]
+        vals = [number(r, key) for r in runs]
+        losses = [float("nan") if r["final_loss"] is None else r["final_loss"] for r in runs]
         comm = per_round(args.runs, name, lr, method, first)
+        grid_runs = {g: summary(args.runs, name, g, method, first) for g in grid[method]}
         table["methods"][method] = {
             "lr": lr,
             key: dict(zip(map(str, seeds), vals, strict=True)),
@@ -214,22 +252,24 @@ def main(argv: list[str] | None = None) -> int:
             "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
             "loss_mean": statistics.mean(losses),
             "loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
-            f"grid_seed{first}": {
-                f"{g:g}": scale * summary(args.runs, name, g, method, first)[key]
-                for g in grid[method]
+            # what chose the rate: the selection split of the first seed
+            f"selection_grid_seed{first}": {
+                f"{g:g}": number(r, sel_key) for g, r in grid_runs.items()
             },
+            # for the record only (never used to choose): the test metric over the grid
+            f"test_grid_seed{first}": {f"{g:g}": number(r, key) for g, r in grid_runs.items()},
             **comm,
         }
     (out / "table.json").write_text(json.dumps(table, indent=2))
     lines = [
         f"| method | lr | {'val loss | ' if lm else ''}{label} (mean ± std) | per seed "
-        f"| seed-{first} grid | MB up / client / round "
+        f"| seed-{first} selection-split grid | MB up / client / round "
         "| MB down / client / round | optimizer state (MB / client) | s / round |",
         "|---|---|---|---|---|---|---|---|---|" + ("---|" if lm else ""),
     ]
     for method, row in table["methods"].items():
         per_seed = ", ".join(f"{v:.1f}" for v in row[key].values())
-        grid_s = ", ".join(f"{k}: {v:.1f}" for k, v in row[f"grid_seed{first}"].items())
+        grid_s = ", ".join(f"{k}: {v:.1f}" for k, v in row[f"selection_grid_seed{first}"].items())
         loss = f"{row['loss_mean']:.3f} ± {row['loss_std']:.3f} | " if lm else ""
         lines.append(
             f"| {method} | {row['lr']:g} | {loss}{row['mean']:.2f} ± {row['std']:.2f} | "

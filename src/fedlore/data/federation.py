@@ -40,6 +40,7 @@ STREAM_NOISE_TEST = 4
 STREAM_FLIP = 5
 STREAM_SAMPLING = 6
 STREAM_SERVER = 7
+STREAM_SELECTION = 8
 
 
 def _torch_generator(seed: int, stream: int) -> torch.Generator:
@@ -98,6 +99,13 @@ class Federation:
         server_indices: sorted indices into ``pool`` of the server's unlabeled set U
             (``data.server_fraction``; None when there is none). Disjoint from every client's
             train and test indices; see :attr:`server_unlabeled`.
+        selection: the selection split (``data.selection_fraction``; None when there is
+            none): labelled data (inputs with the clients' noise, true labels) held out of every
+            client, on which hyperparameters are chosen instead of the reported test set;
+            language modeling: the packed selection documents ``[n, L]`` with targets.
+        selection_indices: labelled sources: sorted indices into ``pool`` of
+            :attr:`selection` (disjoint from every client's and from U); corpora: indices of
+            the held-out training documents.
     """
 
     source: str
@@ -114,6 +122,8 @@ class Federation:
     group_names: tuple[str, ...] = ()
     group_histogram: np.ndarray | None = None
     server_indices: np.ndarray | None = None
+    selection: TensorSplit | None = None
+    selection_indices: np.ndarray | None = None
 
     @property
     def server_unlabeled(self) -> torch.Tensor | None:
@@ -160,6 +170,10 @@ class Federation:
         h.update(repr(self.stream_seeds).encode())
         if self.server_indices is not None:  # absent without U: earlier fingerprints still hold
             h.update(b"server|" + np.ascontiguousarray(self.server_indices, np.int64).tobytes())
+        if self.selection_indices is not None:  # likewise absent without a selection split
+            h.update(
+                b"selection|" + np.ascontiguousarray(self.selection_indices, np.int64).tobytes()
+            )
         return h.hexdigest()[:16]
 
     def client_sizes(self) -> np.ndarray:
@@ -297,6 +311,46 @@ def hold_out_server(
     return server, clients
 
 
+def hold_out_selection(
+    labels: np.ndarray | None, candidates: np.ndarray, fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray | None, np.ndarray]:
+    """Split ``candidates`` into the selection split and the clients' share.
+
+    With ``labels`` (classes of every pool index) the split is stratified: each class with n_c
+    candidates gives ``max(1, round(fraction · n_c))`` of them; without (documents of a corpus)
+    it is a uniform draw of ``max(1, round(fraction · n))``.
+
+    Args:
+        labels: int array over the pool (indexed by ``candidates``), or None.
+        candidates: sorted int64 indices still available to the clients.
+        fraction: ``data.selection_fraction`` in [0, 1); 0 holds nothing out.
+        rng: the selection stream ``[seed, STREAM_SELECTION]`` (used only when ``fraction > 0``).
+
+    Returns:
+        ``(selection, rest)``: sorted int64 subsets of ``candidates``, disjoint, together all of
+        it; ``selection`` is None when ``fraction`` is 0 (``rest`` is then ``candidates``).
+
+    Raises:
+        ConfigError: when ``fraction`` is outside [0, 1) or nothing would be left.
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ConfigError(f"data.selection_fraction must be in [0, 1), got {fraction}")
+    if fraction == 0.0:
+        return None, candidates
+    if labels is not None:
+        chosen = candidates[subsample_stratified(labels[candidates], fraction, rng)]
+    else:
+        k = max(1, round(fraction * len(candidates)))
+        chosen = np.sort(rng.choice(candidates, size=min(k, len(candidates)), replace=False))
+    rest = np.setdiff1d(candidates, chosen, assume_unique=True)
+    if len(rest) == 0:
+        raise ConfigError(
+            f"data.selection_fraction={fraction} holds out all {len(candidates)} remaining "
+            "training examples for the selection split: nothing is left for the clients"
+        )
+    return np.sort(chosen).astype(np.int64), rest.astype(np.int64)
+
+
 # DataConfig fields that only some sources take (the text sources): passed as keyword arguments
 # to a loader that declares them; set to a non-default value for any other source, an error.
 SOURCE_OPTIONS = (
@@ -343,7 +397,9 @@ def build_federation(cfg: Config, seed: int) -> Federation:
     Steps: load ``cfg.data.name`` from ``cfg.data.root``; keep a stratified share
     ``cfg.data.fraction`` of the training set; hold out a stratified share
     ``cfg.data.server_fraction`` of it as the server's unlabeled set U (:func:`hold_out_server`,
-    stream ``[seed, STREAM_SERVER]``); partition the rest over ``cfg.num_clients`` clients with
+    stream ``[seed, STREAM_SERVER]``) and a stratified share ``cfg.data.selection_fraction`` of
+    what is left as the selection split (:func:`hold_out_selection`, stream
+    ``[seed, STREAM_SELECTION]``); partition the rest over ``cfg.num_clients`` clients with
     ``cfg.partition``; split each client's examples into local train/test with
     ``cfg.data.test_fraction``; add input noise ``cfg.data.noise`` to the kept training inputs
     (so to client train and test) and, from another stream, to the central test set; flip a
@@ -375,7 +431,14 @@ def build_federation(cfg: Config, seed: int) -> Federation:
     server_idx, client_idx = hold_out_server(
         labels, cfg.data.server_fraction, np.random.default_rng([seed, STREAM_SERVER])
     )
-    # without U, client_idx is arange(n): the partition is exactly the one without this step
+    selection_idx, client_idx = hold_out_selection(
+        labels,
+        client_idx,
+        cfg.data.selection_fraction,
+        np.random.default_rng([seed, STREAM_SELECTION]),
+    )
+    # without U and a selection split, client_idx is arange(n): the partition is exactly the
+    # one without these steps
     parts = [client_idx[p] for p in partition_labels(cfg, seed, labels[client_idx])]
 
     train_idx, test_idx = [], []
@@ -411,6 +474,10 @@ def build_federation(cfg: Config, seed: int) -> Federation:
             ),
             source.test.y,
         )
+    selection = None
+    if selection_idx is not None:  # inputs as the clients see them (noise), true labels
+        sel = torch.from_numpy(selection_idx)
+        selection = TensorSplit(pool.x[sel], pool.y[sel])
     return Federation(
         source=source.name,
         pool=pool,
@@ -425,6 +492,8 @@ def build_federation(cfg: Config, seed: int) -> Federation:
         if cfg.data.sampling == "stream"
         else None,
         server_indices=server_idx,
+        selection=selection,
+        selection_indices=selection_idx,
     )
 
 
@@ -449,9 +518,10 @@ def corpus_federation(cfg: Config, seed: int, corpus: Corpus) -> Federation:
 
     Steps: keep a uniform random share ``cfg.data.fraction`` of the training documents (at least
     one per client; a stratified share would keep one document of every one-page host); allocate
-    the kept documents to ``cfg.num_clients`` clients with ``cfg.partition`` over their source
-    groups (``source_dirichlet`` is the seed's rule), before tokenization;
-    per client, tokenize and pack its documents in corpus order into sequences of
+    the kept documents (less a uniform share ``cfg.data.selection_fraction`` held out as the
+    selection split, packed like the validation corpus) to ``cfg.num_clients`` clients with
+    ``cfg.partition`` over their source groups (``source_dirichlet`` is the seed's rule), before
+    tokenization; per client, tokenize and pack its documents in corpus order into sequences of
     ``cfg.data.max_length`` tokens (:func:`fedlore.data.corpus.pack_documents`); pack the
     validation corpus the same way as the common test set. The partition stream
     ``[seed, STREAM_PARTITION]`` is separate from every training stream, so the allocation is
@@ -483,6 +553,9 @@ def corpus_federation(cfg: Config, seed: int, corpus: Corpus) -> Federation:
         rng = np.random.default_rng([seed, STREAM_FRACTION])
         size = max(cfg.num_clients, round(data.fraction * len(groups)))
         keep = np.sort(rng.choice(len(groups), size=min(size, len(groups)), replace=False))
+    selection_docs, keep = hold_out_selection(
+        None, keep, data.selection_fraction, np.random.default_rng([seed, STREAM_SELECTION])
+    )
     docs = [keep[p] for p in partition_labels(cfg, seed, groups[keep])]
     for i, d in enumerate(docs):
         if len(d) == 0:
@@ -498,6 +571,10 @@ def corpus_federation(cfg: Config, seed: int, corpus: Corpus) -> Federation:
     _check_targets(
         central_test, f"the validation corpus ({len(corpus.validation_texts)} documents)"
     )
+    selection = None
+    if selection_docs is not None:
+        selection = corpus.pack([corpus.train_texts[j] for j in selection_docs])
+        _check_targets(selection, f"the selection split ({len(selection_docs)} documents)")
     sizes = np.cumsum([0, *(len(p) for p in packed)])
     pool = TensorSplit(torch.cat([p.x for p in packed]), torch.cat([p.y for p in packed]))
     empty = np.zeros(0, dtype=np.int64)
@@ -517,4 +594,6 @@ def corpus_federation(cfg: Config, seed: int, corpus: Corpus) -> Federation:
         stream_seeds=_stream_seeds(seed, cfg.num_clients) if sampling == "stream" else None,
         group_names=tuple(corpus.group_names),
         group_histogram=counts.astype(np.int64),
+        selection=selection,
+        selection_indices=selection_docs,
     )

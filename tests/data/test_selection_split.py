@@ -1,0 +1,135 @@
+"""The selection split (``data.selection_fraction``): held out of every client, scored with the
+global model, and the only thing an ``experiments/lr_grid.py`` grid may choose a rate by."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedlore.config import ConfigError, load_config
+from fedlore.data.federation import Federation, build_federation, hold_out_selection
+from fedlore.run import run_one
+
+ROOT = Path(__file__).parents[2]
+C4 = Path(__file__).parents[1] / "fixtures" / "c4"
+
+
+def _fed(seed: int = 0, *extra: str) -> Federation:
+    return build_federation(load_config(None, ["num_clients=5", *extra]), seed)
+
+
+def test_selection_split_is_disjoint_stratified_and_labelled() -> None:
+    fed = _fed(0, "data.selection_fraction=0.1", "data.server_fraction=0.1")
+    sel, u = fed.selection_indices, fed.server_indices
+    assert sel is not None and u is not None and fed.selection is not None
+    clients = np.concatenate([*fed.train_indices, *fed.test_indices])
+    assert not set(sel.tolist()) & set(clients.tolist())
+    assert not set(sel.tolist()) & set(u.tolist())
+    everything = np.sort(np.concatenate([sel, u, clients]))
+    assert np.array_equal(everything, np.arange(len(fed.pool)))
+    y = fed.pool.y.numpy()
+    rest = np.setdiff1d(np.arange(len(y)), u)
+    for c in range(fed.num_classes):  # 10 % of what U left of every class
+        assert int((y[sel] == c).sum()) == max(1, round(0.1 * int((y[rest] == c).sum())))
+    assert np.array_equal(fed.selection.y.numpy(), y[sel])  # true labels
+    assert fed.selection.x.shape == (len(sel), *fed.input_shape)
+
+
+def test_no_selection_split_leaves_the_federation_as_before() -> None:
+    plain, zero = _fed(0), _fed(0, "data.selection_fraction=0")
+    assert plain.selection is None and plain.selection_indices is None
+    assert plain.fingerprint() == zero.fingerprint()
+    held = _fed(0, "data.selection_fraction=0.1")
+    assert held.fingerprint() != plain.fingerprint()
+    again = _fed(0, "data.selection_fraction=0.1")
+    assert held.selection_indices is not None and again.selection_indices is not None
+    assert np.array_equal(held.selection_indices, again.selection_indices)
+    assert held.fingerprint() == again.fingerprint()
+
+
+def test_noise_and_label_flips_keep_the_selection_split_honest() -> None:
+    fed = _fed(0, "data.selection_fraction=0.2", "data.noise=0.3", "data.label_flip=0.5")
+    assert fed.selection is not None and fed.selection_indices is not None
+    idx = fed.selection_indices
+    assert np.array_equal(fed.selection.x.numpy(), fed.pool.x.numpy()[idx])  # the clients' noise
+    assert np.array_equal(fed.selection.y.numpy(), fed.pool.y.numpy()[idx])  # never flipped
+
+
+def test_corpus_selection_documents_are_held_out_of_every_client() -> None:
+    over: list[Any] = [
+        "data.name=c4",
+        f"data.root={C4}",
+        "data.max_length=16",
+        "data.vocab_size=300",
+        "partition.name=source_dirichlet",
+        "num_clients=3",
+    ]
+    plain = build_federation(load_config(None, over), 0)
+    held = build_federation(load_config(None, [*over, "data.selection_fraction=0.2"]), 0)
+    assert plain.selection is None
+    docs = held.selection_indices
+    assert docs is not None and held.selection is not None and len(docs) >= 1
+    assert held.selection.y.dim() == 2  # packed sequences with next-token targets
+    per_client_docs = held.histogram().sum()
+    assert per_client_docs + len(docs) == plain.histogram().sum()
+
+
+def test_bad_selection_fraction() -> None:
+    with pytest.raises(ConfigError, match="selection_fraction"):
+        load_config(None, ["data.selection_fraction=1.0"])
+    with pytest.raises(ConfigError, match="nothing is left"):
+        hold_out_selection(None, np.arange(1), 0.5, np.random.default_rng(0))
+
+
+def test_a_run_reports_the_selection_scores(tmp_path: Path) -> None:
+    cfg = load_config(
+        None,
+        [
+            "num_clients=3",
+            "rounds=2",
+            "local_steps=2",
+            "algorithms=[fedfull]",
+            "data.selection_fraction=0.1",
+            f"output_dir={tmp_path}",
+            "progress=false",
+        ],
+    )
+    summary = run_one(cfg, "fedfull", 42)
+    assert summary is not None
+    assert 0.0 <= summary["final_selection_accuracy"] <= 1.0
+    assert summary["final_selection_loss"] > 0
+    rows = (tmp_path / cfg.name / "fedfull" / "seed-42" / "metrics.jsonl").read_text()
+    assert all("selection_accuracy" in json.loads(r) for r in rows.splitlines())
+
+
+def _lr_grid() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("lr_grid", ROOT / "experiments" / "lr_grid.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_lr_grid_scores_the_selection_split_never_the_test_set() -> None:
+    grid = _lr_grid()
+    assert grid.SEED_GRID == (1e-4, 3e-4, 5e-4, 8e-4, 1e-3, 3e-3, 5e-3)
+    # a higher test accuracy does not help a run with a lower selection accuracy
+    a = {"final_accuracy": 0.9, "final_selection_accuracy": 0.5}
+    b = {"final_accuracy": 0.1, "final_selection_accuracy": 0.6}
+    assert grid.score(b) > grid.score(a)
+    assert grid.score({"final_accuracy": None, "final_selection_accuracy": None}) == -float("inf")
+    lm = {"final_perplexity": 10.0, "final_selection_perplexity": 50.0}
+    assert grid.score(lm) == -50.0
+    assert grid.score({**lm, "final_selection_perplexity": None}) == -float("inf")
+    with pytest.raises(SystemExit, match="selection_fraction"):
+        grid.score({"final_accuracy": 0.9})
+    with pytest.raises(SystemExit, match="selection_fraction"):
+        grid.score({"final_perplexity": 10.0})
+    with pytest.raises(SystemExit, match="selection_fraction"):
+        grid.main(["experiments/quickstart.yaml", "--grid", "fedlore=1e-3", "--out", "/tmp/x"])

@@ -1,0 +1,32 @@
+"""The configs that reproduce a seed table use the seed's settings (issue 16)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedlore.config import load_config
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+SEED_TABLES = sorted(
+    [*EXPERIMENTS.glob("bayes_table*.yaml")]
+    + [EXPERIMENTS / f for f in ("vision_table1.yaml", "text_table2.yaml", "pretrain_table3.yaml")]
+    + [EXPERIMENTS / "pretrain_ablation.yaml"]
+)
+LR_GRID_TABLES = ("vision_table1.yaml", "text_table2.yaml", "pretrain_table3.yaml")
+
+
+@pytest.mark.parametrize("path", SEED_TABLES, ids=lambda p: p.name)
+def test_seed_tables_average_with_the_seeds_uniform_weights(path: Path) -> None:
+    """Seed 000 (Algorithm 1: (1/N) Σ ΔZ_i) and seed 001 (Eq. 22: 1/N Σ w_i) average uniformly."""
+    assert load_config(path).weighting == "uniform"
+
+
+@pytest.mark.parametrize("name", LR_GRID_TABLES)
+def test_grid_tables_hold_out_a_selection_split(name: str) -> None:
+    assert load_config(EXPERIMENTS / name).data.selection_fraction > 0
+
+
+def test_the_library_default_stays_the_fl_convention() -> None:
+    assert load_config(None).weighting == "num_examples"
