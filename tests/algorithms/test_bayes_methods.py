@@ -25,7 +25,7 @@ from fedlore.bayes import bayesianize, is_bayesian, kl_divergence, sampling
 from fedlore.config import load_config
 from fedlore.data.client_data import ClientData, TensorSplit, minibatches
 from fedlore.run import make_algorithm, run_dir, run_one
-from fedlore.train.local import local_train
+from fedlore.train.local import EVAL_SAMPLING_SEED, local_train
 
 
 def _regression_case() -> tuple[nn.Module, TensorSplit, TensorSplit]:
@@ -90,21 +90,121 @@ def test_elbo_kl_term_is_beta_kl_over_n() -> None:
         elbo_kl_term(1.0, 0)
 
 
-def test_meta_split_is_fixed_disjoint_and_twenty_percent() -> None:
+def test_meta_split_is_a_fixed_twenty_percent_subset_of_d() -> None:
     x = torch.arange(50, dtype=torch.float32).unsqueeze(1)
     data = ClientData(
         3, TensorSplit(x, torch.zeros(50, dtype=torch.long)), TensorSplit(x[:1], x[:1, 0].long())
     )
-    fit, meta = meta_split(data, 0.2)
-    fit2, meta2 = meta_split(data, 0.2)
-    assert len(meta) == 10 and len(fit) == 40
-    assert torch.equal(meta.x, meta2.x) and torch.equal(fit.x, fit2.x)
-    assert set(meta.x[:, 0].tolist()).isdisjoint(fit.x[:, 0].tolist())
+    # the seed: d ⊂ D, the client trains on all of D
+    train, meta = meta_split(data, 0.2)
+    assert len(meta) == 10 and torch.equal(train.x, data.train.x)
+    assert set(meta.x[:, 0].tolist()) <= set(train.x[:, 0].tolist())
+    # the held-out variant: the same d, removed from training
+    fit, held = meta_split(data, 0.2, "heldout")
+    fit2, held2 = meta_split(data, 0.2, "heldout")
+    assert torch.equal(held.x, meta.x)
+    assert len(held) == 10 and len(fit) == 40
+    assert torch.equal(held.x, held2.x) and torch.equal(fit.x, fit2.x)
+    assert set(held.x[:, 0].tolist()).isdisjoint(fit.x[:, 0].tolist())
     tiny = ClientData(
         0, TensorSplit(x[:1], torch.zeros(1, dtype=torch.long)), TensorSplit(x[:1], x[:1, 0].long())
     )
     with pytest.raises(ValueError, match="at least 2"):
-        meta_split(tiny, 0.2)
+        meta_split(tiny, 0.2, "heldout")
+    one_train, one_meta = meta_split(tiny, 0.2)  # a subset needs one example: d = D
+    assert len(one_meta) == 1 and len(one_train) == 1
+
+
+def _trained_bnn(
+    score: str,
+) -> tuple[MetaBayFL, nn.Module, torch.optim.Optimizer, TensorSplit, TensorSplit, list]:
+    """A small BNN classifier on 20 training examples whose means were fitted first (so a large
+    step hurts the fit), with the ELBO's KL/N_k large (N_k = 20): the ELBO score favours the
+    large rate, which shrinks the KL fastest; seed Eq. (19)'s predictive NLL the small one."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 4, generator=g)
+    y = (x[:, 0] > 0).long()
+    fit, meta = TensorSplit(x[:20], y[:20]), TensorSplit(x[20:], y[20:])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 2))
+    algo = MetaBayFL(
+        candidate_lrs=(0.3, 0.003),
+        temp_steps=5,
+        batch_size=20,
+        meta_score=score,  # type: ignore[arg-type]
+        mc_samples=10,
+    )
+    algo.prepare_model(model)
+    opt = algo.make_optimizer(model)
+    with sampling(model, True):
+        batches = minibatches(fit, 20, 100, torch.Generator().manual_seed(5))
+        local_train(model, batches, opt, [0.01] * 100)
+    return algo, model, opt, fit, meta, [elbo_kl_term(1.0, len(fit))]
+
+
+def test_eq19_predictive_nll_and_the_elbo_pick_different_rates() -> None:
+    chosen = {}
+    for score in ("nll", "elbo"):
+        algo, model, opt, fit, meta, terms = _trained_bnn(score)
+        with sampling(model, True):
+            chosen[score], scores = algo.select_lr(model, opt, fit, meta, terms, seed=1)
+        if score != "nll":
+            continue
+        # Eq. (19) recomputed by hand: train each copy as the search does, then the mean of
+        # -log((1/S) Σ_s softmax(f(x; w_s))_y) over d with S = 10 draws from the eval seed
+        for lr, got in zip(algo.candidate_lrs, scores, strict=True):
+            trial = copy.deepcopy(model)
+            topt = algo.make_optimizer(trial)
+            topt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            with torch.random.fork_rng(devices=[]), sampling(trial, True):
+                torch.manual_seed(1)
+                g = torch.Generator().manual_seed(1)
+                local_train(trial, minibatches(fit, 20, 5, g), topt, [lr] * 5, loss_terms=terms)
+                trial.eval()
+                torch.manual_seed(EVAL_SAMPLING_SEED)
+                with torch.no_grad():
+                    probs = torch.stack([trial(meta.x).softmax(-1) for _ in range(10)]).mean(0)
+            expect = float(-probs[torch.arange(len(meta)), meta.y].log().mean())
+            assert math.isclose(got, expect, rel_tol=1e-5), (lr, got, expect)
+    assert chosen == {"nll": 0.003, "elbo": 0.3}
+
+
+def _recording_case() -> tuple[nn.Module, ClientData, list[torch.Tensor]]:
+    """A deterministic model that records every input it trains on (also in its trial copies)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.arange(40, dtype=torch.float32).unsqueeze(1).repeat(1, 4) / 40
+    y = torch.randint(0, 2, (40,), generator=g)
+    data = ClientData(7, TensorSplit(x, y), TensorSplit(x[:4], y[:4]))
+    seen: list[torch.Tensor] = []
+    model = nn.Sequential(nn.Linear(4, 2))
+
+    def record(mod: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        if mod.training:
+            seen.append(args[0][:, 0].detach().clone())
+
+    model.register_forward_pre_hook(record)
+    return model, data, seen
+
+
+@pytest.mark.parametrize("mode", ["subset", "heldout"])
+def test_the_client_trains_on_all_of_d_unless_d_is_held_out(mode: str) -> None:
+    model, data, seen = _recording_case()
+    algo = MetaBayFL(
+        posterior="none",
+        local_steps=30,
+        batch_size=8,
+        temp_steps=2,
+        meta_split=mode,  # type: ignore[arg-type]
+    )
+    state = algo.init_server(model, torch.Generator())
+    algo.client_update(algo.broadcast(state, 0, 0), None, model, data, torch.Generator())
+    trained = set(torch.cat(seen).tolist())
+    _, d = meta_split(data, algo.meta_fraction, algo.meta_split)
+    in_d = set(d.x[:, 0].tolist())
+    if mode == "subset":  # 30 steps of 8 over 40 examples: every example, d included
+        assert trained == set(data.train.x[:, 0].tolist())
+    else:
+        assert trained.isdisjoint(in_d) and len(trained) == 40 - len(in_d)
 
 
 def test_combine_gaussians_rules() -> None:
@@ -171,6 +271,8 @@ def test_bad_hyperparameters_are_refused() -> None:
         {"candidate_lrs": (-1.0,)},
         {"temp_steps": 0},
         {"meta_fraction": 1.0},
+        {"meta_split": "both"},
+        {"meta_score": "kl"},
         {"prior_sigma": 0.0},
         {"posterior_aggregation": "median"},
         {"dropout": 1.0},
@@ -252,9 +354,10 @@ def test_prepare_model_converts_once() -> None:
     assert is_bayesian(first) and list(algo.prepare_model(first).state_dict()) == names
 
 
+@pytest.mark.parametrize("score", ["nll", "elbo"])
 @pytest.mark.parametrize("posterior", ["none", "bnn", "mcdropout"])
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_batched_trials_equal_sequential_trials(posterior: str, optimizer: str) -> None:
+def test_batched_trials_equal_sequential_trials(posterior: str, optimizer: str, score: str) -> None:
     g = torch.Generator().manual_seed(0)
     x, y = torch.rand(120, 1, 8, 8, generator=g), torch.randint(0, 3, (120,), generator=g)
     fit, meta = TensorSplit(x[:96], y[:96]), TensorSplit(x[96:], y[96:])
@@ -268,6 +371,8 @@ def test_batched_trials_equal_sequential_trials(posterior: str, optimizer: str) 
             trials=trials,  # type: ignore[arg-type]
             temp_steps=4,
             batch_size=16,
+            meta_score=score,  # type: ignore[arg-type]
+            mc_samples=3,
         )
         algo.prepare_model(model)
         opt = algo.make_optimizer(model)
@@ -300,7 +405,12 @@ def test_batched_trials_count_the_kl_of_frozen_layers() -> None:
     for trials in ("sequential", "batched"):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-        algo = MetaBayFL(trials=trials, candidate_lrs=(0.1, 0.01, 0.001), temp_steps=3)  # type: ignore[arg-type]
+        algo = MetaBayFL(
+            trials=trials,  # type: ignore[arg-type]
+            candidate_lrs=(0.1, 0.01, 0.001),
+            temp_steps=3,
+            meta_score="elbo",  # the KL of the frozen rho only enters the ELBO score
+        )
         algo.prepare_model(model)
         for name, p in model.named_parameters():
             p.requires_grad_(not name.endswith("_rho"))  # params.freeze=["*_rho"]
@@ -322,12 +432,13 @@ def test_combine_gaussians_keeps_tiny_sigmas() -> None:
         assert torch.allclose(m, mu[0]) and torch.allclose(r, rho[0], rtol=1e-5), (rule, r)
 
 
-def test_a_client_with_one_example_trains_without_a_search() -> None:
+def test_a_client_with_one_example_searches_on_it_unless_d_is_held_out() -> None:
     model, fit, _ = _regression_case()
     one = ClientData(0, fit.subset(torch.tensor([0])), fit.subset(torch.tensor([1])))
-    algo = MetaBayFL(posterior="none", local_steps=2, batch_size=4)
-    state = algo.init_server(model, torch.Generator())
-    msg = algo.broadcast(state, 0, 0)
-    reply, _ = algo.client_update(msg, None, model, one, torch.Generator().manual_seed(0))
-    assert reply.num_examples == 1 and "lr_chosen" not in reply.metrics
-    assert any(float(v.abs().sum()) > 0 for v in reply.arrays.values())
+    for mode, searches in (("heldout", False), ("subset", True)):
+        algo = MetaBayFL(posterior="none", local_steps=2, batch_size=4, meta_split=mode)  # type: ignore[arg-type]
+        state = algo.init_server(model, torch.Generator())
+        msg = algo.broadcast(state, 0, 0)
+        reply, _ = algo.client_update(msg, None, model, one, torch.Generator().manual_seed(0))
+        assert reply.num_examples == 1 and ("lr_chosen" in reply.metrics) is searches
+        assert any(float(v.abs().sum()) > 0 for v in reply.arrays.values())

@@ -552,6 +552,47 @@ def test_lora_fair_fixed_sgd_inflates_the_update_where_the_minimum_does_not() ->
     assert fixed.objective > ours.objective
 
 
+class BNNet(nn.Module):
+    """fc1 -> BatchNorm -> head: the running statistics are buffers, not parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(IN, HID)
+        self.bn = nn.BatchNorm1d(HID)
+        self.head = nn.Linear(HID, NCLS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.fc1(x))))
+
+
+@pytest.mark.parametrize("average", [False, True])
+def test_batchnorm_statistics_stay_at_first_contact_unless_averaged(average: bool) -> None:
+    algo = FedIT(rank=2, local_steps=3, batch_size=8, lr=1e-2, average_buffers=average)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = BNNet()
+    state = algo.init_server(model, torch.Generator().manual_seed(7))
+    first = state.arrays["model.bn.running_mean"].clone()
+    replies = []
+    for c in (0, 1):
+        msg = algo.broadcast(state, 0, c)
+        reply, _ = algo.client_update(msg, None, model, client_data(c), generator(0, CLIENT, 0, c))
+        assert validate_reply(reply, algo.expected_reply(state, 0, c)) is None
+        replies.append((c, reply))
+    after, _ = algo.aggregate(state, replies, 0)
+    got = after.arrays["model.bn.running_mean"]
+    if not average:  # the default: never uploaded, the global statistics do not move
+        assert "dense.bn.running_mean" not in replies[0][1].arrays
+        assert torch.equal(got, first)
+        return
+    locals_ = [r.arrays["dense.bn.running_mean"] for _, r in replies]
+    assert not torch.equal(locals_[0], first)  # the clients' local training moved them
+    torch.testing.assert_close(got, (locals_[0] + locals_[1]) / 2)  # 24 examples each
+    assert "dense.bn.num_batches_tracked" not in replies[0][1].arrays  # integer: not averaged
+    msg = algo.broadcast(after, 1, 0)  # and they travel down every round
+    assert torch.equal(msg.arrays["dense.bn.running_var"], after.arrays["model.bn.running_var"])
+
+
 # ------------------------------------------------------------------------ hyperparameters
 
 

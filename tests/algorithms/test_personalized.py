@@ -153,6 +153,28 @@ def test_last_round_reports_the_personal_score() -> None:
     assert "personal_loss" in reply.metrics
 
 
+def test_fedfomo_scores_its_federated_model_before_local_training() -> None:
+    """NVlabs scores the weighted combination before local training (``plocal="combined"``);
+    ``plocal="trained"`` scores the personal model after it. At a first contact the federated
+    model is the received initial one."""
+    from fedlore.algorithms.base import local_scores
+
+    combined = dataclasses.replace(METHODS["fedfomo"], local_eval=True, rounds=1)
+    assert isinstance(combined, FedFomo) and combined.plocal == "combined"
+    reply, _ = _state_after_one_round(combined)
+    before = local_scores(_model(), _client(0), 0)  # the initial model, untrained
+    assert reply.metrics["local_accuracy"] == before["local_accuracy"]
+    assert reply.metrics["local_loss"] == before["local_loss"]
+    trained = dataclasses.replace(combined, plocal="trained")
+    reply2, state2 = _state_after_one_round(trained)
+    after = trained.evaluate_personal(state2, _model(), _client(0))
+    assert reply2.metrics["local_loss"] == after["local_loss"] != before["local_loss"]
+    # which model is scored does not change what the client trains
+    assert all(torch.equal(reply.arrays[k], reply2.arrays[k]) for k in reply.arrays)
+    with pytest.raises(ValueError, match="plocal"):
+        FedFomo(plocal="both")  # type: ignore[arg-type]
+
+
 def test_prox_term_value_and_gradient() -> None:
     model = nn.Linear(2, 1)
     anchor = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}

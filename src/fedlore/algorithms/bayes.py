@@ -26,11 +26,23 @@ name                          posterior   lr_search
 
 Client objective (reference notes Part 0.3, our adopted reading; seed Eqs. 3 and 17): the
 per-example negative ELBO ``L_b = mean_b NLL(y | x, w_s) + beta_kl · KL(q || p) / N_k`` with one
-weight sample ``w_s`` per minibatch and ``N_k`` the client's training examples (those it takes
-steps on: its training split minus d when a search runs). Each round starts from the global
-posterior with a fresh optimizer, for ``local_steps`` steps like every other method; an "epoch"
-is ``ceil(N_k / batch_size)`` of them. Server: FedAvg of the variational parameters weighted
-by n_k (seed Eq. 22 uses equal weights: ``weighting: uniform``).
+weight sample ``w_s`` per minibatch and ``N_k = |D_n^k|`` the client's training examples. Each
+round starts from the global posterior with a fresh optimizer, for ``local_steps`` steps like
+every other method; an "epoch" is ``ceil(N_k / batch_size)`` of them. Server: FedAvg of the
+variational parameters weighted by n_k (seed Eq. 22 uses equal weights: ``weighting: uniform``,
+as every seed-table config sets).
+
+The learning-rate search follows the seed's text (Algorithm 1, Eqs. 19-20 and the text after
+Eq. 22): the meta split ``d_n^k ⊂ D_n^k`` is 20 % of the training data, used only to rank the
+candidates; the client trains on all of D (``meta_split="subset"``; ``"heldout"`` removes d from
+training, our earlier reading). A candidate's score is Eq. (19),
+``f_{n,k}(w^i) = 1/|d| Σ_{(x,y) ∈ d} L(y, f_{w^i}(x))``: the mean negative log predictive
+probability on d, the predictive being the MC average of the posterior's probabilities over
+``mc_samples`` draws (``eval.mc_samples``; one deterministic pass for deterministic models), no
+KL term (``meta_score="nll"``). ``meta_score="elbo"`` ranks by the per-example negative ELBO on
+d with one weight sample instead (NLL + beta_kl·KL/N_k); with a BNN its KL/N_k term (hundreds of
+nats per example on a CNN) dwarfs the NLL, so the largest rate, which shrinks the KL fastest,
+wins almost every search.
 
 Communication: the BNN sends (mu, rho), twice the deterministic parameter count (seed §V-D).
 """
@@ -46,6 +58,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fedlore.algorithms.base import local_eval_metrics, reply_metrics
@@ -65,7 +78,7 @@ from fedlore.bayes.layers import (
 from fedlore.data.client_data import ClientData, TensorSplit, minibatches
 from fedlore.registry import register_algorithm
 from fedlore.tensors import weighted_mean
-from fedlore.train.local import LossTerm, local_train, task_loss
+from fedlore.train.local import LossTerm, local_train, predictive_log_probs, task_loss
 from fedlore.types import Broadcast, Reply, State
 
 Aggregation = Literal["mean", "sigma", "moment", "precision"]
@@ -90,24 +103,45 @@ def elbo_kl_term(beta_kl: float, num_examples: int) -> LossTerm:
     return term
 
 
-def meta_split(data: ClientData, fraction: float) -> tuple[TensorSplit, TensorSplit]:
-    """Split a client's training data into (fit, d): ``d`` holds ``round(fraction · n)``
-    examples (at least 1, leaving at least 1 to fit), drawn by a permutation fixed per client, so
-    d is the same every round and never trained on (seed §III: "20 % of the training data").
+MetaSplit = Literal["subset", "heldout"]
+MetaScore = Literal["nll", "elbo"]
+
+
+def meta_split(
+    data: ClientData, fraction: float, mode: MetaSplit = "subset"
+) -> tuple[TensorSplit, TensorSplit]:
+    """The client's (training data, meta split d): ``d`` holds ``round(fraction · n)`` of its n
+    training examples (at least 1), drawn by a permutation fixed per client, so d is the same
+    every round (seed, text after Eq. 22: "20 % of the training data", ``d_n^k ⊂ D_n^k``).
+
+    ``mode="subset"`` (the seed): the client trains on all of D, d is a subset of it, used only
+    to rank learning rates. ``mode="heldout"``: d is removed from training (at least 1 example
+    left to fit).
 
     Raises:
-        ValueError: when the client has fewer than 2 training examples.
+        ValueError: when the client has no training example, or fewer than 2 with
+            ``mode="heldout"``.
     """
     n = data.num_examples
-    if n < 2:
+    need = 2 if mode == "heldout" else 1
+    if n < need:
         raise ValueError(
             f"client {data.client_id} has {n} training example(s); the learning-rate search "
-            "needs at least 2 (one to fit, one for the meta split d)"
+            + (
+                "with a held-out meta split needs at least 2 (one to fit, one for d)"
+                if mode == "heldout"
+                else "needs at least 1"
+            )
         )
-    n_meta = min(max(1, round(fraction * n)), n - 1)
+    n_meta = max(1, round(fraction * n))
+    if mode == "heldout":
+        n_meta = min(n_meta, n - 1)
     g = torch.Generator().manual_seed(META_SPLIT_SALT * 1_000_003 + data.client_id)
     perm = torch.randperm(n, generator=g)
-    return data.train.subset(perm[n_meta:]), data.train.subset(perm[:n_meta])
+    d = data.train.subset(perm[:n_meta])
+    if mode == "heldout":
+        return data.train.subset(perm[n_meta:]), d
+    return data.train, d
 
 
 def pick_lowest(candidates: tuple[float, ...], scores: list[float]) -> float:
@@ -186,7 +220,11 @@ class MetaBayFL(FedFull):
         candidate_lrs: eta_1..eta_J (default {1e-2, 1e-3, 1e-4}, seed Table III and the
             authors' supplementary code, with Adam).
         temp_steps: T_temp, steps of each temporary copy (reference notes Part 1.7).
-        meta_fraction: share of the training split held out as d (seed: 20 %).
+        meta_fraction: share of the training split that forms d (seed: 20 %).
+        meta_split: ``"subset"`` (the seed: d ⊂ D, the client trains on all of D) or
+            ``"heldout"`` (d is removed from training).
+        meta_score: ``"nll"`` (the seed's Eq. 19: mean NLL of the MC predictive on d, S =
+            ``mc_samples``) or ``"elbo"`` (per-example negative ELBO on d, one weight sample).
         local_optimizer: ``"adamw"`` (Adam when ``weight_decay`` = 0, the authors' choice) or
             ``"sgd"`` (the seed's update, Eq. 21).
         beta_kl: weight of KL / N_k in the ELBO (1 = the ELBO itself).
@@ -214,6 +252,8 @@ class MetaBayFL(FedFull):
     candidate_lrs: tuple[float, ...] = (1e-2, 1e-3, 1e-4)
     temp_steps: int = 5
     meta_fraction: float = 0.2
+    meta_split: MetaSplit = "subset"
+    meta_score: MetaScore = "nll"
     local_optimizer: Literal["adamw", "sgd"] = "adamw"
     beta_kl: float = 1.0
     prior_mu: float = 0.0
@@ -233,6 +273,8 @@ class MetaBayFL(FedFull):
             and all(isinstance(x, int | float) and x > 0 for x in self.candidate_lrs),
             "temp_steps": self.temp_steps >= 1,
             "meta_fraction": 0.0 < self.meta_fraction < 1.0,
+            "meta_split": self.meta_split in ("subset", "heldout"),
+            "meta_score": self.meta_score in ("nll", "elbo"),
             "beta_kl": self.beta_kl >= 0,
             "prior_sigma": self.prior_sigma > 0 and math.isfinite(self.prior_sigma),
             "prior_mu": math.isfinite(self.prior_mu),
@@ -305,9 +347,12 @@ class MetaBayFL(FedFull):
         model = self.prepare_model(model)
         start, keep = self.dense_start(msg, state, model)
         rnd = int(msg.config["round"])
-        # a client with fewer than 2 examples cannot hold out d: it trains at the fixed lr
-        search = self.lr_search != "none" and data.num_examples >= 2
-        fit, meta = meta_split(data, self.meta_fraction) if search else (data.train, None)
+        # a held-out d needs 2 examples: a client with fewer trains at the fixed lr
+        need = 2 if self.meta_split == "heldout" else 1
+        search = self.lr_search != "none" and data.num_examples >= need
+        fit, meta = (
+            meta_split(data, self.meta_fraction, self.meta_split) if search else (data.train, None)
+        )
         n_fit = len(fit)
         terms = [elbo_kl_term(self.beta_kl, n_fit)] if is_bayesian(model) else []
         opt = self.make_optimizer(model)
@@ -366,9 +411,9 @@ class MetaBayFL(FedFull):
     ) -> tuple[float, list[float]]:
         """Seed Algorithm 1 lines 10-15: for each candidate eta_j, copy the current local model
         and optimizer state, take ``temp_steps`` steps with eta_j on minibatches of ``fit``, and
-        score the copy on ``meta`` (the per-example negative ELBO with one weight sample, or CE;
-        reference notes Part 16 #5). Every candidate sees the same minibatches and the same
-        weight samples (common random numbers); the copies are discarded (Part 16 #4).
+        score the copy on ``meta`` by :meth:`candidate_score` (seed Eq. 19). Every candidate
+        sees the same minibatches and the same weight samples (common random numbers), in
+        training and in scoring; the copies are discarded (reference notes Part 16 #4).
 
         Returns:
             (the lowest-scoring candidate by :func:`pick_lowest`, the J scores).
@@ -393,18 +438,44 @@ class MetaBayFL(FedFull):
                     loss_terms=terms,
                     grad_clip=self.grad_clip,
                 )
-                scores.append(meta_loss(trial, meta, terms))
+                scores.append(self.candidate_score(trial, meta, terms))
         return pick_lowest(self.candidate_lrs, scores), scores
+
+    def candidate_score(self, model: nn.Module, meta: TensorSplit, terms: list[LossTerm]) -> float:
+        """The score of a temporary copy on d (lower is better): ``meta_score="nll"``, seed
+        Eq. (19) with the MC predictive (:func:`meta_nll`, S = ``mc_samples``);
+        ``meta_score="elbo"``, the per-example negative ELBO (:func:`meta_loss`)."""
+        if self.meta_score == "elbo":
+            return meta_loss(model, meta, terms)
+        return meta_nll(model, meta, self.mc_samples)
+
+
+@torch.no_grad()
+def meta_nll(model: nn.Module, meta: TensorSplit, mc_samples: int, batch_size: int = 512) -> float:
+    """Seed Eq. (19): ``1/|d| Σ_{(x,y) ∈ d} -log p̄(y | x)``, the mean NLL over d of the model's
+    predictive ``p̄ = (1/S) Σ_s softmax(f(x; w_s))`` with S = ``mc_samples`` draws from the fixed
+    evaluation seed (the same draws for every candidate), one pass with sampling off for a
+    deterministic model or S = 0 (:func:`~fedlore.train.local.predictive_log_probs`; BatchNorm in
+    eval mode). No KL term.
+
+    Returns:
+        A float (nats per example); NaN when the predictions are not finite (a diverged trial).
+    """
+    log_probs = predictive_log_probs(model, meta.x, batch_size, mc_samples)
+    if not bool(torch.isfinite(log_probs).all()):
+        return float("nan")
+    return float(F.nll_loss(log_probs, meta.y))
 
 
 @torch.no_grad()
 def meta_loss(
     model: nn.Module, meta: TensorSplit, terms: list[LossTerm], batch_size: int = 512
 ) -> float:
-    """The score of a temporary copy on the meta split d: seed Eq. 19's mean loss over d (one
-    stochastic pass with the layers' current sampling flags; BatchNorm in eval mode) plus the
-    ELBO's KL terms, i.e. the per-example negative ELBO, our reading of "the lowest loss"
-    (reference notes Part 16 #5; ``terms`` is empty for deterministic models, leaving Eq. 19).
+    """The ``meta_score="elbo"`` score of a temporary copy on the meta split d: the mean loss
+    over d (one stochastic pass with the layers' current sampling flags; BatchNorm in eval mode)
+    plus the ELBO's KL terms, i.e. the per-example negative ELBO (reference notes Part 16 #5, our
+    earlier reading; ``terms`` is empty for deterministic models, leaving seed Eq. 19 with one
+    pass).
 
     Returns:
         A float (nats per example); NaN/inf when the trial diverged.
@@ -449,7 +520,8 @@ def batched_trials(
     (mu, rho) with the prior of :class:`MetaBayFL`.
 
     Returns:
-        The J meta-split scores (per-example negative ELBO or CE), NaN for a diverged trial.
+        The J meta-split scores (:meth:`MetaBayFL.candidate_score`: seed Eq. 19's predictive
+        NLL, or the per-example negative ELBO), NaN for a diverged trial.
     """
     from torch.func import functional_call, grad_and_value, vmap
 
@@ -515,8 +587,59 @@ def batched_trials(
                 denom = (v2[k] / (1 - b2**t)).sqrt() + algo.eps
                 params[k] = params[k] - lr / (1 - b1**t) * m[k] / denom
         model.eval()
-        scores = score_fn(params, meta.x, meta.y)
-    return [float(sc) if ok else float("nan") for sc, ok in zip(scores, alive, strict=True)]
+        if algo.meta_score == "elbo":
+            scores = score_fn(params, meta.x, meta.y)
+    if algo.meta_score == "nll":
+        scores = batched_meta_nll(model, params, frozen, meta, algo.mc_samples)
+    return [
+        float(sc) if ok and math.isfinite(float(sc)) else float("nan")
+        for sc, ok in zip(scores, alive, strict=True)
+    ]
+
+
+def batched_meta_nll(
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    frozen: dict[str, torch.Tensor],
+    meta: TensorSplit,
+    mc_samples: int,
+    batch_size: int = 512,
+) -> torch.Tensor:
+    """:func:`meta_nll` of J stacked candidates (``params`` with a leading dimension J) in one
+    ``vmap``: the same draws from the evaluation seed in the same order (a weight sample per
+    forward pass of ``batch_size`` examples), shared by all candidates (``randomness="same"``),
+    so each score equals the sequential one up to float rounding.
+
+    Returns:
+        ``[J]`` mean NLL of each candidate's predictive on d (NaN where not finite).
+    """
+    from torch.func import functional_call, vmap
+
+    from fedlore.bayes.layers import is_stochastic
+    from fedlore.train.local import EVAL_SAMPLING_SEED
+
+    def forward(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, {**p, **frozen}, (x,))
+
+    fwd = vmap(forward, in_dims=(0, None), randomness="same")
+    n = len(meta)
+
+    def one_pass() -> torch.Tensor:  # [J, n, K] log-probabilities of one draw
+        chunks = [fwd(params, meta.x[i : i + batch_size]).float() for i in range(0, n, batch_size)]
+        return F.log_softmax(torch.cat(chunks, dim=1), -1)
+
+    model.eval()
+    with torch.no_grad():
+        if mc_samples < 1 or not is_stochastic(model):
+            with sampling(model, False):
+                log_probs = one_pass()
+        else:
+            with sampling(model, True), torch.random.fork_rng(devices=[]):
+                torch.manual_seed(EVAL_SAMPLING_SEED)
+                draws = torch.stack([one_pass() for _ in range(mc_samples)])
+            log_probs = torch.logsumexp(draws, 0) - math.log(mc_samples)
+        picked = log_probs.gather(-1, meta.y.view(1, -1, 1).expand(log_probs.shape[0], -1, 1))
+        return -picked.squeeze(-1).mean(-1)
 
 
 @register_algorithm("bayfl")

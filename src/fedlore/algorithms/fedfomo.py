@@ -32,7 +32,13 @@ first contact), one model up.
 Defaults: M = 4 (NVlabs README "5 models": 4 others + the client's own), ``epsilon = 0.3``,
 ``epsilon_decay = 0.05``, ``val_fraction = 0.2``, ``distance = "l1"`` (NVlabs
 ``--model_delta_norm l1``; PFLlib and FL-bench use l2); local SGD at the run's ``lr``.
-P-local scores the personal ``theta`` after local training.
+
+P-local (``plocal="combined"``, the default): as NVlabs ``server.py: local_eval`` does, the
+client scores its federated model, ``theta`` right after the weighted combination and before
+local training, on its own test split (in the run's last round, ``eval.local``; at a client's
+first contact the received initial model); ``plocal="trained"`` scores ``theta`` after local
+training instead, as the other personalized methods do. The scores only read the test split
+(evaluation mode, no gradient), so training is the same either way.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
-from fedlore.algorithms.base import ReplySpec, reply_metrics
+from fedlore.algorithms.base import ReplySpec, local_eval_due, local_scores, reply_metrics
 from fedlore.algorithms.bayes import meta_split
 from fedlore.algorithms.fedavg import FedAvg
 from fedlore.algorithms.personal import Personalized, keep_personal, personal_arrays
@@ -135,6 +141,8 @@ class FedFomo(Personalized, FedAvg):
         epsilon_decay: its decrease per round.
         val_fraction: share of the training split kept as the client's validation set.
         distance: ``"l1"`` or ``"l2"``, the norm in ``Δ_n``'s denominator.
+        plocal: which model P-local scores: ``"combined"`` (NVlabs: the weighted combination,
+            before local training) or ``"trained"`` (after local training).
     """
 
     name: ClassVar[str] = "fedfomo"
@@ -143,6 +151,7 @@ class FedFomo(Personalized, FedAvg):
     epsilon_decay: float = 0.05
     val_fraction: float = 0.2
     distance: Literal["l1", "l2"] = "l1"
+    plocal: Literal["combined", "trained"] = "combined"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -152,6 +161,7 @@ class FedFomo(Personalized, FedAvg):
             "epsilon_decay": self.epsilon_decay >= 0,
             "val_fraction": 0.0 < self.val_fraction < 1.0,
             "distance": self.distance in ("l1", "l2"),
+            "plocal": self.plocal in ("combined", "trained"),
         }
         for field, ok in checks.items():
             if not ok:
@@ -240,7 +250,9 @@ class FedFomo(Personalized, FedAvg):
         own = personal_arrays(state)
         # a client with one example cannot hold one out: it validates on its training example
         fit, val = (
-            meta_split(data, self.val_fraction) if data.num_examples >= 2 else (data.train,) * 2
+            meta_split(data, self.val_fraction, "heldout")
+            if data.num_examples >= 2
+            else (data.train,) * 2
         )
         ids = [] if state is None else state.arrays["fomo.ids"].tolist()
         aff = [] if state is None else state.arrays["fomo.affinity"].tolist()
@@ -257,6 +269,9 @@ class FedFomo(Personalized, FedAvg):
             }
             cands[data.client_id] = own
             combined = self.combine(model, base, cands, val, affinity)
+        scores: Scalars = {}
+        if self.plocal == "combined" and local_eval_due(self, rnd) and len(data.test):
+            scores = local_scores(model, data, self.mc_samples)  # NVlabs: before training
         start = {k: v.clone() for k, v in model.state_dict().items()}
         opt = self.make_optimizer(model)
         lrs = self.round_lrs(rnd)
@@ -294,7 +309,12 @@ class FedFomo(Personalized, FedAvg):
             skipped_steps=stats.skipped_steps,
             train_s=train_s,
             **combined,
-            **self.personal_eval_metrics(new, model, data, rnd),
+            **(scores if self.plocal == "combined" else {}),
+            **(
+                self.personal_eval_metrics(new, model, data, rnd)
+                if self.plocal == "trained"
+                else {}
+            ),
         )
         return Reply(arrays=reply_arrays, metrics=metrics), new
 

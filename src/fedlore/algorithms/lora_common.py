@@ -10,7 +10,13 @@ Wire names (adapters fp32; other tensors keep the model's dtype):
   sent both ways every round and averaged with the weights p_i. This is the rule FedFull, Local
   GaLore and FedLore follow for their unprojected tensors, so every method trains the same
   parameters (reference notes section 13.3; FRLoRA's code trains the head, the others are
-  silent). Frozen tensors (and buffers) travel only at first contact, as ``model.<k>``.
+  silent). Frozen tensors travel only at first contact, as ``model.<k>``. So do buffers by
+  default: BatchNorm running statistics then stay at their first-contact values in the global
+  model (clients update them locally while training and discard them), as in the LoRA papers'
+  code, which trains transformers with LayerNorm only; ``average_buffers=True`` treats the
+  floating-point buffers like dense parameters instead (uploaded after local training and
+  averaged with p_i, as FedFull, Local GaLore and FedLore do; integer buffers such as
+  ``num_batches_tracked`` keep their first-contact values).
 * ``lora.<mod>.A`` (``r x n``) / ``lora.<mod>.B`` (``m x r``): adapter factors.
 * ``log.<s>.<mod>.*``: round s's merge payload (FLoRA, FRLoRA), from which a client rebuilds
   the merge into its cached base with the server's function, so both stay bit-identical.
@@ -85,6 +91,9 @@ class LoraMethod(Hyper, abc.ABC):
             densely like every other non-adapted, non-frozen parameter.
         log_rounds: merge methods keep this many rounds of merge payloads for clients that
             missed rounds (older ones get the dense base).
+        average_buffers: also upload and average the floating-point buffers (BatchNorm running
+            statistics) every round, like the dense parameters (default: they keep their
+            first-contact values, module docstring).
     """
 
     rank: int = 8
@@ -93,6 +102,7 @@ class LoraMethod(Hyper, abc.ABC):
     target_modules: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ("head.",)
     log_rounds: int = 8
+    average_buffers: bool = False
 
     setup_rounds: ClassVar[int] = 0
     merges: ClassVar[bool] = False
@@ -213,11 +223,19 @@ class LoraMethod(Hyper, abc.ABC):
         return out
 
     def dense_keys(self, model: nn.Module, targets: dict[str, Target]) -> list[str]:
-        """Plain names of the parameters trained densely: neither adapted nor frozen."""
+        """Plain names of the tensors that travel densely every round: the parameters neither
+        adapted nor frozen, and with ``average_buffers`` the floating-point buffers."""
         adapted = {f"{t}.weight" for t in targets}
-        return [
+        keys = [
             k for k, _ in model.named_parameters() if k not in adapted and not self.is_frozen(k)
         ]
+        if self.average_buffers:
+            keys += [
+                k
+                for k, b in model.named_buffers()
+                if b.is_floating_point() and not self.is_frozen(k)
+            ]
+        return keys
 
     # ------------------------------------------------------------------ server
     def init_server(self, model: nn.Module, rng: torch.Generator) -> State:

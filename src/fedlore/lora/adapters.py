@@ -200,9 +200,9 @@ def set_trainable(
 
 
 def dense_arrays(model: nn.Module, dense: Collection[str]) -> Arrays:
-    """Detached CPU copies of the parameters whose plain name is in ``dense``."""
+    """Detached CPU copies of the parameters and buffers whose plain name is in ``dense``."""
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in [*model.named_parameters(), *model.named_buffers()]:
         key = plain_name(name)
         if key in dense:
             out[key] = p.detach().to("cpu").clone().contiguous()
