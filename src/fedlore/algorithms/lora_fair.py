@@ -191,11 +191,11 @@ def fair_correction(
             for k in range(max_steps):
                 obj = value()
                 remember(obj)
-                v = float(obj.detach())
-                calm = calm + 1 if prev is not None and abs(prev - v) < tol else 0
+                now = float(obj.detach())
+                calm = calm + 1 if prev is not None and abs(prev - now) < tol else 0
                 if calm >= patience:
                     break
-                prev = v
+                prev = now
                 sgd.zero_grad()
                 obj.backward()
                 sgd.step()
