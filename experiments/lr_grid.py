@@ -98,8 +98,8 @@ SEED_GRID = (1e-4, 3e-4, 5e-4, 8e-4, 1e-3, 3e-3, 5e-3)
 
 def score(result: dict[str, Any]) -> float:
     """The selection score of a finished run (higher is better): the final accuracy on the
-    selection split, or minus the final selection perplexity for a language model; ``-inf`` for
-    a run that diverged.
+    selection split, minus the final selection perplexity for a language model, minus the final
+    selection RMSE for regression; ``-inf`` for a run that diverged.
 
     Raises:
         SystemExit: when the run has no selection-split score (``data.selection_fraction`` 0):
@@ -110,6 +110,11 @@ def score(result: dict[str, Any]) -> float:
             raise SystemExit(NO_SELECTION)
         ppl = result["final_selection_perplexity"]
         return -float("inf") if ppl is None else -float(ppl)
+    if "final_rmse" in result:  # regression: the lowest selection RMSE
+        if "final_selection_rmse" not in result:
+            raise SystemExit(NO_SELECTION)
+        rmse = result["final_selection_rmse"]
+        return -float("inf") if rmse is None or rmse != rmse else -float(rmse)
     if "final_selection_accuracy" not in result and result.get("final_accuracy") is not None:
         raise SystemExit(NO_SELECTION)
     acc = result.get("final_selection_accuracy")

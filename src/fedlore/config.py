@@ -135,6 +135,12 @@ class OptimConfig(_Strict):
     """Learning-rate schedule over all local steps of the run (rounds x local_steps)."""
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     grad_clip: float | None = Field(None, gt=0.0)
+    name: Literal["adam", "sgd"] = "adam"
+    """Inner optimizer of the projected methods (FedLore, FedLore-Random, FedLore-fixed, Local
+    GaLore): ``adam`` (the seed's Adam in the projected coordinates, AdamW with decoupled
+    ``weight_decay``) or ``sgd``, projected SGD ``W <- a W - lr · scale · P Pᵀ G`` (no moments;
+    the setting of the seed's Theorems 3 and 6 and Proposition 4). Other methods keep their own
+    optimizer (``method.fedfull.local_optimizer``, FedAvg's SGD, ...)."""
     scale: float = Field(1.0, gt=0.0)
     """alpha of the projected update (FedLore, GaLore): W <- W - lr * alpha * P N."""
 
@@ -256,6 +262,11 @@ class Config(_Strict):
     engine: Literal["local", "flower-sim"] = "local"
     """Transport: "local" (in-process, the embedded default) or "flower-sim" (Flower's
     Simulation Engine with the Ray backend; needs the ``flower`` extra)."""
+    precision: Literal["fp32", "fp64"] = "fp32"
+    """Floating-point precision of the models, their inputs and every tensor derived from them
+    (bases, coordinates, optimizer moments, server state): ``fp32`` (default) or ``fp64`` (the
+    precision the seed's theory is checked in; ``tests/theory``). Messages carry the model's
+    dtype, so byte counts double under fp64."""
     weighting: Literal["num_examples", "uniform"] = "num_examples"
     """Aggregation weights p_i: data size (default) or uniform, the same rule for all methods."""
     data: DataConfig = Field(default_factory=DataConfig)

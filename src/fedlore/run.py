@@ -35,7 +35,14 @@ from fedlore.models import build_model
 from fedlore.results.store import lm_summary
 from fedlore.seeding import MODEL_INIT, SERVER_INIT, derive_seed, generator
 from fedlore.tensors import load_model_arrays
-from fedlore.train.local import classification_metrics, evaluate, predictive_log_probs
+from fedlore.train.local import (
+    classification_metrics,
+    evaluate,
+    is_regression,
+    predictive_draws,
+    predictive_log_probs,
+    regression_metrics,
+)
 from fedlore.types import State
 
 log = logging.getLogger(__name__)
@@ -63,6 +70,7 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
         "min_lr_ratio": cfg.optim.min_lr_ratio,
         "grad_clip": cfg.optim.grad_clip,
         "scale": cfg.optim.scale,
+        "optimizer": cfg.optim.name,
         "weighting": cfg.weighting,
         "diagnostics_every": cfg.diagnostics.every,
         "local_eval": cfg.eval.local,
@@ -97,8 +105,14 @@ def start_server(
 
     Raises:
         ConfigError: when ``method`` needs U and the config holds none out
-            (``data.server_fraction`` is 0).
+            (``data.server_fraction`` is 0), or is a classification method (its class attribute
+            ``supports_regression`` is False) and the data are a regression task.
     """
+    if fed.task == "regression" and not getattr(algo, "supports_regression", True):
+        raise ConfigError(
+            f"method {method!r} needs class probabilities (it is defined for classification); "
+            f"data source {fed.source!r} is a regression task"
+        )
     if not getattr(algo, "needs_server_data", False):
         return algo.init_server(model, rng)
     unlabeled = fed.server_unlabeled
@@ -114,14 +128,17 @@ def start_server(
 
 def model_factory(cfg: Config, fed: Federation, seed: int) -> Callable[[], nn.Module]:
     """Builds the model with the same initial weights for every method of a seed (the global
-    torch RNG is forked, so nothing outside is disturbed)."""
+    torch RNG is forked, so nothing outside is disturbed), in float64 under ``precision:
+    fp64`` (initialized in float32 and cast, so fp32 and fp64 runs start from the same
+    weights up to the cast)."""
 
     def build() -> nn.Module:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(seed, MODEL_INIT))
-            return build_model(
+            model = build_model(
                 cfg.model.name, tuple(fed.input_shape), fed.num_classes, **cfg.model.kwargs
             )
+        return model.to(torch.float64) if cfg.precision == "fp64" else model
 
     return build
 
@@ -199,11 +216,11 @@ def run_one(
         bs, mc = cfg.eval.batch_size, cfg.eval.mc_samples
         res = evaluate(eval_model, fed.central_test, bs, mc)
         row: dict[str, float] = {
-            k: res[k] for k in ("accuracy", "loss", "ece", "perplexity") if k in res
+            k: res[k] for k in ("accuracy", "loss", "ece", "perplexity", "rmse") if k in res
         }
         if fed.selection is not None:  # the split hyperparameters are chosen on
             sel = evaluate(eval_model, fed.selection, bs, mc)
-            for k in ("accuracy", "loss", "perplexity"):
+            for k in ("accuracy", "loss", "perplexity", "rmse"):
                 if k in sel:
                     row[f"selection_{k}"] = sel[k]
         if cfg.eval.clients:
@@ -270,6 +287,10 @@ def global_local_metrics(
     mean over clients."""
     if pooled is None:
         return {}
+    if is_regression(pooled.y):  # RMSE and NLL over every client's test example
+        draws = predictive_draws(model, pooled.x, batch_size, mc_samples)
+        reg = regression_metrics(draws, pooled.y)
+        return {"client_rmse": reg["rmse"], "client_loss": reg["loss"]}
     log_probs = predictive_log_probs(model, pooled.x, batch_size, mc_samples)
     out = {f"client_{k}": v for k, v in classification_metrics(log_probs, pooled.y).items()}
     out.pop("client_num_examples")
@@ -312,16 +333,37 @@ def check_same_config(cfg: Config, method: str, out: Path) -> None:
     path = out / "config.json"
     if not path.exists():
         return
-    before = json.loads(path.read_text())
+    before = _flatten(json.loads(path.read_text()))
     before.pop("data_fingerprint", None)  # compared by check_same_data
-    now = _run_config(cfg, method)
-    diff = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    now = _flatten(_run_config(cfg, method))
+    # a setting added to fedlore after the run started is no difference while it keeps its
+    # default (the run was made with that behaviour)
+    defaults = _flatten(_run_config(Config(), method))
+    diff = sorted(
+        k
+        for k in set(before) | set(now)
+        if before.get(k, defaults.get(k)) != now.get(k) and not (k in before and k not in now)
+    )
+    diff += sorted(k for k in set(before) - set(now))
     if diff:
         details = "; ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in diff[:5])
         raise ConfigError(
             f"--resume: {out} was started with a different config ({details}); run without "
             "--resume to start over, or restore the config"
         )
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested config mappings as dotted keys (``{"optim": {"name": "adam"}}`` ->
+    ``{"optim.name": "adam"}``); the per-method ``method`` mapping stays one value."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and k != "method" and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
 
 
 def check_same_data(out: Path, fingerprint: str) -> None:
@@ -522,6 +564,10 @@ SUMMARY_LAST = {
     "local_clients": "local_clients",
     "final_selection_accuracy": "selection_accuracy",
     "final_selection_loss": "selection_loss",
+    "final_rmse": "rmse",
+    "final_selection_rmse": "selection_rmse",
+    "final_client_rmse": "client_rmse",
+    "local_rmse": "local_rmse",
 }
 """Summary key -> row key whose last recorded value it holds (when any round recorded it)."""
 

@@ -253,3 +253,34 @@ def test_cli_bad_override_exits_2_naming_the_field(
 def test_cli_missing_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", str(tmp_path / "absent.yaml")]) == 2
     assert "absent.yaml" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_changed_config_and_names_the_key(tmp_path: Path) -> None:
+    from fedlore.config import ConfigError
+
+    cfg = _cfg(tmp_path)
+    assert run_one(cfg, "fedfull", SEED, stop_after=0) is None
+    changed = _cfg(tmp_path, "lr=1e-2")
+    with pytest.raises(ConfigError, match=r"different config \(lr: 0\.003 -> 0\.01\)"):
+        run_one(changed, "fedfull", SEED, resume=True)
+
+
+def test_resume_accepts_a_run_from_before_a_setting_existed_while_it_is_at_its_default(
+    tmp_path: Path,
+) -> None:
+    """A run folder written before ``precision`` and ``optim.name`` existed resumes as long as
+    the new settings keep their defaults (the behaviour the run was made with)."""
+    from fedlore.config import ConfigError
+
+    cfg = _cfg(tmp_path)
+    assert run_one(cfg, "fedfull", SEED, stop_after=0) is None
+    path = run_dir(cfg, "fedfull", SEED) / "config.json"
+    old = json.loads(path.read_text())
+    del old["precision"]
+    del old["optim"]["name"]
+    path.write_text(json.dumps(old))
+    assert run_one(cfg, "fedfull", SEED, resume=True) is not None
+    path.write_text(json.dumps(old))
+    (run_dir(cfg, "fedfull", SEED) / "summary.json").unlink()
+    with pytest.raises(ConfigError, match=r"optim\.name: None -> 'sgd'"):
+        run_one(_cfg(tmp_path, "optim.name=sgd"), "fedfull", SEED, resume=True)

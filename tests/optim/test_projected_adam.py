@@ -340,3 +340,52 @@ def test_cnn_trains_a_fedlore_round_with_projected_kernels() -> None:
         delta = spec.view(w_after[key] - w_before[key]).double()
         assert float(delta.abs().max()) > 0, key
         assert int(torch.linalg.matrix_rank(delta, atol=1e-4 * float(delta.abs().max()))) <= rank
+
+
+# ------------------------------------------------------------------------ projected SGD
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_projected_sgd_steps_along_the_projected_gradient(side: str, weight_decay: float) -> None:
+    """ProjectedSGD: W <- a W - lr·scale·P Pᵀ G for the projected matrix, p <- a p - lr g for
+    dense ones, no moments; W_K = (Π a_k) W_0 + P Z exactly (Proposition 8)."""
+    from fedlore.optim.projected_adam import ProjectedSGD
+
+    lin = linear(10, 8).double()
+    spec = projection_plan(nn.ModuleDict({"lin": lin}), 3, side=side)["lin.weight"]
+    basis = random_basis(5, spec.m, spec.rank, torch.float64)
+    w0, b0 = lin.weight.detach().clone(), lin.bias.detach().clone()
+    scale = 0.5
+    opt = ProjectedSGD(
+        [lin.bias], [(lin.weight, spec, basis)], lr=1e-2, weight_decay=weight_decay, scale=scale
+    )
+    w_ref, b_ref, a = w0.clone(), b0.clone(), 1.0
+    for step, lr in enumerate([3e-2, 2e-2, 1e-2]):
+        opt.set_lr(lr)
+        gw, gb = (g.double() for g in grads_for(step, [(10, 8), (10,)]))
+        lin.weight.grad, lin.bias.grad = gw.clone(), gb.clone()
+        opt.step()
+        decay = 1 - lr * weight_decay
+        pg = spec.unview(basis @ (basis.t() @ spec.view(gw)))
+        w_ref = decay * w_ref - lr * scale * pg
+        b_ref = decay * b_ref - lr * gb
+        a *= decay
+    torch.testing.assert_close(lin.weight.detach(), w_ref, rtol=0, atol=1e-14)
+    torch.testing.assert_close(lin.bias.detach(), b_ref, rtol=0, atol=1e-14)
+    z = opt.coords[lin.weight]
+    recon = spec.unview(a * spec.view(w0) + basis @ z)
+    torch.testing.assert_close(recon, lin.weight.detach(), rtol=0, atol=1e-14)
+    assert opt.state_bytes() == 0  # SGD keeps no moments
+    assert opt.coords[lin.weight].dtype == torch.float64
+
+
+def test_optim_name_sgd_reaches_every_projected_method() -> None:
+    from fedlore.algorithms.lowrank import LowRankHyper
+    from fedlore.config import load_config
+    from fedlore.run import make_algorithm
+
+    cfg = load_config(None, ["optim.name=sgd"])
+    for name in ("fedlore", "fedlore_random", "fedlore_fixed", "local_galore"):
+        algo = make_algorithm(name, cfg)
+        assert isinstance(algo, LowRankHyper) and algo.optimizer == "sgd", name
+    default = make_algorithm("fedlore", load_config(None))
+    assert isinstance(default, LowRankHyper) and default.optimizer == "adam"

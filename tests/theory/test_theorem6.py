@@ -4,7 +4,9 @@ the global gradient cannot.
 Four 2x2 quadratic clients ``f_i(W) = ½‖W‖² + <C_i, W>`` (gradient ``W + C_i``), exact
 gradients, rank 1, projected SGD ``W <- W - γ Π ∇f_i(W)`` with the projector fixed within a
 round, full participation, ``W^0 = 0``. Projections come from fedlore's own
-``top_left_singular`` (and ``average_projectors`` for the projector average).
+``top_left_singular`` (and ``average_projectors`` for the projector average). This file checks
+the theorem's algebra step by step; ``test_theory_in_the_loop.py`` runs the same examples (and
+Proposition 4) through the library's algorithm objects and round loop.
 """
 
 from __future__ import annotations

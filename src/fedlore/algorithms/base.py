@@ -284,8 +284,12 @@ def local_eval_due(hyper: Hyper, rnd: int) -> bool:
 def local_scores(model: nn.Module, data: ClientData, mc_samples: int) -> Scalars:
     """``model`` on ``data.test``: ``local_accuracy`` (share), ``local_loss`` (NLL, nats),
     ``local_ece`` and ``local_n`` (test examples), with the MC predictive over ``mc_samples``
-    draws for a stochastic model (:func:`~fedlore.train.local.evaluate`)."""
+    draws for a stochastic model (:func:`~fedlore.train.local.evaluate`). Regression:
+    ``local_mse`` (squared error of the predictive mean, pooled over clients into
+    ``local_rmse`` by the round loop) and ``local_loss`` instead of accuracy and ECE."""
     res = evaluate(model, data.test, mc_samples=mc_samples)
+    if "rmse" in res:
+        return {"local_mse": res["rmse"] ** 2, "local_loss": res["loss"], "local_n": len(data.test)}
     return {
         "local_accuracy": res["accuracy"],
         "local_loss": res["loss"],

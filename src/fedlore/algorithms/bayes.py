@@ -78,7 +78,15 @@ from fedlore.bayes.layers import (
 from fedlore.data.client_data import ClientData, TensorSplit, minibatches
 from fedlore.registry import register_algorithm
 from fedlore.tensors import weighted_mean
-from fedlore.train.local import LossTerm, local_train, predictive_log_probs, task_loss
+from fedlore.train.local import (
+    LossTerm,
+    is_regression,
+    local_train,
+    predictive_draws,
+    predictive_log_probs,
+    regression_nll,
+    task_loss,
+)
 from fedlore.types import Broadcast, Reply, State
 
 Aggregation = Literal["mean", "sigma", "moment", "precision"]
@@ -456,11 +464,17 @@ def meta_nll(model: nn.Module, meta: TensorSplit, mc_samples: int, batch_size: i
     predictive ``p̄ = (1/S) Σ_s softmax(f(x; w_s))`` with S = ``mc_samples`` draws from the fixed
     evaluation seed (the same draws for every candidate), one pass with sampling off for a
     deterministic model or S = 0 (:func:`~fedlore.train.local.predictive_log_probs`; BatchNorm in
-    eval mode). No KL term.
+    eval mode). No KL term. Regression (real targets): the predictive is the mixture
+    ``(1/S) Σ_s N(f(x; w_s), I)`` (:func:`~fedlore.train.local.regression_nll`).
 
     Returns:
         A float (nats per example); NaN when the predictions are not finite (a diverged trial).
     """
+    if is_regression(meta.y):  # the predictive mixture of N(f_s(x), I), as the likelihood
+        draws = predictive_draws(model, meta.x, batch_size, mc_samples)
+        if not bool(torch.isfinite(draws).all()):
+            return float("nan")
+        return float(regression_nll(draws, meta.y).mean())
     log_probs = predictive_log_probs(model, meta.x, batch_size, mc_samples)
     if not bool(torch.isfinite(log_probs).all()):
         return float("nan")
@@ -623,10 +637,23 @@ def batched_meta_nll(
 
     fwd = vmap(forward, in_dims=(0, None), randomness="same")
     n = len(meta)
+    regression = is_regression(meta.y)
 
-    def one_pass() -> torch.Tensor:  # [J, n, K] log-probabilities of one draw
+    def one_pass() -> torch.Tensor:  # [J, n, K] log-probabilities (regression: outputs) of a draw
         chunks = [fwd(params, meta.x[i : i + batch_size]).float() for i in range(0, n, batch_size)]
-        return F.log_softmax(torch.cat(chunks, dim=1), -1)
+        out = torch.cat(chunks, dim=1)
+        return out.reshape(out.shape[0], n, -1) if regression else F.log_softmax(out, -1)
+
+    if regression:  # [S, J, n, d] draws -> the mixture NLL of each candidate
+        model.eval()
+        with torch.no_grad():
+            stochastic = mc_samples >= 1 and is_stochastic(model)
+            with sampling(model, stochastic), torch.random.fork_rng(devices=[]):
+                torch.manual_seed(EVAL_SAMPLING_SEED)
+                draws = torch.stack([one_pass() for _ in range(mc_samples if stochastic else 1)])
+            return torch.stack(
+                [regression_nll(draws[:, j], meta.y).mean() for j in range(draws.shape[1])]
+            )
 
     model.eval()
     with torch.no_grad():

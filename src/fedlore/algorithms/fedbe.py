@@ -401,6 +401,7 @@ class FedBE(FedAvg):
         swa_start, swa_freq, swa_start_share: the SWA schedule (:func:`swa_schedule`).
     """
 
+    supports_regression: ClassVar[bool] = False  # pseudo-labels are class probabilities
     name: ClassVar[str] = "fedbe"
     needs_server_data: ClassVar[bool] = True
     num_samples: int = 10

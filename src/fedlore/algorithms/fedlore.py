@@ -41,6 +41,7 @@ from fedlore.algorithms.base import ReplySpec, construction_gradients, reply_met
 from fedlore.algorithms.lowrank import (
     LowRankHyper,
     apply_increment,
+    model_dtype,
     plan_from_state,
     plan_values,
     seeded_bases,
@@ -125,16 +126,18 @@ class FedLore(LowRankHyper):
         arrays = with_prefix(model_arrays(model), "model.")
         base = int(torch.randint(0, 2**62, (1,), generator=rng))
         values["base_seed"] = base
+        dtype = model_dtype(select(arrays, "model."))
         if self.basis_rule == "random":
             values["basis_id"] = derive_seed(base, BASIS, 0)
         elif self.init_basis == "random":
-            arrays.update(with_prefix(seeded_bases(derive_seed(base, BASIS, 0), plan), "bank.0."))
+            p0 = seeded_bases(derive_seed(base, BASIS, 0), plan, dtype)
+            arrays.update(with_prefix(p0, "bank.0."))
             values["basis_id"] = 0
         return State(arrays, values)
 
     def _bank(self, state: State, bid: int, plan: dict[str, MatrixSpec]) -> Arrays:
         if self.basis_rule == "random":
-            return seeded_bases(bid, plan)
+            return seeded_bases(bid, plan, model_dtype(select(state.arrays, "model.")))
         return select(state.arrays, f"bank.{bid}.")
 
     def broadcast(self, state: State, rnd: int, client_id: int) -> Broadcast:
@@ -207,7 +210,8 @@ class FedLore(LowRankHyper):
                 p0 = self._next_basis([r for _, r in ok], weights, plan, values, rnd)
             else:  # nothing valid came back: fall back to a seeded random P^0 (logged)
                 log.warning("FedLore setup exchange got no valid reply; P^0 is random")
-                p0 = seeded_bases(derive_seed(int(values["base_seed"]), BASIS, 0), plan)
+                dtype = model_dtype(select(arrays, "model."))
+                p0 = seeded_bases(derive_seed(int(values["base_seed"]), BASIS, 0), plan, dtype)
             arrays.update(with_prefix(p0, "bank.0."))
             values["basis_id"] = 0
             for c, _ in ok:
@@ -271,6 +275,7 @@ class FedLore(LowRankHyper):
                 generator=rng,
                 oversample=self.svd_oversample,
                 niter=self.svd_niter,
+                dtype=replies[0].arrays["cand." + k].dtype,  # the model's (expected_reply)
             )
             for k, s in plan.items()
         }
@@ -341,7 +346,7 @@ class FedLore(LowRankHyper):
         model = select(state.arrays, "model.")
         spec: ReplySpec = {}
         if self.basis_rule == "candidates" or rnd < 0:
-            spec.update({f"cand.{k}": ((s.m, s.rank), torch.float32) for k, s in plan.items()})
+            spec.update({f"cand.{k}": ((s.m, s.rank), model[k].dtype) for k, s in plan.items()})
         if rnd < 0:
             return spec
         spec.update({f"update.{k}": ((s.rank, s.n), model[k].dtype) for k, s in plan.items()})
@@ -356,9 +361,15 @@ class FedLore(LowRankHyper):
         return spec
 
     # ----------------------------------------------------------------- client
-    def _client_bases(self, msg: Broadcast, bid: int, plan: dict[str, MatrixSpec]) -> Arrays:
+    def _client_bases(
+        self,
+        msg: Broadcast,
+        bid: int,
+        plan: dict[str, MatrixSpec],
+        dtype: torch.dtype = torch.float32,
+    ) -> Arrays:
         if self.basis_rule == "random":
-            return seeded_bases(bid, plan)
+            return seeded_bases(bid, plan, dtype)
         got = select(msg.arrays, f"bank.{bid}.")
         if set(got) != set(plan):
             raise KeyError(f"broadcast lacks basis {bid} for {sorted(set(plan) - set(got))[:3]}")
@@ -378,7 +389,10 @@ class FedLore(LowRankHyper):
         if rnd < 0:
             load_model_arrays(model, select(msg.arrays, "model."))
             grads = construction_gradients(model, data.train, self.batch_size, rng, list(plan))
-            cands = {k: self._candidate(plan[k], plan[k].view(grads[k]), None, rng) for k in plan}
+            dtype = model_dtype(model_arrays(model))
+            cands = {
+                k: self._candidate(plan[k], plan[k].view(grads[k]), None, rng, dtype) for k in plan
+            }
             new_state = State(
                 arrays=with_prefix(model_arrays(model), "cache."), values={"version": 0, "held": -1}
             )
@@ -386,7 +400,7 @@ class FedLore(LowRankHyper):
         cache, bases, held = self._synchronize(msg, state, plan, rnd, model)
         cur = int(msg.config["basis_id"])
         if cur != held:
-            bases, held = self._client_bases(msg, cur, plan), cur
+            bases, held = self._client_bases(msg, cur, plan, model_dtype(cache)), cur
         load_model_arrays(model, cache)
         lrs = self.round_lrs(rnd)
         res = train_projected(
@@ -404,7 +418,9 @@ class FedLore(LowRankHyper):
         if self.basis_rule == "candidates":
             out.update(
                 {
-                    f"cand.{k}": self._candidate(s, res.last_grads.get(k), bases[k], rng)
+                    f"cand.{k}": self._candidate(
+                        s, res.last_grads.get(k), bases[k], rng, final[k].dtype
+                    )
                     for k, s in plan.items()
                 }
             )
@@ -433,14 +449,16 @@ class FedLore(LowRankHyper):
         grad: torch.Tensor | None,
         fallback: torch.Tensor | None,
         rng: torch.Generator,
+        dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """Top-r left singular vectors of a gradient view; the fallback (current basis) if the
-        gradient is missing or not finite; an all-zero gradient gives the standard basis."""
+        """Top-r left singular vectors of a gradient view, in ``dtype`` (the model's); the
+        fallback (current basis) if the gradient is missing or not finite; an all-zero gradient
+        gives the standard basis."""
         if grad is None or not bool(torch.isfinite(grad).all()):
             if fallback is None:
-                return torch.eye(spec.m, spec.rank)
-            return fallback.to(torch.float32).clone()
-        return self.top_r(grad, spec.rank, rng)
+                return torch.eye(spec.m, spec.rank, dtype=dtype)
+            return fallback.to(dtype).clone()
+        return self.top_r(grad, spec.rank, rng, dtype)
 
     def _synchronize(
         self,
@@ -465,7 +483,7 @@ class FedLore(LowRankHyper):
         for s in range(own, rnd):
             bid = int(msg.config[f"basis_id.{s}"])
             if bid != held:
-                bases, held = self._client_bases(msg, bid, plan), bid
+                bases, held = self._client_bases(msg, bid, plan, model_dtype(cache)), bid
             decay = float(msg.config[f"decay.{s}"])
             for k, spec in plan.items():
                 cache[k] = apply_increment(

@@ -44,7 +44,11 @@ class LocalGaLore(DenseServer, LowRankHyper):
         bases = {}
         for k, g in grads.items():
             finite = bool(torch.isfinite(g).all())
-            bases[k] = self.top_r(g, self.rank, rng) if finite else torch.eye(g.shape[0], self.rank)
+            bases[k] = (
+                self.top_r(g, self.rank, rng, g.dtype)
+                if finite
+                else torch.eye(g.shape[0], self.rank, dtype=g.dtype)
+            )
         return bases
 
     def diagnostic_bases(

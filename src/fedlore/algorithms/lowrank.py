@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fedlore.algorithms.base import Hyper
-from fedlore.optim.projected_adam import ProjectedAdam
+from fedlore.optim.projected_adam import ProjectedAdam, ProjectedSGD
 from fedlore.optim.subspace import (
     MatrixSpec,
     SideRule,
@@ -40,6 +40,9 @@ class LowRankHyper(Hyper):
         candidate_svd: ``"exact"`` or ``"randomized"`` SVD for client-side bases.
         svd_oversample: extra columns of the randomized range finder (Halko et al. 2011).
         svd_niter: power iterations of the randomized range finder.
+        optimizer: the inner optimizer, ``"adam"`` (:class:`ProjectedAdam`, the seed's
+            Algorithm 1) or ``"sgd"`` (:class:`ProjectedSGD`, the seed's theory); config
+            ``optim.name``.
     """
 
     rank: int = 8
@@ -49,9 +52,12 @@ class LowRankHyper(Hyper):
     candidate_svd: Literal["exact", "randomized"] = "exact"
     svd_oversample: int = 10
     svd_niter: int = 2
+    optimizer: Literal["adam", "sgd"] = "adam"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"{type(self).__name__}: invalid optimizer={self.optimizer!r}")
         if self.rank < 1:
             raise ValueError(f"{type(self).__name__}: invalid rank={self.rank!r}")
         if self.scale <= 0:
@@ -66,10 +72,17 @@ class LowRankHyper(Hyper):
         if self.candidate_svd not in ("exact", "randomized"):
             raise ValueError(f"{type(self).__name__}: invalid candidate_svd={self.candidate_svd!r}")
 
-    def top_r(self, mat: torch.Tensor, rank: int, rng: torch.Generator) -> torch.Tensor:
-        """Client-side top-r left singular vectors with this method's SVD settings."""
+    def top_r(
+        self,
+        mat: torch.Tensor,
+        rank: int,
+        rng: torch.Generator,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """Client-side top-r left singular vectors with this method's SVD settings, in ``dtype``
+        (the model's: bases follow the model's precision)."""
         return top_left_singular(
-            mat, rank, self.candidate_svd, rng, self.svd_oversample, self.svd_niter
+            mat, rank, self.candidate_svd, rng, self.svd_oversample, self.svd_niter, dtype=dtype
         )
 
     def plan(self, model: nn.Module) -> dict[str, MatrixSpec]:
@@ -131,14 +144,23 @@ def apply_increment(
         delta: aggregated coordinates ``r x n``.
         decay: a, the round's common decay factor (1.0 without weight decay).
     """
-    return spec.unview(decay * spec.view(weight) + basis @ delta.to(weight.dtype)).contiguous()
+    view = spec.view(weight)
+    return spec.unview(decay * view + basis.to(view.dtype) @ delta.to(view.dtype)).contiguous()
 
 
-def seeded_bases(seed: int, plan: dict[str, MatrixSpec]) -> Arrays:
+def model_dtype(arrays: Arrays) -> torch.dtype:
+    """The floating-point dtype of a model's tensors (the first floating one; float32 when
+    none), which bases and coordinates follow."""
+    return next((v.dtype for v in arrays.values() if v.is_floating_point()), torch.float32)
+
+
+def seeded_bases(
+    seed: int, plan: dict[str, MatrixSpec], dtype: torch.dtype = torch.float32
+) -> Arrays:
     """FedLore-Random's SharedBasis(seed): one random orthonormal basis per projected matrix,
-    seeded by (round seed, position of the matrix in the plan)."""
+    seeded by (round seed, position of the matrix in the plan), in ``dtype`` (the model's)."""
     return {
-        k: random_basis(int(seed) * 1_000_003 + j, s.m, s.rank)
+        k: random_basis(int(seed) * 1_000_003 + j, s.m, s.rank, dtype)
         for j, (k, s) in enumerate(plan.items())
     }
 
@@ -171,12 +193,14 @@ def train_projected(
     lrs: list[float],
     keep_last_grad: bool = False,
 ) -> ProjectedResult:
-    """K steps of :class:`ProjectedAdam` on ``batches`` (K = ``len(lrs)``): projected matrices
-    in ``bases``, the rest dense AdamW."""
+    """K steps of :class:`ProjectedAdam` (``hyper.optimizer="sgd"``: :class:`ProjectedSGD`) on
+    ``batches`` (K = ``len(lrs)``): projected matrices in ``bases``, the rest dense AdamW (SGD).
+    """
     params = dict(model.named_parameters())
     projected = [(params[k], plan[k], bases[k]) for k in plan]
     dense = [p for k, p in params.items() if k not in plan and p.requires_grad]
-    opt = ProjectedAdam(
+    kind = ProjectedSGD if hyper.optimizer == "sgd" else ProjectedAdam
+    opt = kind(
         dense,
         projected,
         lr=hyper.lr,

@@ -15,6 +15,7 @@ for every method and every call, and changing one step (e.g. the noise level) le
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import itertools
@@ -87,7 +88,8 @@ class Federation:
         num_classes: number of classes.
         input_shape: shape of one example, ``(C, H, W)`` (text: ``(L,)``).
         class_names: one name per class.
-        task: ``"classification"`` or ``"language_modeling"`` (a pre-training corpus: ``pool``
+        task: ``"classification"``, ``"regression"`` (real targets, see :attr:`strata`) or
+            ``"language_modeling"`` (a pre-training corpus: ``pool``
             holds every client's packed sequences ``[n, L]`` with next-token targets ``[n, L]``,
             ``num_classes`` is the vocabulary size, ``central_test`` the packed validation
             corpus, and clients have no local test split).
@@ -106,6 +108,11 @@ class Federation:
         selection_indices: labelled sources: sorted indices into ``pool`` of
             :attr:`selection` (disjoint from every client's and from U); corpora: indices of
             the held-out training documents.
+        strata: regression (``task="regression"``, real targets ``[n]`` in ``pool.y``): the
+            target decile of every pool example, int64 ``[n]`` (:func:`target_strata`), which
+            stands in for the class in every stratified step (``data.fraction``, U, the
+            selection split) and in the label partitions (Dirichlet over deciles: clients
+            differ in their target range); :meth:`histogram` counts them. None otherwise.
     """
 
     source: str
@@ -124,6 +131,7 @@ class Federation:
     server_indices: np.ndarray | None = None
     selection: TensorSplit | None = None
     selection_indices: np.ndarray | None = None
+    strata: np.ndarray | None = None
 
     @property
     def server_unlabeled(self) -> torch.Tensor | None:
@@ -188,10 +196,11 @@ class Federation:
         """
         if self.group_histogram is not None:
             return self.group_histogram
-        y = self.pool.y.numpy()
-        return np.stack(
-            [np.bincount(y[idx], minlength=self.num_classes) for idx in self.train_indices]
-        ).astype(np.int64)
+        y = self.pool.y.numpy() if self.strata is None else self.strata
+        bins = self.num_classes if self.strata is None else TARGET_STRATA
+        return np.stack([np.bincount(y[idx], minlength=bins) for idx in self.train_indices]).astype(
+            np.int64
+        )
 
     def format_histogram(self, max_columns: int = 40) -> str:
         """A plain-text table: one row per client with its count per class and its total.
@@ -232,6 +241,11 @@ class Federation:
                 "groups, documents per client and group (groups: "
                 + ", ".join(f"{j}={g}" for j, g in enumerate(self.group_names))
                 + ")"
+            )
+        elif self.strata is not None:
+            title = (
+                f"{self.source}: {self.num_clients} clients, regression, training examples per "
+                f"client and target decile (0 = lowest {100 // TARGET_STRATA} % of the targets)"
             )
         else:
             title = (
@@ -309,6 +323,23 @@ def hold_out_server(
             "data.fraction"
         )
     return server, clients
+
+
+TARGET_STRATA = 10
+"""Regression: equal-frequency bins of the training targets that stand in for classes."""
+
+
+def target_strata(y: np.ndarray, bins: int = TARGET_STRATA) -> np.ndarray:
+    """The equal-frequency bin (0 .. bins - 1) of every real target of ``y`` ``[n]`` (deciles
+    by default): bin edges are the ``1/bins .. (bins-1)/bins`` quantiles of ``y`` itself, so the
+    bins are fixed by the data, not by a seed.
+
+    Returns:
+        int64 ``[n]``.
+    """
+    y = np.asarray(y, dtype=np.float64).reshape(len(y), -1)[:, 0]
+    edges = np.quantile(y, np.arange(1, bins) / bins)
+    return np.digitize(y, edges).astype(np.int64)
 
 
 def hold_out_selection(
@@ -392,6 +423,38 @@ def load_source(data: DataConfig) -> DataSource | Corpus:
 
 
 def build_federation(cfg: Config, seed: int) -> Federation:
+    """:func:`federation_of` for ``cfg`` and ``seed``, with its floating-point tensors (inputs,
+    regression targets) in the config's ``precision`` (:func:`with_precision`). Raises as
+    :func:`federation_of` does."""
+    return with_precision(federation_of(cfg, seed), cfg.precision)
+
+
+def with_precision(fed: Federation, precision: str) -> Federation:
+    """``fed`` with every floating-point tensor (inputs and real targets of the pool, the
+    central test set and the selection split) cast to float64 for ``precision="fp64"``;
+    unchanged for ``"fp32"``. Integer tensors (labels, token ids) are never cast."""
+    if precision == "fp32":
+        return fed
+    dtype = {"fp64": torch.float64}[precision]
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() else t
+
+    def split(sp: TensorSplit | None) -> TensorSplit | None:
+        return None if sp is None else TensorSplit(cast(sp.x), cast(sp.y))
+
+    pool, test = split(fed.pool), split(fed.central_test)
+    assert pool is not None and test is not None
+    return dataclasses.replace(
+        fed,
+        pool=pool,
+        train_labels=cast(fed.train_labels),
+        central_test=test,
+        selection=split(fed.selection),
+    )
+
+
+def federation_of(cfg: Config, seed: int) -> Federation:
     """Build the federation of an experiment for one seed.
 
     Steps: load ``cfg.data.name`` from ``cfg.data.root``; keep a stratified share
@@ -423,11 +486,20 @@ def build_federation(cfg: Config, seed: int) -> Federation:
     source = load_source(cfg.data)
     if isinstance(source, Corpus):
         return corpus_federation(cfg, seed, source)
+    regression = source.task == "regression"
+    if regression:
+        bad = [k for k in ("noise", "label_flip") if getattr(cfg.data, k) > 0]
+        if bad:
+            raise ConfigError(
+                f"data.{bad[0]} is defined for images and class labels; source "
+                f"{source.name!r} is a regression data set (standardized features, real targets)"
+            )
+    all_strata = target_strata(source.train.y.numpy()) if regression else source.train.y.numpy()
     keep = subsample_stratified(
-        source.train.y.numpy(), cfg.data.fraction, np.random.default_rng([seed, STREAM_FRACTION])
+        all_strata, cfg.data.fraction, np.random.default_rng([seed, STREAM_FRACTION])
     )
     pool = source.train if len(keep) == len(source.train) else source.train.subset(keep)
-    labels = pool.y.numpy()
+    labels = all_strata[keep]  # classes, or the target deciles of a regression source
     server_idx, client_idx = hold_out_server(
         labels, cfg.data.server_fraction, np.random.default_rng([seed, STREAM_SERVER])
     )
@@ -494,6 +566,8 @@ def build_federation(cfg: Config, seed: int) -> Federation:
         server_indices=server_idx,
         selection=selection,
         selection_indices=selection_idx,
+        task=source.task,
+        strata=labels if regression else None,
     )
 
 

@@ -49,6 +49,9 @@ class DataSource:
         num_classes: number of classes; labels lie in ``[0, num_classes)``.
         input_shape: shape of one example, ``(C, H, W)`` (text: ``(L,)``).
         class_names: ``num_classes`` human-readable names, index = label.
+        task: ``"classification"`` (int64 labels) or ``"regression"`` (float32 targets
+            ``[B]``; ``num_classes`` is then the number of target values per example, the
+            model's output width, and ``class_names`` names them).
     """
 
     name: str
@@ -57,6 +60,7 @@ class DataSource:
     num_classes: int
     input_shape: tuple[int, ...]
     class_names: list[str]
+    task: str = "classification"
 
 
 def _split(images: np.ndarray, labels: np.ndarray) -> TensorSplit:
@@ -98,6 +102,63 @@ def load_digits(root: str | None = None) -> DataSource:
         num_classes=10,
         input_shape=(1, 8, 8),
         class_names=[str(d) for d in range(10)],
+    )
+
+
+DIABETES_SPLIT_SEED = 0
+"""Seed of the fixed 80/20 train/test split of sklearn's diabetes data (353 / 89)."""
+
+
+@register_source("diabetes")
+def load_diabetes(root: str | None = None) -> DataSource:
+    """sklearn's diabetes regression data (Efron et al. 2004): 442 patients, 10 baseline
+    features, a real target (disease progression one year later), shipped with scikit-learn.
+
+    A fixed 80/20 train/test split (``train_test_split``, ``random_state=DIABETES_SPLIT_SEED``);
+    features and target are standardized with the training split's mean and standard deviation
+    (the raw ``scaled=False`` values), so the unit-noise Gaussian likelihood of the task loss is
+    on the target's own scale (RMSE 1 = one standard deviation of the training targets).
+
+    Args:
+        root: must be None (the data ships with scikit-learn).
+
+    Returns:
+        A regression :class:`DataSource`: inputs float32 ``[B, 10]``, targets float32 ``[B]``.
+
+    Raises:
+        ValueError: when ``root`` is given.
+    """
+    if root is not None:
+        raise ValueError(
+            f"data.root={root!r} has no effect on source 'diabetes' (it ships with "
+            "scikit-learn); leave data.root unset"
+        )
+    from sklearn.datasets import load_diabetes as sk_load_diabetes
+    from sklearn.model_selection import train_test_split
+
+    bunch = sk_load_diabetes(scaled=False)
+    x = np.asarray(bunch.data, dtype=np.float64)
+    y = np.asarray(bunch.target, dtype=np.float64)
+    idx_train, idx_test = train_test_split(
+        np.arange(len(y)), test_size=0.2, random_state=DIABETES_SPLIT_SEED
+    )
+    idx_train, idx_test = np.sort(idx_train), np.sort(idx_test)
+    mu, sd = x[idx_train].mean(0), x[idx_train].std(0)
+    y_mu, y_sd = y[idx_train].mean(), y[idx_train].std()
+
+    def split(idx: np.ndarray) -> TensorSplit:
+        xs = ((x[idx] - mu) / sd).astype(np.float32)
+        ys = ((y[idx] - y_mu) / y_sd).astype(np.float32)
+        return TensorSplit(torch.from_numpy(xs), torch.from_numpy(ys))
+
+    return DataSource(
+        name="diabetes",
+        train=split(idx_train),
+        test=split(idx_test),
+        num_classes=1,
+        input_shape=(x.shape[1],),
+        class_names=["progression"],
+        task="regression",
     )
 
 

@@ -176,7 +176,7 @@ class RoundLoop:
         return state
 
 
-LOCAL_KEYS = ("local_accuracy", "local_loss", "local_ece")
+LOCAL_KEYS = ("local_accuracy", "local_loss", "local_ece", "local_mse")
 """P-local reply metrics, pooled over clients weighted by their test size ``local_n``."""
 
 
@@ -187,7 +187,7 @@ def client_reports(accepted: list[tuple[int, Reply | None]], per_client: Sequenc
     * ``local_accuracy`` / ``local_loss`` / ``local_ece``: P-local scores pooled with weights
       ``local_n`` (accuracy and NLL are then the pooled values; ECE the test-size-weighted mean of
       the clients' ECEs; NaN when a client's score is not finite), with ``local_clients`` = how
-      many reported;
+      many reported; regression: ``local_rmse``, the root of the pooled squared error;
     * the reply metrics named in ``per_client`` (an algorithm's ``per_client_metrics``) per
       client, e.g. ``lr_chosen: {"3": 0.001}``.
     """
@@ -205,6 +205,8 @@ def client_reports(accepted: list[tuple[int, Reply | None]], per_client: Sequenc
                 row[key] = sum(v * n for v, n in vals) / sum(n for _, n in vals)
             elif vals:  # a diverged local model: the pooled score is NaN, not left out
                 row[key] = float("nan")
+        if "local_mse" in row:  # regression: the pooled RMSE of the clients' own models
+            row["local_rmse"] = math.sqrt(row.pop("local_mse"))
         row["local_clients"] = len(local)
     for key in per_client:
         per = {str(c): r.metrics[key] for c, r in ok if key in r.metrics}

@@ -1,4 +1,5 @@
-"""Adam whose moments live in the coordinates of bases handed to it (never computes a basis).
+"""Adam whose moments live in the coordinates of bases handed to it (never computes a basis),
+and projected SGD (:class:`ProjectedSGD`, the same update with the raw projected gradient).
 
 For a projected parameter with view ``G`` (``m x n``) and basis ``P`` (``m x r``), one step is
 (seed Algorithm 1 lines 14–18, with the decoupled decay of Proposition 8):
@@ -96,30 +97,37 @@ class ProjectedAdam(torch.optim.Optimizer):
                 spec = self.specs.get(p) if group["projected"] else None
                 if spec is not None:
                     g = self.bases[p].t() @ spec.view(g)  # R = Pᵀ G, r x n
-                st = self.state[p]
-                if not st:
-                    st["step"] = 0
-                    st["exp_avg"] = torch.zeros_like(g)
-                    st["exp_avg_sq"] = torch.zeros_like(g)
-                st["step"] += 1
-                k = st["step"]
-                st["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
-                st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-                m_hat = st["exp_avg"] / (1 - b1**k)
-                v_hat = st["exp_avg_sq"] / (1 - b2**k)
-                direction = m_hat / (v_hat.sqrt() + eps)
+                step_dir = self.direction(p, g, b1, b2, eps)
                 decay = 1.0 - lr * wd
                 if spec is None:
                     if wd:
                         p.mul_(decay)
-                    p.add_(direction, alpha=-lr)
+                    p.add_(step_dir, alpha=-lr)
                     continue
-                d = direction * (-lr * self.scale)
+                d = step_dir * (-lr * self.scale)
                 basis = self.bases[p]
                 w = spec.view(p)
                 p.copy_(spec.unview(decay * w + basis @ d))
                 self.coords[p].mul_(decay).add_(d)
         return loss
+
+    def direction(
+        self, p: torch.Tensor, g: torch.Tensor, b1: float, b2: float, eps: float
+    ) -> torch.Tensor:
+        """The step direction N of parameter ``p`` from its (projected) gradient ``g``: Adam's
+        bias-corrected ``m_hat / (sqrt(v_hat) + eps)``, updating the moments in ``self.state``."""
+        st = self.state[p]
+        if not st:
+            st["step"] = 0
+            st["exp_avg"] = torch.zeros_like(g)
+            st["exp_avg_sq"] = torch.zeros_like(g)
+        st["step"] += 1
+        k = st["step"]
+        st["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
+        st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+        m_hat = st["exp_avg"] / (1 - b1**k)
+        v_hat = st["exp_avg_sq"] / (1 - b2**k)
+        return m_hat / (v_hat.sqrt() + eps)
 
     @torch.no_grad()
     def skip_step(self) -> None:
@@ -148,3 +156,21 @@ class ProjectedAdam(torch.optim.Optimizer):
     def basis_bytes(self) -> int:
         """Bytes of the bases held for projected parameters."""
         return sum(b.numel() * b.element_size() for b in self.bases.values())
+
+
+class ProjectedSGD(ProjectedAdam):
+    """Projected SGD in the bases handed to it: the same update as :class:`ProjectedAdam` with
+    the direction ``N = R = Pᵀ G`` itself (no moments, no state), i.e. for a projected parameter
+
+        W <- a_k W - lr_k · scale · P Pᵀ G ;   Z <- a_k Z - lr_k · scale · Pᵀ G
+
+    and ``p <- a_k p - lr_k g`` for dense parameters, with ``a_k = 1 - lr_k · weight_decay``.
+    This is the inner optimizer of the seed's theory (Theorem 3, Theorem 6, Proposition 4:
+    ``W <- W - γ Π ∇f_i(W)``). ``betas`` and ``eps`` are accepted and unused.
+    """
+
+    def direction(
+        self, p: torch.Tensor, g: torch.Tensor, b1: float, b2: float, eps: float
+    ) -> torch.Tensor:
+        """``g`` (the projected gradient); SGD keeps no state."""
+        return g

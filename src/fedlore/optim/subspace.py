@@ -122,10 +122,12 @@ def top_left_singular(
     generator: torch.Generator | None = None,
     oversample: int = 10,
     niter: int = 2,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Top-r left singular vectors of ``mat`` (TopLeftSVD_r in the seed).
 
-    Computed in float64 and returned in float32 with a deterministic sign per column.
+    Computed in float64 and returned in ``dtype`` (float32 by default; a method passes its
+    model's dtype) with a deterministic sign per column.
 
     Args:
         mat: ``m x k`` finite matrix.
@@ -136,9 +138,10 @@ def top_left_singular(
         generator: CPU generator for the randomized method.
         oversample: extra random columns for the randomized method.
         niter: power iterations for the randomized method.
+        dtype: dtype of the result.
 
     Returns:
-        ``m x r`` float32 matrix with orthonormal columns. An all-zero ``mat`` yields the first r
+        ``m x r`` matrix with orthonormal columns. An all-zero ``mat`` yields the first r
         standard basis vectors (no direction is preferred; documented, never NaN).
 
     Raises:
@@ -153,7 +156,7 @@ def top_left_singular(
         raise ValueError("cannot take the SVD of a matrix with NaN or Inf entries")
     a = mat.detach().to(torch.float64)
     if float(a.abs().max()) == 0.0:
-        return torch.eye(m, rank, dtype=torch.float32)
+        return torch.eye(m, rank, dtype=dtype)
     if method == "exact" or rank + oversample >= min(m, k):
         if m <= k:
             # Left singular vectors are the eigenvectors of A Aᵀ (m x m): an m^2 k product and an
@@ -178,7 +181,7 @@ def top_left_singular(
     if u.shape[1] < rank:  # k < rank: pad with an orthonormal complement
         extra = torch.linalg.qr(torch.cat([u, torch.eye(m, rank, dtype=u.dtype)], dim=1))[0]
         u = extra[:, :rank]
-    return _fix_signs(u).to(torch.float32).contiguous()
+    return _fix_signs(u).to(dtype).contiguous()
 
 
 def average_projectors(
@@ -189,6 +192,7 @@ def average_projectors(
     generator: torch.Generator | None = None,
     oversample: int = 10,
     niter: int = 2,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Leading rank-r eigenspace of the weighted average projector ``Σ_i p_i P_i P_iᵀ``.
 
@@ -205,9 +209,10 @@ def average_projectors(
         method: ``"svd"`` (exact), ``"randomized"`` (seeded range finder, see
             :func:`top_left_singular`) or ``"gram"``.
         generator, oversample, niter: settings of the randomized method.
+        dtype: dtype of the result.
 
     Returns:
-        ``m x r`` float32 orthonormal basis.
+        ``m x r`` orthonormal basis in ``dtype``.
 
     Raises:
         ValueError: on empty input, mismatched rows, or non-positive total weight.
@@ -228,9 +233,11 @@ def average_projectors(
         dim=1,
     )
     if method == "svd":
-        return top_left_singular(stacked, rank)
+        return top_left_singular(stacked, rank, dtype=dtype)
     if method == "randomized":
-        return top_left_singular(stacked, rank, "randomized", generator, oversample, niter)
+        return top_left_singular(
+            stacked, rank, "randomized", generator, oversample, niter, dtype=dtype
+        )
     if method != "gram":
         raise ValueError(f"unknown method {method!r}")
     gram = stacked.t() @ stacked
@@ -241,14 +248,15 @@ def average_projectors(
     u = stacked @ evecs[:, order[keep]] / sv[keep]
     if u.shape[1] < rank:
         u = torch.linalg.qr(torch.cat([u, torch.eye(m, rank, dtype=u.dtype)], dim=1))[0][:, :rank]
-    return _fix_signs(u).to(torch.float32).contiguous()
+    return _fix_signs(u).to(dtype).contiguous()
 
 
-def random_basis(seed: int, m: int, rank: int) -> torch.Tensor:
+def random_basis(seed: int, m: int, rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A seeded random orthonormal ``m x r`` basis, reproducible on every party.
 
     Gaussian ``m x r`` from a CPU generator seeded with ``seed``, QR in float64 with the sign
-    fixed so that ``diag(R) > 0`` (the Haar-distributed representative), cast to float32.
+    fixed so that ``diag(R) > 0`` (the Haar-distributed representative), cast to ``dtype``
+    (float32 by default).
     Source: seed Algorithm 4 (SharedBasis); reference notes section 5 on determinism.
     """
     if not 1 <= rank <= m:
@@ -258,7 +266,7 @@ def random_basis(seed: int, m: int, rank: int) -> torch.Tensor:
     q, r = torch.linalg.qr(g)
     d = torch.sign(torch.diagonal(r))
     d[d == 0] = 1.0
-    return (q * d).to(torch.float32).contiguous()
+    return (q * d).to(dtype).contiguous()
 
 
 def projector_distance(p: torch.Tensor, q: torch.Tensor) -> float:

@@ -130,7 +130,8 @@ def plot(
     runs: dict[str, list[RunRecord]], out_dir: Path, keys: Sequence[str] | None = None
 ) -> list[Path]:
     """Write ``accuracy_vs_round.png``, ``accuracy_vs_bytes.png`` (for language models
-    ``perplexity_vs_round.png`` and ``perplexity_vs_bytes.png``, log scale) and one
+    ``perplexity_vs_round.png`` and ``perplexity_vs_bytes.png``, log scale; for regression
+    ``rmse_vs_round.png`` and ``rmse_vs_bytes.png``) and one
     ``<key>_vs_round.png`` per extra key.
 
     Args:
@@ -155,7 +156,8 @@ def plot(
         return xy
 
     lm = any(by_round(r.rows, "perplexity") for records in runs.values() for r in records)
-    metric = "perplexity" if lm else "accuracy"
+    regression = not lm and any(by_round(r.rows, "rmse") for rs in runs.values() for r in rs)
+    metric = "perplexity" if lm else "rmse" if regression else "accuracy"
 
     def metric_vs_bytes(r: RunRecord) -> tuple[PerRound, PerRound]:
         return cumulative_mb(r.rows), by_round(r.rows, metric)

@@ -60,6 +60,10 @@ COLUMNS = [
     "local_accuracy_pct_mean",
     "local_accuracy_pct_std",
     "client_train_s_per_round_mean",
+    "final_rmse_mean",
+    "final_rmse_std",
+    "client_rmse_mean",
+    "local_rmse_mean",
 ]
 """Keys of every :func:`summary_table` row, in CSV column order (the perplexity columns are
 empty for classifiers; ECE, G-local and P-local accuracy and client training time are empty for
@@ -107,6 +111,7 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
         ece_m, ece_s = _stat(_summary_values(records, "final_ece"))
         local_m, local_s = _stat(_summary_values(records, "local_accuracy", 100.0))
         glocal_m, glocal_s = _stat(_summary_values(records, "final_client_accuracy", 100.0))
+        rmse_m, rmse_s = _stat(_summary_values(records, "final_rmse"))
         table.append(
             {
                 "method": method,
@@ -150,6 +155,11 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
                     if "final_perplexity" in r.summary and r.summary["final_perplexity"] is None
                 ),
                 "language_model": any("final_perplexity" in r.summary for r in records),
+                "final_rmse_mean": rmse_m,
+                "final_rmse_std": rmse_s,
+                "client_rmse_mean": _stat(_summary_values(records, "final_client_rmse"))[0],
+                "local_rmse_mean": _stat(_summary_values(records, "local_rmse"))[0],
+                "regression": any("final_rmse" in r.summary for r in records),
             }
         )
     return table
@@ -197,6 +207,8 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
     local-training seconds per client and round.
     """
     lm = any(row.get("language_model") for row in table)
+    if not lm and any(row.get("regression") for row in table):
+        return _regression_markdown(table)
     calib = not lm and any(row.get("final_ece_mean") is not None for row in table)
     local = any(row.get("local_accuracy_pct_mean") is not None for row in table)
     glocal = any(row.get("client_accuracy_pct_mean") is not None for row in table)
@@ -259,6 +271,42 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
             _pm(row["wall_s_per_round_mean"], row["wall_s_per_round_std"], digits=3, n=n),
             *([_num(row.get("client_train_s_per_round_mean"))] if timed else []),
             f"{_count(rej)} / {_count(skip)}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _regression_markdown(table: list[dict[str, Any]]) -> str:
+    """:func:`to_markdown` for regression runs: final RMSE and NLL of the global model, and the
+    G-local / P-local RMSE where recorded, in place of the accuracy columns."""
+    glocal = any(row.get("client_rmse_mean") is not None for row in table)
+    local = any(row.get("local_rmse_mean") is not None for row in table)
+    header = [
+        "method",
+        "seeds",
+        "final RMSE",
+        "NLL",
+        *(["G-local RMSE"] if glocal else []),
+        *(["P-local RMSE"] if local else []),
+        "MB up",
+        "MB down",
+        "optimizer state",
+        "s / round",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in table:
+        n = int(row["n_seeds"])
+        cells = [
+            str(row["method"]),
+            str(n),
+            _pm(row.get("final_rmse_mean"), row.get("final_rmse_std"), digits=3, n=n),
+            _pm(row.get("final_loss_mean"), row.get("final_loss_std"), digits=3, n=n),
+            *([_num(row.get("client_rmse_mean"))] if glocal else []),
+            *([_num(row.get("local_rmse_mean"))] if local else []),
+            _num(row["mb_up_mean"]),
+            _num(row["mb_down_mean"]),
+            _bytes(row["optimizer_state_bytes_mean"]),
+            _pm(row["wall_s_per_round_mean"], row["wall_s_per_round_std"], digits=3, n=n),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

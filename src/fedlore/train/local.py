@@ -73,18 +73,59 @@ class TrainStats:
     skipped_steps: int
 
 
-def task_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of a classifier or a causal language model.
+HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+def is_regression(targets: torch.Tensor) -> bool:
+    """Whether targets are real values (a regression task): floating-point targets are, class
+    and token ids (int64) are not. The task loss and every metric are chosen by this."""
+    return bool(targets.is_floating_point())
+
+
+def gaussian_nll(pred: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood of real targets under ``N(pred, I)``, the unit-noise Gaussian
+    likelihood of a regression model (on standardized targets):
+    ``mean_b [½ ||y_b - ŷ_b||² + ½ d log 2π]``, i.e. half the squared error summed over the d
+    target dimensions plus a constant; its gradient in ``ŷ`` is ``(ŷ - y) / B``.
 
     Args:
-        logits: ``[B, K]`` class scores, or ``[B, L, V]`` next-token scores.
-        targets: ``[B]`` classes, or ``[B, L]`` next-token ids with :data:`IGNORE_INDEX` where
-            a position does not count (padding, a sequence's last position).
+        pred: ``[B, d]`` (or ``[B]``) predictions.
+        targets: ``[B]`` or ``[B, d]`` real targets (cast to ``pred``'s dtype).
+
+    Returns:
+        Scalar, nats per example.
+
+    Raises:
+        ValueError: when the shapes hold different numbers of values per example.
+    """
+    b = int(targets.shape[0])
+    p, y = pred.reshape(b, -1), targets.reshape(b, -1).to(pred.dtype)
+    if p.shape != y.shape:
+        raise ValueError(
+            f"regression outputs {tuple(pred.shape)} do not match targets {tuple(targets.shape)}"
+        )
+    return 0.5 * (p - y).pow(2).sum(-1).mean() + HALF_LOG_2PI * y.shape[1]
+
+
+def task_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The task loss chosen by the data: mean cross-entropy of a classifier or a causal language
+    model (integer targets), or the unit-noise Gaussian NLL of a regression model (real targets,
+    :func:`gaussian_nll`; ½ the squared error plus a constant). Every method's local training,
+    the ELBO's likelihood term and the construction gradients use it.
+
+    Args:
+        logits: ``[B, K]`` class scores, ``[B, L, V]`` next-token scores, or ``[B, d]``
+            regression outputs.
+        targets: ``[B]`` classes, ``[B, L]`` next-token ids with :data:`IGNORE_INDEX` where a
+            position does not count (padding, a sequence's last position), or ``[B]``/``[B, d]``
+            real targets.
 
     Returns:
         Scalar: the mean NLL in nats over the counted targets (NaN when none counts, so the
         step is skipped).
     """
+    if is_regression(targets):
+        return gaussian_nll(logits, targets)
     if logits.dim() == 3:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
     return F.cross_entropy(logits, targets)
@@ -207,6 +248,61 @@ def predictive_log_probs(
     return torch.logsumexp(draws, 0) - math.log(mc_samples)
 
 
+@torch.no_grad()
+def predictive_draws(
+    model: nn.Module, x: torch.Tensor, batch_size: int = 512, mc_samples: int = 0
+) -> torch.Tensor:
+    """A regression model's predictions under its predictive: ``[S, n, d]`` outputs of S weight
+    draws from the fixed evaluation seed for a model with stochastic layers and ``mc_samples =
+    S >= 1`` (as :func:`predictive_log_probs`), else ``[1, n, d]`` from one pass with sampling
+    off. ``eval()`` mode either way."""
+    from fedlore.bayes.layers import is_stochastic, sampling
+
+    model.eval()
+    n = int(x.shape[0])
+
+    def one_pass() -> torch.Tensor:
+        chunks = [model(x[i : i + batch_size]).float() for i in range(0, n, batch_size)]
+        return torch.cat(chunks).reshape(n, -1)
+
+    if mc_samples < 1 or not is_stochastic(model):
+        with sampling(model, False):
+            return one_pass().unsqueeze(0)
+    with sampling(model, True), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(EVAL_SAMPLING_SEED)
+        return torch.stack([one_pass() for _ in range(mc_samples)])
+
+
+def regression_nll(draws: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-example NLL ``[n]`` of real targets under the predictive mixture
+    ``(1/S) Σ_s N(y; f_s(x), I)`` of the draws ``[S, n, d]`` (unit observation noise, as the
+    training likelihood :func:`gaussian_nll`), computed with ``logsumexp``."""
+    yy = y.reshape(draws.shape[1], -1).to(draws.dtype)
+    log_lik = -0.5 * (draws - yy).pow(2).sum(-1) - HALF_LOG_2PI * yy.shape[1]
+    return -(torch.logsumexp(log_lik, 0) - math.log(draws.shape[0]))
+
+
+def regression_metrics(draws: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    """RMSE and NLL of a regression predictive.
+
+    Args:
+        draws: ``[S, n, d]`` predictions (:func:`predictive_draws`).
+        y: ``[n]`` or ``[n, d]`` real targets.
+
+    Returns:
+        ``rmse`` (root mean squared error of the predictive mean over all n·d values, in target
+        units), ``loss`` (mean NLL of the predictive mixture, :func:`regression_nll`) and
+        ``num_examples``; NaN when a prediction is not finite (a diverged model).
+    """
+    n = int(draws.shape[1])
+    if not bool(torch.isfinite(draws).all()):
+        nan = float("nan")
+        return {"rmse": nan, "loss": nan, "num_examples": n}
+    yy = y.reshape(n, -1).to(draws.dtype)
+    rmse = float((draws.mean(0) - yy).pow(2).mean().sqrt())
+    return {"rmse": rmse, "loss": float(regression_nll(draws, y).mean()), "num_examples": n}
+
+
 def classification_metrics(log_probs: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
     """Accuracy, NLL and ECE of predictive log probabilities.
 
@@ -247,15 +343,21 @@ def evaluate(
     (seed 000, "Evaluation and reproducibility"), and next-token top-1 accuracy over the same
     tokens. Batches are cut to at most :data:`EVAL_LOGITS_ELEMENTS` logits.
 
+    Regression models (real targets): ``rmse`` and ``loss``, the mean NLL of the predictive
+    (:func:`regression_metrics`), instead of accuracy.
+
     Returns:
         ``{"accuracy": share in [0, 1], "loss": mean NLL in nats, "num_examples": count}``, plus
         ``"ece"`` for a classifier, ``"perplexity"`` and ``"num_tokens"`` (counted targets) for a
-        language model. NaN values when nothing counts.
+        language model; ``{"rmse", "loss", "num_examples"}`` for regression. NaN values when
+        nothing counts.
     """
     model.eval()
     n = len(split)
     if n == 0:
         return {"accuracy": float("nan"), "loss": float("nan"), "num_examples": 0}
+    if is_regression(split.y):
+        return regression_metrics(predictive_draws(model, split.x, batch_size, mc_samples), split.y)
     if split.y.dim() == 1:
         return classification_metrics(
             predictive_log_probs(model, split.x, batch_size, mc_samples), split.y
