@@ -33,6 +33,7 @@ from torch import nn
 
 from fedlore import registry
 from fedlore.algorithm import Algorithm
+from fedlore.algorithms.lora_common import LoraMethod
 from fedlore.algorithms.personal import Personalized
 from fedlore.config import Config, load_config
 from fedlore.data.federation import Federation, build_federation
@@ -378,3 +379,33 @@ def test_tiny_run_learns(name: str, fed: Federation, fed_u: Federation, tmp_path
         assert r["accepted"] == NUM_CLIENTS and r["rejected"] == 0, r
         if r["round"] >= 0:
             assert math.isfinite(r["loss"]) and math.isfinite(r["accuracy"]), r
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_float64_runs_end_to_end(name: str, tmp_path: Path) -> None:
+    """(e) ``precision: fp64`` (the theory's setting): every method runs, no reply is rejected,
+    and the global model, FedLore's bases (``bank.*``) and every other floating server tensor
+    are float64 (LoRA adapters and their merge payloads stay float32 by design: they cross the
+    wire as fp32 and are merged into the float64 base in fp32)."""
+    cfg = _cfg(*_server_set(name), "rounds=2", "local_steps=2", "precision=fp64")
+    cfg = cfg.model_copy(update={"output_dir": str(tmp_path)})
+    fed = build_federation(cfg, SEED)
+    assert fed.pool.x.dtype == torch.float64
+    states: list[State] = []
+
+    class Keep:
+        def on_round_end(self, rnd: int, row: dict[str, Any], state: State) -> None:
+            states.append(state)
+
+    summary = run_one(cfg, name, SEED, fed=fed, extra_callbacks=(Keep(),))
+    assert summary is not None and summary["rejected_total"] == 0
+    assert summary["final_loss"] is not None and math.isfinite(summary["final_loss"])
+    algo = make_algorithm(name, cfg)
+    last = states[-1]
+    assert all(
+        v.dtype == torch.float64 for v in algo.global_arrays(last).values() if v.is_floating_point()
+    )
+    adapters = ("lora.", "log.", "avg.") if isinstance(algo, LoraMethod) else ()  # fp32
+    for k, v in last.arrays.items():
+        if v.is_floating_point() and not k.startswith(adapters):
+            assert v.dtype == torch.float64, (k, v.dtype)

@@ -4,7 +4,8 @@ Two quadratic clients f_i(W) = ½‖W‖² + ⟨C_i, W⟩ with C_1 = diag(2, 1),
 W = 0 both leading left singular subspaces are e_1 (they agree uniquely), the averaged projector
 is diag(1, 0), yet the global gradient is diag(0, 1): the shared projection has zero coverage,
 the two projected local steps cancel, and the server stays at W = 0 in every round while the
-last-step candidate rule keeps selecting the same projector.
+last-step candidate rule keeps selecting the same projector. This file checks the algebra;
+``test_theory_in_the_loop.py`` runs the example through FedLore and the round loop.
 """
 
 from __future__ import annotations

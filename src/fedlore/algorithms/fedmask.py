@@ -468,7 +468,9 @@ class FedMask(Personalized, Hyper):
         active = total = ones = 0
         for t, shape in self.masked_tensors(state).items():
             masks = [unpack_mask(r.arrays["mask." + t], shape) for _, r in ok]
-            agg = overlap_mean(masks, weights, self.min_overlap)
+            # the aggregated scores keep the model's dtype (float32, or float64 under fp64)
+            score_dtype = state.arrays[f"model.{t}{SCORE}"].dtype
+            agg = overlap_mean(masks, weights, self.min_overlap).to(score_dtype)
             arrays[f"model.{t}{SCORE}"] = agg
             active += int((agg > 0).sum())
             total += agg.numel()
