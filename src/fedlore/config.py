@@ -9,6 +9,7 @@ overrides, so experiment files only state what differs.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -241,7 +242,13 @@ class FlowerConfig(_Strict):
     wait_for_nodes_s: float = Field(60.0, ge=0.0)
     """Seconds the server waits at start for ``num_clients`` SuperNodes to connect."""
     num_cpus: int = Field(2, ge=1)
-    """Simulation: CPUs given to the Ray backend (each ClientApp uses one)."""
+    """Simulation: CPUs given to the Ray backend."""
+    client_cpus: float = Field(1.0, gt=0.0)
+    """Simulation: CPUs each virtual client (Ray actor running the ClientApp) reserves."""
+    client_gpus: float = Field(0.0, ge=0.0)
+    """Simulation: share of a GPU each virtual client reserves (0.25: four clients share one
+    GPU; 0: none, clients run on the CPU). Needs CUDA when > 0; the clients then compute on
+    their GPU (``device: auto``)."""
 
 
 class Config(_Strict):
@@ -262,11 +269,20 @@ class Config(_Strict):
     engine: Literal["local", "flower-sim"] = "local"
     """Transport: "local" (in-process, the embedded default) or "flower-sim" (Flower's
     Simulation Engine with the Ray backend; needs the ``flower`` extra)."""
-    precision: Literal["fp32", "fp64"] = "fp32"
-    """Floating-point precision of the models, their inputs and every tensor derived from them
-    (bases, coordinates, optimizer moments, server state): ``fp32`` (default) or ``fp64`` (the
-    precision the seed's theory is checked in; ``tests/theory``). Messages carry the model's
-    dtype, so byte counts double under fp64."""
+    device: str = "auto"
+    """Where the run computes: ``auto`` (CUDA when present, else the CPU), ``cpu``, ``cuda`` or
+    ``cuda:N``. The federation's tensors, the models, optimizer moments, bases, coordinates,
+    client and server states live there; randomness comes from seeded CPU generators on every
+    device, checkpoints and spilled states are written as CPU tensors (a run resumes on any
+    device). ``cuda`` without a CUDA device is an error."""
+    precision: Literal["fp32", "bf16", "fp64"] = "fp32"
+    """Floating-point precision: ``fp32`` (default); ``bf16``, bfloat16 autocast of the forward
+    pass (and so of the backward) of local training, with fp32 master weights, optimizer moments,
+    bases, coordinates ΔZ, BNN (μ, ρ), messages and every aggregation (evaluation runs in fp32);
+    ``fp64``, models, inputs and every tensor derived from them (bases, coordinates, optimizer
+    moments, server state) in float64, the precision the seed's theory is checked in
+    (``tests/theory``; messages carry the model's dtype, so byte counts double; LoRA adapters
+    stay fp32)."""
     weighting: Literal["num_examples", "uniform"] = "num_examples"
     """Aggregation weights p_i: data size (default) or uniform, the same rule for all methods."""
     data: DataConfig = Field(default_factory=DataConfig)
@@ -302,6 +318,13 @@ class Config(_Strict):
         if dup:
             raise ValueError(f"duplicate entries {dup}")
         return v
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, v: str) -> str:
+        if v in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", v):
+            return v
+        raise ValueError("must be auto, cpu, cuda or cuda:N (N a device index)")
 
     @field_validator("name")
     @classmethod

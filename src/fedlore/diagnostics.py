@@ -101,7 +101,7 @@ def candidate_certificate(
     rank = server_basis.shape[1]
     eps_loc2 = 0.0
     spectral = 0.0
-    hbar = torch.zeros(cand_grads[0].shape, dtype=torch.float64)
+    hbar = torch.zeros(cand_grads[0].shape, dtype=torch.float64, device=cand_grads[0].device)
     tr_pi_a = 0.0
     pi = server_basis.double()
     for h, q, w in zip(cand_grads, cand_bases, p, strict=True):
@@ -210,7 +210,7 @@ class Diagnoser:
         x, y = data.train.x, data.train.y
         n = int(y.shape[0])
         take = min(self.batch_size, n)
-        idx = torch.randperm(n, generator=generator(self.seed, DIAG, cid))[:take]
+        idx = torch.randperm(n, generator=generator(self.seed, DIAG, cid))[:take].to(x.device)
         model = self.model
         model.train()
         model.zero_grad(set_to_none=True)
@@ -225,7 +225,7 @@ class Diagnoser:
             views[k] = (
                 s.view(g).detach().double()
                 if g is not None
-                else torch.zeros(s.m, s.n, dtype=torch.float64)
+                else torch.zeros(s.m, s.n, dtype=torch.float64, device=params[k].device)
             )
         model.zero_grad(set_to_none=True)
         return views, 1.0 if self.uniform else float(n)
@@ -237,8 +237,13 @@ class Diagnoser:
         load_model_arrays(self.model, self.algorithm.global_arrays(state))
         ids = list(range(self.num_clients)) if self.clients == "all" else sorted(sampled)
         plan = self.plan
-        sum_g = {k: torch.zeros(s.m, s.n, dtype=torch.float64) for k, s in plan.items()}
-        sum_pg = {k: torch.zeros(s.m, s.n, dtype=torch.float64) for k, s in plan.items()}
+        device = next(self.model.parameters()).device
+        sum_g = {
+            k: torch.zeros(s.m, s.n, dtype=torch.float64, device=device) for k, s in plan.items()
+        }
+        sum_pg = {
+            k: torch.zeros(s.m, s.n, dtype=torch.float64, device=device) for k, s in plan.items()
+        }
         sq = 0.0
         weights: list[float] = []
         client_bases: list[Arrays] = []

@@ -25,6 +25,7 @@ from fedlore.algorithms import build_hyper
 from fedlore.config import Config, ConfigError
 from fedlore.data.client_data import TensorSplit
 from fedlore.data.federation import Federation, build_federation
+from fedlore.device import resolve_device, training_precision
 from fedlore.diagnostics import Diagnoser
 from fedlore.engine.callbacks import Checkpointer, MetricsWriter, ProgressBar
 from fedlore.engine.loop import Callback, RoundLoop
@@ -128,9 +129,10 @@ def start_server(
 
 def model_factory(cfg: Config, fed: Federation, seed: int) -> Callable[[], nn.Module]:
     """Builds the model with the same initial weights for every method of a seed (the global
-    torch RNG is forked, so nothing outside is disturbed), in float64 under ``precision:
-    fp64`` (initialized in float32 and cast, so fp32 and fp64 runs start from the same
-    weights up to the cast)."""
+    torch RNG is forked, so nothing outside is disturbed) on the CPU, then moves it to the
+    federation's device (so every device starts from the same weights), in float64 under
+    ``precision: fp64`` (initialized in float32 and cast, so fp32 and fp64 runs start from the
+    same weights up to the cast)."""
 
     def build() -> nn.Module:
         with torch.random.fork_rng(devices=[]):
@@ -138,7 +140,8 @@ def model_factory(cfg: Config, fed: Federation, seed: int) -> Callable[[], nn.Mo
             model = build_model(
                 cfg.model.name, tuple(fed.input_shape), fed.num_classes, **cfg.model.kwargs
             )
-        return model.to(torch.float64) if cfg.precision == "fp64" else model
+        dtype = torch.float64 if cfg.precision == "fp64" else None
+        return model.to(device=fed.device, dtype=dtype)
 
     return build
 
@@ -172,7 +175,9 @@ def run_one(
         done: dict[str, Any] = json.loads(summary_path.read_text())
         return done
     # every check that can refuse the config runs before anything in the run folder is touched
+    device = resolve_device(cfg.device)
     fed = fed if fed is not None else build_federation(cfg, seed)
+    fed = fed.to(device)  # once per run: every client's data are slices made there
     check_model_fits_data(cfg.model.name, fed)
     check_tokenizer_matches_model(cfg, fed)
     check_eval(cfg, fed)
@@ -189,15 +194,15 @@ def run_one(
             (out / stale).unlink(missing_ok=True)
         shutil.rmtree(spill, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    written = {**_run_config(cfg, method), "data_fingerprint": fingerprint}
+    written = {**_run_config(cfg, method), "data_fingerprint": fingerprint, "ran_on": str(device)}
     (out / "config.json").write_text(json.dumps(written, indent=2))
     max_bytes = None if cfg.store.max_memory_mb is None else int(cfg.store.max_memory_mb * 1e6)
-    store = ClientStore(max_bytes, spill)
+    store = ClientStore(max_bytes, spill, device)
     start = -int(getattr(algo, "setup_rounds", 0))
     metrics = MetricsWriter(out / "metrics.jsonl")
     ckpt_path = out / "checkpoint.pt"
     if resume and ckpt_path.exists():
-        last, state, store = Checkpointer.load(ckpt_path, max_bytes, spill)
+        last, state, store = Checkpointer.load(ckpt_path, max_bytes, spill, device)
         metrics.truncate_after(last)
         start = last + 1
         log.info("resuming %s seed %d after round %d", method, seed, last)
@@ -260,7 +265,8 @@ def run_one(
     )
     end = cfg.rounds if stop_after is None else min(cfg.rounds, stop_after + 1)
     try:
-        loop.run(state, start, end)
+        with training_precision(cfg.precision):
+            loop.run(state, start, end)
     finally:
         if bar is not None:
             bar.close()
@@ -313,8 +319,11 @@ def spill_dir(cfg: Config, method: str, seed: int) -> Path:
     return Path(cfg.store.spill_dir) / f"{cfg.name}-{method}-seed{seed}-{tag}"
 
 
-_NOT_RESULT_KEYS = ("progress", "algorithms", "seeds", "method", "store", "output_dir", "flower")
-"""Config keys that do not change a run's results (or, ``method``, are compared per method)."""
+_NOT_RESULT_KEYS = (
+    "progress", "algorithms", "seeds", "method", "store", "output_dir", "flower", "device",
+)  # fmt: skip
+"""Config keys that do not change a run's results (or, ``method``, are compared per method);
+``device`` changes them by float rounding only, so a run may resume on another device."""
 
 
 def _run_config(cfg: Config, method: str) -> dict[str, Any]:
@@ -335,6 +344,7 @@ def check_same_config(cfg: Config, method: str, out: Path) -> None:
         return
     before = _flatten(json.loads(path.read_text()))
     before.pop("data_fingerprint", None)  # compared by check_same_data
+    before.pop("ran_on", None)  # a record: a run may resume on another device
     now = _flatten(_run_config(cfg, method))
     # a setting added to fedlore after the run started is no difference while it keeps its
     # default (the run was made with that behaviour)
@@ -541,6 +551,7 @@ def summarize(method: str, seed: int, metrics_path: Path) -> dict[str, Any]:
         "bytes_up_total": sum(r["bytes_up"] for r in rows),
         "bytes_down_total": sum(r["bytes_down"] for r in rows),
         "optimizer_state_bytes": max((r["optimizer_state_bytes"] for r in rows), default=0),
+        **_peak(rows),
         "wall_s_per_round": sum(r["wall_s"] for r in train) / max(len(train), 1),
         "wall_s_total": sum(r["wall_s"] for r in rows),
         "rejected_total": sum(r.get("rejected", 0) for r in rows),
@@ -570,6 +581,13 @@ SUMMARY_LAST = {
     "local_rmse": "local_rmse",
 }
 """Summary key -> row key whose last recorded value it holds (when any round recorded it)."""
+
+
+def _peak(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``peak_memory_bytes``: the largest peak device memory of any client's update in the run
+    (CUDA only; absent on the CPU, where nothing measures it)."""
+    peaks = [r["peak_memory_bytes"] for r in rows if r.get("peak_memory_bytes") is not None]
+    return {"peak_memory_bytes": max(peaks)} if peaks else {}
 
 
 def _last_values(rows: list[dict[str, Any]]) -> dict[str, Any]:

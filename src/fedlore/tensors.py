@@ -50,7 +50,7 @@ def weighted_mean(items: Sequence[Arrays], weights: Sequence[float]) -> Arrays:
         if not (ref.is_floating_point() or ref.is_complex()):
             out[k] = ref.clone()  # integer buffers (e.g. BatchNorm counters): take the first
             continue
-        acc = torch.zeros(ref.shape, dtype=torch.float64)
+        acc = torch.zeros(ref.shape, dtype=torch.float64, device=ref.device)
         for item, w in zip(items, weights, strict=True):
             if item.keys() != keys:
                 raise ValueError("weighted_mean: items have different keys")
@@ -65,12 +65,24 @@ def sub(a: Arrays, b: Arrays) -> Arrays:
 
 
 def clone(a: Arrays) -> Arrays:
-    """Detached CPU contiguous copies (the form every message and state holds)."""
-    return {k: v.detach().to("cpu").clone().contiguous() for k, v in a.items()}
+    """Detached contiguous copies on the tensors' own device (the form every message and state
+    holds: on the run's device; checkpoints and the Flower codec move them to the CPU)."""
+    return {k: v.detach().clone().contiguous() for k, v in a.items()}
+
+
+def to_cpu(a: Arrays) -> Arrays:
+    """The tensors on the CPU (themselves when they are there), for files and the wire."""
+    return {k: v.cpu() for k, v in a.items()}
+
+
+def to_device(a: Arrays, device: torch.device) -> Arrays:
+    """The tensors on ``device`` (themselves when they are there)."""
+    return {k: v.to(device) for k, v in a.items()}
 
 
 def model_arrays(model: nn.Module) -> Arrays:
-    """Parameters and buffers of ``model`` as detached CPU copies (``state_dict`` names)."""
+    """Parameters and buffers of ``model`` as detached copies on the model's device
+    (``state_dict`` names)."""
     return clone(dict(model.state_dict()))
 
 

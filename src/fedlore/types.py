@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 Arrays = dict[str, torch.Tensor]
-"""Named tensors: the only wire format (detached, on CPU, contiguous)."""
+"""Named tensors: the only wire format (detached, contiguous, on the run's device; checkpoints,
+spill files and the Flower codec hold CPU copies)."""
 
 Scalar = int | float | str | bool
 Scalars = dict[str, Scalar]

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from fedlore.data.client_data import ClientData, TensorSplit, minibatches
+from fedlore.device import autocast
 from fedlore.tensors import select
 from fedlore.train.local import Schedule, evaluate, task_loss
 from fedlore.types import Reply, Scalar, Scalars, State
@@ -255,7 +256,8 @@ def construction_gradients(
     model.train()
     model.zero_grad(set_to_none=True)
     x, y = next(iter(minibatches(split, batch_size, 1, rng)))
-    loss = task_loss(model(x), y)
+    with autocast(x.device):  # the training precision, as local training
+        loss = task_loss(model(x), y)
     loss.backward()
     params = dict(model.named_parameters())
     out = {}

@@ -190,7 +190,7 @@ def combine_gaussians(
     Raises:
         ValueError: for an unknown ``rule``.
     """
-    w = torch.tensor(weights, dtype=torch.float64)
+    w = torch.tensor(weights, dtype=torch.float64, device=mus[0].device)
     w = w / w.sum()
     shape = (-1,) + (1,) * mus[0].dim()
     a = w.view(shape)
@@ -573,8 +573,9 @@ def batched_trials(
 
     step_fn = vmap(grad_and_value(objective), in_dims=(0, None, None), randomness="same")
     score_fn = vmap(objective, in_dims=(0, None, None), randomness="same")
-    lrs = torch.tensor(algo.candidate_lrs, dtype=torch.float32)
-    alive = torch.ones(j, dtype=torch.bool)
+    device = named[0][1].device if named else torch.device("cpu")
+    lrs = torch.tensor(algo.candidate_lrs, dtype=torch.float32, device=device)
+    alive = torch.ones(j, dtype=torch.bool, device=device)
     b1, b2 = algo.betas
     model.train()
     with torch.random.fork_rng(devices=[]):

@@ -188,7 +188,7 @@ def gaussian_samples(
         sample = {}
         for k in names:
             mean, var, norm = stats[k]
-            eps = torch.randn(mean.shape, generator=generator)
+            eps = torch.randn(mean.shape, generator=generator).to(mean.device)
             step = (mean + var.sqrt() * eps * var_scale) * (stepsize * norm)
             sample[k] = (base[k].float() + step).to(base[k].dtype)
         samples.append(sample)
@@ -238,7 +238,7 @@ def ensemble_probs(
         total = probs if total is None else total + probs
         votes.append(probs.argmax(-1))
     if total is None:
-        return None, torch.zeros(0, len(x), dtype=torch.int64)
+        return None, torch.zeros(0, len(x), dtype=torch.int64, device=x.device)
     return total / len(votes), torch.stack(votes)
 
 
@@ -360,7 +360,7 @@ def distill(
             order = torch.randperm(n, generator=generator)
             last_epoch = []
             for i in range(0, n, batch_size):
-                idx = order[i : i + batch_size]
+                idx = order[i : i + batch_size].to(x.device)
                 opt.zero_grad(set_to_none=True)
                 loss = fedbe_kl(model(x[idx]), targets[idx])
                 step += 1
@@ -461,7 +461,8 @@ class FedBE(FedAvg):
             )
         state = super().init_server(model, rng)
         object.__setattr__(self, "_workspace", copy.deepcopy(model))
-        arrays = {**state.arrays, UNLABELED_KEY: unlabeled.detach().cpu().contiguous().clone()}
+        device = next(iter(state.arrays.values())).device  # the server's model's
+        arrays = {**state.arrays, UNLABELED_KEY: unlabeled.detach().to(device).contiguous().clone()}
         seed = int(torch.randint(0, 2**32, (1,), generator=rng))
         return State(arrays=arrays, values={**state.values, SEED_KEY: seed})
 

@@ -41,6 +41,7 @@ from fedlore.algorithms.base import ReplySpec, construction_gradients, reply_met
 from fedlore.algorithms.lowrank import (
     LowRankHyper,
     apply_increment,
+    model_device,
     model_dtype,
     plan_from_state,
     plan_values,
@@ -126,18 +127,20 @@ class FedLore(LowRankHyper):
         arrays = with_prefix(model_arrays(model), "model.")
         base = int(torch.randint(0, 2**62, (1,), generator=rng))
         values["base_seed"] = base
-        dtype = model_dtype(select(arrays, "model."))
+        initial = select(arrays, "model.")
+        dtype, device = model_dtype(initial), model_device(initial)
         if self.basis_rule == "random":
             values["basis_id"] = derive_seed(base, BASIS, 0)
         elif self.init_basis == "random":
-            p0 = seeded_bases(derive_seed(base, BASIS, 0), plan, dtype)
+            p0 = seeded_bases(derive_seed(base, BASIS, 0), plan, dtype, device)
             arrays.update(with_prefix(p0, "bank.0."))
             values["basis_id"] = 0
         return State(arrays, values)
 
     def _bank(self, state: State, bid: int, plan: dict[str, MatrixSpec]) -> Arrays:
         if self.basis_rule == "random":
-            return seeded_bases(bid, plan, model_dtype(select(state.arrays, "model.")))
+            held_model = select(state.arrays, "model.")
+            return seeded_bases(bid, plan, model_dtype(held_model), model_device(held_model))
         return select(state.arrays, f"bank.{bid}.")
 
     def broadcast(self, state: State, rnd: int, client_id: int) -> Broadcast:
@@ -210,8 +213,9 @@ class FedLore(LowRankHyper):
                 p0 = self._next_basis([r for _, r in ok], weights, plan, values, rnd)
             else:  # nothing valid came back: fall back to a seeded random P^0 (logged)
                 log.warning("FedLore setup exchange got no valid reply; P^0 is random")
-                dtype = model_dtype(select(arrays, "model."))
-                p0 = seeded_bases(derive_seed(int(values["base_seed"]), BASIS, 0), plan, dtype)
+                held_model = select(arrays, "model.")
+                seed = derive_seed(int(values["base_seed"]), BASIS, 0)
+                p0 = seeded_bases(seed, plan, model_dtype(held_model), model_device(held_model))
             arrays.update(with_prefix(p0, "bank.0."))
             values["basis_id"] = 0
             for c, _ in ok:
@@ -226,7 +230,10 @@ class FedLore(LowRankHyper):
             deltas = weighted_mean([select(r.arrays, "update.") for _, r in ok], weights)
             dense = weighted_mean([select(r.arrays, "dense.") for _, r in ok], weights)
         else:
-            deltas = {k: torch.zeros(s.rank, s.n, dtype=model[k].dtype) for k, s in plan.items()}
+            deltas = {
+                k: torch.zeros(s.rank, s.n, dtype=model[k].dtype, device=model[k].device)
+                for k, s in plan.items()
+            }
             dense = {}
         for k, s in plan.items():
             arrays["model." + k] = apply_increment(model[k], s, basis[k], deltas[k], decay)
@@ -362,14 +369,12 @@ class FedLore(LowRankHyper):
 
     # ----------------------------------------------------------------- client
     def _client_bases(
-        self,
-        msg: Broadcast,
-        bid: int,
-        plan: dict[str, MatrixSpec],
-        dtype: torch.dtype = torch.float32,
+        self, msg: Broadcast, bid: int, plan: dict[str, MatrixSpec], like: Arrays
     ) -> Arrays:
+        """The bases of basis ``bid``: from the broadcast, or (FedLore-Random) rebuilt from the
+        seed in the dtype and on the device of the model tensors ``like``."""
         if self.basis_rule == "random":
-            return seeded_bases(bid, plan, dtype)
+            return seeded_bases(bid, plan, model_dtype(like), model_device(like))
         got = select(msg.arrays, f"bank.{bid}.")
         if set(got) != set(plan):
             raise KeyError(f"broadcast lacks basis {bid} for {sorted(set(plan) - set(got))[:3]}")
@@ -389,10 +394,7 @@ class FedLore(LowRankHyper):
         if rnd < 0:
             load_model_arrays(model, select(msg.arrays, "model."))
             grads = construction_gradients(model, data.train, self.batch_size, rng, list(plan))
-            dtype = model_dtype(model_arrays(model))
-            cands = {
-                k: self._candidate(plan[k], plan[k].view(grads[k]), None, rng, dtype) for k in plan
-            }
+            cands = {k: self._candidate(plan[k], plan[k].view(grads[k]), None, rng) for k in plan}
             new_state = State(
                 arrays=with_prefix(model_arrays(model), "cache."), values={"version": 0, "held": -1}
             )
@@ -400,7 +402,7 @@ class FedLore(LowRankHyper):
         cache, bases, held = self._synchronize(msg, state, plan, rnd, model)
         cur = int(msg.config["basis_id"])
         if cur != held:
-            bases, held = self._client_bases(msg, cur, plan, model_dtype(cache)), cur
+            bases, held = self._client_bases(msg, cur, plan, cache), cur
         load_model_arrays(model, cache)
         lrs = self.round_lrs(rnd)
         res = train_projected(
@@ -418,9 +420,7 @@ class FedLore(LowRankHyper):
         if self.basis_rule == "candidates":
             out.update(
                 {
-                    f"cand.{k}": self._candidate(
-                        s, res.last_grads.get(k), bases[k], rng, final[k].dtype
-                    )
+                    f"cand.{k}": self._candidate(s, res.last_grads.get(k), bases[k], rng, final[k])
                     for k, s in plan.items()
                 }
             )
@@ -428,7 +428,7 @@ class FedLore(LowRankHyper):
             for k, s in plan.items():  # H_i for the diagnostics (zero when no finite gradient)
                 h = res.last_grads.get(k)
                 if h is None or not bool(torch.isfinite(h).all()):
-                    h = torch.zeros(s.m, s.n, dtype=final[k].dtype)
+                    h = torch.zeros(s.m, s.n, dtype=final[k].dtype, device=final[k].device)
                 out[f"diag.H.{k}"] = h.contiguous()
         metrics = reply_metrics(
             data.num_examples,
@@ -449,14 +449,18 @@ class FedLore(LowRankHyper):
         grad: torch.Tensor | None,
         fallback: torch.Tensor | None,
         rng: torch.Generator,
-        dtype: torch.dtype = torch.float32,
+        like: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Top-r left singular vectors of a gradient view, in ``dtype`` (the model's); the
-        fallback (current basis) if the gradient is missing or not finite; an all-zero gradient
-        gives the standard basis."""
+        """Top-r left singular vectors of a gradient view, in the dtype and on the device of the
+        model tensor ``like`` (else of ``grad``; bases follow the model); the fallback (current
+        basis) if the gradient is missing or not finite; an all-zero gradient gives the standard
+        basis."""
+        ref = like if like is not None else grad if grad is not None else fallback
+        dtype = ref.dtype if ref is not None else torch.float32
+        device = ref.device if ref is not None else torch.device("cpu")
         if grad is None or not bool(torch.isfinite(grad).all()):
             if fallback is None:
-                return torch.eye(spec.m, spec.rank, dtype=dtype)
+                return torch.eye(spec.m, spec.rank, dtype=dtype, device=device)
             return fallback.to(dtype).clone()
         return self.top_r(grad, spec.rank, rng, dtype)
 
@@ -483,7 +487,7 @@ class FedLore(LowRankHyper):
         for s in range(own, rnd):
             bid = int(msg.config[f"basis_id.{s}"])
             if bid != held:
-                bases, held = self._client_bases(msg, bid, plan, model_dtype(cache)), bid
+                bases, held = self._client_bases(msg, bid, plan, cache), bid
             decay = float(msg.config[f"decay.{s}"])
             for k, spec in plan.items():
                 cache[k] = apply_increment(

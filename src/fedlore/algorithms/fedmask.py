@@ -286,10 +286,11 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
         mask: bool (or 0/1) tensor, any shape, n elements.
 
     Returns:
-        uint8 tensor ``[ceil(n / 8)]`` (the last byte zero-padded); ``ceil(n / 8)`` bytes.
+        uint8 tensor ``[ceil(n / 8)]`` (the last byte zero-padded) on ``mask``'s device;
+        ``ceil(n / 8)`` bytes.
     """
     bits = mask.detach().to("cpu", torch.bool).flatten().numpy()
-    return torch.from_numpy(np.packbits(bits)).contiguous()
+    return torch.from_numpy(np.packbits(bits)).contiguous().to(mask.device)
 
 
 def unpack_mask(packed: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -304,8 +305,8 @@ def unpack_mask(packed: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
             f"a packed mask of {n} bits is uint8 [{math.ceil(n / 8)}], got "
             f"{packed.dtype} {tuple(packed.shape)}"
         )
-    bits = np.unpackbits(packed.numpy(), count=n)
-    return torch.from_numpy(bits.astype(bool)).reshape(shape)
+    bits = np.unpackbits(packed.cpu().numpy(), count=n)
+    return torch.from_numpy(bits.astype(bool)).reshape(shape).to(packed.device)
 
 
 def overlap_mean(
@@ -334,7 +335,8 @@ def overlap_mean(
     if not total > 0:
         raise ValueError(f"overlap_mean: weights must have a positive sum, got {weights}")
     stack = torch.stack([m.to(torch.float64) for m in masks])
-    w = torch.tensor(weights, dtype=torch.float64).view(-1, *([1] * masks[0].dim()))
+    w = torch.tensor(weights, dtype=torch.float64, device=masks[0].device)
+    w = w.view(-1, *([1] * masks[0].dim()))
     mean = (w * stack).sum(0) / total
     count = stack.sum(0)
     return torch.where(count >= min_overlap, mean, torch.zeros_like(mean)).to(torch.float32)

@@ -47,7 +47,7 @@ class LocalGaLore(DenseServer, LowRankHyper):
             bases[k] = (
                 self.top_r(g, self.rank, rng, g.dtype)
                 if finite
-                else torch.eye(g.shape[0], self.rank, dtype=g.dtype)
+                else torch.eye(g.shape[0], self.rank, dtype=g.dtype, device=g.device)
             )
         return bases
 

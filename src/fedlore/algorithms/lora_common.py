@@ -149,9 +149,10 @@ class LoraMethod(Hyper, abc.ABC):
         """Round-0 global adapter ``<mod>.A|B``: PEFT init from the server generator (A Kaiming-
         uniform, B zero) at the largest rank, identical for every client."""
         out: Arrays = {}
+        device = next(iter(base.values())).device
         for mod, t in targets.items():
-            out[f"{mod}.A"] = kaiming_a(self.max_rank(), t.n, rng)
-            out[f"{mod}.B"] = zeros_b(t.m, self.max_rank())
+            out[f"{mod}.A"] = kaiming_a(self.max_rank(), t.n, rng, device)
+            out[f"{mod}.B"] = zeros_b(t.m, self.max_rank(), device)
         return out
 
     def down_adapters(self, state: State, rnd: int, client_id: int, version: int | None) -> Arrays:
@@ -247,7 +248,7 @@ class LoraMethod(Hyper, abc.ABC):
                     f"{type(self).__name__}: rank {self.max_rank()} exceeds min(m, n) = "
                     f"{min(t.m, t.n)} of {t.name}"
                 )
-        base = {k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}
+        base = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
         dense = self.dense_keys(model, targets)
         adapters = self.init_adapters(base, targets, rng)
         values: Scalars = {

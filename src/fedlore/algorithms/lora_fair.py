@@ -256,10 +256,13 @@ class LoRAFAIR(LoraMethod):
         means = factor_means(replies, p, ("A", "B"))
         gaps = []
         for mod in reply_modules(replies):
-            ideal = torch.zeros((), dtype=torch.float64)
-            for (_, r), pk in zip(replies, p, strict=True):
-                b, a = r.arrays[f"lora.{mod}.B"].double(), r.arrays[f"lora.{mod}.A"].double()
-                ideal = ideal + pk * (b @ a)
+            products = [
+                pk * (r.arrays[f"lora.{mod}.B"].double() @ r.arrays[f"lora.{mod}.A"].double())
+                for (_, r), pk in zip(replies, p, strict=True)
+            ]
+            ideal = products[0]
+            for prod in products[1:]:
+                ideal = ideal + prod
             res = fair_correction(
                 ideal,
                 means[f"{mod}.B"],

@@ -60,7 +60,8 @@ class FlexLoRA(HeteroRankMethod):
     ) -> tuple[Arrays, Scalars]:
         tails: list[float] = []
         for mod in reply_modules(replies):
-            avg = torch.zeros(arrays[f"model.{mod}.weight"].shape, dtype=torch.float64)
+            weight = arrays[f"model.{mod}.weight"]
+            avg = torch.zeros(weight.shape, dtype=torch.float64, device=weight.device)
             for (_, r), pk in zip(replies, p, strict=True):
                 b, a = r.arrays[f"lora.{mod}.B"].double(), r.arrays[f"lora.{mod}.A"].double()
                 avg += (pk * self.client_scale(a.shape[0])) * (b @ a)

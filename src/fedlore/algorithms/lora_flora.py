@@ -57,7 +57,7 @@ class FLoRA(HeteroRankMethod):
         fresh: torch.Generator,
     ) -> Arrays:
         out: Arrays = {}
-        for mod, t in targets.items():
+        for mod, t in targets.items():  # loaded into the client's model (on its device)
             out[f"{mod}.A"] = kaiming_a(rank, t.n, fresh)
             out[f"{mod}.B"] = zeros_b(t.m, rank)
         return out

@@ -154,13 +154,22 @@ def model_dtype(arrays: Arrays) -> torch.dtype:
     return next((v.dtype for v in arrays.values() if v.is_floating_point()), torch.float32)
 
 
+def model_device(arrays: Arrays) -> torch.device:
+    """The device of a model's tensors (the CPU when there are none), where bases live."""
+    return next((v.device for v in arrays.values()), torch.device("cpu"))
+
+
 def seeded_bases(
-    seed: int, plan: dict[str, MatrixSpec], dtype: torch.dtype = torch.float32
+    seed: int,
+    plan: dict[str, MatrixSpec],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> Arrays:
     """FedLore-Random's SharedBasis(seed): one random orthonormal basis per projected matrix,
-    seeded by (round seed, position of the matrix in the plan), in ``dtype`` (the model's)."""
+    seeded by (round seed, position of the matrix in the plan), in ``dtype`` on ``device`` (the
+    model's; the same basis on every device)."""
     return {
-        k: random_basis(int(seed) * 1_000_003 + j, s.m, s.rank, dtype)
+        k: random_basis(int(seed) * 1_000_003 + j, s.m, s.rank, dtype, device)
         for j, (k, s) in enumerate(plan.items())
     }
 
@@ -217,7 +226,9 @@ def train_projected(
             for k, s in plan.items():
                 g = params[k].grad
                 if g is not None:
-                    last[k] = s.view(g).detach().clone()
+                    # a reference, not a copy: the next step's backward writes new gradient
+                    # tensors (zero_grad(set_to_none=True)) and no step changes g in place
+                    last[k] = s.view(g).detach()
 
         hooks.append(remember)
     stats = local_train(model, batches, opt, lrs, on_grad=hooks, grad_clip=hyper.grad_clip)

@@ -44,10 +44,16 @@ def prox_term(anchor: dict[str, torch.Tensor], lam: float) -> LossTerm:
     fixed = {k: v.detach().clone() for k, v in anchor.items()}
 
     def prox(model: nn.Module) -> torch.Tensor:
-        total = torch.zeros(())
-        for name, p in model.named_parameters():
-            if p.requires_grad and name in fixed:
-                total = total + (p - fixed[name]).pow(2).sum()
+        parts = [
+            (p - fixed[name]).pow(2).sum()
+            for name, p in model.named_parameters()
+            if p.requires_grad and name in fixed
+        ]
+        if not parts:
+            return torch.zeros(())
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
         return 0.5 * lam * total
 
     return prox

@@ -15,8 +15,10 @@ Everything is computed in log space: ``log sigma`` goes through :func:`log_softp
 finite for any ``rho``, and the Gaussian log density is never exponentiated, so a weight far in
 the tail has a finite, very negative log prior.
 
-Randomness: samples come from torch's global generator; callers that need reproducibility seed
-it (:func:`seeded`).
+Randomness: weight samples come from torch's global CPU generator, also for a model on a GPU
+(drawn on the CPU and moved), so a run samples the same weights on every device; callers that
+need reproducibility seed it (:func:`seeded`). MC-dropout masks come from the device's own
+generator (``F.dropout``): an MC-dropout model on a GPU draws other masks than on the CPU.
 """
 
 from __future__ import annotations
@@ -200,7 +202,11 @@ class _BayesMixin(Stochastic, nn.Module):
     def _draw(self, mu: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
         if not self.sampling:
             return mu
-        return mu + F.softplus(rho) * torch.randn_like(mu)
+        if mu.device.type == "cpu":
+            noise = torch.randn_like(mu)
+        else:  # the CPU generator's draws, moved: the same weights as on the CPU
+            noise = torch.randn(mu.shape, dtype=mu.dtype).to(mu.device, non_blocking=True)
+        return mu + F.softplus(rho) * noise
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draw of (weight, bias) (the means when :attr:`sampling` is off)."""

@@ -43,7 +43,8 @@ class TensorSplit:
 
     def subset(self, idx: np.ndarray | torch.Tensor) -> TensorSplit:
         """The rows at ``idx`` (a copy)."""
-        t = torch.as_tensor(np.asarray(idx), dtype=torch.long)
+        t = torch.as_tensor(np.asarray(idx) if isinstance(idx, np.ndarray) else idx)
+        t = t.to(device=self.x.device, dtype=torch.long)
         return TensorSplit(self.x[t], self.y[t])
 
 
@@ -117,7 +118,7 @@ def minibatches(
         for start in range(0, n, bs):
             if drawn >= num_batches:
                 return
-            idx = perm[start : start + bs]
+            idx = perm[start : start + bs].to(split.x.device)  # CPU draws, on every device
             yield split.x[idx], split.y[idx]
             drawn += 1
 
@@ -170,4 +171,5 @@ def stream_batches(
         else:
             head = perm(e0)[first % n :]
             idx = torch.cat([head, perm(e1)[: last % n + 1]])
+        idx = idx.to(split.x.device)  # CPU draws, on every device
         yield split.x[idx], split.y[idx]

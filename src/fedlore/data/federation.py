@@ -134,13 +134,39 @@ class Federation:
     strata: np.ndarray | None = None
 
     @property
+    def device(self) -> torch.device:
+        """Where the federation's tensors live."""
+        return self.pool.x.device
+
+    def to(self, device: torch.device | str) -> Federation:
+        """The federation with its tensors (pool, training labels, central test set, selection
+        split) on ``device``: one copy per run, after which every client's data are slices
+        made there; ``self`` when they are there already. Index arrays stay numpy."""
+        device = torch.device(device)
+        if self.pool.x.device == device:
+            return self
+
+        def move(sp: TensorSplit | None) -> TensorSplit | None:
+            return None if sp is None else TensorSplit(sp.x.to(device), sp.y.to(device))
+
+        pool, test = move(self.pool), move(self.central_test)
+        assert pool is not None and test is not None
+        return dataclasses.replace(
+            self,
+            pool=pool,
+            train_labels=self.train_labels.to(device),
+            central_test=test,
+            selection=move(self.selection),
+        )
+
+    @property
     def server_unlabeled(self) -> torch.Tensor | None:
         """The server's unlabeled set U: inputs ``[n_U, ...]`` of ``pool`` at
         :attr:`server_indices` (a copy; noise applied as to the clients' training inputs), or
         None without ``data.server_fraction``. Its labels are never exposed to an algorithm."""
         if self.server_indices is None:
             return None
-        return self.pool.x[torch.from_numpy(self.server_indices)]
+        return self.pool.x[torch.from_numpy(self.server_indices).to(self.device)]
 
     @property
     def num_clients(self) -> int:
@@ -155,8 +181,8 @@ class Federation:
         """
         if not 0 <= i < self.num_clients:
             raise IndexError(f"client {i} out of range [0, {self.num_clients})")
-        tr = torch.from_numpy(self.train_indices[i])
-        te = torch.from_numpy(self.test_indices[i])
+        tr = torch.from_numpy(self.train_indices[i]).to(self.device)
+        te = torch.from_numpy(self.test_indices[i]).to(self.device)
         return ClientData(
             client_id=i,
             train=TensorSplit(self.pool.x[tr], self.train_labels[tr]),
@@ -172,7 +198,7 @@ class Federation:
         tensors = (self.pool.x, self.pool.y, self.train_labels, self.central_test.x)
         for t in (*tensors, self.central_test.y):
             h.update(str((t.dtype, tuple(t.shape))).encode())
-            h.update(t.contiguous().numpy().tobytes())
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
         for idx in (*self.train_indices, *self.test_indices):
             h.update(np.ascontiguousarray(idx, dtype=np.int64).tobytes() + b"|")
         h.update(repr(self.stream_seeds).encode())
@@ -196,7 +222,7 @@ class Federation:
         """
         if self.group_histogram is not None:
             return self.group_histogram
-        y = self.pool.y.numpy() if self.strata is None else self.strata
+        y = self.pool.y.cpu().numpy() if self.strata is None else self.strata
         bins = self.num_classes if self.strata is None else TARGET_STRATA
         return np.stack([np.bincount(y[idx], minlength=bins) for idx in self.train_indices]).astype(
             np.int64
@@ -432,10 +458,11 @@ def build_federation(cfg: Config, seed: int) -> Federation:
 def with_precision(fed: Federation, precision: str) -> Federation:
     """``fed`` with every floating-point tensor (inputs and real targets of the pool, the
     central test set and the selection split) cast to float64 for ``precision="fp64"``;
-    unchanged for ``"fp32"``. Integer tensors (labels, token ids) are never cast."""
-    if precision == "fp32":
+    unchanged for ``"fp32"`` and ``"bf16"`` (autocast works on fp32 data). Integer tensors
+    (labels, token ids) are never cast."""
+    if precision != "fp64":  # bf16 autocasts the forward pass; the data stay fp32
         return fed
-    dtype = {"fp64": torch.float64}[precision]
+    dtype = torch.float64
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if t.is_floating_point() else t

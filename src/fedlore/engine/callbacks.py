@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from fedlore.engine.store import ClientStore
+from fedlore.tensors import to_cpu
 from fedlore.types import State
 
 
@@ -73,12 +74,15 @@ class Checkpointer:
         self.store = store
 
     def on_round_end(self, rnd: int, row: dict[str, Any], state: State) -> None:
-        clients = self.store.to_dict()
+        clients = {  # CPU tensors: the checkpoint resumes on any device
+            c: {**entry, "arrays": to_cpu(entry["arrays"])} if "arrays" in entry else entry
+            for c, entry in self.store.to_dict().items()
+        }
         self.store.sync()
         atomic_save(
             {
                 "round": rnd,
-                "server": {"arrays": state.arrays, "values": state.values},
+                "server": {"arrays": to_cpu(state.arrays), "values": state.values},
                 "clients": clients,
             },
             self.path,
@@ -87,23 +91,28 @@ class Checkpointer:
 
     @staticmethod
     def load(
-        path: Path, max_memory_bytes: int | None = None, spill_dir: Path | None = None
+        path: Path,
+        max_memory_bytes: int | None = None,
+        spill_dir: Path | None = None,
+        device: torch.device | str = "cpu",
     ) -> tuple[int, State, ClientStore]:
-        """(last completed round, server state, client store) of a checkpoint.
+        """(last completed round, server state, client store) of a checkpoint, its tensors on
+        ``device`` (the file holds CPU tensors; a run resumes on any device).
 
         Args:
             path: the checkpoint file.
             max_memory_bytes: the restored store's memory limit in bytes (None: no limit).
             spill_dir: where the run spilled client states (needed when the checkpoint names
                 spilled states, and with a limit); spilled states stay there until read.
+            device: the run's device (server and client states are moved there).
 
         Raises:
             FileNotFoundError: when ``path`` does not exist.
             ValueError: when the checkpoint names spilled states but ``spill_dir`` is None.
         """
-        raw = torch.load(path, weights_only=True)
+        raw = torch.load(path, weights_only=True, map_location=torch.device(device))
         server = State(dict(raw["server"]["arrays"]), dict(raw["server"]["values"]))
-        store = ClientStore.from_dict(raw["clients"], max_memory_bytes, spill_dir)
+        store = ClientStore.from_dict(raw["clients"], max_memory_bytes, spill_dir, device)
         return int(raw["round"]), server, store
 
 

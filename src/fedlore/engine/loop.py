@@ -144,6 +144,7 @@ class RoundLoop:
             "optimizer_state_bytes": max(
                 (int(r.metrics.get("optimizer_state_bytes", 0)) for r in ok), default=0
             ),
+            **_peak_memory(ok),
             "skipped_steps": sum(int(r.metrics.get("skipped_steps", 0)) for r in ok),
         }
         row.update(client_reports(accepted, getattr(self.algorithm, "per_client_metrics", ())))
@@ -213,6 +214,16 @@ def client_reports(accepted: list[tuple[int, Reply | None]], per_client: Sequenc
         if per:
             row[key] = per
     return row
+
+
+def _peak_memory(replies: list[Reply]) -> Row:
+    """``peak_memory_bytes``: the largest peak device memory of a client's update this round
+    (replies' ``peak_memory_bytes``, measured on CUDA devices only); absent when none reports
+    it (the CPU)."""
+    peaks = [
+        int(r.metrics["peak_memory_bytes"]) for r in replies if "peak_memory_bytes" in r.metrics
+    ]
+    return {"peak_memory_bytes": max(peaks)} if peaks else {}
 
 
 def _mean(values: list[Any]) -> float | None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from fedlore.tensors import to_cpu, to_device
 from fedlore.types import Arrays, State
 
 _SPILL_FILE = re.compile(r"^(\d+)\.(\d+)\.pt$")
@@ -94,6 +95,8 @@ class ClientStore:
             never exceeds the limit by more than one state. States without tensors never spill.
         spill_dir: directory of spilled states, owned by this store (created when first
             needed). Needed with a limit, and to read a checkpoint that has spilled states.
+        device: where states read back from disk go (the run's device); spill files hold CPU
+            tensors, so a spilled state reads back on any device.
 
     Stored tensors are compact: contiguous and owning exactly their storage (others are copied
     on :meth:`put`). A state returned by :meth:`get` may be the stored object itself; treat it
@@ -104,7 +107,12 @@ class ClientStore:
             cannot be created (e.g. below a file).
     """
 
-    def __init__(self, max_memory_bytes: int | None = None, spill_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        max_memory_bytes: int | None = None,
+        spill_dir: Path | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if max_memory_bytes is not None and max_memory_bytes < 0:
             raise ValueError(f"max_memory_bytes must be >= 0 or None, got {max_memory_bytes}")
         if max_memory_bytes is not None and spill_dir is None:
@@ -116,6 +124,7 @@ class ClientStore:
                 raise ValueError(f"cannot use spill_dir {spill_dir}: {e}") from e
         self.max_memory_bytes = max_memory_bytes
         self.spill_dir = Path(spill_dir) if spill_dir is not None else None
+        self.device = torch.device(device)
         self._mem: OrderedDict[int, State] = OrderedDict()  # least recently used first
         self._mem_storages: dict[int, dict[int, int]] = {}  # client -> its storages
         self._refs: dict[int, list[int]] = {}  # storage data pointer -> [bytes, holders]
@@ -214,16 +223,17 @@ class ClientStore:
         raw: dict[str, Any],
         max_memory_bytes: int | None = None,
         spill_dir: Path | None = None,
+        device: torch.device | str = "cpu",
     ) -> ClientStore:
-        """Inverse of :meth:`to_dict`. Spilled entries stay on disk (in ``spill_dir``) until
-        their client is read; their files count as committed (kept until the next
-        :meth:`collect_garbage`).
+        """Inverse of :meth:`to_dict`, the in-memory states moved to ``device``. Spilled entries
+        stay on disk (in ``spill_dir``) until their client is read; their files count as
+        committed (kept until the next :meth:`collect_garbage`).
 
         Raises:
             ValueError: when ``raw`` has spilled entries but no ``spill_dir`` is given, or an
                 entry is malformed; and as the constructor.
         """
-        store = cls(max_memory_bytes, spill_dir)
+        store = cls(max_memory_bytes, spill_dir, device)
         for c, s in raw.items():
             cid = int(c)
             if "spilled" in s:
@@ -241,7 +251,8 @@ class ClientStore:
                 store._committed.add(name)
                 store._generation = max(store._generation, int(m.group(2)) + 1)
             elif "arrays" in s and "values" in s:
-                store.put(cid, State(dict(s["arrays"]), dict(s["values"])))
+                arrays = to_device(dict(s["arrays"]), store.device)
+                store.put(cid, State(arrays, dict(s["values"])))
             else:
                 raise ValueError(f"client {cid}: malformed store entry with keys {sorted(s)}")
         return store
@@ -340,7 +351,7 @@ class ClientStore:
         state = self._mem[client_id]
         name = f"{client_id}.{self._generation}.pt"
         self._generation += 1
-        payload: dict[str, Any] = {"arrays": dict(state.arrays), "values": dict(state.values)}
+        payload: dict[str, Any] = {"arrays": to_cpu(state.arrays), "values": dict(state.values)}
         try:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
             torch.save(payload, self.spill_dir / name)
@@ -359,7 +370,7 @@ class ClientStore:
                 "directory deleted or shared with another run?)"
             )
         try:
-            raw = torch.load(path, weights_only=True)
+            raw = torch.load(path, weights_only=True, map_location=self.device)
             arrays: Arrays = dict(raw["arrays"])
             values = dict(raw["values"])
         except Exception as e:

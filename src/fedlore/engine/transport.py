@@ -4,6 +4,8 @@
 each materialized (data split, RNG, optimizer) only while it runs, on one shared scratch model;
 their state lives in a :class:`~fedlore.engine.store.ClientStore` (compact, spilling to disk
 past its memory limit), so memory grows with the clients of a round, not of the federation.
+Messages and states stay on the run's device: the transport passes the tensors themselves, no
+copy, and on a CUDA device reports each client's peak device memory (``peak_memory_bytes``).
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
+import torch
 from torch import nn
 
 from fedlore.algorithm import Algorithm
 from fedlore.data.client_data import ClientData
+from fedlore.device import PeakMemory
 from fedlore.engine.store import ClientStore, StoreError
 from fedlore.seeding import CLIENT, generator
 from fedlore.types import Broadcast, Reply
@@ -68,14 +72,18 @@ class LocalTransport:
         in the store (a failure's traceback, which would pin them, is dropped after logging)."""
         try:
             data = self.client_data(cid)
-            reply, state = self.algorithm.client_update(
-                msg,
-                self.store.get(cid),
-                self.model,
-                data,
-                generator(self.seed, CLIENT, rnd, cid),
-            )
+            device = next(self.model.parameters(), torch.zeros(())).device
+            with PeakMemory(device) as peak:
+                reply, state = self.algorithm.client_update(
+                    msg,
+                    self.store.get(cid),
+                    self.model,
+                    data,
+                    generator(self.seed, CLIENT, rnd, cid),
+                )
             self.store.put(cid, state)
+            if peak.bytes is not None:  # a CUDA device: the client's peak, reset per client
+                reply = Reply(reply.arrays, {**reply.metrics, "peak_memory_bytes": peak.bytes})
             return reply
         except StoreError:
             raise  # the server's own storage failed: stop rather than drop clients silently

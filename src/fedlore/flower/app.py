@@ -28,6 +28,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedlore.config import Config, load_config, validate
 from fedlore.data.federation import Federation, build_federation
+from fedlore.device import PeakMemory, resolve_device, training_precision
 from fedlore.flower.codec import (
     record_to_broadcast,
     record_to_state,
@@ -36,15 +37,17 @@ from fedlore.flower.codec import (
 )
 from fedlore.flower.transport import FlowerTransport
 from fedlore.seeding import CLIENT, generator
+from fedlore.tensors import to_device
+from fedlore.types import Broadcast, Reply, State
 
 log = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=4)
-def _federation(cfg_json: str, seed: int) -> Federation:
-    """The federation of a config and seed, built once per process (a ClientApp is called once
-    per round; rebuilding the partition each time would be wasted work)."""
-    return build_federation(validate(json.loads(cfg_json)), seed)
+def _federation(cfg_json: str, seed: int, device: str) -> Federation:
+    """The federation of a config and seed on ``device``, built once per process (a ClientApp
+    is called once per round; rebuilding the partition each time would be wasted work)."""
+    return build_federation(validate(json.loads(cfg_json)), seed).to(device)
 
 
 def client_train(msg: Message, context: Context, cfg: Config, method: str, seed: int) -> Message:
@@ -52,15 +55,22 @@ def client_train(msg: Message, context: Context, cfg: Config, method: str, seed:
     from fedlore.run import make_algorithm, model_factory
 
     cid = int(context.node_config["partition-id"])
-    fed = _federation(cfg.model_dump_json(), seed)
+    device = resolve_device(cfg.device)  # the node's own: auto finds its GPU
+    fed = _federation(cfg.model_dump_json(), seed, str(device))
     algo = make_algorithm(method, cfg)
-    bcast = record_to_broadcast(msg.content)
+    got = record_to_broadcast(msg.content)
+    bcast = Broadcast(to_device(got.arrays, device), got.config)
     state = record_to_state(context.state)
+    if state is not None:
+        state = State(to_device(state.arrays, device), state.values)
     rnd = int(bcast.config["round"])
     model = model_factory(cfg, fed, seed)()
-    reply, new_state = algo.client_update(
-        bcast, state, model, fed.client(cid), generator(seed, CLIENT, rnd, cid)
-    )
+    with training_precision(cfg.precision), PeakMemory(device) as peak:
+        reply, new_state = algo.client_update(
+            bcast, state, model, fed.client(cid), generator(seed, CLIENT, rnd, cid)
+        )
+    if peak.bytes is not None:
+        reply = Reply(reply.arrays, {**reply.metrics, "peak_memory_bytes": peak.bytes})
     for key in list(context.state.keys()):
         del context.state[key]
     for key, rec in state_to_record(new_state).items():
@@ -89,6 +99,7 @@ def server_main(grid: Grid, cfg: Config, method: str, seed: int) -> dict[str, An
             ),
             wait_for_nodes=cfg.flower.wait_for_nodes_s,
             expected_nodes=cfg.num_clients,
+            device=resolve_device(cfg.device),
         )
         transport_box["t"] = t
         return t

@@ -37,7 +37,8 @@ def arrays_to_record(arrays: Arrays) -> ArrayRecord:
 
 
 def record_to_arrays(record: ArrayRecord) -> Arrays:
-    """``ArrayRecord`` -> named tensors (writable copies, CPU)."""
+    """``ArrayRecord`` -> named tensors (writable copies on the CPU; the receiving side moves
+    them to its device)."""
     return {k: torch.from_numpy(np.array(a.numpy(), copy=True)) for k, a in record.items()}
 
 

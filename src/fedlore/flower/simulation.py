@@ -52,10 +52,7 @@ def run_simulated(cfg: Config, method: str, seed: int, resume: bool = False) -> 
             server_app=server,
             client_app=client,
             num_supernodes=cfg.num_clients,
-            backend_config={
-                "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                "init_args": {"num_cpus": cfg.flower.num_cpus, "include_dashboard": False},
-            },
+            backend_config=backend_config(cfg),
         )
     finally:
         if main:
@@ -64,6 +61,35 @@ def run_simulated(cfg: Config, method: str, seed: int, resume: bool = False) -> 
         raise RuntimeError(f"the Flower simulation of {method} (seed {seed}) wrote no summary")
     result: dict[str, Any] = json.loads(summary_path.read_text())
     return result
+
+
+def backend_config(cfg: Config) -> dict[str, Any]:
+    """The Ray backend's settings: every virtual client reserves ``flower.client_cpus`` CPUs
+    and ``flower.client_gpus`` of a GPU (a fraction lets several clients share one); Ray gets
+    ``flower.num_cpus`` CPUs and, with GPU clients, every visible GPU.
+
+    Raises:
+        ConfigError: when ``flower.client_gpus`` > 0 without a CUDA device.
+    """
+    import torch
+
+    from fedlore.config import ConfigError
+
+    init: dict[str, Any] = {"num_cpus": cfg.flower.num_cpus, "include_dashboard": False}
+    if cfg.flower.client_gpus > 0:
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"flower.client_gpus={cfg.flower.client_gpus}: no CUDA device is available; "
+                "set flower.client_gpus=0"
+            )
+        init["num_gpus"] = torch.cuda.device_count()
+    return {
+        "client_resources": {
+            "num_cpus": cfg.flower.client_cpus,
+            "num_gpus": cfg.flower.client_gpus,
+        },
+        "init_args": init,
+    }
 
 
 def _stop_now(signum: int, frame: FrameType | None) -> None:

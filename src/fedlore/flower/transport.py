@@ -17,10 +17,12 @@ import logging
 import time
 from collections.abc import Iterable
 
+import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedlore.flower.codec import broadcast_to_record, record_nbytes, record_to_reply
+from fedlore.tensors import to_device
 from fedlore.types import Broadcast, Reply
 
 log = logging.getLogger(__name__)
@@ -67,8 +69,10 @@ class FlowerTransport:
         max_message_bytes: int | None = None,
         wait_for_nodes: float = 60.0,
         expected_nodes: int = 1,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.grid = grid
+        self.device = torch.device(device)  # where decoded replies go: the server's device
         self.round_timeout = round_timeout
         self.max_message_bytes = max_message_bytes
         self.node_of: dict[int, int] = {}
@@ -123,7 +127,8 @@ class FlowerTransport:
                 out[cid] = RuntimeError(f"client {cid}: {reply.error.reason}")
                 continue
             self.wire_bytes_up += record_nbytes(reply.content.array_records["arrays"])
-            out[cid] = record_to_reply(reply.content)
+            got = record_to_reply(reply.content)
+            out[cid] = Reply(to_device(got.arrays, self.device), got.metrics)
         missing = sorted(set(client_of.values()) - set(out))
         if missing:
             log.warning("round %d: no reply in time from clients %s", rnd, missing)

@@ -131,9 +131,10 @@ def adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def adapter_arrays(model: nn.Module, factors: Sequence[str] = ("A", "B")) -> Arrays:
-    """Detached CPU copies of the adapter factors named in ``factors`` (``<mod>.A`` / ``.B``)."""
+    """Detached copies (on the model's device) of the adapter factors named in ``factors``
+    (``<mod>.A`` / ``.B``)."""
     return {
-        k: p.detach().to("cpu").clone().contiguous()
+        k: p.detach().clone().contiguous()
         for k, p in adapter_params(model).items()
         if k.rsplit(".", 1)[1] in factors
     }
@@ -200,10 +201,11 @@ def set_trainable(
 
 
 def dense_arrays(model: nn.Module, dense: Collection[str]) -> Arrays:
-    """Detached CPU copies of the parameters and buffers whose plain name is in ``dense``."""
+    """Detached copies (on the model's device) of the parameters and buffers whose plain name
+    is in ``dense``."""
     out = {}
     for name, p in [*model.named_parameters(), *model.named_buffers()]:
         key = plain_name(name)
         if key in dense:
-            out[key] = p.detach().to("cpu").clone().contiguous()
+            out[key] = p.detach().clone().contiguous()
     return out

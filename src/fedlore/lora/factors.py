@@ -6,8 +6,9 @@ Legend (reference notes section 0): one adapted weight ``W`` is ``m x n`` (``nn.
 ``ΔW = s B A``. Map factors by shape, never by letter (the NeurIPS RoLoRA text swaps them).
 
 Precision: products and merges run in fp32 whatever the model dtype (a bf16 base is cast up,
-updated, and cast back once); SVDs run in float64 on CPU, which is deterministic, so the server
-and every client compute bit-identical results from identical inputs.
+updated, and cast back once); SVDs run in float64 on the tensors' device, and the server and
+every client of a run compute on the same kind of device with the same function, so they get
+bit-identical results from identical inputs.
 """
 
 from __future__ import annotations
@@ -56,16 +57,20 @@ def merge(weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return out.to(weight.dtype).contiguous()
 
 
-def kaiming_a(rank: int, n: int, generator: torch.Generator) -> torch.Tensor:
+def kaiming_a(
+    rank: int, n: int, generator: torch.Generator, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """PEFT's default ``lora_A`` init, ``kaiming_uniform_(a=sqrt(5))``, which is
-    ``U(-1/sqrt(n), 1/sqrt(n))``, drawn from ``generator`` (``r x n``, fp32)."""
+    ``U(-1/sqrt(n), 1/sqrt(n))``, drawn from the CPU ``generator`` and moved to ``device``
+    (``r x n``, fp32; the same draw on every device)."""
     bound = 1.0 / math.sqrt(n)
-    return torch.empty(rank, n, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
+    a = torch.empty(rank, n, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
+    return a.to(device)
 
 
-def zeros_b(m: int, rank: int) -> torch.Tensor:
-    """PEFT's ``lora_B`` init: zeros (``m x r``, fp32)."""
-    return torch.zeros(m, rank, dtype=torch.float32)
+def zeros_b(m: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """PEFT's ``lora_B`` init: zeros (``m x r``, fp32, on ``device``)."""
+    return torch.zeros(m, rank, dtype=torch.float32, device=device)
 
 
 def truncated_svd(mat: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

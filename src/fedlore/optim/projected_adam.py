@@ -69,7 +69,7 @@ class ProjectedAdam(torch.optim.Optimizer):
                 )
             self.specs[p] = spec
             self.bases[p] = basis.to(p.dtype)
-            self.coords[p] = torch.zeros(spec.rank, spec.n, dtype=p.dtype)
+            self.coords[p] = torch.zeros(spec.rank, spec.n, dtype=p.dtype, device=p.device)
         groups = []
         if dense:
             groups.append({"params": dense, "projected": False})
@@ -105,9 +105,14 @@ class ProjectedAdam(torch.optim.Optimizer):
                     p.add_(step_dir, alpha=-lr)
                     continue
                 d = step_dir * (-lr * self.scale)
-                basis = self.bases[p]
-                w = spec.view(p)
-                p.copy_(spec.unview(decay * w + basis @ d))
+                upd = self.bases[p] @ d  # P D, m x n
+                if p.is_contiguous():  # in place through the view: no copy of the weight
+                    w = spec.view(p)
+                    if decay != 1.0:
+                        w.mul_(decay)
+                    w.add_(upd)
+                else:
+                    p.copy_(spec.unview(decay * spec.view(p) + upd))
                 self.coords[p].mul_(decay).add_(d)
         return loss
 

@@ -110,7 +110,7 @@ def projection_plan(
 def _fix_signs(u: torch.Tensor) -> torch.Tensor:
     """Make the largest-magnitude entry of each column positive (a deterministic representative)."""
     idx = u.abs().argmax(dim=0)
-    signs = torch.sign(u[idx, torch.arange(u.shape[1])])
+    signs = torch.sign(u[idx, torch.arange(u.shape[1], device=u.device)])
     signs[signs == 0] = 1.0
     return u * signs
 
@@ -156,7 +156,7 @@ def top_left_singular(
         raise ValueError("cannot take the SVD of a matrix with NaN or Inf entries")
     a = mat.detach().to(torch.float64)
     if float(a.abs().max()) == 0.0:
-        return torch.eye(m, rank, dtype=dtype)
+        return torch.eye(m, rank, dtype=dtype, device=mat.device)
     if method == "exact" or rank + oversample >= min(m, k):
         if m <= k:
             # Left singular vectors are the eigenvectors of A Aᵀ (m x m): an m^2 k product and an
@@ -169,7 +169,8 @@ def top_left_singular(
             u = u[:, :rank]
     elif method == "randomized":
         q = min(rank + oversample, k)
-        omega = torch.randn(k, q, dtype=torch.float64, generator=generator)
+        # drawn by the CPU generator and moved: the same sketch on every device
+        omega = torch.randn(k, q, dtype=torch.float64, generator=generator).to(a.device)
         y, _ = torch.linalg.qr(a @ omega)
         for _ in range(niter):
             z, _ = torch.linalg.qr(a.t() @ y)
@@ -179,7 +180,8 @@ def top_left_singular(
     else:
         raise ValueError(f"unknown SVD method {method!r}")
     if u.shape[1] < rank:  # k < rank: pad with an orthonormal complement
-        extra = torch.linalg.qr(torch.cat([u, torch.eye(m, rank, dtype=u.dtype)], dim=1))[0]
+        eye = torch.eye(m, rank, dtype=u.dtype, device=u.device)
+        extra = torch.linalg.qr(torch.cat([u, eye], dim=1))[0]
         u = extra[:, :rank]
     return _fix_signs(u).to(dtype).contiguous()
 
@@ -247,16 +249,24 @@ def average_projectors(
     keep = sv > 1e-10 * max(float(sv[0]), 1e-300)
     u = stacked @ evecs[:, order[keep]] / sv[keep]
     if u.shape[1] < rank:
-        u = torch.linalg.qr(torch.cat([u, torch.eye(m, rank, dtype=u.dtype)], dim=1))[0][:, :rank]
+        eye = torch.eye(m, rank, dtype=u.dtype, device=u.device)
+        u = torch.linalg.qr(torch.cat([u, eye], dim=1))[0][:, :rank]
     return _fix_signs(u).to(dtype).contiguous()
 
 
-def random_basis(seed: int, m: int, rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def random_basis(
+    seed: int,
+    m: int,
+    rank: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """A seeded random orthonormal ``m x r`` basis, reproducible on every party.
 
     Gaussian ``m x r`` from a CPU generator seeded with ``seed``, QR in float64 with the sign
     fixed so that ``diag(R) > 0`` (the Haar-distributed representative), cast to ``dtype``
-    (float32 by default).
+    (float32 by default) and moved to ``device`` (computed on the CPU: the same basis on every
+    device).
     Source: seed Algorithm 4 (SharedBasis); reference notes section 5 on determinism.
     """
     if not 1 <= rank <= m:
@@ -266,7 +276,7 @@ def random_basis(seed: int, m: int, rank: int, dtype: torch.dtype = torch.float3
     q, r = torch.linalg.qr(g)
     d = torch.sign(torch.diagonal(r))
     d[d == 0] = 1.0
-    return (q * d).to(dtype).contiguous()
+    return (q * d).to(dtype).contiguous().to(device)
 
 
 def projector_distance(p: torch.Tensor, q: torch.Tensor) -> float:

@@ -44,6 +44,7 @@ COLUMNS = [
     "mb_up_mean",
     "mb_down_mean",
     "optimizer_state_bytes_mean",
+    "peak_memory_bytes_mean",
     "wall_s_per_round_mean",
     "wall_s_per_round_std",
     "rejected_total_mean",
@@ -129,6 +130,7 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
                 "optimizer_state_bytes_mean": _stat(
                     _summary_values(records, "optimizer_state_bytes")
                 )[0],
+                "peak_memory_bytes_mean": _stat(_summary_values(records, "peak_memory_bytes"))[0],
                 "wall_s_per_round_mean": wall_m,
                 "wall_s_per_round_std": wall_s,
                 "rejected_total_mean": _stat(_summary_values(records, "rejected_total"))[0],
@@ -213,6 +215,7 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
     local = any(row.get("local_accuracy_pct_mean") is not None for row in table)
     glocal = any(row.get("client_accuracy_pct_mean") is not None for row in table)
     timed = any(row.get("client_train_s_per_round_mean") is not None for row in table)
+    peak = any(row.get("peak_memory_bytes_mean") is not None for row in table)
     quality = (
         ["val loss", "val PPL", "next-token acc. (%)"]
         if lm
@@ -228,6 +231,7 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
         "MB up",
         "MB down",
         "optimizer state",
+        *(["peak device memory"] if peak else []),
         "s / round",
         *(["client train s / round"] if timed else []),
         "rejected / skipped",
@@ -268,6 +272,7 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
             _num(row["mb_up_mean"]),
             _num(row["mb_down_mean"]),
             _bytes(row["optimizer_state_bytes_mean"]),
+            *([_bytes(row.get("peak_memory_bytes_mean"))] if peak else []),
             _pm(row["wall_s_per_round_mean"], row["wall_s_per_round_std"], digits=3, n=n),
             *([_num(row.get("client_train_s_per_round_mean"))] if timed else []),
             f"{_count(rej)} / {_count(skip)}",
@@ -403,7 +408,8 @@ def _report_experiment(exp_dir: Path, keys: Sequence[str] | None) -> str:
     text = (
         f"# {exp_dir.name}\n\n{to_markdown(table)}\n"
         "Mean ± sample std (ddof=1) over seeds (no ± with one seed); MB = 10^6 bytes, totals "
-        "per run; optimizer state per client (moment tensors); s / round without evaluation; "
+        "per run; optimizer state per client (moment tensors); peak device memory (CUDA runs) the "
+        "largest peak of one client's update; s / round without evaluation; "
         "rejected client replies and skipped local steps (non-finite loss or gradient) per run."
         "\n\n"
     )

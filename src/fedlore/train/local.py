@@ -6,6 +6,12 @@ candidate basis). A step whose loss or gradient is not finite is skipped (no mom
 gradient direction) and counted in ``skipped_steps``, like a mixed-precision grad scaler; an
 optimizer with a ``skip_step()`` method is told, so ProjectedAdam can still apply the round's
 common weight decay (keeping Proposition 8 exact).
+
+Precision (:mod:`fedlore.device`): under ``precision: bf16`` each step's forward pass and loss
+run in bfloat16 autocast, on the CPU as on CUDA; the backward follows the forward's dtypes, the
+parameters and their gradients stay fp32, and so do the optimizer step and every projection.
+Per step the loop copies nothing of the model and waits on the device twice (the loss and the
+gradients' finiteness), whatever the number of tensors.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from fedlore.data.client_data import TensorSplit
 from fedlore.data.corpus import IGNORE_INDEX
+from fedlore.device import autocast
 
 LossTerm = Callable[[nn.Module], torch.Tensor]
 GradHook = Callable[[nn.Module, int], None]
@@ -166,17 +173,18 @@ def local_train(
         for g in optimizer.param_groups:
             g["lr"] = lrs[k]
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        for term in loss_terms:
-            loss = loss + term(model)
+        with autocast(x.device):  # bf16 forward under precision=bf16; masters stay fp32
+            loss = loss_fn(model(x), y)
+            for term in loss_terms:
+                loss = loss + term(model)
         if not bool(torch.isfinite(loss)):
             skipped += 1
             _skip(optimizer)
             continue
         loss.backward()
         grads = [p.grad for p in params if p.grad is not None]
-        if not all(bool(torch.isfinite(g).all()) for g in grads):
-            skipped += 1
+        if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+            skipped += 1  # one device sync for all gradients, not one per tensor
             optimizer.zero_grad(set_to_none=True)
             _skip(optimizer)
             continue
