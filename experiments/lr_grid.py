@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -125,6 +126,14 @@ NO_SELECTION = (
     "lr_grid: the runs have no selection-split score; set data.selection_fraction (e.g. 0.1) "
     "so that the rate is chosen on held-out training data, not on the reported test set"
 )
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample std of the finite values (NaN, NaN when none; std 0 with one)."""
+    xs = [v for v in values if math.isfinite(v)]
+    if not xs:
+        return float("nan"), float("nan")
+    return statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
 def per_round(root: str, name: str, lr: float, method: str, seed: int) -> dict[str, float]:
@@ -232,12 +241,18 @@ def main(argv: list[str] | None = None) -> int:
         "chosen": chosen,
         "methods": {},
     }
-    lm = "final_perplexity" in summary(args.runs, name, chosen[methods[0]], methods[0], first)
-    key, sel_key, scale, label = (
-        ("final_perplexity", "final_selection_perplexity", 1.0, "val PPL")
-        if lm
-        else ("final_accuracy", "final_selection_accuracy", 100.0, "final acc. %")
-    )
+    probe = summary(args.runs, name, chosen[methods[0]], methods[0], first)
+    lm = "final_perplexity" in probe
+    if lm:
+        key, sel_key, scale, label = (
+            "final_perplexity", "final_selection_perplexity", 1.0, "val PPL",
+        )  # fmt: skip
+    elif "final_rmse" in probe:  # regression
+        key, sel_key, scale, label = "final_rmse", "final_selection_rmse", 1.0, "test RMSE"
+    else:
+        key, sel_key, scale, label = (
+            "final_accuracy", "final_selection_accuracy", 100.0, "final acc. %",
+        )  # fmt: skip
 
     def number(result: dict[str, Any], k: str) -> float:
         v = result.get(k)
@@ -248,15 +263,18 @@ def main(argv: list[str] | None = None) -> int:
         runs = [summary(args.runs, name, lr, method, s) for s in seeds]
         vals = [number(r, key) for r in runs]
         losses = [float("nan") if r["final_loss"] is None else r["final_loss"] for r in runs]
+        mean, std = mean_std(vals)  # over the seeds that did not diverge
+        loss_mean, loss_std = mean_std(losses)
         comm = per_round(args.runs, name, lr, method, first)
         grid_runs = {g: summary(args.runs, name, g, method, first) for g in grid[method]}
         table["methods"][method] = {
             "lr": lr,
             key: dict(zip(map(str, seeds), vals, strict=True)),
-            "mean": statistics.mean(vals),
-            "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
-            "loss_mean": statistics.mean(losses),
-            "loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
+            "mean": mean,
+            "std": std,
+            "diverged_seeds": sum(1 for v in vals if not math.isfinite(v)),
+            "loss_mean": loss_mean,
+            "loss_std": loss_std,
             # what chose the rate: the selection split of the first seed
             f"selection_grid_seed{first}": {
                 f"{g:g}": number(r, sel_key) for g, r in grid_runs.items()

@@ -8,6 +8,7 @@ metrics as an uninterrupted run (all randomness is derived from seed, round and 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -194,7 +195,12 @@ def run_one(
             (out / stale).unlink(missing_ok=True)
         shutil.rmtree(spill, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    written = {**_run_config(cfg, method), "data_fingerprint": fingerprint, "ran_on": str(device)}
+    written = {
+        **_run_config(cfg, method),
+        "data_fingerprint": fingerprint,
+        "hyper": resolved_hyper(algo),
+        "ran_on": str(device),
+    }
     (out / "config.json").write_text(json.dumps(written, indent=2))
     max_bytes = None if cfg.store.max_memory_mb is None else int(cfg.store.max_memory_mb * 1e6)
     store = ClientStore(max_bytes, spill, device)
@@ -342,13 +348,35 @@ def check_same_config(cfg: Config, method: str, out: Path) -> None:
     path = out / "config.json"
     if not path.exists():
         return
-    before = _flatten(json.loads(path.read_text()))
+    raw = json.loads(path.read_text())
+    hyper_before = raw.pop("hyper", None)
+    if hyper_before is None and method in DEFAULTS_CHANGED:
+        raise ConfigError(
+            f"--resume: {out} was started by an earlier fedlore in which {method} behaved "
+            f"differently by default ({DEFAULTS_CHANGED[method]}); resuming would mix the two "
+            "in one run. Run without --resume to start over"
+        )
+    before = _flatten(raw)
     before.pop("data_fingerprint", None)  # compared by check_same_data
     before.pop("ran_on", None)  # a record: a run may resume on another device
     now = _flatten(_run_config(cfg, method))
+    if hyper_before is not None:  # the method's settings as resolved (types and defaults)
+        before.pop("method", None)
+        now.pop("method", None)
+        before.update({f"hyper.{k}": v for k, v in hyper_before.items()})
+        now.update(
+            {f"hyper.{k}": v for k, v in resolved_hyper(make_algorithm(method, cfg)).items()}
+        )
     # a setting added to fedlore after the run started is no difference while it keeps its
     # default (the run was made with that behaviour)
     defaults = _flatten(_run_config(Config(), method))
+    cls = registry.get("algorithm", method)
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            v = f.default
+            defaults[f"hyper.{f.name}"] = json.loads(
+                json.dumps(list(v) if isinstance(v, tuple) else v, default=str)
+            )
     diff = sorted(
         k
         for k in set(before) | set(now)
@@ -361,6 +389,28 @@ def check_same_config(cfg: Config, method: str, out: Path) -> None:
             f"--resume: {out} was started with a different config ({details}); run without "
             "--resume to start over, or restore the config"
         )
+
+
+DEFAULTS_CHANGED = {
+    "meta_bayfl": "the learning-rate search scores by seed Eq. 19 and trains on all of D",
+    "meta_bayfl_mcd": "the learning-rate search scores by seed Eq. 19 and trains on all of D",
+    "meta_fl": "the learning-rate search scores by seed Eq. 19 and trains on all of D",
+    "lora_fair": "the server correction is solved to its minimum",
+    "fedfomo": "P-local scores the federated model before local training",
+}
+"""Methods whose default behaviour changed after fedlore began recording ``hyper`` in a run's
+``config.json``: a run of theirs without that record was made by the older behaviour."""
+
+
+def resolved_hyper(algo: Algorithm) -> dict[str, Any]:
+    """An algorithm's hyperparameters as built (every field, defaults and normalized types:
+    ``1e-3`` given as text is the number), JSON-ready: recorded in ``config.json`` so that
+    ``--resume`` compares what the method will do, not how the config spelled it."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(algo):  # type: ignore[arg-type]
+        v = getattr(algo, f.name)
+        out[f.name] = list(v) if isinstance(v, tuple) else v
+    return json.loads(json.dumps(out, default=str))
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -428,11 +478,20 @@ def preflight(cfg: Config, fed: Federation) -> None:
     for name in cfg.algorithms:
         try:  # a fresh model per method: a method may convert its workspace (a BNN)
             rng = generator(cfg.seeds[0], SERVER_INIT)
-            start_server(make_algorithm(name, cfg), build(), rng, fed, name)
+            algo = make_algorithm(name, cfg)
+            start_server(algo, build(), rng, fed, name)
         except ConfigError:
             raise
         except ValueError as e:
             raise ConfigError(f"method {name!r}: {e}") from e
+        if cfg.optim.name != "adam" and not hasattr(algo, "optimizer"):
+            log.warning(
+                "optim.name=%s sets the inner optimizer of the projected methods; %s keeps its "
+                "own (method.%s.local_optimizer where it has one)",
+                cfg.optim.name,
+                name,
+                name,
+            )
 
 
 def check_model_fits_data(model: str, fed: Federation) -> None:
@@ -545,9 +604,9 @@ def summarize(method: str, seed: int, metrics_path: Path) -> dict[str, Any]:
         "method": method,
         "seed": seed,
         "rounds": len(train),
-        "final_accuracy": accs[-1] if accs else None,
+        "final_accuracy": final_value(train, "accuracy"),
         "best_accuracy": max(accs) if accs else None,
-        "final_loss": next((r["loss"] for r in reversed(train) if r.get("loss") is not None), None),
+        "final_loss": final_value(train, "loss"),
         "bytes_up_total": sum(r["bytes_up"] for r in rows),
         "bytes_down_total": sum(r["bytes_down"] for r in rows),
         "optimizer_state_bytes": max((r["optimizer_state_bytes"] for r in rows), default=0),
@@ -590,17 +649,25 @@ def _peak(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"peak_memory_bytes": max(peaks)} if peaks else {}
 
 
+def final_value(rows: list[dict[str, Any]], key: str) -> Any:
+    """The value of ``key`` in the last row that recorded it (the last evaluation), None when
+    that value was not finite (metrics.jsonl writes NaN and inf as null) or no row recorded it.
+    Never an earlier round's value: a run that diverged at the end reports None, not the score
+    it had before (so it can never win a learning-rate grid)."""
+    return next((r[key] for r in reversed(rows) if key in r), None)
+
+
 def _last_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The summary's optional metrics: the last value of each :data:`SUMMARY_LAST` key, and
+    """The summary's optional metrics: each :data:`SUMMARY_LAST` key that any row recorded,
+    with its value in the last row that recorded it (None when not finite, see
+    :func:`final_value`), ``final_selection_perplexity`` likewise, and
     ``client_train_s_per_round`` (mean seconds of local training per client per round)."""
     out: dict[str, Any] = {}
     for key, src in SUMMARY_LAST.items():
-        val = next((r[src] for r in reversed(rows) if r.get(src) is not None), None)
-        if val is not None:
-            out[key] = val
-    selected = [r for r in rows if "selection_perplexity" in r]
-    if selected:  # None when the last evaluation's perplexity was not finite (diverged)
-        out["final_selection_perplexity"] = selected[-1]["selection_perplexity"]
+        if any(src in r for r in rows):
+            out[key] = final_value(rows, src)
+    if any("selection_perplexity" in r for r in rows):
+        out["final_selection_perplexity"] = final_value(rows, "selection_perplexity")
     times = [r["client_train_s"] for r in rows if r.get("client_train_s") is not None]
     if times:
         out["client_train_s_per_round"] = sum(times) / len(times)

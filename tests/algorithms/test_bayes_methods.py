@@ -442,3 +442,34 @@ def test_a_client_with_one_example_searches_on_it_unless_d_is_held_out() -> None
         reply, _ = algo.client_update(msg, None, model, one, torch.Generator().manual_seed(0))
         assert reply.num_examples == 1 and ("lr_chosen" in reply.metrics) is searches
         assert any(float(v.abs().sum()) > 0 for v in reply.arrays.values())
+
+
+@pytest.mark.parametrize("score", ["nll", "elbo"])
+def test_batched_trials_match_with_sgd_weight_decay_and_a_large_meta_split(score: str) -> None:
+    """torch SGD adds the weight decay to the gradient, and the ELBO score draws one weight
+    sample per 512 examples of d: the batched trials do the same."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(700, 6, generator=g), torch.randint(0, 3, (700,), generator=g)
+    fit, meta = TensorSplit(x[:100], y[:100]), TensorSplit(x[100:], y[100:])  # |d| = 600
+    out = {}
+    for trials in ("sequential", "batched"):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        algo = MetaBayFL(
+            trials=trials,  # type: ignore[arg-type]
+            local_optimizer="sgd",
+            weight_decay=0.1,
+            candidate_lrs=(0.5, 0.05),
+            temp_steps=3,
+            batch_size=20,
+            meta_score=score,  # type: ignore[arg-type]
+            mc_samples=2,
+        )
+        algo.prepare_model(model)
+        opt = algo.make_optimizer(model)
+        terms = [elbo_kl_term(1.0, len(fit))]
+        with sampling(model, True):
+            out[trials] = algo.select_lr(model, opt, fit, meta, terms, seed=4)
+    torch.testing.assert_close(
+        torch.tensor(out["sequential"][1]), torch.tensor(out["batched"][1]), rtol=1e-4, atol=0
+    )

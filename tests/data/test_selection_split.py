@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -133,3 +134,27 @@ def test_lr_grid_scores_the_selection_split_never_the_test_set() -> None:
         grid.score({"final_perplexity": 10.0})
     with pytest.raises(SystemExit, match="selection_fraction"):
         grid.main(["experiments/quickstart.yaml", "--grid", "fedlore=1e-3", "--out", "/tmp/x"])
+
+
+def test_a_run_that_diverges_at_the_end_never_reports_an_earlier_score(tmp_path: Path) -> None:
+    """metrics.jsonl writes NaN as null: the summary's final values are the last evaluation's,
+    None when it was not finite, so the grid scores such a run -inf."""
+    from fedlore.run import summarize
+
+    rows = [
+        {"round": 0, "bytes_up": 1, "bytes_down": 1, "optimizer_state_bytes": 0, "wall_s": 1.0,
+         "accuracy": 0.8, "loss": 0.5, "selection_accuracy": 0.9, "selection_rmse": 0.8},
+        {"round": 1, "bytes_up": 1, "bytes_down": 1, "optimizer_state_bytes": 0, "wall_s": 1.0,
+         "accuracy": None, "loss": None, "selection_accuracy": None, "selection_rmse": None},
+    ]  # fmt: skip
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = summarize("fedfull", 0, path)
+    assert summary["final_accuracy"] is None and summary["best_accuracy"] == 0.8
+    assert summary["final_loss"] is None
+    assert summary["final_selection_accuracy"] is None and summary["final_selection_rmse"] is None
+    grid = _lr_grid()
+    assert grid.score(summary) == -float("inf")
+    mean, std = grid.mean_std([0.5, float("nan"), 0.7])
+    assert mean == pytest.approx(0.6) and std == pytest.approx(0.1414, abs=1e-3)
+    assert all(math.isnan(v) for v in grid.mean_std([float("nan")]))

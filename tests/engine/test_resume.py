@@ -261,7 +261,7 @@ def test_resume_refuses_a_changed_config_and_names_the_key(tmp_path: Path) -> No
     cfg = _cfg(tmp_path)
     assert run_one(cfg, "fedfull", SEED, stop_after=0) is None
     changed = _cfg(tmp_path, "lr=1e-2")
-    with pytest.raises(ConfigError, match=r"different config \(lr: 0\.003 -> 0\.01\)"):
+    with pytest.raises(ConfigError, match=r"different config \(.*\blr: 0\.003 -> 0\.01\)"):
         run_one(changed, "fedfull", SEED, resume=True)
 
 
@@ -284,3 +284,33 @@ def test_resume_accepts_a_run_from_before_a_setting_existed_while_it_is_at_its_d
     (run_dir(cfg, "fedfull", SEED) / "summary.json").unlink()
     with pytest.raises(ConfigError, match=r"optim\.name: None -> 'sgd'"):
         run_one(_cfg(tmp_path, "optim.name=sgd"), "fedfull", SEED, resume=True)
+
+
+def test_resume_compares_the_methods_resolved_settings(tmp_path: Path) -> None:
+    """``method.fedfull.lr=1e-3`` (text in YAML 1.1) and ``0.001`` are the same setting, and
+    naming a default explicitly is no change: the recorded ``hyper`` decides."""
+    cfg = _cfg(tmp_path, "method.fedfull.lr=1e-3", "method.fedfull.momentum=0.0")
+    assert run_one(cfg, "fedfull", SEED, stop_after=0) is None
+    same = _cfg(tmp_path, "method.fedfull.lr=0.001")
+    assert run_one(same, "fedfull", SEED, resume=True) is not None
+    recorded = json.loads((run_dir(cfg, "fedfull", SEED) / "config.json").read_text())
+    assert recorded["hyper"]["lr"] == 0.001 and recorded["hyper"]["local_steps"] == 2
+
+
+def test_runs_of_methods_whose_defaults_changed_are_not_resumed_from_older_records(
+    tmp_path: Path,
+) -> None:
+    from fedlore.config import ConfigError
+
+    for method, refused in (("meta_fl", True), ("fedfull", False)):
+        cfg = _cfg(tmp_path, f"name=old-{method}")
+        assert run_one(cfg, method, SEED, stop_after=0) is None
+        path = run_dir(cfg, method, SEED) / "config.json"
+        old = json.loads(path.read_text())
+        del old["hyper"]  # as written before fedlore recorded it
+        path.write_text(json.dumps(old))
+        if refused:
+            with pytest.raises(ConfigError, match="behaved differently by default"):
+                run_one(cfg, method, SEED, resume=True)
+        else:
+            assert run_one(cfg, method, SEED, resume=True) is not None

@@ -571,11 +571,21 @@ def batched_trials(
         loss = task_loss(functional_call(model, full, (x,)), y)
         return loss + algo.beta_kl * kl(full) / n_fit if bayes else loss
 
+    def data_loss(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return task_loss(functional_call(model, {**p, **frozen}, (x,)), y)
+
     step_fn = vmap(grad_and_value(objective), in_dims=(0, None, None), randomness="same")
+<<<<<<< HEAD
     score_fn = vmap(objective, in_dims=(0, None, None), randomness="same")
     device = named[0][1].device if named else torch.device("cpu")
     lrs = torch.tensor(algo.candidate_lrs, dtype=torch.float32, device=device)
     alive = torch.ones(j, dtype=torch.bool, device=device)
+=======
+    loss_fn = vmap(data_loss, in_dims=(0, None, None), randomness="same")
+    kl_fn = vmap(lambda p: kl({**p, **frozen}), in_dims=(0,))
+    lrs = torch.tensor(algo.candidate_lrs, dtype=torch.float32)
+    alive = torch.ones(j, dtype=torch.bool)
+>>>>>>> main
     b1, b2 = algo.betas
     model.train()
     with torch.random.fork_rng(devices=[]):
@@ -593,8 +603,8 @@ def batched_trials(
                 shape = (j,) + (1,) * (params[k].dim() - 1)
                 lr = (lrs * alive).view(shape)
                 gk = torch.where(alive.view(shape), grads[k], torch.zeros_like(grads[k]))
-                if not adam:
-                    params[k] = params[k] - lr * gk
+                if not adam:  # torch SGD: weight decay is added to the gradient (coupled)
+                    params[k] = params[k] - lr * (gk + algo.weight_decay * params[k])
                     continue
                 params[k] = params[k] * (1 - lr * algo.weight_decay)
                 m[k] = torch.where(alive.view(shape), b1 * m[k] + (1 - b1) * gk, m[k])
@@ -602,8 +612,15 @@ def batched_trials(
                 denom = (v2[k] / (1 - b2**t)).sqrt() + algo.eps
                 params[k] = params[k] - lr / (1 - b1**t) * m[k] / denom
         model.eval()
-        if algo.meta_score == "elbo":
-            scores = score_fn(params, meta.x, meta.y)
+        if algo.meta_score == "elbo":  # as meta_loss: a weight draw per chunk of 512, then KL
+            n_meta = len(meta)
+            chunks = [
+                loss_fn(params, meta.x[i : i + 512], meta.y[i : i + 512]) * len(meta.y[i : i + 512])
+                for i in range(0, n_meta, 512)
+            ]
+            scores = torch.stack(chunks).sum(0) / n_meta
+            if bayes:
+                scores = scores + algo.beta_kl * kl_fn(params) / n_fit
     if algo.meta_score == "nll":
         scores = batched_meta_nll(model, params, frozen, meta, algo.mc_samples)
     return [

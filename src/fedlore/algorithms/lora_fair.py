@@ -27,11 +27,17 @@ of ~1e8 for B ~ 1e-3. The default solver therefore minimises over the scale in c
 writing ``B̄ + ΔB = ρ V`` with ``ρ > 0``, the cosine depends on V alone and
 ``min_ρ λ ||ρ V - B̄||² = λ (||B̄||² - <V, B̄>₊² / ||V||²)`` at ``ρ* = <V, B̄>₊ / ||V||²``, so the
 exact reduced objective ``g(V) = 1 - cos(ΔW, V Ā) + λ (||B̄||² - <V, B̄>₊² / ||V||²)`` is
-invariant to the scale of V and well conditioned; L-BFGS runs on it from ``V = B̄`` (ΔB = 0)
-and returns ``ΔB = ρ* V - B̄``. It matches SciPy's BFGS on the unreduced objective to about
+invariant to the scale of V and well conditioned; L-BFGS runs on it from ``V = B̄ / ||B̄||`` (ΔB
+= 0) and returns ``ΔB = ρ* V - B̄``. It matches SciPy's BFGS on the unreduced objective to about
 1e-6 in the corrected update (``tests/algorithms/test_lora_methods.py``). With ``B̄ = 0`` (no
 client moved B) there is nothing to turn and no minimiser (the infimum is approached as ΔB → 0),
-so ΔB = 0.
+so ΔB = 0. When the best direction V leans away from B̄ (``<V, B̄> ≤ 0``, e.g. clients whose
+factors point in opposite directions) the profiled minimum sits at ρ → 0, a vanishing adapter
+that the objective prefers but never attains; the solver then minimises the raw objective over
+ΔB with L-BFGS from ΔB = 0 as well and keeps the better finite point, which then is a nearly
+vanishing B (the objective's own verdict, not a solver failure: FedIT's B̄ has nearly cancelled,
+and no scale of (B̄ + ΔB) Ā turns it closer to ΔW). Such modules are counted each round as
+``fair_degenerate``.
 
 Source: arXiv 2411.14961 (official ``jmbian/LoRA-FAIR`` not retrievable); objective as in
 ``junkangLiu0/FedLore`` ``lora_fair.py`` (the seed authors' code: ΔB from zeros, flattened
@@ -43,11 +49,11 @@ over modules), ``fair_objective`` and ``fair_iterations`` show what it did.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
-import torch.nn.functional as F
 
 from fedlore.algorithms.lora_common import LoraMethod, factor_means, reply_modules
 from fedlore.registry import register_algorithm
@@ -56,10 +62,22 @@ from fedlore.types import Arrays, Reply, Scalars
 
 def direction_gap(ideal: torch.Tensor, approx: torch.Tensor, cosine: str = "flat") -> torch.Tensor:
     """``1 - cos(ideal, approx)``: over the flattened matrices (``"flat"``) or the mean of the
-    column-wise cosines (``"column"``). Both ``m x n``."""
+    column-wise cosines (``"column"``). Both ``m x n``.
+
+    The cosine is scale-invariant at every scale: norms are clamped only at the dtype's
+    smallest positive number (``F.cosine_similarity`` clamps at 1e-8, which breaks the
+    invariance of corrected updates below that norm); a zero matrix has cosine 0, and its
+    gradient is 0, not NaN.
+    """
+    tiny = torch.finfo(approx.dtype).tiny
     if cosine == "flat":
-        return 1.0 - F.cosine_similarity(ideal.flatten(), approx.flatten(), dim=0)
-    return 1.0 - F.cosine_similarity(ideal, approx, dim=0).mean()
+        a, b = ideal.flatten(), approx.flatten()
+        norm_a = a.pow(2).sum().clamp_min(tiny).sqrt()
+        norm_b = b.pow(2).sum().clamp_min(tiny).sqrt()
+        return 1.0 - (a * b).sum() / (norm_a * norm_b)
+    norm_a = ideal.pow(2).sum(0).clamp_min(tiny).sqrt()
+    norm_b = approx.pow(2).sum(0).clamp_min(tiny).sqrt()
+    return 1.0 - ((ideal * approx).sum(0) / (norm_a * norm_b)).mean()
 
 
 FairSolver = Literal["lbfgs", "sgd"]
@@ -75,6 +93,8 @@ class FairResult:
         gap_after: ``1 - cos`` at ``delta``.
         objective: ``1 - cos + λ ||ΔB||²`` at ``delta``.
         iterations: solver iterations taken.
+        degenerate: the best direction leans away from B̄ (``<V, B̄> ≤ 0``), where the
+            objective has no minimiser and prefers a vanishing adapter (module docstring).
     """
 
     delta: torch.Tensor
@@ -82,6 +102,7 @@ class FairResult:
     gap_after: float
     objective: float
     iterations: int
+    degenerate: bool = False
 
 
 def fair_objective(
@@ -141,6 +162,7 @@ def fair_correction(
     delta = torch.zeros_like(b64, requires_grad=True)
     best_obj, best = float("inf"), torch.zeros_like(b64)
     iterations = 0
+    degenerate = False
 
     def value() -> torch.Tensor:
         return fair_objective(ideal64, b64, a64, delta, lam, cosine)
@@ -155,7 +177,9 @@ def fair_correction(
         remember(value())
         b_sq = float(b64.pow(2).sum())
         if max_steps > 0 and solver == "lbfgs" and b_sq > 0:
-            v = b64.clone().requires_grad_(True)  # V = B̄: ΔB = 0
+            # V = B̄ / ||B̄|| (ΔB = 0): g is invariant to the scale of V, so a unit start keeps
+            # the problem equally well conditioned for any size of B̄
+            v = (b64 / math.sqrt(b_sq)).requires_grad_(True)
 
             def reduced() -> torch.Tensor:
                 dot = (v * b64).sum().clamp_min(0.0)
@@ -182,9 +206,32 @@ def fair_correction(
             iterations = int(opt.state[v].get("n_iter", 0))
             with torch.no_grad():
                 vv = v.detach()
-                rho = float((vv * b64).sum().clamp_min(0.0)) / float(vv.pow(2).sum())
+                dot = float((vv * b64).sum())
+                rho = max(dot, 0.0) / float(vv.pow(2).sum())
                 delta.copy_(rho * vv - b64)
             remember(value())
+            if dot <= 0.0:  # the degenerate side, module docstring: solve the raw objective
+                degenerate = True
+                delta.data.zero_()
+                plain = torch.optim.LBFGS(
+                    [delta],
+                    lr=1.0,
+                    max_iter=max_steps,
+                    tolerance_grad=grad_tol,
+                    tolerance_change=1e-20,
+                    history_size=20,
+                    line_search_fn="strong_wolfe",
+                )
+
+                def plain_closure() -> torch.Tensor:
+                    plain.zero_grad()
+                    obj = value()
+                    obj.backward()
+                    return obj
+
+                plain.step(plain_closure)
+                iterations += int(plain.state[delta].get("n_iter", 0))
+                remember(value())
         elif max_steps > 0 and solver == "sgd":
             sgd = torch.optim.SGD([delta], lr=lr)
             prev, calm = None, 0
@@ -204,7 +251,7 @@ def fair_correction(
     with torch.no_grad():
         before = float(direction_gap(ideal64, b64 @ a64, cosine))
         after = float(direction_gap(ideal64, (b64 + best) @ a64, cosine))
-    return FairResult(best.to(b.dtype), before, after, best_obj, iterations)
+    return FairResult(best.to(b.dtype), before, after, best_obj, iterations, degenerate)
 
 
 @register_algorithm("lora_fair")
@@ -285,4 +332,5 @@ class LoRAFAIR(LoraMethod):
             "fair_gap_after": sum(g.gap_after for g in gaps) / n,
             "fair_objective": sum(g.objective for g in gaps) / n,
             "fair_iterations": max((g.iterations for g in gaps), default=0),
+            "fair_degenerate": sum(g.degenerate for g in gaps),
         }

@@ -45,15 +45,17 @@ def product(b: torch.Tensor, a: torch.Tensor, scale: float = 1.0) -> torch.Tenso
 
 
 def merge(weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """``W + ΔW`` computed in fp32 and cast back to ``W``'s dtype once (a new tensor).
+    """``W + ΔW`` computed in fp32 (in fp64 for an fp64 base) and cast back to ``W``'s dtype once
+    (a new tensor).
 
     Args:
-        weight: ``m x n`` base weight in the model's dtype (fp32, bf16, fp16, ...).
-        delta: ``m x n`` update (any float dtype; used in fp32).
+        weight: ``m x n`` base weight in the model's dtype (fp32, bf16, fp16, fp64).
+        delta: ``m x n`` update (any float dtype).
     """
     if weight.shape != delta.shape:
         raise ValueError(f"merge: weight {tuple(weight.shape)} vs delta {tuple(delta.shape)}")
-    out = weight.to(torch.float32) + delta.to(torch.float32)
+    dtype = torch.promote_types(weight.dtype, torch.float32)  # fp32, or fp64 for fp64
+    out = weight.to(dtype) + delta.to(dtype)
     return out.to(weight.dtype).contiguous()
 
 

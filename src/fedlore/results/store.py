@@ -98,13 +98,16 @@ def lm_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def derive_summary(method: str, seed: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """A ``summary.json`` equivalent computed from metrics rows.
 
-    ``final_accuracy`` is the last evaluated accuracy, ``best_accuracy`` the maximum (None if no
-    round was evaluated), ``final_loss`` the last evaluated loss; language models add
+    ``final_accuracy`` and ``final_loss`` are the last evaluation's values (None when they were
+    not finite: a run that diverged at the end), ``best_accuracy`` the finite maximum (None if no
+    round was evaluated); language models add
     ``final_perplexity`` and ``best_perplexity`` (the minimum); byte totals are sums;
     ``optimizer_state_bytes`` is the peak over rounds; ``wall_s_per_round`` the mean round
     time; ``rounds`` the number of rows.
     """
     acc = [a for a in (value(r, "accuracy") for r in rows) if a is not None]
+    evaluated = [r for r in rows if "accuracy" in r or "loss" in r]
+    last_eval = evaluated[-1] if evaluated else {}
     walls = [w for w in (value(r, "wall_s") for r in rows) if w is not None]
     states = [s for s in (value(r, "optimizer_state_bytes") for r in rows) if s is not None]
     losses = [v for v in (value(r, "loss") for r in rows) if v is not None]
@@ -112,14 +115,14 @@ def derive_summary(method: str, seed: int, rows: list[dict[str, Any]]) -> dict[s
     return {
         "method": method,
         "seed": seed,
-        "final_accuracy": acc[-1] if acc else None,
+        "final_accuracy": value(last_eval, "accuracy"),  # the last evaluation, not finite: None
         "best_accuracy": max(acc) if acc else None,
         "bytes_up_total": sum(value(r, "bytes_up") or 0.0 for r in rows),
         "bytes_down_total": sum(value(r, "bytes_down") or 0.0 for r in rows),
         "optimizer_state_bytes": max(states) if states else None,
         "wall_s_per_round": sum(walls) / len(walls) if walls else None,
         "rounds": len(rows),
-        "final_loss": losses[-1] if losses else None,
+        "final_loss": value(last_eval, "loss") if losses else None,
         "derived": True,
         **lm,
     }
