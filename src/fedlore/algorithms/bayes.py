@@ -575,17 +575,11 @@ def batched_trials(
         return task_loss(functional_call(model, {**p, **frozen}, (x,)), y)
 
     step_fn = vmap(grad_and_value(objective), in_dims=(0, None, None), randomness="same")
-<<<<<<< HEAD
-    score_fn = vmap(objective, in_dims=(0, None, None), randomness="same")
+    loss_fn = vmap(data_loss, in_dims=(0, None, None), randomness="same")
+    kl_fn = vmap(lambda p: kl({**p, **frozen}), in_dims=(0,))
     device = named[0][1].device if named else torch.device("cpu")
     lrs = torch.tensor(algo.candidate_lrs, dtype=torch.float32, device=device)
     alive = torch.ones(j, dtype=torch.bool, device=device)
-=======
-    loss_fn = vmap(data_loss, in_dims=(0, None, None), randomness="same")
-    kl_fn = vmap(lambda p: kl({**p, **frozen}), in_dims=(0,))
-    lrs = torch.tensor(algo.candidate_lrs, dtype=torch.float32)
-    alive = torch.ones(j, dtype=torch.bool)
->>>>>>> main
     b1, b2 = algo.betas
     model.train()
     with torch.random.fork_rng(devices=[]):
