@@ -9,7 +9,8 @@ digits federation, over the setup round (if the method has ``setup_rounds``), th
     garbage the scratch model held before; the inputs are not modified; a reply does not alias
     the scratch model; the reply inside a real round (other clients ran first on the same
     scratch model) is the same reply.
-(b) replies are finite, detached, on CPU, contiguous, never carry ``personal.`` tensors, validate
+(b) replies are finite, detached, on the run's device (the CPU here; ``tests/gpu`` checks CUDA),
+    contiguous, never carry ``personal.`` tensors, validate
     against ``expected_reply`` and report ``num_examples`` = the client's training-set size.
 (c) the server state and the client store survive a checkpoint round trip, and the next round
     from the restored state equals the next round from the original.
@@ -217,7 +218,7 @@ def _check_well_formed(
     for k, t in reply.arrays.items():
         assert isinstance(t, torch.Tensor), k
         assert not k.startswith("personal."), f"{k}: personal tensors never leave the client"
-        assert t.device.type == "cpu", k
+        assert t.device.type == "cpu", k  # the model's and the data's device
         assert not t.requires_grad and t.grad_fn is None, k
         assert t.is_contiguous(), k
         if t.is_floating_point():
@@ -228,7 +229,7 @@ def _check_well_formed(
     assert reply.metrics["num_examples"] == n_train
     assert isinstance(reply.metrics["num_examples"], int)
     assert reply.num_examples == n_train
-    for k, t in new_state.arrays.items():  # client state must be checkpointable as it is
+    for k, t in new_state.arrays.items():  # client state: on the run's device, checkpointable
         assert t.device.type == "cpu" and not t.requires_grad, k
     for k, v in new_state.values.items():
         assert isinstance(v, int | float | str | bool), (k, type(v))
