@@ -99,6 +99,7 @@ def main() -> None:
         print(f"| {name} | {t:.3f} | {t / ref:.2f} | {r['wall_s_per_round']:.2f} |")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, **res}, indent=2))
+    print(f"results in {a.out}")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedlore.config import Config, load_config
+from fedlore.config import load_config
 from fedlore.data.client_data import TensorSplit
 from fedlore.data.federation import Federation
 from fedlore.device import resolve_device, training_precision
@@ -342,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     result["seconds"] = time.perf_counter() - t0
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2))
     (out / "gpu_check.md").write_text(markdown(result))
+    print(f"results in {out}/ (gpu_check.json, gpu_check.md)")
     print(markdown(result))
     failed = result["tests"].get("returncode", 0) not in (0, 5)  # 5: nothing collected / ran
     return 1 if failed else 0

@@ -136,6 +136,7 @@ def main() -> None:
         )
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, **res}, indent=2))
+    print(f"results in {a.out}")
 
 
 if __name__ == "__main__":

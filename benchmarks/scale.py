@@ -242,6 +242,7 @@ def main() -> None:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     args = {k: str(v) for k, v in vars(a).items()}
     a.out.write_text(json.dumps({"args": args, "ratios": ratios, **res}, indent=2) + "\n")
+    print(f"results in {a.out}")
 
 
 if __name__ == "__main__":

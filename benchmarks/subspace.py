@@ -81,6 +81,7 @@ def main() -> None:
         )
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(rows, indent=2))
+    print(f"results in {a.out}")
 
 
 if __name__ == "__main__":

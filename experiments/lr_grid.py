@@ -301,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['wall_s_per_round']:.1f} |"
         )
     (out / "table.md").write_text("\n".join(lines) + "\n")
+    print(f"results in {out}/ (table.md, table.json; runs under {args.runs})")
     # curves of the chosen runs, one line per method (accuracy or perplexity vs round and bytes)
     chosen_runs = {m: load_runs(Path(args.runs) / f"lr-{chosen[m]:g}" / name)[m] for m in methods}
     plot(chosen_runs, out)

@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{down / 1e6:.3f} | {state / 1e6:.3f} |"
         )
     (out / "rank_sweep.md").write_text("\n".join(lines) + "\n")
+    print(f"results in {out}/rank_sweep.md")
     plot(runs, out)
     print("\n".join(lines))
     return 0

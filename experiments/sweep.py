@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(head + " | ".join(cells) + f" | {lr_cell} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     (out / "table.json").write_text(json.dumps(records, indent=2))
+    print(f"results in {out}/ (table.md, table.json; runs under {root})")
     print("\n".join(lines))
     return 0
 

@@ -5,6 +5,15 @@
 #   scripts/flower_local_federation.sh [N] [key=value ...]
 #   N=3 METHOD=fedlore CONFIG=experiments/quickstart.yaml scripts/flower_local_federation.sh 3 rounds=2
 #
+# Results go to runs/flower_local/<method>/seed-<seed>/ (its own run name, so the main job's
+# runs/quickstart/ is never touched); give name=... or output_dir=... to put them elsewhere.
+# The folder is printed at the end.
+#
+# Site-local data: SITES="site0/ site1/ site2/" gives SuperNode i its own data-root (read with
+# the config's data.name, e.g. data.name=npz with train.npz per site) and sets
+# flower.site_data=true; the server then reads only the test split of data.root:
+#   SITES="s0 s1 s2" scripts/flower_local_federation.sh 3 data.name=npz data.root=server/
+#
 # TLS and node authentication: start flower-superlink with --ssl-ca-certfile/--ssl-certfile/
 # --ssl-keyfile (and --enable-supernode-auth --auth-list-public-keys), the SuperNodes with
 # --root-certificates (and --auth-supernode-private-key/--auth-supernode-public-key), and set
@@ -14,7 +23,17 @@ cd "$(dirname "$0")/.."
 N=${1:-3}; shift || true
 METHOD=${METHOD:-fedlore}
 CONFIG=$(realpath "${CONFIG:-experiments/quickstart.yaml}")
-OVERRIDES="num_clients=$N progress=false $*"
+NAME=flower_local; OUT_DIR=$(pwd)/runs
+for kv in "$@"; do   # the user's name= / output_dir= win; defaults keep the main job's runs apart
+  case $kv in name=*) NAME=${kv#name=} ;; output_dir=*) OUT_DIR=$(realpath -m "${kv#output_dir=}") ;; esac
+done
+read -r -a SITE_DIRS <<< "${SITES:-}"
+SITE_FLAG=""
+if [ ${#SITE_DIRS[@]} -gt 0 ]; then
+  [ ${#SITE_DIRS[@]} -eq "$N" ] || { echo "SITES names ${#SITE_DIRS[@]} folders for $N SuperNodes" >&2; exit 2; }
+  SITE_FLAG="flower.site_data=true"
+fi
+OVERRIDES="num_clients=$N progress=false name=$NAME output_dir=$OUT_DIR $SITE_FLAG $*"
 BIN=$(realpath "${BIN:-.venv/bin}")
 export PATH="$BIN:$PATH"   # the SuperLink and SuperNodes spawn flower-superexec, flwr-serverapp, flwr-clientapp
 BASE_PORT=${BASE_PORT:-19090}
@@ -39,9 +58,11 @@ PIDS+=($!)
 echo "SuperLink pid $! (logs in $WORK)"
 sleep 3
 for i in $(seq 0 $((N - 1))); do
+  NODE_CONFIG="partition-id=$i num-partitions=$N"
+  if [ -n "$SITE_FLAG" ]; then NODE_CONFIG="$NODE_CONFIG data-root=\"$(realpath "${SITE_DIRS[$i]}")\""; fi
   "$BIN/flower-supernode" --insecure --superlink "$LINK" \
     --host 127.0.0.1 --port $((BASE_PORT + 10 + i)) \
-    --node-config "partition-id=$i num-partitions=$N" > "$WORK/supernode-$i.log" 2>&1 &
+    --node-config "$NODE_CONFIG" > "$WORK/supernode-$i.log" 2>&1 &
   PIDS+=($!)
   echo "SuperNode $i pid $!"
 done
@@ -56,3 +77,4 @@ TOML
 sleep 3
 "$BIN/flwr" run . fedlore-local --stream \
   --run-config "config='$CONFIG' method='$METHOD' overrides='$OVERRIDES'"
+echo "results in $OUT_DIR/$NAME/$METHOD/ (fedlore report $OUT_DIR/$NAME)"

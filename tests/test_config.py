@@ -318,7 +318,7 @@ def test_unknown_method_section_fails_before_any_run(tmp_path: Path) -> None:
     cfg = load_config(
         None, ["algorithms=fedfull", "method.fedmagic.lr=1", f"output_dir={tmp_path}"]
     )
-    with pytest.raises(KeyError, match="fedmagic"):
+    with pytest.raises(ConfigError, match="fedmagic"):
         run_experiment(cfg)
     assert not any(tmp_path.iterdir())  # nothing was run or written
 

@@ -1,7 +1,8 @@
 """``fedlore run | report | partition | fortunes-c4``: the command line.
 
-* ``fedlore run [CONFIG] [key=value ...] [--resume]`` runs every method x seed of the config
-  (default: ``experiments/quickstart.yaml``) and prints the mean ± std table.
+* ``fedlore run [CONFIG] [key=value ...] [--resume] [--overwrite]`` runs every method x seed of
+  the config (default: ``experiments/quickstart.yaml``), prints the mean ± std table and the
+  folder the results are in; options may come anywhere on the line.
 * ``fedlore report RUN_DIR`` writes ``report.md``, ``report.csv`` and plots and prints the table.
 * ``fedlore partition CONFIG [key=value ...]`` prints each client's class histogram per seed
   (documents per source group for a pre-training corpus).
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 
 from fedlore.config import ConfigError, load_config
+from fedlore.engine.store import StoreError
 
 DEFAULT_CONFIG = "experiments/quickstart.yaml"
 
@@ -54,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     p_run = sub.add_parser("run", help="run an experiment")
     p_run.add_argument("args", nargs="*", help="[CONFIG] [key=value ...]")
     p_run.add_argument("--resume", action="store_true", help="continue unfinished runs")
+    p_run.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace finished runs of another config left under the same name",
+    )
     p_rep = sub.add_parser("report", help="summarize a run directory")
     p_rep.add_argument("run_dir", type=Path)
     p_part = sub.add_parser("partition", help="print per-client class histograms")
@@ -61,7 +68,20 @@ def main(argv: list[str] | None = None) -> int:
     p_conv = sub.add_parser("fortunes-c4", help="convert the fortunes corpus to C4 JSONL files")
     p_conv.add_argument("out_dir", type=Path)
     p_conv.add_argument("--root", default=None, help="fortunes folder (default: Debian's)")
-    ns = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = any(a in ("-v", "--verbose") for a in argv)  # -v anywhere on the line
+    argv = [a for a in argv if a not in ("-v", "--verbose")]
+    ns, extra = parser.parse_known_args(argv)
+    ns.verbose = verbose
+    # options may come anywhere: `run CONFIG --resume name=x` leaves name=x over, still ours
+    if (
+        extra
+        and getattr(ns, "args", None) is not None
+        and not any(e.startswith("-") for e in extra)
+    ):
+        ns.args = [*ns.args, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=logging.INFO if ns.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
@@ -72,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             from fedlore.results.report import report
 
             print(report(ns.run_dir))
+            print(f"report written to {ns.run_dir}/report.md (with report.csv and the plots)")
             return 0
         if ns.command == "fortunes-c4":
             from fedlore.data.corpus import convert_fortunes
@@ -82,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         path, overrides = _split_args(ns.args)
         cfg = load_config(path if path is not None else _default_config(), overrides)
+        from fedlore import progress
+
+        progress.enable(cfg.progress)
         if ns.command == "partition":
             from fedlore.data.federation import build_federation
 
@@ -93,10 +117,22 @@ def main(argv: list[str] | None = None) -> int:
         from fedlore.results.report import report
         from fedlore.run import run_experiment
 
-        run_experiment(cfg, resume=ns.resume)
-        print(report(Path(cfg.output_dir) / cfg.name))
+        summaries = run_experiment(cfg, resume=ns.resume, overwrite=ns.overwrite)
+        folder = Path(cfg.output_dir) / cfg.name
+        print(report(folder))
+        for method, runs in summaries.items():
+            for summary in runs:
+                if summary.get("diverged"):
+                    print(
+                        f"fedlore: warning: {method} seed {summary['seed']} diverged "
+                        f"({summary['diverged']})",
+                        file=sys.stderr,
+                    )
+        print(
+            f"results in {folder}/ (report.md, report.csv, plots; one folder per method and seed)"
+        )
         return 0
-    except (ConfigError, FileNotFoundError, KeyError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, KeyError, ValueError, StoreError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"fedlore: error: {msg}", file=sys.stderr)
         return 2

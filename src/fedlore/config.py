@@ -204,6 +204,24 @@ class EvalConfig(_Strict):
     dropout); 0 scores one pass with the posterior means / dropout off."""
 
 
+class RobustConfig(_Strict):
+    """Defences against uploads that pass validation (finite, right shapes) but are absurd
+    (:mod:`fedlore.robust`)."""
+
+    norm_screen: float | None = Field(1000.0, gt=1.0)
+    """Reject a reply whose upload norm exceeds this multiple of the round's median upload norm
+    (rounds with at least 3 valid replies), with its reason, counted as ``rejected`` like a NaN
+    reply; None turns it off. The default, 1000, leaves honest clients alone even when their
+    learning rates differ 100-fold (Meta-BayFL's grid) and catches a scaled upload."""
+    aggregate: Literal["mean", "median", "trimmed_mean"] = "mean"
+    """How the server combines dense deltas: the weighted mean (FedAvg, default), or the
+    coordinate-wise median / trimmed mean (Yin et al. 2018; unweighted). Only for methods whose
+    server averages dense deltas (FedAvg, FedFull, FedProx, Local GaLore, the Bayesian and
+    personalized FedAvg variants); the others refuse it."""
+    trim_fraction: float = Field(0.1, ge=0.0, lt=0.5)
+    """``trimmed_mean``: share of clients dropped at each end of every coordinate."""
+
+
 class DiagnosticsConfig(_Strict):
     """Subspace diagnostics (seed Appendix D, "Diagnostics"); off by default.
 
@@ -245,6 +263,11 @@ class FlowerConfig(_Strict):
     """Simulation: CPUs given to the Ray backend."""
     client_cpus: float = Field(1.0, gt=0.0)
     """Simulation: CPUs each virtual client (Ray actor running the ClientApp) reserves."""
+    site_data: bool = False
+    """Deployments (``flwr run``): each SuperNode reads its own data from its node config
+    ``data-root=<folder or file>`` in the format of ``data.name`` (e.g. ``npz``: train.npz of
+    that site), and the server holds only the test split of its ``data.root``. False (default):
+    every node rebuilds the central federation and takes its partition ``partition-id``."""
     client_gpus: float = Field(0.0, ge=0.0)
     """Simulation: share of a GPU each virtual client reserves (0.25: four clients share one
     GPU; 0: none, clients run on the CPU). Needs CUDA when > 0; the clients then compute on
@@ -293,11 +316,32 @@ class Config(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     flower: FlowerConfig = Field(default_factory=FlowerConfig)
     diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
+    robust: RobustConfig = Field(default_factory=RobustConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     method: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per-method hyperparameter overrides, e.g. ``method: {fedfull: {lr: 1e-4}}``."""
     checkpoint: bool = True
     progress: bool = True
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, v: Any) -> Any:
+        """YAML 1.1 reads ``1e-4`` (no dot) as text: a method value that spells a number is
+        stored as the number (in ``config.json`` too), so ``lr=1e-4`` and ``lr=0.0001`` are the
+        same setting."""
+        if not isinstance(v, dict):
+            return v
+
+        def num(x: Any) -> Any:
+            if isinstance(x, list):
+                return [num(i) for i in x]
+            if isinstance(x, str) and _NUMBER.fullmatch(x.strip()):
+                return float(x)
+            return x
+
+        return {
+            m: {k: num(x) for k, x in h.items()} if isinstance(h, dict) else h for m, h in v.items()
+        }
 
     @field_validator("algorithms", mode="before")
     @classmethod
@@ -336,6 +380,10 @@ class Config(_Strict):
     def clients_per_round(self) -> int:
         """Number of clients sampled each round: max(1, floor(C * num_clients))."""
         return max(1, int(self.participation * self.num_clients + 1e-9))
+
+
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+"""A decimal number as text (``1e-4``, ``3.0E2``, ``.5``)."""
 
 
 class ConfigError(ValueError):

@@ -29,11 +29,13 @@ from fedlore.data.federation import Federation, build_federation
 from fedlore.device import resolve_device, training_precision
 from fedlore.diagnostics import Diagnoser
 from fedlore.engine.callbacks import Checkpointer, MetricsWriter, ProgressBar
+from fedlore.engine.lock import RunLock
 from fedlore.engine.loop import Callback, RoundLoop
 from fedlore.engine.sampling import sample_clients
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport, Transport
 from fedlore.models import build_model
+from fedlore.progress import say
 from fedlore.results.store import lm_summary
 from fedlore.seeding import MODEL_INIT, SERVER_INIT, derive_seed, generator
 from fedlore.tensors import load_model_arrays
@@ -79,6 +81,8 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
         "mc_samples": cfg.eval.mc_samples,
         "freeze": tuple(cfg.params.freeze),
         "exclude": tuple(cfg.params.exclude),
+        "robust_aggregate": cfg.robust.aggregate,
+        "trim_fraction": cfg.robust.trim_fraction,
     }
     overrides = dict(cfg.method.get(name, {}))
     for key in ("freeze", "exclude"):
@@ -87,6 +91,13 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
                 f"method.{name}.{key}: set params.{key} instead; it applies to every method "
                 "alike (reference notes section 13.3)"
             )
+    if cfg.robust.aggregate != "mean" and not getattr(cls, "supports_robust_aggregate", False):
+        raise ConfigError(
+            f"robust.aggregate={cfg.robust.aggregate}: method {name!r} does not average dense "
+            "deltas (its server combines low-rank factors, bases or masks), so a coordinate-wise "
+            "median or trimmed mean is not defined for it; use robust.aggregate=mean (the norm "
+            "screen, robust.norm_screen, works for every method)"
+        )
     algo: Algorithm = build_hyper(cls, common, overrides)
     need = int(getattr(algo, "min_clients_per_round", 1))
     if cfg.clients_per_round() < need:
@@ -161,12 +172,19 @@ def run_one(
     stop_after: int | None = None,
     extra_callbacks: tuple[Callback, ...] = (),
     make_transport: Callable[..., Transport] | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any] | None:
     """Run one method for one seed; returns its summary (None if stopped early by ``stop_after``,
     which simulates a killed run for tests).
 
     ``make_transport(algorithm, client_data, model_factory, seed, store)`` replaces the
     in-process transport (the Flower ServerApp passes one over its Grid)."""
+    if cfg.flower.site_data and make_transport is None:
+        raise ConfigError(
+            "flower.site_data=true: each site's data stay on its SuperNode, so this run needs a "
+            "`flwr run` deployment (scripts/flower_local_federation.sh with SITES=...); "
+            "in process or in the simulation, leave it false"
+        )
     out = run_dir(cfg, method, seed)
     summary_path = out / "summary.json"
     spill = spill_dir(cfg, method, seed)
@@ -175,6 +193,8 @@ def run_one(
     if resume and summary_path.exists():
         done: dict[str, Any] = json.loads(summary_path.read_text())
         return done
+    if not resume and not overwrite:
+        check_no_finished_run_of_another_config(cfg, method, out)
     # every check that can refuse the config runs before anything in the run folder is touched
     device = resolve_device(cfg.device)
     fed = fed if fed is not None else build_federation(cfg, seed)
@@ -190,99 +210,101 @@ def run_one(
     eval_model = build()
     check_params(cfg, eval_model)
     state = start_server(algo, eval_model, generator(seed, SERVER_INIT), fed, method)
-    if not resume:  # a fresh run: nothing of an earlier run in this folder may survive
-        for stale in ("summary.json", "checkpoint.pt", "checkpoint.pt.tmp", "config.json"):
-            (out / stale).unlink(missing_ok=True)
-        shutil.rmtree(spill, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
-    written = {
-        **_run_config(cfg, method),
-        "data_fingerprint": fingerprint,
-        "hyper": resolved_hyper(algo),
-        "ran_on": str(device),
-    }
-    (out / "config.json").write_text(json.dumps(written, indent=2))
-    max_bytes = None if cfg.store.max_memory_mb is None else int(cfg.store.max_memory_mb * 1e6)
-    store = ClientStore(max_bytes, spill, device)
-    start = -int(getattr(algo, "setup_rounds", 0))
-    metrics = MetricsWriter(out / "metrics.jsonl")
-    ckpt_path = out / "checkpoint.pt"
-    if resume and ckpt_path.exists():
-        last, state, store = Checkpointer.load(ckpt_path, max_bytes, spill, device)
-        metrics.truncate_after(last)
-        start = last + 1
-        log.info("resuming %s seed %d after round %d", method, seed, last)
-    else:
-        metrics.path.write_text("")
-    factory = make_transport if make_transport is not None else LocalTransport
-    transport = factory(algo, fed.client, build, seed, store)
-
-    tests = [fed.client(c).test for c in range(fed.num_clients)] if cfg.eval.clients else []
-    tests = [t for t in tests if len(t)]
-    pooled_tests = TensorSplit.concat(tests) if tests else None  # built once per run
-    test_sizes = [len(t) for t in tests]
-
-    def evaluate_state(s: State) -> dict[str, float]:
-        load_model_arrays(eval_model, algo.global_arrays(s))
-        bs, mc = cfg.eval.batch_size, cfg.eval.mc_samples
-        res = evaluate(eval_model, fed.central_test, bs, mc)
-        row: dict[str, float] = {
-            k: res[k] for k in ("accuracy", "loss", "ece", "perplexity", "rmse") if k in res
+    with RunLock(out):  # the folder is this run's until it ends (however it ends)
+        if not resume:  # a fresh run: nothing of an earlier run in this folder may survive
+            for stale in ("summary.json", "checkpoint.pt", "checkpoint.pt.tmp", "config.json"):
+                (out / stale).unlink(missing_ok=True)
+            shutil.rmtree(spill, ignore_errors=True)
+        out.mkdir(parents=True, exist_ok=True)
+        written = {
+            **_run_config(cfg, method),
+            "data_fingerprint": fingerprint,
+            "hyper": resolved_hyper(algo),
+            "ran_on": str(device),
         }
-        if fed.selection is not None:  # the split hyperparameters are chosen on
-            sel = evaluate(eval_model, fed.selection, bs, mc)
-            for k in ("accuracy", "loss", "perplexity", "rmse"):
-                if k in sel:
-                    row[f"selection_{k}"] = sel[k]
-        if cfg.eval.clients:
-            row.update(global_local_metrics(eval_model, pooled_tests, test_sizes, bs, mc))
-        return row
+        (out / "config.json").write_text(json.dumps(written, indent=2))
+        max_bytes = None if cfg.store.max_memory_mb is None else int(cfg.store.max_memory_mb * 1e6)
+        store = ClientStore(max_bytes, spill, device)
+        start = -int(getattr(algo, "setup_rounds", 0))
+        metrics = MetricsWriter(out / "metrics.jsonl")
+        ckpt_path = out / "checkpoint.pt"
+        if resume and ckpt_path.exists():
+            last, state, store = Checkpointer.load(ckpt_path, max_bytes, spill, device)
+            metrics.truncate_after(last)
+            start = last + 1
+            log.info("resuming %s seed %d after round %d", method, seed, last)
+        else:
+            metrics.path.write_text("")
+        factory = make_transport if make_transport is not None else LocalTransport
+        transport = factory(algo, fed.client, build, seed, store)
 
-    callbacks: list[Callback] = [metrics]
-    if cfg.checkpoint:
-        callbacks.append(Checkpointer(ckpt_path, store))
-    callbacks.extend(extra_callbacks)
-    bar = None
-    if cfg.progress:
-        bar = ProgressBar(f"{method} seed {seed}", start - start, cfg.rounds - start)
-        callbacks.append(bar)
-    diagnoser = None
-    if cfg.diagnostics.every > 0:
-        diagnoser = Diagnoser(
+        tests = [fed.client(c).test for c in range(fed.num_clients)] if cfg.eval.clients else []
+        tests = [t for t in tests if len(t)]
+        pooled_tests = TensorSplit.concat(tests) if tests else None  # built once per run
+        test_sizes = [len(t) for t in tests]
+
+        def evaluate_state(s: State) -> dict[str, float]:
+            load_model_arrays(eval_model, algo.global_arrays(s))
+            bs, mc = cfg.eval.batch_size, cfg.eval.mc_samples
+            res = evaluate(eval_model, fed.central_test, bs, mc)
+            row: dict[str, float] = {
+                k: res[k] for k in ("accuracy", "loss", "ece", "perplexity", "rmse") if k in res
+            }
+            if fed.selection is not None:  # the split hyperparameters are chosen on
+                sel = evaluate(eval_model, fed.selection, bs, mc)
+                for k in ("accuracy", "loss", "perplexity", "rmse"):
+                    if k in sel:
+                        row[f"selection_{k}"] = sel[k]
+            if cfg.eval.clients:
+                row.update(global_local_metrics(eval_model, pooled_tests, test_sizes, bs, mc))
+            return row
+
+        callbacks: list[Callback] = [metrics]
+        if cfg.checkpoint:
+            callbacks.append(Checkpointer(ckpt_path, store))
+        callbacks.extend(extra_callbacks)
+        bar = None
+        if cfg.progress:
+            bar = ProgressBar(f"{method} seed {seed}", 0, cfg.rounds - start, cfg.rounds)
+            callbacks.append(bar)
+        diagnoser = None
+        if cfg.diagnostics.every > 0:
+            diagnoser = Diagnoser(
+                algo,
+                eval_model,
+                fed.client,
+                fed.num_clients,
+                cfg.diagnostics.every,
+                cfg.diagnostics.batch_size,
+                cfg.diagnostics.clients,
+                seed,
+                cfg.rank,
+                uniform=cfg.weighting == "uniform",
+            )
+        loop = RoundLoop(
             algo,
-            eval_model,
-            fed.client,
-            fed.num_clients,
-            cfg.diagnostics.every,
-            cfg.diagnostics.batch_size,
-            cfg.diagnostics.clients,
-            seed,
-            cfg.rank,
-            uniform=cfg.weighting == "uniform",
+            transport,
+            lambda rnd: sample_clients(cfg.num_clients, cfg.clients_per_round(), seed, rnd),
+            evaluate_state,
+            cfg.eval.every,
+            callbacks,
+            diagnoser,
+            norm_screen=cfg.robust.norm_screen,
         )
-    loop = RoundLoop(
-        algo,
-        transport,
-        lambda rnd: sample_clients(cfg.num_clients, cfg.clients_per_round(), seed, rnd),
-        evaluate_state,
-        cfg.eval.every,
-        callbacks,
-        diagnoser,
-    )
-    end = cfg.rounds if stop_after is None else min(cfg.rounds, stop_after + 1)
-    try:
-        with training_precision(cfg.precision):
-            loop.run(state, start, end)
-    finally:
-        if bar is not None:
-            bar.close()
-    if end < cfg.rounds:
-        return None
-    summary = summarize(method, seed, metrics.path)
-    summary_path.write_text(json.dumps(summary, indent=2))
-    # a finished run is never resumed: its spilled client states are no longer needed
-    shutil.rmtree(spill, ignore_errors=True)
-    return summary
+        end = cfg.rounds if stop_after is None else min(cfg.rounds, stop_after + 1)
+        try:
+            with training_precision(cfg.precision):
+                loop.run(state, start, end)
+        finally:
+            if bar is not None:
+                bar.close()
+        if end < cfg.rounds:
+            return None
+        summary = summarize(method, seed, metrics.path)
+        summary_path.write_text(json.dumps(summary, indent=2))
+        # a finished run is never resumed: its spilled client states are no longer needed
+        shutil.rmtree(spill, ignore_errors=True)
+        return summary
 
 
 def global_local_metrics(
@@ -349,13 +371,52 @@ def check_same_config(cfg: Config, method: str, out: Path) -> None:
     if not path.exists():
         return
     raw = json.loads(path.read_text())
-    hyper_before = raw.pop("hyper", None)
-    if hyper_before is None and method in DEFAULTS_CHANGED:
+    if raw.get("hyper") is None and method in DEFAULTS_CHANGED:
         raise ConfigError(
             f"--resume: {out} was started by an earlier fedlore in which {method} behaved "
             f"differently by default ({DEFAULTS_CHANGED[method]}); resuming would mix the two "
             "in one run. Run without --resume to start over"
         )
+    details = config_diff(cfg, method, raw)
+    if details:
+        raise ConfigError(
+            f"--resume: {out} was started with a different config ({details}); run without "
+            "--resume to start over, or restore the config"
+        )
+
+
+def check_no_finished_run_of_another_config(cfg: Config, method: str, out: Path) -> None:
+    """A fresh run starts by deleting what an earlier run left in its folder: refuse when that
+    is a *finished* run of a different config (re-running the same config is allowed).
+
+    Raises:
+        ConfigError: naming the folder and the keys that differ, and the ways out
+            (``--overwrite``, another ``name=``, ``--resume``).
+    """
+    path = out / "config.json"
+    if not (out / "summary.json").exists() or not path.exists():
+        return
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return  # unreadable: nothing to compare, the run is replaced
+    details = config_diff(cfg, method, recorded)
+    if details:
+        raise ConfigError(
+            f"{out} holds a finished run of another config ({details}); a fresh run would "
+            "delete it. Pass --overwrite to replace it, give this run another name=..., or "
+            "run with --resume to keep it"
+        )
+
+
+def config_diff(cfg: Config, method: str, recorded: dict[str, Any]) -> str:
+    """How ``cfg`` (for ``method``) differs from a run's recorded ``config.json``, as
+    ``key: before -> now`` items (the first five; empty when the same). Settings that decide no
+    result (``device``, the data fingerprint, the record keys) are left out; a setting the record
+    lacks counts as its default; with a recorded ``hyper`` the method's resolved settings are
+    compared instead of how the config spelled them."""
+    raw = dict(recorded)
+    hyper_before = raw.pop("hyper", None)
     before = _flatten(raw)
     before.pop("data_fingerprint", None)  # compared by check_same_data
     before.pop("ran_on", None)  # a record: a run may resume on another device
@@ -383,12 +444,9 @@ def check_same_config(cfg: Config, method: str, out: Path) -> None:
         if before.get(k, defaults.get(k)) != now.get(k) and not (k in before and k not in now)
     )
     diff += sorted(k for k in set(before) - set(now))
-    if diff:
-        details = "; ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in diff[:5])
-        raise ConfigError(
-            f"--resume: {out} was started with a different config ({details}); run without "
-            "--resume to start over, or restore the config"
-        )
+    # ``hyper.lr`` repeats ``lr`` when the method takes the global setting: name it once
+    diff = [k for k in diff if not (k.startswith("hyper.") and k.removeprefix("hyper.") in diff)]
+    return "; ".join(f"{k}: {before.get(k, defaults.get(k))!r} -> {now.get(k)!r}" for k in diff[:5])
 
 
 DEFAULTS_CHANGED = {
@@ -484,6 +542,7 @@ def preflight(cfg: Config, fed: Federation) -> None:
             raise
         except ValueError as e:
             raise ConfigError(f"method {name!r}: {e}") from e
+        describe_parameters(name, algo, build())
         if cfg.optim.name != "adam" and not hasattr(algo, "optimizer"):
             log.warning(
                 "optim.name=%s sets the inner optimizer of the projected methods; %s keeps its "
@@ -492,6 +551,56 @@ def preflight(cfg: Config, fed: Federation) -> None:
                 name,
                 name,
             )
+
+
+def describe_parameters(name: str, algo: Algorithm, model: nn.Module) -> None:
+    """Say once, at the start of a run (:func:`fedlore.progress.say`), which matrices ``algo``
+    projects (FedLore, Local GaLore: ``plan``) or adapts (the LoRA methods: ``targets``) and
+    which tensors train densely, and warn about every Linear/Conv weight outside
+    ``params.exclude`` that is not projected because the rank covers it (``min(m, n) <= rank``):
+    it trains densely, which a user asking for a projected method would not expect."""
+    from fedlore.algorithms.lora_common import LoraMethod
+    from fedlore.algorithms.lowrank import LowRankHyper
+
+    params = dict(model.named_parameters())
+    if isinstance(algo, LowRankHyper):
+        plan = algo.plan(model)
+        kind = f"projects (rank {algo.rank})"
+        chosen = {k: f"{s.m}x{s.n}" for k, s in plan.items()}
+        for mod_name, mod in model.named_modules():
+            if not isinstance(mod, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d):
+                continue
+            weight = f"{mod_name}.weight" if mod_name else "weight"
+            if weight in plan or algo.is_frozen(weight):
+                continue
+            if any(weight.startswith(p) for p in algo.exclude):
+                continue
+            shape = tuple(mod.weight.shape)
+            log.warning(
+                "%s: %s %s is not projected (min(m, n) = %d <= rank %d): it trains densely",
+                name,
+                weight,
+                "x".join(map(str, (shape[0], int(mod.weight[0].numel())))),
+                min(shape[0], int(mod.weight[0].numel())),
+                algo.rank,
+            )
+    elif isinstance(algo, LoraMethod):
+        targets = algo.targets(model)
+        kind = f"adapts (rank {algo.rank})"
+        chosen = {f"{k}.weight": f"{t.m}x{t.n}" for k, t in targets.items()}
+    else:
+        return
+    frozen = [k for k in params if algo.is_frozen(k)]
+    dense = [k for k in params if k not in chosen and k not in frozen]
+    say(
+        "%s %s %d matrices: %s; trains densely: %s%s",
+        name,
+        kind,
+        len(chosen),
+        ", ".join(f"{k} {v}" for k, v in chosen.items()),
+        ", ".join(dense) or "nothing",
+        f"; frozen: {', '.join(frozen)}" if frozen else "",
+    )
 
 
 def check_model_fits_data(model: str, fed: Federation) -> None:
@@ -619,7 +728,25 @@ def summarize(method: str, seed: int, metrics_path: Path) -> dict[str, Any]:
         "diag_bytes_up_total": sum(r.get("diag_bytes_up", 0) for r in rows),
         **lm,
         **_last_values(train),
+        **divergence(train),
     }
+
+
+def divergence(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """``{"diverged": reason}`` for a run that diverged, else ``{}``: every local step of every
+    round was skipped (non-finite loss or gradient: the model never trained), or the last
+    evaluation's loss is not finite (metrics.jsonl holds null there)."""
+    trained = [r for r in rows if r.get("accepted")]
+    if trained and all(r.get("train_loss") is None for r in trained):
+        skipped = sum(int(r.get("skipped_steps", 0)) for r in rows)
+        return {
+            "diverged": f"every local step was skipped ({skipped} steps with a non-finite loss "
+            "or gradient): the model never trained; lower the learning rate"
+        }
+    evaluated = [r for r in rows if "loss" in r]
+    if evaluated and evaluated[-1]["loss"] is None:
+        return {"diverged": "the final loss is not finite"}
+    return {}
 
 
 SUMMARY_LAST = {
@@ -674,15 +801,41 @@ def _last_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run_experiment(cfg: Config, resume: bool = False) -> dict[str, list[dict[str, Any]]]:
+def run_experiment(
+    cfg: Config, resume: bool = False, overwrite: bool = False
+) -> dict[str, list[dict[str, Any]]]:
     """Every method x seed of ``cfg``; the federation of a seed is built once and shared, so all
-    methods see identical client data. Returns method -> summaries."""
+    methods see identical client data. Returns method -> summaries.
+
+    Before any work: ``output_dir`` must be a folder (or not exist yet); every method name and
+    hyperparameter is checked and every problem reported at once; without ``resume`` or
+    ``overwrite`` no finished run of another config may be in the way.
+
+    Raises:
+        ConfigError: as above, naming each problem.
+    """
     out: dict[str, list[dict[str, Any]]] = {m: [] for m in cfg.algorithms}
+    root = Path(cfg.output_dir)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"output_dir={cfg.output_dir!r} is a file, not a folder")
+    problems: list[str] = []
     for name in cfg.method:
         if name not in cfg.algorithms:
-            registry.get("algorithm", name)  # unknown names fail; unused known ones are fine
+            try:
+                registry.get("algorithm", name)  # unknown names fail; unused known ones are fine
+            except KeyError as e:
+                problems.append(f"method.{name}: {e.args[0] if e.args else e}")
     for name in cfg.algorithms:
-        make_algorithm(name, cfg)  # unknown methods and bad hyperparameters fail before any work
+        try:
+            make_algorithm(name, cfg)  # unknown methods and bad hyperparameters fail early
+        except (KeyError, ValueError) as e:
+            problems.append(f"{name}: {e.args[0] if e.args else e}")
+    if problems:
+        raise ConfigError("invalid methods:\n  " + "\n  ".join(problems))
+    if not resume and not overwrite:
+        for seed in cfg.seeds:
+            for method in cfg.algorithms:
+                check_no_finished_run_of_another_config(cfg, method, run_dir(cfg, method, seed))
     first = build_federation(cfg, cfg.seeds[0])
     preflight(cfg, first)
     for seed in cfg.seeds:
@@ -693,7 +846,7 @@ def run_experiment(cfg: Config, resume: bool = False) -> dict[str, list[dict[str
 
                 summary: dict[str, Any] | None = run_simulated(cfg, method, seed, resume=resume)
             else:
-                summary = run_one(cfg, method, seed, fed=fed, resume=resume)
+                summary = run_one(cfg, method, seed, fed=fed, resume=resume, overwrite=overwrite)
             if summary is not None:
                 out[method].append(summary)
     return out

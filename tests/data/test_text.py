@@ -94,7 +94,11 @@ def test_fortunes_errors(tmp_path: Path) -> None:
         load_fortunes(str(tmp_path), categories=["empty"])
 
 
-@pytest.mark.skipif(not Path(FORTUNES_ROOT).is_dir(), reason="fortunes corpus not installed")
+@pytest.mark.skipif(
+    not Path(FORTUNES_ROOT).is_dir(),
+    reason=f"fortunes corpus not in {FORTUNES_ROOT}: `make test` installs it as root with "
+    "apt-get (Debian packages fortunes, fortunes-min); elsewhere `apt-get install fortunes`",
+)
 def test_default_categories_in_real_corpus() -> None:
     counts = {c: len(read_fortune_file(Path(FORTUNES_ROOT) / c)) for c in FORTUNES_CATEGORIES}
     assert counts == {
@@ -190,6 +194,8 @@ def test_dirichlet_federation_over_text_labels() -> None:
     fed = build_federation(cfg, seed=0)
     assert fed.num_clients == 3 and fed.num_classes == 3 and fed.input_shape == (24,)
     assert fed.class_names == CATS
+    # `fedlore partition` names the categories behind the column numbers
+    assert "(classes: 0=animals, 1=space, 2=tea)" in fed.format_histogram().splitlines()[0]
     hist = fed.histogram()
     assert hist.sum() == sum(len(t) for t in fed.train_indices)
     assert hist.sum() + sum(len(t) for t in fed.test_indices) == 24

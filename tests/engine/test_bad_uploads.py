@@ -149,6 +149,17 @@ CORRUPTIONS: dict[str, Callable[[Reply], Reply] | None] = {
 }
 
 
+def _scaled(r: Reply) -> Reply:
+    """Valid but absurd: every floating array 1e6 times larger (finite, right shapes)."""
+    return Reply(
+        {k: v * 1e6 if v.is_floating_point() else v for k, v in r.arrays.items()},
+        dict(r.metrics),
+    )
+
+
+ABSURD: dict[str, Callable[[Reply], Reply]] = {"scaled": _scaled}
+
+
 # ------------------------------------------------------------------------ harness
 
 
@@ -174,6 +185,7 @@ class Tamper:
     bad_round: int
     mode: str  # "clean", "drop", "raises" or a key of CORRUPTIONS
     clean_replies: dict[int, Reply] = field(default_factory=dict)
+    replies: dict[int, dict[int, Reply]] = field(default_factory=dict)  # round -> as sent
 
     def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
         hit = rnd == self.bad_round
@@ -182,6 +194,7 @@ class Tamper:
             out = self.inner.send(rnd, messages)
         finally:
             self.data.active = False
+        self.replies[rnd] = {c: r for c, r in out.items() if isinstance(r, Reply)}
         if hit and VICTIM in out:
             res = out[VICTIM]
             if isinstance(res, Reply):
@@ -189,7 +202,7 @@ class Tamper:
             if self.mode == "drop":
                 del out[VICTIM]
             elif self.mode not in ("clean", "raises"):
-                corrupt = CORRUPTIONS[self.mode]
+                corrupt = {**CORRUPTIONS, **ABSURD}[self.mode]
                 assert corrupt is not None and isinstance(res, Reply)
                 out[VICTIM] = corrupt(res)
         return out
@@ -210,6 +223,7 @@ class Outcome:
     rows: dict[int, dict[str, Any]]
     states: dict[int, State]
     clean_replies: dict[int, Reply]
+    replies: dict[int, dict[int, Reply]] = field(default_factory=dict)
 
 
 def _run(
@@ -219,6 +233,7 @@ def _run(
     bad_round: int,
     mode: str,
     exclude_victim: bool = False,
+    norm_screen: float | None = None,
 ) -> Outcome:
     algo = make_algorithm(method, cfg)
     build = model_factory(cfg, fed, SEED)
@@ -233,10 +248,10 @@ def _run(
         return [c for c in ids if c != VICTIM] if exclude_victim and rnd == bad_round else ids
 
     rec = Recorder()
-    RoundLoop(algo, transport, sampler, None, 1, [rec]).run(
+    RoundLoop(algo, transport, sampler, None, 1, [rec], norm_screen=norm_screen).run(
         state, -int(getattr(algo, "setup_rounds", 0)), cfg.rounds
     )
-    return Outcome(rec.rows, rec.states, transport.clean_replies)
+    return Outcome(rec.rows, rec.states, transport.clean_replies, transport.replies)
 
 
 _CACHE: dict[tuple[str, int, str, bool], Outcome] = {}
@@ -405,3 +420,81 @@ def test_validate_reply_accepts_a_good_reply() -> None:
 def test_validate_reply_rejects(reply: Reply, needle: str) -> None:
     reason = validate_reply(reply, SPEC)
     assert reason is not None and needle in reason, reason
+
+
+# ------------------------------------------------------- valid but absurd: the norm screen
+
+
+@pytest.mark.parametrize(("method", "bad_round"), [("fedfull", 0), ("fedlore", 0)])
+def test_a_1e6_upload_is_screened_and_cannot_move_the_model(
+    cfg: Config, fed: Federation, method: str, bad_round: int
+) -> None:
+    screened = _run(cfg, fed, method, bad_round, "scaled", norm_screen=1000.0)
+    dropped = _reference(cfg, fed, method, bad_round, "drop")
+    row = screened.rows[bad_round]
+    assert row["rejected"] == 1 and row["aggregated"] == NUM_CLIENTS - 1
+    (reason,) = row["rejected_reasons"]
+    assert reason.startswith(f"{VICTIM}: upload norm ") and "x the round's median" in reason
+    assert "robust.norm_screen=1000" in reason
+    for rnd in screened.states:  # exactly as if the reply had never arrived
+        _assert_states_equal(screened.states[rnd], dropped.states[rnd])
+    # guard: the screen is what keeps it out; without it the upload wrecks the model
+    unscreened = _run(cfg, fed, method, bad_round, "scaled")
+    assert unscreened.rows[bad_round]["rejected"] == 0
+    a, b = unscreened.states[bad_round].arrays, dropped.states[bad_round].arrays
+    assert max(float((a[k].double() - b[k].double()).abs().max()) for k in a) > 1e2
+    # honest clients are never screened
+    clean = _run(cfg, fed, method, bad_round, "clean", norm_screen=1000.0)
+    assert all(r["rejected"] == 0 for r in clean.rows.values())
+
+
+@pytest.mark.parametrize(("rule", "trim"), [("median", 0.1), ("trimmed_mean", 0.25)])
+def test_a_robust_aggregate_keeps_one_absurd_client_inside_the_honest_range(
+    cfg: Config, fed: Federation, rule: str, trim: float
+) -> None:
+    robust_cfg = cfg.model_copy(
+        update={"robust": cfg.robust.model_copy(update={"aggregate": rule, "trim_fraction": trim})}
+    )
+    bad_round = 0
+    attacked = _run(robust_cfg, fed, "fedfull", bad_round, "scaled")
+    assert attacked.rows[bad_round]["rejected"] == 0  # no screen: the robust rule alone
+    # the honest clients' deltas of that round (the victim's was scaled after it was recorded)
+    honest = [r for c, r in attacked.replies[bad_round].items() if c != VICTIM]
+    assert len(honest) == NUM_CLIENTS - 1
+    start = make_algorithm("fedfull", cfg).init_server(
+        model_factory(cfg, fed, SEED)(), generator(SEED, SERVER_INIT)
+    )
+    new = attacked.states[bad_round].arrays
+    for key, w0 in start.arrays.items():
+        if not w0.is_floating_point():
+            continue
+        deltas = torch.stack([r.arrays["update." + key[len("model.") :]] for r in honest])
+        step = new[key] - w0
+        # every coordinate's step lies within the honest clients' range of that coordinate
+        assert bool((step >= deltas.min(0).values - 1e-6).all()), key
+        assert bool((step <= deltas.max(0).values + 1e-6).all()), key
+
+
+def test_robust_aggregate_is_refused_by_methods_without_dense_deltas(cfg: Config) -> None:
+    from fedlore.config import ConfigError
+
+    median = cfg.model_copy(
+        update={"robust": cfg.robust.model_copy(update={"aggregate": "median"})}
+    )
+    make_algorithm("fedavg", median)  # dense deltas: accepted
+    with pytest.raises(ConfigError, match=r"robust.aggregate=median: method 'fedlore' does not"):
+        make_algorithm("fedlore", median)
+
+
+def test_combine_updates_by_hand() -> None:
+    from fedlore.robust import combine_updates
+
+    ups = [{"w": torch.tensor([1.0, -4.0])}, {"w": torch.tensor([2.0, 0.0])},
+           {"w": torch.tensor([3.0, 1.0])}, {"w": torch.tensor([1e6, 2.0])}]  # fmt: skip
+    w = [1.0, 1.0, 1.0, 1.0]
+    assert torch.equal(combine_updates(ups, w, "median")["w"], torch.tensor([2.5, 0.5]))
+    trimmed = combine_updates(ups, w, "trimmed_mean", 0.25)["w"]
+    assert torch.equal(trimmed, torch.tensor([2.5, 0.5]))  # drops 1 at each end of 4
+    assert torch.equal(combine_updates(ups[:3], w[:3], "median")["w"], torch.tensor([2.0, 0.0]))
+    mean = combine_updates(ups, [1.0, 1.0, 1.0, 0.0], "mean")["w"]
+    assert torch.allclose(mean, torch.tensor([2.0, -1.0]))

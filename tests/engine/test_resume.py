@@ -282,7 +282,7 @@ def test_resume_accepts_a_run_from_before_a_setting_existed_while_it_is_at_its_d
     assert run_one(cfg, "fedfull", SEED, resume=True) is not None
     path.write_text(json.dumps(old))
     (run_dir(cfg, "fedfull", SEED) / "summary.json").unlink()
-    with pytest.raises(ConfigError, match=r"optim\.name: None -> 'sgd'"):
+    with pytest.raises(ConfigError, match=r"optim\.name: 'adam' -> 'sgd'"):
         run_one(_cfg(tmp_path, "optim.name=sgd"), "fedfull", SEED, resume=True)
 
 

@@ -50,7 +50,7 @@ def test_fresh_rerun_removes_the_old_summary(tmp_path: Path) -> None:
     out = run_dir(old, "fedlore", SEED)
     assert (out / "summary.json").exists()
     new = _cfg(tmp_path, "rounds=5", "lr=0.01")
-    assert run_one(new, "fedlore", SEED, stop_after=1) is None  # interrupted re-run
+    assert run_one(new, "fedlore", SEED, stop_after=1, overwrite=True) is None  # interrupted
     assert not (out / "summary.json").exists()
     summary = run_one(new, "fedlore", SEED, resume=True)
     assert summary is not None and summary["rounds"] == 5

@@ -112,3 +112,119 @@ def test_dead_supernode_is_left_out_then_resynchronized(
     result = json.loads(summary.read_text())
     assert result["rounds"] == ROUNDS and result["final_accuracy"] > 0.1
     assert result["wire_bytes_up_total"] >= result["bytes_up_total"]
+
+
+# ------------------------------------------------------------------ site-local data
+
+
+def _write_sites(root: Path) -> tuple[list[Path], Path]:
+    """Three sites with their own disjoint digits shards (of different sizes) and a server
+    folder holding only the test split; every folder has the same class names."""
+    import numpy as np
+
+    from fedlore.data.sources import load_digits
+
+    src = load_digits()
+    names = np.asarray(src.class_names)
+    x, y = src.train.x.numpy(), src.train.y.numpy()
+    sites = []
+    order = np.random.default_rng(0).permutation(len(y))
+    bounds = np.cumsum([0, 300, 400, 500])  # sizes 300, 400, 500 of the 1,437
+    for i in range(N):
+        keep = np.sort(order[bounds[i] : bounds[i + 1]])
+        folder = root / f"site-{i}"
+        folder.mkdir(parents=True)
+        np.savez(folder / "train.npz", x=x[keep], y=y[keep], class_names=names)
+        sites.append(folder)
+    server = root / "server"
+    server.mkdir()
+    np.savez(server / "test.npz", x=src.test.x.numpy(), y=src.test.y.numpy(), class_names=names)
+    return sites, server
+
+
+def test_site_local_deployment_each_node_reads_only_its_own_folder(tmp_path: Path) -> None:
+    from fedlore.config import load_config
+    from fedlore.data.federation import site_federation
+
+    sites, server = _write_sites(tmp_path / "data")
+    out_dir = tmp_path / "runs"
+    overrides = [
+        f"num_clients={N}",
+        "rounds=5",
+        "local_steps=10",
+        "progress=false",
+        "flower.site_data=true",
+        "data.name=npz",
+        f"data.root={server}",
+        "flower.round_timeout_s=60",
+        f"output_dir={out_dir}",
+        "model.kwargs.hidden=[32]",
+    ]
+    fed = LoopbackFederation(tmp_path / "fed", num_nodes=N, data_roots=sites)
+    try:
+        fed.start()
+        config = ROOT / "experiments" / "quickstart.yaml"
+        fed.submit(config, "fedfull", SEED, " ".join(overrides))
+        summary = out_dir / "quickstart" / "fedfull" / f"seed-{SEED}" / "summary.json"
+        deadline = time.monotonic() + 300
+        while not summary.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert summary.exists(), "the deployed run did not finish; see " + str(fed.work)
+    finally:
+        fed.close()
+    result = json.loads(summary.read_text())
+    rows = _rows(summary.with_name("metrics.jsonl"))
+    assert all(r["accepted"] == N and r["rejected"] == 0 for r in rows)
+    assert result["final_accuracy"] > 0.5  # trained on the sites' data, scored on the server's
+    # client i trained on exactly what its own folder holds (the sites differ in size)
+    cfg = load_config(config, overrides)
+    own = {str(i): int(site_federation(cfg, SEED, i, str(s)).client_sizes()[0])
+           for i, s in enumerate(sites)}  # fmt: skip
+    assert result["client_num_examples"] == own
+    assert len(set(own.values())) == N
+    # the server evaluated on its test set only: it never had a training split to read
+    assert not (server / "train.npz").exists()
+
+
+# ------------------------------------------------------- the script keeps the main job's runs
+
+
+def test_deployment_script_leaves_the_main_job_alone(tmp_path: Path) -> None:
+    """``scripts/flower_local_federation.sh`` in a copy of the project holding a finished
+    ``runs/quickstart`` run: the deployment writes its own ``runs/flower_local`` and says so."""
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    proj = tmp_path / "proj"
+    (proj / "scripts").mkdir(parents=True)
+    (proj / "experiments").mkdir()
+    shutil.copy(ROOT / "scripts" / "flower_local_federation.sh", proj / "scripts")
+    shutil.copy(ROOT / "pyproject.toml", proj)
+    shutil.copy(ROOT / "experiments" / "quickstart.yaml", proj / "experiments")
+    main_job = proj / "runs" / "quickstart" / "fedlore" / f"seed-{SEED}"
+    main_job.mkdir(parents=True)
+    (main_job / "summary.json").write_text('{"rounds": 30, "final_accuracy": 0.9}')
+    (main_job / "metrics.jsonl").write_text('{"round": 29}\n')
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **__import__("os").environ,
+        "BIN": str(Path(sys.executable).parent),
+        "BASE_PORT": str(port),
+        "METHOD": "fedavg",
+    }
+    res = subprocess.run(
+        ["bash", str(proj / "scripts" / "flower_local_federation.sh"), "2", "rounds=1",
+         "local_steps=2", "model.kwargs.hidden=[16]", "flower.wait_for_nodes_s=60"],
+        env=env, cwd=proj, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert json.loads((main_job / "summary.json").read_text())["rounds"] == 30  # untouched
+    assert (main_job / "metrics.jsonl").read_text() == '{"round": 29}\n'
+    own = proj / "runs" / "flower_local" / "fedavg" / f"seed-{SEED}" / "summary.json"
+    assert own.exists(), res.stdout[-3000:]
+    assert json.loads(own.read_text())["rounds"] == 1
+    assert f"results in {proj / 'runs'}/flower_local/fedavg/" in res.stdout

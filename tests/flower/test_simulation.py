@@ -67,11 +67,17 @@ SAME_CLASS_AS_TESTED = {"fedprox", "bayfl", "meta_bayfl_mcd", "fedavg_mcd", "met
         if m not in SAME_CLASS_AS_TESTED
     ],
 )
-def test_simulation_matches_in_process(tmp_path: Path, method: str, rounds: int) -> None:
+def test_simulation_matches_in_process(
+    tmp_path: Path, method: str, rounds: int, capfd: pytest.CaptureFixture[str]
+) -> None:
     local = _cfg(tmp_path, "local", rounds, method)
     sim = _cfg(tmp_path, "sim", rounds, method)
     run_one(local, method, 42)
     summary = run_simulated(sim, method, 42)
+    # Flower's DEBUG lines and deprecation notices go to the run's flower.log, not the console
+    console = capfd.readouterr().err
+    assert "DEBUG flwr" not in console and "DEPRECATED" not in console
+    assert "flwr" in (run_dir(sim, method, 42) / "flower.log").read_text()
     _, s_local, _ = Checkpointer.load(run_dir(local, method, 42) / "checkpoint.pt")
     _, s_sim, _ = Checkpointer.load(run_dir(sim, method, 42) / "checkpoint.pt")
     model_keys = [k for k in s_local.arrays if k.startswith("model.")]

@@ -221,3 +221,73 @@ def test_calibration_local_and_client_time_columns(tmp_path: Path) -> None:
     assert "75.00 ± 0.00 | 90.00 ± 0.00" in md
     assert "client train s / round" in header
     assert "0.060 ± 0.028" in md and "0.25" in md
+
+
+def test_a_method_keeps_its_colour_in_every_figure(tmp_path: Path) -> None:
+    """fedavg has no retained_energy: fedlore must not take fedavg's colour in that figure."""
+    from fedlore.results.plots import _curve_figure, by_round, method_colors
+
+    e = tmp_path / "colours"
+    rows = rows_for([0.5, 0.6], 10, 10)
+    for r in rows:
+        del r["retained_energy"]
+    write_run(e, "fedavg", 1, rows, None)
+    write_run(e, "fedlore", 1, rows_for([0.4, 0.7], 10, 10), None)
+    with pytest.warns(IncompleteRunWarning):
+        runs = load_runs(e)
+    styles = method_colors(list(runs))
+
+    def axis(key: str) -> Any:
+        return lambda r: ({t: float(t) for t in by_round(r.rows, key)}, by_round(r.rows, key))
+
+    acc = _curve_figure(runs, axis("accuracy"), "round", "accuracy", styles=styles)
+    energy = _curve_figure(runs, axis("retained_energy"), "round", "energy", styles=styles)
+    colour = {ln.get_label(): ln.get_color() for ln in acc.axes[0].get_lines()}
+    assert colour["fedavg (n=1)"] != colour["fedlore (n=1)"]
+    (only,) = energy.axes[0].get_lines()
+    assert only.get_label() == "fedlore (n=1)" and only.get_color() == colour["fedlore (n=1)"]
+    # config variants of one method share its colour and differ by line style
+    v = method_colors(["fedlore [lr=0.1]", "fedavg", "fedlore [lr=0.01]"])
+    assert v["fedlore [lr=0.1]"][0] == v["fedlore [lr=0.01]"][0] != v["fedavg"][0]
+    assert v["fedlore [lr=0.1]"][1] != v["fedlore [lr=0.01]"][1]
+
+
+def test_log_bytes_axis_has_plain_ticks_and_the_figure_a_title(tmp_path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from fedlore.results.plots import _curve_figure, by_round, cumulative_mb
+
+    e = tmp_path / "ticks"
+    write_run(e, "fedavg", 1, rows_for([0.5, 0.6, 0.7, 0.8], 3e5, 3e5), None)
+    with pytest.warns(IncompleteRunWarning):
+        runs = load_runs(e)
+    fig = _curve_figure(
+        runs,
+        lambda r: (cumulative_mb(r.rows), by_round(r.rows, "accuracy")),
+        "MB",
+        "accuracy",
+        logx=True,
+        title="ticks: digits",
+    )
+    FigureCanvasAgg(fig).draw()
+    ax = fig.axes[0]
+    lo, hi = ax.get_xlim()
+    labels = [t.get_text() for t in ax.get_xticklabels() if lo <= t.get_position()[0] <= hi]
+    # 0.6 .. 2.4 MB lies within one decade: still labelled at 1 and 2, as plain numbers
+    assert "1" in labels and "2" in labels
+    assert all("10^" not in s and "$" not in s for s in labels)
+    assert ax.get_title() == "ticks: digits"
+
+
+def test_report_titles_name_the_experiment_and_setting(tmp_path: Path) -> None:
+    from fedlore.config import load_config
+    from fedlore.results.report import setting_title
+    from fedlore.results.store import load_runs as load
+
+    cfg = load_config(None, ["num_clients=7", "rounds=2", "partition.alpha=0.1"])
+    e = tmp_path / "titled"
+    for m in ("fedavg", "fedlore"):
+        run = write_run(e, m, 1, rows_for([0.5, 0.6], 10, 10), summ(0.6, 0.6, 20, 20, 1, 1))
+        (run / "config.json").write_text(json.dumps(cfg.model_dump(mode="json")))
+    title = setting_title("titled", load(e))
+    assert title == "titled: digits, dirichlet α=0.1, 7 clients, 2 rounds, mlp"

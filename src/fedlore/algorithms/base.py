@@ -51,6 +51,10 @@ class Hyper:
             :func:`local_eval_metrics`).
         mc_samples: S, the MC predictive's samples for models with stochastic layers (0: one
             pass with the posterior means / dropout off).
+        robust_aggregate: how a server that averages dense deltas combines them: ``"mean"`` (the
+            weighted mean, FedAvg), ``"median"`` or ``"trimmed_mean"`` (coordinate-wise, see
+            :func:`fedlore.robust.combine_updates`); other methods accept only ``"mean"``.
+        trim_fraction: share of clients the trimmed mean drops at each end, in [0, 0.5).
     """
 
     lr: float = 1e-3
@@ -67,6 +71,8 @@ class Hyper:
     freeze: tuple[str, ...] = ()
     local_eval: bool = False
     mc_samples: int = 20
+    robust_aggregate: Literal["mean", "median", "trimmed_mean"] = "mean"
+    trim_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         checks = {
@@ -83,6 +89,8 @@ class Hyper:
             "weighting": self.weighting in ("num_examples", "uniform"),
             "freeze": all(isinstance(p, str) and p for p in self.freeze),
             "mc_samples": self.mc_samples >= 0,
+            "robust_aggregate": self.robust_aggregate in ("mean", "median", "trimmed_mean"),
+            "trim_fraction": 0 <= self.trim_fraction < 0.5,
         }
         for field, ok in checks.items():
             if not ok:
@@ -164,16 +172,18 @@ def build_hyper(cls: type, common: dict[str, Any], overrides: dict[str, Any]) ->
     Common keys that ``cls`` does not declare are dropped; override keys must all be fields.
 
     Raises:
-        ValueError: naming an override key that ``cls`` has no field for.
+        ValueError: naming every override key that ``cls`` has no field for and every value of
+            the wrong kind, all at once (then the first invalid value ``cls`` itself refuses).
     """
     fields = {f.name for f in dataclasses.fields(cls)}
+    problems: list[str] = []
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise ValueError(
+        problems.append(
             f"{cls.__name__} has no hyperparameter(s) {unknown}; known: {sorted(fields)}"
         )
     kw = {k: v for k, v in common.items() if k in fields}
-    kw.update(overrides)
+    kw.update({k: v for k, v in overrides.items() if k in fields})
     types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
     for k, v in list(kw.items()):
         if isinstance(v, list):
@@ -181,9 +191,14 @@ def build_hyper(cls: type, common: dict[str, Any], overrides: dict[str, Any]) ->
         elif isinstance(v, str) and types[k].startswith("tuple[str"):
             kw[k] = (v,)  # one name for a list-of-names field, not its letters
         what = f"{cls.__name__}: hyperparameter {k}"
-        if "float" in types[k]:  # YAML 1.1 reads 1e-3 (no dot) as a string
-            kw[k] = _as_floats(what, kw[k])
-        kw[k] = _check_kind(what, types[k], kw[k])
+        try:
+            if "float" in types[k]:  # YAML 1.1 reads 1e-3 (no dot) as a string
+                kw[k] = _as_floats(what, kw[k])
+            kw[k] = _check_kind(what, types[k], kw[k])
+        except ValueError as e:
+            problems.append(str(e))
+    if problems:
+        raise ValueError("; ".join(problems))
     try:
         return cls(**kw)
     except TypeError as e:  # e.g. a string where a number is needed

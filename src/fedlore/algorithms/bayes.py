@@ -77,7 +77,6 @@ from fedlore.bayes.layers import (
 )
 from fedlore.data.client_data import ClientData, TensorSplit, minibatches
 from fedlore.registry import register_algorithm
-from fedlore.tensors import weighted_mean
 from fedlore.train.local import (
     LossTerm,
     is_regression,
@@ -324,8 +323,9 @@ class MetaBayFL(FedFull):
     ) -> dict[str, torch.Tensor]:
         """FedAvg of the deltas; with ``posterior_aggregation`` other than ``mean``, each
         ``*_mu`` / ``*_rho`` pair is combined by :func:`combine_gaussians` on the clients'
-        absolute parameters ``W^t + Δ_i`` and returned as a step from ``W^t``."""
-        mean = weighted_mean(updates, weights)
+        absolute parameters ``W^t + Δ_i`` and returned as a step from ``W^t``. The deltas'
+        combination follows ``robust.aggregate`` (:meth:`DenseServer.combine_deltas`)."""
+        mean = self.combine_deltas(updates, weights)
         if self.posterior_aggregation == "mean":
             return mean
         for key in [k for k in mean if k.endswith("_rho")]:

@@ -19,12 +19,12 @@ from fedlore.algorithms.base import Hyper, ReplySpec, local_eval_metrics, reply_
 from fedlore.algorithms.personal import prox_term
 from fedlore.data.client_data import ClientData
 from fedlore.registry import register_algorithm
+from fedlore.robust import combine_updates
 from fedlore.tensors import (
     load_model_arrays,
     model_arrays,
     select,
     sub,
-    weighted_mean,
     with_prefix,
 )
 from fedlore.train.local import LossTerm, local_train
@@ -35,9 +35,28 @@ class DenseServer:
     """Server side of every method whose clients upload dense deltas ``update.*``: broadcast
     ``model.*``, aggregate ``W <- W + Σ p_i Δ_i / Σ p_i``. Mixed into a :class:`Hyper` dataclass.
 
+    ``robust_aggregate`` (``median`` / ``trimmed_mean``) replaces the weighted mean of the
+    deltas by a robust one (:meth:`combine_deltas`); every subclass that averages deltas goes
+    through it.
+
     Frozen tensors (:attr:`Hyper.freeze`) are sent only until a client has replied once (value
     ``seen.<cid>``); the client keeps them as ``cache.*`` in its state and never uploads them.
     """
+
+    supports_robust_aggregate: ClassVar[bool] = True
+    """Whether ``robust.aggregate: median | trimmed_mean`` applies (it averages dense deltas)."""
+
+    def combine_deltas(
+        self, updates: list[dict[str, torch.Tensor]], weights: list[float]
+    ) -> dict[str, torch.Tensor]:
+        """``Σ p_i Δ_i / Σ p_i``, or the coordinate-wise median / trimmed mean of the Δ_i under
+        ``robust_aggregate`` (:func:`fedlore.robust.combine_updates`)."""
+        return combine_updates(
+            updates,
+            weights,
+            self.robust_aggregate,  # type: ignore[attr-defined]
+            self.trim_fraction,  # type: ignore[attr-defined]
+        )
 
     def init_server(self, model: nn.Module, rng: torch.Generator) -> State:
         self.check_freeze(model)  # type: ignore[attr-defined]
@@ -81,7 +100,7 @@ class DenseServer:
             updates: each accepted client's ``Δ_i`` by plain name.
             weights: the p_i (not normalized).
         """
-        return weighted_mean(updates, weights)
+        return self.combine_deltas(updates, weights)
 
     def global_arrays(self, state: State) -> dict[str, torch.Tensor]:
         return select(state.arrays, "model.")

@@ -59,7 +59,7 @@ from fedlore.algorithms.personal import Personalized, keep_personal, personal_ar
 from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.registry import register_algorithm
 from fedlore.seeding import derive_seed
-from fedlore.tensors import load_model_arrays, model_arrays, select, weighted_mean, with_prefix
+from fedlore.tensors import load_model_arrays, model_arrays, select, with_prefix
 from fedlore.train.local import evaluate, local_train
 from fedlore.types import Broadcast, Reply, Scalars, State
 
@@ -222,7 +222,7 @@ class FedFomo(Personalized, FedAvg):
             values[f"request.{c}"] = ",".join(map(str, req))
         if ok:
             uploads = [select(r.arrays, "model.") for _, r in ok]
-            mean = weighted_mean(uploads, self.weights([r for _, r in ok]))
+            mean = self.combine_deltas(uploads, self.weights([r for _, r in ok]))
             arrays.update(with_prefix(mean, "model."))
         return State(arrays=arrays, values=values), {"aggregated": len(ok)}
 

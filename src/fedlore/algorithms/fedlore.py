@@ -37,7 +37,12 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from fedlore.algorithms.base import ReplySpec, construction_gradients, reply_metrics
+from fedlore.algorithms.base import (
+    ReplySpec,
+    construction_gradients,
+    local_eval_metrics,
+    reply_metrics,
+)
 from fedlore.algorithms.lowrank import (
     LowRankHyper,
     apply_increment,
@@ -436,6 +441,8 @@ class FedLore(LowRankHyper):
             skipped_steps=res.stats.skipped_steps,
             optimizer_state_bytes=res.state_bytes,
             basis_bytes=res.basis_bytes,
+            train_s=res.train_s,
+            **local_eval_metrics(self, model, data, rnd),
         )
         new_state = State(
             arrays={**with_prefix(cache, "cache."), **with_prefix(bases, "basis.")},

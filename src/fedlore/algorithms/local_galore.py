@@ -16,7 +16,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
-from fedlore.algorithms.base import construction_gradients, reply_metrics
+from fedlore.algorithms.base import construction_gradients, local_eval_metrics, reply_metrics
 from fedlore.algorithms.fedavg import DenseServer
 from fedlore.algorithms.lowrank import LowRankHyper, train_projected
 from fedlore.data.client_data import ClientData
@@ -82,5 +82,7 @@ class LocalGaLore(DenseServer, LowRankHyper):
             skipped_steps=res.stats.skipped_steps,
             optimizer_state_bytes=res.state_bytes,
             basis_bytes=res.basis_bytes,
+            train_s=res.train_s,
+            **local_eval_metrics(self, model, data, rnd),
         )
         return Reply(self.dense_update(model, start), metrics), keep

@@ -42,13 +42,14 @@ and uploads the trained factors and dense parameters. Aggregation weights are :m
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import nn
 
-from fedlore.algorithms.base import Hyper, ReplySpec, reply_metrics
+from fedlore.algorithms.base import Hyper, ReplySpec, local_eval_metrics, reply_metrics
 from fedlore.data.client_data import ClientData
 from fedlore.lora import (
     Factor,
@@ -380,6 +381,7 @@ class LoraMethod(Hyper, abc.ABC):
         opt = torch.optim.AdamW(
             params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
         )
+        t0 = time.perf_counter()
         with torch.random.fork_rng(devices=[]):  # LoRA dropout draws from the client's stream
             torch.manual_seed(derive_seed(seed, _DROPOUT))
             lrs = self.round_lrs(rnd)
@@ -390,6 +392,7 @@ class LoraMethod(Hyper, abc.ABC):
                 lrs,
                 grad_clip=self.grad_clip,
             )
+        train_s = time.perf_counter() - t0
         out = with_prefix(adapter_arrays(work, trained), "lora.")
         out.update(with_prefix(dense_arrays(work, dense), "dense."))
         state_bytes = sum(
@@ -403,6 +406,8 @@ class LoraMethod(Hyper, abc.ABC):
             train_loss=stats.mean_loss,
             skipped_steps=stats.skipped_steps,
             optimizer_state_bytes=state_bytes,
+            train_s=train_s,
+            **local_eval_metrics(self, work, data, rnd),  # P-local: base + the trained adapter
         )
         new_state = State(
             {**with_prefix(base, "cache."), **with_prefix(held, "held.")}, {"version": rnd}

@@ -7,6 +7,7 @@ give bit-identical caches, which the synchronization tests rely on).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -184,6 +185,7 @@ class ProjectedResult:
         last_grads: name -> view (``m x n``) of the last finite gradient (absent if none).
         state_bytes: bytes of the optimizer's moment tensors.
         basis_bytes: bytes of the bases held by the optimizer.
+        train_s: seconds of the K steps (the reply's ``train_s``, ``client_train_s`` in rows).
     """
 
     stats: TrainStats
@@ -191,6 +193,7 @@ class ProjectedResult:
     last_grads: Arrays
     state_bytes: int
     basis_bytes: int
+    train_s: float = 0.0
 
 
 def train_projected(
@@ -231,6 +234,8 @@ def train_projected(
                     last[k] = s.view(g).detach()
 
         hooks.append(remember)
+    t0 = time.perf_counter()
     stats = local_train(model, batches, opt, lrs, on_grad=hooks, grad_clip=hyper.grad_clip)
+    train_s = time.perf_counter() - t0
     coords = {k: opt.coords[params[k]].detach().clone() for k in plan}
-    return ProjectedResult(stats, coords, last, opt.state_bytes(), opt.basis_bytes())
+    return ProjectedResult(stats, coords, last, opt.state_bytes(), opt.basis_bytes(), train_s)

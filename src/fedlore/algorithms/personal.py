@@ -21,7 +21,7 @@ from torch import nn
 
 from fedlore.algorithms.base import Hyper, local_eval_due, local_scores
 from fedlore.data.client_data import ClientData
-from fedlore.tensors import load_model_arrays, select, weighted_mean, with_prefix
+from fedlore.tensors import load_model_arrays, select, with_prefix
 from fedlore.train.local import LossTerm
 from fedlore.types import Scalars, State
 
@@ -83,7 +83,8 @@ class BetaMixing:
         weights: list[float],
     ) -> dict[str, torch.Tensor]:
         beta = float(self.beta)  # type: ignore[attr-defined]
-        return {k: beta * v for k, v in weighted_mean(updates, weights).items()}
+        combined = self.combine_deltas(updates, weights)  # type: ignore[attr-defined]
+        return {k: beta * v for k, v in combined.items()}
 
 
 class Personalized:

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from fedlore.data.client_data import TensorSplit
+from fedlore.progress import say
 from fedlore.registry import register_source
 
 UNKNOWN_SOURCE = "<unknown>"
@@ -462,6 +463,12 @@ def build_corpus(
         raise ValueError(f"{name}: the validation corpus holds no documents")
     texts = [t for t, _ in train]
     groups, names = group_documents([u for _, u in train])
+    if tokenizer is None:
+        say(
+            "training a byte-level BPE tokenizer (%d tokens) on %d documents",
+            vocab_size,
+            len(texts),
+        )
     tok = (
         train_bpe_tokenizer(texts, vocab_size)
         if tokenizer is None

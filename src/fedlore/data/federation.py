@@ -31,6 +31,7 @@ from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.data.corpus import IGNORE_INDEX, Corpus
 from fedlore.data.corruption import add_gaussian_noise, flip_labels, subsample_stratified
 from fedlore.data.sources import DataSource
+from fedlore.progress import say
 
 # Stream ids: one per purpose, never reused.
 STREAM_FRACTION = 0
@@ -42,6 +43,7 @@ STREAM_FLIP = 5
 STREAM_SAMPLING = 6
 STREAM_SERVER = 7
 STREAM_SELECTION = 8
+STREAM_SITE = 9
 
 
 def _torch_generator(seed: int, stream: int) -> torch.Generator:
@@ -233,7 +235,8 @@ class Federation:
 
         With more than ``max_columns`` classes or source groups (a web corpus has thousands of
         hosts) each row summarizes instead: total, groups present, and the largest group with
-        its share.
+        its share. The title names the classes (fortunes categories, Fashion-MNIST garments)
+        or source groups by column number where the data has names.
         """
         hist = self.histogram()
         if hist.shape[1] > max_columns:
@@ -278,6 +281,9 @@ class Federation:
                 f"{self.source}: {self.num_clients} clients, {self.num_classes} classes, "
                 "training examples per client and class"
             )
+            named = [str(n) for n in self.class_names]
+            if named and named != [str(c) for c in range(len(named))]:  # digits name themselves
+                title += " (classes: " + ", ".join(f"{j}={n}" for j, n in enumerate(named)) + ")"
         lines = [
             title,
             fmt(header),
@@ -452,6 +458,13 @@ def build_federation(cfg: Config, seed: int) -> Federation:
     """:func:`federation_of` for ``cfg`` and ``seed``, with its floating-point tensors (inputs,
     regression targets) in the config's ``precision`` (:func:`with_precision`). Raises as
     :func:`federation_of` does."""
+    say(
+        "building the federation: %s, %d clients, %s partition (seed %d)",
+        cfg.data.name,
+        cfg.num_clients,
+        cfg.partition.name,
+        seed,
+    )
     return with_precision(federation_of(cfg, seed), cfg.precision)
 
 
@@ -698,3 +711,108 @@ def corpus_federation(cfg: Config, seed: int, corpus: Corpus) -> Federation:
         selection=selection,
         selection_indices=selection_docs,
     )
+
+
+SITE_REFUSED = {
+    "eval.clients": "the server holds no client's test split (each site keeps its own)",
+    "diagnostics.every": "the diagnostics read every client's data on the server",
+    "data.server_fraction": "U would be cut from data the server does not hold",
+    "data.selection_fraction": "the selection split would be cut from data the server does "
+    "not hold (select on a held-out site, or give the server a selection test set)",
+}
+"""Settings a site-local deployment (``flower.site_data``) refuses, with the reason."""
+
+
+def check_site_config(cfg: Config) -> None:
+    """Refuse what a site-local deployment cannot do (:data:`SITE_REFUSED`).
+
+    Raises:
+        ConfigError: naming every such setting and why, or ``flower.site_data`` outside a
+            ``flwr run`` deployment.
+    """
+    if cfg.engine != "local":
+        raise ConfigError(
+            f"flower.site_data=true is for `flwr run` deployments (each SuperNode reads its own "
+            f"data-root); engine={cfg.engine} simulates a central data set: leave it false"
+        )
+    bad = {
+        "eval.clients": cfg.eval.clients,
+        "diagnostics.every": cfg.diagnostics.every > 0,
+        "data.server_fraction": cfg.data.server_fraction > 0,
+        "data.selection_fraction": cfg.data.selection_fraction > 0,
+    }
+    problems = [f"{k}: {SITE_REFUSED[k]}" for k, on in bad.items() if on]
+    if problems:
+        raise ConfigError("flower.site_data=true cannot honour:\n  " + "\n  ".join(problems))
+
+
+def server_federation(cfg: Config, seed: int) -> Federation:
+    """The server's side of a site-local deployment: only the test set of ``data.root`` (in
+    the format of ``data.name``; with input noise ``data.noise`` from the central stream as in
+    :func:`federation_of`), ``cfg.num_clients`` clients with no data on the server (their data
+    stay on their sites, :func:`site_federation`; aggregation weights come from the replies'
+    ``num_examples``).
+
+    Raises:
+        ConfigError: for a setting of :data:`SITE_REFUSED`, a pre-training corpus, or a
+            ``data.root`` with no test examples.
+    """
+    check_site_config(cfg)
+    source = load_source(cfg.data)
+    if isinstance(source, Corpus):
+        raise ConfigError(
+            "flower.site_data=true: pre-training corpora are partitioned by source group on "
+            "one machine; site-local data are labelled sources (npz, IDX, CSV/JSONL)"
+        )
+    if len(source.test) == 0:
+        raise ConfigError(
+            f"flower.site_data=true: the server's data.root={cfg.data.root!r} holds no test "
+            f"examples for source {source.name!r} (the server evaluates on them)"
+        )
+    test = source.test
+    if cfg.data.noise > 0:
+        noisy = add_gaussian_noise(
+            test.x, cfg.data.noise, _torch_generator(seed, STREAM_NOISE_TEST)
+        )
+        test = TensorSplit(noisy, test.y)
+    empty = TensorSplit(test.x[:0], test.y[:0])
+    none = np.zeros(0, dtype=np.int64)
+    fed = Federation(
+        source=source.name,
+        pool=empty,
+        train_labels=empty.y,
+        train_indices=tuple(none for _ in range(cfg.num_clients)),
+        test_indices=tuple(none for _ in range(cfg.num_clients)),
+        central_test=test,
+        num_classes=source.num_classes,
+        input_shape=source.input_shape,
+        class_names=list(source.class_names),
+        task=source.task,
+    )
+    return with_precision(fed, cfg.precision)
+
+
+def site_federation(cfg: Config, seed: int, client_id: int, root: str) -> Federation:
+    """One site of a site-local deployment: the training split of the site's own folder
+    ``root`` (read by the loader ``data.name``, as :func:`federation_of` reads ``data.root``),
+    as a one-client federation: the stratified share ``data.fraction`` is kept, input noise and
+    label flips are applied, and the local test split ``data.test_fraction`` is held out,
+    exactly as for a client of a central data set, from streams of
+    ``[seed, STREAM_SITE, client_id]`` (no two sites share a draw). Nothing outside ``root``
+    is read; the site's test file, if any, is not used (the server evaluates).
+
+    Raises:
+        FileNotFoundError / ValueError: from the loader, naming the site's files.
+        ConfigError: for a setting of :data:`SITE_REFUSED`.
+    """
+    check_site_config(cfg)
+    site_seed = int(np.random.default_rng([seed, STREAM_SITE, client_id]).integers(2**31))
+    data = cfg.data.model_copy(update={"root": root})
+    one = cfg.model_copy(
+        update={
+            "data": data,
+            "num_clients": 1,
+            "partition": cfg.partition.model_copy(update={"name": "iid"}),
+        }
+    )
+    return build_federation(one, site_seed)

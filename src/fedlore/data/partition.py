@@ -23,12 +23,26 @@ from typing import Any
 
 import numpy as np
 
+from fedlore.progress import say
 from fedlore.registry import register_partition
 
 MAX_DIRICHLET_ATTEMPTS = 1000
 """Dirichlet redraws before ``min_size`` is declared infeasible."""
 
 _MAX_MAJOR_SHUFFLES = 100  # Step: random major-class assignments tried before the cyclic one
+
+
+def _announce_redraw(attempt: int, min_size: int) -> None:
+    """Every 50 redraws, tell the person following the run that the partition is being redrawn
+    (a slow start with a small alpha and a large ``min_size`` is otherwise silent)."""
+    if attempt and attempt % 50 == 0:
+        say(
+            "Dirichlet partition: %d draws so far left a client below %d examples; redrawing "
+            "(at most %d)",
+            attempt,
+            min_size,
+            MAX_DIRICHLET_ATTEMPTS,
+        )
 
 
 def _check(labels: np.ndarray, num_clients: int) -> np.ndarray:
@@ -127,7 +141,8 @@ def partition_dirichlet(
     if min_size * num_clients > len(labels):
         raise ValueError(infeasible + " (min_size * num_clients > number of examples)")
     by_class = [np.flatnonzero(labels == c) for c in np.unique(labels)]
-    for _attempt in range(MAX_DIRICHLET_ATTEMPTS):
+    for attempt in range(MAX_DIRICHLET_ATTEMPTS):
+        _announce_redraw(attempt, min_size)
         pieces: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
         for idx in by_class:
             p = rng.dirichlet(np.full(num_clients, alpha))
@@ -278,7 +293,8 @@ def partition_source_dirichlet(
             f"{len(labels)} documents, so some client would receive too few"
         )
     by_group = [np.flatnonzero(labels == c) for c in np.unique(labels)]
-    for _attempt in range(MAX_DIRICHLET_ATTEMPTS):
+    for attempt in range(MAX_DIRICHLET_ATTEMPTS):
+        _announce_redraw(attempt, min_size)
         pieces: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
         for idx in by_group:
             p = rng.dirichlet(np.full(num_clients, alpha))

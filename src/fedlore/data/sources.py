@@ -80,11 +80,19 @@ def load_digits(root: str | None = None) -> DataSource:
     is the same for every run and every experiment seed.
 
     Args:
-        root: ignored (the data ships with scikit-learn); accepted for a uniform signature.
+        root: must be None (the data ship with scikit-learn).
 
     Returns:
         A :class:`DataSource` with images ``[B, 1, 8, 8]``.
+
+    Raises:
+        ValueError: when ``root`` is given (it would have no effect).
     """
+    if root is not None:
+        raise ValueError(
+            f"data.root={root!r} has no effect on source 'digits' (it ships with "
+            "scikit-learn); leave data.root unset"
+        )
     from sklearn.datasets import load_digits as sk_load_digits
     from sklearn.model_selection import train_test_split
 
@@ -387,3 +395,97 @@ def load_cifar100(root: str | None = None) -> DataSource:
 # imports DataSource from here.
 from fedlore.data import corpus as _corpus  # noqa: E402, F401
 from fedlore.data import text as _text  # noqa: E402, F401
+
+
+def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray, list[str] | None]:
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            missing = [k for k in ("x", "y") if k not in f.files]
+            if missing:
+                raise ValueError(
+                    f"{path}: needs arrays 'x' (inputs) and 'y' (labels), missing {missing} "
+                    f"(it holds {sorted(f.files)})"
+                )
+            x, y = np.asarray(f["x"]), np.asarray(f["y"])
+            names = [str(c) for c in f["class_names"]] if "class_names" in f.files else None
+    except (OSError, EOFError, ValueError) as e:
+        if isinstance(e, ValueError) and str(path) in str(e):
+            raise
+        raise ValueError(f"{path}: cannot read the npz file ({e})") from e
+    if len(x) != len(y):
+        raise ValueError(f"{path}: x has {len(x)} rows but y has {len(y)}")
+    if y.dtype.kind not in "iu":
+        raise ValueError(f"{path}: labels y must be integers, got {y.dtype}")
+    if len(y) and y.min() < 0:
+        raise ValueError(f"{path}: negative label {int(y.min())}")
+    return x, y, names
+
+
+@register_source("npz")
+def load_npz(root: str | None = None) -> DataSource:
+    """A labelled data set from ``root/train.npz`` and ``root/test.npz``, NumPy archives with
+    arrays ``x`` (inputs ``[B, ...]``: uint8 images are scaled to [0, 1], other inputs are cast
+    to float32; images as ``[B, C, H, W]``, tabular data as ``[B, F]``), ``y`` (int labels
+    ``[B]``) and, optionally, ``class_names`` (strings, index = label).
+
+    Either file may be missing (an empty split), not both: a deployed site
+    (``flower.site_data``) may hold only ``train.npz``, the server only ``test.npz``. With
+    ``class_names`` in a file, ``num_classes`` is its length (every site of a federation should
+    store the same list, so that every site's model has the same output layer); else it is the
+    largest label + 1.
+
+    Args:
+        root: the folder (required).
+
+    Returns:
+        A :class:`DataSource` named ``"npz"``.
+
+    Raises:
+        FileNotFoundError: when ``root`` is None, not a folder, or holds neither file.
+        ValueError: naming the file when an array is missing, x and y disagree in length,
+            labels are not non-negative integers, inputs of the two files differ in shape, or
+            a label reaches past ``class_names``.
+    """
+    if root is None:
+        raise FileNotFoundError(
+            "npz: no data.root given; point data.root=... at a folder with train.npz and/or "
+            "test.npz (arrays x, y and optionally class_names)"
+        )
+    folder = Path(root)
+    paths = {part: folder / f"{part}.npz" for part in ("train", "test")}
+    found = {part: p for part, p in paths.items() if p.is_file()}
+    if not found:
+        raise FileNotFoundError(
+            f"npz: neither {paths['train']} nor {paths['test']} exists; data.root must name a "
+            "folder with train.npz and/or test.npz (arrays x, y and optionally class_names)"
+        )
+    read = {part: _read_npz(p) for part, p in found.items()}
+    shapes = {part: x.shape[1:] for part, (x, _, _) in read.items()}
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"npz in {folder}: inputs differ in shape between the files: {shapes}")
+    names = next((n for _, _, n in read.values() if n is not None), None)
+    top = max((int(y.max()) + 1 for _, y, _ in read.values() if len(y)), default=1)
+    if names is not None and top > len(names):
+        raise ValueError(
+            f"npz in {folder}: label {top - 1} but class_names has {len(names)} entries"
+        )
+    num_classes = len(names) if names is not None else top
+    shape = next(iter(shapes.values()))
+    template = next(iter(read.values()))[0]
+
+    def split(part: str) -> TensorSplit:
+        if part not in read:
+            return _split(np.zeros((0, *shape), dtype=template.dtype), np.zeros(0, np.int64))
+        x, y, _ = read[part]
+        if x.dtype != np.uint8:
+            x = x.astype(np.float32)
+        return _split(x, y)
+
+    return DataSource(
+        name="npz",
+        train=split("train"),
+        test=split("test"),
+        num_classes=num_classes,
+        input_shape=tuple(int(s) for s in shape),
+        class_names=names if names is not None else [str(c) for c in range(num_classes)],
+    )

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from fedlore.config import ConfigError
 from fedlore.engine.store import ClientStore
 from fedlore.tensors import to_cpu
 from fedlore.types import State
@@ -56,6 +57,22 @@ def atomic_save(obj: Any, path: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class DamagedCheckpoint(ConfigError):
+    """A checkpoint (or a spilled client state it names) that cannot be read."""
+
+
+def damage_reason(e: BaseException) -> str:
+    """Why ``torch.load`` could not read a file, in a few words: torch's own message (its first
+    line), except its advice to retry with ``weights_only=False``, which a damaged or foreign
+    file must not get (it would run arbitrary code)."""
+    if isinstance(e, KeyError):
+        return f"no {e.args[0]!r} entry: not a fedlore checkpoint"
+    text = str(e).splitlines()[0] if str(e) else repr(e)
+    if "weights_only" in text:
+        return "it holds objects other than tensors and plain values: not a fedlore checkpoint"
+    return f"{type(e).__name__}: {text}"
 
 
 class Checkpointer:
@@ -109,36 +126,95 @@ class Checkpointer:
         Raises:
             FileNotFoundError: when ``path`` does not exist.
             ValueError: when the checkpoint names spilled states but ``spill_dir`` is None.
+            DamagedCheckpoint: when the checkpoint cannot be read, naming it and the ways out.
+            StoreError: when a spilled client state it names is missing or damaged.
         """
-        raw = torch.load(path, weights_only=True, map_location=torch.device(device))
-        server = State(dict(raw["server"]["arrays"]), dict(raw["server"]["values"]))
-        store = ClientStore.from_dict(raw["clients"], max_memory_bytes, spill_dir, device)
-        return int(raw["round"]), server, store
+        try:
+            raw = torch.load(path, weights_only=True, map_location=torch.device(device))
+            server = State(dict(raw["server"]["arrays"]), dict(raw["server"]["values"]))
+            last = int(raw["round"])
+            clients = raw["clients"]
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # a torn, truncated or foreign file: say which and what to do
+            raise DamagedCheckpoint(
+                f"the checkpoint {path} is damaged and cannot be read ({damage_reason(e)}). Run "
+                f"without --resume to start this run over, or remove {path} (the run then "
+                "restarts from round 0)"
+            ) from None
+        store = ClientStore.from_dict(clients, max_memory_bytes, spill_dir, device)
+        store.verify_spilled()  # a damaged spilled state is found now, not rounds later
+        return last, server, store
 
 
 class ProgressBar:
-    """A rich progress bar over rounds showing the last accuracy (perplexity for a language
-    model)."""
+    """Progress over rounds a person can follow anywhere.
 
-    def __init__(self, description: str, start: int, total: int) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    On a terminal (standard error is a tty) a rich progress bar that stays on screen when the
+    run ends (its last state is the run's record). Off a terminal (a log file, CI) one line per
+    round through :func:`fedlore.progress.say`: ``round 3/30 fedlore seed 0: accuracy 0.9120
+    (1.2 s)`` (perplexity for a language model, RMSE for a regression task, the mean training
+    loss on rounds without an evaluation).
 
-        self.progress = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"),
-            transient=True,
-        )
-        self.task = self.progress.add_task(description, total=total, completed=start, info="")
-        self.progress.start()
+    Args:
+        description: ``"<method> seed <seed>"``.
+        start: rounds already done (a resumed run).
+        total: rounds of the run.
+        rounds: the run's ``rounds`` shown in the lines (default ``total``).
+        tty: force the bar (True) or the lines (False); None asks standard error.
+    """
+
+    def __init__(
+        self,
+        description: str,
+        start: int,
+        total: int,
+        rounds: int | None = None,
+        tty: bool | None = None,
+    ) -> None:
+        import sys
+
+        self.description = description
+        self.total = total if rounds is None else rounds
+        self.done = start
+        self.tty = sys.stderr.isatty() if tty is None else tty
+        self.progress: Any = None
+        if self.tty:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self.progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                transient=False,
+            )
+            self.task = self.progress.add_task(description, total=total, completed=start, info="")
+            self.progress.start()
+
+    @staticmethod
+    def score(row: dict[str, Any]) -> str:
+        """The row's headline score: accuracy, perplexity or RMSE, else the training loss."""
+        for key, fmt in (("accuracy", ".4f"), ("perplexity", ".2f"), ("rmse", ".4f")):
+            if isinstance(row.get(key), float):
+                return f"{key} {row[key]:{fmt}}"
+        loss = row.get("train_loss")
+        return f"train loss {loss:.4f}" if isinstance(loss, float) else ""
 
     def on_round_end(self, rnd: int, row: dict[str, Any], state: State) -> None:
-        acc, ppl = row.get("accuracy"), row.get("perplexity")
-        info = f"acc {acc:.3f}" if isinstance(acc, float) else ""
-        if isinstance(ppl, float):
-            info = f"ppl {ppl:.2f}"
-        self.progress.update(self.task, advance=1, info=info)
+        from fedlore.progress import say
+
+        self.done += 1
+        info = self.score(row)
+        if self.progress is not None:
+            self.progress.update(self.task, advance=1, info=info)
+            return
+        secs = row.get("wall_s")
+        took = f" ({secs:.1f} s)" if isinstance(secs, float) else ""
+        sep = ": " if info else ""
+        where = f"round {rnd + 1}/{self.total}" if rnd >= 0 else "setup round"
+        say("%s %s%s%s%s", where, self.description, sep, info, took)
 
     def close(self) -> None:
-        self.progress.stop()
+        if self.progress is not None:
+            self.progress.stop()

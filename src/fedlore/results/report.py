@@ -8,6 +8,7 @@ at least two seeds, else a std of 0. Accuracies are reported in percent, traffic
 from __future__ import annotations
 
 import csv
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +20,8 @@ from fedlore.results.store import (
     RunRecord,
     is_experiment_dir,
     load_runs,
+    run_config,
+    split_by_config,
     value,
 )
 
@@ -154,8 +157,10 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
                 "diverged_runs": sum(
                     1
                     for r in records
-                    if "final_perplexity" in r.summary and r.summary["final_perplexity"] is None
+                    if r.summary.get("diverged")
+                    or ("final_perplexity" in r.summary and r.summary["final_perplexity"] is None)
                 ),
+                "unfinished_runs": sum(1 for r in records if r.summary.get("derived")),
                 "language_model": any("final_perplexity" in r.summary for r in records),
                 "final_rmse_mean": rmse_m,
                 "final_rmse_std": rmse_s,
@@ -165,6 +170,19 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
             }
         )
     return table
+
+
+def seeds_cell(row: dict[str, Any]) -> str:
+    """The seeds column: how many runs, and how many of them are unfinished (no summary.json:
+    their values are those of the last round written) or diverged (every local step skipped, or
+    a final loss that is not finite: their final values are left out of the statistics)."""
+    notes = []
+    if row.get("unfinished_runs"):
+        notes.append(f"{row['unfinished_runs']} unfinished")
+    if row.get("diverged_runs"):
+        notes.append(f"{row['diverged_runs']} diverged")
+    n = str(int(row["n_seeds"]))
+    return f"{n} ({', '.join(notes)})" if notes else n
 
 
 def _pm(mean: float | None, std: float | None, digits: int = 2, n: int = 2) -> str:
@@ -244,7 +262,7 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
         if lm:
             ppl = _pm(row.get("final_perplexity_mean"), row.get("final_perplexity_std"), n=n)
             if row.get("diverged_runs"):
-                ppl += f" ({row['diverged_runs']} of {n} diverged)"
+                ppl += " (diverged)"
             first = [
                 _pm(row.get("final_loss_mean"), row.get("final_loss_std"), digits=3, n=n),
                 ppl,
@@ -267,7 +285,7 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
             )
         cells = [
             str(row["method"]),
-            str(n),
+            seeds_cell(row),
             *first,
             _num(row["mb_up_mean"]),
             _num(row["mb_down_mean"]),
@@ -303,7 +321,7 @@ def _regression_markdown(table: list[dict[str, Any]]) -> str:
         n = int(row["n_seeds"])
         cells = [
             str(row["method"]),
-            str(n),
+            seeds_cell(row),
             _pm(row.get("final_rmse_mean"), row.get("final_rmse_std"), digits=3, n=n),
             _pm(row.get("final_loss_mean"), row.get("final_loss_std"), digits=3, n=n),
             *([_num(row.get("client_rmse_mean"))] if glocal else []),
@@ -392,8 +410,33 @@ def diagnostics_markdown(table: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def setting_title(name: str, runs: dict[str, list[RunRecord]]) -> str:
+    """A figure title: the experiment ``name`` and the settings all its runs share, e.g.
+    ``quickstart: digits, dirichlet α=0.5, 10 clients, 30 rounds, mlp``."""
+    configs = [c for rs in runs.values() for r in rs if (c := run_config(r)) is not None]
+
+    def shared(key: str) -> Any:
+        vals = {json.dumps(c.get(key), default=str) for c in configs}
+        return configs[0].get(key) if configs and len(vals) == 1 else None
+
+    parts: list[str] = []
+    if (data := shared("data.name")) is not None:
+        parts.append(str(data))
+    if (part := shared("partition.name")) is not None:
+        alpha = shared("partition.alpha")
+        parts.append(f"{part} α={alpha:g}" if part == "dirichlet" and alpha is not None else part)
+    for key, unit in (("num_clients", "clients"), ("rounds", "rounds")):
+        if (v := shared(key)) is not None:
+            parts.append(f"{v} {unit}")
+    if (p := shared("participation")) is not None and p != 1.0:
+        parts.append(f"participation {p:g}")
+    if (model := shared("model.name")) is not None:
+        parts.append(str(model))
+    return f"{name}: {', '.join(parts)}" if parts else name
+
+
 def _report_experiment(exp_dir: Path, keys: Sequence[str] | None) -> str:
-    runs = load_runs(exp_dir)
+    runs = split_by_config(load_runs(exp_dir))  # runs of different configs are never pooled
     table = summary_table(runs)
     diag = diagnostics_table(runs)
     if keys is None:
@@ -402,7 +445,7 @@ def _report_experiment(exp_dir: Path, keys: Sequence[str] | None) -> str:
             for k in DIAGNOSTIC_KEYS
             if any(value(x, k) is not None for rs in runs.values() for r in rs for x in r.rows)
         ]
-    pngs = plot(runs, exp_dir, keys=keys)
+    pngs = plot(runs, exp_dir, keys=keys, title=setting_title(exp_dir.name, runs))
     to_csv(table, exp_dir / "report.csv")
     images = "\n\n".join(f"![{p.stem.replace('_', ' ')}]({p.name})" for p in pngs)
     text = (
@@ -410,7 +453,11 @@ def _report_experiment(exp_dir: Path, keys: Sequence[str] | None) -> str:
         "Mean ± sample std (ddof=1) over seeds (no ± with one seed); MB = 10^6 bytes, totals "
         "per run; optimizer state per client (moment tensors); peak device memory (CUDA runs) the "
         "largest peak of one client's update; s / round without evaluation; "
-        "rejected client replies and skipped local steps (non-finite loss or gradient) per run."
+        "rejected client replies and skipped local steps (non-finite loss or gradient) per run. "
+        "Seeds: unfinished runs (no summary yet) show their last written round; diverged runs "
+        "(every local step skipped, or a non-finite final loss) are left out of the final "
+        "values. Runs of different configs under one name get a row each, named by the settings "
+        "that differ."
         "\n\n"
     )
     if diag:

@@ -176,6 +176,66 @@ def is_experiment_dir(path: Path) -> bool:
     )
 
 
+RECORD_KEYS = ("data_fingerprint", "ran_on", "hyper")
+"""``config.json`` keys that record a run rather than set it (the data fingerprint differs from
+seed to seed; ``hyper`` repeats the method's settings)."""
+
+
+def run_config(record: RunRecord) -> dict[str, Any] | None:
+    """The settings a run was made with (its ``config.json`` without :data:`RECORD_KEYS`,
+    flattened to dotted keys), or None when it has none or it cannot be read."""
+    path = record.path / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    out: dict[str, Any] = {}
+
+    def flat(tree: dict[str, Any], prefix: str) -> None:
+        for k, v in tree.items():
+            if isinstance(v, dict) and k != "method" and v:
+                flat(v, f"{prefix}{k}.")
+            else:
+                out[f"{prefix}{k}"] = v
+
+    flat({k: v for k, v in raw.items() if k not in RECORD_KEYS}, "")
+    return out
+
+
+def split_by_config(runs: dict[str, list[RunRecord]]) -> dict[str, list[RunRecord]]:
+    """The runs of each method grouped by the settings they were made with: runs of different
+    configs left under one experiment name are never pooled. A method whose runs all share one
+    config keeps its name; otherwise each group is named ``method [key=value, ...]`` by the keys
+    that differ between its groups (runs without a readable config form a group
+    ``method [config unknown]``)."""
+    out: dict[str, list[RunRecord]] = {}
+    for method, records in runs.items():
+        groups: dict[str, list[RunRecord]] = {}
+        configs: dict[str, dict[str, Any] | None] = {}
+        for r in records:
+            cfg = run_config(r)
+            key = json.dumps(cfg, sort_keys=True, default=str)
+            groups.setdefault(key, []).append(r)
+            configs[key] = cfg
+        if len(groups) == 1:
+            out[method] = records
+            continue
+        known = [c for c in configs.values() if c is not None]
+        keys = sorted({k for c in known for k in c})
+        differ = [k for k in keys if len({json.dumps(c.get(k), default=str) for c in known}) > 1]
+        for key, members in groups.items():
+            cfg = configs[key]
+            if cfg is None:
+                label = f"{method} [config unknown]"
+            else:
+                shown = ", ".join(f"{k}={cfg.get(k)}" for k in differ[:4])
+                label = f"{method} [{shown}{', ...' if len(differ) > 4 else ''}]"
+            out[label] = sorted(members, key=lambda r: r.seed)
+    return out
+
+
 def load_runs(exp_dir: Path) -> dict[str, list[RunRecord]]:
     """Load every run of one experiment.
 

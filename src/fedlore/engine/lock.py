@@ -1,0 +1,75 @@
+"""An exclusive lock on a run folder, held for the run's life.
+
+Two ``fedlore run`` processes writing one run folder would interleave its ``metrics.jsonl`` and
+overwrite each other's checkpoint and ``config.json``. :class:`RunLock` takes an OS lock
+(``fcntl.flock``) on ``<run folder>/run.lock`` before a run touches the folder and keeps it until
+the run ends: a second run of the same folder is refused with the holder's PID. The kernel
+releases the lock when its process exits, however it exits (normally, by an exception, killed),
+so a lock file left behind by a dead process is stale and the next run takes it over; only a
+live process holds the folder. (``flock`` locks are per machine: two machines writing one folder
+on a network file system are not detected.)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import time
+from pathlib import Path
+from types import TracebackType
+
+from fedlore.config import ConfigError
+
+LOCK_FILE = "run.lock"
+
+
+class RunLocked(ConfigError):
+    """The run folder is held by another live fedlore process."""
+
+
+class RunLock:
+    """``with RunLock(folder): ...`` holds ``folder/run.lock`` exclusively for the block (the
+    folder is created if needed).
+
+    Raises:
+        RunLocked: on entry, when another live process holds it; the message names its PID,
+            host and start time (read from the lock file).
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.path = Path(folder) / LOCK_FILE
+        self._fd: int | None = None
+
+    def __enter__(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 512).decode(errors="replace").strip() or "an unknown process"
+            os.close(fd)
+            raise RunLocked(
+                f"{self.path.parent} is in use by another fedlore run ({holder}); wait for it to "
+                "finish, stop it, or give this run another name=..."
+            ) from None
+        os.ftruncate(fd, 0)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.write(fd, f"PID {os.getpid()} on {socket.gethostname()} since {stamp}\n".encode())
+        self._fd = fd
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, 0)  # no stale holder text for the next reader
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self._fd)
+            self._fd = None

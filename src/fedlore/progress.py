@@ -1,0 +1,55 @@
+"""What a person following a run sees: named startup steps and one line per round.
+
+Messages go to the logger ``fedlore.progress`` (standard error, ``fedlore: ...``), which the
+command line switches on with ``progress: true`` (the default): long startup steps say what they
+do (building the federation, partition redraws, tokenizer training, loading a model), and a run
+prints one line per round off a terminal (round, method, seed, accuracy or perplexity, seconds)
+or a progress bar on one. A library user who never configures the logger sees nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+log = logging.getLogger("fedlore.progress")
+
+
+def say(message: str, *args: object) -> None:
+    """Tell the person following the run what happens now (a startup step, a redraw)."""
+    log.info(message, *args)
+
+
+_SAID: set[str] = set()
+
+
+def say_once(message: str, *args: object) -> None:
+    """:func:`say`, once per process for a given message (a model loaded again for each of a
+    run's copies is announced the first time)."""
+    text = message % args if args else message
+    if text not in _SAID:
+        _SAID.add(text)
+        log.info(text)
+
+
+def enable(on: bool) -> None:
+    """Print progress messages to standard error (``on``) or drop them (the default)."""
+    for handler in list(log.handlers):
+        log.removeHandler(handler)
+    log.propagate = False
+    if on:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("fedlore: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+    else:
+        log.addHandler(logging.NullHandler())
+        log.setLevel(logging.WARNING)
+
+
+def enabled() -> bool:
+    """Whether progress messages are printed."""
+    return log.isEnabledFor(logging.INFO) and any(
+        isinstance(h, logging.StreamHandler) and not isinstance(h, logging.NullHandler)
+        for h in log.handlers
+    )

@@ -1,0 +1,277 @@
+"""No run corrupts another, nothing is overwritten unasked, and a damaged file says what to do.
+
+* two ``fedlore run`` processes on one run folder: the second is refused naming the first's PID,
+  and the first run's ``metrics.jsonl`` holds its rounds in order; a lock left by a dead process
+  is taken over;
+* a fresh run that would delete a *finished* run of another config asks for ``--overwrite``;
+* a damaged ``checkpoint.pt`` (truncated, garbage, empty, foreign, missing keys) and a damaged
+  spilled client state are reported at the start of ``--resume`` naming the file and the ways
+  out; ``output_dir=<a file>`` is refused;
+* method values that spell numbers are stored as numbers; every invalid method value is
+  reported at once; settings that would be ignored are implemented or refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedlore.cli import main
+from fedlore.config import Config, ConfigError, load_config
+from fedlore.engine.callbacks import DamagedCheckpoint
+from fedlore.engine.lock import RunLock, RunLocked
+from fedlore.engine.store import StoreError
+from fedlore.run import run_dir, run_experiment, run_one
+
+SEED = 0
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _args(out: Path, *extra: str) -> list[str]:
+    return [
+        "name=safe",
+        "num_clients=3",
+        "rounds=3",
+        "local_steps=2",
+        "batch_size=16",
+        "rank=4",
+        "model.kwargs={hidden: [16]}",
+        "progress=false",
+        "seeds=[0]",
+        f"output_dir={out}",
+        *extra,
+    ]
+
+
+QUICKSTART = ROOT / "experiments" / "quickstart.yaml"  # what `fedlore run` loads by default
+
+
+def _cfg(out: Path, *extra: str) -> Config:
+    return load_config(QUICKSTART, _args(out, *extra))
+
+
+def _rounds(path: Path) -> list[int]:
+    return [json.loads(x)["round"] for x in path.read_text().splitlines() if x.strip()]
+
+
+# --- 1. one run per folder -------------------------------------------------------------------
+
+
+def test_two_concurrent_runs_of_one_folder(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    args = _args(tmp_path, "algorithms=[fedavg]", "rounds=40", "local_steps=5")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "fedlore.cli", "run", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    lock = tmp_path / "safe" / "fedavg" / "seed-0" / "run.lock"
+    try:
+        deadline = time.monotonic() + 120
+        while not (lock.exists() and lock.read_text().strip()):  # the first run holds it
+            assert first.poll() is None, first.communicate()[1].decode()
+            assert time.monotonic() < deadline, "the first run never took its lock"
+            time.sleep(0.1)
+        assert main(["run", *args]) == 2
+        err = capsys.readouterr().err
+        assert f"PID {first.pid}" in err and "in use by another fedlore run" in err
+    finally:
+        _, stderr = first.communicate(timeout=600)
+    assert first.returncode == 0, stderr.decode()
+    metrics = tmp_path / "safe" / "fedavg" / "seed-0" / "metrics.jsonl"
+    assert _rounds(metrics) == list(range(40))  # one run's rounds, in order
+    summary = json.loads((metrics.parent / "summary.json").read_text())
+    assert summary["rounds"] == 40
+
+
+def test_a_held_folder_refuses_a_second_run_and_a_dead_holder_is_stale(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    out = run_dir(cfg, "fedavg", SEED)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from fedlore.engine.lock import RunLock\n"
+            f"with RunLock(Path({str(out)!r})):\n    print('held', flush=True); time.sleep(60)",
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == b"held"
+        with pytest.raises(RunLocked, match=f"PID {holder.pid} on "):
+            run_one(cfg, "fedavg", SEED)
+        assert not (out / "metrics.jsonl").exists()  # refused before anything was written
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder died (SIGKILL: no cleanup ran); its lock file remains but is stale
+    assert (out / "run.lock").read_text().startswith(f"PID {holder.pid}")
+    assert run_one(cfg, "fedavg", SEED) is not None
+
+
+def test_the_lock_is_released_when_a_run_fails(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    out = run_dir(cfg, "fedavg", SEED)
+
+    class Boom(Exception):
+        pass
+
+    class Explode:
+        def on_round_end(self, rnd: int, row: dict, state: object) -> None:
+            raise Boom
+
+    with pytest.raises(Boom):
+        run_one(cfg, "fedavg", SEED, extra_callbacks=(Explode(),))  # type: ignore[arg-type]
+    with RunLock(out):  # free again
+        pass
+
+
+# --- 2. nothing is overwritten unasked --------------------------------------------------------
+
+
+def test_a_finished_run_of_another_config_needs_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["run", *_args(tmp_path, "algorithms=[fedavg]")]) == 0
+    metrics = tmp_path / "safe" / "fedavg" / "seed-0" / "metrics.jsonl"
+    before = metrics.read_text()
+    capsys.readouterr()
+    assert main(["run", *_args(tmp_path, "algorithms=[fedavg]", "rounds=2", "lr=0.01")]) == 2
+    err = capsys.readouterr().err
+    assert "holds a finished run of another config" in err and "--overwrite" in err
+    assert "lr: 0.003 -> 0.01" in err and "rounds: 3 -> 2" in err and "hyper.lr" not in err
+    assert metrics.read_text() == before  # untouched
+    # the same config again is a plain re-run; --overwrite replaces the other one
+    assert main(["run", *_args(tmp_path, "algorithms=[fedavg]")]) == 0
+    assert main(["run", *_args(tmp_path, "algorithms=[fedavg]", "rounds=2"), "--overwrite"]) == 0
+    assert _rounds(metrics) == [0, 1]
+    assert f"results in {tmp_path / 'safe'}/" in capsys.readouterr().out
+
+
+# --- 4. damaged files --------------------------------------------------------------------------
+
+
+def _damage(kind: str, path: Path) -> None:
+    good = path.read_bytes()
+    if kind == "truncated":
+        path.write_bytes(good[: len(good) // 2])
+    elif kind == "garbage":
+        path.write_bytes(os.urandom(4096))
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "foreign":  # a pickle that weights_only refuses
+        path.write_bytes(pickle.dumps(Config()))
+    elif kind == "missing_keys":
+        torch.save({"round": 101}, path)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "garbage", "empty", "foreign", "missing_keys"])
+def test_a_damaged_checkpoint_names_the_file_and_the_ways_out(
+    tmp_path: Path, kind: str, capsys: pytest.CaptureFixture
+) -> None:
+    cfg = _cfg(tmp_path)
+    assert run_one(cfg, "fedavg", SEED, stop_after=0) is None
+    ckpt = run_dir(cfg, "fedavg", SEED) / "checkpoint.pt"
+    _damage(kind, ckpt)
+    with pytest.raises(DamagedCheckpoint, match="is damaged and cannot be read") as e:
+        run_one(cfg, "fedavg", SEED, resume=True)
+    msg = str(e.value)
+    assert str(ckpt) in msg and "without --resume" in msg and f"remove {ckpt}" in msg
+    assert "weights_only" not in msg
+    # the command line says the same in one line, exit status 2
+    args = [*_args(tmp_path), "algorithms=[fedavg]", "--resume"]
+    assert main(["run", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedlore: error: the checkpoint") and "Traceback" not in err
+    assert run_one(cfg, "fedavg", SEED) is not None  # the way out: start over
+
+
+def test_a_damaged_spilled_state_is_found_when_the_resume_starts(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "store.max_memory_mb=1e-6")  # every client state spills to a file
+    assert run_one(cfg, "fedlore", SEED, stop_after=0) is None
+    spilled = sorted((run_dir(cfg, "fedlore", SEED) / "client_states").glob("*.pt"))
+    assert spilled
+    spilled[-1].write_bytes(b"not a tensor file")
+    with pytest.raises(StoreError, match=r"spilled state of client \d+ .* is missing or damaged"):
+        run_one(cfg, "fedlore", SEED, resume=True)
+
+
+def test_output_dir_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    f = tmp_path / "results.txt"
+    f.write_text("mine")
+    assert main(["run", *_args(f, "algorithms=[fedavg]")]) == 2
+    assert f"output_dir={str(f)!r} is a file, not a folder" in capsys.readouterr().err
+    assert f.read_text() == "mine"
+
+
+# --- 4. the command line and method values ---------------------------------------------------
+
+
+def test_method_values_that_spell_numbers_are_stored_as_numbers(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "algorithms=[fedfull]", "method.fedfull.lr=1e-4", "rounds=1")
+    assert cfg.method["fedfull"]["lr"] == pytest.approx(1e-4)
+    run_one(cfg, "fedfull", SEED)
+    written = json.loads((run_dir(cfg, "fedfull", SEED) / "config.json").read_text())
+    assert written["method"]["lr"] == 1e-4  # the run's own method section
+    assert written["hyper"]["lr"] == 1e-4
+
+
+def test_every_invalid_method_value_is_reported_at_once(tmp_path: Path) -> None:
+    cfg = _cfg(
+        tmp_path,
+        "algorithms=[fedlore, fedavg]",
+        "method.fedlore.rank=four",
+        "method.fedlore.nonsense=1",
+        "method.fedavg.lr=fast",
+        "method.fedmagic.lr=1",
+    )
+    with pytest.raises(ConfigError) as e:
+        run_experiment(cfg)
+    msg = str(e.value)
+    for part in ("rank", "nonsense", "lr", "fedmagic"):
+        assert part in msg, msg
+    assert not (tmp_path / "safe").exists()
+
+
+# --- 5. no setting silently ignored ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["fedlore", "local_galore", "fedit", "ffa_lora"])
+def test_local_evaluation_and_client_time_for_low_rank_and_lora(
+    tmp_path: Path, method: str
+) -> None:
+    cfg = _cfg(tmp_path, f"algorithms=[{method}]", "eval.local=true", "rounds=2")
+    summary = run_one(cfg, method, SEED)
+    assert summary is not None
+    assert 0.0 <= summary["local_accuracy"] <= 1.0  # P-local, the last round
+    assert summary["client_train_s_per_round"] > 0
+
+
+def test_a_matrix_the_rank_covers_is_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = _cfg(
+        tmp_path, "algorithms=[fedlore]", "rank=16", "rounds=1", "model.kwargs={hidden: [48, 16]}"
+    )
+    with caplog.at_level("WARNING", logger="fedlore.run"):
+        run_experiment(cfg)
+    warned = [r.getMessage() for r in caplog.records if "is not projected" in r.getMessage()]
+    assert warned == [
+        "fedlore: body.2.weight 16x48 is not projected (min(m, n) = 16 <= rank 16): it trains "
+        "densely"
+    ]
+
+
+def test_data_root_for_embedded_digits_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="has no effect on source 'digits'"):
+        run_experiment(_cfg(tmp_path, "data.root=/somewhere"))
