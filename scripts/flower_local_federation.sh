@@ -4,6 +4,8 @@
 #
 #   scripts/flower_local_federation.sh [N] [key=value ...]
 #   N=3 METHOD=fedlore CONFIG=experiments/quickstart.yaml scripts/flower_local_federation.sh 3 rounds=2
+#   scripts/flower_local_federation.sh 3 rounds=3 --overwrite   # replace a finished run of another config
+#   SEED=43 ... --resume                                         # continue a killed run
 #
 # Results go to runs/flower_local/<method>/seed-<seed>/ (its own run name, so the main job's
 # runs/quickstart/ is never touched); give name=... or output_dir=... to put them elsewhere.
@@ -19,14 +21,25 @@
 # --root-certificates (and --auth-supernode-private-key/--auth-supernode-public-key), and set
 # root-certificates instead of insecure in the connection below (Flower's deployment docs).
 set -euo pipefail
+CALLER=$PWD   # relative paths the user gives (SITES, output_dir=) are relative to here
 cd "$(dirname "$0")/.."
 N=${1:-3}; shift || true
+SEED=${SEED:-42}
 METHOD=${METHOD:-fedlore}
 CONFIG=$(realpath "${CONFIG:-experiments/quickstart.yaml}")
-NAME=flower_local; OUT_DIR=$(pwd)/runs
+NAME=flower_local; OUT_DIR=$(pwd)/runs; RESUME=false; OVERWRITE=false
+ARGS=()
 for kv in "$@"; do   # the user's name= / output_dir= win; defaults keep the main job's runs apart
-  case $kv in name=*) NAME=${kv#name=} ;; output_dir=*) OUT_DIR=$(realpath -m "${kv#output_dir=}") ;; esac
+  case $kv in
+    --resume) RESUME=true; continue ;;
+    --overwrite) OVERWRITE=true; continue ;;
+    name=*) NAME=${kv#name=} ;;
+    output_dir=*) OUT_DIR=$(cd "$CALLER" && realpath -m "${kv#output_dir=}"); kv="output_dir=$OUT_DIR" ;;
+    data.root=*) kv="data.root=$(cd "$CALLER" && realpath -m "${kv#data.root=}")" ;;
+  esac
+  ARGS+=("$kv")
 done
+set -- "${ARGS[@]+"${ARGS[@]}"}"
 read -r -a SITE_DIRS <<< "${SITES:-}"
 SITE_FLAG=""
 if [ ${#SITE_DIRS[@]} -gt 0 ]; then
@@ -59,7 +72,10 @@ echo "SuperLink pid $! (logs in $WORK)"
 sleep 3
 for i in $(seq 0 $((N - 1))); do
   NODE_CONFIG="partition-id=$i num-partitions=$N"
-  if [ -n "$SITE_FLAG" ]; then NODE_CONFIG="$NODE_CONFIG data-root=\"$(realpath "${SITE_DIRS[$i]}")\""; fi
+  if [ -n "$SITE_FLAG" ]; then
+    SITE=$(cd "$CALLER" && realpath -e "${SITE_DIRS[$i]}") || { echo "SITES: ${SITE_DIRS[$i]} not found (relative to $CALLER)" >&2; exit 2; }
+    NODE_CONFIG="$NODE_CONFIG data-root=\"$SITE\""
+  fi
   "$BIN/flower-supernode" --insecure --superlink "$LINK" \
     --host 127.0.0.1 --port $((BASE_PORT + 10 + i)) \
     --node-config "$NODE_CONFIG" > "$WORK/supernode-$i.log" 2>&1 &
@@ -75,6 +91,13 @@ address = "$LINK"
 insecure = true
 TOML
 sleep 3
+touch "$WORK/started"
 "$BIN/flwr" run . fedlore-local --stream \
-  --run-config "config='$CONFIG' method='$METHOD' overrides='$OVERRIDES'"
-echo "results in $OUT_DIR/$NAME/$METHOD/ (fedlore report $OUT_DIR/$NAME)"
+  --run-config "config='$CONFIG' method='$METHOD' seed=$SEED resume=$RESUME overwrite=$OVERWRITE overrides='$OVERRIDES'"
+SUMMARY="$OUT_DIR/$NAME/$METHOD/seed-$SEED/summary.json"
+if [ -f "$SUMMARY" ] && { [ "$SUMMARY" -nt "$WORK/started" ] || [ "$RESUME" = true ]; }; then
+  echo "results in $OUT_DIR/$NAME/$METHOD/ (fedlore report $OUT_DIR/$NAME)"
+else
+  echo "fedlore: the deployed run did not finish (its error is above; logs in $WORK)" >&2
+  exit 1
+fi

@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from fedlore.config import ConfigError, load_config
@@ -48,8 +49,28 @@ def _split_args(items: list[str]) -> tuple[Path | None, list[str]]:
     return config, overrides
 
 
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: object = None,
+    line: str | None = None,
+) -> None:
+    """fedlore's own warnings (an unfinished run in a report, ...) as one ``fedlore: warning:``
+    line, not Python's file-and-line format; other libraries' warnings as Python shows them."""
+    if category.__module__.startswith("fedlore"):
+        print(f"fedlore: warning: {message}", file=sys.stderr)
+    else:
+        _PYTHON_SHOWWARNING(message, category, filename, lineno, None, line)
+
+
+_PYTHON_SHOWWARNING = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fedlore`` command; returns the exit status."""
+    warnings.showwarning = _show_warning
     parser = argparse.ArgumentParser(prog="fedlore", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -119,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
         summaries = run_experiment(cfg, resume=ns.resume, overwrite=ns.overwrite)
         folder = Path(cfg.output_dir) / cfg.name
-        print(report(folder))
+        print(report(folder), flush=True)  # the table before any warning about it
         for method, runs in summaries.items():
             for summary in runs:
                 if summary.get("diverged"):
@@ -135,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, KeyError, ValueError, StoreError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"fedlore: error: {msg}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a folder that cannot be created or written (output_dir, a data root)
+        where = f": {e.filename}" if e.filename else ""
+        print(f"fedlore: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(

@@ -8,10 +8,12 @@ metrics as an uninterrupted run (all randomness is derived from seed, round and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -212,6 +214,8 @@ def run_one(
     state = start_server(algo, eval_model, generator(seed, SERVER_INIT), fed, method)
     with RunLock(out):  # the folder is this run's until it ends (however it ends)
         if not resume:  # a fresh run: nothing of an earlier run in this folder may survive
+            if (out / "metrics.jsonl").exists():
+                say("%s seed %d: starting over in %s (--resume would continue)", method, seed, out)
             for stale in ("summary.json", "checkpoint.pt", "checkpoint.pt.tmp", "config.json"):
                 (out / stale).unlink(missing_ok=True)
             shutil.rmtree(spill, ignore_errors=True)
@@ -232,8 +236,15 @@ def run_one(
             last, state, store = Checkpointer.load(ckpt_path, max_bytes, spill, device)
             metrics.truncate_after(last)
             start = last + 1
-            log.info("resuming %s seed %d after round %d", method, seed, last)
+            say("%s seed %d: resuming after round %d (its checkpoint)", method, seed, last)
         else:
+            if resume:
+                say(
+                    "%s seed %d: no checkpoint in %s; starting from the first round",
+                    method,
+                    seed,
+                    out,
+                )
             metrics.path.write_text("")
         factory = make_transport if make_transport is not None else LocalTransport
         transport = factory(algo, fed.client, build, seed, store)
@@ -404,8 +415,8 @@ def check_no_finished_run_of_another_config(cfg: Config, method: str, out: Path)
     if details:
         raise ConfigError(
             f"{out} holds a finished run of another config ({details}); a fresh run would "
-            "delete it. Pass --overwrite to replace it, give this run another name=..., or "
-            "run with --resume to keep it"
+            "delete it. Pass --overwrite to replace it, or give this run another name=... to "
+            "keep both (--resume applies only to the config the run was started with)"
         )
 
 
@@ -533,15 +544,22 @@ def preflight(cfg: Config, fed: Federation) -> None:
     check_eval(cfg, fed)
     build = model_factory(cfg, fed, cfg.seeds[0])
     check_params(cfg, build())
-    for name in cfg.algorithms:
+    problems: list[str] = []
+    accepted: list[tuple[str, Algorithm]] = []
+    for name in cfg.algorithms:  # every method's problems at once, not only the first's
         try:  # a fresh model per method: a method may convert its workspace (a BNN)
             rng = generator(cfg.seeds[0], SERVER_INIT)
             algo = make_algorithm(name, cfg)
             start_server(algo, build(), rng, fed, name)
-        except ConfigError:
-            raise
-        except ValueError as e:
-            raise ConfigError(f"method {name!r}: {e}") from e
+        except ValueError as e:  # ConfigError included
+            text = str(e)
+            prefix = f"method {name!r}"
+            problems.append(text if text.startswith(prefix) else f"{prefix}: {e}")
+            continue
+        accepted.append((name, algo))
+    if problems:
+        raise ConfigError("\n".join(problems))
+    for name, algo in accepted:
         describe_parameters(name, algo, build())
         if cfg.optim.name != "adam" and not hasattr(algo, "optimizer"):
             log.warning(
@@ -746,7 +764,20 @@ def divergence(rows: list[dict[str, Any]]) -> dict[str, str]:
     evaluated = [r for r in rows if "loss" in r]
     if evaluated and evaluated[-1]["loss"] is None:
         return {"diverged": "the final loss is not finite"}
+    if evaluated and "rmse" not in evaluated[-1]:  # classes or tokens: NLL in nats
+        final = float(evaluated[-1]["loss"])
+        if final > DIVERGED_NLL:
+            return {
+                "diverged": f"the final loss is {final:.3g} nats per example (> {DIVERGED_NLL:g}; "
+                "a uniform guess costs ln K): the model blew up; lower the learning rate"
+            }
     return {}
+
+
+DIVERGED_NLL = 1e4
+"""A classification or language-model run whose final test NLL exceeds this many nats per
+example (token) is marked diverged: a uniform guess over K classes costs ln K (2.3 for 10 classes,
+10.4 for a 32k vocabulary), so only logits blown up to this scale reach it while staying finite."""
 
 
 SUMMARY_LAST = {
@@ -801,6 +832,47 @@ def _last_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def check_output_dir(cfg: Config) -> None:
+    """``<output_dir>/<name>`` can be a folder this process creates and writes: no part of the
+    path is a file, and the deepest part that exists is a writable folder (nothing is created).
+
+    Raises:
+        ConfigError: naming ``output_dir`` (or ``name``) and the part of the path in the way.
+    """
+    target = Path(cfg.output_dir) / cfg.name
+    for part in [target, *target.parents]:
+        if not part.exists():
+            continue
+        if not part.is_dir():
+            key = "name" if part == target else "output_dir"
+            raise ConfigError(
+                f"{key}: {part} is a file, not a folder (output_dir={cfg.output_dir!r}, "
+                f"name={cfg.name!r}); choose another output_dir or name"
+            )
+        if not os.access(part, os.W_OK | os.X_OK):
+            raise ConfigError(
+                f"output_dir={cfg.output_dir!r}: cannot create or write {target} ({part} is "
+                "not writable); choose another output_dir"
+            )
+        break
+
+
+def make_output_dir(cfg: Config) -> None:
+    """Create ``<output_dir>/<name>``.
+
+    Raises:
+        ConfigError: naming ``output_dir`` when the folder cannot be created.
+    """
+    target = Path(cfg.output_dir) / cfg.name
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"output_dir={cfg.output_dir!r}: cannot create {target} ({e.strerror or e}); "
+            "choose another output_dir"
+        ) from e
+
+
 def run_experiment(
     cfg: Config, resume: bool = False, overwrite: bool = False
 ) -> dict[str, list[dict[str, Any]]]:
@@ -815,9 +887,7 @@ def run_experiment(
         ConfigError: as above, naming each problem.
     """
     out: dict[str, list[dict[str, Any]]] = {m: [] for m in cfg.algorithms}
-    root = Path(cfg.output_dir)
-    if root.exists() and not root.is_dir():
-        raise ConfigError(f"output_dir={cfg.output_dir!r} is a file, not a folder")
+    check_output_dir(cfg)
     problems: list[str] = []
     for name in cfg.method:
         if name not in cfg.algorithms:
@@ -837,7 +907,26 @@ def run_experiment(
             for method in cfg.algorithms:
                 check_no_finished_run_of_another_config(cfg, method, run_dir(cfg, method, seed))
     first = build_federation(cfg, cfg.seeds[0])
-    preflight(cfg, first)
+    preflight(cfg, first)  # every check runs before a run folder is created or touched
+    make_output_dir(cfg)
+    with contextlib.ExitStack() as held:
+        # every folder this experiment will write is its own from the start: a second process
+        # running the same experiment is refused now, not when it reaches a busy folder (after
+        # having redone and rewritten the finished ones)
+        for seed in cfg.seeds:
+            for method in cfg.algorithms:
+                held.enter_context(RunLock(run_dir(cfg, method, seed)))
+        _run_all(cfg, first, resume, overwrite, out)
+    return out
+
+
+def _run_all(
+    cfg: Config,
+    first: Federation,
+    resume: bool,
+    overwrite: bool,
+    out: dict[str, list[dict[str, Any]]],
+) -> None:
     for seed in cfg.seeds:
         fed = first if seed == cfg.seeds[0] else build_federation(cfg, seed)
         for method in cfg.algorithms:
@@ -849,4 +938,3 @@ def run_experiment(
                 summary = run_one(cfg, method, seed, fed=fed, resume=resume, overwrite=overwrite)
             if summary is not None:
                 out[method].append(summary)
-    return out

@@ -188,6 +188,14 @@ def test_a_damaged_checkpoint_names_the_file_and_the_ways_out(
     msg = str(e.value)
     assert str(ckpt) in msg and "without --resume" in msg and f"remove {ckpt}" in msg
     assert "weights_only" not in msg
+    reason = {
+        "garbage": "not a PyTorch checkpoint",
+        "foreign": "not a PyTorch checkpoint",  # a plain pickle: not torch.save's zip archive
+        "empty": "the file is empty",
+        "missing_keys": "not a fedlore checkpoint",
+    }.get(kind)
+    if reason is not None:
+        assert reason in msg, msg
     # the command line says the same in one line, exit status 2
     args = [*_args(tmp_path), "algorithms=[fedavg]", "--resume"]
     assert main(["run", *args]) == 2
@@ -210,8 +218,15 @@ def test_output_dir_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture
     f = tmp_path / "results.txt"
     f.write_text("mine")
     assert main(["run", *_args(f, "algorithms=[fedavg]")]) == 2
-    assert f"output_dir={str(f)!r} is a file, not a folder" in capsys.readouterr().err
+    assert f"output_dir: {f} is a file, not a folder" in capsys.readouterr().err
     assert f.read_text() == "mine"
+    # a path below a file, and a run name that is a file: the same clear error, no traceback
+    assert main(["run", *_args(f / "sub", "algorithms=[fedavg]")]) == 2
+    assert f"output_dir: {f} is a file, not a folder" in capsys.readouterr().err
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "safe").write_text("mine too")
+    assert main(["run", *_args(tmp_path / "runs", "algorithms=[fedavg]")]) == 2
+    assert f"name: {tmp_path / 'runs' / 'safe'} is a file" in capsys.readouterr().err
 
 
 # --- 4. the command line and method values ---------------------------------------------------
@@ -241,6 +256,70 @@ def test_every_invalid_method_value_is_reported_at_once(tmp_path: Path) -> None:
     for part in ("rank", "nonsense", "lr", "fedmagic"):
         assert part in msg, msg
     assert not (tmp_path / "safe").exists()
+
+
+def test_every_out_of_range_value_of_a_method_and_of_every_method(tmp_path: Path) -> None:
+    cfg = _cfg(
+        tmp_path,
+        "algorithms=[fedlore, fedfull]",
+        "method.fedlore.lr=-1",
+        "method.fedlore.candidate_svd=maybe",
+        "method.fedfull.lr=-1",
+        "method.fedfull.weight_decay=-5",
+    )
+    with pytest.raises(ConfigError) as e:
+        run_experiment(cfg)
+    msg = str(e.value)
+    assert "FedLore: invalid lr=-1" in msg and "invalid candidate_svd='maybe'" in msg
+    assert "(accepted: exact, randomized" in msg  # a choice names the accepted values
+    assert "FedFull: invalid lr=-1" in msg and "invalid weight_decay=-5" in msg
+    # problems found on the real model are collected over methods too
+    wide = _cfg(tmp_path, "algorithms=[fedit, local_galore]", "rank=200")
+    with pytest.raises(ConfigError) as e:
+        run_experiment(wide)
+    assert "method 'fedit'" in str(e.value) and "method 'local_galore'" in str(e.value)
+
+
+def test_a_second_run_of_the_same_experiment_is_refused_before_it_redoes_anything(
+    tmp_path: Path,
+) -> None:
+    """The first process is still on its second method: the second process must not retrain
+    (and rewrite) the finished first method before it reaches the busy folder."""
+    cfg = _cfg(tmp_path, "algorithms=[fedavg, fedfull]")
+    run_one(cfg, "fedavg", SEED)  # the first method, finished
+    finished = (run_dir(cfg, "fedavg", SEED) / "metrics.jsonl").read_bytes()
+    busy = run_dir(cfg, "fedfull", SEED)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD.format(folder=str(busy))], stdout=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == b"held"
+        with pytest.raises(RunLocked, match=f"PID {holder.pid}"):
+            run_experiment(cfg)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (run_dir(cfg, "fedavg", SEED) / "metrics.jsonl").read_bytes() == finished
+
+
+_HOLD = """
+import sys, time
+from pathlib import Path
+from fedlore.engine.lock import RunLock
+with RunLock(Path({folder!r})):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_finite_but_absurd_loss_is_marked_diverged() -> None:
+    from fedlore.run import divergence
+
+    rows = [{"round": 0, "accepted": 3, "train_loss": 9.0, "loss": 3.4e35, "accuracy": 0.1}]
+    assert "blew up" in divergence(rows)["diverged"]
+    assert divergence([{**rows[0], "loss": 2.3}]) == {}
+    regression = [{**rows[0], "rmse": 80.0, "loss": 3.2e3}]  # large targets: not judged so
+    assert divergence(regression) == {}
 
 
 # --- 5. no setting silently ignored ----------------------------------------------------------

@@ -228,3 +228,22 @@ def test_deployment_script_leaves_the_main_job_alone(tmp_path: Path) -> None:
     assert own.exists(), res.stdout[-3000:]
     assert json.loads(own.read_text())["rounds"] == 1
     assert f"results in {proj / 'runs'}/flower_local/fedavg/" in res.stdout
+
+    def again(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", str(proj / "scripts" / "flower_local_federation.sh"), "2", "rounds=2",
+             "local_steps=2", "model.kwargs.hidden=[16]", "flower.wait_for_nodes_s=60", *extra],
+            env=env, cwd=proj, capture_output=True, text=True, timeout=400,
+        )  # fmt: skip
+
+    # another config under the same name: refused in the server's own words, and the script
+    # fails instead of announcing results; --overwrite replaces the run
+    refused = again()
+    assert refused.returncode == 1
+    assert "holds a finished run of another config (rounds: 1 -> 2)" in refused.stdout
+    assert "the deployed run did not finish" in refused.stderr
+    assert "results in" not in refused.stdout
+    assert json.loads(own.read_text())["rounds"] == 1
+    replaced = again("--overwrite")
+    assert replaced.returncode == 0, replaced.stdout[-3000:] + replaced.stderr[-3000:]
+    assert json.loads(own.read_text())["rounds"] == 2

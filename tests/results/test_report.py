@@ -250,6 +250,11 @@ def test_a_method_keeps_its_colour_in_every_figure(tmp_path: Path) -> None:
     v = method_colors(["fedlore [lr=0.1]", "fedavg", "fedlore [lr=0.01]"])
     assert v["fedlore [lr=0.1]"][0] == v["fedlore [lr=0.01]"][0] != v["fedavg"][0]
     assert v["fedlore [lr=0.1]"][1] != v["fedlore [lr=0.01]"][1]
+    # a method keeps its colour from report to report, whatever else the report holds
+    a = method_colors(["fedlore", "fedfull", "local_galore"])
+    b = method_colors(["fedfull", "fedit", "fedlore", "custom_method", "another_one"])
+    assert a["fedlore"] == b["fedlore"] and a["fedfull"] == b["fedfull"]
+    assert len({c for c, _ in b.values()}) == len(b)  # and no two methods of one report share
 
 
 def test_log_bytes_axis_has_plain_ticks_and_the_figure_a_title(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -201,11 +202,30 @@ def build_hyper(cls: type, common: dict[str, Any], overrides: dict[str, Any]) ->
         raise ValueError("; ".join(problems))
     try:
         return cls(**kw)
+    except ValueError as first:  # every out-of-range value, not only the first one checked
+        raise ValueError("; ".join(_range_problems(cls, kw, types)) or str(first)) from first
     except TypeError as e:  # e.g. a string where a number is needed
         bad = {k: overrides[k] for k in overrides}
         raise ValueError(
             f"{cls.__name__}: a hyperparameter has the wrong type ({e}); got {bad}"
         ) from e
+
+
+def _range_problems(cls: type, kw: dict[str, Any], types: dict[str, str]) -> list[str]:
+    """The checks of ``cls`` that each value of ``kw`` fails on its own (every other field at
+    its default), with the accepted values of ``Literal`` fields; empty when only a combination
+    of values is refused."""
+    out = []
+    for key, value in kw.items():
+        try:
+            cls(**{key: value})
+        except (ValueError, TypeError) as e:
+            text = str(e)
+            choices = re.findall(r"'([^']*)'", types[key]) if "Literal[" in types[key] else []
+            if choices:
+                text += f" (accepted: {', '.join(choices)})"
+            out.append(text)
+    return out
 
 
 def _check_kind(what: str, kind: str, value: Any) -> Any:

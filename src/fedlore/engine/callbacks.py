@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -63,16 +65,36 @@ class DamagedCheckpoint(ConfigError):
     """A checkpoint (or a spilled client state it names) that cannot be read."""
 
 
-def damage_reason(e: BaseException) -> str:
-    """Why ``torch.load`` could not read a file, in a few words: torch's own message (its first
-    line), except its advice to retry with ``weights_only=False``, which a damaged or foreign
-    file must not get (it would run arbitrary code)."""
+def damage_reason(e: BaseException, path: Path | None = None) -> str:
+    """Why ``torch.load`` could not read a file, in a few words: an empty file, a file that is not
+    the zip archive ``torch.save`` writes (truncated, overwritten, another kind of file), a
+    checkpoint of something else, or torch's own message (its first line), never its advice to
+    retry with ``weights_only=False``, which a damaged or foreign file must not get (it would run
+    arbitrary code)."""
+    if path is not None and path.is_file():
+        if path.stat().st_size == 0:
+            return "the file is empty"
+        if not zipfile.is_zipfile(path):
+            return (
+                "not a PyTorch checkpoint: torch.save writes a zip archive and this file is not "
+                "one (truncated, overwritten, or another kind of file)"
+            )
     if isinstance(e, KeyError):
         return f"no {e.args[0]!r} entry: not a fedlore checkpoint"
+    if isinstance(e, TypeError | AttributeError):
+        return "its contents are not laid out as a fedlore checkpoint"
     text = str(e).splitlines()[0] if str(e) else repr(e)
     if "weights_only" in text:
         return "it holds objects other than tensors and plain values: not a fedlore checkpoint"
     return f"{type(e).__name__}: {text}"
+
+
+def load_tensors(path: Path, map_location: torch.device | str) -> Any:
+    """``torch.load(path, weights_only=True)`` without torch's warnings about the file's pickle
+    protocol (a foreign file is reported by :func:`damage_reason`, not by a warning)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.load(path, weights_only=True, map_location=map_location)
 
 
 class Checkpointer:
@@ -130,15 +152,16 @@ class Checkpointer:
             StoreError: when a spilled client state it names is missing or damaged.
         """
         try:
-            raw = torch.load(path, weights_only=True, map_location=torch.device(device))
+            raw = load_tensors(path, torch.device(device))
             server = State(dict(raw["server"]["arrays"]), dict(raw["server"]["values"]))
             last = int(raw["round"])
             clients = raw["clients"]
         except FileNotFoundError:
             raise
         except Exception as e:  # a torn, truncated or foreign file: say which and what to do
+            why = damage_reason(e, path)
             raise DamagedCheckpoint(
-                f"the checkpoint {path} is damaged and cannot be read ({damage_reason(e)}). Run "
+                f"the checkpoint {path} is damaged and cannot be read ({why}). Run "
                 f"without --resume to start this run over, or remove {path} (the run then "
                 "restarts from round 0)"
             ) from None

@@ -23,6 +23,11 @@ from fedlore.config import ConfigError
 
 LOCK_FILE = "run.lock"
 
+_HELD: dict[Path, int] = {}
+"""Locks this process holds (resolved lock-file path -> nesting depth): a run takes the lock of
+its folder again inside an experiment that already holds it (``run_experiment`` locks every
+folder it will write before it starts)."""
+
 
 class RunLocked(ConfigError):
     """The run folder is held by another live fedlore process."""
@@ -40,9 +45,15 @@ class RunLock:
     def __init__(self, folder: Path) -> None:
         self.path = Path(folder) / LOCK_FILE
         self._fd: int | None = None
+        self._nested = False
 
     def __enter__(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        key = self.path.resolve()
+        if key in _HELD:  # this process holds it already: re-entered, released by the outer
+            _HELD[key] += 1
+            self._nested = True
+            return self
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -57,6 +68,7 @@ class RunLock:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         os.write(fd, f"PID {os.getpid()} on {socket.gethostname()} since {stamp}\n".encode())
         self._fd = fd
+        _HELD[key] = 1
         return self
 
     def __exit__(
@@ -65,8 +77,13 @@ class RunLock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self._nested:
+            _HELD[self.path.resolve()] -= 1
+            self._nested = False
+            return
         if self._fd is None:
             return
+        _HELD.pop(self.path.resolve(), None)
         try:
             os.ftruncate(self._fd, 0)  # no stale holder text for the next reader
             fcntl.flock(self._fd, fcntl.LOCK_UN)

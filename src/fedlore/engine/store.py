@@ -265,18 +265,18 @@ class ClientStore:
         Raises:
             StoreError: naming the client, the file and the ways out.
         """
-        from fedlore.engine.callbacks import damage_reason
+        from fedlore.engine.callbacks import damage_reason, load_tensors
 
         for cid, ref in sorted(self._spilled.items()):
             assert self.spill_dir is not None
             path = self.spill_dir / ref.file
             try:
-                raw = torch.load(path, weights_only=True, map_location="meta")
+                raw = load_tensors(path, "meta")
                 dict(raw["arrays"]), dict(raw["values"])
             except Exception as e:
                 raise StoreError(
                     f"the spilled state of client {cid} ({path}) is missing or damaged "
-                    f"({damage_reason(e)}); the checkpoint needs it. Run without --resume to "
+                    f"({damage_reason(e, path)}); the checkpoint needs it. Run without --resume to "
                     "start the run over"
                 ) from None
 

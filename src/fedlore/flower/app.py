@@ -146,8 +146,16 @@ def client_query(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"identity": ident}), reply_to=msg)
 
 
-def server_main(grid: Grid, cfg: Config, method: str, seed: int) -> dict[str, Any] | None:
-    """Run one method x seed of ``cfg`` over ``grid``; returns the run summary."""
+def server_main(
+    grid: Grid,
+    cfg: Config,
+    method: str,
+    seed: int,
+    resume: bool = False,
+    overwrite: bool = False,
+) -> dict[str, Any] | None:
+    """Run one method x seed of ``cfg`` over ``grid`` (``resume`` / ``overwrite`` as for
+    :func:`fedlore.run.run_one`); returns the run summary."""
     from fedlore.run import run_one
 
     transport_box: dict[str, FlowerTransport] = {}
@@ -168,7 +176,15 @@ def server_main(grid: Grid, cfg: Config, method: str, seed: int) -> dict[str, An
         transport_box["t"] = t
         return t
 
-    summary = run_one(cfg, method, seed, fed=fed, make_transport=make_transport)
+    summary = run_one(
+        cfg,
+        method,
+        seed,
+        fed=fed,
+        resume=resume,
+        overwrite=overwrite,
+        make_transport=make_transport,
+    )
     t = transport_box.get("t")
     if t is not None and summary is not None:
         summary["wire_bytes_up_total"] = t.wire_bytes_up
@@ -212,14 +228,31 @@ def _from_run_config(context: Context) -> tuple[Config, str, int]:
     return cfg, method, seed
 
 
+def _flag(context: Context, key: str) -> bool:
+    """A run-config switch (``resume``, ``overwrite``): true, "true", 1 or "1"."""
+    return str(context.run_config.get(key, "false")).strip().lower() in ("true", "1", "yes")
+
+
 server_app = ServerApp()
 client_app = ClientApp()
 
 
 @server_app.main()
 def _deployed_main(grid: Grid, context: Context) -> None:
-    cfg, method, seed = _from_run_config(context)
-    server_main(grid, cfg, method, seed)
+    try:
+        cfg, method, seed = _from_run_config(context)
+        server_main(
+            grid,
+            cfg,
+            method,
+            seed,
+            resume=_flag(context, "resume"),
+            overwrite=_flag(context, "overwrite"),
+        )
+    except ValueError as e:  # ConfigError included: say what to do, without a traceback
+        # flwr streams what its own logger records to `flwr run --stream`; the run then ends
+        # without a summary, which scripts/flower_local_federation.sh reports as a failure
+        logging.getLogger("flwr").error("fedlore: error: %s", e)
 
 
 @client_app.train()

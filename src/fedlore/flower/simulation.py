@@ -70,10 +70,17 @@ def run_simulated(cfg: Config, method: str, seed: int, resume: bool = False) -> 
 @contextlib.contextmanager
 def flower_output_to(path: Path) -> Iterator[None]:
     """Send Flower's log records and Python warnings raised meanwhile to the file ``path``
-    (appended) instead of the console; a no-op when the root logger is at INFO or below (``-v``:
-    the user asked to see everything)."""
+    (appended) instead of the console. When the root logger is at INFO or below (``-v``: the
+    user asked to see everything) they stay on the console, each line once (flwr's own handler
+    prints them; they do not propagate to the root's as well)."""
     if logging.getLogger().isEnabledFor(logging.INFO):
-        yield
+        flwr_log = logging.getLogger("flwr")
+        propagate = flwr_log.propagate
+        flwr_log.propagate = not flwr_log.handlers  # flwr prints its own lines: once, not twice
+        try:
+            yield
+        finally:
+            flwr_log.propagate = propagate
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     flwr_log = logging.getLogger("flwr")

@@ -100,16 +100,34 @@ def base_method(label: str) -> str:
     return label.split(" [", 1)[0]
 
 
+COLOR_ORDER = (
+    "fedlore", "fedfull", "local_galore", "fedit", "fedlore_random", "fedlore_fixed",
+    "ffa_lora", "flexlora", "lora_fair", "rolora", "flora", "frlora",
+    "fedavg", "meta_bayfl", "bayfl", "fedprox", "meta_fl", "meta_bayfl_mcd", "fedavg_mcd",
+    "pfedbayes",
+)  # fmt: skip
+"""Methods with a fixed colour (``PALETTE[i]``), the same in every report; other methods take
+the next free colour."""
+
+
 def method_colors(labels: Sequence[str]) -> dict[str, tuple[str, str]]:
-    """label -> (colour, line style): one colour per method, fixed for the whole report (methods
-    in order of first appearance), a line style per config variant of a method."""
+    """label -> (colour, line style): one colour per method, the same method in the same colour
+    in every report (:data:`COLOR_ORDER`; a method outside it, or one whose colour another
+    method of this report already has, takes the first free one), a line style per config
+    variant of a method."""
+    methods = list(dict.fromkeys(base_method(label) for label in labels))
     colours: dict[str, str] = {}
+    for method in methods:  # the fixed colours first
+        if method in COLOR_ORDER:
+            colours[method] = PALETTE[COLOR_ORDER.index(method) % len(PALETTE)]
+    used = set(colours.values())
+    free = [c for c in PALETTE if c not in used]
+    for i, method in enumerate(m for m in methods if m not in colours):
+        colours[method] = free[i % len(free)] if free else PALETTE[i % len(PALETTE)]
     seen: dict[str, int] = {}
     out: dict[str, tuple[str, str]] = {}
     for label in labels:
         method = base_method(label)
-        if method not in colours:
-            colours[method] = PALETTE[len(colours) % len(PALETTE)]
         k = seen.get(method, 0)
         seen[method] = k + 1
         out[label] = (colours[method], LINESTYLES[k % len(LINESTYLES)])

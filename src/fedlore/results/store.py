@@ -103,7 +103,9 @@ def derive_summary(method: str, seed: int, rows: list[dict[str, Any]]) -> dict[s
     round was evaluated); language models add
     ``final_perplexity`` and ``best_perplexity`` (the minimum); byte totals are sums;
     ``optimizer_state_bytes`` is the peak over rounds; ``wall_s_per_round`` the mean round
-    time; ``rounds`` the number of rows.
+    time; ``rounds`` the number of rows; rejected replies and skipped steps are totals, and the
+    optional last values (ECE, P-local, client seconds) and the divergence mark are those a
+    finished run's summary would hold.
     """
     acc = [a for a in (value(r, "accuracy") for r in rows) if a is not None]
     evaluated = [r for r in rows if "accuracy" in r or "loss" in r]
@@ -111,7 +113,10 @@ def derive_summary(method: str, seed: int, rows: list[dict[str, Any]]) -> dict[s
     walls = [w for w in (value(r, "wall_s") for r in rows) if w is not None]
     states = [s for s in (value(r, "optimizer_state_bytes") for r in rows) if s is not None]
     losses = [v for v in (value(r, "loss") for r in rows) if v is not None]
-    lm = lm_summary([r for r in rows if isinstance(r.get("round"), int) and r["round"] >= 0])
+    from fedlore.run import _last_values, divergence  # run.py imports this module
+
+    train = [r for r in rows if isinstance(r.get("round"), int) and r["round"] >= 0]
+    lm = lm_summary(train)
     return {
         "method": method,
         "seed": seed,
@@ -123,12 +128,18 @@ def derive_summary(method: str, seed: int, rows: list[dict[str, Any]]) -> dict[s
         "wall_s_per_round": sum(walls) / len(walls) if walls else None,
         "rounds": len(rows),
         "final_loss": value(last_eval, "loss") if losses else None,
+        "rejected_total": sum(int(r.get("rejected", 0) or 0) for r in rows),
+        "skipped_steps_total": sum(int(r.get("skipped_steps", 0) or 0) for r in rows),
         "derived": True,
         **lm,
+        **_last_values(train),  # ECE, P-local, client seconds: as a finished run's summary
+        **divergence(train),
     }
 
 
 def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
+    if {p.name for p in run_dir.iterdir()} == {"run.lock"}:  # a folder a run reserved only
+        return None
     metrics_path, summary_path = run_dir / "metrics.jsonl", run_dir / "summary.json"
     rows = read_rows(metrics_path) if metrics_path.is_file() else []
     summary: dict[str, Any] | None = None
