@@ -50,6 +50,7 @@ over modules), ``fair_objective`` and ``fair_iterations`` show what it did.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -81,6 +82,32 @@ def direction_gap(ideal: torch.Tensor, approx: torch.Tensor, cosine: str = "flat
 
 
 FairSolver = Literal["lbfgs", "sgd"]
+
+
+def _lbfgs(
+    param: torch.Tensor, objective: Callable[[], torch.Tensor], max_steps: int, grad_tol: float
+) -> int:
+    """Minimize ``objective()`` over ``param`` in place with L-BFGS (strong-Wolfe line search,
+    at most ``max_steps`` iterations, stopping when the gradient's max-norm is below
+    ``grad_tol``); returns the iterations taken."""
+    opt = torch.optim.LBFGS(
+        [param],
+        lr=1.0,
+        max_iter=max_steps,
+        tolerance_grad=grad_tol,
+        tolerance_change=1e-20,
+        history_size=20,
+        line_search_fn="strong_wolfe",
+    )
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        obj = objective()
+        obj.backward()
+        return obj
+
+    opt.step(closure)
+    return int(opt.state[param].get("n_iter", 0))
 
 
 @dataclass(frozen=True)
@@ -186,24 +213,7 @@ def fair_correction(
                 profile = lam * (b_sq - dot * dot / v.pow(2).sum())
                 return direction_gap(ideal64, v @ a64, cosine) + profile
 
-            opt = torch.optim.LBFGS(
-                [v],
-                lr=1.0,
-                max_iter=max_steps,
-                tolerance_grad=grad_tol,
-                tolerance_change=1e-20,
-                history_size=20,
-                line_search_fn="strong_wolfe",
-            )
-
-            def closure() -> torch.Tensor:
-                opt.zero_grad()
-                obj = reduced()
-                obj.backward()
-                return obj
-
-            opt.step(closure)
-            iterations = int(opt.state[v].get("n_iter", 0))
+            iterations = _lbfgs(v, reduced, max_steps, grad_tol)
             with torch.no_grad():
                 vv = v.detach()
                 dot = float((vv * b64).sum())
@@ -213,24 +223,7 @@ def fair_correction(
             if dot <= 0.0:  # the degenerate side, module docstring: solve the raw objective
                 degenerate = True
                 delta.data.zero_()
-                plain = torch.optim.LBFGS(
-                    [delta],
-                    lr=1.0,
-                    max_iter=max_steps,
-                    tolerance_grad=grad_tol,
-                    tolerance_change=1e-20,
-                    history_size=20,
-                    line_search_fn="strong_wolfe",
-                )
-
-                def plain_closure() -> torch.Tensor:
-                    plain.zero_grad()
-                    obj = value()
-                    obj.backward()
-                    return obj
-
-                plain.step(plain_closure)
-                iterations += int(plain.state[delta].get("n_iter", 0))
+                iterations += _lbfgs(delta, value, max_steps, grad_tol)
                 remember(value())
         elif max_steps > 0 and solver == "sgd":
             sgd = torch.optim.SGD([delta], lr=lr)

@@ -154,7 +154,7 @@ def posterior_kl(q: nn.Module, p: nn.Module) -> torch.Tensor:
     pl = {n: m for n, m in p.named_modules() if isinstance(m, _BayesMixin)}
     if ql.keys() != pl.keys():
         raise ValueError(f"posterior_kl: Bayesian layers differ ({sorted(ql)} vs {sorted(pl)})")
-    total = torch.zeros(())
+    total = torch.zeros((), device=_device_of(q))
     for name, a in ql.items():
         b = pl[name]
         pairs = [(a.weight_mu, a.weight_rho, b.weight_mu, b.weight_rho)]
@@ -410,14 +410,21 @@ def kl_divergence(model: nn.Module) -> torch.Tensor:
     """
     terms = [m.kl() for m in model.modules() if isinstance(m, _BayesMixin)]
     if not terms:
-        return torch.zeros(())
+        return torch.zeros((), device=_device_of(model))
     return torch.stack(terms).sum()
 
 
 def log_prior(model: nn.Module) -> torch.Tensor:
     """``log p(mu)`` summed over every Bayesian layer (float64; 0 without one)."""
     terms = [m.log_prior() for m in model.modules() if isinstance(m, _BayesMixin)]
-    return torch.stack(terms).sum() if terms else torch.zeros((), dtype=torch.float64)
+    if not terms:
+        return torch.zeros((), dtype=torch.float64, device=_device_of(model))
+    return torch.stack(terms).sum()
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """Where ``model``'s parameters live (the CPU for a model without any)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def is_bayesian(model: nn.Module) -> bool:
