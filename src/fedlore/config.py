@@ -298,6 +298,16 @@ class Config(_Strict):
     client and server states live there; randomness comes from seeded CPU generators on every
     device, checkpoints and spilled states are written as CPU tensors (a run resumes on any
     device). ``cuda`` without a CUDA device is an error."""
+    threads: int | Literal["auto"] = "auto"
+    """CPU threads of torch's intra-op parallelism in this process: a count >= 1, or ``auto``
+    (default): one per CPU that other work leaves free when the run starts (the CPUs of the
+    process's affinity minus the 1-minute load average, at least 1), or ``OMP_NUM_THREADS``
+    when that is set; a resumed run reuses the count it started with. Oversubscribed threads
+    wait for each other at every op: with torch's default count beside a competing process the
+    quickstart took 8.5 minutes instead of 20 seconds. Float sums depend on the count (results
+    differ in the last digits, as between devices), so it is not part of a run's config
+    fingerprint; fix it (``threads=1``) for bit-identical runs across machines. Flower
+    simulation clients use ``flower.client_cpus`` threads each."""
     precision: Literal["fp32", "bf16", "fp64"] = "fp32"
     """Floating-point precision: ``fp32`` (default); ``bf16``, bfloat16 autocast of the forward
     pass (and so of the backward) of local training, with fp32 master weights, optimizer moments,
@@ -369,6 +379,13 @@ class Config(_Strict):
         if v in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", v):
             return v
         raise ValueError("must be auto, cpu, cuda or cuda:N (N a device index)")
+
+    @field_validator("threads", mode="before")
+    @classmethod
+    def _thread_count(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        raise ValueError(f"must be auto or a thread count >= 1, got {v!r}")
 
     @field_validator("name")
     @classmethod

@@ -28,7 +28,7 @@ from fedlore.algorithms import build_hyper
 from fedlore.config import Config, ConfigError
 from fedlore.data.client_data import TensorSplit
 from fedlore.data.federation import Federation, build_federation
-from fedlore.device import resolve_device, training_precision
+from fedlore.device import resolve_device, training_precision, use_threads
 from fedlore.diagnostics import Diagnoser
 from fedlore.engine.callbacks import Checkpointer, MetricsWriter, ProgressBar
 from fedlore.engine.lock import RunLock
@@ -37,7 +37,7 @@ from fedlore.engine.sampling import sample_clients
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport, Transport
 from fedlore.models import build_model
-from fedlore.progress import say
+from fedlore.progress import say, say_once
 from fedlore.results.store import lm_summary
 from fedlore.seeding import MODEL_INIT, SERVER_INIT, derive_seed, generator
 from fedlore.tensors import load_model_arrays
@@ -212,6 +212,9 @@ def run_one(
     eval_model = build()
     check_params(cfg, eval_model)
     state = start_server(algo, eval_model, generator(seed, SERVER_INIT), fed, method)
+    threads = use_threads(cfg.threads, recorded_threads(out) if resume else None)
+    if device.type == "cpu":
+        say_once("%d CPU thread%s (threads=%s)", threads, "" if threads == 1 else "s", cfg.threads)
     with RunLock(out):  # the folder is this run's until it ends (however it ends)
         if not resume:  # a fresh run: nothing of an earlier run in this folder may survive
             if (out / "metrics.jsonl").exists():
@@ -225,6 +228,7 @@ def run_one(
             "data_fingerprint": fingerprint,
             "hyper": resolved_hyper(algo),
             "ran_on": str(device),
+            "ran_threads": threads,
         }
         (out / "config.json").write_text(json.dumps(written, indent=2))
         max_bytes = None if cfg.store.max_memory_mb is None else int(cfg.store.max_memory_mb * 1e6)
@@ -348,6 +352,16 @@ def global_local_metrics(
     return out
 
 
+def recorded_threads(out: Path) -> int | None:
+    """The thread count a run in ``out`` started with (``ran_threads`` of its ``config.json``),
+    None when there is none or it cannot be read."""
+    try:
+        n = json.loads((out / "config.json").read_text()).get("ran_threads")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+
+
 def spill_dir(cfg: Config, method: str, seed: int) -> Path:
     """Where a run's client states spill: ``client_states/`` in its run directory, or below
     ``store.spill_dir`` in a folder unique to the run directory (two runs never share one)."""
@@ -360,9 +374,11 @@ def spill_dir(cfg: Config, method: str, seed: int) -> Path:
 
 _NOT_RESULT_KEYS = (
     "progress", "algorithms", "seeds", "method", "store", "output_dir", "flower", "device",
+    "threads",
 )  # fmt: skip
 """Config keys that do not change a run's results (or, ``method``, are compared per method);
-``device`` changes them by float rounding only, so a run may resume on another device."""
+``device`` and ``threads`` change them by float rounding only, so a run may resume on another
+device or with another thread count."""
 
 
 def _run_config(cfg: Config, method: str) -> dict[str, Any]:
@@ -431,6 +447,7 @@ def config_diff(cfg: Config, method: str, recorded: dict[str, Any]) -> str:
     before = _flatten(raw)
     before.pop("data_fingerprint", None)  # compared by check_same_data
     before.pop("ran_on", None)  # a record: a run may resume on another device
+    before.pop("ran_threads", None)
     now = _flatten(_run_config(cfg, method))
     if hyper_before is not None:  # the method's settings as resolved (types and defaults)
         before.pop("method", None)

@@ -187,7 +187,7 @@ def is_experiment_dir(path: Path) -> bool:
     )
 
 
-RECORD_KEYS = ("data_fingerprint", "ran_on", "hyper")
+RECORD_KEYS = ("data_fingerprint", "ran_on", "ran_threads", "hyper")
 """``config.json`` keys that record a run rather than set it (the data fingerprint differs from
 seed to seed; ``hyper`` repeats the method's settings)."""
 
