@@ -405,7 +405,8 @@ def test_16bit_transport_partial_participation_caches_match_server(transport: st
                 assert not any(k.startswith("dense.") for k in msg.arrays)  # increments only
                 assert {v.dtype for v in msg.arrays.values()} <= {WIRE[transport]}, rnd
                 caught_up += rnd - int(cfg["from_round"]) >= 2
-        for _, st in [(c, run.store.get(c)) for c in run.transport.caches[rnd]]:
+        for cid in run.transport.caches[rnd]:  # clients hold bases and caches in fp32
+            st = run.store.get(cid)
             assert st is not None and {v.dtype for v in st.arrays.values()} == {torch.float32}
     assert caught_up >= 1, "no returning client was caught up with several increments"
     final = run.algo.global_arrays(run.state)
@@ -423,7 +424,7 @@ def test_16bit_transport_halves_fedlore_and_fedfull_uploads(transport: str) -> N
     downlink is P^0 alone, the unprojected tensors travel as increments in the log), the
     setup exchange's dense model stays fp32; FedFull's uploads halve, its broadcast (the full
     model) does not."""
-    plan, dense, full = plan_and_dense_bytes()
+    plan, _, full = plan_and_dense_bytes()
     mr = sum(s.m * s.rank * 4 for s in plan.values())
     ref = run_rounds(fedlore(), 3)
     half = run_rounds(fedlore(transport_dtype=transport), 3)
@@ -456,7 +457,8 @@ def test_fp16_overflow_makes_the_upload_non_finite_and_rejected(transport: str) 
     )
     new, row = loop.run_round(state, 0, 0)
     msgs = {c: algo.broadcast(state, 0, c) for c in range(N)}
-    reply, _ = algo.client_update(msgs[0], None, build(), client_data(0), generator(SEED, CLIENT, 0, 0))
+    rng = generator(SEED, CLIENT, 0, 0)
+    reply, _ = algo.client_update(msgs[0], None, build(), client_data(0), rng)
     assert float(max(v.float().abs().max() for v in reply.arrays.values())) > 65504
     if transport == "fp16":
         assert row["accepted"] == 0 and row["rejected"] == N
