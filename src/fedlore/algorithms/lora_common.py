@@ -293,7 +293,8 @@ class LoraMethod(Hyper, abc.ABC):
                 payload.update(select(state.arrays, f"log.{s}.", strip=False))
             # the client holds a cache: tensors frozen by params.freeze stay there
             base = {k: v for k, v in frozen.items() if not self.is_frozen(k[6:])}
-            if version >= int(vals["log_from"]) and nbytes(payload) <= nbytes(base):
+            cost = nbytes(to_wire(payload, self.wire_dtype))  # as sent
+            if version >= int(vals["log_from"]) and cost <= nbytes(base):
                 config.update(mode="cached", from_round=version, logs=",".join(map(str, logs)))
                 arrays.update(payload)
             else:
