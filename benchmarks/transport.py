@@ -12,7 +12,7 @@ Two parts, each written into ``benchmarks/results/transport.json`` under its own
   three dtypes, seed by seed, interleaved (seed, then dtype, then method), every run a full
   ``fedlore run``-equivalent (:func:`fedlore.run.run_experiment`) into a scratch folder.
 
-    python benchmarks/transport.py bytes [--rounds 3]
+    python benchmarks/transport.py bytes [--rounds 2] [--set local_steps=2]
     python benchmarks/transport.py accuracy --config experiments/quickstart.yaml --seeds 42 43 44
     python benchmarks/transport.py accuracy --config experiments/fmnist_partial.yaml \
         --set diagnostics.every=0 --seeds 42
@@ -61,11 +61,13 @@ class Recording(LocalTransport):
         return out
 
 
-def measure_bytes(config: Path, method: str, dtype: str, rounds: int) -> dict[str, Any]:
-    """Real rounds of ``method`` under ``dtype``: per-round bytes (all clients) and codec sizes."""
-    cfg = load_config(
-        config, [f"rounds={rounds}", f"algorithms=[{method}]", f"transport_dtype={dtype}"]
-    )
+def measure_bytes(
+    config: Path, method: str, dtype: str, rounds: int, sets: list[str]
+) -> dict[str, Any]:
+    """Real rounds of ``method`` under ``dtype``: per-round bytes (all clients) and codec sizes
+    (``sets``: config overrides that leave the shapes alone, e.g. fewer local steps)."""
+    over = [*sets, f"rounds={rounds}", f"algorithms=[{method}]", f"transport_dtype={dtype}"]
+    cfg = load_config(config, over)
     seed = cfg.seeds[0]
     fed = build_federation(cfg, seed)
     algo = make_algorithm(method, cfg)
@@ -103,10 +105,15 @@ def measure_bytes(config: Path, method: str, dtype: str, rounds: int) -> dict[st
 
 
 def bytes_part(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {"config": str(args.config), "rounds": args.rounds, "runs": {}}
+    out: dict[str, Any] = {
+        "config": str(args.config),
+        "set": args.set,
+        "rounds": args.rounds,
+        "runs": {},
+    }
     for dtype in DTYPES:  # interleaved: the dtypes of one method never run back to back
         for method in METHODS:
-            res = measure_bytes(args.config, method, dtype, args.rounds)
+            res = measure_bytes(args.config, method, dtype, args.rounds, args.set)
             out["runs"][f"{method}/{dtype}"] = res
             print(f"  {method} {dtype}: steady {res['steady_bytes'] / 1e6:.2f} MB/round")
     runs = out["runs"]
@@ -208,9 +215,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("part", choices=["bytes", "accuracy"])
     p.add_argument("--config", type=Path, default=None)
-    p.add_argument("--rounds", type=int, default=3, help="bytes: rounds after the setup")
+    p.add_argument("--rounds", type=int, default=2, help="bytes: rounds after the setup")
     p.add_argument("--seeds", type=int, nargs="+", default=[42])
-    p.add_argument("--set", nargs="*", default=[], help="accuracy: key=value config overrides")
+    p.add_argument("--set", nargs="*", default=[], help="key=value config overrides")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     torch.set_num_threads(1)
