@@ -387,13 +387,19 @@ def test_run_one_setup_round_rows(tmp_path, init_basis: str, first_round: int) -
 WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-@pytest.mark.parametrize("transport", ["fp16", "bf16"])
-def test_16bit_transport_partial_participation_caches_match_server(transport: str) -> None:
+@pytest.mark.parametrize(
+    ("cls", "transport"),
+    [(FedLore, "fp16"), (FedLore, "bf16"), (FedLoreRandom, "bf16"), (FedLoreFixed, "fp16")],
+)
+def test_16bit_transport_partial_participation_caches_match_server(
+    cls: type[FedLore], transport: str
+) -> None:
     """Under a 16-bit wire the server applies exactly the quantized Δ^t, P^t and unprojected
     increments it sends: every client cache, also after catching up several missed rounds, is
     bit-identical to the fp32 server model, and everything a log message carries is 16-bit."""
     rounds = 6
-    algo = fedlore(transport_dtype=transport, log_rounds=50, rounds=rounds + 1, weight_decay=0.05)
+    kw: dict[str, Any] = {"rank": RANK, "local_steps": 2, "batch_size": 8, "lr": 1e-2}
+    algo = cls(transport_dtype=transport, log_rounds=50, rounds=rounds + 1, weight_decay=0.05, **kw)
     run = run_rounds(algo, rounds, per_round=2)
     caught_up = 0
     for rnd in range(rounds):
