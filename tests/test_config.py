@@ -395,3 +395,34 @@ def test_a_method_refuses_fewer_clients_per_round_than_it_needs() -> None:
     make_algorithm("fedavg", cfg)  # the others do not care
     with pytest.raises(ValueError, match="lr \\* lam"):
         make_algorithm("pfedme", load_config(None, ["lr=0.3"]))  # 0.3 * 15 >= 2
+
+
+def test_transport_dtype_reaches_the_methods_that_honour_it_and_is_refused_elsewhere() -> None:
+    from fedlore.run import _run_config, config_diff
+
+    honouring = sorted(
+        n
+        for n in registry.names("algorithm")
+        if vars(registry.get("algorithm", n)).get("honours_transport_dtype")
+    )
+    assert {"fedlore", "fedlore_random", "fedlore_fixed", "fedfull", "fedavg", "fedprox"} <= set(
+        honouring
+    )
+    assert {"fedit", "ffa_lora", "flexlora", "flora", "frlora", "rolora", "lora_fair"} <= set(
+        honouring
+    )
+    assert load_config(None).transport_dtype == "fp32"
+    for dtype in ("fp16", "bf16"):
+        cfg = load_config(None, [f"transport_dtype={dtype}"])
+        for name in honouring:
+            assert make_algorithm(name, cfg).transport_dtype == dtype  # type: ignore[attr-defined]
+        with pytest.raises(ConfigError, match=r"transport_dtype=.*local_galore"):
+            make_algorithm("local_galore", cfg)  # inherits DenseServer but does not declare it
+        # the setting is part of the run's recorded config: a resume under another dtype differs
+        recorded = _run_config(cfg, "fedlore")  # what config.json keeps
+        assert recorded["transport_dtype"] == dtype
+        assert config_diff(load_config(None), "fedlore", recorded) == (
+            f"transport_dtype: {dtype!r} -> 'fp32'"
+        )
+    with pytest.raises(ConfigError, match="transport_dtype"):
+        load_config(None, ["transport_dtype=fp8"])

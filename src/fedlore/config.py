@@ -316,6 +316,15 @@ class Config(_Strict):
     moments, server state) in float64, the precision the seed's theory is checked in
     (``tests/theory``; messages carry the model's dtype, so byte counts double; LoRA adapters
     stay fp32)."""
+    transport_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+    """The dtype floating tensors cross the wire in, both ways: ``fp32`` (default; the model's
+    own dtype, unchanged, so float64 under ``precision: fp64``), ``fp16`` or ``bf16`` (half the
+    bytes; the receiver upcasts to the model's dtype; bf16 keeps float32's range, fp16 has
+    3 more significand bits and overflows beyond 65504, which makes an upload non-finite and
+    rejected). What is quantized: FedLore's coordinates ΔZ, increments Δ, bases P and the
+    increments of its unprojected tensors; the dense deltas of FedFull, FedAvg and FedProx; the
+    LoRA methods' factors, merge payloads and dense tensors. A full model (first contact,
+    FedFull's broadcast) stays at the model's dtype. Other methods accept only ``fp32``."""
     weighting: Literal["num_examples", "uniform"] = "num_examples"
     """Aggregation weights p_i: data size (default) or uniform, the same rule for all methods."""
     data: DataConfig = Field(default_factory=DataConfig)

@@ -85,6 +85,7 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
         "exclude": tuple(cfg.params.exclude),
         "robust_aggregate": cfg.robust.aggregate,
         "trim_fraction": cfg.robust.trim_fraction,
+        "transport_dtype": cfg.transport_dtype,
     }
     overrides = dict(cfg.method.get(name, {}))
     for key in ("freeze", "exclude"):
@@ -99,6 +100,13 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
             "deltas (its server combines low-rank factors, bases or masks), so a coordinate-wise "
             "median or trimmed mean is not defined for it; use robust.aggregate=mean (the norm "
             "screen, robust.norm_screen, works for every method)"
+        )
+    if cfg.transport_dtype != "fp32" and not vars(cls).get("honours_transport_dtype", False):
+        raise ConfigError(
+            f"transport_dtype={cfg.transport_dtype}: method {name!r} sends its tensors at the "
+            "model's dtype only; 16-bit transport is implemented for fedlore, fedlore_random, "
+            "fedlore_fixed, fedfull, fedavg, fedprox and the LoRA methods (use "
+            "transport_dtype=fp32)"
         )
     algo: Algorithm = build_hyper(cls, common, overrides)
     need = int(getattr(algo, "min_clients_per_round", 1))

@@ -15,6 +15,49 @@ def nbytes(arrays: Arrays) -> int:
     return sum(int(t.numel()) * t.element_size() for t in arrays.values())
 
 
+WIRE_DTYPES: dict[str, torch.dtype | None] = {
+    "fp32": None,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+"""``transport_dtype`` setting -> the dtype floating tensors cross the wire in (None: their own
+dtype, unchanged; ``fp32`` is the model's precision, float64 under ``precision: fp64``)."""
+
+
+def to_wire(arrays: Arrays, dtype: torch.dtype | None) -> Arrays:
+    """The floating-point tensors of ``arrays`` cast to ``dtype`` (round to nearest even);
+    integer and boolean tensors, and everything when ``dtype`` is None, unchanged (the same
+    tensor objects). A float16 cast maps magnitudes beyond 65504 to ±inf (IEEE), which the
+    server's reply validation then rejects like any non-finite upload; bfloat16 has float32's
+    range. Pure: nothing is modified in place."""
+    if dtype is None:
+        return dict(arrays)
+    return {
+        k: v.to(dtype).contiguous() if v.is_floating_point() and v.dtype != dtype else v
+        for k, v in arrays.items()
+    }
+
+
+def from_wire(arrays: Arrays, dtypes: torch.dtype | dict[str, torch.dtype]) -> Arrays:
+    """The floating-point tensors of received ``arrays`` upcast (exactly) to ``dtypes``: one
+    dtype for all, or per key (keys missing from the mapping, and non-floating tensors, stay as
+    they are). The receiver's side of :func:`to_wire`."""
+    out: Arrays = {}
+    for k, v in arrays.items():
+        want = dtypes if isinstance(dtypes, torch.dtype) else dtypes.get(k, v.dtype)
+        out[k] = v.to(want) if v.is_floating_point() and v.dtype != want else v
+    return out
+
+
+def snap(arrays: Arrays, dtype: torch.dtype | None) -> Arrays:
+    """``from_wire(to_wire(arrays, dtype), own dtypes)``: each floating tensor rounded to the
+    nearest ``dtype`` value and kept in its own dtype, so that sending it later through
+    :func:`to_wire` is lossless (the sender keeps exactly what the receiver gets)."""
+    if dtype is None:
+        return dict(arrays)
+    return from_wire(to_wire(arrays, dtype), {k: v.dtype for k, v in arrays.items()})
+
+
 def select(arrays: Arrays, prefix: str, strip: bool = True) -> Arrays:
     """The tensors whose key starts with ``prefix`` (``strip`` removes the prefix)."""
     n = len(prefix)

@@ -381,3 +381,95 @@ def test_run_one_setup_round_rows(tmp_path, init_basis: str, first_round: int) -
     if init_basis == "gradient":
         # digits MLP 64 -> 16 -> 16 -> head: two projected 16 x 64 and 16 x 16 matrices
         assert rows[0]["bytes_up"] == 3 * (16 * RANK + 16 * RANK) * 4
+
+
+# ------------------------------------------------------------------------------ 16-bit transport
+WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@pytest.mark.parametrize(
+    ("cls", "transport"),
+    [(FedLore, "fp16"), (FedLore, "bf16"), (FedLoreRandom, "bf16"), (FedLoreFixed, "fp16")],
+)
+def test_16bit_transport_partial_participation_caches_match_server(
+    cls: type[FedLore], transport: str
+) -> None:
+    """Under a 16-bit wire the server applies exactly the quantized Δ^t, P^t and unprojected
+    increments it sends: every client cache, also after catching up several missed rounds, is
+    bit-identical to the fp32 server model, and everything a log message carries is 16-bit."""
+    rounds = 6
+    kw: dict[str, Any] = {"rank": RANK, "local_steps": 2, "batch_size": 8, "lr": 1e-2}
+    algo = cls(transport_dtype=transport, log_rounds=50, rounds=rounds + 1, weight_decay=0.05, **kw)
+    run = run_rounds(algo, rounds, per_round=2)
+    caught_up = 0
+    for rnd in range(rounds):
+        for cid, cache in run.transport.caches[rnd].items():
+            assert_bitwise(cache, run.globals_at[rnd], f"round {rnd} client {cid}")
+            cfg = run.transport.configs[rnd][cid]
+            msg = run.transport.messages[rnd][cid]
+            if cfg["mode"] == "log":
+                assert not any(k.startswith("dense.") for k in msg.arrays)  # increments only
+                assert {v.dtype for v in msg.arrays.values()} <= {WIRE[transport]}, rnd
+                caught_up += rnd - int(cfg["from_round"]) >= 2
+        for cid in run.transport.caches[rnd]:  # clients hold bases and caches in fp32
+            st = run.store.get(cid)
+            assert st is not None and {v.dtype for v in st.arrays.values()} == {torch.float32}
+    assert caught_up >= 1, "no returning client was caught up with several increments"
+    final = run.algo.global_arrays(run.state)
+    assert {v.dtype for v in final.values()} == {torch.float32}
+    for k in ("fc1.weight", "head.bias"):  # projected and unprojected tensors both moved
+        assert not torch.equal(final[k], run.globals_at[0][k]), k
+    for cid in range(len(SIZES)):
+        _, cache = sync_with_next_broadcast(run, rounds, cid)
+        assert_bitwise(cache, final, f"client {cid}")
+
+
+@pytest.mark.parametrize("transport", ["fp16", "bf16"])
+def test_16bit_transport_halves_fedlore_and_fedfull_uploads(transport: str) -> None:
+    """Bytes counted from the real messages: FedLore's rounds halve both ways (its round-0
+    downlink is P^0 alone, the unprojected tensors travel as increments in the log), the
+    setup exchange's dense model stays fp32; FedFull's uploads halve, its broadcast (the full
+    model) does not."""
+    plan, _, full = plan_and_dense_bytes()
+    mr = sum(s.m * s.rank * 4 for s in plan.values())
+    ref = run_rounds(fedlore(), 3)
+    half = run_rounds(fedlore(transport_dtype=transport), 3)
+    assert half.rows[-1]["bytes_down"] == ref.rows[-1]["bytes_down"] == N * full
+    assert 2 * half.rows[-1]["bytes_up"] == ref.rows[-1]["bytes_up"]
+    assert 2 * half.rows[0]["bytes_down"] == N * mr  # P^0 only
+    for rnd in (0, 1, 2):
+        assert 2 * half.rows[rnd]["bytes_up"] == ref.rows[rnd]["bytes_up"], rnd
+    for rnd in (1, 2):
+        assert 2 * half.rows[rnd]["bytes_down"] == ref.rows[rnd]["bytes_down"], rnd
+    dense_ref = run_rounds(FedFull(local_steps=2, batch_size=8), 2)
+    dense_half = run_rounds(FedFull(local_steps=2, batch_size=8, transport_dtype=transport), 2)
+    for rnd in (0, 1):
+        assert 2 * dense_half.rows[rnd]["bytes_up"] == dense_ref.rows[rnd]["bytes_up"] == N * full
+        assert dense_half.rows[rnd]["bytes_down"] == dense_ref.rows[rnd]["bytes_down"]
+
+
+@pytest.mark.parametrize("transport", ["fp32", "fp16", "bf16"])
+def test_fp16_overflow_makes_the_upload_non_finite_and_rejected(transport: str) -> None:
+    """A delta beyond float16's 65504 becomes ±inf on an fp16 wire (no clamping): the server's
+    reply validation rejects it like any non-finite upload and the model stays as it was;
+    bfloat16 (float32's range) and fp32 carry the same huge deltas."""
+    from fedlore.algorithms.fedavg import FedAvg
+
+    algo = FedAvg(local_steps=1, batch_size=8, lr=1e7, transport_dtype=transport)  # type: ignore[arg-type]
+    store = ClientStore()
+    state = algo.init_server(build(), generator(SEED, 2))
+    loop = RoundLoop(
+        algo, LocalTransport(algo, client_data, build, SEED, store), lambda _: list(range(N))
+    )
+    new, row = loop.run_round(state, 0, 0)
+    msgs = {c: algo.broadcast(state, 0, c) for c in range(N)}
+    rng = generator(SEED, CLIENT, 0, 0)
+    reply, _ = algo.client_update(msgs[0], None, build(), client_data(0), rng)
+    assert float(max(v.float().abs().max() for v in reply.arrays.values())) > 65504
+    if transport == "fp16":
+        assert row["accepted"] == 0 and row["rejected"] == N
+        assert all("NaN or Inf" in r for r in row["rejected_reasons"])
+        assert_bitwise(algo.global_arrays(new), algo.global_arrays(state), "after the round")
+    else:
+        assert row["accepted"] == N, row.get("rejected_reasons")
+        assert {v.dtype for v in reply.arrays.values()} == {WIRE.get(transport, torch.float32)}

@@ -28,7 +28,7 @@ from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.engine.loop import validate_reply
 from fedlore.lora import product
 from fedlore.seeding import CLIENT, generator
-from fedlore.tensors import select, weighted_mean
+from fedlore.tensors import nbytes, select, weighted_mean
 from fedlore.types import Broadcast, Reply, State
 
 IN, HID, NCLS = 6, 5, 3
@@ -670,3 +670,47 @@ def test_heterogeneous_ranks_run_end_to_end(tmp_path: Path, method: str) -> None
     assert summary is not None and summary["rejected_total"] == 0
     rows = (run_dir(cfg, method, 7) / "metrics.jsonl").read_text().splitlines()
     assert all('"accepted": 3' in r for r in rows)
+
+
+# ---------------------------------------------------------------------------- 16-bit transport
+@pytest.mark.parametrize("transport", ["fp16", "bf16"])
+@pytest.mark.parametrize("cls", [FLoRA, FRLoRA, FedIT])
+def test_16bit_transport_keeps_caches_and_held_adapters_bit_identical(
+    cls: type[LoraMethod], transport: str
+) -> None:
+    """Under a 16-bit wire the server rounds the merge payload and the global factors before it
+    merges or keeps them: a client's merged base (``cache.*``, also after catching up a missed
+    round) and its held adapter equal the server's bit for bit; every factor, payload and dense
+    tensor on the wire is 16-bit, half the fp32 bytes, the frozen base stays fp32."""
+    wire = {"fp16": torch.float16, "bf16": torch.bfloat16}[transport]
+    # s p_k = 1.5 / 2: FLoRA's stacked payload is not on the 16-bit grid until the server rounds it
+    kw = {"rank": 2, "lora_alpha": 3.0, "local_steps": STEPS, "lr": LR, "batch_size": BATCH}
+    algo = cls(transport_dtype=transport, **kw)  # type: ignore[call-arg]
+    sample = lambda rnd: [0, 1] if rnd != 1 else [1]  # noqa: E731
+    ref, _ = drive(cls(**kw), 3, sample)  # type: ignore[call-arg]
+    hist, store = drive(algo, 3, sample)
+    for h, h32 in zip(hist, ref, strict=True):
+        for c, msg in h.msgs.items():
+            sent = {k: v for k, v in msg.arrays.items() if not k.startswith("model.")}
+            assert sent and {v.dtype for v in sent.values()} == {wire}, (h.rnd, c)
+            assert all(v.dtype == torch.float32 for k, v in msg.arrays.items() if k[:6] == "model.")
+            if msg.config["mode"] == h32.msgs[c].config["mode"]:  # (a 16-bit log is cheaper)
+                ref_sent = {k: v for k, v in h32.msgs[c].arrays.items() if k[:6] != "model."}
+                assert 2 * nbytes(sent) == nbytes(ref_sent), (h.rnd, c)
+        for (_, r), (_, r32) in zip(h.replies, h32.replies, strict=True):
+            assert {v.dtype for v in r.arrays.values()} == {wire}
+            assert 2 * nbytes(r.arrays) == nbytes(r32.arrays)
+    final = hist[-1].after
+    assert {v.dtype for v in final.arrays.values() if v.is_floating_point()} == {torch.float32}
+    for c in (0, 1):  # client 0 missed round 1 (too far behind for FLoRA's log: dense base)
+        msg = algo.broadcast(final, 3, c)
+        if c == 1 and cls is not FedIT:
+            assert msg.config["mode"] == "cached" and msg.config["logs"]  # merges the 16-bit log
+        _, st = algo.client_update(
+            msg, store[c], build(), client_data(c), generator(0, CLIENT, 3, c)
+        )
+        for k, v in select(st.arrays, "cache.").items():
+            assert torch.equal(v, final.arrays["model." + k]), (c, k)
+        for k, v in select(st.arrays, "held.").items():
+            assert torch.equal(v, final.arrays["lora." + k]), (c, k)
+    assert not torch.equal(algo.global_arrays(final)["fc1.weight"], initial_fc1())

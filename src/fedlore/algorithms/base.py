@@ -12,14 +12,14 @@ import fnmatch
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from fedlore.data.client_data import ClientData, TensorSplit, minibatches
 from fedlore.device import autocast
-from fedlore.tensors import select
+from fedlore.tensors import WIRE_DTYPES, select
 from fedlore.train.local import Schedule, evaluate, task_loss
 from fedlore.types import Reply, Scalar, Scalars, State
 
@@ -56,7 +56,17 @@ class Hyper:
             weighted mean, FedAvg), ``"median"`` or ``"trimmed_mean"`` (coordinate-wise, see
             :func:`fedlore.robust.combine_updates`); other methods accept only ``"mean"``.
         trim_fraction: share of clients the trimmed mean drops at each end, in [0, 0.5).
+        transport_dtype: the dtype floating tensors cross the wire in (config
+            ``transport_dtype``): ``"fp32"`` (default: the model's own dtype, unchanged),
+            ``"fp16"`` or ``"bf16"`` (half the bytes; the receiver upcasts to the model's dtype;
+            what each method quantizes is in its docstring). Only methods that declare
+            :attr:`honours_transport_dtype` themselves accept a 16-bit setting.
     """
+
+    honours_transport_dtype: ClassVar[bool] = False
+    """Whether the method casts what it sends to ``transport_dtype``. Only a class that sets it
+    in its own body counts: an inherited True does not, since a subclass may send other
+    tensors (the check is in ``__post_init__``)."""
 
     lr: float = 1e-3
     local_steps: int = 10
@@ -74,6 +84,7 @@ class Hyper:
     mc_samples: int = 20
     robust_aggregate: Literal["mean", "median", "trimmed_mean"] = "mean"
     trim_fraction: float = 0.1
+    transport_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
 
     def __post_init__(self) -> None:
         checks = {
@@ -92,10 +103,30 @@ class Hyper:
             "mc_samples": self.mc_samples >= 0,
             "robust_aggregate": self.robust_aggregate in ("mean", "median", "trimmed_mean"),
             "trim_fraction": 0 <= self.trim_fraction < 0.5,
+            "transport_dtype": self.transport_dtype in WIRE_DTYPES,
         }
         for field, ok in checks.items():
             if not ok:
                 raise ValueError(f"{type(self).__name__}: invalid {field}={getattr(self, field)!r}")
+        if self.transport_dtype != "fp32" and not vars(type(self)).get(
+            "honours_transport_dtype", False
+        ):
+            raise ValueError(
+                f"{type(self).__name__}: invalid transport_dtype={self.transport_dtype!r}: this "
+                "method sends its tensors at the model's dtype only (16-bit transport: FedLore and "
+                "its variants, FedFull, FedAvg, FedProx and the LoRA methods)"
+            )
+
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        """The dtype of floating tensors on the wire (None: the model's own, ``"fp32"``)."""
+        return WIRE_DTYPES[self.transport_dtype]
+
+    def wire_spec(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a received tensor of model dtype ``dtype`` has on the wire (for
+        ``expected_reply``): the 16-bit dtype for floating dtypes, else ``dtype``."""
+        wire = self.wire_dtype
+        return wire if wire is not None and dtype.is_floating_point else dtype
 
     def lr_schedule(self) -> Schedule:
         """The run's :class:`~fedlore.train.local.Schedule`."""

@@ -4,6 +4,12 @@ Server: broadcast the dense global model; aggregate ``W <- W + Σ p_i Δ_i`` wit
 dense deltas. Client: a fresh optimizer each round (parity with FedLore's moment reset,
 reference notes section 2), K local steps, upload ``update.* = W_K - W^t``.
 Bytes per m x n matrix: mn up and mn down.
+
+16-bit transport (``transport_dtype``, FedFull, FedAvg and FedProx): the uploaded deltas are cast
+to fp16/bf16 (an increment: the rounding error is relative to the round's update) and the server
+upcasts them to the model's dtype before averaging. The broadcast is the full model, a value, and
+stays at the model's dtype: rounding it would move every weight by up to half a 16-bit ulp of the
+weight itself (2^-9 relative in bf16, more than a late round's whole update), each round.
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ from fedlore.data.client_data import ClientData
 from fedlore.registry import register_algorithm
 from fedlore.robust import combine_updates
 from fedlore.tensors import (
+    from_wire,
     load_model_arrays,
     model_arrays,
     select,
     sub,
+    to_wire,
     with_prefix,
 )
 from fedlore.train.local import LossTerm, local_train
@@ -80,7 +88,9 @@ class DenseServer:
             return State(arrays=dict(state.arrays), values=values), {"aggregated": 0}
         weights = self.weights([r for _, r in ok])  # type: ignore[attr-defined]
         model = select(state.arrays, "model.")
-        mean = self.mean_update(model, [select(r.arrays, "update.") for _, r in ok], weights)
+        dtypes = {k: v.dtype for k, v in model.items()}  # 16-bit uploads: upcast first
+        ups = [from_wire(select(r.arrays, "update."), dtypes) for _, r in ok]
+        mean = self.mean_update(model, ups, weights)
         new = {k: v + mean[k].to(v.dtype) if k in mean else v for k, v in model.items()}
         if self.freeze:  # type: ignore[attr-defined]
             values.update({f"seen.{c}": 1 for c, _ in ok})
@@ -107,7 +117,7 @@ class DenseServer:
 
     def expected_reply(self, state: State, rnd: int, client_id: int | None = None) -> ReplySpec:
         return {
-            "update." + k: (tuple(v.shape), v.dtype)
+            "update." + k: (tuple(v.shape), self.wire_spec(v.dtype))  # type: ignore[attr-defined]
             for k, v in select(state.arrays, "model.").items()
             if not self.is_frozen(k)  # type: ignore[attr-defined]
         }
@@ -131,12 +141,11 @@ class DenseServer:
     def dense_update(
         self, model: nn.Module, start: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """``update.* = W_K - W^t`` of the tensors that are not frozen."""
+        """``update.* = W_K - W^t`` of the tensors that are not frozen, in the wire dtype
+        (``transport_dtype``; the model's by default)."""
         delta = sub(model_arrays(model), start)
-        return with_prefix(
-            {k: v for k, v in delta.items() if not self.is_frozen(k)},  # type: ignore[attr-defined]
-            "update.",
-        )
+        kept = {k: v for k, v in delta.items() if not self.is_frozen(k)}  # type: ignore[attr-defined]
+        return with_prefix(to_wire(kept, self.wire_dtype), "update.")  # type: ignore[attr-defined]
 
 
 def local_optimizer(
@@ -171,6 +180,7 @@ class FedFull(DenseServer, Hyper):
     """FedAvg whose clients run AdamW (``local_optimizer="adamw"``) or SGD on every parameter."""
 
     name: ClassVar[str] = "fedfull"
+    honours_transport_dtype: ClassVar[bool] = True
     setup_rounds: ClassVar[int] = 0
     local_optimizer: Literal["adamw", "sgd"] = "adamw"
     momentum: float = 0.0
@@ -227,6 +237,7 @@ class FedAvg(FedFull):
     """FedAvg with local SGD (McMahan et al. 2017), the deterministic baseline of Meta-BayFL."""
 
     name: ClassVar[str] = "fedavg"
+    honours_transport_dtype: ClassVar[bool] = True
     local_optimizer: Literal["adamw", "sgd"] = "sgd"
 
 
@@ -243,6 +254,7 @@ class FedProx(FedAvg):
     """
 
     name: ClassVar[str] = "fedprox"
+    honours_transport_dtype: ClassVar[bool] = True
     mu: float = 0.01
 
     def __post_init__(self) -> None:

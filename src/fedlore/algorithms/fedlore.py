@@ -26,6 +26,21 @@ construction-minibatch gradient at W^0 and the server averages their projectors 
 ``init_basis="random"`` takes a seeded random orthonormal basis. The server tracks each
 client's cache round only from accepted replies; a client whose reply was lost or rejected gets
 the dense model at its next contact.
+
+16-bit transport (``transport_dtype: fp16 | bf16``): everything that crosses the wire in a
+round is an increment or a basis, cast to the 16-bit dtype: ΔZ_i, the candidates P_i and the
+deltas ``D_K - D^t`` of the unprojected tensors up; Δ^s, P^{t+1} and the unprojected tensors'
+increments ``Σ p_i (D_i - D^t)`` (logged as ``log.<s>.<name>`` like Δ^s, instead of their
+values ``dense.<name>``) down. The server quantizes Δ^t, the unprojected increments and P^{t+1}
+*before* it applies them, ``W^{t+1} = a W^t + P^t Δ^t`` with exactly the values it sends
+(:func:`~fedlore.algorithms.lowrank.apply_increment` on both sides, received tensors upcast
+exactly to the model's dtype), so every client cache stays bit-identical to the server model
+while the server keeps W at the model's precision (no weight is ever rounded to 16 bits, so an
+update smaller than half a 16-bit ulp of a weight still accumulates). The full model (first
+contact, a client too long away) stays at the model's dtype: it is a value, and the client's
+cache must equal the server model bit for bit. Diagnostic uploads (``diag.H.*``) stay at the
+model's dtype (measurements, not the method). A quantized basis is orthonormal only up to the
+16-bit rounding (about 1e-3 in bf16); both sides train and apply in that same basis.
 """
 
 from __future__ import annotations
@@ -59,10 +74,12 @@ from fedlore.optim.subspace import MatrixSpec, average_projectors
 from fedlore.registry import register_algorithm
 from fedlore.seeding import BASIS, derive_seed, generator
 from fedlore.tensors import (
+    from_wire,
     load_model_arrays,
     model_arrays,
     nbytes,
     select,
+    to_wire,
     weighted_mean,
     with_prefix,
 )
@@ -71,6 +88,23 @@ from fedlore.types import Arrays, Broadcast, Reply, Scalars, State
 log = logging.getLogger(__name__)
 
 BasisRule = Literal["candidates", "random", "fixed"]
+
+
+def add_increment(value: torch.Tensor, inc: torch.Tensor) -> torch.Tensor:
+    """``D + ΔD`` in ``value``'s dtype (``inc`` upcast exactly): an unprojected tensor's update
+    under a 16-bit transport, the same operation on the server and in every client cache."""
+    return (value + inc.to(value.dtype)).contiguous()
+
+
+def _upcast(reply: Reply, model: Arrays) -> Reply:
+    """``reply`` with each ``<role>.<name>`` array upcast to the dtype of ``model[name]`` (the
+    receiving side of a 16-bit transport; exact, and no copy when the dtypes already match)."""
+    dtypes = {}
+    for key in reply.arrays:
+        name = key.split(".", 1)[-1]
+        if name in model:
+            dtypes[key] = model[name].dtype
+    return Reply(from_wire(reply.arrays, dtypes), reply.metrics)
 
 
 @register_algorithm("fedlore")
@@ -90,6 +124,7 @@ class FedLore(LowRankHyper):
     """
 
     name: ClassVar[str] = "fedlore"
+    honours_transport_dtype: ClassVar[bool] = True
     basis_rule: ClassVar[BasisRule] = "candidates"
     init_basis: Literal["gradient", "random"] = "gradient"
     server_basis: Literal["svd", "randomized", "gram"] = "svd"
@@ -138,15 +173,16 @@ class FedLore(LowRankHyper):
             values["basis_id"] = derive_seed(base, BASIS, 0)
         elif self.init_basis == "random":
             p0 = seeded_bases(derive_seed(base, BASIS, 0), plan, dtype, device)
-            arrays.update(with_prefix(p0, "bank.0."))
+            arrays.update(with_prefix(to_wire(p0, self.wire_dtype), "bank.0."))
             values["basis_id"] = 0
         return State(arrays, values)
 
     def _bank(self, state: State, bid: int, plan: dict[str, MatrixSpec]) -> Arrays:
+        """The bases of basis ``bid`` in the model's dtype (banks hold them as sent)."""
+        held_model = select(state.arrays, "model.")
         if self.basis_rule == "random":
-            held_model = select(state.arrays, "model.")
             return seeded_bases(bid, plan, model_dtype(held_model), model_device(held_model))
-        return select(state.arrays, f"bank.{bid}.")
+        return from_wire(select(state.arrays, f"bank.{bid}."), model_dtype(held_model))
 
     def broadcast(self, state: State, rnd: int, client_id: int) -> Broadcast:
         model = select(state.arrays, "model.", strip=False)
@@ -166,8 +202,10 @@ class FedLore(LowRankHyper):
         if version is not None and all(f"log.{s}.decay" in vals for s in range(int(version), rnd)):
             v = int(version)
             server_model = select(state.arrays, "model.")
-            arrays = {
-                "dense." + k: server_model[k] for k in self.dense_keys(server_model, plan_keys)
+            arrays = {  # 16-bit transport: their increments travel in the log instead
+                "dense." + k: server_model[k]
+                for k in self.dense_keys(server_model, plan_keys)
+                if self.wire_dtype is None
             }
             log_cfg: Scalars = {"mode": "log", "from_round": v}
             b = held
@@ -199,7 +237,9 @@ class FedLore(LowRankHyper):
     def aggregate(
         self, state: State, replies: list[tuple[int, Reply | None]], rnd: int
     ) -> tuple[State, Scalars]:
-        ok = [(c, r) for c, r in replies if r is not None]
+        wire = self.wire_dtype
+        received = select(state.arrays, "model.")  # 16-bit uploads: upcast to the model's dtype
+        ok = [(c, _upcast(r, received)) for c, r in replies if r is not None]
         weights = self.weights([r for _, r in ok])
         plan = plan_from_state(state, self.rank)
         arrays = dict(state.arrays)
@@ -221,7 +261,7 @@ class FedLore(LowRankHyper):
                 held_model = select(arrays, "model.")
                 seed = derive_seed(int(values["base_seed"]), BASIS, 0)
                 p0 = seeded_bases(seed, plan, model_dtype(held_model), model_device(held_model))
-            arrays.update(with_prefix(p0, "bank.0."))
+            arrays.update(with_prefix(to_wire(p0, wire), "bank.0."))
             values["basis_id"] = 0
             for c, _ in ok:
                 values[f"version.{c}"] = 0
@@ -240,11 +280,16 @@ class FedLore(LowRankHyper):
                 for k, s in plan.items()
             }
             dense = {}
+        deltas = to_wire(deltas, wire)  # Δ^t as the clients will receive it, then applied
         for k, s in plan.items():
             arrays["model." + k] = apply_increment(model[k], s, basis[k], deltas[k], decay)
             arrays[f"log.{rnd}.{k}"] = deltas[k]
-        for k, v in dense.items():
-            arrays["model." + k] = v
+        if wire is None:  # unprojected tensors: the mean of the uploaded values
+            arrays.update(with_prefix(dense, "model."))
+        else:  # 16-bit: the mean of the uploaded increments, quantized, logged and applied
+            for k, inc in to_wire(dense, wire).items():
+                arrays["model." + k] = add_increment(model[k], inc)
+                arrays[f"log.{rnd}.{k}"] = inc
         values[f"log.{rnd}.decay"] = decay
         values[f"log.{rnd}.basis_id"] = cur
         for c, _ in ok:
@@ -255,8 +300,9 @@ class FedLore(LowRankHyper):
             nxt = derive_seed(int(values["base_seed"]), BASIS, rnd + 1)
         elif self.basis_rule == "candidates" and ok:
             nxt = rnd + 1
-            new = self._next_basis([r for _, r in ok], weights, plan, values, rnd)
-            arrays.update(with_prefix(new, f"bank.{nxt}."))
+            sent = to_wire(self._next_basis([r for _, r in ok], weights, plan, values, rnd), wire)
+            arrays.update(with_prefix(sent, f"bank.{nxt}."))
+            new = from_wire(sent, model_dtype(model))  # P^{t+1} as the clients will hold it
             metrics["basis_overlap"] = sum(
                 float((new[k].double().t() @ basis[k].double()).pow(2).sum()) / s.rank
                 for k, s in plan.items()
@@ -357,14 +403,15 @@ class FedLore(LowRankHyper):
         plan = plan_from_state(state, self.rank)
         model = select(state.arrays, "model.")
         spec: ReplySpec = {}
+        w = self.wire_spec
         if self.basis_rule == "candidates" or rnd < 0:
-            spec.update({f"cand.{k}": ((s.m, s.rank), model[k].dtype) for k, s in plan.items()})
+            spec.update({f"cand.{k}": ((s.m, s.rank), w(model[k].dtype)) for k, s in plan.items()})
         if rnd < 0:
             return spec
-        spec.update({f"update.{k}": ((s.rank, s.n), model[k].dtype) for k, s in plan.items()})
+        spec.update({f"update.{k}": ((s.rank, s.n), w(model[k].dtype)) for k, s in plan.items()})
         spec.update(
             {
-                f"dense.{k}": (tuple(model[k].shape), model[k].dtype)
+                f"dense.{k}": (tuple(model[k].shape), w(model[k].dtype))
                 for k in self.dense_keys(model, plan)
             }
         )
@@ -376,14 +423,15 @@ class FedLore(LowRankHyper):
     def _client_bases(
         self, msg: Broadcast, bid: int, plan: dict[str, MatrixSpec], like: Arrays
     ) -> Arrays:
-        """The bases of basis ``bid``: from the broadcast, or (FedLore-Random) rebuilt from the
-        seed in the dtype and on the device of the model tensors ``like``."""
+        """The bases of basis ``bid``: from the broadcast (upcast exactly to the dtype of the
+        model tensors ``like``), or (FedLore-Random) rebuilt from the seed in the dtype and on
+        the device of ``like``."""
         if self.basis_rule == "random":
             return seeded_bases(bid, plan, model_dtype(like), model_device(like))
         got = select(msg.arrays, f"bank.{bid}.")
         if set(got) != set(plan):
             raise KeyError(f"broadcast lacks basis {bid} for {sorted(set(plan) - set(got))[:3]}")
-        return got
+        return from_wire(got, model_dtype(like))
 
     def client_update(
         self,
@@ -403,7 +451,8 @@ class FedLore(LowRankHyper):
             new_state = State(
                 arrays=with_prefix(model_arrays(model), "cache."), values={"version": 0, "held": -1}
             )
-            return Reply(with_prefix(cands, "cand."), reply_metrics(data.num_examples)), new_state
+            up = with_prefix(to_wire(cands, self.wire_dtype), "cand.")
+            return Reply(up, reply_metrics(data.num_examples)), new_state
         cache, bases, held = self._synchronize(msg, state, plan, rnd, model)
         cur = int(msg.config["basis_id"])
         if cur != held:
@@ -420,15 +469,18 @@ class FedLore(LowRankHyper):
             keep_last_grad=self.basis_rule == "candidates",
         )
         final = model_arrays(model)
-        out = with_prefix(res.coords, "update.")
-        out.update({"dense." + k: final[k] for k in self.dense_keys(final, plan)})
+        wire = self.wire_dtype
+        out = with_prefix(to_wire(res.coords, wire), "update.")
+        dense = {k: final[k] for k in self.dense_keys(final, plan)}
+        if wire is not None:  # 16-bit: the unprojected tensors' increments D_K - D^t
+            dense = to_wire({k: v - cache[k].to(v.dtype) for k, v in dense.items()}, wire)
+        out.update(with_prefix(dense, "dense."))
         if self.basis_rule == "candidates":
-            out.update(
-                {
-                    f"cand.{k}": self._candidate(s, res.last_grads.get(k), bases[k], rng, final[k])
-                    for k, s in plan.items()
-                }
-            )
+            cands = {
+                k: self._candidate(s, res.last_grads.get(k), bases[k], rng, final[k])
+                for k, s in plan.items()
+            }
+            out.update(with_prefix(to_wire(cands, wire), "cand."))
         if self.basis_rule == "candidates" and msg.config.get("diag_upload"):
             for k, s in plan.items():  # H_i for the diagnostics (zero when no finite gradient)
                 h = res.last_grads.get(k)
@@ -500,6 +552,9 @@ class FedLore(LowRankHyper):
                 cache[k] = apply_increment(
                     cache[k], spec, bases[k], msg.arrays[f"log.{s}.{k}"], decay
                 )
+            for k, inc in select(msg.arrays, f"log.{s}.").items():
+                if k not in plan:  # 16-bit transport: an unprojected tensor's increment
+                    cache[k] = add_increment(cache[k], inc)
         cache.update(select(msg.arrays, "dense."))
         return cache, bases, held
 
@@ -511,6 +566,7 @@ class FedLoreRandom(FedLore):
     candidate upload. Bytes per matrix: rn up, rn down (+ a seed)."""
 
     name: ClassVar[str] = "fedlore_random"
+    honours_transport_dtype: ClassVar[bool] = True
     basis_rule: ClassVar[BasisRule] = "random"
 
 
@@ -521,4 +577,5 @@ class FedLoreFixed(FedLore):
     travels once per client."""
 
     name: ClassVar[str] = "fedlore_fixed"
+    honours_transport_dtype: ClassVar[bool] = True
     basis_rule: ClassVar[BasisRule] = "fixed"

@@ -1,7 +1,7 @@
 """What the seven federated LoRA baselines share; each method module states only what differs
 (which factors train, what the server computes, how a client's adapter starts, what is merged).
 
-Wire names (adapters fp32; other tensors keep the model's dtype):
+Wire names (adapters fp32, other tensors the model's dtype, under the default ``transport_dtype``):
 
 * ``model.<k>``: frozen base tensors under plain ``state_dict`` names, sent at first contact (or
   when a merge method's client is too far behind for the log).
@@ -30,6 +30,18 @@ once (FFA-LoRA's A) and RoLoRA sends only the factor that moved.
 
 Client state: ``cache.*`` (the frozen base as synced), ``held.<mod>.A|B`` (the global adapter
 tensors as received, never the locally trained ones), value ``version``.
+
+16-bit transport (``transport_dtype: fp16 | bf16``): the methods' protocol sends values (factors,
+dense tensors, merge payloads), and so does it under a 16-bit wire: uploads ``lora.*`` and
+``dense.*`` are cast to the 16-bit dtype and upcast by the server (factors to fp32, dense tensors
+to the model's dtype) before aggregation; the server rounds every global value it will send
+(``lora.*`` it changed, the averaged ``dense`` tensors, the merge payload ``log.<s>.*``, the
+initial adapter and dense tensors) to the 16-bit grid *before* it keeps or merges it, so the
+downlink cast is lossless and a client's ``held.*`` and merged ``cache.*`` stay bit-identical to
+the server's. Values are rounded, not increments: a factor or dense tensor whose per-round
+change is below half a 16-bit ulp of its value does not move (the uploaded value already rounds
+back). FlexLoRA's per-client SVD factors are computed at broadcast and rounded there. The frozen
+base ``model.*`` (first contact, a merge client too far behind) stays at the model's dtype.
 
 Round (parity with every other method, reference notes section 13): each client works on a deep
 copy of the scratch model (peft mutates modules, and heterogeneous ranks need a fresh adapter),
@@ -66,7 +78,7 @@ from fedlore.lora import (
     zeros_b,
 )
 from fedlore.seeding import derive_seed
-from fedlore.tensors import nbytes, select, weighted_mean, with_prefix
+from fedlore.tensors import from_wire, nbytes, select, snap, to_wire, weighted_mean, with_prefix
 from fedlore.train.local import local_train
 from fedlore.types import Arrays, Broadcast, Reply, Scalars, State
 
@@ -251,7 +263,8 @@ class LoraMethod(Hyper, abc.ABC):
                 )
         base = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
         dense = self.dense_keys(model, targets)
-        adapters = self.init_adapters(base, targets, rng)
+        adapters = snap(self.init_adapters(base, targets, rng), self.wire_dtype)
+        base.update(snap({k: base[k] for k in dense}, self.wire_dtype))  # sent as dense.*
         values: Scalars = {
             "lora_modules": ",".join(targets),
             "dense_keys": ",".join(dense),
@@ -280,7 +293,8 @@ class LoraMethod(Hyper, abc.ABC):
                 payload.update(select(state.arrays, f"log.{s}.", strip=False))
             # the client holds a cache: tensors frozen by params.freeze stay there
             base = {k: v for k, v in frozen.items() if not self.is_frozen(k[6:])}
-            if version >= int(vals["log_from"]) and nbytes(payload) <= nbytes(base):
+            cost = nbytes(to_wire(payload, self.wire_dtype))  # as sent
+            if version >= int(vals["log_from"]) and cost <= nbytes(base):
                 config.update(mode="cached", from_round=version, logs=",".join(map(str, logs)))
                 arrays.update(payload)
             else:
@@ -288,6 +302,8 @@ class LoraMethod(Hyper, abc.ABC):
                 arrays.update(base)
         else:
             config.update(mode="cached", from_round=version, logs="")
+        sent = {k: v for k, v in arrays.items() if not k.startswith("model.")}  # base: as held
+        arrays.update(to_wire(sent, self.wire_dtype))  # lossless but for FlexLoRA's SVD factors
         return Broadcast(arrays, config)
 
     def aggregate(
@@ -297,17 +313,21 @@ class LoraMethod(Hyper, abc.ABC):
         for c, r in replies:
             if r is None:  # its cache may or may not have moved: dense at next contact
                 values.pop(f"version.{c}", None)
-        ok = [(c, r) for c, r in replies if r is not None]
+        model = select(state.arrays, "model.")
+        ok = [(c, _upcast(r, model)) for c, r in replies if r is not None]
         if not ok:
             return State(arrays, values), {"aggregated": 0}
+        wire = self.wire_dtype
         weights = self.weights([r for _, r in ok])
         total = float(sum(weights))
         p = [w / total for w in weights]
         dense = weighted_mean([select(r.arrays, "dense.") for _, r in ok], weights)
-        arrays.update(with_prefix(dense, "model."))
+        arrays.update(with_prefix(snap(dense, wire), "model."))
         log, metrics = self.aggregate_adapters(arrays, ok, p, rnd)
-        for k, v in arrays.items():
+        log = snap(log, wire)  # merged here exactly as the clients will merge it
+        for k, v in list(arrays.items()):
             if k.startswith("lora.") and state.arrays.get(k) is not v:
+                arrays[k] = snap({k: v}, wire)[k]
                 values[f"changed.{k}"] = rnd
         if log:
             held = select(arrays, "lora.")
@@ -347,13 +367,14 @@ class LoraMethod(Hyper, abc.ABC):
             client_id = 0
         r = self.client_rank(client_id)
         model = select(state.arrays, "model.")
+        w = self.wire_spec
         spec: ReplySpec = {
-            "dense." + k: (tuple(model[k].shape), model[k].dtype) for k in _dense_keys(state)
+            "dense." + k: (tuple(model[k].shape), w(model[k].dtype)) for k in _dense_keys(state)
         }
         for mod in _targets(state):
             m, n = model[f"{mod}.weight"].shape
             for f in self.trained(rnd):
-                spec[f"lora.{mod}.{f}"] = ((r, n) if f == "A" else (m, r), torch.float32)
+                spec[f"lora.{mod}.{f}"] = ((r, n) if f == "A" else (m, r), w(torch.float32))
         return spec
 
     # ------------------------------------------------------------------ client
@@ -366,6 +387,7 @@ class LoraMethod(Hyper, abc.ABC):
         rng: torch.Generator,
     ) -> tuple[Reply, State]:
         rnd, rank = int(msg.config["round"]), int(msg.config["rank"])
+        msg = Broadcast(_upcast(Reply(msg.arrays), dict(model.state_dict())).arrays, msg.config)
         targets = self.targets(model)
         dense = set(self.dense_keys(model, targets))
         base, held = self._synchronize(msg, state, targets, model)
@@ -395,6 +417,7 @@ class LoraMethod(Hyper, abc.ABC):
         train_s = time.perf_counter() - t0
         out = with_prefix(adapter_arrays(work, trained), "lora.")
         out.update(with_prefix(dense_arrays(work, dense), "dense."))
+        out = to_wire(out, self.wire_dtype)
         state_bytes = sum(
             v.numel() * v.element_size()
             for st in opt.state.values()
@@ -437,6 +460,19 @@ class LoraMethod(Hyper, abc.ABC):
             ).items():
                 base[f"{mod}.weight"] = merge(base[f"{mod}.weight"], delta)
         return base, held
+
+
+def _upcast(msg: Reply, model: Arrays) -> Reply:
+    """``msg``'s arrays as the receiver holds them: ``lora.*`` and ``log.*`` (factors, merge
+    payloads) in fp32, ``dense.<k>`` in the dtype of ``model[k]``, the rest unchanged (exact
+    upcasts of a 16-bit transport; no copy when the dtypes match)."""
+    dtypes: dict[str, torch.dtype] = {}
+    for key in msg.arrays:
+        if key.startswith(("lora.", "log.")):
+            dtypes[key] = torch.float32
+        elif key.startswith("dense.") and key[6:] in model:
+            dtypes[key] = model[key[6:]].dtype
+    return Reply(from_wire(msg.arrays, dtypes), msg.metrics)
 
 
 def _targets(state: State) -> list[str]:

@@ -265,6 +265,7 @@ class LoRAFAIR(LoraMethod):
     """
 
     name: ClassVar[str] = "lora_fair"
+    honours_transport_dtype: ClassVar[bool] = True
     fair_lambda: float = 0.01
     fair_solver: FairSolver = "lbfgs"
     fair_lr: float = 0.1

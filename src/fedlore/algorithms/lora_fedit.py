@@ -33,6 +33,7 @@ class FedIT(LoraMethod):
     """FedIT: train both factors, average each factor separately."""
 
     name: ClassVar[str] = "fedit"
+    honours_transport_dtype: ClassVar[bool] = True
 
     def aggregate_adapters(
         self, arrays: Arrays, replies: list[tuple[int, Reply]], p: list[float], rnd: int

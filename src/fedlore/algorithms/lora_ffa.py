@@ -32,6 +32,7 @@ class FFALoRA(LoraMethod):
     """FFA-LoRA: A frozen at its shared random init, B trained and averaged."""
 
     name: ClassVar[str] = "ffa_lora"
+    honours_transport_dtype: ClassVar[bool] = True
 
     def trained(self, rnd: int) -> tuple[Factor, ...]:
         return ("B",)

@@ -40,6 +40,7 @@ class FlexLoRA(HeteroRankMethod):
     """FlexLoRA: SVD of the weighted average product, redistributed at each client's rank."""
 
     name: ClassVar[str] = "flexlora"
+    honours_transport_dtype: ClassVar[bool] = True
 
     def down_adapters(self, state: State, rnd: int, client_id: int, version: int | None) -> Arrays:
         r = self.client_rank(client_id)

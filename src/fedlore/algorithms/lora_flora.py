@@ -40,6 +40,7 @@ class FLoRA(HeteroRankMethod):
     """FLoRA: noise-free stacking of heterogeneous adapters, merged every round."""
 
     name: ClassVar[str] = "flora"
+    honours_transport_dtype: ClassVar[bool] = True
     merges: ClassVar[bool] = True
     alpha_rule: Literal["fixed", "proportional"] = "proportional"
 

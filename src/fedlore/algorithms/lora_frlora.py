@@ -45,6 +45,7 @@ class FRLoRA(LoraMethod):
     """
 
     name: ClassVar[str] = "frlora"
+    honours_transport_dtype: ClassVar[bool] = True
     merges: ClassVar[bool] = True
     freeze_a: bool = False
 

@@ -37,6 +37,7 @@ class RoLoRA(LoraMethod):
     """RoLoRA: B-rounds and A-rounds alternate; only the trained factor is averaged."""
 
     name: ClassVar[str] = "rolora"
+    honours_transport_dtype: ClassVar[bool] = True
 
     def trained(self, rnd: int) -> tuple[Factor, ...]:
         return ("B",) if rnd % 2 == 0 else ("A",)

@@ -5,7 +5,8 @@
 (booleans and strings, which ``MetricRecord`` cannot hold, travel in a ``ConfigRecord``
 ``"metrics_other"``); ``State(arrays, values)`` <-> ``RecordDict({"arrays", "values"})`` for
 ``Context.state``. Tensors go through numpy (``np.save`` without pickle): dtype, shape and values
-are preserved bit for bit. ``bfloat16`` has no numpy dtype and is rejected with a clear error.
+are preserved bit for bit. ``bfloat16``, which numpy lacks, travels as its 16-bit pattern (an
+``int16`` view, bit for bit) in an ``Array`` whose ``dtype`` field says ``"bfloat16"``.
 """
 
 from __future__ import annotations
@@ -19,27 +20,38 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedlore.types import Arrays, Broadcast, Reply, Scalars, State
 
+BF16 = "bfloat16"
+"""The ``Array.dtype`` marker of a bfloat16 tensor sent as its ``int16`` bit pattern."""
+
 
 def arrays_to_record(arrays: Arrays) -> ArrayRecord:
-    """Named tensors -> ``ArrayRecord`` (keys and order kept).
+    """Named tensors -> ``ArrayRecord`` (keys and order kept; bfloat16 as its bit pattern, an
+    ``int16`` ``.npy`` payload under ``dtype="bfloat16"``, the same number of bytes).
 
     Raises:
-        TypeError: for a bfloat16 tensor (numpy cannot represent it) or a non-tensor value.
+        TypeError: for a non-tensor value.
     """
     out: OrderedDict[str, Array] = OrderedDict()
     for k, t in arrays.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"array {k!r} is a {type(t).__name__}, not a tensor")
+        t = t.detach().cpu().contiguous()
         if t.dtype == torch.bfloat16:
-            raise TypeError(f"array {k!r} is bfloat16, which Flower records cannot carry; cast it")
-        out[k] = Array(t.detach().cpu().contiguous().numpy())  # 0-d stays 0-d
+            bits = Array(t.view(torch.int16).numpy())
+            out[k] = Array(dtype=BF16, shape=bits.shape, stype=bits.stype, data=bits.data)
+        else:
+            out[k] = Array(t.numpy())  # 0-d stays 0-d
     return ArrayRecord(out)
 
 
 def record_to_arrays(record: ArrayRecord) -> Arrays:
     """``ArrayRecord`` -> named tensors (writable copies on the CPU; the receiving side moves
-    them to its device)."""
-    return {k: torch.from_numpy(np.array(a.numpy(), copy=True)) for k, a in record.items()}
+    them to its device; an ``Array`` marked ``"bfloat16"`` back to bfloat16, bit for bit)."""
+    out: Arrays = {}
+    for k, a in record.items():
+        t = torch.from_numpy(np.array(a.numpy(), copy=True))
+        out[k] = t.view(torch.bfloat16) if a.dtype == BF16 else t
+    return out
 
 
 def record_nbytes(record: ArrayRecord) -> int:
