@@ -24,7 +24,6 @@ from fedlore.tensors import (
     load_model_arrays,
     model_arrays,
     select,
-    sub,
     with_prefix,
 )
 from fedlore.train.local import LossTerm, local_train
@@ -131,12 +130,13 @@ class DenseServer:
     def dense_update(
         self, model: nn.Module, start: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """``update.* = W_K - W^t`` of the tensors that are not frozen."""
-        delta = sub(model_arrays(model), start)
-        return with_prefix(
-            {k: v for k, v in delta.items() if not self.is_frozen(k)},  # type: ignore[attr-defined]
-            "update.",
-        )
+        """``update.* = W_K - W^t`` of the tensors that are not frozen (new contiguous tensors,
+        computed from the model's own tensors without copying them first)."""
+        return {
+            "update." + k: (v.detach() - start[k].to(v.dtype)).contiguous()
+            for k, v in model.state_dict().items()
+            if not self.is_frozen(k)  # type: ignore[attr-defined]
+        }
 
 
 def local_optimizer(
