@@ -498,3 +498,15 @@ def test_combine_updates_by_hand() -> None:
     assert torch.equal(combine_updates(ups[:3], w[:3], "median")["w"], torch.tensor([2.0, 0.0]))
     mean = combine_updates(ups, [1.0, 1.0, 1.0, 0.0], "mean")["w"]
     assert torch.allclose(mean, torch.tensor([2.0, -1.0]))
+
+
+def test_validate_reply_names_the_first_problem_in_key_order() -> None:
+    """The finiteness of all keys is checked at once, but the reason is the first problem in the
+    spec's key order, as when each key was checked in turn."""
+    n = {"num_examples": 1}
+    nan_w = torch.full((2, 3), float("nan"))
+    first_nan = Reply({**_good().arrays, "update.w": nan_w, "update.b": torch.zeros(4)}, n)
+    assert validate_reply(first_nan, SPEC) == "update.w: contains NaN or Inf"
+    nan_b = torch.tensor([0.0, float("nan"), 0.0])
+    first_shape = Reply({**_good().arrays, "update.w": torch.ones(3, 2), "update.b": nan_b}, n)
+    assert validate_reply(first_shape, SPEC) == "update.w: shape (3, 2), expected (2, 3)"

@@ -145,6 +145,8 @@ class Hyper:
 
     def is_frozen(self, name: str) -> bool:
         """Whether tensor ``name`` (a plain ``state_dict`` name) matches a ``freeze`` pattern."""
+        if not self.freeze:  # the default: asked per tensor per client, so answered at once
+            return False
         return any(fnmatch.fnmatchcase(name, p) for p in self.freeze)
 
     def check_freeze(self, model: nn.Module) -> None:
@@ -174,6 +176,8 @@ class Hyper:
         Raises:
             RuntimeError: when a left-out frozen tensor is not in the client's cache.
         """
+        if not self.freeze:
+            return arrays
         missing = [k for k in model.state_dict() if self.is_frozen(k) and k not in arrays]
         if not missing:
             return arrays

@@ -31,7 +31,6 @@ from fedlore.tensors import (
     load_model_arrays,
     model_arrays,
     select,
-    sub,
     to_wire,
     with_prefix,
 )
@@ -142,10 +141,14 @@ class DenseServer:
         self, model: nn.Module, start: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """``update.* = W_K - W^t`` of the tensors that are not frozen, in the wire dtype
-        (``transport_dtype``; the model's by default)."""
-        delta = sub(model_arrays(model), start)
-        kept = {k: v for k, v in delta.items() if not self.is_frozen(k)}  # type: ignore[attr-defined]
-        return with_prefix(to_wire(kept, self.wire_dtype), "update.")  # type: ignore[attr-defined]
+        (``transport_dtype``; the model's by default): new contiguous tensors, computed from the
+        model's own tensors without copying them first."""
+        delta = {
+            k: (v.detach() - start[k].to(v.dtype)).contiguous()
+            for k, v in model.state_dict().items()
+            if not self.is_frozen(k)  # type: ignore[attr-defined]
+        }
+        return with_prefix(to_wire(delta, self.wire_dtype), "update.")  # type: ignore[attr-defined]
 
 
 def local_optimizer(

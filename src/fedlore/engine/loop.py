@@ -24,7 +24,7 @@ import torch
 from fedlore.algorithm import Algorithm
 from fedlore.engine.transport import Transport
 from fedlore.robust import norm_screen
-from fedlore.tensors import nbytes
+from fedlore.tensors import all_finite, nbytes
 from fedlore.types import Reply, State
 
 log = logging.getLogger(__name__)
@@ -63,17 +63,26 @@ def validate_reply(
     extra = sorted(set(reply.arrays) - set(expected))
     if missing or extra:
         return f"array keys differ: missing {missing[:3]}, unexpected {extra[:3]}"
+    checked: list[str] = []  # keys that pass the metadata checks, in order
+    problem = None
     for k, (shape, dtype) in expected.items():
         t = reply.arrays[k]
         if tuple(t.shape) != tuple(shape):
-            return f"{k}: shape {tuple(t.shape)}, expected {tuple(shape)}"
-        if t.dtype != dtype:
-            return f"{k}: dtype {t.dtype}, expected {dtype}"
-        if t.requires_grad:
-            return f"{k}: requires grad (replies must be detached)"
-        if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
-            return f"{k}: contains NaN or Inf"
-    return None
+            problem = f"{k}: shape {tuple(t.shape)}, expected {tuple(shape)}"
+        elif t.dtype != dtype:
+            problem = f"{k}: dtype {t.dtype}, expected {dtype}"
+        elif t.requires_grad:
+            problem = f"{k}: requires grad (replies must be detached)"
+        if problem is not None:
+            break
+        checked.append(k)
+    # the first problem in key order, as if each key were checked in turn; the finiteness of
+    # every key before it at once (one wait on the device)
+    if not all_finite(reply.arrays[k] for k in checked):
+        for k in checked:
+            if not all_finite([reply.arrays[k]]):
+                return f"{k}: contains NaN or Inf"
+    return problem
 
 
 @dataclass

@@ -10,8 +10,9 @@ common weight decay (keeping Proposition 8 exact).
 Precision (:mod:`fedlore.device`): under ``precision: bf16`` each step's forward pass and loss
 run in bfloat16 autocast, on the CPU as on CUDA; the backward follows the forward's dtypes, the
 parameters and their gradients stay fp32, and so do the optimizer step and every projection.
-Per step the loop copies nothing of the model and waits on the device twice (the loss and the
-gradients' finiteness), whatever the number of tensors.
+Per step the loop copies nothing of the model and waits on the device once (the finiteness of
+the loss and of all gradients together, :func:`fedlore.tensors.all_finite`), whatever the number
+of tensors; the losses are read once, after the last step.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from fedlore.data.client_data import TensorSplit
 from fedlore.data.corpus import IGNORE_INDEX
 from fedlore.device import autocast
+from fedlore.tensors import all_finite
 
 LossTerm = Callable[[nn.Module], torch.Tensor]
 GradHook = Callable[[nn.Module, int], None]
@@ -167,7 +169,7 @@ def local_train(
     """
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    losses: list[float] = []
+    losses: list[torch.Tensor] = []
     skipped = 0
     for k, (x, y) in zip(range(len(lrs)), batches, strict=False):
         for g in optimizer.param_groups:
@@ -177,14 +179,12 @@ def local_train(
             loss = loss_fn(model(x), y)
             for term in loss_terms:
                 loss = loss + term(model)
-        if not bool(torch.isfinite(loss)):
-            skipped += 1
-            _skip(optimizer)
-            continue
+        # the loss and every gradient checked at once, after the backward: one wait on the
+        # device per step; a non-finite loss's gradients are dropped unseen, as if never made
         loss.backward()
         grads = [p.grad for p in params if p.grad is not None]
-        if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
-            skipped += 1  # one device sync for all gradients, not one per tensor
+        if not all_finite([loss.detach(), *grads]):
+            skipped += 1
             optimizer.zero_grad(set_to_none=True)
             _skip(optimizer)
             continue
@@ -193,8 +193,9 @@ def local_train(
         for hook in on_grad:
             hook(model, k)
         optimizer.step()
-        losses.append(float(loss.detach()))
-    mean = sum(losses) / len(losses) if losses else float("nan")
+        losses.append(loss.detach())  # read once, after the last step
+    values = torch.stack(losses).tolist() if losses else []
+    mean = sum(values) / len(values) if values else float("nan")
     return TrainStats(mean_loss=mean, steps=len(lrs), skipped_steps=skipped)
 
 
