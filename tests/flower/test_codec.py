@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from flwr.app import Array
 
 from fedlore.flower.codec import (
     arrays_to_record,
@@ -29,9 +30,23 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
 def test_arrays_roundtrip_bitwise(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     g = torch.Generator().manual_seed(0)
     t = (torch.randn(shape, generator=g) * 100).to(dtype)
-    back = record_to_arrays(arrays_to_record({"a.b": t}))["a.b"]
+    rec = arrays_to_record({"a.b": t})
+    assert rec["a.b"].data == Array(t.numpy()).data  # the bytes np.save writes (Flower's own)
+    back = record_to_arrays(rec)["a.b"]
     assert back.dtype == t.dtype and tuple(back.shape) == tuple(t.shape)
     assert torch.equal(back, t)
+    assert torch.equal(torch.from_numpy(rec["a.b"].numpy()), t)  # Flower reads ours
+
+
+def test_decoded_tensors_are_writable_copies_and_flowers_own_arrays_decode() -> None:
+    import numpy as np
+
+    rec = arrays_to_record({"w": torch.arange(6.0).reshape(2, 3)})
+    rec["f"] = Array(np.asfortranarray(np.arange(6, dtype=np.int32).reshape(2, 3)))
+    back = record_to_arrays(rec)
+    back["w"].add_(1)  # writable, and not a view of the record's bytes
+    assert torch.equal(record_to_arrays(rec)["w"], torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(back["f"], torch.arange(6, dtype=torch.int32).reshape(2, 3))
 
 
 def test_special_values_and_non_contiguous() -> None:

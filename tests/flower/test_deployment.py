@@ -24,7 +24,7 @@ pytestmark = pytest.mark.flower
 ROOT = Path(__file__).resolve().parents[2]
 N = 3
 SEED = 42
-ROUNDS = 6
+ROUNDS = 5  # the victim is sampled in round 1 and again in rounds 3 and 4 (seed 42)
 
 
 @pytest.fixture
@@ -150,7 +150,7 @@ def test_site_local_deployment_each_node_reads_only_its_own_folder(tmp_path: Pat
     out_dir = tmp_path / "runs"
     overrides = [
         f"num_clients={N}",
-        "rounds=5",
+        "rounds=3",  # final accuracy 0.64 (0.79 after 5 rounds), the same as in-process
         "local_steps=10",
         "progress=false",
         "flower.site_data=true",

@@ -35,7 +35,9 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
+from torch import nn
 
+from fedlore.algorithm import Algorithm
 from fedlore.config import Config, load_config, validate
 from fedlore.data.client_data import ClientData
 from fedlore.data.federation import (
@@ -70,6 +72,42 @@ def _federation(cfg_json: str, seed: int, device: str) -> Federation:
 def _site(cfg_json: str, seed: int, cid: int, root: str, device: str) -> Federation:
     """The site's own one-client federation (:func:`site_federation`), built once per process."""
     return site_federation(validate(json.loads(cfg_json)), seed, cid, root).to(device)
+
+
+@functools.lru_cache(maxsize=4)
+def _algorithm(method: str, cfg_json: str) -> Algorithm:
+    """The method of a config, built once per process (:func:`fedlore.run.make_algorithm`)."""
+    from fedlore.run import make_algorithm
+
+    return make_algorithm(method, validate(json.loads(cfg_json)))
+
+
+_models: dict[tuple[str, str, int, str, str], nn.Module] = {}
+
+
+def _scratch_model(
+    cfg_json: str, method: str, seed: int, shape: str, device: str, fed: Federation
+) -> nn.Module:
+    """The scratch model every client of this process trains on, built once per config, method,
+    seed, data shape and device (as :class:`~fedlore.engine.transport.LocalTransport` builds one
+    per run; ``client_update`` loads the broadcast into it). The latest four are kept."""
+    from fedlore.run import model_factory
+
+    key = (cfg_json, method, seed, shape, device)
+    model = _models.pop(key, None)
+    if model is None:
+        model = model_factory(validate(json.loads(cfg_json)), fed, seed)()
+    _models[key] = model  # the most recent last
+    while len(_models) > 4:
+        del _models[next(iter(_models))]
+    return model
+
+
+@functools.lru_cache(maxsize=4)
+def _config(cfg_json: str) -> Config:
+    """A validated config from its JSON, once per process (the simulated ClientApp's closure
+    holds the JSON; validating it every message would be repeated work)."""
+    return validate(json.loads(cfg_json))
 
 
 SITE_SHAPE = "site.data_shape"
@@ -112,13 +150,26 @@ def client_data(
     return fed, dataclasses.replace(fed.client(0), client_id=cid)
 
 
-def client_train(msg: Message, context: Context, cfg: Config, method: str, seed: int) -> Message:
-    """One ``client_update`` for the node's client; state kept in ``context.state``."""
-    from fedlore.run import make_algorithm, model_factory
+def client_train(
+    msg: Message,
+    context: Context,
+    cfg: Config,
+    method: str,
+    seed: int,
+    threads: int | None = None,
+) -> Message:
+    """One ``client_update`` for the node's client; state kept in ``context.state``.
 
+    ``threads``: torch's intra-op threads for this process (:func:`set_threads`); None: the
+    run's ``threads`` setting. The method, the config's validation and the scratch model are
+    built once per process (:func:`_algorithm`, :func:`_scratch_model`), as the in-process
+    transport builds them once per run: a Ray actor serves many messages (one at a time).
+    """
     cid = int(context.node_config["partition-id"])
+    set_threads(cfg, threads)
     device = resolve_device(cfg.device)  # the node's own: auto finds its GPU
-    algo = make_algorithm(method, cfg)
+    cfg_json = cfg.model_dump_json()
+    algo = _algorithm(method, cfg_json)
     got = record_to_broadcast(msg.content)
     bcast = Broadcast(to_device(got.arrays, device), got.config)
     fed, data = client_data(cfg, context, seed, device, bcast)
@@ -126,7 +177,7 @@ def client_train(msg: Message, context: Context, cfg: Config, method: str, seed:
     if state is not None:
         state = State(to_device(state.arrays, device), state.values)
     rnd = int(bcast.config["round"])
-    model = model_factory(cfg, fed, seed)()
+    model = _scratch_model(cfg_json, method, seed, data_shape(fed), str(device), fed)
     with training_precision(cfg.precision), PeakMemory(device) as peak:
         reply, new_state = algo.client_update(
             bcast, state, model, data, generator(seed, CLIENT, rnd, cid)
@@ -138,6 +189,32 @@ def client_train(msg: Message, context: Context, cfg: Config, method: str, seed:
     for key, rec in state_to_record(new_state).items():
         context.state[key] = rec
     return Message(reply_to_record(reply), reply_to=msg)
+
+
+def client_threads(cfg: Config, simulated: bool) -> int | None:
+    """torch threads of a ClientApp process: ``max(1, int(flower.client_cpus))`` for a simulated
+    client (the CPUs its Ray actor reserves; Ray runs ``flower.num_cpus / client_cpus`` of them
+    side by side), the run's ``threads`` count for a deployed one (None: ``threads: auto``, or a
+    config without the setting, decided by :func:`set_threads`)."""
+    if simulated:
+        return max(1, int(cfg.flower.client_cpus))
+    setting = getattr(cfg, "threads", "auto")
+    return int(setting) if isinstance(setting, int) else None
+
+
+def set_threads(cfg: Config, threads: int | None) -> int:
+    """Set torch's intra-op threads of this process to ``threads`` (None: the run's ``threads``
+    setting, as the in-process engine applies it) and return the count in effect."""
+    if threads is None:
+        import fedlore.device
+
+        use_threads = getattr(fedlore.device, "use_threads", None)
+        if use_threads is None:  # a fedlore without the ``threads`` setting: torch's default
+            return torch.get_num_threads()
+        return int(use_threads(getattr(cfg, "threads", "auto")))
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return threads
 
 
 def client_query(msg: Message, context: Context) -> Message:
@@ -207,9 +284,11 @@ def make_apps(cfg: Config, method: str, seed: int) -> tuple[ServerApp, ClientApp
     def _main(grid: Grid, context: Context) -> None:
         server_main(grid, validate(json.loads(cfg_json)), method, seed)
 
+    threads = client_threads(cfg, simulated=True)
+
     @client.train()
     def _train(msg: Message, context: Context) -> Message:
-        return client_train(msg, context, validate(json.loads(cfg_json)), method, seed)
+        return client_train(msg, context, _config(cfg_json), method, seed, threads)
 
     @client.query()
     def _query(msg: Message, context: Context) -> Message:
@@ -258,7 +337,7 @@ def _deployed_main(grid: Grid, context: Context) -> None:
 @client_app.train()
 def _deployed_train(msg: Message, context: Context) -> Message:
     cfg, method, seed = _from_run_config(context)
-    return client_train(msg, context, cfg, method, seed)
+    return client_train(msg, context, cfg, method, seed, client_threads(cfg, simulated=False))
 
 
 @client_app.query()

@@ -18,6 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 BIN = Path(sys.executable).parent
+TASK_POLL_S = "0.2"
+"""``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` of the deployment's processes (seconds; Flower: 1)."""
 
 
 def _free_port() -> int:
@@ -53,6 +55,9 @@ class LoopbackFederation:
             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
             "RAY_USAGE_STATS_ENABLED": "0",
             "HF_HUB_OFFLINE": "1",
+            # the SuperExecs of the SuperLink and SuperNodes ask for a new task (a ServerApp or
+            # ClientApp process to start) every 0.2 s instead of Flower's 1 s
+            "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": TASK_POLL_S,
         }
         (work / "flwr").mkdir(parents=True)
         self.procs: list[subprocess.Popen[bytes]] = []

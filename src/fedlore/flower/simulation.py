@@ -1,7 +1,12 @@
 """``engine=flower-sim``: one method x seed on Flower's Simulation Engine (Ray backend).
 
 The ServerApp runs fedlore's round loop in a thread of this process; ``num_clients`` virtual
-SuperNodes (``partition-id`` 0..N-1) run the ClientApp in Ray actors, one CPU each.
+SuperNodes (``partition-id`` 0..N-1) run the ClientApp in Ray actors, ``flower.client_cpus``
+CPUs (and torch threads) each.
+
+Flower hands a stored message to its virtual SuperNode by a thread that looks for new messages
+every 0.1 s; during :func:`run_simulated` that thread is woken when the server stores a message
+instead (:func:`prompt_delivery`), so a round of fast clients is not rounded up to the poll.
 
 Ctrl-C (SIGINT) during a simulation ends the process at once with exit status 130 (Flower's
 shutdown would otherwise wait forever on its worker threads) and shuts Ray down. A simulated run
@@ -13,6 +18,7 @@ run's summary and starts an unfinished one over.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -22,6 +28,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from queue import Queue
 from types import FrameType
 from typing import Any, TextIO
 
@@ -51,7 +58,7 @@ def run_simulated(cfg: Config, method: str, seed: int, resume: bool = False) -> 
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, _stop_now) if main else None
     try:
-        with flower_output_to(summary_path.parent / "flower.log"):
+        with flower_output_to(summary_path.parent / "flower.log"), prompt_delivery():
             run_simulation(
                 server_app=server,
                 client_app=client,
@@ -114,6 +121,67 @@ def flower_output_to(path: Path) -> Iterator[None]:
         for h in handlers:
             flwr_log.addHandler(h)
         flwr_log.propagate = propagate
+
+
+DELIVERY_POLL_S = 0.1
+"""Seconds the delivery thread of :func:`prompt_delivery` waits for a wake-up before it looks for
+new messages anyway (Flower's own polling period)."""
+
+_patch_lock = threading.Lock()
+
+
+def deliver_when_stored(
+    state: Any, queue: Queue[Any], nodes_mapping: dict[int, int], f_stop: threading.Event
+) -> None:
+    """Flower's ``vce_api.add_messages_to_queue`` (the thread that moves the messages stored for
+    the virtual SuperNodes to the workers' queue), woken as soon as the server stores a message
+    rather than every 0.1 s: ``state.store_message_ins`` of this simulation's link state is
+    wrapped to set an event. Looks again at once after delivering something (a node's second
+    message), and every :data:`DELIVERY_POLL_S` seconds in any case; returns once ``f_stop`` is
+    set (the simulation ends)."""
+    stored = threading.Event()
+    store = state.store_message_ins
+
+    def store_and_wake(message: Any) -> Any:
+        msg_id = store(message)
+        stored.set()
+        return msg_id
+
+    state.store_message_ins = store_and_wake  # this state object only, not its class
+    try:
+        while not f_stop.is_set():
+            stored.clear()  # a message stored from here on wakes the wait below
+            found = False
+            for node_id in list(nodes_mapping.keys()):
+                for msg in state.get_message_ins(node_id=node_id, limit=1):
+                    queue.put(msg)
+                    found = True
+            if not found:
+                stored.wait(DELIVERY_POLL_S)
+    finally:
+        state.store_message_ins = store
+
+
+@contextlib.contextmanager
+def prompt_delivery() -> Iterator[None]:
+    """Use :func:`deliver_when_stored` as the Simulation Engine's delivery thread while inside;
+    Flower's own is put back on leaving. A Flower version whose delivery function has another
+    signature keeps its own (a 0.1 s poll: slower rounds, same results)."""
+    from flwr.server.superlink.fleet.vce import vce_api
+
+    own = getattr(vce_api, "add_messages_to_queue", None)
+    expected = ["state", "queue", "nodes_mapping", "f_stop"]
+    if own is None or list(inspect.signature(own).parameters) != expected:
+        log.debug("Flower's delivery thread is not the one known; keeping its 0.1 s poll")
+        yield
+        return
+    with _patch_lock:
+        vce_api.add_messages_to_queue = deliver_when_stored
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            vce_api.add_messages_to_queue = own
 
 
 def backend_config(cfg: Config) -> dict[str, Any]:

@@ -1,0 +1,169 @@
+"""The simulated ClientApp called in this process (no Ray): the same model as the in-process
+transport, torch threads set to ``flower.client_cpus``; Flower's message delivery and the
+transport's polling without a running Flower."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from queue import Queue
+from typing import Any
+
+import pytest
+import torch
+from flwr.app import Context, Message, Metadata, RecordDict
+
+from fedlore.config import load_config
+from fedlore.engine.callbacks import Checkpointer
+from fedlore.flower.app import client_threads, make_apps
+from fedlore.flower.codec import broadcast_to_record, record_to_reply
+from fedlore.flower.simulation import deliver_when_stored, prompt_delivery
+from fedlore.flower.transport import send_and_receive
+from fedlore.run import run_dir, run_one
+from fedlore.types import Broadcast, Reply
+
+pytestmark = pytest.mark.flower
+
+SMALL = ["num_clients=2", "local_steps=2", "batch_size=16", "rounds=2", "progress=false"]
+
+
+class ClientAppInProcess:
+    """A transport calling the ClientApp of :func:`make_apps` here, each client with its own
+    ``Context`` (as Flower keeps one per virtual SuperNode); notes torch's threads after each."""
+
+    def __init__(self, client: Any, num_clients: int) -> None:
+        self.client = client
+        self.threads: list[int] = []
+        self.ctx = {
+            c: Context(
+                run_id=1, node_id=c + 1, node_config={"partition-id": c}, state=RecordDict(),
+                run_config={},
+            )
+            for c in range(num_clients)
+        }  # fmt: skip
+
+    def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
+        out: dict[int, Reply | BaseException] = {}
+        for cid, b in messages.items():
+            meta = Metadata(
+                run_id=1, message_id=f"{rnd}.{cid}", src_node_id=0, dst_node_id=cid + 1,
+                reply_to_message_id="", group_id=str(rnd), created_at=time.time(), ttl=3600.0,
+                message_type="train",
+            )  # fmt: skip
+            reply = self.client(
+                Message(metadata=meta, content=broadcast_to_record(b)), self.ctx[cid]
+            )
+            self.threads.append(torch.get_num_threads())
+            out[cid] = record_to_reply(reply.content)
+        return out
+
+
+def test_client_app_matches_in_process_and_uses_client_cpus_threads(tmp_path: Path) -> None:
+    before = torch.get_num_threads()
+    local = load_config(None, [*SMALL, f"output_dir={tmp_path / 'l'}"])
+    app = load_config(None, [*SMALL, "flower.client_cpus=3", f"output_dir={tmp_path / 'a'}"])
+    run_one(local, "fedlore", 42)
+    _, client = make_apps(app, "fedlore", 42)
+    box: dict[str, ClientAppInProcess] = {}
+
+    def transport(*_: Any) -> ClientAppInProcess:
+        box["t"] = ClientAppInProcess(client, app.num_clients)
+        return box["t"]
+
+    try:
+        run_one(app, "fedlore", 42, make_transport=transport)
+    finally:
+        torch.set_num_threads(before)
+    assert box["t"].threads and set(box["t"].threads) == {3}
+    _, s_local, _ = Checkpointer.load(run_dir(local, "fedlore", 42) / "checkpoint.pt")
+    _, s_app, _ = Checkpointer.load(run_dir(app, "fedlore", 42) / "checkpoint.pt")
+    keys = [k for k in s_local.arrays if k.startswith("model.")]
+    assert keys
+    for k in keys:
+        torch.testing.assert_close(s_app.arrays[k], s_local.arrays[k], rtol=1e-5, atol=1e-6)
+
+
+def test_client_threads() -> None:
+    cfg = load_config(None, ["flower.client_cpus=0.5"])
+    assert client_threads(cfg, simulated=True) == 1
+    assert client_threads(load_config(None, ["flower.client_cpus=2.5"]), simulated=True) == 2
+
+
+class _State:
+    """The two methods of Flower's in-memory link state that the delivery thread uses."""
+
+    def __init__(self) -> None:
+        self.stored: dict[int, list[str]] = {}
+        self.lock = threading.Lock()
+
+    def store_message_ins(self, message: tuple[int, str]) -> str:
+        with self.lock:
+            self.stored.setdefault(message[0], []).append(message[1])
+        return message[1]
+
+    def get_message_ins(self, node_id: int, limit: int | None) -> list[str]:
+        with self.lock:
+            got = self.stored.get(node_id, [])
+            out, self.stored[node_id] = got[:limit], got[limit:]
+        return out
+
+
+def test_delivery_thread_delivers_every_stored_message_and_stops() -> None:
+    state, queue, stop = _State(), Queue[str](), threading.Event()
+    own = state.store_message_ins
+    th = threading.Thread(target=deliver_when_stored, args=(state, queue, {7: 0, 8: 1}, stop))
+    th.start()
+    for i in range(3):  # two for one node: each call hands over one message per node
+        state.store_message_ins((7, f"a{i}"))
+    state.store_message_ins((8, "b"))
+    got = sorted(queue.get(timeout=10) for _ in range(4))
+    stop.set()
+    th.join(timeout=10)
+    assert got == ["a0", "a1", "a2", "b"] and not th.is_alive()
+    assert state.store_message_ins == own  # the wrapper is gone with the thread
+
+
+def test_prompt_delivery_swaps_flowers_delivery_function_and_restores_it() -> None:
+    from flwr.server.superlink.fleet.vce import vce_api
+
+    own = vce_api.add_messages_to_queue
+    with prompt_delivery():
+        assert vce_api.add_messages_to_queue is deliver_when_stored
+    assert vce_api.add_messages_to_queue is own
+
+
+class _Grid:
+    """A grid whose replies come in after a number of pulls; one message cannot be pushed."""
+
+    def __init__(self, pulls_until_reply: int) -> None:
+        self.left = pulls_until_reply
+        self.pulls = 0
+
+    def push_messages(self, messages: Any) -> list[str | None]:
+        return ["m1", "m2", None]
+
+    def pull_messages(self, ids: Any) -> list[Any]:
+        self.pulls += 1
+        self.left -= 1
+        if self.left > 0:
+            return []
+        meta = type("M", (), {"reply_to_message_id": None})
+
+        def reply(i: str) -> Any:
+            m = type("R", (), {})()
+            m.metadata = meta()
+            m.metadata.reply_to_message_id = i
+            return m
+
+        return [reply(i) for i in sorted(ids)]
+
+
+def test_send_and_receive_polls_until_every_pushed_message_is_answered() -> None:
+    grid = _Grid(pulls_until_reply=4)
+    got = send_and_receive(grid, [], timeout=None)  # type: ignore[arg-type]
+    assert sorted(r.metadata.reply_to_message_id for r in got) == ["m1", "m2"]
+    assert grid.pulls == 4  # stops at the pull that brought the last reply
+    never = _Grid(pulls_until_reply=10**9)
+    assert send_and_receive(never, [], timeout=0.05) == []  # type: ignore[arg-type]
+    assert never.pulls >= 2
