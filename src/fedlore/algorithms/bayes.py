@@ -65,7 +65,6 @@ from fedlore.algorithms.base import local_eval_metrics, reply_metrics
 from fedlore.algorithms.fedavg import FedFull, optimizer_state_bytes
 from fedlore.bayes.layers import (
     ESTIMATORS,
-    Estimator,
     GaussianPrior,
     add_mc_dropout,
     bayesianize,
@@ -278,7 +277,7 @@ class MetaBayFL(FedFull):
     conv_dropout: float = 0.0
     posterior_aggregation: Aggregation = "mean"
     trials: Literal["batched", "sequential"] = "sequential"
-    bnn_estimator: Estimator = "weights"
+    bnn_estimator: Literal["weights", "local"] = "weights"
 
     def __post_init__(self) -> None:
         super().__post_init__()

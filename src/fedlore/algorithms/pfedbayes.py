@@ -33,7 +33,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
@@ -43,7 +43,6 @@ from fedlore.algorithms.fedavg import FedFull, optimizer_state_bytes
 from fedlore.algorithms.personal import BetaMixing, Personalized, keep_personal, personal_arrays
 from fedlore.bayes.layers import (
     ESTIMATORS,
-    Estimator,
     GaussianPrior,
     bayesianize,
     posterior_kl,
@@ -81,7 +80,7 @@ class PFedBayes(BetaMixing, Personalized, FedFull):
     personal_lr: float | None = None
     beta: float = 1.0
     rho_init: float = -2.5
-    bnn_estimator: Estimator = "weights"
+    bnn_estimator: Literal["weights", "local"] = "weights"
 
     def __post_init__(self) -> None:
         super().__post_init__()
