@@ -17,6 +17,7 @@ from fedlore.algorithms.bayes import (
     combine_gaussians,
     elbo_kl_term,
     meta_loss,
+    meta_nll,
     meta_split,
     pick_lowest,
 )
@@ -473,3 +474,94 @@ def test_batched_trials_match_with_sgd_weight_decay_and_a_large_meta_split(score
     torch.testing.assert_close(
         torch.tensor(out["sequential"][1]), torch.tensor(out["batched"][1]), rtol=1e-4, atol=0
     )
+
+
+@pytest.mark.parametrize("posterior", ["bnn", "mcdropout"])
+def test_candidates_scored_in_channels_last_equal_the_reference_scores(posterior: str) -> None:
+    """The search scores each trial copy in the channels-last layout (issue 19): the same
+    scores, to float rounding, and the same choice as scoring it in its own layout."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(80, 1, 8, 8, generator=g), torch.randint(0, 3, (80,), generator=g)
+    fit, meta = TensorSplit(x[:64], y[:64]), TensorSplit(x[64:], y[64:])
+    torch.manual_seed(1)
+    model = nn.Sequential(
+        nn.Conv2d(1, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(27, 3)
+    )
+    algo = MetaBayFL(
+        posterior=posterior,  # type: ignore[arg-type]
+        candidate_lrs=(1e-1, 1e-2, 1e-3),
+        temp_steps=3,
+        batch_size=16,
+        mc_samples=3,
+        conv_dropout=0.2,
+    )
+    algo.prepare_model(model)
+    opt = algo.make_optimizer(model)
+    terms = [elbo_kl_term(1.0, 64)] if posterior == "bnn" else []
+    with sampling(model, True):
+        chosen, scores = algo.select_lr(model, opt, fit, meta, terms, seed=5)
+        ref = []  # the search before issue 19: each copy scored in its own (NCHW) layout
+        for lr in algo.candidate_lrs:
+            trial = copy.deepcopy(model)
+            topt = algo.make_optimizer(trial)
+            topt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            with torch.random.fork_rng():
+                torch.manual_seed(5)
+                batches = minibatches(fit, 16, 3, torch.Generator().manual_seed(5))
+                local_train(trial, batches, topt, [lr] * 3, loss_terms=terms)
+                ref.append(meta_nll(trial, meta, 3))
+    torch.testing.assert_close(torch.tensor(scores), torch.tensor(ref), rtol=1e-5, atol=0)
+    assert chosen == pick_lowest(algo.candidate_lrs, ref)
+    assert len(set(ref)) == 3  # the candidates differ, so the comparison means something
+    assert (
+        model[0].weight_mu.is_contiguous()
+        if posterior == "bnn"
+        else model[0].weight.is_contiguous()
+    )
+
+
+@pytest.mark.parametrize("name", ["meta_bayfl", "bayfl", "pfedbayes"])
+def test_bnn_estimator_reaches_the_layers_and_the_mc_predictive(name: str) -> None:
+    from fedlore.bayes import BayesConv2d, BayesLinear
+    from fedlore.train.local import predictive_log_probs
+
+    algo = make_algorithm(name, load_config(None, [f"method.{name}.bnn_estimator=local"]))
+    assert algo.bnn_estimator == "local"  # type: ignore[attr-defined]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(72, 3))
+    algo.prepare_model(model)  # type: ignore[attr-defined]
+    kinds = {
+        type(m): m.estimator for m in model.modules() if isinstance(m, BayesLinear | BayesConv2d)
+    }
+    assert kinds == {BayesConv2d: "local", BayesLinear: "local"}
+    x = torch.rand(1, 1, 8, 8).repeat(2, 1, 1, 1)  # one example twice
+    local = predictive_log_probs(model, x, mc_samples=1)
+    assert not torch.allclose(local[0], local[1])  # a pre-activation draw per example
+    default = make_algorithm(name, load_config(None, []))
+    default.prepare_model(model)  # type: ignore[attr-defined]
+    same = predictive_log_probs(model, x, mc_samples=1)
+    assert torch.equal(same[0], same[1])  # one weight draw shared by the batch
+
+
+def test_bad_bnn_estimators_are_refused() -> None:
+    bad = load_config(None, ["method.meta_bayfl.bnn_estimator=flipout"])
+    with pytest.raises(ValueError, match="accepted: weights, local"):
+        make_algorithm("meta_bayfl", bad)
+    with pytest.raises(ValueError, match=r"bnn_estimator=.local.*posterior=.none."):
+        make_algorithm("meta_fl", load_config(None, ["method.meta_fl.bnn_estimator=local"]))
+    with pytest.raises(ValueError, match="bnn_estimator"):
+        make_algorithm("pfedbayes", load_config(None, ["method.pfedbayes.bnn_estimator=x"]))
+
+
+def test_meta_bayfl_with_the_local_estimator_trains_a_client() -> None:
+    model, fit, _ = _regression_case()
+    data = ClientData(0, fit, fit.subset(torch.arange(10)))
+    algo = MetaBayFL(bnn_estimator="local", local_steps=4, batch_size=16, temp_steps=2)
+    state = algo.init_server(model, torch.Generator())
+    reply, _ = algo.client_update(
+        algo.broadcast(state, 0, 0), None, model, data, torch.Generator().manual_seed(0)
+    )
+    assert reply.metrics["skipped_steps"] == 0 and math.isfinite(reply.metrics["train_loss"])
+    assert "lr_chosen" in reply.metrics
+    rho = [v for k, v in reply.arrays.items() if k.endswith("weight_rho")]
+    assert rho and float(rho[0].abs().sum()) > 0  # sigma is trained

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -24,6 +25,7 @@ from fedlore.bayes import (
     log_prior,
     log_softplus,
     sampling,
+    set_estimator,
 )
 from fedlore.data.client_data import TensorSplit
 from fedlore.models import build_model
@@ -186,3 +188,131 @@ def test_mc_dropout_that_drops_nothing_is_refused() -> None:
         add_mc_dropout(convs, p=0.5, conv_p=0.2)  # the first conv never drops
     with pytest.raises(ValueError, match="drops nothing"):
         add_mc_dropout(_cnn(), p=0.0)
+
+
+def _local_case() -> tuple[BayesLinear, torch.Tensor]:
+    """A BayesLinear with unequal sigmas per weight and a bias sigma that matters, and inputs
+    of unequal scale (so a transposed or missing variance term shows)."""
+    g = torch.Generator().manual_seed(5)
+    layer = BayesLinear(nn.Linear(6, 4), GaussianPrior(), rho_init=-1.0)
+    with torch.no_grad():
+        layer.weight_mu.copy_(torch.randn(4, 6, generator=g))
+        layer.weight_rho.copy_(torch.rand(4, 6, generator=g) * 2.0 - 2.0)  # sigma 0.13 .. 0.69
+        layer.bias_mu.copy_(torch.randn(4, generator=g))  # type: ignore[union-attr]
+        layer.bias_rho.copy_(torch.tensor([0.5, -1.0, 0.0, 1.0]))  # type: ignore[union-attr]
+    x = torch.randn(3, 6, generator=g) * torch.tensor([[2.0], [0.5], [1.0]])
+    return layer, x
+
+
+def test_local_estimator_matches_the_moments_of_weight_sampling() -> None:
+    """Kingma et al. 2015 Eq. 6: b ~ N(x mu_W^T + mu_b, x² sigma_W²^T + sigma_b²), the exact
+    marginal of one pre-activation under a weight draw; both estimators' sample means and
+    variances over many draws agree with it within five standard errors."""
+    layer, x = _local_case()
+    sw = torch.nn.functional.softplus(layer.weight_rho.detach())
+    sb = torch.nn.functional.softplus(layer.bias_rho.detach())  # type: ignore[union-attr]
+    mean = x @ layer.weight_mu.detach().T + layer.bias_mu.detach()  # type: ignore[union-attr]
+    var = (x * x) @ (sw * sw).T + sb * sb
+    n = 6000
+    torch.manual_seed(11)
+    with torch.no_grad():
+        draws = {"weights": torch.stack([layer(x) for _ in range(n)])}  # one W per draw
+        layer.estimator = "local"
+        draws["local"] = layer(x.repeat(n, 1)).view(n, 3, 4)  # one draw per example
+    se_mean = (var / n).sqrt()
+    se_var = var * math.sqrt(2.0 / (n - 1))
+    for name, d in draws.items():
+        assert bool(((d.mean(0) - mean).abs() < 5 * se_mean).all()), name
+        assert bool(((d.var(0) - var).abs() < 5 * se_var).all()), name
+    # the tolerance has power: the variance without sigma_b², or with sigma for sigma², fails
+    wrong = [(x * x) @ (sw * sw).T, (x * x) @ sw.T + sb]
+    for bad in wrong:
+        assert not bool(((draws["local"].var(0) - bad).abs() < 5 * se_var).all())
+
+
+def test_local_estimator_trains_sigma_and_uses_the_means_with_sampling_off() -> None:
+    layer, x = _local_case()
+    layer.estimator = "local"
+    torch.manual_seed(0)
+    layer(x).pow(2).sum().backward()
+    assert layer.weight_rho.grad is not None and float(layer.weight_rho.grad.abs().sum()) > 0
+    assert layer.bias_rho.grad is not None and float(layer.bias_rho.grad.abs().sum()) > 0
+    with sampling(layer, False):
+        ref = torch.nn.functional.linear(x, layer.weight_mu, layer.bias_mu)
+        assert torch.equal(layer(x), ref)
+    # per-example noise: two copies of one example get different pre-activations
+    twice = layer(torch.cat([x[:1], x[:1]]))
+    assert not torch.allclose(twice[0], twice[1])
+    with torch.no_grad():  # a variance that underflows keeps finite outputs and gradients
+        layer.weight_rho.fill_(-200.0)
+        layer.bias_rho.fill_(-200.0)  # type: ignore[union-attr]
+    layer.zero_grad()
+    layer(torch.zeros(2, 6)).sum().backward()
+    assert bool(torch.isfinite(layer.weight_rho.grad).all())  # type: ignore[arg-type]
+
+
+def test_estimator_is_set_on_every_bayesian_layer_and_checked() -> None:
+    model = bayesianize(_cnn(), estimator="local")
+    layers = [m for m in model.modules() if isinstance(m, BayesLinear | BayesConv2d)]
+    assert layers and all(m.estimator == "local" for m in layers)
+    assert bayesianize(model) is model  # idempotent conversion, estimator set again
+    assert all(m.estimator == "weights" for m in layers)
+    assert set_estimator(model, "local") is model and all(m.estimator == "local" for m in layers)
+    assert "estimator=local" in repr(model.fc)
+    with pytest.raises(ValueError, match="accepted: weights, local"):
+        set_estimator(model, "flipout")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown BNN estimator"):
+        bayesianize(_cnn(), estimator="bad")  # type: ignore[arg-type]
+    # a conv keeps one weight draw per pass under "local": all examples share its noise
+    conv = model.features[0]  # type: ignore[index]
+    x = torch.rand(1, 1, 8, 8).repeat(2, 1, 1, 1)
+    out = conv(x)
+    assert torch.equal(out[0], out[1])
+
+
+def test_flattened_kl_equals_the_per_layer_sums() -> None:
+    from fedlore.bayes import gaussian_kl_between, posterior_kl
+
+    model = bayesianize(_cnn(), GaussianPrior(0.0, 1.0), rho_init=-3.0)
+    model.fc.prior = GaussianPrior(0.2, 0.5)  # type: ignore[union-attr]  # two priors: two passes
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    layers = [m for m in model.modules() if isinstance(m, BayesLinear | BayesConv2d)]
+    per_layer = sum(float(m.kl().detach()) for m in layers)
+    ref = 0.0  # torch.distributions, element by element, float64
+    for m in layers:
+        for mu, rho in ((m.weight_mu, m.weight_rho), (m.bias_mu, m.bias_rho)):
+            q = Normal(mu.detach().double(), torch.nn.functional.softplus(rho.detach().double()))
+            ref += float(torch_kl(q, Normal(m.prior.mu, m.prior.sigma)).sum())
+    assert math.isclose(float(kl_divergence(model)), per_layer, rel_tol=1e-6)
+    assert math.isclose(float(kl_divergence(model)), ref, rel_tol=1e-5)
+    other = bayesianize(_cnn(), rho_init=-2.0)
+    pairs = zip(model.parameters(), other.parameters(), strict=True)
+    flat = [(a.reshape(-1), b.reshape(-1)) for a, b in pairs]
+    mus, rhos = flat[0::2], flat[1::2]  # params alternate weight_mu, weight_rho, bias_mu, ...
+    by_tensor = sum(
+        float(gaussian_kl_between(mq, log_softplus(rq), mp, log_softplus(rp)))
+        for (mq, mp), (rq, rp) in zip(mus, rhos, strict=True)
+    )
+    assert math.isclose(float(posterior_kl(model, other)), by_tensor, rel_tol=1e-5)
+    assert abs(float(posterior_kl(model, model))) < 1e-2  # KL(q || q) = 0 (sum of ~1.6k terms)
+
+
+def test_a_channels_last_model_draws_the_same_weights() -> None:
+    model = bayesianize(_cnn(), rho_init=-1.0).eval()
+    last = copy.deepcopy(model).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    x = torch.rand(4, 1, 8, 8)
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        ref = model(x)
+        torch.manual_seed(3)
+        out = last(x)
+    assert torch.allclose(out, ref, atol=1e-6)
+    conv = last.features[3]
+    assert (
+        conv.weights()[0].stride()
+        == conv.weight_mu.stride()
+        != model.features[3].weight_mu.stride()
+    )

@@ -33,7 +33,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
@@ -41,7 +41,14 @@ from torch import nn
 from fedlore.algorithms.base import reply_metrics
 from fedlore.algorithms.fedavg import FedFull, optimizer_state_bytes
 from fedlore.algorithms.personal import BetaMixing, Personalized, keep_personal, personal_arrays
-from fedlore.bayes.layers import GaussianPrior, bayesianize, posterior_kl, sampling, seeded
+from fedlore.bayes.layers import (
+    ESTIMATORS,
+    GaussianPrior,
+    bayesianize,
+    posterior_kl,
+    sampling,
+    seeded,
+)
 from fedlore.data.client_data import ClientData
 from fedlore.registry import register_algorithm
 from fedlore.tensors import load_model_arrays
@@ -61,6 +68,10 @@ class PFedBayes(BetaMixing, Personalized, FedFull):
         personal_lr: step of ``q_i`` (None: ``lr``).
         beta: server mixing weight (> 0; default 1).
         rho_init: initial rho of the global posterior (sigma = softplus(-2.5) = 0.079).
+        bnn_estimator: how the Linear layers sample, in training and in the MC predictive:
+            ``"weights"`` (default: one weight draw per forward pass, as the pFedBayes
+            reimplementations) or ``"local"`` (local reparameterization, Kingma, Salimans &
+            Welling 2015; convolutions keep weight sampling; :class:`~fedlore.bayes.BayesLinear`).
     """
 
     name: ClassVar[str] = "pfedbayes"
@@ -69,6 +80,7 @@ class PFedBayes(BetaMixing, Personalized, FedFull):
     personal_lr: float | None = None
     beta: float = 1.0
     rho_init: float = -2.5
+    bnn_estimator: Literal["weights", "local"] = "weights"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -78,15 +90,16 @@ class PFedBayes(BetaMixing, Personalized, FedFull):
             "personal_lr": self.personal_lr is None or self.personal_lr > 0,
             "beta": self.beta > 0,
             "rho_init": math.isfinite(self.rho_init),
+            "bnn_estimator": self.bnn_estimator in ESTIMATORS,
         }
         for field, ok in checks.items():
             if not ok:
                 raise ValueError(f"pfedbayes: invalid {field}={getattr(self, field)!r}")
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Bayesianize the scratch model in place (idempotent); the prior is unused (the KL is
-        to the global posterior)."""
-        return bayesianize(model, GaussianPrior(0.0, 1.0), self.rho_init)
+        """Bayesianize the scratch model in place (idempotent; sampling by ``bnn_estimator``);
+        the prior is unused (the KL is to the global posterior)."""
+        return bayesianize(model, GaussianPrior(0.0, 1.0), self.rho_init, self.bnn_estimator)
 
     def init_server(self, model: nn.Module, rng: torch.Generator) -> State:
         """The global posterior ``v^0``: means = the initial weights, rho = ``rho_init``."""

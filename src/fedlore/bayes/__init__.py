@@ -1,13 +1,16 @@
 """Bayesian building blocks: mean-field Gaussian layers with a Gaussian prior, MC-dropout layers,
-converters for any registered model, the closed-form KL, and the sampling switch.
+converters for any registered model, the closed-form KL, the sampling switch and the estimator
+switch (weight sampling or local reparameterization).
 
 See :mod:`fedlore.bayes.layers`; the ELBO and the Meta-BayFL family are in
 :mod:`fedlore.algorithms.bayes`.
 """
 
 from fedlore.bayes.layers import (
+    ESTIMATORS,
     BayesConv2d,
     BayesLinear,
+    Estimator,
     GaussianPrior,
     MCDropoutConv2d,
     MCDropoutLinear,
@@ -25,11 +28,14 @@ from fedlore.bayes.layers import (
     posterior_kl,
     sampling,
     seeded,
+    set_estimator,
 )
 
 __all__ = [
+    "ESTIMATORS",
     "BayesConv2d",
     "BayesLinear",
+    "Estimator",
     "GaussianPrior",
     "MCDropoutConv2d",
     "MCDropoutLinear",
@@ -47,4 +53,5 @@ __all__ = [
     "posterior_kl",
     "sampling",
     "seeded",
+    "set_estimator",
 ]

@@ -7,7 +7,11 @@ Eqs. 14-15; reference notes Part 0.1). A forward pass draws one weight sample
 ``w = mu + sigma · eps`` shared by the minibatch (the reparameterization of Blundell et al. 2015)
 when the layer's :attr:`Stochastic.sampling` flag is on, and uses ``mu`` when it is off. The flag
 is independent of ``train()`` / ``eval()``: a model evaluated in eval mode (BatchNorm frozen) can
-still draw samples, which is what the MC predictive needs.
+still draw samples, which is what the MC predictive needs. A layer's ``estimator``
+(:func:`set_estimator`, ``bayesianize(..., estimator=)``) switches the Linear layers to the local
+reparameterization of Kingma, Salimans & Welling (2015): pre-activations
+``b ~ N(x mu_W^T + mu_b, x² sigma_W²^T + sigma_b²)`` drawn per example instead of one weight
+sample per batch, in training and in the MC predictive alike; convolutions keep weight sampling.
 
 ``forward`` returns a tensor; the KL is asked for separately (:func:`kl_divergence`).
 
@@ -15,7 +19,8 @@ Everything is computed in log space: ``log sigma`` goes through :func:`log_softp
 finite for any ``rho``, and the Gaussian log density is never exponentiated, so a weight far in
 the tail has a finite, very negative log prior.
 
-Randomness: weight samples come from torch's global CPU generator, also for a model on a GPU
+Randomness: weight samples (and local pre-activation samples) come from torch's global CPU
+generator, also for a model on a GPU
 (drawn on the CPU and moved), so a run samples the same weights on every device; callers that
 need reproducibility seed it (:func:`seeded`). MC-dropout masks come from the device's own
 generator (``F.dropout``): an MC-dropout model on a GPU draws other masks than on the CPU.
@@ -27,6 +32,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +52,8 @@ def log_softplus(rho: torch.Tensor) -> torch.Tensor:
     Returns:
         Tensor of ``rho``'s shape: ``log sigma``.
     """
-    safe = torch.where(rho < -20.0, torch.zeros_like(rho), rho)
-    return torch.where(rho < -20.0, rho, torch.log(F.softplus(safe)))
+    # clamp_min keeps softplus's argument >= -20 (no log(0)) and passes no gradient below it
+    return torch.where(rho < -20.0, rho, F.softplus(rho.clamp_min(-20.0)).log())
 
 
 def inverse_softplus(sigma: torch.Tensor | float) -> torch.Tensor:
@@ -113,9 +119,12 @@ def gaussian_kl(
     Returns:
         0-d tensor (nats), differentiable in ``mu_q`` and ``log_sigma_q``.
     """
-    var_ratio = torch.exp(2.0 * log_sigma_q) / sigma_p**2
-    mean_term = (mu_q - mu_p) ** 2 / sigma_p**2
-    return 0.5 * (var_ratio + mean_term - 1.0).sum() + (math.log(sigma_p) - log_sigma_q).sum()
+    # one element-wise chain and one reduction (fewer kernels than a sum per term); each
+    # element's terms cancel to rounding at the prior, so a KL near 0 stays near 0 for any n
+    diff = mu_q - mu_p
+    spread = torch.addcmul(torch.exp(2.0 * log_sigma_q), diff, diff)  # sigma_q² + (mu_q - mu_p)²
+    per = spread * (0.5 / sigma_p**2) + (math.log(sigma_p) - 0.5)
+    return (per - log_sigma_q).sum()
 
 
 def gaussian_kl_between(
@@ -135,12 +144,10 @@ def gaussian_kl_between(
     Returns:
         0-d tensor (nats), differentiable in all four.
     """
-    inv_var_p = torch.exp(-2.0 * log_sigma_p)
-    ratio = torch.exp(2.0 * log_sigma_q) * inv_var_p
-    return (
-        0.5 * (ratio + (mu_q - mu_p) ** 2 * inv_var_p - 1.0).sum()
-        + (log_sigma_p - log_sigma_q).sum()
-    )
+    diff = mu_q - mu_p
+    spread = torch.addcmul(torch.exp(2.0 * log_sigma_q), diff, diff)  # sigma_q² + (mu_q - mu_p)²
+    per = 0.5 * (spread * torch.exp(-2.0 * log_sigma_p) - 1.0) + log_sigma_p
+    return (per - log_sigma_q).sum()
 
 
 def posterior_kl(q: nn.Module, p: nn.Module) -> torch.Tensor:
@@ -154,22 +161,48 @@ def posterior_kl(q: nn.Module, p: nn.Module) -> torch.Tensor:
     pl = {n: m for n, m in p.named_modules() if isinstance(m, _BayesMixin)}
     if ql.keys() != pl.keys():
         raise ValueError(f"posterior_kl: Bayesian layers differ ({sorted(ql)} vs {sorted(pl)})")
-    total = torch.zeros((), device=_device_of(q))
+    cols: tuple[list[torch.Tensor], ...] = ([], [], [], [])
     for name, a in ql.items():
         b = pl[name]
         pairs = [(a.weight_mu, a.weight_rho, b.weight_mu, b.weight_rho)]
         if a.bias_mu is not None and a.bias_rho is not None and b.bias_mu is not None:
             assert b.bias_rho is not None
             pairs.append((a.bias_mu, a.bias_rho, b.bias_mu, b.bias_rho))
-        for mq, rq, mp, rp in pairs:
-            total = total + gaussian_kl_between(mq, log_softplus(rq), mp, log_softplus(rp))
-    return total
+        for pair in pairs:
+            if pair[0].shape != pair[2].shape:
+                raise ValueError(
+                    f"posterior_kl: {name} has shapes {tuple(pair[0].shape)} vs "
+                    f"{tuple(pair[2].shape)}"
+                )
+            for col, t in zip(cols, pair, strict=True):
+                col.append(t.reshape(-1))
+    if not cols[0]:
+        return torch.zeros((), device=_device_of(q))
+    # every layer in one flattened pass: a handful of kernels per step, not ~20 per tensor
+    mq, rq, mp, rp = (torch.cat(col) for col in cols)
+    return gaussian_kl_between(mq, log_softplus(rq), mp, log_softplus(rp))
 
 
 class Stochastic:
     """Mixin of every layer whose forward pass can draw a sample; ``sampling`` switches it."""
 
     sampling: bool = True
+
+
+Estimator = Literal["weights", "local"]
+"""How a mean-field Gaussian layer samples: ``"weights"`` draws one weight sample per forward
+pass (Blundell et al. 2015; the seed's estimator), ``"local"`` samples the pre-activations
+(local reparameterization, Kingma, Salimans & Welling 2015; :class:`BayesLinear` only)."""
+
+ESTIMATORS: tuple[str, ...] = ("weights", "local")
+
+
+def _noise(shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
+    """Standard normal noise of ``shape`` in ``like``'s dtype and device, drawn from torch's
+    global CPU generator (moved to ``like``'s device), so every device draws the same numbers."""
+    if like.device.type == "cpu":
+        return torch.randn(shape, dtype=like.dtype)
+    return torch.randn(shape, dtype=like.dtype).to(like.device, non_blocking=True)
 
 
 class _BayesMixin(Stochastic, nn.Module):
@@ -180,6 +213,7 @@ class _BayesMixin(Stochastic, nn.Module):
     bias_mu: nn.Parameter | None
     bias_rho: nn.Parameter | None
     prior: GaussianPrior
+    estimator: Estimator = "weights"
 
     def _init_variational(
         self,
@@ -190,6 +224,7 @@ class _BayesMixin(Stochastic, nn.Module):
     ) -> None:
         self.prior = prior
         self.sampling = True
+        self.estimator = "weights"
         self.weight_mu = nn.Parameter(weight.detach().clone())
         self.weight_rho = nn.Parameter(torch.full_like(weight, rho_init))
         if bias is not None:
@@ -200,13 +235,14 @@ class _BayesMixin(Stochastic, nn.Module):
             self.register_parameter("bias_rho", None)
 
     def _draw(self, mu: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+        """``mu + softplus(rho) * eps`` in one fused ``addcmul`` (``mu`` itself when sampling is
+        off)."""
         if not self.sampling:
             return mu
-        if mu.device.type == "cpu":
-            noise = torch.randn_like(mu)
-        else:  # the CPU generator's draws, moved: the same weights as on the CPU
-            noise = torch.randn(mu.shape, dtype=mu.dtype).to(mu.device, non_blocking=True)
-        return mu + F.softplus(rho) * noise
+        w = torch.addcmul(mu, F.softplus(rho), _noise(mu.shape, mu))
+        if w.stride() != mu.stride():  # e.g. channels_last: the sample keeps mu's exact layout,
+            w = torch.empty_like(mu).copy_(w)  # which picks the convolution's kernel
+        return w
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draw of (weight, bias) (the means when :attr:`sampling` is off)."""
@@ -238,6 +274,14 @@ class _BayesMixin(Stochastic, nn.Module):
 class BayesLinear(_BayesMixin):
     """Mean-field Gaussian ``nn.Linear``: ``y = x W^T + b`` with ``(W, b) ~ q``.
 
+    With :attr:`estimator` ``"weights"`` (default) a forward pass draws one ``(W, b)`` shared by
+    the batch. With ``"local"`` it samples the pre-activations instead (the local
+    reparameterization trick, Kingma, Salimans & Welling 2015, Eq. 6):
+    ``y ~ N(x mu_W^T + mu_b, x² sigma_W²^T + sigma_b²)``, independently per example and output
+    unit; every example's marginal is the same as under one weight draw, the gradient's variance
+    is lower and the noise is ``[..., out]`` instead of ``[out, in]``. With sampling off both
+    give ``x mu_W^T + mu_b``.
+
     Args:
         layer: the deterministic layer whose weights become the posterior means.
         prior: the prior of every weight.
@@ -250,16 +294,41 @@ class BayesLinear(_BayesMixin):
         self._init_variational(layer.weight, layer.bias, prior, rho_init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., in] -> [..., out]`` with one weight draw for the whole batch."""
+        """``[..., in] -> [..., out]``: one weight draw for the whole batch, or with the local
+        estimator one pre-activation draw per example and unit."""
+        if self.sampling and self.estimator == "local":
+            return self.local_forward(x)
         w, b = self.weights()
         return F.linear(x, w, b)
 
+    def local_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Local reparameterization (Kingma et al. 2015, Eq. 6): mean ``x mu_W^T + mu_b``,
+        variance ``x² sigma_W²^T + sigma_b²`` (``[..., out]``), one draw
+        ``mean + sqrt(var) * eps`` with ``eps`` from torch's global CPU generator. The variance
+        is floored at the dtype's smallest normal number, so the square root's gradient stays
+        finite where a unit's variance underflows.
+
+        Returns:
+            ``[..., out]``.
+        """
+        mean = F.linear(x, self.weight_mu, self.bias_mu)
+        var_b = None
+        if self.bias_rho is not None:
+            var_b = F.softplus(self.bias_rho).square()
+        var = F.linear(x * x, F.softplus(self.weight_rho).square(), var_b)
+        std = var.clamp_min(torch.finfo(var.dtype).tiny).sqrt()
+        return torch.addcmul(mean, std, _noise(mean.shape, mean))
+
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, prior={self.prior}"
+        est = "" if self.estimator == "weights" else f", estimator={self.estimator}"
+        return f"in={self.in_features}, out={self.out_features}, prior={self.prior}{est}"
 
 
 class BayesConv2d(_BayesMixin):
-    """Mean-field Gaussian ``nn.Conv2d`` (same stride, padding, dilation, groups).
+    """Mean-field Gaussian ``nn.Conv2d`` (same stride, padding, dilation, groups). A forward
+    pass draws one weight sample for the batch under either :attr:`estimator`: the local
+    estimator would need a second convolution (of ``x²`` with ``sigma²``) per pass, doubling
+    the layer's cost, so convolutions keep weight sampling.
 
     Args:
         layer: the deterministic conv (``padding_mode="zeros"``) whose weights become the means.
@@ -323,7 +392,10 @@ def _replace(
 
 
 def bayesianize(
-    model: nn.Module, prior: GaussianPrior | None = None, rho_init: float = -5.0
+    model: nn.Module,
+    prior: GaussianPrior | None = None,
+    rho_init: float = -5.0,
+    estimator: Estimator = "weights",
 ) -> nn.Module:
     """Turn every ``nn.Linear`` and ``nn.Conv2d`` of ``model`` into its mean-field Gaussian twin,
     in place; the deterministic weights become the posterior means (so a BNN and its
@@ -331,22 +403,27 @@ def bayesianize(
 
     State-dict names change from ``<layer>.weight`` to ``<layer>.weight_mu`` /
     ``<layer>.weight_rho`` (likewise for the bias). Norm layers, embeddings and layers already
-    converted are left as they are, so the call is idempotent.
+    converted are left as they are, so the call is idempotent; ``estimator`` is set on every
+    Bayesian layer, converted now or before (:func:`set_estimator`).
 
     Args:
         model: any registered image or feature classifier.
         prior: the prior of every weight (default N(0, 1), reference notes Part 16 #8).
         rho_init: initial rho (default -5: sigma 0.0067).
+        estimator: ``"weights"`` (one weight draw per forward pass, the seed's) or ``"local"``
+            (local reparameterization in the Linear layers, :class:`BayesLinear`).
 
     Returns:
         ``model`` itself.
 
     Raises:
-        ValueError: when the model has no Linear or Conv2d layer to convert and none converted.
+        ValueError: when the model has no Linear or Conv2d layer to convert and none converted,
+            or for an unknown ``estimator``.
     """
     prior = prior if prior is not None else GaussianPrior()
     if not math.isfinite(rho_init):
         raise ValueError(f"rho_init must be finite, got {rho_init}")
+    _check_estimator(estimator)
 
     def make(layer: nn.Module) -> nn.Module:
         if isinstance(layer, nn.Conv2d):
@@ -357,6 +434,28 @@ def bayesianize(
     n = _replace(model, (nn.Linear, nn.Conv2d), make)
     if n == 0 and not any(isinstance(m, _BayesMixin) for m in model.modules()):
         raise ValueError(f"{type(model).__name__} has no nn.Linear or nn.Conv2d to make Bayesian")
+    return set_estimator(model, estimator)
+
+
+def _check_estimator(estimator: str) -> None:
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown BNN estimator {estimator!r} (accepted: {', '.join(ESTIMATORS)})")
+
+
+def set_estimator(model: nn.Module, estimator: Estimator) -> nn.Module:
+    """Set how every mean-field Gaussian layer of ``model`` samples (:data:`Estimator`), in
+    place; layers without a local estimator (:class:`BayesConv2d`) keep weight sampling.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        ValueError: for an unknown ``estimator``.
+    """
+    _check_estimator(estimator)
+    for m in model.modules():
+        if isinstance(m, _BayesMixin):
+            m.estimator = estimator
     return model
 
 
@@ -403,15 +502,30 @@ def add_mc_dropout(model: nn.Module, p: float = 0.5, conv_p: float = 0.0) -> nn.
 
 
 def kl_divergence(model: nn.Module) -> torch.Tensor:
-    """``KL(q || p)`` summed over every Bayesian layer of ``model`` (0 for a model without one).
+    """``KL(q || p)`` summed over every Bayesian layer of ``model`` (0 for a model without one):
+    :func:`gaussian_kl` of all layers' (mu, rho) concatenated, one pass per prior.
 
     Returns:
         0-d tensor (nats), differentiable in the variational parameters.
     """
-    terms = [m.kl() for m in model.modules() if isinstance(m, _BayesMixin)]
-    if not terms:
+    groups: dict[GaussianPrior, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for m in model.modules():
+        if isinstance(m, _BayesMixin):
+            mus, rhos = groups.setdefault(m.prior, ([], []))
+            mus.append(m.weight_mu.reshape(-1))
+            rhos.append(m.weight_rho.reshape(-1))
+            if m.bias_mu is not None and m.bias_rho is not None:
+                mus.append(m.bias_mu.reshape(-1))
+                rhos.append(m.bias_rho.reshape(-1))
+    if not groups:
         return torch.zeros((), device=_device_of(model))
-    return torch.stack(terms).sum()
+    # one flattened pass per prior (usually one): a handful of kernels per step, forward and
+    # backward, instead of about twenty per tensor
+    terms = [
+        gaussian_kl(torch.cat(mus), log_softplus(torch.cat(rhos)), prior.mu, prior.sigma)
+        for prior, (mus, rhos) in groups.items()
+    ]
+    return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
 
 
 def log_prior(model: nn.Module) -> torch.Tensor:
