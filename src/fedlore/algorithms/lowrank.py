@@ -38,9 +38,14 @@ class LowRankHyper(Hyper):
         side: projection side rule, ``"left"`` (the seed), ``"right"``, ``"auto"`` (GaLore std).
         exclude: parameter-name prefixes never projected (the classifier head); they train
             densely. Tensors matching :attr:`Hyper.freeze` are neither projected nor trained.
-        candidate_svd: ``"exact"`` or ``"randomized"`` SVD for client-side bases.
-        svd_oversample: extra columns of the randomized range finder (Halko et al. 2011).
-        svd_niter: power iterations of the randomized range finder.
+        candidate_svd: how client-side bases are computed: ``"exact"`` (the seed's
+            TopLeftSVD), ``"randomized"`` (seeded range finder) or ``"subspace"`` (block power
+            iteration warm-started from the client's current basis ``P^t``, see
+            :func:`fedlore.optim.subspace.subspace_iteration`; cold-started from a sketch where
+            there is no current basis: FedLore's setup exchange, Local GaLore).
+        svd_oversample: extra columns of the randomized range finder (Halko et al. 2011) and
+            of the subspace route's block.
+        svd_niter: power iterations of the randomized range finder and of the subspace route.
         optimizer: the inner optimizer, ``"adam"`` (:class:`ProjectedAdam`, the seed's
             Algorithm 1) or ``"sgd"`` (:class:`ProjectedSGD`, the seed's theory); config
             ``optim.name``.
@@ -50,7 +55,7 @@ class LowRankHyper(Hyper):
     scale: float = 1.0
     side: SideRule = "left"
     exclude: tuple[str, ...] = ("head.",)
-    candidate_svd: Literal["exact", "randomized"] = "exact"
+    candidate_svd: Literal["exact", "randomized", "subspace"] = "exact"
     svd_oversample: int = 10
     svd_niter: int = 2
     optimizer: Literal["adam", "sgd"] = "adam"
@@ -70,7 +75,7 @@ class LowRankHyper(Hyper):
                 f"{type(self).__name__}: svd_oversample and svd_niter must be >= 0, got "
                 f"{self.svd_oversample}, {self.svd_niter}"
             )
-        if self.candidate_svd not in ("exact", "randomized"):
+        if self.candidate_svd not in ("exact", "randomized", "subspace"):
             raise ValueError(f"{type(self).__name__}: invalid candidate_svd={self.candidate_svd!r}")
 
     def top_r(
@@ -79,11 +84,22 @@ class LowRankHyper(Hyper):
         rank: int,
         rng: torch.Generator,
         dtype: torch.dtype = torch.float32,
+        warm: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Client-side top-r left singular vectors with this method's SVD settings, in ``dtype``
-        (the model's: bases follow the model's precision)."""
+        """Client-side top-r left singular vectors of ``mat`` (``m x k``) with this method's SVD
+        settings, ``m x r`` in ``dtype`` (the model's: bases follow the model's precision);
+        ``warm`` (``m x r``, the current basis) starts the ``"subspace"`` route and is ignored
+        by the others. Raises ValueError as
+        :func:`~fedlore.optim.subspace.top_left_singular` does."""
         return top_left_singular(
-            mat, rank, self.candidate_svd, rng, self.svd_oversample, self.svd_niter, dtype=dtype
+            mat,
+            rank,
+            self.candidate_svd,
+            rng,
+            self.svd_oversample,
+            self.svd_niter,
+            dtype=dtype,
+            warm=warm,
         )
 
     def plan(self, model: nn.Module) -> dict[str, MatrixSpec]:
