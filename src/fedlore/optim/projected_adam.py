@@ -16,8 +16,8 @@ the round because ``Z`` accumulates the lr-weighted directions (Appendix D). Our
 includes ``-lr * scale`` (the paper's ``ΔZ`` times ``-ηα`` for a constant lr).
 
 Dense (unprojected) parameters get plain AdamW with the same betas, eps, lr and decoupled decay
-(PyTorch's own :class:`torch.optim.AdamW`, on the implementation FedFull's clients use: the
-multi-tensor ``foreach`` one where PyTorch picks it, unless ``foreach`` says otherwise).
+(the operation sequence of PyTorch's multi-tensor ``foreach`` AdamW, which FedFull's clients run
+on CUDA; on the CPU PyTorch picks its per-tensor loop, the same arithmetic).
 Moments start at zero when the optimizer is made; FedLore makes a fresh one every round.
 
 Cost per projected matrix and step (issue 19): two ``r·m·n`` products (``Pᵀ G``, and ``P D``
@@ -50,8 +50,6 @@ class ProjectedAdam(torch.optim.Optimizer):
         eps: added to ``sqrt(V_hat)``.
         weight_decay: decoupled decay coefficient lambda (0 = none).
         scale: alpha, the multiplier of projected updates (dense ones are not scaled).
-        foreach: the dense AdamW's implementation (None: PyTorch's choice, as for FedFull's
-            ``torch.optim.AdamW``; the projected moments always use the ``foreach`` ops).
 
     Raises:
         ValueError: if a basis has the wrong shape or a parameter appears twice.
@@ -66,7 +64,6 @@ class ProjectedAdam(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         scale: float = 1.0,
-        foreach: bool | None = None,
     ) -> None:
         dense = list(dense)
         proj = list(projected)
@@ -90,8 +87,6 @@ class ProjectedAdam(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(groups, defaults)
         self.scale = scale
-        self.foreach = foreach
-        self._dense_adamw: torch.optim.AdamW | None = None
 
     def set_lr(self, lr: float) -> None:
         """Set the learning rate of every group (called by the loop for a schedule)."""
@@ -136,42 +131,56 @@ class ProjectedAdam(torch.optim.Optimizer):
         """The coordinate steps ``D = -lr_k · scale · N`` (``r x n`` each) of projected
         parameters ``params`` from their projected gradients ``rs`` (``Pᵀ G``; overwritten:
         the result lives in their buffers). Adam: ``N`` is the bias-corrected
-        ``m_hat / (sqrt(v_hat) + eps)`` of the module docstring, the moments in ``self.state``
-        updated by batched ``foreach`` ops (no ``m_hat`` / ``v_hat`` tensors: the corrections
-        are scalars folded into the denominator and the step size)."""
+        ``m_hat / (sqrt(v_hat) + eps)`` of the module docstring (see :meth:`_moments`)."""
+        ms, denom, corr = self._moments(params, rs, group)
+        torch._foreach_zero_(rs)  # R is spent: D goes into its buffers
+        lr = group["lr"] * self.scale
+        torch._foreach_addcdiv_(rs, ms, denom, [-lr * c for c in corr])
+        return rs
+
+    def _moments(
+        self, params: list[torch.Tensor], gs: list[torch.Tensor], group: dict[str, Any]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
+        """Adam's moment update for ``params`` from gradients ``gs`` (projected or dense),
+        batched with ``torch._foreach_*`` ops as in PyTorch's multi-tensor AdamW:
+        ``M <- b1 M + (1 - b1) g``, ``V <- b2 V + (1 - b2) g ⊙ g`` (state ``exp_avg``,
+        ``exp_avg_sq``, ``step`` per parameter, made at the first step).
+
+        Returns:
+            ``(M list, denominators sqrt(V / (1 - b2^k)) + eps, 1 / (1 - b1^k) per
+            parameter)``: ``N = M · corr / denom`` without ``m_hat`` / ``v_hat`` tensors (the
+            bias corrections are scalars, folded into the denominator and the step size).
+        """
         b1, b2 = group["betas"]
         states = [self.state[p] for p in params]
-        for st, r in zip(states, rs, strict=True):
+        for st, g in zip(states, gs, strict=True):
             if not st:
                 st["step"] = 0
-                st["exp_avg"] = torch.zeros_like(r)
-                st["exp_avg_sq"] = torch.zeros_like(r)
+                st["exp_avg"] = torch.zeros_like(g)
+                st["exp_avg_sq"] = torch.zeros_like(g)
             st["step"] += 1
         ms = [st["exp_avg"] for st in states]
         vs = [st["exp_avg_sq"] for st in states]
-        torch._foreach_lerp_(ms, rs, 1 - b1)  # M <- b1 M + (1 - b1) R
+        torch._foreach_lerp_(ms, gs, 1 - b1)  # M <- b1 M + (1 - b1) g
         torch._foreach_mul_(vs, b2)
-        torch._foreach_addcmul_(vs, rs, rs, value=1 - b2)  # V <- b2 V + (1 - b2) R ⊙ R
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)  # V <- b2 V + (1 - b2) g ⊙ g
         # sqrt(V / (1 - b2^k)) + eps = sqrt(V) / sqrt(1 - b2^k) + eps
         denom = torch._foreach_sqrt(vs)
         torch._foreach_div_(denom, [math.sqrt(1 - b2 ** st["step"]) for st in states])
         torch._foreach_add_(denom, group["eps"])
-        torch._foreach_zero_(rs)  # R is spent: D goes into its buffers
-        lr = group["lr"] * self.scale
-        torch._foreach_addcdiv_(rs, ms, denom, [-lr / (1 - b1 ** st["step"]) for st in states])
-        return rs
+        return ms, denom, [1 / (1 - b1 ** st["step"]) for st in states]
 
     def _dense_step(self, group: dict[str, Any]) -> None:
-        """AdamW on the dense group: PyTorch's :class:`torch.optim.AdamW` over these
-        parameters, sharing this optimizer's ``state`` (its ``step``, ``exp_avg``,
-        ``exp_avg_sq``) and taking this group's lr, betas, eps and decay at every step."""
-        if self._dense_adamw is None:
-            self._dense_adamw = torch.optim.AdamW(group["params"], foreach=self.foreach)
-            self._dense_adamw.state = self.state  # one state for both
-        inner = self._dense_adamw.param_groups[0]
-        for key in ("lr", "betas", "eps", "weight_decay"):
-            inner[key] = group[key]
-        self._dense_adamw.step()
+        """AdamW on the dense parameters with a gradient, batched (the ``foreach`` sequence of
+        PyTorch's multi-tensor AdamW): ``p <- a_k p - lr_k · m_hat / (sqrt(v_hat) + eps)``."""
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        decay = 1.0 - group["lr"] * group["weight_decay"]
+        if decay != 1.0:
+            torch._foreach_mul_(params, decay)
+        ms, denom, corr = self._moments(params, [p.grad for p in params], group)
+        torch._foreach_addcdiv_(params, ms, denom, [-group["lr"] * c for c in corr])
 
     @torch.no_grad()
     def skip_step(self) -> None:
@@ -211,7 +220,7 @@ class ProjectedSGD(ProjectedAdam):
 
     and ``p <- a_k p - lr_k g`` for dense parameters, with ``a_k = 1 - lr_k · weight_decay``.
     This is the inner optimizer of the seed's theory (Theorem 3, Theorem 6, Proposition 4:
-    ``W <- W - γ Π ∇f_i(W)``). ``betas``, ``eps`` and ``foreach`` are accepted and unused.
+    ``W <- W - γ Π ∇f_i(W)``). ``betas`` and ``eps`` are accepted and unused.
     """
 
     def directions(

@@ -173,8 +173,9 @@ def top_left_singular(
         raise ValueError(f"unknown SVD method {method!r}")
     if warm is not None and tuple(warm.shape) != (m, rank):
         raise ValueError(f"warm basis has shape {tuple(warm.shape)}, expected {(m, rank)}")
+    approximate = method != "exact" and rank + oversample < min(m, k)
     if compute_dtype is None:
-        sub = method == "subspace"
+        sub = approximate and method == "subspace"
         compute_dtype = torch.promote_types(mat.dtype, torch.float32) if sub else torch.float64
     a = mat.detach().to(compute_dtype)
     # one reduction for both checks (a NaN propagates to min and max, an Inf reaches one)
@@ -183,7 +184,7 @@ def top_left_singular(
         raise ValueError("cannot take the SVD of a matrix with NaN or Inf entries")
     if lo == 0.0 and hi == 0.0:
         return torch.eye(m, rank, dtype=dtype, device=mat.device)
-    if method == "exact" or rank + oversample >= min(m, k):
+    if not approximate:
         if m <= k:
             # Left singular vectors are the eigenvectors of A Aᵀ (m x m): an m^2 k product and an
             # m^3 eigh, far cheaper than the SVD of a wide m x k matrix (0.05 s vs 1.3 s for a
