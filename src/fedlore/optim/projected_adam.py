@@ -165,7 +165,7 @@ class ProjectedAdam(torch.optim.Optimizer):
         torch._foreach_mul_(vs, b2)
         torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)  # V <- b2 V + (1 - b2) g ⊙ g
         # sqrt(V / (1 - b2^k)) + eps = sqrt(V) / sqrt(1 - b2^k) + eps
-        denom = torch._foreach_sqrt(vs)
+        denom = list(torch._foreach_sqrt(vs))
         torch._foreach_div_(denom, [math.sqrt(1 - b2 ** st["step"]) for st in states])
         torch._foreach_add_(denom, group["eps"])
         return ms, denom, [1 / (1 - b1 ** st["step"]) for st in states]
