@@ -11,11 +11,14 @@ bytes per round.
     python benchmarks/round_time.py [--data fashion_mnist|digits] [--model cnn] [--rounds 4]
     python benchmarks/round_time.py --config experiments/pretrain_table3.yaml \
         --out benchmarks/results/pretrain_round_time.json     # the small LLaMA (issue 6)
-    python benchmarks/round_time.py --set method.fedlore.candidate_svd=subspace   # any override
+    python benchmarks/round_time.py --methods fedfull,fedlore,fedlore:candidate_svd=subspace
 
 With ``--config`` the experiment's data, model, clients, local steps, rank and optimizer are
 used as they are (``--data``, ``--model``, ``--clients``, ``--local-steps`` and ``--rank`` are
 ignored), every client takes part in every round, and only the first seed is measured.
+
+A method entry ``name:key=value[:key=value]`` runs ``name`` with ``method.name.key=value`` (so
+two settings of one method can be timed side by side); ``--set`` adds a config override for all.
 
 Threads: ``torch.set_num_threads(--threads)`` (2 by default, the CI machine's cores).
 """
@@ -63,8 +66,10 @@ class Setup:
     """One method's federation, loop and server state, with timers on its client work and its
     aggregation."""
 
-    def __init__(self, method: str, overrides: list[str], rounds: int, config: Path | None):
-        cfg = load_config(config, [*overrides, f"rounds={rounds}", f"algorithms={method}"])
+    def __init__(self, entry: str, overrides: list[str], rounds: int, config: Path | None):
+        method, *settings = entry.split(":")
+        own = [f"method.{method}.{kv}" for kv in settings]
+        cfg = load_config(config, [*overrides, *own, f"rounds={rounds}", f"algorithms={method}"])
         self.cfg = cfg
         fed = build_federation(cfg, 0)
         self.algo = make_algorithm(method, cfg)

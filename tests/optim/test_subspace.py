@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fedlore.algorithms.fedlore import FedLore
+from fedlore.config import load_config
 from fedlore.optim.subspace import (
     MatrixSpec,
     average_projectors,
@@ -19,6 +20,7 @@ from fedlore.optim.subspace import (
     random_basis,
     top_left_singular,
 )
+from fedlore.run import make_algorithm
 
 
 def orthonormal(p: torch.Tensor, atol: float = 1e-6) -> bool:
@@ -364,3 +366,23 @@ def test_fedlore_candidate_is_warm_started_from_the_current_basis() -> None:
     assert captured_energy(cand, grad) >= captured_energy(top_left_singular(grad, 3), grad) - 0.01
     with pytest.raises(ValueError, match="candidate_svd"):
         FedLore(candidate_svd="power")  # type: ignore[arg-type]
+
+
+def test_svd_settings_reach_the_client_candidate() -> None:
+    """``method.fedlore.candidate_svd`` / ``svd_dtype`` from a config; float32 exact arithmetic
+    is an option that agrees with the seed's float64 route to float32 accuracy."""
+    cfg = load_config(
+        None, ["method.fedlore.candidate_svd=subspace", "method.fedlore.svd_dtype=fp32"]
+    )
+    algo = make_algorithm("fedlore", cfg)
+    assert isinstance(algo, FedLore)
+    assert (algo.candidate_svd, algo.svd_dtype) == ("subspace", "fp32")
+    grad = torch.randn(30, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    spec = MatrixSpec("w", (30, 40), "left", 30, 40, 3)
+    f32 = FedLore(rank=3, svd_dtype="fp32")._candidate(spec, grad, None, torch.Generator())
+    f64 = FedLore(rank=3)._candidate(spec, grad, None, torch.Generator())
+    assert f32.dtype == f64.dtype == torch.float64  # bases follow the model
+    assert not torch.equal(f32, f64)  # the arithmetic really differs
+    torch.testing.assert_close(f32, f64, rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="svd_dtype"):
+        FedLore(svd_dtype="fp16")  # type: ignore[arg-type]

@@ -27,6 +27,14 @@ from fedlore.optim.subspace import (
 from fedlore.train.local import TrainStats, local_train
 from fedlore.types import Arrays, State
 
+SVD_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp64": torch.float64,
+    "fp32": torch.float32,
+}
+"""``LowRankHyper.svd_dtype`` -> the ``compute_dtype`` of
+:func:`~fedlore.optim.subspace.top_left_singular` (None: each route's default)."""
+
 
 @dataclass(frozen=True)
 class LowRankHyper(Hyper):
@@ -46,6 +54,10 @@ class LowRankHyper(Hyper):
         svd_oversample: extra columns of the randomized range finder (Halko et al. 2011) and
             of the subspace route's block.
         svd_niter: power iterations of the randomized range finder and of the subspace route.
+        svd_dtype: arithmetic of client-side bases: ``"auto"`` (float64 for the exact and
+            randomized routes, as the seed's TopLeftSVD; the gradient's own dtype for the
+            subspace route), or ``"fp64"`` / ``"fp32"`` for every route (fp32 exact:
+            about 2.5x faster on the CPU, bases equal to ~1e-5).
         optimizer: the inner optimizer, ``"adam"`` (:class:`ProjectedAdam`, the seed's
             Algorithm 1) or ``"sgd"`` (:class:`ProjectedSGD`, the seed's theory); config
             ``optim.name``.
@@ -58,6 +70,7 @@ class LowRankHyper(Hyper):
     candidate_svd: Literal["exact", "randomized", "subspace"] = "exact"
     svd_oversample: int = 10
     svd_niter: int = 2
+    svd_dtype: Literal["auto", "fp64", "fp32"] = "auto"
     optimizer: Literal["adam", "sgd"] = "adam"
 
     def __post_init__(self) -> None:
@@ -77,6 +90,8 @@ class LowRankHyper(Hyper):
             )
         if self.candidate_svd not in ("exact", "randomized", "subspace"):
             raise ValueError(f"{type(self).__name__}: invalid candidate_svd={self.candidate_svd!r}")
+        if self.svd_dtype not in ("auto", "fp64", "fp32"):
+            raise ValueError(f"{type(self).__name__}: invalid svd_dtype={self.svd_dtype!r}")
 
     def top_r(
         self,
@@ -100,6 +115,7 @@ class LowRankHyper(Hyper):
             self.svd_niter,
             dtype=dtype,
             warm=warm,
+            compute_dtype=SVD_DTYPES[self.svd_dtype],
         )
 
     def plan(self, model: nn.Module) -> dict[str, MatrixSpec]:
