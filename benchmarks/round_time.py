@@ -1,26 +1,36 @@
 """FedLore vs FedFull wall time per round in one process (not a test).
 
-Same model, data, clients and local steps for both methods. Reports, side by side in one run:
-wall seconds per round (and the FedLore / FedFull ratio), the share of FedLore's client time
-spent in SVD (candidate bases), and server aggregation time per round.
+Same model, data, clients and local steps for every method. The methods run side by side in one
+process, interleaved round by round (round t of every method before round t+1 of any, the order
+rotated each round), so machine noise hits them alike; the first round is a warm-up and the
+median of the remaining rounds (three by default) is reported. Per method: wall seconds per
+round, the FedLore / FedFull ratio (median of the per-round ratios), the share of client time
+spent computing candidate bases (``top_left_singular``), server aggregation time per round, and
+bytes per round.
 
-    python benchmarks/round_time.py [--data fashion_mnist|digits] [--model cnn] [--rounds 3]
+    python benchmarks/round_time.py [--data fashion_mnist|digits] [--model cnn] [--rounds 4]
     python benchmarks/round_time.py --config experiments/pretrain_table3.yaml \
         --out benchmarks/results/pretrain_round_time.json     # the small LLaMA (issue 6)
+    python benchmarks/round_time.py --methods fedfull,fedlore,fedlore:candidate_svd=subspace
 
 With ``--config`` the experiment's data, model, clients, local steps, rank and optimizer are
 used as they are (``--data``, ``--model``, ``--clients``, ``--local-steps`` and ``--rank`` are
 ignored), every client takes part in every round, and only the first seed is measured.
 
-Threads: run it alone on the machine; it sets ``torch.set_num_threads(--threads)``.
+A method entry ``name:key=value[:key=value]`` runs ``name`` with ``method.name.key=value`` (so
+two settings of one method can be timed side by side); ``--set`` adds a config override for all.
+
+Threads: ``torch.set_num_threads(--threads)`` (2 by default, the CI machine's cores).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +43,8 @@ from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport
 from fedlore.run import make_algorithm, model_factory
 from fedlore.seeding import SERVER_INIT, generator
+
+METHODS = ("fedfull", "fedlore", "local_galore")
 
 
 class Timer:
@@ -50,43 +62,86 @@ class Timer:
             self.calls += 1
 
 
+class Setup:
+    """One method's federation, loop and server state, with timers on its client work and its
+    aggregation."""
+
+    def __init__(self, entry: str, overrides: list[str], rounds: int, config: Path | None):
+        method, *settings = entry.split(":")
+        own = [f"method.{method}.{kv}" for kv in settings]
+        cfg = load_config(config, [*overrides, *own, f"rounds={rounds}", f"algorithms={method}"])
+        self.cfg = cfg
+        fed = build_federation(cfg, 0)
+        self.algo = make_algorithm(method, cfg)
+        build = model_factory(cfg, fed, 0)
+        transport = LocalTransport(self.algo, fed.client, build, 0, ClientStore())
+        self.client = Timer(transport.send)
+        transport.send = self.client  # type: ignore[method-assign]
+        self.agg = Timer(self.algo.aggregate)
+        object.__setattr__(self.algo, "aggregate", self.agg)
+        self.loop = RoundLoop(
+            self.algo,
+            transport,
+            lambda r: sample_clients(cfg.num_clients, cfg.num_clients, 0, r),
+        )
+        self.state = self.algo.init_server(build(), generator(0, SERVER_INIT))
+        self.rounds = rounds
+        self.rows: list[dict[str, float]] = []
+
+    def run_round(self, rnd: int, svd: Timer) -> dict[str, float]:
+        self.client.seconds = self.agg.seconds = svd.seconds = 0.0
+        self.state, row = self.loop.run_round(self.state, rnd, self.rounds - 1)
+        return {
+            "wall_s": float(row["wall_s"]),
+            "client_s": self.client.seconds,
+            "svd_s": svd.seconds,
+            "aggregate_s": self.agg.seconds,
+            "bytes_up": float(row["bytes_up"]),
+            "bytes_down": float(row["bytes_down"]),
+        }
+
+
 def measure(
-    method: str, overrides: list[str], rounds: int, config: Path | None = None
-) -> dict[str, float]:
-    cfg = load_config(config, [*overrides, f"rounds={rounds}", f"algorithms={method}"])
-    fed = build_federation(cfg, 0)
-    algo = make_algorithm(method, cfg)
-    build = model_factory(cfg, fed, 0)
-    store = ClientStore()
+    methods: tuple[str, ...], overrides: list[str], rounds: int, config: Path | None
+) -> dict[str, Any]:
+    """Run ``rounds`` rounds of every method interleaved; per method the medians over rounds
+    1.. (round 0 is a warm-up) and the per-round rows."""
     svd = Timer(lowrank_mod.top_left_singular)  # every client-side basis (LowRankHyper.top_r)
+    original = lowrank_mod.top_left_singular
     lowrank_mod.top_left_singular = svd  # type: ignore[assignment]
-    transport = LocalTransport(algo, fed.client, build, 0, store)
-    client_time = Timer(transport.send)
-    transport.send = client_time  # type: ignore[method-assign]
-    agg = Timer(algo.aggregate)
-    object.__setattr__(algo, "aggregate", agg)
-    loop = RoundLoop(
-        algo, transport, lambda r: sample_clients(cfg.num_clients, cfg.num_clients, 0, r)
-    )
-    state = algo.init_server(build(), generator(0, SERVER_INIT))
-    start = -int(getattr(algo, "setup_rounds", 0))
-    for rnd in range(start, 0):  # setup exchange, not timed
-        state, _ = loop.run_round(state, rnd, rounds - 1)
-    svd.seconds = client_time.seconds = agg.seconds = 0.0
-    walls, up, down = [], 0, 0
-    for rnd in range(rounds):
-        state, row = loop.run_round(state, rnd, rounds - 1)
-        walls.append(row["wall_s"])
-        up, down = up + row["bytes_up"], down + row["bytes_down"]
-    walls = walls[1:] if len(walls) > 1 else walls  # drop the warm-up round
-    return {
-        "wall_s_per_round": sum(walls) / len(walls),
-        "client_s_per_round": client_time.seconds / rounds,
-        "svd_share_of_client_time": svd.seconds / max(client_time.seconds, 1e-12),
-        "aggregate_s_per_round": agg.seconds / rounds,
-        "bytes_up_per_round": up / rounds,
-        "bytes_down_per_round": down / rounds,
-    }
+    try:
+        setups = {m: Setup(m, overrides, rounds, config) for m in methods}
+        for s in setups.values():  # setup exchanges (FedLore's P^0), not timed
+            for rnd in range(-int(getattr(s.algo, "setup_rounds", 0)), 0):
+                s.run_round(rnd, svd)
+        for rnd in range(rounds):
+            k = rnd % len(methods)
+            for m in methods[k:] + methods[:k]:
+                setups[m].rows.append(setups[m].run_round(rnd, svd))
+    finally:
+        lowrank_mod.top_left_singular = original  # type: ignore[assignment]
+    res: dict[str, Any] = {}
+    for m, s in setups.items():
+        rows = s.rows[1:] if len(s.rows) > 1 else s.rows  # drop the warm-up round
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        res[m] = {
+            "wall_s_per_round": med["wall_s"],
+            "client_s_per_round": med["client_s"],
+            "svd_share_of_client_time": statistics.median(
+                r["svd_s"] / max(r["client_s"], 1e-12) for r in rows
+            ),
+            "aggregate_s_per_round": med["aggregate_s"],
+            "bytes_up_per_round": med["bytes_up"],
+            "bytes_down_per_round": med["bytes_down"],
+            "rounds": s.rows,
+        }
+    base = setups[methods[0]].rows[1:] or setups[methods[0]].rows
+    for m, s in setups.items():
+        rows = s.rows[1:] or s.rows
+        res[m]["ratio_vs_" + methods[0]] = statistics.median(
+            r["wall_s"] / b["wall_s"] for r, b in zip(rows, base, strict=True)
+        )
+    return res
 
 
 def main() -> None:
@@ -96,8 +151,10 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=10)
     p.add_argument("--local-steps", type=int, default=10)
     p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4, help="rounds per method (first: warm-up)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--methods", default=",".join(METHODS), help="the first one is the baseline")
+    p.add_argument("--set", action="append", default=[], help="an extra config override")
     p.add_argument("--config", type=Path, default=None, help="an experiment config to time")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/round_time.json"))
     a = p.parse_args()
@@ -116,22 +173,23 @@ def main() -> None:
         ]
     else:
         overrides = run_opts
-    res = {
-        m: measure(m, overrides, a.rounds, a.config) for m in ("fedfull", "fedlore", "local_galore")
-    }
-    base = res["fedfull"]["wall_s_per_round"]
+    overrides += a.set
+    methods = tuple(a.methods.split(","))
+    res = measure(methods, overrides, a.rounds, a.config)
     cfg = load_config(a.config, overrides)
     print(
         f"# round time: {cfg.model.name} {cfg.model.kwargs} on {cfg.data.name}, "
-        f"{cfg.num_clients} clients, K={cfg.local_steps}, r={cfg.rank}, {a.threads} threads"
+        f"{cfg.num_clients} clients, K={cfg.local_steps}, r={cfg.rank}, {a.threads} threads, "
+        f"median of {max(a.rounds - 1, 1)} interleaved rounds {a.set or ''}"
     )
     print(
-        "| method | s / round | ratio vs FedFull | SVD share of client time | aggregate s / round |"
+        f"| method | s / round | ratio vs {methods[0]} | SVD share of client time | "
+        "aggregate s / round |"
     )
     print("|---|---|---|---|---|")
     for m, r in res.items():
         print(
-            f"| {m} | {r['wall_s_per_round']:.3f} | {r['wall_s_per_round'] / base:.2f} | "
+            f"| {m} | {r['wall_s_per_round']:.3f} | {r['ratio_vs_' + methods[0]]:.2f} | "
             f"{100 * r['svd_share_of_client_time']:.1f} % | {r['aggregate_s_per_round']:.4f} |"
         )
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 import torch
 from torch import nn
 
+from fedlore.algorithms.fedlore import FedLore
+from fedlore.config import load_config
 from fedlore.optim.subspace import (
     MatrixSpec,
     average_projectors,
@@ -15,6 +20,7 @@ from fedlore.optim.subspace import (
     random_basis,
     top_left_singular,
 )
+from fedlore.run import make_algorithm
 
 
 def orthonormal(p: torch.Tensor, atol: float = 1e-6) -> bool:
@@ -269,3 +275,114 @@ def test_matrix_spec_right_view_of_conv() -> None:
     w = torch.randn(4, 2, 3, 3)
     assert spec.view(w).shape == (18, 4)
     assert torch.equal(spec.unview(spec.view(w)), w)
+
+
+# ------------------------------------------------------------------------ subspace route
+def known_spectrum(m: int, k: int, sv: list[float], seed: int) -> tuple[torch.Tensor, ...]:
+    """``A = U diag(sv) Vᵀ`` with known singular values and vectors (float64)."""
+    q = len(sv)
+    u, v = rand_orth(m, q, seed), rand_orth(k, q, seed + 1)
+    return (u * torch.tensor(sv, dtype=torch.float64)) @ v.t(), u
+
+
+def rotated(basis: torch.Tensor, angle: float, seed: int) -> torch.Tensor:
+    """``basis`` turned by ``angle`` (radians) towards a random orthogonal complement."""
+    perp = torch.randn(
+        basis.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)
+    )
+    perp = torch.linalg.qr(perp - basis @ (basis.t() @ perp))[0]
+    return math.cos(angle) * basis + math.sin(angle) * perp
+
+
+def test_subspace_route_converges_from_a_warm_start_on_a_known_spectrum() -> None:
+    sv = [10.0, 8.0, 6.0, 5.0, 1.0, 0.8, 0.5, 0.3, 0.2, 0.1]
+    r = 4
+    mat, u = known_spectrum(50, 70, sv, 3)
+    exact_energy = sum(s * s for s in sv[:r]) / sum(s * s for s in sv)
+    exact = top_left_singular(mat, r)
+    assert captured_energy(exact, mat) == pytest.approx(exact_energy, abs=1e-6)
+    warm = rotated(u[:, :r], 0.3, 4)
+    dists, energies = [], []
+    for niter in range(4):
+        p = top_left_singular(mat, r, "subspace", oversample=0, niter=niter, warm=warm.float())
+        assert p.shape == (50, r) and p.dtype == torch.float32 and orthonormal(p, 1e-5)
+        dists.append(projector_distance(p, u[:, :r]))
+        energies.append(captured_energy(p, mat))
+    # every iteration shrinks the angle by about (sigma_5 / sigma_4)^2 = 1/25
+    assert dists[0] > 0.2 and all(b < a / 10 for a, b in itertools.pairwise(dists))
+    assert dists[3] < 1e-4
+    assert energies[0] < exact_energy - 0.05  # the start is off: 0.3 rad
+    assert all(b >= a - 1e-7 for a, b in itertools.pairwise(energies))  # float32 rounding
+    assert energies[3] >= exact_energy - 1e-6
+    # with the sign convention the columns agree with the exact route's
+    torch.testing.assert_close(p, exact.float(), rtol=0, atol=1e-4)
+
+
+def test_subspace_route_sketch_columns_and_cold_start() -> None:
+    sv = [4.0, 3.0, 2.0, 1.9, 1.8, 0.1, 0.05]  # small gap after r = 2: slow without sketch
+    mat, u = known_spectrum(40, 30, sv, 11)
+    warm = rotated(u[:, :2], 0.5, 12).float()
+    plain = top_left_singular(mat, 2, "subspace", oversample=0, niter=1, warm=warm)
+    sketched = top_left_singular(
+        mat, 2, "subspace", torch.Generator().manual_seed(0), oversample=5, niter=1, warm=warm
+    )
+    assert projector_distance(sketched, u[:, :2]) < projector_distance(plain, u[:, :2]) / 10
+    cold = [
+        top_left_singular(mat, 2, "subspace", torch.Generator().manual_seed(0), 5, 2)
+        for _ in range(2)
+    ]
+    assert torch.equal(cold[0], cold[1])  # seeded
+    assert projector_distance(cold[0], u[:, :2]) < 1e-3
+
+
+def test_subspace_route_edge_cases() -> None:
+    warm = torch.eye(6, 2)
+    assert torch.equal(top_left_singular(torch.zeros(6, 5), 2, "subspace", warm=warm), warm)
+    bad = torch.randn(6, 5)
+    bad[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        top_left_singular(bad, 2, "subspace", warm=warm)
+    with pytest.raises(ValueError, match="warm basis"):
+        top_left_singular(torch.randn(6, 5), 2, "subspace", warm=torch.eye(6, 3))
+    # a block wider than min(m, k) takes the exact route
+    mat = torch.randn(6, 5, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(
+        top_left_singular(mat, 2, "subspace", oversample=4, warm=warm), top_left_singular(mat, 2)
+    )
+
+
+def test_fedlore_candidate_is_warm_started_from_the_current_basis() -> None:
+    """FedLore's client passes its current basis P^t: with no iteration and no sketch the
+    candidate spans P^t exactly (the warm start reaches the route)."""
+
+    spec = MatrixSpec("w", (30, 20), "left", 30, 20, 3)
+    current = rand_orth(30, 3, 5).float()
+    grad = torch.randn(30, 20, generator=torch.Generator().manual_seed(6))
+    still = FedLore(rank=3, candidate_svd="subspace", svd_oversample=0, svd_niter=0)
+    cand = still._candidate(spec, grad, current, torch.Generator())
+    assert projector_distance(cand, current) < 1e-5
+    moved = FedLore(rank=3, candidate_svd="subspace", svd_oversample=5, svd_niter=3)
+    cand = moved._candidate(spec, grad, current, torch.Generator().manual_seed(0))
+    assert captured_energy(cand, grad) >= captured_energy(top_left_singular(grad, 3), grad) - 0.01
+    with pytest.raises(ValueError, match="candidate_svd"):
+        FedLore(candidate_svd="power")  # type: ignore[arg-type]
+
+
+def test_svd_settings_reach_the_client_candidate() -> None:
+    """``method.fedlore.candidate_svd`` / ``svd_dtype`` from a config; float32 exact arithmetic
+    is an option that agrees with the seed's float64 route to float32 accuracy."""
+    cfg = load_config(
+        None, ["method.fedlore.candidate_svd=subspace", "method.fedlore.svd_dtype=fp32"]
+    )
+    algo = make_algorithm("fedlore", cfg)
+    assert isinstance(algo, FedLore)
+    assert (algo.candidate_svd, algo.svd_dtype) == ("subspace", "fp32")
+    grad = torch.randn(30, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    spec = MatrixSpec("w", (30, 40), "left", 30, 40, 3)
+    f32 = FedLore(rank=3, svd_dtype="fp32")._candidate(spec, grad, None, torch.Generator())
+    f64 = FedLore(rank=3)._candidate(spec, grad, None, torch.Generator())
+    assert f32.dtype == f64.dtype == torch.float64  # bases follow the model
+    assert not torch.equal(f32, f64)  # the arithmetic really differs
+    torch.testing.assert_close(f32, f64, rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="svd_dtype"):
+        FedLore(svd_dtype="fp16")  # type: ignore[arg-type]

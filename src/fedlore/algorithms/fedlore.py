@@ -521,7 +521,7 @@ class FedLore(LowRankHyper):
             if fallback is None:
                 return torch.eye(spec.m, spec.rank, dtype=dtype, device=device)
             return fallback.to(dtype).clone()
-        return self.top_r(grad, spec.rank, rng, dtype)
+        return self.top_r(grad, spec.rank, rng, dtype, warm=fallback)
 
     def _synchronize(
         self,

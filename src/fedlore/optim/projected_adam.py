@@ -15,13 +15,22 @@ For a projected parameter with view ``G`` (``m x n``) and basis ``P`` (``m x r``
 the round because ``Z`` accumulates the lr-weighted directions (Appendix D). Our ``Z`` therefore
 includes ``-lr * scale`` (the paper's ``ΔZ`` times ``-ηα`` for a constant lr).
 
-Dense (unprojected) parameters get plain AdamW with the same betas, eps, lr and decoupled decay.
+Dense (unprojected) parameters get plain AdamW with the same betas, eps, lr and decoupled decay
+(the operation sequence of PyTorch's multi-tensor ``foreach`` AdamW, which FedFull's clients run
+on CUDA; on the CPU PyTorch picks its per-tensor loop, the same arithmetic).
 Moments start at zero when the optimizer is made; FedLore makes a fresh one every round.
+
+Cost per projected matrix and step (issue 19): two ``r·m·n`` products (``Pᵀ G``, and ``P D``
+added in place into the weight by one ``addmm_``), no ``m x n`` temporary (the weight is written
+through its view; a non-contiguous parameter goes through one copy), and the moment arithmetic on
+``r x n`` tensors batched over all projected matrices with ``torch._foreach_*`` ops.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -86,53 +95,92 @@ class ProjectedAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One Adam step on every parameter that has a gradient."""
+        """One step on every parameter that has a gradient (the module docstring's update)."""
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                spec = self.specs.get(p) if group["projected"] else None
-                if spec is not None:
-                    g = self.bases[p].t() @ spec.view(g)  # R = Pᵀ G, r x n
-                step_dir = self.direction(p, g, b1, b2, eps)
-                decay = 1.0 - lr * wd
-                if spec is None:
-                    if wd:
-                        p.mul_(decay)
-                    p.add_(step_dir, alpha=-lr)
-                    continue
-                d = step_dir * (-lr * self.scale)
-                upd = self.bases[p] @ d  # P D, m x n
-                if p.is_contiguous():  # in place through the view: no copy of the weight
-                    w = spec.view(p)
-                    if decay != 1.0:
-                        w.mul_(decay)
-                    w.add_(upd)
-                else:
-                    p.copy_(spec.unview(decay * spec.view(p) + upd))
-                self.coords[p].mul_(decay).add_(d)
+            if group["projected"]:
+                self._projected_step(group)
+            else:
+                self._dense_step(group)
         return loss
 
-    def direction(
-        self, p: torch.Tensor, g: torch.Tensor, b1: float, b2: float, eps: float
-    ) -> torch.Tensor:
-        """The step direction N of parameter ``p`` from its (projected) gradient ``g``: Adam's
-        bias-corrected ``m_hat / (sqrt(v_hat) + eps)``, updating the moments in ``self.state``."""
-        st = self.state[p]
-        if not st:
-            st["step"] = 0
-            st["exp_avg"] = torch.zeros_like(g)
-            st["exp_avg_sq"] = torch.zeros_like(g)
-        st["step"] += 1
-        k = st["step"]
-        st["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
-        st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-        m_hat = st["exp_avg"] / (1 - b1**k)
-        v_hat = st["exp_avg_sq"] / (1 - b2**k)
-        return m_hat / (v_hat.sqrt() + eps)
+    def _projected_step(self, group: dict[str, Any]) -> None:
+        """``R = Pᵀ G``; ``D`` from :meth:`directions`; ``W <- a W + P D`` (one in-place
+        ``addmm_`` into the weight's view); ``Z <- a Z + D`` (batched)."""
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        specs = [self.specs[p] for p in params]
+        bases = [self.bases[p] for p in params]
+        rs = [torch.mm(b.t(), s.view(p.grad)) for p, s, b in zip(params, specs, bases, strict=True)]
+        ds = self.directions(params, rs, group)
+        decay = 1.0 - group["lr"] * group["weight_decay"]
+        for p, s, b, d in zip(params, specs, bases, ds, strict=True):
+            if p.is_contiguous():  # the view shares the weight's storage: written in place
+                s.view(p).addmm_(b, d, beta=decay)
+            else:
+                p.copy_(s.unview(torch.addmm(s.view(p), b, d, beta=decay)))
+        zs = [self.coords[p] for p in params]
+        if decay != 1.0:
+            torch._foreach_mul_(zs, decay)
+        torch._foreach_add_(zs, ds)
+
+    def directions(
+        self, params: list[torch.Tensor], rs: list[torch.Tensor], group: dict[str, Any]
+    ) -> list[torch.Tensor]:
+        """The coordinate steps ``D = -lr_k · scale · N`` (``r x n`` each) of projected
+        parameters ``params`` from their projected gradients ``rs`` (``Pᵀ G``; overwritten:
+        the result lives in their buffers). Adam: ``N`` is the bias-corrected
+        ``m_hat / (sqrt(v_hat) + eps)`` of the module docstring (see :meth:`_moments`)."""
+        ms, denom, corr = self._moments(params, rs, group)
+        torch._foreach_zero_(rs)  # R is spent: D goes into its buffers
+        lr = group["lr"] * self.scale
+        torch._foreach_addcdiv_(rs, ms, denom, [-lr * c for c in corr])
+        return rs
+
+    def _moments(
+        self, params: list[torch.Tensor], gs: list[torch.Tensor], group: dict[str, Any]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
+        """Adam's moment update for ``params`` from gradients ``gs`` (projected or dense),
+        batched with ``torch._foreach_*`` ops as in PyTorch's multi-tensor AdamW:
+        ``M <- b1 M + (1 - b1) g``, ``V <- b2 V + (1 - b2) g ⊙ g`` (state ``exp_avg``,
+        ``exp_avg_sq``, ``step`` per parameter, made at the first step).
+
+        Returns:
+            ``(M list, denominators sqrt(V / (1 - b2^k)) + eps, 1 / (1 - b1^k) per
+            parameter)``: ``N = M · corr / denom`` without ``m_hat`` / ``v_hat`` tensors (the
+            bias corrections are scalars, folded into the denominator and the step size).
+        """
+        b1, b2 = group["betas"]
+        states = [self.state[p] for p in params]
+        for st, g in zip(states, gs, strict=True):
+            if not st:
+                st["step"] = 0
+                st["exp_avg"] = torch.zeros_like(g)
+                st["exp_avg_sq"] = torch.zeros_like(g)
+            st["step"] += 1
+        ms = [st["exp_avg"] for st in states]
+        vs = [st["exp_avg_sq"] for st in states]
+        torch._foreach_lerp_(ms, gs, 1 - b1)  # M <- b1 M + (1 - b1) g
+        torch._foreach_mul_(vs, b2)
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)  # V <- b2 V + (1 - b2) g ⊙ g
+        # sqrt(V / (1 - b2^k)) + eps = sqrt(V) / sqrt(1 - b2^k) + eps
+        denom = list(torch._foreach_sqrt(vs))
+        torch._foreach_div_(denom, [math.sqrt(1 - b2 ** st["step"]) for st in states])
+        torch._foreach_add_(denom, group["eps"])
+        return ms, denom, [1 / (1 - b1 ** st["step"]) for st in states]
+
+    def _dense_step(self, group: dict[str, Any]) -> None:
+        """AdamW on the dense parameters with a gradient, batched (the ``foreach`` sequence of
+        PyTorch's multi-tensor AdamW): ``p <- a_k p - lr_k · m_hat / (sqrt(v_hat) + eps)``."""
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        decay = 1.0 - group["lr"] * group["weight_decay"]
+        if decay != 1.0:
+            torch._foreach_mul_(params, decay)
+        ms, denom, corr = self._moments(params, [p.grad for p in params], group)
+        torch._foreach_addcdiv_(params, ms, denom, [-group["lr"] * c for c in corr])
 
     @torch.no_grad()
     def skip_step(self) -> None:
@@ -144,17 +192,18 @@ class ProjectedAdam(torch.optim.Optimizer):
             decay = 1.0 - group["lr"] * group["weight_decay"]
             if decay == 1.0:
                 continue
-            for p in group["params"]:
-                p.mul_(decay)
-                if p in self.coords:
-                    self.coords[p].mul_(decay)
+            torch._foreach_mul_(list(group["params"]), decay)
+            zs = [self.coords[p] for p in group["params"] if p in self.coords]
+            if zs:
+                torch._foreach_mul_(zs, decay)
 
     def state_bytes(self) -> int:
-        """Bytes of the optimizer's moment tensors (``exp_avg``, ``exp_avg_sq``), all parameters."""
+        """Bytes of the optimizer's moment tensors (``exp_avg``, ``exp_avg_sq``), all parameters
+        (step counters, scalars or 0-d tensors, are not counted)."""
         total = 0
         for st in self.state.values():
             for v in st.values():
-                if isinstance(v, torch.Tensor):
+                if isinstance(v, torch.Tensor) and v.ndim > 0:
                     total += v.numel() * v.element_size()
         return total
 
@@ -174,8 +223,19 @@ class ProjectedSGD(ProjectedAdam):
     ``W <- W - γ Π ∇f_i(W)``). ``betas`` and ``eps`` are accepted and unused.
     """
 
-    def direction(
-        self, p: torch.Tensor, g: torch.Tensor, b1: float, b2: float, eps: float
-    ) -> torch.Tensor:
-        """``g`` (the projected gradient); SGD keeps no state."""
-        return g
+    def directions(
+        self, params: list[torch.Tensor], rs: list[torch.Tensor], group: dict[str, Any]
+    ) -> list[torch.Tensor]:
+        """``D = -lr_k · scale · R`` (in the buffers of ``rs``); SGD keeps no state."""
+        torch._foreach_mul_(rs, -group["lr"] * self.scale)
+        return rs
+
+    def _dense_step(self, group: dict[str, Any]) -> None:
+        """``p <- a_k p - lr_k g`` for every dense parameter with a gradient (batched)."""
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        decay = 1.0 - group["lr"] * group["weight_decay"]
+        if decay != 1.0:
+            torch._foreach_mul_(params, decay)
+        torch._foreach_add_(params, [p.grad for p in params], alpha=-group["lr"])

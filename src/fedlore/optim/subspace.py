@@ -14,6 +14,7 @@ seed); GaLore (Zhao et al., ICML 2024) for the side rule.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -115,49 +116,75 @@ def _fix_signs(u: torch.Tensor) -> torch.Tensor:
     return u * signs
 
 
+SvdMethod = Literal["exact", "randomized", "subspace"]
+
+
 def top_left_singular(
     mat: torch.Tensor,
     rank: int,
-    method: Literal["exact", "randomized"] = "exact",
+    method: SvdMethod = "exact",
     generator: torch.Generator | None = None,
     oversample: int = 10,
     niter: int = 2,
     dtype: torch.dtype = torch.float32,
+    warm: torch.Tensor | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Top-r left singular vectors of ``mat`` (TopLeftSVD_r in the seed).
 
-    Computed in float64 and returned in ``dtype`` (float32 by default; a method passes its
-    model's dtype) with a deterministic sign per column.
+    Computed in ``compute_dtype`` and returned in ``dtype`` (float32 by default; a method passes
+    its model's dtype) with a deterministic sign per column. By default the exact and randomized
+    routes compute in float64 (the seed's TopLeftSVD; float32 is an option, about twice as fast,
+    that changes the bases in the last digits) and the subspace route in ``mat``'s own dtype (at
+    least float32): an approximation whose error is far above float32 rounding, and an order of
+    magnitude faster there (skinny float64 products are slow on the CPU: 15 ms vs 1.2 ms for
+    ``Qᵀ A`` with A 512 x 3136, Q 512 x 8).
 
     Args:
         mat: ``m x k`` finite matrix.
         rank: r, ``1 <= r <= m``.
-        method: ``"exact"`` (eigenvectors of ``A Aᵀ`` when m <= k, else ``torch.linalg.svd``)
-            or ``"randomized"`` (Halko et al. 2011, range finder with ``r + oversample``
-            columns and ``niter`` power iterations, seeded by ``generator``).
-        generator: CPU generator for the randomized method.
-        oversample: extra random columns for the randomized method.
-        niter: power iterations for the randomized method.
+        method: ``"exact"`` (eigenvectors of ``A Aᵀ`` when m <= k, else ``torch.linalg.svd``),
+            ``"randomized"`` (Halko et al. 2011, range finder with ``r + oversample`` columns and
+            ``niter`` power iterations, seeded by ``generator``) or ``"subspace"`` (block power
+            iteration warm-started from ``warm``, see :func:`subspace_iteration`). Both
+            approximate routes take the exact one when ``r + oversample >= min(m, k)``.
+        generator: CPU generator for the random sketch columns.
+        oversample: extra columns of the randomized / subspace block.
+        niter: power iterations of the randomized and subspace routes.
         dtype: dtype of the result.
+        warm: ``m x r`` orthonormal start of the subspace route (a FedLore client's current
+            basis ``P^t``); None starts it from the random sketch ``A Ω`` alone.
+        compute_dtype: float64 or float32, the arithmetic (None: the defaults above).
 
     Returns:
         ``m x r`` matrix with orthonormal columns. An all-zero ``mat`` yields the first r
         standard basis vectors (no direction is preferred; documented, never NaN).
 
     Raises:
-        ValueError: if ``mat`` is not 2-D, has non-finite entries, or ``rank`` is out of range.
+        ValueError: if ``mat`` is not 2-D, has non-finite entries, ``rank`` is out of range,
+            ``warm`` is not ``m x r``, or ``method`` is unknown.
     """
     if mat.ndim != 2:
         raise ValueError(f"expected a matrix, got shape {tuple(mat.shape)}")
     m, k = mat.shape
     if not 1 <= rank <= m:
         raise ValueError(f"rank must be in [1, {m}], got {rank}")
-    if not bool(torch.isfinite(mat).all()):
+    if method not in ("exact", "randomized", "subspace"):
+        raise ValueError(f"unknown SVD method {method!r}")
+    if warm is not None and tuple(warm.shape) != (m, rank):
+        raise ValueError(f"warm basis has shape {tuple(warm.shape)}, expected {(m, rank)}")
+    approximate = method != "exact" and rank + oversample < min(m, k)
+    if compute_dtype is None:
+        sub = approximate and method == "subspace"
+        compute_dtype = torch.promote_types(mat.dtype, torch.float32) if sub else torch.float64
+    a = mat.detach().to(compute_dtype)
+    # one reduction for both checks (a NaN propagates to min and max, an Inf reaches one)
+    lo, hi = (float(v) for v in torch.aminmax(a))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
         raise ValueError("cannot take the SVD of a matrix with NaN or Inf entries")
-    a = mat.detach().to(torch.float64)
-    if float(a.abs().max()) == 0.0:
+    if lo == 0.0 and hi == 0.0:
         return torch.eye(m, rank, dtype=dtype, device=mat.device)
-    if method == "exact" or rank + oversample >= min(m, k):
+    if not approximate:
         if m <= k:
             # Left singular vectors are the eigenvectors of A Aᵀ (m x m): an m^2 k product and an
             # m^3 eigh, far cheaper than the SVD of a wide m x k matrix (0.05 s vs 1.3 s for a
@@ -170,7 +197,7 @@ def top_left_singular(
     elif method == "randomized":
         q = min(rank + oversample, k)
         # drawn by the CPU generator and moved: the same sketch on every device
-        omega = torch.randn(k, q, dtype=torch.float64, generator=generator).to(a.device)
+        omega = torch.randn(k, q, dtype=compute_dtype, generator=generator).to(a.device)
         y, _ = torch.linalg.qr(a @ omega)
         for _ in range(niter):
             z, _ = torch.linalg.qr(a.t() @ y)
@@ -178,12 +205,71 @@ def top_left_singular(
         ub, _, _ = torch.linalg.svd(y.t() @ a, full_matrices=False)
         u = (y @ ub)[:, :rank]
     else:
-        raise ValueError(f"unknown SVD method {method!r}")
+        u = subspace_iteration(a, rank, warm, niter, oversample, generator)
     if u.shape[1] < rank:  # k < rank: pad with an orthonormal complement
         eye = torch.eye(m, rank, dtype=u.dtype, device=u.device)
         extra = torch.linalg.qr(torch.cat([u, eye], dim=1))[0]
         u = extra[:, :rank]
     return _fix_signs(u).to(dtype).contiguous()
+
+
+def subspace_iteration(
+    a: torch.Tensor,
+    rank: int,
+    warm: torch.Tensor | None,
+    niter: int = 2,
+    oversample: int = 0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Top-r left singular vectors of ``a`` by block power (orthogonal) iteration from a warm
+    start, with a Rayleigh–Ritz step at the end (Golub & Van Loan, *Matrix Computations*, 4th
+    ed., Algorithm 8.2.7 "orthogonal iteration" on ``A Aᵀ``; Halko et al. 2011, Algorithm 4.4,
+    for the sketch columns and the final projection).
+
+    The block ``Q_0 = orth([P^t, A Ω])`` holds the warm basis ``P^t`` (``m x r``) and
+    ``oversample`` sketch columns ``A Ω`` (``Ω`` Gaussian ``k x p`` from ``generator``); each of
+    the ``niter`` iterations is ``Q <- orth(A (Aᵀ Q))``; the result is ``Q U_B[:, :r]`` with
+    ``U_B`` the left singular vectors of the ``(r + p) x k`` matrix ``B = Qᵀ A``. The angle to
+    the top-r subspace shrinks like ``(σ_{r+p+1} / σ_r)^{2 niter}`` times that of the start, so
+    a start near the answer (FedLore's next basis is close to the current one) needs few
+    iterations. Cost: ``2 (niter + 1) (r + p) m k`` multiply-adds plus QRs of ``m x (r + p)``
+    blocks, against ``m^2 k`` for ``A Aᵀ`` and an ``m^3`` eigh on the exact route.
+
+    Args:
+        a: ``m x k`` finite matrix (its dtype is the arithmetic's).
+        rank: r, ``1 <= r`` and ``r + oversample <= min(m, k)``.
+        warm: ``m x r`` start (orthonormal or not: it is orthonormalized); None: the sketch
+            alone, ``r + oversample`` columns (then this is the randomized range finder).
+        niter: power iterations (0: Rayleigh–Ritz on the start block only).
+        oversample: p, extra sketch columns.
+        generator: CPU generator for ``Ω`` (drawn on the CPU and moved: the same on every
+            device); unused when ``warm`` is given and ``oversample = 0``.
+
+    Returns:
+        ``m x r`` with orthonormal columns in ``a``'s dtype, columns by decreasing singular
+        value (signs not fixed; :func:`top_left_singular` fixes them).
+
+    Raises:
+        ValueError: if the block is wider than ``min(m, k)`` or ``niter < 0``.
+    """
+    m, k = a.shape
+    extra = oversample if warm is not None else rank + oversample
+    if rank + oversample > min(m, k) or niter < 0:
+        raise ValueError(
+            f"subspace iteration needs r + p <= min(m, k) = {min(m, k)} and niter >= 0, got "
+            f"r={rank}, p={oversample}, niter={niter}"
+        )
+    cols = [] if warm is None else [warm.to(a)]
+    if extra > 0:
+        omega = torch.randn(k, extra, dtype=a.dtype, generator=generator).to(a.device)
+        cols.append(a @ omega)
+    q, _ = torch.linalg.qr(torch.cat(cols, dim=1) if len(cols) > 1 else cols[0])
+    for _ in range(niter):
+        # Qᵀ A (q x k) rather than Aᵀ Q: the row-major product, an order of magnitude faster
+        # on the CPU for a wide A (1 ms vs 14 ms for 512 x 3136, q = 8)
+        q, _ = torch.linalg.qr(a @ (q.t() @ a).t())
+    ub, _, _ = torch.linalg.svd(q.t() @ a, full_matrices=False)
+    return q @ ub[:, :rank]
 
 
 def average_projectors(
