@@ -13,13 +13,14 @@ Both sides train the same federation the same way, interleaved round by round in
   the delta ``W_K - W^t`` and the ``n_i``-weighted mean of the deltas in float64.
 
 Same data, model, initial weights, K, batch size, learning rate and minibatch order, so the two
-global models must agree bit for bit after every round (checked: ``identical``). Each repeat
-times ``--rounds`` rounds of each side (the first round of the first repeat is a warm-up, not
-counted); the ratio fedlore / bare of each repeat is reported as the median of three repeats,
-of wall time and of this process's CPU time (``time.process_time``: on a shared machine the
-wall time also counts the waits for a core, which the CPU time leaves out).
+global models must agree bit for bit after every round (checked: ``identical``). After one
+warm-up round of each side (not timed), each repeat times ``--rounds`` rounds of each side
+(default: 2 for the CNN, 20 for the quickstart), alternating a round of one with a round of the
+other; the ratio fedlore / bare of each repeat's totals is reported as the median of three
+repeats, of wall time and of this process's CPU time (``time.process_time``: on a shared machine
+the wall time also counts the waits for a core, which the CPU time leaves out).
 
-    python benchmarks/overhead.py [--rounds 4] [--repeats 3] [--configs cnn,quickstart]
+    python benchmarks/overhead.py [--rounds N] [--repeats 3] [--configs cnn,quickstart]
 
 Threads: ``torch.set_num_threads(--threads)`` (default 1).
 """
@@ -49,6 +50,10 @@ from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport
 from fedlore.run import make_algorithm, model_factory
 from fedlore.seeding import CLIENT, SERVER_INIT, generator
+
+ROUNDS = {"cnn": 2, "quickstart": 20}
+"""Rounds per repeat and side (``--rounds`` overrides): a CNN round takes seconds, a quickstart
+round a fraction of one, so the quickstart needs more of them for a steady ratio."""
 
 CONFIGS: dict[str, tuple[Path | None, list[str]]] = {
     "cnn": (  # as benchmarks/round_time.py
@@ -199,13 +204,13 @@ def measure(name: str, rounds: int, repeats: int) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default="cnn,quickstart")
-    p.add_argument("--rounds", type=int, default=4, help="rounds per repeat and side")
+    p.add_argument("--rounds", type=int, default=None, help="rounds per repeat and side")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/overhead.json"))
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    res = [measure(n, a.rounds, a.repeats) for n in a.configs.split(",")]
+    res = [measure(n, a.rounds or ROUNDS[n], a.repeats) for n in a.configs.split(",")]
     print(f"# engine overhead: in-process FedFull round vs bare PyTorch, {a.threads} thread(s)")
     print(
         "| config | fedlore s / round | bare s / round | ratio (wall) | ratio (CPU time) "

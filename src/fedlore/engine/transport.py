@@ -72,7 +72,8 @@ class LocalTransport:
         in the store (a failure's traceback, which would pin them, is dropped after logging)."""
         try:
             data = self.client_data(cid)
-            device = next(self.model.parameters(), torch.zeros(())).device
+            first = next(self.model.parameters(), None)
+            device = first.device if first is not None else torch.device("cpu")
             with PeakMemory(device) as peak:
                 reply, state = self.algorithm.client_update(
                     msg,

@@ -11,8 +11,8 @@ Precision (:mod:`fedlore.device`): under ``precision: bf16`` each step's forward
 run in bfloat16 autocast, on the CPU as on CUDA; the backward follows the forward's dtypes, the
 parameters and their gradients stay fp32, and so do the optimizer step and every projection.
 Per step the loop copies nothing of the model and waits on the device once (the finiteness of
-the loss and of all gradients together, :func:`fedlore.tensors.all_finite`), whatever the number
-of tensors; the losses are read once, after the last step.
+the loss and of all gradients together, one fused pass: :class:`FiniteCheck`), whatever the
+number of tensors; the losses are read once, after the last step.
 """
 
 from __future__ import annotations
@@ -169,6 +169,7 @@ def local_train(
     """
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
+    check = FiniteCheck(params)
     losses: list[torch.Tensor] = []
     skipped = 0
     for k, (x, y) in zip(range(len(lrs)), batches, strict=False):
@@ -182,8 +183,7 @@ def local_train(
         # the loss and every gradient checked at once, after the backward: one wait on the
         # device per step; a non-finite loss's gradients are dropped unseen, as if never made
         loss.backward()
-        grads = [p.grad for p in params if p.grad is not None]
-        if not all_finite([loss.detach(), *grads]):
+        if not check(loss, [d for p in params if (d := p.grad) is not None]):
             skipped += 1
             optimizer.zero_grad(set_to_none=True)
             _skip(optimizer)
@@ -197,6 +197,51 @@ def local_train(
     values = torch.stack(losses).tolist() if losses else []
     mean = sum(values) / len(values) if values else float("nan")
     return TrainStats(mean_loss=mean, steps=len(lrs), skipped_steps=skipped)
+
+
+_FUSED_CHECK = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+"""The gradient scaler's fused check (``torch.amp.GradScaler``): one kernel over a list of
+tensors that sets a flag when any element is not finite and multiplies them in place by a scale,
+which is 1 here: the kernel then writes every value back unchanged."""
+
+
+class FiniteCheck:
+    """Whether a local step's loss and gradients are all finite, in one pass and one wait on
+    the device: the gradient scaler's fused check (``torch.amp.GradScaler`` unscales by 1,
+    leaving every gradient bit for bit as it was), or :func:`fedlore.tensors.all_finite` where
+    the fused check does not apply (complex or sparse gradients, several devices, a torch
+    without it). Either answers as ``torch.isfinite(t).all()`` over every tensor would.
+
+    Args:
+        params: the trained parameters (their device and dtypes choose the check).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        devices = {p.device for p in params}
+        self.fused = (
+            _FUSED_CHECK is not None
+            and len(devices) == 1
+            and all(p.is_floating_point() and p.layout == torch.strided for p in params)
+        )
+        if self.fused:
+            device = next(iter(devices))  # the kernel takes a float32 flag and scale
+            self.found = torch.zeros(1, device=device, dtype=torch.float32)
+            self.one = torch.ones(1, device=device, dtype=torch.float32)
+
+    def __call__(self, loss: torch.Tensor, grads: list[torch.Tensor]) -> bool:
+        """Whether ``loss`` (any shape) and every tensor of ``grads`` are finite (the fused
+        check writes each value back unchanged, the loss's too: its graph is spent)."""
+        if self.fused and _FUSED_CHECK is not None:
+            try:
+                _FUSED_CHECK([loss.detach(), *grads], self.found, self.one)
+            except (RuntimeError, TypeError):  # e.g. a sparse gradient: from now on as below
+                self.fused = False
+            else:
+                if not bool(self.found.item()):
+                    return True
+                self.found.zero_()  # the flag is cleared only after a non-finite step
+                return False
+        return all_finite([loss.detach(), *grads])
 
 
 def _skip(optimizer: torch.optim.Optimizer) -> None:
