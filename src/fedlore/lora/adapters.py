@@ -19,7 +19,6 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
 from fedlore.tensors import load_model_arrays
@@ -96,6 +95,10 @@ def inject(
     Returns:
         ``model`` itself.
     """
+    # imported here: peft (and transformers under it) costs seconds to import, paid only by
+    # the LoRA methods, not by every process that imports fedlore (a deployed ClientApp)
+    from peft import LoraConfig, inject_adapter_in_model
+
     pattern = "^(?:" + "|".join(re.escape(t) for t in targets) + ")$"
     config = LoraConfig(
         r=rank,

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchmetrics.classification import MulticlassAccuracy
 
 from fedlore.data.client_data import TensorSplit
 from fedlore.data.corpus import IGNORE_INDEX
@@ -370,6 +369,7 @@ def classification_metrics(log_probs: torch.Tensor, y: torch.Tensor) -> dict[str
         Guo et al. 2017), and ``num_examples``; all NaN when a log probability is not finite
         (a diverged model), never a chance-level accuracy read from NaN probabilities.
     """
+    from torchmetrics.classification import MulticlassAccuracy  # lazily: seconds to import
     from torchmetrics.functional.classification import multiclass_calibration_error
 
     k = int(log_probs.shape[-1])
