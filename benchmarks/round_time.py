@@ -20,7 +20,9 @@ ignored), every client takes part in every round, and only the first seed is mea
 A method entry ``name:key=value[:key=value]`` runs ``name`` with ``method.name.key=value`` (so
 two settings of one method can be timed side by side); ``--set`` adds a config override for all.
 
-Threads: ``torch.set_num_threads(--threads)`` (2 by default, the CI machine's cores).
+Threads: ``torch.set_num_threads(--threads)``, 1 by default. The ratio is taken on the process's
+CPU seconds per round (``time.process_time``), which other jobs on a shared machine hardly
+disturb with one thread (wall seconds are reported too; on an idle machine the two agree).
 """
 
 from __future__ import annotations
@@ -48,17 +50,17 @@ METHODS = ("fedfull", "fedlore", "local_galore")
 
 
 class Timer:
-    """Accumulates seconds spent inside a wrapped function."""
+    """Accumulates the process's CPU seconds spent inside a wrapped function."""
 
     def __init__(self, fn):  # type: ignore[no-untyped-def]
         self.fn, self.seconds, self.calls = fn, 0.0, 0
 
     def __call__(self, *a, **k):  # type: ignore[no-untyped-def]
-        t = time.perf_counter()
+        t = time.process_time()
         try:
             return self.fn(*a, **k)
         finally:
-            self.seconds += time.perf_counter() - t
+            self.seconds += time.process_time() - t
             self.calls += 1
 
 
@@ -90,12 +92,14 @@ class Setup:
 
     def run_round(self, rnd: int, svd: Timer) -> dict[str, float]:
         self.client.seconds = self.agg.seconds = svd.seconds = 0.0
+        cpu = time.process_time()
         self.state, row = self.loop.run_round(self.state, rnd, self.rounds - 1)
         return {
+            "cpu_s": time.process_time() - cpu,
             "wall_s": float(row["wall_s"]),
-            "client_s": self.client.seconds,
-            "svd_s": svd.seconds,
-            "aggregate_s": self.agg.seconds,
+            "client_cpu_s": self.client.seconds,
+            "svd_cpu_s": svd.seconds,
+            "aggregate_cpu_s": self.agg.seconds,
             "bytes_up": float(row["bytes_up"]),
             "bytes_down": float(row["bytes_down"]),
         }
@@ -126,11 +130,11 @@ def measure(
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         res[m] = {
             "wall_s_per_round": med["wall_s"],
-            "client_s_per_round": med["client_s"],
+            "client_cpu_s_per_round": med["client_cpu_s"],
             "svd_share_of_client_time": statistics.median(
-                r["svd_s"] / max(r["client_s"], 1e-12) for r in rows
+                r["svd_cpu_s"] / max(r["client_cpu_s"], 1e-12) for r in rows
             ),
-            "aggregate_s_per_round": med["aggregate_s"],
+            "aggregate_cpu_s_per_round": med["aggregate_cpu_s"],
             "bytes_up_per_round": med["bytes_up"],
             "bytes_down_per_round": med["bytes_down"],
             "rounds": s.rows,
@@ -138,9 +142,11 @@ def measure(
     base = setups[methods[0]].rows[1:] or setups[methods[0]].rows
     for m, s in setups.items():
         rows = s.rows[1:] or s.rows
-        res[m]["ratio_vs_" + methods[0]] = statistics.median(
-            r["wall_s"] / b["wall_s"] for r, b in zip(rows, base, strict=True)
-        )
+        res[m]["cpu_s_per_round"] = statistics.median(r["cpu_s"] for r in rows)
+        for key in ("cpu_s", "wall_s"):
+            res[m][f"{key}_ratio_vs_{methods[0]}"] = statistics.median(
+                r[key] / b[key] for r, b in zip(rows, base, strict=True)
+            )
     return res
 
 
@@ -152,7 +158,7 @@ def main() -> None:
     p.add_argument("--local-steps", type=int, default=10)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--rounds", type=int, default=4, help="rounds per method (first: warm-up)")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--methods", default=",".join(METHODS), help="the first one is the baseline")
     p.add_argument("--set", action="append", default=[], help="an extra config override")
     p.add_argument("--config", type=Path, default=None, help="an experiment config to time")
@@ -182,15 +188,17 @@ def main() -> None:
         f"{cfg.num_clients} clients, K={cfg.local_steps}, r={cfg.rank}, {a.threads} threads, "
         f"median of {max(a.rounds - 1, 1)} interleaved rounds {a.set or ''}"
     )
+    b = methods[0]
     print(
-        f"| method | s / round | ratio vs {methods[0]} | SVD share of client time | "
-        "aggregate s / round |"
+        f"| method | CPU s / round | ratio vs {b} (CPU) | wall s / round | ratio vs {b} (wall) | "
+        "SVD share of client CPU time | aggregate CPU s / round |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for m, r in res.items():
         print(
-            f"| {m} | {r['wall_s_per_round']:.3f} | {r['ratio_vs_' + methods[0]]:.2f} | "
-            f"{100 * r['svd_share_of_client_time']:.1f} % | {r['aggregate_s_per_round']:.4f} |"
+            f"| {m} | {r['cpu_s_per_round']:.3f} | {r[f'cpu_s_ratio_vs_{b}']:.2f} | "
+            f"{r['wall_s_per_round']:.3f} | {r[f'wall_s_ratio_vs_{b}']:.2f} | "
+            f"{100 * r['svd_share_of_client_time']:.1f} % | {r['aggregate_cpu_s_per_round']:.4f} |"
         )
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, **res}, indent=2))

@@ -565,3 +565,29 @@ def test_meta_bayfl_with_the_local_estimator_trains_a_client() -> None:
     assert "lr_chosen" in reply.metrics
     rho = [v for k, v in reply.arrays.items() if k.endswith("weight_rho")]
     assert rho and float(rho[0].abs().sum()) > 0  # sigma is trained
+
+
+def test_batched_trials_match_sequential_trials_under_the_local_estimator() -> None:
+    """vmap's shared randomness draws the same pre-activation noise for every candidate."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(120, 1, 8, 8, generator=g), torch.randint(0, 3, (120,), generator=g)
+    fit, meta = TensorSplit(x[:96], y[:96]), TensorSplit(x[96:], y[96:])
+    out = {}
+    for trials in ("sequential", "batched"):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(72, 3))
+        algo = MetaBayFL(
+            trials=trials,  # type: ignore[arg-type]
+            temp_steps=4,
+            batch_size=16,
+            mc_samples=3,
+            bnn_estimator="local",
+        )
+        algo.prepare_model(model)
+        opt = algo.make_optimizer(model)
+        with sampling(model, True):
+            out[trials] = algo.select_lr(model, opt, fit, meta, [elbo_kl_term(1.0, 96)], seed=7)
+    assert out["sequential"][0] == out["batched"][0]
+    torch.testing.assert_close(
+        torch.tensor(out["sequential"][1]), torch.tensor(out["batched"][1]), rtol=1e-5, atol=0
+    )

@@ -213,7 +213,7 @@ def test_local_estimator_matches_the_moments_of_weight_sampling() -> None:
     sb = torch.nn.functional.softplus(layer.bias_rho.detach())  # type: ignore[union-attr]
     mean = x @ layer.weight_mu.detach().T + layer.bias_mu.detach()  # type: ignore[union-attr]
     var = (x * x) @ (sw * sw).T + sb * sb
-    n = 6000
+    n = 4000
     torch.manual_seed(11)
     with torch.no_grad():
         draws = {"weights": torch.stack([layer(x) for _ in range(n)])}  # one W per draw

@@ -10,7 +10,7 @@ from torch import nn
 
 from fedlore.data.client_data import TensorSplit, minibatches
 from fedlore.tensors import all_finite, model_arrays
-from fedlore.train.local import local_train, task_loss
+from fedlore.train.local import FiniteCheck, local_train, task_loss
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64]
 
@@ -106,3 +106,32 @@ def test_a_non_finite_loss_with_finite_gradients_is_still_skipped() -> None:
     assert all(p.grad is None for p in model.parameters())
     after = model_arrays(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:4])
+def test_fused_step_check_leaves_gradients_bit_for_bit_and_finds_bad_values(
+    dtype: torch.dtype,
+) -> None:
+    params = [torch.zeros(300, dtype=dtype), torch.zeros(3, dtype=dtype)]
+    check = FiniteCheck(params)
+    assert check.fused
+    g = torch.randn(300, generator=torch.Generator().manual_seed(0)).to(dtype)
+    g[::7] = -0.0
+    g[1::11] = torch.finfo(dtype).tiny / 4  # subnormals
+    small = torch.tensor([1.0, -0.0, 3.0]).to(dtype)
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[g.element_size()]
+    before = [g.view(bits).clone(), small.view(bits).clone()]
+    assert check(torch.tensor(0.5), [g, small])
+    assert torch.equal(before[0], g.view(bits)) and torch.equal(before[1], small.view(bits))
+    assert not check(torch.tensor(float("inf")), [g, small])  # the loss counts
+    g[299] = float("nan")
+    assert not check(torch.tensor(0.5), [small, g])
+    assert check(torch.tensor(0.5), [small])  # the flag is cleared after a bad step
+
+
+def test_step_check_without_the_fused_kernel_answers_the_same() -> None:
+    complex_params = [torch.zeros(2, dtype=torch.complex64)]
+    check = FiniteCheck(complex_params)
+    assert not check.fused
+    assert check(torch.tensor(1.0), [torch.ones(2, dtype=torch.complex64)])
+    assert not check(torch.tensor(1.0), [torch.tensor([1.0, complex(0, float("inf"))])])
