@@ -9,7 +9,9 @@ GaLore and FedLore-Random share one rule.
 
 Sources: seed ``000_7a70688bd6d66f38`` Algorithm 1 lines 21 and 27 (TopLeftSVD of the last
 gradient; of the stacked candidates ``[P_1..P_N]/sqrt(N)``), Algorithm 4 (SharedBasis from a
-seed); GaLore (Zhao et al., ICML 2024) for the side rule.
+seed); GaLore (Zhao et al., ICML 2024) for the side rule; Halko, Martinsson & Tropp (SIAM
+Review 2011) and Golub & Van Loan (Matrix Computations, orthogonal iteration) for the randomized
+and the warm-started subspace routes of a client's candidate (options beside the exact one).
 """
 
 from __future__ import annotations
