@@ -74,6 +74,7 @@ from fedlore.optim.subspace import MatrixSpec, average_projectors
 from fedlore.registry import register_algorithm
 from fedlore.seeding import BASIS, derive_seed, generator
 from fedlore.tensors import (
+    all_finite,
     from_wire,
     load_model_arrays,
     model_arrays,
@@ -517,7 +518,7 @@ class FedLore(LowRankHyper):
         ref = like if like is not None else grad if grad is not None else fallback
         dtype = ref.dtype if ref is not None else torch.float32
         device = ref.device if ref is not None else torch.device("cpu")
-        if grad is None or not bool(torch.isfinite(grad).all()):
+        if grad is None or not all_finite([grad]):  # a sum, not an m x n isfinite pass
             if fallback is None:
                 return torch.eye(spec.m, spec.rank, dtype=dtype, device=device)
             return fallback.to(dtype).clone()
