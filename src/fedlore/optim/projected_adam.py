@@ -173,14 +173,21 @@ class ProjectedAdam(torch.optim.Optimizer):
     def _dense_step(self, group: dict[str, Any]) -> None:
         """AdamW on the dense parameters with a gradient, batched (the ``foreach`` sequence of
         PyTorch's multi-tensor AdamW): ``p <- a_k p - lr_k · m_hat / (sqrt(v_hat) + eps)``."""
-        params = [p for p in group["params"] if p.grad is not None]
+        params = self._decayed_dense(group)
         if not params:
             return
-        decay = 1.0 - group["lr"] * group["weight_decay"]
-        if decay != 1.0:
-            torch._foreach_mul_(params, decay)
         ms, denom, corr = self._moments(params, [p.grad for p in params], group)
         torch._foreach_addcdiv_(params, ms, denom, [-group["lr"] * c for c in corr])
+
+    @staticmethod
+    def _decayed_dense(group: dict[str, Any]) -> list[torch.Tensor]:
+        """The dense parameters of ``group`` that have a gradient, each already multiplied by
+        the step's decoupled decay ``a_k = 1 - lr_k · weight_decay`` (batched)."""
+        params = [p for p in group["params"] if p.grad is not None]
+        decay = 1.0 - group["lr"] * group["weight_decay"]
+        if params and decay != 1.0:
+            torch._foreach_mul_(params, decay)
+        return params
 
     @torch.no_grad()
     def skip_step(self) -> None:
@@ -232,10 +239,6 @@ class ProjectedSGD(ProjectedAdam):
 
     def _dense_step(self, group: dict[str, Any]) -> None:
         """``p <- a_k p - lr_k g`` for every dense parameter with a gradient (batched)."""
-        params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            return
-        decay = 1.0 - group["lr"] * group["weight_decay"]
-        if decay != 1.0:
-            torch._foreach_mul_(params, decay)
-        torch._foreach_add_(params, [p.grad for p in params], alpha=-group["lr"])
+        params = self._decayed_dense(group)
+        if params:
+            torch._foreach_add_(params, [p.grad for p in params], alpha=-group["lr"])
