@@ -180,7 +180,7 @@ class ProjectedAdam(torch.optim.Optimizer):
         torch._foreach_addcdiv_(params, ms, denom, [-group["lr"] * c for c in corr])
 
     @staticmethod
-    def _decayed_dense(group: dict[str, Any]) -> list[torch.Tensor]:
+    def _decayed_dense(group: dict[str, Any]) -> list[Any]:
         """The dense parameters of ``group`` that have a gradient, each already multiplied by
         the step's decoupled decay ``a_k = 1 - lr_k · weight_decay`` (batched)."""
         params = [p for p in group["params"] if p.grad is not None]
