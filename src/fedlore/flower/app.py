@@ -194,24 +194,20 @@ def client_train(
 def client_threads(cfg: Config, simulated: bool) -> int | None:
     """torch threads of a ClientApp process: ``max(1, int(flower.client_cpus))`` for a simulated
     client (the CPUs its Ray actor reserves; Ray runs ``flower.num_cpus / client_cpus`` of them
-    side by side), the run's ``threads`` count for a deployed one (None: ``threads: auto``, or a
-    config without the setting, decided by :func:`set_threads`)."""
+    side by side), the run's ``threads`` count for a deployed one (None: ``threads: auto``,
+    decided by :func:`set_threads`)."""
     if simulated:
         return max(1, int(cfg.flower.client_cpus))
-    setting = getattr(cfg, "threads", "auto")
-    return int(setting) if isinstance(setting, int) else None
+    return cfg.threads if isinstance(cfg.threads, int) else None
 
 
 def set_threads(cfg: Config, threads: int | None) -> int:
     """Set torch's intra-op threads of this process to ``threads`` (None: the run's ``threads``
     setting, as the in-process engine applies it) and return the count in effect."""
     if threads is None:
-        import fedlore.device
+        from fedlore.device import use_threads
 
-        use_threads = getattr(fedlore.device, "use_threads", None)
-        if use_threads is None:  # a fedlore without the ``threads`` setting: torch's default
-            return torch.get_num_threads()
-        return int(use_threads(getattr(cfg, "threads", "auto")))
+        return use_threads(cfg.threads)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads
