@@ -355,17 +355,27 @@ def test_prepare_model_converts_once() -> None:
     assert is_bayesian(first) and list(algo.prepare_model(first).state_dict()) == names
 
 
+def _trial_splits() -> tuple[TensorSplit, TensorSplit]:
+    """A search case: 96 fit and 24 held-out 8x8 images of 3 classes (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(120, 1, 8, 8, generator=g), torch.randint(0, 3, (120,), generator=g)
+    return TensorSplit(x[:96], y[:96]), TensorSplit(x[96:], y[96:])
+
+
+def _trial_model() -> nn.Module:
+    """The same small CNN (seeded) for each way of running the trials."""
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(72, 3))
+
+
 @pytest.mark.parametrize("score", ["nll", "elbo"])
 @pytest.mark.parametrize("posterior", ["none", "bnn", "mcdropout"])
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_batched_trials_equal_sequential_trials(posterior: str, optimizer: str, score: str) -> None:
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.rand(120, 1, 8, 8, generator=g), torch.randint(0, 3, (120,), generator=g)
-    fit, meta = TensorSplit(x[:96], y[:96]), TensorSplit(x[96:], y[96:])
+    fit, meta = _trial_splits()
     out = {}
     for trials in ("sequential", "batched"):
-        torch.manual_seed(1)
-        model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(72, 3))
+        model = _trial_model()
         algo = MetaBayFL(
             posterior=posterior,  # type: ignore[arg-type]
             local_optimizer=optimizer,  # type: ignore[arg-type]
@@ -569,13 +579,10 @@ def test_meta_bayfl_with_the_local_estimator_trains_a_client() -> None:
 
 def test_batched_trials_match_sequential_trials_under_the_local_estimator() -> None:
     """vmap's shared randomness draws the same pre-activation noise for every candidate."""
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.rand(120, 1, 8, 8, generator=g), torch.randint(0, 3, (120,), generator=g)
-    fit, meta = TensorSplit(x[:96], y[:96]), TensorSplit(x[96:], y[96:])
+    fit, meta = _trial_splits()
     out = {}
     for trials in ("sequential", "batched"):
-        torch.manual_seed(1)
-        model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(72, 3))
+        model = _trial_model()
         algo = MetaBayFL(
             trials=trials,  # type: ignore[arg-type]
             temp_steps=4,
