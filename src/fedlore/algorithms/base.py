@@ -61,12 +61,28 @@ class Hyper:
             ``"fp16"`` or ``"bf16"`` (half the bytes; the receiver upcasts to the model's dtype;
             what each method quantizes is in its docstring). Only methods that declare
             :attr:`honours_transport_dtype` themselves accept a 16-bit setting.
+        upload_increments: every uploaded tensor is an increment from the value the client
+            started the round from (never a value), so a client's contribution can be clipped
+            and the uploads summed (set by the run under ``secure_aggregation`` and ``dp``; only
+            :attr:`sum_aggregable` methods accept it; FedAvg-style deltas already are).
     """
 
     honours_transport_dtype: ClassVar[bool] = False
     """Whether the method casts what it sends to ``transport_dtype``. Only a class that sets it
     in its own body counts: an inherited True does not, since a subclass may send other
     tensors (the check is in ``__post_init__``)."""
+
+    sum_aggregable: ClassVar[bool] = False
+    """Whether the server needs only the weighted sums ``Σ p_i x_i`` and ``Σ p_i`` of the
+    uploads ``x_i`` (every reply array), so the method runs under secure aggregation and central
+    DP (:mod:`fedlore.privacy`). Only a class that sets it in its own body counts
+    (:func:`is_sum_aggregable`): a subclass may use the uploads otherwise."""
+
+    individual_uploads: ClassVar[str] = (
+        "its server uses each client's upload on its own, not only their weighted sum"
+    )
+    """Why a method that is not :attr:`sum_aggregable` needs individual uploads (the reason a
+    run under ``secure_aggregation`` or ``dp`` is refused with)."""
 
     lr: float = 1e-3
     local_steps: int = 10
@@ -85,6 +101,7 @@ class Hyper:
     robust_aggregate: Literal["mean", "median", "trimmed_mean"] = "mean"
     trim_fraction: float = 0.1
     transport_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+    upload_increments: bool = False
 
     def __post_init__(self) -> None:
         checks = {
@@ -108,6 +125,10 @@ class Hyper:
         for field, ok in checks.items():
             if not ok:
                 raise ValueError(f"{type(self).__name__}: invalid {field}={getattr(self, field)!r}")
+        if self.upload_increments and not is_sum_aggregable(type(self)):
+            raise ValueError(
+                f"{type(self).__name__}: invalid upload_increments=True: {self.individual_uploads}"
+            )
         if self.transport_dtype != "fp32" and not vars(type(self)).get(
             "honours_transport_dtype", False
         ):
@@ -200,6 +221,12 @@ class Hyper:
         if self.weighting == "uniform":
             return [1.0] * len(replies)
         return [float(r.num_examples) for r in replies]
+
+
+def is_sum_aggregable(cls: type) -> bool:
+    """Whether method class ``cls`` itself declares :attr:`Hyper.sum_aggregable` (an inherited
+    True does not count)."""
+    return bool(vars(cls).get("sum_aggregable", False))
 
 
 def build_hyper(cls: type, common: dict[str, Any], overrides: dict[str, Any]) -> Any:
