@@ -21,6 +21,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 
@@ -222,6 +223,44 @@ class RobustConfig(_Strict):
     """``trimmed_mean``: share of clients dropped at each end of every coordinate."""
 
 
+class DPConfig(_Strict):
+    """User-level central differential privacy (DP-FedAvg, McMahan et al. 2018;
+    :mod:`fedlore.privacy.dp`): every client clips its whole upload to ``clip_norm``, Gaussian
+    noise of standard deviation ``noise_multiplier * clip_norm`` is added to the sum, and the
+    privacy spent is tracked with dp-accounting's RDP accountant for the run's sampling.
+    Off while ``clip_norm`` is None. Needs a sum-aggregable method and ``weighting: uniform``."""
+
+    clip_norm: float | None = Field(None, gt=0.0)
+    """C: the L2 bound of each client's whole upload vector (None: DP off)."""
+    noise_multiplier: float | None = Field(None, ge=0.0)
+    """σ: noise std on the sum is σ C. Give this or ``epsilon``, not both."""
+    epsilon: float | None = Field(None, gt=0.0)
+    """A target ε at ``delta`` for the whole run: σ is solved from it (smallest σ that
+    reaches it over the run's exchanges, setup exchanges included)."""
+    delta: float = Field(1e-5, gt=0.0, lt=1.0)
+    """δ of the reported (ε, δ)."""
+    sketch_share: float = Field(0.5, gt=0.0, lt=1.0)
+    """Share of C² given to FedLore-Sketch's sketches Y_i (clipped to C√s; the rest of the
+    upload to C√(1 − s)), so the whole upload stays within C."""
+
+    @model_validator(mode="after")
+    def _one_noise_setting(self) -> DPConfig:
+        noise = [k for k in ("noise_multiplier", "epsilon") if getattr(self, k) is not None]
+        if self.clip_norm is None and noise:
+            raise ValueError(f"dp.{noise[0]} is set but dp.clip_norm is not (DP needs both)")
+        if self.clip_norm is not None and len(noise) != 1:
+            raise ValueError(
+                "dp.clip_norm needs exactly one of dp.noise_multiplier and dp.epsilon"
+                + (" (both are set)" if noise else " (neither is set)")
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether DP is on (``clip_norm`` is set)."""
+        return self.clip_norm is not None
+
+
 class DiagnosticsConfig(_Strict):
     """Subspace diagnostics (seed Appendix D, "Diagnostics"); off by default.
 
@@ -327,6 +366,12 @@ class Config(_Strict):
     FedFull's broadcast) stays at the model's dtype. Other methods accept only ``fp32``."""
     weighting: Literal["num_examples", "uniform"] = "num_examples"
     """Aggregation weights p_i: data size (default) or uniform, the same rule for all methods."""
+    secure_aggregation: bool = False
+    """Secure aggregation (:mod:`fedlore.privacy`): the server sees only masked uploads and
+    their sum (in process: pairwise masks; Flower engines: flwr's SecAgg+). Needs a
+    sum-aggregable method (FedAvg, FedFull, FedProx, FedIT, FFA-LoRA, FedLore-Sketch,
+    FedLore-Random, FedLore-fixed); the others refuse with the reason."""
+    dp: DPConfig = Field(default_factory=DPConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)

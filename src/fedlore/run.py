@@ -25,6 +25,7 @@ from torch import nn
 from fedlore import registry
 from fedlore.algorithm import Algorithm
 from fedlore.algorithms import build_hyper
+from fedlore.algorithms.base import is_sum_aggregable
 from fedlore.config import Config, ConfigError
 from fedlore.data.client_data import TensorSplit
 from fedlore.data.federation import Federation, build_federation
@@ -37,6 +38,7 @@ from fedlore.engine.sampling import sample_clients
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport, Transport
 from fedlore.models import build_model
+from fedlore.privacy import DPSettings, Privacy, noise_for_epsilon
 from fedlore.progress import say, say_once
 from fedlore.results.store import lm_summary
 from fedlore.seeding import MODEL_INIT, SERVER_INIT, derive_seed, generator
@@ -108,6 +110,9 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
             "fedlore_fixed, fedfull, fedavg, fedprox and the LoRA methods (use "
             "transport_dtype=fp32)"
         )
+    if cfg.secure_aggregation or cfg.dp.enabled:
+        common["upload_increments"] = True
+        check_privacy(name, cls, cfg)
     algo: Algorithm = build_hyper(cls, common, overrides)
     need = int(getattr(algo, "min_clients_per_round", 1))
     if cfg.clients_per_round() < need:
@@ -116,6 +121,79 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
             f"{cfg.clients_per_round()} (num_clients x participation)"
         )
     return algo
+
+
+def check_privacy(name: str, cls: type, cfg: Config) -> None:
+    """Refuse a config that asks for secure aggregation or DP where it cannot hold.
+
+    Raises:
+        ConfigError: naming the setting and the reason: a method whose server needs individual
+            uploads (its ``individual_uploads``), a robust aggregate (coordinate-wise medians
+            need each upload), a 16-bit transport (the masked sum is fixed point), DP with
+            ``weighting: num_examples`` (a client's weight would scale its contribution past C).
+    """
+    mode = " and ".join(
+        m
+        for m, on in (("secure_aggregation", cfg.secure_aggregation), ("dp", cfg.dp.enabled))
+        if on
+    )
+    if not is_sum_aggregable(cls):
+        why = getattr(cls, "individual_uploads", "")
+        raise ConfigError(
+            f"{mode}: method {name!r} cannot run under it: {why} (methods "
+            "whose server needs only weighted sums: fedavg, fedfull, fedprox, fedit, ffa_lora, "
+            "fedlore_sketch, fedlore_random, fedlore_fixed)"
+        )
+    if cfg.robust.aggregate != "mean":
+        raise ConfigError(
+            f"{mode}: robust.aggregate={cfg.robust.aggregate} needs each client's upload; only "
+            "the weighted mean is a sum (use robust.aggregate=mean)"
+        )
+    if cfg.transport_dtype != "fp32":
+        raise ConfigError(
+            f"{mode}: transport_dtype={cfg.transport_dtype} is not supported: uploads are "
+            "clipped and summed (in fixed point under secure aggregation) at the model's dtype; "
+            "use transport_dtype=fp32"
+        )
+    if cfg.dp.enabled and cfg.weighting != "uniform":
+        raise ConfigError(
+            "dp: weighting=num_examples scales a client's upload by its data size, so one client "
+            "could move the sum by more than dp.clip_norm; DP-FedAvg (McMahan et al. 2018) "
+            "weights clients uniformly: set weighting=uniform"
+        )
+
+
+def make_privacy(cfg: Config, algo: Algorithm, seed: int) -> Privacy | None:
+    """The run's :class:`~fedlore.privacy.Privacy` (None when neither secure aggregation nor DP
+    is on). With ``dp.epsilon`` the noise multiplier is solved for the run's exchanges (its
+    rounds plus the method's setup exchanges) and sampling.
+
+    Raises:
+        ValueError: if ``dp.epsilon`` cannot be reached.
+    """
+    if not (cfg.secure_aggregation or cfg.dp.enabled):
+        return None
+    setup = int(getattr(algo, "setup_rounds", 0))
+    per_round = cfg.clients_per_round()
+    dp = None
+    if cfg.dp.enabled:
+        assert cfg.dp.clip_norm is not None
+        sigma = cfg.dp.noise_multiplier
+        if sigma is None:
+            assert cfg.dp.epsilon is not None
+            sigma = noise_for_epsilon(
+                cfg.dp.epsilon, cfg.dp.delta, cfg.rounds + setup, cfg.num_clients, per_round
+            )
+        dp = DPSettings(cfg.dp.clip_norm, sigma, cfg.dp.delta, cfg.dp.sketch_share)
+    return Privacy(
+        cfg.secure_aggregation,
+        dp,
+        cfg.weighting == "uniform",
+        cfg.num_clients,
+        per_round,
+        setup,
+        seed,
+    )
 
 
 def start_server(
@@ -220,6 +298,7 @@ def run_one(
     eval_model = build()
     check_params(cfg, eval_model)
     state = start_server(algo, eval_model, generator(seed, SERVER_INIT), fed, method)
+    privacy = make_privacy(cfg, algo, seed)
     threads = use_threads(cfg.threads, recorded_threads(out) if resume else None)
     if device.type == "cpu":
         say_once("%d CPU thread%s (threads=%s)", threads, "" if threads == 1 else "s", cfg.threads)
@@ -238,6 +317,8 @@ def run_one(
             "ran_on": str(device),
             "ran_threads": threads,
         }
+        if privacy is not None and privacy.dp is not None:
+            written["dp_noise_multiplier"] = privacy.dp.noise_multiplier
         (out / "config.json").write_text(json.dumps(written, indent=2))
         max_bytes = None if cfg.store.max_memory_mb is None else int(cfg.store.max_memory_mb * 1e6)
         store = ClientStore(max_bytes, spill, device)
@@ -313,6 +394,7 @@ def run_one(
             callbacks,
             diagnoser,
             norm_screen=cfg.robust.norm_screen,
+            privacy=privacy,
         )
         end = cfg.rounds if stop_after is None else min(cfg.rounds, stop_after + 1)
         try:
@@ -324,6 +406,10 @@ def run_one(
         if end < cfg.rounds:
             return None
         summary = summarize(method, seed, metrics.path)
+        if privacy is not None and privacy.dp is not None:  # the mechanism, beside its ε
+            summary["dp_noise_multiplier"] = privacy.dp.noise_multiplier
+            summary["dp_clip_norm"] = privacy.dp.clip_norm
+            summary["dp_delta"] = privacy.dp.delta
         summary_path.write_text(json.dumps(summary, indent=2))
         # a finished run is never resumed: its spilled client states are no longer needed
         shutil.rmtree(spill, ignore_errors=True)
@@ -456,6 +542,7 @@ def config_diff(cfg: Config, method: str, recorded: dict[str, Any]) -> str:
     before.pop("data_fingerprint", None)  # compared by check_same_data
     before.pop("ran_on", None)  # a record: a run may resume on another device
     before.pop("ran_threads", None)
+    before.pop("dp_noise_multiplier", None)  # a record: solved from the dp.* settings compared
     now = _flatten(_run_config(cfg, method))
     if hyper_before is not None:  # the method's settings as resolved (types and defaults)
         before.pop("method", None)
@@ -769,6 +856,11 @@ def summarize(method: str, seed: int, metrics_path: Path) -> dict[str, Any]:
         "skipped_steps_total": sum(r.get("skipped_steps", 0) for r in rows),
         "diag_s_total": sum(r.get("diag_s", 0.0) for r in rows),
         "diag_bytes_up_total": sum(r.get("diag_bytes_up", 0) for r in rows),
+        **(
+            {"dp_clipped_total": sum(r.get("dp_clipped", 0) for r in rows)}
+            if any("dp_clipped" in r for r in rows)
+            else {}
+        ),
         **lm,
         **_last_values(train),
         **divergence(train),
@@ -821,6 +913,7 @@ SUMMARY_LAST = {
     "final_selection_rmse": "selection_rmse",
     "final_client_rmse": "client_rmse",
     "local_rmse": "local_rmse",
+    "dp_epsilon": "dp_epsilon",
 }
 """Summary key -> row key whose last recorded value it holds (when any round recorded it)."""
 

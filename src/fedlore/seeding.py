@@ -12,6 +12,7 @@ import torch
 
 # Purpose tags (any distinct integers).
 MODEL_INIT, SERVER_INIT, CLIENT, SAMPLING, BASIS, DIAG = 1, 2, 3, 4, 5, 6
+SECAGG, DP_NOISE = 8, 9  # in-process secure aggregation's pair masks; DP noise (fedlore.privacy)
 
 
 def derive_seed(*parts: int) -> int:

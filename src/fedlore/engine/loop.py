@@ -23,9 +23,10 @@ import torch
 
 from fedlore.algorithm import Algorithm
 from fedlore.engine.transport import Transport
+from fedlore.privacy import Privacy, spec_length
 from fedlore.robust import norm_screen
 from fedlore.tensors import all_finite, nbytes
-from fedlore.types import Reply, State
+from fedlore.types import Broadcast, Reply, State
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,12 @@ class RoundLoop:
             the round (see :class:`fedlore.diagnostics.Diagnoser`); it returns {} on rounds it
             skips.
         norm_screen: reject valid replies whose upload norm exceeds this multiple of the
-            round's median (:func:`fedlore.robust.norm_screen`); None: off.
+            round's median (:func:`fedlore.robust.norm_screen`); None: off. Not applied under
+            ``privacy`` (masked uploads have no meaningful norm; DP clips every upload).
+        privacy: secure aggregation and/or DP (:class:`fedlore.privacy.Privacy`): broadcasts
+            carry its ``privacy.*`` settings, replies are validated against its spec, and the
+            method aggregates the unmasked (noised) mean instead of the single uploads. A
+            transport with ``send_secure`` (Flower's SecAgg+) computes the secure sum itself.
     """
 
     algorithm: Algorithm
@@ -111,6 +117,7 @@ class RoundLoop:
     callbacks: Sequence[Callback] = ()
     diagnose: Callable[[State, int, list[int]], dict[str, float]] | None = None
     norm_screen: float | None = None
+    privacy: Privacy | None = None
 
     def run_round(self, state: State, rnd: int, last_round: int) -> tuple[State, Row]:
         """One round (``rnd < 0`` is an algorithm's setup exchange); returns (state, row)."""
@@ -123,32 +130,53 @@ class RoundLoop:
             diag = self.diagnose(state, rnd, ids)
             diag_s = time.perf_counter() - t1
         messages = {cid: self.algorithm.broadcast(state, rnd, cid) for cid in ids}
-        results = self.transport.send(rnd, messages)
+        privacy = self.privacy
+        private: dict[str, Any] = {}
+        if privacy is not None:
+            messages = privacy.configure(rnd, messages)
         rejected: list[str] = []
         bytes_up = diag_bytes_up = 0
-        reasons: dict[int, str | None] = {}
-        for cid in ids:
-            res = results.get(cid)
-            if isinstance(res, Reply):
-                sent = {k: v for k, v in res.arrays.items() if isinstance(v, torch.Tensor)}
-                extra = {k: v for k, v in sent.items() if k.startswith("diag.")}
-                diag_bytes_up += nbytes(extra)
-                bytes_up += nbytes(sent) - nbytes(extra)
-                reasons[cid] = validate_reply(res, self.algorithm.expected_reply(state, rnd, cid))
-            else:
-                reasons[cid] = "no reply" if res is None else f"{type(res).__name__}: {res}"
-        valid = {c: r for c, r in results.items() if isinstance(r, Reply) and reasons[c] is None}
-        reasons.update(norm_screen(valid, self.norm_screen))  # valid but absurd uploads
-        accepted: list[tuple[int, Reply | None]] = []
-        for cid in ids:
-            reason, res = reasons[cid], results.get(cid)
-            if reason is None and isinstance(res, Reply):
-                accepted.append((cid, res))
-            else:
-                log.warning("round %d: rejected client %d: %s", rnd, cid, reason)
-                rejected.append(f"{cid}: {reason}")
-                accepted.append((cid, None))
+        send_secure = getattr(self.transport, "send_secure", None)
+        if privacy is not None and privacy.secure and send_secure is not None and ids:
+            accepted, private, bytes_up = self._secure_round(state, rnd, ids, messages)
+            rejected = [f"{c}: dropped out of the secure sum" for c, r in accepted if r is None]
+        else:
+            results = self.transport.send(rnd, messages)
+            reasons: dict[int, str | None] = {}
+            for cid in ids:
+                res = results.get(cid)
+                if isinstance(res, Reply):
+                    sent = {k: v for k, v in res.arrays.items() if isinstance(v, torch.Tensor)}
+                    extra = {k: v for k, v in sent.items() if k.startswith("diag.")}
+                    diag_bytes_up += nbytes(extra)
+                    bytes_up += nbytes(sent) - nbytes(extra)
+                    spec = self.algorithm.expected_reply(state, rnd, cid)
+                    if privacy is not None:
+                        spec = privacy.expected(spec)
+                    reasons[cid] = validate_reply(res, spec)
+                    if reasons[cid] is None and privacy is not None:
+                        reasons[cid] = privacy.screen(res)
+                else:
+                    reasons[cid] = "no reply" if res is None else f"{type(res).__name__}: {res}"
+            valid = {
+                c: r for c, r in results.items() if isinstance(r, Reply) and reasons[c] is None
+            }
+            if privacy is None:
+                reasons.update(norm_screen(valid, self.norm_screen))  # valid but absurd uploads
+            accepted = []
+            for cid in ids:
+                reason, res = reasons[cid], results.get(cid)
+                if reason is None and isinstance(res, Reply):
+                    accepted.append((cid, res))
+                else:
+                    log.warning("round %d: rejected client %d: %s", rnd, cid, reason)
+                    rejected.append(f"{cid}: {reason}")
+                    accepted.append((cid, None))
+            if privacy is not None and ids:
+                spec = self.algorithm.expected_reply(state, rnd, ids[0])
+                accepted, private = privacy.combine(rnd, spec, accepted, _device(self, state))
         state, agg = self.algorithm.aggregate(state, accepted, rnd)
+        agg = {**agg, **private}
         ok = [r for _, r in accepted if r is not None]
         row: Row = {
             "round": rnd,
@@ -185,6 +213,26 @@ class RoundLoop:
             row.update(self.evaluate(state))
             row["eval_s"] = time.perf_counter() - t1
         return state, row
+
+    def _secure_round(
+        self, state: State, rnd: int, ids: list[int], messages: dict[int, Broadcast]
+    ) -> tuple[list[tuple[int, Reply | None]], dict[str, Any], int]:
+        """A round through the transport's own secure aggregation (Flower's SecAgg+): the
+        replies the method aggregates, the privacy metrics and the bytes uploaded."""
+        assert self.privacy is not None
+        spec = self.algorithm.expected_reply(state, rnd, ids[0])
+        send_secure = self.transport.send_secure  # type: ignore[attr-defined]
+        res = send_secure(rnd, messages, spec_length(spec) + 1)
+        if isinstance(res, BaseException) or not res.clients:
+            why = res if isinstance(res, BaseException) else "no client in the secure sum"
+            log.warning("round %d: the secure aggregation failed: %s", rnd, why)
+            accepted: list[tuple[int, Reply | None]] = [(c, None) for c in ids]
+            out, metrics = self.privacy.combine(rnd, spec, accepted, _device(self, state))
+            return out, {**metrics, "secagg_dropped": len(ids)}, 0
+        out, metrics = self.privacy.from_mean(
+            rnd, spec, res.mean, res.metrics, ids, _device(self, state)
+        )
+        return out, metrics, int(getattr(res, "bytes_up", 0))
 
     def run(self, state: State, start: int, rounds: int) -> State:
         """Rounds ``start .. rounds-1`` (start may be negative for setup exchanges)."""
@@ -242,6 +290,13 @@ def _peak_memory(replies: list[Reply]) -> Row:
         int(r.metrics["peak_memory_bytes"]) for r in replies if "peak_memory_bytes" in r.metrics
     ]
     return {"peak_memory_bytes": max(peaks)} if peaks else {}
+
+
+def _device(loop: RoundLoop, state: State) -> torch.device:
+    """The device of the server's global model (where aggregated uploads must live)."""
+    for v in loop.algorithm.global_arrays(state).values():
+        return v.device
+    return torch.device("cpu")
 
 
 def _mean(values: list[Any]) -> float | None:

@@ -21,6 +21,7 @@ from fedlore.algorithm import Algorithm
 from fedlore.data.client_data import ClientData
 from fedlore.device import PeakMemory
 from fedlore.engine.store import ClientStore, StoreError
+from fedlore.privacy import privatize
 from fedlore.seeding import CLIENT, generator
 from fedlore.types import Broadcast, Reply
 
@@ -83,6 +84,7 @@ class LocalTransport:
                     generator(self.seed, CLIENT, rnd, cid),
                 )
             self.store.put(cid, state)
+            reply = privatize(reply, msg.config, cid, rnd, self.seed)  # privacy.* settings only
             if peak.bytes is not None:  # a CUDA device: the client's peak, reset per client
                 reply = Reply(reply.arrays, {**reply.metrics, "peak_memory_bytes": peak.bytes})
             return reply

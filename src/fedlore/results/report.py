@@ -68,6 +68,9 @@ COLUMNS = [
     "final_rmse_std",
     "client_rmse_mean",
     "local_rmse_mean",
+    "dp_epsilon_mean",
+    "dp_noise_multiplier_mean",
+    "dp_clipped_total_mean",
 ]
 """Keys of every :func:`summary_table` row, in CSV column order (the perplexity columns are
 empty for classifiers; ECE, G-local and P-local accuracy and client training time are empty for
@@ -167,6 +170,14 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
                 "client_rmse_mean": _stat(_summary_values(records, "final_client_rmse"))[0],
                 "local_rmse_mean": _stat(_summary_values(records, "local_rmse"))[0],
                 "regression": any("final_rmse" in r.summary for r in records),
+                "dp_epsilon_mean": _stat(_summary_values(records, "dp_epsilon"))[0],
+                "dp_noise_multiplier_mean": _stat(_summary_values(records, "dp_noise_multiplier"))[
+                    0
+                ],
+                "dp_clipped_total_mean": _stat(_summary_values(records, "dp_clipped_total"))[0],
+                "dp_delta": next(
+                    (r.summary["dp_delta"] for r in records if "dp_delta" in r.summary), None
+                ),
             }
         )
     return table
@@ -216,6 +227,19 @@ def _bytes(v: float | None) -> str:
     return f"{v:.0f} B"
 
 
+def _dp_cell(row: dict[str, Any]) -> str:
+    """``ε (δ) / σ / clipped``: the privacy spent at the run's end (mean over seeds), the noise
+    multiplier and the clipped uploads per run; "–" for a run without DP."""
+    sigma = row.get("dp_noise_multiplier_mean")
+    if sigma is None:
+        return "–"
+    eps = row.get("dp_epsilon_mean")
+    eps_s = "∞" if eps is None else f"{eps:.3g}"
+    delta = row.get("dp_delta")
+    delta_s = f" ({delta:g})" if delta is not None else ""
+    return f"{eps_s}{delta_s} / {sigma:.3g} / {_count(row.get('dp_clipped_total_mean'))}"
+
+
 def to_markdown(table: list[dict[str, Any]]) -> str:
     """Render :func:`summary_table` rows as a Markdown table (accuracies in %, mean ± std).
 
@@ -224,7 +248,8 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
     runs that recorded an ECE add the final NLL and ECE; runs with ``eval.local`` the P-local
     accuracy, beside the G-local accuracy of runs with ``eval.clients``, so a personalized
     method's global and personal scores stand side by side; runs with client timing the
-    local-training seconds per client and round.
+    local-training seconds per client and round; DP runs the privacy spent (ε at δ), the noise
+    multiplier σ and the clipped uploads.
     """
     lm = any(row.get("language_model") for row in table)
     if not lm and any(row.get("regression") for row in table):
@@ -234,6 +259,7 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
     glocal = any(row.get("client_accuracy_pct_mean") is not None for row in table)
     timed = any(row.get("client_train_s_per_round_mean") is not None for row in table)
     peak = any(row.get("peak_memory_bytes_mean") is not None for row in table)
+    private = any(row.get("dp_noise_multiplier_mean") is not None for row in table)
     quality = (
         ["val loss", "val PPL", "next-token acc. (%)"]
         if lm
@@ -253,6 +279,7 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
         "s / round",
         *(["client train s / round"] if timed else []),
         "rejected / skipped",
+        *(["DP ε (δ) / σ / clipped"] if private else []),
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in table:
@@ -294,6 +321,7 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
             _pm(row["wall_s_per_round_mean"], row["wall_s_per_round_std"], digits=3, n=n),
             *([_num(row.get("client_train_s_per_round_mean"))] if timed else []),
             f"{_count(rej)} / {_count(skip)}",
+            *([_dp_cell(row)] if private else []),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
