@@ -260,6 +260,12 @@ class MetaBayFL(FedFull):
     """
 
     name: ClassVar[str] = "meta_bayfl"
+    individual_uploads: ClassVar[str] = (
+        "its server can combine each client's Gaussian posterior (mu_i, rho_i) nonlinearly "
+        "(posterior_aggregation sigma, moment or precision), and the run reports each client's "
+        "searched learning rate (lr_chosen) on its own; only the default mean rule is a "
+        "weighted sum"
+    )
     per_client_metrics: ClassVar[tuple[str, ...]] = ("lr_chosen",)
     posterior: Literal["bnn", "mcdropout", "none"] = "bnn"
     lr_search: Literal["per_epoch", "per_round", "none"] = "per_epoch"
@@ -723,6 +729,12 @@ class BayFL(MetaBayFL):
     (reference notes Part 2)."""
 
     name: ClassVar[str] = "bayfl"
+    individual_uploads: ClassVar[str] = (
+        "its server can combine each client's Gaussian posterior (mu_i, rho_i) nonlinearly "
+        "(posterior_aggregation sigma: softplus scales, moment: mixture moments, precision: 1 / "
+        "sigma_i² weights); its default mean rule, FedAvg of (mu, rho), is not among issue 20's "
+        "secure-aggregation methods"
+    )
     lr_search: Literal["per_epoch", "per_round", "none"] = "none"
 
 
@@ -732,6 +744,11 @@ class MetaBayFLMCDropout(MetaBayFL):
     """Meta-BayFL with MC dropout in place of the BNN (seed Table IV; reference notes Part 6)."""
 
     name: ClassVar[str] = "meta_bayfl_mcd"
+    individual_uploads: ClassVar[str] = (
+        "its clients each search a learning rate on their own meta split and the run reports "
+        "every client's choice (lr_chosen) on its own; the server's FedAvg of the MC-dropout "
+        "model's deltas is not among issue 20's secure-aggregation methods"
+    )
     posterior: Literal["bnn", "mcdropout", "none"] = "mcdropout"
 
 
@@ -741,6 +758,11 @@ class FedAvgMCDropout(MetaBayFL):
     """FedAvg + MC dropout with a fixed learning rate (separates dropout from the search)."""
 
     name: ClassVar[str] = "fedavg_mcd"
+    individual_uploads: ClassVar[str] = (
+        "its server only adds the weighted mean of the MC-dropout model's deltas, as FedAvg "
+        "does (linear in the uploads), but this comparator of Meta-BayFL is not among issue "
+        "20's secure-aggregation methods and is not tested under secure aggregation or DP"
+    )
     posterior: Literal["bnn", "mcdropout", "none"] = "mcdropout"
     lr_search: Literal["per_epoch", "per_round", "none"] = "none"
 
@@ -752,4 +774,9 @@ class MetaFL(MetaBayFL):
     with the same per-client learning-rate search, cross-entropy loss."""
 
     name: ClassVar[str] = "meta_fl"
+    individual_uploads: ClassVar[str] = (
+        "its clients each search a learning rate on their own meta split and the run reports "
+        "every client's choice (lr_chosen) on its own; the server's FedAvg of the deterministic "
+        "model's deltas is not among issue 20's secure-aggregation methods"
+    )
     posterior: Literal["bnn", "mcdropout", "none"] = "none"

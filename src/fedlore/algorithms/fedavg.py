@@ -10,6 +10,13 @@ to fp16/bf16 (an increment: the rounding error is relative to the round's update
 upcasts them to the model's dtype before averaging. The broadcast is the full model, a value, and
 stays at the model's dtype: rounding it would move every weight by up to half a 16-bit ulp of the
 weight itself (2^-9 relative in bf16, more than a late round's whole update), each round.
+
+Secure aggregation and DP (issue 20, :attr:`Hyper.sum_aggregable`): FedFull, FedAvg and FedProx
+are sum-aggregable. Every reply array is an increment ``update.<k> = W_K - W^t`` from the model
+the client started the round from, and the server needs only ``Σ p_i Δ_i`` and ``Σ p_i``, so
+``upload_increments=True`` changes nothing in what they send or compute. The robust combinations
+(``robust_aggregate: median | trimmed_mean``) rank each client's delta coordinate by coordinate and
+need the individual uploads: with ``upload_increments`` they are refused.
 """
 
 from __future__ import annotations
@@ -184,9 +191,21 @@ class FedFull(DenseServer, Hyper):
 
     name: ClassVar[str] = "fedfull"
     honours_transport_dtype: ClassVar[bool] = True
+    sum_aggregable: ClassVar[bool] = True
+    """The uploads are the deltas ``W_K - W^t`` (increments already) and the server adds their
+    weighted mean (module docstring)."""
     setup_rounds: ClassVar[int] = 0
     local_optimizer: Literal["adamw", "sgd"] = "adamw"
     momentum: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.upload_increments and self.robust_aggregate != "mean":
+            raise ValueError(
+                f"{type(self).__name__}: invalid upload_increments=True with robust_aggregate="
+                f"{self.robust_aggregate!r}: the coordinate-wise {self.robust_aggregate} ranks "
+                "each client's delta on its own, not only their weighted sum (use 'mean')"
+            )
 
     def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """A fresh local optimizer (its moments start at zero every round)."""
@@ -241,6 +260,8 @@ class FedAvg(FedFull):
 
     name: ClassVar[str] = "fedavg"
     honours_transport_dtype: ClassVar[bool] = True
+    sum_aggregable: ClassVar[bool] = True
+    """FedFull's deltas and server (module docstring)."""
     local_optimizer: Literal["adamw", "sgd"] = "sgd"
 
 
@@ -258,6 +279,8 @@ class FedProx(FedAvg):
 
     name: ClassVar[str] = "fedprox"
     honours_transport_dtype: ClassVar[bool] = True
+    sum_aggregable: ClassVar[bool] = True
+    """FedAvg's deltas and server; the proximal term acts on the client only."""
     mu: float = 0.01
 
     def __post_init__(self) -> None:

@@ -403,6 +403,11 @@ class FedBE(FedAvg):
 
     supports_regression: ClassVar[bool] = False  # pseudo-labels are class probabilities
     name: ClassVar[str] = "fedbe"
+    individual_uploads: ClassVar[str] = (
+        "its server fits a Gaussian to the clients' norm-scaled updates Δ_k / ||Δ_k|| and "
+        "distils an ensemble whose teachers include each client's own model w^t + Δ_k (FedBE's "
+        "Bayesian model ensemble)"
+    )
     needs_server_data: ClassVar[bool] = True
     num_samples: int = 10
     var_scale: float = 0.1

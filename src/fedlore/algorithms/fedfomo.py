@@ -146,6 +146,11 @@ class FedFomo(Personalized, FedAvg):
     """
 
     name: ClassVar[str] = "fedfomo"
+    individual_uploads: ClassVar[str] = (
+        "its server stores each client's uploaded model and forwards it to the clients that ask "
+        "for it, which weight every candidate model by its loss on their own validation split "
+        "(FedFomo Eqs. 5-7)"
+    )
     num_candidates: int = 4
     epsilon: float = 0.3
     epsilon_decay: float = 0.05

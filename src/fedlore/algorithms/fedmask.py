@@ -376,6 +376,11 @@ class FedMask(Personalized, Hyper):
     """
 
     name: ClassVar[str] = "fedmask"
+    individual_uploads: ClassVar[str] = (
+        "its server keeps a mask position only where at least min_overlap clients hold a 1 (a "
+        "count over the individual masks, not a weighted sum), and the masks travel bit-packed "
+        "as uint8 bytes, whose sum means nothing"
+    )
     setup_rounds: ClassVar[int] = 0
     sparse_factor: float = 0.2
     masked_layers: int = 0

@@ -43,6 +43,19 @@ change is below half a 16-bit ulp of its value does not move (the uploaded value
 back). FlexLoRA's per-client SVD factors are computed at broadcast and rounded there. The frozen
 base ``model.*`` (first contact, a merge client too far behind) stays at the model's dtype.
 
+Increments (``upload_increments``, set by the run under secure aggregation and DP; only the
+methods that declare :attr:`Hyper.sum_aggregable`, FedIT and FFA-LoRA, accept it): a client
+uploads every trained tensor as its increment from the value it started the round from,
+``lora.<mod>.<f> = X_K - X^t`` (X^t the global factor it held and started from) and
+``dense.<k> = D_K - D^t`` (D^t the received dense value), under the same keys, shapes and wire
+dtype as the values. The server adds their weighted mean to its current global values:
+``X^{t+1} = X^t + Σ p_i ΔX_i`` (:meth:`LoraMethod.trained_means`), ``D^{t+1} = D^t + Σ p_i ΔD_i``,
+which equals the mean of the values ``Σ p_i X_i`` because the p_i are normalized and every client
+started from the server's X^t (the synchronization above keeps ``held.*`` equal to the server's
+``lora.*``). Under a 16-bit wire the increments are rounded relative to the round's update, not to
+the value; the server still rounds the new global values before it keeps them (the downlink is
+lossless), so the stall of a sub-ulp change described above remains.
+
 Round (parity with every other method, reference notes section 13): each client works on a deep
 copy of the scratch model (peft mutates modules, and heterogeneous ranks need a fresh adapter),
 loads base + dense strictly, injects the adapter, trains the round's factors and the dense
@@ -206,6 +219,34 @@ class LoraMethod(Hyper, abc.ABC):
             (merge payload ``<mod>.*`` for merge methods, else {}; metrics).
         """
 
+    def trained_means(
+        self,
+        arrays: Arrays,
+        replies: list[tuple[int, Reply]],
+        p: list[float],
+        factors: tuple[Factor, ...],
+    ) -> Arrays:
+        """The averaged global factors ``<mod>.<f>`` (``f`` in ``factors``; fp32, the factors'
+        shapes): ``Σ p_i X_i`` of the uploaded values (:func:`factor_means`, FedIT's key-by-key
+        mean), or with ``upload_increments`` ``X^t + Σ p_i ΔX_i``, the current global factor
+        ``arrays["lora.<mod>.<f>"]`` plus the weighted mean of the uploaded increments (module
+        docstring; the same value when the p_i are normalized, as ``p`` is).
+
+        Args:
+            arrays: the server arrays holding the current global ``lora.*``.
+            replies: (client id, reply) of the accepted clients.
+            p: normalized aggregation weights p_i.
+            factors: which factors were trained and uploaded.
+        """
+        means = factor_means(replies, p, factors)
+        if not self.upload_increments:
+            return means
+        out: Arrays = {}
+        for k, step in means.items():
+            now = arrays[f"lora.{k}"]
+            out[k] = now + step.to(now.device, now.dtype)
+        return out
+
     def merge_deltas(self, log: Arrays, held: Arrays, modules: list[str]) -> Arrays:
         """``<mod>`` -> fp32 ΔW merged into the base from one round's payload ``<mod>.*``;
         ``held`` holds the global adapter tensors (only ones that never change may be used)."""
@@ -322,6 +363,8 @@ class LoraMethod(Hyper, abc.ABC):
         total = float(sum(weights))
         p = [w / total for w in weights]
         dense = weighted_mean([select(r.arrays, "dense.") for _, r in ok], weights)
+        if self.upload_increments:  # the mean increment added to the current dense values
+            dense = {k: model[k] + v.to(model[k].device, model[k].dtype) for k, v in dense.items()}
         arrays.update(with_prefix(snap(dense, wire), "model."))
         log, metrics = self.aggregate_adapters(arrays, ok, p, rnd)
         log = snap(log, wire)  # merged here exactly as the clients will merge it
@@ -417,6 +460,9 @@ class LoraMethod(Hyper, abc.ABC):
         train_s = time.perf_counter() - t0
         out = with_prefix(adapter_arrays(work, trained), "lora.")
         out.update(with_prefix(dense_arrays(work, dense), "dense."))
+        if self.upload_increments:  # minus the values this round started from (module docstring)
+            origin = {**with_prefix(start, "lora."), **select(msg.arrays, "dense.", strip=False)}
+            out = {k: (v - origin[k].to(v.device, v.dtype)).contiguous() for k, v in out.items()}
         out = to_wire(out, self.wire_dtype)
         state_bytes = sum(
             v.numel() * v.element_size()

@@ -265,6 +265,10 @@ class LoRAFAIR(LoraMethod):
     """
 
     name: ClassVar[str] = "lora_fair"
+    individual_uploads: ClassVar[str] = (
+        "its server fits its residual ΔB to the ideal product Σ p_k B_k A_k, a sum over clients "
+        "of the product of each client's two uploaded factors, not a sum of the uploads"
+    )
     honours_transport_dtype: ClassVar[bool] = True
     fair_lambda: float = 0.01
     fair_solver: FairSolver = "lbfgs"

@@ -7,6 +7,9 @@
 * Server: ``A <- Σ p_i A_i`` and ``B <- Σ p_i B_i`` key by key (factor averaging; its error
   against the ideal ``Σ p_i B_i A_i`` is ``-Σ p_i (B_i - B̄)(A_i - Ā)``, section 0). The base is
   never merged; the global model is ``W0 + s B A``.
+* Secure aggregation / DP: sum-aggregable (the server needs only ``Σ p_i A_i``, ``Σ p_i B_i`` and
+  the dense sums); with ``upload_increments`` the client uploads ``A_i - A``, ``B_i - B`` and the
+  server adds their weighted means (:mod:`fedlore.algorithms.lora_common`).
 * Round start: the global (A, B). Round 0 is PEFT's init (A Kaiming-uniform, B = 0) drawn once
   by the server, so every client starts from the same adapter.
 
@@ -21,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fedlore.algorithms.lora_common import LoraMethod, factor_means
+from fedlore.algorithms.lora_common import LoraMethod
 from fedlore.registry import register_algorithm
 from fedlore.tensors import with_prefix
 from fedlore.types import Arrays, Reply, Scalars
@@ -34,9 +37,11 @@ class FedIT(LoraMethod):
 
     name: ClassVar[str] = "fedit"
     honours_transport_dtype: ClassVar[bool] = True
+    sum_aggregable: ClassVar[bool] = True
+    """Factor means are weighted sums of the uploads (module docstring)."""
 
     def aggregate_adapters(
         self, arrays: Arrays, replies: list[tuple[int, Reply]], p: list[float], rnd: int
     ) -> tuple[Arrays, Scalars]:
-        arrays.update(with_prefix(factor_means(replies, p, ("A", "B")), "lora."))
+        arrays.update(with_prefix(self.trained_means(arrays, replies, p, ("A", "B")), "lora."))
         return {}, {}

@@ -5,6 +5,9 @@
   with the frozen base.
 * Server: ``B <- Σ p_i B_i``. Exact: ``Σ p_i B_i A = B̄ A`` because A is the same tensor on
   every client. Global model ``W0 + s B A``.
+* Secure aggregation / DP: sum-aggregable (the server needs only ``Σ p_i B_i`` and the dense
+  sums); with ``upload_increments`` the client uploads ``B_i - B`` and the server adds their
+  weighted mean (:mod:`fedlore.algorithms.lora_common`).
 * Round start: the global B and the fixed A.
 
 Source: arXiv 2403.12313 (no official code; re-implementations ``junkangLiu0/FedLore``
@@ -19,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fedlore.algorithms.lora_common import LoraMethod, factor_means
+from fedlore.algorithms.lora_common import LoraMethod
 from fedlore.lora import Factor
 from fedlore.registry import register_algorithm
 from fedlore.tensors import with_prefix
@@ -33,6 +36,8 @@ class FFALoRA(LoraMethod):
 
     name: ClassVar[str] = "ffa_lora"
     honours_transport_dtype: ClassVar[bool] = True
+    sum_aggregable: ClassVar[bool] = True
+    """The B mean is a weighted sum of the uploads; A never travels up (module docstring)."""
 
     def trained(self, rnd: int) -> tuple[Factor, ...]:
         return ("B",)
@@ -40,5 +45,5 @@ class FFALoRA(LoraMethod):
     def aggregate_adapters(
         self, arrays: Arrays, replies: list[tuple[int, Reply]], p: list[float], rnd: int
     ) -> tuple[Arrays, Scalars]:
-        arrays.update(with_prefix(factor_means(replies, p, ("B",)), "lora."))
+        arrays.update(with_prefix(self.trained_means(arrays, replies, p, ("B",)), "lora."))
         return {}, {}

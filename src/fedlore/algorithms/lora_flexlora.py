@@ -40,6 +40,11 @@ class FlexLoRA(HeteroRankMethod):
     """FlexLoRA: SVD of the weighted average product, redistributed at each client's rank."""
 
     name: ClassVar[str] = "flexlora"
+    individual_uploads: ClassVar[str] = (
+        "its server averages each client's product s_k B_k A_k of its two uploaded factors (a "
+        "product per client, not a sum of the uploads) and takes the SVD of that average to "
+        "give each client its rank-r_k truncation"
+    )
     honours_transport_dtype: ClassVar[bool] = True
 
     def down_adapters(self, state: State, rnd: int, client_id: int, version: int | None) -> Arrays:

@@ -40,6 +40,10 @@ class FLoRA(HeteroRankMethod):
     """FLoRA: noise-free stacking of heterogeneous adapters, merged every round."""
 
     name: ClassVar[str] = "flora"
+    individual_uploads: ClassVar[str] = (
+        "its server stacks each client's factors p_k s_k A_k and B_k into a rank-Σ r_k adapter "
+        "that it merges and broadcasts, so every client's own factors go to all clients"
+    )
     honours_transport_dtype: ClassVar[bool] = True
     merges: ClassVar[bool] = True
     alpha_rule: Literal["fixed", "proportional"] = "proportional"

@@ -45,6 +45,12 @@ class FRLoRA(LoraMethod):
     """
 
     name: ClassVar[str] = "frlora"
+    individual_uploads: ClassVar[str] = (
+        "its server needs only the factor means Ā and B̄ (linear in the uploads), but they are "
+        "its merge payload relative to the fixed (A0, B0), its clients upload values, and "
+        "FRLoRA is not among issue 20's secure-aggregation methods (no increments path is "
+        "implemented for it)"
+    )
     honours_transport_dtype: ClassVar[bool] = True
     merges: ClassVar[bool] = True
     freeze_a: bool = False

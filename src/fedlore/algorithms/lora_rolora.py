@@ -37,6 +37,11 @@ class RoLoRA(LoraMethod):
     """RoLoRA: B-rounds and A-rounds alternate; only the trained factor is averaged."""
 
     name: ClassVar[str] = "rolora"
+    individual_uploads: ClassVar[str] = (
+        "its server needs only the mean of the round's trained factor (linear in the uploads), "
+        "but its clients upload values and RoLoRA is not among issue 20's secure-aggregation "
+        "methods (no increments path is implemented for it)"
+    )
     honours_transport_dtype: ClassVar[bool] = True
 
     def trained(self, rnd: int) -> tuple[Factor, ...]:
