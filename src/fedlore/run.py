@@ -193,6 +193,7 @@ def make_privacy(cfg: Config, algo: Algorithm, seed: int) -> Privacy | None:
         per_round,
         setup,
         seed,
+        cfg.secure_aggregation_degree,
     )
 
 

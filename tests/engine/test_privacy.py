@@ -48,14 +48,22 @@ def _vectors(k: int, n: int, scale: float = 3.0) -> list[torch.Tensor]:
     return [scale * torch.randn(n, generator=g, dtype=torch.float64) for _ in range(k)]
 
 
+@pytest.mark.parametrize("degree", [0, 4])
 @pytest.mark.parametrize("dropped", [(), (1, 3)])
-def test_masked_uploads_sum_to_the_plain_sum(dropped: tuple[int, ...]) -> None:
-    peers = [0, 1, 2, 3, 4]
-    vecs = _vectors(len(peers), 257)
+def test_masked_uploads_sum_to_the_plain_sum(dropped: tuple[int, ...], degree: int) -> None:
+    """All pairs (SecAgg) and a degree-4 ring graph (SecAgg+) over 9 clients, with and without
+    two clients dropping out after the masks were fixed."""
+    clients = list(range(9))
+    graph = secagg.neighbours(clients, degree, seed=3)
+    assert all(c in graph[j] for c in clients for j in graph[c])  # symmetric
+    assert all(len(graph[c]) == (8 if degree == 0 else 4) for c in clients)
+    vecs = _vectors(len(clients), 257)
     secret = 1234
-    masked = {c: secagg.mask(secagg.encode(vecs[c]), c, peers, 7, secret) for c in peers}
+    masked = {c: secagg.mask(secagg.encode(vecs[c]), c, graph[c], 7, secret) for c in clients}
     alive = {c: y for c, y in masked.items() if c not in dropped}
-    revealed = {c: secagg.reveal(c, list(dropped), 7, secret) for c in alive}
+    revealed = {
+        c: secagg.reveal(c, [j for j in dropped if j in graph[c]], 7, secret) for c in alive
+    }
     ring = secagg.unmask_sum(alive, revealed)
     exact = sum(secagg.encode(vecs[c]).view(np.int64) for c in alive)
     assert np.array_equal(ring.view(np.int64), exact)  # the masks cancel exactly
@@ -106,9 +114,11 @@ def _spec(reply: Reply) -> dict[str, Any]:
     return {k: (tuple(v.shape), v.dtype) for k, v in reply.arrays.items()}
 
 
-@pytest.mark.parametrize("uniform", [True, False])
-def test_in_process_round_gives_the_weighted_mean_with_a_dropout(uniform: bool) -> None:
-    privacy = Privacy(True, None, uniform, 10, 4, 0, SEED)
+@pytest.mark.parametrize(("uniform", "degree"), [(True, 0), (False, 2)])
+def test_in_process_round_gives_the_weighted_mean_with_a_dropout(
+    uniform: bool, degree: int
+) -> None:
+    privacy = Privacy(True, None, uniform, 10, 4, 0, SEED, mask_degree=degree)
     replies = {c: _reply(c, n=10 + c) for c in (0, 2, 5, 7)}
     msgs = privacy.configure(3, {c: Broadcast({}, {"round": 3}) for c in replies})
     sent = {c: privatize(r, msgs[c].config, c, 3, SEED) for c, r in replies.items()}

@@ -178,6 +178,9 @@ class Privacy:
         seed: the run seed (the server's noise draws from ``(seed, DP_NOISE, round, -1)``;
             in process, the clients' pair secret, used server-side only through the survivors'
             :func:`~fedlore.privacy.secagg.reveal`).
+        mask_degree: in-process mask partners per client: 0 = every other sampled client
+            (SecAgg), k > 0 = a seeded ring graph of degree k (SecAgg+; see
+            :func:`~fedlore.privacy.secagg.neighbours`).
     """
 
     secure: bool
@@ -187,22 +190,36 @@ class Privacy:
     per_round: int
     setup_rounds: int
     seed: int
+    mask_degree: int = 0
+
+    def neighbours(self, rnd: int, sampled: list[int]) -> dict[int, list[int]]:
+        """Each sampled client's mask partners in round ``rnd``
+        (:func:`~fedlore.privacy.secagg.neighbours` with :attr:`mask_degree`)."""
+        return secagg.neighbours(
+            sorted(sampled), self.mask_degree, derive_seed(self.seed, SECAGG, rnd, -2)
+        )
 
     def configure(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Broadcast]:
         """The round's broadcasts with the ``privacy.*`` settings each client needs (its peers
         for the pairwise masks, the clip norm, its noise share)."""
-        peers = ",".join(str(c) for c in sorted(messages))
-        cfg: Scalars = {
+        partners = self.neighbours(rnd, list(messages))
+        out = {}
+        for c, m in messages.items():
+            peers: Scalars = {"privacy.peers": ",".join(str(j) for j in partners[c])}
+            out[c] = Broadcast(m.arrays, {**m.config, **self._settings(len(messages)), **peers})
+        return out
+
+    def _settings(self, sampled: int) -> Scalars:
+        """The ``privacy.*`` settings every client of a round of ``sampled`` clients gets."""
+        return {
             "privacy.secure": self.secure,
             "privacy.uniform": self.uniform,
-            "privacy.peers": peers,
             "privacy.clip_norm": self.dp.clip_norm if self.dp else 0.0,
             "privacy.sketch_share": self.dp.sketch_share if self.dp else 0.5,
             "privacy.noise_share": (
-                self.dp.noise_std / math.sqrt(len(messages)) if self.dp and self.secure else 0.0
+                self.dp.noise_std / math.sqrt(sampled) if self.dp and self.secure else 0.0
             ),
         }
-        return {c: Broadcast(m.arrays, {**m.config, **cfg}) for c, m in messages.items()}
 
     def expected(self, spec: ReplySpec) -> ReplySpec:
         """The spec of a valid reply: the masked vector under secure aggregation, else the
@@ -253,7 +270,11 @@ class Privacy:
             masked = {c: r.arrays[MASKED].cpu().numpy().view(np.uint64) for c, r in ok.items()}
             dropped = [c for c in sampled if c not in ok]
             secret = pair_secret(self.seed)  # the survivors' answers (secagg.reveal)
-            revealed = {c: secagg.reveal(c, dropped, rnd, secret) for c in ok}
+            partners = self.neighbours(rnd, sampled)
+            revealed = {
+                c: secagg.reveal(c, [j for j in dropped if j in partners[c]], rnd, secret)
+                for c in ok
+            }
             total = secagg.decode(secagg.unmask_sum(masked, revealed))
             sum_x, sum_p, clipped = total[:length], float(total[length]), float(total[length + 1])
             metrics["secagg_dropped"] = len(dropped)

@@ -85,6 +85,31 @@ def mask(encoded: np.ndarray, client: int, peers: list[int], rnd: int, secret: i
     return out
 
 
+def neighbours(clients: list[int], degree: int, seed: int) -> dict[int, list[int]]:
+    """Who masks with whom in a round: every pair of ``clients`` when ``degree`` is 0 or at
+    least ``len(clients) - 1`` (SecAgg, Bonawitz et al. 2017), else the Harary graph of SecAgg+
+    (Bell et al., CCS 2020, §3): the clients on a ring in a seeded (public) random order, each
+    joined to the ``degree // 2`` nearest on either side (``degree`` rounded up to even), so each
+    client draws O(degree · L) mask entries instead of O(m · L). The relation is symmetric, so
+    the masks still cancel in the sum.
+
+    Args:
+        clients: the round's sampled client ids. seed: public seed of the ring order.
+    """
+    m = len(clients)
+    if degree <= 0 or degree >= m - 1:
+        return {c: [j for j in clients if j != c] for c in clients}
+    half = (degree + 1) // 2
+    order = [clients[i] for i in np.random.default_rng(seed).permutation(m)]
+    out: dict[int, set[int]] = {c: set() for c in clients}
+    for q, c in enumerate(order):
+        for d in range(1, half + 1):
+            j = order[(q + d) % m]
+            out[c].add(j)
+            out[j].add(c)
+    return {c: sorted(v) for c, v in out.items()}
+
+
 def reveal(client: int, dropped: list[int], rnd: int, secret: int) -> dict[int, int]:
     """What surviving ``client`` tells the server in the unmasking step: its pair seeds with
     the clients that dropped out (their uploads never arrive, so these seeds unmask nothing of
