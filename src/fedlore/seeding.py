@@ -12,6 +12,9 @@ import torch
 
 # Purpose tags (any distinct integers).
 MODEL_INIT, SERVER_INIT, CLIENT, SAMPLING, BASIS, DIAG = 1, 2, 3, 4, 5, 6
+SKETCH = 7
+"""FedLore-Sketch's test matrices Ω^t: ``derive_seed(base_seed, SKETCH, round)`` per round (the
+seed that travels), then the matrix's position in the plan."""
 
 
 def derive_seed(*parts: int) -> int:
