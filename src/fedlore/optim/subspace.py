@@ -376,7 +376,9 @@ def sketch_basis(
 ) -> torch.Tensor:
     """Top-r left singular vectors of a sketch ``Y = G Ω`` (``m x (r+p)``): the range finder's
     basis of ``G`` (Halko, Martinsson & Tropp 2011, Algorithm 4.1, with the exact SVD of the
-    small sketch in place of its QR so that the r leading directions are kept).
+    small sketch in place of its QR so that the r leading directions are kept), in float64: the
+    SVD of ``Y``, or when ``m <= r + p`` the eigenvectors of the ``m x m`` ``Y Yᵀ`` (as the exact
+    route of :func:`top_left_singular`).
 
     FedLore-Sketch's server rule: ``Y`` is the weighted mean of the clients' sketches
     ``Σ p_i G_i Ω / Σ p_i = (Σ p_i G_i / Σ p_i) Ω``, the sketch of the mean gradient.
@@ -415,7 +417,11 @@ def sketch_basis(
     y = sketch.detach().to(torch.float64)
     if not bool(torch.isfinite(y).all()):
         raise ValueError("cannot take the SVD of a sketch with NaN or Inf entries")
-    u, s, _ = torch.linalg.svd(y, full_matrices=False)
+    if m <= q:  # as top_left_singular's exact route: eigenvectors of the m x m Y Yᵀ
+        evals, evecs = torch.linalg.eigh(y @ y.t())
+        s, u = evals.flip(0).clamp_min(0.0).sqrt(), evecs.flip(1)
+    else:
+        u, s, _ = torch.linalg.svd(y, full_matrices=False)
     if rtol is None:
         rtol = max(m, q) * torch.finfo(sketch.dtype).eps
     keep = 0 if float(s[0]) == 0.0 else min(rank, int((s > rtol * s[0]).sum()))
