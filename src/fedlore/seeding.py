@@ -12,9 +12,6 @@ import torch
 
 # Purpose tags (any distinct integers).
 MODEL_INIT, SERVER_INIT, CLIENT, SAMPLING, BASIS, DIAG = 1, 2, 3, 4, 5, 6
-SKETCH = 7
-"""FedLore-Sketch's test matrices Ω^t: ``derive_seed(base_seed, SKETCH, round)`` per round (the
-seed that travels), then the matrix's position in the plan."""
 
 
 def derive_seed(*parts: int) -> int:
@@ -26,3 +23,8 @@ def derive_seed(*parts: int) -> int:
 def generator(*parts: int) -> torch.Generator:
     """A CPU ``torch.Generator`` seeded with ``derive_seed(*parts)``."""
     return torch.Generator().manual_seed(derive_seed(*parts))
+
+
+SKETCH = 7
+"""Purpose tag of FedLore-Sketch's test matrices Ω^t: ``derive_seed(base_seed, SKETCH, round)``
+per round (the seed that travels), then the matrix's position in the plan."""
