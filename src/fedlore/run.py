@@ -107,7 +107,7 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
         raise ConfigError(
             f"transport_dtype={cfg.transport_dtype}: method {name!r} sends its tensors at the "
             "model's dtype only; 16-bit transport is implemented for fedlore, fedlore_random, "
-            "fedlore_fixed, fedfull, fedavg, fedprox and the LoRA methods (use "
+            "fedlore_fixed, fedlore_sketch, fedfull, fedavg, fedprox and the LoRA methods (use "
             "transport_dtype=fp32)"
         )
     if cfg.secure_aggregation or cfg.dp.enabled:

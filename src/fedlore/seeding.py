@@ -24,3 +24,8 @@ def derive_seed(*parts: int) -> int:
 def generator(*parts: int) -> torch.Generator:
     """A CPU ``torch.Generator`` seeded with ``derive_seed(*parts)``."""
     return torch.Generator().manual_seed(derive_seed(*parts))
+
+
+SKETCH = 7
+"""Purpose tag of FedLore-Sketch's test matrices Ω^t: ``derive_seed(base_seed, SKETCH, round)``
+per round (the seed that travels), then the matrix's position in the plan."""

@@ -16,7 +16,7 @@ from torch import nn
 
 from fedlore.algorithm import Algorithm
 from fedlore.algorithms.fedavg import FedFull
-from fedlore.algorithms.fedlore import FedLore, FedLoreFixed, FedLoreRandom
+from fedlore.algorithms.fedlore import FedLore, FedLoreFixed, FedLoreRandom, FedLoreSketch
 from fedlore.algorithms.local_galore import LocalGaLore
 from fedlore.config import Config
 from fedlore.data.client_data import ClientData, TensorSplit
@@ -389,7 +389,13 @@ WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 @pytest.mark.parametrize(
     ("cls", "transport"),
-    [(FedLore, "fp16"), (FedLore, "bf16"), (FedLoreRandom, "bf16"), (FedLoreFixed, "fp16")],
+    [
+        (FedLore, "fp16"),
+        (FedLore, "bf16"),
+        (FedLoreRandom, "bf16"),
+        (FedLoreFixed, "fp16"),
+        (FedLoreSketch, "bf16"),
+    ],
 )
 def test_16bit_transport_partial_participation_caches_match_server(
     cls: type[FedLore], transport: str

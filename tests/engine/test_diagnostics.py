@@ -66,7 +66,9 @@ def _training_view(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("method", ["fedlore", "local_galore", "fedfull", "fedlore_random"])
+@pytest.mark.parametrize(
+    "method", ["fedlore", "local_galore", "fedfull", "fedlore_random", "fedlore_sketch"]
+)
 def test_diagnostics_do_not_change_training(tmp_path: Path, method: str) -> None:
     on, off = _cfg(tmp_path / "on", "diagnostics.every=1"), _cfg(tmp_path / "off")
     run_one(on, method, SEED)
@@ -82,7 +84,7 @@ def test_diagnostics_do_not_change_training(tmp_path: Path, method: str) -> None
         assert a[-1].get("diag_bytes_up", 0) == 0
     else:
         assert all(r.get("diag_bytes_up", 0) == 0 for r in a)
-    if method in ("fedlore", "local_galore", "fedlore_random"):
+    if method in ("fedlore", "local_galore", "fedlore_random", "fedlore_sketch"):
         for r in measured:
             assert 0.0 <= r["diag.retained_energy"] <= 1.0 + 1e-9
             assert r["diag.rho2"] == pytest.approx(

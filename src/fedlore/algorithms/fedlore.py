@@ -1,4 +1,6 @@
-"""FedLore (seed Algorithm 1), FedLore-Random (Algorithm 4) and FedLore with a fixed basis.
+"""FedLore (seed Algorithm 1), FedLore-Random (Algorithm 4), FedLore with a fixed basis and
+FedLore-Sketch (issue 20: the basis from the clients' summed gradient sketches, see
+:class:`FedLoreSketch`).
 
 Per projected matrix W (view m x n, rank r), round t:
 
@@ -10,11 +12,13 @@ Per projected matrix W (view m x n, rank r), round t:
   :class:`~fedlore.optim.projected_adam.ProjectedAdam` in ``P^t`` (moments reset), uploading
   ``ΔZ_i`` (r x n, lr-weighted, so a schedule inside the round stays exact) and, for FedLore,
   the candidate ``P_i`` = top-r left singular vectors of its last finite local gradient (m x r;
-  the current basis when no step had a finite gradient).
+  the current basis when no step had a finite gradient); for FedLore-Sketch instead the sketch
+  ``Y_i = G_i Ω^t`` of that gradient (m x (r+p), Ω^t from a broadcast seed).
 * server: ``Δ^t = Σ p_i ΔZ_i``; ``W^{t+1} = a_t W^t + P^t Δ^t``; ``P^{t+1}`` = top-r left
   singular vectors of ``[sqrt(p_1) P_1, ..., sqrt(p_N) P_N]`` (FedLore), ``SharedBasis(seed)``
-  (FedLore-Random, only a seed travels), or ``P^t`` again (fixed basis, the "w/o dynamic
-  subspace" ablation of seed Table 4).
+  (FedLore-Random, only a seed travels), ``P^t`` again (fixed basis, the "w/o dynamic
+  subspace" ablation of seed Table 4), or the top-r left singular vectors of the mean sketch
+  ``Σ p_i Y_i / Σ p_i`` (FedLore-Sketch).
 
 Partial participation: the sums above run over the round's accepted replies, so ``P^{t+1}``
 comes from the active clients' candidates only (seed Appendix D notes that its certificate
@@ -27,20 +31,26 @@ construction-minibatch gradient at W^0 and the server averages their projectors 
 client's cache round only from accepted replies; a client whose reply was lost or rejected gets
 the dense model at its next contact.
 
-16-bit transport (``transport_dtype: fp16 | bf16``): everything that crosses the wire in a
-round is an increment or a basis, cast to the 16-bit dtype: ΔZ_i, the candidates P_i and the
-deltas ``D_K - D^t`` of the unprojected tensors up; Δ^s, P^{t+1} and the unprojected tensors'
-increments ``Σ p_i (D_i - D^t)`` (logged as ``log.<s>.<name>`` like Δ^s, instead of their
-values ``dense.<name>``) down. The server quantizes Δ^t, the unprojected increments and P^{t+1}
-*before* it applies them, ``W^{t+1} = a W^t + P^t Δ^t`` with exactly the values it sends
-(:func:`~fedlore.algorithms.lowrank.apply_increment` on both sides, received tensors upcast
-exactly to the model's dtype), so every client cache stays bit-identical to the server model
-while the server keeps W at the model's precision (no weight is ever rounded to 16 bits, so an
-update smaller than half a 16-bit ulp of a weight still accumulates). The full model (first
-contact, a client too long away) stays at the model's dtype: it is a value, and the client's
-cache must equal the server model bit for bit. Diagnostic uploads (``diag.H.*``) stay at the
-model's dtype (measurements, not the method). A quantized basis is orthonormal only up to the
-16-bit rounding (about 1e-3 in bf16); both sides train and apply in that same basis.
+16-bit transport (``transport_dtype: fp16 | bf16``): everything that crosses the wire in a round
+is an increment, a basis or a sketch, cast to the 16-bit dtype: ΔZ_i, the candidates P_i
+(sketches Y_i) and the deltas ``D_K - D^t`` of the unprojected tensors up; Δ^s, P^{t+1} and the
+unprojected tensors' increments ``Σ p_i (D_i - D^t)`` (logged as ``log.<s>.<name>`` like Δ^s,
+instead of their values ``dense.<name>``) down. The server quantizes Δ^t, the unprojected
+increments and P^{t+1} *before* it applies them, ``W^{t+1} = a W^t + P^t Δ^t`` with exactly the
+values it sends (:func:`~fedlore.algorithms.lowrank.apply_increment` on both sides, received
+tensors upcast exactly to the model's dtype), so every client cache stays bit-identical to the
+server model while the server keeps W at the model's precision (no weight is ever rounded to 16
+bits, so an update smaller than half a 16-bit ulp of a weight still accumulates). The full model
+(first contact, a client too long away) stays at the model's dtype: it is a value, and the
+client's cache must equal the server model bit for bit. Diagnostic uploads (``diag.H.*``) stay
+at the model's dtype (measurements, not the method). A quantized basis is orthonormal only up to
+the 16-bit rounding (about 1e-3 in bf16); both sides train and apply in that same basis.
+
+``upload_increments`` (secure aggregation and DP; FedLore-Sketch, FedLore-Random and
+FedLore-fixed with a random P^0 only, FedLore refuses it): the unprojected tensors travel as
+increments exactly as under a 16-bit wire (:attr:`FedLore.dense_increments`), at the model's
+dtype when the wire is fp32, so every upload is an increment (ΔZ_i, ``D_K - D^t``) or a linear
+sketch and the server needs only the weighted sums.
 """
 
 from __future__ import annotations
@@ -66,13 +76,14 @@ from fedlore.algorithms.lowrank import (
     plan_from_state,
     plan_values,
     seeded_bases,
+    sketch_omegas,
     train_projected,
 )
 from fedlore.data.client_data import ClientData
 from fedlore.diagnostics import CERTIFICATE_TERMS, candidate_certificate
-from fedlore.optim.subspace import MatrixSpec, average_projectors
+from fedlore.optim.subspace import MatrixSpec, average_projectors, sketch_basis
 from fedlore.registry import register_algorithm
-from fedlore.seeding import BASIS, derive_seed, generator
+from fedlore.seeding import BASIS, SKETCH, derive_seed, generator
 from fedlore.tensors import (
     all_finite,
     from_wire,
@@ -88,7 +99,9 @@ from fedlore.types import Arrays, Broadcast, Reply, Scalars, State
 
 log = logging.getLogger(__name__)
 
-BasisRule = Literal["candidates", "random", "fixed"]
+BasisRule = Literal["candidates", "random", "fixed", "sketch"]
+"""How P^{t+1} is built: from the clients' candidate bases (FedLore), a seed (FedLore-Random),
+never (fixed), or from the clients' mean gradient sketch (FedLore-Sketch)."""
 
 
 def add_increment(value: torch.Tensor, inc: torch.Tensor) -> torch.Tensor:
@@ -126,6 +139,11 @@ class FedLore(LowRankHyper):
 
     name: ClassVar[str] = "fedlore"
     honours_transport_dtype: ClassVar[bool] = True
+    individual_uploads: ClassVar[str] = (
+        "its P^{t+1} is the SVD of the stack [sqrt(p_1) P_1, ..., sqrt(p_N) P_N] of the "
+        "clients' candidate bases, which needs each P_i on its own; use fedlore_sketch (its "
+        "basis comes from the sum of the clients' gradient sketches)"
+    )
     basis_rule: ClassVar[BasisRule] = "candidates"
     init_basis: Literal["gradient", "random"] = "gradient"
     server_basis: Literal["svd", "randomized", "gram"] = "svd"
@@ -154,6 +172,13 @@ class FedLore(LowRankHyper):
             and (rnd + 1) % d == 0
             and rnd + 1 < self.rounds
         )
+
+    @property
+    def dense_increments(self) -> bool:
+        """Whether the unprojected tensors travel as increments (clients upload ``D_K - D^t``,
+        the server applies ``Σ p_i (D_i - D^t) / Σ p_i`` and logs it as ``log.<t>.<name>``)
+        rather than as values: under a 16-bit transport and under ``upload_increments``."""
+        return self.wire_dtype is not None or self.upload_increments
 
     @property
     def setup_rounds(self) -> int:
@@ -188,13 +213,15 @@ class FedLore(LowRankHyper):
     def broadcast(self, state: State, rnd: int, client_id: int) -> Broadcast:
         model = select(state.arrays, "model.", strip=False)
         if rnd < 0:
-            return Broadcast(arrays=model, config={"round": rnd, "mode": "dense"})
+            setup: Scalars = {"round": rnd, "mode": "dense", **self._round_config(state, rnd)}
+            return Broadcast(arrays=model, config=setup)
         vals = state.values
         cur = int(vals["basis_id"])
         plan_keys = {k[5:] for k in vals if k.startswith("plan.")}
         version = vals.get(f"version.{client_id}")
         held = int(vals.get(f"held.{client_id}", -1))
         config: Scalars = {"round": rnd, "mode": "dense", "basis_id": cur}
+        config.update(self._round_config(state, rnd))
         if self._uploads_candidates(rnd):
             config["diag_upload"] = True
         dense_arrays = dict(model)
@@ -203,10 +230,10 @@ class FedLore(LowRankHyper):
         if version is not None and all(f"log.{s}.decay" in vals for s in range(int(version), rnd)):
             v = int(version)
             server_model = select(state.arrays, "model.")
-            arrays = {  # 16-bit transport: their increments travel in the log instead
+            arrays = {  # dense increments: they travel in the log instead
                 "dense." + k: server_model[k]
                 for k in self.dense_keys(server_model, plan_keys)
-                if self.wire_dtype is None
+                if not self.dense_increments
             }
             log_cfg: Scalars = {"mode": "log", "from_round": v}
             b = held
@@ -229,6 +256,10 @@ class FedLore(LowRankHyper):
         _, arrays, extra = min(options, key=lambda o: o[0])
         config.update(extra)
         return Broadcast(arrays=arrays, config=config)
+
+    def _round_config(self, state: State, rnd: int) -> Scalars:
+        """Extra broadcast config of round ``rnd`` (FedLore-Sketch: the seed of Ω^rnd)."""
+        return {}
 
     def _bank_message(self, state: State, bid: int) -> Arrays:
         if self.basis_rule == "random":
@@ -254,14 +285,15 @@ class FedLore(LowRankHyper):
             if r is None:
                 values.pop(f"version.{c}", None)
                 values.pop(f"held.{c}", None)
-        if rnd < 0:  # setup exchange: P^0 from the clients' gradient candidates
+        if rnd < 0:  # setup exchange: P^0 from the clients' gradient candidates (or sketches)
+            held_model = select(arrays, "model.")
+            seed = derive_seed(int(values["base_seed"]), BASIS, 0)
+            random0 = seeded_bases(seed, plan, model_dtype(held_model), model_device(held_model))
             if ok:
-                p0 = self._next_basis([r for _, r in ok], weights, plan, values, rnd)
+                p0 = self._next_basis([r for _, r in ok], weights, plan, values, rnd, random0)
             else:  # nothing valid came back: fall back to a seeded random P^0 (logged)
                 log.warning("FedLore setup exchange got no valid reply; P^0 is random")
-                held_model = select(arrays, "model.")
-                seed = derive_seed(int(values["base_seed"]), BASIS, 0)
-                p0 = seeded_bases(seed, plan, model_dtype(held_model), model_device(held_model))
+                p0 = random0
             arrays.update(with_prefix(to_wire(p0, wire), "bank.0."))
             values["basis_id"] = 0
             for c, _ in ok:
@@ -285,9 +317,9 @@ class FedLore(LowRankHyper):
         for k, s in plan.items():
             arrays["model." + k] = apply_increment(model[k], s, basis[k], deltas[k], decay)
             arrays[f"log.{rnd}.{k}"] = deltas[k]
-        if wire is None:  # unprojected tensors: the mean of the uploaded values
+        if not self.dense_increments:  # unprojected tensors: the mean of the uploaded values
             arrays.update(with_prefix(dense, "model."))
-        else:  # 16-bit: the mean of the uploaded increments, quantized, logged and applied
+        else:  # the mean of the uploaded increments (16-bit: quantized), logged and applied
             for k, inc in to_wire(dense, wire).items():
                 arrays["model." + k] = add_increment(model[k], inc)
                 arrays[f"log.{rnd}.{k}"] = inc
@@ -299,9 +331,10 @@ class FedLore(LowRankHyper):
         # next basis
         if self.basis_rule == "random":
             nxt = derive_seed(int(values["base_seed"]), BASIS, rnd + 1)
-        elif self.basis_rule == "candidates" and ok:
+        elif self.basis_rule in ("candidates", "sketch") and ok:
             nxt = rnd + 1
-            sent = to_wire(self._next_basis([r for _, r in ok], weights, plan, values, rnd), wire)
+            replied = [r for _, r in ok]
+            sent = to_wire(self._next_basis(replied, weights, plan, values, rnd, basis), wire)
             arrays.update(with_prefix(sent, f"bank.{nxt}."))
             new = from_wire(sent, model_dtype(model))  # P^{t+1} as the clients will hold it
             metrics["basis_overlap"] = sum(
@@ -323,7 +356,12 @@ class FedLore(LowRankHyper):
         plan: dict[str, MatrixSpec],
         values: Scalars,
         rnd: int,
+        previous: Arrays,
     ) -> Arrays:
+        """P^{t+1} from round ``rnd``'s accepted replies (``rnd = -1``: P^0): the leading
+        eigenspace of the weighted mean of the candidates' projectors (seed Algorithm 1 line
+        27). ``previous`` (P^t, or the seeded random P^0 of the setup exchange) is unused here;
+        FedLore-Sketch keeps it for the directions a rank-deficient sketch lacks."""
         rng = generator(int(values["base_seed"]), BASIS, rnd, 1)  # randomized server SVD only
         return {
             k: average_projectors(
@@ -405,8 +443,7 @@ class FedLore(LowRankHyper):
         model = select(state.arrays, "model.")
         spec: ReplySpec = {}
         w = self.wire_spec
-        if self.basis_rule == "candidates" or rnd < 0:
-            spec.update({f"cand.{k}": ((s.m, s.rank), w(model[k].dtype)) for k, s in plan.items()})
+        spec.update(self._basis_reply_spec(plan, model, rnd))
         if rnd < 0:
             return spec
         spec.update({f"update.{k}": ((s.rank, s.n), w(model[k].dtype)) for k, s in plan.items()})
@@ -419,6 +456,14 @@ class FedLore(LowRankHyper):
         if self._uploads_candidates(rnd):
             spec.update({f"diag.H.{k}": ((s.m, s.n), model[k].dtype) for k, s in plan.items()})
         return spec
+
+    def _basis_reply_spec(self, plan: dict[str, MatrixSpec], model: Arrays, rnd: int) -> ReplySpec:
+        """The reply arrays the next basis is built from: the candidates ``cand.*``
+        (``m x r``) in FedLore's rounds and in every setup exchange."""
+        if self.basis_rule != "candidates" and rnd >= 0:
+            return {}
+        w = self.wire_spec
+        return {f"cand.{k}": ((s.m, s.rank), w(model[k].dtype)) for k, s in plan.items()}
 
     # ----------------------------------------------------------------- client
     def _client_bases(
@@ -448,11 +493,12 @@ class FedLore(LowRankHyper):
         if rnd < 0:
             load_model_arrays(model, select(msg.arrays, "model."))
             grads = construction_gradients(model, data.train, self.batch_size, rng, list(plan))
-            cands = {k: self._candidate(plan[k], plan[k].view(grads[k]), None, rng) for k in plan}
+            views = {k: plan[k].view(g) for k, g in grads.items()}
+            held_model = model_arrays(model)
             new_state = State(
-                arrays=with_prefix(model_arrays(model), "cache."), values={"version": 0, "held": -1}
+                arrays=with_prefix(held_model, "cache."), values={"version": 0, "held": -1}
             )
-            up = with_prefix(to_wire(cands, self.wire_dtype), "cand.")
+            up = self._basis_upload(msg, plan, views, None, rng, held_model)
             return Reply(up, reply_metrics(data.num_examples)), new_state
         cache, bases, held = self._synchronize(msg, state, plan, rnd, model)
         cur = int(msg.config["basis_id"])
@@ -467,21 +513,16 @@ class FedLore(LowRankHyper):
             plan,
             bases,
             lrs,
-            keep_last_grad=self.basis_rule == "candidates",
+            keep_last_grad=self.basis_rule in ("candidates", "sketch"),
         )
         final = model_arrays(model)
         wire = self.wire_dtype
         out = with_prefix(to_wire(res.coords, wire), "update.")
         dense = {k: final[k] for k in self.dense_keys(final, plan)}
-        if wire is not None:  # 16-bit: the unprojected tensors' increments D_K - D^t
-            dense = to_wire({k: v - cache[k].to(v.dtype) for k, v in dense.items()}, wire)
-        out.update(with_prefix(dense, "dense."))
-        if self.basis_rule == "candidates":
-            cands = {
-                k: self._candidate(s, res.last_grads.get(k), bases[k], rng, final[k])
-                for k, s in plan.items()
-            }
-            out.update(with_prefix(to_wire(cands, wire), "cand."))
+        if self.dense_increments:  # the unprojected tensors' increments D_K - D^t
+            dense = {k: v - cache[k].to(v.dtype) for k, v in dense.items()}
+        out.update(with_prefix(to_wire(dense, wire), "dense."))
+        out.update(self._basis_upload(msg, plan, res.last_grads, bases, rng, final))
         if self.basis_rule == "candidates" and msg.config.get("diag_upload"):
             for k, s in plan.items():  # H_i for the diagnostics (zero when no finite gradient)
                 h = res.last_grads.get(k)
@@ -502,6 +543,28 @@ class FedLore(LowRankHyper):
             values={"version": rnd, "held": held},
         )
         return Reply(out, metrics), new_state
+
+    def _basis_upload(
+        self,
+        msg: Broadcast,
+        plan: dict[str, MatrixSpec],
+        grads: Arrays,
+        bases: Arrays | None,
+        rng: torch.Generator,
+        like: Arrays,
+    ) -> Arrays:
+        """What the client uploads for the next basis, as sent: FedLore's candidates
+        ``cand.<k>`` (``m x r``, top-r left singular vectors of the gradient view ``grads[k]``;
+        the current basis ``bases[k]`` when it is missing or not finite) in its rounds and in
+        every setup exchange (``bases`` None), else nothing. ``like``: the model tensors whose
+        dtype and device the candidates follow."""
+        if self.basis_rule != "candidates" and int(msg.config["round"]) >= 0:
+            return {}
+        prev = bases or {}
+        cands = {
+            k: self._candidate(s, grads.get(k), prev.get(k), rng, like[k]) for k, s in plan.items()
+        }
+        return with_prefix(to_wire(cands, self.wire_dtype), "cand.")
 
     def _candidate(
         self,
@@ -568,6 +631,7 @@ class FedLoreRandom(FedLore):
 
     name: ClassVar[str] = "fedlore_random"
     honours_transport_dtype: ClassVar[bool] = True
+    sum_aggregable: ClassVar[bool] = True  # ΔZ_i and the dense increments: weighted sums only
     basis_rule: ClassVar[BasisRule] = "random"
 
 
@@ -575,8 +639,162 @@ class FedLoreRandom(FedLore):
 @dataclass(frozen=True)
 class FedLoreFixed(FedLore):
     """FedLore with P^t = P^0 for all rounds (seed Table 4, "w/o dynamic subspace"); the basis
-    travels once per client."""
+    travels once per client.
+
+    Sum-aggregable in its rounds (ΔZ_i and the dense increments). Its gradient P^0 averages
+    the clients' candidate projectors (the setup exchange needs each P_i), so
+    ``upload_increments`` (secure aggregation, DP) needs ``init_basis="random"``.
+    """
 
     name: ClassVar[str] = "fedlore_fixed"
     honours_transport_dtype: ClassVar[bool] = True
+    sum_aggregable: ClassVar[bool] = True
     basis_rule: ClassVar[BasisRule] = "fixed"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.upload_increments and self.init_basis == "gradient":
+            raise ValueError(
+                "FedLoreFixed: invalid upload_increments=True with init_basis='gradient': its "
+                "P^0 averages the clients' candidate projectors (the setup exchange needs each "
+                "P_i on its own); set method.fedlore_fixed.init_basis: random"
+            )
+
+
+@register_algorithm("fedlore_sketch")
+@dataclass(frozen=True)
+class FedLoreSketch(FedLore):
+    """FedLore-Sketch: the shared basis from the clients' summed gradient sketches (issue 20).
+
+    Per projected matrix (view ``m x n``, rank r) and round t, with oversampling p
+    (``sketch_oversample``) and ``q = r + p``:
+
+    * the server broadcasts only a seed, ``sketch_seed = derive_seed(base_seed, SKETCH, t)``
+      (:mod:`fedlore.seeding`); server and clients build the same Gaussian test matrix Ω^t
+      (``n x q``, :func:`~fedlore.algorithms.lowrank.sketch_omegas`, drawn by a seeded CPU
+      generator, then cast to the model's dtype and moved to its device: bit-reproducible);
+    * client i trains exactly as in FedLore (K projected-Adam steps in P^t, ΔZ_i up) and
+      uploads the sketch ``sketch.<k>`` ``Y_i = G_i Ω^t`` (``m x q``) of its last finite local
+      gradient view G_i (where FedLore takes its candidate; zeros when no step had a finite
+      gradient): one ``m n q`` product per matrix, no client-side SVD;
+    * the server forms ``S = Σ p_i Y_i / Σ p_i`` (:func:`~fedlore.tensors.weighted_mean`) and
+      takes ``P^{t+1}`` = the top-r left singular vectors of S (exact SVD in float64 of the
+      ``m x q`` matrix, cast to the model's dtype; :func:`~fedlore.optim.subspace.sketch_basis`).
+
+    Since ``Σ p_i G_i Ω = (Σ p_i G_i) Ω``, S is the sketch of the clients' *mean* gradient, and
+    P^{t+1} is the randomized range finder of the mean gradient (Halko, Martinsson & Tropp, SIAM
+    Review 2011, Algorithm 4.1, with oversampling p = 5..10 as their §4.2 recommends; the exact
+    SVD of the small sketch instead of its QR keeps the r leading directions). FedLore's
+    projector averaging instead keeps what the clients' own top-r subspaces share, which can miss
+    the mean gradient altogether (seed Proposition 4; ``tests/algorithms/
+    test_fedlore_sketch.py`` runs that example). Every upload (ΔZ_i, Y_i and the dense tensors)
+    is aggregated linearly, so the method is :attr:`sum_aggregable` (secure aggregation, DP).
+
+    A rank-deficient S (e.g. all zero: no client had a finite gradient) keeps P^t for the
+    directions it lacks, and an all-zero S keeps P^t entirely (see ``sketch_basis``). P^0:
+    ``init_basis="gradient"`` (default) spends a sketch setup exchange (round -1: each client
+    sketches one construction-minibatch gradient at W^0 with Ω^{-1}; the seeded random basis
+    fills the directions a rank-deficient setup sketch lacks), ``"random"`` the seeded random
+    basis. Synchronization, log catch-up, partial participation (S over the accepted replies),
+    diagnostics (the shared basis; no Proposition 2 candidate certificate, which needs
+    per-client candidates) and 16-bit transport (the sketches cross the wire in the 16-bit
+    dtype like FedLore's candidates) are FedLore's.
+
+    Bytes per matrix and round: ``r n + m q`` up (FedLore: ``r n + m r``), ``r n + m r`` down
+    (as FedLore), plus a seed.
+
+    Attributes:
+        sketch_oversample: p >= 0, extra sketch columns beyond r.
+    """
+
+    name: ClassVar[str] = "fedlore_sketch"
+    honours_transport_dtype: ClassVar[bool] = True
+    sum_aggregable: ClassVar[bool] = True
+    basis_rule: ClassVar[BasisRule] = "sketch"
+    sketch_oversample: int = 5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sketch_oversample < 0:
+            raise ValueError(
+                f"FedLoreSketch: invalid sketch_oversample={self.sketch_oversample!r} (p >= 0)"
+            )
+
+    @property
+    def sketch_width(self) -> int:
+        """q = r + p, the columns of Ω and of each sketch."""
+        return self.rank + self.sketch_oversample
+
+    def _round_config(self, state: State, rnd: int) -> Scalars:
+        return {"sketch_seed": derive_seed(int(state.values["base_seed"]), SKETCH, rnd)}
+
+    def omegas(self, state: State, rnd: int) -> Arrays:
+        """The server's Ω^rnd per projected matrix (``n x q``, the model's dtype and device),
+        the same tensors every client builds from the broadcast ``sketch_seed``."""
+        plan = plan_from_state(state, self.rank)
+        model = select(state.arrays, "model.")
+        seed = int(self._round_config(state, rnd)["sketch_seed"])
+        return sketch_omegas(seed, plan, self.sketch_width, model_dtype(model), model_device(model))
+
+    def basis_from_sketches(
+        self, sketches: list[Arrays], weights: list[float], previous: Arrays
+    ) -> Arrays:
+        """The server rule: per matrix ``k``, P^{t+1} = top-r left singular vectors of the
+        weighted mean sketch ``S = Σ p_i Y_i / Σ p_i`` (``sketches[i][k]``: ``m x q``);
+        ``previous[k]`` (``m x r``, P^t) fills the directions a rank-deficient S lacks.
+
+        Returns: name -> ``m x r`` orthonormal basis in ``previous``'s dtype.
+
+        Raises:
+            ValueError: as :func:`~fedlore.tensors.weighted_mean` and
+                :func:`~fedlore.optim.subspace.sketch_basis` do.
+        """
+        mean = weighted_mean(sketches, weights)
+        return {k: sketch_basis(mean[k], self.rank, p) for k, p in previous.items()}
+
+    def _next_basis(
+        self,
+        replies: list[Reply],
+        weights: list[float],
+        plan: dict[str, MatrixSpec],
+        values: Scalars,
+        rnd: int,
+        previous: Arrays,
+    ) -> Arrays:
+        sketches = [select(r.arrays, "sketch.") for r in replies]
+        return self.basis_from_sketches(sketches, weights, {k: previous[k] for k in plan})
+
+    def _basis_reply_spec(self, plan: dict[str, MatrixSpec], model: Arrays, rnd: int) -> ReplySpec:
+        w, q = self.wire_spec, self.sketch_width
+        return {f"sketch.{k}": ((s.m, q), w(model[k].dtype)) for k, s in plan.items()}
+
+    def sketch_gradients(
+        self, seed: int, plan: dict[str, MatrixSpec], grads: Arrays, like: Arrays
+    ) -> Arrays:
+        """A client's sketches ``Y = G Ω`` (``m x q``) of its gradient views ``grads[k]``
+        (``m x n``; zeros for a missing or non-finite gradient), with Ω from ``seed``, in the
+        dtype and on the device of the model tensors ``like``."""
+        dtype, device = model_dtype(like), model_device(like)
+        omegas = sketch_omegas(seed, plan, self.sketch_width, dtype, device)
+        out: Arrays = {}
+        for k, s in plan.items():
+            g = grads.get(k)
+            if g is None or not all_finite([g]):
+                ref = like[k]
+                out[k] = torch.zeros(s.m, self.sketch_width, dtype=ref.dtype, device=ref.device)
+            else:
+                out[k] = (g.to(omegas[k].dtype) @ omegas[k]).contiguous()
+        return out
+
+    def _basis_upload(
+        self,
+        msg: Broadcast,
+        plan: dict[str, MatrixSpec],
+        grads: Arrays,
+        bases: Arrays | None,
+        rng: torch.Generator,
+        like: Arrays,
+    ) -> Arrays:
+        seed = int(msg.config["sketch_seed"])
+        sketches = self.sketch_gradients(seed, plan, grads, like)
+        return with_prefix(to_wire(sketches, self.wire_dtype), "sketch.")

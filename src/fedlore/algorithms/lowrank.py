@@ -20,10 +20,12 @@ from fedlore.optim.projected_adam import ProjectedAdam, ProjectedSGD
 from fedlore.optim.subspace import (
     MatrixSpec,
     SideRule,
+    gaussian_sketch,
     projection_plan,
     random_basis,
     top_left_singular,
 )
+from fedlore.seeding import derive_seed
 from fedlore.train.local import TrainStats, local_train
 from fedlore.types import Arrays, State
 
@@ -203,6 +205,24 @@ def seeded_bases(
     model's; the same basis on every device)."""
     return {
         k: random_basis(int(seed) * 1_000_003 + j, s.m, s.rank, dtype, device)
+        for j, (k, s) in enumerate(plan.items())
+    }
+
+
+def sketch_omegas(
+    seed: int,
+    plan: dict[str, MatrixSpec],
+    width: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> Arrays:
+    """FedLore-Sketch's test matrices of one round: per projected matrix (view ``m x n``) a
+    Gaussian Ω (``n x width``, ``width = r + p``) seeded by ``derive_seed(seed, j)`` with ``j``
+    the matrix's position in the plan and ``seed`` the round's sketch seed, in ``dtype`` on
+    ``device`` (the model's; drawn on the CPU, so the same Ω on the server, every client and
+    every device). See :func:`~fedlore.optim.subspace.gaussian_sketch`."""
+    return {
+        k: gaussian_sketch(derive_seed(int(seed), j), s.n, width, dtype, device)
         for j, (k, s) in enumerate(plan.items())
     }
 

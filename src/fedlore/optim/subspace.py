@@ -11,7 +11,9 @@ Sources: seed ``000_7a70688bd6d66f38`` Algorithm 1 lines 21 and 27 (TopLeftSVD o
 gradient; of the stacked candidates ``[P_1..P_N]/sqrt(N)``), Algorithm 4 (SharedBasis from a
 seed); GaLore (Zhao et al., ICML 2024) for the side rule; Halko, Martinsson & Tropp (SIAM
 Review 2011) and Golub & Van Loan (Matrix Computations, orthogonal iteration) for the randomized
-and the warm-started subspace routes of a client's candidate (options beside the exact one).
+and the warm-started subspace routes of a client's candidate (options beside the exact one);
+Halko et al. Algorithm 4.1 (randomized range finder) for FedLore-Sketch's seeded test matrix Ω
+and its server basis from the mean sketch (issue 20).
 """
 
 from __future__ import annotations
@@ -340,6 +342,101 @@ def average_projectors(
         eye = torch.eye(m, rank, dtype=u.dtype, device=u.device)
         u = torch.linalg.qr(torch.cat([u, eye], dim=1))[0][:, :rank]
     return _fix_signs(u).to(dtype).contiguous()
+
+
+def gaussian_sketch(
+    seed: int,
+    n: int,
+    width: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """The test matrix Ω (``n x width``) of a randomized range finder, reproducible from a seed.
+
+    Standard Gaussian entries drawn in float64 by a CPU generator seeded with ``seed``, cast to
+    ``dtype`` and moved to ``device`` (drawn on the CPU: bit-identical on every party and
+    device). Source: Halko, Martinsson & Tropp (SIAM Review 2011), Algorithm 4.1 step 1.
+
+    Raises:
+        ValueError: if ``n < 1`` or ``width < 1``.
+    """
+    if n < 1 or width < 1:
+        raise ValueError(f"a sketch needs n >= 1 and width >= 1, got n={n}, width={width}")
+    gen = torch.Generator().manual_seed(int(seed) % (2**63))
+    omega = torch.randn(n, width, dtype=torch.float64, generator=gen)
+    return omega.to(dtype).contiguous().to(device)
+
+
+def sketch_basis(
+    sketch: torch.Tensor,
+    rank: int,
+    previous: torch.Tensor,
+    rtol: float | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Top-r left singular vectors of a sketch ``Y = G Ω`` (``m x (r+p)``): the range finder's
+    basis of ``G`` (Halko, Martinsson & Tropp 2011, Algorithm 4.1, with the exact SVD of the
+    small sketch in place of its QR so that the r leading directions are kept), in float64: the
+    SVD of ``Y``, or when ``m <= r + p`` the eigenvectors of the ``m x m`` ``Y Yᵀ`` (as the exact
+    route of :func:`top_left_singular`).
+
+    FedLore-Sketch's server rule: ``Y`` is the weighted mean of the clients' sketches
+    ``Σ p_i G_i Ω / Σ p_i = (Σ p_i G_i / Σ p_i) Ω``, the sketch of the mean gradient.
+
+    A rank-deficient sketch keeps the previous basis for the missing directions: with ``k`` the
+    numerical rank of ``Y`` (singular values above ``rtol · σ_1``), the result is the ``k``
+    leading left singular vectors of ``Y`` followed by the ``r - k`` leading left singular
+    vectors of ``(I - U_k U_kᵀ) P^t``, the part of ``previous`` orthogonal to them; an all-zero
+    sketch (``k = 0``, e.g. no client had a finite gradient) returns ``previous`` unchanged.
+
+    Args:
+        sketch: ``m x q`` finite matrix, ``r <= q`` (computed in float64).
+        rank: r, ``1 <= r <= min(m, q)``.
+        previous: ``m x r`` orthonormal basis ``P^t`` (FedLore-Sketch's current basis, or a
+            seeded random basis for P^0).
+        rtol: relative threshold of the numerical rank (None: ``max(m, q)`` times the machine
+            epsilon of ``sketch``'s dtype, the rule of ``numpy.linalg.matrix_rank``; a 16-bit
+            transport passes its own epsilon).
+        dtype: dtype of the result (None: ``previous``'s).
+
+    Returns:
+        ``m x r`` with orthonormal columns (deterministic signs), on ``sketch``'s device.
+
+    Raises:
+        ValueError: if ``sketch`` is not 2-D or not finite, ``rank`` is out of range, or
+            ``previous`` is not ``m x r``.
+    """
+    if sketch.ndim != 2:
+        raise ValueError(f"expected a sketch matrix, got shape {tuple(sketch.shape)}")
+    m, q = sketch.shape
+    if not 1 <= rank <= min(m, q):
+        raise ValueError(f"rank must be in [1, min(m, q) = {min(m, q)}], got {rank}")
+    if tuple(previous.shape) != (m, rank):
+        raise ValueError(f"previous basis has shape {tuple(previous.shape)}, expected {(m, rank)}")
+    out_dtype = dtype if dtype is not None else previous.dtype
+    y = sketch.detach().to(torch.float64)
+    if not bool(torch.isfinite(y).all()):
+        raise ValueError("cannot take the SVD of a sketch with NaN or Inf entries")
+    if m <= q:  # as top_left_singular's exact route: eigenvectors of the m x m Y Yᵀ
+        evals, evecs = torch.linalg.eigh(y @ y.t())
+        s, u = evals.flip(0).clamp_min(0.0).sqrt(), evecs.flip(1)
+    else:
+        u, s, _ = torch.linalg.svd(y, full_matrices=False)
+    if rtol is None:
+        rtol = max(m, q) * torch.finfo(sketch.dtype).eps
+    keep = 0 if float(s[0]) == 0.0 else min(rank, int((s > rtol * s[0]).sum()))
+    prev = previous.detach().to(device=y.device, dtype=torch.float64)
+    if keep == 0:
+        return previous.detach().to(device=sketch.device, dtype=out_dtype).clone()
+    basis = _fix_signs(u[:, :keep])
+    if keep < rank:
+        rest = prev - basis @ (basis.t() @ prev)
+        ur, _, _ = torch.linalg.svd(rest, full_matrices=False)
+        fill = ur[:, : rank - keep]
+        fill = fill - basis @ (basis.t() @ fill)  # re-orthogonalize against U_k
+        fill, _ = torch.linalg.qr(fill)
+        basis = torch.cat([basis, _fix_signs(fill)], dim=1)
+    return basis.to(out_dtype).contiguous()
 
 
 def random_basis(
