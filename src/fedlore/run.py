@@ -870,10 +870,14 @@ def summarize(method: str, seed: int, metrics_path: Path) -> dict[str, Any]:
 
 def divergence(rows: list[dict[str, Any]]) -> dict[str, str]:
     """``{"diverged": reason}`` for a run that diverged, else ``{}``: every local step of every
-    round was skipped (non-finite loss or gradient: the model never trained), or the last
-    evaluation's loss is not finite (metrics.jsonl holds null there)."""
+    round was skipped (non-finite loss or gradient: the model never trained; not judged under
+    secure aggregation or DP, which release no training loss), or the last evaluation's loss is
+    not finite (metrics.jsonl holds null there)."""
     trained = [r for r in rows if r.get("accepted")]
-    if trained and all(r.get("train_loss") is None for r in trained):
+    # under secure aggregation or DP no client's training loss is released (only the test
+    # loss below tells a diverged run)
+    private = any(k in r for r in rows for k in ("secagg_dropped", "dp_clipped", "dp_epsilon"))
+    if trained and not private and all(r.get("train_loss") is None for r in trained):
         skipped = sum(int(r.get("skipped_steps", 0)) for r in rows)
         return {
             "diverged": f"every local step was skipped ({skipped} steps with a non-finite loss "
