@@ -325,13 +325,14 @@ class FlowerConfig(_Strict):
     so the server sees only the sum; the round completes as long as every sampled client keeps
     at least t live neighbours, i.e. up to k - t dropouts per neighbourhood are tolerated (with
     the default 1.0 / 0.5 and n clients: up to n - round(n / 2))."""
-    secagg_clipping_range: float = Field(1.0, ge=1.0)
+    secagg_clipping_range: float | None = Field(None, ge=1.0)
     """SecAgg+: every entry of a client's weighted upload (p_i / max_weight) v_i is clipped to
-    [-c, c] before quantization (flwr's own clipping, default 8; entries beyond it are lost, and
-    the client logs a warning when that happens). Default 1: the uploads are increments (a
-    round's change, entries well below 1) and the vector's last entry is the 0/1 clipped flag
-    (hence c >= 1). Under DP choose c just above the largest entry: the clip norm C plus a
-    margin for the client's noise share. The quantization step 2c / T grows with c."""
+    [-c, c] before quantization (flwr's own clipping; entries beyond it are lost, and the
+    client logs a warning when that happens); c >= 1 (the vector's last entry is the 0/1
+    clipped flag). None (default): 1 (uploads are increments, a round's change, entries well
+    below 1); under DP max(1, C (1 + 7 sigma / sqrt(m))): an entry of a clipped upload is at
+    most C and the client's noise share N(0, sigma^2 C^2 / m) stays within 7 of its standard
+    deviations. The quantization step 2c / T grows with c."""
     secagg_quantization_range: int = Field(2**24, ge=2, lt=2**31)
     """SecAgg+: entries are stochastically rounded to integers in [0, T] (unbiased), a step of
     2c / T: each client's entry carries an error below 2c / T, the mean one below

@@ -12,11 +12,9 @@ untouched. The loopback deployment (real SuperLink and SuperNodes) is at the end
 from __future__ import annotations
 
 import copy
-import sys
 import types
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -30,7 +28,8 @@ from fedlore.config import Config, load_config
 from fedlore.flower.app import _federation, make_apps
 from fedlore.flower.secure import SecAggSettings, SecureSum
 from fedlore.flower.transport import FlowerTransport
-from fedlore.run import make_algorithm, model_factory, start_server
+from fedlore.privacy import CLEAR_METRICS, Contribution, client_contribution, spec_length
+from fedlore.run import make_algorithm, make_privacy, model_factory, start_server
 from fedlore.seeding import generator
 from fedlore.types import Broadcast, Reply, Scalars
 
@@ -45,6 +44,7 @@ SMALL = [
     "progress=false",
     "model.kwargs={hidden: [8]}",
     "algorithms=[fedavg]",
+    "secure_aggregation=true",
 ]
 
 
@@ -112,13 +112,6 @@ class DirectGrid(Grid):
         return self.pull_messages(self.push_messages(messages))
 
 
-@dataclass
-class StandInContribution:
-    vector: torch.Tensor
-    weight: float
-    metrics: Scalars
-
-
 @pytest.fixture
 def task_identity() -> Iterator[None]:
     """Flower builds server messages with the process's run id (set by its runtimes)."""
@@ -131,61 +124,35 @@ def task_identity() -> Iterator[None]:
 
 
 @pytest.fixture
-def contributions(monkeypatch: pytest.MonkeyPatch) -> dict[int, StandInContribution]:
-    """``fedlore.privacy.client_contribution``, recording what each client contributed. Uses
-    the real function when it exists (the client's upload flattened, clipped, with its
-    flag); else a stand-in of the same signature: the upload flattened in sorted key order
-    plus a 0 flag, weight num_examples."""
-    seen: dict[int, StandInContribution] = {}
-    try:
-        from fedlore.privacy import client_contribution as real
-    except ImportError:
-        real = None
+def contributions(monkeypatch: pytest.MonkeyPatch) -> dict[int, Contribution]:
+    """``fedlore.privacy.client_contribution`` (the ClientApp imports it per message), noting
+    what each client contributed."""
+    seen: dict[int, Contribution] = {}
 
-    def contribution(
-        reply: Reply, config: Scalars, client_id: int, rnd: int, seed: int
-    ) -> StandInContribution:
-        if real is not None:
-            c = real(reply, config, client_id, rnd, seed)
-            out = StandInContribution(c.vector.clone(), float(c.weight), dict(c.metrics))
-        else:
-            parts = [
-                reply.arrays[k].detach().double().flatten().cpu() for k in sorted(reply.arrays)
-            ]
-            vec = torch.cat([*parts, torch.zeros(1, dtype=torch.float64)])
-            out = StandInContribution(
-                vec,
-                float(reply.metrics["num_examples"]),
-                {"train_loss": reply.metrics["train_loss"]},
-            )
-        seen[client_id] = out
-        return out
+    def noted(reply: Reply, config: Scalars, client_id: int, rnd: int, seed: int) -> Contribution:
+        seen[client_id] = client_contribution(reply, config, client_id, rnd, seed)
+        return seen[client_id]
 
-    if real is None:
-        stub = types.ModuleType("fedlore.privacy")
-        stub.client_contribution = contribution  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, "fedlore.privacy", stub)
-    else:
-        monkeypatch.setattr("fedlore.privacy.client_contribution", contribution)
+    monkeypatch.setattr("fedlore.privacy.client_contribution", noted)
     return seen
 
 
 def _round(cfg: Config) -> tuple[dict[int, Broadcast], dict[int, Broadcast], int, list[int]]:
-    """Round 0's plain and secure broadcasts of FedAvg, the upload length L + 1 and the
-    clients' training-set sizes."""
+    """Round 0's plain and secure broadcasts of FedAvg (the latter with the run's
+    ``privacy.*`` settings), the upload length L + 1 and the clients' training-set sizes."""
     fed = _federation(cfg.model_dump_json(), SEED, "cpu")  # the one the ClientApp builds
     algo = make_algorithm("fedavg", cfg)
     model = model_factory(cfg, fed, SEED)()
     state = start_server(algo, model, generator(SEED, 0), fed, "fedavg")
     plain = {c: algo.broadcast(state, 0, c) for c in range(N)}
-    secure = {
-        c: Broadcast(b.arrays, {**b.config, "privacy.secure": True}) for c, b in plain.items()
-    }
-    length = sum(t.numel() for t in model.parameters()) + 1
+    privacy = make_privacy(cfg, algo, SEED)
+    assert privacy is not None and privacy.secure
+    secure = privacy.configure(0, plain)
+    length = spec_length(algo.expected_reply(state, 0, 0)) + 1
     return plain, secure, length, [fed.client(c).num_examples for c in range(N)]
 
 
-def _expected(seen: dict[int, StandInContribution], clients: list[int]) -> torch.Tensor:
+def _expected(seen: dict[int, Contribution], clients: list[int]) -> torch.Tensor:
     w = torch.tensor([seen[c].weight for c in clients], dtype=torch.float64)
     v = torch.stack([seen[c].vector for c in clients])
     return (w[:, None] * v).sum(0) / w.sum()
@@ -197,7 +164,7 @@ def _transport(grid: Grid, sizes: list[int]) -> FlowerTransport:
 
 
 def test_secure_round_mean_equals_the_plain_weighted_mean(
-    task_identity: None, contributions: dict[int, StandInContribution]
+    task_identity: None, contributions: dict[int, Contribution]
 ) -> None:
     cfg = load_config(None, SMALL)  # nothing is written; one federation for all (cached)
     plain, secure, length, sizes = _round(cfg)
@@ -209,7 +176,8 @@ def test_secure_round_mean_equals_the_plain_weighted_mean(
     got = transport.send_secure(0, secure, length)
     assert isinstance(got, SecureSum), got
     assert got.clients == list(range(N)) and sorted(got.metrics) == list(range(N))
-    assert all("train_loss" in m for m in got.metrics.values())
+    # only what may travel in the clear: no training loss of a single client
+    assert all(set(m) <= set(CLEAR_METRICS) for m in got.metrics.values())
     assert got.mean.dtype == torch.float64 and got.mean.shape == (length,)
     want = _expected(contributions, got.clients)
     err = (got.mean - want).abs().max().item()
@@ -238,7 +206,7 @@ def test_secure_round_mean_equals_the_plain_weighted_mean(
 
 
 def test_a_client_that_drops_out_after_sharing_keys_is_left_out(
-    task_identity: None, contributions: dict[int, StandInContribution]
+    task_identity: None, contributions: dict[int, Contribution]
 ) -> None:
     cfg = load_config(None, SMALL)  # nothing is written; one federation for all (cached)
     _, secure, length, sizes = _round(cfg)
@@ -257,7 +225,7 @@ def test_a_client_that_drops_out_after_sharing_keys_is_left_out(
 
 
 def test_too_few_survivors_stop_the_round_with_the_reason(
-    task_identity: None, contributions: dict[int, StandInContribution]
+    task_identity: None, contributions: dict[int, Contribution]
 ) -> None:
     cfg = load_config(None, SMALL)  # nothing is written; one federation for all (cached)
     _, secure, length, sizes = _round(cfg)
@@ -270,7 +238,7 @@ def test_too_few_survivors_stop_the_round_with_the_reason(
 
 
 def test_a_secure_broadcast_outside_a_secagg_round_is_refused(
-    task_identity: None, contributions: dict[int, StandInContribution]
+    task_identity: None, contributions: dict[int, Contribution]
 ) -> None:
     cfg = load_config(None, SMALL)  # nothing is written; one federation for all (cached)
     _, secure, _, sizes = _round(cfg)

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import shlex
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,9 @@ def client_train(
 
         c = client_contribution(reply, bcast.config, cid, rnd, seed)
         return Message(contribution_record(c.vector, c.weight, c.metrics, context), reply_to=msg)
+    from fedlore.privacy import privatize
+
+    reply = privatize(reply, bcast.config, cid, rnd, seed)  # DP only; no privacy.*: unchanged
     return Message(reply_to_record(reply), reply_to=msg)
 
 
@@ -272,7 +276,7 @@ def server_main(
             expected_nodes=cfg.num_clients,
             device=resolve_device(cfg.device),
             extra_config=None if fed is None else {SITE_SHAPE: data_shape(fed)},
-            secagg=secagg_settings(cfg, None if fed is not None else args[0]),
+            secagg=secagg_settings(cfg, method, None if fed is not None else args[0]),
         )
         transport_box["t"] = t
         return t
@@ -298,13 +302,23 @@ def server_main(
     return summary
 
 
-def secagg_settings(cfg: Config, client_data: Any = None) -> SecAggSettings:
-    """The SecAgg+ parameters of a run (``flower.secagg_*``; each stage waits
-    ``flower.round_timeout_s``). ``max_weight`` unset: 1 under ``weighting: uniform``, else the
-    largest ``num_examples`` of the clients of ``client_data`` (client id -> ClientData, the
-    central federation); None there (site-local data) leaves 1, which a client of more
-    examples refuses with the setting's name (it must then be set)."""
+def secagg_settings(cfg: Config, method: str, client_data: Any = None) -> SecAggSettings:
+    """The SecAgg+ parameters of a run of ``method`` (``flower.secagg_*``; each stage waits
+    ``flower.round_timeout_s``; ``clipping_range`` unset: see the setting). ``max_weight``
+    unset: 1 under ``weighting: uniform``, else the largest ``num_examples`` of the clients of
+    ``client_data`` (client id -> ClientData, the central federation); None there (site-local
+    data) leaves 1, which a client of more examples refuses with the setting's name."""
     f = cfg.flower
+    clip = f.secagg_clipping_range
+    if clip is None:
+        clip = 1.0
+        if cfg.dp.enabled and cfg.dp.clip_norm is not None:
+            from fedlore.run import make_privacy  # the run's noise multiplier (or the one solved)
+
+            privacy = make_privacy(cfg, _algorithm(method, cfg.model_dump_json()), 0)
+            sigma = 0.0 if privacy is None or privacy.dp is None else privacy.dp.noise_multiplier
+            m = cfg.clients_per_round()
+            clip = max(1.0, cfg.dp.clip_norm * (1.0 + 7.0 * sigma / math.sqrt(m)))
     max_weight = f.secagg_max_weight
     if max_weight is None:
         max_weight = 1.0
@@ -313,7 +327,7 @@ def secagg_settings(cfg: Config, client_data: Any = None) -> SecAggSettings:
     return SecAggSettings(
         num_shares=f.secagg_num_shares,
         reconstruction_threshold=f.secagg_reconstruction_threshold,
-        clipping_range=f.secagg_clipping_range,
+        clipping_range=clip,
         quantization_range=f.secagg_quantization_range,
         modulus_range=f.secagg_modulus_range,
         max_weight=max_weight,

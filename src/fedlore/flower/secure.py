@@ -136,6 +136,9 @@ class SecureSum:
     mean: torch.Tensor
     clients: list[int]
     metrics: dict[int, Scalars] = field(default_factory=dict)
+    bytes_up: int = 0
+    """Bytes of the masked vectors that arrived (int64, L + 2 entries each: flwr's weight
+    factor, then the vector)."""
 
 
 # ------------------------------------------------------------------------------ server side

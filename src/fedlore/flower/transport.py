@@ -192,7 +192,8 @@ class FlowerTransport:
         if isinstance(got, BaseException):
             return got
         mean, metrics, nodes = got
-        self.wire_bytes_up += 8 * (length + 1) * len(nodes)  # the int64 masked vectors
+        up = 8 * (length + 1) * len(nodes)  # the int64 masked vectors, weight factor first
+        self.wire_bytes_up += up
         for node in set(client_of) - nodes:  # a node that dropped out may be gone
             self.node_of.pop(client_of[node], None)
         clients = sorted(client_of[n] for n in nodes)
@@ -200,6 +201,7 @@ class FlowerTransport:
             mean=torch.from_numpy(mean),
             clients=clients,
             metrics={client_of[n]: m for n, m in metrics.items()},
+            bytes_up=up,
         )
 
     def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
