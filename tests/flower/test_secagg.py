@@ -12,9 +12,12 @@ untouched. The loopback deployment (real SuperLink and SuperNodes) is at the end
 from __future__ import annotations
 
 import copy
+import json
+import time
 import types
 import uuid
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,7 +29,8 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedlore.config import Config, load_config
 from fedlore.flower.app import _federation, make_apps
-from fedlore.flower.secure import SecAggSettings, SecureSum
+from fedlore.flower.loopback import LoopbackFederation
+from fedlore.flower.secure import DROP_ROUND_KEY, SecAggSettings, SecureSum
 from fedlore.flower.transport import FlowerTransport
 from fedlore.privacy import CLEAR_METRICS, Contribution, client_contribution, spec_length
 from fedlore.run import make_algorithm, make_privacy, model_factory, start_server
@@ -35,6 +39,7 @@ from fedlore.types import Broadcast, Reply, Scalars
 
 pytestmark = pytest.mark.flower
 
+ROOT = Path(__file__).resolve().parents[2]
 N = 3
 SEED = 42
 SMALL = [
@@ -247,3 +252,67 @@ def test_a_secure_broadcast_outside_a_secagg_round_is_refused(
     replies = transport.send(0, secure)  # plain messages of a secure broadcast: no clear upload
     assert all(isinstance(r, RuntimeError) and "disagree" in str(r) for r in replies.values())
     assert not contributions
+
+
+# ------------------------------------------------------------------ the loopback deployment
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+@pytest.mark.slow  # ~120 s on two cores (4 ClientApp process starts per node, one 40 s timeout)
+def test_deployed_secagg_round_completes_without_a_supernode_that_dies(tmp_path: Path) -> None:
+    """1 SuperLink + 3 SuperNodes, FedAvg under secure aggregation (flwr's SecAgg+), one
+    round: SuperNode 1 kills itself in the collect-masked-vectors stage, after sharing its
+    keys (node config ``fault-drop-round=0``); the round completes with clients 0 and 2 once
+    the stage's timeout has passed, the dead node's masks removed with the survivors' shares of
+    its key. Every SecAgg+ stage starts a ClientApp process per node, so the run takes about a
+    minute and a half on two busy cores, most of it process starts and the one timeout."""
+    victim = 1
+    out_dir = tmp_path / "runs"
+    overrides = " ".join(
+        [
+            f"num_clients={N}",
+            "rounds=1",
+            "local_steps=2",
+            "progress=false",
+            "secure_aggregation=true",
+            # each stage's wait: the first ClientApp processes of a busy machine are slow to
+            # start; the collect stage waits it out for the dead node
+            "flower.round_timeout_s=40",
+            "flower.wait_for_nodes_s=60",
+            f"output_dir={out_dir}",
+            "model.kwargs.hidden=[16]",
+        ]
+    )
+    fed = LoopbackFederation(
+        tmp_path / "fed", num_nodes=N, node_config={victim: f"{DROP_ROUND_KEY}=0"}
+    )
+    try:
+        fed.start()
+        fed.submit(ROOT / "experiments" / "quickstart.yaml", "fedavg", SEED, overrides)
+        metrics = out_dir / "quickstart" / "fedavg" / f"seed-{SEED}" / "metrics.jsonl"
+        summary = metrics.with_name("summary.json")
+        deadline = time.monotonic() + 300
+        while not summary.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert summary.exists(), "the deployed run did not finish; see " + str(fed.work)
+        assert fed.nodes[victim].poll() is not None  # the SuperNode itself is gone
+    finally:
+        fed.close()
+    (row,) = _rows(metrics)
+    assert row["accepted_clients"] == [0, 2] and row["aggregated"] == 2
+    assert row["rejected_reasons"] == [f"{victim}: dropped out of the secure sum"]
+    assert row["secagg_dropped"] == 1
+    assert row["bytes_up"] > 0  # the two masked vectors
+    result = json.loads(summary.read_text())
+    assert result["rounds"] == 1 and result["final_accuracy"] > 0.0
