@@ -311,6 +311,68 @@ class FlowerConfig(_Strict):
     """Simulation: share of a GPU each virtual client reserves (0.25: four clients share one
     GPU; 0: none, clients run on the CPU). Needs CUDA when > 0; the clients then compute on
     their GPU (``device: auto``)."""
+    # ---- secure aggregation on Flower: flwr's SecAgg+ (Bell et al., CCS 2020) ----
+    secagg_num_shares: int | float = 1.0
+    """SecAgg+ (``secure_aggregation`` on a Flower engine): into how many shares each client
+    splits its two secrets, i.e. the size k of its neighbourhood (itself included) in the
+    protocol's communication graph; an int > 2, or a fraction of the round's sampled clients
+    (1.0, the default: every client is a neighbour of every other, the original SecAgg graph;
+    smaller graphs cost less, O(k) instead of O(n) key agreements and masks per client)."""
+    secagg_reconstruction_threshold: int | float = 0.5
+    """SecAgg+: how many shares t of a client's secret reconstruct it (an int >= 2 and below an
+    int ``secagg_num_shares``, or a fraction of the shares; at least 2). Guarantees: any
+    coalition of fewer than t neighbours (with the server) learns nothing of a client's masks,
+    so the server sees only the sum; the round completes as long as every sampled client keeps
+    at least t live neighbours, i.e. up to k - t dropouts per neighbourhood are tolerated (with
+    the default 1.0 / 0.5 and n clients: up to n - round(n / 2))."""
+    secagg_clipping_range: float | None = Field(None, ge=1.0)
+    """SecAgg+: every entry of a client's weighted upload (p_i / max_weight) v_i is clipped to
+    [-c, c] before quantization (flwr's own clipping; entries beyond it are lost, and the
+    client logs a warning when that happens); c >= 1 (the vector's last entry is the 0/1
+    clipped flag). None (default): 1 (uploads are increments, a round's change, entries well
+    below 1); under DP max(1, C (1 + 7 sigma / sqrt(m))): an entry of a clipped upload is at
+    most C and the client's noise share N(0, sigma^2 C^2 / m) stays within 7 of its standard
+    deviations. The quantization step 2c / T grows with c."""
+    secagg_quantization_range: int = Field(2**24, ge=2, lt=2**31)
+    """SecAgg+: entries are stochastically rounded to integers in [0, T] (unbiased), a step of
+    2c / T: each client's entry carries an error below 2c / T, the mean one below
+    2c / T * n / sum(p_i / max_weight) (2c / T under uniform weights). Below 2**31 (flwr
+    rounds into int32)."""
+    secagg_modulus_range: int = Field(2**32, ge=4, le=2**32)
+    """SecAgg+: masks and sums live modulo M, a power of two above ``secagg_quantization_range``
+    and at most 2**32 (flwr's range). A round may sample at most M / T - 1 clients (the sum of
+    their quantized entries must stay below M: 255 clients with the defaults)."""
+    secagg_max_weight: float | None = Field(None, gt=0.0)
+    """SecAgg+: the largest weight p_i a client may carry; each client quantizes its
+    p_i / max_weight (to 1 / T) and multiplies its vector by it inside the masked sum.
+    None: 1.0 under ``weighting: uniform``, else the largest client's number of training
+    examples (from the central federation; with ``flower.site_data`` set it yourself). A client
+    whose weight exceeds it refuses the round (its reply is an error)."""
+
+    @model_validator(mode="after")
+    def _secagg_ranges(self) -> FlowerConfig:
+        """The SecAgg+ settings are ones flwr's workflow accepts and that do not overflow."""
+        m, t = self.secagg_modulus_range, self.secagg_quantization_range
+        if m & (m - 1) or m <= t:
+            raise ValueError(
+                f"flower.secagg_modulus_range={m} must be a power of two above "
+                f"flower.secagg_quantization_range={t}"
+            )
+        k, r = self.secagg_num_shares, self.secagg_reconstruction_threshold
+        if isinstance(k, int) and k <= 2 and k != 1:  # 1 is flwr's 1.0
+            raise ValueError(f"flower.secagg_num_shares={k}: an int must be > 2 (or a fraction)")
+        if isinstance(k, float) and not 0.0 < k <= 1.0:
+            raise ValueError(f"flower.secagg_num_shares={k}: a fraction must be in (0, 1]")
+        if isinstance(r, int) and r != 1 and (r < 2 or (isinstance(k, int) and k != 1 and r >= k)):
+            raise ValueError(
+                f"flower.secagg_reconstruction_threshold={r}: an int must be >= 2 and below "
+                f"flower.secagg_num_shares={k}"
+            )
+        if isinstance(r, float) and not 0.0 < r <= 1.0:
+            raise ValueError(
+                f"flower.secagg_reconstruction_threshold={r}: a fraction must be in (0, 1]"
+            )
+        return self
 
 
 class Config(_Strict):

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import shlex
 from pathlib import Path
 from typing import Any
@@ -53,12 +54,23 @@ from fedlore.flower.codec import (
     reply_to_record,
     state_to_record,
 )
+from fedlore.flower.secure import (
+    SECURE_KEY,
+    SecAggSettings,
+    contribution_record,
+    drop_out_now,
+    is_secagg_stage,
+    secagg_mod,
+)
 from fedlore.flower.transport import FlowerTransport
 from fedlore.seeding import CLIENT, generator
 from fedlore.tensors import to_device
 from fedlore.types import Broadcast, Reply, State
 
 log = logging.getLogger(__name__)
+
+SECAGG_STATE = "secaggplus"
+"""The ``Context.state`` record of flwr's ``secaggplus_mod`` (its protocol state)."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -177,6 +189,15 @@ def client_train(
     if state is not None:
         state = State(to_device(state.arrays, device), state.values)
     rnd = int(bcast.config["round"])
+    secure = bool(bcast.config.get(SECURE_KEY, False))
+    if secure != is_secagg_stage(msg):
+        raise ValueError(
+            f"client {cid}: a broadcast with {SECURE_KEY}={secure} came "
+            + ("outside" if secure else "inside")
+            + " a SecAgg+ round; the server and client disagree on secure aggregation"
+        )
+    if secure:
+        drop_out_now(context, rnd)  # fault injection; nothing without fault-drop-round
     model = _scratch_model(cfg_json, method, seed, data_shape(fed), str(device), fed)
     with training_precision(cfg.precision), PeakMemory(device) as peak:
         reply, new_state = algo.client_update(
@@ -184,10 +205,20 @@ def client_train(
         )
     if peak.bytes is not None:
         reply = Reply(reply.arrays, {**reply.metrics, "peak_memory_bytes": peak.bytes})
+    # the client's state is replaced; SecAgg+'s own record (flwr's mod) is kept
     for key in list(context.state.keys()):
-        del context.state[key]
+        if key != SECAGG_STATE:
+            del context.state[key]
     for key, rec in state_to_record(new_state).items():
         context.state[key] = rec
+    if secure:
+        from fedlore.privacy import client_contribution
+
+        c = client_contribution(reply, bcast.config, cid, rnd, seed)
+        return Message(contribution_record(c.vector, c.weight, c.metrics, context), reply_to=msg)
+    from fedlore.privacy import privatize
+
+    reply = privatize(reply, bcast.config, cid, rnd, seed)  # DP only; no privacy.*: unchanged
     return Message(reply_to_record(reply), reply_to=msg)
 
 
@@ -234,7 +265,7 @@ def server_main(
     transport_box: dict[str, FlowerTransport] = {}
     fed = server_federation(cfg, seed) if cfg.flower.site_data else None
 
-    def make_transport(*_: Any) -> FlowerTransport:
+    def make_transport(_algo: Any, *args: Any) -> FlowerTransport:
         t = FlowerTransport(
             grid,
             round_timeout=cfg.flower.round_timeout_s,
@@ -245,6 +276,7 @@ def server_main(
             expected_nodes=cfg.num_clients,
             device=resolve_device(cfg.device),
             extra_config=None if fed is None else {SITE_SHAPE: data_shape(fed)},
+            secagg=secagg_settings(cfg, method, None if fed is not None else args[0]),
         )
         transport_box["t"] = t
         return t
@@ -270,6 +302,39 @@ def server_main(
     return summary
 
 
+def secagg_settings(cfg: Config, method: str, client_data: Any = None) -> SecAggSettings:
+    """The SecAgg+ parameters of a run of ``method`` (``flower.secagg_*``; each stage waits
+    ``flower.round_timeout_s``; ``clipping_range`` unset: see the setting). ``max_weight``
+    unset: 1 under ``weighting: uniform``, else the largest ``num_examples`` of the clients of
+    ``client_data`` (client id -> ClientData, the central federation); None there (site-local
+    data) leaves 1, which a client of more examples refuses with the setting's name."""
+    f = cfg.flower
+    clip = f.secagg_clipping_range
+    if clip is None:
+        clip = 1.0
+        if cfg.dp.enabled and cfg.dp.clip_norm is not None:
+            from fedlore.run import make_privacy  # the run's noise multiplier (or the one solved)
+
+            privacy = make_privacy(cfg, _algorithm(method, cfg.model_dump_json()), 0)
+            sigma = 0.0 if privacy is None or privacy.dp is None else privacy.dp.noise_multiplier
+            m = cfg.clients_per_round()
+            clip = max(1.0, cfg.dp.clip_norm * (1.0 + 7.0 * sigma / math.sqrt(m)))
+    max_weight = f.secagg_max_weight
+    if max_weight is None:
+        max_weight = 1.0
+        if cfg.weighting != "uniform" and client_data is not None:
+            max_weight = float(max(client_data(c).num_examples for c in range(cfg.num_clients)))
+    return SecAggSettings(
+        num_shares=f.secagg_num_shares,
+        reconstruction_threshold=f.secagg_reconstruction_threshold,
+        clipping_range=clip,
+        quantization_range=f.secagg_quantization_range,
+        modulus_range=f.secagg_modulus_range,
+        max_weight=max_weight,
+        timeout=f.round_timeout_s,
+    )
+
+
 def make_apps(cfg: Config, method: str, seed: int) -> tuple[ServerApp, ClientApp]:
     """A ServerApp/ClientApp pair bound to a validated config, one method and one seed."""
     server = ServerApp()
@@ -282,7 +347,7 @@ def make_apps(cfg: Config, method: str, seed: int) -> tuple[ServerApp, ClientApp
 
     threads = client_threads(cfg, simulated=True)
 
-    @client.train()
+    @client.train(mods=[secagg_mod])  # SecAgg+ stages; other messages pass through
     def _train(msg: Message, context: Context) -> Message:
         return client_train(msg, context, _config(cfg_json), method, seed, threads)
 
@@ -330,7 +395,7 @@ def _deployed_main(grid: Grid, context: Context) -> None:
         logging.getLogger("flwr").error("fedlore: error: %s", e)
 
 
-@client_app.train()
+@client_app.train(mods=[secagg_mod])  # SecAgg+ stages; other messages pass through
 def _deployed_train(msg: Message, context: Context) -> Message:
     cfg, method, seed = _from_run_config(context)
     return client_train(msg, context, cfg, method, seed, client_threads(cfg, simulated=False))

@@ -37,14 +37,23 @@ class LoopbackFederation:
         data_roots: site-local data (``flower.site_data``): SuperNode i gets
             ``data-root=data_roots[i]`` in its node config; None: every node takes its partition
             of the central data set.
+        node_config: more ``key=value`` node-config entries per SuperNode (e.g.
+            ``{1: "fault-drop-round=1"}``, :data:`fedlore.flower.secure.DROP_ROUND_KEY`).
     """
 
-    def __init__(self, work: Path, num_nodes: int, data_roots: list[Path] | None = None) -> None:
+    def __init__(
+        self,
+        work: Path,
+        num_nodes: int,
+        data_roots: list[Path] | None = None,
+        node_config: dict[int, str] | None = None,
+    ) -> None:
         if data_roots is not None and len(data_roots) != num_nodes:
             raise ValueError(f"{len(data_roots)} data roots for {num_nodes} SuperNodes")
         self.work = work
         self.num_nodes = num_nodes
         self.data_roots = data_roots
+        self.node_config = dict(node_config or {})
         self.port = _free_port()
         self.env = {
             **os.environ,
@@ -93,6 +102,8 @@ class LoopbackFederation:
         node_config = f"partition-id={pid} num-partitions={self.num_nodes}"
         if self.data_roots is not None:
             node_config += f' data-root="{Path(self.data_roots[pid]).resolve()}"'  # TOML string
+        if pid in self.node_config:
+            node_config += " " + self.node_config[pid]
         self.nodes[pid] = self._start(
             [
                 str(BIN / "flower-supernode"),

@@ -23,6 +23,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedlore.flower.codec import broadcast_to_record, record_nbytes, record_to_reply
+from fedlore.flower.secure import SecAggSettings, SecureSum, secure_round
 from fedlore.tensors import to_device
 from fedlore.types import Broadcast, Reply
 
@@ -103,6 +104,8 @@ class FlowerTransport:
         device: where decoded replies go (the server's device).
         extra_config: scalars added to every broadcast's config (e.g. the data shape every
             site of a site-local deployment must match); not counted as payload bytes.
+        secagg: the SecAgg+ parameters of :meth:`send_secure` (None: flwr's defaults with
+            ``max_weight`` 1 and ``round_timeout`` per stage).
     """
 
     def __init__(
@@ -114,8 +117,10 @@ class FlowerTransport:
         expected_nodes: int = 1,
         device: torch.device | str = "cpu",
         extra_config: dict[str, int | float | str | bool] | None = None,
+        secagg: SecAggSettings | None = None,
     ) -> None:
         self.grid = grid
+        self.secagg = secagg if secagg is not None else SecAggSettings(timeout=round_timeout)
         self.extra_config = dict(extra_config or {})
         self.device = torch.device(device)  # where decoded replies go: the server's device
         self.round_timeout = round_timeout
@@ -146,6 +151,58 @@ class FlowerTransport:
             if isinstance(pid, int):
                 self.node_of[pid] = reply.metadata.src_node_id
         log.info("flower transport: %d clients mapped to nodes", len(self.node_of))
+
+    def send_secure(
+        self, rnd: int, messages: dict[int, Broadcast], length: int
+    ) -> SecureSum | BaseException:
+        """One round whose uploads are summed by flwr's SecAgg+ protocol
+        (:func:`fedlore.flower.secure.secure_round`): every client of ``messages`` gets its
+        broadcast in the collect-masked-vectors stage, trains, and uploads its contribution
+        vector (``length`` entries) masked; the server unmasks only the weighted mean over the
+        clients whose vectors arrived. Clients that drop out after sharing their keys are
+        left out of the sum (their masks are removed from the survivors' shares) as long as
+        every client keeps ``reconstruction_threshold`` live neighbours.
+
+        Returns:
+            The :class:`SecureSum` (fedlore client ids, sorted), or the exception that stopped
+            the round (a broadcast over the size limit raises :class:`MessageTooLarge`
+            before anything is sent, as in :meth:`send`; fewer than two mapped clients, too few
+            live clients for the threshold, a vector of another length: a RuntimeError).
+        """
+        if any(c not in self.node_of for c in messages):
+            self.refresh_nodes()
+        contents: dict[int, RecordDict] = {}
+        client_of: dict[int, int] = {}
+        missing = []
+        for cid, msg in messages.items():
+            check_size(cid, msg, self.max_message_bytes)
+            node = self.node_of.get(cid)
+            if node is None:
+                missing.append(cid)
+                continue
+            if self.extra_config:
+                msg = Broadcast(msg.arrays, {**msg.config, **self.extra_config})
+            content = broadcast_to_record(msg)
+            self.wire_bytes_down += record_nbytes(content.array_records["arrays"])
+            contents[node] = content
+            client_of[node] = cid
+        if missing:
+            log.warning("round %d: no connected SuperNode holds clients %s", rnd, missing)
+        got = secure_round(self.grid, rnd, contents, length, self.secagg, send_and_receive)
+        if isinstance(got, BaseException):
+            return got
+        mean, metrics, nodes = got
+        up = 8 * (length + 1) * len(nodes)  # the int64 masked vectors, weight factor first
+        self.wire_bytes_up += up
+        for node in set(client_of) - nodes:  # a node that dropped out may be gone
+            self.node_of.pop(client_of[node], None)
+        clients = sorted(client_of[n] for n in nodes)
+        return SecureSum(
+            mean=torch.from_numpy(mean),
+            clients=clients,
+            metrics={client_of[n]: m for n, m in metrics.items()},
+            bytes_up=up,
+        )
 
     def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
         """Deliver one round's broadcasts; see the module docstring for failures."""

@@ -1,0 +1,318 @@
+"""Secure aggregation on Flower: flwr's SecAgg+ workflow and ``secaggplus_mod`` around fedlore's
+ClientApp.
+
+In process (:class:`DirectGrid`: a Flower ``Grid`` that calls fedlore's ClientApp of
+:func:`make_apps` here, one ``Context`` per node, no Ray): a secure round's unmasked mean
+equals the plain weighted mean of the same clients' contribution vectors within the
+quantization error; nothing of a client's vector or weight travels in the clear; a client that
+drops out after sharing its keys is left out of the sum; ordinary rounds pass the mod
+untouched. The loopback deployment (real SuperLink and SuperNodes) is at the end.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+import types
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedlore.config import Config, load_config
+from fedlore.flower.app import _federation, make_apps
+from fedlore.flower.loopback import LoopbackFederation
+from fedlore.flower.secure import DROP_ROUND_KEY, SecAggSettings, SecureSum
+from fedlore.flower.transport import FlowerTransport
+from fedlore.privacy import CLEAR_METRICS, Contribution, client_contribution, spec_length
+from fedlore.run import make_algorithm, make_privacy, model_factory, start_server
+from fedlore.seeding import generator
+from fedlore.types import Broadcast, Reply, Scalars
+
+pytestmark = pytest.mark.flower
+
+ROOT = Path(__file__).resolve().parents[2]
+N = 3
+SEED = 42
+SMALL = [
+    f"num_clients={N}",
+    "local_steps=2",
+    "batch_size=16",
+    "progress=false",
+    "model.kwargs={hidden: [8]}",
+    "algorithms=[fedavg]",
+    "secure_aggregation=true",
+]
+
+
+class DirectGrid(Grid):
+    """A Flower ``Grid`` that delivers each pushed message to a ClientApp in this process at
+    once (one ``Context`` per node, as a SuperNode keeps one) and keeps the replies for
+    :meth:`pull_messages`. ``fail`` = {node id: SecAgg+ stage}: that node answers the stage
+    with an error (it dropped out there). ``seen`` holds every reply the server received."""
+
+    def __init__(self, app: Any, num_clients: int, fail: dict[int, str] | None = None) -> None:
+        self.app = app
+        self.fail = dict(fail or {})
+        self.ctx = {
+            100 + c: Context(
+                run_id=1, node_id=100 + c, node_config={"partition-id": c},
+                state=RecordDict(), run_config={},
+            )
+            for c in range(num_clients)
+        }  # fmt: skip
+        self.replies: dict[str, Message] = {}
+        self.seen: list[tuple[str, Message]] = []
+
+    def set_run(self, run: Any) -> None:
+        raise NotImplementedError
+
+    @property
+    def run(self) -> Any:
+        return types.SimpleNamespace(run_id=1)
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:
+        raise NotImplementedError
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.ctx)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for msg in messages:
+            mid = str(uuid.uuid4())
+            msg.metadata.__dict__["_message_id"] = mid
+            cfg = msg.content.config_records.get(RECORD_KEY_CONFIGS)
+            stage = "" if cfg is None else str(cfg.get(Key.STAGE, ""))
+            node = msg.metadata.dst_node_id
+            # a copy, as if serialized: the workflow sends one content object to many nodes
+            msg = Message(metadata=copy.deepcopy(msg.metadata), content=copy.deepcopy(msg.content))
+            if self.fail.get(node) == stage:
+                reply = Message(Error(1, f"node {node} dropped out in {stage}"), reply_to=msg)
+            else:
+                try:
+                    reply = self.app(msg, self.ctx[node])
+                except Exception as e:  # as a SuperNode answers a failing ClientApp
+                    reply = Message(Error(2, repr(e)), reply_to=msg)
+            reply.metadata.__dict__["_src_node_id"] = node
+            self.replies[mid] = reply
+            self.seen.append((stage, reply))
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return [self.replies.pop(m) for m in list(message_ids) if m in self.replies]
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        return self.pull_messages(self.push_messages(messages))
+
+
+@pytest.fixture
+def task_identity() -> Iterator[None]:
+    """Flower builds server messages with the process's run id (set by its runtimes)."""
+    old = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    try:
+        yield
+    finally:
+        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = old
+
+
+@pytest.fixture
+def contributions(monkeypatch: pytest.MonkeyPatch) -> dict[int, Contribution]:
+    """``fedlore.privacy.client_contribution`` (the ClientApp imports it per message), noting
+    what each client contributed."""
+    seen: dict[int, Contribution] = {}
+
+    def noted(reply: Reply, config: Scalars, client_id: int, rnd: int, seed: int) -> Contribution:
+        seen[client_id] = client_contribution(reply, config, client_id, rnd, seed)
+        return seen[client_id]
+
+    monkeypatch.setattr("fedlore.privacy.client_contribution", noted)
+    return seen
+
+
+def _round(cfg: Config) -> tuple[dict[int, Broadcast], dict[int, Broadcast], int, list[int]]:
+    """Round 0's plain and secure broadcasts of FedAvg (the latter with the run's
+    ``privacy.*`` settings), the upload length L + 1 and the clients' training-set sizes."""
+    fed = _federation(cfg.model_dump_json(), SEED, "cpu")  # the one the ClientApp builds
+    algo = make_algorithm("fedavg", cfg)
+    model = model_factory(cfg, fed, SEED)()
+    state = start_server(algo, model, generator(SEED, 0), fed, "fedavg")
+    plain = {c: algo.broadcast(state, 0, c) for c in range(N)}
+    privacy = make_privacy(cfg, algo, SEED)
+    assert privacy is not None and privacy.secure
+    secure = privacy.configure(0, plain)
+    length = spec_length(algo.expected_reply(state, 0, 0)) + 1
+    return plain, secure, length, [fed.client(c).num_examples for c in range(N)]
+
+
+def _expected(seen: dict[int, Contribution], clients: list[int]) -> torch.Tensor:
+    w = torch.tensor([seen[c].weight for c in clients], dtype=torch.float64)
+    v = torch.stack([seen[c].vector for c in clients])
+    return (w[:, None] * v).sum(0) / w.sum()
+
+
+def _transport(grid: Grid, sizes: list[int]) -> FlowerTransport:
+    settings = SecAggSettings(num_shares=1.0, reconstruction_threshold=0.5, max_weight=max(sizes))
+    return FlowerTransport(grid, wait_for_nodes=0.0, expected_nodes=0, secagg=settings)
+
+
+def test_secure_round_mean_equals_the_plain_weighted_mean(
+    task_identity: None, contributions: dict[int, Contribution]
+) -> None:
+    cfg = load_config(None, SMALL)  # nothing is written; one federation for all (cached)
+    plain, secure, length, sizes = _round(cfg)
+    assert len(set(sizes)) > 1  # unequal weights: the weighting is exercised
+    _, client = make_apps(cfg, "fedavg", SEED)
+    grid = DirectGrid(client, N)
+    transport = _transport(grid, sizes)
+    assert sorted(transport.node_of) == list(range(N))
+    got = transport.send_secure(0, secure, length)
+    assert isinstance(got, SecureSum), got
+    assert got.clients == list(range(N)) and sorted(got.metrics) == list(range(N))
+    # only what may travel in the clear: no training loss of a single client
+    assert all(set(m) <= set(CLEAR_METRICS) for m in got.metrics.values())
+    assert got.mean.dtype == torch.float64 and got.mean.shape == (length,)
+    want = _expected(contributions, got.clients)
+    err = (got.mean - want).abs().max().item()
+    max_abs = max(c.vector.abs().max().item() for c in contributions.values())
+    bound = transport.secagg.mean_error_bound(
+        [contributions[c].weight for c in got.clients], max_abs
+    )
+    assert err <= bound, (err, bound)
+    print(f"secure mean error {err:.3g}, bound {bound:.3g}, max entry {max_abs:.3g}")
+    # the weights matter: the uniform mean is farther away than the quantization error
+    uniform = torch.stack([contributions[c].vector for c in got.clients]).mean(0)
+    assert (uniform - want).abs().max().item() > 10 * bound
+    # nothing of a vector or its weight in the clear: the collect-stage replies hold no arrays
+    # and num_examples 0; the masked vector is not the quantized upload
+    collected = [m for stage, m in grid.seen if stage == Stage.COLLECT_MASKED_VECTORS]
+    assert len(collected) == N
+    for m in collected:
+        assert all(len(r) == 0 for r in m.content.array_records.values())
+        assert m.content.metric_records["fitres.num_examples"]["num_examples"] == 0
+        masked = m.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]
+        assert isinstance(masked, list) and len(masked) == 2  # [weight factor, vector], masked
+    # an ordinary round through the same ClientApp (the mod passes it through)
+    replies = transport.send(1, {c: Broadcast(b.arrays, {**b.config, "round": 1})
+                                 for c, b in plain.items()})  # fmt: skip
+    assert all(isinstance(r, Reply) and "num_examples" in r.metrics for r in replies.values())
+
+
+def test_a_client_that_drops_out_after_sharing_keys_is_left_out(
+    task_identity: None, contributions: dict[int, Contribution]
+) -> None:
+    cfg = load_config(None, SMALL)  # nothing is written; one federation for all (cached)
+    _, secure, length, sizes = _round(cfg)
+    _, client = make_apps(cfg, "fedavg", SEED)
+    grid = DirectGrid(client, N, fail={101: Stage.COLLECT_MASKED_VECTORS})
+    transport = _transport(grid, sizes)
+    got = transport.send_secure(0, secure, length)
+    assert isinstance(got, SecureSum), got
+    assert got.clients == [0, 2] and 1 not in got.metrics
+    want = _expected(contributions, [0, 2])
+    err = (got.mean - want).abs().max().item()
+    max_abs = max(c.vector.abs().max().item() for c in contributions.values())
+    assert err <= transport.secagg.mean_error_bound(
+        [contributions[c].weight for c in (0, 2)], max_abs
+    )
+
+
+def test_too_few_survivors_stop_the_round_with_the_reason(
+    task_identity: None, contributions: dict[int, Contribution]
+) -> None:
+    cfg = load_config(None, SMALL)  # nothing is written; one federation for all (cached)
+    _, secure, length, sizes = _round(cfg)
+    _, client = make_apps(cfg, "fedavg", SEED)
+    fail = {101: Stage.SHARE_KEYS, 102: Stage.SHARE_KEYS}
+    transport = _transport(DirectGrid(client, N, fail=fail), sizes)
+    got = transport.send_secure(0, secure, length)
+    assert isinstance(got, RuntimeError)
+    assert "share keys stage" in str(got) and "threshold" in str(got)
+
+
+def test_a_secure_broadcast_outside_a_secagg_round_is_refused(
+    task_identity: None, contributions: dict[int, Contribution]
+) -> None:
+    cfg = load_config(None, SMALL)  # nothing is written; one federation for all (cached)
+    _, secure, _, sizes = _round(cfg)
+    _, client = make_apps(cfg, "fedavg", SEED)
+    transport = _transport(DirectGrid(client, N), sizes)
+    replies = transport.send(0, secure)  # plain messages of a secure broadcast: no clear upload
+    assert all(isinstance(r, RuntimeError) and "disagree" in str(r) for r in replies.values())
+    assert not contributions
+
+
+# ------------------------------------------------------------------ the loopback deployment
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+@pytest.mark.slow  # ~120 s on two cores (4 ClientApp process starts per node, one 40 s timeout)
+def test_deployed_secagg_round_completes_without_a_supernode_that_dies(tmp_path: Path) -> None:
+    """1 SuperLink + 3 SuperNodes, FedAvg under secure aggregation (flwr's SecAgg+), one
+    round: SuperNode 1 kills itself in the collect-masked-vectors stage, after sharing its
+    keys (node config ``fault-drop-round=0``); the round completes with clients 0 and 2 once
+    the stage's timeout has passed, the dead node's masks removed with the survivors' shares of
+    its key. Every SecAgg+ stage starts a ClientApp process per node, so the run takes about a
+    minute and a half on two busy cores, most of it process starts and the one timeout."""
+    victim = 1
+    out_dir = tmp_path / "runs"
+    overrides = " ".join(
+        [
+            f"num_clients={N}",
+            "rounds=1",
+            "local_steps=2",
+            "progress=false",
+            "secure_aggregation=true",
+            # each stage's wait: the first ClientApp processes of a busy machine are slow to
+            # start; the collect stage waits it out for the dead node
+            "flower.round_timeout_s=40",
+            "flower.wait_for_nodes_s=60",
+            f"output_dir={out_dir}",
+            "model.kwargs.hidden=[16]",
+        ]
+    )
+    fed = LoopbackFederation(
+        tmp_path / "fed", num_nodes=N, node_config={victim: f"{DROP_ROUND_KEY}=0"}
+    )
+    try:
+        fed.start()
+        fed.submit(ROOT / "experiments" / "quickstart.yaml", "fedavg", SEED, overrides)
+        metrics = out_dir / "quickstart" / "fedavg" / f"seed-{SEED}" / "metrics.jsonl"
+        summary = metrics.with_name("summary.json")
+        deadline = time.monotonic() + 300
+        while not summary.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert summary.exists(), "the deployed run did not finish; see " + str(fed.work)
+        assert fed.nodes[victim].poll() is not None  # the SuperNode itself is gone
+    finally:
+        fed.close()
+    (row,) = _rows(metrics)
+    assert row["accepted_clients"] == [0, 2] and row["aggregated"] == 2
+    assert row["rejected_reasons"] == [f"{victim}: dropped out of the secure sum"]
+    assert row["secagg_dropped"] == 1
+    assert row["bytes_up"] > 0  # the two masked vectors
+    result = json.loads(summary.read_text())
+    assert result["rounds"] == 1 and result["final_accuracy"] > 0.0
