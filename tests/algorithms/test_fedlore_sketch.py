@@ -25,7 +25,6 @@ from fedlore.algorithms.base import construction_gradients, is_sum_aggregable
 from fedlore.algorithms.fedlore import FedLore, FedLoreFixed, FedLoreRandom, FedLoreSketch
 from fedlore.algorithms.lowrank import apply_increment, sketch_omegas
 from fedlore.config import Config
-from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.engine.loop import RoundLoop
 from fedlore.engine.sampling import sample_clients
 from fedlore.engine.store import ClientStore
@@ -148,36 +147,9 @@ def test_sketch_basis_rank_deficient_keeps_the_previous_basis() -> None:
 
 
 # ------------------------------------------------------------------ through the round loop
-IN, H1, H2, NCLS = 20, 16, 12, 3
-RANK = 2
-SEED = 5
-SIZES = [30, 41, 25, 36]
+from tiny_federation import RANK, SEED, SIZES, build, client_data  # noqa: E402
+
 N = len(SIZES)
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(IN, H1)
-        self.fc2 = nn.Linear(H1, H2)
-        self.head = nn.Linear(H2, NCLS)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
-
-
-def build() -> nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return Net()
-
-
-def client_data(cid: int) -> ClientData:
-    g = torch.Generator().manual_seed(1000 + cid)
-    n = SIZES[cid]
-    x = torch.randn(n, IN, generator=g) + cid
-    y = torch.randint(0, NCLS, (n,), generator=g)
-    return ClientData(cid, TensorSplit(x, y), TensorSplit(x[:5], y[:5]))
 
 
 @dataclass

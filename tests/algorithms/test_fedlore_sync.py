@@ -12,14 +12,22 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from tiny_federation import (
+    H1,
+    H2,
+    IN,
+    RANK,
+    SEED,
+    SIZES,
+    build,
+    client_data,
+)
 
 from fedlore.algorithm import Algorithm
 from fedlore.algorithms.fedavg import FedFull
 from fedlore.algorithms.fedlore import FedLore, FedLoreFixed, FedLoreRandom, FedLoreSketch
 from fedlore.algorithms.local_galore import LocalGaLore
 from fedlore.config import Config
-from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.engine.loop import RoundLoop
 from fedlore.engine.sampling import sample_clients
 from fedlore.engine.store import ClientStore
@@ -29,36 +37,6 @@ from fedlore.run import run_dir, run_one
 from fedlore.seeding import CLIENT, generator
 from fedlore.tensors import select
 from fedlore.types import Broadcast, Reply, State
-
-IN, H1, H2, NCLS = 20, 16, 12, 3
-RANK = 2
-SEED = 5
-SIZES = [30, 41, 25, 36]
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(IN, H1)
-        self.fc2 = nn.Linear(H1, H2)
-        self.head = nn.Linear(H2, NCLS)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
-
-
-def build() -> nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return Net()
-
-
-def client_data(cid: int) -> ClientData:
-    g = torch.Generator().manual_seed(1000 + cid)
-    n = SIZES[cid]
-    x = torch.randn(n, IN, generator=g) + cid
-    y = torch.randint(0, NCLS, (n,), generator=g)
-    return ClientData(cid, TensorSplit(x, y), TensorSplit(x[:5], y[:5]))
 
 
 class RecordingTransport:
