@@ -508,6 +508,20 @@ class Config(_Strict):
             return v
         raise ValueError(f"must be auto or a thread count >= 1, got {v!r}")
 
+    @model_validator(mode="after")
+    def _secure_aggregation_degree_needs_the_mode(self) -> Config:
+        if self.secure_aggregation_degree and not self.secure_aggregation:
+            raise ValueError(
+                "secure_aggregation_degree is set but secure_aggregation is off (it sets the "
+                "in-process masking graph)"
+            )
+        if self.secure_aggregation_degree and self.engine != "local":
+            raise ValueError(
+                "secure_aggregation_degree is the in-process masking graph; on Flower, SecAgg+ "
+                "takes its neighbourhood from flower.secagg_num_shares"
+            )
+        return self
+
     @field_validator("name")
     @classmethod
     def _plain_name(cls, v: str) -> str:

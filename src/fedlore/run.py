@@ -39,6 +39,7 @@ from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport, Transport
 from fedlore.models import build_model
 from fedlore.privacy import DPSettings, Privacy, noise_for_epsilon
+from fedlore.privacy.dp import ADJACENCY
 from fedlore.progress import say, say_once
 from fedlore.results.store import lm_summary
 from fedlore.seeding import MODEL_INIT, SERVER_INIT, derive_seed, generator
@@ -110,10 +111,24 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
             "fedlore_fixed, fedlore_sketch, fedfull, fedavg, fedprox and the LoRA methods (use "
             "transport_dtype=fp32)"
         )
-    if cfg.secure_aggregation or cfg.dp.enabled:
+    private = cfg.secure_aggregation or cfg.dp.enabled
+    if private:
         common["upload_increments"] = True
         check_privacy(name, cls, cfg)
-    algo: Algorithm = build_hyper(cls, common, overrides)
+    try:
+        algo: Algorithm = build_hyper(cls, common, overrides)
+    except ValueError as e:
+        if not private:
+            raise
+        modes = [
+            m
+            for m, on in (("secure_aggregation", cfg.secure_aggregation), ("dp", cfg.dp.enabled))
+            if on
+        ]
+        raise ConfigError(
+            f"{' and '.join(modes)} (every upload becomes an increment, "
+            f"upload_increments=True): {e}"
+        ) from e
     need = int(getattr(algo, "min_clients_per_round", 1))
     if cfg.clients_per_round() < need:
         raise ValueError(
@@ -161,6 +176,19 @@ def check_privacy(name: str, cls: type, cfg: Config) -> None:
             "could move the sum by more than dp.clip_norm; DP-FedAvg (McMahan et al. 2018) "
             "weights clients uniformly: set weighting=uniform"
         )
+    if cfg.secure_aggregation and cfg.clients_per_round() < 2:
+        raise ConfigError(
+            f"secure_aggregation: the config samples {cfg.clients_per_round()} client per round "
+            "(num_clients x participation); the 'secure' sum of one upload is that upload. "
+            "Sample at least 2 clients per round (3 or more: with 2, each client can subtract "
+            "its own upload from the aggregate it receives)"
+        )
+    if cfg.eval.local:
+        raise ConfigError(
+            f"{mode}: eval.local reports each client's own test scores, which these modes do "
+            "not release (only timings and memory travel in the clear); use eval.clients for "
+            "the global model on the clients' test splits, or drop eval.local"
+        )
 
 
 def make_privacy(cfg: Config, algo: Algorithm, seed: int) -> Privacy | None:
@@ -185,6 +213,32 @@ def make_privacy(cfg: Config, algo: Algorithm, seed: int) -> Privacy | None:
                 cfg.dp.epsilon, cfg.dp.delta, cfg.rounds + setup, cfg.num_clients, per_round
             )
         dp = DPSettings(cfg.dp.clip_norm, sigma, cfg.dp.delta, cfg.dp.sketch_share)
+        how = "solved from dp.epsilon" if cfg.dp.noise_multiplier is None else "dp.noise_multiplier"
+        say_once(
+            "DP: clip norm C = %g, noise multiplier σ = %.4g (%s) over %d exchanges of %d of %d "
+            "clients, δ = %g",
+            cfg.dp.clip_norm,
+            sigma,
+            how,
+            cfg.rounds + setup,
+            per_round,
+            cfg.num_clients,
+            cfg.dp.delta,
+        )
+        if sigma == 0:
+            say_once("DP: dp.noise_multiplier = 0 adds no noise: ε is infinite (clipping only)")
+        if cfg.dp.delta >= 1.0 / cfg.num_clients:
+            say_once(
+                "DP: dp.delta = %g is not below 1/num_clients = %g: a mechanism that publishes "
+                "one client's data outright would meet it",
+                cfg.dp.delta,
+                1.0 / cfg.num_clients,
+            )
+        if cfg.diagnostics.every > 0 or cfg.eval.clients:
+            say_once(
+                "DP: diagnostics.every / eval.clients read client data outside the mechanism "
+                "(simulation measurements, not covered by ε)"
+            )
     return Privacy(
         cfg.secure_aggregation,
         dp,
@@ -411,6 +465,7 @@ def run_one(
             summary["dp_noise_multiplier"] = privacy.dp.noise_multiplier
             summary["dp_clip_norm"] = privacy.dp.clip_norm
             summary["dp_delta"] = privacy.dp.delta
+            summary["dp_adjacency"] = ADJACENCY
         summary_path.write_text(json.dumps(summary, indent=2))
         # a finished run is never resumed: its spilled client states are no longer needed
         shutil.rmtree(spill, ignore_errors=True)
@@ -889,9 +944,12 @@ def divergence(rows: list[dict[str, Any]]) -> dict[str, str]:
     if evaluated and "rmse" not in evaluated[-1]:  # classes or tokens: NLL in nats
         final = float(evaluated[-1]["loss"])
         if final > DIVERGED_NLL:
+            cure = "lower the learning rate"
+            if any("dp_epsilon" in r for r in rows):
+                cure += " or, under DP, the noise (a larger dp.epsilon or dp.clip_norm)"
             return {
                 "diverged": f"the final loss is {final:.3g} nats per example (> {DIVERGED_NLL:g}; "
-                "a uniform guess costs ln K): the model blew up; lower the learning rate"
+                f"a uniform guess costs ln K): the model blew up; {cure}"
             }
     return {}
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 from scipy import stats
 
-from fedlore.config import ConfigError, load_config
+from fedlore.config import load_config
 from fedlore.engine.callbacks import Checkpointer
 from fedlore.engine.transport import LocalTransport
 from fedlore.privacy import (
@@ -37,7 +37,7 @@ from fedlore.privacy import (
     secagg,
 )
 from fedlore.privacy.aggregation import pair_secret
-from fedlore.run import make_algorithm, run_dir, run_one
+from fedlore.run import make_algorithm, make_privacy, run_dir, run_one
 from fedlore.types import Broadcast, Reply
 
 SEED = 5
@@ -271,13 +271,19 @@ def test_dp_run_resumes_to_the_same_result(tmp_path: Path) -> None:
         ("fedfull", ["dp.clip_norm=1", "dp.noise_multiplier=1"], "weighting=uniform"),
         ("fedfull", ["secure_aggregation=true", "robust.aggregate=median"], "robust.aggregate"),
         ("fedfull", ["secure_aggregation=true", "transport_dtype=bf16"], "transport_dtype"),
+        ("fedfull", ["secure_aggregation=true", "participation=0.25"], "at least 2 clients"),
+        ("fedfull", ["secure_aggregation=true", "eval.local=true"], "eval.local"),
+        ("fedfull", ["secure_aggregation_degree=3"], "secure_aggregation is off"),
+        ("fedlore_fixed", ["secure_aggregation=true"], "secure_aggregation .*init_basis"),
+        ("fedlore_sketch", ["weighting=uniform", "dp.clip_norm=1", "dp.epsilon=1e-6"], "raise dp"),
     ],
 )
 def test_settings_that_cannot_hold_are_refused_with_the_reason(
     tmp_path: Path, method: str, extra: list[str], match: str
 ) -> None:
-    with pytest.raises(ConfigError, match=match):
-        make_algorithm(method, _cfg(tmp_path, *extra))
+    with pytest.raises(ValueError, match=match):  # ConfigError, or the accountant's refusal
+        cfg = _cfg(tmp_path, *extra)
+        make_privacy(cfg, make_algorithm(method, cfg), SEED)
 
 
 def test_pair_secret_is_per_run() -> None:

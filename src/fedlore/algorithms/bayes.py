@@ -732,8 +732,8 @@ class BayFL(MetaBayFL):
     individual_uploads: ClassVar[str] = (
         "its server can combine each client's Gaussian posterior (mu_i, rho_i) nonlinearly "
         "(posterior_aggregation sigma: softplus scales, moment: mixture moments, precision: 1 / "
-        "sigma_i² weights); its default mean rule, FedAvg of (mu, rho), is not among issue 20's "
-        "secure-aggregation methods"
+        "sigma_i² weights); its default mean rule, FedAvg of (mu, rho), is not yet offered "
+        "under secure aggregation and DP"
     )
     lr_search: Literal["per_epoch", "per_round", "none"] = "none"
 
@@ -747,7 +747,7 @@ class MetaBayFLMCDropout(MetaBayFL):
     individual_uploads: ClassVar[str] = (
         "its clients each search a learning rate on their own meta split and the run reports "
         "every client's choice (lr_chosen) on its own; the server's FedAvg of the MC-dropout "
-        "model's deltas is not among issue 20's secure-aggregation methods"
+        "model's deltas is not yet offered under secure aggregation and DP"
     )
     posterior: Literal["bnn", "mcdropout", "none"] = "mcdropout"
 
@@ -760,8 +760,8 @@ class FedAvgMCDropout(MetaBayFL):
     name: ClassVar[str] = "fedavg_mcd"
     individual_uploads: ClassVar[str] = (
         "its server only adds the weighted mean of the MC-dropout model's deltas, as FedAvg "
-        "does (linear in the uploads), but this comparator of Meta-BayFL is not among issue "
-        "20's secure-aggregation methods and is not tested under secure aggregation or DP"
+        "does (linear in the uploads), but this comparator of Meta-BayFL is not yet offered "
+        "under secure aggregation and DP (no test covers it there)"
     )
     posterior: Literal["bnn", "mcdropout", "none"] = "mcdropout"
     lr_search: Literal["per_epoch", "per_round", "none"] = "none"
@@ -777,6 +777,6 @@ class MetaFL(MetaBayFL):
     individual_uploads: ClassVar[str] = (
         "its clients each search a learning rate on their own meta split and the run reports "
         "every client's choice (lr_chosen) on its own; the server's FedAvg of the deterministic "
-        "model's deltas is not among issue 20's secure-aggregation methods"
+        "model's deltas is not yet offered under secure aggregation and DP"
     )
     posterior: Literal["bnn", "mcdropout", "none"] = "none"

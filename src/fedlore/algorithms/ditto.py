@@ -55,8 +55,8 @@ class Ditto(Personalized, FedAvg):
     name: ClassVar[str] = "ditto"
     individual_uploads: ClassVar[str] = (
         "its server only adds the weighted mean of the FedAvg deltas (linear in the uploads; "
-        "the personal models v_k stay on the clients), but Ditto is not among issue 20's "
-        "secure-aggregation methods and is not tested under secure aggregation or DP"
+        "the personal models v_k stay on the clients), but Ditto is not yet offered under "
+        "secure aggregation and DP (no test covers it there)"
     )
     lam: float = 1.0
     personal_steps: int | None = None

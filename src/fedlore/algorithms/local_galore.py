@@ -33,8 +33,7 @@ class LocalGaLore(DenseServer, LowRankHyper):
     individual_uploads: ClassVar[str] = (
         "its server only adds the weighted mean of the dense deltas ΔW_i (linear in the "
         "uploads; the per-client bases P_i never leave the clients), but Local GaLore is not "
-        "among issue 20's secure-aggregation methods and is not tested under secure aggregation "
-        "or DP"
+        "yet offered under secure aggregation and DP (no test covers it there)"
     )
     setup_rounds: ClassVar[int] = 0
     diagnostic_kind: ClassVar[Literal["shared", "client"]] = "client"

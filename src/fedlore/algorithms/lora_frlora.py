@@ -48,7 +48,7 @@ class FRLoRA(LoraMethod):
     individual_uploads: ClassVar[str] = (
         "its server needs only the factor means Ā and B̄ (linear in the uploads), but they are "
         "its merge payload relative to the fixed (A0, B0), its clients upload values, and "
-        "FRLoRA is not among issue 20's secure-aggregation methods (no increments path is "
+        "FRLoRA is not yet offered under secure aggregation and DP (no increments path is "
         "implemented for it)"
     )
     honours_transport_dtype: ClassVar[bool] = True

@@ -39,8 +39,8 @@ class RoLoRA(LoraMethod):
     name: ClassVar[str] = "rolora"
     individual_uploads: ClassVar[str] = (
         "its server needs only the mean of the round's trained factor (linear in the uploads), "
-        "but its clients upload values and RoLoRA is not among issue 20's secure-aggregation "
-        "methods (no increments path is implemented for it)"
+        "but its clients upload values and RoLoRA is not yet offered under secure "
+        "aggregation and DP (no increments path is implemented for it)"
     )
     honours_transport_dtype: ClassVar[bool] = True
 

@@ -78,8 +78,7 @@ class PFedBayes(BetaMixing, Personalized, FedFull):
     individual_uploads: ClassVar[str] = (
         "its server only mixes the posterior deltas, v^t + beta · Σ p_i (z_i - v^t) (linear in "
         "the uploads; the personal posteriors q_i stay on the clients), but pFedBayes is not "
-        "among issue 20's secure-aggregation methods and is not tested under secure aggregation "
-        "or DP"
+        "yet offered under secure aggregation and DP (no test covers it there)"
     )
     zeta: float = 10.0
     inner_steps: int = 5

@@ -64,8 +64,8 @@ class PFedMe(BetaMixing, Personalized, FedAvg):
     name: ClassVar[str] = "pfedme"
     individual_uploads: ClassVar[str] = (
         "its server only mixes w^t + beta · Σ p_i Δ_i (linear in the uploads; the personalized "
-        "theta stays on the client), but pFedMe is not among issue 20's secure-aggregation "
-        "methods and is not tested under secure aggregation or DP"
+        "theta stays on the client), but pFedMe is not yet offered under "
+        "secure aggregation and DP (no test covers it there)"
     )
     lam: float = 15.0
     inner_steps: int = 5

@@ -138,8 +138,8 @@ class RoundLoop:
         bytes_up = diag_bytes_up = 0
         send_secure = getattr(self.transport, "send_secure", None)
         if privacy is not None and privacy.secure and send_secure is not None and ids:
-            accepted, private, bytes_up = self._secure_round(state, rnd, ids, messages)
-            rejected = [f"{c}: dropped out of the secure sum" for c, r in accepted if r is None]
+            accepted, private, bytes_up, why = self._secure_round(state, rnd, ids, messages)
+            rejected = [f"{c}: {why}" for c, r in accepted if r is None]
         else:
             results = self.transport.send(rnd, messages)
             reasons: dict[int, str | None] = {}
@@ -216,9 +216,10 @@ class RoundLoop:
 
     def _secure_round(
         self, state: State, rnd: int, ids: list[int], messages: dict[int, Broadcast]
-    ) -> tuple[list[tuple[int, Reply | None]], dict[str, Any], int]:
+    ) -> tuple[list[tuple[int, Reply | None]], dict[str, Any], int, str]:
         """A round through the transport's own secure aggregation (Flower's SecAgg+): the
-        replies the method aggregates, the privacy metrics and the bytes uploaded."""
+        replies the method aggregates, the privacy metrics, the bytes uploaded and why a client
+        is missing from the sum."""
         assert self.privacy is not None
         spec = self.algorithm.expected_reply(state, rnd, ids[0])
         send_secure = self.transport.send_secure  # type: ignore[attr-defined]
@@ -228,11 +229,16 @@ class RoundLoop:
             log.warning("round %d: the secure aggregation failed: %s", rnd, why)
             accepted: list[tuple[int, Reply | None]] = [(c, None) for c in ids]
             out, metrics = self.privacy.combine(rnd, spec, accepted, _device(self, state))
-            return out, {**metrics, "secagg_dropped": len(ids)}, 0
+            return (
+                out,
+                {**metrics, "secagg_dropped": len(ids)},
+                0,
+                f"the secure round failed: {why}",
+            )
         out, metrics = self.privacy.from_mean(
             rnd, spec, res.mean, res.metrics, ids, _device(self, state)
         )
-        return out, metrics, int(getattr(res, "bytes_up", 0))
+        return out, metrics, int(getattr(res, "bytes_up", 0)), "dropped out of the secure sum"
 
     def run(self, state: State, start: int, rounds: int) -> State:
         """Rounds ``start .. rounds-1`` (start may be negative for setup exchanges)."""

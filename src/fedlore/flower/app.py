@@ -63,6 +63,7 @@ from fedlore.flower.secure import (
     secagg_mod,
 )
 from fedlore.flower.transport import FlowerTransport
+from fedlore.progress import say_once
 from fedlore.seeding import CLIENT, generator
 from fedlore.tensors import to_device
 from fedlore.types import Broadcast, Reply, State
@@ -310,6 +311,12 @@ def secagg_settings(cfg: Config, method: str, client_data: Any = None) -> SecAgg
     data) leaves 1, which a client of more examples refuses with the setting's name."""
     f = cfg.flower
     clip = f.secagg_clipping_range
+    if clip is None and not cfg.dp.enabled:
+        say_once(
+            "SecAgg+: every upload entry is clipped to [-1, 1] before quantization "
+            "(flower.secagg_clipping_range unset, no DP clip bounds the uploads); an update with "
+            "larger entries changes silently: set flower.secagg_clipping_range to bound them"
+        )
     if clip is None:
         clip = 1.0
         if cfg.dp.enabled and cfg.dp.clip_norm is not None:

@@ -8,15 +8,21 @@ noise ``N(0, σ² C² I)`` to the sum ``Σ x_i``; the model moves by the noised 
 number of contributing clients (uniform weights, so one client moves the sum by at most ``C``).
 
 The privacy spent is tracked by Google's ``dp-accounting`` RDP accountant (Mironov 2017; Wang,
-Balle & Kasiviswanathan 2019 for sampling without replacement), for the sampling the run uses:
+Balle & Kasiviswanathan 2019 for sampling without replacement) under **replace-one-client
+adjacency** (a federation of N clients; neighbouring federations differ in one client's data),
+for the sampling the run uses:
 
-* full participation (every client every round): ``T`` compositions of the Gaussian mechanism
-  under add/remove-one-client adjacency, sensitivity ``C``, noise multiplier ``σ``;
+* full participation (every client every round): ``T`` compositions of the Gaussian mechanism;
 * ``m`` of ``N`` clients drawn uniformly without replacement each round
   (:func:`fedlore.engine.sampling.sample_clients`): ``T`` compositions of
-  ``SampledWithoutReplacementDpEvent(N, m, Gaussian)``, which dp-accounting defines under
-  replace-one adjacency; replacing one client's upload moves the sum by up to ``2C``, so the
-  Gaussian's multiplier relative to that sensitivity is ``σ / 2``.
+  ``SampledWithoutReplacementDpEvent(N, m, Gaussian)``.
+
+Replacing one client's upload moves the sum by up to ``2C`` (both uploads lie in the C-ball), so
+the Gaussian's multiplier relative to that sensitivity is ``σ / 2`` in both cases. One relation
+for every participation rate keeps ε comparable across them, and it keeps the number of
+contributors public (N is fixed; who drops out does not depend on the data), so dividing the
+noised sum by it is post-processing. (Under add/remove adjacency the count itself would change
+between neighbours and DP-FedAvg's fixed denominator would be needed.)
 
 ``T`` counts every exchange that reads client data: the rounds and a method's setup exchange
 (FedLore-Sketch's P^0 sketch).
@@ -121,25 +127,25 @@ on the issue-20 settings (σ 2-7, 100 of 1,000 clients, 51 rounds) by under 0.5 
 the cost per evaluation (sampling without replacement is expensive at large integer α)."""
 
 
+ADJACENCY = "replace_one"
+"""The neighbouring relation ε is reported under (recorded in each DP run's summary)."""
+
+
 def _event(noise_multiplier: float, num_clients: int, per_round: int) -> Any:
     import dp_accounting
 
+    gaussian = dp_accounting.GaussianDpEvent(noise_multiplier / 2.0)  # sensitivity 2C
     if per_round >= num_clients:
-        return dp_accounting.GaussianDpEvent(noise_multiplier)
-    return dp_accounting.SampledWithoutReplacementDpEvent(
-        num_clients, per_round, dp_accounting.GaussianDpEvent(noise_multiplier / 2.0)
-    )
+        return gaussian
+    return dp_accounting.SampledWithoutReplacementDpEvent(num_clients, per_round, gaussian)
 
 
 def _accountant(num_clients: int, per_round: int) -> Any:
     import dp_accounting
     from dp_accounting import rdp
 
-    relation = dp_accounting.NeighboringRelation
-    full = per_round >= num_clients
     return rdp.RdpAccountant(
-        list(RDP_ORDERS),
-        neighboring_relation=relation.ADD_OR_REMOVE_ONE if full else relation.REPLACE_ONE,
+        list(RDP_ORDERS), neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE
     )
 
 
@@ -153,6 +159,7 @@ def epsilon_spent(
     Args:
         noise_multiplier: σ (noise std σ C on the sum).
         rounds: exchanges that read client data so far (setup exchanges included).
+            (ε under replace-one adjacency, module docstring.)
         num_clients: N, the federation's clients.
         per_round: m, clients sampled per round (m >= N: full participation).
     """
@@ -172,8 +179,12 @@ def noise_for_epsilon(
     """The smallest σ whose ε after ``rounds`` exchanges is at most ``epsilon`` at ``delta``
     (dp-accounting's ``calibrate_dp_mechanism``, a bracketed search on the accountant).
 
+    The search widens its bracket until it holds the target, so any positive ε gets a σ (a tiny
+    ε a huge one: the run is refused above :data:`MAX_NOISE_MULTIPLIER`).
+
     Raises:
-        ValueError: if ``epsilon`` is not positive or no σ up to 1e4 reaches it.
+        ValueError: if ``epsilon`` is not positive, the search fails, or the σ it needs exceeds
+            :data:`MAX_NOISE_MULTIPLIER`.
     """
     import dp_accounting
 
@@ -193,4 +204,16 @@ def noise_for_epsilon(
             f"dp.epsilon={epsilon} at dp.delta={delta} is out of reach for {rounds} exchanges "
             f"of {per_round} of {num_clients} clients: {e}"
         ) from e
+    if sigma > MAX_NOISE_MULTIPLIER:
+        raise ValueError(
+            f"dp.epsilon={epsilon} at dp.delta={delta} needs a noise multiplier of {sigma:.3g} "
+            f"over {rounds} exchanges of {per_round} of {num_clients} clients: noise "
+            f"{sigma:.3g}x the clip norm on every coordinate leaves no signal (at most "
+            f"{MAX_NOISE_MULTIPLIER:g} is accepted); raise dp.epsilon, or use fewer rounds"
+        )
     return float(sigma)
+
+
+MAX_NOISE_MULTIPLIER = 1000.0
+"""The largest σ :func:`noise_for_epsilon` returns: beyond it the mean of even 10^5 clients'
+clipped uploads is buried under noise 10 C per coordinate."""

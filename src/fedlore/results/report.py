@@ -70,6 +70,8 @@ COLUMNS = [
     "local_rmse_mean",
     "dp_epsilon_mean",
     "dp_noise_multiplier_mean",
+    "dp_clip_norm_mean",
+    "dp_delta",
     "dp_clipped_total_mean",
 ]
 """Keys of every :func:`summary_table` row, in CSV column order (the perplexity columns are
@@ -175,6 +177,7 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
                     0
                 ],
                 "dp_clipped_total_mean": _stat(_summary_values(records, "dp_clipped_total"))[0],
+                "dp_clip_norm_mean": _stat(_summary_values(records, "dp_clip_norm"))[0],
                 "dp_delta": next(
                     (r.summary["dp_delta"] for r in records if "dp_delta" in r.summary), None
                 ),
@@ -228,8 +231,9 @@ def _bytes(v: float | None) -> str:
 
 
 def _dp_cell(row: dict[str, Any]) -> str:
-    """``ε (δ) / σ / clipped``: the privacy spent at the run's end (mean over seeds), the noise
-    multiplier and the clipped uploads per run; "–" for a run without DP."""
+    """``ε (δ) / σ / C / clipped``: the privacy spent at the run's end (mean over seeds), the
+    noise multiplier, the clip norm and the clipped uploads per run (of all the uploads the
+    run's clients made); "–" for a run without DP."""
     sigma = row.get("dp_noise_multiplier_mean")
     if sigma is None:
         return "–"
@@ -237,7 +241,9 @@ def _dp_cell(row: dict[str, Any]) -> str:
     eps_s = "∞" if eps is None else f"{eps:.3g}"
     delta = row.get("dp_delta")
     delta_s = f" ({delta:g})" if delta is not None else ""
-    return f"{eps_s}{delta_s} / {sigma:.3g} / {_count(row.get('dp_clipped_total_mean'))}"
+    clip = row.get("dp_clip_norm_mean")
+    clip_s = "–" if clip is None else f"{clip:g}"
+    return f"{eps_s}{delta_s} / {sigma:.3g} / {clip_s} / {_count(row.get('dp_clipped_total_mean'))}"
 
 
 def to_markdown(table: list[dict[str, Any]]) -> str:
@@ -279,7 +285,7 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
         "s / round",
         *(["client train s / round"] if timed else []),
         "rejected / skipped",
-        *(["DP ε (δ) / σ / clipped"] if private else []),
+        *(["DP ε (δ) / σ / C / clipped uploads"] if private else []),
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in table:
