@@ -83,6 +83,12 @@ def summary(root: str, name: str, method: str, seed: int, eps: str, clip: float 
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def exchanges(root: str, name: str, method: str, seed: int, eps: str, clip: float | None) -> int:
+    """Rows of a run's metrics.jsonl: its rounds plus its setup exchanges."""
+    path = Path(run_root(root, eps, clip)) / name / method / f"seed-{seed}" / "metrics.jsonl"
+    return sum(1 for line in path.read_text().splitlines() if line.strip())
+
+
 def score(s: dict[str, Any] | None) -> float:
     v = None if s is None else s.get("final_selection_accuracy")
     return float(v) if isinstance(v, int | float) and math.isfinite(v) else -math.inf
@@ -162,12 +168,13 @@ def write_table(
             }
             if done:
                 s0 = done[0]
-                contacts = s0["rounds"] * 100  # 100 clients per round
+                contacts = s0["rounds"] * 100  # 100 clients per training round
+                uploads = exchanges(root, name, m, run_seeds[0], e, clip) * 100  # setup included
                 row["upload_bytes_per_client_round"] = s0["bytes_up_total"] / contacts
                 row["noise_multiplier"] = s0.get("dp_noise_multiplier")
                 row["epsilon_spent"] = s0.get("dp_epsilon")
                 row["clipped_share"] = (
-                    s0["dp_clipped_total"] / contacts if "dp_clipped_total" in s0 else None
+                    s0["dp_clipped_total"] / uploads if "dp_clipped_total" in s0 else None
                 )
                 coords = row["upload_bytes_per_client_round"] / 4
                 row["upload_coordinates"] = coords
