@@ -120,14 +120,8 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
     except ValueError as e:
         if not private:
             raise
-        modes = [
-            m
-            for m, on in (("secure_aggregation", cfg.secure_aggregation), ("dp", cfg.dp.enabled))
-            if on
-        ]
         raise ConfigError(
-            f"{' and '.join(modes)} (every upload becomes an increment, "
-            f"upload_increments=True): {e}"
+            f"{privacy_modes(cfg)} (every upload becomes an increment, upload_increments=True): {e}"
         ) from e
     need = int(getattr(algo, "min_clients_per_round", 1))
     if cfg.clients_per_round() < need:
@@ -136,6 +130,13 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
             f"{cfg.clients_per_round()} (num_clients x participation)"
         )
     return algo
+
+
+def privacy_modes(cfg: Config) -> str:
+    """The privacy modes the config turns on, as named in error messages:
+    ``"secure_aggregation"``, ``"dp"``, ``"secure_aggregation and dp"`` or ``""``."""
+    on = (("secure_aggregation", cfg.secure_aggregation), ("dp", cfg.dp.enabled))
+    return " and ".join(m for m, enabled in on if enabled)
 
 
 def check_privacy(name: str, cls: type, cfg: Config) -> None:
@@ -147,11 +148,7 @@ def check_privacy(name: str, cls: type, cfg: Config) -> None:
             need each upload), a 16-bit transport (the masked sum is fixed point), DP with
             ``weighting: num_examples`` (a client's weight would scale its contribution past C).
     """
-    mode = " and ".join(
-        m
-        for m, on in (("secure_aggregation", cfg.secure_aggregation), ("dp", cfg.dp.enabled))
-        if on
-    )
+    mode = privacy_modes(cfg)
     if not is_sum_aggregable(cls):
         why = getattr(cls, "individual_uploads", "")
         raise ConfigError(
