@@ -9,15 +9,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fedlore import device as device_keys
 from fedlore.config import ConfigError, load_config
 from fedlore.data.client_data import ClientData, TensorSplit, minibatches
 from fedlore.device import PeakMemory, autocast, resolve_device, training_precision
 from fedlore.engine.callbacks import Checkpointer
+from fedlore.results import store as store_keys
 from fedlore.run import make_algorithm, run_dir, run_one
 from fedlore.seeding import generator
 from fedlore.train.local import local_train
@@ -137,6 +140,29 @@ def test_checkpoints_hold_cpu_tensors_and_load_onto_the_asked_device(tmp_path: P
     assert client is not None and all(t.device.type == "meta" for t in client.arrays.values())
     recorded = json.loads((run_dir(cfg, "fedlore", 0) / "config.json").read_text())
     assert recorded["ran_on"] == "cpu" and "device" not in recorded
+
+
+def test_a_run_records_its_platform_and_resumes_on_another(tmp_path: Path) -> None:
+    """``config.json`` records the torch and NumPy versions and torch's CPU kernels (floats
+    depend on them); a run recorded on another platform still resumes (a record, not a
+    setting), and reading results knows the keys as records."""
+    cfg = load_config(
+        None,
+        ["rounds=2", "num_clients=3", "local_steps=1", "rank=4", "partition.min_size=10",
+         f"output_dir={tmp_path}", "progress=false"],
+    )  # fmt: skip
+    assert run_one(cfg, "fedfull", 0, stop_after=0) is None
+    path = run_dir(cfg, "fedfull", 0) / "config.json"
+    recorded = json.loads(path.read_text())
+    assert recorded["ran_torch"] == torch.__version__
+    assert recorded["ran_cpu"] == torch.backends.cpu.get_cpu_capability()
+    assert recorded["ran_numpy"] == np.__version__ and "ran_gpu" not in recorded
+    path.write_text(json.dumps({**recorded, "ran_cpu": "AVX2", "ran_torch": "0.0"}))
+    summary = run_one(cfg, "fedfull", 0, resume=True)
+    assert summary is not None and summary["rounds"] == 2
+    assert json.loads(path.read_text())["ran_cpu"] == recorded["ran_cpu"]  # this part's platform
+    assert store_keys.PLATFORM_KEYS == device_keys.PLATFORM_KEYS
+    assert set(device_keys.PLATFORM_KEYS) <= set(store_keys.RECORD_KEYS)
 
 
 def test_data_follow_the_federation_to_its_device() -> None:

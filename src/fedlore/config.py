@@ -407,8 +407,10 @@ class Config(_Strict):
     wait for each other at every op: with torch's default count beside a competing process the
     quickstart took 8.5 minutes instead of 20 seconds. Float sums depend on the count (results
     differ in the last digits, as between devices), so it is not part of a run's config
-    fingerprint; fix it (``threads=1``) for bit-identical runs across machines. Flower
-    simulation clients use ``flower.client_cpus`` threads each."""
+    fingerprint; fix it (``threads=1``) so that machines with other CPU counts sum alike
+    (bit-identical runs also need the same torch build and CPU kernels, which ``config.json``
+    records: ``fedlore.device.platform_record``). Flower simulation clients use
+    ``flower.client_cpus`` threads each."""
     precision: Literal["fp32", "bf16", "fp64"] = "fp32"
     """Floating-point precision: ``fp32`` (default); ``bf16``, bfloat16 autocast of the forward
     pass (and so of the backward) of local training, with fp32 master weights, optimizer moments,

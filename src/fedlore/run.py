@@ -29,7 +29,13 @@ from fedlore.algorithms.base import is_sum_aggregable
 from fedlore.config import Config, ConfigError
 from fedlore.data.client_data import TensorSplit
 from fedlore.data.federation import Federation, build_federation
-from fedlore.device import resolve_device, training_precision, use_threads
+from fedlore.device import (
+    PLATFORM_KEYS,
+    platform_record,
+    resolve_device,
+    training_precision,
+    use_threads,
+)
 from fedlore.diagnostics import Diagnoser
 from fedlore.engine.callbacks import Checkpointer, MetricsWriter, ProgressBar
 from fedlore.engine.lock import RunLock
@@ -368,6 +374,7 @@ def run_one(
             "hyper": resolved_hyper(algo),
             "ran_on": str(device),
             "ran_threads": threads,
+            **platform_record(device),
         }
         if privacy is not None and privacy.dp is not None:
             written["dp_noise_multiplier"] = privacy.dp.noise_multiplier
@@ -594,7 +601,8 @@ def config_diff(cfg: Config, method: str, recorded: dict[str, Any]) -> str:
     before = _flatten(raw)
     before.pop("data_fingerprint", None)  # compared by check_same_data
     before.pop("ran_on", None)  # a record: a run may resume on another device
-    before.pop("ran_threads", None)
+    for key in ("ran_threads", *PLATFORM_KEYS):
+        before.pop(key, None)
     before.pop("dp_noise_multiplier", None)  # a record: solved from the dp.* settings compared
     now = _flatten(_run_config(cfg, method))
     if hyper_before is not None:  # the method's settings as resolved (types and defaults)

@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+PLATFORM_KEYS = ("ran_torch", "ran_numpy", "ran_cpu", "ran_gpu")
+"""``fedlore.device.PLATFORM_KEYS``, spelled here so that reading results needs no torch."""
+
 SEED_DIR = re.compile(r"^seed-(-?\d+)$")
 
 
@@ -187,9 +190,9 @@ def is_experiment_dir(path: Path) -> bool:
     )
 
 
-RECORD_KEYS = ("data_fingerprint", "ran_on", "ran_threads", "hyper")
+RECORD_KEYS = ("data_fingerprint", "ran_on", "ran_threads", "hyper", *PLATFORM_KEYS)
 """``config.json`` keys that record a run rather than set it (the data fingerprint differs from
-seed to seed; ``hyper`` repeats the method's settings)."""
+seed to seed; ``hyper`` repeats the method's settings; ``ran_*``: where and how it ran)."""
 
 
 def run_config(record: RunRecord) -> dict[str, Any] | None:
