@@ -33,6 +33,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,9 @@ def launch(config: str, root: str, method: str, seed: int, eps: str, clip: float
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{method}-{seed}-eps{eps}-clip{clip}.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    with log.open("w") as fh:
+    with log.open("a") as fh:  # append: a rerun (resume) keeps the earlier log
+        fh.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {' '.join(cmd)}\n")
+        fh.flush()
         rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({rc}); see {log}")

@@ -18,7 +18,9 @@ Usage::
 
 Each run is ``fedlore run CONFIG algorithms=<m> seeds=<s> lr=<lr> output_dir=<runs>/lr-<lr>
 [--set overrides] --resume`` in its own process (a killed driver resumes where it stopped;
-``<runs>`` defaults to the config's ``output_dir``). Writes ``<out>/table.md``,
+``<runs>`` defaults to the config's ``output_dir``; its output goes to
+``<out>/logs/<method>-<seed>-lr<lr>.log``, appended to on a rerun, so resuming a finished grid
+keeps every run's training log). Writes ``<out>/table.md``,
 ``<out>/table.json`` and the curves of the chosen runs (``<out>/*_vs_round.png``,
 ``*_vs_bytes.png``). Bytes per client per round count every byte of the run, FedLore's setup
 exchange (round -1) included, divided by the client contacts of the training rounds.
@@ -34,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -81,7 +84,9 @@ def launch(config: str, root: str, method: str, seed: int, lr: float, log_dir: P
     ]
     log = log_dir / f"{method}-{seed}-lr{lr:g}.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    with log.open("w") as fh:
+    with log.open("a") as fh:  # append: a rerun (resume) keeps the earlier log
+        fh.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {' '.join(cmd)}\n")
+        fh.flush()
         rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({rc}); see {log}")

@@ -28,6 +28,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -117,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
             "progress=false", *[f"{k}={v}" for k, v in setting], *args.set, "--resume",
         ]  # fmt: skip
         log = logs / f"{label(setting)}-{method}-{seed}.log"
-        with log.open("w") as fh:
+        with log.open("a") as fh:  # append: a rerun (resume) keeps the earlier log
+            fh.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {' '.join(cmd)}\n")
+            fh.flush()
             rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
         print(f"{label(setting)} {method} seed {seed}: rc={rc}", flush=True)
 

@@ -158,3 +158,23 @@ def test_a_run_that_diverges_at_the_end_never_reports_an_earlier_score(tmp_path:
     mean, std = grid.mean_std([0.5, float("nan"), 0.7])
     assert mean == pytest.approx(0.6) and std == pytest.approx(0.1414, abs=1e-3)
     assert all(math.isnan(v) for v in grid.mean_std([float("nan")]))
+
+
+def test_a_rerun_of_the_grid_keeps_each_runs_earlier_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rerunning a grid resumes every run, finished ones included: the log of a run's training
+    must survive the short 'already finished' output of the rerun (it was overwritten once)."""
+    grid = _lr_grid()
+    outputs = iter(["round 0 ... round 59: training log\n", "already finished\n"])
+
+    def fake_call(cmd: list[str], stdout: Any, **_: Any) -> int:
+        stdout.write(next(outputs))
+        return 0
+
+    monkeypatch.setattr(grid.subprocess, "call", fake_call)
+    for _ in range(2):
+        grid.launch("cfg.yaml", str(tmp_path), "fedlore", 42, 1e-3, tmp_path)
+    text = (tmp_path / "fedlore-42-lr0.001.log").read_text()
+    assert "training log" in text and "already finished" in text
+    assert text.count("=== ") == 2 and text.index("training log") < text.index("already finished")
