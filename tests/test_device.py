@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedlore import device as device_keys
-from fedlore.config import ConfigError, load_config
+from fedlore.config import Config, ConfigError, load_config
 from fedlore.data.client_data import ClientData, TensorSplit, minibatches
 from fedlore.device import PeakMemory, autocast, resolve_device, training_precision
 from fedlore.engine.callbacks import Checkpointer
@@ -119,12 +119,17 @@ def test_bf16_replies_bases_and_coordinates_stay_fp32(method: str) -> None:
     assert floats and all(v.dtype == torch.float32 for v in floats)
 
 
-def test_checkpoints_hold_cpu_tensors_and_load_onto_the_asked_device(tmp_path: Path) -> None:
-    cfg = load_config(
+def _three_clients(tmp_path: Path, rounds: int, local_steps: int) -> Config:
+    """The default config cut to 3 clients at rank 4, writing under ``tmp_path``."""
+    return load_config(
         None,
-        ["rounds=3", "num_clients=3", "local_steps=2", "rank=4", "partition.min_size=10",
-         f"output_dir={tmp_path}", "progress=false"],
+        [f"rounds={rounds}", "num_clients=3", f"local_steps={local_steps}", "rank=4",
+         "partition.min_size=10", f"output_dir={tmp_path}", "progress=false"],
     )  # fmt: skip
+
+
+def test_checkpoints_hold_cpu_tensors_and_load_onto_the_asked_device(tmp_path: Path) -> None:
+    cfg = _three_clients(tmp_path, rounds=3, local_steps=2)
     assert run_one(cfg, "fedlore", 0, stop_after=1) is None
     path = run_dir(cfg, "fedlore", 0) / "checkpoint.pt"
     raw = torch.load(path, weights_only=True)  # no map_location: what the file holds
@@ -146,11 +151,7 @@ def test_a_run_records_its_platform_and_resumes_on_another(tmp_path: Path) -> No
     """``config.json`` records the torch and NumPy versions and torch's CPU kernels (floats
     depend on them); a run recorded on another platform still resumes (a record, not a
     setting), and reading results knows the keys as records."""
-    cfg = load_config(
-        None,
-        ["rounds=2", "num_clients=3", "local_steps=1", "rank=4", "partition.min_size=10",
-         f"output_dir={tmp_path}", "progress=false"],
-    )  # fmt: skip
+    cfg = _three_clients(tmp_path, rounds=2, local_steps=1)
     assert run_one(cfg, "fedfull", 0, stop_after=0) is None
     path = run_dir(cfg, "fedfull", 0) / "config.json"
     recorded = json.loads(path.read_text())
