@@ -227,7 +227,8 @@ class DPConfig(_Strict):
     """User-level central differential privacy (DP-FedAvg, McMahan et al. 2018;
     :mod:`fedlore.privacy.dp`): every client clips its whole upload to ``clip_norm``, Gaussian
     noise of standard deviation ``noise_multiplier * clip_norm`` is added to the sum, and the
-    privacy spent is tracked with dp-accounting's RDP accountant for the run's sampling.
+    privacy spent is tracked with dp-accounting's accountant (``accountant``: RDP or PLD) for the
+    run's sampling; ``target_quantile`` turns on adaptive clipping (Andrew et al. 2021).
     Off while ``clip_norm`` is None. Needs a sum-aggregable method and ``weighting: uniform``."""
 
     clip_norm: float | None = Field(None, gt=0.0)
@@ -242,6 +243,56 @@ class DPConfig(_Strict):
     sketch_share: float = Field(0.5, gt=0.0, lt=1.0)
     """Share of C² given to FedLore-Sketch's sketches Y_i (clipped to C√s; the rest of the
     upload to C√(1 − s)), so the whole upload stays within C."""
+    reproducible_noise: bool = False
+    """Debugging only: draw the DP noise, the clients' noise shares and the DP client sample
+    from the run seed, so a run replays bit for bit. Anyone who knows the seed can then
+    regenerate the noise and remove it: the run has **no privacy** (a warning at start; its
+    summary and report row say so). Off (default): every such draw comes from OS entropy."""
+    colluding_clients: int = Field(0, ge=0)
+    """Under secure aggregation, how many clients may collude with the server (and subtract
+    their own noise shares): each share is sized so that the other survivors' shares alone
+    carry noise of std σC in every round that completes."""
+    accountant: Literal["rdp", "pld"] = "rdp"
+    """The privacy accountant (:func:`fedlore.privacy.dp.epsilon_spent`), under replace-one
+    adjacency: ``rdp``, dp-accounting's Rényi-DP accountant at its default orders; ``pld``, its
+    privacy-loss-distribution accountant (within ~1e-5 of the exact ε for full participation;
+    with client sampling, the smaller of its unsampled bound and the RDP's sampled bound)."""
+    target_quantile: float | None = Field(None, gt=0.0, lt=1.0)
+    """Adaptive clipping (Andrew et al., NeurIPS 2021): γ, the fraction of clients whose upload
+    should go unclipped. ``clip_norm`` is then the initial C, and after each round
+    C ← C exp(−clip_lr (b̃ − γ)), b̃ the noised fraction of unclipped contributors
+    (:func:`fedlore.privacy.dp.next_clip_norm`). None (default): fixed clipping."""
+    clip_lr: float = Field(0.2, gt=0.0)
+    """η_C of the adaptive clip update (used with ``target_quantile``; 0.2 as in the paper and
+    Flower)."""
+    clipped_count_stddev: float | None = Field(None, gt=0.0)
+    """σ_b, the std of the noise on the count of unclipped clients under adaptive clipping
+    (None: clients per round / 20, Flower's default). It must exceed noise_multiplier / 2: the
+    update is then noised with multiplier (σ⁻² − (2σ_b)⁻²)^(−1/2), so that the round costs
+    what noise multiplier σ alone costs (:func:`fedlore.privacy.dp.update_noise_multiplier`)."""
+
+    @model_validator(mode="after")
+    def _adaptive_clipping(self) -> DPConfig:
+        if self.target_quantile is None:
+            if self.clipped_count_stddev is not None:
+                raise ValueError(
+                    "dp.clipped_count_stddev is set but dp.target_quantile is not (it is the "
+                    "noise of adaptive clipping's count; set dp.target_quantile to use it)"
+                )
+            return self
+        if self.clip_norm is None:
+            raise ValueError(
+                "dp.target_quantile is set but dp.clip_norm is not (adaptive clipping starts "
+                "from dp.clip_norm, and needs DP on)"
+            )
+        sigma, sb = self.noise_multiplier, self.clipped_count_stddev
+        if sigma is not None and sb is not None and sigma > 0 and sb <= sigma / 2:
+            raise ValueError(
+                f"dp.clipped_count_stddev = {sb:g} must exceed dp.noise_multiplier / 2 = "
+                f"{sigma / 2:g} under adaptive clipping (the noised count would spend the whole "
+                "privacy budget, leaving none for the update)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_noise_setting(self) -> DPConfig:
@@ -328,11 +379,11 @@ class FlowerConfig(_Strict):
     secagg_clipping_range: float | None = Field(None, ge=1.0)
     """SecAgg+: every entry of a client's weighted upload (p_i / max_weight) v_i is clipped to
     [-c, c] before quantization (flwr's own clipping; entries beyond it are lost, and the
-    client logs a warning when that happens); c >= 1 (the vector's last entry is the 0/1
-    clipped flag). None (default): 1 (uploads are increments, a round's change, entries well
-    below 1); under DP max(1, C (1 + 7 sigma / sqrt(m))): an entry of a clipped upload is at
-    most C and the client's noise share N(0, sigma^2 C^2 / m) stays within 7 of its standard
-    deviations. The quantization step 2c / T grows with c."""
+    client logs a warning when that happens); c >= 1. None (default): 1 (uploads are
+    increments, a round's change, entries well below 1); under DP, set every round to
+    max(1, C_t + 12 s): an entry of a clipped upload is at most the round's clip norm C_t and
+    the client's noise share (std s, :meth:`fedlore.privacy.Privacy.noise_share`) stays within 12
+    of its standard deviations. The quantization step 2c / T grows with c."""
     secagg_quantization_range: int = Field(2**24, ge=2, lt=2**31)
     """SecAgg+: entries are stochastically rounded to integers in [0, T] (unbiased), a step of
     2c / T: each client's entry carries an error below 2c / T, the mean one below
@@ -436,10 +487,21 @@ class Config(_Strict):
     sum-aggregable method (FedAvg, FedFull, FedProx, FedIT, FFA-LoRA, FedLore-Sketch,
     FedLore-Random, FedLore-fixed); the others refuse with the reason."""
     secure_aggregation_degree: int = Field(0, ge=0)
-    """In-process secure aggregation: how many other clients each client masks with. 0 (default)
-    pairs every two sampled clients (SecAgg, Bonawitz et al. 2017: O(m L) mask entries per
-    client, about 12 s per round for 100 clients of a 200k-parameter model on one core); k > 0
-    joins each client to k neighbours on a seeded ring (SecAgg+, Bell et al. 2020), O(k L)."""
+    """In-process secure aggregation: how many other clients each client masks with and shares
+    its secrets with. 0 (default) pairs every two sampled clients (SecAgg, Bonawitz et al. 2017:
+    O(m L) mask entries and O(m t) secret-sharing work per client); k > 0 joins each client to
+    k neighbours on a seeded ring (SecAgg+, Bell et al. 2020), O(k L)."""
+    secure_aggregation_threshold: int | float = 2 / 3
+    """Secure aggregation: the fewest clients a round completes with (a count, or a fraction
+    of the round's sampled clients), and, in process, the Shamir threshold t (the same count,
+    or fraction of a client's share holders: its mask partners and itself). A round with fewer
+    survivors is aborted (the model does not move; ``secagg_aborted``). Larger: more colluding
+    clients withstood (up to t − 1), fewer dropouts tolerated. At least 2."""
+    secure_aggregation_range: float = Field(1000.0, gt=0.0)
+    """Secure aggregation without DP: the bound on each upload entry; entries beyond it are
+    clipped (counted in ``secagg_clipped_entries``). With the clients per round it sets the
+    fixed-point resolution (:mod:`fedlore.privacy.fixedpoint`). Under DP the bound comes from
+    ``dp.clip_norm`` instead."""
     dp: DPConfig = Field(default_factory=DPConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
@@ -516,6 +578,16 @@ class Config(_Strict):
             raise ValueError(
                 "secure_aggregation_degree is set but secure_aggregation is off (it sets the "
                 "in-process masking graph)"
+            )
+        t = self.secure_aggregation_threshold
+        if (
+            isinstance(t, bool)
+            or (isinstance(t, float) and not 0 < t <= 1)
+            or (isinstance(t, int) and t < 2)
+        ):
+            raise ValueError(
+                f"secure_aggregation_threshold={t!r}: a count must be at least 2, a fraction in "
+                "(0, 1]"
             )
         if self.secure_aggregation_degree and self.engine != "local":
             raise ValueError(

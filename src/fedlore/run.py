@@ -44,8 +44,12 @@ from fedlore.engine.sampling import sample_clients
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport, Transport
 from fedlore.models import build_model
-from fedlore.privacy import DPSettings, Privacy, noise_for_epsilon
-from fedlore.privacy.dp import ADJACENCY
+from fedlore.privacy import ClipNorm, DPSettings, Privacy, noise_for_epsilon, noise_source
+from fedlore.privacy.dp import (
+    ADJACENCY,
+    default_clipped_count_stddev,
+    update_noise_multiplier,
+)
 from fedlore.progress import say, say_once
 from fedlore.results.store import lm_summary
 from fedlore.seeding import MODEL_INIT, SERVER_INIT, derive_seed, generator
@@ -186,6 +190,18 @@ def check_privacy(name: str, cls: type, cfg: Config) -> None:
             "Sample at least 2 clients per round (3 or more: with 2, each client can subtract "
             "its own upload from the aggregate it receives)"
         )
+    if (
+        cfg.secure_aggregation
+        and cfg.flower.site_data
+        and cfg.weighting != "uniform"
+        and cfg.flower.secagg_max_weight is None
+    ):
+        raise ConfigError(
+            "secure_aggregation: with flower.site_data and weighting=num_examples the server "
+            "does not know the largest client's training set, and SecAgg+ needs it to bound the "
+            "weights (a larger client would be refused every round): set "
+            "flower.secagg_max_weight to at least the largest site's example count"
+        )
     if cfg.eval.local:
         raise ConfigError(
             f"{mode}: eval.local reports each client's own test scores, which these modes do "
@@ -194,13 +210,26 @@ def check_privacy(name: str, cls: type, cfg: Config) -> None:
         )
 
 
-def make_privacy(cfg: Config, algo: Algorithm, seed: int) -> Privacy | None:
+NO_PRIVACY = (
+    "no privacy: dp.reproducible_noise drew the DP noise and the client sample from the run seed"
+)
+"""The ``privacy`` entry of a summary whose DP noise anyone who knows the seed can regenerate."""
+
+
+def make_privacy(
+    cfg: Config, algo: Algorithm, seed: int, max_weight: float | None = None
+) -> Privacy | None:
     """The run's :class:`~fedlore.privacy.Privacy` (None when neither secure aggregation nor DP
     is on). With ``dp.epsilon`` the noise multiplier is solved for the run's exchanges (its
     rounds plus the method's setup exchanges) and sampling.
 
+    Args:
+        max_weight: the largest client weight (training examples) under
+            ``weighting: num_examples``; weights travel as p_i / max_weight in the secure sum.
+
     Raises:
-        ValueError: if ``dp.epsilon`` cannot be reached.
+        ValueError: if ``dp.epsilon`` cannot be reached; ConfigError when the secure round's
+            thresholds or fixed point cannot hold for the config.
     """
     if not (cfg.secure_aggregation or cfg.dp.enabled):
         return None
@@ -213,9 +242,16 @@ def make_privacy(cfg: Config, algo: Algorithm, seed: int) -> Privacy | None:
         if sigma is None:
             assert cfg.dp.epsilon is not None
             sigma = noise_for_epsilon(
-                cfg.dp.epsilon, cfg.dp.delta, cfg.rounds + setup, cfg.num_clients, per_round
+                cfg.dp.epsilon,
+                cfg.dp.delta,
+                cfg.rounds + setup,
+                cfg.num_clients,
+                per_round,
+                accountant=cfg.dp.accountant,
             )
-        dp = DPSettings(cfg.dp.clip_norm, sigma, cfg.dp.delta, cfg.dp.sketch_share)
+        dp = DPSettings(
+            cfg.dp.clip_norm, sigma, cfg.dp.delta, cfg.dp.sketch_share, cfg.dp.accountant
+        )
         how = "solved from dp.epsilon" if cfg.dp.noise_multiplier is None else "dp.noise_multiplier"
         say_once(
             "DP: clip norm C = %g, noise multiplier σ = %.4g (%s) over %d exchanges of %d of %d "
@@ -242,7 +278,39 @@ def make_privacy(cfg: Config, algo: Algorithm, seed: int) -> Privacy | None:
                 "DP: diagnostics.every / eval.clients read client data outside the mechanism "
                 "(simulation measurements, not covered by ε)"
             )
-    return Privacy(
+    if cfg.dp.enabled and cfg.dp.reproducible_noise:
+        say_once(
+            "DP: dp.reproducible_noise=true draws the noise and the client sample from the run "
+            "seed: anyone who knows it can remove the noise. This run has NO PRIVACY (debugging "
+            "only); its summary and report row say so"
+        )
+    clip = None
+    if dp is not None:
+        clip = ClipNorm(dp.clip_norm)
+        if cfg.dp.target_quantile is not None:
+            sb = cfg.dp.clipped_count_stddev
+            clip = ClipNorm(
+                dp.clip_norm,
+                cfg.dp.target_quantile,
+                cfg.dp.clip_lr,
+                default_clipped_count_stddev(per_round) if sb is None else sb,
+            )
+            try:
+                z_update = update_noise_multiplier(dp.noise_multiplier, clip.count_stddev)
+            except ValueError as e:
+                raise ConfigError(f"dp.target_quantile: {e}") from e
+            say_once(
+                "DP: adaptive clipping (Andrew et al. 2021) towards the %g quantile of the upload "
+                "norms from C = %g, clip_lr %g; the unclipped count gets noise %g, so the update "
+                "gets noise multiplier %.4g (total, accounted: %.4g)",
+                cfg.dp.target_quantile,
+                dp.clip_norm,
+                cfg.dp.clip_lr,
+                clip.count_stddev,
+                z_update,
+                dp.noise_multiplier,
+            )
+    privacy = Privacy(
         cfg.secure_aggregation,
         dp,
         cfg.weighting == "uniform",
@@ -251,7 +319,48 @@ def make_privacy(cfg: Config, algo: Algorithm, seed: int) -> Privacy | None:
         setup,
         seed,
         cfg.secure_aggregation_degree,
+        threshold=cfg.secure_aggregation_threshold,
+        colluders=cfg.dp.colluding_clients,
+        entry_bound=cfg.secure_aggregation_range,
+        max_weight=1.0 if cfg.weighting == "uniform" or max_weight is None else float(max_weight),
+        noise=noise_source(cfg.dp.enabled and cfg.dp.reproducible_noise, seed),
+        clip=clip,
     )
+    if cfg.secure_aggregation:
+        check_secure_round(cfg, privacy)
+    return privacy
+
+
+def client_sampler(cfg: Config, seed: int, privacy: Privacy | None) -> Callable[[int], list[int]]:
+    """Round -> the sorted ids of its clients: from OS entropy under DP (amplification by
+    subsampling assumes nobody can predict the sample; :meth:`Privacy.sample`), else seeded
+    from ``(seed, round)`` (:func:`~fedlore.engine.sampling.sample_clients`)."""
+    if privacy is not None and privacy.dp is not None:
+        return privacy.sample
+    per_round = cfg.clients_per_round()
+    return lambda rnd: sample_clients(cfg.num_clients, per_round, seed, rnd)
+
+
+def check_secure_round(cfg: Config, privacy: Privacy) -> None:
+    """Refuse, at start, a secure-aggregation config whose rounds could never complete or whose
+    fixed point cannot hold the uploads (:mod:`fedlore.privacy.fixedpoint`).
+
+    Raises:
+        ConfigError: naming the setting.
+    """
+    m = cfg.clients_per_round()
+    try:
+        privacy.round_params(0, list(range(m)))
+        privacy.fixed_point(m)
+        privacy.noise_share(m)
+    except ValueError as e:
+        raise ConfigError(f"secure_aggregation: {e}") from e
+    t = cfg.secure_aggregation_threshold
+    if isinstance(t, int) and t > m:
+        raise ConfigError(
+            f"secure_aggregation_threshold={t} exceeds the {m} clients sampled per round: no "
+            "round could complete"
+        )
 
 
 def start_server(
@@ -356,7 +465,7 @@ def run_one(
     eval_model = build()
     check_params(cfg, eval_model)
     state = start_server(algo, eval_model, generator(seed, SERVER_INIT), fed, method)
-    privacy = make_privacy(cfg, algo, seed)
+    privacy = make_privacy(cfg, algo, seed, max_weight=float(fed.client_sizes().max()))
     threads = use_threads(cfg.threads, recorded_threads(out) if resume else None)
     if device.type == "cpu":
         say_once("%d CPU thread%s (threads=%s)", threads, "" if threads == 1 else "s", cfg.threads)
@@ -378,6 +487,7 @@ def run_one(
         }
         if privacy is not None and privacy.dp is not None:
             written["dp_noise_multiplier"] = privacy.dp.noise_multiplier
+            written["dp_noise_source"] = "seed (no privacy)" if privacy.reproducible else "os"
         (out / "config.json").write_text(json.dumps(written, indent=2))
         max_bytes = None if cfg.store.max_memory_mb is None else int(cfg.store.max_memory_mb * 1e6)
         store = ClientStore(max_bytes, spill, device)
@@ -386,6 +496,8 @@ def run_one(
         ckpt_path = out / "checkpoint.pt"
         if resume and ckpt_path.exists():
             last, state, store = Checkpointer.load(ckpt_path, max_bytes, spill, device)
+            if privacy is not None:  # the adaptive clip norm the killed run had reached
+                privacy.restore(state)
             metrics.truncate_after(last)
             start = last + 1
             say("%s seed %d: resuming after round %d (its checkpoint)", method, seed, last)
@@ -447,7 +559,7 @@ def run_one(
         loop = RoundLoop(
             algo,
             transport,
-            lambda rnd: sample_clients(cfg.num_clients, cfg.clients_per_round(), seed, rnd),
+            client_sampler(cfg, seed, privacy),
             evaluate_state,
             cfg.eval.every,
             callbacks,
@@ -470,6 +582,12 @@ def run_one(
             summary["dp_clip_norm"] = privacy.dp.clip_norm
             summary["dp_delta"] = privacy.dp.delta
             summary["dp_adjacency"] = ADJACENCY
+            summary["dp_noise_source"] = "seed" if privacy.reproducible else "os"
+            summary["dp_accountant"] = privacy.dp.accountant
+            if privacy.adaptive:  # where adaptive clipping left C (dp_clip_norm: where it began)
+                summary["dp_clip_norm_final"] = privacy.clip_norm
+            if privacy.reproducible:
+                summary["privacy"] = NO_PRIVACY
         summary_path.write_text(json.dumps(summary, indent=2))
         # a finished run is never resumed: its spilled client states are no longer needed
         shutil.rmtree(spill, ignore_errors=True)
@@ -604,6 +722,7 @@ def config_diff(cfg: Config, method: str, recorded: dict[str, Any]) -> str:
     for key in ("ran_threads", *PLATFORM_KEYS):
         before.pop(key, None)
     before.pop("dp_noise_multiplier", None)  # a record: solved from the dp.* settings compared
+    before.pop("dp_noise_source", None)  # a record of dp.reproducible_noise, which is compared
     now = _flatten(_run_config(cfg, method))
     if hyper_before is not None:  # the method's settings as resolved (types and defaults)
         before.pop("method", None)

@@ -28,16 +28,25 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedlore.config import Config, load_config
-from fedlore.flower.app import _federation, make_apps
+from fedlore.flower.app import _federation, make_apps, secagg_settings
 from fedlore.flower.loopback import LoopbackFederation
-from fedlore.flower.secure import DROP_ROUND_KEY, SecAggSettings, SecureSum
+from fedlore.flower.secure import DROP_ROUND_KEY, SecAggSettings
 from fedlore.flower.transport import FlowerTransport
-from fedlore.privacy import CLEAR_METRICS, Contribution, client_contribution, spec_length
+from fedlore.privacy import (
+    CLEAR_METRICS,
+    Contribution,
+    NoiseSource,
+    SecureSum,
+    client_contribution,
+    spec_length,
+)
 from fedlore.run import make_algorithm, make_privacy, model_factory, start_server
 from fedlore.seeding import generator
 from fedlore.types import Broadcast, Reply, Scalars
 
 pytestmark = pytest.mark.flower
+
+Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 3
@@ -134,17 +143,19 @@ def contributions(monkeypatch: pytest.MonkeyPatch) -> dict[int, Contribution]:
     what each client contributed."""
     seen: dict[int, Contribution] = {}
 
-    def noted(reply: Reply, config: Scalars, client_id: int, rnd: int, seed: int) -> Contribution:
-        seen[client_id] = client_contribution(reply, config, client_id, rnd, seed)
+    def noted(
+        reply: Reply, config: Scalars, client_id: int, rnd: int, noise: NoiseSource
+    ) -> Contribution:
+        seen[client_id] = client_contribution(reply, config, client_id, rnd, noise)
         return seen[client_id]
 
     monkeypatch.setattr("fedlore.privacy.client_contribution", noted)
     return seen
 
 
-def _round(cfg: Config) -> tuple[dict[int, Broadcast], dict[int, Broadcast], int, list[int]]:
+def _round(cfg: Config) -> tuple[dict[int, Broadcast], dict[int, Broadcast], Spec, list[int]]:
     """Round 0's plain and secure broadcasts of FedAvg (the latter with the run's
-    ``privacy.*`` settings), the upload length L + 1 and the clients' training-set sizes."""
+    ``privacy.*`` settings), the reply spec (L entries) and the clients' training-set sizes."""
     fed = _federation(cfg.model_dump_json(), SEED, "cpu")  # the one the ClientApp builds
     algo = make_algorithm("fedavg", cfg)
     model = model_factory(cfg, fed, SEED)()
@@ -153,8 +164,8 @@ def _round(cfg: Config) -> tuple[dict[int, Broadcast], dict[int, Broadcast], int
     privacy = make_privacy(cfg, algo, SEED)
     assert privacy is not None and privacy.secure
     secure = privacy.configure(0, plain)
-    length = spec_length(algo.expected_reply(state, 0, 0)) + 1
-    return plain, secure, length, [fed.client(c).num_examples for c in range(N)]
+    spec = algo.expected_reply(state, 0, 0)
+    return plain, secure, spec, [fed.client(c).num_examples for c in range(N)]
 
 
 def _expected(seen: dict[int, Contribution], clients: list[int]) -> torch.Tensor:
@@ -172,13 +183,14 @@ def test_secure_round_mean_equals_the_plain_weighted_mean(
     task_identity: None, contributions: dict[int, Contribution]
 ) -> None:
     cfg = load_config(None, SMALL)  # nothing is written; one federation for all (cached)
-    plain, secure, length, sizes = _round(cfg)
+    plain, secure, spec, sizes = _round(cfg)
+    length = spec_length(spec)
     assert len(set(sizes)) > 1  # unequal weights: the weighting is exercised
     _, client = make_apps(cfg, "fedavg", SEED)
     grid = DirectGrid(client, N)
     transport = _transport(grid, sizes)
     assert sorted(transport.node_of) == list(range(N))
-    got = transport.send_secure(0, secure, length)
+    got = transport.send_secure(0, secure, spec)
     assert isinstance(got, SecureSum), got
     assert got.clients == list(range(N)) and sorted(got.metrics) == list(range(N))
     # only what may travel in the clear: no training loss of a single client
@@ -214,11 +226,11 @@ def test_a_client_that_drops_out_after_sharing_keys_is_left_out(
     task_identity: None, contributions: dict[int, Contribution]
 ) -> None:
     cfg = load_config(None, SMALL)  # nothing is written; one federation for all (cached)
-    _, secure, length, sizes = _round(cfg)
+    _, secure, spec, sizes = _round(cfg)
     _, client = make_apps(cfg, "fedavg", SEED)
     grid = DirectGrid(client, N, fail={101: Stage.COLLECT_MASKED_VECTORS})
     transport = _transport(grid, sizes)
-    got = transport.send_secure(0, secure, length)
+    got = transport.send_secure(0, secure, spec)
     assert isinstance(got, SecureSum), got
     assert got.clients == [0, 2] and 1 not in got.metrics
     want = _expected(contributions, [0, 2])
@@ -233,11 +245,11 @@ def test_too_few_survivors_stop_the_round_with_the_reason(
     task_identity: None, contributions: dict[int, Contribution]
 ) -> None:
     cfg = load_config(None, SMALL)  # nothing is written; one federation for all (cached)
-    _, secure, length, sizes = _round(cfg)
+    _, secure, spec, sizes = _round(cfg)
     _, client = make_apps(cfg, "fedavg", SEED)
     fail = {101: Stage.SHARE_KEYS, 102: Stage.SHARE_KEYS}
     transport = _transport(DirectGrid(client, N, fail=fail), sizes)
-    got = transport.send_secure(0, secure, length)
+    got = transport.send_secure(0, secure, spec)
     assert isinstance(got, RuntimeError)
     assert "share keys stage" in str(got) and "threshold" in str(got)
 
@@ -252,6 +264,39 @@ def test_a_secure_broadcast_outside_a_secagg_round_is_refused(
     replies = transport.send(0, secure)  # plain messages of a secure broadcast: no clear upload
     assert all(isinstance(r, RuntimeError) and "disagree" in str(r) for r in replies.values())
     assert not contributions
+
+
+def test_adaptive_clipping_under_secagg_plus_sums_the_noised_bits(
+    task_identity: None, contributions: dict[int, Contribution]
+) -> None:
+    """DP with adaptive clipping on Flower: each client's vector carries its noised bit b_i
+    after the upload (L + 1 entries); the SecAgg+ mean's last entry is the mean of those bits,
+    which moves the clip norm for the next round; the clipping range follows C_t."""
+    cfg = load_config(None, [*SMALL, "weighting=uniform", "dp.clip_norm=0.05",
+                             "dp.noise_multiplier=0.2", "dp.target_quantile=0.5",
+                             "dp.clipped_count_stddev=0.2"])  # fmt: skip
+    fed = _federation(cfg.model_dump_json(), SEED, "cpu")
+    algo = make_algorithm("fedavg", cfg)
+    model = model_factory(cfg, fed, SEED)()
+    state = start_server(algo, model, generator(SEED, 0), fed, "fedavg")
+    privacy = make_privacy(cfg, algo, SEED)
+    assert privacy is not None and privacy.adaptive
+    secure = privacy.configure(0, {c: algo.broadcast(state, 0, c) for c in range(N)})
+    spec = algo.expected_reply(state, 0, 0)
+    _, client = make_apps(cfg, "fedavg", SEED)
+    settings = secagg_settings(cfg, "fedavg", fed.client)
+    assert settings.follow_privacy
+    transport = FlowerTransport(DirectGrid(client, N), wait_for_nodes=0.0, expected_nodes=0,
+                                secagg=settings)  # fmt: skip
+    got = transport.send_secure(0, secure, spec, privacy)
+    assert isinstance(got, SecureSum), got
+    assert got.mean.shape == (spec_length(spec) + 1,)
+    bits = torch.stack([contributions[c].extras for c in got.clients]).mean()
+    assert float(got.mean[-1]) == pytest.approx(float(bits), abs=1e-5)
+    assert all(c.extras.numel() == 1 for c in contributions.values())
+    _, metrics = privacy.from_mean(0, spec, got.mean, got.metrics, list(range(N)),
+                                   torch.device("cpu"))  # fmt: skip
+    assert metrics["dp_clip_norm"] == 0.05 and privacy.clip_norm != 0.05
 
 
 # ------------------------------------------------------------------ the loopback deployment

@@ -7,7 +7,10 @@ Communication is counted here, from the tensors actually in the messages: ``byte
 the broadcast arrays sent this round, ``bytes_up`` the reply arrays received (rejected ones
 included: they crossed the wire). Scalars (round index, seeds) are not counted. Reply arrays
 named ``diag.*`` exist only for diagnostics (FedLore's candidate gradients) and are counted as
-``diag_bytes_up`` instead.
+``diag_bytes_up`` instead. Under in-process secure aggregation ``bytes_up`` counts every message
+of the protocol the clients sent (public keys, encrypted shares, masked vectors, unmasking
+answers) and ``bytes_down`` adds the protocol's messages to the clients (also recorded alone as
+``secagg_bytes_down``).
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ import torch
 
 from fedlore.algorithm import Algorithm
 from fedlore.engine.transport import Transport
-from fedlore.privacy import Privacy, spec_length
+from fedlore.engine.validate import validate_reply
+from fedlore.privacy import Privacy
 from fedlore.robust import norm_screen
-from fedlore.tensors import all_finite, nbytes
+from fedlore.tensors import nbytes
 from fedlore.types import Broadcast, Reply, State
 
 log = logging.getLogger(__name__)
@@ -37,53 +41,6 @@ class Callback(Protocol):
     """Called after every round with the round's metrics row and the new server state."""
 
     def on_round_end(self, rnd: int, row: Row, state: State) -> None: ...
-
-
-def validate_reply(
-    reply: Reply, expected: dict[str, tuple[tuple[int, ...], torch.dtype]]
-) -> str | None:
-    """Why ``reply`` must be rejected, or None if it is acceptable.
-
-    Checks: ``num_examples`` is a finite positive integer; every array is a tensor; the array
-    keys are exactly the expected ones; each array has the expected shape and dtype, is detached,
-    and (if floating or complex) finite.
-    """
-    n = reply.metrics.get("num_examples")
-    if (
-        not isinstance(n, int | float)
-        or isinstance(n, bool)
-        or not math.isfinite(n)
-        or not n > 0
-        or int(n) != n
-    ):
-        return f"num_examples must be a positive integer, got {n!r}"
-    bad = sorted(k for k, v in reply.arrays.items() if not isinstance(v, torch.Tensor))
-    if bad:
-        return f"arrays that are not tensors: {bad[:3]}"
-    missing = sorted(set(expected) - set(reply.arrays))
-    extra = sorted(set(reply.arrays) - set(expected))
-    if missing or extra:
-        return f"array keys differ: missing {missing[:3]}, unexpected {extra[:3]}"
-    checked: list[str] = []  # keys that pass the metadata checks, in order
-    problem = None
-    for k, (shape, dtype) in expected.items():
-        t = reply.arrays[k]
-        if tuple(t.shape) != tuple(shape):
-            problem = f"{k}: shape {tuple(t.shape)}, expected {tuple(shape)}"
-        elif t.dtype != dtype:
-            problem = f"{k}: dtype {t.dtype}, expected {dtype}"
-        elif t.requires_grad:
-            problem = f"{k}: requires grad (replies must be detached)"
-        if problem is not None:
-            break
-        checked.append(k)
-    # the first problem in key order, as if each key were checked in turn; the finiteness of
-    # every key before it at once (one wait on the device)
-    if not all_finite(reply.arrays[k] for k in checked):
-        for k in checked:
-            if not all_finite([reply.arrays[k]]):
-                return f"{k}: contains NaN or Inf"
-    return problem
 
 
 @dataclass
@@ -104,9 +61,12 @@ class RoundLoop:
             round's median (:func:`fedlore.robust.norm_screen`); None: off. Not applied under
             ``privacy`` (masked uploads have no meaningful norm; DP clips every upload).
         privacy: secure aggregation and/or DP (:class:`fedlore.privacy.Privacy`): broadcasts
-            carry its ``privacy.*`` settings, replies are validated against its spec, and the
-            method aggregates the unmasked (noised) mean instead of the single uploads. A
-            transport with ``send_secure`` (Flower's SecAgg+) computes the secure sum itself.
+            carry its ``privacy.*`` settings. Under secure aggregation the transport's
+            ``send_secure`` runs the protocol (in process: :mod:`fedlore.privacy.secagg`; on
+            Flower: SecAgg+) and the method aggregates the unmasked mean; a round that cannot
+            complete within the protocol's rules is aborted (the model does not move,
+            ``secagg_aborted`` is 1). DP alone: replies are screened against the clip norm and
+            the method aggregates the noised mean.
     """
 
     algorithm: Algorithm
@@ -136,10 +96,9 @@ class RoundLoop:
             messages = privacy.configure(rnd, messages)
         rejected: list[str] = []
         bytes_up = diag_bytes_up = 0
-        send_secure = getattr(self.transport, "send_secure", None)
-        if privacy is not None and privacy.secure and send_secure is not None and ids:
+        if privacy is not None and privacy.secure and ids:
             accepted, private, bytes_up, why = self._secure_round(state, rnd, ids, messages)
-            rejected = [f"{c}: {why}" for c, r in accepted if r is None]
+            rejected = [f"{c}: {why[c]}" for c, r in accepted if r is None]
         else:
             results = self.transport.send(rnd, messages)
             reasons: dict[int, str | None] = {}
@@ -151,8 +110,6 @@ class RoundLoop:
                     diag_bytes_up += nbytes(extra)
                     bytes_up += nbytes(sent) - nbytes(extra)
                     spec = self.algorithm.expected_reply(state, rnd, cid)
-                    if privacy is not None:
-                        spec = privacy.expected(spec)
                     reasons[cid] = validate_reply(res, spec)
                     if reasons[cid] is None and privacy is not None:
                         reasons[cid] = privacy.screen(res)
@@ -176,6 +133,8 @@ class RoundLoop:
                 spec = self.algorithm.expected_reply(state, rnd, ids[0])
                 accepted, private = privacy.combine(rnd, spec, accepted, _device(self, state))
         state, agg = self.algorithm.aggregate(state, accepted, rnd)
+        if privacy is not None:  # the adaptive clip norm of the next round, checkpointed
+            state = privacy.record(state)
         agg = {**agg, **private}
         ok = [r for _, r in accepted if r is not None]
         row: Row = {
@@ -185,7 +144,8 @@ class RoundLoop:
             "rejected": len(rejected),
             "accepted_clients": [c for c, r in accepted if r is not None],
             "bytes_up": bytes_up,
-            "bytes_down": sum(nbytes(m.arrays) for m in messages.values()),
+            "bytes_down": sum(nbytes(m.arrays) for m in messages.values())
+            + int(private.get("secagg_bytes_down", 0)),
             "train_loss": _mean([r.metrics.get("train_loss") for r in ok]),
             "optimizer_state_bytes": max(
                 (int(r.metrics.get("optimizer_state_bytes", 0)) for r in ok), default=0
@@ -216,29 +176,43 @@ class RoundLoop:
 
     def _secure_round(
         self, state: State, rnd: int, ids: list[int], messages: dict[int, Broadcast]
-    ) -> tuple[list[tuple[int, Reply | None]], dict[str, Any], int, str]:
-        """A round through the transport's own secure aggregation (Flower's SecAgg+): the
-        replies the method aggregates, the privacy metrics, the bytes uploaded and why a client
-        is missing from the sum."""
-        assert self.privacy is not None
+    ) -> tuple[list[tuple[int, Reply | None]], dict[str, Any], int, dict[int, str]]:
+        """A round through the transport's secure aggregation: the replies the method
+        aggregates, the privacy metrics, the bytes uploaded and why each client is missing
+        from the sum. A round the protocol aborts, or one with fewer survivors than
+        ``secure_aggregation_threshold``, leaves every reply out (the model does not move)."""
+        privacy = self.privacy
+        assert privacy is not None
         spec = self.algorithm.expected_reply(state, rnd, ids[0])
-        send_secure = self.transport.send_secure  # type: ignore[attr-defined]
-        res = send_secure(rnd, messages, spec_length(spec) + 1)
-        if isinstance(res, BaseException) or not res.clients:
-            why = res if isinstance(res, BaseException) else "no client in the secure sum"
-            log.warning("round %d: the secure aggregation failed: %s", rnd, why)
-            accepted: list[tuple[int, Reply | None]] = [(c, None) for c in ids]
-            out, metrics = self.privacy.combine(rnd, spec, accepted, _device(self, state))
-            return (
-                out,
-                {**metrics, "secagg_dropped": len(ids)},
-                0,
-                f"the secure round failed: {why}",
+        send_secure = getattr(self.transport, "send_secure", None)
+        if send_secure is None:
+            raise TypeError(
+                f"{type(self.transport).__name__} has no send_secure: it cannot run secure "
+                "aggregation"
             )
-        out, metrics = self.privacy.from_mean(
+        res = send_secure(rnd, messages, spec, privacy)
+        need = privacy.min_survivors(len(ids))
+        if not isinstance(res, BaseException) and len(res.clients) < need:
+            res = RuntimeError(
+                f"{len(res.clients)} of {len(ids)} clients survived, "
+                f"secure_aggregation_threshold needs {need}: nothing is unmasked"
+            )
+        if isinstance(res, BaseException):
+            log.warning("round %d: the secure aggregation was aborted: %s", rnd, res)
+            why = {c: f"the secure round was aborted: {res}" for c in ids}
+            return [(c, None) for c in ids], privacy.aborted(rnd, ids), 0, why
+        out, metrics = privacy.from_mean(
             rnd, spec, res.mean, res.metrics, ids, _device(self, state)
         )
-        return out, metrics, int(getattr(res, "bytes_up", 0)), "dropped out of the secure sum"
+        for name, n in res.counts.items():
+            metrics[name] = n
+            if n:
+                log.warning("round %d: %s = %d", rnd, name, n)
+        why = {c: res.reasons.get(c, "dropped out of the secure sum") for c in ids}
+        metrics["secagg_aborted"] = 0
+        if res.bytes_down:  # the in-process protocol's own messages (keys, shares, lists)
+            metrics["secagg_bytes_down"] = int(res.bytes_down)
+        return out, metrics, int(res.bytes_up), why
 
     def run(self, state: State, start: int, rounds: int) -> State:
         """Rounds ``start .. rounds-1`` (start may be negative for setup exchanges)."""

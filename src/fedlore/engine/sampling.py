@@ -1,10 +1,12 @@
-"""Seeded client sampling: full participation, or uniform without replacement at rate C."""
+"""Seeded client sampling: full participation, or uniform without replacement at rate C.
+
+A DP run samples from OS entropy instead (:meth:`fedlore.privacy.Privacy.sample`): privacy
+amplification by subsampling assumes nobody can predict the sample.
+"""
 
 from __future__ import annotations
 
-import numpy as np
-
-from fedlore.seeding import SAMPLING, derive_seed
+from fedlore.privacy.randomness import SeededSource
 
 
 def sample_clients(num_clients: int, per_round: int, seed: int, rnd: int) -> list[int]:
@@ -17,9 +19,4 @@ def sample_clients(num_clients: int, per_round: int, seed: int, rnd: int) -> lis
     Raises:
         ValueError: if ``num_clients < 1`` or ``per_round < 1``.
     """
-    if num_clients < 1 or per_round < 1:
-        raise ValueError(f"need num_clients, per_round >= 1, got {num_clients}, {per_round}")
-    if per_round >= num_clients:
-        return list(range(num_clients))
-    rng = np.random.default_rng(derive_seed(seed, SAMPLING, rnd))
-    return sorted(int(i) for i in rng.choice(num_clients, size=per_round, replace=False))
+    return SeededSource(seed).sample(num_clients, per_round, rnd)

@@ -21,9 +21,10 @@ from fedlore.algorithm import Algorithm
 from fedlore.data.client_data import ClientData
 from fedlore.device import PeakMemory
 from fedlore.engine.store import ClientStore, StoreError
-from fedlore.privacy import privatize
+from fedlore.engine.validate import validate_reply
+from fedlore.privacy import Privacy, SecureSum, client_contribution, client_noise, privatize, secagg
 from fedlore.seeding import CLIENT, generator
-from fedlore.types import Broadcast, Reply
+from fedlore.types import Broadcast, Reply, Scalars
 
 log = logging.getLogger(__name__)
 
@@ -67,30 +68,92 @@ class LocalTransport:
             out[cid] = self._run_client(rnd, cid, messages[cid])
         return out
 
+    def _train(self, rnd: int, cid: int, msg: Broadcast) -> Reply:
+        """One client's local training: its reply (with ``peak_memory_bytes`` on a CUDA
+        device); its new state goes to the store. Raises what the client raised."""
+        data = self.client_data(cid)
+        first = next(self.model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+        with PeakMemory(device) as peak:
+            reply, state = self.algorithm.client_update(
+                msg,
+                self.store.get(cid),
+                self.model,
+                data,
+                generator(self.seed, CLIENT, rnd, cid),
+            )
+        self.store.put(cid, state)
+        if peak.bytes is not None:  # a CUDA device: the client's peak, reset per client
+            reply = Reply(reply.arrays, {**reply.metrics, "peak_memory_bytes": peak.bytes})
+        return reply
+
     def _run_client(self, rnd: int, cid: int, msg: Broadcast) -> Reply | BaseException:
         """One client's turn. Its data, optimizer and the state it started from are locals of
         this call, so nothing of the client outlives its turn except its reply and the state put
         in the store (a failure's traceback, which would pin them, is dropped after logging)."""
         try:
-            data = self.client_data(cid)
-            first = next(self.model.parameters(), None)
-            device = first.device if first is not None else torch.device("cpu")
-            with PeakMemory(device) as peak:
-                reply, state = self.algorithm.client_update(
-                    msg,
-                    self.store.get(cid),
-                    self.model,
-                    data,
-                    generator(self.seed, CLIENT, rnd, cid),
-                )
-            self.store.put(cid, state)
-            reply = privatize(reply, msg.config, cid, rnd, self.seed)  # privacy.* settings only
-            if peak.bytes is not None:  # a CUDA device: the client's peak, reset per client
-                reply = Reply(reply.arrays, {**reply.metrics, "peak_memory_bytes": peak.bytes})
-            return reply
+            return privatize(self._train(rnd, cid, msg), msg.config)  # DP alone: clipped
         except StoreError:
             raise  # the server's own storage failed: stop rather than drop clients silently
         except Exception as e:  # a failing client must not stop the round
             log.warning("client %d failed in round %d: %s: %s", cid, rnd, type(e).__name__, e)
             log.debug("client %d traceback", cid, exc_info=e)
             return e.with_traceback(None)
+
+    def send_secure(
+        self,
+        rnd: int,
+        messages: dict[int, Broadcast],
+        spec: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        privacy: Privacy,
+    ) -> SecureSum | BaseException:
+        """One round under in-process secure aggregation (:mod:`fedlore.privacy.secagg`):
+        the clients advertise keys and share their secrets, then each trains, checks its own
+        reply against ``spec`` (a reply the server would reject never gets masked: the client
+        drops out instead), adds its noise share, encodes and masks; the server unmasks only
+        the survivors' sum.
+
+        Returns:
+            The :class:`~fedlore.privacy.SecureSum`, or the :class:`~fedlore.privacy.secagg.
+            Abort` that stopped the round (nothing was unmasked).
+        """
+        ids = sorted(messages)
+        plan = privacy.plan(rnd, ids, spec)
+        clear: dict[int, Scalars] = {}
+
+        def upload(cid: int) -> object:
+            msg = messages[cid]
+            reply = self._train(rnd, cid, msg)
+            why = validate_reply(reply, spec)
+            if why is not None:
+                raise ValueError(f"its reply fails the server's checks, so it is not sent: {why}")
+            c = client_contribution(
+                reply, msg.config, cid, rnd, client_noise(msg.config, self.seed)
+            )
+            ring = plan.encode(c)
+            clear[cid] = c.metrics
+            return ring
+
+        parties = secagg.LocalParties(plan.params, upload, fatal=(StoreError,))
+        try:
+            res = secagg.secure_sum(plan.params, parties, plan.length)
+        except secagg.Abort as e:
+            for cid, why in parties.failures.items():
+                log.warning("round %d: client %d left the secure round: %s", rnd, cid, why)
+            return e
+        for cid, why in parties.failures.items():
+            log.warning("round %d: client %d left the secure round: %s", rnd, cid, why)
+        sum_wx, sum_w, counts = plan.decode(res.total)
+        reasons = dict(parties.failures)
+        reasons.update(
+            {c: f"its masked vector was rejected: {w}" for c, w in res.server.rejected.items()}
+        )
+        return SecureSum(
+            mean=sum_wx / sum_w,
+            clients=list(res.survivors),
+            metrics={c: clear[c] for c in res.survivors},
+            bytes_up=res.server.bytes_up,
+            bytes_down=res.server.bytes_down,
+            counts=counts,
+            reasons=reasons,
+        )

@@ -27,7 +27,6 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 import shlex
 from pathlib import Path
 from typing import Any
@@ -213,13 +212,14 @@ def client_train(
     for key, rec in state_to_record(new_state).items():
         context.state[key] = rec
     if secure:
-        from fedlore.privacy import client_contribution
+        from fedlore.privacy import client_contribution, client_noise
 
-        c = client_contribution(reply, bcast.config, cid, rnd, seed)
-        return Message(contribution_record(c.vector, c.weight, c.metrics, context), reply_to=msg)
+        noise = client_noise(bcast.config, seed)  # OS entropy unless dp.reproducible_noise
+        c = client_contribution(reply, bcast.config, cid, rnd, noise)
+        return Message(contribution_record(c.summed, c.weight, c.metrics, context), reply_to=msg)
     from fedlore.privacy import privatize
 
-    reply = privatize(reply, bcast.config, cid, rnd, seed)  # DP only; no privacy.*: unchanged
+    reply = privatize(reply, bcast.config)  # DP only; no privacy.*: unchanged
     return Message(reply_to_record(reply), reply_to=msg)
 
 
@@ -317,15 +317,9 @@ def secagg_settings(cfg: Config, method: str, client_data: Any = None) -> SecAgg
             "(flower.secagg_clipping_range unset, no DP clip bounds the uploads); an update with "
             "larger entries changes silently: set flower.secagg_clipping_range to bound them"
         )
+    follow = clip is None and cfg.dp.enabled  # C_t + the noise shares' tail, every round
     if clip is None:
         clip = 1.0
-        if cfg.dp.enabled and cfg.dp.clip_norm is not None:
-            from fedlore.run import make_privacy  # the run's noise multiplier (or the one solved)
-
-            privacy = make_privacy(cfg, _algorithm(method, cfg.model_dump_json()), 0)
-            sigma = 0.0 if privacy is None or privacy.dp is None else privacy.dp.noise_multiplier
-            m = cfg.clients_per_round()
-            clip = max(1.0, cfg.dp.clip_norm * (1.0 + 7.0 * sigma / math.sqrt(m)))
     max_weight = f.secagg_max_weight
     if max_weight is None:
         max_weight = 1.0
@@ -339,6 +333,7 @@ def secagg_settings(cfg: Config, method: str, client_data: Any = None) -> SecAgg
         modulus_range=f.secagg_modulus_range,
         max_weight=max_weight,
         timeout=f.round_timeout_s,
+        follow_privacy=follow,
     )
 
 

@@ -37,7 +37,7 @@ import math
 import os
 import signal
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -71,9 +71,54 @@ from flwr.server.workflow.secure_aggregation.secaggplus_workflow import (
 )
 from flwr.serverapp import Grid
 
+from fedlore.privacy.crypto import prg
 from fedlore.types import Scalars
 
 log = logging.getLogger(__name__)
+
+
+def wide_mask_prg(
+    seed: bytes, num_range: int, dimensions_list: list[tuple[int, ...]]
+) -> list[np.ndarray]:
+    """SecAgg+'s mask expansion keyed by the whole seed: int64 arrays of the given shapes with
+    entries uniform in ``[0, num_range)`` (a power of two: the ring's modulus), from the
+    AES-256-CTR keystream of HKDF-SHA256(seed) (:func:`fedlore.privacy.crypto.prg`).
+
+    flwr 1.42's own ``pseudo_rand_gen`` folds the 32-byte seed into 32 bits (XOR of its 4-byte
+    words) and seeds numpy's Mersenne Twister with them: 2^32 candidates, so a server could
+    search for a client's self-mask seed (against a vector whose pair masks it removed) or
+    for a pair mask. :func:`use_wide_mask_prg` puts this function in its place on both sides.
+    """
+    sizes = [math.prod(d) for d in dimensions_list]
+    words = prg(bytes(seed), sum(sizes))
+    if num_range & (num_range - 1) == 0:
+        words &= np.uint64(num_range - 1)
+    else:
+        words %= np.uint64(num_range)
+    out, at = [], 0
+    for dims, n in zip(dimensions_list, sizes, strict=True):
+        out.append(words[at : at + n].astype(np.int64).reshape(dims))
+        at += n
+    return out
+
+
+def use_wide_mask_prg() -> None:
+    """Make flwr's SecAgg+ workflow (server) and ``secaggplus_mod`` (client) expand masks with
+    :func:`wide_mask_prg`. Both of fedlore's apps import this module, so the server and every
+    client agree; called once at import."""
+    import importlib
+
+    for module in (
+        "flwr.client.mod.secure_aggregation.secaggplus_mod",
+        "flwr.server.workflow.secure_aggregation.secaggplus_workflow",
+    ):
+        side = importlib.import_module(module)
+        if not hasattr(side, "pseudo_rand_gen"):
+            raise RuntimeError(f"{module} has no pseudo_rand_gen: this flwr is not 1.42's")
+        setattr(side, "pseudo_rand_gen", wide_mask_prg)  # noqa: B010 (a module attribute)
+
+
+use_wide_mask_prg()
 
 SECURE_KEY = "privacy.secure"
 """Broadcast config key that is true when the round's uploads go through secure aggregation."""
@@ -95,6 +140,9 @@ class SecAggSettings:
         modulus_range: M, a power of two above T; sums and masks are taken mod M.
         max_weight: the largest weight p_i a client may carry.
         timeout: seconds each of the four stages waits for replies (None: for all).
+        follow_privacy: set ``clipping_range`` each round from the run's DP mechanism (its
+            clip norm C_t, which adaptive clipping moves, plus the noise shares' tail), for a
+            run that left ``flower.secagg_clipping_range`` unset.
     """
 
     num_shares: int | float = 1.0
@@ -104,6 +152,7 @@ class SecAggSettings:
     modulus_range: int = 2**32
     max_weight: float = 1.0
     timeout: float | None = None
+    follow_privacy: bool = False
 
     def max_clients(self) -> int:
         """The most clients a round may sum without overflowing M (n * T < M)."""
@@ -120,25 +169,6 @@ class SecAggSettings:
         step = 2.0 * self.clipping_range / self.quantization_range
         weight_err = 0.5 / self.quantization_range
         return len(w) * (step + 2.0 * max_abs * weight_err) / total
-
-
-@dataclass
-class SecureSum:
-    """The unmasked result of one secure round.
-
-    Attributes:
-        mean: float64 ``(length,)`` CPU tensor, sum p_i v_i / sum p_i over the clients whose
-            vectors entered the sum (within the quantization error of :class:`SecAggSettings`).
-        clients: their fedlore client ids, sorted.
-        metrics: per contributing client, the metrics it sent in the clear.
-    """
-
-    mean: torch.Tensor
-    clients: list[int]
-    metrics: dict[int, Scalars] = field(default_factory=dict)
-    bytes_up: int = 0
-    """Bytes of the masked vectors that arrived (int64, L + 2 entries each: flwr's weight
-    factor, then the vector)."""
 
 
 # ------------------------------------------------------------------------------ server side

@@ -14,16 +14,19 @@ are picked up by :meth:`FlowerTransport.refresh_nodes`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedlore.flower.codec import broadcast_to_record, record_nbytes, record_to_reply
-from fedlore.flower.secure import SecAggSettings, SecureSum, secure_round
+from fedlore.flower.secure import SecAggSettings, secure_round
+from fedlore.privacy import SecureSum, spec_length
 from fedlore.tensors import to_device
 from fedlore.types import Broadcast, Reply
 
@@ -153,15 +156,23 @@ class FlowerTransport:
         log.info("flower transport: %d clients mapped to nodes", len(self.node_of))
 
     def send_secure(
-        self, rnd: int, messages: dict[int, Broadcast], length: int
+        self,
+        rnd: int,
+        messages: dict[int, Broadcast],
+        spec: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        privacy: Any = None,
     ) -> SecureSum | BaseException:
         """One round whose uploads are summed by flwr's SecAgg+ protocol
         (:func:`fedlore.flower.secure.secure_round`): every client of ``messages`` gets its
         broadcast in the collect-masked-vectors stage, trains, and uploads its contribution
-        vector (``length`` entries) masked; the server unmasks only the weighted mean over the
-        clients whose vectors arrived. Clients that drop out after sharing their keys are
-        left out of the sum (their masks are removed from the survivors' shares) as long as
-        every client keeps ``reconstruction_threshold`` live neighbours.
+        vector (the ``spec_length(spec)`` entries of its upload) masked; the server unmasks
+        only the weighted mean over the clients whose vectors arrived. Clients that drop out
+        after sharing their keys are left out of the sum (their masks are removed from the
+        survivors' shares) as long as every client keeps ``reconstruction_threshold`` live
+        neighbours. ``privacy`` (the run's :class:`~fedlore.privacy.Privacy`) adds adaptive
+        clipping's noised bit to the vector and, when ``flower.secagg_clipping_range`` is
+        unset under DP, sets the clipping range from the round's clip norm; flwr's workflow has
+        its own protocol parameters (:class:`~fedlore.flower.secure.SecAggSettings`).
 
         Returns:
             The :class:`SecureSum` (fedlore client ids, sorted), or the exception that stopped
@@ -169,6 +180,13 @@ class FlowerTransport:
             before anything is sent, as in :meth:`send`; fewer than two mapped clients, too few
             live clients for the threshold, a vector of another length: a RuntimeError).
         """
+        settings = self.secagg
+        length = spec_length(spec)
+        if privacy is not None and privacy.dp is not None:
+            length += 1 if privacy.adaptive else 0  # the noised bit of adaptive clipping
+            if settings.follow_privacy:  # entries within C_t plus the shares' noise tail
+                bound = max(1.0, privacy.entry_bound_of(len(messages)))
+                settings = dataclasses.replace(settings, clipping_range=bound)
         if any(c not in self.node_of for c in messages):
             self.refresh_nodes()
         contents: dict[int, RecordDict] = {}
@@ -188,7 +206,7 @@ class FlowerTransport:
             client_of[node] = cid
         if missing:
             log.warning("round %d: no connected SuperNode holds clients %s", rnd, missing)
-        got = secure_round(self.grid, rnd, contents, length, self.secagg, send_and_receive)
+        got = secure_round(self.grid, rnd, contents, length, settings, send_and_receive)
         if isinstance(got, BaseException):
             return got
         mean, metrics, nodes = got

@@ -1,37 +1,54 @@
-"""Secure aggregation and user-level central differential privacy (issue 20).
+"""Secure aggregation and user-level central differential privacy.
 
-* :mod:`fedlore.privacy.secagg`: in-process secure aggregation (fixed point, pairwise masks that
-  cancel in the sum, dropout recovery); deployments use Flower's SecAgg+ (:mod:`fedlore.flower`).
+* :mod:`fedlore.privacy.randomness`: where every draw that protects privacy comes from (OS
+  entropy; the run seed only under ``dp.reproducible_noise``, a debugging mode with no privacy).
+* :mod:`fedlore.privacy.secagg`: in-process secure aggregation with Bonawitz et al.'s double
+  masking, Shamir-shared secrets and thresholds; deployments use Flower's SecAgg+
+  (:mod:`fedlore.flower`).
+* :mod:`fedlore.privacy.fixedpoint`: the 64-bit ring encoding, its resolution from the entry
+  bound and the number of clients.
 * :mod:`fedlore.privacy.dp`: clipping, the Gaussian mechanism's settings and Google's
-  dp-accounting RDP accountant (ε per round, σ from a target ε).
-* :mod:`fedlore.privacy.aggregation`: the client side (:func:`privatize`,
-  :func:`client_contribution`) and the server side (:class:`Privacy`) of a round.
+  dp-accounting accountants (ε per round, σ from a target ε).
+* :mod:`fedlore.privacy.client`: the client side of a round (:func:`client_contribution`,
+  :func:`privatize`); :mod:`fedlore.privacy.plan`: what a secure round sums and returns;
+  :mod:`fedlore.privacy.aggregation`: the server side (:class:`Privacy`).
+* :mod:`fedlore.privacy.crypto` and :mod:`fedlore.privacy.topology`: the protocol's primitives
+  and its mask graphs and thresholds.
 """
 
-from fedlore.privacy.aggregation import (
+from fedlore.privacy.aggregation import ClipNorm, Privacy
+from fedlore.privacy.client import (
     CLEAR_METRICS,
-    MASKED,
     Contribution,
-    Privacy,
     client_contribution,
+    client_noise,
     flatten,
     privatize,
     spec_length,
     unflatten,
 )
 from fedlore.privacy.dp import DPSettings, clip_upload, epsilon_spent, noise_for_epsilon
+from fedlore.privacy.plan import SecurePlan, SecureSum
+from fedlore.privacy.randomness import NoiseSource, SecureSource, SeededSource, noise_source
 
 __all__ = [
     "CLEAR_METRICS",
-    "MASKED",
+    "ClipNorm",
     "Contribution",
     "DPSettings",
+    "NoiseSource",
     "Privacy",
+    "SecurePlan",
+    "SecureSource",
+    "SecureSum",
+    "SeededSource",
     "client_contribution",
+    "client_noise",
     "clip_upload",
     "epsilon_spent",
     "flatten",
     "noise_for_epsilon",
+    "noise_source",
     "privatize",
     "spec_length",
     "unflatten",

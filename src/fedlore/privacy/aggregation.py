@@ -1,167 +1,84 @@
-"""Secure aggregation and central DP around a sum-aggregable method's round.
+"""The server's side of a round under secure aggregation and/or central DP (:class:`Privacy`).
 
-A method is sum-aggregable (:attr:`fedlore.algorithms.base.Hyper.sum_aggregable`) when its
-server needs only ``Σ p_i x_i`` and ``Σ p_i`` of the uploads ``x_i`` (all reply arrays,
-flattened in sorted key order into one vector of length L). Its ``aggregate`` then gives the same
-result whether it sees every upload or, for each contributing client, the weighted mean
-``x̄ = Σ p_i x_i / Σ p_i`` itself with weight 1: that is what :class:`Privacy` hands it.
+A sum-aggregable method's ``aggregate`` gives the same result whether it sees every upload or,
+for each contributing client, the weighted mean ``x̄ = Σ p_i x_i / Σ p_i`` with weight 1: that
+is what :class:`Privacy` hands it, from a secure round's mean (:meth:`Privacy.from_mean`) or, DP
+alone, from the clipped uploads it sums and noises itself (:meth:`Privacy.combine`). It reports
+``dp_epsilon`` (the accountant's ε at ``dp.delta`` after this exchange), ``dp_clip_norm`` (the
+round's C_t), ``dp_clipped`` (DP alone: the trusted curator's count of clipped uploads) and
+``secagg_dropped``.
 
-Client side (:func:`privatize`, run right after ``client_update`` by the transports):
+Noise: N(0, (z_Δ C_t)²) on the sum, from the server's secure source (DP alone) or from the
+clients' shares of std ``z_Δ C_t / sqrt(m_min − c)`` (with secure aggregation: the honest
+survivors of any completed round carry at least the whole). z_Δ = z for a fixed clip; with
+adaptive clipping (Andrew et al. 2021; ``dp.target_quantile``) the round also releases the
+count of unclipped clients with noise σ_b, z_Δ is raised so the pair spends exactly what
+Gaussian(z) does (:func:`~fedlore.privacy.dp.update_noise_multiplier`), and the noised fraction
+moves C for the next round (:func:`~fedlore.privacy.dp.next_clip_norm`). The accountant is fed
+z either way.
 
-1. DP: clip the upload to ``dp.clip_norm`` (:func:`~fedlore.privacy.dp.clip_upload`).
-2. Secure aggregation: add the client's DP noise share ``N(0, σ²C²/m)`` (m = sampled clients),
-   form ``v_i = [p_i x_i, p_i, clipped]`` (L + 2 entries: the weight and the clip flag travel
-   inside the masked sum), encode in fixed point and add the pairwise masks
-   (:mod:`fedlore.privacy.secagg`); the reply is one int64 array ``secagg.masked``.
-   DP without secure aggregation: the clipped arrays themselves, with the clip flag.
-3. The reply's metrics keep only :data:`CLEAR_METRICS` (timings and memory, which the round log
-   needs and which say nothing about the data), ``num_examples`` becomes 1 (the weight is in the
-   sum): training losses and P-local scores of single clients are not released.
-
-Server side (:meth:`Privacy.combine`): sum the masked uploads and remove the masks shared with
-dropped clients from the survivors' revealed seeds, or (DP only) sum the clipped uploads after
-checking each norm; add the DP noise the sum lacks (all of ``N(0, σ²C²)`` without secure
-aggregation; with it, the shares of clients that dropped out); divide by the contributors'
-weight; report ``dp_epsilon`` (the accountant's ε at ``dp.delta`` after this exchange),
-``dp_clipped`` (clients whose upload was clipped) and ``secagg_dropped``.
+With ``dp.reproducible_noise: true`` every draw comes from the run seed instead
+(:class:`~fedlore.privacy.randomness.SeededSource`): a debugging mode with no privacy.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from fedlore.privacy import secagg
-from fedlore.privacy.dp import DPSettings, clip_upload, epsilon_spent, upload_norm
-from fedlore.seeding import DP_NOISE, SECAGG, derive_seed, generator
-from fedlore.types import Arrays, Broadcast, Reply, Scalars
+from fedlore.privacy.client import CLEAR_METRICS, ReplySpec, flatten, spec_length, unflatten
+from fedlore.privacy.dp import (
+    DEFAULT_CLIP_LR,
+    DPSettings,
+    epsilon_spent,
+    next_clip_norm,
+    update_noise_multiplier,
+    upload_norm,
+)
+from fedlore.privacy.fixedpoint import FixedPoint
+from fedlore.privacy.plan import SecurePlan
+from fedlore.privacy.randomness import SERVER, SERVER_COUNT, NoiseSource, SecureSource
+from fedlore.privacy.secagg import RoundParams
+from fedlore.privacy.topology import neighbours, threshold_count
+from fedlore.seeding import SECAGG, derive_seed
+from fedlore.types import Broadcast, Reply, Scalars, State
 
-ReplySpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
-
-CLEAR_METRICS = ("train_s", "optimizer_state_bytes", "basis_bytes", "peak_memory_bytes")
-"""Reply metrics that travel in the clear under secure aggregation or DP."""
-MASKED = "secagg.masked"
-"""The one array of a masked reply: int64, L + 2 entries."""
-CONFIG_PREFIX = "privacy."
-
-
-def flatten(arrays: Arrays) -> torch.Tensor:
-    """The arrays' values in sorted key order as one float64 vector (on the arrays' device)."""
-    if not arrays:
-        raise ValueError("no upload arrays to flatten")
-    return torch.cat([arrays[k].detach().reshape(-1).double() for k in sorted(arrays)])
-
-
-def unflatten(vector: torch.Tensor, spec: ReplySpec) -> Arrays:
-    """Arrays of ``spec`` (key -> (shape, dtype)) from ``vector`` (sorted key order).
-
-    Raises:
-        ValueError: if the vector's length is not the spec's total size.
-    """
-    out: Arrays = {}
-    at = 0
-    for k in sorted(spec):
-        shape, dtype = spec[k]
-        n = math.prod(shape)
-        out[k] = vector[at : at + n].reshape(shape).to(dtype).contiguous()
-        at += n
-    if at != vector.numel():
-        raise ValueError(f"vector has {vector.numel()} entries, the reply spec needs {at}")
-    return out
+DEFAULT_THRESHOLD = 2 / 3
+"""``secure_aggregation_threshold``'s default: two thirds of the round's clients must survive,
+and two thirds of a client's share holders rebuild its secrets (the round tolerates a third
+dropping out and t − 1 colluders)."""
+DEFAULT_RANGE = 1000.0
+"""``secure_aggregation_range``'s default: without DP, upload entries beyond ±1000 are clipped
+(and counted) before fixed-point encoding."""
+NOISE_TAIL = 12.0
+"""Under DP the fixed-point bound is ``C + 12 s`` (s: the noise share's std): a share entry
+lies beyond 12 standard deviations with probability 3.6e-33."""
+CLIP_KEY = "privacy.clip_norm"
+"""Server-state value under adaptive clipping: C of the coming round (so a resumed run goes on
+with the clip norm the killed one had reached)."""
 
 
-def spec_length(spec: ReplySpec) -> int:
-    """L: the number of entries of an upload of ``spec``."""
-    return sum(math.prod(shape) for shape, _ in spec.values())
-
-
-def pair_secret(seed: int) -> int:
-    """The in-process clients' secret behind their pair seeds (see :mod:`fedlore.privacy.secagg`:
-    a deployment agrees them by key exchange instead)."""
-    return derive_seed(seed, SECAGG, -1)
-
-
-@dataclass(frozen=True)
-class Contribution:
-    """What a client adds to the round's secure sum.
+@dataclass
+class ClipNorm:
+    """The clip norm of the coming round: ``dp.clip_norm`` for good, or (``target_quantile``
+    set) adapted after every round.
 
     Attributes:
-        vector: float64, L + 1 entries on the CPU: the (clipped, DP-noised) upload vector in
-            sorted key order, then the 0/1 clip flag. Not yet weighted.
-        weight: p_i (1.0 under uniform weighting, else the client's training-set size).
-        metrics: the reply metrics that travel in the clear.
+        value: C_t. target_quantile: γ (None: fixed). clip_lr: η_C.
+        count_stddev: σ_b, the noise std on the count of unclipped clients.
     """
 
-    vector: torch.Tensor
-    weight: float
-    metrics: Scalars
+    value: float
+    target_quantile: float | None = None
+    clip_lr: float = DEFAULT_CLIP_LR
+    count_stddev: float = 0.0
 
-
-def client_contribution(
-    reply: Reply, config: Scalars, client_id: int, rnd: int, seed: int
-) -> Contribution:
-    """Client side: clip (DP), add the client's noise share (DP with secure aggregation) and
-    flatten (see the module docstring).
-
-    Args:
-        config: the broadcast's config (``privacy.*`` keys from :meth:`Privacy.configure`).
-        seed: the run seed (the noise share draws from ``(seed, DP_NOISE, round, client)``).
-
-    Raises:
-        ValueError: for non-finite upload arrays (nothing is sent) or no ``privacy.`` config.
-    """
-    if "privacy.secure" not in config:
-        raise ValueError("the broadcast carries no privacy settings (privacy.*)")
-    arrays = {k: v for k, v in reply.arrays.items()}
-    clip = float(config.get("privacy.clip_norm", 0.0))
-    clipped = False
-    if clip > 0:
-        arrays, clipped = clip_upload(arrays, clip, float(config["privacy.sketch_share"]))
-    vec = flatten(arrays).cpu()
-    if not bool(torch.isfinite(vec).all()):
-        raise ValueError("the upload contains NaN or Inf; nothing is sent")
-    share = float(config.get("privacy.noise_share", 0.0))
-    if share > 0:
-        g = generator(seed, DP_NOISE, rnd, client_id)
-        vec = vec + share * torch.randn(vec.numel(), generator=g, dtype=torch.float64)
-    flag = torch.tensor([1.0 if clipped else 0.0], dtype=torch.float64)
-    weight = 1.0 if config.get("privacy.uniform", True) else float(reply.num_examples)
-    metrics = {k: reply.metrics[k] for k in CLEAR_METRICS if k in reply.metrics}
-    return Contribution(torch.cat([vec, flag]), weight, metrics)
-
-
-def privatize(reply: Reply, config: Scalars, client_id: int, rnd: int, seed: int) -> Reply:
-    """Client side of the in-process modes: the reply a client sends under the broadcast's
-    ``privacy.*`` settings (the reply unchanged when there are none).
-
-    Secure aggregation: ``{secagg.masked: int64 (L + 2,)}``, the masked fixed-point encoding of
-    ``[p_i x_i, p_i, clipped]``; DP alone: the clipped arrays (their own dtypes) and the metric
-    ``dp_clipped``. Metrics: :data:`CLEAR_METRICS` and ``num_examples = 1``.
-
-    Raises:
-        ValueError: for non-finite uploads or entries too large for fixed point.
-    """
-    if "privacy.secure" not in config:
-        return reply
-    if not config["privacy.secure"]:  # DP alone: the server sees the clipped upload
-        clip = float(config["privacy.clip_norm"])
-        arrays, clipped = clip_upload(
-            dict(reply.arrays), clip, float(config["privacy.sketch_share"])
-        )
-        metrics = {k: reply.metrics[k] for k in CLEAR_METRICS if k in reply.metrics}
-        return Reply(arrays, {**metrics, "num_examples": 1, "dp_clipped": int(clipped)})
-    c = client_contribution(reply, config, client_id, rnd, seed)
-    weighted = torch.cat(
-        [c.vector[:-1] * c.weight, torch.tensor([c.weight], dtype=torch.float64), c.vector[-1:]]
-    )
-    peers = [int(p) for p in str(config["privacy.peers"]).split(",") if p]
-    masked = secagg.mask(secagg.encode(weighted), client_id, peers, rnd, pair_secret(seed))
-    arr = torch.from_numpy(masked.view(np.int64).copy())
-    return Reply({MASKED: arr}, {**c.metrics, "num_examples": 1})
+    @property
+    def adaptive(self) -> bool:
+        return self.target_quantile is not None
 
 
 @dataclass(frozen=True)
@@ -170,17 +87,25 @@ class Privacy:
 
     Attributes:
         secure: secure aggregation on.
-        dp: the DP mechanism (None: off).
+        dp: the DP mechanism (None: off); its ``clip_norm`` is C_0.
         uniform: p_i = 1 (``weighting: uniform``; required by DP), else p_i = n_i.
         num_clients: N. per_round: m, clients sampled per round.
         setup_rounds: exchanges before round 0 (they read client data: counted by the
             accountant).
-        seed: the run seed (the server's noise draws from ``(seed, DP_NOISE, round, -1)``;
-            in process, the clients' pair secret, used server-side only through the survivors'
-            :func:`~fedlore.privacy.secagg.reveal`).
+        seed: the run seed: it orders the SecAgg+ ring (public) and, only with
+            ``reproducible`` noise, seeds the noise and the DP sample.
         mask_degree: in-process mask partners per client: 0 = every other sampled client
-            (SecAgg), k > 0 = a seeded ring graph of degree k (SecAgg+; see
-            :func:`~fedlore.privacy.secagg.neighbours`).
+            (SecAgg), k > 0 = the SecAgg+ ring of degree k (:func:`~fedlore.privacy.topology.
+            neighbours`).
+        threshold: ``secure_aggregation_threshold``: the fewest survivors of a round and the
+            shares that rebuild a secret, as a count or a fraction (of the sampled clients,
+            resp. of a client's share holders).
+        colluders: ``dp.colluding_clients``: clients whose noise shares may be known to the
+            server; the others' shares alone reach the full noise.
+        entry_bound: ``secure_aggregation_range`` (no DP): the fixed point's entry bound.
+        max_weight: W, the largest client weight (1 under uniform weighting).
+        noise: where DP noise and the DP client sample come from.
+        clip: the clip norm schedule (None: fixed at ``dp.clip_norm``).
     """
 
     secure: bool
@@ -191,51 +116,140 @@ class Privacy:
     setup_rounds: int
     seed: int
     mask_degree: int = 0
+    threshold: int | float = DEFAULT_THRESHOLD
+    colluders: int = 0
+    entry_bound: float = DEFAULT_RANGE
+    max_weight: float = 1.0
+    noise: NoiseSource = field(default_factory=SecureSource)
+    clip: ClipNorm | None = None
+
+    def __post_init__(self) -> None:
+        if self.clip is None and self.dp is not None:
+            object.__setattr__(self, "clip", ClipNorm(self.dp.clip_norm))
+
+    # ------------------------------------------------------------------ the round's mechanism
+
+    @property
+    def reproducible(self) -> bool:
+        """True when the noise comes from the run seed (no privacy)."""
+        return not self.noise.secure
+
+    @property
+    def adaptive(self) -> bool:
+        return self.clip is not None and self.clip.adaptive
+
+    @property
+    def clip_norm(self) -> float:
+        """C_t, the clip norm of the coming round (0 without DP)."""
+        return 0.0 if self.clip is None else self.clip.value
+
+    @property
+    def update_multiplier(self) -> float:
+        """z_Δ: the noise multiplier on the upload sum (z for a fixed clip)."""
+        assert self.dp is not None and self.clip is not None
+        if not self.clip.adaptive:
+            return self.dp.noise_multiplier
+        return update_noise_multiplier(self.dp.noise_multiplier, self.clip.count_stddev)
+
+    def sample(self, rnd: int) -> list[int]:
+        """The DP client sample of round ``rnd`` (from :attr:`noise`: secret by default)."""
+        return self.noise.sample(self.num_clients, self.per_round, rnd)
+
+    def min_survivors(self, sampled: int) -> int:
+        """m_min: the fewest clients a secure round of ``sampled`` clients completes with."""
+        return min(sampled, threshold_count(self.threshold, sampled))
+
+    def _honest(self, sampled: int) -> int:
+        honest = self.min_survivors(sampled) - self.colluders
+        if honest < 1:
+            raise ValueError(
+                f"dp.colluding_clients={self.colluders} leaves no honest survivor in a round "
+                f"that completes with {self.min_survivors(sampled)} clients"
+            )
+        return honest
+
+    def noise_share(self, sampled: int) -> float:
+        """A client's noise-share std on its upload under secure aggregation with DP:
+        z_Δ C_t / sqrt(m_min − c) (0 without either)."""
+        if self.dp is None or not self.secure:
+            return 0.0
+        return self.update_multiplier * self.clip_norm / math.sqrt(self._honest(sampled))
+
+    def count_share(self, sampled: int) -> float:
+        """A client's noise-share std on its adaptive-clipping bit: σ_b / sqrt(m_min − c)."""
+        assert self.clip is not None
+        return self.clip.count_stddev / math.sqrt(self._honest(sampled))
+
+    def entry_bound_of(self, sampled: int) -> float:
+        """The largest upload entry a client of a round of ``sampled`` sends: C_t + 12 s under
+        DP (its noise share's tail; the adaptive bit, 1 + 12 s_b, too), else
+        ``secure_aggregation_range``."""
+        if self.dp is None:
+            return self.entry_bound
+        bound = self.clip_norm + NOISE_TAIL * self.noise_share(sampled)
+        if self.adaptive and self.secure:
+            bound = max(bound, 1.0 + NOISE_TAIL * self.count_share(sampled))
+        return bound
+
+    # ------------------------------------------------------------------ configuring a round
 
     def neighbours(self, rnd: int, sampled: list[int]) -> dict[int, list[int]]:
-        """Each sampled client's mask partners in round ``rnd``
-        (:func:`~fedlore.privacy.secagg.neighbours` with :attr:`mask_degree`)."""
-        return secagg.neighbours(
+        """Each sampled client's mask partners in round ``rnd``."""
+        return neighbours(
             sorted(sampled), self.mask_degree, derive_seed(self.seed, SECAGG, rnd, -2)
         )
 
-    def configure(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Broadcast]:
-        """The round's broadcasts with the ``privacy.*`` settings each client needs (its peers
-        for the pairwise masks, the clip norm, its noise share)."""
-        partners = self.neighbours(rnd, list(messages))
-        out = {}
-        for c, m in messages.items():
-            peers: Scalars = {"privacy.peers": ",".join(str(j) for j in partners[c])}
-            out[c] = Broadcast(m.arrays, {**m.config, **self._settings(len(messages)), **peers})
-        return out
+    def round_params(self, rnd: int, sampled: list[int]) -> RoundParams:
+        """The protocol parameters of round ``rnd`` (see :mod:`fedlore.privacy.secagg`).
 
-    def _settings(self, sampled: int) -> Scalars:
-        """The ``privacy.*`` settings every client of a round of ``sampled`` clients gets."""
-        return {
+        Raises:
+            ValueError: when the thresholds cannot hold for this round's clients.
+        """
+        graph = {c: tuple(v) for c, v in self.neighbours(rnd, sampled).items()}
+        holders = min(len(v) + 1 for v in graph.values())
+        t = min(holders, threshold_count(self.threshold, holders))
+        return RoundParams(rnd, graph, t, self.min_survivors(len(sampled)))
+
+    def fixed_point(self, sampled: int) -> FixedPoint:
+        """The fixed point of a round of ``sampled`` clients (weights p_i / W ≤ 1 keep w x
+        within the entry bound)."""
+        return FixedPoint.for_sum(max(self.entry_bound_of(sampled), 1.0), sampled)
+
+    def plan(self, rnd: int, sampled: list[int], spec: ReplySpec) -> SecurePlan:
+        """The :class:`~fedlore.privacy.plan.SecurePlan` of an in-process secure round."""
+        return SecurePlan(
+            self.round_params(rnd, sampled),
+            self.fixed_point(len(sampled)),
+            spec_length(spec),
+            1 if self.adaptive else 0,
+            self.dp is None,
+            self.max_weight,
+        )
+
+    def configure(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Broadcast]:
+        """The round's broadcasts with the ``privacy.*`` settings each client needs."""
+        m = len(messages)
+        settings: Scalars = {
             "privacy.secure": self.secure,
             "privacy.uniform": self.uniform,
-            "privacy.clip_norm": self.dp.clip_norm if self.dp else 0.0,
+            "privacy.clip_norm": self.clip_norm,
             "privacy.sketch_share": self.dp.sketch_share if self.dp else 0.5,
-            "privacy.noise_share": (
-                self.dp.noise_std / math.sqrt(sampled) if self.dp and self.secure else 0.0
-            ),
+            "privacy.noise_share": self.noise_share(m),
+            "privacy.reproducible": self.reproducible,
         }
-
-    def expected(self, spec: ReplySpec) -> ReplySpec:
-        """The spec of a valid reply: the masked vector under secure aggregation, else the
-        method's own."""
-        if self.secure:
-            return {MASKED: ((spec_length(spec) + 2,), torch.int64)}
-        return spec
+        if self.adaptive and self.secure:
+            settings["privacy.count_share"] = self.count_share(m)
+        return {c: Broadcast(b.arrays, {**b.config, **settings}) for c, b in messages.items()}
 
     def screen(self, reply: Reply) -> str | None:
         """DP without secure aggregation: why a (shape-valid) reply is rejected, or None: its
-        norm must be within the clip norm (a client that did not clip would break the bound)."""
+        norm must be within the round's clip norm (a client that did not clip would break the
+        bound)."""
         if self.secure or self.dp is None:
             return None
         norm = upload_norm(reply.arrays)
-        if norm > self.dp.clip_norm * (1 + 1e-5):
-            return f"upload norm {norm:.6g} exceeds dp.clip_norm {self.dp.clip_norm:g}"
+        if norm > self.clip_norm * (1 + 1e-5):
+            return f"upload norm {norm:.6g} exceeds the clip norm {self.clip_norm:g}"
         return None
 
     def epsilon(self, rnd: int) -> float:
@@ -243,8 +257,15 @@ class Privacy:
         assert self.dp is not None
         done = rnd + 1 + self.setup_rounds
         return epsilon_spent(
-            self.dp.noise_multiplier, self.dp.delta, done, self.num_clients, self.per_round
+            self.dp.noise_multiplier,
+            self.dp.delta,
+            done,
+            self.num_clients,
+            self.per_round,
+            accountant=self.dp.accountant,
         )
+
+    # ------------------------------------------------------------------ the round's result
 
     def combine(
         self,
@@ -253,39 +274,36 @@ class Privacy:
         accepted: Sequence[tuple[int, Reply | None]],
         device: torch.device,
     ) -> tuple[list[tuple[int, Reply | None]], Scalars]:
-        """In-process modes: the replies the method aggregates (each contributor: the weighted
-        mean upload with weight 1, on ``device``; dropped or rejected clients: None) and the
-        round's privacy metrics, from the validated replies ``accepted`` (None: dropped).
+        """DP without secure aggregation: the replies the method aggregates (each contributor:
+        the noised mean upload with weight 1, on ``device``; dropped or rejected clients:
+        None) and the round's privacy metrics, from the validated, clipped replies
+        ``accepted`` (None: dropped). The noise comes from :attr:`noise`.
 
         Raises:
-            ValueError: if the unmasked weight sum is not positive (a broken round).
+            ValueError: under secure aggregation (its sum comes from the transport).
         """
+        if self.secure:
+            raise ValueError("a secure round's sum comes from the transport's send_secure")
         sampled = [c for c, _ in accepted]
         ok = {c: r for c, r in accepted if r is not None}
-        length = spec_length(spec)
         if not ok:
-            return self._finish(rnd, spec, None, 0.0, 0.0, {}, sampled, device)
+            return self._finish(rnd, spec, None, {}, sampled, device)
+        total = torch.zeros(spec_length(spec), dtype=torch.float64, device="cpu")
+        for r in ok.values():
+            total += flatten(r.arrays).cpu()
         metrics: Scalars = {}
-        if self.secure:
-            masked = {c: r.arrays[MASKED].cpu().numpy().view(np.uint64) for c, r in ok.items()}
-            dropped = [c for c in sampled if c not in ok]
-            secret = pair_secret(self.seed)  # the survivors' answers (secagg.reveal)
-            partners = self.neighbours(rnd, sampled)
-            revealed = {
-                c: secagg.reveal(c, [j for j in dropped if j in partners[c]], rnd, secret)
-                for c in ok
-            }
-            total = secagg.decode(secagg.unmask_sum(masked, revealed))
-            sum_x, sum_p, clipped = total[:length], float(total[length]), float(total[length + 1])
-            metrics["secagg_dropped"] = len(dropped)
-        else:
-            sum_x = torch.zeros(length, dtype=torch.float64)
-            for r in ok.values():
-                sum_x += flatten(r.arrays).cpu()
-            sum_p = float(len(ok))
-            clipped = float(sum(int(r.metrics.get("dp_clipped", 0)) for r in ok.values()))
+        count = None
+        if self.dp is not None:
+            std = self.update_multiplier * self.clip_norm
+            total = total + self.noise.gaussian(total.numel(), std, rnd, SERVER)
+            clipped = sum(int(r.metrics.get("dp_clipped", 0)) for r in ok.values())
+            metrics["dp_clipped"] = clipped
+            if self.adaptive:
+                assert self.clip is not None
+                noise = self.noise.gaussian(1, self.clip.count_stddev, rnd, SERVER_COUNT)
+                count = (len(ok) - clipped) + float(noise[0])
         clear = {c: r.metrics for c, r in ok.items()}
-        out, more = self._finish(rnd, spec, sum_x, sum_p, clipped, clear, sampled, device)
+        out, more = self._finish(rnd, spec, total / len(ok), clear, sampled, device, count)
         return out, {**metrics, **more}
 
     def from_mean(
@@ -297,19 +315,17 @@ class Privacy:
         sampled: list[int],
         device: torch.device,
     ) -> tuple[list[tuple[int, Reply | None]], Scalars]:
-        """A secure sum computed elsewhere (Flower's SecAgg+): ``mean`` (L + 1 entries) is
-        ``Σ p_i v_i / Σ p_i`` over the contributors ``clear`` (client -> clear metrics) of the
-        :class:`Contribution` vectors ``v_i``; the rest as :meth:`combine`."""
+        """A secure round's result (:class:`~fedlore.privacy.plan.SecureSum`): ``mean`` (L
+        entries, and the noised adaptive-clipping bit after them) is ``Σ p_i v_i / Σ p_i`` over
+        the contributors ``clear`` (client -> clear metrics); the clients' noise shares
+        already carry the DP noise."""
         length = spec_length(spec)
-        if mean.numel() != length + 1:
-            raise ValueError(f"secure mean has {mean.numel()} entries, expected {length + 1}")
+        extras = 1 if self.adaptive else 0
+        if mean.numel() != length + extras:
+            raise ValueError(f"secure mean has {mean.numel()} entries, expected {length + extras}")
         mean = mean.detach().to("cpu", torch.float64)
-        k = float(len(clear))
-        if self.dp is not None:  # uniform weights: Σ v_i = k * mean
-            sum_x, sum_p, clipped = mean[:length] * k, k, float(mean[length]) * k
-        else:
-            sum_x, sum_p, clipped = mean[:length], 1.0, 0.0
-        out, metrics = self._finish(rnd, spec, sum_x, sum_p, clipped, clear, sampled, device)
+        count = float(mean[length]) * len(clear) if extras else None  # uniform weights under DP
+        out, metrics = self._finish(rnd, spec, mean[:length], clear, sampled, device, count)
         metrics["secagg_dropped"] = len(sampled) - len(clear)
         return out, metrics
 
@@ -317,37 +333,60 @@ class Privacy:
         self,
         rnd: int,
         spec: ReplySpec,
-        sum_x: torch.Tensor | None,
-        sum_p: float,
-        clipped: float,
+        mean: torch.Tensor | None,
         clear: dict[int, Scalars],
         sampled: list[int],
         device: torch.device,
+        noised_count: float | None = None,
     ) -> tuple[list[tuple[int, Reply | None]], Scalars]:
-        """Add the DP noise the sum lacks, divide by the weight and build the replies."""
+        """The replies the method aggregates (the mean for each contributor), ε, and the
+        adaptive clip norm's step from the noised count of unclipped contributors."""
         metrics: Scalars = {}
         if self.dp is not None:
             metrics["dp_epsilon"] = self.epsilon(rnd)
-        if sum_x is None or not clear:
+            metrics["dp_clip_norm"] = self.clip_norm
+        if mean is None or not clear:
             return [(c, None) for c in sampled], metrics
-        if self.dp is not None:
-            have = len(clear) / len(sampled) if self.secure else 0.0  # noise shares already in
-            top_up = self.dp.noise_std * math.sqrt(max(1.0 - have, 0.0))
-            if top_up > 0:
-                g = generator(self.seed, DP_NOISE, rnd, -1)
-                sum_x = sum_x + top_up * torch.randn(
-                    sum_x.numel(), generator=g, dtype=torch.float64
-                )
-            sum_p = float(len(clear))  # uniform weights: the contributors
-            metrics["dp_clipped"] = round(clipped)
-        if not sum_p > 0:
-            raise ValueError(f"round {rnd}: the unmasked weight sum is {sum_p}")
-        mean = {k: v.to(device) for k, v in unflatten(sum_x / sum_p, spec).items()}
+        if noised_count is not None and self.clip is not None and self.clip.adaptive:
+            assert self.clip.target_quantile is not None
+            metrics["dp_unclipped_fraction"] = noised_count / len(clear)
+            self.clip.value = next_clip_norm(
+                self.clip.value,
+                noised_count,
+                len(clear),
+                self.clip.target_quantile,
+                self.clip.clip_lr,
+            )
+        arrays = {k: v.to(device) for k, v in unflatten(mean, spec).items()}
         out: list[tuple[int, Reply | None]] = []
         for c in sampled:
             if c not in clear:
                 out.append((c, None))
                 continue
             kept = {k: clear[c][k] for k in CLEAR_METRICS if k in clear[c]}
-            out.append((c, Reply(mean, {**kept, "num_examples": 1})))
+            out.append((c, Reply(arrays, {**kept, "num_examples": 1})))
         return out, metrics
+
+    def aborted(self, rnd: int, sampled: list[int]) -> Scalars:
+        """The privacy metrics of a round whose secure aggregation was aborted (ε still
+        counts the exchange: the clients computed on their data)."""
+        metrics: Scalars = {"secagg_dropped": len(sampled), "secagg_aborted": 1}
+        if self.dp is not None:
+            metrics["dp_epsilon"] = self.epsilon(rnd)
+            metrics["dp_clip_norm"] = self.clip_norm
+        return metrics
+
+    # ------------------------------------------------------------------ state across rounds
+
+    def record(self, state: State) -> State:
+        """``state`` with the adaptive clip norm of the coming round in its values (checkpointed
+        with it); ``state`` itself otherwise."""
+        if not self.adaptive:
+            return state
+        return State(state.arrays, {**state.values, CLIP_KEY: self.clip_norm})
+
+    def restore(self, state: State) -> None:
+        """Go on from a checkpoint: the adaptive clip norm :meth:`record` stored in ``state``."""
+        if self.adaptive and CLIP_KEY in state.values:
+            assert self.clip is not None
+            self.clip.value = float(state.values[CLIP_KEY])

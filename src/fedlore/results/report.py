@@ -73,6 +73,7 @@ COLUMNS = [
     "dp_clip_norm_mean",
     "dp_delta",
     "dp_clipped_total_mean",
+    "no_privacy_runs",
 ]
 """Keys of every :func:`summary_table` row, in CSV column order (the perplexity columns are
 empty for classifiers; ECE, G-local and P-local accuracy and client training time are empty for
@@ -181,6 +182,7 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
                 "dp_delta": next(
                     (r.summary["dp_delta"] for r in records if "dp_delta" in r.summary), None
                 ),
+                "no_privacy_runs": sum(1 for r in records if r.summary.get("privacy")),
             }
         )
     return table
@@ -233,7 +235,8 @@ def _bytes(v: float | None) -> str:
 def _dp_cell(row: dict[str, Any]) -> str:
     """``ε (δ) / σ / C / clipped``: the privacy spent at the run's end (mean over seeds), the
     noise multiplier, the clip norm and the clipped uploads per run (of all the uploads the
-    run's clients made); "–" for a run without DP."""
+    run's clients made); "–" for a run without DP. Runs with ``dp.reproducible_noise`` (noise
+    from the run seed) are marked "no privacy"."""
     sigma = row.get("dp_noise_multiplier_mean")
     if sigma is None:
         return "–"
@@ -243,7 +246,10 @@ def _dp_cell(row: dict[str, Any]) -> str:
     delta_s = f" ({delta:g})" if delta is not None else ""
     clip = row.get("dp_clip_norm_mean")
     clip_s = "–" if clip is None else f"{clip:g}"
-    return f"{eps_s}{delta_s} / {sigma:.3g} / {clip_s} / {_count(row.get('dp_clipped_total_mean'))}"
+    cell = f"{eps_s}{delta_s} / {sigma:.3g} / {clip_s} / {_count(row.get('dp_clipped_total_mean'))}"
+    if row.get("no_privacy_runs"):  # dp.reproducible_noise: the noise can be regenerated
+        cell = f"no privacy ({int(row['no_privacy_runs'])} runs with seeded noise): " + cell
+    return cell
 
 
 def to_markdown(table: list[dict[str, Any]]) -> str:

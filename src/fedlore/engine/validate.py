@@ -1,0 +1,57 @@
+"""The server's checks of a client reply against the method's expected arrays."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fedlore.tensors import all_finite
+from fedlore.types import Reply
+
+
+def validate_reply(
+    reply: Reply, expected: dict[str, tuple[tuple[int, ...], torch.dtype]]
+) -> str | None:
+    """Why ``reply`` must be rejected, or None if it is acceptable.
+
+    Checks: ``num_examples`` is a finite positive integer; every array is a tensor; the array
+    keys are exactly the expected ones; each array has the expected shape and dtype, is detached,
+    and (if floating or complex) finite.
+    """
+    n = reply.metrics.get("num_examples")
+    if (
+        not isinstance(n, int | float)
+        or isinstance(n, bool)
+        or not math.isfinite(n)
+        or not n > 0
+        or int(n) != n
+    ):
+        return f"num_examples must be a positive integer, got {n!r}"
+    bad = sorted(k for k, v in reply.arrays.items() if not isinstance(v, torch.Tensor))
+    if bad:
+        return f"arrays that are not tensors: {bad[:3]}"
+    missing = sorted(set(expected) - set(reply.arrays))
+    extra = sorted(set(reply.arrays) - set(expected))
+    if missing or extra:
+        return f"array keys differ: missing {missing[:3]}, unexpected {extra[:3]}"
+    checked: list[str] = []  # keys that pass the metadata checks, in order
+    problem = None
+    for k, (shape, dtype) in expected.items():
+        t = reply.arrays[k]
+        if tuple(t.shape) != tuple(shape):
+            problem = f"{k}: shape {tuple(t.shape)}, expected {tuple(shape)}"
+        elif t.dtype != dtype:
+            problem = f"{k}: dtype {t.dtype}, expected {dtype}"
+        elif t.requires_grad:
+            problem = f"{k}: requires grad (replies must be detached)"
+        if problem is not None:
+            break
+        checked.append(k)
+    # the first problem in key order, as if each key were checked in turn; the finiteness of
+    # every key before it at once (one wait on the device)
+    if not all_finite(reply.arrays[k] for k in checked):
+        for k in checked:
+            if not all_finite([reply.arrays[k]]):
+                return f"{k}: contains NaN or Inf"
+    return problem
