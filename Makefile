@@ -10,7 +10,7 @@ export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_DISABLE_UPDATE_CHECK := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: run test lint install data bench clean
+.PHONY: run test lint install data bench clean mutation
 
 # The Debian data packages the tests read (fortunes corpus, Fashion-MNIST). Installed when this
 # runs as root with apt-get and a reachable package index; otherwise the tests that need them
@@ -52,8 +52,17 @@ data:
 test: lint data
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# Mutation testing with mutmut (scripts/mutation.py, docs/mutation.md); not part of `make test`
+# (minutes per group). MODULES picks groups of [tool.fedlore.mutation] in pyproject.toml by name
+# or path, e.g. `make mutation MODULES=src/fedlore/robust.py` (default: every group); JOBS
+# mutants run at once. mutmut's copies and results go to .mutation/<group>/ (kept between runs).
+MODULES ?=
+JOBS    ?= 1
+mutation: $(STAMP)
+	nice -n 10 $(BIN)/python scripts/mutation.py --jobs $(JOBS) $(MODULES)
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/round_time.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache .mutation mutants

@@ -71,7 +71,8 @@ def with_prefix(arrays: Arrays, prefix: str) -> Arrays:
 
 
 def weighted_mean(items: Sequence[Arrays], weights: Sequence[float]) -> Arrays:
-    """Key-wise weighted mean ``Σ_i w_i x_i / Σ_i w_i`` computed in float64, cast back.
+    """Key-wise weighted mean ``Σ_i w_i x_i / Σ_i w_i`` computed in float64 (complex128 for
+    complex tensors), cast back.
 
     Args:
         items: N dicts with identical keys and shapes.
@@ -94,11 +95,12 @@ def weighted_mean(items: Sequence[Arrays], weights: Sequence[float]) -> Arrays:
         if not (ref.is_floating_point() or ref.is_complex()):
             out[k] = ref.clone()  # integer buffers (e.g. BatchNorm counters): take the first
             continue
-        acc = torch.zeros(ref.shape, dtype=torch.float64, device=ref.device)
+        wide = torch.complex128 if ref.is_complex() else torch.float64
+        acc = torch.zeros(ref.shape, dtype=wide, device=ref.device)
         for item, w in zip(items, weights, strict=True):
             if item.keys() != keys:
                 raise ValueError("weighted_mean: items have different keys")
-            acc += float(w) * item[k].to(torch.float64)
+            acc += float(w) * item[k].to(wide)
         out[k] = (acc / total).to(ref.dtype)
     return out
 

@@ -499,7 +499,6 @@ def scoring_layout(model: nn.Module) -> nn.Module:
     return model
 
 
-@torch.no_grad()
 def meta_nll(model: nn.Module, meta: TensorSplit, mc_samples: int, batch_size: int = 512) -> float:
     """Seed Eq. (19): ``1/|d| Σ_{(x,y) ∈ d} -log p̄(y | x)``, the mean NLL over d of the model's
     predictive ``p̄ = (1/S) Σ_s softmax(f(x; w_s))`` with S = ``mc_samples`` draws from the fixed
@@ -508,21 +507,24 @@ def meta_nll(model: nn.Module, meta: TensorSplit, mc_samples: int, batch_size: i
     eval mode). No KL term. Regression (real targets): the predictive is the mixture
     ``(1/S) Σ_s N(f(x; w_s), I)`` (:func:`~fedlore.train.local.regression_nll`).
 
+    Computed without gradients (a ``no_grad`` block, not the decorator: mutation testing,
+    ``make mutation``, skips decorated functions; so does :func:`meta_loss`).
+
     Returns:
         A float (nats per example); NaN when the predictions are not finite (a diverged trial).
     """
-    if is_regression(meta.y):  # the predictive mixture of N(f_s(x), I), as the likelihood
-        draws = predictive_draws(model, meta.x, batch_size, mc_samples)
-        if not bool(torch.isfinite(draws).all()):
+    with torch.no_grad():
+        if is_regression(meta.y):  # the predictive mixture of N(f_s(x), I), as the likelihood
+            draws = predictive_draws(model, meta.x, batch_size, mc_samples)
+            if not bool(torch.isfinite(draws).all()):
+                return float("nan")
+            return float(regression_nll(draws, meta.y).mean())
+        log_probs = predictive_log_probs(model, meta.x, batch_size, mc_samples)
+        if not bool(torch.isfinite(log_probs).all()):
             return float("nan")
-        return float(regression_nll(draws, meta.y).mean())
-    log_probs = predictive_log_probs(model, meta.x, batch_size, mc_samples)
-    if not bool(torch.isfinite(log_probs).all()):
-        return float("nan")
-    return float(F.nll_loss(log_probs, meta.y))
+        return float(F.nll_loss(log_probs, meta.y))
 
 
-@torch.no_grad()
 def meta_loss(
     model: nn.Module, meta: TensorSplit, terms: list[LossTerm], batch_size: int = 512
 ) -> float:
@@ -537,12 +539,13 @@ def meta_loss(
     """
     model.eval()
     total = 0.0
-    for i in range(0, len(meta), batch_size):
-        x, y = meta.x[i : i + batch_size], meta.y[i : i + batch_size]
-        total += float(task_loss(model(x), y)) * len(y)
-    out = total / len(meta)
-    for term in terms:
-        out += float(term(model))
+    with torch.no_grad():
+        for i in range(0, len(meta), batch_size):
+            x, y = meta.x[i : i + batch_size], meta.y[i : i + batch_size]
+            total += float(task_loss(model(x), y)) * len(y)
+        out = total / len(meta)
+        for term in terms:
+            out += float(term(model))
     return out
 
 

@@ -189,20 +189,21 @@ class ProjectedAdam(torch.optim.Optimizer):
             torch._foreach_mul_(params, decay)
         return params
 
-    @torch.no_grad()
     def skip_step(self) -> None:
         """A skipped step (non-finite loss or gradient): no moment update and no gradient
         direction, but the common decay ``a_k = 1 - lr_k * weight_decay`` is still applied to
         every weight and to ``Z``, so ``W_K = (Π a_k) W_0 + P Z`` keeps holding with the same
-        ``a`` the server uses (Proposition 8)."""
-        for group in self.param_groups:
-            decay = 1.0 - group["lr"] * group["weight_decay"]
-            if decay == 1.0:
-                continue
-            torch._foreach_mul_(list(group["params"]), decay)
-            zs = [self.coords[p] for p in group["params"] if p in self.coords]
-            if zs:
-                torch._foreach_mul_(zs, decay)
+        ``a`` the server uses (Proposition 8). (A ``no_grad`` block, not the decorator:
+        mutation testing, ``make mutation``, skips decorated functions.)"""
+        with torch.no_grad():
+            for group in self.param_groups:
+                decay = 1.0 - group["lr"] * group["weight_decay"]
+                if decay == 1.0:
+                    continue
+                torch._foreach_mul_(list(group["params"]), decay)
+                zs = [self.coords[p] for p in group["params"] if p in self.coords]
+                if zs:
+                    torch._foreach_mul_(zs, decay)
 
     def state_bytes(self) -> int:
         """Bytes of the optimizer's moment tensors (``exp_avg``, ``exp_avg_sq``), all parameters

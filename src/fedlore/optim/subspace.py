@@ -292,7 +292,9 @@ def average_projectors(
     projector and its top-r left singular vectors are the next shared basis (seed Algorithm 1
     line 27; with uniform ``p_i = 1/N`` this is ``[P_1..P_N]/sqrt(N)``). ``method="gram"`` takes
     the eigendecomposition of the ``Nr x Nr`` Gram matrix ``BᵀB`` and maps back with
-    ``U = B V Σ^{-1}``, cheaper when ``N r << m``.
+    ``U = B V Σ^{-1}`` (eigenvalues below ``Nr · eps · λ_max`` count as zero; the columns are
+    re-orthonormalized and, when the average has rank < r, completed), cheaper when
+    ``N r << m``.
 
     Args:
         bases: N matrices ``m x r_i`` with orthonormal columns.
@@ -335,12 +337,16 @@ def average_projectors(
     gram = stacked.t() @ stacked
     evals, evecs = torch.linalg.eigh(gram)  # ascending
     order = torch.argsort(evals, descending=True)[:rank]
-    sv = evals[order].clamp_min(0).sqrt()
-    keep = sv > 1e-10 * max(float(sv[0]), 1e-300)
-    u = stacked @ evecs[:, order[keep]] / sv[keep]
-    if u.shape[1] < rank:
-        eye = torch.eye(m, rank, dtype=u.dtype, device=u.device)
-        u = torch.linalg.qr(torch.cat([u, eye], dim=1))[0][:, :rank]
+    # eigenvalues within the Gram matrix's rounding are zero (the rule of numpy's matrix_rank,
+    # on BᵀB): a rank-deficient average (candidates of rank r_i < r) must not turn rounding
+    # noise into a direction (issue 28: 1e-10 · σ₁ on the singular values kept it)
+    tol = max(gram.shape) * torch.finfo(gram.dtype).eps * max(float(evals[-1]), 0.0)
+    keep = order[evals[order] > tol]
+    u = stacked @ evecs[:, keep] / evals[keep].sqrt()
+    # orthonormal to rounding (a direction just above the cutoff is the least accurate), and
+    # completed by standard basis vectors when fewer than r directions are left
+    eye = torch.eye(m, rank, dtype=u.dtype, device=u.device)
+    u = torch.linalg.qr(torch.cat([u, eye], dim=1))[0][:, :rank]
     return _fix_signs(u).to(dtype).contiguous()
 
 
