@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from fedlore.privacy import DPSettings, Privacy, client_contribution, privatize, secagg
+from fedlore.privacy import DPSettings, Privacy, client_contribution, parties, privatize
 from fedlore.types import Broadcast, Reply
 
 MODES = {
@@ -40,7 +40,7 @@ MODES = {
 }
 
 
-class _Timed(secagg.LocalParties):
+class _Timed(parties.LocalParties):
     """In-process parties whose stages are timed (client and server work together)."""
 
     def __init__(self, *args: Any) -> None:
@@ -82,15 +82,15 @@ def one_round(mode: str, m: int, length: int, replies: list[Reply]) -> dict[str,
     def upload(c: int) -> Any:
         return plan.encode(client_contribution(replies[c], msgs[c].config, c, 0, privacy.noise))
 
-    parties = _Timed(plan.params, upload)
+    timed = _Timed(plan.params, upload)
     t1 = time.perf_counter()
-    res = secagg.secure_sum(plan.params, parties, plan.length)
+    res = parties.secure_sum(plan.params, timed, plan.length)
     t2 = time.perf_counter()
-    parties.t["unmask"] += (t2 - t1) - sum(parties.t.values())  # the server's own work
+    timed.t["unmask"] += (t2 - t1) - sum(timed.t.values())  # the server's own work
     sum_wx, sum_w, _ = plan.decode(res.total)
     privacy.from_mean(0, spec, sum_wx / sum_w, {c: {} for c in res.survivors},
                       list(range(m)), torch.device("cpu"))  # fmt: skip
-    return {"total": time.perf_counter() - t0, **parties.t}
+    return {"total": time.perf_counter() - t0, **timed.t}
 
 
 def main() -> None:

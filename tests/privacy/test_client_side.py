@@ -16,7 +16,16 @@ import numpy as np
 import pytest
 import torch
 
-from fedlore.privacy import Contribution, SecurePlan, client_contribution, flatten, privatize
+from fedlore.privacy import (
+    Contribution,
+    SecurePlan,
+    SeededSource,
+    client_contribution,
+    client_noise,
+    flatten,
+    privatize,
+    unflatten,
+)
 from fedlore.privacy.fixedpoint import FixedPoint
 from fedlore.privacy.randomness import count_stream
 from fedlore.privacy.secagg import RoundParams
@@ -170,3 +179,22 @@ def test_a_plan_names_its_layout() -> None:
     plan = _plan(counts=True, max_weight=1.0, extras=1)
     assert plan.length == 6 + 1 + 1 + 2 and plan.min_survivors == 2
     assert _plan(counts=False, max_weight=1.0).length == 7
+
+
+def test_a_client_draws_its_shares_from_os_entropy_unless_the_broadcast_says_reproducible() -> None:
+    secure = client_noise({"privacy.secure": True}, 3)
+    assert secure.secure and not torch.equal(
+        secure.gaussian(4, 1.0, 0, 0), client_noise({}, 3).gaussian(4, 1.0, 0, 0)
+    )
+    seeded = client_noise({"privacy.reproducible": True}, 3)
+    assert not seeded.secure
+    assert torch.equal(seeded.gaussian(4, 1.0, 2, 5), SeededSource(3).gaussian(4, 1.0, 2, 5))
+    assert client_noise({"privacy.reproducible": False}, 3).secure
+
+
+def test_flatten_and_unflatten_refuse_what_does_not_fit() -> None:
+    with pytest.raises(ValueError, match=r"^no upload arrays to flatten$"):
+        flatten({})
+    spec = {"a": ((2,), torch.float32)}
+    with pytest.raises(ValueError, match=r"^vector has 3 entries, the reply spec needs 2$"):
+        unflatten(torch.zeros(3, dtype=torch.float64), spec)

@@ -27,8 +27,8 @@ from fedlore.privacy import (
     epsilon_spent,
     flatten,
     noise_for_epsilon,
+    parties,
     privatize,
-    secagg,
 )
 from fedlore.seeding import DP_NOISE, generator
 from fedlore.types import Broadcast, Reply
@@ -66,7 +66,7 @@ def _secure_round(
         contrib[c] = client_contribution(replies[c], msgs[c].config, c, rnd, privacy.noise)
         return plan.encode(contrib[c])
 
-    res = secagg.secure_sum(plan.params, secagg.LocalParties(plan.params, upload), plan.length)
+    res = parties.secure_sum(plan.params, parties.LocalParties(plan.params, upload), plan.length)
     sum_wx, sum_w, _ = plan.decode(res.total)
     clear = {c: contrib[c].metrics for c in res.survivors}
     out, metrics = privacy.from_mean(

@@ -73,10 +73,11 @@ def test_the_entry_bound_covers_the_clip_and_the_shares_tail() -> None:
     p = _privacy(secure=True, threshold=4)
     assert p.entry_bound_of(6) == pytest.approx(C + NOISE_TAIL * Z * C / 2)
     # adaptive clipping: the noised bit's tail can be the larger one
-    clip = ClipNorm(0.05, 0.5, 0.2, 2.0)
+    clip = ClipNorm(0.05, 0.5, 0.2, 3.0)
     small = DPSettings(clip_norm=0.05, noise_multiplier=0.1, delta=1e-5)
     q = _privacy(secure=True, threshold=4, dp=small, clip=clip)
-    assert q.entry_bound_of(6) == pytest.approx(1.0 + NOISE_TAIL * 2.0 / 2)
+    assert q.count_share(6) == pytest.approx(1.5)  # σ_b / sqrt(4 honest survivors)
+    assert q.entry_bound_of(6) == pytest.approx(1.0 + NOISE_TAIL * 1.5)
     r = _privacy(secure=False, dp=small, clip=ClipNorm(0.05, 0.5, 0.2, 2.0))
     assert r.entry_bound_of(6) == pytest.approx(0.05)  # DP alone: no shares, no bit
     assert (
@@ -116,13 +117,15 @@ def test_configure_keeps_the_broadcast_and_adds_the_settings() -> None:
         "privacy.noise_share": 0.0,
         "privacy.reproducible": False,
     }
+    dp = DPSettings(clip_norm=C, noise_multiplier=Z, delta=1e-5, sketch_share=0.3)
+    assert _privacy(dp=dp).configure(0, {0: Broadcast()})[0].config["privacy.sketch_share"] == 0.3
     seeded = _privacy(noise=type("S", (), {"secure": False})())
     assert seeded.configure(1, {0: Broadcast()})[0].config["privacy.reproducible"] is True
 
 
 def test_the_screen_holds_uploads_to_the_clip_norm() -> None:
     p = _privacy()
-    at = Reply({"update.w": torch.tensor([C * (1 + 0.9e-5), 0.0], dtype=torch.float64)}, {})
+    at = Reply({"update.w": torch.tensor([C * (1 + 1e-5), 0.0], dtype=torch.float64)}, {})
     over = Reply({"update.w": torch.tensor([C * 1.5, 0.0], dtype=torch.float64)}, {})
     assert p.screen(at) is None
     assert p.screen(over) == "upload norm 3.75 exceeds the clip norm 2.5"

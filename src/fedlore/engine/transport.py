@@ -22,7 +22,9 @@ from fedlore.data.client_data import ClientData
 from fedlore.device import PeakMemory
 from fedlore.engine.store import ClientStore, StoreError
 from fedlore.engine.validate import validate_reply
-from fedlore.privacy import Privacy, SecureSum, client_contribution, client_noise, privatize, secagg
+from fedlore.privacy import Privacy, SecureSum, client_contribution, client_noise, privatize
+from fedlore.privacy.parties import LocalParties, secure_sum
+from fedlore.privacy.secagg import Abort
 from fedlore.seeding import CLIENT, generator
 from fedlore.types import Broadcast, Reply, Scalars
 
@@ -134,17 +136,17 @@ class LocalTransport:
             clear[cid] = c.metrics
             return ring
 
-        parties = secagg.LocalParties(plan.params, upload, fatal=(StoreError,))
+        clients = LocalParties(plan.params, upload, fatal=(StoreError,))
         try:
-            res = secagg.secure_sum(plan.params, parties, plan.length)
-        except secagg.Abort as e:
-            for cid, why in parties.failures.items():
+            res = secure_sum(plan.params, clients, plan.length)
+        except Abort as e:
+            for cid, why in clients.failures.items():
                 log.warning("round %d: client %d left the secure round: %s", rnd, cid, why)
             return e
-        for cid, why in parties.failures.items():
+        for cid, why in clients.failures.items():
             log.warning("round %d: client %d left the secure round: %s", rnd, cid, why)
         sum_wx, sum_w, counts = plan.decode(res.total)
-        reasons = dict(parties.failures)
+        reasons = dict(clients.failures)
         reasons.update(
             {c: f"its masked vector was rejected: {w}" for c, w in res.server.rejected.items()}
         )

@@ -12,8 +12,9 @@
 * :mod:`fedlore.privacy.client`: the client side of a round (:func:`client_contribution`,
   :func:`privatize`); :mod:`fedlore.privacy.plan`: what a secure round sums and returns;
   :mod:`fedlore.privacy.aggregation`: the server side (:class:`Privacy`).
-* :mod:`fedlore.privacy.crypto` and :mod:`fedlore.privacy.topology`: the protocol's primitives
-  and its mask graphs and thresholds.
+* :mod:`fedlore.privacy.crypto`, :mod:`fedlore.privacy.topology` and
+  :mod:`fedlore.privacy.parties`: the protocol's primitives, its mask graphs and thresholds, and
+  the driver of its stages with the in-process clients.
 """
 
 from fedlore.privacy.aggregation import ClipNorm, Privacy

@@ -47,9 +47,9 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -178,7 +178,9 @@ class Client:
         self._keys = dict(keys)
         live = [v for v in self.params.holders(self.cid) if v in keys]
         t = self.params.threshold
-        if len(live) < t or self.cid not in live:
+        if self.cid not in live:
+            raise Refused(f"client {self.cid}: its own keys are not among the round's keys")
+        if len(live) < t:
             raise Refused(f"client {self.cid}: {len(live)} live share holders, {t} needed")
         mask_shares = split(self._mask_seed, t, len(live))
         self_shares = split(self._self_seed, t, len(live))
@@ -206,10 +208,16 @@ class Client:
         """Stage 2: ``y_u`` of the client's encoded vector (uint64; see the module docstring).
 
         Raises:
-            Refused: before :meth:`receive`, or when this client is not in ``U2``.
+            Refused: before :meth:`receive`, when this client is not in ``U2``, or when ``U2``
+                names a partner whose keys it never received.
         """
         if self._u2 is None or self.cid not in self._u2:
             raise Refused(f"client {self.cid} is not among the clients that shared their keys")
+        unknown = sorted(
+            v for v in self.params.graph[self.cid] if v in self._u2 and v not in self._keys
+        )
+        if unknown:
+            raise Refused(f"client {self.cid}: U2 names partners {unknown} without keys")
         y = encoded.astype(np.uint64, copy=True)
         with np.errstate(over="ignore"):
             y += prg(self._self_seed, y.size)
@@ -399,111 +407,3 @@ class Server:
                 f"{len(got)} shares from live holders, {t} needed",
             )
         return combine(sorted(got.items())[:t])
-
-
-class Parties(Protocol):
-    """The clients of a secure round, as the server reaches them (a transport, or a test's
-    faulty stand-in). Each stage returns the answers of the clients that answered."""
-
-    def advertise(self) -> dict[int, PublicKeys]: ...
-
-    def share_keys(self, keys: dict[int, PublicKeys]) -> dict[int, dict[int, bytes]]: ...
-
-    def masked_inputs(self, inbox: dict[int, dict[int, bytes]], u2: list[int]) -> dict[int, Any]:
-        """Each client of ``u2`` gets its inbox, trains and uploads its masked vector."""
-        ...
-
-    def unmask(self, survivors: list[int], dropped: list[int]) -> dict[int, list[Share]]: ...
-
-
-@dataclass
-class SumResult:
-    """A completed secure round: the survivors' sum (uint64 ring elements) and the server."""
-
-    total: np.ndarray
-    survivors: list[int]
-    dropped: list[int]
-    server: Server
-
-
-def secure_sum(params: RoundParams, parties: Parties, length: int) -> SumResult:
-    """Run the four stages (module docstring) between a :class:`Server` and ``parties``.
-
-    Raises:
-        Abort: when the round cannot finish within the rules (nothing is unmasked).
-    """
-    server = Server(params, length)
-    keys = server.collect_keys(parties.advertise())
-    inbox = server.route_shares(parties.share_keys(keys))
-    masked = parties.masked_inputs(inbox, list(server.u2))
-    survivors, dropped = server.collect_masked(masked)
-    answers = parties.unmask(survivors, dropped)
-    total = server.unmask({u: masked[u] for u in survivors}, answers)
-    return SumResult(total, survivors, dropped, server)
-
-
-class LocalParties:
-    """The clients of a round in this process: a :class:`Client` each, and ``inputs(cid)``,
-    the encoded vector a client uploads (None or an exception: it drops out before masking).
-    A client that refuses or fails a stage drops out of it; exceptions of the ``fatal`` types
-    (the server's own failures) stop the round instead."""
-
-    def __init__(
-        self,
-        params: RoundParams,
-        inputs: Callable[[int], Any],
-        fatal: tuple[type[BaseException], ...] = (),
-    ) -> None:
-        self.params = params
-        self.inputs = inputs
-        self.fatal = fatal
-        self.clients = {c: Client(c, params) for c in params.clients}
-        self.failures: dict[int, str] = {}
-
-    def _alive(self) -> list[int]:
-        return [c for c in self.clients if c not in self.failures]
-
-    def advertise(self) -> dict[int, PublicKeys]:
-        return {c: self.clients[c].advertise() for c in self._alive()}
-
-    def share_keys(self, keys: dict[int, PublicKeys]) -> dict[int, dict[int, bytes]]:
-        out = {}
-        for c in self._alive():
-            if c not in keys:
-                continue
-            try:
-                out[c] = self.clients[c].share_keys(keys)
-            except Refused as e:
-                self.failures[c] = str(e)
-        return out
-
-    def masked_inputs(self, inbox: dict[int, dict[int, bytes]], u2: list[int]) -> dict[int, Any]:
-        out = {}
-        for c in u2:
-            if c in self.failures:
-                continue
-            client = self.clients[c]
-            client.receive(inbox.get(c, {}), u2)
-            try:
-                x = self.inputs(c)
-            except self.fatal:
-                raise
-            except Exception as e:  # a client failing before masking drops out
-                self.failures[c] = f"{type(e).__name__}: {e}"
-                continue
-            if x is None:
-                self.failures.setdefault(c, "no input")
-                continue
-            out[c] = client.masked_input(x)
-        return out
-
-    def unmask(self, survivors: list[int], dropped: list[int]) -> dict[int, list[Share]]:
-        out = {}
-        for c in survivors:
-            if c in self.failures:
-                continue
-            try:
-                out[c] = self.clients[c].unmask(survivors, dropped)
-            except Refused as e:
-                self.failures[c] = str(e)
-        return out
