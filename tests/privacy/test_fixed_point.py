@@ -10,6 +10,7 @@ config whose fixed point would be too coarse, is refused with the reason.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -59,8 +60,11 @@ def test_underflow_and_clipping_are_counted() -> None:
     ring, underflow, clipped = f.encode(x)
     assert underflow == 2 and clipped == 2
     assert f.decode(ring).tolist() == [0.0, 0.0, 0.0, 2.0, -2.0, 1.0]
-    with pytest.raises(ValueError, match="NaN or Inf"):
-        f.encode(torch.tensor([1.0, math.nan]))
+    for bad in (math.nan, math.inf, -math.inf):
+        with pytest.raises(
+            ValueError, match=r"^the upload vector contains NaN or Inf; it cannot be encoded$"
+        ):
+            f.encode(torch.tensor([1.0, bad]))
     with pytest.raises(ValueError, match="fraction bits"):
         FixedPoint(MIN_FRACTION_BITS - 1, 1.0)
     with pytest.raises(ValueError, match="positive and finite"):
@@ -108,3 +112,69 @@ def test_counts_travel_inside_the_sum() -> None:
     no_counts = _plan(counts=False, max_weight=1.0)
     assert no_counts.length == 4 and no_counts.decode(no_counts.encode(
         Contribution(x, NONE, 1.0, False, {})))[2] == {}  # fmt: skip
+
+
+def test_the_ring_limits_the_resolution_both_ways() -> None:
+    """A tiny range would ask for more bits than the ring has: F stops at 64 − 2 = 62. The
+    coarsest fixed point accepted, F = 24, is still built; one bit fewer is refused."""
+    tiny = FixedPoint.for_sum(1e-3, 1)  # log2 gives 71 bits
+    assert tiny.fraction_bits == 62 and tiny.resolution == 2.0**-62
+    coarsest = FixedPoint.for_sum(2.0**26, 2**12)  # 62 − 38
+    assert coarsest.fraction_bits == MIN_FRACTION_BITS and coarsest.resolution == 2.0**-24
+    assert coarsest.bound == 2.0**26
+    with pytest.raises(ValueError, match="leave 23 fraction bits"):
+        FixedPoint.for_sum(2.0**27, 2**12)
+
+
+def test_refusals_say_what_is_wrong() -> None:
+    """Each refusal names the value it refuses (and, for a range too wide for the ring, both
+    settings and what to change); a zero, infinite or negative bound and an empty round are
+    refused before any arithmetic with them."""
+    with pytest.raises(
+        ValueError,
+        match=r"^secure aggregation: 4096 clients with entries up to 1\.07374e\+09 leave 20 "
+        r"fraction bits in the 64-bit ring \(at least 24 are needed\): lower "
+        r"secure_aggregation_range \(or dp\.clip_norm\), or sample fewer clients per round$",
+    ):
+        FixedPoint.for_sum(2.0**30, 2**12)
+    with pytest.raises(ValueError, match=r"^fixed point for 0 clients$"):
+        FixedPoint.for_sum(1.0, 0)
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        refused = rf"^a fixed-point bound must be positive and finite, got {re.escape(str(bad))}$"
+        with pytest.raises(ValueError, match=refused):
+            FixedPoint.for_sum(bad, 10)
+        with pytest.raises(ValueError, match=refused):
+            FixedPoint(30, bad)
+    for bits in (MIN_FRACTION_BITS - 1, 63, 64):
+        with pytest.raises(
+            ValueError, match=rf"^fixed point needs 24 to 62 fraction bits, got {bits}$"
+        ):
+            FixedPoint(bits, 1.0)
+
+
+def test_any_float_dtype_encodes_as_its_float64_values() -> None:
+    """float16, bfloat16 and float32 vectors encode from their float64 values: the ring
+    elements of ``round(v · 2^55)`` (far finer than their own resolution, and far beyond their
+    range), which decode back to the values exactly; entries exactly at ±B are representable,
+    not counted as clipped."""
+    f = FixedPoint.for_sum(1.0, 100)  # F = 55
+    values = [0.5, -0.75, 1.0, -1.0, 2.0**-10, 0.3, 0.0]
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        x = torch.tensor(values, dtype=dtype)
+        ring, underflow, clipped = f.encode(x)
+        want = np.rint(x.double().numpy() * 2.0**55).astype(np.int64).view(np.uint64)
+        assert np.array_equal(ring, want) and ring.dtype == np.uint64
+        assert underflow == 0 and clipped == 0
+        assert torch.equal(f.decode(ring), x.double())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_vector_on_the_gpu_encodes_like_its_cpu_copy() -> None:
+    """The ring lives in numpy on the CPU: a CUDA vector is moved there and encodes to the same
+    ring elements and counts as its CPU copy."""
+    f = FixedPoint.for_sum(2.0, 10)
+    x = torch.tensor([0.5, -1.25, 3.0, 1e-30], dtype=torch.float32)
+    want = f.encode(x)
+    got = f.encode(x.to("cuda"))
+    assert np.array_equal(got[0], want[0]) and got[1:] == want[1:] == (1, 1)
