@@ -121,6 +121,15 @@ def prepare(
     pyproject = work / "pyproject.toml"
     if not pyproject.exists() or pyproject.read_text("utf-8") != text:
         pyproject.write_text(text, "utf-8")
+    # mutmut copies every source file to mutants/ and later mutates only those it thinks
+    # changed: a file added to the group (one split out of a grouped module, say) would stay a
+    # plain copy with no mutants. Such a copy (no .meta beside it) is removed to be mutated.
+    for path in group["paths"]:
+        files = (ROOT / path).rglob("*.py") if (ROOT / path).is_dir() else [ROOT / path]
+        for source in files:
+            copy = work / "mutants" / source.relative_to(ROOT)
+            if copy.exists() and not copy.with_name(copy.name + ".meta").exists():
+                copy.unlink()
     return work
 
 

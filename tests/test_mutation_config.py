@@ -54,6 +54,14 @@ def test_mutmut_settings_cover_exactly_the_groups() -> None:
         for f in ((ROOT / p).rglob("*.py") if (ROOT / p).is_dir() else [ROOT / p])
     }
     assert all(any(fnmatch.fnmatch(f, glob) for glob in globs) for f in files)
+    # every module a root glob takes (a file split out of a grouped one, say) is in a group
+    under_globs = {
+        str(f.relative_to(ROOT))
+        for f in (ROOT / "src").rglob("*.py")
+        if f.name != "__init__.py"
+        and any(fnmatch.fnmatch(str(f.relative_to(ROOT)), g) for g in globs)
+    }
+    assert under_globs <= files, sorted(under_globs - files)
     assert all(any(fnmatch.fnmatch(f, glob) for f in files) for glob in globs)
     tests = {t for g in groups.values() for t in g["tests"]}
     selected = set(mutmut["pytest_add_cli_args_test_selection"])
@@ -89,3 +97,22 @@ def test_mutant_names_map_to_functions() -> None:
     group = {"paths": ["src/fedlore/algorithms/bayes.py"], "functions": ["pick_lowest"]}
     assert driver.mutant_filters(group) == ["fedlore.algorithms.bayes.x_pick_lowest__mutmut_*"]
     assert driver.module_of("src/fedlore/privacy/__init__.py") == "fedlore.privacy"
+
+
+def test_a_file_new_to_a_group_is_mutated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group's folder keeps mutmut's results between runs; a source file that mutmut copied
+    there unmutated (no ``.meta`` beside it: it joined the group later) is removed so that the
+    next run mutates it, while a mutated file and its results stay."""
+    driver = _driver()
+    monkeypatch.setattr(driver, "WORK", tmp_path)
+    group = {"paths": ["src/fedlore/robust.py", "src/fedlore/optim/"], "tests": ["tests"]}
+    mutants = tmp_path / "g" / "mutants" / "src" / "fedlore"
+    (mutants / "optim").mkdir(parents=True)
+    stale = [mutants / "robust.py", mutants / "optim" / "subspace.py"]
+    kept = mutants / "optim" / "projected_adam.py"
+    for f in [*stale, kept, kept.with_name(kept.name + ".meta")]:
+        f.write_text("# copy\n", "utf-8")
+    work = driver.prepare("g", group, {"paths_to_mutate": ["src"]}, {})
+    assert work == tmp_path / "g" and (work / "pyproject.toml").exists()
+    assert not any(f.exists() for f in stale)
+    assert kept.exists() and kept.with_name(kept.name + ".meta").exists()

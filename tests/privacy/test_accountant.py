@@ -199,6 +199,14 @@ def test_pld_needs_sigma_under_replace_one() -> None:
     assert rdp_direct(gauss(4.0), 10) < exact
 
 
+def test_the_rdp_event_samples_only_when_some_clients_sit_out() -> None:
+    """All N of N clients (or a request for more than N) is the bare ``GaussianDpEvent(σ/2)``;
+    m < N wraps it in dp-accounting's sampling-without-replacement event of m of N."""
+    bare = dp_accounting.GaussianDpEvent(2.0)
+    assert dp.rdp_event(4.0, 10, 10) == bare == dp.rdp_event(4.0, 10, 12)
+    assert dp.rdp_event(4.0, 10, 9) == dp_accounting.SampledWithoutReplacementDpEvent(10, 9, bare)
+
+
 def test_rounds_compose_by_scaling_one_cached_curve() -> None:
     """ε after each of T rounds comes from one curve per (σ, N, m), scaled: equal to
     dp-accounting composing the event T times."""

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from fedlore.privacy import crypto, topology
+from fedlore.privacy.secagg import Client, RoundParams
 
 
 def _rfc5869_sha256(ikm: bytes, info: bytes, length: int = 32) -> bytes:
@@ -63,6 +65,30 @@ def test_the_prg_gives_length_uint64_entries_each_a_prefix_of_longer_streams(len
     assert out.dtype == np.uint64 and out.shape == (length,)
     assert np.array_equal(out, crypto.prg(key, 9)[:length])
     assert not np.array_equal(crypto.prg(key, 9), crypto.prg(bytes(32), 9))
+
+
+def test_the_derivations_are_the_documented_ones() -> None:
+    """Keys and streams are fixed functions that another implementation of a client can
+    rebuild (it must derive the same masks): the PRG is AES-256-CTR (zero counter block) under
+    HKDF-SHA256(key, "fedlore secagg prg"); a mask key is the X25519 key whose private bytes
+    are HKDF-SHA256(seed, "fedlore secagg mask key"); a pair's context is "fedlore secagg
+    pair" followed by (round, smaller id, larger id), a share channel's "fedlore secagg shares"
+    followed by (round, sender, recipient), each as big-endian int64."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    key = bytes(range(32))
+    aes = _rfc5869_sha256(key, b"fedlore secagg prg")
+    stream = Cipher(algorithms.AES(aes), modes.CTR(bytes(16))).encryptor().update(bytes(40))
+    assert np.array_equal(crypto.prg(key, 5), np.frombuffer(stream, dtype=np.uint64))
+    seed = bytes(range(16))
+    raw = _rfc5869_sha256(seed, b"fedlore secagg mask key")
+    want = X25519PrivateKey.from_private_bytes(raw)
+    assert crypto.public_bytes(crypto.mask_key(seed)) == crypto.public_bytes(want)
+    pair = b"fedlore secagg pair" + (3).to_bytes(8, "big") + (2).to_bytes(8, "big")
+    assert crypto.pair_info(3, 5, 2) == pair + (5).to_bytes(8, "big")
+    params = RoundParams(4, {0: (1,), 1: (0,)}, 2, 2)
+    channel = b"fedlore secagg shares" + b"".join(i.to_bytes(8, "big") for i in (4, 0, 1))
+    assert Client(0, params)._channel(0, 1) == channel
 
 
 def test_shamir_takes_16_byte_secrets_only() -> None:
@@ -113,6 +139,10 @@ def test_threshold_counts_floor_at_two_and_read_floats_as_fractions() -> None:
     assert topology.threshold_count(1, 9) == 2 and topology.threshold_count(0, 9) == 2
     assert topology.threshold_count(2, 9) == 2 and topology.threshold_count(9, 9) == 9
     assert topology.threshold_count(1.0, 9) == 9 and topology.threshold_count(0.5, 9) == 5
+    for bad in (0.0, -0.5, 1.5, 2.0, math.nan, math.inf):
+        refused = rf"^a threshold fraction must be in \(0, 1\], got {bad!r}$"
+        with pytest.raises(ValueError, match=refused):
+            topology.threshold_count(bad, 9)
 
 
 def test_connectivity_of_no_one_one_and_two_groups() -> None:

@@ -377,8 +377,30 @@ def test_a_client_masks_only_when_listed_in_u2_and_asked_in_order() -> None:
     client.receive({}, [1, 2])
     with pytest.raises(Refused, match=refusal):
         client.masked_input(enc)
-    with pytest.raises(Refused):  # its own keys are not in the list it was sent
+    own = _exactly("client 1: its own keys are not among the round's keys")
+    with pytest.raises(Refused, match=own):  # its own keys are not in the list it was sent
         parties.clients[1].share_keys({0: keys[0], 2: keys[2]})
+
+
+def test_a_client_refuses_to_mask_when_u2_names_a_partner_it_has_no_keys_for() -> None:
+    """A server that sends client 0 the keys of 0 and 1 only, then lists 2 in U2: client 0
+    cannot agree on a pair mask with 2 (masking without it would leave a mask the server
+    cannot remove) and refuses, naming the partner, instead of crashing the round."""
+    params = _params(3)
+    parties = _Network(params, _vectors(params.clients))
+    keys = {c: cl.advertise() for c, cl in parties.clients.items()}
+    client = parties.clients[0]
+    client.share_keys({0: keys[0], 1: keys[1]})
+    client.receive({}, [0, 1, 2])
+    with pytest.raises(Refused, match=_exactly("client 0: U2 names partners [2] without keys")):
+        client.masked_input(np.zeros(LENGTH, np.uint64))
+    # the in-process parties record each such refusal as the client's reason for dropping out
+    # (clients 1 and 2 never received keys at all) and upload nothing for it
+    assert parties.params is params and parties.masked_inputs({}, [0, 1, 2]) == {}
+    assert parties.failures == {
+        c: f"client {c}: U2 names partners {unknown} without keys"
+        for c, unknown in ((0, [2]), (1, [0, 2]), (2, [0, 1]))
+    }
 
 
 def test_masking_returns_a_new_uint64_vector_and_leaves_the_input_alone() -> None:

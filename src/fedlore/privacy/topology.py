@@ -51,7 +51,13 @@ def connected(nodes: set[int], graph: Mapping[int, tuple[int, ...] | list[int]])
 
 def threshold_count(value: int | float, holders: int) -> int:
     """A threshold setting as a count: an int as it is, a fraction ``f`` of ``holders`` as
-    ``ceil(f · holders)``; at least 2 either way."""
-    if isinstance(value, float) and value <= 1.0:
+    ``ceil(f · holders)``; at least 2 either way.
+
+    Raises:
+        ValueError: for a float outside (0, 1] (a count is an int).
+    """
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"a threshold fraction must be in (0, 1], got {value!r}")
         return max(2, math.ceil(value * holders - 1e-9))
     return max(2, int(value))
