@@ -231,10 +231,12 @@ def quality(device: str, fortunes: str, seconds: float, dry: bool, out: Path) ->
 
 
 def gpu_tests(python: str) -> dict[str, Any]:
-    """``pytest -m gpu tests/gpu``: its exit status and summary line."""
+    """``pytest -m gpu tests``: every test marked ``gpu`` (``tests/gpu`` and the CUDA checks
+    beside the CPU tests, e.g. the fixed-point encoding of a CUDA vector): its exit status and
+    summary line."""
     t = time.perf_counter()
     proc = subprocess.run(
-        [python, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider"],
+        [python, "-m", "pytest", "-m", "gpu", "tests", "-q", "-rs", "-p", "no:cacheprovider"],
         capture_output=True,
         text=True,
     )
@@ -257,7 +259,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['clients']} clients x {result['local_steps']} local steps per round, batch "
         f"{result['batch']}, bf16 autocast, fp32 masters.",
         "",
-        f"GPU tests (`pytest -m gpu tests/gpu`): {result['tests']['summary']}",
+        f"GPU tests (`pytest -m gpu tests`): {result['tests']['summary']}",
         "",
         "| shape | method | params (M) | rank | s / round | ratio vs FedFull | optimizer state "
         "(MB) | peak device memory (MB) | MB up / client | MB down / client |",
