@@ -15,11 +15,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 import warnings
 from pathlib import Path
 
+from fedlore.atomic import WriteError, explain
 from fedlore.config import ConfigError, load_config
+from fedlore.engine import interrupt
 from fedlore.engine.store import StoreError
 
 DEFAULT_CONFIG = "experiments/quickstart.yaml"
@@ -80,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace finished runs of another config left under the same name",
+        help="train finished runs again, also of another config left under the same name (each "
+        "finished run stays in place until its replacement has finished)",
     )
     p_rep = sub.add_parser("report", help="summarize a run directory")
     p_rep.add_argument("run_dir", type=Path)
@@ -89,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p_conv = sub.add_parser("fortunes-c4", help="convert the fortunes corpus to C4 JSONL files")
     p_conv.add_argument("out_dir", type=Path)
     p_conv.add_argument("--root", default=None, help="fortunes folder (default: Debian's)")
+    command = argv is None  # the fedlore command itself (not a call from Python)
     argv = list(sys.argv[1:] if argv is None else argv)
     verbose = any(a in ("-v", "--verbose") for a in argv)  # -v anywhere on the line
     argv = [a for a in argv if a not in ("-v", "--verbose")]
@@ -135,10 +140,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"# {cfg.name}: {cfg.data.name}, {cfg.partition.name} partition, seed {seed}")
                 print(fed.format_histogram())
             return 0
+        from fedlore.config_checks import check_overrides
         from fedlore.results.report import report
         from fedlore.run import run_experiment
 
-        summaries = run_experiment(cfg, resume=ns.resume, overwrite=ns.overwrite)
+        check_overrides(cfg, overrides)  # a setting of a method the run leaves out
+        with interrupt.handling():  # SIGINT / SIGTERM stop between rounds, exit 130 / 143
+            summaries = run_experiment(cfg, resume=ns.resume, overwrite=ns.overwrite)
         folder = Path(cfg.output_dir) / cfg.name
         print(report(folder), flush=True)  # the table before any warning about it
         for method, runs in summaries.items():
@@ -157,10 +165,19 @@ def main(argv: list[str] | None = None) -> int:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"fedlore: error: {msg}", file=sys.stderr)
         return 2
+    except WriteError as e:  # a full disk, a quota, no permission: one line and what to do
+        print(f"fedlore: error: {explain(e)}", file=sys.stderr)
+        return 2
     except OSError as e:  # a folder that cannot be created or written (output_dir, a data root)
         where = f": {e.filename}" if e.filename else ""
         print(f"fedlore: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
+    except interrupt.Interrupted as e:  # before KeyboardInterrupt, which it is
+        again = shlex.join(["fedlore", *argv, *([] if "--resume" in argv else ["--resume"])])
+        print(f"fedlore: {e.describe(f'`{again}`')}", file=sys.stderr)
+        if command:  # every file is closed: skip Python's shutdown (seconds once torch is in)
+            interrupt.exit_now(e.status)
+        return e.status
     except KeyboardInterrupt:
         print(
             "fedlore: interrupted; `fedlore run ... --resume` continues unfinished runs from "

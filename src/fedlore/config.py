@@ -91,6 +91,13 @@ class DataConfig(_Strict):
     """c4: keep the first this many training documents in file order (None: all)."""
     validation_documents: int | None = Field(None, ge=1)
     """c4: keep the first this many validation documents in file order (None: all)."""
+    missing_test: Literal["hold_out", "error"] = "hold_out"
+    """A labelled source without a test split (an ``npz`` folder with only ``train.npz``):
+    ``hold_out`` tests on a fixed stratified 20 % of its training data (seed 0; the run's output,
+    summary and report say so), ``error`` refuses the run naming the missing file."""
+    non_finite: Literal["error", "drop"] = "error"
+    """``npz``: a NaN or infinite input refuses the file naming the array and the first bad
+    index (``error``); ``drop`` leaves out every such row and warns with the count."""
     sampling: Literal["round", "stream"] | None = None
     """How clients draw local minibatches: ``round`` (fresh permutations each round, seeded by
     seed, round and client), ``stream`` (one shuffled stream per client over the whole run,
@@ -369,13 +376,16 @@ class FlowerConfig(_Strict):
     protocol's communication graph; an int > 2, or a fraction of the round's sampled clients
     (1.0, the default: every client is a neighbour of every other, the original SecAgg graph;
     smaller graphs cost less, O(k) instead of O(n) key agreements and masks per client)."""
-    secagg_reconstruction_threshold: int | float = 0.5
+    secagg_reconstruction_threshold: int | float | None = None
     """SecAgg+: how many shares t of a client's secret reconstruct it (an int >= 2 and below an
-    int ``secagg_num_shares``, or a fraction of the shares; at least 2). Guarantees: any
+    int ``secagg_num_shares``, or a fraction of the shares, rounded; at least 2). None
+    (default): ``secure_aggregation_threshold``, as in process: ceil(f k) of the k shares for a
+    fraction f (4 of 6 at the default 2/3), a count as it is (at most k). Guarantees: any
     coalition of fewer than t neighbours (with the server) learns nothing of a client's masks,
-    so the server sees only the sum; the round completes as long as every sampled client keeps
-    at least t live neighbours, i.e. up to k - t dropouts per neighbourhood are tolerated (with
-    the default 1.0 / 0.5 and n clients: up to n - round(n / 2))."""
+    so the server sees only the sum; the protocol goes on as long as every sampled client
+    keeps at least t live neighbours, i.e. up to k - t dropouts per neighbourhood are
+    tolerated, and the round completes only with at least ``secure_aggregation_threshold``
+    survivors in all (else it stops before anything is unmasked)."""
     secagg_clipping_range: float | None = Field(None, ge=1.0)
     """SecAgg+: every entry of a client's weighted upload (p_i / max_weight) v_i is clipped to
     [-c, c] before quantization (flwr's own clipping; entries beyond it are lost, and the
@@ -493,14 +503,20 @@ class Config(_Strict):
     k neighbours on a seeded ring (SecAgg+, Bell et al. 2020), O(k L)."""
     secure_aggregation_threshold: int | float = 2 / 3
     """Secure aggregation: the fewest clients a round completes with (a count, or a fraction
-    of the round's sampled clients), and, in process, the Shamir threshold t (the same count,
-    or fraction of a client's share holders: its mask partners and itself). A round with fewer
-    survivors is aborted (the model does not move; ``secagg_aborted``). Larger: more colluding
-    clients withstood (up to t − 1), fewer dropouts tolerated. At least 2."""
-    secure_aggregation_range: float = Field(1000.0, gt=0.0)
+    of the round's sampled clients), and the Shamir threshold t (the same count, or fraction
+    of a client's share holders: its mask partners and itself; on Flower unless
+    ``flower.secagg_reconstruction_threshold`` is set). A round with fewer survivors is aborted
+    before anything is unmasked (the model does not move; ``secagg_aborted``), and so is one
+    in which a survivor keeps fewer than t surviving mask partners (t − 1 colluders could then
+    unmask it: on the complete graph a round needs t + 1 survivors). In process t is at most a
+    client's partners, and every client needs at least 2 (3 or more clients per round).
+    Larger: more colluding clients withstood (up to t − 1), fewer dropouts tolerated. At
+    least 2."""
+    secure_aggregation_range: float = Field(1000.0, ge=1.0)
     """Secure aggregation without DP: the bound on each upload entry; entries beyond it are
     clipped (counted in ``secagg_clipped_entries``). With the clients per round it sets the
-    fixed-point resolution (:mod:`fedlore.privacy.fixedpoint`). Under DP the bound comes from
+    fixed-point resolution (:mod:`fedlore.privacy.fixedpoint`). At least 1: the clients'
+    weights (at most 1) travel in the same ring. Under DP the bound comes from
     ``dp.clip_norm`` instead."""
     dp: DPConfig = Field(default_factory=DPConfig)
     data: DataConfig = Field(default_factory=DataConfig)

@@ -3,7 +3,10 @@
 Output: ``<output_dir>/<name>/<method>/seed-<s>/metrics.jsonl`` (one object per round),
 ``summary.json`` and ``checkpoint.pt`` beside it. A run whose ``summary.json`` exists is complete;
 with ``resume=True`` an incomplete run continues from its checkpoint and reaches the same final
-metrics as an uninterrupted run (all randomness is derived from seed, round and client).
+metrics as an uninterrupted run (all randomness is derived from seed, round and client). A
+complete run is reported, not trained again, and ``overwrite=True`` replaces it only once the new
+run has finished (:mod:`fedlore.engine.rerun`); every file is written atomically
+(:mod:`fedlore.atomic`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from fedlore import registry
 from fedlore.algorithm import Algorithm
 from fedlore.algorithms import build_hyper
 from fedlore.algorithms.base import is_sum_aggregable
+from fedlore.atomic import write_json, write_text
 from fedlore.config import Config, ConfigError
+from fedlore.config_checks import name_problems, unused_method_problems
 from fedlore.data.client_data import TensorSplit
 from fedlore.data.federation import Federation, build_federation
 from fedlore.device import (
@@ -38,8 +43,17 @@ from fedlore.device import (
 )
 from fedlore.diagnostics import Diagnoser
 from fedlore.engine.callbacks import Checkpointer, MetricsWriter, ProgressBar
+from fedlore.engine.dp_ledger import LEDGER, account_repeats
+from fedlore.engine.interrupt import Interrupted
 from fedlore.engine.lock import RunLock
 from fedlore.engine.loop import Callback, RoundLoop
+from fedlore.engine.rerun import (
+    check_no_finished_run_of_another_config,
+    finished_run,
+    finished_runs,
+    swap_in,
+    write_dir,
+)
 from fedlore.engine.sampling import sample_clients
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport, Transport
@@ -51,6 +65,7 @@ from fedlore.privacy.dp import (
     update_noise_multiplier,
 )
 from fedlore.progress import say, say_once
+from fedlore.results.divergence import divergence
 from fedlore.results.store import lm_summary
 from fedlore.seeding import MODEL_INIT, SERVER_INIT, derive_seed, generator
 from fedlore.tensors import load_model_arrays
@@ -440,9 +455,10 @@ def run_one(
             "`flwr run` deployment (scripts/flower_local_federation.sh with SITES=...); "
             "in process or in the simulation, leave it false"
         )
-    out = run_dir(cfg, method, seed)
+    target = run_dir(cfg, method, seed)
+    out = write_dir(cfg, method, target, resume, overwrite)  # a sibling replaces a finished run
     summary_path = out / "summary.json"
-    spill = spill_dir(cfg, method, seed)
+    spill = spill_dir(cfg, method, seed, out)
     if resume:
         check_same_config(cfg, method, out)
     if resume and summary_path.exists():
@@ -460,6 +476,8 @@ def run_one(
     fingerprint = fed.fingerprint()
     if resume:
         check_same_data(out, fingerprint)
+    elif not overwrite and (kept := finished_run(cfg, method, seed, fingerprint)) is not None:
+        return kept  # finished already: said, not trained again
     algo = make_algorithm(method, cfg)
     build = model_factory(cfg, fed, seed)
     eval_model = build()
@@ -469,11 +487,17 @@ def run_one(
     threads = use_threads(cfg.threads, recorded_threads(out) if resume else None)
     if device.type == "cpu":
         say_once("%d CPU thread%s (threads=%s)", threads, "" if threads == 1 else "s", cfg.threads)
-    with RunLock(out):  # the folder is this run's until it ends (however it ends)
+    with RunLock(target), RunLock(out):  # the folders are this run's until it ends
         if not resume:  # a fresh run: nothing of an earlier run in this folder may survive
             if (out / "metrics.jsonl").exists():
                 say("%s seed %d: starting over in %s (--resume would continue)", method, seed, out)
-            for stale in ("summary.json", "checkpoint.pt", "checkpoint.pt.tmp", "config.json"):
+            for stale in (
+                "summary.json",
+                "checkpoint.pt",
+                "checkpoint.pt.tmp",
+                "config.json",
+                LEDGER,
+            ):
                 (out / stale).unlink(missing_ok=True)
             shutil.rmtree(spill, ignore_errors=True)
         out.mkdir(parents=True, exist_ok=True)
@@ -488,7 +512,7 @@ def run_one(
         if privacy is not None and privacy.dp is not None:
             written["dp_noise_multiplier"] = privacy.dp.noise_multiplier
             written["dp_noise_source"] = "seed (no privacy)" if privacy.reproducible else "os"
-        (out / "config.json").write_text(json.dumps(written, indent=2))
+        write_json(out / "config.json", written)
         max_bytes = None if cfg.store.max_memory_mb is None else int(cfg.store.max_memory_mb * 1e6)
         store = ClientStore(max_bytes, spill, device)
         start = -int(getattr(algo, "setup_rounds", 0))
@@ -498,6 +522,7 @@ def run_one(
             last, state, store = Checkpointer.load(ckpt_path, max_bytes, spill, device)
             if privacy is not None:  # the adaptive clip norm the killed run had reached
                 privacy.restore(state)
+            privacy = account_repeats(privacy, out, metrics.path, last)  # before the rows go
             metrics.truncate_after(last)
             start = last + 1
             say("%s seed %d: resuming after round %d (its checkpoint)", method, seed, last)
@@ -509,7 +534,8 @@ def run_one(
                     seed,
                     out,
                 )
-            metrics.path.write_text("")
+                privacy = account_repeats(privacy, out, metrics.path, None)
+            write_text(metrics.path, "")
         factory = make_transport if make_transport is not None else LocalTransport
         transport = factory(algo, fed.client, build, seed, store)
 
@@ -571,12 +597,17 @@ def run_one(
         try:
             with training_precision(cfg.precision):
                 loop.run(state, start, end)
+        except Interrupted as e:  # a signal (fedlore.engine.interrupt): name the run and folder
+            e.stopped_in(f"{method} seed {seed}", out)
+            raise
         finally:
             if bar is not None:
                 bar.close()
         if end < cfg.rounds:
             return None
         summary = summarize(method, seed, metrics.path)
+        if fed.test_split is not None:  # no test split of its own: what was held out
+            summary["data_test_split"] = fed.test_split
         if privacy is not None and privacy.dp is not None:  # the mechanism, beside its ε
             summary["dp_noise_multiplier"] = privacy.dp.noise_multiplier
             summary["dp_clip_norm"] = privacy.dp.clip_norm
@@ -588,9 +619,10 @@ def run_one(
                 summary["dp_clip_norm_final"] = privacy.clip_norm
             if privacy.reproducible:
                 summary["privacy"] = NO_PRIVACY
-        summary_path.write_text(json.dumps(summary, indent=2))
+        write_json(summary_path, summary)
         # a finished run is never resumed: its spilled client states are no longer needed
         shutil.rmtree(spill, ignore_errors=True)
+        swap_in(out, target)  # a replacement takes the finished run's place now, not before
         return summary
 
 
@@ -634,10 +666,11 @@ def recorded_threads(out: Path) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
 
 
-def spill_dir(cfg: Config, method: str, seed: int) -> Path:
-    """Where a run's client states spill: ``client_states/`` in its run directory, or below
-    ``store.spill_dir`` in a folder unique to the run directory (two runs never share one)."""
-    out = run_dir(cfg, method, seed)
+def spill_dir(cfg: Config, method: str, seed: int, out: Path | None = None) -> Path:
+    """Where a run's client states spill: ``client_states/`` in its run directory (``out``, by
+    default :func:`run_dir`), or below ``store.spill_dir`` in a folder unique to the run
+    directory (two runs never share one)."""
+    out = run_dir(cfg, method, seed) if out is None else out
     if not cfg.store.spill_dir:
         return out / "client_states"
     tag = hashlib.sha1(str(out.resolve()).encode()).hexdigest()[:10]
@@ -681,30 +714,6 @@ def check_same_config(cfg: Config, method: str, out: Path) -> None:
         raise ConfigError(
             f"--resume: {out} was started with a different config ({details}); run without "
             "--resume to start over, or restore the config"
-        )
-
-
-def check_no_finished_run_of_another_config(cfg: Config, method: str, out: Path) -> None:
-    """A fresh run starts by deleting what an earlier run left in its folder: refuse when that
-    is a *finished* run of a different config (re-running the same config is allowed).
-
-    Raises:
-        ConfigError: naming the folder and the keys that differ, and the ways out
-            (``--overwrite``, another ``name=``, ``--resume``).
-    """
-    path = out / "config.json"
-    if not (out / "summary.json").exists() or not path.exists():
-        return
-    try:
-        recorded = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return  # unreadable: nothing to compare, the run is replaced
-    details = config_diff(cfg, method, recorded)
-    if details:
-        raise ConfigError(
-            f"{out} holds a finished run of another config ({details}); a fresh run would "
-            "delete it. Pass --overwrite to replace it, or give this run another name=... to "
-            "keep both (--resume applies only to the config the run was started with)"
         )
 
 
@@ -1047,43 +1056,6 @@ def summarize(method: str, seed: int, metrics_path: Path) -> dict[str, Any]:
     }
 
 
-def divergence(rows: list[dict[str, Any]]) -> dict[str, str]:
-    """``{"diverged": reason}`` for a run that diverged, else ``{}``: every local step of every
-    round was skipped (non-finite loss or gradient: the model never trained; not judged under
-    secure aggregation or DP, which release no training loss), or the last evaluation's loss is
-    not finite (metrics.jsonl holds null there)."""
-    trained = [r for r in rows if r.get("accepted")]
-    # under secure aggregation or DP no client's training loss is released (only the test
-    # loss below tells a diverged run)
-    private = any(k in r for r in rows for k in ("secagg_dropped", "dp_clipped", "dp_epsilon"))
-    if trained and not private and all(r.get("train_loss") is None for r in trained):
-        skipped = sum(int(r.get("skipped_steps", 0)) for r in rows)
-        return {
-            "diverged": f"every local step was skipped ({skipped} steps with a non-finite loss "
-            "or gradient): the model never trained; lower the learning rate"
-        }
-    evaluated = [r for r in rows if "loss" in r]
-    if evaluated and evaluated[-1]["loss"] is None:
-        return {"diverged": "the final loss is not finite"}
-    if evaluated and "rmse" not in evaluated[-1]:  # classes or tokens: NLL in nats
-        final = float(evaluated[-1]["loss"])
-        if final > DIVERGED_NLL:
-            cure = "lower the learning rate"
-            if any("dp_epsilon" in r for r in rows):
-                cure += " or, under DP, the noise (a larger dp.epsilon or dp.clip_norm)"
-            return {
-                "diverged": f"the final loss is {final:.3g} nats per example (> {DIVERGED_NLL:g}; "
-                f"a uniform guess costs ln K): the model blew up; {cure}"
-            }
-    return {}
-
-
-DIVERGED_NLL = 1e4
-"""A classification or language-model run whose final test NLL exceeds this many nats per
-example (token) is marked diverged: a uniform guess over K classes costs ln K (2.3 for 10 classes,
-10.4 for a 32k vocabulary), so only logits blown up to this scale reach it while staying finite."""
-
-
 SUMMARY_LAST = {
     "final_ece": "ece",
     "final_client_accuracy": "client_accuracy",
@@ -1101,6 +1073,7 @@ SUMMARY_LAST = {
     "final_client_rmse": "client_rmse",
     "local_rmse": "local_rmse",
     "dp_epsilon": "dp_epsilon",
+    "dp_epsilon_sample_known": "dp_epsilon_sample_known",
 }
 """Summary key -> row key whose last recorded value it holds (when any round recorded it)."""
 
@@ -1186,27 +1159,24 @@ def run_experiment(
 
     Before any work: ``output_dir`` must be a folder (or not exist yet); every method name and
     hyperparameter is checked and every problem reported at once; without ``resume`` or
-    ``overwrite`` no finished run of another config may be in the way.
+    ``overwrite`` no finished run of another config may be in the way, and the finished runs of
+    this config are reported and returned, not trained again.
 
     Raises:
         ConfigError: as above, naming each problem.
     """
     out: dict[str, list[dict[str, Any]]] = {m: [] for m in cfg.algorithms}
-    check_output_dir(cfg)
-    problems: list[str] = []
-    for name in cfg.method:
-        if name not in cfg.algorithms:
-            try:
-                registry.get("algorithm", name)  # unknown names fail; unused known ones are fine
-            except KeyError as e:
-                problems.append(f"method.{name}: {e.args[0] if e.args else e}")
+    # the config first (names, every method's settings): a typo is the problem to name, not a
+    # run folder in the way
+    problems = [*name_problems(cfg), *unused_method_problems(cfg)]
     for name in cfg.algorithms:
         try:
             make_algorithm(name, cfg)  # unknown methods and bad hyperparameters fail early
         except (KeyError, ValueError) as e:
             problems.append(f"{name}: {e.args[0] if e.args else e}")
     if problems:
-        raise ConfigError("invalid methods:\n  " + "\n  ".join(problems))
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    check_output_dir(cfg)
     if not resume and not overwrite:
         for seed in cfg.seeds:
             for method in cfg.algorithms:
@@ -1234,12 +1204,14 @@ def _run_all(
 ) -> None:
     for seed in cfg.seeds:
         fed = first if seed == cfg.seeds[0] else build_federation(cfg, seed)
+        done = {} if resume or overwrite else finished_runs(cfg, seed, fed)  # said, kept
         for method in cfg.algorithms:
-            if cfg.engine == "flower-sim":
+            summary: dict[str, Any] | None = done.get(method)
+            if summary is None and cfg.engine == "flower-sim":
                 from fedlore.flower.simulation import run_simulated
 
-                summary: dict[str, Any] | None = run_simulated(cfg, method, seed, resume=resume)
-            else:
+                summary = run_simulated(cfg, method, seed, resume=resume, overwrite=overwrite)
+            elif summary is None:
                 summary = run_one(cfg, method, seed, fed=fed, resume=resume, overwrite=overwrite)
             if summary is not None:
                 out[method].append(summary)

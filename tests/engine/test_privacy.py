@@ -21,6 +21,7 @@ import torch
 from fedlore.config import load_config
 from fedlore.engine.callbacks import Checkpointer
 from fedlore.engine.transport import LocalTransport
+from fedlore.privacy.dp import epsilon_spent
 from fedlore.results.report import report
 from fedlore.run import NO_PRIVACY, make_algorithm, make_privacy, run_dir, run_one
 from fedlore.types import Broadcast, State
@@ -74,11 +75,8 @@ def test_secure_fedfull_run_gives_the_plain_model(tmp_path: Path) -> None:
     )
 
 
-def test_a_client_failing_mid_round_leaves_the_secure_round_complete(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Client 2 fails in round 1 after it shared its keys (its peers masked with it): the
-    survivors' shares of its mask key unmask the sum and the round completes without it."""
+def _client_2_fails_in_round_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Client 2's training raises in round 1, after it shared its keys."""
     real = LocalTransport._train
 
     def flaky(self: LocalTransport, rnd: int, cid: int, msg: Broadcast) -> Any:
@@ -87,21 +85,66 @@ def test_a_client_failing_mid_round_leaves_the_secure_round_complete(
         return real(self, rnd, cid, msg)
 
     monkeypatch.setattr(LocalTransport, "_train", flaky)
+
+
+def test_a_client_failing_mid_round_leaves_the_secure_round_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Client 2 fails in round 1 after it shared its keys (its peers masked with it): the
+    survivors' shares of its mask key unmask the sum and the round completes without it. With
+    threshold 0.5 (t = 2 of 4 holders) each survivor keeps 2 > t − 1 surviving partners; at the
+    default 2/3 (t = 3) the round would abort instead (next test)."""
+    _client_2_fails_in_round_1(monkeypatch)
     extra = ("secure_aggregation=true", "weighting=uniform", "dp.clip_norm=5")
-    cfg = _cfg(tmp_path, *extra, "dp.noise_multiplier=0.3")
+    cfg = _cfg(tmp_path, *extra, "dp.noise_multiplier=0.3", "secure_aggregation_threshold=0.5")
     summary = run_one(cfg, "fedfull", SEED)
     assert summary is not None and math.isfinite(summary["final_loss"])
     rows = _rows(cfg, "fedfull")
     assert rows[1]["accepted"] == 3 and rows[1]["secagg_dropped"] == 1
-    assert rows[1]["rejected_reasons"] == [
-        "2: RuntimeError: lost connection after sharing its keys"
-    ]
+    # under DP the rows never name a client (the sample is secret): the reason, without its id
+    assert rows[1]["rejected_reasons"] == ["RuntimeError: lost connection after sharing its keys"]
+    assert not any("accepted_clients" in r for r in rows)
     assert rows[0]["accepted"] == rows[2]["accepted"] == 4
     assert all(r["secagg_aborted"] == 0 for r in rows)
     eps = [r["dp_epsilon"] for r in rows]
     assert eps == sorted(eps) and eps[0] < eps[-1]
     assert summary["dp_noise_multiplier"] == 0.3 and summary["dp_epsilon"] == eps[-1]
     assert summary["dp_noise_source"] == "os" and "privacy" not in summary
+
+
+def test_dp_rows_hide_the_sample_and_report_epsilon_against_who_knows_it(tmp_path: Path) -> None:
+    """Two of four clients per round under DP: the rows never name the clients (amplification
+    by subsampling assumes the sample is secret), and besides the amplified ``dp_epsilon`` they
+    report ``dp_epsilon_sample_known``, the ε of every round as a full Gaussian release (against
+    the server, which knows whom it sent the model): dp-accounting's values for both."""
+    extra = ("weighting=uniform", "dp.clip_norm=1", "dp.noise_multiplier=1.5", "participation=0.5")
+    cfg = _cfg(tmp_path, *extra)
+    summary = run_one(cfg, "fedfull", SEED)
+    assert summary is not None
+    rows = _rows(cfg, "fedfull")
+    assert rows and not any("accepted_clients" in r for r in rows)
+    for t, r in enumerate(rows, start=1):
+        assert r["dp_epsilon"] == pytest.approx(epsilon_spent(1.5, 1e-5, t, 4, 2), rel=1e-9)
+        known = epsilon_spent(1.5, 1e-5, t, 4, 4)
+        assert r["dp_epsilon_sample_known"] == pytest.approx(known, rel=1e-9)
+        assert r["dp_epsilon_sample_known"] > r["dp_epsilon"]
+    assert summary["dp_epsilon_sample_known"] == rows[-1]["dp_epsilon_sample_known"]
+
+
+def test_a_dropout_that_leaves_a_survivor_exposed_to_t_minus_1_colluders_aborts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same failure at the default threshold (2/3 of 4: t = 3, so the round withstands 2
+    colluders): each survivor keeps only 2 surviving partners, which 2 colluders could be, so
+    the round aborts (model unchanged, counted) and the next one goes on."""
+    _client_2_fails_in_round_1(monkeypatch)
+    cfg = _cfg(tmp_path, "secure_aggregation=true", "weighting=uniform", "dp.clip_norm=5",
+               "dp.noise_multiplier=0.3")  # fmt: skip
+    summary = run_one(cfg, "fedfull", SEED)
+    assert summary is not None
+    rows = _rows(cfg, "fedfull")
+    assert [r["secagg_aborted"] for r in rows[:3]] == [0, 1, 0]
+    assert any("surviving mask partners" in why for why in rows[1]["rejected_reasons"])
 
 
 class _Models:
@@ -197,6 +240,8 @@ def test_reproducible_noise_replays_and_says_no_privacy(tmp_path: Path) -> None:
         ("fedfull", ["secure_aggregation=true", "secure_aggregation_threshold=1"], "at least 2"),
         ("fedfull", ["secure_aggregation=true", "secure_aggregation_threshold=1.5"], "fraction"),
         ("fedfull", ["secure_aggregation=true", "secure_aggregation_range=1e15"], "fraction bits"),
+        ("fedfull", ["secure_aggregation=true", "secure_aggregation_range=0.01"], "equal to 1"),
+        ("fedfull", ["secure_aggregation=true", "participation=0.5"], r"1 mask partner\(s\)"),
         ("fedfull", ["secure_aggregation=true", "flower.site_data=true"], "secagg_max_weight"),
         (
             "fedfull",
@@ -250,3 +295,45 @@ def test_adaptive_clipping_needs_enough_count_noise(tmp_path: Path) -> None:
     )  # fmt: skip (default σ_b = m / 20 = 0.2 < 8 / 2)
     with pytest.raises(ValueError, match="clipped_count_stddev"):
         make_privacy(cfg, make_algorithm("fedfull", cfg), SEED)
+
+
+def _eps(t: int) -> float:
+    return epsilon_spent(1.5, 1e-5, t, 4, 4)
+
+
+def test_rounds_run_again_after_a_resume_are_counted_in_epsilon(tmp_path: Path) -> None:
+    """A DP round whose row was written (a release) but whose checkpoint was not — here the
+    round-1 checkpoint put back after round 2 — runs again on resume with fresh noise: both
+    releases count. The ledger records 1 repeated exchange and every later row's ε counts it;
+    a fresh run in the same folder starts without it."""
+    extra = ("weighting=uniform", "dp.clip_norm=1", "dp.noise_multiplier=1.5", "rounds=4")
+    cfg = _cfg(tmp_path, *extra)
+    out = run_dir(cfg, "fedfull", SEED)
+    assert run_one(cfg, "fedfull", SEED, stop_after=1) is None
+    round1 = (out / "checkpoint.pt").read_bytes()
+    assert run_one(cfg, "fedfull", SEED, resume=True, stop_after=2) is None
+    assert [r["dp_epsilon"] for r in _rows(cfg, "fedfull")] == pytest.approx(
+        [_eps(1), _eps(2), _eps(3)]
+    )
+    (out / "checkpoint.pt").write_bytes(round1)  # killed between round 2's row and checkpoint
+    summary = run_one(cfg, "fedfull", SEED, resume=True)
+    assert summary is not None
+    assert json.loads((out / "dp_ledger.json").read_text()) == {"repeated_exchanges": 1}
+    eps = [r["dp_epsilon"] for r in _rows(cfg, "fedfull")]
+    assert eps == pytest.approx([_eps(1), _eps(2), _eps(4), _eps(5)])  # round 2 twice
+    assert summary["dp_epsilon"] == pytest.approx(_eps(5))
+    run_one(cfg, "fedfull", SEED, overwrite=True)
+    assert not (out / "dp_ledger.json").exists()
+    assert _rows(cfg, "fedfull")[-1]["dp_epsilon"] == pytest.approx(_eps(4))
+
+
+def test_a_resume_without_a_checkpoint_counts_every_earlier_release(tmp_path: Path) -> None:
+    """``checkpoint: false``: a resume starts from the first round, so every round the killed
+    attempt released is released again; ε continues from their count instead of restarting."""
+    extra = ("weighting=uniform", "dp.clip_norm=1", "dp.noise_multiplier=1.5", "checkpoint=false")
+    cfg = _cfg(tmp_path, *extra)
+    assert run_one(cfg, "fedfull", SEED, stop_after=1) is None
+    summary = run_one(cfg, "fedfull", SEED, resume=True)
+    assert summary is not None
+    eps = [r["dp_epsilon"] for r in _rows(cfg, "fedfull")]
+    assert eps == pytest.approx([_eps(3), _eps(4), _eps(5)])

@@ -1,7 +1,7 @@
 """What a run leaves in its folder, and what a re-run or resume may trust.
 
-* a fresh run (no ``--resume``) removes an earlier run's summary, checkpoint and spill files, so
-  an interrupted re-run is never mistaken for the finished old one;
+* ``--overwrite`` trains beside a finished run, which stays whole until the new one has finished
+  (an interrupted replacement resumes; tests/reliability/test_reruns.py has the rest);
 * ``--resume`` refuses a config that differs from the one that started the run (``config.json``);
 * a missing spill file stops the run with an error naming it, instead of dropping the client
   round after round; a spill directory that is a file is refused up front; a finished run's
@@ -44,14 +44,14 @@ def _cfg(out: Path, *extra: str) -> Config:
     )
 
 
-def test_fresh_rerun_removes_the_old_summary(tmp_path: Path) -> None:
+def test_an_interrupted_replacement_leaves_the_finished_run_whole(tmp_path: Path) -> None:
     old = _cfg(tmp_path)
     run_one(old, "fedlore", SEED)
     out = run_dir(old, "fedlore", SEED)
-    assert (out / "summary.json").exists()
+    finished = (out / "summary.json").read_bytes()
     new = _cfg(tmp_path, "rounds=5", "lr=0.01")
     assert run_one(new, "fedlore", SEED, stop_after=1, overwrite=True) is None  # interrupted
-    assert not (out / "summary.json").exists()
+    assert (out / "summary.json").read_bytes() == finished  # replaced only once finished
     summary = run_one(new, "fedlore", SEED, resume=True)
     assert summary is not None and summary["rounds"] == 5
 

@@ -151,7 +151,7 @@ def test_a_finished_run_of_another_config_needs_overwrite(
     assert "holds a finished run of another config" in err and "--overwrite" in err
     assert "lr: 0.003 -> 0.01" in err and "rounds: 3 -> 2" in err and "hyper.lr" not in err
     assert metrics.read_text() == before  # untouched
-    # the same config again is a plain re-run; --overwrite replaces the other one
+    # the same config again is reported finished (exit 0); --overwrite replaces the other one
     assert main(["run", *_args(tmp_path, "algorithms=[fedavg]")]) == 0
     assert main(["run", *_args(tmp_path, "algorithms=[fedavg]", "rounds=2"), "--overwrite"]) == 0
     assert _rounds(metrics) == [0, 1]

@@ -84,6 +84,34 @@ def test_client_app_matches_in_process_and_uses_client_cpus_threads(tmp_path: Pa
         torch.testing.assert_close(s_app.arrays[k], s_local.arrays[k], rtol=1e-5, atol=1e-6)
 
 
+def test_bfloat16_messages_travel_through_the_client_app_as_their_bit_pattern(
+    tmp_path: Path,
+) -> None:
+    """On Flower a ``transport_dtype=bf16`` run is not refused: its bfloat16 tensors travel as
+    their 16-bit pattern (an ``int16`` payload marked ``bfloat16``) both ways, and the run
+    is the in-process one, byte for byte."""
+    over = [*SMALL, "transport_dtype=bf16"]
+    local = load_config(None, [*over, f"output_dir={tmp_path / 'l'}"])
+    app = load_config(None, [*over, f"output_dir={tmp_path / 'a'}"])
+    s_local = run_one(local, "fedfull", 42)
+    _, client = make_apps(app, "fedfull", 42)
+    dtypes: set[str] = set()
+
+    def spy(msg: Message, ctx: Context) -> Message:
+        dtypes.update(a.dtype for a in msg.content.array_records["arrays"].values())
+        reply = client(msg, ctx)
+        dtypes.update(a.dtype for a in reply.content.array_records["arrays"].values())
+        return reply
+
+    s_app = run_one(
+        app, "fedfull", 42, make_transport=lambda *_: ClientAppInProcess(spy, app.num_clients)
+    )
+    assert s_local is not None and s_app is not None
+    assert "bfloat16" in dtypes
+    assert s_app["bytes_up_total"] == s_local["bytes_up_total"]
+    assert s_app["final_accuracy"] == pytest.approx(s_local["final_accuracy"], abs=1e-6)
+
+
 def test_client_threads() -> None:
     cfg = load_config(None, ["flower.client_cpus=0.5"])
     assert client_threads(cfg, simulated=True) == 1

@@ -12,6 +12,7 @@ untouched. The loopback deployment (real SuperLink and SuperNodes) is at the end
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import time
 import types
@@ -23,14 +24,20 @@ from typing import Any
 import pytest
 import torch
 from flwr.app import Context, Error, Message, RecordDict
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from flwr.common.secure_aggregation.secaggplus_constants import (
+    RECORD_KEY_CONFIGS,
+    RECORD_KEY_STATE,
+    Key,
+    Stage,
+)
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedlore.config import Config, load_config
+from fedlore.engine.loop import RoundLoop
 from fedlore.flower.app import _federation, make_apps, secagg_settings
 from fedlore.flower.loopback import LoopbackFederation
-from fedlore.flower.secure import DROP_ROUND_KEY, SecAggSettings
+from fedlore.flower.secure import DROP_ROUND_KEY, SecAggSettings, _Workflow
 from fedlore.flower.transport import FlowerTransport
 from fedlore.privacy import (
     CLEAR_METRICS,
@@ -254,6 +261,77 @@ def test_too_few_survivors_stop_the_round_with_the_reason(
     assert "share keys stage" in str(got) and "threshold" in str(got)
 
 
+def _six_client_round(
+    monkeypatch: pytest.MonkeyPatch, fail: dict[int, str], reconstruction: float | None
+) -> tuple[dict[str, Any], bool, DirectGrid, list[int]]:
+    """Round 0 of FedAvg under secure aggregation over 6 clients (m_min = 4 at the default
+    secure_aggregation_threshold 2/3) through fedlore's round loop, the FlowerTransport and
+    flwr's SecAgg+ on a :class:`DirectGrid` whose nodes ``fail`` answer that stage with an
+    error; ``reconstruction``: ``SecAggSettings.reconstruction_threshold``. Returns the round's
+    row, whether the model moved, the grid and how often the unmask stage ran."""
+    n = 6
+    cfg = load_config(None, [*SMALL, f"num_clients={n}"])
+    fed = _federation(cfg.model_dump_json(), SEED, "cpu")
+    algo = make_algorithm("fedavg", cfg)
+    model = model_factory(cfg, fed, SEED)()
+    state = start_server(algo, model, generator(SEED, 0), fed, "fedavg")
+    privacy = make_privacy(cfg, algo, SEED)
+    assert privacy is not None and privacy.min_survivors(n) == 4
+    unmasked: list[int] = []
+    unmask = _Workflow.unmask_stage
+
+    def spy(self: _Workflow, *args: Any) -> bool:
+        unmasked.append(len(args[2].active_node_ids))
+        return bool(unmask(self, *args))
+
+    monkeypatch.setattr(_Workflow, "unmask_stage", spy)
+    _, client = make_apps(cfg, "fedavg", SEED)
+    grid = DirectGrid(client, n, fail=fail)
+    settings = dataclasses.replace(
+        secagg_settings(cfg, "fedavg", fed.client), reconstruction_threshold=reconstruction
+    )
+    transport = FlowerTransport(grid, wait_for_nodes=0.0, expected_nodes=0, secagg=settings)
+    loop = RoundLoop(algo, transport, lambda rnd: list(range(n)), privacy=privacy)
+    new, row = loop.run_round(state, 0, 0)
+    moved = any(not torch.equal(new.arrays[k], v) for k, v in state.arrays.items())
+    return row, moved, grid, unmasked
+
+
+def test_fewer_survivors_than_the_threshold_are_never_unmasked(
+    task_identity: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """6 clients, 3 drop out after sharing their keys: each node keeps the 3 live neighbours
+    flwr's own threshold asks (t = round(0.5 * 6) = 3), so flwr alone would unmask a sum of 3;
+    secure_aggregation_threshold's m_min is 4, so the round stops after collecting the masked
+    vectors: the unmask stage never runs, the round is aborted and the model stays."""
+    fail = {100 + c: Stage.COLLECT_MASKED_VECTORS for c in (1, 3, 5)}
+    row, moved, grid, unmasked = _six_client_round(monkeypatch, fail, 0.5)
+    assert row["secagg_aborted"] == 1 and row["accepted_clients"] == [] and not moved
+    assert not unmasked and all(stage != Stage.UNMASK for stage, _ in grid.seen)
+    assert all(
+        c.state.config_records[RECORD_KEY_STATE]["threshold"] == 3 for c in grid.ctx.values()
+    )
+    (why, *rest) = row["rejected_reasons"]
+    assert len(rest) == 5 and "collect masked vectors stage" in why, why
+    assert "3 of 6 clients live, secure_aggregation_threshold needs 4" in why, why
+
+
+@pytest.mark.parametrize(("reconstruction", "t"), [(0.5, 3), (None, 4)])
+def test_survivors_at_the_threshold_complete(
+    task_identity: None, monkeypatch: pytest.MonkeyPatch, reconstruction: float | None, t: int
+) -> None:
+    """6 clients, 2 drop out after sharing their keys: 4 = m_min survive and the round
+    completes over them. Left unset, flwr's reconstruction threshold is secure_aggregation_
+    threshold's share of a node's 6 share holders, ceil(2/3 * 6) = 4 (flwr's 0.5: 3)."""
+    fail = {104: Stage.COLLECT_MASKED_VECTORS, 105: Stage.COLLECT_MASKED_VECTORS}
+    row, moved, grid, unmasked = _six_client_round(monkeypatch, fail, reconstruction)
+    assert row["secagg_aborted"] == 0 and row["accepted_clients"] == [0, 1, 2, 3] and moved
+    assert unmasked == [4]
+    assert all(
+        c.state.config_records[RECORD_KEY_STATE]["threshold"] == t for c in grid.ctx.values()
+    )
+
+
 def test_a_secure_broadcast_outside_a_secagg_round_is_refused(
     task_identity: None, contributions: dict[int, Contribution]
 ) -> None:
@@ -361,3 +439,24 @@ def test_deployed_secagg_round_completes_without_a_supernode_that_dies(tmp_path:
     assert row["bytes_up"] > 0  # the two masked vectors
     result = json.loads(summary.read_text())
     assert result["rounds"] == 1 and result["final_accuracy"] > 0.0
+
+
+@pytest.mark.parametrize(
+    ("extra", "warned"),
+    [
+        (["secure_aggregation=false"], False),  # a plain Flower run: nothing is clipped
+        ([], True),  # SecAgg+ with nothing bounding the uploads: the warning holds
+        (["flower.secagg_clipping_range=4.0"], False),  # the user set the range
+        (["weighting=uniform", "dp.clip_norm=1.0", "dp.noise_multiplier=0.5"], False),  # C_t
+    ],
+)
+def test_the_clipping_warning_is_said_only_when_it_holds(
+    monkeypatch: pytest.MonkeyPatch, extra: list[str], warned: bool
+) -> None:
+    said: list[str] = []
+    monkeypatch.setattr(
+        "fedlore.flower.app.say_once", lambda msg, *a: said.append(msg % a if a else msg)
+    )
+    settings = secagg_settings(load_config(None, [*SMALL, *extra]), "fedavg")
+    assert any("clipped to [-1, 1]" in s for s in said) is warned
+    assert settings.clipping_range == (4.0 if "flower.secagg_clipping_range=4.0" in extra else 1.0)

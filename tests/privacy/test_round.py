@@ -75,13 +75,16 @@ def _secure_round(
     return out, metrics, contrib
 
 
-@pytest.mark.parametrize(("uniform", "degree"), [(True, 0), (False, 2)])
+@pytest.mark.parametrize(("uniform", "degree"), [(True, 0), (False, 4)])
 def test_in_process_round_gives_the_weighted_mean_with_a_dropout(
     uniform: bool, degree: int
 ) -> None:
-    replies = {c: _reply(c, n=10 + c) for c in (0, 2, 5, 7)}
-    privacy = Privacy(True, None, uniform, 10, 4, 0, SEED, mask_degree=degree,
-                      threshold=0.5, max_weight=17.0)  # fmt: skip
+    """One of six clients drops out: every survivor keeps t surviving mask partners (complete
+    graph: 4 of 5, t = 3; ring of degree 4: at least 3 of 4, t = 3), so the round withstands
+    t − 1 colluders and completes with the survivors' mean."""
+    replies = {c: _reply(c, n=10 + c) for c in (0, 2, 5, 7, 8, 9)}
+    privacy = Privacy(True, None, uniform, 10, 6, 0, SEED, mask_degree=degree,
+                      threshold=0.5, max_weight=19.0)  # fmt: skip
     out, metrics, contrib = _secure_round(privacy, replies, dropped=(5,))
     assert metrics["secagg_dropped"] == 1 and [c for c, r in out if r is None] == [5]
     assert all(set(c.metrics) == {"train_s"} for c in contrib.values())  # no loss in the clear

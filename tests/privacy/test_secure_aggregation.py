@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from cryptography.exceptions import InvalidTag
 from scipy import stats
 
 from fedlore.privacy import crypto, secagg, topology
+from fedlore.privacy.aggregation import Privacy
 from fedlore.privacy.fixedpoint import FixedPoint
 from fedlore.privacy.parties import LocalParties, secure_sum
 from fedlore.privacy.secagg import (
@@ -37,6 +37,7 @@ from fedlore.privacy.secagg import (
 )
 
 LENGTH = 256
+SEED = 7
 FIXED = FixedPoint.for_sum(30.0, 16)  # entries 3 N(0, 1): never clipped
 
 
@@ -223,21 +224,40 @@ def test_attack_c_a_ring_client_without_live_neighbours_is_never_unmasked() -> N
         secure_sum(params, LocalParties(params, _inputs(data, fail=(left, right))), LENGTH)
 
     class Careless(Server):
+        """Skips the connectivity check that would stop it."""
+
         def collect_masked(self, masked: Any) -> tuple[list[int], list[int]]:
-            saved = secagg.connected
+            saved, exposed = secagg.connected, secagg.RoundParams.exposed
             secagg.connected = lambda nodes, graph: True  # type: ignore[assignment]
+            secagg.RoundParams.exposed = lambda self, survivors: []  # type: ignore[method-assign]
             try:
                 return super().collect_masked(masked)
             finally:
                 secagg.connected = saved
+                secagg.RoundParams.exposed = exposed  # type: ignore[method-assign]
 
-    server = Careless(params, LENGTH)
-    parties = LocalParties(params, _inputs(data, fail=(left, right)))
-    keys = server.collect_keys(parties.advertise())
-    inbox = server.route_shares(parties.share_keys(keys))
-    masked = parties.masked_inputs(inbox, list(server.u2))
-    survivors, dropped = server.collect_masked(masked)
+    def through_collect() -> tuple[Careless, LocalParties, dict[int, Any], list[int], list[int]]:
+        server = Careless(params, LENGTH)
+        parties = LocalParties(params, _inputs(data, fail=(left, right)))
+        keys = server.collect_keys(parties.advertise())
+        inbox = server.route_shares(parties.share_keys(keys))
+        masked = parties.masked_inputs(inbox, list(server.u2))
+        return server, parties, masked, *server.collect_masked(masked)
+
+    # the clients see u without a surviving partner in the public lists and refuse to answer
+    server, parties, masked, survivors, dropped = through_collect()
     answers = parties.unmask(survivors, dropped)
+    assert answers == {} and parties.failures[u].endswith("surviving mask partners")
+    with pytest.raises(Abort, match="0 of 8 clients remain"):
+        server.unmask({c: masked[c] for c in survivors}, answers)
+    # clients that answered anyway would still not give up u's self-mask: only u holds a share
+    server, parties, masked, survivors, dropped = through_collect()
+    saved = secagg.RoundParams.exposed
+    secagg.RoundParams.exposed = lambda self, survivors: []  # type: ignore[method-assign]
+    try:
+        answers = parties.unmask(survivors, dropped)
+    finally:
+        secagg.RoundParams.exposed = saved  # type: ignore[method-assign]
     with pytest.raises(Abort, match=f"client {u}'s self-mask seed has 1 shares"):
         server.unmask({c: masked[c] for c in survivors}, answers)
     assert _still_masked(_strip_what_the_server_can(server, u), data[u])
@@ -305,7 +325,8 @@ def test_fewer_than_t_shares_rebuild_nothing() -> None:
 
 def test_a_share_for_another_round_or_pair_is_refused() -> None:
     """Ciphertexts are bound to the round and the pair: a share replayed to another recipient
-    does not decrypt."""
+    does not decrypt (AES-GCM authenticates the pair), and the recipient refuses the request,
+    naming the sender, instead of crashing the round."""
     params = _params(3, t=2, m_min=2)
     parties = LocalParties(params, _inputs(_data(3)))
     server = Server(params, LENGTH)
@@ -314,7 +335,18 @@ def test_a_share_for_another_round_or_pair_is_refused() -> None:
     inbox = server.route_shares(sent)
     inbox[2][0] = sent[0][1]  # client 0's ciphertext for client 1, redirected to client 2
     parties.masked_inputs(inbox, list(server.u2))
-    with pytest.raises(InvalidTag):  # AES-GCM: the pair is authenticated
+    with pytest.raises(Refused, match=r"^client 2: the shares from 0 do not decrypt$"):
+        parties.clients[2].unmask([0, 1, 2], [])
+    # a ciphertext that authenticates but holds the wrong number of bytes is refused too
+    parties = LocalParties(params, _inputs(_data(3)))
+    server = Server(params, LENGTH)
+    keys = server.collect_keys(parties.advertise())
+    inbox = server.route_shares(parties.share_keys(keys))
+    channel = parties.clients[2]._channel(0, 2)
+    key = crypto.agree(parties.clients[0]._enc, keys[2].enc, channel)
+    inbox[2][0] = crypto.seal(key, b"too short", channel)
+    parties.masked_inputs(inbox, list(server.u2))
+    with pytest.raises(Refused, match=r"^client 2: the shares from 0 have the wrong length$"):
         parties.clients[2].unmask([0, 1, 2], [])
 
 
@@ -332,3 +364,94 @@ def test_thresholds_are_checked() -> None:
 
 def test_a_share_answer_carries_one_kind() -> None:
     assert Share(0, SELF, 1, b"x" * 16).kind != Share(0, MASK, 1, b"x" * 16).kind
+
+
+def _collusion_attack(params: RoundParams, u: int, colluders: list[int], dropped: list[int]) -> Any:
+    """The server's view of a round in which ``dropped`` fail after sharing their keys, plus
+    what ``colluders`` hand it (their own pair secrets with ``u``): u's vector with every mask
+    removed that this coalition can remove (None if the round aborts first)."""
+    rng = np.random.default_rng(1)
+    xs = {c: rng.integers(0, 2**40, LENGTH, dtype=np.uint64) for c in params.clients}
+    parties = LocalParties(params, lambda c: None if c in dropped else xs[c])
+    res = secure_sum(params, parties, LENGTH)
+    server = res.server
+
+    def rebuild(owner: int, kind: str) -> bytes:
+        got = {
+            s.index: s.value
+            for stage, _, msg in server.received
+            if stage == "answers"
+            for s in msg
+            if s.owner == owner and s.kind == kind
+        }
+        return crypto.combine(sorted(got.items())[: params.threshold])
+
+    y = next(m for stage, c, m in server.received if stage == "masked" and c == u).copy()
+    with np.errstate(over="ignore"):
+        y -= crypto.prg(rebuild(u, SELF), LENGTH)
+        for v in dropped:  # rebuilt from the survivors' answers
+            key = crypto.agree(
+                crypto.mask_key(rebuild(v, MASK)), server.keys[u].mask, crypto.pair_info(0, u, v)
+            )
+            y = y - crypto.prg(key, LENGTH) if u < v else y + crypto.prg(key, LENGTH)
+        for v in colluders:  # handed over by the colluding partner
+            mine = parties.clients[v]
+            key = crypto.agree(mine._mask, mine._keys[u].mask, crypto.pair_info(0, u, v))
+            y = y - crypto.prg(key, LENGTH) if u < v else y + crypto.prg(key, LENGTH)
+    return np.array_equal(y, xs[u])
+
+
+@pytest.mark.parametrize(("clients", "degree"), [(3, 0), (9, 2), (12, 4), (16, 6)])
+def test_attack_t_minus_1_colluding_partners_and_dropouts_never_unmask_a_client(
+    clients: int, degree: int
+) -> None:
+    """The threat model's coalition: the server and t − 1 of client u's mask partners, while
+    u's other partners drop out after sharing their keys. The server rebuilds u's self-mask (u
+    survived) and the dropped partners' mask keys; the colluders give it their pair secrets
+    with u: every mask on u's vector comes off. fedlore's rounds (t − 1 colluders withstood)
+    abort instead: u keeps only t − 1 surviving partners. With that rule switched off on every
+    party, the same attack recovers u's upload exactly, so it is the rule that stops it."""
+    privacy = Privacy(True, None, True, clients, clients, 0, SEED, mask_degree=degree)
+    params = privacy.round_params(0, list(range(clients)))
+    t, u = params.threshold, 0
+    assert params.colluders == t - 1
+    partners = list(params.graph[u])
+    colluders, dropped = partners[: t - 1], partners[t - 1 :]
+    assert dropped and len(params.clients) - len(dropped) >= params.min_survivors
+    with pytest.raises(Abort) as aborted:
+        _collusion_attack(params, u, colluders, dropped)
+    exposed = aborted.value.reason.split("]")[0].removeprefix("survivors [").split(", ")
+    assert str(u) in exposed
+    assert str(aborted.value) == (
+        f"secure aggregation aborted in the collect masked vectors stage: survivors "
+        f"[{', '.join(exposed)}] keep at most {t - 1} surviving mask partners, so {t - 1} "
+        "colluding clients (the most the round withstands) could unmask them alone"
+    )
+    saved = secagg.RoundParams.exposed
+    secagg.RoundParams.exposed = lambda self, survivors: []  # type: ignore[method-assign]
+    try:
+        assert _collusion_attack(params, u, colluders, dropped)
+    finally:
+        secagg.RoundParams.exposed = saved  # type: ignore[method-assign]
+
+
+def test_a_round_needs_two_mask_partners_per_client_and_caps_t_at_them() -> None:
+    """Two clients per round (one partner each) are refused: that partner alone could unmask
+    the other. A threshold of every holder is capped at the partners (t ≤ k), so t − 1
+    colluders never make up all of a client's partners."""
+    with pytest.raises(
+        ValueError,
+        match=r"^a client of this round has 1 mask partner\(s\): secure aggregation needs at "
+        r"least 2 \(3 or more clients per round, secure_aggregation_degree 0 or at least 2\), "
+        r"or its one partner alone could unmask it$",
+    ):
+        Privacy(True, None, True, 2, 2, 0, SEED).round_params(0, [0, 1])
+    # the default 2/3 of a client's holders (partners and itself): 10 clients, t = ceil(20/3)
+    ten = Privacy(True, None, True, 10, 10, 0, SEED).round_params(0, list(range(10)))
+    assert (ten.threshold, ten.colluders, ten.min_survivors) == (7, 6, 7)
+    every = Privacy(True, None, True, 6, 6, 0, SEED, threshold=1.0).round_params(0, list(range(6)))
+    assert every.threshold == 5 and every.colluders == 4
+    ring = Privacy(True, None, True, 9, 9, 0, SEED, mask_degree=4, threshold=1.0)
+    assert ring.round_params(0, list(range(9))).threshold == 4
+    with pytest.raises(ValueError, match=r"colluders must be in \[0, t − 1 = 1\], got 2"):
+        RoundParams(0, {0: (1, 2), 1: (0, 2), 2: (0, 1)}, 2, 2, colluders=2)

@@ -183,7 +183,13 @@ def test_a_round_with_every_client_dropped_reports_epsilon_and_moves_nothing() -
     p = _privacy()
     out, metrics = p.combine(3, SPEC, [(0, None), (4, None)], torch.device("cpu"))
     assert out == [(0, None), (4, None)]
-    assert metrics == {"dp_epsilon": p.epsilon(3), "dp_clip_norm": C}
+    known = p.epsilon(3, sample_known=True)  # 6 of 20 sampled: no amplification, larger
+    assert known > p.epsilon(3)
+    assert metrics == {
+        "dp_epsilon": p.epsilon(3),
+        "dp_epsilon_sample_known": known,
+        "dp_clip_norm": C,
+    }
 
 
 def test_from_mean_keeps_every_contributor_after_a_dropout() -> None:
@@ -230,8 +236,11 @@ def test_an_aborted_round_reports_it_with_epsilon() -> None:
         "secagg_dropped": 3,
         "secagg_aborted": 1,
         "dp_epsilon": p.epsilon(2),
+        "dp_epsilon_sample_known": p.epsilon(2, sample_known=True),
         "dp_clip_norm": C,
     }
+    everyone = Privacy(False, _dp(), True, 6, 6, 0, 7, noise=Recording())  # all sampled: one ε
+    assert "dp_epsilon_sample_known" not in everyone.aborted(2, [1, 2, 3])
     plain = Privacy(True, None, True, 20, 6, 0, 7)
     assert plain.aborted(0, [1]) == {"secagg_dropped": 1, "secagg_aborted": 1}
 
@@ -252,3 +261,12 @@ def test_the_adaptive_clip_norm_travels_in_the_server_state() -> None:
     assert q.clip_norm == 3.25
     fixed.restore(saved)  # a fixed clip ignores it
     assert fixed.clip_norm == C
+
+
+def test_rounds_run_again_after_a_resume_count_in_epsilon() -> None:
+    """``repeated`` exchanges (released, then run again after a resume) add to the rounds the
+    accountant counts, like setup exchanges do."""
+    p = _privacy()
+    again = Privacy(False, _dp(), True, 20, 6, 0, 7, noise=Recording(), repeated=2)
+    assert again.epsilon(3) == p.epsilon(5) > p.epsilon(3)
+    assert again.epsilon(3, sample_known=True) == p.epsilon(5, sample_known=True)

@@ -296,3 +296,21 @@ def test_report_titles_name_the_experiment_and_setting(tmp_path: Path) -> None:
         (run / "config.json").write_text(json.dumps(cfg.model_dump(mode="json")))
     title = setting_title("titled", load(e))
     assert title == "titled: digits, dirichlet α=0.1, 7 clients, 2 rounds, mlp"
+
+
+def test_a_held_out_test_set_is_stated_under_the_table(tmp_path: Path) -> None:
+    e = tmp_path / "runs" / "own"
+    held = "held out 20 % of train.npz (120 of 600 examples, stratified, seed 0): no test.npz"
+    for seed in (1, 2):
+        summary = {**summ(0.8, 0.8, 1e6, 1e6, 10, 1.0), "data_test_split": held}
+        write_run(e, "fedavg", seed, rows_for([0.5, 0.8], 1e6, 1e6), summary)
+    text = report(e)
+    assert text.count(f"Test set: {held}.") == 1
+    assert f"Test set: {held}." in (e / "report.md").read_text()
+    assert "Test set:" not in report(_exp_without_note(tmp_path))
+
+
+def _exp_without_note(tmp_path: Path) -> Path:
+    e = tmp_path / "runs" / "plain"
+    write_run(e, "fedavg", 1, rows_for([0.5, 0.8], 1e6, 1e6), summ(0.8, 0.8, 1e6, 1e6, 10, 1.0))
+    return e

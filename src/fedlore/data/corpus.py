@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 
+from fedlore.atomic import replacing
 from fedlore.data.client_data import TensorSplit
 from fedlore.progress import say
 from fedlore.registry import register_source
@@ -594,9 +595,8 @@ def write_c4_jsonl(records: Iterable[dict[str, Any]], path: str | Path) -> int:
     ``.gz``). Returns the number of records written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    opener: Any = gzip.open if path.name.endswith(".gz") else open
-    n = 0
-    with opener(path, "wt", encoding="utf-8") as f:
+    n = 0  # written to <path>.tmp, renamed when complete
+    with replacing(path, "wt", encoding="utf-8", compress=path.name.endswith(".gz")) as f:
         for rec in records:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             n += 1

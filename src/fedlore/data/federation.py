@@ -27,6 +27,7 @@ import torch
 
 from fedlore import registry
 from fedlore.config import Config, ConfigError, DataConfig
+from fedlore.data.checks import central_splits
 from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.data.corpus import IGNORE_INDEX, Corpus
 from fedlore.data.corruption import add_gaussian_noise, flip_labels, subsample_stratified
@@ -115,6 +116,9 @@ class Federation:
             stands in for the class in every stratified step (``data.fraction``, U, the
             selection split) and in the label partitions (Dirichlet over deciles: clients
             differ in their target range); :meth:`histogram` counts them. None otherwise.
+        test_split: how ``central_test`` was held out of the training data of a source without
+            a test split (``data.missing_test``), e.g. ``"held out 20 % of train.npz (...)"``;
+            None when it is the source's own.
     """
 
     source: str
@@ -134,6 +138,7 @@ class Federation:
     selection: TensorSplit | None = None
     selection_indices: np.ndarray | None = None
     strata: np.ndarray | None = None
+    test_split: str | None = None
 
     @property
     def device(self) -> torch.device:
@@ -423,6 +428,7 @@ SOURCE_OPTIONS = (
     "vocab_size",
     "max_documents",
     "validation_documents",
+    "non_finite",
 )
 
 
@@ -526,6 +532,9 @@ def federation_of(cfg: Config, seed: int) -> Federation:
     source = load_source(cfg.data)
     if isinstance(source, Corpus):
         return corpus_federation(cfg, seed, source)
+    test_split = None
+    if not cfg.flower.site_data:  # a site's test file is never read: the server evaluates
+        source, test_split = central_splits(source, cfg.data)
     regression = source.task == "regression"
     if regression:
         bad = [k for k in ("noise", "label_flip") if getattr(cfg.data, k) > 0]
@@ -608,6 +617,7 @@ def federation_of(cfg: Config, seed: int) -> Federation:
         selection_indices=selection_idx,
         task=source.task,
         strata=labels if regression else None,
+        test_split=test_split,
     )
 
 

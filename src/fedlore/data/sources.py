@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedlore.data.checks import check_rows
 from fedlore.data.client_data import TensorSplit
 from fedlore.registry import register_source
 
@@ -397,7 +398,7 @@ from fedlore.data import corpus as _corpus  # noqa: E402, F401
 from fedlore.data import text as _text  # noqa: E402, F401
 
 
-def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray, list[str] | None]:
+def _read_npz(path: Path, non_finite: str) -> tuple[np.ndarray, np.ndarray, list[str] | None]:
     try:
         with np.load(path, allow_pickle=False) as f:
             missing = [k for k in ("x", "y") if k not in f.files]
@@ -418,24 +419,29 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray, list[str] | None]:
         raise ValueError(f"{path}: labels y must be integers, got {y.dtype}")
     if len(y) and y.min() < 0:
         raise ValueError(f"{path}: negative label {int(y.min())}")
+    x, y = check_rows(path, x, y, non_finite)  # not empty; NaN/inf refused or dropped
     return x, y, names
 
 
 @register_source("npz")
-def load_npz(root: str | None = None) -> DataSource:
+def load_npz(root: str | None = None, *, non_finite: str = "error") -> DataSource:
     """A labelled data set from ``root/train.npz`` and ``root/test.npz``, NumPy archives with
     arrays ``x`` (inputs ``[B, ...]``: uint8 images are scaled to [0, 1], other inputs are cast
     to float32; images as ``[B, C, H, W]``, tabular data as ``[B, F]``), ``y`` (int labels
     ``[B]``) and, optionally, ``class_names`` (strings, index = label).
 
     Either file may be missing (an empty split), not both: a deployed site
-    (``flower.site_data``) may hold only ``train.npz``, the server only ``test.npz``. With
+    (``flower.site_data``) may hold only ``train.npz``, the server only ``test.npz``; a central
+    run without ``test.npz`` holds out part of ``train.npz`` (``data.missing_test``,
+    :func:`fedlore.data.checks.central_splits`). With
     ``class_names`` in a file, ``num_classes`` is its length (every site of a federation should
     store the same list, so that every site's model has the same output layer); else it is the
     largest label + 1.
 
     Args:
         root: the folder (required).
+        non_finite: ``data.non_finite``: ``"error"`` or ``"drop"`` rows holding NaN or inf
+            (:func:`fedlore.data.checks.check_rows`).
 
     Returns:
         A :class:`DataSource` named ``"npz"``.
@@ -443,8 +449,9 @@ def load_npz(root: str | None = None) -> DataSource:
     Raises:
         FileNotFoundError: when ``root`` is None, not a folder, or holds neither file.
         ValueError: naming the file when an array is missing, x and y disagree in length,
-            labels are not non-negative integers, inputs of the two files differ in shape, or
-            a label reaches past ``class_names``.
+            labels are not non-negative integers, inputs of the two files differ in shape, a
+            label reaches past ``class_names``, a file holds no rows, or (``non_finite="error"``)
+            an input is NaN or infinite (naming the array and the index).
     """
     if root is None:
         raise FileNotFoundError(
@@ -459,7 +466,7 @@ def load_npz(root: str | None = None) -> DataSource:
             f"npz: neither {paths['train']} nor {paths['test']} exists; data.root must name a "
             "folder with train.npz and/or test.npz (arrays x, y and optionally class_names)"
         )
-    read = {part: _read_npz(p) for part, p in found.items()}
+    read = {part: _read_npz(p, non_finite) for part, p in found.items()}
     shapes = {part: x.shape[1:] for part, (x, _, _) in read.items()}
     if len(set(shapes.values())) > 1:
         raise ValueError(f"npz in {folder}: inputs differ in shape between the files: {shapes}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import warnings
 import zipfile
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 
 import torch
 
+from fedlore.atomic import append_text, save_tensors, write_text
 from fedlore.config import ConfigError
 from fedlore.engine.store import ClientStore
 from fedlore.tensors import to_cpu
@@ -27,14 +27,14 @@ def _jsonable(v: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends one JSON object per round to ``metrics.jsonl`` (flushed every round)."""
+    """Appends one JSON object per round to ``metrics.jsonl`` (written every round; a failed
+    append is cut back to the row before, :func:`fedlore.atomic.append_text`)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
     def on_round_end(self, rnd: int, row: dict[str, Any], state: State) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
+        append_text(self.path, json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
 
     def truncate_after(self, rnd: int) -> None:
         """Drop rows of rounds > ``rnd`` (rows a killed run wrote after its last checkpoint)."""
@@ -47,18 +47,15 @@ class MetricsWriter:
                     keep.append(line)
             except (json.JSONDecodeError, KeyError, TypeError):
                 continue  # a half-written last line
-        self.path.write_text("".join(line + "\n" for line in keep))
+        write_text(self.path, "".join(line + "\n" for line in keep))
 
 
 def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary file beside ``path``, fsync, then ``os.replace``: a kill
-    at any moment leaves either the old or the new checkpoint, never a torn one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """``torch.save`` to ``<path>.tmp``, fsync, then ``os.replace``: a kill at any moment leaves
+    either the old or the new checkpoint, never a torn one, and a failed write removes the
+    temporary file and raises :class:`fedlore.atomic.WriteError` (see
+    :func:`fedlore.atomic.save_tensors`)."""
+    save_tensors(obj, path)
 
 
 class DamagedCheckpoint(ConfigError):

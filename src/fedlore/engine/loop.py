@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from fedlore.algorithm import Algorithm
+from fedlore.engine import interrupt
 from fedlore.engine.transport import Transport
 from fedlore.engine.validate import validate_reply
 from fedlore.privacy import Privacy
@@ -126,7 +127,8 @@ class RoundLoop:
                 if reason is None and isinstance(res, Reply):
                     accepted.append((cid, res))
                 else:
-                    log.warning("round %d: rejected client %d: %s", rnd, cid, reason)
+                    who = "a client" if privacy is not None and privacy.hides_sample else cid
+                    log.warning("round %d: rejected client %s: %s", rnd, who, reason)
                     rejected.append(f"{cid}: {reason}")
                     accepted.append((cid, None))
             if privacy is not None and ids:
@@ -156,6 +158,8 @@ class RoundLoop:
         row.update(client_reports(accepted, getattr(self.algorithm, "per_client_metrics", ())))
         if rejected:
             row["rejected_reasons"] = rejected
+        if privacy is not None and privacy.hides_sample:
+            hide_client_ids(row, getattr(self.algorithm, "per_client_metrics", ()))
         row.update(agg)
         row["wall_s"] = time.perf_counter() - t0 - diag_s
         if diag:
@@ -215,16 +219,44 @@ class RoundLoop:
         return out, metrics, int(res.bytes_up), why
 
     def run(self, state: State, start: int, rounds: int) -> State:
-        """Rounds ``start .. rounds-1`` (start may be negative for setup exchanges)."""
-        for rnd in range(start, rounds):
-            state, row = self.run_round(state, rnd, rounds - 1)
-            for cb in self.callbacks:
-                cb.on_round_end(rnd, row, state)
+        """Rounds ``start .. rounds-1`` (start may be negative for setup exchanges).
+
+        A SIGINT or SIGTERM (:mod:`fedlore.engine.interrupt`) stops the loop before another
+        round starts, and a round during which one arrived is discarded: its callbacks (the
+        metrics row, the checkpoint) are never called, so clients lost to the interrupt are
+        never recorded as failed clients. The :class:`~fedlore.engine.interrupt.Interrupted`
+        raised carries the last round recorded.
+        """
+        done = start - 1
+        try:
+            with interrupt.deferred():
+                for rnd in range(start, rounds):
+                    interrupt.check()  # no round starts after a signal
+                    state, row = self.run_round(state, rnd, rounds - 1)
+                    interrupt.check()  # a signal during the round: it is not recorded
+                    for cb in self.callbacks:
+                        cb.on_round_end(rnd, row, state)
+                    done = rnd
+        except interrupt.Interrupted as e:
+            e.last_round = done
+            raise
         return state
 
 
 LOCAL_KEYS = ("local_accuracy", "local_loss", "local_ece", "local_mse")
 """P-local reply metrics, pooled over clients weighted by their test size ``local_n``."""
+
+
+def hide_client_ids(row: Row, per_client: Sequence[str] = ()) -> None:
+    """Under DP with secure noise, the row keeps counts and reasons but never a client id: the
+    reported ε amplifies by subsampling, which assumes the sample stays secret from whoever
+    reads the results (``accepted_clients`` and per-client metrics are dropped, the reasons
+    lose their ``"<id>: "`` prefix and are sorted)."""
+    row.pop("accepted_clients", None)
+    for key in per_client:
+        row.pop(key, None)
+    if "rejected_reasons" in row:
+        row["rejected_reasons"] = sorted(r.split(": ", 1)[-1] for r in row["rejected_reasons"])
 
 
 def client_reports(accepted: list[tuple[int, Reply | None]], per_client: Sequence[str] = ()) -> Row:

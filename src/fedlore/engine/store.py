@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from fedlore.atomic import TMP_SUFFIX, WriteError, save_tensors
 from fedlore.tensors import to_cpu, to_device
 from fedlore.types import Arrays, State
 
@@ -298,15 +299,17 @@ class ClientStore:
 
     def collect_garbage(self) -> int:
         """Call right after a checkpoint holding :meth:`to_dict` was committed: the files it
-        names become the committed set, and every other spill file (``<client>.<gen>.pt``) in
-        ``spill_dir`` is deleted (superseded states, leftovers of a killed run). Returns the
-        number of files deleted."""
+        names become the committed set, and every other spill file (``<client>.<gen>.pt``, or
+        its ``.tmp`` a kill cut short) in ``spill_dir`` is deleted (superseded states, leftovers
+        of a killed run). Returns the number of files deleted."""
         self._committed = {r.file for r in self._spilled.values()}
         if self.spill_dir is None or not self.spill_dir.is_dir():
             return 0
         deleted = 0
         for path in self.spill_dir.iterdir():
-            if _SPILL_FILE.match(path.name) and path.name not in self._committed:
+            if _SPILL_FILE.match(path.name.removesuffix(TMP_SUFFIX)) and (
+                path.name not in self._committed
+            ):
                 path.unlink(missing_ok=True)
                 self._unsynced.discard(path.name)
                 deleted += 1
@@ -377,9 +380,9 @@ class ClientStore:
         payload: dict[str, Any] = {"arrays": to_cpu(state.arrays), "values": dict(state.values)}
         try:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
-            torch.save(payload, self.spill_dir / name)
         except OSError as e:
-            raise StoreError(f"cannot spill the state of client {client_id} to {name}: {e}") from e
+            raise WriteError(self.spill_dir, e) from None
+        save_tensors(payload, self.spill_dir / name, fsync=False)  # fsynced by sync()
         self._unsynced.add(name)
         self._remove_from_memory(client_id)
         self._spilled[client_id] = _Spilled(name, _state_bytes(state))

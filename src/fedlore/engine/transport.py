@@ -18,8 +18,10 @@ import torch
 from torch import nn
 
 from fedlore.algorithm import Algorithm
+from fedlore.atomic import WriteError
 from fedlore.data.client_data import ClientData
 from fedlore.device import PeakMemory
+from fedlore.engine import interrupt
 from fedlore.engine.store import ClientStore, StoreError
 from fedlore.engine.validate import validate_reply
 from fedlore.privacy import Privacy, SecureSum, client_contribution, client_noise, privatize
@@ -67,6 +69,7 @@ class LocalTransport:
     def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
         out: dict[int, Reply | BaseException] = {}
         for cid in sorted(messages):
+            interrupt.check()  # a signal stops the round here (the round loop discards it)
             out[cid] = self._run_client(rnd, cid, messages[cid])
         return out
 
@@ -95,7 +98,7 @@ class LocalTransport:
         in the store (a failure's traceback, which would pin them, is dropped after logging)."""
         try:
             return privatize(self._train(rnd, cid, msg), msg.config)  # DP alone: clipped
-        except StoreError:
+        except (StoreError, WriteError):
             raise  # the server's own storage failed: stop rather than drop clients silently
         except Exception as e:  # a failing client must not stop the round
             log.warning("client %d failed in round %d: %s: %s", cid, rnd, type(e).__name__, e)
@@ -124,6 +127,7 @@ class LocalTransport:
         clear: dict[int, Scalars] = {}
 
         def upload(cid: int) -> object:
+            interrupt.check()  # not an Exception: it stops the round, not this client
             msg = messages[cid]
             reply = self._train(rnd, cid, msg)
             why = validate_reply(reply, spec)
@@ -136,7 +140,7 @@ class LocalTransport:
             clear[cid] = c.metrics
             return ring
 
-        clients = LocalParties(plan.params, upload, fatal=(StoreError,))
+        clients = LocalParties(plan.params, upload, fatal=(StoreError, WriteError))
         try:
             res = secure_sum(plan.params, clients, plan.length)
         except Abort as e:

@@ -19,6 +19,11 @@ Two ways to build them: :func:`make_apps` (closures over a validated config; use
 ``fedlore run CONFIG engine=flower-sim``) and the module-level ``server_app`` / ``client_app``
 for ``flwr run`` deployments, which read the config from the run config keys ``config``
 (a YAML path), ``overrides`` (space-separated ``key=value``), ``method`` and ``seed``.
+
+A SIGINT or SIGTERM to a deployed ServerApp's process stops its round loop before another
+round, discarding the round in progress (:mod:`fedlore.engine.interrupt`); the ServerApp logs
+where the run stopped, then hands the signal to Flower's own handler, which reports the run as
+stopped and exits. ``resume=true`` in the run config continues from the last complete round.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import functools
 import json
 import logging
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +44,7 @@ from flwr.serverapp import Grid, ServerApp
 from torch import nn
 
 from fedlore.algorithm import Algorithm
+from fedlore.atomic import WriteError, explain, write_json
 from fedlore.config import Config, load_config, validate
 from fedlore.data.client_data import ClientData
 from fedlore.data.federation import (
@@ -47,15 +54,16 @@ from fedlore.data.federation import (
     site_federation,
 )
 from fedlore.device import PeakMemory, resolve_device, training_precision
+from fedlore.engine import interrupt
+from fedlore.engine.interrupt import Interrupted
 from fedlore.flower.codec import (
     record_to_broadcast,
     record_to_state,
     reply_to_record,
     state_to_record,
 )
-from fedlore.flower.secure import (
-    SECURE_KEY,
-    SecAggSettings,
+from fedlore.flower.secure import SECURE_KEY, SecAggSettings
+from fedlore.flower.secure_client import (
     contribution_record,
     drop_out_now,
     is_secagg_stage,
@@ -299,7 +307,7 @@ def server_main(
         summary["client_num_examples"] = {str(c): n for c, n in sorted(t.num_examples.items())}
         from fedlore.run import run_dir
 
-        (run_dir(cfg, method, seed) / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_json(run_dir(cfg, method, seed) / "summary.json", summary)
     return summary
 
 
@@ -311,7 +319,7 @@ def secagg_settings(cfg: Config, method: str, client_data: Any = None) -> SecAgg
     data) leaves 1, which a client of more examples refuses with the setting's name."""
     f = cfg.flower
     clip = f.secagg_clipping_range
-    if clip is None and not cfg.dp.enabled:
+    if cfg.secure_aggregation and clip is None and not cfg.dp.enabled:  # else nothing clips
         say_once(
             "SecAgg+: every upload entry is clipped to [-1, 1] before quantization "
             "(flower.secagg_clipping_range unset, no DP clip bounds the uploads); an update with "
@@ -337,15 +345,43 @@ def secagg_settings(cfg: Config, method: str, client_data: Any = None) -> SecAgg
     )
 
 
-def make_apps(cfg: Config, method: str, seed: int) -> tuple[ServerApp, ClientApp]:
-    """A ServerApp/ClientApp pair bound to a validated config, one method and one seed."""
+def make_apps(
+    cfg: Config,
+    method: str,
+    seed: int,
+    on_end: Callable[[Interrupted | None], None] | None = None,
+    overwrite: bool = False,
+    failed: list[WriteError] | None = None,
+) -> tuple[ServerApp, ClientApp]:
+    """A ServerApp/ClientApp pair bound to a validated config, one method and one seed
+    (``overwrite``: replace a finished run, as :func:`server_main`). A file the ServerApp cannot
+    write (a full disk) is appended to ``failed`` when given (for the caller to report in one
+    line), else raised.
+
+    ``on_end`` is called in the ServerApp's thread as its run ends (however it ends), with the
+    :class:`~fedlore.engine.interrupt.Interrupted` that stopped the round loop or None; the
+    interrupt is then handed over instead of raised (Flower's thread would print it as an
+    unhandled exception). Without ``on_end`` it propagates."""
     server = ServerApp()
     client = ClientApp()
     cfg_json = cfg.model_dump_json()
 
     @server.main()
     def _main(grid: Grid, context: Context) -> None:
-        server_main(grid, validate(json.loads(cfg_json)), method, seed)
+        stopped = None
+        try:
+            server_main(grid, validate(json.loads(cfg_json)), method, seed, overwrite=overwrite)
+        except WriteError as e:
+            if failed is None:
+                raise
+            failed.append(e)
+        except Interrupted as e:
+            if on_end is None:
+                raise
+            stopped = e
+        finally:
+            if on_end is not None:
+                on_end(stopped)
 
     threads = client_threads(cfg, simulated=True)
 
@@ -383,18 +419,27 @@ client_app = ClientApp()
 def _deployed_main(grid: Grid, context: Context) -> None:
     try:
         cfg, method, seed = _from_run_config(context)
-        server_main(
-            grid,
-            cfg,
-            method,
-            seed,
-            resume=_flag(context, "resume"),
-            overwrite=_flag(context, "overwrite"),
-        )
+        # SIGINT / SIGTERM to this process stop the round loop between rounds, not mid-write
+        with interrupt.handling():
+            server_main(
+                grid,
+                cfg,
+                method,
+                seed,
+                resume=_flag(context, "resume"),
+                overwrite=_flag(context, "overwrite"),
+            )
     except ValueError as e:  # ConfigError included: say what to do, without a traceback
         # flwr streams what its own logger records to `flwr run --stream`; the run then ends
         # without a summary, which scripts/flower_local_federation.sh reports as a failure
         logging.getLogger("flwr").error("fedlore: error: %s", e)
+    except WriteError as e:  # a full disk, a quota, no permission: one line and what to do
+        logging.getLogger("flwr").error("fedlore: error: %s", explain(e))
+    except Interrupted as e:  # nothing of the round in progress was recorded
+        logging.getLogger("flwr").warning(
+            "fedlore: %s", e.describe("`flwr run` with --run-config 'resume=true'")
+        )
+        interrupt.pass_on(e)  # then Flower's own handler: it reports the run stopped and exits
 
 
 @client_app.train(mods=[secagg_mod])  # SecAgg+ stages; other messages pass through

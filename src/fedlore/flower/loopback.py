@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from fedlore.atomic import write_text
+
 ROOT = Path(__file__).resolve().parents[3]
 BIN = Path(sys.executable).parent
 TASK_POLL_S = "0.2"
@@ -93,9 +95,10 @@ class LoopbackFederation:
             ],
             "superlink.log",
         )
-        (self.work / "flwr" / "config.toml").write_text(
+        write_text(
+            self.work / "flwr" / "config.toml",
             '[superlink]\ndefault = "local"\n\n[superlink.local]\n'
-            f'address = "127.0.0.1:{self.port}"\ninsecure = true\n'
+            f'address = "127.0.0.1:{self.port}"\ninsecure = true\n',
         )
 
     def start_node(self, pid: int) -> None:

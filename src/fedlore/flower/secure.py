@@ -13,13 +13,14 @@ captures the unmasked result) and :class:`_Workflow` puts fedlore's own broadcas
 place of the legacy ``FitIns``. Only the sum of the contributing clients' vectors is ever
 unmasked.
 
-Client side, :func:`secagg_mod` (a Flower mod on fedlore's ClientApp ``train`` handler) hands
-SecAgg+ stage messages to flwr's ``secaggplus_mod`` and every other message straight to the
-app: flwr's mod alone would fail on a message without its ``"secaggplus"`` record. Its
-collect-masked-vectors stage calls the app, whose reply (:func:`contribution_record`) is a
+Client side (:mod:`fedlore.flower.secure_client`), ``secagg_mod`` (a Flower mod on fedlore's
+ClientApp ``train`` handler) hands SecAgg+ stage messages to flwr's ``secaggplus_mod`` and
+every other message straight to the app: flwr's mod alone would fail on a message without its
+``"secaggplus"`` record. Its collect-masked-vectors stage calls the app, whose reply
+(``contribution_record``) is a
 legacy ``FitRes`` holding the contribution vector v_i as its one array and the weight p_i as
 ``num_examples``; flwr's mod multiplies v_i by p_i / max_weight, quantizes and masks it, and
-:func:`secagg_mod` then blanks the clear ``num_examples`` of the reply, so p_i travels only
+``secagg_mod`` then blanks the clear ``num_examples`` of the reply, so p_i travels only
 inside the masked sum.
 
 What the workflow returns (verified in flwr 1.42's source): client i uploads
@@ -34,30 +35,18 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import signal
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
-import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp.typing import ClientAppCallable
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common import (
-    Code,
     FitIns,
     FitRes,
     Parameters,
-    Status,
-    ndarrays_to_parameters,
     parameters_to_ndarrays,
 )
-from flwr.common.secure_aggregation.secaggplus_constants import (
-    RECORD_KEY_CONFIGS,
-    RECORD_KEY_STATE,
-)
-from flwr.compat.common import recorddict_compat as compat
 from flwr.server.client_manager import ClientManager, SimpleClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.compat.grid_client_proxy import GridClientProxy
@@ -71,7 +60,9 @@ from flwr.server.workflow.secure_aggregation.secaggplus_workflow import (
 )
 from flwr.serverapp import Grid
 
+from fedlore.privacy.aggregation import DEFAULT_THRESHOLD
 from fedlore.privacy.crypto import prg
+from fedlore.privacy.topology import threshold_count
 from fedlore.types import Scalars
 
 log = logging.getLogger(__name__)
@@ -134,7 +125,10 @@ class SecAggSettings:
 
     Attributes:
         num_shares: neighbourhood size k (int > 2) or a fraction of the sampled clients.
-        reconstruction_threshold: shares t that rebuild a secret (int) or a fraction of k.
+        reconstruction_threshold: shares t that rebuild a secret (int) or a fraction of k
+            (flwr's rule: rounded, at least 2); None: ``secure_aggregation_threshold`` as
+            fedlore applies it in process, ``min(k, ceil(f k))`` for a fraction f, the count
+            itself (at most k) for an int (:func:`secure_round`'s ``threshold``).
         clipping_range: c, entries of (p_i / max_weight) v_i are clipped to [-c, c].
         quantization_range: T, entries are rounded to integers in [0, T].
         modulus_range: M, a power of two above T; sums and masks are taken mod M.
@@ -146,7 +140,7 @@ class SecAggSettings:
     """
 
     num_shares: int | float = 1.0
-    reconstruction_threshold: int | float = 0.5
+    reconstruction_threshold: int | float | None = None
     clipping_range: float = 1.0
     quantization_range: int = 2**24
     modulus_range: int = 2**32
@@ -211,18 +205,88 @@ class _RoundStrategy(Strategy):
         return None
 
 
+def neighbourhood_size(num_shares: int | float, n: int) -> int:
+    """A node's share holders (itself included) in flwr 1.42's SecAgg+ graph of ``n`` nodes
+    (``SecAggPlusWorkflow.setup_stage``): a fraction of n is rounded, made odd below n and
+    replaced by n when at most 2 (an int 1 is the fraction 1.0); an even int below n gets one
+    more; each node's neighbours are the k // 2 on either side on a ring of the n nodes."""
+    if isinstance(num_shares, float) or num_shares == 1:
+        k = round(float(num_shares) * n)
+        if k < n and k & 1 == 0:
+            k += 1
+        if k <= 2:
+            k = n
+    else:
+        k = num_shares + 1 if num_shares != n and num_shares & 1 == 0 else num_shares
+    return min(n, 2 * (k >> 1) + 1)
+
+
 class _Workflow(SecAggPlusWorkflow):
     """flwr's SecAgg+ workflow with fedlore's broadcast records as the clients' fit content
-    (the legacy ``FitIns`` cannot hold named tensors of several dtypes)."""
+    (the legacy ``FitIns`` cannot hold named tensors of several dtypes) and fedlore's two
+    thresholds.
 
-    def __init__(self, contents: Mapping[int, RecordDict], **kwargs: Any) -> None:
+    ``min_survivors`` (m_min): after each of the setup, share-keys and collect-masked-vectors
+    stages, fewer live nodes than this stop the round (:attr:`refusal` says why), so the unmask
+    stage never runs for a sum over fewer than m_min clients; flwr alone unmasks as soon as
+    every node keeps t live neighbours. ``threshold`` (not None): the Shamir threshold t of a
+    node's k share holders is ``min(k, threshold_count(threshold, k))``, set before the setup
+    message carries it to the clients, in place of flwr's ``reconstruction_threshold``."""
+
+    def __init__(
+        self,
+        contents: Mapping[int, RecordDict],
+        min_survivors: int = 2,
+        threshold: int | float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if threshold is not None:  # flwr validates a value here; setup_stage sets the count
+            kwargs["reconstruction_threshold"] = 1.0
         super().__init__(**kwargs)
         self.contents = contents
+        self.min_survivors = min_survivors
+        self.threshold = threshold
+        self.refusal: str | None = None
+
+    def _enough_live(self, state: WorkflowState) -> bool:
+        live = len(state.active_node_ids)
+        if live >= self.min_survivors:
+            return True
+        self.refusal = (
+            f"{live} of {len(self.contents)} clients live, secure_aggregation_threshold needs "
+            f"{self.min_survivors}: nothing is unmasked"
+        )
+        return False
 
     def setup_stage(self, grid: Grid, context: LegacyContext, state: WorkflowState) -> bool:
+        if self.threshold is not None:  # an int: flwr's setup_stage sends it as it is
+            k = neighbourhood_size(self.num_shares, len(self.contents))
+            self.reconstruction_threshold = min(k, threshold_count(self.threshold, k))
         ok = super().setup_stage(grid, context, state)
         state.nid_to_fitins = {nid: self.contents[nid] for nid in state.nid_to_fitins}
-        return bool(ok)
+        if not ok:
+            return False
+        if self.threshold is not None:  # the graph flwr built: t still holds (no shares yet)
+            k = max(len(nb) for nb in state.nid_to_neighbours.values())
+            need = min(k, threshold_count(self.threshold, k))
+            if state.threshold < need:
+                self.refusal = (
+                    f"flwr's reconstruction threshold {state.threshold} of {k} shares is below "
+                    f"secure_aggregation_threshold's {need}"
+                )
+                return False
+        return self._enough_live(state)
+
+    def share_keys_stage(self, grid: Grid, context: LegacyContext, state: WorkflowState) -> bool:
+        return bool(super().share_keys_stage(grid, context, state)) and self._enough_live(state)
+
+    def collect_masked_vectors_stage(
+        self, grid: Grid, context: LegacyContext, state: WorkflowState
+    ) -> bool:
+        """flwr's stage (it sums the masked vectors that arrived; nothing is unmasked), then
+        the survivor check: fewer than ``min_survivors`` vectors stop the round here."""
+        ok = super().collect_masked_vectors_stage(grid, context, state)
+        return bool(ok) and self._enough_live(state)
 
 
 class _PromptGrid(Grid):
@@ -270,6 +334,8 @@ def secure_round(
     length: int,
     settings: SecAggSettings,
     send: Callable[[Grid, Iterable[Message], float | None], list[Message]] | None = None,
+    min_survivors: int = 2,
+    threshold: int | float = DEFAULT_THRESHOLD,
 ) -> tuple[np.ndarray, dict[int, Scalars], set[int]] | RuntimeError:
     """One SecAgg+ round over ``grid`` with flwr's workflow (see the module docstring).
 
@@ -281,16 +347,28 @@ def secure_round(
         settings: the protocol's parameters.
         send: ``send_and_receive(grid, messages, timeout)`` to use for each stage (None:
             the grid's own).
+        min_survivors: m_min, the fewest clients the round completes with
+            (``secure_aggregation_threshold`` of the sampled clients): with fewer live nodes
+            after the setup, share-keys or collect-masked-vectors stage the round stops there
+            and the unmask stage never runs.
+        threshold: ``secure_aggregation_threshold``; when ``settings.reconstruction_threshold``
+            is None it sets the Shamir threshold t of a node's k share holders,
+            ``min(k, threshold_count(threshold, k))`` (as in process).
 
     Returns:
         ``(mean, metrics, nodes)``: the float64 ``(length,)`` weighted mean, the clear metrics
         per contributing node and the set of those nodes; or a RuntimeError naming the stage
-        where the protocol stopped (fewer than two nodes, too few live neighbours, a vector of
-        the wrong length) and the clients' errors.
+        where the protocol stopped (fewer than two nodes or than ``min_survivors``, too few
+        live neighbours, a vector of the wrong length) and the clients' errors.
     """
     n = len(contents)
     if n < 2:
         return RuntimeError(f"secure aggregation needs at least 2 clients in a round, got {n}")
+    if n < min_survivors:
+        return RuntimeError(
+            f"secure aggregation of {n} reachable clients: secure_aggregation_threshold needs "
+            f"{min_survivors}: nothing is sent"
+        )
     if n > settings.max_clients():
         return RuntimeError(
             f"secure aggregation of {n} clients overflows flower.secagg_modulus_range="
@@ -312,10 +390,13 @@ def secure_round(
         {WorkflowKey.CURRENT_ROUND: rnd}
     )
     context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
+    derived = settings.reconstruction_threshold is None
     workflow = _Workflow(
         contents,
+        min_survivors=min_survivors,
+        threshold=threshold if derived else None,
         num_shares=settings.num_shares,
-        reconstruction_threshold=settings.reconstruction_threshold,
+        reconstruction_threshold=1.0 if derived else settings.reconstruction_threshold,
         max_weight=settings.max_weight,
         clipping_range=settings.clipping_range,
         quantization_range=settings.quantization_range,
@@ -340,6 +421,13 @@ def secure_round(
         if gone:
             log.warning("round %d: SecAgg+ %s stage: nodes %s dropped out", rnd, name, gone)
         live = set(state.active_node_ids)
+        if not ok and workflow.refusal is not None:
+            log.warning(
+                "round %d: SecAgg+ stopped in the %s stage: %s", rnd, name, workflow.refusal
+            )
+            return RuntimeError(
+                f"secure aggregation stopped in the {name} stage: {workflow.refusal}"
+            )
         if not ok:
             errors = "; ".join(str(f) for f in state.failures[:3])
             return RuntimeError(
@@ -360,90 +448,3 @@ def secure_round(
             k: v for k, v in res.metrics.items() if isinstance(v, int | float | str | bool)
         }
     return np.asarray(arrays[0], dtype=np.float64), metrics, set(metrics)
-
-
-# ------------------------------------------------------------------------------ client side
-
-
-def secagg_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
-    """Flower mod of fedlore's ClientApp ``train`` handler: a message of a SecAgg+ stage (one
-    holding flwr's ``"secaggplus"`` config record) goes through flwr's ``secaggplus_mod``, and
-    the clear ``num_examples`` of its collect-stage reply is set to 0 (the weight travels only
-    inside the masked sum); any other message goes straight to the app."""
-    from flwr.client.mod import secaggplus_mod
-
-    if RECORD_KEY_CONFIGS not in msg.content.config_records:
-        return call_next(msg, ctxt)
-    out = secaggplus_mod(msg, ctxt, call_next)
-    if not out.has_error() and "fitres.num_examples" in out.content.metric_records:
-        out.content.metric_records["fitres.num_examples"] = MetricRecord({"num_examples": 0})
-    return out
-
-
-def is_secagg_stage(msg: Message) -> bool:
-    """Whether ``msg`` is SecAgg+'s collect-masked-vectors stage (the only stage that
-    ``secaggplus_mod`` passes on to the app)."""
-    return RECORD_KEY_CONFIGS in msg.content.config_records
-
-
-def contribution_record(
-    vector: torch.Tensor, weight: float, metrics: Scalars, context: Context
-) -> RecordDict:
-    """A client's contribution as the legacy ``FitRes`` record ``secaggplus_mod`` masks: the
-    vector v_i as its one float64 array and ``num_examples`` = p_i.
-
-    Raises:
-        ValueError: when ``vector`` is not 1-D and finite, ``weight`` is not a positive finite
-            number, or ``weight`` exceeds the protocol's ``max_weight`` (from the mod's state of
-            the setup stage): ``flower.secagg_max_weight`` must bound every client's weight.
-    """
-    if vector.dim() != 1:
-        raise ValueError(f"a contribution vector must be 1-D, got shape {tuple(vector.shape)}")
-    arr = vector.detach().to("cpu", torch.float64).numpy()
-    if not np.isfinite(arr).all():
-        raise ValueError("the contribution vector has NaN or Inf entries")
-    if not (math.isfinite(weight) and weight > 0):
-        raise ValueError(f"a contribution weight must be positive and finite, got {weight}")
-    sa = context.state.config_records.get(RECORD_KEY_STATE)
-    if sa is not None:
-        max_weight = float(cast(float, sa.get("max_weight", 0.0)))
-        if max_weight > 0 and weight > max_weight:
-            raise ValueError(
-                f"weight {weight} exceeds flower.secagg_max_weight={max_weight}: set it to at "
-                "least the largest client's weight"
-            )
-        clip = float(cast(float, sa.get("clipping_range", 0.0)))
-        if max_weight > 0 and clip > 0:
-            over = int((np.abs(arr) * (weight / max_weight) > clip).sum())
-            if over:
-                log.warning(
-                    "%d of %d entries of the weighted upload exceed flower."
-                    "secagg_clipping_range=%g and are clipped", over, arr.size, clip
-                )  # fmt: skip
-    res = FitRes(
-        status=Status(Code.OK, ""),
-        parameters=ndarrays_to_parameters([arr]),
-        num_examples=cast(int, float(weight)),  # flwr's mod divides it by max_weight: a float
-        metrics=dict(metrics),
-    )
-    return compat.fitres_to_recorddict(res, keep_input=False)
-
-
-def drop_out_now(context: Context, rnd: int) -> None:
-    """Fault injection (node config ``fault-drop-round=<round>``): when ``rnd`` is that round,
-    SIGKILL this node's SuperNode (the nearest ancestor process named ``flower-supernode``)
-    and exit this ClientApp process at once, as a node that dies after sharing its keys. Does
-    nothing on other rounds or without the key."""
-    want = context.node_config.get(DROP_ROUND_KEY)
-    if want is None or int(want) != rnd:
-        return
-    try:
-        import psutil  # a dependency of flwr[simulation] (ray)
-
-        for p in psutil.Process().parents():
-            if any("flower-supernode" in part for part in p.cmdline()):
-                p.send_signal(signal.SIGKILL)
-                break
-    except Exception as e:  # exiting anyway
-        log.warning("fault-drop-round: could not kill the SuperNode: %s", e)
-    os._exit(3)

@@ -8,11 +8,17 @@ Flower hands a stored message to its virtual SuperNode by a thread that looks fo
 every 0.1 s; during :func:`run_simulated` that thread is woken when the server stores a message
 instead (:func:`prompt_delivery`), so a round of fast clients is not rounded up to the poll.
 
-Ctrl-C (SIGINT) during a simulation ends the process at once with exit status 130 (Flower's
-shutdown would otherwise wait forever on its worker threads) and shuts Ray down. A simulated run
-is not resumed from its checkpoint: its client states live in Flower's ``Context.state`` of the
-virtual SuperNodes, which a new simulation does not have, so ``--resume`` returns a finished
-run's summary and starts an unfinished one over.
+SIGINT (Ctrl-C) or SIGTERM during a simulation stops it cleanly (:mod:`fedlore.engine.interrupt`):
+the round loop, in the ServerApp's thread, starts no other round and discards the round in
+progress; the ServerApp ends, Flower's simulation ends with it and shuts Ray down, whatever of
+Ray still runs is killed (:func:`stop_ray`), and :class:`~fedlore.engine.interrupt.Interrupted`
+is raised in the calling thread. Ray's processes run in sessions of their own
+(:func:`start_ray`), so a signal to the terminal's process group reaches this process alone, not
+the workers of a round in progress. A second signal kills them all and exits at once.
+
+A simulated run is not resumed from its checkpoint: its client states live in Flower's
+``Context.state`` of the virtual SuperNodes, which a new simulation does not have, so
+``--resume`` returns a finished run's summary and starts an unfinished one over.
 """
 
 from __future__ import annotations
@@ -22,24 +28,30 @@ import inspect
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from queue import Queue
-from types import FrameType
 from typing import Any, TextIO
 
+from fedlore.atomic import WriteError
 from fedlore.config import Config
+from fedlore.engine import interrupt
+from fedlore.engine.interrupt import Interrupted, Process
+from fedlore.engine.rerun import stamp, write_dir
 from fedlore.flower.app import make_apps
 
 log = logging.getLogger(__name__)
 
 
-def run_simulated(cfg: Config, method: str, seed: int, resume: bool = False) -> dict[str, Any]:
-    """Run ``method`` for ``seed`` on the Simulation Engine; returns the run summary.
+def run_simulated(
+    cfg: Config, method: str, seed: int, resume: bool = False, overwrite: bool = False
+) -> dict[str, Any]:
+    """Run ``method`` for ``seed`` on the Simulation Engine; returns the run summary. With
+    ``overwrite`` a finished run is replaced as by :func:`fedlore.run.run_one` (the new run
+    trains beside it and takes its place once finished, :mod:`fedlore.engine.rerun`).
 
     Raises:
         RuntimeError: if the simulation ended without writing a summary (its log says why).
@@ -54,21 +66,35 @@ def run_simulated(cfg: Config, method: str, seed: int, resume: bool = False) -> 
     if resume and summary_path.exists():
         done: dict[str, Any] = json.loads(summary_path.read_text())
         return done
-    server, client = make_apps(cfg, method, seed)
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, _stop_now) if main else None
-    try:
-        with flower_output_to(summary_path.parent / "flower.log"), prompt_delivery():
-            run_simulation(
-                server_app=server,
-                client_app=client,
-                num_supernodes=cfg.num_clients,
-                backend_config=backend_config(cfg),
-            )
-    finally:
-        if main:
-            signal.signal(signal.SIGINT, previous)
-    if not summary_path.exists():
+    folder = write_dir(cfg, method, summary_path.parent, False, overwrite)  # a simulation: anew
+    before = stamp(summary_path)  # a replaced finished run's summary is not this run's
+    interrupt.check()  # a signal between two runs: no simulation starts
+    ended: dict[str, Any] = {}
+
+    def on_end(stopped: Interrupted | None) -> None:  # the ServerApp's thread; Ray still runs
+        ended["stopped"], ended["ray"] = stopped, ray_processes()
+
+    failed: list[WriteError] = []  # a file the ServerApp could not write: one line, not a trace
+    server, client = make_apps(cfg, method, seed, on_end, overwrite, failed)
+    with interrupt.handling(), interrupt.deferred():
+        try:
+            with flower_output_to(folder / "flower.log"), prompt_delivery():
+                start_ray(cfg)
+                run_simulation(
+                    server_app=server,
+                    client_app=client,
+                    num_supernodes=cfg.num_clients,
+                    backend_config=backend_config(cfg),
+                )
+        finally:
+            stop_ray(ended.get("ray", []))
+    stopped: Interrupted | None = ended.get("stopped")
+    if stopped is not None:
+        stopped.starts_over = True  # --resume runs it again from round 0 (see the docstring)
+        raise stopped
+    if failed:
+        raise failed[0]
+    if stamp(summary_path) in (None, before):
         raise RuntimeError(f"the Flower simulation of {method} (seed {seed}) wrote no summary")
     result: dict[str, Any] = json.loads(summary_path.read_text())
     return result
@@ -213,25 +239,88 @@ def backend_config(cfg: Config) -> dict[str, Any]:
     }
 
 
-def _stop_now(signum: int, frame: FrameType | None) -> None:
-    """SIGINT handler of a running simulation: say how to continue, then exit at once (130)."""
-    sys.stderr.write(
-        "\ninterrupted: the Flower simulation stops now (a simulated run restarts from round 0 "
-        "when run again: its client states lived in Flower's Context.state)\n"
-    )
-    sys.stderr.flush()
-    watchdog = threading.Timer(10.0, os._exit, args=(130,))  # in case Ray's shutdown hangs
-    watchdog.daemon = True
-    watchdog.start()
-    try:  # stop Ray and every process it started (they would outlive a bare exit)
-        import psutil  # a dependency of ray
-        import ray
+def start_ray(cfg: Config) -> None:
+    """Start Ray for the simulation as Flower's Ray backend would (the ``init_args`` of
+    :func:`backend_config` with Flower's defaults, this process's ``sys.path`` as the workers'
+    PYTHONPATH; Flower then uses the running instance), with two differences:
 
-        started = psutil.Process().children(recursive=True)
+    * every process ``ray.init`` starts (GCS, raylet, dashboard, monitors) begins a session of
+      its own, and the raylet starts the workers and agents in its session: a signal to this
+      process's group (Ctrl-C in a terminal, ``kill -- -PGID``) reaches this process alone, and
+      the round loop stops cleanly while Ray's workers finish their clients (a worker killed by
+      the signal mid-round would leave the round short of clients, and a Ray whose GCS died
+      takes many seconds to shut down);
+    * ``ray.init`` replaces the SIGTERM handler; fedlore's is put back
+      (:func:`fedlore.engine.interrupt.reinstall`).
+
+    A Ray already running in this process is left as it is (Flower uses it too)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    init: dict[str, Any] = {"logging_level": "WARNING", "log_to_driver": True}
+    with contextlib.suppress(ImportError, AttributeError):
+        from flwr.supercore.constant import DEFAULT_SIMULATION_CONFIG as flwr_defaults
+
+        init["logging_level"] = flwr_defaults.init_args_logging_level
+        init["log_to_driver"] = flwr_defaults.init_args_log_to_driver
+    init.update(backend_config(cfg)["init_args"])
+    pythonpath = os.pathsep.join(sys.path)
+    if os.environ.get("PYTHONPATH"):
+        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
+    os.environ["PYTHONPATH"] = pythonpath  # as Flower's backend sets it
+    with _own_sessions():
+        ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **init)
+    interrupt.reinstall()
+
+
+@contextlib.contextmanager
+def _own_sessions() -> Iterator[None]:
+    """While inside, every process Ray starts through ``ray._private.services.ConsolePopen``
+    starts a new session (``start_new_session=True``). A Ray without that class (another
+    version) starts its processes as it does; interrupts still stop cleanly, only a signal to
+    the whole process group then reaches Ray's processes too."""
+    if os.name != "posix":
+        yield
+        return
+    try:
+        from ray._private import services as ray_services
+    except ImportError:
+        yield
+        return
+    services: Any = ray_services
+    base = getattr(services, "ConsolePopen", None)
+    if base is None:
+        yield
+        return
+
+    def popen(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("start_new_session", True)
+        return base(*args, **kwargs)
+
+    services.ConsolePopen = popen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = base
+
+
+def ray_processes() -> list[Process]:
+    """The processes Ray runs for this process: its descendants named ``ray::...`` (workers,
+    agents) or run from Ray's package (GCS, raylet, dashboard, monitors)."""
+    mark = f"{os.sep}ray{os.sep}"
+    return [
+        p for p in interrupt.descendants() if p.command.startswith("ray::") or mark in p.command
+    ]
+
+
+def stop_ray(seen: list[Process]) -> None:
+    """Shut Ray down (Flower's simulation has done it when it ended normally), then kill what
+    still runs of the processes ``seen`` (listed while Ray ran: once their raylet is gone,
+    Ray's agents are no longer this process's descendants and would linger for a minute) and
+    of Ray's processes among this process's descendants."""
+    import ray
+
+    if ray.is_initialized():
         ray.shutdown()
-        for p in started:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-    except Exception:  # exiting anyway
-        pass
-    os._exit(130)
+    interrupt.kill([*seen, *ray_processes()])

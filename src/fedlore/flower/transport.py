@@ -24,9 +24,12 @@ import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
+from fedlore.engine import interrupt
 from fedlore.flower.codec import broadcast_to_record, record_nbytes, record_to_reply
 from fedlore.flower.secure import SecAggSettings, secure_round
 from fedlore.privacy import SecureSum, spec_length
+from fedlore.privacy.aggregation import DEFAULT_THRESHOLD
+from fedlore.privacy.topology import threshold_count
 from fedlore.tensors import to_device
 from fedlore.types import Broadcast, Reply
 
@@ -52,6 +55,10 @@ def send_and_receive(
 
     Returns:
         The reply messages that arrived in time, in arrival order.
+
+    Raises:
+        fedlore.engine.interrupt.Interrupted: between two pulls after a SIGINT or SIGTERM (the
+            round loop discards the round: replies lost to the interrupt are not failures).
     """
     pending = {m for m in grid.push_messages(messages) if m is not None}
     cap = min(LAST_POLL_S, float(getattr(grid, "pull_interval", LAST_POLL_S)))
@@ -59,6 +66,7 @@ def send_and_receive(
     end = None if timeout is None else time.monotonic() + timeout
     out: list[Message] = []
     while pending:
+        interrupt.check()  # a signal: stop waiting (the round loop discards the round)
         got = list(grid.pull_messages(pending))
         out.extend(got)
         pending.difference_update(m.metadata.reply_to_message_id for m in got)
@@ -107,7 +115,7 @@ class FlowerTransport:
         device: where decoded replies go (the server's device).
         extra_config: scalars added to every broadcast's config (e.g. the data shape every
             site of a site-local deployment must match); not counted as payload bytes.
-        secagg: the SecAgg+ parameters of :meth:`send_secure` (None: flwr's defaults with
+        secagg: the SecAgg+ parameters of :meth:`send_secure` (None: the defaults with
             ``max_weight`` 1 and ``round_timeout`` per stage).
     """
 
@@ -134,6 +142,7 @@ class FlowerTransport:
         self.num_examples: dict[int, int] = {}  # client -> num_examples of its latest reply
         deadline = time.monotonic() + wait_for_nodes
         while len(list(grid.get_node_ids())) < expected_nodes and time.monotonic() < deadline:
+            interrupt.check()
             time.sleep(0.5)
         self.refresh_nodes()
 
@@ -168,20 +177,30 @@ class FlowerTransport:
         vector (the ``spec_length(spec)`` entries of its upload) masked; the server unmasks
         only the weighted mean over the clients whose vectors arrived. Clients that drop out
         after sharing their keys are left out of the sum (their masks are removed from the
-        survivors' shares) as long as every client keeps ``reconstruction_threshold`` live
-        neighbours. ``privacy`` (the run's :class:`~fedlore.privacy.Privacy`) adds adaptive
-        clipping's noised bit to the vector and, when ``flower.secagg_clipping_range`` is
-        unset under DP, sets the clipping range from the round's clip norm; flwr's workflow has
-        its own protocol parameters (:class:`~fedlore.flower.secure.SecAggSettings`).
+        survivors' shares) as long as every client keeps t live neighbours and at least
+        m_min = ``privacy.min_survivors(len(messages))`` vectors arrived; with fewer the round
+        stops before the unmask stage. ``privacy`` (the run's
+        :class:`~fedlore.privacy.Privacy`; None: the default ``secure_aggregation_threshold``
+        of 2/3) sets m_min and, unless ``SecAggSettings.reconstruction_threshold`` is set, t;
+        it adds adaptive clipping's noised bit to the vector and, when
+        ``flower.secagg_clipping_range`` is unset under DP, sets the clipping range from the
+        round's clip norm; flwr's workflow has its own protocol parameters
+        (:class:`~fedlore.flower.secure.SecAggSettings`).
 
         Returns:
             The :class:`SecureSum` (fedlore client ids, sorted), or the exception that stopped
             the round (a broadcast over the size limit raises :class:`MessageTooLarge`
             before anything is sent, as in :meth:`send`; fewer than two mapped clients, too few
-            live clients for the threshold, a vector of another length: a RuntimeError).
+            live clients for t or m_min, a vector of another length: a RuntimeError).
         """
         settings = self.secagg
         length = spec_length(spec)
+        sampled = len(messages)
+        if privacy is None:
+            threshold: int | float = DEFAULT_THRESHOLD
+            need = min(sampled, threshold_count(threshold, sampled))
+        else:
+            threshold, need = privacy.threshold, privacy.min_survivors(sampled)
         if privacy is not None and privacy.dp is not None:
             length += 1 if privacy.adaptive else 0  # the noised bit of adaptive clipping
             if settings.follow_privacy:  # entries within C_t plus the shares' noise tail
@@ -206,7 +225,9 @@ class FlowerTransport:
             client_of[node] = cid
         if missing:
             log.warning("round %d: no connected SuperNode holds clients %s", rnd, missing)
-        got = secure_round(self.grid, rnd, contents, length, settings, send_and_receive)
+        got = secure_round(
+            self.grid, rnd, contents, length, settings, send_and_receive, need, threshold
+        )
         if isinstance(got, BaseException):
             return got
         mean, metrics, nodes = got

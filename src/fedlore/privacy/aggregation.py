@@ -106,6 +106,9 @@ class Privacy:
         max_weight: W, the largest client weight (1 under uniform weighting).
         noise: where DP noise and the DP client sample come from.
         clip: the clip norm schedule (None: fixed at ``dp.clip_norm``).
+        repeated: DP exchanges released by an earlier attempt of this run and run again after a
+            resume (:mod:`fedlore.engine.dp_ledger`): counted by the accountant on top of the
+            rounds.
     """
 
     secure: bool
@@ -122,6 +125,7 @@ class Privacy:
     max_weight: float = 1.0
     noise: NoiseSource = field(default_factory=SecureSource)
     clip: ClipNorm | None = None
+    repeated: int = 0
 
     def __post_init__(self) -> None:
         if self.clip is None and self.dp is not None:
@@ -133,6 +137,13 @@ class Privacy:
     def reproducible(self) -> bool:
         """True when the noise comes from the run seed (no privacy)."""
         return not self.noise.secure
+
+    @property
+    def hides_sample(self) -> bool:
+        """Whether the round's rows must not name its clients: under DP with secure noise the
+        sample is part of what amplification by subsampling keeps secret (the reported ε
+        assumes that whoever sees the models and logs does not know who took part)."""
+        return self.dp is not None and not self.reproducible
 
     @property
     def adaptive(self) -> bool:
@@ -206,9 +217,17 @@ class Privacy:
             ValueError: when the thresholds cannot hold for this round's clients.
         """
         graph = {c: tuple(v) for c, v in self.neighbours(rnd, sampled).items()}
-        holders = min(len(v) + 1 for v in graph.values())
-        t = min(holders, threshold_count(self.threshold, holders))
-        return RoundParams(rnd, graph, t, self.min_survivors(len(sampled)))
+        partners = min(len(v) for v in graph.values())
+        if partners < 2:
+            raise ValueError(
+                f"a client of this round has {partners} mask partner(s): secure aggregation "
+                "needs at least 2 (3 or more clients per round, secure_aggregation_degree 0 or "
+                "at least 2), or its one partner alone could unmask it"
+            )
+        # t <= partners: t - 1 colluders never make up all of a client's partners; the round
+        # withstands t - 1 of them (every survivor keeps t surviving partners)
+        t = min(partners, threshold_count(self.threshold, partners + 1))
+        return RoundParams(rnd, graph, t, self.min_survivors(len(sampled)), colluders=t - 1)
 
     def fixed_point(self, sampled: int) -> FixedPoint:
         """The fixed point of a round of ``sampled`` clients (weights p_i / W ≤ 1 keep w x
@@ -252,18 +271,34 @@ class Privacy:
             return f"upload norm {norm:.6g} exceeds the clip norm {self.clip_norm:g}"
         return None
 
-    def epsilon(self, rnd: int) -> float:
-        """ε at ``dp.delta`` after the exchange of round ``rnd`` (setup exchanges counted)."""
+    def epsilon(self, rnd: int, sample_known: bool = False) -> float:
+        """ε at ``dp.delta`` after the exchange of round ``rnd`` (setup exchanges counted).
+
+        Args:
+            sample_known: ε against a party that knows which clients took part in each round
+                (the server itself, which sends them the model): no amplification by
+                subsampling, every round a full Gaussian release.
+        """
         assert self.dp is not None
-        done = rnd + 1 + self.setup_rounds
+        done = rnd + 1 + self.setup_rounds + self.repeated
         return epsilon_spent(
             self.dp.noise_multiplier,
             self.dp.delta,
             done,
             self.num_clients,
-            self.per_round,
+            self.num_clients if sample_known else self.per_round,
             accountant=self.dp.accountant,
         )
+
+    def epsilon_metrics(self, rnd: int) -> Scalars:
+        """``dp_epsilon`` (against whoever sees the models and the logs, which do not name the
+        sample) and, when clients are sampled, ``dp_epsilon_sample_known`` (against a party that
+        knows the sample: the server, and under secure aggregation the server is who the
+        noise protects against)."""
+        out: Scalars = {"dp_epsilon": self.epsilon(rnd)}
+        if self.per_round < self.num_clients:
+            out["dp_epsilon_sample_known"] = self.epsilon(rnd, sample_known=True)
+        return out
 
     # ------------------------------------------------------------------ the round's result
 
@@ -343,7 +378,7 @@ class Privacy:
         adaptive clip norm's step from the noised count of unclipped contributors."""
         metrics: Scalars = {}
         if self.dp is not None:
-            metrics["dp_epsilon"] = self.epsilon(rnd)
+            metrics.update(self.epsilon_metrics(rnd))
             metrics["dp_clip_norm"] = self.clip_norm
         if mean is None or not clear:
             return [(c, None) for c in sampled], metrics
@@ -372,7 +407,7 @@ class Privacy:
         counts the exchange: the clients computed on their data)."""
         metrics: Scalars = {"secagg_dropped": len(sampled), "secagg_aborted": 1}
         if self.dp is not None:
-            metrics["dp_epsilon"] = self.epsilon(rnd)
+            metrics.update(self.epsilon_metrics(rnd))
             metrics["dp_clip_norm"] = self.clip_norm
         return metrics
 

@@ -27,9 +27,11 @@ the Gaussian's multiplier relative to that sensitivity is ``σ / 2`` in both cas
 events get (dp-accounting's PLD doubles the sensitivity itself under ``REPLACE_ONE`` and is given
 σ: :func:`pld_event`). One relation
 for every participation rate keeps ε comparable across them, and it keeps the number of
-contributors public (N is fixed; who drops out does not depend on the data), so dividing the
-noised sum by it is post-processing. (Under add/remove adjacency the count itself would change
-between neighbours and DP-FedAvg's fixed denominator would be needed.)
+contributors public (N is fixed, and dropouts are treated as data-independent: a client
+whose training goes non-finite and so refuses to send is the exception, listed in
+docs/privacy.md as not covered), so dividing the noised sum by it is post-processing. (Under
+add/remove adjacency the count itself would change between neighbours and DP-FedAvg's fixed
+denominator would be needed.)
 
 ``T`` counts every exchange that reads client data: the rounds and a method's setup exchange
 (FedLore-Sketch's P^0 sketch).

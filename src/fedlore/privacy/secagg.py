@@ -30,11 +30,18 @@ The server so learns, for each client, either its self-mask or its pair secret, 
 masked vector that arrived but was rejected (its client then counts as dropped) stays hidden
 behind ``PRG(b_u)``, and a survivor's vector behind its pair masks. The round is **aborted**
 (:class:`Abort`; nothing is unmasked, the model does not move) when fewer than ``m_min``
-clients remain at any stage, when a secret has fewer than ``t`` live holders, or when the
+clients remain at any stage, when a secret has fewer than ``t`` live holders, when the
 survivors' mask graph falls apart (the sum of each part would be revealed: with degree 2 a
-client whose two neighbours dropped would stand alone). A client refuses (:class:`Refused`) an
-unmasking request with fewer than ``m_min`` survivors, with overlapping or unknown client sets,
-or a second request in the same round.
+client whose two neighbours dropped would stand alone), or when a survivor keeps at most
+``c`` surviving mask partners (``c`` = ``RoundParams.colluders``, ``t − 1`` in fedlore's
+rounds). The last rule is what makes the bound on colluders hold: the server and ``c``
+colluding clients can strip a survivor's self-mask, the pair masks of its dropped partners and
+those of its colluding partners; with ``c + 1`` surviving partners at least one honest
+partner's pair mask stays on it, so every part of the sum they can compute holds two or more
+honest clients' uploads (on the complete graph with ``c = t − 1`` the rule asks for ``t + 1``
+survivors). A client refuses (:class:`Refused`) an unmasking request that breaks any of these
+rules, with overlapping or unknown client sets, a share that does not decrypt, or a second
+request in the same round.
 
 What is simulated: every party runs in this process. Each :class:`Client` keeps its secrets in
 its own object; the :class:`Server` code sees only the messages (public keys, ciphertexts,
@@ -47,7 +54,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,12 +103,17 @@ class RoundParams:
         graph: client -> its mask partners (symmetric; every sampled client is a key).
         threshold: t, shares that rebuild a secret (at least 2, at most every holder set).
         min_survivors: m_min, the fewest clients with which any stage may go on (at least 2).
+        colluders: c, the colluding clients the round withstands (at most t − 1): every survivor
+            must keep at least c + 1 surviving mask partners. fedlore's rounds use c = t − 1
+            (:meth:`fedlore.privacy.aggregation.Privacy.round_params`); 0 only asks that no
+            survivor is left without a surviving partner.
     """
 
     rnd: int
     graph: Mapping[int, tuple[int, ...]]
     threshold: int
     min_survivors: int
+    colluders: int = 0
 
     def __post_init__(self) -> None:
         for u, partners in self.graph.items():
@@ -111,6 +123,10 @@ class RoundParams:
             raise ValueError(f"the share threshold must be at least 2, got {self.threshold}")
         if self.min_survivors < 2:
             raise ValueError(f"at least 2 survivors are needed, got {self.min_survivors}")
+        if not 0 <= self.colluders < self.threshold:
+            raise ValueError(
+                f"colluders must be in [0, t − 1 = {self.threshold - 1}], got {self.colluders}"
+            )
         smallest = min((len(self.holders(u)) for u in self.graph), default=0)
         if self.graph and self.threshold > smallest:
             raise ValueError(
@@ -124,6 +140,13 @@ class RoundParams:
     def holders(self, u: int) -> tuple[int, ...]:
         """H(u): the clients that hold shares of ``u``'s secrets (its partners and itself)."""
         return tuple(sorted({u, *self.graph[u]}))
+
+    def exposed(self, survivors: Iterable[int]) -> list[int]:
+        """The survivors with at most ``colluders`` surviving mask partners: that many
+        colluders among those partners, with the server, could strip every mask from such a
+        client's vector."""
+        alive = set(survivors)
+        return sorted(u for u in alive if len(alive.intersection(self.graph[u])) <= self.colluders)
 
 
 @dataclass(frozen=True)
@@ -237,6 +260,8 @@ class Client:
             Refused: for a second request, fewer than ``m_min`` survivors, overlapping lists,
                 clients outside ``U2``, or when this client is not a survivor.
         """
+        from cryptography.exceptions import InvalidTag
+
         if self._answered:
             raise Refused(f"client {self.cid} already answered this round's unmasking request")
         self._answered = True
@@ -249,9 +274,20 @@ class Client:
             raise Refused(f"client {self.cid}: clients {sorted(alive & gone)} listed as both")
         if self._u2 is None or not (alive | gone) <= self._u2 or self.cid not in alive:
             raise Refused(f"client {self.cid}: the lists do not match the round's clients")
+        exposed = self.params.exposed(alive)
+        if exposed:
+            raise Refused(
+                f"client {self.cid}: survivors {exposed} keep at most "
+                f"{self.params.colluders} surviving mask partners"
+            )
         for u, sealed in self._inbox.items():
             key = agree(self._enc, self._keys[u].enc, self._channel(u, self.cid))
-            body = open_sealed(key, sealed, self._channel(u, self.cid))
+            try:
+                body = open_sealed(key, sealed, self._channel(u, self.cid))
+            except InvalidTag:
+                raise Refused(f"client {self.cid}: the shares from {u} do not decrypt") from None
+            if len(body) != 28 + 2 * SECRET_BYTES:
+                raise Refused(f"client {self.cid}: the shares from {u} have the wrong length")
             rnd, sender, recipient, i = struct.unpack(">qqqi", body[:28])
             if (rnd, sender, recipient) != (self.params.rnd, u, self.cid):
                 raise Refused(f"client {self.cid}: a share from {u} names another round or pair")
@@ -348,6 +384,14 @@ class Server:
                 "collect masked vectors",
                 "the survivors' mask graph is not connected, so unmasking would reveal the "
                 "sums of its parts (a client with no surviving mask partner stands alone)",
+            )
+        exposed = self.params.exposed(self.survivors)
+        if exposed:
+            raise Abort(
+                "collect masked vectors",
+                f"survivors {exposed} keep at most {self.params.colluders} surviving mask "
+                f"partners, so {self.params.colluders} colluding clients (the most the round "
+                "withstands) could unmask them alone",
             )
         return list(self.survivors), list(self.dropped)
 

@@ -19,6 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from fedlore.atomic import save_figure
 from fedlore.results.store import RunRecord, value
 
 BYTES_PER_MB = 1e6
@@ -140,7 +141,7 @@ def _plain(v: float, _: int) -> str:
 
 def _save(fig: Figure, path: Path) -> Path:
     FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)  # to a temporary file, renamed when complete
     return path
 
 

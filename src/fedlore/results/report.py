@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedlore.atomic import replacing, write_text
 from fedlore.results.plots import BYTES_PER_MB, mean_std, plot
 from fedlore.results.store import (
     IncompleteRunWarning,
@@ -190,8 +191,9 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
 
 def seeds_cell(row: dict[str, Any]) -> str:
     """The seeds column: how many runs, and how many of them are unfinished (no summary.json:
-    their values are those of the last round written) or diverged (every local step skipped, or
-    a final loss that is not finite: their final values are left out of the statistics)."""
+    their values are those of the last round written) or diverged (a training loss gone
+    non-finite, or a model that blew up, :mod:`fedlore.results.divergence`: their final values
+    are left out of the statistics)."""
     notes = []
     if row.get("unfinished_runs"):
         notes.append(f"{row['unfinished_runs']} unfinished")
@@ -378,11 +380,10 @@ def _regression_markdown(table: list[dict[str, Any]]) -> str:
 def to_csv(table: list[dict[str, Any]], path: Path) -> None:
     """Write :func:`summary_table` rows to ``path`` with the :data:`COLUMNS` header; missing
     statistics are empty cells, numbers are written at full precision."""
-    with Path(path).open("w", newline="") as f:
+    with replacing(path, "w", newline="") as f:  # a failed write leaves the old file
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
-        for row in table:
-            writer.writerow({k: "" if row.get(k) is None else row[k] for k in COLUMNS})
+        writer.writerows({k: "" if r.get(k) is None else r[k] for k in COLUMNS} for r in table)
 
 
 DIAGNOSTIC_KEYS = (
@@ -488,16 +489,18 @@ def _report_experiment(exp_dir: Path, keys: Sequence[str] | None) -> str:
     pngs = plot(runs, exp_dir, keys=keys, title=setting_title(exp_dir.name, runs))
     to_csv(table, exp_dir / "report.csv")
     images = "\n\n".join(f"![{p.stem.replace('_', ' ')}]({p.name})" for p in pngs)
+    held = {s for rs in runs.values() for r in rs if (s := r.summary.get("data_test_split"))}
     text = (
         f"# {exp_dir.name}\n\n{to_markdown(table)}\n"
-        "Mean ± sample std (ddof=1) over seeds (no ± with one seed); MB = 10^6 bytes, totals "
+        + "".join(f"Test set: {s}.\n\n" for s in sorted(held))  # no test split of its own
+        + "Mean ± sample std (ddof=1) over seeds (no ± with one seed); MB = 10^6 bytes, totals "
         "per run; optimizer state per client (moment tensors); peak device memory (CUDA runs) the "
         "largest peak of one client's update; s / round without evaluation; "
         "rejected client replies and skipped local steps (non-finite loss or gradient) per run. "
         "Seeds: unfinished runs (no summary yet) show their last written round; diverged runs "
-        "(every local step skipped, or a non-finite final loss) are left out of the final "
-        "values. Runs of different configs under one name get a row each, named by the settings "
-        "that differ."
+        "(a training loss gone non-finite, or test predictions not finite or blown up) are left "
+        "out of the final values. Runs of different configs under one name get a row each, "
+        "named by the settings that differ."
         "\n\n"
     )
     if diag:
@@ -509,7 +512,7 @@ def _report_experiment(exp_dir: Path, keys: Sequence[str] | None) -> str:
             "(see fedlore.diagnostics).\n\n"
         )
     text += f"{images}\n"
-    (exp_dir / "report.md").write_text(text)
+    write_text(exp_dir / "report.md", text)
     return text
 
 

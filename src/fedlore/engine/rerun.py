@@ -1,0 +1,250 @@
+"""A finished run is never replaced unasked: what a run may do with the folder it writes.
+
+A run folder ``<output_dir>/<name>/<method>/seed-<s>`` whose ``summary.json`` exists holds a
+finished run. Running into it again:
+
+* with the config and the data it was made with (``config.json``: the settings that decide
+  results, and the data fingerprint), nothing is trained: the run is said to be finished, with
+  its folder, and its summary is returned (:func:`finished_run`);
+* with another config, on other data, or when its ``config.json`` or ``summary.json`` cannot be
+  read (so it cannot be told apart from another config's), the run is refused naming what
+  differs, and ``--overwrite`` or another ``name=`` are the ways on
+  (:func:`check_no_finished_run_of_another_config`);
+* with ``--overwrite``, the new run trains in the sibling folder ``seed-<s>.overwrite``
+  (:func:`write_dir`) and takes the finished run's place only once it has finished itself
+  (:func:`swap_in`). Killed, failed or interrupted before, it leaves the finished run as it was;
+  ``--resume`` continues the interrupted replacement and ``--overwrite`` starts it over.
+
+Why a sibling folder and a swap rather than moving the finished run aside as a backup: the run
+folder then holds the finished run at every moment until its replacement is complete, so no
+report, plain rerun or ``--resume`` ever finds a half-trained replacement in its place, and
+nothing has to know about a backup in order to restore it. The swap exchanges the two folders in
+one step (Linux ``renameat2`` with ``RENAME_EXCHANGE``); on a system or file system that cannot,
+it takes two renames through ``seed-<s>.replaced``, and the next run of the folder completes a
+swap that a kill cut in two. ``fedlore report`` reads only ``seed-<s>`` folders.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fedlore.atomic import WriteError
+from fedlore.config import ConfigError
+from fedlore.progress import say, say_once
+
+if TYPE_CHECKING:
+    from fedlore.config import Config
+    from fedlore.data.federation import Federation
+
+SUMMARY = "summary.json"
+STAGING = ".overwrite"
+"""Suffix of the sibling folder a replacement (``--overwrite``) trains in."""
+REPLACED = ".replaced"
+"""Suffix the finished run's folder takes for the instant between the two renames of a swap on a
+file system that cannot exchange two folders."""
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def staging_dir(target: Path) -> Path:
+    """``seed-<s>.overwrite`` beside the run folder ``target``."""
+    return target.with_name(target.name + STAGING)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def finished_record(
+    cfg: Config, method: str, out: Path
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """``(summary, config.json)`` of the finished run of ``cfg`` in the folder ``out``; None when
+    ``out`` holds no finished run (no ``summary.json``).
+
+    Raises:
+        ConfigError: when the finished run is another config's (naming the keys that differ), or
+            its ``summary.json`` or ``config.json`` cannot be read; the message gives the ways out
+            (``--overwrite``, another ``name=``).
+    """
+    summary_path = out / SUMMARY
+    if not summary_path.is_file():
+        return None
+    summary, recorded = _read_json(summary_path), _read_json(out / "config.json")
+    if summary is None or recorded is None:
+        bad = SUMMARY if summary is None else "config.json"
+        raise ConfigError(
+            f"{out} holds a finished run whose {bad} is missing or unreadable, so it cannot be "
+            "told apart from another config's run; a fresh run would delete it. Pass "
+            "--overwrite to replace it, or give this run another name=... to keep both"
+        )
+    from fedlore.run import config_diff
+
+    details = config_diff(cfg, method, recorded)
+    if details:
+        raise ConfigError(
+            f"{out} holds a finished run of another config ({details}); a fresh run would "
+            "delete it. Pass --overwrite to replace it, or give this run another name=... to "
+            "keep both (--resume applies only to the config the run was started with)"
+        )
+    return summary, recorded
+
+
+def check_no_finished_run_of_another_config(cfg: Config, method: str, out: Path) -> None:
+    """Refuse to start where a finished run of another config lies (:func:`finished_record`);
+    a finished run of this config is fine (it is reported, not retrained)."""
+    finished_record(cfg, method, out)
+
+
+def finished_run(cfg: Config, method: str, seed: int, fingerprint: str) -> dict[str, Any] | None:
+    """The summary of the finished run of ``cfg``, ``method`` and ``seed`` on data with this
+    ``fingerprint``, after saying that it is finished and where; None when its folder holds no
+    finished run.
+
+    Raises:
+        ConfigError: as :func:`finished_record`, and when the run was made on other data (the
+            files under ``data.root`` or the tokenizer changed since).
+    """
+    from fedlore.run import run_dir
+
+    out = run_dir(cfg, method, seed)
+    record = finished_record(cfg, method, out)
+    if record is None:
+        return None
+    summary, recorded = record
+    before = recorded.get("data_fingerprint")
+    if before is not None and before != fingerprint:
+        raise ConfigError(
+            f"{out} holds a finished run of this config made on other data (fingerprint "
+            f"{before} -> {fingerprint}: files under data.root or the tokenizer changed since); "
+            "a fresh run would delete it. Pass --overwrite to replace it, or give this run "
+            "another name=... to keep both"
+        )
+    say(
+        "%s seed %d: finished already; results in %s (--overwrite trains it again)",
+        method,
+        seed,
+        out,
+    )
+    if staging_dir(out).is_dir():
+        say(
+            "%s seed %d: %s holds an interrupted --overwrite of it: --resume continues it (with "
+            "its config), --overwrite starts it over",
+            method,
+            seed,
+            staging_dir(out),
+        )
+    return summary
+
+
+def finished_runs(cfg: Config, seed: int, fed: Federation) -> dict[str, dict[str, Any]]:
+    """Method -> summary of each method of ``cfg`` whose run for ``seed`` on ``fed`` is finished
+    (:func:`finished_run`, which says so)."""
+    from fedlore.run import run_dir
+
+    if not any((run_dir(cfg, m, seed) / SUMMARY).is_file() for m in cfg.algorithms):
+        return {}
+    fingerprint = fed.fingerprint()
+    done = {m: finished_run(cfg, m, seed, fingerprint) for m in cfg.algorithms}
+    return {m: s for m, s in done.items() if s is not None}
+
+
+def write_dir(cfg: Config, method: str, target: Path, resume: bool, overwrite: bool) -> Path:
+    """The folder a run of ``target`` writes: ``target`` itself, or, while ``target`` holds a
+    finished run, its sibling :func:`staging_dir` under ``--overwrite`` (without ``--resume``: a
+    new replacement) or under ``--resume`` when the sibling holds an interrupted replacement of
+    this config. A replacement that finished but whose swap a kill interrupted is swapped in
+    first."""
+    staged = staging_dir(target)
+    if (staged / SUMMARY).is_file():
+        swap_in(staged, target)
+    if not (target / SUMMARY).is_file():
+        return target
+    if resume:
+        from fedlore.run import config_diff
+
+        recorded = _read_json(staged / "config.json")
+        if recorded is None or config_diff(cfg, method, recorded):
+            return target
+        say_once("continuing the replacement of the finished run in %s (in %s)", target, staged)
+        return staged
+    if not overwrite:
+        return target
+    say_once(
+        "replacing the finished run in %s: the new run trains in %s and takes its place when it "
+        "has finished (until then the finished run stays as it is)",
+        target,
+        staged,
+    )
+    return staged
+
+
+def swap_in(staged: Path, target: Path) -> None:
+    """Put the finished run in ``staged`` in the place of ``target`` and delete the run it
+    replaces (nothing when ``staged`` is ``target``).
+
+    Raises:
+        WriteError: when a rename fails (e.g. no permission on the folder).
+    """
+    if staged == target:
+        return
+    replaced = target.with_name(target.name + REPLACED)
+    try:
+        if target.exists() and _exchange(staged, target):
+            shutil.rmtree(staged, ignore_errors=True)  # now holds the run replaced
+        else:
+            shutil.rmtree(replaced, ignore_errors=True)
+            if target.exists():
+                os.rename(target, replaced)
+            os.rename(staged, target)
+    except OSError as e:
+        raise WriteError(target, e) from None
+    shutil.rmtree(replaced, ignore_errors=True)  # also what a swap cut in two left there
+    say("the new run took the place of the finished one in %s", target)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Exchange two paths in one atomic step (Linux ``renameat2(..., RENAME_EXCHANGE)``); False
+    where the C library or the file system cannot.
+
+    Raises:
+        OSError: for any other failure of the call.
+    """
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def stamp(path: Path) -> tuple[int, int] | None:
+    """``(inode, mtime in ns)`` of a file, None when it is absent: a file written or swapped in
+    since has another."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns

@@ -1,0 +1,158 @@
+"""Data checked where it is read (:mod:`fedlore.data.checks`): an empty file and a NaN or
+infinite value are named with the file, the array and the index (or, by ``data.non_finite``,
+left out with a count); a central federation without a test split holds out a fixed stratified
+share of the training data and says so (or refuses, by ``data.missing_test``); site-local data
+are read as they are."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedlore.config import ConfigError, DataConfig, load_config
+from fedlore.data.checks import HOLDOUT_FRACTION, DataWarning, central_splits, check_rows
+from fedlore.data.client_data import TensorSplit
+from fedlore.data.federation import build_federation, load_source
+from fedlore.data.sources import DataSource, load_npz
+
+
+def _npz(folder: Path, part: str, n: int, seed: int = 0, **arrays: np.ndarray) -> None:
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    x = rng.random((n, 1, 4, 4)).astype(np.float32)
+    np.savez(folder / f"{part}.npz", **{"x": x, "y": rng.integers(0, 4, n), **arrays})
+
+
+def test_an_empty_file_is_named() -> None:
+    with pytest.raises(ValueError, match=r"^f\.npz: holds no examples \(x and y have 0 rows\)"):
+        check_rows("f.npz", np.zeros((0, 3), np.float32), np.zeros(0, np.int64))
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "expect"),
+    [
+        ((2, 1), np.inf, "x[2, 1] is inf (1 of its 5 rows"),
+        ((0, 0), -np.inf, "x[0, 0] is -inf (1 of its 5 rows"),
+        ((4, 2), np.nan, "x[4, 2] is nan (1 of its 5 rows"),
+    ],
+)
+def test_the_first_non_finite_value_is_named(
+    where: tuple[int, int], value: float, expect: str
+) -> None:
+    x = np.ones((5, 3), np.float32)
+    x[where] = value
+    with pytest.raises(ValueError) as e:
+        check_rows("f.npz", x, np.arange(5))
+    assert str(e.value).startswith(f"f.npz: {expect}"), e.value
+    assert "data.non_finite=drop" in str(e.value)
+
+
+def test_non_finite_targets_count_and_integers_pass() -> None:
+    x = np.ones((4, 2), np.float64)
+    y = np.array([0.5, np.nan, 1.0, np.nan])
+    with pytest.raises(ValueError, match=r"y\[1\] is nan \(2 of its 4 rows"):
+        check_rows("f.npz", x, y)
+    ints = np.arange(8, dtype=np.uint8).reshape(4, 2)
+    out_x, out_y = check_rows("f.npz", ints, np.arange(4))
+    assert out_x is ints and len(out_y) == 4
+    with pytest.raises(ValueError, match=r"f\.npz: array 'x' must hold numbers, got dtype <U1"):
+        check_rows("f.npz", np.array([["a"], ["b"]]), np.arange(2))
+    with pytest.raises(ValueError, match="non_finite must be 'error' or 'drop', got 'keep'"):
+        check_rows("f.npz", np.full((2, 1), np.nan), np.arange(2), "keep")
+
+
+def test_drop_leaves_out_the_bad_rows_with_a_count() -> None:
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    x[1, 0], x[4, 1] = np.nan, np.inf
+    with pytest.warns(DataWarning, match=r"f\.npz: left out 2 of its 6 rows, .*first: x\[1, 0\]"):
+        out_x, out_y = check_rows("f.npz", x, np.arange(6), "drop")
+    assert out_y.tolist() == [0, 2, 3, 5] and np.isfinite(out_x).all()
+    with pytest.raises(ValueError, match="every row holds a NaN or infinite value"):
+        check_rows("f.npz", np.full((2, 2), np.nan), np.arange(2), "drop")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # clean data: no warning
+        check_rows("f.npz", np.ones((2, 2)), np.arange(2), "drop")
+
+
+def test_the_npz_loader_checks_each_file(tmp_path: Path) -> None:
+    _npz(tmp_path, "train", 10)
+    bad = np.ones((4, 1, 4, 4), np.float32)
+    bad[3, 0, 1, 2] = np.nan
+    _npz(tmp_path, "test", 4, x=bad)
+    with pytest.raises(ValueError, match=r"test\.npz: x\[3, 0, 1, 2\] is nan"):
+        load_npz(str(tmp_path))
+    with pytest.warns(DataWarning, match="left out 1 of its 4 rows"):
+        src = load_npz(str(tmp_path), non_finite="drop")
+    assert len(src.test) == 3 and len(src.train) == 10
+    _npz(tmp_path, "test", 0)
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'test.npz'}: holds no examples"):
+        load_npz(str(tmp_path))
+
+
+def test_non_finite_is_an_option_of_the_npz_source_only() -> None:
+    with pytest.raises(
+        ValueError, match=r"data\.non_finite='drop' has no effect on source 'digits'"
+    ):
+        load_source(DataConfig(name="digits", non_finite="drop"))
+
+
+def _cfg(root: Path, *more: str):  # type: ignore[no-untyped-def]
+    return load_config(
+        None,
+        ["data.name=npz", f"data.root={root}", "num_clients=2", "partition.name=iid",
+         "progress=false", *more],
+    )  # fmt: skip
+
+
+def test_without_test_npz_a_fixed_stratified_share_is_held_out(tmp_path: Path) -> None:
+    _npz(tmp_path, "train", 100)
+    fed = build_federation(_cfg(tmp_path), 0)
+    n = len(fed.central_test)
+    assert 15 <= n <= 25 and len(fed.pool) == 100 - n  # 20 % of each class, rounded
+    assert fed.test_split == (
+        f"held out 20 % of train.npz ({n} of 100 examples, stratified, seed 0): no test.npz"
+    )
+    other = build_federation(_cfg(tmp_path), 7)  # the same test set for every experiment seed
+    assert torch.equal(other.central_test.x, fed.central_test.x)
+    # the held-out rows are rows of train.npz, never also a client's
+    with np.load(tmp_path / "train.npz") as f:
+        x = torch.from_numpy(f["x"]).flatten(1)
+    held = fed.central_test.x.flatten(1)
+    assert all(bool((x == row).all(1).any()) for row in held)
+    assert not any(bool((fed.pool.x.flatten(1) == row).all(1).any()) for row in held)
+    with_test = tmp_path / "both"
+    _npz(with_test, "train", 100)
+    _npz(with_test, "test", 30, seed=1)
+    fed = build_federation(_cfg(with_test), 0)
+    assert fed.test_split is None and len(fed.central_test) == 30 and len(fed.pool) == 100
+
+
+def test_a_missing_test_split_is_refused_when_asked(tmp_path: Path) -> None:
+    _npz(tmp_path, "train", 100)
+    with pytest.raises(ConfigError, match=rf"no test split: {tmp_path / 'test.npz'} does not "):
+        build_federation(_cfg(tmp_path, "data.missing_test=error"), 0)
+
+
+def test_a_central_run_needs_training_data(tmp_path: Path) -> None:
+    _npz(tmp_path, "test", 30)
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'train.npz'} is missing or empty"):
+        build_federation(_cfg(tmp_path), 0)
+
+
+def _source(y: torch.Tensor, task: str = "classification") -> DataSource:
+    x = torch.arange(len(y), dtype=torch.float32)[:, None]
+    empty = TensorSplit(x[:0], y[:0])
+    return DataSource("mine", TensorSplit(x, y), empty, 3, (1,), ["a", "b", "c"], task)
+
+
+def test_hold_out_of_a_regression_source_and_too_few_examples() -> None:
+    y = torch.linspace(0.0, 1.0, 50)
+    held, note = central_splits(_source(y, "regression"), DataConfig(name="mine"))
+    assert len(held.test) == round(HOLDOUT_FRACTION * 50) and len(held.train) == 40
+    assert note is not None and note.startswith("held out 20 % of the training data")
+    with pytest.raises(ConfigError, match="too few training examples"):
+        central_splits(_source(torch.tensor([0, 1, 2])), DataConfig(name="mine"))

@@ -1,0 +1,267 @@
+"""Rerunning a finished run never replaces it unasked (issue 29, item 1), end to end.
+
+* The same command again says each finished method x seed is finished and where, trains nothing
+  (every file of the run keeps its bytes and its modification time) and exits 0; the unfinished
+  runs of the same experiment run.
+* A finished run of another config, of other data, or whose ``config.json`` cannot be read is
+  refused, and left as it was.
+* ``--overwrite`` retrains, in ``seed-<s>.overwrite``: until the new run has finished, the finished
+  one stays whole in its folder (an interrupted replacement leaves it byte for byte, and a report
+  shows it); ``--resume`` continues the replacement exactly; the swap at the end leaves no other
+  folder behind, also where two folders cannot be exchanged in one step, and a swap a kill cut in
+  two is completed by the next run.
+* Under ``engine=flower-sim`` a finished run is reported without starting the simulation.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fedlore.cli import main
+from fedlore.config import Config, ConfigError, load_config
+from fedlore.engine import rerun
+from fedlore.engine.rerun import staging_dir
+from fedlore.results.store import load_runs
+from fedlore.run import run_dir, run_experiment, run_one
+from fedlore.types import State
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
+
+
+def _args(out: Path, *extra: str) -> list[str]:
+    return [
+        str(QUICKSTART),
+        "name=rerun",
+        "num_clients=3",
+        "rounds=3",
+        "local_steps=2",
+        "batch_size=16",
+        "rank=4",
+        "model.kwargs={hidden: [16]}",
+        "algorithms=[fedavg]",
+        "seeds=[0]",
+        f"output_dir={out}",
+        *extra,
+    ]
+
+
+def _cfg(out: Path, *extra: str) -> Config:
+    path, *overrides = _args(out, "progress=false", *extra)
+    return load_config(Path(path), overrides)
+
+
+def _files(folder: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file of a run folder but its lock (whose holder line each run rewrites): bytes and
+    modification time."""
+    return {
+        str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != "run.lock"
+    }
+
+
+def _rounds(folder: Path) -> list[int]:
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["round"] for line in lines if line.strip()]
+
+
+def _no_timing(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in summary.items() if not (k.endswith("_s") or "_s_" in k)}
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.parent.iterdir() if p != folder)
+
+
+def test_the_same_command_again_reports_the_finished_run_and_trains_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", *_args(tmp_path)]) == 0
+    folder = run_dir(_cfg(tmp_path), "fedavg", 0)
+    before = _files(folder)
+    capsys.readouterr()
+    assert main(["run", *_args(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert f"fedavg seed 0: finished already; results in {folder}" in captured.err
+    assert "--overwrite trains it again" in captured.err
+    assert "starting over" not in captured.err and "round 1/3" not in captured.err
+    assert _files(folder) == before  # not one byte rewritten
+    assert f"results in {tmp_path / 'rerun'}/" in captured.out  # the table, then where
+    assert "| fedavg | 1 |" in captured.out
+
+
+def test_an_experiment_reruns_only_its_unfinished_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    both = ("algorithms=[fedavg, fedfull]", "seeds=[0, 1]")
+    cfg = _cfg(tmp_path, *both)
+    run_one(cfg, "fedavg", 0)
+    run_one(cfg, "fedfull", 1)
+    assert run_one(cfg, "fedfull", 0, stop_after=0) is None  # killed after its first round
+    finished = {(m, s): _files(run_dir(cfg, m, s)) for m, s in (("fedavg", 0), ("fedfull", 1))}
+    capsys.readouterr()
+    assert main(["run", *_args(tmp_path, *both)]) == 0
+    err = capsys.readouterr().err
+    for (method, seed), files in finished.items():
+        assert f"{method} seed {seed}: finished already; results in" in err
+        assert _files(run_dir(cfg, method, seed)) == files
+    assert "round 3/3 fedfull seed 0" in err and "round 3/3 fedavg seed 1" in err
+    for method, seed in (("fedfull", 0), ("fedavg", 1)):
+        assert _rounds(run_dir(cfg, method, seed)) == [0, 1, 2]
+        assert f"{method} seed {seed}: finished already" not in err
+
+
+@pytest.mark.parametrize("change", ["config", "data", "unreadable"])
+def test_a_finished_run_of_another_config_or_other_data_is_refused_and_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], change: str
+) -> None:
+    assert main(["run", *_args(tmp_path)]) == 0
+    folder = run_dir(_cfg(tmp_path), "fedavg", 0)
+    extra: tuple[str, ...] = ()
+    if change == "config":
+        extra = ("rounds=2",)
+    elif change == "data":  # as if the files under data.root had changed since
+        recorded = json.loads((folder / "config.json").read_text())
+        recorded["data_fingerprint"] = "0123456789abcdef"
+        (folder / "config.json").write_text(json.dumps(recorded))
+    else:
+        (folder / "config.json").write_text("{ torn")
+    before = _files(folder)
+    capsys.readouterr()
+    assert main(["run", *_args(tmp_path, *extra)]) == 2
+    err = capsys.readouterr().err
+    expected = {
+        "config": "holds a finished run of another config (rounds: 3 -> 2)",
+        "data": "holds a finished run of this config made on other data (fingerprint "
+        "0123456789abcdef -> ",
+        "unreadable": "holds a finished run whose config.json is missing or unreadable",
+    }[change]
+    assert expected in err and "--overwrite" in err and "Traceback" not in err
+    assert _files(folder) == before
+    assert main(["run", *_args(tmp_path, *extra), "--overwrite"]) == 0
+    assert json.loads((folder / "summary.json").read_text())["rounds"] == (2 if extra else 3)
+    assert _leftovers(folder) == []
+
+
+class _Interrupt:
+    """A callback that stops the run like Ctrl-C after round ``at`` has been written."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_round_end(self, rnd: int, row: dict[str, Any], state: State) -> None:
+        if rnd == self.at:
+            raise KeyboardInterrupt
+
+
+def test_overwrite_keeps_the_finished_run_whole_until_the_new_one_has_finished(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old = _cfg(tmp_path)
+    assert run_one(old, "fedavg", 0) is not None
+    folder = run_dir(old, "fedavg", 0)
+    before = _files(folder)
+    new = _cfg(tmp_path, "rounds=4", "lr=0.01")
+    # interrupted twice (a kill after round 1, Ctrl-C in round 2): the finished run is untouched
+    assert run_one(new, "fedavg", 0, overwrite=True, stop_after=1) is None
+    assert _rounds(staging_dir(folder)) == [0, 1]
+    assert _files(folder) == before
+    with pytest.raises(KeyboardInterrupt):
+        run_one(new, "fedavg", 0, overwrite=True, extra_callbacks=(_Interrupt(2),))
+    assert _files(folder) == before
+    runs = load_runs(folder.parents[1])  # a report sees the finished run only
+    assert [r.summary["rounds"] for r in runs["fedavg"]] == [3]
+    capsys.readouterr()
+    assert main(["run", *_args(tmp_path)]) == 0  # the finished run's own command
+    err = capsys.readouterr().err
+    assert "finished already" in err and "holds an interrupted --overwrite of it" in err
+    assert _files(folder) == before
+    with pytest.raises(ConfigError, match="holds a finished run of another config"):
+        run_one(new, "fedavg", 0)  # without --overwrite: still refused
+    summary = run_one(new, "fedavg", 0, overwrite=True)
+    assert summary is not None and summary["rounds"] == 4
+    assert json.loads((folder / "summary.json").read_text()) == summary
+    assert _rounds(folder) == [0, 1, 2, 3]
+    assert json.loads((folder / "config.json").read_text())["lr"] == 0.01
+    assert _leftovers(folder) == []
+
+
+def test_resume_continues_an_interrupted_overwrite_exactly(tmp_path: Path) -> None:
+    run_one(_cfg(tmp_path), "fedavg", 0)
+    folder = run_dir(_cfg(tmp_path), "fedavg", 0)
+    new = _cfg(tmp_path, "rounds=4", "lr=0.01")
+    assert run_one(new, "fedavg", 0, overwrite=True, stop_after=1) is None
+    partial = (staging_dir(folder) / "metrics.jsonl").read_text().splitlines()
+    resumed = run_one(new, "fedavg", 0, resume=True)
+    assert resumed is not None and resumed["rounds"] == 4
+    # rounds 0 and 1 were not trained again (their wall times are the interrupted run's)
+    assert (folder / "metrics.jsonl").read_text().splitlines()[:2] == partial
+    reference = run_one(_cfg(tmp_path / "reference", "rounds=4", "lr=0.01"), "fedavg", 0)
+    assert reference is not None and _no_timing(resumed) == _no_timing(reference)
+    assert _leftovers(folder) == []
+
+
+def test_overwrite_of_the_same_config_retrains_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", *_args(tmp_path)]) == 0
+    folder = run_dir(_cfg(tmp_path), "fedavg", 0)
+    before = _files(folder)
+    capsys.readouterr()
+    assert main(["run", *_args(tmp_path), "--overwrite"]) == 0
+    err = capsys.readouterr().err
+    assert f"replacing the finished run in {folder}" in err and "round 3/3 fedavg" in err
+    after = _files(folder)
+    assert after["metrics.jsonl"][1] != before["metrics.jsonl"][1]  # written anew
+    assert _rounds(folder) == [0, 1, 2] and _leftovers(folder) == []
+
+
+def test_the_swap_without_an_atomic_exchange_and_one_cut_in_two(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(rerun, "_exchange", lambda a, b: False)  # a file system that cannot
+    run_one(_cfg(tmp_path), "fedavg", 0)
+    folder = run_dir(_cfg(tmp_path), "fedavg", 0)
+    new = _cfg(tmp_path, "rounds=2")
+    assert run_one(new, "fedavg", 0, overwrite=True) is not None
+    assert _rounds(folder) == [0, 1] and _leftovers(folder) == []
+    monkeypatch.undo()  # the next run may exchange folders again (or not: the same either way)
+    # a kill between the two renames: the finished run moved aside, the new one not yet in place
+    other = _cfg(tmp_path / "other", "rounds=2", "lr=0.01")
+    run_one(other, "fedavg", 0)
+    shutil.copytree(run_dir(other, "fedavg", 0), staging_dir(folder))
+    folder.rename(folder.with_name(folder.name + rerun.REPLACED))
+    replacement = _files(staging_dir(folder))
+    again = run_experiment(_cfg(tmp_path, "rounds=2", "lr=0.01"))  # the next plain run
+    assert again["fedavg"][0]["rounds"] == 2
+    assert _files(folder) == replacement  # completed the swap, trained nothing
+    assert _leftovers(folder) == []
+
+
+def test_atomic_exchange_of_two_folders(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "x").write_text("in a")
+    (b / "y").write_text("in b")
+    if not rerun._exchange(a, b):
+        pytest.skip("this system or file system has no renameat2(RENAME_EXCHANGE)")
+    assert [p.name for p in a.iterdir()] == ["y"] and [p.name for p in b.iterdir()] == ["x"]
+
+
+def test_a_finished_simulated_run_is_reported_without_starting_the_simulation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = _cfg(tmp_path, "engine=flower-sim")
+    finished = run_one(cfg, "fedavg", 0)  # in process: the same records as a simulated run
+    before = _files(run_dir(cfg, "fedavg", 0))
+    monkeypatch.setitem(sys.modules, "fedlore.flower.simulation", None)  # importing it fails
+    assert run_experiment(cfg) == {"fedavg": [finished]}
+    assert _files(run_dir(cfg, "fedavg", 0)) == before
