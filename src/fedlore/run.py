@@ -369,7 +369,10 @@ def check_secure_round(cfg: Config, privacy: Privacy) -> None:
         privacy.fixed_point(m)
         privacy.noise_share(m)
     except ValueError as e:
-        raise ConfigError(f"secure_aggregation: {e}") from e
+        text = str(e)
+        raise ConfigError(
+            text if text.startswith("secure aggregation") else f"secure_aggregation: {text}"
+        ) from e
     t = cfg.secure_aggregation_threshold
     if isinstance(t, int) and t > m:
         raise ConfigError(
@@ -852,6 +855,8 @@ def preflight(cfg: Config, fed: Federation) -> None:
             rng = generator(cfg.seeds[0], SERVER_INIT)
             algo = make_algorithm(name, cfg)
             start_server(algo, build(), rng, fed, name)
+            if cfg.secure_aggregation:  # its round checks, before any run folder
+                make_privacy(cfg, algo, cfg.seeds[0], max_weight=float(fed.client_sizes().max()))
         except ValueError as e:  # ConfigError included
             text = str(e)
             prefix = f"method {name!r}"

@@ -23,7 +23,7 @@ from fedlore.engine.callbacks import Checkpointer
 from fedlore.engine.transport import LocalTransport
 from fedlore.privacy.dp import epsilon_spent
 from fedlore.results.report import report
-from fedlore.run import NO_PRIVACY, make_algorithm, make_privacy, run_dir, run_one
+from fedlore.run import NO_PRIVACY, make_algorithm, make_privacy, run_dir, run_experiment, run_one
 from fedlore.types import Broadcast, State
 
 SEED = 5
@@ -337,3 +337,14 @@ def test_a_resume_without_a_checkpoint_counts_every_earlier_release(tmp_path: Pa
     assert summary is not None
     eps = [r["dp_epsilon"] for r in _rows(cfg, "fedfull")]
     assert eps == pytest.approx([_eps(3), _eps(4), _eps(5)])
+
+
+def test_a_secure_round_that_cannot_hold_is_refused_before_any_run_folder(tmp_path: Path) -> None:
+    """Two clients per round under in-process secure aggregation: refused by the preflight,
+    once, with the reason, and no run folder (not even a lock) is left behind."""
+    cfg = _cfg(tmp_path, "algorithms=[fedfull]", "secure_aggregation=true", "participation=0.5")
+    with pytest.raises(
+        ValueError, match=r"^method 'fedfull': secure_aggregation: a client of this"
+    ):
+        run_experiment(cfg)
+    assert not (tmp_path / "privacy").exists()

@@ -86,8 +86,8 @@ class Interrupted(KeyboardInterrupt):
                 kept = "metrics.jsonl and the checkpoint end"
             where = (
                 f"{self.run} stopped after {n} complete round{'' if n == 1 else 's'} "
-                f"({self.folder}: {kept} at round {self.last_round}, a round in progress was "
-                "discarded)"
+                f"({self.folder}: {kept} at round {self.last_round}, counting from 0; a round "
+                "in progress was discarded)"
             )
         if self.starts_over:
             then = (
