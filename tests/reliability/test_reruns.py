@@ -80,13 +80,21 @@ def _leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.parent.iterdir() if p != folder)
 
 
-def test_the_same_command_again_reports_the_finished_run_and_trains_nothing(
+def _finished_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+) -> tuple[Path, dict[str, tuple[bytes, int]]]:
+    """Run the tiny config to the end: its folder and its files' state, output cleared."""
     assert main(["run", *_args(tmp_path)]) == 0
     folder = run_dir(_cfg(tmp_path), "fedavg", 0)
     before = _files(folder)
     capsys.readouterr()
+    return folder, before
+
+
+def test_the_same_command_again_reports_the_finished_run_and_trains_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder, before = _finished_run(tmp_path, capsys)
     assert main(["run", *_args(tmp_path)]) == 0
     captured = capsys.readouterr()
     assert f"fedavg seed 0: finished already; results in {folder}" in captured.err
@@ -211,10 +219,7 @@ def test_resume_continues_an_interrupted_overwrite_exactly(tmp_path: Path) -> No
 def test_overwrite_of_the_same_config_retrains_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["run", *_args(tmp_path)]) == 0
-    folder = run_dir(_cfg(tmp_path), "fedavg", 0)
-    before = _files(folder)
-    capsys.readouterr()
+    folder, before = _finished_run(tmp_path, capsys)
     assert main(["run", *_args(tmp_path), "--overwrite"]) == 0
     err = capsys.readouterr().err
     assert f"replacing the finished run in {folder}" in err and "round 3/3 fedavg" in err
