@@ -11,7 +11,7 @@ bytes per round.
     python benchmarks/round_time.py [--data fashion_mnist|digits] [--model cnn] [--rounds 4]
     python benchmarks/round_time.py --config experiments/pretrain_table3.yaml \
         --out benchmarks/results/pretrain_round_time.json     # the small LLaMA (issue 6)
-    python benchmarks/round_time.py --methods fedfull,fedlore,fedlore:candidate_svd=subspace
+    python benchmarks/round_time.py --methods fedfull,fedlore:candidate_svd=subspace,local_galore
 
 With ``--config`` the experiment's data, model, clients, local steps, rank and optimizer are
 used as they are (``--data``, ``--model``, ``--clients``, ``--local-steps`` and ``--rank`` are
@@ -46,7 +46,9 @@ from fedlore.engine.transport import LocalTransport
 from fedlore.run import make_algorithm, model_factory
 from fedlore.seeding import SERVER_INIT, generator
 
-METHODS = ("fedfull", "fedlore", "local_galore")
+METHODS = ("fedfull", "fedlore", "fedlore:candidate_svd=exact")
+"""The default set (``make bench``): FedFull, FedLore at its defaults (``candidate_svd=auto``) and
+FedLore with the seed's exact candidates, as in ``benchmarks/results/round_time.json``."""
 
 
 class Timer:

@@ -463,7 +463,8 @@ class Config(_Strict):
     threads: int | Literal["auto"] = "auto"
     """CPU threads of torch's intra-op parallelism in this process: a count >= 1, or ``auto``
     (default): one per CPU that other work leaves free when the run starts (the CPUs of the
-    process's affinity minus the 1-minute load average, at least 1), or ``OMP_NUM_THREADS``
+    process's affinity and cgroup quota minus those other processes kept busy over a 0.25 s
+    sample, :func:`fedlore.device.busy_cpus`; at least 1), or ``OMP_NUM_THREADS``
     when that is set; a resumed run reuses the count it started with. Oversubscribed threads
     wait for each other at every op: with torch's default count beside a competing process the
     quickstart took 8.5 minutes instead of 20 seconds. Float sums depend on the count (results

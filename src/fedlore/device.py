@@ -11,9 +11,13 @@ GPU differs from the same run on the CPU only by float rounding.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -106,22 +110,119 @@ THREADS_ENV = "OMP_NUM_THREADS"
 """An explicit thread count in the environment wins over ``threads: auto``."""
 
 
+CPU_SAMPLE_S = 0.25
+"""Seconds over which :func:`busy_cpus` watches the CPUs (``threads: auto`` waits this long once
+per run, before its first round)."""
+
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+"""A cgroup v2 CPU quota (``"<quota> <period>"`` microseconds, or ``"max <period>"``): a
+container started with ``--cpus=N`` may use N CPUs' time whatever its affinity mask says."""
+
+
+def cgroup_cpus(path: Path = CGROUP_CPU_MAX) -> int | None:
+    """CPUs the cgroup's quota allows (the quota over the period, rounded up), None without a
+    quota or where the file is missing or unreadable."""
+    try:
+        quota, period = path.read_text().split()[:2]
+        if quota == "max":
+            return None
+        return max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        return None
+
+
 def available_cpus() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one, else
-    ``os.cpu_count()``), at least 1."""
+    """CPUs this process may run on: its affinity mask where the OS has one (else
+    ``os.cpu_count()``), capped by a cgroup CPU quota (:func:`cgroup_cpus`), at least 1."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cpus = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
-        return max(1, os.cpu_count() or 1)
+        cpus = max(1, os.cpu_count() or 1)
+    quota = cgroup_cpus()
+    return cpus if quota is None else min(cpus, quota)
 
 
-def busy_cpus() -> float:
-    """CPUs other work keeps busy now: the 1-minute load average (runnable processes, ours
-    included once it has run a while), 0.0 where the OS has none."""
+@dataclass(frozen=True)
+class CpuSample:
+    """Cumulative CPU seconds at one instant, over the CPUs this process may run on.
+
+    Attributes:
+        busy: seconds those CPUs spent on anything but idling or waiting for I/O (user, nice,
+            system, interrupts, and steal: time a hypervisor gave to another machine).
+        total: all their seconds (busy and idle; guest time is already in user).
+        own: this process's CPU seconds, all its threads (user and system).
+        cpus: how many CPUs ``busy`` and ``total`` cover.
+    """
+
+    busy: float
+    total: float
+    own: float
+    cpus: int
+
+
+def cpu_sample() -> CpuSample | None:
+    """The CPU counters now (psutil's per-CPU times, ``/proc/stat`` on Linux), over this
+    process's affinity mask where psutil lists one entry per CPU; None where the OS gives no
+    per-CPU times."""
     try:
-        return float(os.getloadavg()[0])
+        import psutil
+    except ImportError:
+        return None
+    try:
+        per_cpu = psutil.cpu_times(percpu=True)
+        own = psutil.Process().cpu_times()
+    except (psutil.Error, OSError, AttributeError, RuntimeError):
+        return None
+    try:
+        mask = os.sched_getaffinity(0)
     except (AttributeError, OSError):
+        mask = set(range(len(per_cpu)))
+    if len(per_cpu) != (os.cpu_count() or 0) or not mask <= set(range(len(per_cpu))):
+        mask = set(range(len(per_cpu)))  # offline CPUs make the indices unreliable: all of them
+    busy = total = 0.0
+    for i in mask:
+        t = {k: v for k, v in per_cpu[i]._asdict().items() if k not in ("guest", "guest_nice")}
+        # (guest time is counted in user / nice already)
+        all_s = sum(t.values())
+        total += all_s
+        busy += all_s - t.get("idle", 0.0) - t.get("iowait", 0.0)
+    return CpuSample(busy=busy, total=total, own=own.user + own.system, cpus=len(mask))
+
+
+def busy_cpus(
+    interval: float = CPU_SAMPLE_S, sample: Callable[[], CpuSample | None] = cpu_sample
+) -> float:
+    """CPUs other work keeps busy now: the busy time of this process's CPUs over ``interval``
+    seconds, less this process's own CPU time in that interval, in CPUs.
+
+    Measured, not averaged: the 1-minute load average that ``auto`` used before issue 30 lags a
+    minute and counted fedlore's own start-up and the job that had just ended, so on an idle
+    2-core machine it often gave one thread. Here a neighbour that runs now counts as the CPUs it
+    occupies; fedlore's own threads (a progress bar, a previous run's pool) never count.
+
+    Args:
+        interval: seconds between the two samples.
+        sample: the counter source (tests pass recorded counters).
+
+    Returns:
+        Busy CPUs, ``0 <= busy <= cpus``; the 1-minute load average where the OS gives no
+        per-CPU times (macOS without psutil's counters, a /proc-less container).
+    """
+    first = sample()
+    if first is not None:
+        time.sleep(interval)
+    second = sample() if first is not None else None
+    if first is None or second is None or second.cpus != first.cpus:
+        try:
+            return float(os.getloadavg()[0])
+        except (AttributeError, OSError):
+            return 0.0
+    total = second.total - first.total
+    if total <= 0:
         return 0.0
+    per_cpu = total / first.cpus  # seconds each CPU was watched (the clock the counters tick)
+    others = (second.busy - first.busy) - (second.own - first.own)
+    return float(min(max(others / per_cpu, 0.0), first.cpus))
 
 
 def auto_threads(cpus: int | None = None, busy: float | None = None) -> int:
@@ -131,13 +232,13 @@ def auto_threads(cpus: int | None = None, busy: float | None = None) -> int:
     Why: torch's OpenMP threads meet at a barrier after every parallel op, so on a CPU that
     another process occupies each op waits for a descheduled thread; the quickstart took 8 min
     34 s with torch's default 2 threads beside a competing process and 20 s with one thread
-    (issue 19). A thread per *free* CPU keeps an idle machine's speed-up and takes one thread
-    when the machine is busy. An explicit ``OMP_NUM_THREADS`` wins: the count torch already
-    uses is kept.
+    (issue 19). A thread per *free* CPU keeps an idle machine's speed-up (every CPU: issue 30)
+    and takes one thread when the machine is busy. An explicit ``OMP_NUM_THREADS`` wins: the
+    count torch already uses is kept.
 
     Args:
         cpus: CPUs available (default :func:`available_cpus`).
-        busy: CPUs kept busy by other work (default :func:`busy_cpus`, the load average).
+        busy: CPUs kept busy by other work (default :func:`busy_cpus`, measured now).
 
     Returns:
         Threads, ``1 <= threads <= cpus``.

@@ -770,6 +770,7 @@ DEFAULTS_CHANGED = {
     "meta_fl": "the learning-rate search scores by seed Eq. 19 and trains on all of D",
     "lora_fair": "the server correction is solved to its minimum",
     "fedfomo": "P-local scores the federated model before local training",
+    "fedlore": "candidate_svd is auto: wide matrices take the subspace route (issue 30)",
 }
 """Methods whose default behaviour changed after fedlore began recording ``hyper`` in a run's
 ``config.json``: a run of theirs without that record was made by the older behaviour."""
@@ -1207,16 +1208,22 @@ def _run_all(
     overwrite: bool,
     out: dict[str, list[dict[str, Any]]],
 ) -> None:
-    for seed in cfg.seeds:
-        fed = first if seed == cfg.seeds[0] else build_federation(cfg, seed)
-        done = {} if resume or overwrite else finished_runs(cfg, seed, fed)  # said, kept
-        for method in cfg.algorithms:
-            summary: dict[str, Any] | None = done.get(method)
-            if summary is None and cfg.engine == "flower-sim":
-                from fedlore.flower.simulation import run_simulated
+    # engine=flower-sim: one Ray for every run, started by the first simulated one and stopped
+    # when the last ends, fails or is interrupted (ray_session; nested ones are no-ops)
+    with contextlib.ExitStack() as ray:
+        for seed in cfg.seeds:
+            fed = first if seed == cfg.seeds[0] else build_federation(cfg, seed)
+            done = {} if resume or overwrite else finished_runs(cfg, seed, fed)  # said, kept
+            for method in cfg.algorithms:
+                summary: dict[str, Any] | None = done.get(method)
+                if summary is None and cfg.engine == "flower-sim":
+                    from fedlore.flower.simulation import ray_session, run_simulated
 
-                summary = run_simulated(cfg, method, seed, resume=resume, overwrite=overwrite)
-            elif summary is None:
-                summary = run_one(cfg, method, seed, fed=fed, resume=resume, overwrite=overwrite)
-            if summary is not None:
-                out[method].append(summary)
+                    ray.enter_context(ray_session())
+                    summary = run_simulated(cfg, method, seed, resume=resume, overwrite=overwrite)
+                elif summary is None:
+                    summary = run_one(
+                        cfg, method, seed, fed=fed, resume=resume, overwrite=overwrite
+                    )
+                if summary is not None:
+                    out[method].append(summary)

@@ -151,6 +151,52 @@ def test_two_kills_then_resume(tmp_path: Path, tmp_path_factory: pytest.TempPath
     _assert_same_run(run_dir(cfg, "fedlore", SEED), want, got, want_summary)
 
 
+def test_resume_with_the_auto_subspace_route(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``candidate_svd: auto`` (the default) with settings under which it takes the seeded
+    subspace route for the 32 x 64 hidden layer (``2 ((2·1 + 1)(4 + 1) + 1) = 32 <= 32``): the
+    resumed run equals the uninterrupted one bit for bit (the sketch columns come from the
+    client's per-round generator, not from a generator state that a kill would lose)."""
+    import fedlore.algorithms.lowrank as lowrank_mod
+
+    routes: list[str] = []
+    inner: Any = lowrank_mod.top_left_singular
+
+    def spy(mat: torch.Tensor, rank: int, method: str = "exact", *a: Any, **k: Any) -> Any:
+        routes.append(method)
+        return inner(mat, rank, method, *a, **k)
+
+    monkeypatch.setattr(lowrank_mod, "top_left_singular", spy)
+    extra = ("method.fedlore.svd_oversample=1", "method.fedlore.svd_niter=1")
+    want_summary, want = _reference("fedlore", tmp_path_factory, *extra)
+    assert "subspace" in routes and "exact" in routes  # rounds / the setup exchange
+    cfg = _cfg(tmp_path, *extra)
+    assert run_one(cfg, "fedlore", SEED, stop_after=1) is None
+    got = run_one(cfg, "fedlore", SEED, resume=True)
+    assert got is not None
+    _assert_same_run(run_dir(cfg, "fedlore", SEED), want, got, want_summary)
+
+
+def test_a_run_of_the_old_exact_default_is_not_resumed_under_auto(tmp_path: Path) -> None:
+    """A FedLore run recorded with ``candidate_svd: exact`` (the default before issue 30) is
+    refused under the new default, naming the setting, and resumes with it restored; one
+    recorded before ``hyper`` existed is refused (FedLore's default changed since)."""
+    from fedlore.config import ConfigError
+
+    old = _cfg(tmp_path, "method.fedlore.candidate_svd=exact")
+    assert run_one(old, "fedlore", SEED, stop_after=0) is None
+    with pytest.raises(ConfigError, match=r"hyper\.candidate_svd: 'exact' -> 'auto'"):
+        run_one(_cfg(tmp_path), "fedlore", SEED, resume=True)
+    assert run_one(old, "fedlore", SEED, resume=True, stop_after=1) is None  # restored: resumes
+    path = run_dir(old, "fedlore", SEED) / "config.json"
+    recorded = json.loads(path.read_text())
+    del recorded["hyper"]  # as written before fedlore recorded it
+    path.write_text(json.dumps(recorded))
+    with pytest.raises(ConfigError, match="behaved differently by default"):
+        run_one(old, "fedlore", SEED, resume=True)
+
+
 @pytest.mark.parametrize("method", ["fedlore", "fedfull"])
 def test_torn_temp_checkpoint_and_torn_metrics_line(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, method: str

@@ -271,7 +271,7 @@ def test_every_out_of_range_value_of_a_method_and_of_every_method(tmp_path: Path
         run_experiment(cfg)
     msg = str(e.value)
     assert "FedLore: invalid lr=-1" in msg and "invalid candidate_svd='maybe'" in msg
-    assert "(accepted: exact, randomized" in msg  # a choice names the accepted values
+    assert "(accepted: auto, exact, randomized" in msg  # a choice names the accepted values
     assert "FedFull: invalid lr=-1" in msg and "invalid weight_decay=-5" in msg
     # problems found on the real model are collected over methods too
     wide = _cfg(tmp_path, "algorithms=[fedit, local_galore]", "rank=200")

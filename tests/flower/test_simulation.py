@@ -8,7 +8,9 @@ the in-process transport (same seeds, same data, same ``client_update``).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -57,6 +59,9 @@ def _rows(cfg: Config, method: str) -> list[dict]:
 # the Meta-BayFL family is one class (``meta_bayfl`` covers the BNN, the search, per-client
 # learning rates in the reply metrics and the in-place model conversion on a fresh ClientApp).
 SAME_CLASS_AS_TESTED = {"fedprox", "bayfl", "meta_bayfl_mcd", "fedavg_mcd", "meta_fl"}
+# FedFull and FedAvg are compared with their in-process runs by the two-method experiment test
+# (one Ray start for both: test_an_experiment_starts_ray_once_and_its_runs_equal_runs_alone)
+IN_EXPERIMENT_TEST = {"fedfull", "fedavg"}
 
 
 @pytest.mark.parametrize(
@@ -64,7 +69,7 @@ SAME_CLASS_AS_TESTED = {"fedprox", "bayfl", "meta_bayfl_mcd", "fedavg_mcd", "met
     [
         (m, 2 if m in ("fedlore", "fedfull", "meta_bayfl") else 1)
         for m in registry.names("algorithm")
-        if m not in SAME_CLASS_AS_TESTED
+        if m not in SAME_CLASS_AS_TESTED | IN_EXPERIMENT_TEST
     ],
 )
 def test_simulation_matches_in_process(
@@ -78,6 +83,11 @@ def test_simulation_matches_in_process(
     console = capfd.readouterr().err
     assert "DEBUG flwr" not in console and "DEPRECATED" not in console
     assert "flwr" in (run_dir(sim, method, 42) / "flower.log").read_text()
+    assert_matches(local, sim, method, summary)
+
+
+def assert_matches(local: Config, sim: Config, method: str, summary: dict[str, Any]) -> None:
+    """The simulated run of ``method`` ended with the in-process run's global model and bytes."""
     _, s_local, _ = Checkpointer.load(run_dir(local, method, 42) / "checkpoint.pt")
     _, s_sim, _ = Checkpointer.load(run_dir(sim, method, 42) / "checkpoint.pt")
     model_keys = [k for k in s_local.arrays if k.startswith("model.")]
@@ -141,6 +151,47 @@ def test_simulation_carries_diagnostics(tmp_path: Path) -> None:
     assert a[1]["diag_bytes_up"] == b[1]["diag_bytes_up"] > 0  # round 0 uploads H_i
     for key in ("diag.retained_energy", "diag.rho2", "diag.d_r", "diag.certificate2"):
         assert b[-1][key] == pytest.approx(a[-1][key], rel=1e-4), key
+
+
+def test_an_experiment_starts_ray_once_and_its_runs_equal_runs_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fedlore run`` on flower-sim: one Ray for both methods (Flower's backend would shut it
+    down after each), each method's run equal to its in-process run (nothing of the first run's
+    actors reaches the second), and no Ray process left once the experiment ends."""
+    import ray
+
+    from fedlore.engine.interrupt import Process, alive
+    from fedlore.flower import simulation
+    from fedlore.run import run_experiment
+
+    inits: list[int] = []
+    listed: list[Process] = []
+    init, stop = ray.init, simulation.stop_ray
+
+    def spy_init(*args: Any, **kwargs: Any) -> Any:
+        inits.append(1)
+        return init(*args, **kwargs)
+
+    def spy_stop(seen: list[Process]) -> None:
+        listed.extend(seen)  # Ray's processes, listed while it still ran
+        stop(seen)
+
+    monkeypatch.setattr(ray, "init", spy_init)
+    monkeypatch.setattr(simulation, "stop_ray", spy_stop)
+    tiny = [*SMALL, "rounds=2", "algorithms=[fedfull, fedavg]"]
+    sim = load_config(None, [*tiny, "engine=flower-sim", f"output_dir={tmp_path / 'sim'}"])
+    got = run_experiment(sim)
+    assert len(inits) == 1 and not ray.is_initialized()
+    assert listed and not simulation.ray_processes()
+    deadline = time.monotonic() + 3  # killed: gone a moment later
+    while [p for p in listed if alive(p)]:
+        assert time.monotonic() < deadline, [p for p in listed if alive(p)]
+        time.sleep(0.1)
+    local = load_config(None, [*tiny, f"output_dir={tmp_path / 'local'}"])
+    for method in ("fedfull", "fedavg"):
+        run_one(local, method, 42)
+        assert_matches(local, sim, method, got[method][0])
 
 
 # Ctrl-C and SIGTERM during a simulation (exit status, no spoiled round, no Ray process left):

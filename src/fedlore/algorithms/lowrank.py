@@ -16,10 +16,12 @@ import torch
 from torch import nn
 
 from fedlore.algorithms.base import Hyper
+from fedlore.optim.candidate_route import candidate_route
 from fedlore.optim.projected_adam import ProjectedAdam, ProjectedSGD
 from fedlore.optim.subspace import (
     MatrixSpec,
     SideRule,
+    SvdMethod,
     gaussian_sketch,
     projection_plan,
     random_basis,
@@ -48,11 +50,16 @@ class LowRankHyper(Hyper):
         side: projection side rule, ``"left"`` (the seed), ``"right"``, ``"auto"`` (GaLore std).
         exclude: parameter-name prefixes never projected (the classifier head); they train
             densely. Tensors matching :attr:`Hyper.freeze` are neither projected nor trained.
-        candidate_svd: how client-side bases are computed: ``"exact"`` (the seed's
-            TopLeftSVD), ``"randomized"`` (seeded range finder) or ``"subspace"`` (block power
-            iteration warm-started from the client's current basis ``P^t``, see
-            :func:`fedlore.optim.subspace.subspace_iteration`; cold-started from a sketch where
-            there is no current basis: FedLore's setup exchange, Local GaLore).
+        candidate_svd: how client-side bases are computed: ``"auto"`` (default: per matrix,
+            ``"subspace"`` where ``r + p`` is small against the matrix and a current basis
+            exists, else ``"exact"``; the rule and its measurements:
+            :func:`fedlore.optim.candidate_route.candidate_route`), ``"exact"`` (the seed's
+            TopLeftSVD, Algorithm 1 line 21, on every matrix), ``"randomized"`` (seeded range
+            finder) or ``"subspace"`` (block power iteration warm-started from the client's
+            current basis ``P^t``, see :func:`fedlore.optim.subspace.subspace_iteration`;
+            cold-started from a sketch where there is no current basis: FedLore's setup
+            exchange, Local GaLore). ``auto`` approximates the seed's bases on wide matrices
+            (within 0.1 % of the exact captured energy where measured); ``exact`` restores them.
         svd_oversample: extra columns of the randomized range finder (Halko et al. 2011) and
             of the subspace route's block.
         svd_niter: power iterations of the randomized range finder and of the subspace route.
@@ -69,7 +76,7 @@ class LowRankHyper(Hyper):
     scale: float = 1.0
     side: SideRule = "left"
     exclude: tuple[str, ...] = ("head.",)
-    candidate_svd: Literal["exact", "randomized", "subspace"] = "exact"
+    candidate_svd: Literal["auto", "exact", "randomized", "subspace"] = "auto"
     svd_oversample: int = 10
     svd_niter: int = 2
     svd_dtype: Literal["auto", "fp64", "fp32"] = "auto"
@@ -90,7 +97,7 @@ class LowRankHyper(Hyper):
                 f"{type(self).__name__}: svd_oversample and svd_niter must be >= 0, got "
                 f"{self.svd_oversample}, {self.svd_niter}"
             )
-        if self.candidate_svd not in ("exact", "randomized", "subspace"):
+        if self.candidate_svd not in ("auto", "exact", "randomized", "subspace"):
             raise ValueError(f"{type(self).__name__}: invalid candidate_svd={self.candidate_svd!r}")
         if self.svd_dtype not in ("auto", "fp64", "fp32"):
             raise ValueError(f"{type(self).__name__}: invalid svd_dtype={self.svd_dtype!r}")
@@ -106,12 +113,25 @@ class LowRankHyper(Hyper):
         """Client-side top-r left singular vectors of ``mat`` (``m x k``) with this method's SVD
         settings, ``m x r`` in ``dtype`` (the model's: bases follow the model's precision);
         ``warm`` (``m x r``, the current basis) starts the ``"subspace"`` route and is ignored
-        by the others. Raises ValueError as
+        by the others; ``"auto"`` picks the route for this matrix with
+        :func:`~fedlore.optim.candidate_route.candidate_route`. Raises ValueError as
         :func:`~fedlore.optim.subspace.top_left_singular` does."""
+        method: SvdMethod = (
+            candidate_route(
+                int(mat.shape[0]),
+                int(mat.shape[1]),
+                rank,
+                self.svd_oversample,
+                self.svd_niter,
+                warm=warm is not None,
+            )
+            if self.candidate_svd == "auto"
+            else self.candidate_svd
+        )
         return top_left_singular(
             mat,
             rank,
-            self.candidate_svd,
+            method,
             rng,
             self.svd_oversample,
             self.svd_niter,

@@ -241,13 +241,21 @@ def client_threads(cfg: Config, simulated: bool) -> int | None:
     return cfg.threads if isinstance(cfg.threads, int) else None
 
 
+_DEPLOYED_THREADS: dict[str, int] = {}
+"""The count ``threads: auto`` chose in this process, kept for its later messages (one CPU
+sample per SuperNode process, and one count for all its rounds, as an in-process run)."""
+
+
 def set_threads(cfg: Config, threads: int | None) -> int:
     """Set torch's intra-op threads of this process to ``threads`` (None: the run's ``threads``
-    setting, as the in-process engine applies it) and return the count in effect."""
+    setting, as the in-process engine applies it; ``auto`` is decided on the first message and
+    kept) and return the count in effect."""
     if threads is None:
         from fedlore.device import use_threads
 
-        return use_threads(cfg.threads)
+        key = str(cfg.threads)
+        _DEPLOYED_THREADS[key] = use_threads(cfg.threads, _DEPLOYED_THREADS.get(key))
+        return _DEPLOYED_THREADS[key]
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads

@@ -4,17 +4,23 @@ The ServerApp runs fedlore's round loop in a thread of this process; ``num_clien
 SuperNodes (``partition-id`` 0..N-1) run the ClientApp in Ray actors, ``flower.client_cpus``
 CPUs (and torch threads) each.
 
+Ray starts once per :func:`ray_session` (``fedlore run`` holds one around all its runs), not
+once per method and seed: Flower's backend would shut it down at the end of each simulation,
+:func:`keep_ray` has it kill the simulation's actors instead (their processes, with whatever
+they cached, end with them; the next simulation's actors are new processes).
+
 Flower hands a stored message to its virtual SuperNode by a thread that looks for new messages
 every 0.1 s; during :func:`run_simulated` that thread is woken when the server stores a message
 instead (:func:`prompt_delivery`), so a round of fast clients is not rounded up to the poll.
 
 SIGINT (Ctrl-C) or SIGTERM during a simulation stops it cleanly (:mod:`fedlore.engine.interrupt`):
 the round loop, in the ServerApp's thread, starts no other round and discards the round in
-progress; the ServerApp ends, Flower's simulation ends with it and shuts Ray down, whatever of
-Ray still runs is killed (:func:`stop_ray`), and :class:`~fedlore.engine.interrupt.Interrupted`
-is raised in the calling thread. Ray's processes run in sessions of their own
-(:func:`start_ray`), so a signal to the terminal's process group reaches this process alone, not
-the workers of a round in progress. A second signal kills them all and exits at once.
+progress; the ServerApp ends, Flower's simulation ends with it, Ray is shut down and whatever of
+it still runs is killed (:func:`stop_ray`, as the session ends), and
+:class:`~fedlore.engine.interrupt.Interrupted` is raised in the calling thread. Ray's processes
+run in sessions of their own (:func:`start_ray`), so a signal to the terminal's process group
+reaches this process alone, not the workers of a round in progress. A second signal kills them
+all and exits at once.
 
 A simulated run is not resumed from its checkpoint: its client states live in Flower's
 ``Context.state`` of the virtual SuperNodes, which a new simulation does not have, so
@@ -76,10 +82,10 @@ def run_simulated(
 
     failed: list[WriteError] = []  # a file the ServerApp could not write: one line, not a trace
     server, client = make_apps(cfg, method, seed, on_end, overwrite, failed)
-    with interrupt.handling(), interrupt.deferred():
+    with ray_session() as session, interrupt.handling(), interrupt.deferred():
         try:
-            with flower_output_to(folder / "flower.log"), prompt_delivery():
-                start_ray(cfg)
+            with flower_output_to(folder / "flower.log"), prompt_delivery(), keep_ray():
+                session.start(cfg)
                 run_simulation(
                     server_app=server,
                     client_app=client,
@@ -87,7 +93,7 @@ def run_simulated(
                     backend_config=backend_config(cfg),
                 )
         finally:
-            stop_ray(ended.get("ray", []))
+            session.after(ended.get("ray", []))
     stopped: Interrupted | None = ended.get("stopped")
     if stopped is not None:
         stopped.starts_over = True  # --resume runs it again from round 0 (see the docstring)
@@ -98,6 +104,104 @@ def run_simulated(
         raise RuntimeError(f"the Flower simulation of {method} (seed {seed}) wrote no summary")
     result: dict[str, Any] = json.loads(summary_path.read_text())
     return result
+
+
+class RaySession:
+    """The Ray of a :func:`ray_session`."""
+
+    def __init__(self) -> None:
+        self.init: dict[str, Any] | None = None
+        """The ``init_args`` Ray was started with (None: not started in this session)."""
+        self.used = False
+        """Whether a simulation began in this session (Ray is stopped when it ends)."""
+
+    def start(self, cfg: Config) -> None:
+        """Ray for a simulation of ``cfg``: the running one when it was started with the same
+        ``init_args`` (:func:`backend_config`), else a new one (:func:`start_ray`)."""
+        import ray
+
+        self.used = True
+        init = backend_config(cfg)["init_args"]
+        if ray.is_initialized() and self.init not in (None, init):
+            stop_ray(ray_processes())  # started for another config of Ray's (CPUs, GPUs)
+        start_ray(cfg)
+        self.init = init
+
+    def after(self, seen: list[Process]) -> None:
+        """After a simulation: when Flower has shut Ray down all the same (a backend that
+        :func:`keep_ray` does not know), kill what is left of it at once (``seen``: Ray's
+        processes listed before the end, :func:`stop_ray`); the next simulation starts Ray
+        again."""
+        import ray
+
+        if not ray.is_initialized():
+            stop_ray(seen)
+            self.init = None
+
+
+_session: RaySession | None = None
+
+
+@contextlib.contextmanager
+def ray_session() -> Iterator[RaySession]:
+    """One Ray for every :func:`run_simulated` inside (``fedlore run`` holds one around all its
+    runs): the first simulation starts Ray, the next ones reuse it (:func:`keep_ray`), and
+    leaving stops it (:func:`stop_ray`, the processes listed while Ray still runs), after an
+    exception or an interrupt as well. Nothing is imported or started until a simulation runs.
+    Nested: the outermost one stops Ray. A :func:`run_simulated` outside any holds its own."""
+    global _session
+    if _session is not None:
+        yield _session
+        return
+    _session = session = RaySession()
+    try:
+        yield session
+    finally:
+        _session = None
+        if session.used:
+            with interrupt.handling(), interrupt.deferred():  # a signal now: a flag, no trace
+                stop_ray(ray_processes())
+
+
+@contextlib.contextmanager
+def keep_ray() -> Iterator[None]:
+    """While inside, Flower's Ray backend ends a simulation without shutting Ray down: flwr's
+    ``RayBackend.terminate`` asks its actors to exit and calls ``ray.shutdown()``; in its place
+    the actors of the simulation's pool (idle or busy) are killed (``ray.kill``), so their
+    worker processes end with every state they held, and the next simulation's pool, built by
+    Flower anew, runs in new processes. A Flower version whose backend has no ``terminate``
+    keeps its own, as does a pool whose actors are not where they are looked for (Ray then
+    shuts down after each simulation and the next one starts it again)."""
+    try:
+        from flwr.server.superlink.fleet.vce.backend import raybackend
+    except ImportError:
+        yield
+        return
+    backend: Any = getattr(raybackend, "RayBackend", None)
+    own = getattr(backend, "terminate", None)
+    if own is None:
+        yield
+        return
+
+    def kill_actors(self: Any) -> None:
+        import ray
+
+        pool = getattr(self, "pool", None)
+        idle, busy = getattr(pool, "pool", None), getattr(pool, "_future_to_actor", None)
+        if pool is not None and (not isinstance(idle, list) or not isinstance(busy, dict)):
+            own(self)  # not the pool known: Flower's own end, Ray included
+            return
+        for actor in [*(idle or []), *(busy or {}).values()]:
+            with contextlib.suppress(Exception):  # an actor already gone
+                ray.kill(actor, no_restart=True)
+
+    with _patch_lock:
+        backend.terminate = kill_actors
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            backend.terminate = own
 
 
 @contextlib.contextmanager
@@ -315,8 +419,8 @@ def ray_processes() -> list[Process]:
 
 
 def stop_ray(seen: list[Process]) -> None:
-    """Shut Ray down (Flower's simulation has done it when it ended normally), then kill what
-    still runs of the processes ``seen`` (listed while Ray ran: once their raylet is gone,
+    """Shut Ray down (unless Flower's simulation has done it: outside :func:`keep_ray`), then
+    kill what still runs of the processes ``seen`` (listed while Ray ran: once their raylet is gone,
     Ray's agents are no longer this process's descendants and would linger for a minute) and
     of Ray's processes among this process's descendants."""
     import ray
