@@ -1210,6 +1210,7 @@ def _run_all(
 ) -> None:
     # engine=flower-sim: one Ray for every run, started by the first simulated one and stopped
     # when the last ends, fails or is interrupted (ray_session; nested ones are no-ops)
+    in_session = False
     with contextlib.ExitStack() as ray:
         for seed in cfg.seeds:
             fed = first if seed == cfg.seeds[0] else build_federation(cfg, seed)
@@ -1219,7 +1220,9 @@ def _run_all(
                 if summary is None and cfg.engine == "flower-sim":
                     from fedlore.flower.simulation import ray_session, run_simulated
 
-                    ray.enter_context(ray_session())
+                    if not in_session:  # the first simulated run opens the session
+                        ray.enter_context(ray_session())
+                        in_session = True
                     summary = run_simulated(cfg, method, seed, resume=resume, overwrite=overwrite)
                 elif summary is None:
                     summary = run_one(
