@@ -35,6 +35,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 data:
 	@missing=$$(for p in $(DEB_DATA); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \

@@ -45,7 +45,7 @@ from fedlore.engine.loop import RoundLoop
 from fedlore.engine.sampling import sample_clients
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport
-from fedlore.run import make_algorithm, model_factory
+from fedlore.experiment_parts import make_algorithm, model_factory
 from fedlore.seeding import SERVER_INIT, generator
 
 VARIANTS = {

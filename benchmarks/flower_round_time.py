@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 from fedlore.config import Config, load_config
+from fedlore.engine.rundir import run_dir
+from fedlore.experiment import run_one
 from fedlore.flower.loopback import LoopbackFederation
 from fedlore.flower.simulation import run_simulated
-from fedlore.run import run_dir, run_one
 
 METHODS = ("fedlore", "fedfull")
 BASE = Path("experiments/quickstart.yaml")

@@ -42,9 +42,11 @@ from fedlore.data.client_data import TensorSplit
 from fedlore.data.federation import Federation
 from fedlore.device import resolve_device, training_precision
 from fedlore.engine.loop import RoundLoop
+from fedlore.engine.rundir import run_dir
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport
-from fedlore.run import make_algorithm, model_factory, run_dir, run_one
+from fedlore.experiment import run_one
+from fedlore.experiment_parts import make_algorithm, model_factory
 from fedlore.seeding import SERVER_INIT, generator
 
 METHODS = ("fedlore", "fedfull", "local_galore", "fedit")

@@ -48,7 +48,7 @@ from fedlore.engine.loop import RoundLoop
 from fedlore.engine.sampling import sample_clients
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport
-from fedlore.run import make_algorithm, model_factory
+from fedlore.experiment_parts import make_algorithm, model_factory
 from fedlore.seeding import CLIENT, SERVER_INIT, generator
 
 ROUNDS = {"cnn": 2, "quickstart": 20}

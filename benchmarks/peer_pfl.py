@@ -10,8 +10,8 @@ batch 32, seed 42):
   al. CNN (1.66 M parameters), 10 rounds, local SGD lr 0.05.
 
 fedlore runs its ``fedavg`` method (FedAvg with plain local SGD) through
-:func:`fedlore.run.run_one`, the code path of ``fedlore run``; pfl runs ``FederatedAveraging``
-on its ``SimulatedBackend``. The work is the same:
+:func:`fedlore.experiment.run_one`, the code path of ``fedlore run``; pfl runs
+``FederatedAveraging`` on its ``SimulatedBackend``. The work is the same:
 
 * data: pfl's users are fedlore's clients (their training splits from ``build_federation``); both
   score fedlore's central test set;
@@ -246,7 +246,8 @@ def fedlore_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any
     wait_policy = os.environ.get("OMP_WAIT_POLICY")  # (a statement: keeps fedlore first)
     import torch
 
-    import fedlore.run as run_mod
+    import fedlore.experiment as experiment_mod
+    import fedlore.experiment_parts as parts_mod
     from fedlore.data.federation import build_federation
     from fedlore.tensors import load_model_arrays, select
 
@@ -254,7 +255,7 @@ def fedlore_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any
     log = BatchLog()
     log.install()
     clock = Clock()
-    original_evaluate = run_mod.evaluate
+    original_evaluate = parts_mod.evaluate  # looked up there by the run's evaluator
 
     def timed_evaluate(*args: Any, **kwargs: Any) -> Any:
         wall, cpu = time.perf_counter(), time.process_time()
@@ -263,8 +264,8 @@ def fedlore_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any
         finally:
             clock.exclude(time.perf_counter() - wall, time.process_time() - cpu)
 
-    run_mod.evaluate = timed_evaluate  # type: ignore[assignment]
-    original_factory = run_mod.model_factory
+    parts_mod.evaluate = timed_evaluate  # type: ignore[assignment]
+    original_factory = experiment_mod.model_factory  # looked up there by build()
     init: list[str] = []  # the digest of the first model run_one builds: the server's W^0
 
     def digesting_factory(*args: Any, **kwargs: Any) -> Any:
@@ -278,7 +279,7 @@ def fedlore_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any
 
         return built
 
-    run_mod.model_factory = digesting_factory  # type: ignore[assignment]
+    experiment_mod.model_factory = digesting_factory  # type: ignore[assignment]
     final: dict[str, Any] = {}
 
     class Recorder:
@@ -288,7 +289,7 @@ def fedlore_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any
                 model = select(state.arrays, "model.")
                 final.update({k: v.detach().cpu().clone() for k, v in model.items()})
 
-    summary = run_mod.run_one(cfg, a.method, SEED, extra_callbacks=(Recorder(),))
+    summary = experiment_mod.run_one(cfg, a.method, SEED, extra_callbacks=(Recorder(),))
     assert summary is not None
     fed = build_federation(cfg, SEED)  # again (deterministic): the central test set
     model = original_factory(cfg, fed, SEED)()
@@ -334,7 +335,7 @@ def pfl_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     wait_policy = os.environ.get("OMP_WAIT_POLICY")  # what pfl's OpenMP runtime read
 
     from fedlore.data.federation import build_federation
-    from fedlore.run import make_algorithm, model_factory
+    from fedlore.experiment_parts import make_algorithm, model_factory
     from fedlore.seeding import CLIENT, generator
 
     cfg = task_config(a.task, a.method, a.rounds, a.lr, a.workdir / "runs")

@@ -61,9 +61,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
     from fedlore.config import validate
     from fedlore.data.federation import build_federation
+    from fedlore.engine.rundir import run_dir
     from fedlore.engine.store import ClientStore
     from fedlore.engine.transport import LocalTransport
-    from fedlore.run import run_dir, run_one
+    from fedlore.experiment import run_one
     from fedlore.types import State
 
     torch.set_num_threads(spec["threads"])

@@ -40,8 +40,8 @@ from fedlore.engine.loop import RoundLoop
 from fedlore.engine.sampling import sample_clients
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport
+from fedlore.experiment_parts import make_algorithm, model_factory
 from fedlore.optim.subspace import captured_energy, projector_distance, top_left_singular
-from fedlore.run import make_algorithm, model_factory
 from fedlore.seeding import SERVER_INIT, generator
 
 F64, F32 = torch.float64, torch.float32

@@ -10,7 +10,7 @@ Two parts, each written into ``benchmarks/results/transport.json`` under its own
   headers). Steady round = the last measured round.
 * ``accuracy``: final (and best) accuracy of ``fedlore`` and ``fedfull`` for a config under the
   three dtypes, seed by seed, interleaved (seed, then dtype, then method), every run a full
-  ``fedlore run``-equivalent (:func:`fedlore.run.run_experiment`) into a scratch folder.
+  ``fedlore run``-equivalent (:func:`fedlore.experiment.run_experiment`) into a scratch folder.
 
     python benchmarks/transport.py bytes [--rounds 2] [--set local_steps=2]
     python benchmarks/transport.py accuracy --config experiments/quickstart.yaml --seeds 42 43 44
@@ -39,8 +39,9 @@ from fedlore.engine.loop import RoundLoop
 from fedlore.engine.sampling import sample_clients
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport
+from fedlore.experiment import run_experiment
+from fedlore.experiment_parts import make_algorithm, model_factory
 from fedlore.flower.codec import broadcast_to_record, record_nbytes, reply_to_record
-from fedlore.run import make_algorithm, model_factory, run_experiment
 from fedlore.seeding import SERVER_INIT, generator
 from fedlore.types import Broadcast, Reply
 

@@ -1,5 +1,5 @@
 """Config loading: YAML, ``base`` chains, ``key=value`` overrides, strict validation, and how
-``method.<name>`` overrides reach the algorithm (``fedlore.run.make_algorithm``)."""
+``method.<name>`` overrides reach the algorithm (``fedlore.experiment_parts.make_algorithm``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 from fedlore import registry
 from fedlore.config import Config, ConfigError, apply_overrides, load_config, read_yaml
-from fedlore.run import make_algorithm, run_experiment
+from fedlore.experiment import run_experiment
+from fedlore.experiment_parts import make_algorithm
 
 
 def _write(path: Path, text: str) -> Path:
@@ -398,7 +399,7 @@ def test_a_method_refuses_fewer_clients_per_round_than_it_needs() -> None:
 
 
 def test_transport_dtype_reaches_the_methods_that_honour_it_and_is_refused_elsewhere() -> None:
-    from fedlore.run import _run_config, config_diff
+    from fedlore.engine.rundir import _run_config, config_diff
 
     honouring = sorted(
         n
@@ -421,7 +422,7 @@ def test_transport_dtype_reaches_the_methods_that_honour_it_and_is_refused_elsew
         # the setting is part of the run's recorded config: a resume under another dtype differs
         recorded = _run_config(cfg, "fedlore")  # what config.json keeps
         assert recorded["transport_dtype"] == dtype
-        assert config_diff(load_config(None), "fedlore", recorded) == (
+        assert config_diff(load_config(None), "fedlore", recorded, make_algorithm) == (
             f"transport_dtype: {dtype!r} -> 'fp32'"
         )
     with pytest.raises(ConfigError, match="transport_dtype"):

@@ -1,4 +1,4 @@
-"""Whole-config checks before any run folder is looked at (:mod:`fedlore.config_checks`):
+"""Whole-config checks before any run folder is looked at (:mod:`fedlore.checks`):
 unknown names, ``method`` sections of methods left out of ``algorithms``, and command-line
 settings of methods the run does not include."""
 
@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from fedlore.config import ConfigError, load_config
-from fedlore.config_checks import (
+from fedlore.checks import (
     check_overrides,
     name_problems,
     override_problems,
     unused_method_problems,
 )
+from fedlore.config import ConfigError, load_config
 
 
 def test_every_unknown_name_is_listed_with_the_registered_ones() -> None:

@@ -20,8 +20,10 @@ from fedlore.config import Config, ConfigError, load_config
 from fedlore.data.client_data import ClientData, TensorSplit, minibatches
 from fedlore.device import PeakMemory, autocast, resolve_device, training_precision
 from fedlore.engine.callbacks import Checkpointer
+from fedlore.engine.rundir import run_dir
+from fedlore.experiment import run_one
+from fedlore.experiment_parts import make_algorithm
 from fedlore.results import store as store_keys
-from fedlore.run import make_algorithm, run_dir, run_one
 from fedlore.seeding import generator
 from fedlore.train.local import local_train
 

@@ -15,7 +15,8 @@ from fedlore.device import (
     cpu_sample,
     use_threads,
 )
-from fedlore.run import run_dir, run_one
+from fedlore.engine.rundir import run_dir
+from fedlore.experiment import run_one
 
 
 @pytest.fixture

@@ -14,17 +14,17 @@ before round 0, numbered -setup_rounds .. -1 (FedLore's gradient-based P^0); the
 the byte totals.
 
 An algorithm may declare ``min_clients_per_round`` (default 1): a config that samples fewer
-clients per round is refused by :func:`fedlore.run.make_algorithm` (FedMask's overlap rule keeps
-nothing with fewer than ``min_overlap`` clients).
+clients per round is refused when the method is built (:func:`fedlore.checks.check_min_clients`;
+FedMask's overlap rule keeps nothing with fewer than ``min_overlap`` clients).
 
 An algorithm may declare ``needs_server_data = True`` (default False): it trains on the server's
 unlabeled set U (``data.server_fraction``; FedBE's distillation). The run then calls
 ``init_server(model, rng, unlabeled=U)`` with U's inputs ``[n_U, ...]`` (never labels) through
-:func:`fedlore.run.start_server`, which refuses a config without U with a ``ConfigError`` naming
-``data.server_fraction``. Such a method keeps U in its server ``State`` (so it is checkpointed and
-resumed with it) under a key that ``broadcast`` never sends (``server.unlabeled``). Every method
-of a config is trained on the same clients' data whether or not it uses U: U is held out of the
-clients' data for all of them.
+:func:`fedlore.experiment_parts.start_server`, which refuses a config without U with a
+``ConfigError`` naming ``data.server_fraction``. Such a method keeps U in its server ``State``
+(so it is checkpointed and resumed with it) under a key that ``broadcast`` never sends
+(``server.unlabeled``). Every method of a config is trained on the same clients' data whether or
+not it uses U: U is held out of the clients' data for all of them.
 
 The algorithm object holds only hyperparameters (a frozen dataclass; a server workspace, below,
 is the one exception). The model handed to ``init_server`` and ``client_update`` is a scratch

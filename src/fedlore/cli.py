@@ -18,14 +18,55 @@ import os
 import shlex
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from fedlore.atomic import WriteError, explain
-from fedlore.config import ConfigError, load_config
+from fedlore.config import Config, ConfigError, load_config
 from fedlore.engine import interrupt
 from fedlore.engine.store import StoreError
 
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from fedlore.data.federation import Federation
+    from fedlore.experiment import Engine
+
 DEFAULT_CONFIG = "experiments/quickstart.yaml"
+
+
+def _in_process() -> Engine:
+    from fedlore.experiment import IN_PROCESS
+
+    return IN_PROCESS
+
+
+def _flower_sim() -> Engine:
+    from fedlore.experiment import Engine
+
+    def simulate(
+        cfg: Config, method: str, seed: int, *, fed: Federation, resume: bool, overwrite: bool
+    ) -> dict[str, Any] | None:
+        from fedlore.flower.simulation import run_simulated  # when a run trains, not before
+
+        return run_simulated(cfg, method, seed, resume=resume, overwrite=overwrite)
+
+    def ray_session() -> AbstractContextManager[object]:
+        from fedlore.flower.simulation import ray_session
+
+        return ray_session()
+
+    return Engine(simulate, session=ray_session)
+
+
+ENGINES: dict[str, Callable[[], Engine]] = {"local": _in_process, "flower-sim": _flower_sim}
+"""The config's ``engine`` -> the :class:`~fedlore.experiment.Engine` that carries out its runs:
+``local`` trains every run in this process (:func:`fedlore.experiment.run_one`); ``flower-sim``
+on Flower's Simulation Engine (:func:`fedlore.flower.simulation.run_simulated`, one Ray for
+the whole experiment). Flower is imported only once a simulated run trains, so finished runs
+are reported without it. A ``flwr run`` deployment runs the ServerApp instead
+(:mod:`fedlore.flower.app`)."""
 
 
 def _default_config() -> Path:
@@ -121,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"report written to {ns.run_dir}/report.md (with report.csv and the plots)")
             return 0
         if ns.command == "fortunes-c4":
-            from fedlore.data.corpus import convert_fortunes
+            from fedlore.data.fortunes_c4 import convert_fortunes
 
             for written in convert_fortunes(ns.out_dir, ns.root):
                 lines = sum(1 for _ in written.open(encoding="utf-8"))
@@ -140,13 +181,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"# {cfg.name}: {cfg.data.name}, {cfg.partition.name} partition, seed {seed}")
                 print(fed.format_histogram())
             return 0
-        from fedlore.config_checks import check_overrides
+        from fedlore.checks import check_overrides
+        from fedlore.experiment import run_experiment
         from fedlore.results.report import report
-        from fedlore.run import run_experiment
 
         check_overrides(cfg, overrides)  # a setting of a method the run leaves out
+        engine = ENGINES[cfg.engine]()
         with interrupt.handling():  # SIGINT / SIGTERM stop between rounds, exit 130 / 143
-            summaries = run_experiment(cfg, resume=ns.resume, overwrite=ns.overwrite)
+            summaries = run_experiment(cfg, ns.resume, ns.overwrite, engine)
         folder = Path(cfg.output_dir) / cfg.name
         print(report(folder), flush=True)  # the table before any warning about it
         for method, runs in summaries.items():

@@ -83,7 +83,7 @@ class DataConfig(_Strict):
     categories: list[str] | None = None
     """fortunes: category files used as classes, label = position in sorted order (None:
     ``fedlore.data.text.FORTUNES_CATEGORIES``); fortunes_c4: the category files converted (None:
-    all but ``fedlore.data.corpus.FORTUNES_C4_EXCLUDED``)."""
+    all but ``fedlore.data.fortunes_c4.FORTUNES_C4_EXCLUDED``)."""
     vocab_size: int = Field(4096, ge=258)
     """Pre-training corpora (c4, fortunes_c4) without ``tokenizer``: size of the byte-level BPE
     vocabulary trained on the training documents."""

@@ -12,20 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from fedlore.algorithms.bayes import (
-    MetaBayFL,
-    combine_gaussians,
-    elbo_kl_term,
-    meta_loss,
-    meta_nll,
-    meta_split,
-    pick_lowest,
-)
+from fedlore.algorithms.bayes import MetaBayFL, elbo_kl_term
 from fedlore.algorithms.fedavg import FedProx
-from fedlore.bayes import bayesianize, is_bayesian, kl_divergence, sampling
+from fedlore.algorithms.meta_lr import meta_loss, meta_nll, meta_split, pick_lowest
+from fedlore.bayes import bayesianize, combine_gaussians, is_bayesian, kl_divergence, sampling
 from fedlore.config import load_config
 from fedlore.data.client_data import ClientData, TensorSplit, minibatches
-from fedlore.run import make_algorithm, run_dir, run_one
+from fedlore.engine.rundir import run_dir
+from fedlore.experiment import run_one
+from fedlore.experiment_parts import make_algorithm
 from fedlore.train.local import EVAL_SAMPLING_SEED, local_train
 
 

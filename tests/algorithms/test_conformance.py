@@ -40,10 +40,12 @@ from fedlore.config import Config, load_config
 from fedlore.data.federation import Federation, build_federation
 from fedlore.engine.callbacks import Checkpointer
 from fedlore.engine.loop import RoundLoop, validate_reply
+from fedlore.engine.rundir import run_dir
 from fedlore.engine.sampling import sample_clients
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport
-from fedlore.run import make_algorithm, model_factory, run_dir, run_one, start_server
+from fedlore.experiment import run_one
+from fedlore.experiment_parts import make_algorithm, model_factory, start_server
 from fedlore.seeding import CLIENT, SERVER_INIT, generator
 from fedlore.train.local import evaluate
 from fedlore.types import Broadcast, Reply, State

@@ -14,10 +14,12 @@ import torch
 from torch import nn
 
 from fedlore.algorithms.fedbe import (  # importing it registers ``fedbe``
-    FEDBE_SWA_START_SHARE,
     SEED_KEY,
     UNLABELED_KEY,
     FedBE,
+)
+from fedlore.algorithms.fedbe_ensemble import (
+    FEDBE_SWA_START_SHARE,
     distill,
     ensemble_probs,
     fedbe_kl,
@@ -30,15 +32,10 @@ from fedlore.config import Config, ConfigError, load_config
 from fedlore.data.client_data import ClientData
 from fedlore.data.federation import build_federation
 from fedlore.engine.callbacks import Checkpointer
+from fedlore.engine.rundir import run_dir
 from fedlore.engine.transport import LocalTransport
-from fedlore.run import (
-    make_algorithm,
-    model_factory,
-    run_dir,
-    run_experiment,
-    run_one,
-    start_server,
-)
+from fedlore.experiment import run_experiment, run_one
+from fedlore.experiment_parts import make_algorithm, model_factory, start_server
 from fedlore.seeding import CLIENT, SERVER_INIT, generator
 from fedlore.tensors import load_model_arrays, model_arrays
 from fedlore.types import Reply
@@ -402,3 +399,12 @@ def test_kill_and_resume_gives_the_uninterrupted_run(tmp_path: Path) -> None:
     assert all(torch.equal(sa.arrays[k], sb.arrays[k]) for k in sa.arrays)
     # the server's draws differ from round to round (seeded by the stored seed and the round)
     assert len({r["server_kl_fedavg"] for r in a}) == len(a)
+
+
+def test_fedbe_module_keeps_the_names_it_used_to_define() -> None:
+    """The sampler, pseudo-labels and distillation moved to fedbe_ensemble.py;
+    ``fedlore.algorithms.fedbe`` still exports them."""
+    from fedlore.algorithms import fedbe, fedbe_ensemble
+
+    moved = [n for n in fedbe.__all__ if n not in ("FedBE", "SEED_KEY", "UNLABELED_KEY")]
+    assert moved and all(getattr(fedbe, n) is getattr(fedbe_ensemble, n) for n in moved)

@@ -22,13 +22,21 @@ from torch import nn
 
 from fedlore.algorithm import Algorithm
 from fedlore.algorithms.base import construction_gradients, is_sum_aggregable
+from fedlore.algorithms.basis_rules import SketchRule
 from fedlore.algorithms.fedlore import FedLore, FedLoreFixed, FedLoreRandom, FedLoreSketch
-from fedlore.algorithms.lowrank import apply_increment, sketch_omegas
+from fedlore.algorithms.lowrank import (
+    apply_increment,
+    mean_sketch_basis,
+    sketch_gradients,
+    sketch_omegas,
+)
 from fedlore.config import Config
 from fedlore.engine.loop import RoundLoop
+from fedlore.engine.rundir import run_dir
 from fedlore.engine.sampling import sample_clients
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport
+from fedlore.experiment import run_one
 from fedlore.optim.projected_adam import ProjectedSGD
 from fedlore.optim.subspace import (
     MatrixSpec,
@@ -38,7 +46,6 @@ from fedlore.optim.subspace import (
     sketch_basis,
     top_left_singular,
 )
-from fedlore.run import run_dir, run_one
 from fedlore.seeding import CLIENT, generator
 from fedlore.tensors import select
 from fedlore.types import Broadcast, Reply, State
@@ -92,7 +99,7 @@ def test_proposition4_projector_averaging_stalls_sketch_reaches_the_minimizer() 
         basis = average_projectors(cands, weights, 1, dtype=torch.float64)
         assert projector_distance(basis, E1) < 1e-15, rnd
 
-    # the sketch rule (FedLore-Sketch's own functions: the client's sketch, the server's rule)
+    # the sketch rule (its functions in lowrank: the client's sketch, the server's step)
     w, basis = w0, E1
     w, coords, grads = prop4_round(w, basis)
     # round 0 makes no progress: the e_1-coordinates are -2 and +2 (ΔZ = -γ Pᵀ G_i) and cancel
@@ -102,7 +109,7 @@ def test_proposition4_projector_averaging_stalls_sketch_reaches_the_minimizer() 
     # the mean gradient at W^0 = 0 is diag(0, 1): its sketch diag(0, 1) Ω has range e_2
     assert torch.equal(0.5 * (grads[0] + grads[1]), -minimizer)
     seed = 12345
-    ys = [sketch.sketch_gradients(seed, plan, {"w": g}, {"w": w}) for g in grads]
+    ys = [sketch_gradients(seed, plan, {"w": g}, {"w": w}, sketch.sketch_width) for g in grads]
     omega = sketch_omegas(seed, plan, sketch.sketch_width, torch.float64)["w"]
     assert omega.shape == (2, 6)
     for y, g in zip(ys, grads, strict=True):
@@ -110,7 +117,7 @@ def test_proposition4_projector_averaging_stalls_sketch_reaches_the_minimizer() 
     # the mean sketch is the sketch of the mean gradient: its e_1 row is exactly zero
     mean = 0.5 * (ys[0]["w"] + ys[1]["w"])
     assert torch.equal(mean, (-minimizer) @ omega) and not bool(mean[0].any())
-    basis = sketch.basis_from_sketches(ys, weights, {"w": basis})["w"]
+    basis = mean_sketch_basis(ys, weights, {"w": basis}, sketch.rank)["w"]
     assert projector_distance(basis, E2) < 1e-15
     assert torch.equal(basis.abs(), E2)  # ±e_2 exactly
     # round 1 in P^1 = e_2: both clients move along e_2 and reach the minimizer, exactly
@@ -249,7 +256,7 @@ def test_omega_is_the_same_on_server_and_client_and_runs_repeat_bitwise() -> Non
     algo = sketch_algo()
     state = algo.init_server(build(), generator(SEED, 2))
     plan = algo.plan(build())
-    server = algo.omegas(state, -1)
+    server = SketchRule(algo).omegas(state, -1)
     # the client's setup sketch is its construction gradient times the server's Ω, bit for bit
     for cid in (0, 2):
         msg = algo.broadcast(state, -1, cid)
@@ -274,7 +281,7 @@ def test_omega_is_the_same_on_server_and_client_and_runs_repeat_bitwise() -> Non
         for k, s in plan.items():
             assert torch.equal(reply.arrays[f"sketch.{k}"], s.view(grads[k]) @ server[k])
     # a fresh Ω per round and per matrix
-    other = algo.omegas(state, 0)
+    other = SketchRule(algo).omegas(state, 0)
     assert all(not torch.equal(server[k], other[k]) for k in plan)
     first, second = (server[k] for k in plan)
     assert not torch.equal(first[: second.shape[0]], second[: first.shape[0]])

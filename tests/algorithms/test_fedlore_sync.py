@@ -29,11 +29,12 @@ from fedlore.algorithms.fedlore import FedLore, FedLoreFixed, FedLoreRandom, Fed
 from fedlore.algorithms.local_galore import LocalGaLore
 from fedlore.config import Config
 from fedlore.engine.loop import RoundLoop
+from fedlore.engine.rundir import run_dir
 from fedlore.engine.sampling import sample_clients
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport
+from fedlore.experiment import run_one
 from fedlore.optim.subspace import average_projectors, projection_plan, projector_distance
-from fedlore.run import run_dir, run_one
 from fedlore.seeding import CLIENT, generator
 from fedlore.tensors import select
 from fedlore.types import Broadcast, Reply, State

@@ -19,7 +19,7 @@ from fedlore.data.federation import build_federation
 from fedlore.engine.loop import RoundLoop, validate_reply
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport
-from fedlore.run import make_algorithm, model_factory
+from fedlore.experiment_parts import make_algorithm, model_factory
 from fedlore.seeding import CLIENT, SERVER_INIT, generator
 from fedlore.tensors import nbytes
 from fedlore.types import State

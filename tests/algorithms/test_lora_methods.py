@@ -649,7 +649,8 @@ def test_hyperparameters_are_validated() -> None:
 def test_heterogeneous_ranks_run_end_to_end(tmp_path: Path, method: str) -> None:
     """The round loop validates each reply against its own client's rank (none rejected)."""
     from fedlore.config import load_config
-    from fedlore.run import run_dir, run_one
+    from fedlore.engine.rundir import run_dir
+    from fedlore.experiment import run_one
 
     cfg = load_config(
         None,

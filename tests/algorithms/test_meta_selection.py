@@ -21,7 +21,8 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from fedlore.algorithms.bayes import MetaBayFL, batchable, elbo_kl_term, meta_split, pick_lowest
+from fedlore.algorithms.bayes import MetaBayFL, elbo_kl_term
+from fedlore.algorithms.meta_lr import batchable, meta_split, pick_lowest
 from fedlore.bayes import sampling
 from fedlore.data.client_data import ClientData, TensorSplit, minibatches
 from fedlore.train.local import local_train

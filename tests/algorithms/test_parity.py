@@ -19,7 +19,8 @@ from fedlore.data.federation import build_federation
 from fedlore.engine.loop import RoundLoop
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport
-from fedlore.run import make_algorithm, model_factory, run_experiment
+from fedlore.experiment import run_experiment
+from fedlore.experiment_parts import make_algorithm, model_factory
 from fedlore.seeding import SERVER_INIT, generator
 from fedlore.types import Broadcast, Reply, State
 

@@ -19,7 +19,7 @@ from fedlore.algorithms.personal import Personalized, personal_arrays, prox_term
 from fedlore.algorithms.pfedbayes import PFedBayes
 from fedlore.algorithms.pfedme import PFedMe
 from fedlore.bayes import bayesianize, gaussian_kl_between, posterior_kl
-from fedlore.bayes.layers import GaussianPrior, log_softplus
+from fedlore.bayes.posterior import GaussianPrior, log_softplus
 from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.engine.loop import RoundLoop
 from fedlore.engine.store import ClientStore
@@ -326,7 +326,7 @@ def test_fomo_client_downloads_what_it_asked_for() -> None:
 
 def test_diverged_scores_are_nan_not_invented() -> None:
     from fedlore.engine.loop import client_reports
-    from fedlore.run import global_local_metrics
+    from fedlore.experiment_parts import global_local_metrics
     from fedlore.types import Reply
 
     ok = Reply(metrics={"num_examples": 5, "local_n": 4, "local_accuracy": 0.5})

@@ -11,19 +11,16 @@ import pytest
 import torch
 
 from fedlore.cli import main
+from fedlore.data.c4 import find_c4_files, load_c4, read_c4_file
 from fedlore.data.corpus import (
     IGNORE_INDEX,
     UNKNOWN_SOURCE,
-    find_c4_files,
-    fortunes_c4_records,
     group_documents,
-    load_c4,
-    load_fortunes_c4,
     pack_documents,
-    read_c4_file,
     source_group,
-    train_bpe_tokenizer,
 )
+from fedlore.data.corpus_tokenizer import train_bpe_tokenizer
+from fedlore.data.fortunes_c4 import fortunes_c4_records, load_fortunes_c4
 
 C4 = Path(__file__).parents[1] / "fixtures" / "c4"
 FORTUNES = Path(__file__).parents[1] / "fixtures" / "fortunes"
@@ -203,7 +200,7 @@ def test_fortunes_c4_cli_writes_files_the_c4_loader_reads(tmp_path: Path) -> Non
 
 
 def test_gzip_round_trip(tmp_path: Path) -> None:
-    from fedlore.data.corpus import write_c4_jsonl
+    from fedlore.data.c4 import write_c4_jsonl
 
     path = tmp_path / "c4-validation.json.gz"
     assert write_c4_jsonl([{"text": "é", "url": "http://x.org"}], path) == 1
@@ -222,7 +219,8 @@ def test_text_spelling_a_special_token_stays_text() -> None:
 
 
 def test_conversion_and_loader_refusals(tmp_path: Path) -> None:
-    from fedlore.data.corpus import build_corpus, convert_fortunes
+    from fedlore.data.c4 import build_corpus
+    from fedlore.data.fortunes_c4 import convert_fortunes
 
     with pytest.raises(ValueError, match=r"use data\.name=c4"):
         load_fortunes_c4(str(C4))

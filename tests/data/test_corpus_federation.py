@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from fedlore.config import load_config
+from fedlore.data.c4 import load_c4
 from fedlore.data.client_data import ClientData, TensorSplit, minibatches, stream_batches
-from fedlore.data.corpus import IGNORE_INDEX, load_c4
+from fedlore.data.corpus import IGNORE_INDEX
 from fedlore.data.federation import Federation, build_federation
 
 C4 = str(Path(__file__).parents[1] / "fixtures" / "c4")

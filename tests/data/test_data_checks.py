@@ -16,8 +16,9 @@ import torch
 from fedlore.config import ConfigError, DataConfig, load_config
 from fedlore.data.checks import HOLDOUT_FRACTION, DataWarning, central_splits, check_rows
 from fedlore.data.client_data import TensorSplit
+from fedlore.data.datasource import DataSource
 from fedlore.data.federation import build_federation, load_source
-from fedlore.data.sources import DataSource, load_npz
+from fedlore.data.sources import load_npz
 
 
 def _npz(folder: Path, part: str, n: int, seed: int = 0, **arrays: np.ndarray) -> None:

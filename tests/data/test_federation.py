@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from fedlore.config import load_config
-from fedlore.data.federation import Federation, build_federation, split_local
+from fedlore.data.federation import Federation, build_federation
+from fedlore.data.holdout import split_local
 
 
 def _fed(seed: int = 0, **over: Any) -> Federation:

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from fedlore.config import ConfigError, load_config
-from fedlore.data.federation import Federation, build_federation, hold_out_selection
-from fedlore.run import run_one
+from fedlore.data.federation import Federation, build_federation
+from fedlore.data.holdout import hold_out_selection
+from fedlore.experiment import run_one
 
 ROOT = Path(__file__).parents[2]
 C4 = Path(__file__).parents[1] / "fixtures" / "c4"
@@ -139,7 +140,7 @@ def test_lr_grid_scores_the_selection_split_never_the_test_set() -> None:
 def test_a_run_that_diverges_at_the_end_never_reports_an_earlier_score(tmp_path: Path) -> None:
     """metrics.jsonl writes NaN as null: the summary's final values are the last evaluation's,
     None when it was not finite, so the grid scores such a run -inf."""
-    from fedlore.run import summarize
+    from fedlore.results.summary import summarize
 
     rows = [
         {"round": 0, "bytes_up": 1, "bytes_down": 1, "optimizer_state_bytes": 0, "wall_s": 1.0,

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fedlore.config import ConfigError, load_config
-from fedlore.data.federation import Federation, build_federation, hold_out_server
+from fedlore.data.federation import Federation, build_federation
+from fedlore.data.holdout import hold_out_server
 
 C4 = Path(__file__).parents[1] / "fixtures" / "c4"
 

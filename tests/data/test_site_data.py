@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from fedlore.config import ConfigError, load_config
-from fedlore.data.federation import server_federation, site_federation
 from fedlore.data.sources import load_npz
-from fedlore.run import run_one
+from fedlore.experiment import run_one
+from fedlore.flower.sites import server_federation, site_federation
 
 NAMES = np.asarray([f"c{i}" for i in range(4)])
 

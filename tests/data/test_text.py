@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from fedlore import registry
+from fedlore.checks import check_tokenizer_matches_model
 from fedlore.config import Config, ConfigError, load_config
+from fedlore.data.datasource import DataSource
 from fedlore.data.federation import build_federation, load_source
-from fedlore.data.sources import DataSource
 from fedlore.data.text import (
     FORTUNES_CATEGORIES,
     FORTUNES_ROOT,
@@ -29,7 +30,6 @@ from fedlore.data.text import (
     tokenize,
 )
 from fedlore.models.text import minilm_folder
-from fedlore.run import check_tokenizer_matches_model
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 FORTUNES = FIXTURES / "fortunes"

@@ -24,8 +24,10 @@ from fedlore.config import Config, load_config
 from fedlore.data.federation import build_federation
 from fedlore.diagnostics import Diagnoser, mixture_eigenvalues, normalized
 from fedlore.engine.callbacks import Checkpointer
+from fedlore.engine.rundir import run_dir
+from fedlore.experiment import run_one
+from fedlore.experiment_parts import make_algorithm, model_factory
 from fedlore.results.report import report
-from fedlore.run import make_algorithm, model_factory, run_dir, run_one
 from fedlore.seeding import SERVER_INIT, generator
 
 SEED = 5

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from fedlore.config import Config, ConfigError, load_config
+from fedlore.engine.rundir import run_dir
+from fedlore.experiment import run_experiment, run_one
 from fedlore.results.report import report
-from fedlore.run import run_dir, run_experiment, run_one
 
 C4 = str(Path(__file__).parents[1] / "fixtures" / "c4")
 SEED = 42

@@ -20,10 +20,13 @@ import torch
 
 from fedlore.config import load_config
 from fedlore.engine.callbacks import Checkpointer
+from fedlore.engine.rundir import run_dir
 from fedlore.engine.transport import LocalTransport
+from fedlore.experiment import run_experiment, run_one
+from fedlore.experiment_parts import make_algorithm
+from fedlore.experiment_privacy import NO_PRIVACY, make_privacy
 from fedlore.privacy.dp import epsilon_spent
 from fedlore.results.report import report
-from fedlore.run import NO_PRIVACY, make_algorithm, make_privacy, run_dir, run_experiment, run_one
 from fedlore.types import Broadcast, State
 
 SEED = 5

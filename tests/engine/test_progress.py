@@ -20,7 +20,7 @@ from fedlore.cli import main
 from fedlore.config import load_config
 from fedlore.data.partition import partition_dirichlet
 from fedlore.engine.callbacks import ProgressBar
-from fedlore.run import run_one
+from fedlore.experiment import run_one
 from fedlore.types import State
 
 SMALL = [

@@ -17,7 +17,8 @@ import torch
 from fedlore.cli import main
 from fedlore.config import Config, load_config
 from fedlore.engine.callbacks import Checkpointer
-from fedlore.run import run_dir, run_one
+from fedlore.engine.rundir import run_dir
+from fedlore.experiment import run_one
 
 SEED = 3
 ROUNDS = 4

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from fedlore.config import Config, ConfigError, load_config
+from fedlore.engine.rundir import run_dir, spill_dir
 from fedlore.engine.store import StoreError
-from fedlore.run import run_dir, run_one, spill_dir
+from fedlore.experiment import run_one
 
 SEED = 1
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

@@ -28,8 +28,9 @@ from fedlore.cli import main
 from fedlore.config import Config, ConfigError, load_config
 from fedlore.engine.callbacks import DamagedCheckpoint
 from fedlore.engine.lock import RunLock, RunLocked
+from fedlore.engine.rundir import run_dir
 from fedlore.engine.store import StoreError
-from fedlore.run import run_dir, run_experiment, run_one
+from fedlore.experiment import run_experiment, run_one
 
 SEED = 0
 ROOT = Path(__file__).resolve().parents[2]
@@ -313,7 +314,7 @@ with RunLock(Path({folder!r})):
 
 
 def test_a_finite_but_absurd_loss_is_marked_diverged() -> None:
-    from fedlore.run import divergence
+    from fedlore.results.divergence import divergence
 
     rows = [{"round": 0, "accepted": 3, "train_loss": 9.0, "loss": 3.4e35, "accuracy": 0.1}]
     assert "blew up" in divergence(rows)["diverged"]
@@ -342,7 +343,7 @@ def test_a_matrix_the_rank_covers_is_named(
     cfg = _cfg(
         tmp_path, "algorithms=[fedlore]", "rank=16", "rounds=1", "model.kwargs={hidden: [48, 16]}"
     )
-    with caplog.at_level("WARNING", logger="fedlore.run"):
+    with caplog.at_level("WARNING", logger="fedlore.experiment_parts"):
         run_experiment(cfg)
     warned = [r.getMessage() for r in caplog.records if "is not projected" in r.getMessage()]
     assert warned == [

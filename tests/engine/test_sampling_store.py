@@ -11,7 +11,7 @@ import torch
 from fedlore.config import load_config
 from fedlore.engine.sampling import sample_clients
 from fedlore.engine.store import ClientStore
-from fedlore.run import run_one
+from fedlore.experiment import run_one
 from fedlore.types import State
 
 # ------------------------------------------------------------------------------- sampling

@@ -15,9 +15,10 @@ import torch
 
 from fedlore.config import Config, validate
 from fedlore.engine.callbacks import Checkpointer, atomic_save
+from fedlore.engine.rundir import run_dir
 from fedlore.engine.store import ClientStore, StoreError
 from fedlore.engine.transport import LocalTransport
-from fedlore.run import run_dir, run_one
+from fedlore.experiment import run_one
 from fedlore.types import Broadcast, Reply, State
 
 STATE_BYTES = 2 * 3 * 4 + 5 * 8  # the tensors of _state(): float32 2x3, float64 5

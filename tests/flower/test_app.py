@@ -11,16 +11,19 @@ from queue import Queue
 from typing import Any
 
 import pytest
+
+pytest.importorskip("flwr", reason="needs the [flower] extra: pip install -e '.[flower]'")
 import torch
 from flwr.app import Context, Message, Metadata, RecordDict
 
 from fedlore.config import load_config
 from fedlore.engine.callbacks import Checkpointer
+from fedlore.engine.rundir import run_dir
+from fedlore.experiment import run_one
 from fedlore.flower.app import client_threads, make_apps
 from fedlore.flower.codec import broadcast_to_record, record_to_reply
 from fedlore.flower.simulation import deliver_when_stored, prompt_delivery
 from fedlore.flower.transport import send_and_receive
-from fedlore.run import run_dir, run_one
 from fedlore.types import Broadcast, Reply
 
 pytestmark = pytest.mark.flower

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("flwr", reason="needs the [flower] extra: pip install -e '.[flower]'")
+
 from fedlore.engine.sampling import sample_clients
 from fedlore.flower.loopback import LoopbackFederation
 
@@ -144,7 +146,7 @@ def _write_sites(root: Path) -> tuple[list[Path], Path]:
 
 def test_site_local_deployment_each_node_reads_only_its_own_folder(tmp_path: Path) -> None:
     from fedlore.config import load_config
-    from fedlore.data.federation import site_federation
+    from fedlore.flower.sites import site_federation
 
     sites, server = _write_sites(tmp_path / "data")
     out_dir = tmp_path / "runs"

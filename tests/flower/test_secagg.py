@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+pytest.importorskip("flwr", reason="needs the [flower] extra: pip install -e '.[flower]'")
 import torch
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.secure_aggregation.secaggplus_constants import (
@@ -35,6 +37,8 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedlore.config import Config, load_config
 from fedlore.engine.loop import RoundLoop
+from fedlore.experiment_parts import make_algorithm, model_factory, start_server
+from fedlore.experiment_privacy import make_privacy
 from fedlore.flower.app import _federation, make_apps, secagg_settings
 from fedlore.flower.loopback import LoopbackFederation
 from fedlore.flower.secure import DROP_ROUND_KEY, SecAggSettings, _Workflow
@@ -47,7 +51,6 @@ from fedlore.privacy import (
     client_contribution,
     spec_length,
 )
-from fedlore.run import make_algorithm, make_privacy, model_factory, start_server
 from fedlore.seeding import generator
 from fedlore.types import Broadcast, Reply, Scalars
 

@@ -13,13 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+pytest.importorskip("flwr", reason="needs the [flower] extra: pip install -e '.[flower]'")
 import torch
 
 from fedlore import registry
 from fedlore.config import Config, load_config
 from fedlore.engine.callbacks import Checkpointer
+from fedlore.engine.rundir import run_dir
+from fedlore.experiment import run_one
 from fedlore.flower.simulation import run_simulated
-from fedlore.run import run_dir, run_one
 
 pytestmark = pytest.mark.flower
 
@@ -161,9 +164,10 @@ def test_an_experiment_starts_ray_once_and_its_runs_equal_runs_alone(
     actors reaches the second), and no Ray process left once the experiment ends."""
     import ray
 
+    from fedlore.cli import ENGINES
     from fedlore.engine.interrupt import Process, alive
+    from fedlore.experiment import run_experiment
     from fedlore.flower import simulation
-    from fedlore.run import run_experiment
 
     inits: list[int] = []
     listed: list[Process] = []
@@ -181,7 +185,7 @@ def test_an_experiment_starts_ray_once_and_its_runs_equal_runs_alone(
     monkeypatch.setattr(simulation, "stop_ray", spy_stop)
     tiny = [*SMALL, "rounds=2", "algorithms=[fedfull, fedavg]"]
     sim = load_config(None, [*tiny, "engine=flower-sim", f"output_dir={tmp_path / 'sim'}"])
-    got = run_experiment(sim)
+    got = run_experiment(sim, engine=ENGINES["flower-sim"]())
     assert len(inits) == 1 and not ray.is_initialized()
     assert listed and not simulation.ray_processes()
     deadline = time.monotonic() + 3  # killed: gone a moment later

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from fedlore.config import Config, load_config
-from fedlore.run import run_dir, run_one
+from fedlore.engine.rundir import run_dir
+from fedlore.experiment import run_one
 
 pytestmark = [
     pytest.mark.gpu,

@@ -244,7 +244,7 @@ E2E = {
 def test_methods_run_end_to_end(setup: str, tmp_path: Path) -> None:
     """FedFull, FedLore, Local GaLore and FedLore-Random, 2 rounds each, through ``run_one``."""
     from fedlore.config import load_config
-    from fedlore.run import run_one
+    from fedlore.experiment import run_one
 
     cfg = load_config(
         None,

@@ -23,9 +23,9 @@ from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.engine.loop import RoundLoop
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport
+from fedlore.experiment_parts import make_algorithm
 from fedlore.optim.candidate_route import candidate_route, exact_macs, subspace_macs
 from fedlore.optim.subspace import MatrixSpec, captured_energy, projector_distance
-from fedlore.run import make_algorithm
 from fedlore.seeding import generator
 
 P, Q = 10, 2  # the defaults svd_oversample, svd_niter

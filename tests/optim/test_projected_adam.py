@@ -381,7 +381,7 @@ def test_projected_sgd_steps_along_the_projected_gradient(side: str, weight_deca
 def test_optim_name_sgd_reaches_every_projected_method() -> None:
     from fedlore.algorithms.lowrank import LowRankHyper
     from fedlore.config import load_config
-    from fedlore.run import make_algorithm
+    from fedlore.experiment_parts import make_algorithm
 
     cfg = load_config(None, ["optim.name=sgd"])
     for name in ("fedlore", "fedlore_random", "fedlore_fixed", "local_galore"):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from fedlore.config import load_config
+from fedlore.experiment import run_one
+from fedlore.experiment_parts import make_algorithm
 from fedlore.optim.subspace import average_projectors, projector_distance, random_basis
-from fedlore.run import make_algorithm, run_one
 
 
 def test_randomized_server_basis_matches_exact_and_is_seeded() -> None:

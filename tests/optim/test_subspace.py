@@ -11,6 +11,7 @@ from torch import nn
 
 from fedlore.algorithms.fedlore import FedLore
 from fedlore.config import load_config
+from fedlore.experiment_parts import make_algorithm
 from fedlore.optim.subspace import (
     MatrixSpec,
     average_projectors,
@@ -20,7 +21,6 @@ from fedlore.optim.subspace import (
     random_basis,
     top_left_singular,
 )
-from fedlore.run import make_algorithm
 
 
 def orthonormal(p: torch.Tensor, atol: float = 1e-6) -> bool:

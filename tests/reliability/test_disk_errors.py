@@ -28,7 +28,8 @@ from fedlore import atomic
 from fedlore.cli import main
 from fedlore.config import Config, load_config
 from fedlore.engine.callbacks import Checkpointer
-from fedlore.run import run_dir, run_one
+from fedlore.engine.rundir import run_dir
+from fedlore.experiment import run_one
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "experiments" / "quickstart.yaml"

@@ -32,7 +32,7 @@ from fedlore.engine import interrupt
 from fedlore.engine.callbacks import Checkpointer
 from fedlore.engine.interrupt import Interrupted, Process, alive, descendants
 from fedlore.engine.transport import LocalTransport
-from fedlore.run import run_experiment, run_one
+from fedlore.experiment import run_experiment, run_one
 from fedlore.types import Broadcast
 
 ROOT = Path(__file__).resolve().parents[2]

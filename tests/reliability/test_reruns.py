@@ -23,12 +23,13 @@ from typing import Any
 
 import pytest
 
-from fedlore.cli import main
+from fedlore.cli import ENGINES, main
 from fedlore.config import Config, ConfigError, load_config
 from fedlore.engine import rerun
 from fedlore.engine.rerun import staging_dir
+from fedlore.engine.rundir import run_dir
+from fedlore.experiment import run_experiment, run_one
 from fedlore.results.store import load_runs
-from fedlore.run import run_dir, run_experiment, run_one
 from fedlore.types import State
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -268,5 +269,5 @@ def test_a_finished_simulated_run_is_reported_without_starting_the_simulation(
     finished = run_one(cfg, "fedavg", 0)  # in process: the same records as a simulated run
     before = _files(run_dir(cfg, "fedavg", 0))
     monkeypatch.setitem(sys.modules, "fedlore.flower.simulation", None)  # importing it fails
-    assert run_experiment(cfg) == {"fedavg": [finished]}
+    assert run_experiment(cfg, engine=ENGINES["flower-sim"]()) == {"fedavg": [finished]}
     assert _files(run_dir(cfg, "fedavg", 0)) == before

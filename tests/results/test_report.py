@@ -10,16 +10,11 @@ from typing import Any
 
 import pytest
 
-from fedlore.results.report import (
-    COLUMNS,
-    IncompleteRunWarning,
-    load_runs,
-    plot,
-    report,
-    summary_table,
-    to_csv,
-    to_markdown,
-)
+from fedlore.results.markdown import to_markdown
+from fedlore.results.plots import plot
+from fedlore.results.report import report, to_csv
+from fedlore.results.store import IncompleteRunWarning, load_runs
+from fedlore.results.tables import COLUMNS, summary_table
 
 SQRT2 = math.sqrt(2.0)
 
@@ -314,3 +309,15 @@ def _exp_without_note(tmp_path: Path) -> Path:
     e = tmp_path / "runs" / "plain"
     write_run(e, "fedavg", 1, rows_for([0.5, 0.8], 1e6, 1e6), summ(0.8, 0.8, 1e6, 1e6, 10, 1.0))
     return e
+
+
+def test_report_module_keeps_the_names_it_used_to_define() -> None:
+    """The statistics and the Markdown moved to results/tables.py and results/markdown.py;
+    ``fedlore.results.report`` still exports them (one object, two import paths)."""
+    from fedlore.results import markdown, report, tables
+
+    for name in ("COLUMNS", "DIAGNOSTIC_KEYS", "summary_table", "diagnostics_table"):
+        assert getattr(report, name) is getattr(tables, name)
+    for name in ("to_markdown", "diagnostics_markdown", "seeds_cell"):
+        assert getattr(report, name) is getattr(markdown, name)
+    assert set(report.__all__) <= set(dir(report))

@@ -13,13 +13,15 @@ import pytest
 import torch
 from torch import nn
 
-from fedlore.algorithms.bayes import MetaBayFL, elbo_kl_term, meta_nll
+from fedlore.algorithms.bayes import MetaBayFL, elbo_kl_term
+from fedlore.algorithms.meta_lr import meta_nll
 from fedlore.bayes import sampling
 from fedlore.config import ConfigError, load_config
 from fedlore.data.client_data import TensorSplit
-from fedlore.data.federation import build_federation, target_strata
+from fedlore.data.federation import build_federation
+from fedlore.data.holdout import target_strata
 from fedlore.data.sources import load_diabetes
-from fedlore.run import run_one
+from fedlore.experiment import run_one
 from fedlore.train.local import (
     evaluate,
     gaussian_nll,

@@ -22,14 +22,16 @@ Wire names (adapters fp32, other tensors the model's dtype, under the default ``
   the merge into its cached base with the server's function, so both stay bit-identical.
 
 Server state: ``model.*`` (the current base with the current dense values), the global
-``lora.*``, ``log.*`` and method extras; values ``changed.lora.<...>`` (the round whose
-aggregate last changed that tensor, -1 at init) and ``version.<cid>`` (the round whose broadcast
-the client last acted on with an accepted reply). A broadcast carries the global adapter
-tensors changed since the client's version (all at first contact), so a frozen factor crosses
-once (FFA-LoRA's A) and RoLoRA sends only the factor that moved.
-
-Client state: ``cache.*`` (the frozen base as synced), ``held.<mod>.A|B`` (the global adapter
-tensors as received, never the locally trained ones), value ``version``.
+``lora.*`` and method extras; values ``changed.lora.<...>`` (the round whose aggregate last
+changed that tensor, -1 at init), ``lora_modules`` and ``dense_keys`` (lists, spelled by
+:func:`~fedlore.algorithms.sync.join_names`). A broadcast carries the global adapter tensors
+changed since the client's version (all at first contact), so a frozen factor crosses once
+(FFA-LoRA's A) and RoLoRA sends only the factor that moved. The client versions, the merge log
+and the choice between the log and the base are the sync protocol's
+(:mod:`fedlore.algorithms.sync`, format :data:`~fedlore.algorithms.sync.LORA_LOG`:
+``version.<cid>`` (the round whose broadcast the client last acted on with an accepted reply),
+``log.<s>.*`` with ``merged.<s>``, ``log_from``). The client round and the client's state:
+:mod:`fedlore.algorithms.lora_client`.
 
 16-bit transport (``transport_dtype: fp16 | bf16``): the methods' protocol sends values (factors,
 dense tensors, merge payloads), and so does it under a 16-bit wire: uploads ``lora.*`` and
@@ -56,52 +58,46 @@ started from the server's X^t (the synchronization above keeps ``held.*`` equal 
 the value; the server still rounds the new global values before it keeps them (the downlink is
 lossless), so the stall of a sub-ulp change described above remains.
 
-Round (parity with every other method, reference notes section 13): each client works on a deep
-copy of the scratch model (peft mutates modules, and heterogeneous ranks need a fresh adapter),
-loads base + dense strictly, injects the adapter, trains the round's factors and the dense
-parameters with a fresh AdamW for K steps on the same minibatches and schedule as every method,
-and uploads the trained factors and dense parameters. Aggregation weights are :meth:`Hyper.weights`
-(data size by default, uniform as an option) for every method.
+Round (parity with every other method, reference notes section 13): the client round,
+:mod:`fedlore.algorithms.lora_client`. Aggregation weights are :meth:`Hyper.weights` (data size
+by default, uniform as an option) for every method.
 """
 
 from __future__ import annotations
 
 import abc
-import time
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import nn
 
-from fedlore.algorithms.base import Hyper, ReplySpec, local_eval_metrics, reply_metrics
-from fedlore.data.client_data import ClientData
+from fedlore.algorithms.base import ReplySpec
+from fedlore.algorithms.lora_client import LoraClient, received
+from fedlore.algorithms.sync import (
+    LORA_LOG,
+    Offer,
+    SyncState,
+    cheaper,
+    join_names,
+    split_names,
+)
 from fedlore.lora import (
     Factor,
     Target,
-    adapted_copy,
-    adapter_arrays,
-    dense_arrays,
     find_targets,
     kaiming_a,
     merge,
     product,
     scaling,
-    set_trainable,
     zeros_b,
 )
-from fedlore.seeding import derive_seed
-from fedlore.tensors import from_wire, nbytes, select, snap, to_wire, weighted_mean, with_prefix
-from fedlore.train.local import local_train
+from fedlore.tensors import nbytes, select, snap, to_wire, weighted_mean, with_prefix
 from fedlore.types import Arrays, Broadcast, Reply, Scalars, State
-
-# purpose tags for streams derived from the client generator without consuming it, so every
-# method draws the same minibatches (parity)
-_FRESH, _DROPOUT = 101, 102
 
 
 @dataclass(frozen=True)
-class LoraMethod(Hyper, abc.ABC):
+class LoraMethod(LoraClient, abc.ABC):
     """Hyperparameters shared by the LoRA baselines, and the protocol they share.
 
     Attributes:
@@ -259,7 +255,7 @@ class LoraMethod(Hyper, abc.ABC):
         adapters = select(state.arrays, "lora.")
         return {
             mod: product(adapters[f"{mod}.B"], adapters[f"{mod}.A"], s)
-            for mod in _targets(state)
+            for mod in adapted_modules(state)
             if f"{mod}.A" in adapters
         }
 
@@ -306,18 +302,14 @@ class LoraMethod(Hyper, abc.ABC):
         dense = self.dense_keys(model, targets)
         adapters = snap(self.init_adapters(base, targets, rng), self.wire_dtype)
         base.update(snap({k: base[k] for k in dense}, self.wire_dtype))  # sent as dense.*
-        values: Scalars = {
-            "lora_modules": ",".join(targets),
-            "dense_keys": ",".join(dense),
-            "log_from": 0,
-        }
+        values: Scalars = {"lora_modules": join_names(targets), "dense_keys": join_names(dense)}
+        SyncState(LORA_LOG, floor=0).encode({}, values)  # log_from
         values.update({f"changed.lora.{k}": -1 for k in adapters})
         return State({**with_prefix(base, "model."), **with_prefix(adapters, "lora.")}, values)
 
     def broadcast(self, state: State, rnd: int, client_id: int) -> Broadcast:
-        vals = state.values
-        raw = vals.get(f"version.{client_id}")
-        version = None if raw is None else int(raw)
+        sync = SyncState.decode(state, LORA_LOG)
+        version = sync.client(client_id).version
         model = select(state.arrays, "model.")
         dense_keys = _dense_keys(state)
         config: Scalars = {"round": rnd, "rank": self.client_rank(client_id)}
@@ -327,20 +319,19 @@ class LoraMethod(Hyper, abc.ABC):
         if version is None:
             config["mode"] = "dense"
             arrays.update(frozen)
-        elif self.merges:
-            logs = [s for s in range(version, rnd) if vals.get(f"merged.{s}")]
-            payload: Arrays = {}
-            for s in logs:
-                payload.update(select(state.arrays, f"log.{s}.", strip=False))
+        elif self.merges:  # the cheaper of the merge log and the base
             # the client holds a cache: tensors frozen by params.freeze stay there
             base = {k: v for k, v in frozen.items() if not self.is_frozen(k[6:])}
-            cost = nbytes(to_wire(payload, self.wire_dtype))  # as sent
-            if version >= int(vals["log_from"]) and cost <= nbytes(base):
-                config.update(mode="cached", from_round=version, logs=",".join(map(str, logs)))
-                arrays.update(payload)
-            else:
-                config["mode"] = "dense"
-                arrays.update(base)
+            replay = None
+            if sync.covers(version, rnd):
+                payload, _ = sync.replay(version, rnd)
+                logs = join_names(sync.rounds(version, rnd))
+                cost = nbytes(to_wire(payload, self.wire_dtype))  # as sent
+                cfg: Scalars = {"mode": "cached", "from_round": version, "logs": logs}
+                replay = Offer(payload, cfg, cost)
+            offer = cheaper(replay, Offer(base, {"mode": "dense"}, nbytes(base)))
+            config.update(offer.config)
+            arrays.update(offer.arrays)
         else:
             config.update(mode="cached", from_round=version, logs="")
         sent = {k: v for k, v in arrays.items() if not k.startswith("model.")}  # base: as held
@@ -351,12 +342,14 @@ class LoraMethod(Hyper, abc.ABC):
         self, state: State, replies: list[tuple[int, Reply | None]], rnd: int
     ) -> tuple[State, Scalars]:
         arrays, values = dict(state.arrays), dict(state.values)
+        sync = SyncState.decode(state, LORA_LOG)
         for c, r in replies:
             if r is None:  # its cache may or may not have moved: dense at next contact
-                values.pop(f"version.{c}", None)
+                sync.forget(c)
         model = select(state.arrays, "model.")
-        ok = [(c, _upcast(r, model)) for c, r in replies if r is not None]
+        ok = [(c, Reply(received(r.arrays, model), r.metrics)) for c, r in replies if r is not None]
         if not ok:
+            sync.encode(arrays, values)
             return State(arrays, values), {"aggregated": 0}
         wire = self.wire_dtype
         weights = self.weights([r for _, r in ok])
@@ -374,18 +367,13 @@ class LoraMethod(Hyper, abc.ABC):
                 values[f"changed.{k}"] = rnd
         if log:
             held = select(arrays, "lora.")
-            for mod, delta in self.merge_deltas(log, held, _targets(state)).items():
+            for mod, delta in self.merge_deltas(log, held, adapted_modules(state)).items():
                 arrays[f"model.{mod}.weight"] = merge(arrays[f"model.{mod}.weight"], delta)
-            arrays.update(with_prefix(log, f"log.{rnd}."))
-            values[f"merged.{rnd}"] = 1
+            sync.record(rnd, log)
         for c, _ in ok:
-            values[f"version.{c}"] = rnd
-        oldest = rnd + 1 - self.log_rounds
-        for key in [k for k in arrays if k.startswith("log.") and int(k.split(".")[1]) < oldest]:
-            del arrays[key]
-        for key in [k for k in values if k.startswith("merged.") and int(k[7:]) < oldest]:
-            del values[key]
-        values["log_from"] = max(0, oldest)
+            sync.acknowledge(c, rnd)
+        sync.trim(rnd + 1 - self.log_rounds)
+        sync.encode(arrays, values)
         return State(arrays, values), {"aggregated": len(ok), **metrics}
 
     def global_arrays(self, state: State) -> dict[str, torch.Tensor]:
@@ -414,119 +402,22 @@ class LoraMethod(Hyper, abc.ABC):
         spec: ReplySpec = {
             "dense." + k: (tuple(model[k].shape), w(model[k].dtype)) for k in _dense_keys(state)
         }
-        for mod in _targets(state):
+        for mod in adapted_modules(state):
             m, n = model[f"{mod}.weight"].shape
             for f in self.trained(rnd):
                 spec[f"lora.{mod}.{f}"] = ((r, n) if f == "A" else (m, r), w(torch.float32))
         return spec
 
     # ------------------------------------------------------------------ client
-    def client_update(
-        self,
-        msg: Broadcast,
-        state: State | None,
-        model: nn.Module,
-        data: ClientData,
-        rng: torch.Generator,
-    ) -> tuple[Reply, State]:
-        rnd, rank = int(msg.config["round"]), int(msg.config["rank"])
-        msg = Broadcast(_upcast(Reply(msg.arrays), dict(model.state_dict())).arrays, msg.config)
-        targets = self.targets(model)
-        dense = set(self.dense_keys(model, targets))
-        base, held = self._synchronize(msg, state, targets, model)
-        seed = rng.initial_seed()
-        fresh = torch.Generator().manual_seed(derive_seed(seed, _FRESH, rnd))
-        start = self.start_adapters(held, rnd, rank, targets, fresh)
-
-        plain = {**base, **select(msg.arrays, "dense.")}
-        alpha = self.client_scale(rank) * rank
-        work = adapted_copy(model, plain, targets, start, rank, alpha, self.lora_dropout)
-        trained = self.trained(rnd)
-        params = set_trainable(work, trained, dense)
-        opt = torch.optim.AdamW(
-            params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
-        )
-        t0 = time.perf_counter()
-        with torch.random.fork_rng(devices=[]):  # LoRA dropout draws from the client's stream
-            torch.manual_seed(derive_seed(seed, _DROPOUT))
-            lrs = self.round_lrs(rnd)
-            stats = local_train(
-                work,
-                data.batches(self.batch_size, len(lrs), rng, rnd),
-                opt,
-                lrs,
-                grad_clip=self.grad_clip,
-            )
-        train_s = time.perf_counter() - t0
-        out = with_prefix(adapter_arrays(work, trained), "lora.")
-        out.update(with_prefix(dense_arrays(work, dense), "dense."))
-        if self.upload_increments:  # minus the values this round started from (module docstring)
-            origin = {**with_prefix(start, "lora."), **select(msg.arrays, "dense.", strip=False)}
-            out = {k: (v - origin[k].to(v.device, v.dtype)).contiguous() for k, v in out.items()}
-        out = to_wire(out, self.wire_dtype)
-        state_bytes = sum(
-            v.numel() * v.element_size()
-            for st in opt.state.values()
-            for v in st.values()
-            if isinstance(v, torch.Tensor) and v.ndim > 0
-        )
-        metrics = reply_metrics(
-            data.num_examples,
-            train_loss=stats.mean_loss,
-            skipped_steps=stats.skipped_steps,
-            optimizer_state_bytes=state_bytes,
-            train_s=train_s,
-            **local_eval_metrics(self, work, data, rnd),  # P-local: base + the trained adapter
-        )
-        new_state = State(
-            {**with_prefix(base, "cache."), **with_prefix(held, "held.")}, {"version": rnd}
-        )
-        return Reply(out, metrics), new_state
-
-    def _synchronize(
-        self, msg: Broadcast, state: State | None, targets: dict[str, Target], model: nn.Module
-    ) -> tuple[Arrays, Arrays]:
-        """(frozen base, held global adapter) as of this round's broadcast."""
-        held = select(state.arrays, "held.") if state is not None else {}
-        held.update(select(msg.arrays, "lora."))
-        if msg.config["mode"] == "dense":
-            return self.fill_frozen(select(msg.arrays, "model."), state, model), held
-        if state is None:
-            raise RuntimeError("client has no cached base but the server sent none")
-        own, start = int(state.values["version"]), int(msg.config["from_round"])
-        if own < start:
-            raise RuntimeError(f"client cache is at round {own}; the server assumed {start}")
-        base = select(state.arrays, "cache.")
-        logs = [int(s) for s in str(msg.config["logs"]).split(",") if s]
-        for s in logs:
-            if s < own:
-                continue
-            for mod, delta in self.merge_deltas(
-                select(msg.arrays, f"log.{s}."), held, list(targets)
-            ).items():
-                base[f"{mod}.weight"] = merge(base[f"{mod}.weight"], delta)
-        return base, held
 
 
-def _upcast(msg: Reply, model: Arrays) -> Reply:
-    """``msg``'s arrays as the receiver holds them: ``lora.*`` and ``log.*`` (factors, merge
-    payloads) in fp32, ``dense.<k>`` in the dtype of ``model[k]``, the rest unchanged (exact
-    upcasts of a 16-bit transport; no copy when the dtypes match)."""
-    dtypes: dict[str, torch.dtype] = {}
-    for key in msg.arrays:
-        if key.startswith(("lora.", "log.")):
-            dtypes[key] = torch.float32
-        elif key.startswith("dense.") and key[6:] in model:
-            dtypes[key] = model[key[6:]].dtype
-    return Reply(from_wire(msg.arrays, dtypes), msg.metrics)
-
-
-def _targets(state: State) -> list[str]:
-    return [m for m in str(state.values["lora_modules"]).split(",") if m]
+def adapted_modules(state: State) -> list[str]:
+    """The adapted module names of a server state (value ``lora_modules``)."""
+    return split_names(state.values["lora_modules"])
 
 
 def _dense_keys(state: State) -> list[str]:
-    return [k for k in str(state.values["dense_keys"]).split(",") if k]
+    return split_names(state.values["dense_keys"])
 
 
 def factor_means(

@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import torch
 
-from fedlore.algorithms.lora_common import reply_modules
+from fedlore.algorithms.lora_common import adapted_modules, reply_modules
 from fedlore.algorithms.lora_hetero import HeteroRankMethod
 from fedlore.lora import truncated_svd
 from fedlore.registry import register_algorithm
@@ -51,7 +51,7 @@ class FlexLoRA(HeteroRankMethod):
         r = self.client_rank(client_id)
         lora = select(state.arrays, "lora.")
         out: Arrays = {}
-        for mod in str(state.values["lora_modules"]).split(","):
+        for mod in adapted_modules(state):
             if f"svd.{mod}.S" in state.arrays:
                 u, s, vh = (state.arrays[f"svd.{mod}.{x}"] for x in ("U", "S", "Vh"))
                 out[f"{mod}.B"] = (u[:, :r] * (s[:r] / self.client_scale(r))).float().contiguous()

@@ -1,8 +1,10 @@
 """Shared pieces of the projected-gradient methods (FedLore, its variants, Local GaLore).
 
 Kept here so that every method uses one projection rule, one projected-Adam training routine
-and one increment formula on both server and client (identical operations in identical order
-give bit-identical caches, which the synchronization tests rely on).
+and one increment formula on both server and client, ``W <- a W + P Δ`` (seed
+``../shared/seeds/000_7a70688bd6d66f38.txt``, Proposition 8; identical operations in identical
+order give bit-identical caches, which the synchronization tests rely on), and the sketch
+primitives of FedLore-Sketch (Ω, ``Y = G Ω``, the range of the mean sketch).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from fedlore.optim.subspace import (
     gaussian_sketch,
     projection_plan,
     random_basis,
+    sketch_basis,
     top_left_singular,
 )
 from fedlore.seeding import derive_seed
+from fedlore.tensors import all_finite, weighted_mean
 from fedlore.train.local import TrainStats, local_train
 from fedlore.types import Arrays, State
 
@@ -203,6 +207,12 @@ def apply_increment(
     return spec.unview(decay * view + basis.to(view.dtype) @ delta.to(view.dtype)).contiguous()
 
 
+def add_increment(value: torch.Tensor, inc: torch.Tensor) -> torch.Tensor:
+    """``D + ΔD`` in ``value``'s dtype (``inc`` upcast exactly): an unprojected tensor's update
+    under a 16-bit transport, the same operation on the server and in every client cache."""
+    return (value + inc.to(value.dtype)).contiguous()
+
+
 def model_dtype(arrays: Arrays) -> torch.dtype:
     """The floating-point dtype of a model's tensors (the first floating one; float32 when
     none), which bases and coordinates follow."""
@@ -245,6 +255,44 @@ def sketch_omegas(
         k: gaussian_sketch(derive_seed(int(seed), j), s.n, width, dtype, device)
         for j, (k, s) in enumerate(plan.items())
     }
+
+
+def sketch_gradients(
+    seed: int, plan: dict[str, MatrixSpec], grads: Arrays, like: Arrays, width: int
+) -> Arrays:
+    """A client's sketches ``Y = G Ω`` (``m x q``, ``q = width``) of its gradient views
+    ``grads[k]`` (``m x n``; zeros for a missing or non-finite gradient), with Ω from ``seed``
+    (:func:`~fedlore.algorithms.lowrank.sketch_omegas`), in the dtype and on the device of the
+    model tensors ``like``: one ``m n q`` product per matrix, no client-side SVD."""
+    dtype, device = model_dtype(like), model_device(like)
+    omegas = sketch_omegas(seed, plan, width, dtype, device)
+    out: Arrays = {}
+    for k, s in plan.items():
+        g = grads.get(k)
+        if g is None or not all_finite([g]):
+            ref = like[k]
+            out[k] = torch.zeros(s.m, width, dtype=ref.dtype, device=ref.device)
+        else:
+            out[k] = (g.to(omegas[k].dtype) @ omegas[k]).contiguous()
+    return out
+
+
+def mean_sketch_basis(
+    sketches: list[Arrays], weights: list[float], previous: Arrays, rank: int
+) -> Arrays:
+    """The sketch rule's server step: per matrix ``k``, P^{t+1} = top-r left singular vectors of
+    the weighted mean sketch ``S = Σ p_i Y_i / Σ p_i`` (``sketches[i][k]``: ``m x q``; exact SVD
+    in float64, :func:`~fedlore.optim.subspace.sketch_basis`); ``previous[k]`` (``m x r``, P^t)
+    fills the directions a rank-deficient S lacks (all of them for an all-zero S).
+
+    Returns: name -> ``m x r`` orthonormal basis in ``previous``'s dtype.
+
+    Raises:
+        ValueError: as :func:`~fedlore.tensors.weighted_mean` and
+            :func:`~fedlore.optim.subspace.sketch_basis` do.
+    """
+    mean = weighted_mean(sketches, weights)
+    return {k: sketch_basis(mean[k], rank, p) for k, p in previous.items()}
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from torch import nn
 from fedlore.algorithms.base import reply_metrics
 from fedlore.algorithms.fedavg import FedFull, optimizer_state_bytes
 from fedlore.algorithms.personal import BetaMixing, Personalized, keep_personal, personal_arrays
-from fedlore.bayes.layers import (
+from fedlore.bayes import (
     ESTIMATORS,
     GaussianPrior,
     bayesianize,

@@ -22,7 +22,7 @@ from fedlore.config import ConfigError, DataConfig
 from fedlore.progress import say_once
 
 if TYPE_CHECKING:
-    from fedlore.data.sources import DataSource
+    from fedlore.data.datasource import DataSource
 
 HOLDOUT_FRACTION = 0.2
 """Share of each class of the training data held out as the test set of a source without one."""

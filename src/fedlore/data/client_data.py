@@ -1,7 +1,9 @@
-"""Per-client data: what ``Algorithm.client_update`` receives, and the federation that makes it.
+"""Per-client data: what ``Algorithm.client_update`` receives, and its minibatches.
 
-A :class:`Federation` holds the full source tensors once plus one index array per client; a
-client's :class:`ClientData` is materialized only when that client is sampled.
+A :class:`~fedlore.data.container.Federation` holds the full source tensors once plus one index
+array per client; a client's :class:`ClientData` is materialized only when that client is
+sampled, and draws its minibatches per round (:func:`minibatches`) or from its own endless
+stream (:func:`stream_batches`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedlore.seeding import derive_seed
+from fedlore.seeding import generator
 
 
 @dataclass(frozen=True)
@@ -158,9 +160,7 @@ def stream_batches(
     def perm(e: int) -> torch.Tensor:
         if e not in perms:
             perms.clear()  # a batch touches at most two consecutive permutations
-            perms[e] = torch.randperm(
-                n, generator=torch.Generator().manual_seed(derive_seed(seed, e))
-            )
+            perms[e] = torch.randperm(n, generator=generator(seed, e))
         return perms[e]
 
     for j in range(start, start + num_batches):

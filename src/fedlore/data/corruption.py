@@ -1,4 +1,4 @@
-"""Data corruption for the "small and noisy data" protocols of Meta-BayFL (Table I).
+"""Data corruption for the "small and noisy data" protocols of Meta-BayFL (seed 001, Table I).
 
 * data fraction |D|: keep a stratified share of the training set before partitioning (the
   authors' ``DFL/fed_bnn_noniid_small.py`` draws a uniform subset; stratifying keeps every class);

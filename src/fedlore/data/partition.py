@@ -1,4 +1,5 @@
-"""Partitioners: pure functions that split a labelled training set over clients.
+"""Partitioners: pure functions that split a labelled training set over clients, and
+:func:`partition_labels`, which applies the configured one.
 
 Every partitioner has the signature
 ``f(labels: np.ndarray, num_clients: int, rng: np.random.Generator, **kwargs) -> list[np.ndarray]``
@@ -9,9 +10,11 @@ whole ``partition`` section can be passed. All randomness comes from ``rng``.
 Schemes:
     * ``iid``: a shuffled equal split.
     * ``dirichlet``: per-class Dirichlet proportions, Hsu, Qi & Brown 2019, "Measuring the
-      effects of non-identical data distribution for federated visual classification".
+      effects of non-identical data distribution for federated visual classification"; the
+      'Dirichlet' scenario of Meta-BayFL (seed 001, Sec. V-B).
     * ``step``: a few major classes per client plus a small equal share of every minor class,
-      the 'Step' scenario of Meta-BayFL (Rahman & Nguyen, Sec. V-B, crediting Cao et al. 2019).
+      the 'Step' scenario of Meta-BayFL (seed 001: Rahman & Nguyen, Sec. V-B, crediting Cao et
+      al. 2019).
     * ``source_dirichlet``: seed 000's C4 allocation of source groups (here the "labels" are
       source-group ids): per-group Dirichlet proportions rounded by largest remainder, redrawn
       while some client is empty.
@@ -19,12 +22,17 @@ Schemes:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedlore import registry
 from fedlore.progress import say
 from fedlore.registry import register_partition
+from fedlore.seeding import DATA_PARTITION, data_rng
+
+if TYPE_CHECKING:
+    from fedlore.config import Config
 
 MAX_DIRICHLET_ATTEMPTS = 1000
 """Dirichlet redraws before ``min_size`` is declared infeasible."""
@@ -309,3 +317,28 @@ def partition_source_dirichlet(
         f"{num_clients} clients >= {need} document(s) (alpha={alpha}, {len(labels)} documents "
         f"in {len(by_group)} groups); raise alpha, lower partition.min_size or use fewer clients"
     )
+
+
+def _check_cover(parts: list[np.ndarray], n: int, name: str) -> None:
+    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    if len(flat) != n or not np.array_equal(np.sort(flat), np.arange(n)):
+        raise ValueError(f"partition {name!r} does not cover each of the {n} indices exactly once")
+
+
+def partition_labels(cfg: Config, seed: int, labels: np.ndarray) -> list[np.ndarray]:
+    """Split ``labels`` (classes, or source groups of documents) over ``cfg.num_clients`` with
+    the registered partitioner ``cfg.partition.name``, drawing from the partition stream
+    ``data_rng(seed, DATA_PARTITION)`` only.
+
+    Raises:
+        ValueError: from the partitioner, or when its parts do not cover every index once.
+    """
+    partition = registry.get("partition", cfg.partition.name)
+    parts: list[np.ndarray] = partition(
+        labels,
+        cfg.num_clients,
+        data_rng(seed, DATA_PARTITION),
+        **cfg.partition.model_dump(exclude={"name"}),
+    )
+    _check_cover(parts, len(labels), cfg.partition.name)
+    return parts

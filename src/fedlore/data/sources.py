@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import gzip
 import pickle
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+# Importing this module registers every source (registry.get imports it): the image sources
+# below, the text sources and the pre-training corpora.
+from fedlore.data import c4 as _c4  # noqa: F401
+from fedlore.data import fortunes_c4 as _fortunes_c4  # noqa: F401
+from fedlore.data import text as _text  # noqa: F401
 from fedlore.data.checks import check_rows
 from fedlore.data.client_data import TensorSplit
+from fedlore.data.datasource import DataSource
 from fedlore.registry import register_source
 
 DIGITS_SPLIT_SEED = 0
@@ -36,32 +41,6 @@ FASHION_MNIST_CLASSES = [
 ]  # fmt: skip
 
 _IDX_UBYTE = 0x08  # IDX type code of unsigned bytes, the only one MNIST-style files use
-
-
-@dataclass(frozen=True)
-class DataSource:
-    """A labelled data set with its official train/test split.
-
-    Attributes:
-        name: registry name of the source (``"digits"``, ``"cifar10"``, ...).
-        train: training split, images float32 ``[B, C, H, W]`` in [0, 1] (text: int64 token
-            ids ``[B, L]``), labels int64 ``[B]``.
-        test: the official (central) test split, same layout.
-        num_classes: number of classes; labels lie in ``[0, num_classes)``.
-        input_shape: shape of one example, ``(C, H, W)`` (text: ``(L,)``).
-        class_names: ``num_classes`` human-readable names, index = label.
-        task: ``"classification"`` (int64 labels) or ``"regression"`` (float32 targets
-            ``[B]``; ``num_classes`` is then the number of target values per example, the
-            model's output width, and ``class_names`` names them).
-    """
-
-    name: str
-    train: TensorSplit
-    test: TensorSplit
-    num_classes: int
-    input_shape: tuple[int, ...]
-    class_names: list[str]
-    task: str = "classification"
 
 
 def _split(images: np.ndarray, labels: np.ndarray) -> TensorSplit:
@@ -390,12 +369,6 @@ def load_cifar100(root: str | None = None) -> DataSource:
         input_shape=(3, 32, 32),
         class_names=_class_names(folder / "meta", b"fine_label_names", 100),
     )
-
-
-# Registers the text sources and the pre-training corpora. Imported last: fedlore.data.text
-# imports DataSource from here.
-from fedlore.data import corpus as _corpus  # noqa: E402, F401
-from fedlore.data import text as _text  # noqa: E402, F401
 
 
 def _read_npz(path: Path, non_finite: str) -> tuple[np.ndarray, np.ndarray, list[str] | None]:

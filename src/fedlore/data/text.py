@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from fedlore.data.client_data import TensorSplit
-from fedlore.data.sources import DataSource
+from fedlore.data.datasource import DataSource
 from fedlore.models.common import quiet_transformers
 from fedlore.models.text import MINILM_HINT, resolve_text_folder
 from fedlore.registry import register_source

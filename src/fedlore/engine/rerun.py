@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedlore.atomic import WriteError
 from fedlore.config import ConfigError
+from fedlore.engine.rundir import MakeAlgorithm, config_diff, run_dir
 from fedlore.progress import say, say_once
 
 if TYPE_CHECKING:
@@ -67,10 +68,11 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def finished_record(
-    cfg: Config, method: str, out: Path
+    cfg: Config, method: str, out: Path, make_algorithm: MakeAlgorithm
 ) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """``(summary, config.json)`` of the finished run of ``cfg`` in the folder ``out``; None when
-    ``out`` holds no finished run (no ``summary.json``).
+    ``out`` holds no finished run (no ``summary.json``). ``make_algorithm`` builds the method as
+    the config does (:data:`~fedlore.engine.rundir.MakeAlgorithm`), for the settings comparison.
 
     Raises:
         ConfigError: when the finished run is another config's (naming the keys that differ), or
@@ -88,9 +90,7 @@ def finished_record(
             "told apart from another config's run; a fresh run would delete it. Pass "
             "--overwrite to replace it, or give this run another name=... to keep both"
         )
-    from fedlore.run import config_diff
-
-    details = config_diff(cfg, method, recorded)
+    details = config_diff(cfg, method, recorded, make_algorithm)
     if details:
         raise ConfigError(
             f"{out} holds a finished run of another config ({details}); a fresh run would "
@@ -100,13 +100,17 @@ def finished_record(
     return summary, recorded
 
 
-def check_no_finished_run_of_another_config(cfg: Config, method: str, out: Path) -> None:
+def check_no_finished_run_of_another_config(
+    cfg: Config, method: str, out: Path, make_algorithm: MakeAlgorithm
+) -> None:
     """Refuse to start where a finished run of another config lies (:func:`finished_record`);
     a finished run of this config is fine (it is reported, not retrained)."""
-    finished_record(cfg, method, out)
+    finished_record(cfg, method, out, make_algorithm)
 
 
-def finished_run(cfg: Config, method: str, seed: int, fingerprint: str) -> dict[str, Any] | None:
+def finished_run(
+    cfg: Config, method: str, seed: int, fingerprint: str, make_algorithm: MakeAlgorithm
+) -> dict[str, Any] | None:
     """The summary of the finished run of ``cfg``, ``method`` and ``seed`` on data with this
     ``fingerprint``, after saying that it is finished and where; None when its folder holds no
     finished run.
@@ -115,10 +119,8 @@ def finished_run(cfg: Config, method: str, seed: int, fingerprint: str) -> dict[
         ConfigError: as :func:`finished_record`, and when the run was made on other data (the
             files under ``data.root`` or the tokenizer changed since).
     """
-    from fedlore.run import run_dir
-
     out = run_dir(cfg, method, seed)
-    record = finished_record(cfg, method, out)
+    record = finished_record(cfg, method, out, make_algorithm)
     if record is None:
         return None
     summary, recorded = record
@@ -147,19 +149,26 @@ def finished_run(cfg: Config, method: str, seed: int, fingerprint: str) -> dict[
     return summary
 
 
-def finished_runs(cfg: Config, seed: int, fed: Federation) -> dict[str, dict[str, Any]]:
+def finished_runs(
+    cfg: Config, seed: int, fed: Federation, make_algorithm: MakeAlgorithm
+) -> dict[str, dict[str, Any]]:
     """Method -> summary of each method of ``cfg`` whose run for ``seed`` on ``fed`` is finished
     (:func:`finished_run`, which says so)."""
-    from fedlore.run import run_dir
-
     if not any((run_dir(cfg, m, seed) / SUMMARY).is_file() for m in cfg.algorithms):
         return {}
     fingerprint = fed.fingerprint()
-    done = {m: finished_run(cfg, m, seed, fingerprint) for m in cfg.algorithms}
+    done = {m: finished_run(cfg, m, seed, fingerprint, make_algorithm) for m in cfg.algorithms}
     return {m: s for m, s in done.items() if s is not None}
 
 
-def write_dir(cfg: Config, method: str, target: Path, resume: bool, overwrite: bool) -> Path:
+def write_dir(
+    cfg: Config,
+    method: str,
+    target: Path,
+    resume: bool,
+    overwrite: bool,
+    make_algorithm: MakeAlgorithm,
+) -> Path:
     """The folder a run of ``target`` writes: ``target`` itself, or, while ``target`` holds a
     finished run, its sibling :func:`staging_dir` under ``--overwrite`` (without ``--resume``: a
     new replacement) or under ``--resume`` when the sibling holds an interrupted replacement of
@@ -171,10 +180,8 @@ def write_dir(cfg: Config, method: str, target: Path, resume: bool, overwrite: b
     if not (target / SUMMARY).is_file():
         return target
     if resume:
-        from fedlore.run import config_diff
-
         recorded = _read_json(staged / "config.json")
-        if recorded is None or config_diff(cfg, method, recorded):
+        if recorded is None or config_diff(cfg, method, recorded, make_algorithm):
             return target
         say_once("continuing the replacement of the finished run in %s (in %s)", target, staged)
         return staged

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from fedlore.atomic import TMP_SUFFIX, WriteError, save_tensors
+from fedlore.engine.checkpoint_io import damage_reason, load_tensors
 from fedlore.tensors import to_cpu, to_device
 from fedlore.types import Arrays, State
 
@@ -266,8 +267,6 @@ class ClientStore:
         Raises:
             StoreError: naming the client, the file and the ways out.
         """
-        from fedlore.engine.callbacks import damage_reason, load_tensors
-
         for cid, ref in sorted(self._spilled.items()):
             assert self.spill_dir is not None
             path = self.spill_dir / ref.file

@@ -5,6 +5,8 @@
   ``Grid`` (one message per sampled client, replies within a timeout).
 * :mod:`fedlore.flower.app` — the ServerApp (runs fedlore's round loop) and the ClientApp (calls
   the same ``client_update``, client state in ``Context.state``).
+* :mod:`fedlore.flower.sites` — the server's and each site's federation of a site-local
+  deployment (``flower.site_data``); plain data code, no flwr.
 
 Install with ``pip install -e '.[flower]'``.
 """

@@ -1,6 +1,6 @@
 """Flower ServerApp and ClientApp running fedlore's round loop and ``client_update`` unchanged.
 
-* ServerApp: runs :func:`fedlore.run.run_one` with a :class:`FlowerTransport` instead of the
+* ServerApp: runs :func:`fedlore.experiment.run_one` with a :class:`FlowerTransport` instead of the
   in-process transport; metrics, summary and checkpoints are written as for ``engine=local``.
 * ClientApp (``train``): decodes the broadcast, loads the client's state from ``Context.state``,
   calls the same ``client_update`` with the same seeded generator as the in-process transport
@@ -10,8 +10,8 @@
 Site-local data (``flower.site_data: true``, deployments only): every SuperNode reads its own
 data from ``--node-config 'partition-id=<i> data-root="<folder>"'`` (a quoted string) with the
 loader of ``data.name`` (an ``npz`` folder, an IDX folder, a CSV/JSONL file: whatever that
-source reads), :func:`fedlore.data.federation.site_federation`; the server reads only the
-test split of its own ``data.root`` (:func:`~fedlore.data.federation.server_federation`) and
+source reads), :func:`fedlore.flower.sites.site_federation`; the server reads only the
+test split of its own ``data.root`` (:func:`~fedlore.flower.sites.server_federation`) and
 never sees a client's data. Without it, every node rebuilds the central federation and takes
 its partition (a simulation of a central data set).
 
@@ -47,15 +47,13 @@ from fedlore.algorithm import Algorithm
 from fedlore.atomic import WriteError, explain, write_json
 from fedlore.config import Config, load_config, validate
 from fedlore.data.client_data import ClientData
-from fedlore.data.federation import (
-    Federation,
-    build_federation,
-    server_federation,
-    site_federation,
-)
+from fedlore.data.federation import Federation, build_federation
 from fedlore.device import PeakMemory, resolve_device, training_precision
 from fedlore.engine import interrupt
 from fedlore.engine.interrupt import Interrupted
+from fedlore.engine.rundir import run_dir
+from fedlore.experiment import run_one
+from fedlore.experiment_parts import make_algorithm, model_factory
 from fedlore.flower.codec import (
     record_to_broadcast,
     record_to_state,
@@ -69,6 +67,7 @@ from fedlore.flower.secure_client import (
     is_secagg_stage,
     secagg_mod,
 )
+from fedlore.flower.sites import server_federation, site_federation
 from fedlore.flower.transport import FlowerTransport
 from fedlore.progress import say_once
 from fedlore.seeding import CLIENT, generator
@@ -96,9 +95,8 @@ def _site(cfg_json: str, seed: int, cid: int, root: str, device: str) -> Federat
 
 @functools.lru_cache(maxsize=4)
 def _algorithm(method: str, cfg_json: str) -> Algorithm:
-    """The method of a config, built once per process (:func:`fedlore.run.make_algorithm`)."""
-    from fedlore.run import make_algorithm
-
+    """The method of a config, built once per process
+    (:func:`fedlore.experiment_parts.make_algorithm`)."""
     return make_algorithm(method, validate(json.loads(cfg_json)))
 
 
@@ -111,8 +109,6 @@ def _scratch_model(
     """The scratch model every client of this process trains on, built once per config, method,
     seed, data shape and device (as :class:`~fedlore.engine.transport.LocalTransport` builds one
     per run; ``client_update`` loads the broadcast into it). The latest four are kept."""
-    from fedlore.run import model_factory
-
     key = (cfg_json, method, seed, shape, device)
     model = _models.pop(key, None)
     if model is None:
@@ -276,9 +272,7 @@ def server_main(
     overwrite: bool = False,
 ) -> dict[str, Any] | None:
     """Run one method x seed of ``cfg`` over ``grid`` (``resume`` / ``overwrite`` as for
-    :func:`fedlore.run.run_one`); returns the run summary."""
-    from fedlore.run import run_one
-
+    :func:`fedlore.experiment.run_one`); returns the run summary."""
     transport_box: dict[str, FlowerTransport] = {}
     fed = server_federation(cfg, seed) if cfg.flower.site_data else None
 
@@ -313,8 +307,6 @@ def server_main(
         summary["wire_bytes_down_total"] = t.wire_bytes_down
         # who trained on how much (with site-local data, each site's own count)
         summary["client_num_examples"] = {str(c): n for c, n in sorted(t.num_examples.items())}
-        from fedlore.run import run_dir
-
         write_json(run_dir(cfg, method, seed) / "summary.json", summary)
     return summary
 

@@ -47,6 +47,8 @@ from fedlore.config import Config
 from fedlore.engine import interrupt
 from fedlore.engine.interrupt import Interrupted, Process
 from fedlore.engine.rerun import stamp, write_dir
+from fedlore.engine.rundir import check_same_config, run_dir
+from fedlore.experiment_parts import make_algorithm
 from fedlore.flower.app import make_apps
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ def run_simulated(
     cfg: Config, method: str, seed: int, resume: bool = False, overwrite: bool = False
 ) -> dict[str, Any]:
     """Run ``method`` for ``seed`` on the Simulation Engine; returns the run summary. With
-    ``overwrite`` a finished run is replaced as by :func:`fedlore.run.run_one` (the new run
+    ``overwrite`` a finished run is replaced as by :func:`fedlore.experiment.run_one` (the new run
     trains beside it and takes its place once finished, :mod:`fedlore.engine.rerun`).
 
     Raises:
@@ -64,15 +66,14 @@ def run_simulated(
     """
     from flwr.simulation import run_simulation
 
-    from fedlore.run import check_same_config, run_dir
-
     summary_path = run_dir(cfg, method, seed) / "summary.json"
     if resume:
-        check_same_config(cfg, method, summary_path.parent)
+        check_same_config(cfg, method, summary_path.parent, make_algorithm)
     if resume and summary_path.exists():
         done: dict[str, Any] = json.loads(summary_path.read_text())
         return done
-    folder = write_dir(cfg, method, summary_path.parent, False, overwrite)  # a simulation: anew
+    # a simulation starts anew
+    folder = write_dir(cfg, method, summary_path.parent, False, overwrite, make_algorithm)
     before = stamp(summary_path)  # a replaced finished run's summary is not this run's
     interrupt.check()  # a signal between two runs: no simulation starts
     ended: dict[str, Any] = {}

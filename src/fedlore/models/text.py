@@ -279,4 +279,4 @@ def text_encoder(
 
 
 text_encoder.takes_token_ids = True  # type: ignore[attr-defined]
-"""Read by :func:`fedlore.run.check_model_fits_data`: this model's inputs are token ids."""
+"""Read by :func:`fedlore.checks.check_model_fits_data`: this model's inputs are token ids."""

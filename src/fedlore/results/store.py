@@ -16,12 +16,30 @@ rounds without evaluation. A summary has at least ``method``, ``seed``, ``final_
 from __future__ import annotations
 
 import json
-import math
 import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from fedlore.results.summary import derive_summary, lm_summary, value
+
+# derive_summary, lm_summary and value live in results/summary.py (the one place summaries are
+# computed); they are importable from here as before
+__all__ = [
+    "PLATFORM_KEYS",
+    "RECORD_KEYS",
+    "IncompleteRunWarning",
+    "RunRecord",
+    "derive_summary",
+    "is_experiment_dir",
+    "lm_summary",
+    "load_runs",
+    "read_rows",
+    "run_config",
+    "split_by_config",
+    "value",
+]
 
 PLATFORM_KEYS = ("ran_torch", "ran_numpy", "ran_cpu", "ran_gpu")
 """``fedlore.device.PLATFORM_KEYS``, spelled here so that reading results needs no torch."""
@@ -51,14 +69,6 @@ class RunRecord:
     path: Path = field(default_factory=Path)
 
 
-def value(row: dict[str, Any], key: str) -> float | None:
-    """``row[key]`` as a finite float, or None when it is missing, null, non-numeric or NaN/inf."""
-    v = row.get(key)
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-        return None
-    return float(v)
-
-
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """Read a ``metrics.jsonl`` file; unreadable lines (e.g. a truncated last line) are skipped
     with an :class:`IncompleteRunWarning`. Rows are returned sorted by ``round``."""
@@ -82,62 +92,6 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
             continue
         rows.append(row)
     return sorted(rows, key=lambda r: int(r["round"]))
-
-
-def lm_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """``final_perplexity`` (of the last evaluated round; None when it was not finite, i.e. the
-    run diverged) and ``best_perplexity`` (the lowest finite one, None if none) of a language
-    model's metrics rows; empty for a classifier (no row has a ``perplexity`` key)."""
-    evaluated = [r for r in rows if "perplexity" in r]
-    if not evaluated:
-        return {}
-    finite = [float(r["perplexity"]) for r in evaluated if r["perplexity"] is not None]
-    return {
-        "final_perplexity": evaluated[-1]["perplexity"],
-        "best_perplexity": min(finite) if finite else None,
-    }
-
-
-def derive_summary(method: str, seed: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """A ``summary.json`` equivalent computed from metrics rows.
-
-    ``final_accuracy`` and ``final_loss`` are the last evaluation's values (None when they were
-    not finite: a run that diverged at the end), ``best_accuracy`` the finite maximum (None if no
-    round was evaluated); language models add
-    ``final_perplexity`` and ``best_perplexity`` (the minimum); byte totals are sums;
-    ``optimizer_state_bytes`` is the peak over rounds; ``wall_s_per_round`` the mean round
-    time; ``rounds`` the number of rows; rejected replies and skipped steps are totals, and the
-    optional last values (ECE, P-local, client seconds) and the divergence mark are those a
-    finished run's summary would hold.
-    """
-    acc = [a for a in (value(r, "accuracy") for r in rows) if a is not None]
-    evaluated = [r for r in rows if "accuracy" in r or "loss" in r]
-    last_eval = evaluated[-1] if evaluated else {}
-    walls = [w for w in (value(r, "wall_s") for r in rows) if w is not None]
-    states = [s for s in (value(r, "optimizer_state_bytes") for r in rows) if s is not None]
-    losses = [v for v in (value(r, "loss") for r in rows) if v is not None]
-    from fedlore.run import _last_values, divergence  # run.py imports this module
-
-    train = [r for r in rows if isinstance(r.get("round"), int) and r["round"] >= 0]
-    lm = lm_summary(train)
-    return {
-        "method": method,
-        "seed": seed,
-        "final_accuracy": value(last_eval, "accuracy"),  # the last evaluation, not finite: None
-        "best_accuracy": max(acc) if acc else None,
-        "bytes_up_total": sum(value(r, "bytes_up") or 0.0 for r in rows),
-        "bytes_down_total": sum(value(r, "bytes_down") or 0.0 for r in rows),
-        "optimizer_state_bytes": max(states) if states else None,
-        "wall_s_per_round": sum(walls) / len(walls) if walls else None,
-        "rounds": len(rows),
-        "final_loss": value(last_eval, "loss") if losses else None,
-        "rejected_total": sum(int(r.get("rejected", 0) or 0) for r in rows),
-        "skipped_steps_total": sum(int(r.get("skipped_steps", 0) or 0) for r in rows),
-        "derived": True,
-        **lm,
-        **_last_values(train),  # ECE, P-local, client seconds: as a finished run's summary
-        **divergence(train),
-    }
 
 
 def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:

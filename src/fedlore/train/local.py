@@ -1,4 +1,5 @@
-"""The one local-training loop every algorithm uses; methods extend it through hooks.
+"""The one local-training loop every algorithm uses, and the one evaluation of a model on a split;
+methods extend the loop through hooks.
 
 Hooks: ``loss_terms`` add to the minibatch loss (FedProx, Ditto, ELBO's KL), ``on_grad`` sees
 the gradients before the optimizer step (FedLore keeps the last finite gradient for its
@@ -13,6 +14,11 @@ parameters and their gradients stay fp32, and so do the optimizer step and every
 Per step the loop copies nothing of the model and waits on the device once (the finiteness of
 the loss and of all gradients together, one fused pass: :class:`FiniteCheck`), whatever the
 number of tensors; the losses are read once, after the last step.
+
+Evaluation (:func:`evaluate`: classifiers, language models, regression) scores the predictive
+of :func:`predictive_passes`: one pass with sampling off, or S weight draws from a fixed seed for
+a model with stochastic layers. Meta-BayFL's learning-rate search scores its candidates through
+the same functions (:mod:`fedlore.algorithms.meta_lr`, seed 001 Eq. 19).
 """
 
 from __future__ import annotations
@@ -261,69 +267,105 @@ ECE_BINS = 15
 EVAL_SAMPLING_SEED = 20170
 
 
+Forward = Callable[[torch.Tensor], torch.Tensor]
+"""A forward pass ``inputs -> outputs`` (a model, or a ``vmap`` of one over stacked parameters)."""
+
+
+def mc_samples_drawn(model: nn.Module, mc_samples: int) -> int:
+    """S, the weight draws of ``model``'s predictive: ``mc_samples`` for a model with stochastic
+    layers (:mod:`fedlore.bayes`), 0 (one pass with sampling off) for a deterministic model or
+    ``mc_samples < 1``."""
+    from fedlore.bayes.model import is_stochastic
+
+    return mc_samples if mc_samples >= 1 and is_stochastic(model) else 0
+
+
+def predictive_passes(
+    model: nn.Module, one_pass: Callable[[], torch.Tensor], mc_samples: int
+) -> torch.Tensor:
+    """``one_pass()`` under each weight draw of ``model``'s predictive, stacked: ``[S, ...]`` for
+    S = :func:`mc_samples_drawn` >= 1 draws from the fixed evaluation seed (the same draws for
+    every model evaluated, the global RNG restored), else ``[1, ...]`` from one pass with
+    sampling off (the posterior means; dropout off). The model is put in ``eval()`` mode either
+    way (BatchNorm frozen); the sampling switch is independent of it."""
+    from fedlore.bayes.model import sampling
+
+    model.eval()
+    draws = mc_samples_drawn(model, mc_samples)
+    if draws == 0:
+        with sampling(model, False):
+            return one_pass().unsqueeze(0)
+    with sampling(model, True), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(EVAL_SAMPLING_SEED)
+        return torch.stack([one_pass() for _ in range(draws)])
+
+
+def chunked(forward: Forward, x: torch.Tensor, batch_size: int, dim: int = 0) -> torch.Tensor:
+    """``forward`` over ``x`` in chunks of ``batch_size`` examples, the float32 outputs joined
+    along ``dim`` (the outputs' examples dimension)."""
+    n = int(x.shape[0])
+    return torch.cat([forward(x[i : i + batch_size]).float() for i in range(0, n, batch_size)], dim)
+
+
 @torch.no_grad()
 def predictive_log_probs(
-    model: nn.Module, x: torch.Tensor, batch_size: int = 512, mc_samples: int = 0
+    model: nn.Module,
+    x: torch.Tensor,
+    batch_size: int = 512,
+    mc_samples: int = 0,
+    forward: Forward | None = None,
+    dim: int = 0,
 ) -> torch.Tensor:
     """Log predictive probabilities ``log p(y | x)`` of a classifier.
 
     A model with stochastic layers (:mod:`fedlore.bayes`) and ``mc_samples = S >= 1`` gives the
     MC predictive ``log (1/S) Σ_s softmax(f(x; w_s))`` (reference notes Part 0.4), computed as
-    ``logsumexp_s log_softmax - log S``; the S draws use a fixed seed (the same weights for every
-    model evaluated, restored global RNG). Otherwise one pass with sampling off (the posterior
-    means; dropout off). The model is put in ``eval()`` mode either way (BatchNorm frozen); the
-    sampling switch is independent of it.
+    ``logsumexp_s log_softmax - log S``, from the draws of :func:`predictive_passes`. Otherwise
+    one pass with sampling off (the posterior means; dropout off).
 
     Args:
         model: maps ``[B, ...]`` to logits ``[B, K]``.
         x: inputs ``[n, ...]``.
         batch_size: examples per forward pass.
         mc_samples: S (0: deterministic pass).
+        forward: what maps the inputs to logits (default ``model``; e.g. a ``vmap`` over J
+            stacked copies of its parameters, whose logits are ``[J, B, K]``).
+        dim: the examples dimension of ``forward``'s logits.
 
     Returns:
-        ``[n, K]`` float tensor of log probabilities.
+        ``[n, K]`` (``forward``'s layout) float tensor of log probabilities.
     """
-    from fedlore.bayes.layers import is_stochastic, sampling
-
-    model.eval()
-    n = int(x.shape[0])
-
-    def one_pass() -> torch.Tensor:
-        chunks = [model(x[i : i + batch_size]).float() for i in range(0, n, batch_size)]
-        return F.log_softmax(torch.cat(chunks), -1)
-
-    if mc_samples < 1 or not is_stochastic(model):
-        with sampling(model, False):
-            return one_pass()
-    with sampling(model, True), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(EVAL_SAMPLING_SEED)
-        draws = torch.stack([one_pass() for _ in range(mc_samples)])
-    return torch.logsumexp(draws, 0) - math.log(mc_samples)
+    fwd = model if forward is None else forward
+    passes = predictive_passes(
+        model, lambda: F.log_softmax(chunked(fwd, x, batch_size, dim), -1), mc_samples
+    )
+    if mc_samples_drawn(model, mc_samples) == 0:
+        return passes[0]
+    return torch.logsumexp(passes, 0) - math.log(passes.shape[0])
 
 
 @torch.no_grad()
 def predictive_draws(
-    model: nn.Module, x: torch.Tensor, batch_size: int = 512, mc_samples: int = 0
+    model: nn.Module,
+    x: torch.Tensor,
+    batch_size: int = 512,
+    mc_samples: int = 0,
+    forward: Forward | None = None,
+    dim: int = 0,
 ) -> torch.Tensor:
-    """A regression model's predictions under its predictive: ``[S, n, d]`` outputs of S weight
-    draws from the fixed evaluation seed for a model with stochastic layers and ``mc_samples =
-    S >= 1`` (as :func:`predictive_log_probs`), else ``[1, n, d]`` from one pass with sampling
-    off. ``eval()`` mode either way."""
-    from fedlore.bayes.layers import is_stochastic, sampling
-
-    model.eval()
+    """A regression model's predictions under its predictive: ``[S, n, d]`` outputs of the
+    weight draws of :func:`predictive_passes` (S >= 1 from the fixed evaluation seed for a model
+    with stochastic layers and ``mc_samples = S >= 1``, else ``[1, n, d]`` from one pass with
+    sampling off). ``forward`` and ``dim`` as in :func:`predictive_log_probs` (J stacked copies:
+    ``[S, J, n, d]``)."""
+    fwd = model if forward is None else forward
     n = int(x.shape[0])
 
     def one_pass() -> torch.Tensor:
-        chunks = [model(x[i : i + batch_size]).float() for i in range(0, n, batch_size)]
-        return torch.cat(chunks).reshape(n, -1)
+        out = chunked(fwd, x, batch_size, dim)
+        return out.reshape(*out.shape[:dim], n, -1)
 
-    if mc_samples < 1 or not is_stochastic(model):
-        with sampling(model, False):
-            return one_pass().unsqueeze(0)
-    with sampling(model, True), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(EVAL_SAMPLING_SEED)
-        return torch.stack([one_pass() for _ in range(mc_samples)])
+    return predictive_passes(model, one_pass, mc_samples)
 
 
 def regression_nll(draws: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,153 @@
+"""Building the federation of a labelled source for one seed (:func:`labelled_federation`).
+
+The steps are the data protocols of Meta-BayFL (seed 001): keep a stratified share |D| of the
+training set (the shrinking of Table I, ``data.fraction``); hold out the server's unlabeled set U
+and the selection split (:mod:`fedlore.data.holdout`); partition the rest over the clients
+(``iid``, or seed 001's 'Step' and 'Dirichlet' scenarios of Sec. V-B,
+:mod:`fedlore.data.partition`); split each client's share into local train/test; add the input
+noise ε of Table I and flip labels (:mod:`fedlore.data.corruption`).
+
+Seeding: every random step draws from its own stream ``data_rng(seed, DATA_<STEP>)``
+(``data_rng(seed, DATA_<STEP>, client)`` for per-client steps; :mod:`fedlore.seeding`), so the
+same seed gives the same federation for every method and every call, and changing one step (e.g.
+the noise level) leaves the others (e.g. the partition) unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fedlore.config import Config, ConfigError
+from fedlore.data.checks import central_splits
+from fedlore.data.client_data import TensorSplit
+from fedlore.data.container import Federation
+from fedlore.data.corruption import add_gaussian_noise, flip_labels, subsample_stratified
+from fedlore.data.datasource import DataSource
+from fedlore.data.holdout import hold_out_selection, hold_out_server, split_local, target_strata
+from fedlore.data.partition import partition_labels
+from fedlore.seeding import (
+    DATA_FLIP,
+    DATA_FRACTION,
+    DATA_NOISE_TEST,
+    DATA_NOISE_TRAIN,
+    DATA_SELECTION,
+    DATA_SERVER,
+    DATA_SPLIT,
+    client_stream_seeds,
+    data_generator,
+    data_rng,
+)
+
+
+def labelled_federation(cfg: Config, seed: int, source: DataSource) -> Federation:
+    """Build the federation of a labelled source (loaded by
+    :func:`fedlore.data.federation.load_source`) for one seed.
+
+    Steps: keep a stratified share ``cfg.data.fraction`` of the training set (its test split
+    held out first when it has none, :func:`~fedlore.data.checks.central_splits`); hold out a
+    stratified share ``cfg.data.server_fraction`` of it as the server's unlabeled set U
+    (:func:`hold_out_server`, stream ``data_rng(seed, DATA_SERVER)``) and a stratified share
+    ``cfg.data.selection_fraction`` of what is left as the selection split
+    (:func:`hold_out_selection`, stream ``data_rng(seed, DATA_SELECTION)``); partition the rest
+    over ``cfg.num_clients`` clients with ``cfg.partition``; split each client's examples into
+    local train/test with ``cfg.data.test_fraction``; add input noise ``cfg.data.noise`` to the
+    kept training inputs (so to client train and test) and, from another stream, to the central
+    test set; flip a share ``cfg.data.label_flip`` of each client's training labels.
+
+    Args:
+        cfg: the experiment config.
+        seed: the experiment seed (≥ 0); the only source of randomness.
+        source: the loaded source.
+
+    Returns:
+        The :class:`~fedlore.data.container.Federation`.
+
+    Raises:
+        ValueError: on a partition that is not a cover, or a client left with no training data
+            (the message suggests ``partition.min_size``).
+        ConfigError: when ``data.server_fraction`` or ``data.selection_fraction`` leaves the
+            clients nothing, or input noise or label flips are asked of a regression source.
+    """
+    test_split = None
+    if not cfg.flower.site_data:  # a site's test file is never read: the server evaluates
+        source, test_split = central_splits(source, cfg.data)
+    regression = source.task == "regression"
+    if regression:
+        bad = [k for k in ("noise", "label_flip") if getattr(cfg.data, k) > 0]
+        if bad:
+            raise ConfigError(
+                f"data.{bad[0]} is defined for images and class labels; source "
+                f"{source.name!r} is a regression data set (standardized features, real targets)"
+            )
+    all_strata = target_strata(source.train.y.numpy()) if regression else source.train.y.numpy()
+    keep = subsample_stratified(all_strata, cfg.data.fraction, data_rng(seed, DATA_FRACTION))
+    pool = source.train if len(keep) == len(source.train) else source.train.subset(keep)
+    labels = all_strata[keep]  # classes, or the target deciles of a regression source
+    server_idx, client_idx = hold_out_server(
+        labels, cfg.data.server_fraction, data_rng(seed, DATA_SERVER)
+    )
+    selection_idx, client_idx = hold_out_selection(
+        labels,
+        client_idx,
+        cfg.data.selection_fraction,
+        data_rng(seed, DATA_SELECTION),
+    )
+    # without U and a selection split, client_idx is arange(n): the partition is exactly the
+    # one without these steps
+    parts = [client_idx[p] for p in partition_labels(cfg, seed, labels[client_idx])]
+
+    train_idx, test_idx = [], []
+    for i, part in enumerate(parts):
+        tr, te = split_local(part, cfg.data.test_fraction, data_rng(seed, DATA_SPLIT, i))
+        if len(tr) == 0:
+            raise ValueError(
+                f"client {i} received no training data from partition {cfg.partition.name!r} "
+                f"({cfg.partition.model_dump(exclude={'name'})}, {len(client_idx)} examples, "
+                f"{cfg.num_clients} clients); set partition.min_size >= 1 or use fewer clients"
+            )
+        train_idx.append(tr)
+        test_idx.append(te)
+
+    train_labels = pool.y.clone()
+    if cfg.data.label_flip > 0:
+        for i, tr in enumerate(train_idx):
+            rng = data_rng(seed, DATA_FLIP, i)
+            flipped = flip_labels(labels[tr], cfg.data.label_flip, source.num_classes, rng)
+            train_labels[torch.from_numpy(tr)] = torch.from_numpy(flipped)
+
+    central_test = source.test
+    if cfg.data.noise > 0:
+        pool = TensorSplit(
+            add_gaussian_noise(pool.x, cfg.data.noise, data_generator(seed, DATA_NOISE_TRAIN)),
+            pool.y,
+        )
+        central_test = TensorSplit(
+            add_gaussian_noise(
+                source.test.x, cfg.data.noise, data_generator(seed, DATA_NOISE_TEST)
+            ),
+            source.test.y,
+        )
+    selection = None
+    if selection_idx is not None:  # inputs as the clients see them (noise), true labels
+        sel = torch.from_numpy(selection_idx)
+        selection = TensorSplit(pool.x[sel], pool.y[sel])
+    return Federation(
+        source=source.name,
+        pool=pool,
+        train_labels=train_labels,
+        train_indices=tuple(train_idx),
+        test_indices=tuple(test_idx),
+        central_test=central_test,
+        num_classes=source.num_classes,
+        input_shape=source.input_shape,
+        class_names=list(source.class_names),
+        stream_seeds=client_stream_seeds(seed, cfg.num_clients)
+        if cfg.data.sampling == "stream"
+        else None,
+        server_indices=server_idx,
+        selection=selection,
+        selection_indices=selection_idx,
+        task=source.task,
+        strata=labels if regression else None,
+        test_split=test_split,
+    )

@@ -1,0 +1,348 @@
+"""Run folders: where a run writes, what it records there, and when it may continue.
+
+A run of (config, method, seed) lives in ``<output_dir>/<name>/<method>/seed-<seed>``
+(:func:`run_dir`): ``config.json`` records the settings that decide its results, the method's
+resolved hyperparameters and the data fingerprint (:func:`run_record`); ``--resume`` continues
+it only under the same config and data (:func:`check_same_config`, :func:`check_same_data`) from
+its checkpoint (:func:`resume_point`), and a fresh run clears what an earlier one left
+(:func:`start_fresh`). Client states spill to :func:`spill_dir`. What a run may do with a folder
+that holds a *finished* run is :mod:`fedlore.engine.rerun`'s.
+
+The engine builds no method (it never imports one): a run's resolved settings are compared with
+those of the method the config builds now through the ``make_algorithm`` the driver passes in
+(:func:`fedlore.experiment_parts.make_algorithm`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedlore import registry
+from fedlore.algorithm import Algorithm
+from fedlore.atomic import write_text
+from fedlore.config import Config, ConfigError
+from fedlore.device import PLATFORM_KEYS, platform_record
+from fedlore.engine.callbacks import Checkpointer, MetricsWriter
+from fedlore.engine.dp_ledger import LEDGER, account_repeats
+from fedlore.engine.store import ClientStore
+from fedlore.privacy import Privacy
+from fedlore.progress import say
+from fedlore.types import State
+
+MakeAlgorithm = Callable[[str, Config], Algorithm]
+"""``(method, config) -> the method as the config builds it``: the driver's
+:func:`fedlore.experiment_parts.make_algorithm`, passed to what compares a run's recorded
+settings with the config's."""
+
+
+def run_dir(cfg: Config, method: str, seed: int) -> Path:
+    """``<output_dir>/<name>/<method>/seed-<seed>``."""
+    return Path(cfg.output_dir) / cfg.name / method / f"seed-{seed}"
+
+
+def spill_dir(cfg: Config, method: str, seed: int, out: Path | None = None) -> Path:
+    """Where a run's client states spill: ``client_states/`` in its run directory (``out``, by
+    default :func:`run_dir`), or below ``store.spill_dir`` in a folder unique to the run
+    directory (two runs never share one)."""
+    out = run_dir(cfg, method, seed) if out is None else out
+    if not cfg.store.spill_dir:
+        return out / "client_states"
+    tag = hashlib.sha1(str(out.resolve()).encode()).hexdigest()[:10]
+    return Path(cfg.store.spill_dir) / f"{cfg.name}-{method}-seed{seed}-{tag}"
+
+
+def recorded_threads(out: Path) -> int | None:
+    """The thread count a run in ``out`` started with (``ran_threads`` of its ``config.json``),
+    None when there is none or it cannot be read."""
+    try:
+        n = json.loads((out / "config.json").read_text()).get("ran_threads")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+
+
+def check_output_dir(cfg: Config) -> None:
+    """``<output_dir>/<name>`` can be a folder this process creates and writes: no part of the
+    path is a file, and the deepest part that exists is a writable folder (nothing is created).
+
+    Raises:
+        ConfigError: naming ``output_dir`` (or ``name``) and the part of the path in the way.
+    """
+    target = Path(cfg.output_dir) / cfg.name
+    for part in [target, *target.parents]:
+        if not part.exists():
+            continue
+        if not part.is_dir():
+            key = "name" if part == target else "output_dir"
+            raise ConfigError(
+                f"{key}: {part} is a file, not a folder (output_dir={cfg.output_dir!r}, "
+                f"name={cfg.name!r}); choose another output_dir or name"
+            )
+        if not os.access(part, os.W_OK | os.X_OK):
+            raise ConfigError(
+                f"output_dir={cfg.output_dir!r}: cannot create or write {target} ({part} is "
+                "not writable); choose another output_dir"
+            )
+        break
+
+
+def make_output_dir(cfg: Config) -> None:
+    """Create ``<output_dir>/<name>``.
+
+    Raises:
+        ConfigError: naming ``output_dir`` when the folder cannot be created.
+    """
+    target = Path(cfg.output_dir) / cfg.name
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"output_dir={cfg.output_dir!r}: cannot create {target} ({e.strerror or e}); "
+            "choose another output_dir"
+        ) from e
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFolder:
+    """The folders of one run.
+
+    Attributes:
+        target: its run folder (:func:`run_dir`).
+        out: the folder it writes: ``target``, or, while ``target`` holds a finished run that
+            ``--overwrite`` replaces, the sibling the replacement trains in
+            (:func:`fedlore.engine.rerun.write_dir`).
+        spill: where its client states spill (:func:`spill_dir`).
+        resume: whether it continues the run in ``out`` (``--resume``) instead of starting over.
+    """
+
+    target: Path
+    out: Path
+    spill: Path
+    resume: bool
+
+
+_NOT_RESULT_KEYS = (
+    "progress", "algorithms", "seeds", "method", "store", "output_dir", "flower", "device",
+    "threads",
+)  # fmt: skip
+"""Config keys that do not change a run's results (or, ``method``, are compared per method);
+``device`` and ``threads`` change them by float rounding only, so a run may resume on another
+device or with another thread count."""
+
+
+def _run_config(cfg: Config, method: str) -> dict[str, Any]:
+    raw = cfg.model_dump(mode="json")
+    out = {k: v for k, v in raw.items() if k not in _NOT_RESULT_KEYS}
+    out["method"] = raw["method"].get(method, {})
+    return out
+
+
+def run_record(
+    cfg: Config,
+    method: str,
+    fingerprint: str,
+    algo: Algorithm,
+    device: torch.device,
+    threads: int,
+) -> dict[str, Any]:
+    """A run's ``config.json`` (without the DP record the driver adds): the settings that decide
+    its results, the data fingerprint, the method's resolved hyperparameters, and where and with
+    how many threads it ran."""
+    return {
+        **_run_config(cfg, method),
+        "data_fingerprint": fingerprint,
+        "hyper": resolved_hyper(algo),
+        "ran_on": str(device),
+        "ran_threads": threads,
+        **platform_record(device),
+    }
+
+
+def resolved_hyper(algo: Algorithm) -> dict[str, Any]:
+    """An algorithm's hyperparameters as built (every field, defaults and normalized types:
+    ``1e-3`` given as text is the number), JSON-ready: recorded in ``config.json`` so that
+    ``--resume`` compares what the method will do, not how the config spelled it."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(algo):  # type: ignore[arg-type]
+        v = getattr(algo, f.name)
+        out[f.name] = list(v) if isinstance(v, tuple) else v
+    return json.loads(json.dumps(out, default=str))
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested config mappings as dotted keys (``{"optim": {"name": "adam"}}`` ->
+    ``{"optim.name": "adam"}``); the per-method ``method`` mapping stays one value."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and k != "method" and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def check_same_config(cfg: Config, method: str, out: Path, make_algorithm: MakeAlgorithm) -> None:
+    """Refuse to resume a run that an earlier, different config started (:func:`config_diff`).
+
+    Raises:
+        ConfigError: naming the keys whose values differ from ``config.json`` in ``out``.
+    """
+    path = out / "config.json"
+    if not path.exists():
+        return
+    raw = json.loads(path.read_text())
+    if raw.get("hyper") is None and method in DEFAULTS_CHANGED:
+        raise ConfigError(
+            f"--resume: {out} was started by an earlier fedlore in which {method} behaved "
+            f"differently by default ({DEFAULTS_CHANGED[method]}); resuming would mix the two "
+            "in one run. Run without --resume to start over"
+        )
+    details = config_diff(cfg, method, raw, make_algorithm)
+    if details:
+        raise ConfigError(
+            f"--resume: {out} was started with a different config ({details}); run without "
+            "--resume to start over, or restore the config"
+        )
+
+
+def config_diff(
+    cfg: Config, method: str, recorded: dict[str, Any], make_algorithm: MakeAlgorithm
+) -> str:
+    """How ``cfg`` (for ``method``) differs from a run's recorded ``config.json``, as
+    ``key: before -> now`` items (the first five; empty when the same). Settings that decide no
+    result (``device``, the data fingerprint, the record keys) are left out; a setting the record
+    lacks counts as its default; with a recorded ``hyper`` the method's resolved settings are
+    compared instead of how the config spelled them (those of ``make_algorithm(method, cfg)``)."""
+    raw = dict(recorded)
+    hyper_before = raw.pop("hyper", None)
+    before = _flatten(raw)
+    before.pop("data_fingerprint", None)  # compared by check_same_data
+    before.pop("ran_on", None)  # a record: a run may resume on another device
+    for key in ("ran_threads", *PLATFORM_KEYS):
+        before.pop(key, None)
+    before.pop("dp_noise_multiplier", None)  # a record: solved from the dp.* settings compared
+    before.pop("dp_noise_source", None)  # a record of dp.reproducible_noise, which is compared
+    now = _flatten(_run_config(cfg, method))
+    if hyper_before is not None:  # the method's settings as resolved (types and defaults)
+        before.pop("method", None)
+        now.pop("method", None)
+        before.update({f"hyper.{k}": v for k, v in hyper_before.items()})
+        now.update(
+            {f"hyper.{k}": v for k, v in resolved_hyper(make_algorithm(method, cfg)).items()}
+        )
+    # a setting added to fedlore after the run started is no difference while it keeps its
+    # default (the run was made with that behaviour)
+    defaults = _flatten(_run_config(Config(), method))
+    cls = registry.get("algorithm", method)
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            v = f.default
+            defaults[f"hyper.{f.name}"] = json.loads(
+                json.dumps(list(v) if isinstance(v, tuple) else v, default=str)
+            )
+    diff = sorted(
+        k
+        for k in set(before) | set(now)
+        if before.get(k, defaults.get(k)) != now.get(k) and not (k in before and k not in now)
+    )
+    diff += sorted(k for k in set(before) - set(now))
+    # ``hyper.lr`` repeats ``lr`` when the method takes the global setting: name it once
+    diff = [k for k in diff if not (k.startswith("hyper.") and k.removeprefix("hyper.") in diff)]
+    return "; ".join(f"{k}: {before.get(k, defaults.get(k))!r} -> {now.get(k)!r}" for k in diff[:5])
+
+
+DEFAULTS_CHANGED = {
+    "meta_bayfl": "the learning-rate search scores by seed Eq. 19 and trains on all of D",
+    "meta_bayfl_mcd": "the learning-rate search scores by seed Eq. 19 and trains on all of D",
+    "meta_fl": "the learning-rate search scores by seed Eq. 19 and trains on all of D",
+    "lora_fair": "the server correction is solved to its minimum",
+    "fedfomo": "P-local scores the federated model before local training",
+    "fedlore": "candidate_svd is auto: wide matrices take the subspace route (issue 30)",
+}
+"""Methods whose default behaviour changed after fedlore began recording ``hyper`` in a run's
+``config.json``: a run of theirs without that record was made by the older behaviour."""
+
+
+def check_same_data(out: Path, fingerprint: str) -> None:
+    """Refuse to resume a run whose data changed since it started (the files under
+    ``data.root``, a tokenizer folder): the same config would otherwise continue on other
+    clients' data.
+
+    Raises:
+        ConfigError: naming the run folder and both fingerprints.
+    """
+    path = out / "config.json"
+    if not path.exists():
+        return
+    before = json.loads(path.read_text()).get("data_fingerprint")
+    if before is not None and before != fingerprint:
+        raise ConfigError(
+            f"--resume: the data of {out} changed since the run started (fingerprint {before} "
+            f"-> {fingerprint}): files under data.root or the tokenizer differ. Restore them, or "
+            "run without --resume to start over"
+        )
+
+
+def start_fresh(out: Path, spill: Path, method: str, seed: int) -> None:
+    """Clear what an earlier run left in ``out`` for a fresh run (nothing of it may survive):
+    its summary, checkpoint, config record and DP ledger, and its spilled client states; says so
+    when the folder held a run (``--resume`` would have continued it)."""
+    if (out / "metrics.jsonl").exists():
+        say("%s seed %d: starting over in %s (--resume would continue)", method, seed, out)
+    for stale in (
+        "summary.json",
+        "checkpoint.pt",
+        "checkpoint.pt.tmp",
+        "config.json",
+        LEDGER,
+    ):
+        (out / stale).unlink(missing_ok=True)
+    shutil.rmtree(spill, ignore_errors=True)
+
+
+def resume_point(
+    folder: RunFolder,
+    metrics: MetricsWriter,
+    state: State,
+    store: ClientStore,
+    privacy: Privacy | None,
+    max_bytes: int | None,
+    device: torch.device,
+    method: str,
+    seed: int,
+) -> tuple[int | None, State, ClientStore, Privacy | None]:
+    """Where a run continues: ``(last, state, store, privacy)``, with ``last`` the round of the
+    checkpoint in ``folder.out`` that a resumed run continues after (its server state, client
+    states and, under adaptive clipping, clip norm loaded; the metrics rows after it dropped), or
+    None when the run starts from its first round (``metrics.jsonl`` emptied). Under DP the
+    releases a resume repeats are counted (:func:`~fedlore.engine.dp_ledger.account_repeats`)
+    before their rows go."""
+    ckpt_path = folder.out / "checkpoint.pt"
+    if folder.resume and ckpt_path.exists():
+        last, state, store = Checkpointer.load(ckpt_path, max_bytes, folder.spill, device)
+        if privacy is not None:  # the adaptive clip norm the killed run had reached
+            privacy.restore(state)
+        privacy = account_repeats(privacy, folder.out, metrics.path, last)  # before the rows go
+        metrics.truncate_after(last)
+        say("%s seed %d: resuming after round %d (its checkpoint)", method, seed, last)
+        return last, state, store, privacy
+    if folder.resume:
+        say(
+            "%s seed %d: no checkpoint in %s; starting from the first round",
+            method,
+            seed,
+            folder.out,
+        )
+        privacy = account_repeats(privacy, folder.out, metrics.path, None)
+    write_text(metrics.path, "")
+    return None, state, store, privacy

@@ -1,0 +1,457 @@
+"""Run an experiment: every method of the config for every seed, side by side.
+
+One run is one method for one seed: :func:`build` makes its :class:`Experiment` (the federation
+on the run's device, the method, the model factory, the server's first state, the privacy) and
+:func:`run` trains it over a transport into its run folder; :func:`run_one` does both, with the
+run folder's rules (:mod:`fedlore.engine.rundir`, :mod:`fedlore.engine.rerun`).
+:func:`run_experiment` runs every method x seed through an :class:`Engine`: in process by
+default; the CLI's table (:data:`fedlore.cli.ENGINES`) names the others. Nothing here imports
+Flower.
+
+Output: ``<output_dir>/<name>/<method>/seed-<s>/metrics.jsonl`` (one object per round),
+``summary.json`` and ``checkpoint.pt`` beside it. A run whose ``summary.json`` exists is complete;
+with ``resume=True`` an incomplete run continues from its checkpoint and reaches the same final
+metrics as an uninterrupted run (all randomness is derived from seed, round and client). A
+complete run is reported, not trained again, and ``overwrite=True`` replaces it only once the new
+run has finished (:mod:`fedlore.engine.rerun`); every file is written atomically
+(:mod:`fedlore.atomic`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import shutil
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from fedlore.algorithm import Algorithm
+from fedlore.atomic import write_json
+from fedlore.checks import (
+    check_eval,
+    check_model_fits_data,
+    check_params,
+    check_site_data,
+    check_tokenizer_matches_model,
+    name_problems,
+    preflight,
+    setup_rounds,
+    unused_method_problems,
+    warn_own_optimizer,
+)
+from fedlore.config import Config, ConfigError
+from fedlore.data.federation import Federation, build_federation
+from fedlore.device import resolve_device, training_precision, use_threads
+from fedlore.diagnostics import Diagnoser
+from fedlore.engine.callbacks import Checkpointer, MetricsWriter, ProgressBar
+from fedlore.engine.interrupt import Interrupted
+from fedlore.engine.lock import RunLock
+from fedlore.engine.loop import Callback, RoundLoop
+from fedlore.engine.rerun import (
+    check_no_finished_run_of_another_config,
+    finished_run,
+    finished_runs,
+    swap_in,
+    write_dir,
+)
+from fedlore.engine.rundir import (
+    RunFolder,
+    check_output_dir,
+    check_same_config,
+    check_same_data,
+    make_output_dir,
+    recorded_threads,
+    resume_point,
+    run_dir,
+    run_record,
+    spill_dir,
+    start_fresh,
+)
+from fedlore.engine.store import ClientStore
+from fedlore.engine.transport import LocalTransport, Transport
+from fedlore.experiment_parts import (
+    describe_parameters,
+    evaluator,
+    make_algorithm,
+    model_factory,
+    start_server,
+)
+from fedlore.experiment_privacy import (
+    client_sampler,
+    make_privacy,
+    privacy_record,
+    privacy_summary,
+)
+from fedlore.privacy import Privacy
+from fedlore.progress import say_once
+from fedlore.results.summary import summarize
+from fedlore.seeding import SERVER_INIT, generator
+from fedlore.types import State
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One method for one seed, built and checked, with nothing written yet (:func:`build`).
+
+    Attributes:
+        cfg: the config.
+        method: the registered name of the method.
+        seed: the run's seed.
+        fed: the seed's federation, on ``device`` (checked against the model).
+        device: where the run trains.
+        fingerprint: ``fed.fingerprint()``, recorded in ``config.json``.
+        algorithm: the method (:func:`~fedlore.experiment_parts.make_algorithm`).
+        model_factory: builds the seed's initial model (the same for every method).
+        eval_model: the model server states are evaluated on.
+        state: the server's first state (a resumed run continues from its checkpoint instead).
+        privacy: secure aggregation and DP (None without either); its clip norm and ledger
+            total are updated as the run resumes and trains.
+    """
+
+    cfg: Config
+    method: str
+    seed: int
+    fed: Federation
+    device: torch.device
+    fingerprint: str
+    algorithm: Algorithm
+    model_factory: Callable[[], nn.Module]
+    eval_model: nn.Module
+    state: State
+    privacy: Privacy | None
+
+
+def prepare_federation(cfg: Config, seed: int, fed: Federation | None = None) -> Federation:
+    """The federation of ``seed`` (``fed``, or built) on the config's device, checked against
+    the model: it fits the data, the tokenizer is the model's, and ``eval.clients`` can hold.
+
+    Raises:
+        ConfigError: naming the device, model or setting that does not fit.
+    """
+    device = resolve_device(cfg.device)
+    fed = fed if fed is not None else build_federation(cfg, seed)
+    fed = fed.to(device)  # once per run: every client's data are slices made there
+    check_model_fits_data(cfg.model.name, fed)
+    check_tokenizer_matches_model(cfg, fed)
+    check_eval(cfg, fed)
+    return fed
+
+
+def build(
+    cfg: Config,
+    method: str,
+    seed: int,
+    fed: Federation | None = None,
+    fingerprint: str | None = None,
+) -> Experiment:
+    """The run of ``method`` for ``seed``: its method, model and privacy built, its server
+    started; every check that can refuse the config has run, and nothing is written.
+
+    Args:
+        fed: the seed's federation as :func:`prepare_federation` returns it (built and
+            prepared here when None).
+        fingerprint: ``fed.fingerprint()`` when the caller has it already.
+
+    Raises:
+        ConfigError, ValueError, KeyError: naming the setting that cannot hold.
+    """
+    device = resolve_device(cfg.device)
+    fed = prepare_federation(cfg, seed) if fed is None else fed
+    fingerprint = fed.fingerprint() if fingerprint is None else fingerprint
+    algo = make_algorithm(method, cfg)
+    factory = model_factory(cfg, fed, seed)
+    eval_model = factory()
+    check_params(cfg, eval_model)
+    state = start_server(algo, eval_model, generator(seed, SERVER_INIT), fed, method)
+    privacy = make_privacy(cfg, algo, seed, max_weight=float(fed.client_sizes().max()))
+    return Experiment(
+        cfg, method, seed, fed, device, fingerprint, algo, factory, eval_model, state, privacy
+    )
+
+
+def run(
+    exp: Experiment,
+    transport: Callable[..., Transport],
+    folder: RunFolder,
+    stop_after: int | None = None,
+    extra_callbacks: tuple[Callback, ...] = (),
+) -> dict[str, Any] | None:
+    """Train ``exp`` in ``folder`` (holding its locks until it ends) and return its summary;
+    None when stopped early by ``stop_after`` (the last round to run: a killed run, for tests).
+
+    ``transport(algorithm, client_data, model_factory, seed, store)`` makes the transport
+    (:class:`~fedlore.engine.transport.LocalTransport`, or the Flower ServerApp's over its
+    Grid). A fresh run starts over in ``folder.out``; a resumed one continues from its
+    checkpoint. A finished run's summary is written, and a replacement takes the finished run's
+    place (:func:`~fedlore.engine.rerun.swap_in`)."""
+    cfg, method, seed, algo, out = exp.cfg, exp.method, exp.seed, exp.algorithm, folder.out
+    threads = use_threads(cfg.threads, recorded_threads(out) if folder.resume else None)
+    if exp.device.type == "cpu":
+        say_once("%d CPU thread%s (threads=%s)", threads, "" if threads == 1 else "s", cfg.threads)
+    with RunLock(folder.target), RunLock(out):  # the folders are this run's until it ends
+        if not folder.resume:  # a fresh run: nothing of an earlier run in this folder may survive
+            start_fresh(out, folder.spill, method, seed)
+        out.mkdir(parents=True, exist_ok=True)
+        written = run_record(cfg, method, exp.fingerprint, algo, exp.device, threads)
+        write_json(out / "config.json", {**written, **privacy_record(exp.privacy)})
+        max_bytes = None if cfg.store.max_memory_mb is None else int(cfg.store.max_memory_mb * 1e6)
+        metrics = MetricsWriter(out / "metrics.jsonl")
+        last, state, store, privacy = resume_point(
+            folder,
+            metrics,
+            exp.state,
+            ClientStore(max_bytes, folder.spill, exp.device),
+            exp.privacy,
+            max_bytes,
+            exp.device,
+            method,
+            seed,
+        )
+        start = -setup_rounds(algo) if last is None else last + 1
+        clients = transport(algo, exp.fed.client, exp.model_factory, seed, store)
+        evaluate_state = evaluator(cfg, exp.fed, algo, exp.eval_model)
+        callbacks: list[Callback] = [metrics]
+        if cfg.checkpoint:
+            callbacks.append(Checkpointer(out / "checkpoint.pt", store))
+        callbacks.extend(extra_callbacks)
+        bar = None
+        if cfg.progress:
+            bar = ProgressBar(f"{method} seed {seed}", 0, cfg.rounds - start, cfg.rounds)
+            callbacks.append(bar)
+        diagnoser = None
+        if cfg.diagnostics.every > 0:
+            diagnoser = Diagnoser(
+                algo,
+                exp.eval_model,
+                exp.fed.client,
+                exp.fed.num_clients,
+                cfg.diagnostics.every,
+                cfg.diagnostics.batch_size,
+                cfg.diagnostics.clients,
+                seed,
+                cfg.rank,
+                uniform=cfg.weighting == "uniform",
+            )
+        loop = RoundLoop(
+            algo,
+            clients,
+            client_sampler(cfg, seed, privacy),
+            evaluate_state,
+            cfg.eval.every,
+            callbacks,
+            diagnoser,
+            norm_screen=cfg.robust.norm_screen,
+            privacy=privacy,
+        )
+        end = cfg.rounds if stop_after is None else min(cfg.rounds, stop_after + 1)
+        try:
+            with training_precision(cfg.precision):
+                loop.run(state, start, end)
+        except Interrupted as e:  # a signal (fedlore.engine.interrupt): name the run and folder
+            e.stopped_in(f"{method} seed {seed}", out)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        if end < cfg.rounds:
+            return None
+        summary = summarize(method, seed, metrics.path)
+        if exp.fed.test_split is not None:  # no test split of its own: what was held out
+            summary["data_test_split"] = exp.fed.test_split
+        summary.update(privacy_summary(privacy))  # the mechanism, beside its ε
+        write_json(out / "summary.json", summary)
+        # a finished run is never resumed: its spilled client states are no longer needed
+        shutil.rmtree(folder.spill, ignore_errors=True)
+        swap_in(out, folder.target)  # a replacement takes the finished run's place now
+        return summary
+
+
+def run_one(
+    cfg: Config,
+    method: str,
+    seed: int,
+    fed: Federation | None = None,
+    resume: bool = False,
+    stop_after: int | None = None,
+    extra_callbacks: tuple[Callback, ...] = (),
+    make_transport: Callable[..., Transport] | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any] | None:
+    """Run one method for one seed; returns its summary (None if stopped early by ``stop_after``,
+    which simulates a killed run for tests).
+
+    ``make_transport(algorithm, client_data, model_factory, seed, store)`` replaces the
+    in-process transport (the Flower ServerApp passes one over its Grid)."""
+    check_site_data(cfg, deployed=make_transport is not None)
+    target = run_dir(cfg, method, seed)
+    # a sibling replaces a finished run
+    out = write_dir(cfg, method, target, resume, overwrite, make_algorithm)
+    summary_path = out / "summary.json"
+    spill = spill_dir(cfg, method, seed, out)
+    if resume:
+        check_same_config(cfg, method, out, make_algorithm)
+    if resume and summary_path.exists():
+        done: dict[str, Any] = json.loads(summary_path.read_text())
+        return done
+    if not resume and not overwrite:
+        check_no_finished_run_of_another_config(cfg, method, out, make_algorithm)
+    # every check that can refuse the config runs before anything in the run folder is touched
+    fed = prepare_federation(cfg, seed, fed)
+    fingerprint = fed.fingerprint()
+    if resume:
+        check_same_data(out, fingerprint)
+    elif not overwrite:
+        kept = finished_run(cfg, method, seed, fingerprint, make_algorithm)
+        if kept is not None:
+            return kept  # finished already: said, not trained again
+    exp = build(cfg, method, seed, fed, fingerprint)
+    folder = RunFolder(target, out, spill, resume)
+    factory = make_transport if make_transport is not None else LocalTransport
+    return run(exp, factory, folder, stop_after, extra_callbacks)
+
+
+class RunOne(Protocol):
+    """Trains one method for one seed and returns its summary (:func:`run_one`'s keywords)."""
+
+    def __call__(
+        self,
+        cfg: Config,
+        method: str,
+        seed: int,
+        *,
+        fed: Federation,
+        resume: bool,
+        overwrite: bool,
+    ) -> dict[str, Any] | None: ...
+
+
+@dataclass(frozen=True)
+class Engine:
+    """How :func:`run_experiment` carries out each run that trains.
+
+    Attributes:
+        run: trains one method for one seed.
+        session: when given, entered once before the first run that trains and left when the
+            experiment ends, fails or is interrupted (the Simulation Engine's one Ray).
+    """
+
+    run: RunOne
+    session: Callable[[], AbstractContextManager[object]] | None = None
+
+
+IN_PROCESS = Engine(run_one)
+"""Every run in this process, over :class:`~fedlore.engine.transport.LocalTransport`."""
+
+
+def try_method(
+    cfg: Config, fed: Federation, build_model: Callable[[], nn.Module], name: str
+) -> Algorithm:
+    """Method ``name`` built, its server started on a fresh model of ``build_model`` and
+    dropped, and under secure aggregation its round checked: the preflight's trial of one
+    method (:func:`fedlore.checks.preflight`).
+
+    Raises:
+        ValueError (ConfigError included), KeyError: the method's problem.
+    """
+    rng = generator(cfg.seeds[0], SERVER_INIT)
+    algo = make_algorithm(name, cfg)
+    start_server(algo, build_model(), rng, fed, name)
+    if cfg.secure_aggregation:  # its round checks, before any run folder
+        make_privacy(cfg, algo, cfg.seeds[0], max_weight=float(fed.client_sizes().max()))
+    return algo
+
+
+def run_experiment(
+    cfg: Config, resume: bool = False, overwrite: bool = False, engine: Engine | None = None
+) -> dict[str, list[dict[str, Any]]]:
+    """Every method x seed of ``cfg``; the federation of a seed is built once and shared, so all
+    methods see identical client data. Returns method -> summaries.
+
+    Before any work: ``output_dir`` must be a folder (or not exist yet); every method name and
+    hyperparameter is checked and every problem reported at once; without ``resume`` or
+    ``overwrite`` no finished run of another config may be in the way, and the finished runs of
+    this config are reported and returned, not trained again.
+
+    Args:
+        engine: carries out the runs that train: :data:`IN_PROCESS` by default, which only an
+            ``engine: local`` config may use; ``fedlore run`` passes the config's engine from
+            :data:`fedlore.cli.ENGINES`.
+
+    Raises:
+        ConfigError: as above, naming each problem.
+    """
+    if engine is None:
+        if cfg.engine != "local":
+            raise ConfigError(
+                f"engine={cfg.engine}: run_experiment runs in process unless given an engine; "
+                f"pass engine=fedlore.cli.ENGINES[{cfg.engine!r}]() (as `fedlore run` does)"
+            )
+        engine = IN_PROCESS
+    out: dict[str, list[dict[str, Any]]] = {m: [] for m in cfg.algorithms}
+    # the config first (names, every method's settings): a typo is the problem to name, not a
+    # run folder in the way
+    problems = [*name_problems(cfg), *unused_method_problems(cfg)]
+    for name in cfg.algorithms:
+        try:
+            make_algorithm(name, cfg)  # unknown methods and bad hyperparameters fail early
+        except (KeyError, ValueError) as e:
+            problems.append(f"{name}: {e.args[0] if e.args else e}")
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    check_output_dir(cfg)
+    if not resume and not overwrite:
+        for seed in cfg.seeds:
+            for method in cfg.algorithms:
+                target = run_dir(cfg, method, seed)
+                check_no_finished_run_of_another_config(cfg, method, target, make_algorithm)
+    first = build_federation(cfg, cfg.seeds[0])
+    # every check runs before a run folder is created or touched
+    build_model = model_factory(cfg, first, cfg.seeds[0])
+    start = functools.partial(try_method, cfg, first, build_model)
+    for name, algo in preflight(cfg, first, build_model, start):
+        describe_parameters(name, algo, build_model())
+        warn_own_optimizer(cfg, name, algo)
+    make_output_dir(cfg)
+    with contextlib.ExitStack() as held:
+        # every folder this experiment will write is its own from the start: a second process
+        # running the same experiment is refused now, not when it reaches a busy folder (after
+        # having redone and rewritten the finished ones)
+        for seed in cfg.seeds:
+            for method in cfg.algorithms:
+                held.enter_context(RunLock(run_dir(cfg, method, seed)))
+        _run_all(cfg, first, resume, overwrite, engine, out)
+    return out
+
+
+def _run_all(
+    cfg: Config,
+    first: Federation,
+    resume: bool,
+    overwrite: bool,
+    engine: Engine,
+    out: dict[str, list[dict[str, Any]]],
+) -> None:
+    # the engine's session (flower-sim: one Ray for every run) is entered by the first run that
+    # trains and left when the last ends, fails or is interrupted
+    in_session = False
+    with contextlib.ExitStack() as session:
+        for seed in cfg.seeds:
+            fed = first if seed == cfg.seeds[0] else build_federation(cfg, seed)
+            done = {} if resume or overwrite else finished_runs(cfg, seed, fed, make_algorithm)
+            for method in cfg.algorithms:
+                summary: dict[str, Any] | None = done.get(method)  # finished: said, kept
+                if summary is None:
+                    if engine.session is not None and not in_session:
+                        session.enter_context(engine.session())
+                        in_session = True
+                    summary = engine.run(
+                        cfg, method, seed, fed=fed, resume=resume, overwrite=overwrite
+                    )
+                if summary is not None:
+                    out[method].append(summary)

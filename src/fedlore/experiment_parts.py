@@ -1,0 +1,250 @@
+"""The parts of an experiment, each built from the config: the method, the model, the
+server's first state and the evaluation of a server state.
+
+:func:`make_algorithm` is the one place a method is built (with the config's common settings and
+its ``method.<name>`` overrides, after :mod:`fedlore.checks` has had its say);
+:func:`model_factory` builds the same initial model for every method of a seed;
+:func:`start_server` starts the method's server (with the server's unlabeled set where the
+method needs it); :func:`evaluator` scores a server state on the central test set, the
+selection split and the clients' test splits; :func:`describe_parameters` says at the start what
+a method projects or adapts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from fedlore import registry
+from fedlore.algorithm import Algorithm
+from fedlore.algorithms import build_hyper
+from fedlore.checks import (
+    check_method_settings,
+    check_min_clients,
+    check_privacy,
+    privacy_modes,
+    server_data,
+)
+from fedlore.config import Config, ConfigError
+from fedlore.data.client_data import TensorSplit
+from fedlore.data.federation import Federation
+from fedlore.models import build_model
+from fedlore.progress import say
+from fedlore.seeding import MODEL_INIT, derive_seed
+from fedlore.tensors import load_model_arrays
+from fedlore.train.local import (
+    classification_metrics,
+    evaluate,
+    is_regression,
+    predictive_draws,
+    predictive_log_probs,
+    regression_metrics,
+)
+from fedlore.types import State
+
+log = logging.getLogger(__name__)
+
+
+def make_algorithm(name: str, cfg: Config) -> Algorithm:
+    """The registered method ``name`` with the config's common settings and its ``method.<name>``
+    overrides.
+
+    Raises:
+        KeyError: for an unknown method; ValueError: for an override the method does not have,
+            or fewer clients per round than the method's ``min_clients_per_round``.
+    """
+    cls = registry.get("algorithm", name)
+    common = {
+        "lr": cfg.lr,
+        "local_steps": cfg.local_steps,
+        "batch_size": cfg.batch_size,
+        "rounds": cfg.rounds,
+        "rank": cfg.rank,
+        "betas": cfg.optim.betas,
+        "eps": cfg.optim.eps,
+        "weight_decay": cfg.optim.weight_decay,
+        "schedule": cfg.optim.schedule,
+        "min_lr_ratio": cfg.optim.min_lr_ratio,
+        "grad_clip": cfg.optim.grad_clip,
+        "scale": cfg.optim.scale,
+        "optimizer": cfg.optim.name,
+        "weighting": cfg.weighting,
+        "diagnostics_every": cfg.diagnostics.every,
+        "local_eval": cfg.eval.local,
+        "mc_samples": cfg.eval.mc_samples,
+        "freeze": tuple(cfg.params.freeze),
+        "exclude": tuple(cfg.params.exclude),
+        "robust_aggregate": cfg.robust.aggregate,
+        "trim_fraction": cfg.robust.trim_fraction,
+        "transport_dtype": cfg.transport_dtype,
+    }
+    overrides = dict(cfg.method.get(name, {}))
+    check_method_settings(name, cls, cfg, overrides)
+    private = cfg.secure_aggregation or cfg.dp.enabled
+    if private:
+        common["upload_increments"] = True
+        check_privacy(name, cls, cfg)
+    try:
+        algo: Algorithm = build_hyper(cls, common, overrides)
+    except ValueError as e:
+        if not private:
+            raise
+        raise ConfigError(
+            f"{privacy_modes(cfg)} (every upload becomes an increment, upload_increments=True): {e}"
+        ) from e
+    check_min_clients(name, algo, cfg)
+    return algo
+
+
+def model_factory(cfg: Config, fed: Federation, seed: int) -> Callable[[], nn.Module]:
+    """Builds the model with the same initial weights for every method of a seed (the global
+    torch RNG is forked, so nothing outside is disturbed) on the CPU, then moves it to the
+    federation's device (so every device starts from the same weights), in float64 under
+    ``precision: fp64`` (initialized in float32 and cast, so fp32 and fp64 runs start from the
+    same weights up to the cast)."""
+
+    def build() -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(seed, MODEL_INIT))
+            model = build_model(
+                cfg.model.name, tuple(fed.input_shape), fed.num_classes, **cfg.model.kwargs
+            )
+        dtype = torch.float64 if cfg.precision == "fp64" else None
+        return model.to(device=fed.device, dtype=dtype)
+
+    return build
+
+
+def start_server(
+    algo: Algorithm, model: nn.Module, rng: torch.Generator, fed: Federation, method: str
+) -> State:
+    """``algo.init_server(model, rng)``, with the server's unlabeled set U
+    (``unlabeled=fed.server_unlabeled``) for a method that declares ``needs_server_data``
+    (:mod:`fedlore.algorithm`). Every run, the Flower ServerApp (through
+    :func:`fedlore.experiment.run_one`) and the preflight (:func:`fedlore.checks.preflight`)
+    start the server here.
+
+    Raises:
+        ConfigError: when ``method`` needs U and the config holds none out, or is a
+            classification method and the data are a regression task
+            (:func:`fedlore.checks.server_data`).
+    """
+    unlabeled = server_data(algo, fed, method)
+    if unlabeled is None:
+        return algo.init_server(model, rng)
+    init: Callable[..., State] = algo.init_server
+    return init(model, rng, unlabeled=unlabeled)
+
+
+def evaluator(
+    cfg: Config, fed: Federation, algo: Algorithm, model: nn.Module
+) -> Callable[[State], dict[str, float]]:
+    """Server state -> its evaluation row: the global model (loaded into ``model``) on the
+    central test set (``accuracy``, ``loss``, ``ece``, ``perplexity`` or ``rmse``), on the
+    selection split when there is one (``selection_*``), and with ``eval.clients`` on every
+    client's test split (:func:`global_local_metrics`; the splits are pooled once, here)."""
+    tests = [fed.client(c).test for c in range(fed.num_clients)] if cfg.eval.clients else []
+    tests = [t for t in tests if len(t)]
+    pooled_tests = TensorSplit.concat(tests) if tests else None  # built once per run
+    test_sizes = [len(t) for t in tests]
+
+    def evaluate_state(s: State) -> dict[str, float]:
+        load_model_arrays(model, algo.global_arrays(s))
+        bs, mc = cfg.eval.batch_size, cfg.eval.mc_samples
+        res = evaluate(model, fed.central_test, bs, mc)
+        row: dict[str, float] = {
+            k: res[k] for k in ("accuracy", "loss", "ece", "perplexity", "rmse") if k in res
+        }
+        if fed.selection is not None:  # the split hyperparameters are chosen on
+            sel = evaluate(model, fed.selection, bs, mc)
+            for k in ("accuracy", "loss", "perplexity", "rmse"):
+                if k in sel:
+                    row[f"selection_{k}"] = sel[k]
+        if cfg.eval.clients:
+            row.update(global_local_metrics(model, pooled_tests, test_sizes, bs, mc))
+        return row
+
+    return evaluate_state
+
+
+def global_local_metrics(
+    model: nn.Module,
+    pooled: TensorSplit | None,
+    sizes: list[int],
+    batch_size: int,
+    mc_samples: int,
+) -> dict[str, float]:
+    """G-local (reference notes Part 0.8): the global model on every client's test split, one
+    predictive pass over their concatenation ``pooled`` (client after client, ``sizes`` examples
+    each; None when no client has a test split). Pooled ``client_accuracy``, ``client_loss``
+    (NLL) and ``client_ece`` over all test examples, and ``client_accuracy_mean``, the unweighted
+    mean over clients."""
+    if pooled is None:
+        return {}
+    if is_regression(pooled.y):  # RMSE and NLL over every client's test example
+        draws = predictive_draws(model, pooled.x, batch_size, mc_samples)
+        reg = regression_metrics(draws, pooled.y)
+        return {"client_rmse": reg["rmse"], "client_loss": reg["loss"]}
+    log_probs = predictive_log_probs(model, pooled.x, batch_size, mc_samples)
+    out = {f"client_{k}": v for k, v in classification_metrics(log_probs, pooled.y).items()}
+    out.pop("client_num_examples")
+    if not bool(torch.isfinite(log_probs).all()):  # a diverged model: no score is meaningful
+        out["client_accuracy_mean"] = float("nan")
+        return out
+    hits = (log_probs.argmax(-1) == pooled.y).float()
+    per = [float(h.mean()) for h in hits.split(sizes)]
+    out["client_accuracy_mean"] = sum(per) / len(per)
+    return out
+
+
+def describe_parameters(name: str, algo: Algorithm, model: nn.Module) -> None:
+    """Say once, at the start of a run (:func:`fedlore.progress.say`), which matrices ``algo``
+    projects (FedLore, Local GaLore: ``plan``) or adapts (the LoRA methods: ``targets``) and
+    which tensors train densely, and warn about every Linear/Conv weight outside
+    ``params.exclude`` that is not projected because the rank covers it (``min(m, n) <= rank``):
+    it trains densely, which a user asking for a projected method would not expect."""
+    from fedlore.algorithms.lora_common import LoraMethod
+    from fedlore.algorithms.lowrank import LowRankHyper
+
+    params = dict(model.named_parameters())
+    if isinstance(algo, LowRankHyper):
+        plan = algo.plan(model)
+        kind = f"projects (rank {algo.rank})"
+        chosen = {k: f"{s.m}x{s.n}" for k, s in plan.items()}
+        for mod_name, mod in model.named_modules():
+            if not isinstance(mod, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d):
+                continue
+            weight = f"{mod_name}.weight" if mod_name else "weight"
+            if weight in plan or algo.is_frozen(weight):
+                continue
+            if any(weight.startswith(p) for p in algo.exclude):
+                continue
+            shape = tuple(mod.weight.shape)
+            log.warning(
+                "%s: %s %s is not projected (min(m, n) = %d <= rank %d): it trains densely",
+                name,
+                weight,
+                "x".join(map(str, (shape[0], int(mod.weight[0].numel())))),
+                min(shape[0], int(mod.weight[0].numel())),
+                algo.rank,
+            )
+    elif isinstance(algo, LoraMethod):
+        targets = algo.targets(model)
+        kind = f"adapts (rank {algo.rank})"
+        chosen = {f"{k}.weight": f"{t.m}x{t.n}" for k, t in targets.items()}
+    else:
+        return
+    frozen = [k for k in params if algo.is_frozen(k)]
+    dense = [k for k in params if k not in chosen and k not in frozen]
+    say(
+        "%s %s %d matrices: %s; trains densely: %s%s",
+        name,
+        kind,
+        len(chosen),
+        ", ".join(f"{k} {v}" for k, v in chosen.items()),
+        ", ".join(dense) or "nothing",
+        f"; frozen: {', '.join(frozen)}" if frozen else "",
+    )

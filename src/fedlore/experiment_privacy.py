@@ -1,0 +1,188 @@
+"""The privacy of a run: the secure aggregation and DP a config asks for, made concrete.
+
+:func:`make_privacy` turns the config's ``secure_aggregation`` and ``dp.*`` settings into the
+run's :class:`~fedlore.privacy.Privacy` (solving the DP noise multiplier for ``dp.epsilon``, and
+saying once what the mechanism is); :func:`client_sampler` draws each round's clients as the
+mechanism needs; :func:`privacy_record` and :func:`privacy_summary` are what a run's
+``config.json`` and ``summary.json`` record of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fedlore.algorithm import Algorithm
+from fedlore.checks import check_secure_round, setup_rounds
+from fedlore.config import Config, ConfigError
+from fedlore.engine.sampling import sample_clients
+from fedlore.privacy import ClipNorm, DPSettings, Privacy, noise_for_epsilon, noise_source
+from fedlore.privacy.dp import (
+    ADJACENCY,
+    default_clipped_count_stddev,
+    update_noise_multiplier,
+)
+from fedlore.progress import say_once
+
+NO_PRIVACY = (
+    "no privacy: dp.reproducible_noise drew the DP noise and the client sample from the run seed"
+)
+"""The ``privacy`` entry of a summary whose DP noise anyone who knows the seed can regenerate."""
+
+
+def make_privacy(
+    cfg: Config, algo: Algorithm, seed: int, max_weight: float | None = None
+) -> Privacy | None:
+    """The run's :class:`~fedlore.privacy.Privacy` (None when neither secure aggregation nor DP
+    is on). With ``dp.epsilon`` the noise multiplier is solved for the run's exchanges (its
+    rounds plus the method's setup exchanges) and sampling.
+
+    Args:
+        max_weight: the largest client weight (training examples) under
+            ``weighting: num_examples``; weights travel as p_i / max_weight in the secure sum.
+
+    Raises:
+        ValueError: if ``dp.epsilon`` cannot be reached; ConfigError when the secure round's
+            thresholds or fixed point cannot hold for the config.
+    """
+    if not (cfg.secure_aggregation or cfg.dp.enabled):
+        return None
+    setup = setup_rounds(algo)
+    per_round = cfg.clients_per_round()
+    dp = None
+    if cfg.dp.enabled:
+        assert cfg.dp.clip_norm is not None
+        sigma = cfg.dp.noise_multiplier
+        if sigma is None:
+            assert cfg.dp.epsilon is not None
+            sigma = noise_for_epsilon(
+                cfg.dp.epsilon,
+                cfg.dp.delta,
+                cfg.rounds + setup,
+                cfg.num_clients,
+                per_round,
+                accountant=cfg.dp.accountant,
+            )
+        dp = DPSettings(
+            cfg.dp.clip_norm, sigma, cfg.dp.delta, cfg.dp.sketch_share, cfg.dp.accountant
+        )
+        how = "solved from dp.epsilon" if cfg.dp.noise_multiplier is None else "dp.noise_multiplier"
+        say_once(
+            "DP: clip norm C = %g, noise multiplier σ = %.4g (%s) over %d exchanges of %d of %d "
+            "clients, δ = %g",
+            cfg.dp.clip_norm,
+            sigma,
+            how,
+            cfg.rounds + setup,
+            per_round,
+            cfg.num_clients,
+            cfg.dp.delta,
+        )
+        if sigma == 0:
+            say_once("DP: dp.noise_multiplier = 0 adds no noise: ε is infinite (clipping only)")
+        if cfg.dp.delta >= 1.0 / cfg.num_clients:
+            say_once(
+                "DP: dp.delta = %g is not below 1/num_clients = %g: a mechanism that publishes "
+                "one client's data outright would meet it",
+                cfg.dp.delta,
+                1.0 / cfg.num_clients,
+            )
+        if cfg.diagnostics.every > 0 or cfg.eval.clients:
+            say_once(
+                "DP: diagnostics.every / eval.clients read client data outside the mechanism "
+                "(simulation measurements, not covered by ε)"
+            )
+    if cfg.dp.enabled and cfg.dp.reproducible_noise:
+        say_once(
+            "DP: dp.reproducible_noise=true draws the noise and the client sample from the run "
+            "seed: anyone who knows it can remove the noise. This run has NO PRIVACY (debugging "
+            "only); its summary and report row say so"
+        )
+    clip = None
+    if dp is not None:
+        clip = ClipNorm(dp.clip_norm)
+        if cfg.dp.target_quantile is not None:
+            sb = cfg.dp.clipped_count_stddev
+            clip = ClipNorm(
+                dp.clip_norm,
+                cfg.dp.target_quantile,
+                cfg.dp.clip_lr,
+                default_clipped_count_stddev(per_round) if sb is None else sb,
+            )
+            try:
+                z_update = update_noise_multiplier(dp.noise_multiplier, clip.count_stddev)
+            except ValueError as e:
+                raise ConfigError(f"dp.target_quantile: {e}") from e
+            say_once(
+                "DP: adaptive clipping (Andrew et al. 2021) towards the %g quantile of the upload "
+                "norms from C = %g, clip_lr %g; the unclipped count gets noise %g, so the update "
+                "gets noise multiplier %.4g (total, accounted: %.4g)",
+                cfg.dp.target_quantile,
+                dp.clip_norm,
+                cfg.dp.clip_lr,
+                clip.count_stddev,
+                z_update,
+                dp.noise_multiplier,
+            )
+    privacy = Privacy(
+        cfg.secure_aggregation,
+        dp,
+        cfg.weighting == "uniform",
+        cfg.num_clients,
+        per_round,
+        setup,
+        seed,
+        cfg.secure_aggregation_degree,
+        threshold=cfg.secure_aggregation_threshold,
+        colluders=cfg.dp.colluding_clients,
+        entry_bound=cfg.secure_aggregation_range,
+        max_weight=1.0 if cfg.weighting == "uniform" or max_weight is None else float(max_weight),
+        noise=noise_source(cfg.dp.enabled and cfg.dp.reproducible_noise, seed),
+        clip=clip,
+    )
+    if cfg.secure_aggregation:
+        check_secure_round(cfg, privacy)
+    return privacy
+
+
+def client_sampler(cfg: Config, seed: int, privacy: Privacy | None) -> Callable[[int], list[int]]:
+    """Round -> the sorted ids of its clients: from OS entropy under DP (amplification by
+    subsampling assumes nobody can predict the sample; :meth:`Privacy.sample`), else seeded
+    from ``(seed, round)`` (:func:`~fedlore.engine.sampling.sample_clients`)."""
+    if privacy is not None and privacy.dp is not None:
+        return privacy.sample
+    per_round = cfg.clients_per_round()
+    return lambda rnd: sample_clients(cfg.num_clients, per_round, seed, rnd)
+
+
+def privacy_record(privacy: Privacy | None) -> dict[str, Any]:
+    """What a run's ``config.json`` records of its DP mechanism: the noise multiplier (solved
+    from ``dp.epsilon`` or as set) and where the noise came from; empty without DP."""
+    if privacy is None or privacy.dp is None:
+        return {}
+    return {
+        "dp_noise_multiplier": privacy.dp.noise_multiplier,
+        "dp_noise_source": "seed (no privacy)" if privacy.reproducible else "os",
+    }
+
+
+def privacy_summary(privacy: Privacy | None) -> dict[str, Any]:
+    """What a finished run's summary records of its DP mechanism, beside the ε its rows report:
+    noise multiplier, clip norm (where it began, and under adaptive clipping where it ended),
+    δ, adjacency, noise source and accountant, and :data:`NO_PRIVACY` for noise drawn from the
+    seed; empty without DP."""
+    if privacy is None or privacy.dp is None:
+        return {}
+    out: dict[str, Any] = {
+        "dp_noise_multiplier": privacy.dp.noise_multiplier,
+        "dp_clip_norm": privacy.dp.clip_norm,
+        "dp_delta": privacy.dp.delta,
+        "dp_adjacency": ADJACENCY,
+        "dp_noise_source": "seed" if privacy.reproducible else "os",
+        "dp_accountant": privacy.dp.accountant,
+    }
+    if privacy.adaptive:  # where adaptive clipping left C (dp_clip_norm: where it began)
+        out["dp_clip_norm_final"] = privacy.clip_norm
+    if privacy.reproducible:
+        out["privacy"] = NO_PRIVACY
+    return out

@@ -1,0 +1,222 @@
+"""The report's Markdown: :mod:`fedlore.results.tables` rows rendered as tables (mean ± std
+cells, MB and byte units, the seeds and privacy cells); classifier, language-model and regression
+layouts, and the diagnostics table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedlore.results.tables import DIAGNOSTIC_KEYS
+
+
+def seeds_cell(row: dict[str, Any]) -> str:
+    """The seeds column: how many runs, and how many of them are unfinished (no summary.json:
+    their values are those of the last round written) or diverged (a training loss gone
+    non-finite, or a model that blew up, :mod:`fedlore.results.divergence`: their final values
+    are left out of the statistics)."""
+    notes = []
+    if row.get("unfinished_runs"):
+        notes.append(f"{row['unfinished_runs']} unfinished")
+    if row.get("diverged_runs"):
+        notes.append(f"{row['diverged_runs']} diverged")
+    n = str(int(row["n_seeds"]))
+    return f"{n} ({', '.join(notes)})" if notes else n
+
+
+def _pm(mean: float | None, std: float | None, digits: int = 2, n: int = 2) -> str:
+    if mean is None:
+        return "–"
+    if abs(mean) >= 1e5:  # a perplexity of a barely trained or diverging model
+        return f"{mean:.3g}" if n < 2 else f"{mean:.3g} ± {(std or 0.0):.2g}"
+    if n < 2:  # one seed: no spread to report
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {(std or 0.0):.{digits}f}"
+
+
+def _num(v: float | None) -> str:
+    if v is None:
+        return "–"
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.2f}" if abs(v) >= 1 else f"{v:.3g}"
+
+
+def _count(v: float | None) -> str:
+    return "–" if v is None else f"{v:g}"
+
+
+def _bytes(v: float | None) -> str:
+    if v is None:
+        return "–"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(v) >= size:
+            return f"{v / size:.2f} {unit}"
+    return f"{v:.0f} B"
+
+
+def _dp_cell(row: dict[str, Any]) -> str:
+    """``ε (δ) / σ / C / clipped``: the privacy spent at the run's end (mean over seeds), the
+    noise multiplier, the clip norm and the clipped uploads per run (of all the uploads the
+    run's clients made); "–" for a run without DP. Runs with ``dp.reproducible_noise`` (noise
+    from the run seed) are marked "no privacy"."""
+    sigma = row.get("dp_noise_multiplier_mean")
+    if sigma is None:
+        return "–"
+    eps = row.get("dp_epsilon_mean")
+    eps_s = "∞" if eps is None else f"{eps:.3g}"
+    delta = row.get("dp_delta")
+    delta_s = f" ({delta:g})" if delta is not None else ""
+    clip = row.get("dp_clip_norm_mean")
+    clip_s = "–" if clip is None else f"{clip:g}"
+    cell = f"{eps_s}{delta_s} / {sigma:.3g} / {clip_s} / {_count(row.get('dp_clipped_total_mean'))}"
+    if row.get("no_privacy_runs"):  # dp.reproducible_noise: the noise can be regenerated
+        cell = f"no privacy ({int(row['no_privacy_runs'])} runs with seeded noise): " + cell
+    return cell
+
+
+def to_markdown(table: list[dict[str, Any]]) -> str:
+    """Render :func:`summary_table` rows as a Markdown table (accuracies in %, mean ± std).
+
+    When any row has a perplexity (language models), the accuracy columns give way to the final
+    validation loss (nats per token), the final perplexity and the next-token accuracy. Classifier
+    runs that recorded an ECE add the final NLL and ECE; runs with ``eval.local`` the P-local
+    accuracy, beside the G-local accuracy of runs with ``eval.clients``, so a personalized
+    method's global and personal scores stand side by side; runs with client timing the
+    local-training seconds per client and round; DP runs the privacy spent (ε at δ), the noise
+    multiplier σ and the clipped uploads.
+    """
+    lm = any(row.get("language_model") for row in table)
+    if not lm and any(row.get("regression") for row in table):
+        return _regression_markdown(table)
+    calib = not lm and any(row.get("final_ece_mean") is not None for row in table)
+    local = any(row.get("local_accuracy_pct_mean") is not None for row in table)
+    glocal = any(row.get("client_accuracy_pct_mean") is not None for row in table)
+    timed = any(row.get("client_train_s_per_round_mean") is not None for row in table)
+    peak = any(row.get("peak_memory_bytes_mean") is not None for row in table)
+    private = any(row.get("dp_noise_multiplier_mean") is not None for row in table)
+    quality = (
+        ["val loss", "val PPL", "next-token acc. (%)"]
+        if lm
+        else ["final acc. (%)", "best acc. (%)"]
+    )
+    quality += ["NLL", "ECE"] if calib else []
+    quality += ["G-local acc. (%)"] if glocal else []
+    quality += ["P-local acc. (%)"] if local else []
+    header = [
+        "method",
+        "seeds",
+        *quality,
+        "MB up",
+        "MB down",
+        "optimizer state",
+        *(["peak device memory"] if peak else []),
+        "s / round",
+        *(["client train s / round"] if timed else []),
+        "rejected / skipped",
+        *(["DP ε (δ) / σ / C / clipped uploads"] if private else []),
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in table:
+        n = int(row["n_seeds"])
+        rej, skip = row.get("rejected_total_mean"), row.get("skipped_steps_total_mean")
+        acc = _pm(row["final_accuracy_pct_mean"], row["final_accuracy_pct_std"], n=n)
+        if lm:
+            ppl = _pm(row.get("final_perplexity_mean"), row.get("final_perplexity_std"), n=n)
+            if row.get("diverged_runs"):
+                ppl += " (diverged)"
+            first = [
+                _pm(row.get("final_loss_mean"), row.get("final_loss_std"), digits=3, n=n),
+                ppl,
+                acc,
+            ]
+        else:
+            first = [acc, _pm(row["best_accuracy_pct_mean"], row["best_accuracy_pct_std"], n=n)]
+        if calib:
+            first += [
+                _pm(row.get("final_loss_mean"), row.get("final_loss_std"), digits=3, n=n),
+                _pm(row.get("final_ece_mean"), row.get("final_ece_std"), digits=3, n=n),
+            ]
+        if glocal:
+            first.append(
+                _pm(row.get("client_accuracy_pct_mean"), row.get("client_accuracy_pct_std"), n=n)
+            )
+        if local:
+            first.append(
+                _pm(row.get("local_accuracy_pct_mean"), row.get("local_accuracy_pct_std"), n=n)
+            )
+        cells = [
+            str(row["method"]),
+            seeds_cell(row),
+            *first,
+            _num(row["mb_up_mean"]),
+            _num(row["mb_down_mean"]),
+            _bytes(row["optimizer_state_bytes_mean"]),
+            *([_bytes(row.get("peak_memory_bytes_mean"))] if peak else []),
+            _pm(row["wall_s_per_round_mean"], row["wall_s_per_round_std"], digits=3, n=n),
+            *([_num(row.get("client_train_s_per_round_mean"))] if timed else []),
+            f"{_count(rej)} / {_count(skip)}",
+            *([_dp_cell(row)] if private else []),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _regression_markdown(table: list[dict[str, Any]]) -> str:
+    """:func:`to_markdown` for regression runs: final RMSE and NLL of the global model, and the
+    G-local / P-local RMSE where recorded, in place of the accuracy columns."""
+    glocal = any(row.get("client_rmse_mean") is not None for row in table)
+    local = any(row.get("local_rmse_mean") is not None for row in table)
+    header = [
+        "method",
+        "seeds",
+        "final RMSE",
+        "NLL",
+        *(["G-local RMSE"] if glocal else []),
+        *(["P-local RMSE"] if local else []),
+        "MB up",
+        "MB down",
+        "optimizer state",
+        "s / round",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in table:
+        n = int(row["n_seeds"])
+        cells = [
+            str(row["method"]),
+            seeds_cell(row),
+            _pm(row.get("final_rmse_mean"), row.get("final_rmse_std"), digits=3, n=n),
+            _pm(row.get("final_loss_mean"), row.get("final_loss_std"), digits=3, n=n),
+            *([_num(row.get("client_rmse_mean"))] if glocal else []),
+            *([_num(row.get("local_rmse_mean"))] if local else []),
+            _num(row["mb_up_mean"]),
+            _num(row["mb_down_mean"]),
+            _bytes(row["optimizer_state_bytes_mean"]),
+            _pm(row["wall_s_per_round_mean"], row["wall_s_per_round_std"], digits=3, n=n),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def diagnostics_markdown(table: list[dict[str, Any]]) -> str:
+    """Render :func:`diagnostics_table` rows as Markdown (empty string for no rows)."""
+    if not table:
+        return ""
+    keys = [k for k in DIAGNOSTIC_KEYS if any(row[k][0] is not None for row in table)]
+    header = ["method", *[k.removeprefix("diag.") for k in keys], "rounds", "s", "MB up"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in table:
+        n = int(row["n_seeds"])
+        cells = [str(row["method"])]
+        for k in keys:
+            mean, std = row[k]
+            cells.append(
+                "–"
+                if mean is None
+                else _pm(mean, std, digits=3, n=n)
+                if abs(mean) < 100
+                else _num(mean)
+            )
+        cells += [_count(row["measured_rounds"]), _num(row["diag_s"]), _num(row["diag_mb_up"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,166 @@
+"""The one place a run's summary is computed from its metrics rows.
+
+A finished run's ``summary.json`` (:func:`summarize`, written when the run ends) and the summary
+that :mod:`fedlore.results.store` derives for a run that has none (:func:`derive_summary`) hold
+the same final and best scores, totals and last values; nothing here needs torch, so reading
+results back stays light.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from fedlore.results.divergence import divergence
+
+
+def value(row: dict[str, Any], key: str) -> float | None:
+    """``row[key]`` as a finite float, or None when it is missing, null, non-numeric or NaN/inf."""
+    v = row.get(key)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def lm_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``final_perplexity`` (of the last evaluated round; None when it was not finite, i.e. the
+    run diverged) and ``best_perplexity`` (the lowest finite one, None if none) of a language
+    model's metrics rows; empty for a classifier (no row has a ``perplexity`` key)."""
+    evaluated = [r for r in rows if "perplexity" in r]
+    if not evaluated:
+        return {}
+    finite = [float(r["perplexity"]) for r in evaluated if r["perplexity"] is not None]
+    return {
+        "final_perplexity": evaluated[-1]["perplexity"],
+        "best_perplexity": min(finite) if finite else None,
+    }
+
+
+def derive_summary(method: str, seed: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A ``summary.json`` equivalent computed from metrics rows.
+
+    ``final_accuracy`` and ``final_loss`` are the last evaluation's values (None when they were
+    not finite: a run that diverged at the end), ``best_accuracy`` the finite maximum (None if no
+    round was evaluated); language models add
+    ``final_perplexity`` and ``best_perplexity`` (the minimum); byte totals are sums;
+    ``optimizer_state_bytes`` is the peak over rounds; ``wall_s_per_round`` the mean round
+    time; ``rounds`` the number of rows; rejected replies and skipped steps are totals, and the
+    optional last values (ECE, P-local, client seconds) and the divergence mark are those a
+    finished run's summary would hold.
+    """
+    acc = [a for a in (value(r, "accuracy") for r in rows) if a is not None]
+    evaluated = [r for r in rows if "accuracy" in r or "loss" in r]
+    last_eval = evaluated[-1] if evaluated else {}
+    walls = [w for w in (value(r, "wall_s") for r in rows) if w is not None]
+    states = [s for s in (value(r, "optimizer_state_bytes") for r in rows) if s is not None]
+    losses = [v for v in (value(r, "loss") for r in rows) if v is not None]
+    train = [r for r in rows if isinstance(r.get("round"), int) and r["round"] >= 0]
+    lm = lm_summary(train)
+    return {
+        "method": method,
+        "seed": seed,
+        "final_accuracy": value(last_eval, "accuracy"),  # the last evaluation, not finite: None
+        "best_accuracy": max(acc) if acc else None,
+        "bytes_up_total": sum(value(r, "bytes_up") or 0.0 for r in rows),
+        "bytes_down_total": sum(value(r, "bytes_down") or 0.0 for r in rows),
+        "optimizer_state_bytes": max(states) if states else None,
+        "wall_s_per_round": sum(walls) / len(walls) if walls else None,
+        "rounds": len(rows),
+        "final_loss": value(last_eval, "loss") if losses else None,
+        "rejected_total": sum(int(r.get("rejected", 0) or 0) for r in rows),
+        "skipped_steps_total": sum(int(r.get("skipped_steps", 0) or 0) for r in rows),
+        "derived": True,
+        **lm,
+        **_last_values(train),  # ECE, P-local, client seconds: as a finished run's summary
+        **divergence(train),
+    }
+
+
+def summarize(method: str, seed: int, metrics_path: Path) -> dict[str, Any]:
+    """The ``summary.json`` of a finished run, computed from its ``metrics.jsonl``."""
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    train = [r for r in rows if r["round"] >= 0]
+    accs = [r["accuracy"] for r in train if r.get("accuracy") is not None]
+    lm = lm_summary(train)
+    return {
+        "method": method,
+        "seed": seed,
+        "rounds": len(train),
+        "final_accuracy": final_value(train, "accuracy"),
+        "best_accuracy": max(accs) if accs else None,
+        "final_loss": final_value(train, "loss"),
+        "bytes_up_total": sum(r["bytes_up"] for r in rows),
+        "bytes_down_total": sum(r["bytes_down"] for r in rows),
+        "optimizer_state_bytes": max((r["optimizer_state_bytes"] for r in rows), default=0),
+        **_peak(rows),
+        "wall_s_per_round": sum(r["wall_s"] for r in train) / max(len(train), 1),
+        "wall_s_total": sum(r["wall_s"] for r in rows),
+        "rejected_total": sum(r.get("rejected", 0) for r in rows),
+        "skipped_steps_total": sum(r.get("skipped_steps", 0) for r in rows),
+        "diag_s_total": sum(r.get("diag_s", 0.0) for r in rows),
+        "diag_bytes_up_total": sum(r.get("diag_bytes_up", 0) for r in rows),
+        **(
+            {"dp_clipped_total": sum(r.get("dp_clipped", 0) for r in rows)}
+            if any("dp_clipped" in r for r in rows)
+            else {}
+        ),
+        **lm,
+        **_last_values(train),
+        **divergence(train),
+    }
+
+
+SUMMARY_LAST = {
+    "final_ece": "ece",
+    "final_client_accuracy": "client_accuracy",
+    "final_client_loss": "client_loss",
+    "final_client_ece": "client_ece",
+    "final_client_accuracy_mean": "client_accuracy_mean",
+    "local_accuracy": "local_accuracy",
+    "local_loss": "local_loss",
+    "local_ece": "local_ece",
+    "local_clients": "local_clients",
+    "final_selection_accuracy": "selection_accuracy",
+    "final_selection_loss": "selection_loss",
+    "final_rmse": "rmse",
+    "final_selection_rmse": "selection_rmse",
+    "final_client_rmse": "client_rmse",
+    "local_rmse": "local_rmse",
+    "dp_epsilon": "dp_epsilon",
+    "dp_epsilon_sample_known": "dp_epsilon_sample_known",
+}
+"""Summary key -> row key whose last recorded value it holds (when any round recorded it)."""
+
+
+def _peak(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``peak_memory_bytes``: the largest peak device memory of any client's update in the run
+    (CUDA only; absent on the CPU, where nothing measures it)."""
+    peaks = [r["peak_memory_bytes"] for r in rows if r.get("peak_memory_bytes") is not None]
+    return {"peak_memory_bytes": max(peaks)} if peaks else {}
+
+
+def final_value(rows: list[dict[str, Any]], key: str) -> Any:
+    """The value of ``key`` in the last row that recorded it (the last evaluation), None when
+    that value was not finite (metrics.jsonl writes NaN and inf as null) or no row recorded it.
+    Never an earlier round's value: a run that diverged at the end reports None, not the score
+    it had before (so it can never win a learning-rate grid)."""
+    return next((r[key] for r in reversed(rows) if key in r), None)
+
+
+def _last_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary's optional metrics: each :data:`SUMMARY_LAST` key that any row recorded,
+    with its value in the last row that recorded it (None when not finite, see
+    :func:`final_value`), ``final_selection_perplexity`` likewise, and
+    ``client_train_s_per_round`` (mean seconds of local training per client per round)."""
+    out: dict[str, Any] = {}
+    for key, src in SUMMARY_LAST.items():
+        if any(src in r for r in rows):
+            out[key] = final_value(rows, src)
+    if any("selection_perplexity" in r for r in rows):
+        out["final_selection_perplexity"] = final_value(rows, "selection_perplexity")
+    times = [r["client_train_s"] for r in rows if r.get("client_train_s") is not None]
+    if times:
+        out["client_train_s_per_round"] = sum(times) / len(times)
+    return out

@@ -1,0 +1,208 @@
+"""The report's statistics: one row per method (or config) of mean ± std over its seeds, for the
+summary (:func:`summary_table`, keys :data:`COLUMNS`) and for the subspace diagnostics
+(:func:`diagnostics_table`). Numbers only: :mod:`fedlore.results.markdown` renders the rows,
+:func:`fedlore.results.report.to_csv` writes them.
+
+Statistics are over seeds: the mean and the sample standard deviation (ddof=1) when there are
+at least two seeds, else a std of 0. Accuracies are in percent, traffic in MB (10^6 bytes),
+optimizer state and peak memory in bytes, round time in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fedlore.results.plots import BYTES_PER_MB, mean_std
+from fedlore.results.store import RunRecord, value
+
+COLUMNS = [
+    "method",
+    "n_seeds",
+    "final_accuracy_pct_mean",
+    "final_accuracy_pct_std",
+    "best_accuracy_pct_mean",
+    "best_accuracy_pct_std",
+    "mb_up_mean",
+    "mb_down_mean",
+    "optimizer_state_bytes_mean",
+    "peak_memory_bytes_mean",
+    "wall_s_per_round_mean",
+    "wall_s_per_round_std",
+    "rejected_total_mean",
+    "skipped_steps_total_mean",
+    "final_loss_mean",
+    "final_loss_std",
+    "final_perplexity_mean",
+    "final_perplexity_std",
+    "best_perplexity_mean",
+    "final_ece_mean",
+    "final_ece_std",
+    "client_accuracy_pct_mean",
+    "client_accuracy_pct_std",
+    "local_accuracy_pct_mean",
+    "local_accuracy_pct_std",
+    "client_train_s_per_round_mean",
+    "final_rmse_mean",
+    "final_rmse_std",
+    "client_rmse_mean",
+    "local_rmse_mean",
+    "dp_epsilon_mean",
+    "dp_noise_multiplier_mean",
+    "dp_clip_norm_mean",
+    "dp_delta",
+    "dp_clipped_total_mean",
+    "no_privacy_runs",
+]
+"""Keys of every :func:`summary_table` row, in CSV column order (the perplexity columns are
+empty for classifiers; ECE, G-local and P-local accuracy and client training time are empty for
+runs that did not record them)."""
+
+
+def _summary_values(records: list[RunRecord], key: str, scale: float = 1.0) -> list[float]:
+    out = []
+    for r in records:
+        v = r.summary.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+            out.append(float(v) * scale)
+    return out
+
+
+def _stat(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return mean_std(values)
+
+
+def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
+    """One row per method with mean ± std over its seeds.
+
+    Args:
+        runs: method -> runs over seeds (from :func:`load_runs`).
+
+    Returns:
+        Rows with the keys in :data:`COLUMNS`: ``n_seeds``; final and best accuracy in percent
+        (mean, std); final loss and perplexity (mean, std) and best perplexity (language
+        models); final ECE, G-local accuracy (the global model on the clients' test splits,
+        ``eval.clients``) and P-local accuracy (each client's own, personal or last local, model
+        on its test split, ``eval.local``) in percent, and client training seconds per round
+        where the runs recorded them; mean total MB up and down per run; mean per-client
+        optimizer-state bytes; seconds per round (mean, std). A statistic is None when no seed
+        reports it.
+    """
+    table = []
+    for method, records in runs.items():
+        final_m, final_s = _stat(_summary_values(records, "final_accuracy", 100.0))
+        best_m, best_s = _stat(_summary_values(records, "best_accuracy", 100.0))
+        wall_m, wall_s = _stat(_summary_values(records, "wall_s_per_round"))
+        loss_m, loss_s = _stat(_summary_values(records, "final_loss"))
+        ppl_m, ppl_s = _stat(_summary_values(records, "final_perplexity"))
+        ece_m, ece_s = _stat(_summary_values(records, "final_ece"))
+        local_m, local_s = _stat(_summary_values(records, "local_accuracy", 100.0))
+        glocal_m, glocal_s = _stat(_summary_values(records, "final_client_accuracy", 100.0))
+        rmse_m, rmse_s = _stat(_summary_values(records, "final_rmse"))
+        table.append(
+            {
+                "method": method,
+                "n_seeds": len(records),
+                "final_accuracy_pct_mean": final_m,
+                "final_accuracy_pct_std": final_s,
+                "best_accuracy_pct_mean": best_m,
+                "best_accuracy_pct_std": best_s,
+                "mb_up_mean": _stat(_summary_values(records, "bytes_up_total", 1 / BYTES_PER_MB))[
+                    0
+                ],
+                "mb_down_mean": _stat(
+                    _summary_values(records, "bytes_down_total", 1 / BYTES_PER_MB)
+                )[0],
+                "optimizer_state_bytes_mean": _stat(
+                    _summary_values(records, "optimizer_state_bytes")
+                )[0],
+                "peak_memory_bytes_mean": _stat(_summary_values(records, "peak_memory_bytes"))[0],
+                "wall_s_per_round_mean": wall_m,
+                "wall_s_per_round_std": wall_s,
+                "rejected_total_mean": _stat(_summary_values(records, "rejected_total"))[0],
+                "skipped_steps_total_mean": _stat(_summary_values(records, "skipped_steps_total"))[
+                    0
+                ],
+                "final_loss_mean": loss_m,
+                "final_loss_std": loss_s,
+                "final_perplexity_mean": ppl_m,
+                "final_perplexity_std": ppl_s,
+                "best_perplexity_mean": _stat(_summary_values(records, "best_perplexity"))[0],
+                "final_ece_mean": ece_m,
+                "final_ece_std": ece_s,
+                "client_accuracy_pct_mean": glocal_m,
+                "client_accuracy_pct_std": glocal_s,
+                "local_accuracy_pct_mean": local_m,
+                "local_accuracy_pct_std": local_s,
+                "client_train_s_per_round_mean": _stat(
+                    _summary_values(records, "client_train_s_per_round")
+                )[0],
+                "diverged_runs": sum(
+                    1
+                    for r in records
+                    if r.summary.get("diverged")
+                    or ("final_perplexity" in r.summary and r.summary["final_perplexity"] is None)
+                ),
+                "unfinished_runs": sum(1 for r in records if r.summary.get("derived")),
+                "language_model": any("final_perplexity" in r.summary for r in records),
+                "final_rmse_mean": rmse_m,
+                "final_rmse_std": rmse_s,
+                "client_rmse_mean": _stat(_summary_values(records, "final_client_rmse"))[0],
+                "local_rmse_mean": _stat(_summary_values(records, "local_rmse"))[0],
+                "regression": any("final_rmse" in r.summary for r in records),
+                "dp_epsilon_mean": _stat(_summary_values(records, "dp_epsilon"))[0],
+                "dp_noise_multiplier_mean": _stat(_summary_values(records, "dp_noise_multiplier"))[
+                    0
+                ],
+                "dp_clipped_total_mean": _stat(_summary_values(records, "dp_clipped_total"))[0],
+                "dp_clip_norm_mean": _stat(_summary_values(records, "dp_clip_norm"))[0],
+                "dp_delta": next(
+                    (r.summary["dp_delta"] for r in records if "dp_delta" in r.summary), None
+                ),
+                "no_privacy_runs": sum(1 for r in records if r.summary.get("privacy")),
+            }
+        )
+    return table
+
+
+DIAGNOSTIC_KEYS = (
+    "diag.retained_energy",
+    "diag.rho2",
+    "diag.d_r",
+    "diag.b_norm2",
+    "diag.inner",
+    "diag.certificate2",
+)
+"""Diagnostics summarized and plotted by default when runs have them (see
+:mod:`fedlore.diagnostics`)."""
+
+
+def diagnostics_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
+    """Per method: each :data:`DIAGNOSTIC_KEYS` metric averaged over a run's measured rounds,
+    then mean ± std over seeds; plus the measured rounds per run and the diagnostics' seconds
+    and candidate-gradient MB per run. Methods without diagnostics are left out."""
+    table = []
+    for method, records in runs.items():
+        row: dict[str, Any] = {"method": method, "n_seeds": len(records)}
+        found = False
+        for key in DIAGNOSTIC_KEYS:
+            per_run = []
+            for r in records:
+                vals = [v for v in (value(x, key) for x in r.rows) if v is not None]
+                if vals:
+                    per_run.append(sum(vals) / len(vals))
+            row[key] = _stat(per_run)
+            found = found or bool(per_run)
+        if not found:
+            continue
+        row["measured_rounds"] = _stat(
+            [float(sum(1 for x in r.rows if "diag_s" in x)) for r in records]
+        )[0]
+        row["diag_s"] = _stat([sum(value(x, "diag_s") or 0.0 for x in r.rows) for r in records])[0]
+        row["diag_mb_up"] = _stat(
+            [sum(value(x, "diag_bytes_up") or 0.0 for x in r.rows) / BYTES_PER_MB for r in records]
+        )[0]
+        table.append(row)
+    return table
