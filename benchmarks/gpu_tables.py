@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedlore.checks import setup_rounds
 from fedlore.config import load_config
 from fedlore.data.client_data import TensorSplit
 from fedlore.data.federation import Federation
@@ -160,7 +161,7 @@ def cost_row(
     loop = RoundLoop(algo, transport, lambda rnd: list(range(clients)))
     rows = []
     with training_precision("bf16"):
-        for rnd in range(-int(getattr(algo, "setup_rounds", 0)), 2):
+        for rnd in range(-setup_rounds(algo), 2):
             state, row = loop.run_round(state, rnd, 1)
             rows.append(row)
     last = rows[-1]

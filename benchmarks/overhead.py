@@ -136,7 +136,11 @@ class Bare:
             model.train()
             h = self.hyper
             opt = torch.optim.AdamW(
-                model.parameters(), lr=h.lr, betas=h.betas, eps=h.eps, weight_decay=h.weight_decay
+                model.parameters(),
+                lr=h.train.lr,
+                betas=h.train.betas,
+                eps=h.train.eps,
+                weight_decay=h.train.weight_decay,
             )
             for x, y in self.batches(cid, rnd):
                 opt.zero_grad(set_to_none=True)
@@ -159,7 +163,12 @@ def measure(name: str, rounds: int, repeats: int) -> dict[str, Any]:
     cfg = load_config(config, [*overrides, "algorithms=fedfull", "progress=false"])
     seed = cfg.seeds[0]
     h = make_algorithm("fedfull", cfg)
-    if h.schedule != "constant" or h.grad_clip is not None or h.freeze or h.local_eval:
+    if (
+        h.train.schedule != "constant"
+        or h.train.grad_clip is not None
+        or h.train.freeze
+        or h.train.local_eval
+    ):
         raise SystemExit(f"{name}: the bare loop assumes a constant lr, no clipping, no freeze")
     fed = build_federation(cfg, seed)
     with tempfile.TemporaryDirectory() as tmp, training_precision(cfg.precision):

@@ -340,7 +340,11 @@ def pfl_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
 
     cfg = task_config(a.task, a.method, a.rounds, a.lr, a.workdir / "runs")
     algo = make_algorithm(a.method, cfg)  # fedlore's settings, the one source for both sides
-    if algo.schedule != "constant" or algo.weighting != "num_examples" or algo.freeze:
+    if (
+        algo.train.schedule != "constant"
+        or algo.train.weighting != "num_examples"
+        or algo.train.freeze
+    ):
         raise SystemExit(f"peer_pfl: unsupported fedlore settings for a pfl twin: {algo}")
     fed = build_federation(cfg, SEED).to(torch.device("cpu"))
     log = BatchLog()
@@ -379,11 +383,11 @@ def pfl_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
             super().__init__(raw_data=(self.client.train.x, self.client.train.y), user_id=cid)
 
         def iter(self, batch_size: int | None) -> Any:
-            if batch_size != algo.batch_size:  # pfl scoring the user (not done here)
+            if batch_size != algo.train.batch_size:  # pfl scoring the user (not done here)
                 yield from super().iter(batch_size)
                 return
             rng = generator(SEED, CLIENT, self.rnd, self.client.client_id)
-            yield from self.client.batches(batch_size, algo.local_steps, rng, self.rnd)
+            yield from self.client.batches(batch_size, algo.train.local_steps, rng, self.rnd)
 
     made = [0] * fed.num_clients  # datasets made per user: the round of the next one
 
@@ -431,11 +435,14 @@ def pfl_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     net = Net(model_factory(cfg, fed, SEED)())
     if algo.local_optimizer == "sgd":
         local = functools.partial(
-            torch.optim.SGD, momentum=algo.momentum, weight_decay=algo.weight_decay
+            torch.optim.SGD, momentum=algo.momentum, weight_decay=algo.train.weight_decay
         )
     else:
         local = functools.partial(
-            torch.optim.AdamW, betas=algo.betas, eps=algo.eps, weight_decay=algo.weight_decay
+            torch.optim.AdamW,
+            betas=algo.train.betas,
+            eps=algo.train.eps,
+            weight_decay=algo.train.weight_decay,
         )
     model = PyTorchModel(
         net,
@@ -445,10 +452,10 @@ def pfl_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     init = digest({k.removeprefix("net."): v for k, v in model.get_parameters().items()})
     train_params = NNTrainHyperParams(
         local_num_epochs=None,
-        local_learning_rate=algo.lr,
-        local_batch_size=algo.batch_size,
-        local_num_steps=algo.local_steps,
-        local_max_grad_norm=algo.grad_clip,
+        local_learning_rate=algo.train.lr,
+        local_batch_size=algo.train.batch_size,
+        local_num_steps=algo.train.local_steps,
+        local_max_grad_norm=algo.train.grad_clip,
     )
     algorithm_params = NNAlgorithmParams(
         central_num_iterations=cfg.rounds,

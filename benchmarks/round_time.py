@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 import fedlore.algorithms.lowrank as lowrank_mod
+from fedlore.checks import setup_rounds
 from fedlore.config import load_config
 from fedlore.data.federation import build_federation
 from fedlore.engine.loop import RoundLoop
@@ -118,7 +119,7 @@ def measure(
     try:
         setups = {m: Setup(m, overrides, rounds, config) for m in methods}
         for s in setups.values():  # setup exchanges (FedLore's P^0), not timed
-            for rnd in range(-int(getattr(s.algo, "setup_rounds", 0)), 0):
+            for rnd in range(-setup_rounds(s.algo), 0):
                 s.run_round(rnd, svd)
         for rnd in range(rounds):
             k = rnd % len(methods)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 import fedlore.algorithms.lowrank as lowrank_mod
+from fedlore.checks import setup_rounds
 from fedlore.config import load_config
 from fedlore.data.federation import build_federation
 from fedlore.engine.loop import RoundLoop
@@ -101,7 +102,7 @@ def capture(config: Path | None, overrides: list[str], rounds: int) -> list[dict
             algo, transport, lambda r: sample_clients(cfg.num_clients, cfg.num_clients, 0, r)
         )
         state = algo.init_server(build(), generator(0, SERVER_INIT))
-        for rnd in range(-int(getattr(algo, "setup_rounds", 0)), rounds):
+        for rnd in range(-setup_rounds(algo), rounds):
             state, _ = loop.run_round(state, rnd, rounds - 1)
     finally:
         lowrank_mod.top_left_singular = original  # type: ignore[assignment]

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from fedlore.checks import setup_rounds
 from fedlore.config import load_config
 from fedlore.data.federation import build_federation
 from fedlore.engine.loop import RoundLoop
@@ -79,7 +80,7 @@ def measure_bytes(
     state = algo.init_server(build(), generator(seed, SERVER_INIT))
     rows = []
     t0 = time.perf_counter()
-    for rnd in range(-int(getattr(algo, "setup_rounds", 0)), rounds):
+    for rnd in range(-setup_rounds(algo), rounds):
         state, row = loop.run_round(state, rnd, rounds - 1)
         if row["rejected"]:
             raise RuntimeError(f"{method} {dtype} round {rnd}: {row.get('rejected_reasons')}")

@@ -11,6 +11,7 @@ import pydantic
 import pytest
 
 from fedlore import registry
+from fedlore.checks import setup_rounds
 from fedlore.config import Config, ConfigError, apply_overrides, load_config, read_yaml
 from fedlore.experiment import run_experiment
 from fedlore.experiment_parts import make_algorithm
@@ -269,7 +270,12 @@ def test_common_settings_reach_every_algorithm() -> None:
     cfg = load_config(None, ["lr=0.02", "local_steps=4", "batch_size=8", "rounds=6", "rank=3"])
     for name in registry.names("algorithm"):
         algo = make_algorithm(name, cfg)
-        assert (algo.lr, algo.local_steps, algo.batch_size, algo.rounds) == (0.02, 4, 8, 6)
+        assert (
+            algo.train.lr,
+            algo.train.local_steps,
+            algo.train.batch_size,
+            algo.train.rounds,
+        ) == (0.02, 4, 8, 6)
         if "rank" in {f.name for f in dataclasses.fields(algo)}:
             assert algo.rank == 3
 
@@ -286,12 +292,15 @@ def test_method_overrides_reach_only_their_algorithm() -> None:
         ],
     )
     full = make_algorithm("fedfull", cfg)
-    assert full.lr == 0.5 and full.betas == (0.8, 0.95)  # list -> tuple (hashable, frozen)
+    assert full.train.lr == 0.5 and full.train.betas == (
+        0.8,
+        0.95,
+    )  # list -> tuple (hashable, frozen)
     lore = make_algorithm("fedlore", cfg)
-    assert lore.lr == 0.01 and lore.rank == 2 and lore.init_basis == "random"
-    assert lore.setup_rounds == 0  # a random P^0 needs no setup exchange
-    assert make_algorithm("fedlore", load_config(None)).setup_rounds == 1
-    assert make_algorithm("local_galore", cfg).lr == 0.01
+    assert lore.train.lr == 0.01 and lore.rank == 2 and lore.init_basis == "random"
+    assert setup_rounds(lore) == 0  # a random P^0 needs no setup exchange
+    assert setup_rounds(make_algorithm("fedlore", load_config(None))) == 1
+    assert make_algorithm("local_galore", cfg).train.lr == 0.01
 
 
 def test_method_overrides_from_yaml(tmp_path: Path) -> None:
@@ -364,7 +373,7 @@ def test_diagnostics_period_reaches_fedlore_only_where_it_has_the_field() -> Non
 def test_one_name_for_a_list_of_names_and_wrong_types_are_value_errors() -> None:
     cfg = load_config(None, ["method.fedit.target_modules=head"])
     assert make_algorithm("fedit", cfg).target_modules == ("head",)  # type: ignore[attr-defined]
-    with pytest.raises(ValueError, match=r"FedLore.*wrong type"):
+    with pytest.raises(ValueError, match=r"method\.fedlore\.lr: Input should be a valid number"):
         make_algorithm("fedlore", load_config(None, ["method.fedlore.lr=abc"]))
     with pytest.raises(ValueError, match=r"FlexLoRA|flexlora|client_ranks"):
         make_algorithm("flexlora", load_config(None, ["method.flexlora.client_ranks=4"]))
@@ -373,11 +382,11 @@ def test_one_name_for_a_list_of_names_and_wrong_types_are_value_errors() -> None
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("method.pfedme.inner_steps=2.5", "inner_steps must be a whole number"),
-        ("method.fedfomo.num_candidates=true", "num_candidates must be a whole number"),
-        ("method.fedbe.swa=maybe", "swa must be true or false"),
-        ("method.ditto.lam=.inf", "lam must be a finite number"),
-        ("method.fedbe.var_scale=-.inf", "var_scale must be a finite number"),
+        ("method.pfedme.inner_steps=2.5", r"method\.pfedme\.inner_steps: .*valid integer"),
+        ("method.fedfomo.num_candidates=true", "num_candidates: expected a number"),
+        ("method.fedbe.swa=maybe", r"method\.fedbe\.swa: must be true or false"),
+        ("method.ditto.lam=.inf", "method.ditto.lam: Input should be a finite number"),
+        ("method.fedbe.var_scale=-.inf", "var_scale: Input should be a finite number"),
     ],
 )
 def test_hyperparameter_kinds_are_checked(override: str, message: str) -> None:
@@ -404,7 +413,7 @@ def test_transport_dtype_reaches_the_methods_that_honour_it_and_is_refused_elsew
     honouring = sorted(
         n
         for n in registry.names("algorithm")
-        if vars(registry.get("algorithm", n)).get("honours_transport_dtype")
+        if registry.get("algorithm", n).capabilities.transport_16bit
     )
     assert {"fedlore", "fedlore_random", "fedlore_fixed", "fedfull", "fedavg", "fedprox"} <= set(
         honouring
@@ -416,7 +425,7 @@ def test_transport_dtype_reaches_the_methods_that_honour_it_and_is_refused_elsew
     for dtype in ("fp16", "bf16"):
         cfg = load_config(None, [f"transport_dtype={dtype}"])
         for name in honouring:
-            assert make_algorithm(name, cfg).transport_dtype == dtype  # type: ignore[attr-defined]
+            assert make_algorithm(name, cfg).train.transport_dtype == dtype  # type: ignore[attr-defined]
         with pytest.raises(ConfigError, match=r"transport_dtype=.*local_galore"):
             make_algorithm("local_galore", cfg)  # inherits DenseServer but does not declare it
         # the setting is part of the run's recorded config: a resume under another dtype differs

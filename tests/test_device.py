@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedlore import device as device_keys
+from fedlore.checks import setup_rounds
 from fedlore.config import Config, ConfigError, load_config
 from fedlore.data.client_data import ClientData, TensorSplit, minibatches
 from fedlore.device import PeakMemory, autocast, resolve_device, training_precision
@@ -107,7 +108,7 @@ def test_bf16_replies_bases_and_coordinates_stay_fp32(method: str) -> None:
     client_state = None
     SEEN.clear()
     with training_precision("bf16"):
-        if getattr(algo, "setup_rounds", 0):
+        if setup_rounds(algo):
             rep, client_state = algo.client_update(
                 algo.broadcast(state, -1, 0), None, Probe(), data, generator(1)
             )
@@ -226,7 +227,7 @@ def test_no_whole_model_copy_per_local_step(method: str) -> None:
         torch.manual_seed(0)
         state = algo.init_server(Wide(), generator(0, 2))
         client_state = None
-        if getattr(algo, "setup_rounds", 0):
+        if setup_rounds(algo):
             rep, client_state = algo.client_update(
                 algo.broadcast(state, -1, 0), None, Wide(), data, generator(1)
             )

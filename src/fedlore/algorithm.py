@@ -7,24 +7,37 @@ Methods (side: takes -> returns):
 * ``client_update`` (client): Broadcast, client State or None, model, data, rng -> (Reply, State)
 * ``aggregate`` (server): State, [(client id, Reply or None)], round -> (State, metrics)
 
-An algorithm may declare ``per_client_metrics`` (default none): reply metrics the round loop
-records per client (``{client id: value}``) in each round's row, e.g. Meta-BayFL's chosen
-learning rate. An algorithm may declare ``setup_rounds`` (default 0): that many exchanges run
-before round 0, numbered -setup_rounds .. -1 (FedLore's gradient-based P^0); they are counted in
-the byte totals.
+What a method can do is one frozen record, :class:`Capabilities`, in the class attribute
+``capabilities`` (the base :class:`~fedlore.algorithms.base.Hyper` holds the defaults). A subclass
+changes it with :func:`dataclasses.replace`::
 
-An algorithm may declare ``min_clients_per_round`` (default 1): a config that samples fewer
-clients per round is refused when the method is built (:func:`fedlore.checks.check_min_clients`;
-FedMask's overlap rule keeps nothing with fewer than ``min_overlap`` clients).
+    capabilities = replace(FedAvg.capabilities, sum_aggregable=False, server_data=True)
 
-An algorithm may declare ``needs_server_data = True`` (default False): it trains on the server's
-unlabeled set U (``data.server_fraction``; FedBE's distillation). The run then calls
-``init_server(model, rng, unlabeled=U)`` with U's inputs ``[n_U, ...]`` (never labels) through
-:func:`fedlore.experiment_parts.start_server`, which refuses a config without U with a
-``ConfigError`` naming ``data.server_fraction``. Such a method keeps U in its server ``State``
-(so it is checkpointed and resumed with it) under a key that ``broadcast`` never sends
-(``server.unlabeled``). Every method of a config is trained on the same clients' data whether or
-not it uses U: U is held out of the clients' data for all of them.
+Inheritance is plain and explicit: a class that does not assign ``capabilities`` in its own body
+has its parent's record, every field of it, and a class that assigns one has exactly what its
+``replace(...)`` says. So a subclass that uploads other tensors than its parent, or uses them
+otherwise on the server, must withdraw the claims that no longer hold (typically
+``sum_aggregable=False, transport_16bit=False``); ``tests/algorithms/test_capabilities.py``
+holds every registered method's record. A value that depends on hyperparameters (FedLore's
+``setup_rounds``, FedMask's ``min_clients``) comes from the instance method ``caps()``, which
+returns the class record by default and is overridden as
+``replace(super().caps(), setup_rounds=...)``. :mod:`fedlore.checks` is the one reader of the
+fields; everything else asks its functions (``checks.setup_rounds(algo)``, ...).
+
+A method with ``server_data`` trains on the server's unlabeled set U (``data.server_fraction``;
+FedBE's distillation). The run then calls ``init_server(model, rng, unlabeled=U)`` with U's
+inputs ``[n_U, ...]`` (never labels) through :func:`fedlore.experiment_parts.start_server`, which
+refuses a config without U with a ``ConfigError`` naming ``data.server_fraction``. Such a method
+keeps U in its server ``State`` (so it is checkpointed and resumed with it) under a key that
+``broadcast`` never sends (``server.unlabeled``). Every method of a config is trained on the same
+clients' data whether or not it uses U: U is held out of the clients' data for all of them.
+
+Setup exchanges (``setup_rounds`` > 0) run before round 0, numbered -setup_rounds .. -1
+(FedLore's gradient-based P^0); they are counted in the byte totals.
+
+Besides its capabilities a method declares ``per_client_metrics`` (default none): reply metrics
+the round loop records per client (``{client id: value}``) in each round's row, e.g.
+Meta-BayFL's chosen learning rate.
 
 The algorithm object holds only hyperparameters (a frozen dataclass; a server workspace, below,
 is the one exception). The model handed to ``init_server`` and ``client_update`` is a scratch
@@ -50,7 +63,8 @@ from a seed drawn from ``init_server``'s rng and stored in the state, combined w
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -61,15 +75,71 @@ if TYPE_CHECKING:
     from fedlore.data.client_data import ClientData
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a method can do: one record per method class (see the module doc for how it is
+    inherited and changed). Read only by :mod:`fedlore.checks`.
+
+    Attributes:
+        setup_rounds: exchanges the method runs before round 0, numbered -setup_rounds .. -1
+            (FedLore's gradient-based P^0: 1; a random or fixed P^0: 0).
+        sum_aggregable: the server needs only the weighted sums ``Σ p_i x_i`` and ``Σ p_i`` of
+            the uploads ``x_i`` (every reply array), so the method runs under secure aggregation
+            and central DP (:mod:`fedlore.privacy`) and accepts ``upload_increments``.
+        individual_uploads: why a method that is not ``sum_aggregable`` needs each client's
+            upload (the reason a run under ``secure_aggregation`` or ``dp``, or
+            ``upload_increments=True``, is refused with).
+        transport_16bit: the method casts what it sends to ``transport_dtype``, so a 16-bit
+            setting (``fp16``, ``bf16``) is accepted; otherwise only ``fp32``.
+        robust_aggregate: the server averages dense deltas, so ``robust.aggregate: median |
+            trimmed_mean`` applies to it; otherwise only ``mean``.
+        server_data: the method trains on the server's unlabeled set U (``init_server`` takes
+            ``unlabeled``; the config must hold U out with ``data.server_fraction``).
+        regression: the method is defined for regression data (False: it needs class
+            probabilities, e.g. FedBE's pseudo-labels).
+        min_clients: the fewest clients per round the method needs (FedMask: ``min_overlap``);
+            a config that samples fewer is refused.
+        projects: the matrices the method trains in a low-rank subspace (its ``plan(model)``,
+            each with a ``rank``), with one basis per matrix for all clients (``"shared"``:
+            FedLore and its variants) or one per client (``"client"``: Local GaLore); None: it
+            projects nothing. The diagnostics measure the bases accordingly.
+        adapts: the method trains LoRA adapters on the matrices its ``targets(model)`` names
+            (each of its ``rank``) instead of the matrices themselves.
+    """
+
+    setup_rounds: int = 0
+    sum_aggregable: bool = False
+    individual_uploads: str = (
+        "its server uses each client's upload on its own, not only their weighted sum"
+    )
+    transport_16bit: bool = False
+    robust_aggregate: bool = False
+    server_data: bool = False
+    regression: bool = True
+    min_clients: int = 1
+    projects: Literal["shared", "client"] | None = None
+    adapts: bool = False
+
+
 @runtime_checkable
 class Algorithm(Protocol):
     """A federated method. Implementations are frozen dataclasses of hyperparameters."""
 
     name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    """What the method can do (:class:`Capabilities`); ``caps()`` is the record that counts."""
+    per_client_metrics: ClassVar[tuple[str, ...]]
+    """Reply metrics the round loop records per client (empty: none)."""
+
+    def caps(self) -> Capabilities:
+        """This method's :class:`Capabilities`: the class record with the fields that depend on
+        hyperparameters (``setup_rounds``, ``min_clients``) filled in."""
+        ...
 
     def init_server(self, model: nn.Module, rng: torch.Generator) -> State:
         """Build the round-0 server state from the initial model weights. A method with
-        ``needs_server_data`` also takes ``unlabeled``: the server's U (see the module doc)."""
+        ``server_data`` (:class:`Capabilities`) also takes ``unlabeled``: the server's U (see
+        the module doc)."""
         ...
 
     def broadcast(self, state: State, rnd: int, client_id: int) -> Broadcast:

@@ -33,6 +33,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
+from fedlore.checks import projects
 from fedlore.data.client_data import ClientData
 from fedlore.optim.subspace import MatrixSpec, projection_plan
 from fedlore.seeding import DIAG, derive_seed, generator
@@ -134,8 +135,10 @@ def certificate_bound(stats: dict[str, float], delta: float) -> float:
 class Diagnosable(Protocol):
     """What an algorithm offers the diagnostics (all optional; dense methods offer none).
 
-    * ``diagnostic_kind``: ``"shared"`` (one projector per matrix for all clients) or
-      ``"client"`` (each client builds its own).
+    Which bases it has is its capabilities' ``projects`` (:func:`fedlore.checks.projects`):
+    ``"shared"`` (one projector per matrix for all clients) or ``"client"`` (each client builds
+    its own).
+
     * ``plan(model)``: the projected matrices.
     * ``diagnostic_bases(state, rnd, grads, rng)``: ``"shared"``: the bases round ``rnd`` uses
       (``grads`` is None); ``"client"``: the bases the client would build from its gradient
@@ -143,8 +146,6 @@ class Diagnosable(Protocol):
     * ``diagnostic_candidates(state, rnd)``: per matrix, the candidate statistics of
       :func:`candidate_certificate` plus ``"hbar"`` (tensor), or None.
     """
-
-    diagnostic_kind: Literal["shared", "client"]
 
     def plan(self, model: nn.Module) -> dict[str, MatrixSpec]: ...
 
@@ -199,7 +200,7 @@ class Diagnoser:
         self.uniform = uniform
         planner = getattr(algorithm, "plan", None)
         self.plan = planner(model) if planner is not None else projection_plan(model, rank)
-        self.kind: str | None = getattr(algorithm, "diagnostic_kind", None)
+        self.kind: str | None = projects(algorithm)
 
     def due(self, rnd: int) -> bool:
         """Whether round ``rnd`` is measured."""

@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from fedlore import registry
 from fedlore.algorithm import Algorithm
-from fedlore.algorithms import build_hyper
 from fedlore.checks import (
+    adapts,
     check_method_settings,
     check_min_clients,
     check_privacy,
     privacy_modes,
+    projects,
     server_data,
 )
 from fedlore.config import Config, ConfigError
@@ -34,6 +36,7 @@ from fedlore.data.federation import Federation
 from fedlore.models import build_model
 from fedlore.progress import say
 from fedlore.seeding import MODEL_INIT, derive_seed
+from fedlore.settings import build_hyper
 from fedlore.tensors import load_model_arrays
 from fedlore.train.local import (
     classification_metrics,
@@ -45,6 +48,10 @@ from fedlore.train.local import (
 )
 from fedlore.types import State
 
+if TYPE_CHECKING:
+    from fedlore.algorithms.lora_common import LoraMethod
+    from fedlore.algorithms.lowrank import LowRankHyper
+
 log = logging.getLogger(__name__)
 
 
@@ -54,41 +61,17 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
 
     Raises:
         KeyError: for an unknown method; ValueError: for an override the method does not have,
-            or fewer clients per round than the method's ``min_clients_per_round``.
+            or fewer clients per round than the method's ``min_clients`` (its capabilities).
     """
     cls = registry.get("algorithm", name)
-    common = {
-        "lr": cfg.lr,
-        "local_steps": cfg.local_steps,
-        "batch_size": cfg.batch_size,
-        "rounds": cfg.rounds,
-        "rank": cfg.rank,
-        "betas": cfg.optim.betas,
-        "eps": cfg.optim.eps,
-        "weight_decay": cfg.optim.weight_decay,
-        "schedule": cfg.optim.schedule,
-        "min_lr_ratio": cfg.optim.min_lr_ratio,
-        "grad_clip": cfg.optim.grad_clip,
-        "scale": cfg.optim.scale,
-        "optimizer": cfg.optim.name,
-        "weighting": cfg.weighting,
-        "diagnostics_every": cfg.diagnostics.every,
-        "local_eval": cfg.eval.local,
-        "mc_samples": cfg.eval.mc_samples,
-        "freeze": tuple(cfg.params.freeze),
-        "exclude": tuple(cfg.params.exclude),
-        "robust_aggregate": cfg.robust.aggregate,
-        "trim_fraction": cfg.robust.trim_fraction,
-        "transport_dtype": cfg.transport_dtype,
-    }
     overrides = dict(cfg.method.get(name, {}))
     check_method_settings(name, cls, cfg, overrides)
     private = cfg.secure_aggregation or cfg.dp.enabled
+    fixed = {"upload_increments": True} if private else {}
     if private:
-        common["upload_increments"] = True
         check_privacy(name, cls, cfg)
-    try:
-        algo: Algorithm = build_hyper(cls, common, overrides)
+    try:  # every setting from its declared config path (fedlore.settings)
+        algo: Algorithm = build_hyper(cls, name, cfg, overrides, **fixed)
     except ValueError as e:
         if not private:
             raise
@@ -122,7 +105,7 @@ def start_server(
     algo: Algorithm, model: nn.Module, rng: torch.Generator, fed: Federation, method: str
 ) -> State:
     """``algo.init_server(model, rng)``, with the server's unlabeled set U
-    (``unlabeled=fed.server_unlabeled``) for a method that declares ``needs_server_data``
+    (``unlabeled=fed.server_unlabeled``) for a method whose capabilities have ``server_data``
     (:mod:`fedlore.algorithm`). Every run, the Flower ServerApp (through
     :func:`fedlore.experiment.run_one`) and the preflight (:func:`fedlore.checks.preflight`)
     start the server here.
@@ -206,21 +189,20 @@ def describe_parameters(name: str, algo: Algorithm, model: nn.Module) -> None:
     which tensors train densely, and warn about every Linear/Conv weight outside
     ``params.exclude`` that is not projected because the rank covers it (``min(m, n) <= rank``):
     it trains densely, which a user asking for a projected method would not expect."""
-    from fedlore.algorithms.lora_common import LoraMethod
-    from fedlore.algorithms.lowrank import LowRankHyper
-
     params = dict(model.named_parameters())
-    if isinstance(algo, LowRankHyper):
-        plan = algo.plan(model)
-        kind = f"projects (rank {algo.rank})"
+    if projects(algo) is not None:
+        lowrank = cast("LowRankHyper", algo)
+        is_frozen = lowrank.is_frozen
+        plan = lowrank.plan(model)
+        kind = f"projects (rank {lowrank.rank})"
         chosen = {k: f"{s.m}x{s.n}" for k, s in plan.items()}
         for mod_name, mod in model.named_modules():
             if not isinstance(mod, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d):
                 continue
             weight = f"{mod_name}.weight" if mod_name else "weight"
-            if weight in plan or algo.is_frozen(weight):
+            if weight in plan or is_frozen(weight):
                 continue
-            if any(weight.startswith(p) for p in algo.exclude):
+            if any(weight.startswith(p) for p in lowrank.exclude):
                 continue
             shape = tuple(mod.weight.shape)
             log.warning(
@@ -229,15 +211,17 @@ def describe_parameters(name: str, algo: Algorithm, model: nn.Module) -> None:
                 weight,
                 "x".join(map(str, (shape[0], int(mod.weight[0].numel())))),
                 min(shape[0], int(mod.weight[0].numel())),
-                algo.rank,
+                lowrank.rank,
             )
-    elif isinstance(algo, LoraMethod):
-        targets = algo.targets(model)
-        kind = f"adapts (rank {algo.rank})"
+    elif adapts(algo):
+        lora = cast("LoraMethod", algo)
+        is_frozen = lora.is_frozen
+        targets = lora.targets(model)
+        kind = f"adapts (rank {lora.rank})"
         chosen = {f"{k}.weight": f"{t.m}x{t.n}" for k, t in targets.items()}
     else:
         return
-    frozen = [k for k in params if algo.is_frozen(k)]
+    frozen = [k for k in params if is_frozen(k)]
     dense = [k for k in params if k not in chosen and k not in frozen]
     say(
         "%s %s %d matrices: %s; trains densely: %s%s",

@@ -21,6 +21,7 @@ from fedlore.data.client_data import ClientData, TensorSplit, minibatches
 from fedlore.engine.rundir import run_dir
 from fedlore.experiment import run_one
 from fedlore.experiment_parts import make_algorithm
+from fedlore.settings import LocalTraining
 from fedlore.train.local import EVAL_SAMPLING_SEED, local_train
 
 
@@ -41,12 +42,12 @@ def test_learning_rate_selection_picks_the_best_candidate(trials: str) -> None:
     model, fit, meta = _regression_case()
     # 1e-6 barely moves; 1e4 overshoots into a terrible (or non-finite) loss; 0.5 learns
     algo = MetaBayFL(
+        train=LocalTraining(batch_size=32),
         posterior="none",
         candidate_lrs=(1e-6, 0.5, 1e4),
         temp_steps=10,
-        batch_size=32,
         local_optimizer="sgd",
-        trials=trials,  # type: ignore[arg-type]
+        trials=trials,
     )
     opt = algo.make_optimizer(model)
     before = copy.deepcopy(model.state_dict())
@@ -124,11 +125,10 @@ def _trained_bnn(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 2))
     algo = MetaBayFL(
+        train=LocalTraining(batch_size=20, mc_samples=10),
         candidate_lrs=(0.3, 0.003),
         temp_steps=5,
-        batch_size=20,
-        meta_score=score,  # type: ignore[arg-type]
-        mc_samples=10,
+        meta_score=score,
     )
     algo.prepare_model(model)
     opt = algo.make_optimizer(model)
@@ -186,11 +186,10 @@ def _recording_case() -> tuple[nn.Module, ClientData, list[torch.Tensor]]:
 def test_the_client_trains_on_all_of_d_unless_d_is_held_out(mode: str) -> None:
     model, data, seen = _recording_case()
     algo = MetaBayFL(
+        train=LocalTraining(local_steps=30, batch_size=8),
         posterior="none",
-        local_steps=30,
-        batch_size=8,
         temp_steps=2,
-        meta_split=mode,  # type: ignore[arg-type]
+        meta_split=mode,
     )
     state = algo.init_server(model, torch.Generator())
     algo.client_update(algo.broadcast(state, 0, 0), None, model, data, torch.Generator())
@@ -274,7 +273,7 @@ def test_bad_hyperparameters_are_refused() -> None:
         {"dropout": 1.0},
     ):
         with pytest.raises(ValueError, match="invalid"):
-            MetaBayFL(**bad)  # type: ignore[arg-type]
+            MetaBayFL.of(**bad)  # type: ignore[arg-type]
 
 
 def test_run_records_chosen_lrs_and_local_and_global_metrics(tmp_path: Path) -> None:
@@ -372,13 +371,12 @@ def test_batched_trials_equal_sequential_trials(posterior: str, optimizer: str, 
     for trials in ("sequential", "batched"):
         model = _trial_model()
         algo = MetaBayFL(
-            posterior=posterior,  # type: ignore[arg-type]
-            local_optimizer=optimizer,  # type: ignore[arg-type]
-            trials=trials,  # type: ignore[arg-type]
+            train=LocalTraining(batch_size=16, mc_samples=3),
+            posterior=posterior,
+            local_optimizer=optimizer,
+            trials=trials,
             temp_steps=4,
-            batch_size=16,
-            meta_score=score,  # type: ignore[arg-type]
-            mc_samples=3,
+            meta_score=score,
         )
         algo.prepare_model(model)
         opt = algo.make_optimizer(model)
@@ -401,7 +399,9 @@ def test_yaml_numbers_without_a_dot_are_numbers() -> None:
     assert isinstance(algo, MetaBayFL)
     assert algo.candidate_lrs == (1e-2, 1e-3) and algo.beta_kl == 0.1
     bad = load_config(None, ["method.meta_bayfl.candidate_lrs=[fast]"])
-    with pytest.raises(ValueError, match="'fast' is not a number"):
+    with pytest.raises(
+        ValueError, match=r"method\.meta_bayfl\.candidate_lrs: Input should be a valid number"
+    ):
         make_algorithm("meta_bayfl", bad)
 
 
@@ -442,7 +442,9 @@ def test_a_client_with_one_example_searches_on_it_unless_d_is_held_out() -> None
     model, fit, _ = _regression_case()
     one = ClientData(0, fit.subset(torch.tensor([0])), fit.subset(torch.tensor([1])))
     for mode, searches in (("heldout", False), ("subset", True)):
-        algo = MetaBayFL(posterior="none", local_steps=2, batch_size=4, meta_split=mode)  # type: ignore[arg-type]
+        algo = MetaBayFL(
+            train=LocalTraining(local_steps=2, batch_size=4), posterior="none", meta_split=mode
+        )  # type: ignore[arg-type]
         state = algo.init_server(model, torch.Generator())
         msg = algo.broadcast(state, 0, 0)
         reply, _ = algo.client_update(msg, None, model, one, torch.Generator().manual_seed(0))
@@ -462,14 +464,12 @@ def test_batched_trials_match_with_sgd_weight_decay_and_a_large_meta_split(score
         torch.manual_seed(1)
         model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
         algo = MetaBayFL(
-            trials=trials,  # type: ignore[arg-type]
+            train=LocalTraining(weight_decay=0.1, batch_size=20, mc_samples=2),
+            trials=trials,
             local_optimizer="sgd",
-            weight_decay=0.1,
             candidate_lrs=(0.5, 0.05),
             temp_steps=3,
-            batch_size=20,
-            meta_score=score,  # type: ignore[arg-type]
-            mc_samples=2,
+            meta_score=score,
         )
         algo.prepare_model(model)
         opt = algo.make_optimizer(model)
@@ -493,11 +493,10 @@ def test_candidates_scored_in_channels_last_equal_the_reference_scores(posterior
         nn.Conv2d(1, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(27, 3)
     )
     algo = MetaBayFL(
-        posterior=posterior,  # type: ignore[arg-type]
+        train=LocalTraining(batch_size=16, mc_samples=3),
+        posterior=posterior,
         candidate_lrs=(1e-1, 1e-2, 1e-3),
         temp_steps=3,
-        batch_size=16,
-        mc_samples=3,
         conv_dropout=0.2,
     )
     algo.prepare_model(model)
@@ -550,7 +549,7 @@ def test_bnn_estimator_reaches_the_layers_and_the_mc_predictive(name: str) -> No
 
 def test_bad_bnn_estimators_are_refused() -> None:
     bad = load_config(None, ["method.meta_bayfl.bnn_estimator=flipout"])
-    with pytest.raises(ValueError, match="accepted: weights, local"):
+    with pytest.raises(ValueError, match=r"bnn_estimator: Input should be 'weights' or 'local'"):
         make_algorithm("meta_bayfl", bad)
     with pytest.raises(ValueError, match=r"bnn_estimator=.local.*posterior=.none."):
         make_algorithm("meta_fl", load_config(None, ["method.meta_fl.bnn_estimator=local"]))
@@ -561,7 +560,9 @@ def test_bad_bnn_estimators_are_refused() -> None:
 def test_meta_bayfl_with_the_local_estimator_trains_a_client() -> None:
     model, fit, _ = _regression_case()
     data = ClientData(0, fit, fit.subset(torch.arange(10)))
-    algo = MetaBayFL(bnn_estimator="local", local_steps=4, batch_size=16, temp_steps=2)
+    algo = MetaBayFL(
+        train=LocalTraining(local_steps=4, batch_size=16), bnn_estimator="local", temp_steps=2
+    )
     state = algo.init_server(model, torch.Generator())
     reply, _ = algo.client_update(
         algo.broadcast(state, 0, 0), None, model, data, torch.Generator().manual_seed(0)
@@ -579,10 +580,9 @@ def test_batched_trials_match_sequential_trials_under_the_local_estimator() -> N
     for trials in ("sequential", "batched"):
         model = _trial_model()
         algo = MetaBayFL(
-            trials=trials,  # type: ignore[arg-type]
+            train=LocalTraining(batch_size=16, mc_samples=3),
+            trials=trials,
             temp_steps=4,
-            batch_size=16,
-            mc_samples=3,
             bnn_estimator="local",
         )
         algo.prepare_model(model)

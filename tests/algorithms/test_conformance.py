@@ -1,8 +1,8 @@
 """The conformance suite: every registered algorithm (present and future) against the protocol.
 
 For each name in ``fedlore.registry.names("algorithm")``, built by ``make_algorithm`` on a small
-digits federation, over the setup round (if the method has ``setup_rounds``), the first contact
-(round 0) and a round with client state (round 1):
+digits federation, over the setup round (if the method's capabilities have ``setup_rounds``), the
+first contact (round 0) and a round with client state (round 1):
 
 (a) ``client_update`` is a pure function of its inputs: the same broadcast, client state, data
     and a fresh generator with the same seed give identical replies (and client states) whatever
@@ -36,6 +36,7 @@ from fedlore import registry
 from fedlore.algorithm import Algorithm
 from fedlore.algorithms.lora_common import LoraMethod
 from fedlore.algorithms.personal import Personalized
+from fedlore.checks import setup_rounds
 from fedlore.config import Config, load_config
 from fedlore.data.federation import Federation, build_federation
 from fedlore.engine.callbacks import Checkpointer
@@ -98,7 +99,7 @@ SERVER_SET = "data.server_fraction=0.1"
 def _server_set(name: str) -> list[str]:
     """The server's unlabeled set U, for a method that trains on it (FedBE); the other methods
     keep the suite's data (in an experiment, U is held out for every method of the config)."""
-    needs = getattr(registry.get("algorithm", name), "needs_server_data", False)
+    needs = registry.get("algorithm", name).capabilities.server_data
     return [SERVER_SET] if needs else []
 
 
@@ -202,7 +203,7 @@ def _setup(name: str, fed: Federation) -> Setup:
     state = start_server(
         algo, model_factory(cfg, fed, SEED)(), generator(SEED, SERVER_INIT), fed, name
     )
-    start = -int(getattr(algo, "setup_rounds", 0))
+    start = -setup_rounds(algo)
     return Setup(algo, cfg, state, ClientStore(), start)
 
 
@@ -376,7 +377,7 @@ def test_tiny_run_learns(name: str, fed: Federation, fed_u: Federation, tmp_path
         json.loads(line)
         for line in (run_dir(cfg, name, SEED) / "metrics.jsonl").read_text().splitlines()
     ]
-    setup = int(getattr(make_algorithm(name, cfg), "setup_rounds", 0))
+    setup = setup_rounds(make_algorithm(name, cfg))
     assert [r["round"] for r in rows] == list(range(-setup, 5))
     for r in rows:
         assert r["accepted"] == NUM_CLIENTS and r["rejected"] == 0, r

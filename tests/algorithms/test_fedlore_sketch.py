@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fedlore.algorithm import Algorithm
-from fedlore.algorithms.base import construction_gradients, is_sum_aggregable
+from fedlore.algorithms.base import construction_gradients
 from fedlore.algorithms.basis_rules import SketchRule
 from fedlore.algorithms.fedlore import FedLore, FedLoreFixed, FedLoreRandom, FedLoreSketch
 from fedlore.algorithms.lowrank import (
@@ -30,6 +30,7 @@ from fedlore.algorithms.lowrank import (
     sketch_gradients,
     sketch_omegas,
 )
+from fedlore.checks import is_sum_aggregable, setup_rounds
 from fedlore.config import Config
 from fedlore.engine.loop import RoundLoop
 from fedlore.engine.rundir import run_dir
@@ -156,6 +157,8 @@ def test_sketch_basis_rank_deficient_keeps_the_previous_basis() -> None:
 # ------------------------------------------------------------------ through the round loop
 from tiny_federation import RANK, SEED, SIZES, build, client_data  # noqa: E402
 
+from fedlore.settings import LocalTraining  # noqa: E402
+
 N = len(SIZES)
 
 
@@ -195,7 +198,7 @@ def run_rounds(algo: Algorithm, rounds: int, per_round: int = N) -> Run:
         lambda rnd: sample_clients(N, per_round, SEED, rnd),
         callbacks=[Recorder()],
     )
-    start = -int(getattr(algo, "setup_rounds", 0))
+    start = -setup_rounds(algo)
     run.state = loop.run(state, start, rounds)
     for rnd, row in run.rows.items():
         assert row["rejected"] == 0, (rnd, row.get("rejected_reasons"))
@@ -205,7 +208,7 @@ def run_rounds(algo: Algorithm, rounds: int, per_round: int = N) -> Run:
 def sketch_algo(**kw: Any) -> FedLoreSketch:
     base: dict[str, Any] = {"rank": RANK, "local_steps": 2, "batch_size": 8, "lr": 1e-2}
     base.update(kw)
-    return FedLoreSketch(**base)
+    return FedLoreSketch.of(**base)
 
 
 def test_full_participation_basis_is_the_range_finder_of_the_mean_sketch() -> None:
@@ -214,7 +217,7 @@ def test_full_participation_basis_is_the_range_finder_of_the_mean_sketch() -> No
     rounds = 3
     run = run_rounds(algo, rounds)
     plan = projection_plan(build(), RANK)
-    assert algo.setup_rounds == 1 and sorted(run.rows) == [-1, 0, 1, 2]
+    assert setup_rounds(algo) == 1 and sorted(run.rows) == [-1, 0, 1, 2]
     for rnd in range(-1, rounds):
         replies = run.replies[rnd]
         assert sorted(replies) == list(range(N))
@@ -274,7 +277,7 @@ def test_omega_is_the_same_on_server_and_client_and_runs_repeat_bitwise() -> Non
         grads = construction_gradients(
             model,
             client_data(cid).train,
-            algo.batch_size,
+            algo.train.batch_size,
             generator(SEED, CLIENT, -1, cid),
             list(plan),
         )
@@ -300,9 +303,9 @@ def test_omega_is_the_same_on_server_and_client_and_runs_repeat_bitwise() -> Non
     "make",
     [
         lambda **kw: sketch_algo(**kw),
-        lambda **kw: FedLoreRandom(rank=RANK, local_steps=2, batch_size=8, lr=1e-2, **kw),
-        lambda **kw: FedLoreFixed(
-            rank=RANK, local_steps=2, batch_size=8, lr=1e-2, init_basis="random", **kw
+        lambda **kw: FedLoreRandom.of(local_steps=2, batch_size=8, lr=1e-2, rank=RANK, **kw),
+        lambda **kw: FedLoreFixed.of(
+            local_steps=2, batch_size=8, lr=1e-2, rank=RANK, init_basis="random", **kw
         ),
     ],
     ids=["fedlore_sketch", "fedlore_random", "fedlore_fixed"],
@@ -350,11 +353,15 @@ def test_sum_aggregable_flags_and_refusals() -> None:
     assert is_sum_aggregable(FedLoreRandom) and is_sum_aggregable(FedLoreFixed)
     assert not is_sum_aggregable(FedLore)
     with pytest.raises(ValueError, match=r"sqrt\(p_1\) P_1.*fedlore_sketch"):
-        FedLore(upload_increments=True)
+        FedLore(train=LocalTraining(upload_increments=True))
     with pytest.raises(ValueError, match="init_basis: random"):
-        FedLoreFixed(upload_increments=True)
-    assert FedLoreFixed(upload_increments=True, init_basis="random").dense_increments
-    assert FedLoreSketch(upload_increments=True).setup_rounds == 1  # sketches sum, too
+        FedLoreFixed(train=LocalTraining(upload_increments=True))
+    assert FedLoreFixed(
+        train=LocalTraining(upload_increments=True), init_basis="random"
+    ).dense_increments
+    assert (
+        setup_rounds(FedLoreSketch(train=LocalTraining(upload_increments=True))) == 1
+    )  # sketches sum, too
     with pytest.raises(ValueError, match="sketch_oversample"):
         FedLoreSketch(sketch_oversample=-1)
     assert FedLoreSketch(rank=3, sketch_oversample=0).sketch_width == 3

@@ -27,6 +27,7 @@ from fedlore.algorithm import Algorithm
 from fedlore.algorithms.fedavg import FedFull
 from fedlore.algorithms.fedlore import FedLore, FedLoreFixed, FedLoreRandom, FedLoreSketch
 from fedlore.algorithms.local_galore import LocalGaLore
+from fedlore.checks import setup_rounds
 from fedlore.config import Config
 from fedlore.engine.loop import RoundLoop
 from fedlore.engine.rundir import run_dir
@@ -36,6 +37,7 @@ from fedlore.engine.transport import LocalTransport
 from fedlore.experiment import run_one
 from fedlore.optim.subspace import average_projectors, projection_plan, projector_distance
 from fedlore.seeding import CLIENT, generator
+from fedlore.settings import LocalTraining
 from fedlore.tensors import select
 from fedlore.types import Broadcast, Reply, State
 
@@ -78,7 +80,7 @@ def run_rounds(algo: Algorithm, rounds: int, per_round: int = len(SIZES)) -> Run
     transport = RecordingTransport(inner)
     state = algo.init_server(build(), generator(SEED, 2))
     run = Run(algo, state, store, transport)
-    start = -int(getattr(algo, "setup_rounds", 0))
+    start = -setup_rounds(algo)
     run.globals_at[start] = algo.global_arrays(state)
 
     class Recorder:
@@ -101,7 +103,7 @@ def run_rounds(algo: Algorithm, rounds: int, per_round: int = len(SIZES)) -> Run
 def fedlore(**kw: Any) -> FedLore:
     base: dict[str, Any] = {"rank": RANK, "local_steps": 2, "batch_size": 8, "lr": 1e-2}
     base.update(kw)
-    return FedLore(**base)
+    return FedLore.of(**base)
 
 
 def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
@@ -239,8 +241,8 @@ def test_fedlore_bytes_per_round() -> None:
 def test_dense_baselines_bytes() -> None:
     _, _, full = plan_and_dense_bytes()
     for algo in (
-        FedFull(local_steps=2, batch_size=8),
-        LocalGaLore(rank=RANK, local_steps=2, batch_size=8),
+        FedFull(train=LocalTraining(local_steps=2, batch_size=8)),
+        LocalGaLore(train=LocalTraining(local_steps=2, batch_size=8), rank=RANK),
     ):
         run = run_rounds(algo, 2)
         for rnd in (0, 1):
@@ -250,7 +252,7 @@ def test_dense_baselines_bytes() -> None:
 
 def test_fedlore_random_bytes() -> None:
     plan, dense, full = plan_and_dense_bytes()
-    run = run_rounds(FedLoreRandom(rank=RANK, local_steps=2, batch_size=8), 3)
+    run = run_rounds(FedLoreRandom(train=LocalTraining(local_steps=2, batch_size=8), rank=RANK), 3)
     rn = sum(s.rank * s.n * 4 for s in plan.values())
     assert -1 not in run.rows
     assert run.rows[0]["bytes_down"] == N * full  # first contact: dense model, seed only
@@ -263,13 +265,15 @@ def test_fedlore_random_bytes() -> None:
 @pytest.mark.parametrize("init_basis", ["random", "gradient"])
 def test_fedlore_fixed_bytes(init_basis: str) -> None:
     plan, dense, full = plan_and_dense_bytes()
-    algo = FedLoreFixed(rank=RANK, local_steps=2, batch_size=8, init_basis=init_basis)
+    algo = FedLoreFixed(
+        train=LocalTraining(local_steps=2, batch_size=8), rank=RANK, init_basis=init_basis
+    )
     run = run_rounds(algo, 3)
     rn = sum(s.rank * s.n * 4 for s in plan.values())
     mr = sum(s.m * s.rank * 4 for s in plan.values())
     if init_basis == "gradient":
         # setup exchange: dense model down, gradient candidates up (accepted, see run_rounds)
-        assert algo.setup_rounds == 1
+        assert setup_rounds(algo) == 1
         assert run.rows[-1]["bytes_down"] == N * full
         assert run.rows[-1]["bytes_up"] == N * mr
         assert run.rows[0]["bytes_down"] == N * (dense + mr)  # cache is W^0: only P^0
@@ -291,7 +295,7 @@ def test_fedlore_fixed_bytes(init_basis: str) -> None:
 # ------------------------------------------------------------------------------ P^0
 def test_gradient_p0_is_orthonormal_projector_average() -> None:
     algo = fedlore()
-    assert algo.setup_rounds == 1
+    assert setup_rounds(algo) == 1
     run = run_rounds(algo, 0)  # only the setup exchange (round -1)
     plan = projection_plan(build(), RANK)
     assert run.state.values["basis_id"] == 0
@@ -322,7 +326,7 @@ def test_gradient_p0_is_orthonormal_projector_average() -> None:
 
 def test_random_init_skips_setup_round() -> None:
     algo = fedlore(init_basis="random")
-    assert algo.setup_rounds == 0
+    assert setup_rounds(algo) == 0
     state = algo.init_server(build(), generator(SEED, 2))
     assert state.values["basis_id"] == 0
     for k, s in projection_plan(build(), RANK).items():
@@ -384,7 +388,9 @@ def test_16bit_transport_partial_participation_caches_match_server(
     bit-identical to the fp32 server model, and everything a log message carries is 16-bit."""
     rounds = 6
     kw: dict[str, Any] = {"rank": RANK, "local_steps": 2, "batch_size": 8, "lr": 1e-2}
-    algo = cls(transport_dtype=transport, log_rounds=50, rounds=rounds + 1, weight_decay=0.05, **kw)
+    algo = cls.of(
+        transport_dtype=transport, log_rounds=50, rounds=rounds + 1, weight_decay=0.05, **kw
+    )
     run = run_rounds(algo, rounds, per_round=2)
     caught_up = 0
     for rnd in range(rounds):
@@ -426,8 +432,10 @@ def test_16bit_transport_halves_fedlore_and_fedfull_uploads(transport: str) -> N
         assert 2 * half.rows[rnd]["bytes_up"] == ref.rows[rnd]["bytes_up"], rnd
     for rnd in (1, 2):
         assert 2 * half.rows[rnd]["bytes_down"] == ref.rows[rnd]["bytes_down"], rnd
-    dense_ref = run_rounds(FedFull(local_steps=2, batch_size=8), 2)
-    dense_half = run_rounds(FedFull(local_steps=2, batch_size=8, transport_dtype=transport), 2)
+    dense_ref = run_rounds(FedFull(train=LocalTraining(local_steps=2, batch_size=8)), 2)
+    dense_half = run_rounds(
+        FedFull(train=LocalTraining(local_steps=2, batch_size=8, transport_dtype=transport)), 2
+    )
     for rnd in (0, 1):
         assert 2 * dense_half.rows[rnd]["bytes_up"] == dense_ref.rows[rnd]["bytes_up"] == N * full
         assert dense_half.rows[rnd]["bytes_down"] == dense_ref.rows[rnd]["bytes_down"]
@@ -440,7 +448,9 @@ def test_fp16_overflow_makes_the_upload_non_finite_and_rejected(transport: str) 
     bfloat16 (float32's range) and fp32 carry the same huge deltas."""
     from fedlore.algorithms.fedavg import FedAvg
 
-    algo = FedAvg(local_steps=1, batch_size=8, lr=1e7, transport_dtype=transport)  # type: ignore[arg-type]
+    algo = FedAvg(
+        train=LocalTraining(local_steps=1, batch_size=8, lr=1e7, transport_dtype=transport)
+    )  # type: ignore[arg-type]
     store = ClientStore()
     state = algo.init_server(build(), generator(SEED, 2))
     loop = RoundLoop(

@@ -12,11 +12,13 @@ import torch
 from torch import nn
 
 from fedlore.algorithms.fedlore import FedLore
+from fedlore.checks import setup_rounds
 from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.engine.loop import RoundLoop
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport
 from fedlore.seeding import generator
+from fedlore.settings import LocalTraining
 from fedlore.tensors import nbytes, select
 from fedlore.types import State
 
@@ -62,7 +64,9 @@ def log_option_bytes(state: State, version: int, rnd: int) -> int:
 @pytest.mark.parametrize("log_rounds", [60, 3])
 def test_returning_client_syncs_exactly_with_the_cheaper_option(gap: int, log_rounds: int) -> None:
     algo = FedLore(
-        rank=RANK, local_steps=2, batch_size=8, lr=1e-2, rounds=gap + 3, log_rounds=log_rounds
+        train=LocalTraining(local_steps=2, batch_size=8, lr=1e-2, rounds=gap + 3),
+        rank=RANK,
+        log_rounds=log_rounds,
     )
     back = gap + 1  # present in round 0, absent in rounds 1..gap, back in round gap+1
 
@@ -73,7 +77,7 @@ def test_returning_client_syncs_exactly_with_the_cheaper_option(gap: int, log_ro
     transport = LocalTransport(algo, data, build, 7, store)
     loop = RoundLoop(algo, transport, sampler)
     state = algo.init_server(build(), generator(7, 2))
-    for rnd in range(-algo.setup_rounds, back):
+    for rnd in range(-setup_rounds(algo), back):
         state, row = loop.run_round(state, rnd, back)
         assert row["rejected"] == 0
     assert store.get(RETURNER).values["version"] == 0  # its cache is still W^0

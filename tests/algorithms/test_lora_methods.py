@@ -28,6 +28,7 @@ from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.engine.loop import validate_reply
 from fedlore.lora import product
 from fedlore.seeding import CLIENT, generator
+from fedlore.settings import LocalTraining
 from fedlore.tensors import nbytes, select, weighted_mean
 from fedlore.types import Broadcast, Reply, State
 
@@ -233,7 +234,12 @@ def test_flora_stack_is_the_weighted_sum_of_client_products_with_heterogeneous_r
 
 def test_flora_next_round_starts_from_fresh_adapters_on_the_merged_base() -> None:
     lr = 1e-2
-    algo = FLoRA(rank=2, lora_alpha=4.0, client_ranks=(2, 3), local_steps=1, lr=lr, batch_size=8)
+    algo = FLoRA(
+        train=LocalTraining(local_steps=1, lr=lr, batch_size=8),
+        rank=2,
+        lora_alpha=4.0,
+        client_ranks=(2, 3),
+    )
     hist, store = drive(algo, 3, lambda rnd: [0, 1])
     for h in hist:
         for c, reply in h.replies:
@@ -297,7 +303,9 @@ def test_flexlora_redistributes_the_truncated_svd_of_the_weighted_average_produc
 
 
 def test_ffa_lora_a_is_bit_identical_on_all_clients_for_the_whole_run() -> None:
-    algo = FFALoRA(rank=2, lora_alpha=4.0, local_steps=STEPS, lr=LR, batch_size=BATCH)
+    algo = FFALoRA(
+        train=LocalTraining(local_steps=STEPS, lr=LR, batch_size=BATCH), rank=2, lora_alpha=4.0
+    )
     hist, store = drive(algo, 4, lambda rnd: [0, 1, 2] if rnd % 2 == 0 else [1, 2])
     a0 = hist[0].before.arrays["lora.fc1.A"]
     for h in hist:
@@ -324,7 +332,9 @@ def test_ffa_lora_a_is_bit_identical_on_all_clients_for_the_whole_run() -> None:
 
 
 def test_rolora_alternates_b_then_a_by_global_round_under_partial_participation() -> None:
-    algo = RoLoRA(rank=2, lora_alpha=4.0, local_steps=STEPS, lr=LR, batch_size=BATCH)
+    algo = RoLoRA(
+        train=LocalTraining(local_steps=STEPS, lr=LR, batch_size=BATCH), rank=2, lora_alpha=4.0
+    )
     schedule = [[0, 1], [2, 3], [0, 2], [1, 3], [0, 3], [1, 2]]
     hist, _ = drive(algo, len(schedule), lambda rnd: schedule[rnd])
     s = algo.client_scale(2)
@@ -393,7 +403,12 @@ def test_frlora_residual_init_and_merge() -> None:
 @pytest.mark.parametrize("freeze_a", [False, True])
 def test_frlora_run_restarts_from_a0_b0_and_keeps_clients_in_sync(freeze_a: bool) -> None:
     lr = 1e-2
-    algo = FRLoRA(rank=2, lora_alpha=4.0, local_steps=1, lr=lr, batch_size=8, freeze_a=freeze_a)
+    algo = FRLoRA(
+        train=LocalTraining(local_steps=1, lr=lr, batch_size=8),
+        rank=2,
+        lora_alpha=4.0,
+        freeze_a=freeze_a,
+    )
     hist, store = drive(algo, 4, lambda rnd: [0, 1] if rnd != 2 else [1])
     a0, b0 = hist[0].before.arrays["lora.fc1.A"], hist[0].before.arrays["lora.fc1.B"]
     for h in hist:
@@ -599,7 +614,9 @@ class BNNet(nn.Module):
 
 @pytest.mark.parametrize("average", [False, True])
 def test_batchnorm_statistics_stay_at_first_contact_unless_averaged(average: bool) -> None:
-    algo = FedIT(rank=2, local_steps=3, batch_size=8, lr=1e-2, average_buffers=average)
+    algo = FedIT(
+        train=LocalTraining(local_steps=3, batch_size=8, lr=1e-2), rank=2, average_buffers=average
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = BNNet()
@@ -686,9 +703,9 @@ def test_16bit_transport_keeps_caches_and_held_adapters_bit_identical(
     wire = {"fp16": torch.float16, "bf16": torch.bfloat16}[transport]
     # s p_k = 1.5 / 2: FLoRA's stacked payload is not on the 16-bit grid until the server rounds it
     kw = {"rank": 2, "lora_alpha": 3.0, "local_steps": STEPS, "lr": LR, "batch_size": BATCH}
-    algo = cls(transport_dtype=transport, **kw)  # type: ignore[call-arg]
+    algo = cls.of(transport_dtype=transport, **kw)  # type: ignore[call-arg]
     sample = lambda rnd: [0, 1] if rnd != 1 else [1]  # noqa: E731
-    ref, _ = drive(cls(**kw), 3, sample)  # type: ignore[call-arg]
+    ref, _ = drive(cls.of(**kw), 3, sample)  # type: ignore[call-arg]
     hist, store = drive(algo, 3, sample)
     for h, h32 in zip(hist, ref, strict=True):
         for c, msg in h.msgs.items():

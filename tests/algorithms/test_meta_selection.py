@@ -25,6 +25,7 @@ from fedlore.algorithms.bayes import MetaBayFL, elbo_kl_term
 from fedlore.algorithms.meta_lr import batchable, meta_split, pick_lowest
 from fedlore.bayes import sampling
 from fedlore.data.client_data import ClientData, TensorSplit, minibatches
+from fedlore.settings import LocalTraining
 from fedlore.train.local import local_train
 
 
@@ -96,7 +97,7 @@ def test_each_epoch_trains_at_the_rate_its_search_chose(schedule: str) -> None:
     40 examples in batches of 10: 4 steps a pass, 20 steps, 5 searches; the candidates are set
     so that the searches do not all agree (the first pass picks a different rate)."""
     events: list[tuple[Any, ...]] = []
-    algo = _spying(events)(
+    algo = _spying(events).of(
         posterior="none",
         local_optimizer="sgd",
         lr=1e-3,
@@ -117,10 +118,10 @@ def test_each_epoch_trains_at_the_rate_its_search_chose(schedule: str) -> None:
     picks = [e[1] for e in events if e[0] == "search"]
     local = [e for e in events if e[0] == "local"]
     assert len(picks) == 5 and len(local) == 20 and reply.metrics["skipped_steps"] == 0
-    assert len(set(picks)) > 1 and algo.lr not in picks  # the test can tell the rates apart
+    assert len(set(picks)) > 1 and algo.train.lr not in picks  # the test can tell the rates apart
     base = algo.round_lrs(rnd)
     for k, (_, group_lr, measured, _) in enumerate(local):
-        want = picks[k // 4] * base[k] / algo.lr
+        want = picks[k // 4] * base[k] / algo.train.lr
         assert group_lr == pytest.approx(want, rel=1e-12), k
         # float32 rounding of a small step on grown weights: far below the 10x between rates
         assert measured == pytest.approx(want, rel=1e-2), k
@@ -145,7 +146,7 @@ def test_a_round_searches_before_every_pass_over_the_training_split(
     before every ``ceil(n_fit / B)`` local steps, as many as the round starts passes, and
     reports that count; the exact order of trial and local optimizer steps is checked."""
     events: list[tuple[Any, ...]] = []
-    algo = _spying(events)(
+    algo = _spying(events).of(
         posterior="none",
         local_optimizer="sgd",
         candidate_lrs=(0.01, 0.1, 1.0),
@@ -174,7 +175,7 @@ def test_per_round_searches_once_and_none_never(lr_search: str, searches: int) -
     """The comparators: ``per_round`` searches once, before the first of 12 steps (3 passes),
     ``none`` never searches and trains every step at the base rate."""
     events: list[tuple[Any, ...]] = []
-    algo = _spying(events)(
+    algo = _spying(events).of(
         posterior="none",
         local_optimizer="sgd",
         lr=0.05,
@@ -193,7 +194,7 @@ def test_per_round_searches_once_and_none_never(lr_search: str, searches: int) -
         )
     kinds = [e[0] for e in events]
     assert kinds == (["trial"] * 6 + ["search"]) * searches + ["local"] * 12
-    rate = events[6][1] if searches else algo.lr
+    rate = events[6][1] if searches else algo.train.lr
     assert all(e[1] == pytest.approx(rate) for e in events if e[0] == "local")
     assert reply.metrics.get("lr_searches", 0) == searches
 
@@ -203,7 +204,7 @@ def test_batched_trials_search_as_often_and_train_at_the_chosen_rate() -> None:
     searches before every pass (40 examples, batches of 10, 10 steps: 3 searches) and each
     pass's SGD steps move the parameters by the rate its search chose."""
     events: list[tuple[Any, ...]] = []
-    algo = _spying(events)(
+    algo = _spying(events).of(
         posterior="none",
         local_optimizer="sgd",
         lr=1e-3,
@@ -240,7 +241,7 @@ def _search_both_ways(
         model = nn.Sequential(
             nn.Linear(fit.x.shape[1], hidden), nn.ReLU(), nn.Linear(hidden, n_out)
         )
-        algo = MetaBayFL(trials=trials, temp_steps=3, batch_size=16, **hyper)  # type: ignore[arg-type]
+        algo = MetaBayFL.of(batch_size=16, trials=trials, temp_steps=3, **hyper)  # type: ignore[arg-type]
         algo.prepare_model(model)
         opt = algo.make_optimizer(model)
         terms = [elbo_kl_term(algo.beta_kl, len(fit))] if algo.posterior == "bnn" else []
@@ -364,7 +365,9 @@ def test_batched_trials_with_decoupled_decay_a_large_eps_and_a_single_tensor() -
     for trials in ("sequential", "batched"):
         torch.manual_seed(2)
         model = nn.Sequential(nn.Linear(5, 3, bias=False))
-        algo = MetaBayFL(posterior="none", trials=trials, temp_steps=3, mc_samples=0)  # type: ignore[arg-type]
+        algo = MetaBayFL(
+            train=LocalTraining(mc_samples=0), posterior="none", trials=trials, temp_steps=3
+        )  # type: ignore[arg-type]
         out[trials] = algo.select_lr(model, algo.make_optimizer(model), fit, meta, [], seed=1)
     _assert_same_search(out)
 
@@ -406,7 +409,12 @@ def _bnn_client(beta_kl: float, rng_seed: int = 0) -> tuple[Any, dict[str, torch
     """One BNN client round (fixed rate, rho -1: sigma 0.31) -> (reply, its upload)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 2))
-    algo = MetaBayFL(lr_search="none", beta_kl=beta_kl, rho_init=-1.0, local_steps=5, lr=0.05)
+    algo = MetaBayFL(
+        train=LocalTraining(local_steps=5, lr=0.05),
+        lr_search="none",
+        beta_kl=beta_kl,
+        rho_init=-1.0,
+    )
     state = algo.init_server(model, torch.Generator().manual_seed(0))
     reply, _ = algo.client_update(
         algo.broadcast(state, 0, 0),
@@ -436,7 +444,7 @@ def test_a_client_round_is_a_function_of_its_generator(posterior: str, stream: b
     replies, searches = [], []
     for i in range(2):
         events: list[tuple[Any, ...]] = []
-        algo = _spying(events)(
+        algo = _spying(events).of(
             posterior=posterior, local_steps=8, batch_size=10, temp_steps=2, mc_samples=2
         )
         torch.manual_seed(0)
@@ -462,7 +470,9 @@ def test_a_held_out_meta_split_needs_two_examples_and_keeps_one_to_fit() -> None
         fit, d = meta_split(_client(n), 0.9, "heldout")
         assert (len(fit), len(d)) == (n - n_meta, n_meta)
     assert len(meta_split(_client(4), 0.2)[1]) == 1
-    algo = MetaBayFL(posterior="none", meta_split="heldout", local_steps=2, mc_samples=0)
+    algo = MetaBayFL(
+        train=LocalTraining(local_steps=2, mc_samples=0), posterior="none", meta_split="heldout"
+    )
     model = nn.Sequential(nn.Linear(4, 2))
     state = algo.init_server(model, torch.Generator().manual_seed(0))
     reply, _ = algo.client_update(
@@ -510,7 +520,7 @@ def test_lr_chosen_is_the_most_frequent_choice_the_earliest_on_a_tie() -> None:
     """Choices 0.01, 0.1, 1, 1, 0.1 over five passes: 0.1 and 1 tie at two, 0.1 came first;
     each pass trains at its own choice."""
     rates = [0.01, 0.1, 1.0, 1.0, 0.1]
-    algo = _scripted(rates)(
+    algo = _scripted(rates).of(
         posterior="none", local_optimizer="sgd", local_steps=20, batch_size=10, mc_samples=0
     )
     model = nn.Sequential(nn.Linear(4, 2))
@@ -527,7 +537,9 @@ def test_lr_chosen_is_the_most_frequent_choice_the_earliest_on_a_tie() -> None:
 def test_a_frozen_tensor_left_out_by_the_server_comes_from_the_clients_cache() -> None:
     """With ``freeze``, the client keeps the frozen tensors of the first round it sees and
     fills them in when a later broadcast leaves them out."""
-    algo = MetaBayFL(posterior="none", lr_search="none", freeze=("0.bias",), local_steps=2)
+    algo = MetaBayFL(
+        train=LocalTraining(freeze=("0.bias",), local_steps=2), posterior="none", lr_search="none"
+    )
     model = nn.Sequential(nn.Linear(4, 2))
     state = algo.init_server(model, torch.Generator().manual_seed(0))
     msg = algo.broadcast(state, 0, 0)
@@ -549,13 +561,10 @@ def test_grad_clip_bounds_the_local_steps_and_the_trials() -> None:
     norms = {}
     for clip in (None, 1e-3):
         algo = MetaBayFL(
+            train=LocalTraining(lr=1.0, local_steps=6, batch_size=10, grad_clip=clip),
             posterior="none",
             local_optimizer="sgd",
-            lr=1.0,
             lr_search="none",
-            local_steps=6,
-            batch_size=10,
-            grad_clip=clip,
         )
         model = nn.Sequential(nn.Linear(4, 2))
         state = algo.init_server(model, torch.Generator().manual_seed(0))
@@ -572,10 +581,9 @@ def test_grad_clip_bounds_the_local_steps_and_the_trials() -> None:
         torch.manual_seed(1)
         model = nn.Sequential(nn.Linear(5, 3))
         algo = MetaBayFL(
+            train=LocalTraining(grad_clip=clip, mc_samples=0),
             posterior="none",
-            trials=trials,  # type: ignore[arg-type]
-            grad_clip=clip,
-            mc_samples=0,
+            trials=trials,
             candidate_lrs=(0.3, 0.03),
             temp_steps=3,
         )
@@ -606,7 +614,11 @@ def test_skipped_steps_and_train_loss_cover_every_pass() -> None:
             losses.append(float(torch.nn.functional.cross_entropy(out.detach(), y)))
 
     handle = model.register_forward_hook(record)
-    algo = MetaBayFL(posterior="none", local_steps=10, batch_size=10, temp_steps=2, mc_samples=0)
+    algo = MetaBayFL(
+        train=LocalTraining(local_steps=10, batch_size=10, mc_samples=0),
+        posterior="none",
+        temp_steps=2,
+    )
     state = algo.init_server(model, torch.Generator().manual_seed(0))
     reply, _ = algo.client_update(algo.broadcast(state, 0, 0), None, model, data, torch.Generator())
     finite = [v for v in losses if math.isfinite(v)]
@@ -623,7 +635,7 @@ def test_reply_reports_time_optimizer_bytes_and_the_posteriors_kl() -> None:
     float32 moments of the 10 weights of a Linear(4, 2) (80 bytes); only a BNN reports the KL of
     its trained posterior to the prior, and sampled weights train sigma (rho moves even with
     beta_kl = 0: only the likelihood, through the samples, can move it)."""
-    algo = MetaBayFL(posterior="none", lr_search="none", local_steps=3)
+    algo = MetaBayFL(train=LocalTraining(local_steps=3), posterior="none", lr_search="none")
     model = nn.Sequential(nn.Linear(4, 2))
     state = algo.init_server(model, torch.Generator().manual_seed(0))
     t0 = time.perf_counter()

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedlore.checks import setup_rounds
 from fedlore.config import Config, ConfigError, load_config
 from fedlore.data.federation import build_federation
 from fedlore.engine.loop import RoundLoop
@@ -84,7 +85,7 @@ def _run(
     first = {k: v.clone() for k, v in algo.global_arrays(state).items()}
     transport = Recording(algo, fed.client, build, SEED, ClientStore())
     loop = RoundLoop(algo, transport, sampler or (lambda _: list(range(N))))
-    for rnd in range(-int(getattr(algo, "setup_rounds", 0)), cfg.rounds):
+    for rnd in range(-setup_rounds(algo), cfg.rounds):
         state, row = loop.run_round(state, rnd, cfg.rounds - 1)
         assert row["rejected"] == 0, row.get("rejected_reasons")
     return first, algo.global_arrays(state), transport

@@ -25,16 +25,17 @@ from fedlore.engine.loop import RoundLoop
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport
 from fedlore.seeding import generator
+from fedlore.settings import LocalTraining
 from fedlore.tensors import load_model_arrays, select
 from fedlore.types import Broadcast, State
 
 NUM_CLIENTS = 3
 COMMON = {"local_steps": 4, "batch_size": 16, "rounds": 4}
 METHODS: dict[str, Algorithm] = {
-    "ditto": Ditto(lr=0.1, **COMMON),  # type: ignore[arg-type]
-    "pfedme": PFedMe(lr=0.05, **COMMON),  # type: ignore[arg-type]
-    "pfedbayes": PFedBayes(lr=1e-2, **COMMON),  # type: ignore[arg-type]
-    "fedfomo": FedFomo(lr=0.1, num_candidates=2, **COMMON),  # type: ignore[arg-type]
+    "ditto": Ditto.of(lr=0.1, **COMMON),  # type: ignore[arg-type]
+    "pfedme": PFedMe.of(lr=0.05, **COMMON),  # type: ignore[arg-type]
+    "pfedbayes": PFedBayes.of(lr=1e-2, **COMMON),  # type: ignore[arg-type]
+    "fedfomo": FedFomo.of(lr=0.1, num_candidates=2, **COMMON),  # type: ignore[arg-type]
 }
 
 
@@ -144,7 +145,10 @@ def test_training_never_reads_the_test_split(name: str) -> None:
 
 
 def test_last_round_reports_the_personal_score() -> None:
-    algo = dataclasses.replace(METHODS["ditto"], local_eval=True, rounds=1)
+    algo = dataclasses.replace(
+        METHODS["ditto"],
+        train=METHODS["ditto"].train.model_copy(update={"local_eval": True, "rounds": 1}),
+    )
     reply, state = _state_after_one_round(algo)
     assert (
         reply.metrics["local_accuracy"]
@@ -159,7 +163,10 @@ def test_fedfomo_scores_its_federated_model_before_local_training() -> None:
     model is the received initial one."""
     from fedlore.algorithms.base import local_scores
 
-    combined = dataclasses.replace(METHODS["fedfomo"], local_eval=True, rounds=1)
+    combined = dataclasses.replace(
+        METHODS["fedfomo"],
+        train=METHODS["fedfomo"].train.model_copy(update={"local_eval": True, "rounds": 1}),
+    )
     assert isinstance(combined, FedFomo) and combined.plocal == "combined"
     reply, _ = _state_after_one_round(combined)
     before = local_scores(_model(), _client(0), 0)  # the initial model, untrained
@@ -189,7 +196,7 @@ def test_prox_term_value_and_gradient() -> None:
 def test_ditto_personal_step_is_pulled_to_the_received_model() -> None:
     # with lr * lam = 1 the proximal part of one step lands exactly on w^t; with no data
     # gradient difference between v and the landing point, v_1 = w^t - lr * grad F(v_0)
-    algo = Ditto(lr=0.01, lam=100.0, local_steps=1, batch_size=48, rounds=2)
+    algo = Ditto.of(lr=0.01, local_steps=1, batch_size=48, rounds=2, lam=100.0)
     state = algo.init_server(_model(), generator(7, 2))
     received = select(state.arrays, "model.")
     v0 = {k: v + 1.0 for k, v in received.items()}
@@ -208,7 +215,7 @@ def test_ditto_personal_step_is_pulled_to_the_received_model() -> None:
 
 
 def test_pfedme_keeps_theta_not_w_and_mixes_with_beta() -> None:
-    algo = PFedMe(lr=0.05, local_steps=3, batch_size=16, rounds=2, beta=2.0)
+    algo = PFedMe.of(lr=0.05, local_steps=3, batch_size=16, rounds=2, beta=2.0)
     state = algo.init_server(_model(), generator(7, 2))
     reply, new = algo.client_update(
         algo.broadcast(state, 0, 0), None, _model(), _client(0), generator(1, 2)
@@ -253,7 +260,7 @@ def test_posterior_kl_matches_torch_distributions() -> None:
 
 
 def test_pfedbayes_moves_z_toward_q_and_uploads_z() -> None:
-    algo = PFedBayes(lr=1e-2, local_steps=5, batch_size=16, rounds=2)
+    algo = PFedBayes(train=LocalTraining(lr=1e-2, local_steps=5, batch_size=16, rounds=2))
     state = algo.init_server(_model(), generator(7, 2))
     v = select(state.arrays, "model.")
     msg = algo.broadcast(state, 0, 0)
@@ -279,7 +286,7 @@ def test_fomo_weights_on_a_hand_checked_case() -> None:
 
 
 def test_fomo_combine_and_affinity_on_a_hand_checked_case() -> None:
-    algo = FedFomo(lr=0.1, num_candidates=2, local_steps=1, rounds=2)
+    algo = FedFomo.of(lr=0.1, local_steps=1, rounds=2, num_candidates=2)
     model = nn.Linear(1, 2, bias=False)
     # validation: x = 1, label 0; a model scores logits (w0, w1)
     val = TensorSplit(torch.ones(1, 1), torch.zeros(1, dtype=torch.long))

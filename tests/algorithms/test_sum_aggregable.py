@@ -1,12 +1,12 @@
 """Which methods run under secure aggregation and central DP (issue 20, item 3).
 
 A method is sum-aggregable when its server needs only the weighted sums ``Σ p_i x_i`` and
-``Σ p_i`` of the uploads (:attr:`~fedlore.algorithms.base.Hyper.sum_aggregable`, counted in the
-class's own body); every other registered method names, in its own body, what its server does
-with each client's upload (:attr:`~fedlore.algorithms.base.Hyper.individual_uploads`), and
-refuses ``upload_increments`` with that reason. FedIT and FFA-LoRA with ``upload_increments``
-(increments from the round's start, summed onto the global values) reach the same global adapter
-and model as with values.
+``Σ p_i`` of the uploads (:attr:`~fedlore.algorithm.Capabilities.sum_aggregable`); every other
+registered method names, in its capabilities, what its server does with each client's upload
+(:attr:`~fedlore.algorithm.Capabilities.individual_uploads`, not the default), and refuses
+``upload_increments`` with that reason. FedIT and FFA-LoRA with ``upload_increments`` (increments
+from the round's start, summed onto the global values) reach the same global adapter and model as
+with values.
 """
 
 from __future__ import annotations
@@ -17,15 +17,17 @@ from torch import nn
 
 import fedlore.algorithms  # noqa: F401  (registers every method)
 from fedlore import registry
-from fedlore.algorithms.base import Hyper, is_sum_aggregable
+from fedlore.algorithms.base import Hyper
 from fedlore.algorithms.fedavg import FedAvg, FedFull, FedProx
 from fedlore.algorithms.lora_common import LoraMethod
 from fedlore.algorithms.lora_fedit import FedIT
 from fedlore.algorithms.lora_ffa import FFALoRA
 from fedlore.algorithms.lora_rolora import RoLoRA
+from fedlore.checks import is_sum_aggregable
 from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.engine.loop import validate_reply
 from fedlore.seeding import CLIENT, generator
+from fedlore.settings import LocalTraining
 from fedlore.tensors import select
 from fedlore.types import Reply, State
 
@@ -55,13 +57,13 @@ def checked_names() -> list[str]:
 
 
 def test_every_method_is_sum_aggregable_or_says_why_it_needs_individual_uploads() -> None:
-    default = Hyper.individual_uploads
+    default = Hyper.capabilities.individual_uploads
     for name in checked_names():
         cls = registry.get("algorithm", name)
         if is_sum_aggregable(cls):
             continue
-        own = vars(cls).get("individual_uploads")
-        assert isinstance(own, str) and own.strip(), f"{name}: no individual_uploads of its own"
+        own = cls.capabilities.individual_uploads
+        assert isinstance(own, str) and own.strip(), f"{name}: no individual_uploads"
         assert own != default, f"{name}: individual_uploads is the Hyper default"
         assert own.startswith("its "), f"{name}: the reason follows 'refused: ' ({own!r})"
 
@@ -79,7 +81,7 @@ def test_reasons_are_class_specific() -> None:
     for name in checked_names():
         cls = registry.get("algorithm", name)
         if not is_sum_aggregable(cls):
-            reason = vars(cls)["individual_uploads"]
+            reason = cls.capabilities.individual_uploads
             assert reason not in reasons.values(), (name, reason)
             reasons[name] = reason
 
@@ -91,17 +93,18 @@ def test_upload_increments_is_refused_with_the_reason(name: str) -> None:
     cls = registry.get("algorithm", name)
     cls()  # the defaults are valid
     with pytest.raises(ValueError, match="upload_increments") as err:
-        cls(upload_increments=True)
-    assert vars(cls)["individual_uploads"] in str(err.value)
+        cls.of(upload_increments=True)
+    assert cls.capabilities.individual_uploads in str(err.value)
 
 
 @pytest.mark.parametrize("cls", [FedFull, FedAvg, FedProx, FedIT, FFALoRA])
 def test_sum_aggregable_methods_accept_upload_increments(cls: type[Hyper]) -> None:
-    assert cls(upload_increments=True).upload_increments
+    assert cls.of(upload_increments=True).train.upload_increments
 
 
-def test_a_subclass_of_an_aggregable_method_does_not_inherit_the_flag() -> None:
-    """RoLoRA's base LoraMethod declares nothing; Ditto, FedBE etc. subclass FedAvg."""
+def test_the_subclasses_of_aggregable_methods_withdraw_the_flag() -> None:
+    """RoLoRA's base LoraMethod claims nothing; Ditto, FedBE etc. subclass FedAvg and state
+    ``sum_aggregable=False`` in their ``replace(FedAvg.capabilities, ...)``."""
     assert not is_sum_aggregable(RoLoRA) and not is_sum_aggregable(LoraMethod)
     for name in ("ditto", "fedbe", "fedfomo", "pfedme"):
         cls = registry.get("algorithm", name)
@@ -110,9 +113,9 @@ def test_a_subclass_of_an_aggregable_method_does_not_inherit_the_flag() -> None:
 
 @pytest.mark.parametrize("rule", ["median", "trimmed_mean"])
 def test_robust_aggregation_is_refused_with_increments(rule: str) -> None:
-    FedAvg(robust_aggregate=rule)  # type: ignore[arg-type]
+    FedAvg(train=LocalTraining(robust_aggregate=rule))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=f"robust_aggregate='{rule}'.*on its own"):
-        FedAvg(robust_aggregate=rule, upload_increments=True)  # type: ignore[arg-type]
+        FedAvg(train=LocalTraining(robust_aggregate=rule, upload_increments=True))  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------- FedIT / FFA-LoRA with increments
@@ -174,8 +177,8 @@ def test_increments_reach_the_same_global_adapter_and_model_as_values(
     """3 rounds, client 2 missing round 1: the global factors and merged model with
     ``upload_increments`` equal those with values to 1e-6, and the uploads are increments."""
     kw = {"rank": 2, "lora_alpha": 4.0, "local_steps": 3, "lr": 3e-2, "batch_size": 8}
-    plain: LoraMethod = cls(**kw)  # type: ignore[arg-type]
-    summed: LoraMethod = cls(upload_increments=True, **kw)  # type: ignore[arg-type]
+    plain: LoraMethod = cls.of(**kw)  # type: ignore[arg-type]
+    summed: LoraMethod = cls.of(upload_increments=True, **kw)  # type: ignore[arg-type]
     values, sent_values = run(plain, 3)
     incs, sent_incs = run(summed, 3)
     for k, v in select(values.arrays, "lora.").items():

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from fedlore.checks import setup_rounds
 from fedlore.config import Config, load_config
 from fedlore.data.client_data import ClientData
 from fedlore.data.federation import Federation, build_federation
@@ -249,7 +250,7 @@ def _run(
 
     rec = Recorder()
     RoundLoop(algo, transport, sampler, None, 1, [rec], norm_screen=norm_screen).run(
-        state, -int(getattr(algo, "setup_rounds", 0)), cfg.rounds
+        state, -setup_rounds(algo), cfg.rounds
     )
     return Outcome(rec.rows, rec.states, transport.clean_replies, transport.replies)
 

@@ -39,7 +39,7 @@ SMALL = [
 
 def _cfg(tmp: Path, engine: str, rounds: int, method: str) -> Config:
     # a method that distils on the server (FedBE) needs the server's unlabeled set U
-    needs_u = getattr(registry.get("algorithm", method), "needs_server_data", False)
+    needs_u = registry.get("algorithm", method).capabilities.server_data
     return load_config(
         None,
         [

@@ -195,7 +195,7 @@ def _data(cid: int) -> ClientData:
 
 
 def _run(rounds: int = 3, **kw: Any) -> dict[str, torch.Tensor]:
-    algo = FedLore(rank=2, local_steps=2, batch_size=8, lr=1e-2, **kw)
+    algo = FedLore.of(local_steps=2, batch_size=8, lr=1e-2, rank=2, **kw)
     transport = LocalTransport(algo, _data, _build, 11, ClientStore())
     loop = RoundLoop(algo, transport, lambda _: list(range(NCLIENTS)))
     state = loop.run(algo.init_server(_build(), generator(11, 2)), -1, rounds)

@@ -14,6 +14,7 @@ from fedlore.data.client_data import ClientData, TensorSplit, minibatches
 from fedlore.models import build_model
 from fedlore.optim.projected_adam import ProjectedAdam
 from fedlore.optim.subspace import MatrixSpec, projection_plan, random_basis, top_left_singular
+from fedlore.settings import LocalTraining
 from fedlore.tensors import model_arrays, select
 from fedlore.train.local import local_train
 
@@ -229,7 +230,7 @@ def test_last_gradient_is_last_finite_one() -> None:
     seed = next(s for s in range(200) if nan_batches(split, bs, k, s)[-1])
     flags = nan_batches(split, bs, k, seed)
     last_ok = max(i for i, f in enumerate(flags) if not f)
-    algo = FedLore(rank=2, local_steps=k, batch_size=bs, lr=1e-2)
+    algo = FedLore(train=LocalTraining(local_steps=k, batch_size=bs, lr=1e-2), rank=2)
     model = Tiny()
     replay = copy.deepcopy(model)
     plan = algo.plan(model)
@@ -274,7 +275,9 @@ def test_candidate_falls_back_to_current_basis() -> None:
 
 
 def test_client_without_finite_step_uploads_current_basis() -> None:
-    algo = FedLore(rank=2, local_steps=3, batch_size=4, lr=1e-2, init_basis="random")
+    algo = FedLore(
+        train=LocalTraining(local_steps=3, batch_size=4, lr=1e-2), rank=2, init_basis="random"
+    )
     model = Tiny()
     state = algo.init_server(model, torch.Generator().manual_seed(0))
     split = data(n=8, nan_rows=tuple(range(8)))
@@ -298,7 +301,7 @@ def test_cnn_trains_a_fedlore_round_with_projected_kernels() -> None:
     torch.manual_seed(0)
     model = build_model("cnn", (1, 8, 8), 10)
     rank = 3
-    algo = FedLore(rank=rank, local_steps=2, batch_size=8, lr=1e-2)
+    algo = FedLore(train=LocalTraining(local_steps=2, batch_size=8, lr=1e-2), rank=rank)
     plan = algo.plan(model)
     assert (plan["features.0.weight"].m, plan["features.0.weight"].n) == (32, 1 * 5 * 5)
     assert (plan["features.3.weight"].m, plan["features.3.weight"].n) == (64, 32 * 5 * 5)

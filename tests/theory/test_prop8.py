@@ -13,6 +13,7 @@ from torch import nn
 
 from fedlore.algorithms.fedlore import FedLore
 from fedlore.data.client_data import ClientData, TensorSplit
+from fedlore.settings import LocalTraining
 from fedlore.tensors import model_arrays, select
 from fedlore.types import Reply, State
 
@@ -81,14 +82,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 )
 def test_aggregate_equals_weighted_endpoint_average(schedule: str, weight_decay: float) -> None:
     algo = FedLore(
+        train=LocalTraining(
+            local_steps=5,
+            schedule=schedule,
+            rounds=3,
+            weight_decay=weight_decay,
+            lr=1e-2,
+            batch_size=8,
+        ),
         rank=2,
-        local_steps=5,
-        schedule=schedule,
-        rounds=3,
-        weight_decay=weight_decay,
-        lr=1e-2,
         init_basis="random",
-        batch_size=8,
     )
     model = make_model()
     state = algo.init_server(model, torch.Generator().manual_seed(1))
@@ -126,14 +129,16 @@ def test_aggregate_equals_weighted_endpoint_average(schedule: str, weight_decay:
 def test_uploaded_coordinates_reproduce_endpoint(schedule: str, weight_decay: float) -> None:
     """W_K = a W_0 + P Z for every client (a = 1 without decay)."""
     algo = FedLore(
+        train=LocalTraining(
+            local_steps=5,
+            schedule=schedule,
+            rounds=3,
+            weight_decay=weight_decay,
+            lr=1e-2,
+            batch_size=8,
+        ),
         rank=2,
-        local_steps=5,
-        schedule=schedule,
-        rounds=3,
-        weight_decay=weight_decay,
-        lr=1e-2,
         init_basis="random",
-        batch_size=8,
     )
     model = make_model()
     state = algo.init_server(model, torch.Generator().manual_seed(1))

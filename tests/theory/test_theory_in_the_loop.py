@@ -23,12 +23,14 @@ from torch import nn
 from fedlore.algorithm import Algorithm
 from fedlore.algorithms.fedlore import FedLore
 from fedlore.algorithms.local_galore import LocalGaLore
+from fedlore.checks import setup_rounds
 from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.engine.loop import RoundLoop
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport
 from fedlore.optim.subspace import captured_energy, projector_distance, top_left_singular
 from fedlore.seeding import SERVER_INIT, generator
+from fedlore.settings import LocalTraining
 from fedlore.tensors import select
 from fedlore.types import State
 
@@ -63,7 +65,7 @@ def run(algo: Algorithm, cs: list[torch.Tensor], rounds: int) -> list[tuple[Stat
     loop = RoundLoop(algo, transport, lambda rnd: list(range(len(cs))))
     state = algo.init_server(zero_linear(), generator(0, SERVER_INIT))
     out = []
-    start = -int(getattr(algo, "setup_rounds", 0))
+    start = -setup_rounds(algo)
     for rnd in range(start, rounds):
         state, row = loop.run_round(state, rnd, rounds - 1)
         assert row["accepted"] == len(cs) and row.get("skipped_steps", 0) == 0, row
@@ -97,9 +99,11 @@ def test_theorem6_local_svd_projections_stall_at_zero(k: int, gamma: float) -> N
     subspace of its own round-start gradient, stays at W = 0: squared global-gradient norm 1/2,
     objective gap 1/4, although every client keeps 4/5 of its own gradient energy."""
     algo = LocalGaLore(
-        rank=1, lr=gamma, local_steps=k, batch_size=2, rounds=5, optimizer="sgd",
-        weighting="uniform", exclude=(),
-    )  # fmt: skip
+        train=LocalTraining(lr=gamma, local_steps=k, batch_size=2, rounds=5, weighting="uniform"),
+        rank=1,
+        optimizer="sgd",
+        exclude=(),
+    )
     history = run(algo, THEOREM6, 5)
     for _, w in history:
         assert w.dtype == F64
@@ -118,9 +122,11 @@ def test_theorem6_shared_projection_reaches_the_minimizer_in_two_rounds() -> Non
     gradients (K = 2: after one step in p) all point along q ⟂ p, which is the leading left
     singular direction of the round-start G^1 = ½qqᵀ, and round 1 lands on W* = -½I."""
     algo = FedLore(
-        rank=1, lr=1.0, local_steps=2, batch_size=2, rounds=2, optimizer="sgd",
-        weighting="uniform", exclude=(),
-    )  # fmt: skip
+        train=LocalTraining(lr=1.0, local_steps=2, batch_size=2, rounds=2, weighting="uniform"),
+        rank=1,
+        optimizer="sgd",
+        exclude=(),
+    )
     history = run(algo, THEOREM6, 2)
     (setup, w0), (s1, w1), (_, w2) = history
     half = 0.5 * torch.eye(2, dtype=F64)
@@ -144,9 +150,11 @@ def test_proposition4_agreeing_projectors_cover_nothing_and_fedlore_stays_at_zer
     gives Π^0 = Q; the two projected updates cancel, W stays 0, the candidates (last-step
     gradients C_i) give Q again every round, and Q keeps none of G = diag(0, 1)."""
     algo = FedLore(
-        rank=1, lr=1.0, local_steps=1, batch_size=2, rounds=4, optimizer="sgd",
-        weighting="uniform", exclude=(),
-    )  # fmt: skip
+        train=LocalTraining(lr=1.0, local_steps=1, batch_size=2, rounds=4, weighting="uniform"),
+        rank=1,
+        optimizer="sgd",
+        exclude=(),
+    )
     e1 = torch.tensor([[1.0], [0.0]], dtype=F64)
     for state, w in run(algo, PROP4, 4):
         torch.testing.assert_close(w, torch.zeros(2, 2, dtype=F64), rtol=0, atol=0)

@@ -22,6 +22,7 @@ from fedlore.data.federation import build_federation
 from fedlore.data.holdout import target_strata
 from fedlore.data.sources import load_diabetes
 from fedlore.experiment import run_one
+from fedlore.settings import LocalTraining
 from fedlore.train.local import (
     evaluate,
     gaussian_nll,
@@ -145,9 +146,11 @@ def test_meta_score_of_a_regression_bnn_is_the_predictive_mixture_nll() -> None:
     scores = {}
     for trials in ("sequential", "batched"):
         algo = MetaBayFL(
-            candidate_lrs=(0.1, 0.01), temp_steps=3, batch_size=10, mc_samples=4,
+            train=LocalTraining(batch_size=10, mc_samples=4),
+            candidate_lrs=(0.1, 0.01),
+            temp_steps=3,
             trials=trials,
-        )  # fmt: skip
+        )
         net = algo.prepare_model(nn.Sequential(*[m for m in model]))  # the same weights
         opt = algo.make_optimizer(net)
         with sampling(net, True):

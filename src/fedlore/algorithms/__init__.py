@@ -19,6 +19,6 @@ from fedlore.algorithms import (  # noqa: F401
     pfedbayes,
     pfedme,
 )
-from fedlore.algorithms.base import Hyper, build_hyper
+from fedlore.algorithms.base import Hyper
 
-__all__ = ["Hyper", "build_hyper"]
+__all__ = ["Hyper"]

@@ -47,7 +47,7 @@ import dataclasses
 import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 import torch
@@ -135,11 +135,16 @@ class MetaBayFL(FedFull):
     """
 
     name: ClassVar[str] = "meta_bayfl"
-    individual_uploads: ClassVar[str] = (
-        "its server can combine each client's Gaussian posterior (mu_i, rho_i) nonlinearly "
-        "(posterior_aggregation sigma, moment or precision), and the run reports each client's "
-        "searched learning rate (lr_chosen) on its own; only the default mean rule is a "
-        "weighted sum"
+    capabilities = replace(
+        FedFull.capabilities,
+        sum_aggregable=False,
+        transport_16bit=False,
+        individual_uploads=(
+            "its server can combine each client's Gaussian posterior (mu_i, rho_i) nonlinearly "
+            "(posterior_aggregation sigma, moment or precision), and the run reports each client's "
+            "searched learning rate (lr_chosen) on its own; only the default mean rule is a "
+            "weighted sum"
+        ),
     )
     per_client_metrics: ClassVar[tuple[str, ...]] = ("lr_chosen",)
     posterior: Literal["bnn", "mcdropout", "none"] = "bnn"
@@ -262,7 +267,7 @@ class MetaBayFL(FedFull):
         opt = self.make_optimizer(model)
         base = self.round_lrs(rnd)
         search_seed = int(torch.randint(0, 2**62, (1,), generator=rng))
-        epoch = max(1, math.ceil(n_fit / min(self.batch_size, n_fit)))
+        epoch = max(1, math.ceil(n_fit / min(self.train.batch_size, n_fit)))
         starts = {"per_epoch": range(0, len(base), epoch), "per_round": [0], "none": [0]}
         cuts = [*starts[self.lr_search], len(base)]
         chosen: list[float] = []
@@ -271,16 +276,16 @@ class MetaBayFL(FedFull):
         t0 = time.perf_counter()
         with seeded(rng), sampling(model, True):
             batches = dataclasses.replace(data, train=fit).batches(
-                self.batch_size, len(base), rng, rnd
+                self.train.batch_size, len(base), rng, rnd
             )
             for i, (a, b) in enumerate(itertools.pairwise(cuts)):
-                lr = self.lr
+                lr = self.train.lr
                 if search and meta is not None:
                     lr, _ = self.select_lr(model, opt, fit, meta, terms, search_seed + i)
                     chosen.append(lr)
-                seg = [lr * x / self.lr for x in base[a:b]]
+                seg = [lr * x / self.train.lr for x in base[a:b]]
                 stats = local_train(
-                    model, batches, opt, seg, loss_terms=terms, grad_clip=self.grad_clip
+                    model, batches, opt, seg, loss_terms=terms, grad_clip=self.train.grad_clip
                 )
                 skipped += stats.skipped_steps
                 if math.isfinite(stats.mean_loss):
@@ -334,11 +339,14 @@ class BayFL(MetaBayFL):
     (reference notes Part 2)."""
 
     name: ClassVar[str] = "bayfl"
-    individual_uploads: ClassVar[str] = (
-        "its server can combine each client's Gaussian posterior (mu_i, rho_i) nonlinearly "
-        "(posterior_aggregation sigma: softplus scales, moment: mixture moments, precision: 1 / "
-        "sigma_i² weights); its default mean rule, FedAvg of (mu, rho), is not yet offered "
-        "under secure aggregation and DP"
+    capabilities = replace(
+        MetaBayFL.capabilities,
+        individual_uploads=(
+            "its server can combine each client's Gaussian posterior (mu_i, rho_i) nonlinearly "
+            "(posterior_aggregation sigma: softplus scales, moment: mixture moments, precision: 1 "
+            "/ sigma_i² weights); its default mean rule, FedAvg of (mu, rho), is not yet offered "
+            "under secure aggregation and DP"
+        ),
     )
     lr_search: Literal["per_epoch", "per_round", "none"] = "none"
 
@@ -349,10 +357,13 @@ class MetaBayFLMCDropout(MetaBayFL):
     """Meta-BayFL with MC dropout in place of the BNN (seed Table IV; reference notes Part 6)."""
 
     name: ClassVar[str] = "meta_bayfl_mcd"
-    individual_uploads: ClassVar[str] = (
-        "its clients each search a learning rate on their own meta split and the run reports "
-        "every client's choice (lr_chosen) on its own; the server's FedAvg of the MC-dropout "
-        "model's deltas is not yet offered under secure aggregation and DP"
+    capabilities = replace(
+        MetaBayFL.capabilities,
+        individual_uploads=(
+            "its clients each search a learning rate on their own meta split and the run reports "
+            "every client's choice (lr_chosen) on its own; the server's FedAvg of the MC-dropout "
+            "model's deltas is not yet offered under secure aggregation and DP"
+        ),
     )
     posterior: Literal["bnn", "mcdropout", "none"] = "mcdropout"
 
@@ -363,10 +374,13 @@ class FedAvgMCDropout(MetaBayFL):
     """FedAvg + MC dropout with a fixed learning rate (separates dropout from the search)."""
 
     name: ClassVar[str] = "fedavg_mcd"
-    individual_uploads: ClassVar[str] = (
-        "its server only adds the weighted mean of the MC-dropout model's deltas, as FedAvg "
-        "does (linear in the uploads), but this comparator of Meta-BayFL is not yet offered "
-        "under secure aggregation and DP (no test covers it there)"
+    capabilities = replace(
+        MetaBayFL.capabilities,
+        individual_uploads=(
+            "its server only adds the weighted mean of the MC-dropout model's deltas, as FedAvg "
+            "does (linear in the uploads), but this comparator of Meta-BayFL is not yet offered "
+            "under secure aggregation and DP (no test covers it there)"
+        ),
     )
     posterior: Literal["bnn", "mcdropout", "none"] = "mcdropout"
     lr_search: Literal["per_epoch", "per_round", "none"] = "none"
@@ -379,9 +393,12 @@ class MetaFL(MetaBayFL):
     with the same per-client learning-rate search, cross-entropy loss."""
 
     name: ClassVar[str] = "meta_fl"
-    individual_uploads: ClassVar[str] = (
-        "its clients each search a learning rate on their own meta split and the run reports "
-        "every client's choice (lr_chosen) on its own; the server's FedAvg of the deterministic "
-        "model's deltas is not yet offered under secure aggregation and DP"
+    capabilities = replace(
+        MetaBayFL.capabilities,
+        individual_uploads=(
+            "its clients each search a learning rate on their own meta split and the run reports "
+            "every client's choice (lr_chosen) on its own; the server's FedAvg of the "
+            "deterministic model's deltas is not yet offered under secure aggregation and DP"
+        ),
     )
     posterior: Literal["bnn", "mcdropout", "none"] = "none"

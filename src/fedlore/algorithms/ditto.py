@@ -25,7 +25,7 @@ stores one model.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -53,10 +53,15 @@ class Ditto(Personalized, FedAvg):
     """
 
     name: ClassVar[str] = "ditto"
-    individual_uploads: ClassVar[str] = (
-        "its server only adds the weighted mean of the FedAvg deltas (linear in the uploads; "
-        "the personal models v_k stay on the clients), but Ditto is not yet offered under "
-        "secure aggregation and DP (no test covers it there)"
+    capabilities = replace(
+        FedAvg.capabilities,
+        sum_aggregable=False,
+        transport_16bit=False,
+        individual_uploads=(
+            "its server only adds the weighted mean of the FedAvg deltas (linear in the uploads; "
+            "the personal models v_k stay on the clients), but Ditto is not yet offered under "
+            "secure aggregation and DP (no test covers it there)"
+        ),
     )
     lam: float = 1.0
     personal_steps: int | None = None
@@ -96,18 +101,18 @@ class Ditto(Personalized, FedAvg):
         v = personal_arrays(state) or received
         load_model_arrays(model, v)
         self.set_frozen(model)
-        steps = self.personal_steps or self.local_steps
-        scale = (self.personal_lr or self.lr) / self.lr
+        steps = self.personal_steps or self.train.local_steps
+        scale = (self.personal_lr or self.train.lr) / self.train.lr
         base = self.lr_schedule().round_lrs(max(rnd, 0), steps)
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=self.lr)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=self.train.lr)
         t0 = time.perf_counter()
         stats = local_train(
             model,
-            data.batches(self.batch_size, steps, same_batches, rnd),
+            data.batches(self.train.batch_size, steps, same_batches, rnd),
             opt,
             [scale * lr for lr in base],
             loss_terms=[prox_term(received, self.lam)],
-            grad_clip=self.grad_clip,
+            grad_clip=self.train.grad_clip,
         )
         personal_s = time.perf_counter() - t0
         new = State(arrays={**keep.arrays, **keep_personal(model)}, values=dict(keep.values))

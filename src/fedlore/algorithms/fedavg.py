@@ -22,7 +22,7 @@ need the individual uploads: with ``upload_increments`` they are refused.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 import torch
@@ -57,9 +57,6 @@ class DenseServer:
     ``seen.<cid>``); the client keeps them as ``cache.*`` in its state and never uploads them.
     """
 
-    supports_robust_aggregate: ClassVar[bool] = True
-    """Whether ``robust.aggregate: median | trimmed_mean`` applies (it averages dense deltas)."""
-
     def combine_deltas(
         self, updates: list[dict[str, torch.Tensor]], weights: list[float]
     ) -> dict[str, torch.Tensor]:
@@ -68,8 +65,8 @@ class DenseServer:
         return combine_updates(
             updates,
             weights,
-            self.robust_aggregate,  # type: ignore[attr-defined]
-            self.trim_fraction,  # type: ignore[attr-defined]
+            self.train.robust_aggregate,  # type: ignore[attr-defined]
+            self.train.trim_fraction,  # type: ignore[attr-defined]
         )
 
     def init_server(self, model: nn.Module, rng: torch.Generator) -> State:
@@ -98,7 +95,7 @@ class DenseServer:
         ups = [from_wire(select(r.arrays, "update."), dtypes) for _, r in ok]
         mean = self.mean_update(model, ups, weights)
         new = {k: v + mean[k].to(v.dtype) if k in mean else v for k, v in model.items()}
-        if self.freeze:  # type: ignore[attr-defined]
+        if self.train.freeze:  # type: ignore[attr-defined]
             values.update({f"seen.{c}": 1 for c, _ in ok})
         return State(arrays=with_prefix(new, "model."), values=values), {"aggregated": len(ok)}
 
@@ -166,10 +163,14 @@ def local_optimizer(
     params = [p for p in model.parameters() if p.requires_grad]
     if kind == "sgd":
         return torch.optim.SGD(
-            params, lr=hyper.lr, momentum=momentum, weight_decay=hyper.weight_decay
+            params, lr=hyper.train.lr, momentum=momentum, weight_decay=hyper.train.weight_decay
         )
     return torch.optim.AdamW(
-        params, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps, weight_decay=hyper.weight_decay
+        params,
+        lr=hyper.train.lr,
+        betas=hyper.train.betas,
+        eps=hyper.train.eps,
+        weight_decay=hyper.train.weight_decay,
     )
 
 
@@ -190,20 +191,22 @@ class FedFull(DenseServer, Hyper):
     """FedAvg whose clients run AdamW (``local_optimizer="adamw"``) or SGD on every parameter."""
 
     name: ClassVar[str] = "fedfull"
-    honours_transport_dtype: ClassVar[bool] = True
-    sum_aggregable: ClassVar[bool] = True
-    """The uploads are the deltas ``W_K - W^t`` (increments already) and the server adds their
-    weighted mean (module docstring)."""
-    setup_rounds: ClassVar[int] = 0
+    # sum_aggregable: the uploads are the deltas W_K - W^t (increments already) and the server
+    # adds their weighted mean (module docstring); robust_aggregate: DenseServer averages dense
+    # deltas, so a coordinate-wise median or trimmed mean applies
+    capabilities = replace(
+        Hyper.capabilities, sum_aggregable=True, transport_16bit=True, robust_aggregate=True
+    )
     local_optimizer: Literal["adamw", "sgd"] = "adamw"
     momentum: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.upload_increments and self.robust_aggregate != "mean":
+        if self.train.upload_increments and self.train.robust_aggregate != "mean":
             raise ValueError(
                 f"{type(self).__name__}: invalid upload_increments=True with robust_aggregate="
-                f"{self.robust_aggregate!r}: the coordinate-wise {self.robust_aggregate} ranks "
+                f"{self.train.robust_aggregate!r}: the coordinate-wise "
+                f"{self.train.robust_aggregate} ranks "
                 "each client's delta on its own, not only their weighted sum (use 'mean')"
             )
 
@@ -226,11 +229,11 @@ class FedFull(DenseServer, Hyper):
         t0 = time.perf_counter()
         stats = local_train(
             model,
-            data.batches(self.batch_size, len(lrs), rng, rnd),
+            data.batches(self.train.batch_size, len(lrs), rng, rnd),
             opt,
             lrs,
             loss_terms=self.loss_terms(start),
-            grad_clip=self.grad_clip,
+            grad_clip=self.train.grad_clip,
         )
         train_s = time.perf_counter() - t0
         metrics = reply_metrics(
@@ -259,9 +262,7 @@ class FedAvg(FedFull):
     """FedAvg with local SGD (McMahan et al. 2017), the deterministic baseline of Meta-BayFL."""
 
     name: ClassVar[str] = "fedavg"
-    honours_transport_dtype: ClassVar[bool] = True
-    sum_aggregable: ClassVar[bool] = True
-    """FedFull's deltas and server (module docstring)."""
+    # capabilities: FedFull's (its deltas and server)
     local_optimizer: Literal["adamw", "sgd"] = "sgd"
 
 
@@ -278,9 +279,7 @@ class FedProx(FedAvg):
     """
 
     name: ClassVar[str] = "fedprox"
-    honours_transport_dtype: ClassVar[bool] = True
-    sum_aggregable: ClassVar[bool] = True
-    """FedAvg's deltas and server; the proximal term acts on the client only."""
+    # capabilities: FedAvg's (its deltas and server; the proximal term acts on the client only)
     mu: float = 0.01
 
     def __post_init__(self) -> None:

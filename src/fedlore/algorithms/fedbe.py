@@ -90,7 +90,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -151,7 +151,7 @@ class FedBE(FedAvg):
     """FedBE: FedAvg clients; the server distils {w̄, M Gaussian samples, client models} on U
     into an SWA student that starts at w̄ (module docstring: steps, defaults, deviations).
 
-    Needs the server's unlabeled set U (``needs_server_data``; config ``data.server_fraction``).
+    Needs the server's unlabeled set U (``server_data``; config ``data.server_fraction``).
 
     Attributes (besides :class:`FedAvg`'s, which the clients use):
         num_samples: M, Gaussian samples per round (≥ 0).
@@ -165,14 +165,20 @@ class FedBE(FedAvg):
         swa_start, swa_freq, swa_start_share: the SWA schedule (:func:`swa_schedule`).
     """
 
-    supports_regression: ClassVar[bool] = False  # pseudo-labels are class probabilities
-    name: ClassVar[str] = "fedbe"
-    individual_uploads: ClassVar[str] = (
-        "its server fits a Gaussian to the clients' norm-scaled updates Δ_k / ||Δ_k|| and "
-        "distils an ensemble whose teachers include each client's own model w^t + Δ_k (FedBE's "
-        "Bayesian model ensemble)"
+    # regression=False: the pseudo-labels are class probabilities
+    capabilities = replace(
+        FedAvg.capabilities,
+        sum_aggregable=False,
+        transport_16bit=False,
+        individual_uploads=(
+            "its server fits a Gaussian to the clients' norm-scaled updates Δ_k / ||Δ_k|| and "
+            "distils an ensemble whose teachers include each client's own model w^t + Δ_k (FedBE's "
+            "Bayesian model ensemble)"
+        ),
+        server_data=True,
+        regression=False,
     )
-    needs_server_data: ClassVar[bool] = True
+    name: ClassVar[str] = "fedbe"
     num_samples: int = 10
     var_scale: float = 0.1
     swag_stepsize: float = 1.0
@@ -225,8 +231,8 @@ class FedBE(FedAvg):
         if unlabeled is None or len(unlabeled) == 0:
             raise ValueError(
                 "FedBE distils on the server's unlabeled set U, and none was given: set "
-                "data.server_fraction > 0 (run.start_server passes it as init_server(..., "
-                "unlabeled=U))"
+                "data.server_fraction > 0 (experiment_parts.start_server passes it as "
+                "init_server(..., unlabeled=U))"
             )
         state = super().init_server(model, rng)
         object.__setattr__(self, "_workspace", copy.deepcopy(model))

@@ -46,15 +46,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 import torch
 from torch import nn
 
 from fedlore.algorithms.base import ReplySpec, local_eval_due, local_scores, reply_metrics
-from fedlore.algorithms.bayes import meta_split
 from fedlore.algorithms.fedavg import FedAvg
+from fedlore.algorithms.meta_lr import meta_split
 from fedlore.algorithms.personal import Personalized, keep_personal, personal_arrays
 from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.registry import register_algorithm
@@ -146,10 +146,15 @@ class FedFomo(Personalized, FedAvg):
     """
 
     name: ClassVar[str] = "fedfomo"
-    individual_uploads: ClassVar[str] = (
-        "its server stores each client's uploaded model and forwards it to the clients that ask "
-        "for it, which weight every candidate model by its loss on their own validation split "
-        "(FedFomo Eqs. 5-7)"
+    capabilities = replace(
+        FedAvg.capabilities,
+        sum_aggregable=False,
+        transport_16bit=False,
+        individual_uploads=(
+            "its server stores each client's uploaded model and forwards it to the clients that "
+            "ask for it, which weight every candidate model by its loss on their own validation "
+            "split (FedFomo Eqs. 5-7)"
+        ),
     )
     num_candidates: int = 4
     epsilon: float = 0.3
@@ -171,10 +176,10 @@ class FedFomo(Personalized, FedAvg):
         for field, ok in checks.items():
             if not ok:
                 raise ValueError(f"fedfomo: invalid {field}={getattr(self, field)!r}")
-        if self.freeze:
+        if self.train.freeze:
             raise ValueError(
                 f"fedfomo combines and uploads whole client models; params.freeze="
-                f"{list(self.freeze)} is not supported by it (leave it empty)"
+                f"{list(self.train.freeze)} is not supported by it (leave it empty)"
             )
 
     # -- server ---------------------------------------------------------------------------
@@ -276,17 +281,17 @@ class FedFomo(Personalized, FedAvg):
             combined = self.combine(model, base, cands, val, affinity)
         scores: Scalars = {}
         if self.plocal == "combined" and local_eval_due(self, rnd) and len(data.test):
-            scores = local_scores(model, data, self.mc_samples)  # NVlabs: before training
+            scores = local_scores(model, data, self.train.mc_samples)  # NVlabs: before training
         start = {k: v.clone() for k, v in model.state_dict().items()}
         opt = self.make_optimizer(model)
         lrs = self.round_lrs(rnd)
         t0 = time.perf_counter()
         stats = local_train(
             model,
-            dataclasses.replace(data, train=fit).batches(self.batch_size, len(lrs), rng, rnd),
+            dataclasses.replace(data, train=fit).batches(self.train.batch_size, len(lrs), rng, rnd),
             opt,
             lrs,
-            grad_clip=self.grad_clip,
+            grad_clip=self.train.grad_clip,
         )
         train_s = time.perf_counter() - t0
         pool = msg.arrays["fomo.pool"].tolist()

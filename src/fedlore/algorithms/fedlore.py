@@ -42,12 +42,13 @@ needs only the weighted sums.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
+from fedlore.algorithm import Capabilities
 from fedlore.algorithms.base import ReplySpec
 from fedlore.algorithms.basis_rules import (
     RULES,
@@ -99,18 +100,21 @@ class FedLore(FedLoreClient):
     """
 
     name: ClassVar[str] = "fedlore"
-    honours_transport_dtype: ClassVar[bool] = True
-    individual_uploads: ClassVar[str] = (
-        "its P^{t+1} is the SVD of the stack [sqrt(p_1) P_1, ..., sqrt(p_N) P_N] of the "
-        "clients' candidate bases, which needs each P_i on its own; use fedlore_sketch (its "
-        "basis comes from the sum of the clients' gradient sketches)"
+    capabilities = replace(
+        FedLoreClient.capabilities,
+        transport_16bit=True,
+        individual_uploads=(
+            "its P^{t+1} is the SVD of the stack [sqrt(p_1) P_1, ..., sqrt(p_N) P_N] of the "
+            "clients' candidate bases, which needs each P_i on its own; use fedlore_sketch (its "
+            "basis comes from the sum of the clients' gradient sketches)"
+        ),
+        projects="shared",
     )
     basis_rule: ClassVar[RuleName] = "candidates"
     init_basis: Literal["gradient", "random"] = "gradient"
     server_basis: Literal["svd", "randomized", "gram"] = "svd"
     log_rounds: int = 8
-    diagnostics_every: int = 0
-    diagnostic_kind: ClassVar[Literal["shared", "client"]] = "shared"
+    diagnostics_every: int = field(default=0, metadata={"config": "diagnostics.every"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -131,7 +135,7 @@ class FedLore(FedLoreClient):
     def _uploads_candidates(self, rnd: int) -> bool:
         """Whether round ``rnd``'s clients upload candidate gradients for the next diagnostics."""
         d = self.diagnostics_every
-        due = d > 0 and rnd >= 0 and (rnd + 1) % d == 0 and rnd + 1 < self.rounds
+        due = d > 0 and rnd >= 0 and (rnd + 1) % d == 0 and rnd + 1 < self.train.rounds
         return self.rule.certifies and due
 
     @property
@@ -139,12 +143,12 @@ class FedLore(FedLoreClient):
         """Whether the unprojected tensors travel as increments (clients upload ``D_K - D^t``,
         the server applies ``Σ p_i (D_i - D^t) / Σ p_i`` and logs it as ``log.<t>.<name>``)
         rather than as values: under a 16-bit transport and under ``upload_increments``."""
-        return self.wire_dtype is not None or self.upload_increments
+        return self.wire_dtype is not None or self.train.upload_increments
 
-    @property
-    def setup_rounds(self) -> int:
-        """1 when P^0 comes from client gradients (a basis-only exchange before round 0)."""
-        return self.rule.setup_rounds()
+    def caps(self) -> Capabilities:
+        """``setup_rounds`` is 1 when P^0 comes from client gradients (a basis-only exchange
+        before round 0), 0 otherwise (the basis rule says)."""
+        return replace(super().caps(), setup_rounds=self.rule.setup_rounds())
 
     # ----------------------------------------------------------------- server
     def init_server(self, model: nn.Module, rng: torch.Generator) -> State:
@@ -314,8 +318,8 @@ class FedLoreRandom(FedLore):
     candidate upload. Bytes per matrix: rn up, rn down (+ a seed)."""
 
     name: ClassVar[str] = "fedlore_random"
-    honours_transport_dtype: ClassVar[bool] = True
-    sum_aggregable: ClassVar[bool] = True  # ΔZ_i and the dense increments: weighted sums only
+    # ΔZ_i and the dense increments: weighted sums only
+    capabilities = replace(FedLore.capabilities, sum_aggregable=True)
     basis_rule: ClassVar[RuleName] = "random"
 
 
@@ -331,13 +335,12 @@ class FedLoreFixed(FedLore):
     """
 
     name: ClassVar[str] = "fedlore_fixed"
-    honours_transport_dtype: ClassVar[bool] = True
-    sum_aggregable: ClassVar[bool] = True
+    capabilities = replace(FedLore.capabilities, sum_aggregable=True)
     basis_rule: ClassVar[RuleName] = "fixed"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.upload_increments and self.init_basis == "gradient":
+        if self.train.upload_increments and self.init_basis == "gradient":
             raise ValueError(
                 "FedLoreFixed: invalid upload_increments=True with init_basis='gradient': its "
                 "P^0 averages the clients' candidate projectors (the setup exchange needs each "
@@ -367,8 +370,7 @@ class FedLoreSketch(FedLore):
     """
 
     name: ClassVar[str] = "fedlore_sketch"
-    honours_transport_dtype: ClassVar[bool] = True
-    sum_aggregable: ClassVar[bool] = True
+    capabilities = replace(FedLore.capabilities, sum_aggregable=True)
     basis_rule: ClassVar[RuleName] = "sketch"
     sketch_oversample: int = 5
 

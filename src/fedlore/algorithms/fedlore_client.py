@@ -73,7 +73,9 @@ class FedLoreClient(LowRankHyper, abc.ABC):
         rnd = int(msg.config["round"])
         if rnd < 0:
             load_model_arrays(model, select(msg.arrays, "model."))
-            grads = construction_gradients(model, data.train, self.batch_size, rng, list(plan))
+            grads = construction_gradients(
+                model, data.train, self.train.batch_size, rng, list(plan)
+            )
             views = {k: plan[k].view(g) for k, g in grads.items()}
             held_model = model_arrays(model)
             new_state = State(
@@ -90,7 +92,7 @@ class FedLoreClient(LowRankHyper, abc.ABC):
         res = train_projected(
             self,
             model,
-            data.batches(self.batch_size, len(lrs), rng, rnd),
+            data.batches(self.train.batch_size, len(lrs), rng, rnd),
             plan,
             bases,
             lrs,

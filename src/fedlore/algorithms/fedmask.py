@@ -83,12 +83,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 import torch
 from torch import nn
 
+from fedlore.algorithm import Capabilities
 from fedlore.algorithms.base import Hyper, ReplySpec, reply_metrics
 from fedlore.algorithms.fedavg import local_optimizer, optimizer_state_bytes
 from fedlore.algorithms.fedmask_bits import overlap_mean, pack_mask, unpack_mask
@@ -151,17 +152,19 @@ class FedMask(Personalized, Hyper):
         momentum: SGD momentum.
 
     ``params.freeze`` is refused: every tensor but the mask scores is fixed anyway.
-    ``min_clients_per_round`` = ``min_overlap``: a run with fewer clients per round is refused
+    ``caps().min_clients`` = ``min_overlap``: a run with fewer clients per round is refused
     (no position could reach the overlap; the network would be dead).
     """
 
     name: ClassVar[str] = "fedmask"
-    individual_uploads: ClassVar[str] = (
-        "its server keeps a mask position only where at least min_overlap clients hold a 1 (a "
-        "count over the individual masks, not a weighted sum), and the masks travel bit-packed "
-        "as uint8 bytes, whose sum means nothing"
+    capabilities = replace(
+        Hyper.capabilities,
+        individual_uploads=(
+            "its server keeps a mask position only where at least min_overlap clients hold a 1 (a "
+            "count over the individual masks, not a weighted sum), and the masks travel bit-packed "
+            "as uint8 bytes, whose sum means nothing"
+        ),
     )
-    setup_rounds: ClassVar[int] = 0
     sparse_factor: float = 0.2
     masked_layers: int = 0
     mask_bias: bool = True
@@ -186,16 +189,16 @@ class FedMask(Personalized, Hyper):
         for field, ok in checks.items():
             if not ok:
                 raise ValueError(f"{self.name}: invalid {field}={getattr(self, field)!r}")
-        if self.freeze:
+        if self.train.freeze:
             raise ValueError(
                 f"fedmask trains only mask scores over fixed weights; params.freeze="
-                f"{list(self.freeze)} does not apply to it (leave it empty)"
+                f"{list(self.train.freeze)} does not apply to it (leave it empty)"
             )
 
-    @property
-    def min_clients_per_round(self) -> int:
-        """The fewest clients a round needs: ``min_overlap`` (else no position survives)."""
-        return self.min_overlap
+    def caps(self) -> Capabilities:
+        """``min_clients`` is ``min_overlap``: the fewest clients a round needs (else no
+        position survives)."""
+        return replace(super().caps(), min_clients=self.min_overlap)
 
     # -- model ----------------------------------------------------------------------------
 
@@ -360,10 +363,10 @@ class FedMask(Personalized, Hyper):
         t0 = time.perf_counter()
         stats = local_train(
             model,
-            data.batches(self.batch_size, len(lrs), rng, rnd),
+            data.batches(self.train.batch_size, len(lrs), rng, rnd),
             opt,
             lrs,
-            grad_clip=self.grad_clip,
+            grad_clip=self.train.grad_clip,
         )
         if first and self.sparse_factor < 1.0:
             self.prune(model)

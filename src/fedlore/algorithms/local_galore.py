@@ -10,8 +10,8 @@ side and the set of projected tensors follow the same rule as FedLore
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, Literal
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -30,13 +30,16 @@ class LocalGaLore(DenseServer, LowRankHyper):
     """Per-client gradient-SVD bases with dense uploads (the subspace-fragmentation baseline)."""
 
     name: ClassVar[str] = "local_galore"
-    individual_uploads: ClassVar[str] = (
-        "its server only adds the weighted mean of the dense deltas ΔW_i (linear in the "
-        "uploads; the per-client bases P_i never leave the clients), but Local GaLore is not "
-        "yet offered under secure aggregation and DP (no test covers it there)"
+    capabilities = replace(
+        LowRankHyper.capabilities,
+        individual_uploads=(
+            "its server only adds the weighted mean of the dense deltas ΔW_i (linear in the "
+            "uploads; the per-client bases P_i never leave the clients), but Local GaLore is not "
+            "yet offered under secure aggregation and DP (no test covers it there)"
+        ),
+        robust_aggregate=True,
+        projects="client",
     )
-    setup_rounds: ClassVar[int] = 0
-    diagnostic_kind: ClassVar[Literal["shared", "client"]] = "client"
 
     def init_server(self, model: nn.Module, rng: torch.Generator) -> State:
         self.checked_plan(model)
@@ -75,11 +78,11 @@ class LocalGaLore(DenseServer, LowRankHyper):
     ) -> tuple[Reply, State]:
         start, keep = self.dense_start(msg, state, model)
         plan = self.plan(model)
-        grads = construction_gradients(model, data.train, self.batch_size, rng, list(plan))
+        grads = construction_gradients(model, data.train, self.train.batch_size, rng, list(plan))
         bases = self.client_bases({k: s.view(grads[k]) for k, s in plan.items()}, rng)
         rnd = int(msg.config["round"])
         lrs = self.round_lrs(rnd)
-        batches = data.batches(self.batch_size, len(lrs), rng, rnd)
+        batches = data.batches(self.train.batch_size, len(lrs), rng, rnd)
         res = train_projected(self, model, batches, plan, bases, lrs)
         metrics = reply_metrics(
             data.num_examples,

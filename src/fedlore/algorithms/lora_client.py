@@ -108,7 +108,11 @@ class LoraClient(Hyper, abc.ABC):
         trained = self.trained(rnd)
         params = set_trainable(work, trained, dense)
         opt = torch.optim.AdamW(
-            params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
+            params,
+            lr=self.train.lr,
+            betas=self.train.betas,
+            eps=self.train.eps,
+            weight_decay=self.train.weight_decay,
         )
         t0 = time.perf_counter()
         with torch.random.fork_rng(devices=[]):  # LoRA dropout draws from the client's stream
@@ -116,15 +120,15 @@ class LoraClient(Hyper, abc.ABC):
             lrs = self.round_lrs(rnd)
             stats = local_train(
                 work,
-                data.batches(self.batch_size, len(lrs), rng, rnd),
+                data.batches(self.train.batch_size, len(lrs), rng, rnd),
                 opt,
                 lrs,
-                grad_clip=self.grad_clip,
+                grad_clip=self.train.grad_clip,
             )
         train_s = time.perf_counter() - t0
         out = with_prefix(adapter_arrays(work, trained), "lora.")
         out.update(with_prefix(dense_arrays(work, dense), "dense."))
-        if self.upload_increments:  # minus the values this round started from (lora_common)
+        if self.train.upload_increments:  # minus the values this round started from (lora_common)
             origin = {**with_prefix(start, "lora."), **select(msg.arrays, "dense.", strip=False)}
             out = {k: (v - origin[k].to(v.device, v.dtype)).contiguous() for k, v in out.items()}
         out = to_wire(out, self.wire_dtype)

@@ -66,7 +66,7 @@ by default, uniform as an option) for every method.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -118,15 +118,15 @@ class LoraMethod(LoraClient, abc.ABC):
             first-contact values, module docstring).
     """
 
-    rank: int = 8
+    rank: int = field(default=8, metadata={"config": "rank"})
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     target_modules: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ("head.",)
+    exclude: tuple[str, ...] = field(default=("head.",), metadata={"config": "params.exclude"})
     log_rounds: int = 8
     average_buffers: bool = False
 
-    setup_rounds: ClassVar[int] = 0
+    capabilities = replace(LoraClient.capabilities, adapts=True)
     merges: ClassVar[bool] = False
     """Whether the server merges a payload into the base every round (FLoRA, FRLoRA)."""
 
@@ -140,9 +140,9 @@ class LoraMethod(LoraClient, abc.ABC):
             "exclude": all(isinstance(p, str) and p for p in self.exclude),
             "log_rounds": self.log_rounds >= 1,
         }
-        for field, ok in checks.items():
+        for key, ok in checks.items():
             if not ok:
-                raise ValueError(f"{type(self).__name__}: invalid {field}={getattr(self, field)!r}")
+                raise ValueError(f"{type(self).__name__}: invalid {key}={getattr(self, key)!r}")
 
     # ------------------------------------------------------------------ method hooks
     def client_rank(self, client_id: int) -> int:
@@ -235,7 +235,7 @@ class LoraMethod(LoraClient, abc.ABC):
             factors: which factors were trained and uploaded.
         """
         means = factor_means(replies, p, factors)
-        if not self.upload_increments:
+        if not self.train.upload_increments:
             return means
         out: Arrays = {}
         for k, step in means.items():
@@ -269,7 +269,8 @@ class LoraMethod(LoraClient, abc.ABC):
         out = {k: t for k, t in found.items() if not self.is_frozen(f"{k}.weight")}
         if not out:
             raise ValueError(
-                f"{type(self).__name__}: every LoRA target is frozen (freeze={list(self.freeze)})"
+                f"{type(self).__name__}: every LoRA target is frozen "
+                f"(freeze={list(self.train.freeze)})"
             )
         return out
 
@@ -356,7 +357,7 @@ class LoraMethod(LoraClient, abc.ABC):
         total = float(sum(weights))
         p = [w / total for w in weights]
         dense = weighted_mean([select(r.arrays, "dense.") for _, r in ok], weights)
-        if self.upload_increments:  # the mean increment added to the current dense values
+        if self.train.upload_increments:  # the mean increment added to the current dense values
             dense = {k: model[k] + v.to(model[k].device, model[k].dtype) for k, v in dense.items()}
         arrays.update(with_prefix(snap(dense, wire), "model."))
         log, metrics = self.aggregate_adapters(arrays, ok, p, rnd)

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 import torch
@@ -265,11 +265,14 @@ class LoRAFAIR(LoraMethod):
     """
 
     name: ClassVar[str] = "lora_fair"
-    individual_uploads: ClassVar[str] = (
-        "its server fits its residual ΔB to the ideal product Σ p_k B_k A_k, a sum over clients "
-        "of the product of each client's two uploaded factors, not a sum of the uploads"
+    capabilities = replace(
+        LoraMethod.capabilities,
+        individual_uploads=(
+            "its server fits its residual ΔB to the ideal product Σ p_k B_k A_k, a sum over "
+            "clients of the product of each client's two uploaded factors, not a sum of the uploads"
+        ),
+        transport_16bit=True,
     )
-    honours_transport_dtype: ClassVar[bool] = True
     fair_lambda: float = 0.01
     fair_solver: FairSolver = "lbfgs"
     fair_lr: float = 0.1

@@ -21,7 +21,7 @@ client enters both sums.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from fedlore.algorithms.lora_common import LoraMethod
@@ -36,9 +36,7 @@ class FedIT(LoraMethod):
     """FedIT: train both factors, average each factor separately."""
 
     name: ClassVar[str] = "fedit"
-    honours_transport_dtype: ClassVar[bool] = True
-    sum_aggregable: ClassVar[bool] = True
-    """Factor means are weighted sums of the uploads (module docstring)."""
+    capabilities = replace(LoraMethod.capabilities, sum_aggregable=True, transport_16bit=True)
 
     def aggregate_adapters(
         self, arrays: Arrays, replies: list[tuple[int, Reply]], p: list[float], rnd: int

@@ -19,7 +19,7 @@ uploaded).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from fedlore.algorithms.lora_common import LoraMethod
@@ -35,9 +35,7 @@ class FFALoRA(LoraMethod):
     """FFA-LoRA: A frozen at its shared random init, B trained and averaged."""
 
     name: ClassVar[str] = "ffa_lora"
-    honours_transport_dtype: ClassVar[bool] = True
-    sum_aggregable: ClassVar[bool] = True
-    """The B mean is a weighted sum of the uploads; A never travels up (module docstring)."""
+    capabilities = replace(LoraMethod.capabilities, sum_aggregable=True, transport_16bit=True)
 
     def trained(self, rnd: int) -> tuple[Factor, ...]:
         return ("B",)

@@ -21,7 +21,7 @@ always runs).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -40,12 +40,15 @@ class FlexLoRA(HeteroRankMethod):
     """FlexLoRA: SVD of the weighted average product, redistributed at each client's rank."""
 
     name: ClassVar[str] = "flexlora"
-    individual_uploads: ClassVar[str] = (
-        "its server averages each client's product s_k B_k A_k of its two uploaded factors (a "
-        "product per client, not a sum of the uploads) and takes the SVD of that average to "
-        "give each client its rank-r_k truncation"
+    capabilities = replace(
+        HeteroRankMethod.capabilities,
+        individual_uploads=(
+            "its server averages each client's product s_k B_k A_k of its two uploaded factors (a "
+            "product per client, not a sum of the uploads) and takes the SVD of that average to "
+            "give each client its rank-r_k truncation"
+        ),
+        transport_16bit=True,
     )
-    honours_transport_dtype: ClassVar[bool] = True
 
     def down_adapters(self, state: State, rnd: int, client_id: int, version: int | None) -> Arrays:
         r = self.client_rank(client_id)

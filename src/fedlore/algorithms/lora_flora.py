@@ -22,7 +22,7 @@ A block, so the merge scale is exact whatever the ranks and participants.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 import torch
@@ -40,11 +40,14 @@ class FLoRA(HeteroRankMethod):
     """FLoRA: noise-free stacking of heterogeneous adapters, merged every round."""
 
     name: ClassVar[str] = "flora"
-    individual_uploads: ClassVar[str] = (
-        "its server stacks each client's factors p_k s_k A_k and B_k into a rank-Σ r_k adapter "
-        "that it merges and broadcasts, so every client's own factors go to all clients"
+    capabilities = replace(
+        HeteroRankMethod.capabilities,
+        individual_uploads=(
+            "its server stacks each client's factors p_k s_k A_k and B_k into a rank-Σ r_k adapter "
+            "that it merges and broadcasts, so every client's own factors go to all clients"
+        ),
+        transport_16bit=True,
     )
-    honours_transport_dtype: ClassVar[bool] = True
     merges: ClassVar[bool] = True
     alpha_rule: Literal["fixed", "proportional"] = "proportional"
 

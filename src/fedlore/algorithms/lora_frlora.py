@@ -24,7 +24,7 @@ merge) that drops the uploaded heads (here the head is averaged and kept).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -45,13 +45,16 @@ class FRLoRA(LoraMethod):
     """
 
     name: ClassVar[str] = "frlora"
-    individual_uploads: ClassVar[str] = (
-        "its server needs only the factor means Ā and B̄ (linear in the uploads), but they are "
-        "its merge payload relative to the fixed (A0, B0), its clients upload values, and "
-        "FRLoRA is not yet offered under secure aggregation and DP (no increments path is "
-        "implemented for it)"
+    capabilities = replace(
+        LoraMethod.capabilities,
+        individual_uploads=(
+            "its server needs only the factor means Ā and B̄ (linear in the uploads), but they are "
+            "its merge payload relative to the fixed (A0, B0), its clients upload values, and "
+            "FRLoRA is not yet offered under secure aggregation and DP (no increments path is "
+            "implemented for it)"
+        ),
+        transport_16bit=True,
     )
-    honours_transport_dtype: ClassVar[bool] = True
     merges: ClassVar[bool] = True
     freeze_a: bool = False
 

@@ -21,7 +21,7 @@ broadcast, the same for every client whoever ran before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from fedlore.algorithms.lora_common import LoraMethod, factor_means
@@ -37,12 +37,15 @@ class RoLoRA(LoraMethod):
     """RoLoRA: B-rounds and A-rounds alternate; only the trained factor is averaged."""
 
     name: ClassVar[str] = "rolora"
-    individual_uploads: ClassVar[str] = (
-        "its server needs only the mean of the round's trained factor (linear in the uploads), "
-        "but its clients upload values and RoLoRA is not yet offered under secure "
-        "aggregation and DP (no increments path is implemented for it)"
+    capabilities = replace(
+        LoraMethod.capabilities,
+        individual_uploads=(
+            "its server needs only the mean of the round's trained factor (linear in the uploads), "
+            "but its clients upload values and RoLoRA is not yet offered under secure "
+            "aggregation and DP (no increments path is implemented for it)"
+        ),
+        transport_16bit=True,
     )
-    honours_transport_dtype: ClassVar[bool] = True
 
     def trained(self, rnd: int) -> tuple[Factor, ...]:
         return ("B",) if rnd % 2 == 0 else ("A",)

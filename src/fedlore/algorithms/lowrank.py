@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Container, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -76,15 +76,15 @@ class LowRankHyper(Hyper):
             ``optim.name``.
     """
 
-    rank: int = 8
-    scale: float = 1.0
+    rank: int = field(default=8, metadata={"config": "rank"})
+    scale: float = field(default=1.0, metadata={"config": "optim.scale"})
     side: SideRule = "left"
-    exclude: tuple[str, ...] = ("head.",)
+    exclude: tuple[str, ...] = field(default=("head.",), metadata={"config": "params.exclude"})
     candidate_svd: Literal["auto", "exact", "randomized", "subspace"] = "auto"
     svd_oversample: int = 10
     svd_niter: int = 2
     svd_dtype: Literal["auto", "fp64", "fp32"] = "auto"
-    optimizer: Literal["adam", "sgd"] = "adam"
+    optimizer: Literal["adam", "sgd"] = field(default="adam", metadata={"config": "optim.name"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -162,7 +162,7 @@ class LowRankHyper(Hyper):
             raise ValueError(
                 f"{type(self).__name__}: no Linear/Conv weight to project at rank {self.rank} "
                 f"(min(m, n) must exceed the rank; exclude={list(self.exclude)}, "
-                f"freeze={list(self.freeze)})"
+                f"freeze={list(self.train.freeze)})"
             )
         return plan
 
@@ -335,10 +335,10 @@ def train_projected(
     opt = kind(
         dense,
         projected,
-        lr=hyper.lr,
-        betas=hyper.betas,
-        eps=hyper.eps,
-        weight_decay=hyper.weight_decay,
+        lr=hyper.train.lr,
+        betas=hyper.train.betas,
+        eps=hyper.train.eps,
+        weight_decay=hyper.train.weight_decay,
         scale=hyper.scale,
     )
     last: Arrays = {}
@@ -355,7 +355,7 @@ def train_projected(
 
         hooks.append(remember)
     t0 = time.perf_counter()
-    stats = local_train(model, batches, opt, lrs, on_grad=hooks, grad_clip=hyper.grad_clip)
+    stats = local_train(model, batches, opt, lrs, on_grad=hooks, grad_clip=hyper.train.grad_clip)
     train_s = time.perf_counter() - t0
     coords = {k: opt.coords[params[k]].detach().clone() for k in plan}
     return ProjectedResult(stats, coords, last, opt.state_bytes(), opt.basis_bytes(), train_s)

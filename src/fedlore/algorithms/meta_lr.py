@@ -35,6 +35,7 @@ from torch import nn
 
 from fedlore.bayes import GaussianPrior, gaussian_kl, is_bayesian, log_softplus
 from fedlore.data.client_data import ClientData, TensorSplit, minibatches
+from fedlore.settings import LocalTraining
 from fedlore.train.local import (
     LossTerm,
     is_regression,
@@ -57,31 +58,21 @@ class SearchHyper(Protocol):
     documented there) and the local optimizer it copies."""
 
     @property
+    def train(self) -> LocalTraining: ...
+    @property
     def candidate_lrs(self) -> tuple[float, ...]: ...
     @property
     def temp_steps(self) -> int: ...
     @property
-    def batch_size(self) -> int: ...
-    @property
     def trials(self) -> Literal["batched", "sequential"]: ...
     @property
     def meta_score(self) -> MetaScore: ...
-    @property
-    def mc_samples(self) -> int: ...
-    @property
-    def grad_clip(self) -> float | None: ...
     @property
     def beta_kl(self) -> float: ...
     @property
     def prior_mu(self) -> float: ...
     @property
     def prior_sigma(self) -> float: ...
-    @property
-    def betas(self) -> tuple[float, float]: ...
-    @property
-    def eps(self) -> float: ...
-    @property
-    def weight_decay(self) -> float: ...
     def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer: ...
 
 
@@ -162,7 +153,7 @@ def select_lr(
     Returns:
         (the lowest-scoring candidate by :func:`pick_lowest`, the J scores).
     """
-    if hyper.trials == "batched" and batchable(model, opt, hyper.grad_clip):
+    if hyper.trials == "batched" and batchable(model, opt, hyper.train.grad_clip):
         scores = batched_trials(hyper, model, opt, fit, meta, seed)
         return pick_lowest(hyper.candidate_lrs, scores), scores
     opt_state = opt.state_dict()
@@ -176,11 +167,11 @@ def select_lr(
             g = torch.Generator().manual_seed(seed)
             local_train(
                 trial,
-                minibatches(fit, hyper.batch_size, hyper.temp_steps, g),
+                minibatches(fit, hyper.train.batch_size, hyper.temp_steps, g),
                 trial_opt,
                 [lr] * hyper.temp_steps,
                 loss_terms=terms,
-                grad_clip=hyper.grad_clip,
+                grad_clip=hyper.train.grad_clip,
             )
             scores.append(candidate_score(hyper, scoring_layout(trial), meta, terms))
     return pick_lowest(hyper.candidate_lrs, scores), scores
@@ -194,7 +185,7 @@ def candidate_score(
     ``meta_score="elbo"``, the per-example negative ELBO (:func:`meta_loss`)."""
     if hyper.meta_score == "elbo":
         return meta_loss(model, meta, terms)
-    return meta_nll(model, meta, hyper.mc_samples)
+    return meta_nll(model, meta, hyper.train.mc_samples)
 
 
 def scoring_layout(model: nn.Module) -> nn.Module:
@@ -345,13 +336,13 @@ def batched_trials(
     device = named[0][1].device if named else torch.device("cpu")
     lrs = torch.tensor(hyper.candidate_lrs, dtype=torch.float32, device=device)
     alive = torch.ones(j, dtype=torch.bool, device=device)
-    b1, b2 = hyper.betas
+    b1, b2 = hyper.train.betas
     model.train()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         g = torch.Generator().manual_seed(seed)
         t = step0
-        for x, y in minibatches(fit, hyper.batch_size, hyper.temp_steps, g):
+        for x, y in minibatches(fit, hyper.train.batch_size, hyper.temp_steps, g):
             grads, losses = step_fn(params, x, y)
             finite = torch.isfinite(losses)
             for gk in grads.values():
@@ -363,12 +354,12 @@ def batched_trials(
                 lr = (lrs * alive).view(shape)
                 gk = torch.where(alive.view(shape), grads[k], torch.zeros_like(grads[k]))
                 if not adam:  # torch SGD: weight decay is added to the gradient (coupled)
-                    params[k] = params[k] - lr * (gk + hyper.weight_decay * params[k])
+                    params[k] = params[k] - lr * (gk + hyper.train.weight_decay * params[k])
                     continue
-                params[k] = params[k] * (1 - lr * hyper.weight_decay)
+                params[k] = params[k] * (1 - lr * hyper.train.weight_decay)
                 m[k] = torch.where(alive.view(shape), b1 * m[k] + (1 - b1) * gk, m[k])
                 v2[k] = torch.where(alive.view(shape), b2 * v2[k] + (1 - b2) * gk * gk, v2[k])
-                denom = (v2[k] / (1 - b2**t)).sqrt() + hyper.eps
+                denom = (v2[k] / (1 - b2**t)).sqrt() + hyper.train.eps
                 params[k] = params[k] - lr / (1 - b1**t) * m[k] / denom
         model.eval()
         if hyper.meta_score == "elbo":  # as meta_loss: a weight draw per chunk of 512, then KL
@@ -381,7 +372,7 @@ def batched_trials(
             if bayes:
                 scores = scores + hyper.beta_kl * kl_fn(params) / n_fit
     if hyper.meta_score == "nll":
-        scores = batched_meta_nll(model, params, frozen, meta, hyper.mc_samples)
+        scores = batched_meta_nll(model, params, frozen, meta, hyper.train.mc_samples)
     return [
         float(sc) if ok and math.isfinite(float(sc)) else float("nan")
         for sc, ok in zip(scores, alive, strict=True)

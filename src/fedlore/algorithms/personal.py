@@ -121,7 +121,7 @@ class Personalized:
         if len(data.test) == 0:
             return {}
         hyper: Hyper = self  # type: ignore[assignment]
-        return local_scores(self.load_personal(state, model), data, hyper.mc_samples)
+        return local_scores(self.load_personal(state, model), data, hyper.train.mc_samples)
 
     def personal_eval_metrics(
         self, state: State, model: nn.Module, data: ClientData, rnd: int

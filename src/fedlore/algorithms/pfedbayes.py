@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
 import torch
@@ -75,10 +75,15 @@ class PFedBayes(BetaMixing, Personalized, FedFull):
     """
 
     name: ClassVar[str] = "pfedbayes"
-    individual_uploads: ClassVar[str] = (
-        "its server only mixes the posterior deltas, v^t + beta · Σ p_i (z_i - v^t) (linear in "
-        "the uploads; the personal posteriors q_i stay on the clients), but pFedBayes is not "
-        "yet offered under secure aggregation and DP (no test covers it there)"
+    capabilities = replace(
+        FedFull.capabilities,
+        sum_aggregable=False,
+        transport_16bit=False,
+        individual_uploads=(
+            "its server only mixes the posterior deltas, v^t + beta · Σ p_i (z_i - v^t) (linear in "
+            "the uploads; the personal posteriors q_i stay on the clients), but pFedBayes is not "
+            "yet offered under secure aggregation and DP (no test covers it there)"
+        ),
     )
     zeta: float = 10.0
     inner_steps: int = 5
@@ -126,7 +131,7 @@ class PFedBayes(BetaMixing, Personalized, FedFull):
         rnd = int(msg.config["round"])
         n = data.num_examples
         lrs = self.round_lrs(rnd)
-        scale = (self.personal_lr or self.lr) / self.lr
+        scale = (self.personal_lr or self.train.lr) / self.train.lr
         opt_q = self.make_optimizer(model)
         opt_z = self.make_optimizer(z)
         zeta = self.zeta
@@ -138,7 +143,7 @@ class PFedBayes(BetaMixing, Personalized, FedFull):
         skipped = 0
         t0 = time.perf_counter()
         with seeded(rng), sampling(model, True):
-            for k, batch in enumerate(data.batches(self.batch_size, len(lrs), rng, rnd)):
+            for k, batch in enumerate(data.batches(self.train.batch_size, len(lrs), rng, rnd)):
                 z.requires_grad_(False)
                 stats = local_train(
                     model,
@@ -146,7 +151,7 @@ class PFedBayes(BetaMixing, Personalized, FedFull):
                     opt_q,
                     [scale * lrs[k]] * self.inner_steps,
                     loss_terms=[kl_to_z],
-                    grad_clip=self.grad_clip,
+                    grad_clip=self.train.grad_clip,
                 )
                 skipped += stats.skipped_steps
                 losses.append(stats.mean_loss)

@@ -30,7 +30,7 @@ every round there), so bytes and time are the ones of a real partial-participati
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -62,10 +62,15 @@ class PFedMe(BetaMixing, Personalized, FedAvg):
     """
 
     name: ClassVar[str] = "pfedme"
-    individual_uploads: ClassVar[str] = (
-        "its server only mixes w^t + beta · Σ p_i Δ_i (linear in the uploads; the personalized "
-        "theta stays on the client), but pFedMe is not yet offered under "
-        "secure aggregation and DP (no test covers it there)"
+    capabilities = replace(
+        FedAvg.capabilities,
+        sum_aggregable=False,
+        transport_16bit=False,
+        individual_uploads=(
+            "its server only mixes w^t + beta · Σ p_i Δ_i (linear in the uploads; the personalized "
+            "theta stays on the client), but pFedMe is not yet offered under "
+            "secure aggregation and DP (no test covers it there)"
+        ),
     )
     lam: float = 15.0
     inner_steps: int = 5
@@ -86,7 +91,7 @@ class PFedMe(BetaMixing, Personalized, FedAvg):
             if not ok:
                 raise ValueError(f"pfedme: invalid {field}={getattr(self, field)!r}")
         # both updates contract towards their target only when step * lam < 2
-        for what, step in (("lr", self.lr), ("personal_lr", self.personal_lr)):
+        for what, step in (("lr", self.train.lr), ("personal_lr", self.personal_lr)):
             if step * self.lam >= 2.0:
                 raise ValueError(
                     f"pfedme: {what} * lam = {step} * {self.lam} = {step * self.lam:g} >= 2: the "
@@ -118,14 +123,14 @@ class PFedMe(BetaMixing, Personalized, FedAvg):
         losses: list[float] = []
         skipped = 0
         t0 = time.perf_counter()
-        for k, batch in enumerate(data.batches(self.batch_size, len(lrs), rng, rnd)):
+        for k, batch in enumerate(data.batches(self.train.batch_size, len(lrs), rng, rnd)):
             stats = local_train(
                 model,
                 [batch] * self.inner_steps,
                 opt,
-                [self.personal_lr * lrs[k] / self.lr] * self.inner_steps,
+                [self.personal_lr * lrs[k] / self.train.lr] * self.inner_steps,
                 loss_terms=[prox_term(w, self.lam), *terms],
-                grad_clip=self.grad_clip,
+                grad_clip=self.train.grad_clip,
             )
             skipped += stats.skipped_steps
             losses.append(stats.mean_loss)

@@ -155,11 +155,11 @@ class RoundLoop:
             **_peak_memory(ok),
             "skipped_steps": sum(int(r.metrics.get("skipped_steps", 0)) for r in ok),
         }
-        row.update(client_reports(accepted, getattr(self.algorithm, "per_client_metrics", ())))
+        row.update(client_reports(accepted, self.algorithm.per_client_metrics))
         if rejected:
             row["rejected_reasons"] = rejected
         if privacy is not None and privacy.hides_sample:
-            hide_client_ids(row, getattr(self.algorithm, "per_client_metrics", ()))
+            hide_client_ids(row, self.algorithm.per_client_metrics)
         row.update(agg)
         row["wall_s"] = time.perf_counter() - t0 - diag_s
         if diag:

@@ -20,11 +20,12 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel
 
 from fedlore import registry
 from fedlore.algorithm import Algorithm
@@ -171,11 +172,21 @@ def resolved_hyper(algo: Algorithm) -> dict[str, Any]:
     """An algorithm's hyperparameters as built (every field, defaults and normalized types:
     ``1e-3`` given as text is the number), JSON-ready: recorded in ``config.json`` so that
     ``--resume`` compares what the method will do, not how the config spelled it."""
+    fields = dataclasses.fields(algo)  # type: ignore[arg-type]
+    return _flat_hyper((f.name, getattr(algo, f.name)) for f in fields)
+
+
+def _flat_hyper(items: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """Hyperparameter ``(name, value)`` pairs as one flat JSON-ready mapping: a settings
+    sub-model (``train``, :class:`fedlore.settings.LocalTraining`) contributes its fields in its
+    place, so ``config.json`` records ``hyper.lr`` as before the sub-model existed."""
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(algo):  # type: ignore[arg-type]
-        v = getattr(algo, f.name)
-        out[f.name] = list(v) if isinstance(v, tuple) else v
-    return json.loads(json.dumps(out, default=str))
+    for name, v in items:
+        if isinstance(v, BaseModel):
+            out.update(_flat_hyper((k, getattr(v, k)) for k in type(v).model_fields))
+        else:
+            out[name] = list(v) if isinstance(v, tuple) else v
+    return dict(json.loads(json.dumps(out, default=str)))
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -244,12 +255,14 @@ def config_diff(
     # default (the run was made with that behaviour)
     defaults = _flatten(_run_config(Config(), method))
     cls = registry.get("algorithm", method)
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            v = f.default
-            defaults[f"hyper.{f.name}"] = json.loads(
-                json.dumps(list(v) if isinstance(v, tuple) else v, default=str)
-            )
+    fields = dataclasses.fields(cls)
+    given = [(f.name, f.default) for f in fields if f.default is not dataclasses.MISSING]
+    given += [
+        (f.name, f.default_factory())
+        for f in fields
+        if f.default_factory is not dataclasses.MISSING
+    ]
+    defaults.update({f"hyper.{k}": v for k, v in _flat_hyper(given).items()})
     diff = sorted(
         k
         for k in set(before) | set(now)

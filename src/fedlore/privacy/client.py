@@ -1,6 +1,6 @@
 """The client's side of a private round: flatten, clip, add the noise share, strip the metrics.
 
-A method is sum-aggregable (:attr:`fedlore.algorithms.base.Hyper.sum_aggregable`) when its
+A method is sum-aggregable (:attr:`fedlore.algorithm.Capabilities.sum_aggregable`) when its
 server needs only ``Σ p_i x_i`` and ``Σ p_i`` of the uploads ``x_i`` (all reply arrays,
 flattened in sorted key order into one vector of length L). Right after ``client_update``:
 

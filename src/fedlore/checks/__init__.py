@@ -1,0 +1,85 @@
+"""Every refusal that spans several settings, and the one reader of what a method declares.
+
+A config is checked before any run folder is looked at, so that the first error names the real
+problem (a misspelt source or setting), not a folder in the way:
+
+* names and method sections: every name the config gives is registered
+  (:func:`name_problems`), a ``method.<name>`` section of a method not in ``algorithms`` names
+  a registered method and only hyperparameters it has (:func:`unused_method_problems`), and a
+  command-line ``method.<name>.*`` setting for a method the run leaves out is refused
+  (:func:`check_overrides`);
+* a method against the config: its overrides, ``robust.aggregate``, ``transport_dtype`` and
+  clients per round (:func:`check_method_settings`, :func:`check_min_clients`), secure
+  aggregation and DP (:func:`check_privacy`, :func:`check_secure_round`), the server's
+  unlabeled set and regression data (:func:`server_data`);
+* the model against the data: :func:`check_model_fits_data`,
+  :func:`check_tokenizer_matches_model`, :func:`check_eval`, :func:`check_params`, and
+  :func:`check_site_data`;
+* :func:`preflight`: all of them for every method of an experiment on the real model, every
+  problem at once, before any run folder is touched.
+
+Two modules hold them: :mod:`fedlore.checks.methods` (names, overrides, each method against the
+config, privacy) and :mod:`fedlore.checks.model_data` (the model against the data, the
+preflight); everything is importable from here. :mod:`fedlore.checks.methods` is the one reader
+of a method's :class:`~fedlore.algorithm.Capabilities` (its
+``capabilities`` record, and ``caps()`` where a value depends on hyperparameters): the refusals
+above, the construction-time refusals of :func:`check_wire_settings`, and the questions other
+modules ask (:func:`setup_rounds`, :func:`is_sum_aggregable`, :func:`projects`, :func:`adapts`).
+Whether a method has an ``optimizer`` setting is read here too (:func:`warn_own_optimizer`).
+"""
+
+from fedlore.checks.methods import (
+    NAMED,
+    Declares,
+    adapts,
+    check_method_settings,
+    check_min_clients,
+    check_overrides,
+    check_privacy,
+    check_secure_round,
+    check_wire_settings,
+    is_sum_aggregable,
+    name_problems,
+    override_problems,
+    privacy_modes,
+    projects,
+    server_data,
+    setup_rounds,
+    unused_method_problems,
+)
+from fedlore.checks.model_data import (
+    check_eval,
+    check_model_fits_data,
+    check_params,
+    check_site_data,
+    check_tokenizer_matches_model,
+    preflight,
+    warn_own_optimizer,
+)
+
+__all__ = [
+    "NAMED",
+    "Declares",
+    "adapts",
+    "check_eval",
+    "check_method_settings",
+    "check_min_clients",
+    "check_model_fits_data",
+    "check_overrides",
+    "check_params",
+    "check_privacy",
+    "check_secure_round",
+    "check_site_data",
+    "check_tokenizer_matches_model",
+    "check_wire_settings",
+    "is_sum_aggregable",
+    "name_problems",
+    "override_problems",
+    "preflight",
+    "privacy_modes",
+    "projects",
+    "server_data",
+    "setup_rounds",
+    "unused_method_problems",
+    "warn_own_optimizer",
+]

@@ -1,0 +1,321 @@
+"""The refusals of a config and of each method against it, and the one reader of a method's
+:class:`~fedlore.algorithm.Capabilities` (see :mod:`fedlore.checks`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+
+from fedlore import registry
+from fedlore.algorithm import Algorithm, Capabilities
+from fedlore.config import Config, ConfigError
+from fedlore.settings import hyperparameter_names
+
+if TYPE_CHECKING:
+    import torch
+
+    from fedlore.data.federation import Federation
+    from fedlore.privacy import Privacy
+
+log = logging.getLogger("fedlore.checks")
+
+
+class Declares(Protocol):
+    """A method class: it holds its :class:`~fedlore.algorithm.Capabilities` record."""
+
+    capabilities: ClassVar[Capabilities]
+
+
+NAMED = (("data.name", "source"), ("partition.name", "partition"), ("model.name", "model"))
+"""Config keys that name a registered entry, with the registry kind."""
+
+
+def _names(cfg: Config) -> str:
+    """``algorithms`` as the command line spells it: ``[fedfull, fedlore]``."""
+    return f"[{', '.join(cfg.algorithms)}]"
+
+
+def name_problems(cfg: Config) -> list[str]:
+    """``key: unknown <kind> ...; registered: [...]`` for every name of :data:`NAMED` that is
+    not registered."""
+    problems = []
+    for key, kind in NAMED:
+        section, field = key.split(".")
+        try:
+            registry.get(kind, getattr(getattr(cfg, section), field))
+        except KeyError as e:
+            problems.append(f"{key}: {e.args[0] if e.args else e}")
+    return problems
+
+
+def unused_method_problems(cfg: Config) -> list[str]:
+    """Problems of the ``method`` sections of methods not in ``algorithms``: an unknown method,
+    or keys that are not hyperparameters of the method (the sections of the run's methods are
+    checked in full when the methods are built)."""
+    problems = []
+    for name, settings in cfg.method.items():
+        if name in cfg.algorithms:
+            continue
+        try:
+            cls = registry.get("algorithm", name)
+        except KeyError as e:
+            problems.append(f"method.{name}: {e.args[0] if e.args else e}")
+            continue
+        fields = hyperparameter_names(cls)
+        unknown = sorted(set(settings) - set(fields))
+        if unknown:
+            problems.append(
+                f"method.{name}: {cls.__name__} has no hyperparameter(s) {unknown}; known: "
+                f"{fields} ({name} is not in algorithms {_names(cfg)} either)"
+            )
+    return problems
+
+
+def override_problems(cfg: Config, overrides: Sequence[str]) -> list[str]:
+    """One line for every ``key=value`` override of ``method.<name>`` (or of the whole
+    ``method`` section) that sets a method not in ``cfg.algorithms``."""
+    problems = []
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        parts = key.split(".")
+        if parts[0] != "method":
+            continue
+        names = [parts[1]] if len(parts) > 1 else list(cfg.method)
+        for name in names:
+            if name not in cfg.algorithms:
+                problems.append(
+                    f"{item}: method {name!r} is not in algorithms {_names(cfg)}, so the "
+                    f"setting would change nothing; add {name} to algorithms or drop the setting"
+                )
+    return problems
+
+
+def check_overrides(cfg: Config, overrides: Sequence[str]) -> None:
+    """Refuse command-line settings of methods the run does not include.
+
+    Raises:
+        ConfigError: listing every such override (:func:`override_problems`).
+    """
+    problems = override_problems(cfg, overrides)
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError("invalid overrides:\n  " + "\n  ".join(problems))
+
+
+def privacy_modes(cfg: Config) -> str:
+    """The privacy modes the config turns on, as named in error messages:
+    ``"secure_aggregation"``, ``"dp"``, ``"secure_aggregation and dp"`` or ``""``."""
+    on = (("secure_aggregation", cfg.secure_aggregation), ("dp", cfg.dp.enabled))
+    return " and ".join(m for m, enabled in on if enabled)
+
+
+def check_method_settings(
+    name: str, cls: type[Declares], cfg: Config, overrides: dict[str, Any]
+) -> None:
+    """Refuse settings that method class ``cls`` (registered as ``name``) cannot honour: a
+    ``method.<name>.freeze`` or ``.exclude`` override (``params.*`` sets them for every method),
+    a robust aggregate for a method that averages no dense deltas, a 16-bit transport for one
+    that sends at the model's dtype only.
+
+    Raises:
+        ValueError: for a ``freeze`` or ``exclude`` override; ConfigError: for the others.
+    """
+    for key in ("freeze", "exclude"):
+        if key in overrides:
+            raise ValueError(
+                f"method.{name}.{key}: set params.{key} instead; it applies to every method "
+                "alike (reference notes section 13.3)"
+            )
+    caps = cls.capabilities
+    if cfg.robust.aggregate != "mean" and not caps.robust_aggregate:
+        raise ConfigError(
+            f"robust.aggregate={cfg.robust.aggregate}: method {name!r} does not average dense "
+            "deltas (its server combines low-rank factors, bases or masks), so a coordinate-wise "
+            "median or trimmed mean is not defined for it; use robust.aggregate=mean (the norm "
+            "screen, robust.norm_screen, works for every method)"
+        )
+    if cfg.transport_dtype != "fp32" and not caps.transport_16bit:
+        raise ConfigError(
+            f"transport_dtype={cfg.transport_dtype}: method {name!r} sends its tensors at the "
+            "model's dtype only; 16-bit transport is implemented for fedlore, fedlore_random, "
+            "fedlore_fixed, fedlore_sketch, fedfull, fedavg, fedprox and the LoRA methods (use "
+            "transport_dtype=fp32)"
+        )
+
+
+def check_min_clients(name: str, algo: Algorithm, cfg: Config) -> None:
+    """Refuse a config that samples fewer clients per round than method ``name`` needs (its
+    ``caps().min_clients``).
+
+    Raises:
+        ValueError: naming both counts.
+    """
+    need = algo.caps().min_clients
+    if cfg.clients_per_round() < need:
+        raise ValueError(
+            f"{name} needs at least {need} clients per round, the config samples "
+            f"{cfg.clients_per_round()} (num_clients x participation)"
+        )
+
+
+def setup_rounds(algo: Algorithm) -> int:
+    """How many setup exchanges the method runs before round 0 (its ``caps().setup_rounds``),
+    numbered -setup_rounds .. -1."""
+    return algo.caps().setup_rounds
+
+
+def is_sum_aggregable(cls: type[Declares]) -> bool:
+    """Whether method class ``cls`` needs only the weighted sums of the uploads
+    (:attr:`~fedlore.algorithm.Capabilities.sum_aggregable`): it runs under secure aggregation
+    and DP and accepts ``upload_increments``."""
+    caps = cls.capabilities
+    return caps.sum_aggregable
+
+
+def projects(algo: Algorithm) -> Literal["shared", "client"] | None:
+    """Whether the method trains matrices in a low-rank subspace (its ``plan(model)``), with one
+    basis shared by all clients (``"shared"``) or one per client (``"client"``); None if not."""
+    return algo.caps().projects
+
+
+def adapts(algo: Algorithm) -> bool:
+    """Whether the method trains LoRA adapters on the matrices its ``targets(model)`` names."""
+    return algo.caps().adapts
+
+
+def check_wire_settings(cls: type[Declares], upload_increments: bool, transport_dtype: str) -> None:
+    """Refuse, when method class ``cls`` is instantiated, the settings of what crosses the wire
+    that it cannot honour: ``upload_increments`` for a method that is not sum-aggregable, a
+    16-bit ``transport_dtype`` for one that sends at the model's dtype only.
+
+    Raises:
+        ValueError: naming the class, the setting and the reason.
+    """
+    caps = cls.capabilities
+    if upload_increments and not caps.sum_aggregable:
+        raise ValueError(
+            f"{cls.__name__}: invalid upload_increments=True: {caps.individual_uploads}"
+        )
+    if transport_dtype != "fp32" and not caps.transport_16bit:
+        raise ValueError(
+            f"{cls.__name__}: invalid transport_dtype={transport_dtype!r}: this "
+            "method sends its tensors at the model's dtype only (16-bit transport: FedLore and "
+            "its variants, FedFull, FedAvg, FedProx and the LoRA methods)"
+        )
+
+
+def check_privacy(name: str, cls: type[Declares], cfg: Config) -> None:
+    """Refuse a config that asks for secure aggregation or DP where it cannot hold.
+
+    Raises:
+        ConfigError: naming the setting and the reason: a method whose server needs individual
+            uploads (its capabilities' ``individual_uploads``), a robust aggregate
+            (coordinate-wise medians need each upload), a 16-bit transport (the masked sum is
+            fixed point), DP with ``weighting: num_examples`` (a client's weight would scale its
+            contribution past C).
+    """
+    mode = privacy_modes(cfg)
+    caps = cls.capabilities
+    if not caps.sum_aggregable:
+        why = caps.individual_uploads
+        raise ConfigError(
+            f"{mode}: method {name!r} cannot run under it: {why} (methods "
+            "whose server needs only weighted sums: fedavg, fedfull, fedprox, fedit, ffa_lora, "
+            "fedlore_sketch, fedlore_random, fedlore_fixed)"
+        )
+    if cfg.robust.aggregate != "mean":
+        raise ConfigError(
+            f"{mode}: robust.aggregate={cfg.robust.aggregate} needs each client's upload; only "
+            "the weighted mean is a sum (use robust.aggregate=mean)"
+        )
+    if cfg.transport_dtype != "fp32":
+        raise ConfigError(
+            f"{mode}: transport_dtype={cfg.transport_dtype} is not supported: uploads are "
+            "clipped and summed (in fixed point under secure aggregation) at the model's dtype; "
+            "use transport_dtype=fp32"
+        )
+    if cfg.dp.enabled and cfg.weighting != "uniform":
+        raise ConfigError(
+            "dp: weighting=num_examples scales a client's upload by its data size, so one client "
+            "could move the sum by more than dp.clip_norm; DP-FedAvg (McMahan et al. 2018) "
+            "weights clients uniformly: set weighting=uniform"
+        )
+    if cfg.secure_aggregation and cfg.clients_per_round() < 2:
+        raise ConfigError(
+            f"secure_aggregation: the config samples {cfg.clients_per_round()} client per round "
+            "(num_clients x participation); the 'secure' sum of one upload is that upload. "
+            "Sample at least 2 clients per round (3 or more: with 2, each client can subtract "
+            "its own upload from the aggregate it receives)"
+        )
+    if (
+        cfg.secure_aggregation
+        and cfg.flower.site_data
+        and cfg.weighting != "uniform"
+        and cfg.flower.secagg_max_weight is None
+    ):
+        raise ConfigError(
+            "secure_aggregation: with flower.site_data and weighting=num_examples the server "
+            "does not know the largest client's training set, and SecAgg+ needs it to bound the "
+            "weights (a larger client would be refused every round): set "
+            "flower.secagg_max_weight to at least the largest site's example count"
+        )
+    if cfg.eval.local:
+        raise ConfigError(
+            f"{mode}: eval.local reports each client's own test scores, which these modes do "
+            "not release (only timings and memory travel in the clear); use eval.clients for "
+            "the global model on the clients' test splits, or drop eval.local"
+        )
+
+
+def check_secure_round(cfg: Config, privacy: Privacy) -> None:
+    """Refuse, at start, a secure-aggregation config whose rounds could never complete or whose
+    fixed point cannot hold the uploads (:mod:`fedlore.privacy.fixedpoint`).
+
+    Raises:
+        ConfigError: naming the setting.
+    """
+    m = cfg.clients_per_round()
+    try:
+        privacy.round_params(0, list(range(m)))
+        privacy.fixed_point(m)
+        privacy.noise_share(m)
+    except ValueError as e:
+        text = str(e)
+        raise ConfigError(
+            text if text.startswith("secure aggregation") else f"secure_aggregation: {text}"
+        ) from e
+    t = cfg.secure_aggregation_threshold
+    if isinstance(t, int) and t > m:
+        raise ConfigError(
+            f"secure_aggregation_threshold={t} exceeds the {m} clients sampled per round: no "
+            "round could complete"
+        )
+
+
+def server_data(algo: Algorithm, fed: Federation, method: str) -> torch.Tensor | None:
+    """The server's unlabeled set U (``fed.server_unlabeled``) for a method whose capabilities
+    have ``server_data`` (:class:`~fedlore.algorithm.Capabilities`), None for one without.
+
+    Raises:
+        ConfigError: when ``method`` needs U and the config holds none out
+            (``data.server_fraction`` is 0), or is a classification method (``regression`` is
+            False) and the data are a regression task.
+    """
+    caps = algo.caps()
+    if fed.task == "regression" and not caps.regression:
+        raise ConfigError(
+            f"method {method!r} needs class probabilities (it is defined for classification); "
+            f"data source {fed.source!r} is a regression task"
+        )
+    if not caps.server_data:
+        return None
+    unlabeled = fed.server_unlabeled
+    if unlabeled is None or len(unlabeled) == 0:
+        raise ConfigError(
+            f"method {method!r} trains on the server's unlabeled set U, but the config holds "
+            "none out: set data.server_fraction > 0 (e.g. data.server_fraction=0.2; it is "
+            "removed from the clients' data for every method of the config)"
+        )
+    return unlabeled

@@ -1,0 +1,112 @@
+"""Reading a configuration: YAML files with their ``base`` chain, ``key=value`` overrides, and
+validation into a :class:`~fedlore.config_model.Config` with every problem named (import these
+from :mod:`fedlore.config`)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from fedlore.config_model import Config
+
+
+class ConfigError(ValueError):
+    """A config that does not validate; the message names each bad field and value."""
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a config file, resolving its ``base`` chain (a path relative to the file).
+
+    Raises:
+        ConfigError: if the file is missing, is not a mapping, or its base chain loops.
+    """
+    path = Path(path)
+    seen: list[Path] = []
+    layers: list[dict[str, Any]] = []
+    while True:
+        path = path.resolve()
+        if path in seen:
+            raise ConfigError(f"config base chain loops at {path}")
+        seen.append(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+        base = raw.pop("base", None)
+        layers.append(raw)
+        if base is None:
+            break
+        path = path.parent / str(base)
+    merged: dict[str, Any] = {}
+    for layer in reversed(layers):
+        merged = _deep_merge(merged, layer)
+    return merged
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key=value`` overrides (dotted keys, YAML-parsed values) to a raw config dict.
+
+    Raises:
+        ConfigError: when an override has no ``=`` or descends into a non-mapping.
+    """
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, _, text = item.partition("=")
+        try:
+            value = yaml.safe_load(text) if text != "" else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {item!r}: {p!r} is not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def validate(raw: dict[str, Any]) -> Config:
+    """Validate a raw dict into a :class:`Config`.
+
+    Raises:
+        ConfigError: listing every bad field as ``dotted.key: problem (got value)``.
+    """
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key"
+            lines.append(f"{loc}: {msg} (got {err.get('input')!r})")
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read, override and validate a config. ``path=None`` starts from the defaults."""
+    raw = read_yaml(path) if path is not None else {}
+    return validate(apply_overrides(raw, overrides or []))

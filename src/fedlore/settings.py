@@ -1,0 +1,293 @@
+"""One settings model: the local-training settings every method shares, where each setting of a
+method comes from in the config, and the building of a method's hyperparameters.
+
+:class:`LocalTraining` holds the shared settings (parity, reference notes section 13: every
+method gets the same K local steps, minibatches, learning-rate schedule, fresh optimizer per
+round, gradient clipping, weight-decay policy and aggregation weights) with their types,
+constraints and descriptions. Each method's hyperparameters (a frozen dataclass,
+:class:`fedlore.algorithms.base.Hyper`) hold one as ``train``.
+
+Where a setting comes from is declared once, on its field: ``json_schema_extra={"config":
+"optim.betas"}`` on a :class:`LocalTraining` field, ``dataclasses.field(metadata={"config":
+"rank"})`` on a method's own field. :func:`build_hyper` reads those paths from a config, lays
+the ``method.<name>`` overrides over them and validates everything with pydantic.
+
+This module imports nothing of fedlore (the config and the algorithms both import it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+CONFIG = "config"
+"""The metadata key naming a setting's dotted path in the config."""
+
+
+def admits_bool(annotation: Any) -> bool:
+    """Whether a field's type accepts a boolean as such (``bool`` or ``Any`` somewhere in it)."""
+    if annotation is bool or annotation is Any:
+        return True
+    return any(admits_bool(a) for a in get_args(annotation))
+
+
+class StrictModel(BaseModel):
+    """A frozen pydantic model that refuses unknown keys, non-finite floats and booleans where
+    a number is expected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        """``true`` is not 1 (pydantic's lax mode would take it for a number or a string)."""
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(v, bool) and field is not None and not admits_bool(field.annotation):
+            raise ValueError("expected a number or text, got a boolean")
+        return v
+
+
+def _from(path: str) -> dict[str, Any]:
+    return {CONFIG: path}
+
+
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+Pattern = Annotated[str, Field(min_length=1)]
+
+
+class LocalTraining(StrictModel):
+    """Local-training settings shared by all methods (the config's defaults)."""
+
+    lr: float = Field(
+        1e-3, gt=0.0, description="base learning rate eta", json_schema_extra=_from("lr")
+    )
+    local_steps: int = Field(
+        10,
+        ge=1,
+        description="K, optimizer steps per client per round",
+        json_schema_extra=_from("local_steps"),
+    )
+    batch_size: int = Field(32, ge=1, description="B", json_schema_extra=_from("batch_size"))
+    rounds: int = Field(
+        20,
+        ge=1,
+        description="T, used by the learning-rate schedule",
+        json_schema_extra=_from("rounds"),
+    )
+    betas: tuple[Beta, Beta] = Field(
+        (0.9, 0.999), description="Adam coefficients", json_schema_extra=_from("optim.betas")
+    )
+    eps: float = Field(1e-8, gt=0.0, description="Adam's eps", json_schema_extra=_from("optim.eps"))
+    weight_decay: float = Field(
+        0.0,
+        ge=0.0,
+        description="decoupled decay lambda",
+        json_schema_extra=_from("optim.weight_decay"),
+    )
+    schedule: Literal["constant", "cosine"] = Field(
+        "constant",
+        description="learning-rate schedule over all T*K local steps",
+        json_schema_extra=_from("optim.schedule"),
+    )
+    min_lr_ratio: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="final lr of the cosine schedule as a share of lr",
+        json_schema_extra=_from("optim.min_lr_ratio"),
+    )
+    grad_clip: float | None = Field(
+        None,
+        gt=0.0,
+        description="global gradient-norm clip (None: off)",
+        json_schema_extra=_from("optim.grad_clip"),
+    )
+    weighting: Literal["num_examples", "uniform"] = Field(
+        "num_examples",
+        description="aggregation weights p_i: n_i / sum n_j, or uniform",
+        json_schema_extra=_from("weighting"),
+    )
+    freeze: tuple[Pattern, ...] = Field(
+        (),
+        description=(
+            "glob patterns (fnmatch.fnmatchcase) over state_dict names; matching tensors are "
+            "never trained, uploaded or averaged by any method and cross the wire only at a "
+            "client's first contact (reference notes section 13.3)"
+        ),
+        json_schema_extra=_from("params.freeze"),
+    )
+    local_eval: StrictBool = Field(
+        False,
+        description=(
+            "in the last round a client also scores the model it just trained on its own test "
+            "split (P-local: local_accuracy, local_loss, local_ece, local_n)"
+        ),
+        json_schema_extra=_from("eval.local"),
+    )
+    mc_samples: int = Field(
+        20,
+        ge=0,
+        description="S, the MC predictive's samples for stochastic layers (0: one mean pass)",
+        json_schema_extra=_from("eval.mc_samples"),
+    )
+    robust_aggregate: Literal["mean", "median", "trimmed_mean"] = Field(
+        "mean",
+        description=(
+            "how a server that averages dense deltas combines them (fedlore.robust); other "
+            "methods accept only mean"
+        ),
+        json_schema_extra=_from("robust.aggregate"),
+    )
+    trim_fraction: float = Field(
+        0.1,
+        ge=0.0,
+        lt=0.5,
+        description="share the trimmed mean drops at each end",
+        json_schema_extra=_from("robust.trim_fraction"),
+    )
+    transport_dtype: Literal["fp32", "fp16", "bf16"] = Field(
+        "fp32",
+        description=(
+            "the dtype floating tensors cross the wire in (fp32: the model's own); only methods "
+            "that honour a 16-bit transport accept fp16 or bf16"
+        ),
+        json_schema_extra=_from("transport_dtype"),
+    )
+    upload_increments: StrictBool = Field(
+        False,
+        description=(
+            "every uploaded tensor is an increment from the value the client started the round "
+            "from, so uploads can be clipped and summed; set by the run under "
+            "secure_aggregation or dp (only sum-aggregable methods accept it)"
+        ),
+        json_schema_extra={"set_by": "secure_aggregation or dp"},
+    )
+
+
+def config_paths(owner: type) -> dict[str, str]:
+    """``{setting: dotted config path}`` of a :class:`LocalTraining`-like model or a method's
+    hyperparameter dataclass (its own fields only; ``train`` is read through
+    :class:`LocalTraining`)."""
+    if isinstance(owner, type) and issubclass(owner, BaseModel):
+        out = {}
+        for name, info in owner.model_fields.items():
+            extra = info.json_schema_extra
+            if isinstance(extra, dict) and isinstance(extra.get(CONFIG), str):
+                out[name] = str(extra[CONFIG])
+        return out
+    fields = dataclasses.fields(owner)  # type: ignore[arg-type]
+    return {f.name: f.metadata[CONFIG] for f in fields if CONFIG in f.metadata}
+
+
+def config_value(cfg: Any, path: str) -> Any:
+    """The value at dotted ``path`` of ``cfg`` (lists as tuples).
+
+    Raises:
+        AttributeError: when ``cfg`` has no such setting.
+    """
+    value = cfg
+    for part in path.split("."):
+        value = getattr(value, part)
+    return tuple(value) if isinstance(value, list) else value
+
+
+def hyperparameter_names(cls: type) -> list[str]:
+    """The names a ``method.<name>`` section may set for method class ``cls``: its own fields
+    and, for a class holding ``train``, the :class:`LocalTraining` fields (sorted)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    if "train" in names:
+        names = (names - {"train"}) | set(LocalTraining.model_fields)
+    return sorted(names)
+
+
+@functools.cache
+def _adapter(cls: type) -> TypeAdapter[Any]:
+    return TypeAdapter(cls)
+
+
+def _kind_problems(cls: type, values: dict[str, Any]) -> dict[str, str]:
+    """Values pydantic's lax mode would coerce but a config means otherwise: a boolean for a
+    number, anything else for a switch; a single name for a list of names becomes a 1-tuple
+    (in place)."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for key, value in list(values.items()):
+        kind = hints.get(key)
+        if kind is None:
+            continue
+        if isinstance(value, bool) and not admits_bool(kind):
+            out[key] = f"expected a number or text, got a boolean (got {value!r})"
+        elif kind is bool and not isinstance(value, bool):
+            out[key] = f"must be true or false (got {value!r})"
+        elif isinstance(value, str) and get_origin(kind) is tuple and get_args(kind)[:1] == (str,):
+            values[key] = (value,)  # one name for a list-of-names field, not its letters
+    return out
+
+
+def build_hyper(cls: type, name: str, cfg: Any, overrides: dict[str, Any], **fixed: Any) -> Any:
+    """Method class ``cls`` (registered as ``name``) built from config ``cfg``: each setting
+    from its declared config path (:func:`config_paths`), then the ``method.<name>`` overrides
+    (keys that are :class:`LocalTraining` fields go into ``train``), then ``fixed`` settings the
+    run decides (``upload_increments``), validated by pydantic (YAML 1.1's ``1e-3`` text is the
+    number).
+
+    Raises:
+        ValueError: naming every unknown override key (with the known ones) and every bad
+            value with its key (``method.<name>.<key>`` for an override), all at once.
+    """
+    names = hyperparameter_names(cls)
+    unknown = sorted(set(overrides) - set(names))
+    problems = []
+    if unknown:
+        problems.append(
+            f"method.{name}: {cls.__name__} has no hyperparameter(s) {unknown}; known: {names}"
+        )
+    holds_train = any(f.name == "train" for f in dataclasses.fields(cls))
+    train_paths = config_paths(LocalTraining) if holds_train else {}
+    own_paths = config_paths(cls)
+    train = {k: config_value(cfg, p) for k, p in train_paths.items()}
+    own = {k: config_value(cfg, p) for k, p in own_paths.items()}
+    source = train_paths | own_paths
+    for k, v in fixed.items():
+        (train if holds_train and k in LocalTraining.model_fields else own)[k] = v
+        source[k] = k
+    for k, v in overrides.items():
+        if k in unknown:
+            continue
+        (train if holds_train and k in LocalTraining.model_fields else own)[k] = v
+        source[k] = f"method.{name}.{k}"
+    kinds = _kind_problems(cls, own)
+    problems += [f"{source.get(k, k)}: {p}" for k, p in kinds.items()]
+    kw = {k: v for k, v in own.items() if k not in kinds}
+    if holds_train:
+        kw["train"] = train
+    try:
+        hyper = _adapter(cls).validate_python(kw)
+    except ValidationError as e:
+        for err in e.errors():
+            loc = [str(p) for p in err["loc"]]
+            if loc[:1] == ["train"]:
+                loc = loc[1:]
+            msg = err["msg"].removeprefix("Value error, ")
+            if not loc:  # a check across settings (the method's __post_init__)
+                problems.append(f"method.{name}: {msg}")
+                continue
+            where = source.get(loc[0], f"method.{name}.{loc[0]}")
+            problems.append(f"{where}: {msg} (got {err.get('input')!r})")
+    else:
+        if not problems:
+            return hyper
+    raise ValueError("; ".join(problems))
