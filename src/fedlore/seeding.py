@@ -12,11 +12,12 @@ depends on them):
 * **Run purposes** (the model, the rounds, the transport): :func:`derive_seed` of
   ``(seed, PURPOSE, *indices)`` gives a 62-bit integer seed; :func:`generator` wraps it in a
   ``torch.Generator``.
-* **Data purposes** (``DATA_*``: building the federation, :mod:`fedlore.data.build`):
-  :func:`data_rng` of ``(seed, PURPOSE, *indices)`` gives a numpy ``Generator`` that the step
-  draws from directly (a partition, a split, label flips); :func:`data_seed` and
-  :func:`data_generator` are its first draw where a step needs an integer seed or a
-  ``torch.Generator`` (input noise, the clients' minibatch streams, a site's seed).
+* **Data purposes** (``DATA_*``: building the federation,
+  :func:`fedlore.data.federation.build_federation` and its builders): :func:`data_rng` of
+  ``(seed, PURPOSE, *indices)`` gives a numpy ``Generator`` that the step draws from directly (a
+  partition, a split, label flips); :func:`data_seed` and :func:`data_generator` are its first
+  draw where a step needs an integer seed or a ``torch.Generator`` (input noise, the clients'
+  minibatch streams, a site's seed).
 
 Purpose ids are never reused within a family; a new stream gets a new id here.
 """

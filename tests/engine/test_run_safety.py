@@ -271,9 +271,11 @@ def test_every_out_of_range_value_of_a_method_and_of_every_method(tmp_path: Path
     with pytest.raises(ConfigError) as e:
         run_experiment(cfg)
     msg = str(e.value)
-    assert "FedLore: invalid lr=-1" in msg and "invalid candidate_svd='maybe'" in msg
-    assert "(accepted: auto, exact, randomized" in msg  # a choice names the accepted values
-    assert "FedFull: invalid lr=-1" in msg and "invalid weight_decay=-5" in msg
+    assert "method.fedlore.lr: Input should be greater than 0 (got -1)" in msg
+    assert "method.fedlore.candidate_svd:" in msg
+    assert "'auto', 'exact' or 'randomized'" in msg or "'auto', 'exact', 'randomized'" in msg
+    assert "method.fedfull.lr: Input should be greater than 0 (got -1)" in msg
+    assert "method.fedfull.weight_decay: Input should be greater than or equal to 0 (got -5)" in msg
     # problems found on the real model are collected over methods too
     wide = _cfg(tmp_path, "algorithms=[fedit, local_galore]", "rank=200")
     with pytest.raises(ConfigError) as e:

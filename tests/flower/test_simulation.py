@@ -7,7 +7,6 @@ the in-process transport (same seeds, same data, same ``client_update``).
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -15,96 +14,14 @@ from typing import Any
 import pytest
 
 pytest.importorskip("flwr", reason="needs the [flower] extra: pip install -e '.[flower]'")
-import torch
 
-from fedlore import registry
-from fedlore.config import Config, load_config
-from fedlore.engine.callbacks import Checkpointer
-from fedlore.engine.rundir import run_dir
+from sim_helpers import SMALL, assert_matches, rows
+
+from fedlore.config import load_config
 from fedlore.experiment import run_one
 from fedlore.flower.simulation import run_simulated
 
 pytestmark = pytest.mark.flower
-
-SMALL = [
-    "num_clients=3",
-    "local_steps=2",
-    "batch_size=16",
-    "progress=false",
-    "lr=0.01",
-    "model.kwargs={hidden: [16]}",
-    "flower.num_cpus=2",
-]
-
-
-def _cfg(tmp: Path, engine: str, rounds: int, method: str) -> Config:
-    # a method that distils on the server (FedBE) needs the server's unlabeled set U
-    needs_u = registry.get("algorithm", method).capabilities.server_data
-    return load_config(
-        None,
-        [
-            *SMALL,
-            *(["data.server_fraction=0.2"] if needs_u else []),
-            f"rounds={rounds}",
-            f"algorithms=[{method}]",
-            f"output_dir={tmp / engine}",
-        ],
-    )
-
-
-def _rows(cfg: Config, method: str) -> list[dict]:
-    path = run_dir(cfg, method, 42) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-# Variants that only switch hyperparameters of a class tested here run no transport-specific
-# code of their own (each Ray start costs ~15 s of CI): FedProx is FedAvg with a loss term, and
-# the Meta-BayFL family is one class (``meta_bayfl`` covers the BNN, the search, per-client
-# learning rates in the reply metrics and the in-place model conversion on a fresh ClientApp).
-SAME_CLASS_AS_TESTED = {"fedprox", "bayfl", "meta_bayfl_mcd", "fedavg_mcd", "meta_fl"}
-# FedFull and FedAvg are compared with their in-process runs by the two-method experiment test
-# (one Ray start for both: test_an_experiment_starts_ray_once_and_its_runs_equal_runs_alone)
-IN_EXPERIMENT_TEST = {"fedfull", "fedavg"}
-
-
-@pytest.mark.parametrize(
-    ("method", "rounds"),
-    [
-        (m, 2 if m in ("fedlore", "fedfull", "meta_bayfl") else 1)
-        for m in registry.names("algorithm")
-        if m not in SAME_CLASS_AS_TESTED | IN_EXPERIMENT_TEST
-    ],
-)
-def test_simulation_matches_in_process(
-    tmp_path: Path, method: str, rounds: int, capfd: pytest.CaptureFixture[str]
-) -> None:
-    local = _cfg(tmp_path, "local", rounds, method)
-    sim = _cfg(tmp_path, "sim", rounds, method)
-    run_one(local, method, 42)
-    summary = run_simulated(sim, method, 42)
-    # Flower's DEBUG lines and deprecation notices go to the run's flower.log, not the console
-    console = capfd.readouterr().err
-    assert "DEBUG flwr" not in console and "DEPRECATED" not in console
-    assert "flwr" in (run_dir(sim, method, 42) / "flower.log").read_text()
-    assert_matches(local, sim, method, summary)
-
-
-def assert_matches(local: Config, sim: Config, method: str, summary: dict[str, Any]) -> None:
-    """The simulated run of ``method`` ended with the in-process run's global model and bytes."""
-    _, s_local, _ = Checkpointer.load(run_dir(local, method, 42) / "checkpoint.pt")
-    _, s_sim, _ = Checkpointer.load(run_dir(sim, method, 42) / "checkpoint.pt")
-    model_keys = [k for k in s_local.arrays if k.startswith("model.")]
-    assert model_keys and set(model_keys) <= set(s_sim.arrays)
-    for k in model_keys:
-        torch.testing.assert_close(s_sim.arrays[k], s_local.arrays[k], rtol=1e-5, atol=1e-6)
-    rows_local, rows_sim = _rows(local, method), _rows(sim, method)
-    assert [r["round"] for r in rows_sim] == [r["round"] for r in rows_local]
-    for a, b in zip(rows_local, rows_sim, strict=True):
-        assert (a["bytes_up"], a["bytes_down"]) == (b["bytes_up"], b["bytes_down"])
-        assert b["rejected"] == 0
-    # bytes measured on the wire (numpy payload + header) sit next to our accounting
-    ours_up = sum(r["bytes_up"] for r in rows_sim)
-    assert ours_up <= summary["wire_bytes_up_total"] <= ours_up * 1.05 + 10_000
 
 
 def test_pretraining_simulation_matches_in_process(tmp_path: Path) -> None:
@@ -150,7 +67,7 @@ def test_simulation_carries_diagnostics(tmp_path: Path) -> None:
     sim = load_config(None, [*SMALL, "rounds=2", f"output_dir={tmp_path / 's'}", *extra])
     run_one(local, "fedlore", 42)
     run_simulated(sim, "fedlore", 42)
-    a, b = _rows(local, "fedlore"), _rows(sim, "fedlore")
+    a, b = rows(local, "fedlore"), rows(sim, "fedlore")
     assert a[1]["diag_bytes_up"] == b[1]["diag_bytes_up"] > 0  # round 0 uploads H_i
     for key in ("diag.retained_energy", "diag.rho2", "diag.d_r", "diag.certificate2"):
         assert b[-1][key] == pytest.approx(a[-1][key], rel=1e-4), key

@@ -11,12 +11,13 @@ upcasts them to the model's dtype before averaging. The broadcast is the full mo
 stays at the model's dtype: rounding it would move every weight by up to half a 16-bit ulp of the
 weight itself (2^-9 relative in bf16, more than a late round's whole update), each round.
 
-Secure aggregation and DP (issue 20, :attr:`Hyper.sum_aggregable`): FedFull, FedAvg and FedProx
-are sum-aggregable. Every reply array is an increment ``update.<k> = W_K - W^t`` from the model
-the client started the round from, and the server needs only ``Σ p_i Δ_i`` and ``Σ p_i``, so
-``upload_increments=True`` changes nothing in what they send or compute. The robust combinations
-(``robust_aggregate: median | trimmed_mean``) rank each client's delta coordinate by coordinate and
-need the individual uploads: with ``upload_increments`` they are refused.
+Secure aggregation and DP (issue 20, :attr:`~fedlore.algorithm.Capabilities.sum_aggregable`):
+FedFull, FedAvg and FedProx are sum-aggregable. Every reply array is an increment
+``update.<k> = W_K - W^t`` from the model the client started the round from, and the server needs
+only ``Σ p_i Δ_i`` and ``Σ p_i``, so ``upload_increments=True`` changes nothing in what they send
+or compute. The robust combinations (``robust_aggregate: median | trimmed_mean``) rank each
+client's delta coordinate by coordinate and need the individual uploads: with
+``upload_increments`` they are refused.
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ class DenseServer:
     deltas by a robust one (:meth:`combine_deltas`); every subclass that averages deltas goes
     through it.
 
-    Frozen tensors (:attr:`Hyper.freeze`) are sent only until a client has replied once (value
-    ``seen.<cid>``); the client keeps them as ``cache.*`` in its state and never uploads them.
+    Frozen tensors (:attr:`~fedlore.settings.LocalTraining.freeze`) are sent only until a
+    client has replied once (value ``seen.<cid>``); the client keeps them as ``cache.*`` in its
+    state and never uploads them.
     """
 
     def combine_deltas(

@@ -5,7 +5,8 @@ Clients are :class:`~fedlore.algorithms.fedavg.FedAvg`'s (local SGD, upload ``up
 server step at round t, from the global weights w^t and the accepted clients' models
 ``w_k = w^t + Δ_k`` (reference notes Part 13; hongyouc/FedBE ``main.py``):
 
-1. **FedAvg**: ``w̄ = w^t + Σ p_k Δ_k / Σ p_k`` (:class:`DenseServer`'s aggregate).
+1. **FedAvg**: ``w̄ = w^t + Σ p_k Δ_k / Σ p_k``
+   (:class:`~fedlore.algorithms.fedavg.DenseServer`'s aggregate).
 2. **Gaussian samples** (``swag.py: SWAG_server.construct_models``, mode ``"gaussian"``): per
    parameter tensor, the clients' normalised updates ``u_k = Δ_k / ||Δ_k||₂``, their uniform mean
    ū and variance ``max(E[u²] - ū², 1e-5)``; a sample is
@@ -139,8 +140,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 UNLABELED_KEY = "server.unlabeled"
-"""Server-state key of U's inputs (never broadcast: :meth:`DenseServer.broadcast` sends
-``model.*`` only)."""
+"""Server-state key of U's inputs (never broadcast:
+:meth:`~fedlore.algorithms.fedavg.DenseServer.broadcast` sends ``model.*`` only)."""
 SEED_KEY = "fedbe.seed"
 """Server-state value: the seed of the server's per-round generators."""
 

@@ -6,12 +6,12 @@ Wire names (adapters fp32, other tensors the model's dtype, under the default ``
 * ``model.<k>``: frozen base tensors under plain ``state_dict`` names, sent at first contact (or
   when a merge method's client is too far behind for the log).
 * ``dense.<k>``: every parameter that is neither adapted nor frozen (the classifier head, biases,
-  norms, embeddings unless :attr:`Hyper.freeze` names them): trained with AdamW like the factors,
-  sent both ways every round and averaged with the weights p_i. This is the rule FedFull, Local
-  GaLore and FedLore follow for their unprojected tensors, so every method trains the same
-  parameters (reference notes section 13.3; FRLoRA's code trains the head, the others are
-  silent). Frozen tensors travel only at first contact, as ``model.<k>``. So do buffers by
-  default: BatchNorm running statistics then stay at their first-contact values in the global
+  norms, embeddings unless :attr:`~fedlore.settings.LocalTraining.freeze` names them): trained with
+  AdamW like the factors, sent both ways every round and averaged with the weights p_i. This is the
+  rule FedFull, Local GaLore and FedLore follow for their unprojected tensors, so every method
+  trains the same parameters (reference notes section 13.3; FRLoRA's code trains the head, the
+  others are silent). Frozen tensors travel only at first contact, as ``model.<k>``. So do buffers
+  by default: BatchNorm running statistics then stay at their first-contact values in the global
   model (clients update them locally while training and discard them), as in the LoRA papers'
   code, which trains transformers with LayerNorm only; ``average_buffers=True`` treats the
   floating-point buffers like dense parameters instead (uploaded after local training and
@@ -45,9 +45,9 @@ change is below half a 16-bit ulp of its value does not move (the uploaded value
 back). FlexLoRA's per-client SVD factors are computed at broadcast and rounded there. The frozen
 base ``model.*`` (first contact, a merge client too far behind) stays at the model's dtype.
 
-Increments (``upload_increments``, set by the run under secure aggregation and DP; only the
-methods that declare :attr:`Hyper.sum_aggregable`, FedIT and FFA-LoRA, accept it): a client
-uploads every trained tensor as its increment from the value it started the round from,
+Increments (``upload_increments``, set by the run under secure aggregation and DP; only the methods
+that declare :attr:`~fedlore.algorithm.Capabilities.sum_aggregable`, FedIT and FFA-LoRA, accept it):
+a client uploads every trained tensor as its increment from the value it started the round from,
 ``lora.<mod>.<f> = X_K - X^t`` (X^t the global factor it held and started from) and
 ``dense.<k> = D_K - D^t`` (D^t the received dense value), under the same keys, shapes and wire
 dtype as the values. The server adds their weighted mean to its current global values:

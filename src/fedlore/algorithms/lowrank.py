@@ -53,7 +53,8 @@ class LowRankHyper(Hyper):
         scale: alpha, multiplier of the projected update (seed: alpha = 1).
         side: projection side rule, ``"left"`` (the seed), ``"right"``, ``"auto"`` (GaLore std).
         exclude: parameter-name prefixes never projected (the classifier head); they train
-            densely. Tensors matching :attr:`Hyper.freeze` are neither projected nor trained.
+            densely. Tensors matching :attr:`~fedlore.settings.LocalTraining.freeze` are
+            neither projected nor trained.
         candidate_svd: how client-side bases are computed: ``"auto"`` (default: per matrix,
             ``"subspace"`` where ``r + p`` is small against the matrix and a current basis
             exists, else ``"exact"``; the rule and its measurements:

@@ -28,7 +28,8 @@ What the workflow returns (verified in flwr 1.42's source): client i uploads
 ``(clip(q_i / T * v_i, -c, c) + c) * T / (2c)``; the unmasked sums give
 ``(sum Q_i * 2c / T - n c) * T / sum q_i = sum (q_i/T) v_i / sum (q_i/T)``, the weighted mean
 sum p_i v_i / sum p_i up to the quantization of the weights (to max_weight / T) and of the
-entries (steps of 2c / T): :class:`SecureSum`'s ``mean`` without further conversion.
+entries (steps of 2c / T): :class:`~fedlore.privacy.plan.SecureSum`'s ``mean`` without further
+conversion.
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ SECURE_KEY = "privacy.secure"
 """Broadcast config key that is true when the round's uploads go through secure aggregation."""
 DROP_ROUND_KEY = "fault-drop-round"
 """Node-config key (fault injection for tests and demos): in the collect-masked-vectors stage
-of this round the node's ClientApp kills its SuperNode and exits (:func:`drop_out_now`)."""
+of this round the node's ClientApp kills its SuperNode and exits
+(:func:`~fedlore.flower.secure_client.drop_out_now`)."""
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 The mechanism of McMahan, Ramage, Talwar & Zhang, "Learning Differentially Private Recurrent
 Language Models" (ICLR 2018), Algorithm 1 with the fixed clip: every sampled client clips its
-whole upload vector ``x_i`` (all reply arrays, increments only: ``Hyper.upload_increments``) to
-L2 norm ``C``; the server (or, under secure aggregation, the clients in shares) adds Gaussian
+whole upload vector ``x_i`` (all reply arrays, increments only: ``LocalTraining.upload_increments``)
+to L2 norm ``C``; the server (or, under secure aggregation, the clients in shares) adds Gaussian
 noise ``N(0, σ² C² I)`` to the sum ``Σ x_i``; the model moves by the noised sum divided by the
 number of contributing clients (uniform weights, so one client moves the sum by at most ``C``).
 

@@ -4,8 +4,8 @@ honest-but-curious form (no signatures, no consistency check), on the mask graph
 (Bell et al., CCS 2020) when a degree is set.
 
 Round ``rnd`` over the sampled clients ``S``, with mask partners ``N(u)`` (all of ``S`` but
-``u``, or the SecAgg+ ring of :func:`neighbours`), share holders ``H(u) = N(u) ∪ {u}``, the
-share threshold ``t`` and the survivor threshold ``m_min``:
+``u``, or the SecAgg+ ring of :func:`~fedlore.privacy.topology.neighbours`), share holders
+``H(u) = N(u) ∪ {u}``, the share threshold ``t`` and the survivor threshold ``m_min``:
 
 0. *Advertise keys.* Each client ``u`` draws two X25519 key pairs (``cryptography``): ``c_u``
    to encrypt what it sends other clients, ``s_u`` to agree pair masks; it sends both public

@@ -76,7 +76,8 @@ def _dp_cell(row: dict[str, Any]) -> str:
 
 
 def to_markdown(table: list[dict[str, Any]]) -> str:
-    """Render :func:`summary_table` rows as a Markdown table (accuracies in %, mean ± std).
+    """Render :func:`~fedlore.results.tables.summary_table` rows as a Markdown table (accuracies
+    in %, mean ± std).
 
     When any row has a perplexity (language models), the accuracy columns give way to the final
     validation loss (nats per token), the final perplexity and the next-token accuracy. Classifier
@@ -199,7 +200,8 @@ def _regression_markdown(table: list[dict[str, Any]]) -> str:
 
 
 def diagnostics_markdown(table: list[dict[str, Any]]) -> str:
-    """Render :func:`diagnostics_table` rows as Markdown (empty string for no rows)."""
+    """Render :func:`~fedlore.results.tables.diagnostics_table` rows as Markdown (empty string
+    for no rows)."""
     if not table:
         return ""
     keys = [k for k in DIAGNOSTIC_KEYS if any(row[k][0] is not None for row in table)]

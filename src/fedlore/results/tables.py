@@ -78,7 +78,7 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
     """One row per method with mean ± std over its seeds.
 
     Args:
-        runs: method -> runs over seeds (from :func:`load_runs`).
+        runs: method -> runs over seeds (from :func:`~fedlore.results.store.load_runs`).
 
     Returns:
         Rows with the keys in :data:`COLUMNS`: ``n_seeds``; final and best accuracy in percent
