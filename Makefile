@@ -10,7 +10,7 @@ export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_DISABLE_UPDATE_CHECK := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: run test lint install data bench clean mutation
+.PHONY: run test lint docs install data bench clean mutation
 
 # The Debian data packages the tests read (fortunes corpus, Fashion-MNIST). Installed when this
 # runs as root with apt-get and a reachable package index; otherwise the tests that need them
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	# torch is pinned (2.13.0, the CPU build of our machines); install it first so that no
 	# later requirement pulls another (multi-GB CUDA) build.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev,flower]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,flower,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -32,10 +32,17 @@ run: $(STAMP)
 	$(BIN)/fedlore run $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks docs/conf.py docs/_ext
+	$(BIN)/ruff format --check src tests benchmarks docs/conf.py docs/_ext
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
+	$(MAKE) --no-print-directory docs
+
+# The documentation site (docs/, Sphinx + furo + MyST): built from scratch, offline, every
+# warning an error (a broken link, an unknown configuration key, a key without a description).
+# Open docs/_build/html/index.html in a browser.
+docs: $(STAMP)
+	$(BIN)/sphinx-build -E -W --keep-going -q -b html docs docs/_build/html
 
 data:
 	@missing=$$(for p in $(DEB_DATA); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -53,7 +60,7 @@ data:
 test: lint data
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# Mutation testing with mutmut (scripts/mutation.py, docs/mutation.md); not part of `make test`
+# Mutation testing with mutmut (scripts/mutation.py, docs/development/mutation.md); not part of `make test`
 # (minutes per group). MODULES picks groups of [tool.fedlore.mutation] in pyproject.toml by name
 # or path, e.g. `make mutation MODULES=src/fedlore/robust.py` (default: every group); JOBS
 # mutants run at once. mutmut's copies and results go to .mutation/<group>/ (kept between runs).
@@ -66,4 +73,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/round_time.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache .mutation mutants
+	rm -rf $(VENV) runs docs/_build .pytest_cache .mypy_cache .ruff_cache .mutation mutants

@@ -1,7 +1,16 @@
-"""Print the README's Meta-BayFL tables (seed 001 Tables II-VI analogues) from the ``table.json``
+"""Print, or write, the Meta-BayFL tables (seed 001 Tables II-VI analogues) from the ``table.json``
 files that ``experiments/sweep.py`` wrote under ``experiments/results/``.
 
-    python experiments/bayes_tables.py [experiments/results]
+    python experiments/bayes_tables.py [experiments/results]           # print the tables
+    python experiments/bayes_tables.py [experiments/results] --write   # and write them
+
+``--write`` writes each table beside its data as Markdown (``bayes_table2/summary.md``,
+``bayes_table3/summary.md``, ``bayes_table4/summary_cnn.md``, ``summary_resnet20.md``,
+``bayes_table5/summary.md``, ``bayes_table6/summary_fmnist.md``, ``summary_digits.md``) and, as
+``summary.json`` in each folder, the numbers the documentation quotes in its prose (means,
+differences, counts, shares of the learning-rate searches): the pages under ``docs/results/``
+include the tables and quote the numbers, never retype them. ``tests/test_docs_results.py``
+checks that the committed files are what this writes.
 
 Cells are mean ± sample std over the seeds each sweep ran (accuracy in %, NLL in nats).
 """
@@ -11,11 +20,14 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+Record = dict[str, Any]
 
-def load(path: Path) -> list[dict[str, Any]]:
+
+def load(path: Path) -> list[Record]:
     return json.loads(path.read_text()) if path.exists() else []
 
 
@@ -32,14 +44,18 @@ def mean(values: list[float], scale: float = 100.0) -> float:
     return statistics.mean(values) * scale
 
 
-def find(records: list[dict[str, Any]], method: str, **setting: str) -> dict[str, Any] | None:
+def std(values: list[float], scale: float = 100.0) -> float:
+    return statistics.stdev(values) * scale if len(values) > 1 else 0.0
+
+
+def find(records: list[Record], method: str, **setting: str) -> Record | None:
     for r in records:
         if r["method"] == method and all(r["setting"].get(k) == v for k, v in setting.items()):
             return r
     return None
 
 
-def lr_counts(rec: dict[str, Any] | None) -> str:
+def lr_counts(rec: Record | None) -> str:
     if not rec or not rec.get("lr_chosen"):
         return "–"
     total = sum(rec["lr_chosen"].values())
@@ -48,74 +64,218 @@ def lr_counts(rec: dict[str, Any] | None) -> str:
     )
 
 
-def table2(root: Path) -> None:
+def lr_shares(rec: Record | None) -> dict[str, float]:
+    """``{"1e-2": 88.0, ...}``: each chosen rate's share of the searches in %, keyed without a
+    dot (the documentation's ``{result}`` role reads dotted paths)."""
+    if not rec or not rec.get("lr_chosen"):
+        return {}
+    total = sum(rec["lr_chosen"].values())
+    return {
+        f"{float(k):.0e}".replace("e-0", "e-"): 100 * v / total for k, v in rec["lr_chosen"].items()
+    }
+
+
+def metrics(rec: Record) -> dict[str, Any]:
+    """Mean and std of every column of one row (accuracies in %), and its search shares."""
+    out: dict[str, Any] = {}
+    for key, scale in (
+        ("final_accuracy", 100.0),
+        ("final_loss", 1.0),
+        ("final_ece", 1.0),
+        ("final_client_accuracy", 100.0),
+        ("local_accuracy", 100.0),
+        ("local_loss", 1.0),
+        ("client_train_s_per_round", 1.0),
+    ):
+        if rec.get(key):
+            out[key] = mean(rec[key], scale)
+            out[f"{key}_std"] = std(rec[key], scale)
+    shares = lr_shares(rec)
+    if shares:
+        out["lr_share"] = shares
+    return out
+
+
+def span(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "max": max(values)}
+
+
+# ---------------------------------------------------------------- Table II
+FRACTIONS = ("1.0", "0.5", "0.25", "0.1")
+NOISES = ("0", "1e-4", "1e-3", "1e-2", "1e-1", "0.5")
+
+
+def table2_pairs(root: Path) -> list[tuple[str, str, Record, Record]]:
     recs = load(root / "bayes_table2" / "table.json")
-    print("| \\|D\\| | ε | FedAvg acc. | BayFL acc. | Δ acc. | FedAvg NLL | BayFL NLL |")
-    print("|---|---|---|---|---|---|---|")
-    for frac in ("1.0", "0.5", "0.25", "0.1"):
-        for eps in ("0", "1e-4", "1e-3", "1e-2", "1e-1", "0.5"):
+    pairs = []
+    for frac in FRACTIONS:
+        for eps in NOISES:
             a = find(recs, "fedavg", **{"data.fraction": frac, "data.noise": eps})
             b = find(recs, "bayfl", **{"data.fraction": frac, "data.noise": eps})
-            if not a or not b:
-                continue
-            delta = mean(b["final_accuracy"]) - mean(a["final_accuracy"])
-            print(
-                f"| {float(frac) * 100:g} % | {eps} | {ms(a['final_accuracy'])} | "
-                f"{ms(b['final_accuracy'])} | {delta:+.2f} | {ms(a['final_loss'], 1, 3)} | "
-                f"{ms(b['final_loss'], 1, 3)} |"
-            )
+            if a and b:
+                pairs.append((frac, eps, a, b))
+    return pairs
 
 
-def table3(root: Path) -> None:
+def table2(root: Path) -> list[str]:
+    lines = [
+        "| \\|D\\| | ε | FedAvg acc. | BayFL acc. | Δ acc. | FedAvg NLL | BayFL NLL |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for frac, eps, a, b in table2_pairs(root):
+        delta = mean(b["final_accuracy"]) - mean(a["final_accuracy"])
+        lines.append(
+            f"| {float(frac) * 100:g} % | {eps} | {ms(a['final_accuracy'])} | "
+            f"{ms(b['final_accuracy'])} | {delta:+.2f} | {ms(a['final_loss'], 1, 3)} | "
+            f"{ms(b['final_loss'], 1, 3)} |"
+        )
+    return lines
+
+
+def table2_facts(root: Path) -> dict[str, Any]:
+    """BayFL against FedAvg over the (|D|, ε) cells: how often it is ahead, by how much."""
+    pairs = table2_pairs(root)
+    lower_nll = lower_ece = higher_acc = within_std = 0
+    diffs: list[float] = []
+    stds: list[float] = []
+    by_fraction: dict[str, list[float]] = {}
+    for frac, _, a, b in pairs:
+        delta = mean(b["final_accuracy"]) - mean(a["final_accuracy"])
+        lower_nll += mean(b["final_loss"], 1) < mean(a["final_loss"], 1)
+        lower_ece += mean(b["final_ece"], 1) < mean(a["final_ece"], 1)
+        higher_acc += delta > 0
+        sa, sb = std(a["final_accuracy"]), std(b["final_accuracy"])
+        within_std += abs(delta) < max(sa, sb)
+        stds += [sa, sb]
+        diffs += [
+            100 * (y - x) for x, y in zip(a["final_accuracy"], b["final_accuracy"], strict=True)
+        ]
+        by_fraction.setdefault(f"{float(frac) * 100:g}", []).append(delta)
+    return {
+        "cells": len(pairs),
+        "bayfl_lower_nll_cells": lower_nll,
+        "bayfl_lower_ece_cells": lower_ece,
+        "bayfl_higher_acc_cells": higher_acc,
+        "cells_delta_within_larger_std": within_std,
+        "paired_runs": len(diffs),
+        "paired_runs_bayfl_ahead": sum(d > 0 for d in diffs),
+        "paired_mean_diff": statistics.mean(diffs),
+        "accuracy_std": span(stds),
+        "delta_by_fraction": {k: span(v) for k, v in by_fraction.items()},
+    }
+
+
+# ---------------------------------------------------------------- Table III
+def table3(root: Path) -> list[str]:
     bay = load(root / "bayes_table3" / "bayfl" / "table.json")
     meta = load(root / "bayes_table3" / "meta" / "table.json")
-    print("| ε | method | acc. (%) | NLL | ECE | lr chosen (share of searches) |")
-    print("|---|---|---|---|---|---|")
+    lines = [
+        "| ε | method | acc. (%) | NLL | ECE | lr chosen (share of searches) |",
+        "|---|---|---|---|---|---|",
+    ]
     for eps in ("1e-3", "1e-2", "1e-1"):
         for lr in ("1e-4", "1e-3", "1e-2"):
             r = find(bay, "bayfl", **{"data.noise": eps, "lr": lr})
             if r:
-                print(
+                lines.append(
                     f"| {eps} | BayFL, lr = {lr} | {ms(r['final_accuracy'])} | "
                     f"{ms(r['final_loss'], 1, 3)} | {ms(r['final_ece'], 1, 3)} | – |"
                 )
         r = find(meta, "meta_bayfl", **{"data.noise": eps})
         if r:
-            print(
+            lines.append(
                 f"| {eps} | Meta-BayFL | {ms(r['final_accuracy'])} | {ms(r['final_loss'], 1, 3)} "
                 f"| {ms(r['final_ece'], 1, 3)} | {lr_counts(r)} |"
             )
+    return lines
 
 
-def table4(root: Path, sub: str) -> None:
+def table3_facts(root: Path) -> dict[str, Any]:
+    """Meta-BayFL against BayFL at each fixed rate, per input noise ε."""
+    bay = load(root / "bayes_table3" / "bayfl" / "table.json")
+    meta = load(root / "bayes_table3" / "meta" / "table.json")
+    eps_facts: dict[str, Any] = {}
+    gains: dict[str, list[float]] = {"1e-4": [], "1e-3": [], "1e-2": []}
+    share_1e3: list[float] = []
+    for eps in ("1e-3", "1e-2", "1e-1"):
+        m = find(meta, "meta_bayfl", **{"data.noise": eps})
+        if not m:
+            continue
+        row: dict[str, Any] = {"meta_bayfl": metrics(m)}
+        for lr in gains:
+            r = find(bay, "bayfl", **{"data.noise": eps, "lr": lr})
+            if r:
+                row[f"bayfl_{lr}"] = metrics(r)
+                gains[lr].append(mean(m["final_accuracy"]) - mean(r["final_accuracy"]))
+        share_1e3.append(row["meta_bayfl"]["lr_share"].get("1e-3", 0.0))
+        eps_facts[eps] = row
+    return {
+        "eps": eps_facts,
+        "meta_gain_over_bayfl": {lr: span(v) for lr, v in gains.items() if v},
+        "meta_share_1e-3": span(share_1e3),
+    }
+
+
+# ---------------------------------------------------------------- Table IV
+def table4_rows(root: Path, sub: str) -> list[Record]:
     recs = load(root / "bayes_table4" / sub / "table.json")
-    extra = load(root / "bayes_table4" / f"{sub}_lr1e-2" / "table.json")
-    print(
+    return recs + load(root / "bayes_table4" / f"{sub}_lr1e-2" / "table.json")
+
+
+def row_lr(r: Record) -> str:
+    return r["setting"].get("lr", "1e-3" if not r["lr_chosen"] else "searched")
+
+
+def table4(root: Path, sub: str) -> list[str]:
+    lines = [
         "| method | lr | acc. (%) | NLL | ECE | P-local acc. (%) | client train s / round "
-        "| lr chosen |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for r in recs + extra:
-        lr = r["setting"].get("lr", "1e-3" if not r["lr_chosen"] else "searched")
-        print(
-            f"| {r['method']} | {lr} | {ms(r['final_accuracy'])} | {ms(r['final_loss'], 1, 3)} "
-            f"| {ms(r['final_ece'], 1, 3)} | {ms(r['local_accuracy'])} | "
-            f"{ms(r['client_train_s_per_round'], 1, 3)} | {lr_counts(r)} |"
+        "| lr chosen |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in table4_rows(root, sub):
+        lines.append(
+            f"| {r['method']} | {row_lr(r)} | {ms(r['final_accuracy'])} "
+            f"| {ms(r['final_loss'], 1, 3)} | {ms(r['final_ece'], 1, 3)} "
+            f"| {ms(r['local_accuracy'])} | {ms(r['client_train_s_per_round'], 1, 3)} "
+            f"| {lr_counts(r)} |"
         )
+    return lines
 
 
-def table5(root: Path) -> None:
+def table4_facts(root: Path) -> dict[str, Any]:
+    """Every row's means, keyed ``method`` (the base rate or searched) or ``method_lr<lr>``."""
+    out: dict[str, Any] = {}
+    for sub in ("cnn", "resnet20"):
+        rows: dict[str, Any] = {}
+        for r in table4_rows(root, sub):
+            key = r["method"] + (f"_lr{r['setting']['lr']}" if "lr" in r["setting"] else "")
+            rows[key] = metrics(r)
+        out[sub] = rows
+    return out
+
+
+# ---------------------------------------------------------------- Table V
+def table5(root: Path) -> list[str]:
     recs = load(root / "bayes_table5" / "table.json")
-    print("| clients | acc. (%) | NLL | ECE | P-local acc. (%) | lr chosen |")
-    print("|---|---|---|---|---|---|")
+    lines = [
+        "| clients | acc. (%) | NLL | ECE | P-local acc. (%) | lr chosen |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in recs:
-        print(
+        lines.append(
             f"| {r['setting']['num_clients']} | {ms(r['final_accuracy'])} | "
             f"{ms(r['final_loss'], 1, 3)} | {ms(r['final_ece'], 1, 3)} | "
             f"{ms(r['local_accuracy'])} | {lr_counts(r)} |"
         )
+    return lines
 
 
+def table5_facts(root: Path) -> dict[str, Any]:
+    recs = load(root / "bayes_table5" / "table.json")
+    return {"clients": {r["setting"]["num_clients"]: metrics(r) for r in recs}}
+
+
+# ---------------------------------------------------------------- Table VI
 TABLE6_NAMES = {
     "fedavg": "FedAvg",
     "bayfl": "BNN (BayFL)",
@@ -127,48 +287,125 @@ TABLE6_NAMES = {
     "ditto": "Ditto",
     "fedfomo": "FedFomo",
 }
+# the extra sweeps of Table VI: folder suffix, the label the table adds, the key the facts use
+TABLE6_EXTRAS = (
+    ("lr1e-2", ", Adam 1e-2", "adam1e-2"),
+    ("fedavg_adam", ", Adam 1e-2", "adam1e-2"),
+    ("variants_pfedme", ", personal_lr 0.02", "variant"),
+    ("variants_fedmask", ", sparse_factor 0.5", "variant"),
+)
 
 
-def table6(root: Path, data: str) -> None:
+def table6_rows(root: Path, data: str) -> list[tuple[Record, str, str]]:
     """Table VI: the main sweep, then the rows at a matched learning rate (Adam 1e-2) and the
-    pFedMe / FedMask variants."""
+    pFedMe / FedMask variants, as ``(record, label suffix, facts key)``."""
     base = root / "bayes_table6"
-    rows = [(r, "") for r in load(base / data / "table.json")]
-    for extra, tag in (
-        ("lr1e-2", ", Adam 1e-2"),
-        ("fedavg_adam", ", Adam 1e-2"),
-        ("variants_pfedme", ", personal_lr 0.02"),
-        ("variants_fedmask", ", sparse_factor 0.5"),
-    ):
-        rows += [(r, tag) for r in load(base / f"{data}_{extra}" / "table.json")]
-    print(
+    rows = [(r, "", r["method"]) for r in load(base / data / "table.json")]
+    for extra, tag, key in TABLE6_EXTRAS:
+        rows += [
+            (r, tag, f"{r['method']}_{key}") for r in load(base / f"{data}_{extra}" / "table.json")
+        ]
+    return rows
+
+
+def table6(root: Path, data: str) -> list[str]:
+    lines = [
         "| method | loss (NLL) | acc. (%) | ECE | G-local acc. (%) | P-local acc. (%) "
-        "| P-local NLL | client train s / round |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for r, tag in rows:
+        "| P-local NLL | client train s / round |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r, tag, _ in table6_rows(root, data):
         name = TABLE6_NAMES.get(r["method"], r["method"]) + tag
-        print(
+        lines.append(
             f"| {name} | {ms(r['final_loss'], 1, 3)} | {ms(r['final_accuracy'])} "
             f"| {ms(r['final_ece'], 1, 3)} | {ms(r['final_client_accuracy'])} "
             f"| {ms(r['local_accuracy'])} | {ms(r['local_loss'], 1, 3)} "
             f"| {ms(r['client_train_s_per_round'], 1, 3)} |"
         )
+    return lines
 
 
-def main() -> None:
-    root = Path(sys.argv[1] if len(sys.argv) > 1 else "experiments/results")
-    for title, fn in (
-        ("Table II", lambda: table2(root)),
-        ("Table III", lambda: table3(root)),
-        ("Table IV (CNN)", lambda: table4(root, "cnn")),
-        ("Table IV (ResNet-20)", lambda: table4(root, "resnet20")),
-        ("Table V", lambda: table5(root)),
-        ("Table VI (Fashion-MNIST)", lambda: table6(root, "fmnist")),
-        ("Table VI (digits)", lambda: table6(root, "digits")),
-    ):
+def table6_facts(root: Path) -> dict[str, Any]:
+    """Every row's means per data set, and the spans the reading quotes."""
+    out: dict[str, Any] = {}
+    gap: list[float] = []
+    fedmask_acc: list[float] = []
+    fedmask_local: list[float] = []
+    for data in ("fmnist", "digits"):
+        rows = {key: metrics(r) for r, _, key in table6_rows(root, data)}
+        main = [(r, key) for r, tag, key in table6_rows(root, data) if not tag]
+        best_baseline = max(
+            (rows[key]["final_accuracy"] for r, key in main if r["method"] != "meta_bayfl"),
+            default=0.0,
+        )
+        gap += [rows[key]["local_accuracy"] - rows[key]["final_client_accuracy"] for _, key in main]
+        for key in ("fedmask", "fedmask_variant"):
+            if key in rows:
+                fedmask_acc.append(rows[key]["final_accuracy"])
+                fedmask_local.append(rows[key]["local_accuracy"])
+        fedavg_s = rows["fedavg"]["client_train_s_per_round"]
+        out[data] = {
+            "rows": rows,
+            "best_baseline_accuracy": best_baseline,
+            "pfedbayes_time_over_fedavg": rows["pfedbayes"]["client_train_s_per_round"] / fedavg_s,
+        }
+    out["plocal_minus_glocal_main_rows"] = span(gap)
+    out["fedmask_accuracy"] = span(fedmask_acc)
+    out["fedmask_plocal_accuracy"] = span(fedmask_local)
+    return out
+
+
+# ---------------------------------------------------------------- outputs
+TABLES: tuple[tuple[str, str, Callable[[Path], list[str]]], ...] = (
+    ("Table II", "bayes_table2/summary.md", table2),
+    ("Table III", "bayes_table3/summary.md", table3),
+    ("Table IV (CNN)", "bayes_table4/summary_cnn.md", lambda root: table4(root, "cnn")),
+    (
+        "Table IV (ResNet-20)",
+        "bayes_table4/summary_resnet20.md",
+        lambda root: table4(root, "resnet20"),
+    ),
+    ("Table V", "bayes_table5/summary.md", table5),
+    (
+        "Table VI (Fashion-MNIST)",
+        "bayes_table6/summary_fmnist.md",
+        lambda root: table6(root, "fmnist"),
+    ),
+    ("Table VI (digits)", "bayes_table6/summary_digits.md", lambda root: table6(root, "digits")),
+)
+FACTS: tuple[tuple[str, Callable[[Path], dict[str, Any]]], ...] = (
+    ("bayes_table2/summary.json", table2_facts),
+    ("bayes_table3/summary.json", table3_facts),
+    ("bayes_table4/summary.json", table4_facts),
+    ("bayes_table5/summary.json", table5_facts),
+    ("bayes_table6/summary.json", table6_facts),
+)
+
+
+def dump_json(data: Any) -> str:
+    """The committed form of a facts file: sorted keys, floats as Python writes them."""
+    return json.dumps(data, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def outputs(root: Path) -> dict[str, str]:
+    """``{path relative to root: text}`` of every file ``--write`` writes."""
+    out = {path: "\n".join(fn(root)) + "\n" for _, path, fn in TABLES}
+    out.update({path: dump_json(fn(root)) for path, fn in FACTS})
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    write = "--write" in args
+    rest = [a for a in args if a != "--write"]
+    root = Path(rest[0] if rest else "experiments/results")
+    for title, _, fn in TABLES:
         print(f"\n### {title}\n")
-        fn()
+        print("\n".join(fn(root)))
+    if write:
+        for path, text in outputs(root).items():
+            (root / path).write_text(text, encoding="utf-8")
+            print(f"wrote {root / path}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ mutants that were not killed and those of functions that changed, against the cu
 
 Prints per group, file and function the mutants tried, killed, survived and otherwise (timeout,
 no tests, ...), and every survivor's name; ``cd .mutation/<name> && ../../.venv/bin/mutmut
-show NAME`` prints its diff. docs/mutation.md lists the survivors that are equivalent and why.
+show NAME`` prints its diff. docs/development/mutation.md lists the survivors that are
+equivalent and why.
 
 Exit status: 0 when every chosen group ran (survivors are reported, not failed); 1 on a bad
 argument; mutmut's own status when it fails.
@@ -268,7 +269,7 @@ def report(name: str, group: dict[str, Any], work: Path) -> None:
     score = total["killed"] / total.total() if total.total() else float("nan")
     print(
         f"{'total':60} {total.total():7} {total['killed']:6} {total['survived']:8} {other:5}"
-        f"   killed {score:.1%} (before removing equivalent mutants: docs/mutation.md)"
+        f"   killed {score:.1%} (before removing equivalent mutants: docs/development/mutation.md)"
     )
     for line in survivors:
         print(f"  not killed: {line}")

@@ -5,6 +5,7 @@ subprocess a test starts (the CLI, Flower's SuperNodes) starts with one."""
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,3 +23,27 @@ def _one_thread() -> Iterator[None]:
         os.environ.pop("OMP_NUM_THREADS", None)
     else:
         os.environ["OMP_NUM_THREADS"] = env_before
+
+
+@pytest.fixture(scope="session")
+def digits_npz(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Overrides that read fedlore's ``digits`` source (sklearn's digits: the same fixed split,
+    the same arrays, class names and federation) from an ``npz`` folder written once per test
+    session. A process that reads it does not import scikit-learn (about 2 s of CPU), which
+    every ClientApp process, ServerApp process and Ray actor of a Flower test, and every
+    ``fedlore run`` a test starts, would otherwise pay on digits."""
+    import numpy as np
+
+    from fedlore.data.sources import load_digits
+
+    src = load_digits()
+    folder: Path = tmp_path_factory.mktemp("digits-npz").resolve()
+    for part in ("train", "test"):
+        split = getattr(src, part)
+        np.savez(
+            folder / f"{part}.npz",
+            x=split.x.numpy(),
+            y=split.y.numpy(),
+            class_names=np.asarray(src.class_names),
+        )
+    return ["data.name=npz", f"data.root={folder}"]

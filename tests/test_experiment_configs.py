@@ -30,3 +30,19 @@ def test_grid_tables_hold_out_a_selection_split(name: str) -> None:
 
 def test_the_library_default_stays_the_fl_convention() -> None:
     assert load_config(None).weighting == "num_examples"
+
+
+@pytest.mark.parametrize(
+    "path", sorted(EXPERIMENTS.glob("bayes_table*.yaml")), ids=lambda p: p.name
+)
+def test_seed_001_tables_train_the_seeds_local_epochs(path: Path) -> None:
+    """Seed 001's clients train T local epochs (Algorithm 1 line 7), 10 per round (Fig. 3)."""
+    cfg = load_config(path)
+    assert (cfg.local_epochs, cfg.local_steps) == (10, None)
+
+
+@pytest.mark.parametrize("name", [*LR_GRID_TABLES, "pretrain_ablation.yaml"])
+def test_seed_000_tables_list_its_five_trials(name: str) -> None:
+    """Seed 000 reports five trials with seeds {42, 43, 44, 45, 46} (Hardware and
+    Reproducibility)."""
+    assert load_config(EXPERIMENTS / name).seeds == [42, 43, 44, 45, 46]

@@ -30,10 +30,11 @@ def test_every_local_training_field_names_an_existing_config_key() -> None:
     assert run_decided == {"upload_increments"}
     assert set(paths) | run_decided == set(LocalTraining.model_fields)
     cfg = Config()
+    resolved = LocalTraining()  # defaults as validated (neither steps nor epochs: 10 steps)
     for name, path in paths.items():
         value = config_value(cfg, path)  # AttributeError for a path the config lacks
         # the model's default is the config's default (a method built from defaults is the same)
-        assert LocalTraining.model_fields[name].default == value, name
+        assert getattr(resolved, name) == value, name
         assert LocalTraining.model_fields[name].description, name
 
 

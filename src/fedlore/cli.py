@@ -112,28 +112,93 @@ def _show_warning(
 _PYTHON_SHOWWARNING = warnings.showwarning
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``fedlore`` command; returns the exit status."""
-    warnings.showwarning = _show_warning
-    parser = argparse.ArgumentParser(prog="fedlore", description=__doc__.splitlines()[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_run = sub.add_parser("run", help="run an experiment")
-    p_run.add_argument("args", nargs="*", help="[CONFIG] [key=value ...]")
-    p_run.add_argument("--resume", action="store_true", help="continue unfinished runs")
+_EPILOG = (
+    "CONFIG is a YAML experiment file (default: experiments/quickstart.yaml); key=value "
+    "arguments override its keys (dotted for sections, e.g. data.noise=0.1 "
+    "method.fedlore.rank=4). Every key: the configuration reference of the docs "
+    "(docs/reference/config)."
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fedlore`` argument parser (its help is the CLI reference of the docs)."""
+    parser = argparse.ArgumentParser(
+        prog="fedlore",
+        description="fedlore: federated learning experiments (FedLore, Meta-BayFL and their "
+        "baselines) from a YAML config.",
+        epilog=_EPILOG,
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log at INFO level (anywhere on the line)"
+    )
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help="what to do (one of these)"
+    )
+    p_run = sub.add_parser(
+        "run",
+        help="run every method x seed of an experiment and print its table",
+        description="Run every method x seed of CONFIG (each in its own folder under "
+        "output_dir/name), then write and print the report (mean ± std over seeds). A finished "
+        "run is never trained again unless --overwrite is given; an unfinished one starts over "
+        "unless --resume is given. Options may come anywhere on the line.",
+        epilog=_EPILOG,
+    )
+    p_run.add_argument(
+        "args",
+        nargs="*",
+        metavar="CONFIG|key=value",
+        help="the experiment file, then overrides of its keys",
+    )
+    p_run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue unfinished runs from their last checkpoint (to the same result)",
+    )
     p_run.add_argument(
         "--overwrite",
         action="store_true",
         help="train finished runs again, also of another config left under the same name (each "
         "finished run stays in place until its replacement has finished)",
     )
-    p_rep = sub.add_parser("report", help="summarize a run directory")
-    p_rep.add_argument("run_dir", type=Path)
-    p_part = sub.add_parser("partition", help="print per-client class histograms")
-    p_part.add_argument("args", nargs="*", help="[CONFIG] [key=value ...]")
-    p_conv = sub.add_parser("fortunes-c4", help="convert the fortunes corpus to C4 JSONL files")
-    p_conv.add_argument("out_dir", type=Path)
-    p_conv.add_argument("--root", default=None, help="fortunes folder (default: Debian's)")
+    p_rep = sub.add_parser(
+        "report",
+        help="summarize a run directory (report.md, report.csv, plots)",
+        description="Write report.md, report.csv and the plots of an experiment folder "
+        "(output_dir/name) from its finished runs, and print the table; unfinished runs are "
+        "named in a warning.",
+    )
+    p_rep.add_argument("run_dir", type=Path, help="the experiment folder, e.g. runs/quickstart")
+    p_part = sub.add_parser(
+        "partition",
+        help="print per-client class histograms of an experiment's partition",
+        description="Print each client's class histogram per seed (documents per source group "
+        "for a pre-training corpus), without training.",
+        epilog=_EPILOG,
+    )
+    p_part.add_argument(
+        "args",
+        nargs="*",
+        metavar="CONFIG|key=value",
+        help="the experiment file, then overrides of its keys",
+    )
+    p_conv = sub.add_parser(
+        "fortunes-c4",
+        help="convert the fortunes corpus to C4 JSONL files",
+        description="Convert Debian's fortunes corpus into C4-format c4-train.jsonl and "
+        "c4-validation.jsonl (one source host per category file), the pre-training data of "
+        "the fortunes_c4 source.",
+    )
+    p_conv.add_argument("out_dir", type=Path, help="folder the two JSONL files are written to")
+    p_conv.add_argument(
+        "--root", default=None, help="fortunes folder (default: Debian's /usr/share/games/fortunes)"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fedlore`` command; returns the exit status."""
+    warnings.showwarning = _show_warning
+    parser = build_parser()
     command = argv is None  # the fedlore command itself (not a call from Python)
     argv = list(sys.argv[1:] if argv is None else argv)
     verbose = any(a in ("-v", "--verbose") for a in argv)  # -v anywhere on the line

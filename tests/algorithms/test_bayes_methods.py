@@ -194,7 +194,7 @@ def test_the_client_trains_on_all_of_d_unless_d_is_held_out(mode: str) -> None:
     state = algo.init_server(model, torch.Generator())
     algo.client_update(algo.broadcast(state, 0, 0), None, model, data, torch.Generator())
     trained = set(torch.cat(seen).tolist())
-    _, d = meta_split(data, algo.meta_fraction, algo.meta_split)
+    _, d = meta_split(data, algo.meta_fraction, algo.meta_split, algo.meta_seed(torch.Generator()))
     in_d = set(d.x[:, 0].tolist())
     if mode == "subset":  # 30 steps of 8 over 40 examples: every example, d included
         assert trained == set(data.train.x[:, 0].tolist())

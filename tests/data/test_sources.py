@@ -51,6 +51,31 @@ def test_digits_shapes_range_and_fixed_split() -> None:
     assert a.num_classes == 10 and a.input_shape == (1, 8, 8) and len(a.class_names) == 10
 
 
+def test_the_digits_npz_fixture_is_the_digits_federation(digits_npz: list[str]) -> None:
+    """The Flower tests read digits from the ``digits_npz`` folder (tests/conftest.py) so that
+    their processes skip importing scikit-learn: it must build the very federation of
+    ``data.name=digits``."""
+    from fedlore.config import load_config
+    from fedlore.data.federation import build_federation
+
+    base = ["num_clients=3", "data.server_fraction=0.2"]
+    a = build_federation(load_config(None, base), 42)
+    b = build_federation(load_config(None, [*base, *digits_npz]), 42)
+    assert (b.num_classes, b.input_shape, b.class_names) == (
+        a.num_classes,
+        a.input_shape,
+        a.class_names,
+    )
+    for name in ("pool", "central_test"):
+        assert torch.equal(getattr(a, name).x, getattr(b, name).x), name
+        assert torch.equal(getattr(a, name).y, getattr(b, name).y), name
+    assert torch.equal(a.train_labels, b.train_labels)
+    for got, want in [(b.train_indices, a.train_indices), (b.test_indices, a.test_indices)]:
+        pairs = zip(got, want, strict=True)
+        assert all(np.array_equal(np.asarray(g), np.asarray(w)) for g, w in pairs)
+    assert np.array_equal(np.asarray(b.server_indices), np.asarray(a.server_indices))
+
+
 @pytest.mark.parametrize("gz", [True, False])
 def test_fashion_mnist_reads_raw_and_gz(tmp_path: Path, gz: bool) -> None:
     _write_fashion(tmp_path, gz)

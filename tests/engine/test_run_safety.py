@@ -66,8 +66,11 @@ def _rounds(path: Path) -> list[int]:
 # --- 1. one run per folder -------------------------------------------------------------------
 
 
-def test_two_concurrent_runs_of_one_folder(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    args = _args(tmp_path, "algorithms=[fedavg]", "rounds=40", "local_steps=5")
+def test_two_concurrent_runs_of_one_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture, digits_npz: list[str]
+) -> None:
+    # digits from npz: the `fedlore run` process does not import scikit-learn
+    args = _args(tmp_path, "algorithms=[fedavg]", "rounds=40", "local_steps=5", *digits_npz)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     first = subprocess.Popen(
         [sys.executable, "-m", "fedlore.cli", "run", *args],

@@ -26,13 +26,16 @@ SMALL = [
 ]
 
 
-def sim_cfg(tmp: Path, engine: str, rounds: int, method: str) -> Config:
+def sim_cfg(tmp: Path, engine: str, rounds: int, method: str, data: list[str]) -> Config:
+    """``SMALL`` with ``data`` (the ``digits_npz`` fixture's overrides: digits without importing
+    scikit-learn in every Ray actor)."""
     # a method that distils on the server (FedBE) needs the server's unlabeled set U
     needs_u = registry.get("algorithm", method).capabilities.server_data
     return load_config(
         None,
         [
             *SMALL,
+            *data,
             *(["data.server_fraction=0.2"] if needs_u else []),
             f"rounds={rounds}",
             f"algorithms=[{method}]",

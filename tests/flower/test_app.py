@@ -1,11 +1,13 @@
 """The simulated ClientApp called in this process (no Ray): the same model as the in-process
-transport, torch threads set to ``flower.client_cpus``; Flower's message delivery and the
-transport's polling without a running Flower."""
+transport, torch threads set to ``flower.client_cpus``; Flower's message delivery, the
+transport's polling and its client -> node map without a running Flower."""
 
 from __future__ import annotations
 
 import threading
 import time
+import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from queue import Queue
 from typing import Any
@@ -20,10 +22,10 @@ from fedlore.config import load_config
 from fedlore.engine.callbacks import Checkpointer
 from fedlore.engine.rundir import run_dir
 from fedlore.experiment import run_one
-from fedlore.flower.app import client_threads, make_apps
+from fedlore.flower.app import client_query, client_threads, make_apps
 from fedlore.flower.codec import broadcast_to_record, record_to_reply
 from fedlore.flower.simulation import deliver_when_stored, prompt_delivery
-from fedlore.flower.transport import send_and_receive
+from fedlore.flower.transport import FlowerTransport, send_and_receive
 from fedlore.types import Broadcast, Reply
 
 pytestmark = pytest.mark.flower
@@ -198,3 +200,57 @@ def test_send_and_receive_polls_until_every_pushed_message_is_answered() -> None
     never = _Grid(pulls_until_reply=10**9)
     assert send_and_receive(never, [], timeout=0.05) == []  # type: ignore[arg-type]
     assert never.pulls >= 2
+
+
+class _Nodes:
+    """SuperNodes (node id -> partition id) that answer a ``query`` at once with fedlore's
+    handler (:func:`client_query`), except the ``dead`` ones, which never answer."""
+
+    def __init__(self, pids: dict[int, int]) -> None:
+        self.pids = dict(pids)
+        self.dead: set[int] = set()
+        self.asked: list[int] = []
+        self.replies: dict[str, Message] = {}
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.pids)
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = mid = str(uuid.uuid4())
+            node = msg.metadata.dst_node_id
+            self.asked.append(node)
+            if node not in self.dead:
+                ctx = Context(
+                    run_id=1, node_id=node, node_config={"partition-id": self.pids[node]},
+                    state=RecordDict(), run_config={},
+                )  # fmt: skip
+                self.replies[mid] = client_query(msg, ctx)
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, ids: Iterable[str]) -> list[Message]:
+        return [self.replies.pop(i) for i in list(ids) if i in self.replies]
+
+
+def test_a_round_waits_for_the_nodes_of_its_clients_not_for_a_dead_one(
+    task_identity: None,
+) -> None:
+    """Client 1's SuperNode died (the SuperLink still lists it) and came back under a new node
+    id: the round that needs client 1 asks both unknown nodes and goes on as soon as the new
+    one has answered, not after ``round_timeout``; a refresh without a need waits for all."""
+    grid = _Nodes({11: 0})
+    t = FlowerTransport(grid, round_timeout=30.0, expected_nodes=1)  # type: ignore[arg-type]
+    assert t.node_of == {0: 11} and grid.asked == [11]
+    grid.pids.update({12: 1, 13: 1})
+    grid.dead.add(12)
+    start = time.monotonic()
+    t.refresh_nodes(need=[0, 1])
+    assert time.monotonic() - start < 10.0
+    assert t.node_of == {0: 11, 1: 13} and sorted(grid.asked[1:]) == [12, 13]
+    t.round_timeout = 0.3
+    del t.node_of[1]
+    start = time.monotonic()
+    t.refresh_nodes()
+    assert time.monotonic() - start >= 0.3 and t.node_of == {0: 11, 1: 13}

@@ -17,7 +17,7 @@ import json
 import time
 import types
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,6 @@ from flwr.common.secure_aggregation.secaggplus_constants import (
     Stage,
 )
 from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 
 from fedlore.config import Config, load_config
 from fedlore.engine.loop import RoundLoop
@@ -134,17 +133,6 @@ class DirectGrid(Grid):
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
         return self.pull_messages(self.push_messages(messages))
-
-
-@pytest.fixture
-def task_identity() -> Iterator[None]:
-    """Flower builds server messages with the process's run id (set by its runtimes)."""
-    old = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    try:
-        yield
-    finally:
-        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = old
 
 
 @pytest.fixture

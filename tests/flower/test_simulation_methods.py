@@ -2,10 +2,13 @@
 
 Each method runs one simulated round (plus its setup exchange; FedLore, FedFull and Meta-BayFL
 two): the global model and the byte counts must equal those of the in-process transport (same
-seeds, same data, same ``client_update``). One Ray serves the whole module
+seeds, same data, same ``client_update``). So do a pre-training run (LLaMA on the C4 fixture)
+and FedLore's diagnostics. One Ray serves the whole module
 (:func:`fedlore.flower.simulation.ray_session`, as ``fedlore run`` holds one around all its
 runs; a simulation's actors are killed at its end, so each method starts in fresh worker
-processes): a Ray start per method cost ~10 s of CI each.
+processes): a Ray start per method cost ~10 s of CI each. The digits come from the
+``digits_npz`` fixture (the same federation; every Ray actor would import scikit-learn for
+``data.name=digits``, ~2 s of CPU each).
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("flwr", reason="needs the [flower] extra: pip install -e '.[flower]'")
-from sim_helpers import assert_matches, sim_cfg
+from sim_helpers import SMALL, assert_matches, rows, sim_cfg
 
 from fedlore import registry
+from fedlore.config import load_config
 from fedlore.engine.rundir import run_dir
 from fedlore.experiment import run_one
 from fedlore.flower.simulation import ray_session, run_simulated
@@ -51,10 +55,14 @@ IN_EXPERIMENT_TEST = {"fedfull", "fedavg"}
     ],
 )
 def test_simulation_matches_in_process(
-    tmp_path: Path, method: str, rounds: int, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    method: str,
+    rounds: int,
+    capfd: pytest.CaptureFixture[str],
+    digits_npz: list[str],
 ) -> None:
-    local = sim_cfg(tmp_path, "local", rounds, method)
-    sim = sim_cfg(tmp_path, "sim", rounds, method)
+    local = sim_cfg(tmp_path, "local", rounds, method, digits_npz)
+    sim = sim_cfg(tmp_path, "sim", rounds, method, digits_npz)
     run_one(local, method, 42)
     summary = run_simulated(sim, method, 42)
     # Flower's DEBUG lines and deprecation notices go to the run's flower.log, not the console
@@ -62,3 +70,52 @@ def test_simulation_matches_in_process(
     assert "DEBUG flwr" not in console and "DEPRECATED" not in console
     assert "flwr" in (run_dir(sim, method, 42) / "flower.log").read_text()
     assert_matches(local, sim, method, summary)
+
+
+def test_pretraining_simulation_matches_in_process(tmp_path: Path) -> None:
+    """LLaMA on the C4 fixture (source groups, per-client streams, perplexity) over Flower."""
+    c4 = Path(__file__).parents[1] / "fixtures" / "c4"
+    pre = [
+        "data.name=c4",
+        f"data.root={c4}",
+        "data.max_length=16",
+        "data.vocab_size=300",
+        "partition.name=source_dirichlet",
+        "model.name=llama",
+        "model.kwargs={size: micro, hidden: 32, intermediate: 64, heads: 2}",
+        "rank=4",
+        "batch_size=4",
+    ]
+    runs = {}
+    for engine in ("local", "sim"):
+        cfg = load_config(
+            None,
+            [
+                *SMALL[:-2],
+                *pre,
+                "flower.num_cpus=2",
+                "rounds=2",
+                "algorithms=[fedlore]",
+                f"output_dir={tmp_path / engine}",
+            ],
+        )
+        summary = (
+            run_one(cfg, "fedlore", 42) if engine == "local" else run_simulated(cfg, "fedlore", 42)
+        )
+        assert summary is not None
+        runs[engine] = summary
+    assert runs["sim"]["final_perplexity"] == pytest.approx(runs["local"]["final_perplexity"])
+    assert runs["sim"]["bytes_up_total"] == runs["local"]["bytes_up_total"]
+
+
+def test_simulation_carries_diagnostics(tmp_path: Path, digits_npz: list[str]) -> None:
+    """FedLore's candidate gradients cross Flower's wire; the diagnostics equal in-process ones."""
+    extra = ["diagnostics.every=1", "diagnostics.batch_size=16", *digits_npz]
+    local = load_config(None, [*SMALL, "rounds=2", f"output_dir={tmp_path / 'l'}", *extra])
+    sim = load_config(None, [*SMALL, "rounds=2", f"output_dir={tmp_path / 's'}", *extra])
+    run_one(local, "fedlore", 42)
+    run_simulated(sim, "fedlore", 42)
+    a, b = rows(local, "fedlore"), rows(sim, "fedlore")
+    assert a[1]["diag_bytes_up"] == b[1]["diag_bytes_up"] > 0  # round 0 uploads H_i
+    for key in ("diag.retained_energy", "diag.rho2", "diag.d_r", "diag.certificate2"):
+        assert b[-1][key] == pytest.approx(a[-1][key], rel=1e-4), key

@@ -49,12 +49,13 @@ TINY = [
     "progress=false",
     "flower.num_cpus=2",
 ]
-ROUNDS = 10
+ROUNDS = 8  # the signals come after 2 to 5 complete rounds: the run is far from its end
 
 
 def _start(out: Path, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
     """``fedlore run`` in a new session (its PID is its process group's id); standard error
-    goes to ``out/stderr-<n>``."""
+    goes to ``out/stderr-<n>``. The tests pass the ``digits_npz`` fixture's overrides: the run
+    and its Ray actors read digits without importing scikit-learn (~2 s of CPU each)."""
     out.mkdir(parents=True, exist_ok=True)
     err = out / f"stderr-{len(list(out.glob('stderr-*')))}"
     args = [
@@ -194,8 +195,8 @@ def _resume(out: Path, *extra: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _uninterrupted(tmp: Path) -> list[dict[str, Any]]:
-    cfg = load_config(QUICKSTART, [*TINY, f"rounds={ROUNDS}", f"output_dir={tmp / 'ref'}"])
+def _uninterrupted(tmp: Path, *extra: str) -> list[dict[str, Any]]:
+    cfg = load_config(QUICKSTART, [*TINY, f"rounds={ROUNDS}", f"output_dir={tmp / 'ref'}", *extra])
     assert run_one(cfg, METHOD, SEED) is not None
     return _rows(tmp / "ref" / "ctrlc" / METHOD / f"seed-{SEED}" / "metrics.jsonl")
 
@@ -212,30 +213,34 @@ def _force(proc: subprocess.Popen[bytes], err: Path, first: int) -> None:
     _assert_nothing_left(proc.pid, started)
 
 
-def test_local_sigint_stops_between_rounds_and_resume_continues_exactly(tmp_path: Path) -> None:
+def test_local_sigint_stops_between_rounds_and_resume_continues_exactly(
+    tmp_path: Path, digits_npz: list[str]
+) -> None:
     out = tmp_path / "run"
-    proc, err = _start(out)
+    proc, err = _start(out, *digits_npz)
     _wait_for_rows(proc, _metrics(out), 3, err)
     started = _signal(proc, signal.SIGINT)
     rc = proc.wait(timeout=30)
     _assert_nothing_left(proc.pid, started)
     rows = _check_stopped(out, err, rc, 130, 3)
-    reference = _uninterrupted(tmp_path)
+    reference = _uninterrupted(tmp_path, *digits_npz)
     assert all(_same(a, b) for a, b in zip(rows, reference, strict=False))
-    resumed = _resume(out)  # continues after the checkpoint's round: the same rounds
+    resumed = _resume(out, *digits_npz)  # continues after the checkpoint's round: the same rounds
     assert all(_same(a, b) for a, b in zip(resumed, reference, strict=True))
 
 
-def test_local_sigterm_exits_143_and_a_second_sigint_quits_at_once(tmp_path: Path) -> None:
+def test_local_sigterm_exits_143_and_a_second_sigint_quits_at_once(
+    tmp_path: Path, digits_npz: list[str]
+) -> None:
     out = tmp_path / "term"
-    proc, err = _start(out)
+    proc, err = _start(out, *digits_npz)
     _wait_for_rows(proc, _metrics(out), 2, err)
     started = _signal(proc, signal.SIGTERM)
     rc = proc.wait(timeout=30)
     _assert_nothing_left(proc.pid, started)
     _check_stopped(out, err, rc, 143, 2)
     out = tmp_path / "twice"
-    proc, err = _start(out, "local_steps=3000")  # clients of a second or more
+    proc, err = _start(out, "local_steps=3000", *digits_npz)  # clients of a second or more
     _wait_for_rows(proc, _metrics(out), 0, err)
     time.sleep(0.3)  # into the first round
     _force(proc, err, signal.SIGINT)
@@ -246,13 +251,15 @@ def _ray(started: list[Process]) -> list[Process]:
 
 
 @pytest.mark.flower
-def test_flower_sim_interrupts_are_clean_and_leave_no_ray_process(tmp_path: Path) -> None:
+def test_flower_sim_interrupts_are_clean_and_leave_no_ray_process(
+    tmp_path: Path, digits_npz: list[str]
+) -> None:
     pytest.importorskip("flwr")
     pytest.importorskip("ray")
     sim = "engine=flower-sim"
     # SIGINT to the group: no round starts after it, the round in progress is discarded
     out = tmp_path / "sim"
-    proc, err = _start(out, sim)
+    proc, err = _start(out, sim, *digits_npz)
     _wait_for_rows(proc, _metrics(out), 3, err)
     started = _signal(proc, signal.SIGINT)
     rc = proc.wait(timeout=60)
@@ -263,7 +270,7 @@ def test_flower_sim_interrupts_are_clean_and_leave_no_ray_process(tmp_path: Path
     # --resume runs it again from round 0 (the client states lived in the simulation): the
     # same rounds. SIGTERM, then SIGINT while Ray shuts down: fedlore's SIGTERM handler (not
     # the one ray.init installs) began a clean stop, the SIGINT ends it at once, Ray included
-    proc, err = _start(out, sim, "--resume")
+    proc, err = _start(out, sim, "--resume", *digits_npz)
     _wait_for_rows(proc, _metrics(out), len(rows) + 1, err)
     again = _rows(_metrics(out))
     assert all(_same(a, b) for a, b in zip(rows, again, strict=False)), (rows, again)

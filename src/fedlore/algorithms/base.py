@@ -80,21 +80,46 @@ class Hyper:
         wire = self.wire_dtype
         return wire if wire is not None and dtype.is_floating_point else dtype
 
-    def lr_schedule(self) -> Schedule:
-        """The run's :class:`~fedlore.train.local.Schedule`."""
+    def local_steps(self, num_examples: int | None = None) -> int:
+        """K, the local steps of one round for a client of ``num_examples`` training examples
+        (``local_steps``, or ``local_epochs * ceil(n / B)``:
+        :meth:`~fedlore.settings.LocalTraining.steps`)."""
+        return self.train.steps(num_examples)
+
+    def lr_schedule(self, num_examples: int | None = None) -> Schedule:
+        """The run's :class:`~fedlore.train.local.Schedule` for a client of ``num_examples``
+        training examples: over its ``rounds x K`` local steps (under ``local_epochs`` each
+        client's own K, so every client's schedule spans the run)."""
         return Schedule(
             self.train.lr,
             self.train.schedule,
-            self.train.rounds * self.train.local_steps,
+            self.train.rounds * self.local_steps(num_examples),
             self.train.min_lr_ratio,
         )
 
-    def round_lrs(self, rnd: int) -> list[float]:
-        """Learning rates of the K local steps of round ``rnd``."""
-        return self.lr_schedule().round_lrs(max(rnd, 0), self.train.local_steps)
+    def round_lrs(self, rnd: int, num_examples: int | None = None) -> list[float]:
+        """Learning rates of the K local steps of round ``rnd`` (``num_examples``: the client's
+        training examples, needed under ``local_epochs``)."""
+        steps = self.local_steps(num_examples)
+        return self.lr_schedule(num_examples).round_lrs(max(rnd, 0), steps)
 
     def round_decay(self, rnd: int) -> float:
-        """``a = Π_k (1 - lr_k * weight_decay)``, the common decay of round ``rnd`` (Prop. 8)."""
+        """``a = Π_k (1 - lr_k * weight_decay)``, the common decay of round ``rnd`` (Prop. 8);
+        under ``local_epochs`` the clients take different numbers of steps, so there is no
+        common decay: only ``weight_decay`` = 0 (a = 1) is accepted then.
+
+        Raises:
+            ValueError: under ``local_epochs`` with ``weight_decay`` > 0.
+        """
+        if self.train.weight_decay == 0:
+            return 1.0
+        if self.train.local_steps is None:
+            raise ValueError(
+                f"{type(self).__name__}: its server applies the round's common weight decay "
+                "(seed 000, Prop. 8), which needs the same local steps on every client; with "
+                "local_epochs the clients take E * ceil(n_i / B) steps: use local_steps, or "
+                "optim.weight_decay=0"
+            )
         a = 1.0
         for lr in self.round_lrs(rnd):
             a *= 1.0 - lr * self.train.weight_decay

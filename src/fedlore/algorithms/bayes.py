@@ -29,8 +29,13 @@ name                          posterior   lr_search
 Client objective (reference notes Part 0.3, our adopted reading; seed Eqs. 3 and 17): the
 per-example negative ELBO ``L_b = mean_b NLL(y | x, w_s) + beta_kl · KL(q || p) / N_k`` with one
 weight sample ``w_s`` per minibatch and ``N_k = |D_n^k|`` the client's training examples. Each
-round starts from the global posterior with a fresh optimizer, for ``local_steps`` steps like
-every other method; an "epoch" is ``ceil(N_k / batch_size)`` of them. Server: FedAvg of the
+round starts from the global posterior with a fresh optimizer, for ``local_epochs`` passes over
+the client's data (seed Algorithm 1 line 7, "for each local training epoch t"; the seed-001
+configs set it) or ``local_steps`` steps like every other method; an "epoch" is
+``ceil(N_k / batch_size)`` steps, and ``lr_search="per_epoch"`` searches before each, so a round
+of E epochs holds E searches. Each trial step runs at its candidate rate times the
+learning-rate schedule's factor at the local step it stands for, and the epoch then trains at
+the chosen rate times the same factors. Server: FedAvg of the
 variational parameters weighted by n_k (seed Eq. 22 uses equal weights: ``weighting: uniform``,
 as every seed-table config sets).
 
@@ -71,6 +76,7 @@ from fedlore.bayes import (
 )
 from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.registry import register_algorithm
+from fedlore.seeding import derive_seed
 from fedlore.train.local import LossTerm, local_train
 from fedlore.types import Broadcast, Reply, State
 
@@ -109,8 +115,15 @@ class MetaBayFL(FedFull):
             ``mc_samples``) or ``"elbo"`` (per-example negative ELBO on d, one weight sample).
         local_optimizer: ``"adamw"`` (Adam when ``weight_decay`` = 0, the authors' choice) or
             ``"sgd"`` (the seed's update, Eq. 21).
+        momentum: SGD momentum coefficient (≥ 0), read only with ``local_optimizer="sgd"``
+            (0, the default: the seed's plain update); a non-zero value makes
+            ``trials="batched"`` fall back to sequential trials.
         beta_kl: weight of KL / N_k in the ELBO (1 = the ELBO itself).
-        prior_mu, prior_sigma: the Gaussian prior N(mu0, sigma0²) (default N(0, 1)).
+        prior_mu: mu0, the mean of the Gaussian prior N(mu0, sigma0²) of every weight and bias
+            of the BNN, in the ELBO's KL(q || p) (``posterior="bnn"`` only; default 0, with
+            ``prior_sigma`` the N(0, 1) of reference notes Part 16 #8).
+        prior_sigma: sigma0 > 0, the prior's standard deviation (``posterior="bnn"`` only;
+            default 1).
         rho_init: initial rho of every weight (-5: sigma 0.0067).
         dropout: MC-dropout rate before every Linear (``posterior="mcdropout"``).
         conv_dropout: MC-dropout rate before every Conv2d but the first (0: none).
@@ -132,6 +145,9 @@ class MetaBayFL(FedFull):
             Welling 2015: pre-activations drawn per example, lower-variance gradients;
             convolutions keep weight sampling; :class:`~fedlore.bayes.BayesLinear`). Only with
             ``posterior="bnn"``.
+        meta_resample: ``"round"`` (default, seed 001: a new meta split d_n^k ⊂ D_n^k in every
+            round k, drawn from (run seed, round, client)) or ``"fixed"`` (one d per client for
+            the whole run and every seed, our earlier reading).
     """
 
     name: ClassVar[str] = "meta_bayfl"
@@ -164,6 +180,7 @@ class MetaBayFL(FedFull):
     posterior_aggregation: Aggregation = "mean"
     trials: Literal["batched", "sequential"] = "sequential"
     bnn_estimator: Literal["weights", "local"] = "weights"
+    meta_resample: Literal["round", "fixed"] = "round"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -186,6 +203,7 @@ class MetaBayFL(FedFull):
             in ("mean", "sigma", "moment", "precision"),
             "trials": self.trials in ("batched", "sequential"),
             "bnn_estimator": self.bnn_estimator in ESTIMATORS,
+            "meta_resample": self.meta_resample in ("round", "fixed"),
         }
         for field, ok in checks.items():
             if not ok:
@@ -261,12 +279,16 @@ class MetaBayFL(FedFull):
         need = 2 if self.meta_split == "heldout" else 1
         search = self.lr_search != "none" and data.num_examples >= need
         fit, meta = (
-            meta_split(data, self.meta_fraction, self.meta_split) if search else (data.train, None)
+            meta_split(data, self.meta_fraction, self.meta_split, self.meta_seed(rng))
+            if search
+            else (data.train, None)
         )
         n_fit = len(fit)
         terms = [elbo_kl_term(self.beta_kl, n_fit)] if is_bayesian(model) else []
         opt = self.make_optimizer(model)
-        base = self.round_lrs(rnd)
+        base = self.round_lrs(rnd, n_fit)
+        schedule = self.lr_schedule(n_fit)
+        first = max(rnd, 0) * len(base)  # the run's index of this round's first local step
         search_seed = int(torch.randint(0, 2**62, (1,), generator=rng))
         epoch = max(1, math.ceil(n_fit / min(self.train.batch_size, n_fit)))
         starts = {"per_epoch": range(0, len(base), epoch), "per_round": [0], "none": [0]}
@@ -282,7 +304,11 @@ class MetaBayFL(FedFull):
             for i, (a, b) in enumerate(itertools.pairwise(cuts)):
                 lr = self.train.lr
                 if search and meta is not None:
-                    lr, _ = self.select_lr(model, opt, fit, meta, terms, search_seed + i)
+                    # trial step s stands for local step a + s: the schedule's factor there
+                    factors = [
+                        schedule.at(first + a + s) / self.train.lr for s in range(self.temp_steps)
+                    ]
+                    lr, _ = self.select_lr(model, opt, fit, meta, terms, search_seed + i, factors)
                     chosen.append(lr)
                 seg = [lr * x / self.train.lr for x in base[a:b]]
                 stats = local_train(
@@ -310,6 +336,14 @@ class MetaBayFL(FedFull):
         )
         return Reply(arrays=self.dense_update(model, start), metrics=metrics), keep
 
+    def meta_seed(self, rng: torch.Generator) -> int | None:
+        """The seed of this round's meta split d_n^k (``meta_resample="round"``: from the
+        client's round generator, itself seeded by (run seed, round, client), without drawing
+        from it), or None for the one fixed d per client (``"fixed"``)."""
+        if self.meta_resample == "fixed":
+            return None
+        return derive_seed(rng.initial_seed(), meta_lr.META_SPLIT_SALT)
+
     def select_lr(
         self,
         model: nn.Module,
@@ -318,14 +352,16 @@ class MetaBayFL(FedFull):
         meta: TensorSplit,
         terms: list[LossTerm],
         seed: int,
+        factors: list[float] | None = None,
     ) -> tuple[float, list[float]]:
         """Seed Algorithm 1 lines 10-15: the J temporary trials from the current local model and
-        optimizer state, scored on ``meta`` (:func:`fedlore.algorithms.meta_lr.select_lr`).
+        optimizer state, each step at the candidate rate times the schedule's ``factors``,
+        scored on ``meta`` (:func:`fedlore.algorithms.meta_lr.select_lr`).
 
         Returns:
             (the lowest-scoring candidate, the J scores).
         """
-        return meta_lr.select_lr(self, model, opt, fit, meta, terms, seed)
+        return meta_lr.select_lr(self, model, opt, fit, meta, terms, seed, factors)
 
     def candidate_score(self, model: nn.Module, meta: TensorSplit, terms: list[LossTerm]) -> float:
         """The score of a temporary copy on d, lower is better (seed Eq. 19 or the per-example

@@ -50,6 +50,10 @@ class Ditto(Personalized, FedAvg):
         personal_steps: SGD steps of ``v_k`` per round (None: ``local_steps``, Ditto's
             interleaved update takes one per global step).
         personal_lr: step size of ``v_k`` (None: the global ``lr``, as in the official code).
+        local_optimizer: the optimizer of the global model's local steps (FedAvg's, default
+            ``"sgd"``); the personal model's steps are always plain SGD.
+        momentum: SGD momentum of the global model's local steps (``local_optimizer="sgd"``
+            only; 0: plain SGD).
     """
 
     name: ClassVar[str] = "ditto"
@@ -101,9 +105,9 @@ class Ditto(Personalized, FedAvg):
         v = personal_arrays(state) or received
         load_model_arrays(model, v)
         self.set_frozen(model)
-        steps = self.personal_steps or self.train.local_steps
+        steps = self.personal_steps or self.local_steps(data.num_examples)
         scale = (self.personal_lr or self.train.lr) / self.train.lr
-        base = self.lr_schedule().round_lrs(max(rnd, 0), steps)
+        base = self.lr_schedule(data.num_examples).round_lrs(max(rnd, 0), steps)
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=self.train.lr)
         t0 = time.perf_counter()
         stats = local_train(

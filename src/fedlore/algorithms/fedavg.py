@@ -190,7 +190,18 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
 @register_algorithm("fedfull")
 @dataclass(frozen=True)
 class FedFull(DenseServer, Hyper):
-    """FedAvg whose clients run AdamW (``local_optimizer="adamw"``) or SGD on every parameter."""
+    """FedAvg whose clients run AdamW (``local_optimizer="adamw"``) or SGD on every parameter.
+
+    Attributes:
+        local_optimizer: the clients' local optimizer, built fresh every round over the trained
+            parameters (its state starts empty): ``"adamw"`` (``torch.optim.AdamW`` with the
+            run's ``lr``, ``betas``, ``eps`` and decoupled ``weight_decay``; Adam when
+            ``weight_decay`` is 0) or ``"sgd"`` (``torch.optim.SGD`` with ``momentum`` and
+            ``weight_decay`` as torch's L2 term added to the gradient).
+        momentum: heavy-ball momentum coefficient (≥ 0) of ``torch.optim.SGD`` (no dampening,
+            no Nesterov); read only with ``local_optimizer="sgd"`` (0: plain SGD). Its buffer
+            starts at zero every round.
+    """
 
     name: ClassVar[str] = "fedfull"
     # sum_aggregable: the uploads are the deltas W_K - W^t (increments already) and the server
@@ -227,7 +238,7 @@ class FedFull(DenseServer, Hyper):
         start, keep = self.dense_start(msg, state, model)
         opt = self.make_optimizer(model)
         rnd = int(msg.config["round"])
-        lrs = self.round_lrs(rnd)
+        lrs = self.round_lrs(rnd, data.num_examples)
         t0 = time.perf_counter()
         stats = local_train(
             model,
@@ -278,6 +289,12 @@ class FedProx(FedAvg):
 
     ``mu`` defaults to 0.01, inside the authors' tuning grid {0.001, 0.01, 0.1, 0.5, 1}
     (reference notes Part 5; PFLlib's default 0 would make it FedAvg, so 0 is refused).
+
+    Attributes:
+        mu: weight of the proximal term ``(mu / 2) ||w - w^t||²`` added to every local step's
+            loss, summed over the trained parameters (so each step's gradient gains
+            ``mu (w - w^t)``); > 0, default 0.01 (inside the authors' grid
+            {0.001, 0.01, 0.1, 0.5, 1}).
     """
 
     name: ClassVar[str] = "fedprox"

@@ -154,16 +154,42 @@ class FedBE(FedAvg):
 
     Needs the server's unlabeled set U (``server_data``; config ``data.server_fraction``).
 
-    Attributes (besides :class:`FedAvg`'s, which the clients use):
-        num_samples: M, Gaussian samples per round (≥ 0).
-        var_scale: scale of the sampled deviation from the mean direction (≥ 0).
-        swag_stepsize: scale of the sampled step, in units of the mean update norm (≥ 0).
-        use_clients: the client models are teachers too.
-        temperature: T of the pseudo-label sharpening (> 0).
-        server_epochs, server_batch_size: passes over U and examples per server step.
-        server_lr, server_momentum, server_weight_decay: the student's SGD.
-        swa: broadcast the SWA average (else the last SGD iterate).
-        swa_start, swa_freq, swa_start_share: the SWA schedule (:func:`swa_schedule`).
+    Hyperparameters beyond :class:`FedAvg`'s (which the clients use); the defaults are
+    hongyouc/FedBE's (module docstring).
+
+    Attributes:
+        local_optimizer: the clients' local optimizer (FedAvg's; default ``"sgd"``).
+        momentum: the clients' SGD momentum (FedAvg's; default 0 for parity with the other
+            methods, FedBE's clients use 0.9).
+        num_samples: M ≥ 0, global models sampled per round from the Gaussian over the clients'
+            normalised updates (:func:`gaussian_samples`); each is a teacher (default 10,
+            ``--num_sample_teacher``).
+        var_scale: ≥ 0, scale of the sampled deviation ``sqrt(var) · ε`` added to the mean
+            direction ū (0: every sample is ``w^t + swag_stepsize · n̄ · ū``; default 0.1).
+        swag_stepsize: ≥ 0, length of a sample's step from ``w^t``, in units of the clients'
+            mean update norm n̄ = mean_k ``||Δ_k||₂`` (default 1).
+        use_clients: the accepted clients' models ``w^t + Δ_k`` are teachers too (default true,
+            ``--use_client``).
+        temperature: T > 0 of the pseudo-label sharpening ``p^(1/T)`` (T < 1 sharpens; default
+            0.5, ``--temp``).
+        server_epochs: passes of the student over U per round (≥ 1; default 20,
+            ``--server_ep``).
+        server_batch_size: examples of U per distillation step (≥ 1; the last batch of an epoch
+            is partial; default 128, ``--server_bs``).
+        server_lr: the student's SGD step size, constant over the distillation (> 0; default
+            1e-3, hard-coded in FedBE's ``ServerUpdate.set_opt``, as are the next two).
+        server_momentum: the student's SGD momentum, in [0, 1) (default 0.9).
+        server_weight_decay: the student's SGD L2 weight decay (≥ 0; default 1e-5).
+        swa: broadcast the stochastic-weight average of the student's iterates, with BatchNorm
+            statistics recomputed on U (false: the last SGD iterate; default true,
+            ``--use_SWA``).
+        swa_start: optimizer steps before the average starts: it takes the weights after step
+            s (counted from 1) when ``s > swa_start`` and ``s % swa_freq == 0`` (default 500);
+            a distillation shorter than ``swa_start + swa_freq`` steps stretches the schedule
+            (:func:`swa_schedule`).
+        swa_freq: steps between two snapshots of the average (≥ 1; default 25).
+        swa_start_share: the share of a short distillation's steps spent before averaging, in
+            (0, 1) (default 500 / 1580, FedBE's own run: :data:`FEDBE_SWA_START_SHARE`).
     """
 
     # regression=False: the pseudo-labels are class probabilities

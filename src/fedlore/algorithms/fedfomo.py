@@ -284,7 +284,7 @@ class FedFomo(Personalized, FedAvg):
             scores = local_scores(model, data, self.train.mc_samples)  # NVlabs: before training
         start = {k: v.clone() for k, v in model.state_dict().items()}
         opt = self.make_optimizer(model)
-        lrs = self.round_lrs(rnd)
+        lrs = self.round_lrs(rnd, len(fit))
         t0 = time.perf_counter()
         stats = local_train(
             model,

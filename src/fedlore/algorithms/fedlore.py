@@ -124,6 +124,7 @@ class FedLore(FedLoreClient):
             raise ValueError(f"FedLore: invalid server_basis={self.server_basis!r}")
         if self.log_rounds < 1:
             raise ValueError(f"FedLore: invalid log_rounds={self.log_rounds!r}")
+        self.round_decay(0)  # refuses local_epochs with weight decay (no common decay, Prop. 8)
         if self.diagnostics_every < 0:
             raise ValueError(f"FedLore: invalid diagnostics_every={self.diagnostics_every!r}")
 

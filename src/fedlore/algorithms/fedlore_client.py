@@ -88,7 +88,7 @@ class FedLoreClient(LowRankHyper, abc.ABC):
         if cur != held:
             bases, held = rule.client_bases(msg, cur, plan, cache), cur
         load_model_arrays(model, cache)
-        lrs = self.round_lrs(rnd)
+        lrs = self.round_lrs(rnd, data.num_examples)
         res = train_projected(
             self,
             model,

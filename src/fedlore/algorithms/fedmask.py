@@ -359,7 +359,7 @@ class FedMask(Personalized, Hyper):
         first = self.start(msg, state, model)
         opt = self.make_optimizer(model)
         rnd = int(msg.config["round"])
-        lrs = self.round_lrs(rnd)
+        lrs = self.round_lrs(rnd, data.num_examples)
         t0 = time.perf_counter()
         stats = local_train(
             model,

@@ -81,7 +81,7 @@ class LocalGaLore(DenseServer, LowRankHyper):
         grads = construction_gradients(model, data.train, self.train.batch_size, rng, list(plan))
         bases = self.client_bases({k: s.view(grads[k]) for k, s in plan.items()}, rng)
         rnd = int(msg.config["round"])
-        lrs = self.round_lrs(rnd)
+        lrs = self.round_lrs(rnd, data.num_examples)
         batches = data.batches(self.train.batch_size, len(lrs), rng, rnd)
         res = train_projected(self, model, batches, plan, bases, lrs)
         metrics = reply_metrics(

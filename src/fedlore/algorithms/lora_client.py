@@ -117,7 +117,7 @@ class LoraClient(Hyper, abc.ABC):
         t0 = time.perf_counter()
         with torch.random.fork_rng(devices=[]):  # LoRA dropout draws from the client's stream
             torch.manual_seed(derive_seed(seed, _DROPOUT))
-            lrs = self.round_lrs(rnd)
+            lrs = self.round_lrs(rnd, data.num_examples)
             stats = local_train(
                 work,
                 data.batches(self.train.batch_size, len(lrs), rng, rnd),

@@ -258,8 +258,12 @@ class LoRAFAIR(LoraMethod):
             plain SGD with the vision codebase's stopping rule); see :func:`fair_correction`.
         fair_lr: SGD step (``fair_solver="sgd"``; the seed authors' 0.1).
         fair_max_steps: iteration limit of either solver (0: no correction, FedIT's means).
-        fair_tol, fair_patience: SGD stops once ``|Δloss| < fair_tol`` for ``fair_patience``
-            iterations in a row.
+        fair_tol: ``fair_solver="sgd"`` only: an iteration is calm when the objective changed
+            by less than this (absolute, in units of the objective ``1 - cos + λ ||ΔB||²``);
+            SGD stops after ``fair_patience`` calm iterations in a row (the vision codebase's
+            rule).
+        fair_patience: ``fair_solver="sgd"`` only: calm iterations in a row that stop SGD
+            (≥ 1; the vision codebase's 5).
         fair_grad_tol: L-BFGS stops once the largest gradient entry is below it.
         fair_cosine: ``"flat"`` (whole matrix) or ``"column"`` (mean column-wise cosine).
     """

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from typing import Literal, Protocol
 
 import torch
@@ -47,7 +48,8 @@ from fedlore.train.local import (
 )
 
 META_SPLIT_SALT = 0x6D657461
-"""Seeds a client's fixed meta-split permutation (with its id), the same every round."""
+"""Seeds a client's meta-split permutation: with the client's round seed (a new d every round)
+or, for ``meta_resample="fixed"``, with its id alone (the same d every round)."""
 
 MetaSplit = Literal["subset", "heldout"]
 MetaScore = Literal["nll", "elbo"]
@@ -77,11 +79,14 @@ class SearchHyper(Protocol):
 
 
 def meta_split(
-    data: ClientData, fraction: float, mode: MetaSplit = "subset"
+    data: ClientData, fraction: float, mode: MetaSplit = "subset", seed: int | None = None
 ) -> tuple[TensorSplit, TensorSplit]:
     """The client's (training data, meta split d): ``d`` holds ``round(fraction · n)`` of its n
-    training examples (at least 1), drawn by a permutation fixed per client, so d is the same
-    every round (seed, text after Eq. 22: "20 % of the training data", ``d_n^k ⊂ D_n^k``).
+    training examples (at least 1), drawn by a permutation seeded with ``seed`` (seed 001, text
+    after Eq. 22: "20 % of the training data", ``d_n^k ⊂ D_n^k``, a new d in every round k:
+    Meta-BayFL passes a seed drawn from (run seed, round, client)). ``seed=None`` draws a
+    permutation fixed per client, the same d in every round and every run (our earlier
+    reading, ``meta_resample="fixed"``).
 
     ``mode="subset"`` (the seed): the client trains on all of D, d is a subset of it, used only
     to rank learning rates. ``mode="heldout"``: d is removed from training (at least 1 example
@@ -105,7 +110,8 @@ def meta_split(
     n_meta = max(1, round(fraction * n))
     if mode == "heldout":
         n_meta = min(n_meta, n - 1)
-    g = torch.Generator().manual_seed(META_SPLIT_SALT * 1_000_003 + data.client_id)
+    fixed = META_SPLIT_SALT * 1_000_003 + data.client_id
+    g = torch.Generator().manual_seed(fixed if seed is None else seed)
     perm = torch.randperm(n, generator=g)
     d = data.train.subset(perm[:n_meta])
     if mode == "heldout":
@@ -137,10 +143,14 @@ def select_lr(
     meta: TensorSplit,
     terms: list[LossTerm],
     seed: int,
+    factors: Sequence[float] | None = None,
 ) -> tuple[float, list[float]]:
     """Seed Algorithm 1 lines 10-15: for each candidate eta_j, copy the current local model
     and optimizer state, take ``temp_steps`` steps with eta_j on minibatches of ``fit``, and
-    score the copy on ``meta`` by :func:`candidate_score` (seed Eq. 19). Every candidate
+    score the copy on ``meta`` by :func:`candidate_score` (seed Eq. 19). Step s of a trial runs
+    at ``eta_j * factors[s]``: the learning-rate schedule's factor at the local step that trial
+    step stands for (None: 1, a constant schedule), so candidates are compared at the rates
+    training would use after the choice. Every candidate
     sees the same minibatches and the same weight samples (common random numbers), in
     training and in scoring; the copies are discarded (reference notes Part 16 #4).
 
@@ -153,8 +163,9 @@ def select_lr(
     Returns:
         (the lowest-scoring candidate by :func:`pick_lowest`, the J scores).
     """
+    factors = trial_factors(hyper.temp_steps, factors)
     if hyper.trials == "batched" and batchable(model, opt, hyper.train.grad_clip):
-        scores = batched_trials(hyper, model, opt, fit, meta, seed)
+        scores = batched_trials(hyper, model, opt, fit, meta, seed, factors)
         return pick_lowest(hyper.candidate_lrs, scores), scores
     opt_state = opt.state_dict()
     scores = []
@@ -169,12 +180,26 @@ def select_lr(
                 trial,
                 minibatches(fit, hyper.train.batch_size, hyper.temp_steps, g),
                 trial_opt,
-                [lr] * hyper.temp_steps,
+                [lr * f for f in factors],
                 loss_terms=terms,
                 grad_clip=hyper.train.grad_clip,
             )
             scores.append(candidate_score(hyper, scoring_layout(trial), meta, terms))
     return pick_lowest(hyper.candidate_lrs, scores), scores
+
+
+def trial_factors(temp_steps: int, factors: Sequence[float] | None) -> list[float]:
+    """The schedule factor of each of a trial's ``temp_steps`` steps (None: all 1).
+
+    Raises:
+        ValueError: when ``factors`` does not hold one finite positive factor per trial step.
+    """
+    if factors is None:
+        return [1.0] * temp_steps
+    out = [float(f) for f in factors]
+    if len(out) != temp_steps or not all(math.isfinite(f) and f > 0 for f in out):
+        raise ValueError(f"need {temp_steps} finite positive schedule factors, got {out}")
+    return out
 
 
 def candidate_score(
@@ -273,6 +298,7 @@ def batched_trials(
     fit: TensorSplit,
     meta: TensorSplit,
     seed: int,
+    factors: Sequence[float] | None = None,
 ) -> list[float]:
     """The J candidate trials of :func:`select_lr` as one computation: the trained
     parameters are stacked J times and every step is ``vmap`` over the candidates of
@@ -335,6 +361,7 @@ def batched_trials(
     kl_fn = vmap(lambda p: kl({**p, **frozen}), in_dims=(0,))
     device = named[0][1].device if named else torch.device("cpu")
     lrs = torch.tensor(hyper.candidate_lrs, dtype=torch.float32, device=device)
+    step_factors = trial_factors(hyper.temp_steps, factors)
     alive = torch.ones(j, dtype=torch.bool, device=device)
     b1, b2 = hyper.train.betas
     model.train()
@@ -342,7 +369,8 @@ def batched_trials(
         torch.manual_seed(seed)
         g = torch.Generator().manual_seed(seed)
         t = step0
-        for x, y in minibatches(fit, hyper.train.batch_size, hyper.temp_steps, g):
+        batches = minibatches(fit, hyper.train.batch_size, hyper.temp_steps, g)
+        for si, (x, y) in enumerate(batches):
             grads, losses = step_fn(params, x, y)
             finite = torch.isfinite(losses)
             for gk in grads.values():
@@ -351,7 +379,8 @@ def batched_trials(
             t += 1
             for k in params:
                 shape = (j,) + (1,) * (params[k].dim() - 1)
-                lr = (lrs * alive).view(shape)
+                rate = lrs if step_factors[si] == 1.0 else lrs * step_factors[si]
+                lr = (rate * alive).view(shape)
                 gk = torch.where(alive.view(shape), grads[k], torch.zeros_like(grads[k]))
                 if not adam:  # torch SGD: weight decay is added to the gradient (coupled)
                     params[k] = params[k] - lr * (gk + hyper.train.weight_decay * params[k])

@@ -72,6 +72,10 @@ class PFedBayes(BetaMixing, Personalized, FedFull):
             ``"weights"`` (default: one weight draw per forward pass, as the pFedBayes
             reimplementations) or ``"local"`` (local reparameterization, Kingma, Salimans &
             Welling 2015; convolutions keep weight sampling; :class:`~fedlore.bayes.BayesLinear`).
+        local_optimizer: the optimizer of both ``q_i``'s and ``z_i``'s steps, each a fresh one
+            per round: ``"adamw"`` (Adam when ``weight_decay`` is 0, as the reimplementations)
+            or ``"sgd"``.
+        momentum: SGD momentum of those steps (``local_optimizer="sgd"`` only; 0: plain SGD).
     """
 
     name: ClassVar[str] = "pfedbayes"
@@ -130,7 +134,7 @@ class PFedBayes(BetaMixing, Personalized, FedFull):
         load_model_arrays(model, personal_arrays(state) or start)  # q_i
         rnd = int(msg.config["round"])
         n = data.num_examples
-        lrs = self.round_lrs(rnd)
+        lrs = self.round_lrs(rnd, data.num_examples)
         scale = (self.personal_lr or self.train.lr) / self.train.lr
         opt_q = self.make_optimizer(model)
         opt_z = self.make_optimizer(z)

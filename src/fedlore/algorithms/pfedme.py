@@ -59,6 +59,9 @@ class PFedMe(BetaMixing, Personalized, FedAvg):
         beta: the server's mixing weight (> 0; 1 = plain averaging, the default; the README's
             tuned runs use 2).
         l2: the official code's extra ``l2 · ||theta||² / 2`` (default 0, the paper).
+        local_optimizer: not read by pFedMe (inherited from FedAvg): ``theta``'s steps are
+            plain SGD at ``personal_lr`` and ``w_i``'s update is Algorithm 1 line 8.
+        momentum: not read by pFedMe (inherited from FedAvg; no step of pFedMe has momentum).
     """
 
     name: ClassVar[str] = "pfedme"
@@ -119,7 +122,7 @@ class PFedMe(BetaMixing, Personalized, FedAvg):
         terms = []
         if self.l2 > 0:
             terms.append(prox_term({k: torch.zeros_like(v) for k, v in start.items()}, self.l2))
-        lrs = self.round_lrs(rnd)
+        lrs = self.round_lrs(rnd, data.num_examples)
         losses: list[float] = []
         skipped = 0
         t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Data corruption for the "small and noisy data" protocols of Meta-BayFL (seed 001, Table I).
 
-* data fraction |D|: keep a stratified share of the training set before partitioning (the
+* data fraction ``|D|``: keep a stratified share of the training set before partitioning (the
   authors' ``DFL/fed_bnn_noniid_small.py`` draws a uniform subset; stratifying keeps every class);
 * noise level eps: ``x <- clip(x + eps * N(0, 1), 0, 1)`` per pixel of images in [0, 1], on
   training and test images alike (``DFL/fed_cnn_noniid_c.py``);
@@ -25,7 +25,7 @@ def subsample_stratified(
 
     Args:
         labels: int array ``[n]`` of class labels.
-        fraction: share |D| to keep, in (0, 1]; 1 keeps everything.
+        fraction: share ``|D|`` to keep, in (0, 1]; 1 keeps everything.
         rng: source of the draw.
 
     Returns:

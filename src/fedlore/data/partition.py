@@ -7,17 +7,18 @@ and returns one sorted int64 index array per client; together they cover every i
 ``labels`` exactly once. Irrelevant keyword arguments are accepted and ignored, so the config's
 whole ``partition`` section can be passed. All randomness comes from ``rng``.
 
-Schemes:
-    * ``iid``: a shuffled equal split.
-    * ``dirichlet``: per-class Dirichlet proportions, Hsu, Qi & Brown 2019, "Measuring the
-      effects of non-identical data distribution for federated visual classification"; the
-      'Dirichlet' scenario of Meta-BayFL (seed 001, Sec. V-B).
-    * ``step``: a few major classes per client plus a small equal share of every minor class,
-      the 'Step' scenario of Meta-BayFL (seed 001: Rahman & Nguyen, Sec. V-B, crediting Cao et
-      al. 2019).
-    * ``source_dirichlet``: seed 000's C4 allocation of source groups (here the "labels" are
-      source-group ids): per-group Dirichlet proportions rounded by largest remainder, redrawn
-      while some client is empty.
+The schemes:
+
+* ``iid``: a shuffled equal split.
+* ``dirichlet``: per-class Dirichlet proportions, Hsu, Qi & Brown 2019, "Measuring the
+  effects of non-identical data distribution for federated visual classification"; the
+  'Dirichlet' scenario of Meta-BayFL (seed 001, Sec. V-B).
+* ``step``: a few major classes per client plus a small equal share of every minor class,
+  the 'Step' scenario of Meta-BayFL (seed 001: Rahman & Nguyen, Sec. V-B, crediting Cao et
+  al. 2019).
+* ``source_dirichlet``: seed 000's C4 allocation of source groups (here the "labels" are
+  source-group ids): per-group Dirichlet proportions rounded by largest remainder, redrawn
+  while some client is empty.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def load_diabetes(root: str | None = None) -> DataSource:
         root: must be None (the data ships with scikit-learn).
 
     Returns:
-        A regression :class:`DataSource`: inputs float32 ``[B, 10]``, targets float32 ``[B]``.
+        A regression :class:`DataSource` (inputs float32 ``[B, 10]``, targets float32 ``[B]``).
 
     Raises:
         ValueError: when ``root`` is given.

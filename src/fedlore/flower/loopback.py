@@ -1,6 +1,6 @@
 """A Flower deployment on 127.0.0.1 (one SuperLink, N SuperNodes) for demos, tests and the
 deployment benchmark: real ``flower-superlink`` / ``flower-supernode`` processes and
-``flwr run .`` of fedlore's app (``[tool.flwr.app]`` in ``pyproject.toml``). Every process it
+``flwr run`` of fedlore's app (``[tool.flwr.app]`` in ``pyproject.toml``). Every process it
 starts is stopped by PID in :meth:`LoopbackFederation.close`. Insecure (no TLS) by design: it
 only listens on loopback; see ``scripts/flower_local_federation.sh`` for the TLS and
 node-authentication flags of a real deployment.
@@ -9,6 +9,7 @@ node-authentication flags of a real deployment.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -72,6 +73,7 @@ class LoopbackFederation:
         }
         (work / "flwr").mkdir(parents=True)
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.superlink: subprocess.Popen[bytes] | None = None
         self.nodes: dict[int, subprocess.Popen[bytes]] = {}
 
     def _start(self, args: list[str], log: str) -> subprocess.Popen[bytes]:
@@ -81,7 +83,7 @@ class LoopbackFederation:
         return p
 
     def start_superlink(self) -> None:
-        self._start(
+        self.superlink = self._start(
             [
                 str(BIN / "flower-superlink"),
                 "--insecure",
@@ -123,16 +125,53 @@ class LoopbackFederation:
             f"supernode-{pid}.log",
         )
 
+    def wait_for_superlink(self, timeout: float = 120.0) -> None:
+        """Return once the SuperLink accepts connections on its port (its API is served then).
+
+        Raises:
+            RuntimeError: when the SuperLink exited or did not listen within ``timeout`` seconds
+                (with the end of its log), or was not started (:meth:`start_superlink`).
+        """
+        link = self.superlink
+        if link is None:
+            raise RuntimeError("the SuperLink was not started")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1.0).close()
+                return
+            except OSError:
+                pass
+            if link.poll() is not None or time.monotonic() > deadline:
+                log = (self.work / "superlink.log").read_text(errors="replace")[-3000:]
+                state = "exited" if link.poll() is not None else f"not listening after {timeout} s"
+                raise RuntimeError(f"the SuperLink {state}:\n{log}")
+            time.sleep(0.1)
+
     def start(self) -> None:
-        """Start the SuperLink and every SuperNode; give them a few seconds to connect."""
+        """Start the SuperLink and, once it listens, every SuperNode. Returns without waiting
+        for the SuperNodes to connect: a ServerApp waits ``flower.wait_for_nodes_s`` for
+        ``num_clients`` of them."""
         self.start_superlink()
-        time.sleep(3)
+        self.wait_for_superlink()
         for pid in range(self.num_nodes):
             self.start_node(pid)
-        time.sleep(3)
+
+    def app_dir(self) -> Path:
+        """The folder ``flwr run`` packs as the app: fedlore's ``pyproject.toml`` alone (its
+        ``[tool.flwr.app]``). Every process of this deployment imports fedlore from this
+        environment, so the app needs no other file, and ``flwr run`` on the project itself
+        would walk every file of the checkout, a ``.venv`` inside it included, before keeping
+        the few it packs (about 10 s on two cores)."""
+        app = self.work / "app"
+        if not app.is_dir():
+            app.mkdir()
+            shutil.copy(ROOT / "pyproject.toml", app / "pyproject.toml")
+        return app
 
     def submit(self, config: Path, method: str, seed: int, overrides: str) -> None:
-        """``flwr run .`` of fedlore's app with this config (returns once the run is submitted).
+        """``flwr run`` of fedlore's app (:meth:`app_dir`) with this config (returns once the
+        run is submitted).
 
         Raises:
             RuntimeError: with flwr's output when the submission fails.
@@ -142,7 +181,7 @@ class LoopbackFederation:
             f"overrides='{overrides}'"
         )
         res = subprocess.run(
-            [str(BIN / "flwr"), "run", ".", "local", "--run-config", run_config],
+            [str(BIN / "flwr"), "run", str(self.app_dir()), "local", "--run-config", run_config],
             env=self.env,
             cwd=ROOT,
             capture_output=True,

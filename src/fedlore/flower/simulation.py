@@ -373,9 +373,13 @@ def start_ray(cfg: Config) -> None:
     pythonpath = os.pathsep.join(sys.path)
     if os.environ.get("PYTHONPATH"):
         pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
-    os.environ["PYTHONPATH"] = pythonpath  # as Flower's backend sets it
+    # as Flower's backend sets it; the raylet that ray.init starts inherits it and hands it to
+    # every worker, so it is not repeated as a runtime_env (which would cost each new worker,
+    # the actors of every simulation, about half a second of setup, and leave the workers Ray
+    # starts in advance unused)
+    os.environ["PYTHONPATH"] = pythonpath
     with _own_sessions():
-        ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **init)
+        ray.init(**init)
     interrupt.reinstall()
 
 

@@ -9,7 +9,9 @@ in time (a dead SuperNode) is simply absent, so the round loop aggregates the re
 
 Before the first round the transport asks every connected node for its ``partition-id``
 (``message_type="query"``) to map fedlore client ids to Flower node ids; nodes that join later
-are picked up by :meth:`FlowerTransport.refresh_nodes`.
+are picked up by :meth:`FlowerTransport.refresh_nodes`, which a round calls when one of its
+clients has no node: it waits until each of the round's clients is mapped, not for every
+unknown node (a dead node stays listed by the SuperLink for up to a minute and never answers).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -44,14 +46,19 @@ LAST_POLL_S = 1.0
 
 
 def send_and_receive(
-    grid: Grid, messages: Iterable[Message], timeout: float | None = None
+    grid: Grid,
+    messages: Iterable[Message],
+    timeout: float | None = None,
+    enough: Callable[[list[Message]], bool] | None = None,
 ) -> list[Message]:
     """Push ``messages`` and pull their replies until all are in or ``timeout`` seconds passed
     (None: wait for all), like Flower's ``Grid.send_and_receive``, but the waits between pulls
     start at :data:`FIRST_POLL_S` and double up to :data:`LAST_POLL_S` (or the grid's own
     ``pull_interval`` when shorter) instead of a fixed 0.1 s (simulation) or 3 s (deployment):
     a round whose clients answer in a few milliseconds is not rounded up to the next poll.
-    A message the grid could not push (its id is None) has no reply to wait for.
+    A message the grid could not push (its id is None) has no reply to wait for. ``enough``
+    (the replies so far -> bool), called after a pull that brought replies, stops the wait
+    early when it returns True.
 
     Returns:
         The reply messages that arrived in time, in arrival order.
@@ -70,7 +77,7 @@ def send_and_receive(
         got = list(grid.pull_messages(pending))
         out.extend(got)
         pending.difference_update(m.metadata.reply_to_message_id for m in got)
-        if not pending:
+        if not pending or (got and enough is not None and enough(out)):
             break
         left = None if end is None else end - time.monotonic()
         if left is not None and left <= 0:
@@ -146,8 +153,15 @@ class FlowerTransport:
             time.sleep(0.5)
         self.refresh_nodes()
 
-    def refresh_nodes(self, node_ids: Iterable[int] | None = None) -> None:
-        """Ask nodes for their ``partition-id`` and update the client -> node map."""
+    def refresh_nodes(
+        self, node_ids: Iterable[int] | None = None, need: Iterable[int] = ()
+    ) -> None:
+        """Ask the nodes not mapped yet (all listed ones, or ``node_ids``) for their
+        ``partition-id`` and update the client -> node map, waiting for every answer (at most
+        ``round_timeout``) or, with ``need`` (client ids), until each of those clients is
+        mapped: a round does not wait for the other nodes (one that died stays listed for a
+        while and never answers; one that answers later is asked again when a round needs
+        it)."""
         known = set(self.node_of.values())
         ids = [n for n in (node_ids or self.grid.get_node_ids()) if n not in known]
         if not ids:
@@ -156,12 +170,18 @@ class FlowerTransport:
             Message(RecordDict({"q": ConfigRecord({"ask": "partition-id"})}), n, "query")
             for n in ids
         ]
-        for reply in send_and_receive(self.grid, msgs, self.round_timeout):
-            if reply.has_error():
-                continue
-            pid = reply.content.config_records["identity"]["partition-id"]
-            if isinstance(pid, int):
-                self.node_of[pid] = reply.metadata.src_node_id
+        wanted = set(need)
+
+        def map_replies(replies: list[Message]) -> bool:
+            for reply in replies:
+                if reply.has_error():
+                    continue
+                pid = reply.content.config_records["identity"]["partition-id"]
+                if isinstance(pid, int):
+                    self.node_of[pid] = reply.metadata.src_node_id
+            return bool(wanted) and wanted <= self.node_of.keys()
+
+        map_replies(send_and_receive(self.grid, msgs, self.round_timeout, map_replies))
         log.info("flower transport: %d clients mapped to nodes", len(self.node_of))
 
     def send_secure(
@@ -207,7 +227,7 @@ class FlowerTransport:
                 bound = max(1.0, privacy.entry_bound_of(len(messages)))
                 settings = dataclasses.replace(settings, clipping_range=bound)
         if any(c not in self.node_of for c in messages):
-            self.refresh_nodes()
+            self.refresh_nodes(need=messages)
         contents: dict[int, RecordDict] = {}
         client_of: dict[int, int] = {}
         missing = []
@@ -246,7 +266,7 @@ class FlowerTransport:
     def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
         """Deliver one round's broadcasts; see the module docstring for failures."""
         if any(c not in self.node_of for c in messages):
-            self.refresh_nodes()
+            self.refresh_nodes(need=messages)
         out: dict[int, Reply | BaseException] = {}
         outgoing: list[Message] = []
         client_of: dict[int, int] = {}

@@ -2,7 +2,7 @@
 and projected SGD (:class:`ProjectedSGD`, the same update with the raw projected gradient).
 
 For a projected parameter with view ``G`` (``m x n``) and basis ``P`` (``m x r``), one step is
-(seed Algorithm 1 lines 14–18, with the decoupled decay of Proposition 8):
+(seed Algorithm 1 lines 14–18, with the decoupled decay of Proposition 8)::
 
     R = Pᵀ G                                   (r x n)
     M <- b1 M + (1 - b1) R ;  V <- b2 V + (1 - b2) R ⊙ R
@@ -222,7 +222,7 @@ class ProjectedAdam(torch.optim.Optimizer):
 
 class ProjectedSGD(ProjectedAdam):
     """Projected SGD in the bases handed to it: the same update as :class:`ProjectedAdam` with
-    the direction ``N = R = Pᵀ G`` itself (no moments, no state), i.e. for a projected parameter
+    the direction ``N = R = Pᵀ G`` itself (no moments, no state), i.e. for a projected parameter::
 
         W <- a_k W - lr_k · scale · P Pᵀ G ;   Z <- a_k Z - lr_k · scale · Pᵀ G
 

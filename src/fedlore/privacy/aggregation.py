@@ -95,8 +95,8 @@ class Privacy:
         seed: the run seed: it orders the SecAgg+ ring (public) and, only with
             ``reproducible`` noise, seeds the noise and the DP sample.
         mask_degree: in-process mask partners per client: 0 = every other sampled client
-            (SecAgg), k > 0 = the SecAgg+ ring of degree k (:func:`~fedlore.privacy.topology.
-            neighbours`).
+            (SecAgg), k > 0 = the SecAgg+ ring of degree k
+            (:func:`~fedlore.privacy.topology.neighbours`).
         threshold: ``secure_aggregation_threshold``: the fewest survivors of a round and the
             shares that rebuild a secret, as a count or a fraction (of the sampled clients,
             resp. of a client's share holders).

@@ -29,7 +29,8 @@ events get (dp-accounting's PLD doubles the sensitivity itself under ``REPLACE_O
 for every participation rate keeps ε comparable across them, and it keeps the number of
 contributors public (N is fixed, and dropouts are treated as data-independent: a client
 whose training goes non-finite and so refuses to send is the exception, listed in
-docs/privacy.md as not covered), so dividing the noised sum by it is post-processing. (Under
+docs/explanation/privacy.md as not covered), so dividing the noised sum by it is
+post-processing. (Under
 add/remove adjacency the count itself would change between neighbours and DP-FedAvg's fixed
 denominator would be needed.)
 

@@ -81,13 +81,13 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
         runs: method -> runs over seeds (from :func:`~fedlore.results.store.load_runs`).
 
     Returns:
-        Rows with the keys in :data:`COLUMNS`: ``n_seeds``; final and best accuracy in percent
+        Rows with the keys in :data:`COLUMNS` (``n_seeds``; final and best accuracy in percent
         (mean, std); final loss and perplexity (mean, std) and best perplexity (language
         models); final ECE, G-local accuracy (the global model on the clients' test splits,
         ``eval.clients``) and P-local accuracy (each client's own, personal or last local, model
         on its test split, ``eval.local``) in percent, and client training seconds per round
         where the runs recorded them; mean total MB up and down per run; mean per-client
-        optimizer-state bytes; seconds per round (mean, std). A statistic is None when no seed
+        optimizer-state bytes; seconds per round (mean, std)). A statistic is None when no seed
         reports it.
     """
     table = []

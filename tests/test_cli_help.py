@@ -1,0 +1,74 @@
+"""``fedlore --help`` and every subcommand's help list every option with a one-line meaning,
+and the docs' command-line reference is generated from the same parser (issue: the help and
+the reference must not drift apart)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+
+from fedlore.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _help(argv: list[str]) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(argv)
+    assert stop.value.code == 0
+    return out.getvalue()
+
+
+def test_every_option_of_every_command_has_a_one_line_meaning() -> None:
+    parser = build_parser()
+    subs = _subparsers(parser)
+    assert {"run", "report", "partition", "fortunes-c4"} <= set(subs)
+    for name, sub in [("fedlore", parser), *subs.items()]:
+        assert sub.description or name == "fedlore", f"{name} has no description"
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            meaning = action.help
+            label = "/".join(action.option_strings) or action.dest
+            assert meaning and meaning.strip(), f"{name}: {label} has no help"
+            assert "\n" not in meaning, f"{name}: {label}: the help is more than one line"
+    for action in parser._actions:  # each subcommand's line in `fedlore --help`
+        if isinstance(action, argparse._SubParsersAction):
+            listed = {choice.dest for choice in action._choices_actions}
+            assert listed == set(subs), "a subcommand without a help line"
+            assert all(choice.help for choice in action._choices_actions)
+
+
+@pytest.mark.parametrize("command", ["", "run", "report", "partition", "fortunes-c4"])
+def test_the_printed_help_lists_each_option_with_its_meaning(command: str) -> None:
+    parser = build_parser()
+    sub = _subparsers(parser)[command] if command else parser
+    text = " ".join(_help([command, "--help"] if command else ["--help"]).split())
+    for action in sub._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        for flag in action.option_strings:
+            assert flag in text, f"fedlore {command} --help omits {flag}"
+        first_words = " ".join(str(action.help).split()[:4])
+        assert first_words in text, f"fedlore {command} --help omits {first_words!r}"
+    if not command:  # the top level names every subcommand with its meaning
+        for name in _subparsers(parser):
+            assert name in text
+
+
+def test_the_reference_page_is_generated_from_this_parser() -> None:
+    page = (ROOT / "docs" / "reference" / "cli.rst").read_text(encoding="utf-8")
+    assert ".. argparse::" in page and ":module: fedlore.cli" in page
+    assert ":func: build_parser" in page
