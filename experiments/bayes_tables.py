@@ -166,9 +166,10 @@ def table2_facts(root: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- Table III
-def table3(root: Path) -> list[str]:
-    bay = load(root / "bayes_table3" / "bayfl" / "table.json")
-    meta = load(root / "bayes_table3" / "meta" / "table.json")
+def table3(root: Path, folder: str = "bayes_table3") -> list[str]:
+    bay = load(root / folder / "bayfl" / "table.json")
+    meta = load(root / folder / "meta" / "table.json")
+    before = load(root / folder / "meta_before" / "table.json")
     lines = [
         "| ε | method | acc. (%) | NLL | ECE | lr chosen (share of searches) |",
         "|---|---|---|---|---|---|",
@@ -181,19 +182,22 @@ def table3(root: Path) -> list[str]:
                     f"| {eps} | BayFL, lr = {lr} | {ms(r['final_accuracy'])} | "
                     f"{ms(r['final_loss'], 1, 3)} | {ms(r['final_ece'], 1, 3)} | – |"
                 )
-        r = find(meta, "meta_bayfl", **{"data.noise": eps})
-        if r:
-            lines.append(
-                f"| {eps} | Meta-BayFL | {ms(r['final_accuracy'])} | {ms(r['final_loss'], 1, 3)} "
-                f"| {ms(r['final_ece'], 1, 3)} | {lr_counts(r)} |"
-            )
+        for name, recs in (("Meta-BayFL", meta), ("Meta-BayFL, earlier protocol", before)):
+            r = find(recs, "meta_bayfl", **{"data.noise": eps})
+            if r:
+                lines.append(
+                    f"| {eps} | {name} | {ms(r['final_accuracy'])} "
+                    f"| {ms(r['final_loss'], 1, 3)} | {ms(r['final_ece'], 1, 3)} | {lr_counts(r)} |"
+                )
     return lines
 
 
-def table3_facts(root: Path) -> dict[str, Any]:
-    """Meta-BayFL against BayFL at each fixed rate, per input noise ε."""
-    bay = load(root / "bayes_table3" / "bayfl" / "table.json")
-    meta = load(root / "bayes_table3" / "meta" / "table.json")
+def table3_facts(root: Path, folder: str = "bayes_table3") -> dict[str, Any]:
+    """Meta-BayFL against BayFL at each fixed rate, per input noise ε (and, where recorded,
+    Meta-BayFL under the earlier local protocol)."""
+    bay = load(root / folder / "bayfl" / "table.json")
+    meta = load(root / folder / "meta" / "table.json")
+    before = load(root / folder / "meta_before" / "table.json")
     eps_facts: dict[str, Any] = {}
     gains: dict[str, list[float]] = {"1e-4": [], "1e-3": [], "1e-2": []}
     share_1e3: list[float] = []
@@ -208,6 +212,9 @@ def table3_facts(root: Path) -> dict[str, Any]:
                 row[f"bayfl_{lr}"] = metrics(r)
                 gains[lr].append(mean(m["final_accuracy"]) - mean(r["final_accuracy"]))
         share_1e3.append(row["meta_bayfl"]["lr_share"].get("1e-3", 0.0))
+        b = find(before, "meta_bayfl", **{"data.noise": eps})
+        if b:
+            row["meta_bayfl_before"] = metrics(b)
         eps_facts[eps] = row
     return {
         "eps": eps_facts,
@@ -255,8 +262,8 @@ def table4_facts(root: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- Table V
-def table5(root: Path) -> list[str]:
-    recs = load(root / "bayes_table5" / "table.json")
+def table5(root: Path, sub: str = "") -> list[str]:
+    recs = load(root / "bayes_table5" / sub / "table.json")
     lines = [
         "| clients | acc. (%) | NLL | ECE | P-local acc. (%) | lr chosen |",
         "|---|---|---|---|---|---|",
@@ -372,6 +379,28 @@ TABLES: tuple[tuple[str, str, Callable[[Path], list[str]]], ...] = (
         lambda root: table6(root, "fmnist"),
     ),
     ("Table VI (digits)", "bayes_table6/summary_digits.md", lambda root: table6(root, "digits")),
+    # seed 001's local protocol (issue 33: 10 local epochs, a search before each, a new d every
+    # round), on digits
+    (
+        "Table III (digits, 10 local epochs)",
+        "bayes_table3_digits/summary.md",
+        lambda root: table3(root, "bayes_table3_digits"),
+    ),
+    (
+        "Table IV (digits, 10 local epochs)",
+        "bayes_table4/summary_digits_e10.md",
+        lambda root: table4(root, "digits_e10"),
+    ),
+    (
+        "Table V (digits, 10 local epochs)",
+        "bayes_table5/summary_digits_e10.md",
+        lambda root: table5(root, "digits_e10"),
+    ),
+    (
+        "Table VI (digits, 10 local epochs)",
+        "bayes_table6/summary_digits_e10.md",
+        lambda root: table6(root, "digits_e10"),
+    ),
 )
 FACTS: tuple[tuple[str, Callable[[Path], dict[str, Any]]], ...] = (
     ("bayes_table2/summary.json", table2_facts),
@@ -379,7 +408,28 @@ FACTS: tuple[tuple[str, Callable[[Path], dict[str, Any]]], ...] = (
     ("bayes_table4/summary.json", table4_facts),
     ("bayes_table5/summary.json", table5_facts),
     ("bayes_table6/summary.json", table6_facts),
+    ("bayes_table3_digits/summary.json", lambda root: epochs_facts(root)),
 )
+
+
+def epochs_facts(root: Path) -> dict[str, Any]:
+    """The reruns under seed 001's local protocol on digits (issue 33): Table III with the
+    earlier protocol beside it, the rows of Tables IV-VI, and Table VI's rows before (20 local
+    steps, ``bayes_table6/digits``) and after."""
+    out: dict[str, Any] = {"table3": table3_facts(root, "bayes_table3_digits")}
+    out["table4"] = {r["method"]: metrics(r) for r in table4_rows(root, "digits_e10")}
+    out["table5"] = {
+        r["setting"]["num_clients"]: metrics(r)
+        for r in load(root / "bayes_table5" / "digits_e10" / "table.json")
+    }
+    before = {
+        r["method"]: metrics(r) for r in load(root / "bayes_table6" / "digits" / "table.json")
+    }
+    after = {
+        r["method"]: metrics(r) for r in load(root / "bayes_table6" / "digits_e10" / "table.json")
+    }
+    out["table6"] = {m: {"before": before.get(m), "after": a} for m, a in after.items()}
+    return out
 
 
 def dump_json(data: Any) -> str:

@@ -73,11 +73,18 @@ def stat(values: list[float], scale: float) -> str:
 
 
 def chosen_lrs(path: Path) -> dict[str, int]:
-    """How often each learning rate was chosen over the run's clients and rounds."""
+    """How often each learning rate was chosen over the run's clients and rounds: every search
+    (``lr_picks``, one per local epoch), or for runs recorded before ``lr_picks`` existed each
+    client's most frequent choice per round (``lr_chosen``)."""
     counts: dict[str, int] = {}
     for line in path.read_text().splitlines():
         row = json.loads(line)
-        for lr in (row.get("lr_chosen") or {}).values():
+        picks = row.get("lr_picks") or {}
+        if picks:
+            chosen = [float(x) for text in picks.values() for x in str(text).split(",") if x]
+        else:
+            chosen = [float(lr) for lr in (row.get("lr_chosen") or {}).values()]
+        for lr in chosen:
             counts[f"{lr:g}"] = counts.get(f"{lr:g}", 0) + 1
     return counts
 

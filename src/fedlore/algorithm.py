@@ -93,6 +93,9 @@ class Capabilities:
             setting (``fp16``, ``bf16``) is accepted; otherwise only ``fp32``.
         robust_aggregate: the server averages dense deltas, so ``robust.aggregate: median |
             trimmed_mean`` applies to it; otherwise only ``mean``.
+        server_optimizer: the server adds the step of :class:`fedlore.optim.server.ServerOpt`
+            to the global model, taken from its averaged dense delta (``server.*``: FedAvgM,
+            FedAdagrad, FedAdam, FedYogi); otherwise only ``sgd`` at lr 1 (FedAvg's step).
         server_data: the method trains on the server's unlabeled set U (``init_server`` takes
             ``unlabeled``; the config must hold U out with ``data.server_fraction``).
         regression: the method is defined for regression data (False: it needs class
@@ -114,6 +117,7 @@ class Capabilities:
     )
     transport_16bit: bool = False
     robust_aggregate: bool = False
+    server_optimizer: bool = False
     server_data: bool = False
     regression: bool = True
     min_clients: int = 1

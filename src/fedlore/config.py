@@ -25,6 +25,7 @@ from fedlore.config_sections import (
     ParamsConfig,
     PartitionConfig,
     RobustConfig,
+    ServerConfig,
     StoreConfig,
 )
 
@@ -41,6 +42,7 @@ __all__ = [
     "ParamsConfig",
     "PartitionConfig",
     "RobustConfig",
+    "ServerConfig",
     "StoreConfig",
     "apply_overrides",
     "load_config",

@@ -19,6 +19,7 @@ from fedlore.config_sections import (
     ParamsConfig,
     PartitionConfig,
     RobustConfig,
+    ServerConfig,
     StoreConfig,
 )
 from fedlore.settings import StrictModel as _Strict
@@ -139,6 +140,7 @@ class Config(_Strict):
     flower: FlowerConfig = Field(default_factory=FlowerConfig)
     diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
     robust: RobustConfig = Field(default_factory=RobustConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     method: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per-method hyperparameter overrides, e.g. ``method: {fedfull: {lr: 1e-4}}``."""

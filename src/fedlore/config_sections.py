@@ -230,6 +230,34 @@ class RobustConfig(_Strict):
     """``trimmed_mean``: share of clients dropped at each end of every coordinate."""
 
 
+class ServerConfig(_Strict):
+    """The server optimizer (:mod:`fedlore.optim.server`): how the global model steps from the
+    round's aggregated client delta Δ_t. ``sgd`` at ``lr`` 1 is FedAvg itself (the default);
+    ``momentum`` is FedAvgM (Hsu et al. 2019), ``adagrad``, ``adam`` and ``yogi`` are
+    FedAdagrad, FedAdam and FedYogi (Reddi et al., ICLR 2021, Algorithm 2). For methods whose
+    server adds an averaged dense delta (FedAvg, FedFull, FedProx, Local GaLore, the Meta-BayFL
+    family, Ditto, pFedMe, pFedBayes); the others refuse any other setting. Every key can be set
+    for one method as ``method.<name>.server_optimizer``, ``server_eta`` (the lr),
+    ``server_betas``, ``server_tau``, ``server_v0``, ``server_bias_correction``."""
+
+    optimizer: Literal["sgd", "momentum", "adagrad", "adam", "yogi"] = "sgd"
+    """The server optimizer: ``sgd`` (x += η Δ), ``momentum`` (FedAvgM: m = β1 m + Δ,
+    x += η m), or the adaptive ``adagrad``, ``adam``, ``yogi`` (x += η m / (√v + τ))."""
+    lr: float = Field(1.0, gt=0.0)
+    """η, the server learning rate (1 with ``sgd``: FedAvg's plain average)."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """(β1, β2) of the adaptive optimizers, each in [0, 1); β1 is also FedAvgM's momentum."""
+    tau: float = Field(1e-3, gt=0.0)
+    """τ, the adaptivity: added to √v in the adaptive step (Reddi et al. tune it in
+    {1e-5 ... 1})."""
+    v0: float | None = Field(None, ge=0.0)
+    """The adaptive optimizers' initial second moment v_{-1}: None is τ² (Reddi et al.'s
+    v_{-1} ≥ τ²); 0 is Flower's."""
+    bias_correction: bool = False
+    """FedAdam only: scale η by √(1-β2^t)/(1-β1^t) at the t-th server step (Kingma & Ba);
+    Reddi et al. do not."""
+
+
 class DPConfig(_Strict):
     """User-level central differential privacy (DP-FedAvg, McMahan et al. 2018;
     :mod:`fedlore.privacy.dp`): every client clips its whole upload to ``clip_norm``, Gaussian

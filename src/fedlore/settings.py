@@ -216,6 +216,43 @@ class LocalTraining(StrictModel):
         description="share the trimmed mean drops at each end",
         json_schema_extra=_from("robust.trim_fraction"),
     )
+    server_optimizer: Literal["sgd", "momentum", "adagrad", "adam", "yogi"] = Field(
+        "sgd",
+        description=(
+            "the server optimizer that turns the aggregated delta into the global model's step "
+            "(fedlore.optim.server: sgd, FedAvgM momentum, FedAdagrad, FedAdam, FedYogi); only "
+            "methods whose server adds an averaged dense delta accept another than sgd"
+        ),
+        json_schema_extra=_from("server.optimizer"),
+    )
+    server_eta: float = Field(
+        1.0,
+        gt=0.0,
+        description="eta, the server learning rate",
+        json_schema_extra=_from("server.lr"),
+    )
+    server_betas: tuple[Beta, Beta] = Field(
+        (0.9, 0.99),
+        description="the server optimizer's (beta1, beta2); beta1 is FedAvgM's momentum",
+        json_schema_extra=_from("server.betas"),
+    )
+    server_tau: float = Field(
+        1e-3,
+        gt=0.0,
+        description="tau, the adaptivity of FedAdagrad, FedAdam and FedYogi",
+        json_schema_extra=_from("server.tau"),
+    )
+    server_v0: float | None = Field(
+        None,
+        ge=0.0,
+        description="the adaptive optimizers' initial second moment (None: tau^2)",
+        json_schema_extra=_from("server.v0"),
+    )
+    server_bias_correction: StrictBool = Field(
+        False,
+        description="FedAdam: scale eta by sqrt(1 - beta2^t) / (1 - beta1^t)",
+        json_schema_extra=_from("server.bias_correction"),
+    )
     transport_dtype: Literal["fp32", "fp16", "bf16"] = Field(
         "fp32",
         description=(

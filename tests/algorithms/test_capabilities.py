@@ -132,6 +132,7 @@ def test_the_defaults() -> None:
         "individual_uploads": DEFAULT,
         "transport_16bit": False,
         "robust_aggregate": False,
+        "server_optimizer": False,
         "server_data": False,
         "regression": True,
         "min_clients": 1,
@@ -139,7 +140,7 @@ def test_the_defaults() -> None:
         "adapts": False,
     }
     assert Hyper.per_client_metrics == ()
-    assert registry.get("algorithm", "meta_bayfl").per_client_metrics == ("lr_chosen",)
+    assert registry.get("algorithm", "meta_bayfl").per_client_metrics == ("lr_chosen", "lr_picks")
 
 
 def test_the_record_is_frozen() -> None:
@@ -237,3 +238,17 @@ def test_checks_is_the_one_reader_and_the_old_flags_are_gone() -> None:
             assert not read.search(text), path
         for flag in OLD:
             assert flag not in text, (path, flag)
+
+
+def test_the_methods_that_take_a_server_optimizer() -> None:
+    """Those whose server adds an averaged dense delta through DenseServer.aggregate
+    (fedlore.optim.server); FedFomo forwards models and FedBE distils, so they do not."""
+    takes = {
+        n
+        for n in registry.names("algorithm")
+        if registry.get("algorithm", n).capabilities.server_optimizer
+    }
+    assert takes == {
+        "bayfl", "ditto", "fedavg", "fedavg_mcd", "fedfull", "fedprox", "local_galore",
+        "meta_bayfl", "meta_bayfl_mcd", "meta_fl", "pfedbayes", "pfedme",
+    }  # fmt: skip

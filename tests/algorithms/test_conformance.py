@@ -18,6 +18,8 @@ first contact (round 0) and a round with client state (round 1):
     personalized method (:class:`~fedlore.algorithms.personal.Personalized`), whose product is
     each client's personal model, the P-local accuracy of those models must clear the margin and
     the global model only has to beat chance.
+(e) ``precision: fp64`` runs end to end with float64 server tensors.
+(f) under ``local_epochs`` every client draws E * ceil(n / B) minibatches a round.
 """
 
 from __future__ import annotations
@@ -413,3 +415,34 @@ def test_float64_runs_end_to_end(name: str, tmp_path: Path) -> None:
     for k, v in last.arrays.items():
         if v.is_floating_point() and not k.startswith(adapters):
             assert v.dtype == torch.float64, (k, v.dtype)
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_local_epochs_size_every_clients_round_by_its_data(
+    name: str, fed: Federation, fed_u: Federation, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(f) ``local_epochs`` (issue 33): every method draws ``E * ceil(n / B)`` minibatches per
+    round from a client of n training examples (the split it trains on), so clients of
+    different sizes take different numbers of steps and each passes E times over its data."""
+    from fedlore.data.client_data import ClientData
+    from fedlore.settings import steps_for_epochs
+
+    drawn: list[tuple[int, int]] = []
+    real = ClientData.batches
+
+    def spy(self: ClientData, batch_size: int, num_batches: int, rng: Any, rnd: int) -> Any:
+        drawn.append((len(self.train), num_batches))
+        return real(self, batch_size, num_batches, rng, rnd)
+
+    monkeypatch.setattr(ClientData, "batches", spy)
+    fed = fed_u if _server_set(name) else fed
+    cfg = _cfg(*_server_set(name), "rounds=1", "batch_size=64")
+    cfg = cfg.model_copy(
+        update={"output_dir": str(tmp_path), "local_steps": None, "local_epochs": 2}
+    )
+    assert (cfg.local_epochs, cfg.local_steps) == (2, None)
+    assert run_one(cfg, name, SEED, fed=fed) is not None
+    assert drawn, "no minibatches drawn"
+    sizes = {n for n, _ in drawn}
+    assert len(sizes) > 1  # clients of different sizes: the check can tell them apart
+    assert all(k == steps_for_epochs(2, n, 64) for n, k in drawn), drawn

@@ -62,6 +62,7 @@ def test_a_round_of_e_local_epochs_holds_e_searches_and_e_passes(n: int, epochs:
     picks = [e for e in searches if e[0] == "search"]
     kinds = [e[0] for e in events if e[0] != "trial"]
     assert len(picks) == epochs == reply.metrics["lr_searches"]
+    assert reply.metrics["lr_picks"] == ",".join(f"{e[1]:g}" for e in picks)  # each, in order
     assert kinds == ["local"] * (epochs * per_pass)
     assert algo.local_steps(n) == epochs * per_pass == steps_for_epochs(epochs, n, 10)
     # the searches sit before the passes: trials, then the pass's local steps

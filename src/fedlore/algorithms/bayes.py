@@ -162,7 +162,7 @@ class MetaBayFL(FedFull):
             "weighted sum"
         ),
     )
-    per_client_metrics: ClassVar[tuple[str, ...]] = ("lr_chosen",)
+    per_client_metrics: ClassVar[tuple[str, ...]] = ("lr_chosen", "lr_picks")
     posterior: Literal["bnn", "mcdropout", "none"] = "bnn"
     lr_search: Literal["per_epoch", "per_round", "none"] = "per_epoch"
     candidate_lrs: tuple[float, ...] = (1e-2, 1e-3, 1e-4)
@@ -318,13 +318,14 @@ class MetaBayFL(FedFull):
                 if math.isfinite(stats.mean_loss):
                     losses.extend([stats.mean_loss] * (stats.steps - stats.skipped_steps))
         train_s = time.perf_counter() - t0
-        extra: dict[str, float | int] = {}
+        extra: dict[str, float | int | str] = {}
         if terms:
             with torch.no_grad():
                 extra["kl"] = float(kl_divergence(model))
         if chosen:
             extra["lr_chosen"] = max(set(chosen), key=lambda x: (chosen.count(x), -chosen.index(x)))
             extra["lr_searches"] = len(chosen)
+            extra["lr_picks"] = ",".join(f"{lr:g}" for lr in chosen)  # every search, in order
         metrics = reply_metrics(
             data.num_examples,  # n_k, the aggregation weight (d is part of the client's data)
             train_loss=sum(losses) / len(losses) if losses else float("nan"),

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ from torch import nn
 from fedlore.algorithms.base import Hyper, ReplySpec, local_eval_metrics, reply_metrics
 from fedlore.algorithms.personal import prox_term
 from fedlore.data.client_data import ClientData
+from fedlore.optim.server import STEPS, ServerOpt
 from fedlore.registry import register_algorithm
 from fedlore.robust import combine_updates
 from fedlore.tensors import (
@@ -96,10 +97,38 @@ class DenseServer:
         dtypes = {k: v.dtype for k, v in model.items()}  # 16-bit uploads: upcast first
         ups = [from_wire(select(r.arrays, "update."), dtypes) for _, r in ok]
         mean = self.mean_update(model, ups, weights)
-        new = {k: v + mean[k].to(v.dtype) if k in mean else v for k, v in model.items()}
+        step, moments = self.server_step(state, mean, values)
+        new = {k: v + step[k].to(v.dtype) if k in step else v for k, v in model.items()}
         if self.train.freeze:  # type: ignore[attr-defined]
             values.update({f"seen.{c}": 1 for c, _ in ok})
-        return State(arrays=with_prefix(new, "model."), values=values), {"aggregated": len(ok)}
+        arrays = {**with_prefix(new, "model."), **moments}
+        return State(arrays=arrays, values=values), {"aggregated": len(ok)}
+
+    def server_opt(self) -> ServerOpt:
+        """The server optimizer of the ``server.*`` settings (:mod:`fedlore.optim.server`)."""
+        t = self.train  # type: ignore[attr-defined]
+        return ServerOpt(
+            t.server_optimizer,
+            t.server_eta,
+            t.server_betas,
+            t.server_tau,
+            t.server_v0,
+            t.server_bias_correction,
+        )
+
+    def server_step(
+        self, state: State, mean: dict[str, torch.Tensor], values: dict[str, Any]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The global model's step from the aggregated delta ``mean`` by the server optimizer,
+        and its moments to keep (``sopt.*`` arrays; their step count goes into ``values``).
+        Plain FedAvg (``sgd`` at lr 1) returns ``mean`` itself and keeps nothing."""
+        opt = self.server_opt()
+        if opt.is_identity:
+            return mean, {}
+        t = int(state.values.get(STEPS, 0)) + 1
+        values[STEPS] = t
+        prev = {k: v for k, v in state.arrays.items() if k.startswith("sopt.")}
+        return opt.step(mean, prev, t)
 
     def mean_update(
         self,
@@ -206,9 +235,13 @@ class FedFull(DenseServer, Hyper):
     name: ClassVar[str] = "fedfull"
     # sum_aggregable: the uploads are the deltas W_K - W^t (increments already) and the server
     # adds their weighted mean (module docstring); robust_aggregate: DenseServer averages dense
-    # deltas, so a coordinate-wise median or trimmed mean applies
+    # deltas, so a coordinate-wise median or trimmed mean applies, and a server optimizer
     capabilities = replace(
-        Hyper.capabilities, sum_aggregable=True, transport_16bit=True, robust_aggregate=True
+        Hyper.capabilities,
+        sum_aggregable=True,
+        transport_16bit=True,
+        robust_aggregate=True,
+        server_optimizer=True,
     )
     local_optimizer: Literal["adamw", "sgd"] = "adamw"
     momentum: float = 0.0

@@ -197,6 +197,7 @@ class FedBE(FedAvg):
         FedAvg.capabilities,
         sum_aggregable=False,
         transport_16bit=False,
+        server_optimizer=False,  # its server distils after averaging: it has its own optimizer
         individual_uploads=(
             "its server fits a Gaussian to the clients' norm-scaled updates Δ_k / ||Δ_k|| and "
             "distils an ensemble whose teachers include each client's own model w^t + Δ_k (FedBE's "

@@ -150,6 +150,7 @@ class FedFomo(Personalized, FedAvg):
         FedAvg.capabilities,
         sum_aggregable=False,
         transport_16bit=False,
+        server_optimizer=False,  # its server forwards models; it takes no averaged step
         individual_uploads=(
             "its server stores each client's uploaded model and forwards it to the clients that "
             "ask for it, which weight every candidate model by its loss on their own validation "

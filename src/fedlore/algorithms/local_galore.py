@@ -38,6 +38,7 @@ class LocalGaLore(DenseServer, LowRankHyper):
             "yet offered under secure aggregation and DP (no test covers it there)"
         ),
         robust_aggregate=True,
+        server_optimizer=True,
         projects="client",
     )
 

@@ -111,6 +111,10 @@ def privacy_modes(cfg: Config) -> str:
     return " and ".join(m for m, enabled in on if enabled)
 
 
+SERVER_KEYS = ("server_optimizer", "server_eta")
+"""The ``method.<name>`` overrides that choose a server optimizer."""
+
+
 def check_method_settings(
     name: str, cls: type[Declares], cfg: Config, overrides: dict[str, Any]
 ) -> None:
@@ -135,6 +139,16 @@ def check_method_settings(
             "deltas (its server combines low-rank factors, bases or masks), so a coordinate-wise "
             "median or trimmed mean is not defined for it; use robust.aggregate=mean (the norm "
             "screen, robust.norm_screen, works for every method)"
+        )
+    server = cfg.server
+    own = {k: overrides[k] for k in SERVER_KEYS if k in overrides}
+    kind, lr = own.get("server_optimizer", server.optimizer), own.get("server_eta", server.lr)
+    if (kind != "sgd" or lr != 1.0) and not caps.server_optimizer:
+        raise ConfigError(
+            f"server.optimizer={kind}, server.lr={lr}: method {name!r} does not add an averaged "
+            "dense delta to its model (its server combines low-rank factors, bases, masks or "
+            "forwarded models, or runs its own optimizer), so no server optimizer applies; use "
+            "server.optimizer=sgd with server.lr=1"
         )
     if cfg.transport_dtype != "fp32" and not caps.transport_16bit:
         raise ConfigError(
