@@ -21,6 +21,7 @@ import errno
 import gzip
 import json
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -50,8 +51,13 @@ class WriteError(OSError):
         return f"cannot write {self.filename}: {self.strerror}{code}"
 
 
-def temp_path(path: Path) -> Path:
-    """``<path>.tmp``: where :func:`replacing` writes before the rename."""
+def temp_path(path: Path, shared: bool = False) -> Path:
+    """``<path>.tmp``: where :func:`replacing` writes before the rename; for a ``shared`` file
+    (one that several processes may write at once: an experiment's report and plots, written
+    by each run of the experiment that finishes) ``<path>.<pid>.<thread>.tmp``, so that one
+    writer's rename never takes another's temporary file from under it."""
+    if shared:
+        return path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
     return path.with_name(path.name + TMP_SUFFIX)
 
 
@@ -93,6 +99,7 @@ def replacing(
     *,
     compress: bool = False,
     fsync: bool = True,
+    shared: bool = False,
     **kwargs: Any,
 ) -> Iterator[IO[Any]]:
     """``with replacing(path) as f: ...`` writes ``f`` to ``<path>.tmp``; when the block ends
@@ -105,13 +112,15 @@ def replacing(
         compress: write gzip (``gzip.open``).
         fsync: False leaves flushing the file to disk to the caller (a spilled client state is
             fsynced with the others before the checkpoint that names it is committed).
+        shared: several processes may write ``path`` at once (:func:`temp_path`); the last
+            rename wins, whole.
 
     Raises:
         WriteError: for an OSError (also one torch.save wrapped in a RuntimeError); any other
             error as raised.
     """
     path = Path(path)
-    tmp = temp_path(path)
+    tmp = temp_path(path, shared)
     try:
         with _open_temp(tmp, mode, compress, **kwargs) as f:
             yield f
@@ -130,15 +139,15 @@ def replacing(
             _fsync(path.parent)
 
 
-def write_bytes(path: Path | str, data: bytes) -> None:
+def write_bytes(path: Path | str, data: bytes, shared: bool = False) -> None:
     """Replace ``path`` by ``data`` (:func:`replacing`)."""
-    with replacing(path) as f:
+    with replacing(path, shared=shared) as f:
         f.write(data)
 
 
-def write_text(path: Path | str, text: str) -> None:
+def write_text(path: Path | str, text: str, shared: bool = False) -> None:
     """Replace ``path`` by ``text`` in UTF-8 (:func:`replacing`)."""
-    write_bytes(path, text.encode("utf-8"))
+    write_bytes(path, text.encode("utf-8"), shared)
 
 
 def write_json(path: Path | str, obj: Any) -> None:
@@ -154,10 +163,10 @@ def save_tensors(obj: Any, path: Path | str, fsync: bool = True) -> None:
         torch.save(obj, f)
 
 
-def save_figure(fig: Any, path: Path | str, **kwargs: Any) -> None:
+def save_figure(fig: Any, path: Path | str, shared: bool = False, **kwargs: Any) -> None:
     """``fig.savefig`` replacing ``path``, in the format its suffix names (:func:`replacing`)."""
     fmt = Path(path).suffix.lstrip(".") or "png"
-    with replacing(path) as f:
+    with replacing(path, shared=shared) as f:
         fig.savefig(f, format=fmt, **kwargs)
 
 

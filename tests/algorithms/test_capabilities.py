@@ -242,7 +242,8 @@ def test_checks_is_the_one_reader_and_the_old_flags_are_gone() -> None:
 
 def test_the_methods_that_take_a_server_optimizer() -> None:
     """Those whose server adds an averaged dense delta through DenseServer.aggregate
-    (fedlore.optim.server); FedFomo forwards models and FedBE distils, so they do not."""
+    (fedlore.optim.server), and FedLore's family in its shared coordinates; FedFomo forwards
+    models and FedBE distils, so they do not, nor do the merge-based LoRA methods and FedMask."""
     takes = {
         n
         for n in registry.names("algorithm")
@@ -251,4 +252,5 @@ def test_the_methods_that_take_a_server_optimizer() -> None:
     assert takes == {
         "bayfl", "ditto", "fedavg", "fedavg_mcd", "fedfull", "fedprox", "local_galore",
         "meta_bayfl", "meta_bayfl_mcd", "meta_fl", "pfedbayes", "pfedme",
+        "fedlore", "fedlore_fixed", "fedlore_random", "fedlore_sketch", "fedit", "ffa_lora",
     }  # fmt: skip

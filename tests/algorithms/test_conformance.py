@@ -20,6 +20,7 @@ first contact (round 0) and a round with client state (round 1):
     the global model only has to beat chance.
 (e) ``precision: fp64`` runs end to end with float64 server tensors.
 (f) under ``local_epochs`` every client draws E * ceil(n / B) minibatches a round.
+(g) every method that takes a server optimizer runs under one and checkpoints its moments.
 """
 
 from __future__ import annotations
@@ -446,3 +447,22 @@ def test_local_epochs_size_every_clients_round_by_its_data(
     sizes = {n for n, _ in drawn}
     assert len(sizes) > 1  # clients of different sizes: the check can tell them apart
     assert all(k == steps_for_epochs(2, n, 64) for n, k in drawn), drawn
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in ALGORITHMS if registry.get("algorithm", n).capabilities.server_optimizer]
+)
+def test_server_optimizers_run_and_keep_their_moments_in_the_state(
+    name: str, fed: Federation, fed_u: Federation, tmp_path: Path
+) -> None:
+    """(g) every method that takes a server optimizer runs under FedAdam: no reply rejected,
+    finite results, and the moments (``sopt.*``) in the server state that is checkpointed."""
+    fed = fed_u if _server_set(name) else fed
+    cfg = _cfg(*_server_set(name), "rounds=2", "server.optimizer=adam", "server.lr=0.01")
+    cfg = cfg.model_copy(update={"output_dir": str(tmp_path)})
+    summary = run_one(cfg, name, SEED, fed=fed)
+    assert summary is not None and summary["rejected_total"] == 0
+    assert math.isfinite(summary["final_loss"])
+    ckpt = torch.load(run_dir(cfg, name, SEED) / "checkpoint.pt", weights_only=False)
+    assert any(k.startswith("sopt.m.") for k in ckpt["server"]["arrays"])
+    assert int(ckpt["server"]["values"]["sopt.t"]) == 2

@@ -199,13 +199,41 @@ def test_a_resumed_run_continues_the_servers_moments(tmp_path: Path) -> None:
 
 
 def test_methods_without_an_averaged_dense_step_refuse_a_server_optimizer() -> None:
-    for name in ("fedlore", "fedit", "fedfomo", "fedbe", "fedmask"):
+    for name in ("flexlora", "fedfomo", "fedbe", "fedmask"):
         cfg = load_config(None, ["server.optimizer=adam", f"algorithms=[{name}]"])
         with pytest.raises(ConfigError, match="no server optimizer applies"):
             make_algorithm(name, cfg)
-    cfg = load_config(None, ["method.fedlore.server_eta=0.5"])
+    cfg = load_config(None, ["method.flora.server_eta=0.5"])
     with pytest.raises(ConfigError, match=r"server\.lr=0\.5"):
-        make_algorithm("fedlore", cfg)
+        make_algorithm("flora", cfg)
     algo = make_algorithm("fedavg", load_config(None, ["server.optimizer=yogi", "server.lr=0.1"]))
     assert (algo.train.server_optimizer, algo.train.server_eta) == ("yogi", 0.1)
     assert isinstance(algo.server_opt(), ServerOpt)
+
+
+@pytest.mark.parametrize("name", ["fedit", "ffa_lora"])
+def test_lora_methods_that_average_factors_step_from_the_averaged_change(
+    name: str, tmp_path: Path
+) -> None:
+    """FedIT and FFA-LoRA average the factors themselves: a server optimizer steps from their
+    averaged change (and the dense tensors'), the clients' merged models stay in sync (the run
+    rejects nothing), and the result differs from plain averaging; the merge-based LoRA methods
+    refuse it."""
+    base = ["num_clients=3", "rounds=3", "local_steps=2", "progress=false", f"algorithms=[{name}]",
+            "model.kwargs={hidden: [16]}", "rank=2"]  # fmt: skip
+    plain = run_one(load_config(None, [*base, f"output_dir={tmp_path / 'a'}"]), name, 42)
+    cfg = load_config(None, [*base, "server.optimizer=adam", "server.lr=0.05",
+                             f"output_dir={tmp_path / 'b'}"])  # fmt: skip
+    stepped = run_one(cfg, name, 42)
+    assert plain is not None and stepped is not None
+    assert stepped["rejected_total"] == 0
+    assert stepped["final_loss"] != plain["final_loss"]
+    import torch as _t
+
+    ckpt = _t.load(tmp_path / "b" / "experiment" / name / "seed-42" / "checkpoint.pt",
+                   weights_only=False)  # fmt: skip
+    keys = [k for k in ckpt["server"]["arrays"] if k.startswith("sopt.m.lora.")]
+    assert keys and all(k.endswith(".B") or name == "fedit" for k in keys)
+    for merged in ("flexlora", "flora", "frlora", "rolora", "lora_fair"):
+        with pytest.raises(ConfigError, match="no server optimizer applies"):
+            make_algorithm(merged, load_config(None, ["server.optimizer=adam"]))

@@ -304,3 +304,34 @@ def test_a_real_tmpfs_too_small_for_the_run(
     _resize(tmpfs, 8 * 1024 * 1024)  # space freed
     assert main(["run", *args, "--resume"]) == 0
     assert _rounds(folder) == [0, 1, 2, 3]
+
+
+def test_concurrent_writers_of_a_shared_file_never_take_each_others_temporary_file(
+    tmp_path: Path,
+) -> None:
+    """Every run of an experiment that finishes writes the experiment's report and plots; two
+    runs finishing at once (a sweep's parallel jobs) once failed with ``cannot write
+    .../accuracy_vs_bytes.png: No such file or directory``: one writer's rename took the shared
+    ``<name>.tmp`` from under the other's fsync. With ``shared=True`` each writer has its own
+    temporary file, every write succeeds and the file holds one writer's whole content."""
+    import multiprocessing as mp
+
+    from fedlore.atomic import temp_path
+
+    target = tmp_path / "report.md"
+    assert temp_path(target) == tmp_path / "report.md.tmp"
+    assert temp_path(target, shared=True) != temp_path(target)
+    ctx = mp.get_context("fork")
+    with ctx.Pool(4) as pool:
+        results = pool.starmap(_write_many, [(str(target), i) for i in range(4)])
+    assert results == [200] * 4
+    assert target.read_text() in {f"writer {i}\n" * 1000 for i in range(4)}
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def _write_many(path: str, who: int) -> int:
+    from fedlore.atomic import write_text
+
+    for _ in range(200):
+        write_text(path, f"writer {who}\n" * 1000, shared=True)
+    return 200

@@ -19,6 +19,7 @@ from fedlore.algorithm import Capabilities
 from fedlore.checks import check_wire_settings
 from fedlore.data.client_data import ClientData, TensorSplit, minibatches
 from fedlore.device import autocast
+from fedlore.optim.server import ServerOpt
 from fedlore.settings import LocalTraining
 from fedlore.tensors import WIRE_DTYPES, select
 from fedlore.train.local import Schedule, evaluate, task_loss
@@ -102,6 +103,18 @@ class Hyper:
         training examples, needed under ``local_epochs``)."""
         steps = self.local_steps(num_examples)
         return self.lr_schedule(num_examples).round_lrs(max(rnd, 0), steps)
+
+    def server_opt(self) -> ServerOpt:
+        """The server optimizer of the ``server.*`` settings (:mod:`fedlore.optim.server`)."""
+        t = self.train
+        return ServerOpt(
+            t.server_optimizer,
+            t.server_eta,
+            t.server_betas,
+            t.server_tau,
+            t.server_v0,
+            t.server_bias_correction,
+        )
 
     def round_decay(self, rnd: int) -> float:
         """``a = Π_k (1 - lr_k * weight_decay)``, the common decay of round ``rnd`` (Prop. 8);

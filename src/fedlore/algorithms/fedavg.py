@@ -32,7 +32,7 @@ from torch import nn
 from fedlore.algorithms.base import Hyper, ReplySpec, local_eval_metrics, reply_metrics
 from fedlore.algorithms.personal import prox_term
 from fedlore.data.client_data import ClientData
-from fedlore.optim.server import STEPS, ServerOpt
+from fedlore.optim.server import STEPS
 from fedlore.registry import register_algorithm
 from fedlore.robust import combine_updates
 from fedlore.tensors import (
@@ -104,25 +104,13 @@ class DenseServer:
         arrays = {**with_prefix(new, "model."), **moments}
         return State(arrays=arrays, values=values), {"aggregated": len(ok)}
 
-    def server_opt(self) -> ServerOpt:
-        """The server optimizer of the ``server.*`` settings (:mod:`fedlore.optim.server`)."""
-        t = self.train  # type: ignore[attr-defined]
-        return ServerOpt(
-            t.server_optimizer,
-            t.server_eta,
-            t.server_betas,
-            t.server_tau,
-            t.server_v0,
-            t.server_bias_correction,
-        )
-
     def server_step(
         self, state: State, mean: dict[str, torch.Tensor], values: dict[str, Any]
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The global model's step from the aggregated delta ``mean`` by the server optimizer,
         and its moments to keep (``sopt.*`` arrays; their step count goes into ``values``).
         Plain FedAvg (``sgd`` at lr 1) returns ``mean`` itself and keeps nothing."""
-        opt = self.server_opt()
+        opt = self.server_opt()  # type: ignore[attr-defined]
         if opt.is_identity:
             return mean, {}
         t = int(state.values.get(STEPS, 0)) + 1

@@ -69,6 +69,7 @@ from fedlore.algorithms.lowrank import (
     plan_values,
 )
 from fedlore.algorithms.sync import FEDLORE_LOG, Frames, Offer, SyncState, cheaper, upcast
+from fedlore.optim.server import STEPS, ServerOpt, rotate_first_moments
 from fedlore.optim.subspace import MatrixSpec
 from fedlore.registry import register_algorithm
 from fedlore.tensors import (
@@ -109,6 +110,7 @@ class FedLore(FedLoreClient):
             "basis comes from the sum of the clients' gradient sketches)"
         ),
         projects="shared",
+        server_optimizer=True,  # in the shared coordinates: FedLore.server_steps
     )
     basis_rule: ClassVar[RuleName] = "candidates"
     init_basis: Literal["gradient", "random"] = "gradient"
@@ -237,6 +239,9 @@ class FedLore(FedLoreClient):
                 for k, s in plan.items()
             }
             dense = {}
+        opt = self.server_opt()
+        if ok and not opt.is_identity:  # the step in P^t's coordinates (fedlore.optim.server)
+            deltas, dense = self.server_steps(arrays, values, model, deltas, dense, opt)
         deltas = to_wire(deltas, wire)  # Δ^t as the clients will receive it, then applied
         logged: Arrays = {}
         for k, s in plan.items():
@@ -257,6 +262,7 @@ class FedLore(FedLoreClient):
         if sent is not None:
             arrays.update(with_prefix(sent, f"bank.{nxt}."))
             new = from_wire(sent, model_dtype(model))  # P^{t+1} as the clients will hold it
+            arrays.update(rotate_first_moments(select(arrays, "sopt.", strip=False), basis, new))
             metrics["basis_overlap"] = basis_overlap(new, basis, plan)
             if self._uploads_candidates(rnd):
                 CandidatesRule.certify(arrays, values, replied, weights, new, rnd)
@@ -264,6 +270,40 @@ class FedLore(FedLoreClient):
         # keep the bases the log (or round t+1) uses
         keep_banks(arrays, {nxt} | {int(e.meta["basis_id"]) for e in sync.log.values()})
         return State(arrays, values), metrics
+
+    def server_steps(
+        self,
+        arrays: Arrays,
+        values: dict[str, Any],
+        model: Arrays,
+        deltas: Arrays,
+        dense: Arrays,
+        opt: ServerOpt,
+    ) -> tuple[Arrays, Arrays]:
+        """The server optimizer's steps (:mod:`fedlore.optim.server`) for the round's averaged
+        coordinates Δ^t (``r x n`` each, moments in the same shared coordinates, so every client
+        still applies exactly ``P^t Δ'^t`` and its cache stays the server's model) and for the
+        unprojected tensors (their averaged increment, or the averaged uploaded value minus the
+        model). Updates ``arrays`` (the moments ``sopt.*``) and ``values`` (``sopt.t``) in place.
+
+        Returns:
+            ``(Δ'^t, dense)``: the coordinates to apply and log, and the unprojected tensors in
+            the form the round uses (increments, or values).
+        """
+        t = int(values.get(STEPS, 0)) + 1
+        values[STEPS] = t
+        prev = select(arrays, "sopt.", strip=False)
+        flat = {**deltas}
+        for k, v in dense.items():
+            flat[k] = v if self.dense_increments else v - model[k]
+        step, moments = opt.step(flat, prev, t)
+        arrays.update(moments)
+        coords = {k: step[k] for k in deltas}
+        rest = {
+            k: step[k] if self.dense_increments else (model[k] + step[k]).to(model[k].dtype)
+            for k in dense
+        }
+        return coords, rest
 
     def diagnostic_candidates(self, state: State, rnd: int) -> dict[str, dict[str, Any]] | None:
         """Per matrix: the candidate terms of Proposition 2 for round ``rnd`` and ``hbar``, the

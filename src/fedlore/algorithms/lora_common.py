@@ -92,6 +92,7 @@ from fedlore.lora import (
     scaling,
     zeros_b,
 )
+from fedlore.optim.server import STEPS
 from fedlore.tensors import nbytes, select, snap, to_wire, weighted_mean, with_prefix
 from fedlore.types import Arrays, Broadcast, Reply, Scalars, State
 
@@ -361,6 +362,21 @@ class LoraMethod(LoraClient, abc.ABC):
             dense = {k: model[k] + v.to(model[k].device, model[k].dtype) for k, v in dense.items()}
         arrays.update(with_prefix(snap(dense, wire), "model."))
         log, metrics = self.aggregate_adapters(arrays, ok, p, rnd)
+        opt = self.server_opt()
+        if not opt.is_identity:  # FedIT, FFA-LoRA: from the averaged factors and dense tensors
+            moved = [f"model.{k}" for k in dense]
+            moved += [  # the factors the method averaged (FFA-LoRA's frozen A stays as it is)
+                k
+                for k, v in arrays.items()
+                if k.startswith("lora.") and k in state.arrays and v is not state.arrays[k]
+            ]
+            before = {k: state.arrays[k] for k in moved}
+            change = {k: arrays[k].to(v.dtype) - v for k, v in before.items()}
+            t = int(values.get(STEPS, 0)) + 1
+            values[STEPS] = t
+            step, moments = opt.step(change, select(arrays, "sopt.", strip=False), t)
+            arrays.update(moments)
+            arrays.update(snap({k: v + step[k].to(v.dtype) for k, v in before.items()}, wire))
         log = snap(log, wire)  # merged here exactly as the clients will merge it
         for k, v in list(arrays.items()):
             if k.startswith("lora.") and state.arrays.get(k) is not v:

@@ -36,7 +36,14 @@ class FedIT(LoraMethod):
     """FedIT: train both factors, average each factor separately."""
 
     name: ClassVar[str] = "fedit"
-    capabilities = replace(LoraMethod.capabilities, sum_aggregable=True, transport_16bit=True)
+    # server_optimizer: the server averages the factors themselves, so a server optimizer
+    # steps from their averaged change (fedlore.optim.server)
+    capabilities = replace(
+        LoraMethod.capabilities,
+        sum_aggregable=True,
+        transport_16bit=True,
+        server_optimizer=True,
+    )
 
     def aggregate_adapters(
         self, arrays: Arrays, replies: list[tuple[int, Reply]], p: list[float], rnd: int

@@ -35,7 +35,14 @@ class FFALoRA(LoraMethod):
     """FFA-LoRA: A frozen at its shared random init, B trained and averaged."""
 
     name: ClassVar[str] = "ffa_lora"
-    capabilities = replace(LoraMethod.capabilities, sum_aggregable=True, transport_16bit=True)
+    # server_optimizer: the server averages the factors themselves, so a server optimizer
+    # steps from their averaged change (fedlore.optim.server)
+    capabilities = replace(
+        LoraMethod.capabilities,
+        sum_aggregable=True,
+        transport_16bit=True,
+        server_optimizer=True,
+    )
 
     def trained(self, rnd: int) -> tuple[Factor, ...]:
         return ("B",)

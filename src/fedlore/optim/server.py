@@ -123,3 +123,32 @@ class ServerOpt:
             kept[PREFIX_V + name] = v
             out[name] = eta * m / (v.sqrt() + self.tau)
         return out, kept
+
+
+def rotate_first_moments(
+    moments: dict[str, torch.Tensor],
+    old: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """FedLore's server moments after a basis refresh P^t -> P^{t+1}: each first moment
+    ``m`` (``r x n``, the coordinates of ``P^t m``) becomes ``P^{t+1}ᵀ P^t m``, the coordinates
+    of the closest matrix in the new subspace (exact when the subspace is kept); the second
+    moments ``v`` (elementwise squares, which no change of basis maps exactly) are kept, as
+    GaLore keeps its Adam moments when its projector changes (Zhao et al. 2024).
+
+    Args:
+        moments: ``sopt.m.<name>`` / ``sopt.v.<name>`` tensors (others pass through).
+        old: ``P^t`` by matrix name (``m x r``).
+        new: ``P^{t+1}`` by matrix name.
+
+    Returns:
+        The moments in the new coordinates.
+    """
+    out = dict(moments)
+    for name, p_new in new.items():
+        m = out.get(PREFIX_M + name)
+        if m is None or name not in old:
+            continue
+        rot = p_new.to(m.dtype).T @ old[name].to(m.dtype)  # r x r
+        out[PREFIX_M + name] = (rot @ m).contiguous()
+    return out

@@ -141,7 +141,7 @@ def _plain(v: float, _: int) -> str:
 
 def _save(fig: Figure, path: Path) -> Path:
     FigureCanvasAgg(fig)
-    save_figure(fig, path, dpi=120)  # to a temporary file, renamed when complete
+    save_figure(fig, path, shared=True, dpi=120)  # a temporary file of its own, then renamed
     return path
 
 

@@ -50,7 +50,7 @@ __all__ = [
 def to_csv(table: list[dict[str, Any]], path: Path) -> None:
     """Write :func:`summary_table` rows to ``path`` with the :data:`COLUMNS` header; missing
     statistics are empty cells, numbers are written at full precision."""
-    with replacing(path, "w", newline="") as f:  # a failed write leaves the old file
+    with replacing(path, "w", newline="", shared=True) as f:  # a failure leaves the old file
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows({k: "" if r.get(k) is None else r[k] for k in COLUMNS} for r in table)
@@ -117,7 +117,7 @@ def _report_experiment(exp_dir: Path, keys: Sequence[str] | None) -> str:
             "(see fedlore.diagnostics).\n\n"
         )
     text += f"{images}\n"
-    write_text(exp_dir / "report.md", text)
+    write_text(exp_dir / "report.md", text, shared=True)  # each finishing run writes it
     return text
 
 
