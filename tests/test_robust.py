@@ -151,3 +151,92 @@ def test_bad_rules_and_trims_are_refused() -> None:
     for rule in ("median", "trimmed_mean"):
         with pytest.raises(ValueError, match=r"^combine_updates needs at least one update$"):
             combine_updates([], [], rule)
+
+
+# ---------------------------------------------------------------- Krum, Multi-Krum, Bulyan
+def _updates(n: int, seed: int = 0, outliers: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        scale = 50.0 if i < outliers else 1.0
+        out.append({
+            "w": scale * torch.randn(3, 4, generator=g, dtype=torch.float64),
+            "b": scale * torch.randn(4, generator=g, dtype=torch.float64),
+        })  # fmt: skip
+    return out
+
+
+def _to_flwr(updates: list[dict[str, torch.Tensor]], weights: list[float]) -> list:
+    return [
+        ([u["w"].numpy(), u["b"].numpy()], int(w)) for u, w in zip(updates, weights, strict=True)
+    ]
+
+
+@pytest.mark.parametrize(("n", "f", "keep"), [(7, 2, 0), (10, 1, 0), (7, 2, 3), (12, 3, 5)])
+def test_krum_and_multi_krum_equal_flowers(n: int, f: int, keep: int) -> None:
+    """Identical inputs through flwr's ``aggregate_krum`` (``to_keep`` 0: Krum; m: Multi-Krum,
+    a num_examples-weighted mean of the m lowest scores) and ours."""
+    from flwr.server.strategy.aggregate import aggregate_krum
+
+    ups = _updates(n, seed=n + f, outliers=f)
+    weights = [float(3 + (i * 7) % 11) for i in range(n)]
+    want = aggregate_krum(_to_flwr(ups, weights), num_malicious=f, to_keep=keep)
+    rule = "multi_krum" if keep else "krum"
+    got = combine_updates(ups, weights, rule, num_byzantine=f, keep=keep or None)
+    err = max(float((got["w"] - torch.from_numpy(want[0])).abs().max()),
+              float((got["b"] - torch.from_numpy(want[1])).abs().max()))  # fmt: skip
+    assert err < 1e-12
+    if not keep:  # Krum returns one client's update, never an outlier's
+        assert any(torch.equal(got["w"], u["w"]) for u in ups[f:])
+
+
+@pytest.mark.parametrize(("n", "f"), [(7, 1), (11, 2), (15, 3), (8, 1)])
+def test_bulyan_equals_flowers(n: int, f: int) -> None:
+    from flwr.server.strategy.aggregate import aggregate_bulyan, aggregate_krum
+
+    ups = _updates(n, seed=100 + n, outliers=f)
+    weights = [1.0] * n
+    want = aggregate_bulyan(_to_flwr(ups, weights), num_malicious=f,
+                            aggregation_rule=aggregate_krum, to_keep=0)  # fmt: skip
+    got = combine_updates(ups, weights, "bulyan", num_byzantine=f)
+    err = max(float((got["w"] - torch.from_numpy(want[0])).abs().max()),
+              float((got["b"] - torch.from_numpy(want[1])).abs().max()))  # fmt: skip
+    assert err < 1e-12
+    # the outliers (50x) leave no trace: every coordinate is within the honest ones' range
+    honest = torch.stack([u["w"] for u in ups[f:]])
+    assert bool(
+        (got["w"] <= honest.max(0).values).all() and (got["w"] >= honest.min(0).values).all()
+    )
+
+
+def test_krum_scores_by_hand() -> None:
+    """Four one-dimensional updates 0, 1, 3, 10 with f = 1: n - f - 2 = 1 nearest neighbour, so
+    the scores are the squared distance to the nearest other: 1, 1, 4, 49; Krum picks 0 (the
+    tie goes to the earlier client)."""
+    from fedlore.robust import krum_scores
+
+    ups = [{"x": torch.tensor([v], dtype=torch.float64)} for v in (0.0, 1.0, 3.0, 10.0)]
+    assert krum_scores(ups, 1) == [1.0, 1.0, 4.0, 49.0]
+    assert float(combine_updates(ups, [1.0] * 4, "krum", num_byzantine=1)["x"]) == 0.0
+    two = combine_updates(ups, [1.0, 3.0, 1.0, 1.0], "multi_krum", num_byzantine=1, keep=2)
+    assert float(two["x"]) == pytest.approx(0.75)  # (1·0 + 3·1) / 4
+    with pytest.raises(ValueError, match="4f \\+ 3"):
+        combine_updates(ups, [1.0] * 4, "bulyan", num_byzantine=1)
+
+
+def test_configs_that_cannot_tolerate_f_are_refused() -> None:
+    from fedlore.config import ConfigError, load_config
+    from fedlore.experiment_parts import make_algorithm
+
+    with pytest.raises(ConfigError, match="4f \\+ 3"):
+        make_algorithm("fedavg", load_config(None, ["num_clients=10", "robust.aggregate=bulyan",
+                                                    "robust.num_byzantine=2"]))  # fmt: skip
+    with pytest.raises(ConfigError, match="2f \\+ 2"):
+        make_algorithm("fedavg", load_config(None, ["num_clients=4", "robust.aggregate=krum",
+                                                    "robust.num_byzantine=1"]))  # fmt: skip
+    with pytest.raises(ConfigError, match="does not average dense"):
+        make_algorithm("fedlore", load_config(None, ["robust.aggregate=krum"]))
+    # secure aggregation: the server sees only the sum, so no client's delta can be compared
+    secure = ["robust.aggregate=multi_krum", "secure_aggregation=true", "weighting=uniform"]
+    with pytest.raises(ConfigError, match="needs each client's upload"):
+        make_algorithm("fedavg", load_config(None, secure))

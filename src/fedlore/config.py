@@ -15,6 +15,7 @@ from __future__ import annotations
 from fedlore.config_load import ConfigError, apply_overrides, load_config, read_yaml, validate
 from fedlore.config_model import Config
 from fedlore.config_sections import (
+    AttackConfig,
     DataConfig,
     DiagnosticsConfig,
     DPConfig,
@@ -30,6 +31,7 @@ from fedlore.config_sections import (
 )
 
 __all__ = [
+    "AttackConfig",
     "Config",
     "ConfigError",
     "DPConfig",

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from fedlore.config_sections import (
+    AttackConfig,
     DataConfig,
     DiagnosticsConfig,
     DPConfig,
@@ -141,6 +142,7 @@ class Config(_Strict):
     diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
     robust: RobustConfig = Field(default_factory=RobustConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    attack: AttackConfig = Field(default_factory=AttackConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     method: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per-method hyperparameter overrides, e.g. ``method: {fedfull: {lr: 1e-4}}``."""

@@ -221,13 +221,39 @@ class RobustConfig(_Strict):
     (rounds with at least 3 valid replies), with its reason, counted as ``rejected`` like a NaN
     reply; None turns it off. The default, 1000, leaves honest clients alone even when their
     learning rates differ 100-fold (Meta-BayFL's grid) and catches a scaled upload."""
-    aggregate: Literal["mean", "median", "trimmed_mean"] = "mean"
-    """How the server combines dense deltas: the weighted mean (FedAvg, default), or the
-    coordinate-wise median / trimmed mean (Yin et al. 2018; unweighted). Only for methods whose
-    server averages dense deltas (FedAvg, FedFull, FedProx, Local GaLore, the Bayesian and
-    personalized FedAvg variants); the others refuse it."""
+    aggregate: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan"] = "mean"
+    """How the server combines dense deltas: the weighted mean (FedAvg, default), the
+    coordinate-wise median / trimmed mean (Yin et al. 2018; unweighted), Krum or Multi-Krum
+    (Blanchard et al. 2017) or Bulyan (El Mhamdi et al. 2018), which tolerate ``num_byzantine``
+    Byzantine clients. Only for methods whose server averages dense deltas (FedAvg, FedFull,
+    FedProx, Local GaLore, the Bayesian and personalized FedAvg variants); the others refuse
+    it, and so do secure aggregation and DP (each needs every client's delta on its own)."""
     trim_fraction: float = Field(0.1, ge=0.0, lt=0.5)
     """``trimmed_mean``: share of clients dropped at each end of every coordinate."""
+    num_byzantine: int = Field(0, ge=0)
+    """f: the Byzantine clients Krum, Multi-Krum and Bulyan tolerate. Krum scores each update
+    by its squared distances to its n - f - 2 nearest others; Bulyan needs n ≥ 4f + 3 replies
+    (a config that samples fewer clients is refused; a round left with fewer by rejections
+    runs with the largest f it can, floor((n - 3) / 4))."""
+    multi_krum_keep: int | None = Field(None, ge=1)
+    """m: how many of the lowest-scoring updates Multi-Krum averages with FedAvg's weights
+    (None: n - f)."""
+
+
+class AttackConfig(_Strict):
+    """Malicious clients, to test a defence in simulation (:mod:`fedlore.engine.attack`): a
+    seeded share of the clients attacks in every round it is sampled. Off while ``kind`` is
+    ``none`` or ``fraction`` is 0. In-process engine only."""
+
+    kind: Literal["none", "label_flip", "sign_flip", "scale", "gaussian"] = "none"
+    """``label_flip`` (train on labels C - 1 - y), ``sign_flip`` (upload -s·Δ), ``scale``
+    (upload s·Δ) or ``gaussian`` (upload N(0, s²) noise of Δ's shape), with s = ``scale``. The
+    three update attacks need a method whose server averages dense deltas."""
+    fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    """Share of the federation's clients that attack: round(fraction · num_clients), chosen
+    by a permutation seeded with the run seed (the same for every method)."""
+    scale: float = Field(10.0, gt=0.0)
+    """s: the factor of ``sign_flip`` and ``scale``, the standard deviation of ``gaussian``."""
 
 
 class ServerConfig(_Strict):

@@ -49,6 +49,7 @@ from fedlore.config import Config, ConfigError
 from fedlore.data.federation import Federation, build_federation
 from fedlore.device import resolve_device, training_precision, use_threads
 from fedlore.diagnostics import Diagnoser
+from fedlore.engine.attack import attacked
 from fedlore.engine.callbacks import Checkpointer, MetricsWriter, ProgressBar
 from fedlore.engine.interrupt import Interrupted
 from fedlore.engine.lock import RunLock
@@ -313,6 +314,8 @@ def run_one(
     exp = build(cfg, method, seed, fed, fingerprint)
     folder = RunFolder(target, out, spill, resume)
     factory = make_transport if make_transport is not None else LocalTransport
+    a = cfg.attack
+    factory = attacked(factory, a.kind, a.fraction, a.scale, fed.num_clients, fed.num_classes)
     return run(exp, factory, folder, stop_after, extra_callbacks)
 
 

@@ -201,13 +201,15 @@ class LocalTraining(StrictModel):
         description="S, the MC predictive's samples for stochastic layers (0: one mean pass)",
         json_schema_extra=_from("eval.mc_samples"),
     )
-    robust_aggregate: Literal["mean", "median", "trimmed_mean"] = Field(
-        "mean",
-        description=(
-            "how a server that averages dense deltas combines them (fedlore.robust); other "
-            "methods accept only mean"
-        ),
-        json_schema_extra=_from("robust.aggregate"),
+    robust_aggregate: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan"] = (
+        Field(
+            "mean",
+            description=(
+                "how a server that averages dense deltas combines them (fedlore.robust); other "
+                "methods accept only mean"
+            ),
+            json_schema_extra=_from("robust.aggregate"),
+        )
     )
     trim_fraction: float = Field(
         0.1,
@@ -215,6 +217,18 @@ class LocalTraining(StrictModel):
         lt=0.5,
         description="share the trimmed mean drops at each end",
         json_schema_extra=_from("robust.trim_fraction"),
+    )
+    num_byzantine: int = Field(
+        0,
+        ge=0,
+        description="f, the Byzantine clients Krum, Multi-Krum and Bulyan tolerate",
+        json_schema_extra=_from("robust.num_byzantine"),
+    )
+    multi_krum_keep: int | None = Field(
+        None,
+        ge=1,
+        description="m, the updates Multi-Krum averages (None: n - f)",
+        json_schema_extra=_from("robust.multi_krum_keep"),
     )
     server_optimizer: Literal["sgd", "momentum", "adagrad", "adam", "yogi"] = Field(
         "sgd",

@@ -63,13 +63,16 @@ class DenseServer:
     def combine_deltas(
         self, updates: list[dict[str, torch.Tensor]], weights: list[float]
     ) -> dict[str, torch.Tensor]:
-        """``Σ p_i Δ_i / Σ p_i``, or the coordinate-wise median / trimmed mean of the Δ_i under
-        ``robust_aggregate`` (:func:`fedlore.robust.combine_updates`)."""
+        """``Σ p_i Δ_i / Σ p_i``, or the coordinate-wise median / trimmed mean, Krum, Multi-Krum
+        or Bulyan of the Δ_i under ``robust_aggregate`` (:func:`fedlore.robust.combine_updates`;
+        a Bulyan round left with fewer than 4f + 3 replies by rejections runs with the largest
+        f it tolerates)."""
+        t = self.train  # type: ignore[attr-defined]
+        f = t.num_byzantine
+        if t.robust_aggregate == "bulyan":
+            f = min(f, max(0, (len(updates) - 3) // 4))
         return combine_updates(
-            updates,
-            weights,
-            self.train.robust_aggregate,  # type: ignore[attr-defined]
-            self.train.trim_fraction,  # type: ignore[attr-defined]
+            updates, weights, t.robust_aggregate, t.trim_fraction, f, t.multi_krum_keep
         )
 
     def init_server(self, model: nn.Module, rng: torch.Generator) -> State:
@@ -239,8 +242,8 @@ class FedFull(DenseServer, Hyper):
         if self.train.upload_increments and self.train.robust_aggregate != "mean":
             raise ValueError(
                 f"{type(self).__name__}: invalid upload_increments=True with robust_aggregate="
-                f"{self.train.robust_aggregate!r}: the coordinate-wise "
-                f"{self.train.robust_aggregate} ranks "
+                f"{self.train.robust_aggregate!r}: the "
+                f"{self.train.robust_aggregate} ranks or compares "
                 "each client's delta on its own, not only their weighted sum (use 'mean')"
             )
 

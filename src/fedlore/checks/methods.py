@@ -140,6 +140,28 @@ def check_method_settings(
             "median or trimmed mean is not defined for it; use robust.aggregate=mean (the norm "
             "screen, robust.norm_screen, works for every method)"
         )
+    rule, f, n = cfg.robust.aggregate, cfg.robust.num_byzantine, cfg.clients_per_round()
+    if rule == "bulyan" and n < 4 * f + 3:
+        raise ConfigError(
+            f"robust.aggregate=bulyan with robust.num_byzantine={f} needs at least 4f + 3 = "
+            f"{4 * f + 3} clients per round; this config samples {n} (El Mhamdi et al. 2018)"
+        )
+    if rule in ("krum", "multi_krum") and n <= 2 * f + 2:
+        raise ConfigError(
+            f"robust.aggregate={rule} with robust.num_byzantine={f} needs more than 2f + 2 = "
+            f"{2 * f + 2} clients per round; this config samples {n} (Blanchard et al. 2017)"
+        )
+    if cfg.attack.kind in ("sign_flip", "scale", "gaussian") and not caps.robust_aggregate:
+        raise ConfigError(
+            f"attack.kind={cfg.attack.kind}: method {name!r} does not upload dense deltas "
+            "(update.*) for its server to average, so an update attack is not defined for it; "
+            "attack.kind=label_flip works for every method"
+        )
+    if cfg.attack.kind != "none" and cfg.attack.fraction > 0 and cfg.engine != "local":
+        raise ConfigError(
+            f"attack.kind={cfg.attack.kind}: attacks are simulated by the in-process engine; "
+            "use engine=local"
+        )
     server = cfg.server
     own = {k: overrides[k] for k in SERVER_KEYS if k in overrides}
     kind, lr = own.get("server_optimizer", server.optimizer), own.get("server_eta", server.lr)
