@@ -16,6 +16,7 @@ from fedlore.config_load import ConfigError, apply_overrides, load_config, read_
 from fedlore.config_model import Config
 from fedlore.config_sections import (
     AttackConfig,
+    ClientsConfig,
     DataConfig,
     DiagnosticsConfig,
     DPConfig,
@@ -32,6 +33,7 @@ from fedlore.config_sections import (
 
 __all__ = [
     "AttackConfig",
+    "ClientsConfig",
     "Config",
     "ConfigError",
     "DPConfig",

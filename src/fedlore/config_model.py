@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from fedlore.config_sections import (
     AttackConfig,
+    ClientsConfig,
     DataConfig,
     DiagnosticsConfig,
     DPConfig,
@@ -143,6 +144,7 @@ class Config(_Strict):
     robust: RobustConfig = Field(default_factory=RobustConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     attack: AttackConfig = Field(default_factory=AttackConfig)
+    clients: ClientsConfig = Field(default_factory=ClientsConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     method: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per-method hyperparameter overrides, e.g. ``method: {fedfull: {lr: 1e-4}}``."""

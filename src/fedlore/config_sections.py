@@ -240,6 +240,35 @@ class RobustConfig(_Strict):
     (None: n - f)."""
 
 
+class ClientsConfig(_Strict):
+    """Unreliable clients in simulation (:mod:`fedlore.engine.unreliable`): sampled clients that
+    drop out, compute speeds with a round deadline (stragglers dropped or sending what they
+    finished), and a trace of which clients can be sampled when. Everything is seeded by the run
+    seed; off by default. In-process engine only."""
+
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """p: each sampled client fails to answer with probability p, drawn per (seed, round,
+    client); its reply is lost like a dead node's (reason ``dropped out``)."""
+    speed: Literal["equal", "lognormal", "uniform"] = "equal"
+    """The clients' relative compute speeds: all 1, lognormal (median 1, σ = ``speed_spread``)
+    or uniform on [1 - ``speed_spread``, 1 + ``speed_spread``], one per client for the run."""
+    speed_spread: float = Field(0.5, ge=0.0)
+    """σ of ``lognormal`` speeds; the half-width of ``uniform`` ones (below 1)."""
+    speed_trace: str | None = None
+    """A JSON file with one speed (> 0) per client, replacing ``speed``."""
+    step_s: float = Field(0.05, gt=0.0)
+    """Simulated seconds of one local step at speed 1: client i needs K_i · step_s / speed_i."""
+    round_deadline_s: float | None = Field(None, gt=0.0)
+    """The round's deadline in simulated seconds (None: no deadline): a client that needs
+    longer is a straggler."""
+    partial_work: bool = False
+    """A straggler sends what it finished by the deadline (floor(deadline · speed / step_s)
+    steps, at least 1), weighted by the share of its steps done; otherwise it is dropped."""
+    availability: str | None = None
+    """A JSON file: a list of lists of client ids; round t samples only from list t mod its
+    length (clients that come and go); None: every client is always available."""
+
+
 class AttackConfig(_Strict):
     """Malicious clients, to test a defence in simulation (:mod:`fedlore.engine.attack`): a
     seeded share of the clients attacks in every round it is sampled. Off while ``kind`` is

@@ -76,6 +76,7 @@ from fedlore.engine.rundir import (
 )
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport, Transport
+from fedlore.engine.unreliable import unreliable
 from fedlore.experiment_parts import (
     describe_parameters,
     evaluator,
@@ -316,6 +317,7 @@ def run_one(
     factory = make_transport if make_transport is not None else LocalTransport
     a = cfg.attack
     factory = attacked(factory, a.kind, a.fraction, a.scale, fed.num_clients, fed.num_classes)
+    factory = unreliable(factory, cfg)  # dropouts, stragglers (clients.*)
     return run(exp, factory, folder, stop_after, extra_callbacks)
 
 

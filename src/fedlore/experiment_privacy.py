@@ -16,6 +16,7 @@ from fedlore.algorithm import Algorithm
 from fedlore.checks import check_secure_round, setup_rounds
 from fedlore.config import Config, ConfigError
 from fedlore.engine.sampling import sample_clients
+from fedlore.engine.unreliable import available_sampler
 from fedlore.privacy import ClipNorm, DPSettings, Privacy, noise_for_epsilon, noise_source
 from fedlore.privacy.dp import (
     ADJACENCY,
@@ -151,6 +152,9 @@ def client_sampler(cfg: Config, seed: int, privacy: Privacy | None) -> Callable[
     from ``(seed, round)`` (:func:`~fedlore.engine.sampling.sample_clients`)."""
     if privacy is not None and privacy.dp is not None:
         return privacy.sample
+    trace = available_sampler(cfg, seed)  # clients.availability: who can be sampled when
+    if trace is not None:
+        return trace
     per_round = cfg.clients_per_round()
     return lambda rnd: sample_clients(cfg.num_clients, per_round, seed, rnd)
 

@@ -40,6 +40,8 @@ seed that travels), then the matrix's position in the plan."""
 SECAGG = 8  # in-process secure aggregation's pair masks
 DP_NOISE = 9  # DP noise (fedlore.privacy)
 ATTACK = 10  # which clients attack, and their noise (fedlore.engine.attack)
+DROPOUT = 11  # which sampled clients fail to answer (fedlore.engine.unreliable)
+SPEED = 12  # the clients' compute speeds (fedlore.engine.unreliable)
 
 # Data purposes: data_rng(seed, PURPOSE, ...), the steps of building a federation.
 DATA_FRACTION = 0  # the kept share |D| of the training set

@@ -17,6 +17,7 @@ This module imports nothing of fedlore (the config and the algorithms both impor
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import typing
@@ -73,6 +74,14 @@ Pattern = Annotated[str, Field(min_length=1)]
 
 DEFAULT_LOCAL_STEPS = 10
 """K when neither ``local_steps`` nor ``local_epochs`` is set."""
+
+STEP_BUDGET: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "step_budget", default=None
+)
+"""The most local steps a client may take this round (None: all of them): set by the simulator
+for a straggler that sends what it finished by the round's deadline
+(:mod:`fedlore.engine.unreliable`, ``clients.partial_work``); the methods' ``round_lrs`` stop
+there, their schedules unchanged."""
 
 STEP_PAIR = {"local_steps": "local_epochs", "local_epochs": "local_steps"}
 """The two ways to size a round's local work; a config sets one (a later layer or override of

@@ -21,6 +21,7 @@ first contact (round 0) and a round with client state (round 1):
 (e) ``precision: fp64`` runs end to end with float64 server tensors.
 (f) under ``local_epochs`` every client draws E * ceil(n / B) minibatches a round.
 (g) every method that takes a server optimizer runs under one and checkpoints its moments.
+(h) every method keeps running with clients that drop out and stragglers that send partial work.
 """
 
 from __future__ import annotations
@@ -466,3 +467,26 @@ def test_server_optimizers_run_and_keep_their_moments_in_the_state(
     ckpt = torch.load(run_dir(cfg, name, SEED) / "checkpoint.pt", weights_only=False)
     assert any(k.startswith("sopt.m.") for k in ckpt["server"]["arrays"])
     assert int(ckpt["server"]["values"]["sopt.t"]) == 2
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_unreliable_clients_leave_every_method_running(
+    name: str, fed: Federation, fed_u: Federation, tmp_path: Path
+) -> None:
+    """(h) dropouts and stragglers (``clients.*``): with a third of the sampled clients dropping
+    out and slow clients sending partial work, every method finishes its rounds with finite
+    results, a client that missed a round taking part again later."""
+    fed = fed_u if _server_set(name) else fed
+    cfg = _cfg(
+        *_server_set(name), "rounds=4", "clients.dropout=0.34", "clients.speed=lognormal",
+        "clients.speed_spread=1.0", "clients.step_s=0.1", "clients.round_deadline_s=0.25",
+        "clients.partial_work=true",
+    )  # fmt: skip
+    cfg = cfg.model_copy(update={"output_dir": str(tmp_path)})
+    summary = run_one(cfg, name, SEED, fed=fed)
+    assert summary is not None and math.isfinite(summary["final_loss"])
+    rows = [
+        json.loads(line)
+        for line in (run_dir(cfg, name, SEED) / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert any("dropped out" in x for r in rows for x in r.get("rejected_reasons", []))

@@ -20,7 +20,7 @@ from fedlore.checks import check_wire_settings
 from fedlore.data.client_data import ClientData, TensorSplit, minibatches
 from fedlore.device import autocast
 from fedlore.optim.server import ServerOpt
-from fedlore.settings import LocalTraining
+from fedlore.settings import STEP_BUDGET, LocalTraining
 from fedlore.tensors import WIRE_DTYPES, select
 from fedlore.train.local import Schedule, evaluate, task_loss
 from fedlore.types import Reply, Scalar, Scalars, State
@@ -102,7 +102,9 @@ class Hyper:
         """Learning rates of the K local steps of round ``rnd`` (``num_examples``: the client's
         training examples, needed under ``local_epochs``)."""
         steps = self.local_steps(num_examples)
-        return self.lr_schedule(num_examples).round_lrs(max(rnd, 0), steps)
+        lrs = self.lr_schedule(num_examples).round_lrs(max(rnd, 0), steps)
+        budget = STEP_BUDGET.get()  # a straggler's partial work (fedlore.engine.unreliable)
+        return lrs if budget is None else lrs[: max(1, budget)]
 
     def server_opt(self) -> ServerOpt:
         """The server optimizer of the ``server.*`` settings (:mod:`fedlore.optim.server`)."""
@@ -191,10 +193,13 @@ class Hyper:
             p.requires_grad_(not self.is_frozen(name))
 
     def weights(self, replies: list[Reply]) -> list[float]:
-        """Aggregation weights p_i of the given replies (not normalized)."""
+        """Aggregation weights p_i of the given replies (not normalized): n_i or 1, times the
+        share of its round's steps a straggler finished (reply metric ``work_share``, set by
+        the simulator under ``clients.partial_work``; 1 otherwise)."""
+        share = [float(r.metrics.get("work_share", 1.0)) for r in replies]
         if self.train.weighting == "uniform":
-            return [1.0] * len(replies)
-        return [float(r.num_examples) for r in replies]
+            return share
+        return [float(r.num_examples) * s for r, s in zip(replies, share, strict=True)]
 
 
 def construction_gradients(

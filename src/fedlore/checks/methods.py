@@ -162,6 +162,24 @@ def check_method_settings(
             f"attack.kind={cfg.attack.kind}: attacks are simulated by the in-process engine; "
             "use engine=local"
         )
+    c = cfg.clients
+    unreliable = c.dropout > 0 or c.round_deadline_s is not None or c.availability is not None
+    if unreliable and cfg.engine != "local":
+        raise ConfigError(
+            "clients.*: unreliable clients are simulated in process; use engine=local"
+        )
+    private = cfg.secure_aggregation or cfg.dp.enabled
+    if private and c.partial_work and c.round_deadline_s is not None:
+        raise ConfigError(
+            "clients.partial_work: a straggler's upload is weighted by the share of its steps "
+            "done, so the server would need each client's weight, not the plain sum that secure "
+            "aggregation and DP give it; drop stragglers instead (partial_work=false)"
+        )
+    if cfg.dp.enabled and c.availability is not None:
+        raise ConfigError(
+            "clients.availability: DP's accountant assumes every client can be sampled in every "
+            "round (uniform sampling); an availability trace breaks that assumption"
+        )
     server = cfg.server
     own = {k: overrides[k] for k in SERVER_KEYS if k in overrides}
     kind, lr = own.get("server_optimizer", server.optimizer), own.get("server_eta", server.lr)
