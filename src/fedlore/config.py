@@ -12,11 +12,10 @@ settings every method shares are :class:`fedlore.settings.LocalTraining`. Import
 
 from __future__ import annotations
 
+from fedlore.config_federation import AttackConfig, ClientsConfig, ServerConfig
 from fedlore.config_load import ConfigError, apply_overrides, load_config, read_yaml, validate
 from fedlore.config_model import Config
 from fedlore.config_sections import (
-    AttackConfig,
-    ClientsConfig,
     DataConfig,
     DiagnosticsConfig,
     DPConfig,
@@ -27,7 +26,6 @@ from fedlore.config_sections import (
     ParamsConfig,
     PartitionConfig,
     RobustConfig,
-    ServerConfig,
     StoreConfig,
 )
 

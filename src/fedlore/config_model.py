@@ -8,9 +8,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from fedlore.config_federation import AttackConfig, ClientsConfig, ServerConfig
 from fedlore.config_sections import (
-    AttackConfig,
-    ClientsConfig,
     DataConfig,
     DiagnosticsConfig,
     DPConfig,
@@ -21,7 +20,6 @@ from fedlore.config_sections import (
     ParamsConfig,
     PartitionConfig,
     RobustConfig,
-    ServerConfig,
     StoreConfig,
 )
 from fedlore.settings import StrictModel as _Strict
