@@ -9,9 +9,9 @@ Grid: ``robust.aggregate`` in {mean, median, trimmed_mean, krum, multi_krum, bul
 (3 or 9 of the 30 clients, and ``robust.num_byzantine`` set to that number, so the aggregates
 know f), plus every aggregate without an attack. ``trimmed_mean`` drops the attackers' share at
 each end (``robust.trim_fraction`` = the fraction). Writes ``experiments/results/attacks/``:
-``<fraction>/table.json`` per sweep (sweep.py) and ``summary.md``, mean ± std over the config's
+``<fraction>/table.json`` per sweep (sweep.py), ``summary.md``, mean ± std over the config's
 seeds of the global model's final test accuracy (%); "n/a" where an aggregate cannot run (Bulyan
-needs n ≥ 4f + 3 clients).
+needs n ≥ 4f + 3 clients), and ``summary.json``, the means the results page quotes.
 """
 
 from __future__ import annotations
@@ -63,6 +63,29 @@ def cell(records: list[dict], **setting: str) -> str:
     return "n/a"
 
 
+def mean_of(records: list[dict], **setting: str) -> float | None:
+    for r in records:
+        if all(r["setting"].get(k) == v for k, v in setting.items()) and r["final_accuracy"]:
+            return 100 * statistics.mean(r["final_accuracy"])
+    return None
+
+
+def facts() -> dict:
+    """``{aggregate: {"none" | "<attack>_<percent>": mean accuracy %}}``, the numbers the
+    results page quotes (absent where the aggregate could not run)."""
+    none = load(OUT / "none" / "table.json")
+    out: dict = {}
+    for agg in AGGREGATES:
+        row = {"none": mean_of(none, **{"robust.aggregate": agg})}
+        for share in SHARES:
+            recs = load(OUT / share / "table.json")
+            for a in ATTACKS:
+                key = f"{a}_{int(float(share) * 100)}"
+                row[key] = mean_of(recs, **{"robust.aggregate": agg, "attack.kind": a})
+        out[agg] = {k: v for k, v in row.items() if v is not None}
+    return out
+
+
 def table() -> str:
     none = load(OUT / "none" / "table.json")
     head = "| aggregate | no attack | " + " | ".join(
@@ -95,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
         subprocess.run(cmd, check=True, cwd=ROOT)
     text = table()
     (OUT / "summary.md").write_text(text, encoding="utf-8")
+    summary = json.dumps(facts(), indent=1, sort_keys=True) + "\n"
+    (OUT / "summary.json").write_text(summary, encoding="utf-8")
     print(text)
 
 
