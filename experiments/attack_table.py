@@ -47,6 +47,8 @@ def sweeps() -> dict[str, list[str]]:
             "--vary", f"attack.kind={','.join(ATTACKS)}",
             "--set", f"attack.fraction={share}", "--set", f"robust.num_byzantine={f}",
             "--set", f"robust.trim_fraction={share}",
+            # a root of their own: the run names carry only the --vary settings
+            "--runs", f"runs/attacks-{int(float(share) * 100)}",
         ]  # fmt: skip
     return out
 

@@ -6,7 +6,7 @@ quotes, from the sweep of ``experiments/dropout.yaml``:
     python experiments/dropout_table.py
 
 Writes ``experiments/results/dropout/summary.md`` (final test accuracy %, mean ± std over the
-config's seeds, per method and dropout rate) and ``summary.json`` (``{method: {rate: mean}}``).
+config's seeds, per method and dropout rate) and ``summary.json`` (``{method: {rate in %: mean}}``, e.g. ``fedlore.60``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main() -> None:
             if not xs:
                 cells.append("–")
                 continue
-            facts.setdefault(m, {})[x] = statistics.mean(xs)
+            facts.setdefault(m, {})[str(round(float(x) * 100))] = statistics.mean(xs)
             sd = f" ± {statistics.stdev(xs):.1f}" if len(xs) > 1 else ""
             cells.append(f"{statistics.mean(xs):.1f}{sd}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
