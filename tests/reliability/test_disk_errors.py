@@ -102,7 +102,9 @@ def _fail(monkeypatch: pytest.MonkeyPatch, code: int, name: str, skip: int = 0) 
     seen = {"n": 0}
 
     def open_temp(tmp: Path, mode: str, compress: bool, **kwargs: Any) -> Any:
-        if re.fullmatch(name, tmp.name.removesuffix(atomic.TMP_SUFFIX)):
+        # <name>.tmp, or <name>.<pid>.<thread>.tmp for a file several runs may write at once
+        target = re.sub(r"(\.\d+\.\d+)?" + re.escape(atomic.TMP_SUFFIX) + "$", "", tmp.name)
+        if re.fullmatch(name, target):
             seen["n"] += 1
             if seen["n"] > skip:
                 if code in (errno.EACCES, errno.EROFS):
