@@ -95,6 +95,10 @@ def test_stragglers_are_dropped_or_send_their_partial_work_with_its_share() -> N
     replies = [got[c] for c in range(3)]
     assert algo.weights(replies) == [10.0, 6.25, 2.5]  # type: ignore[arg-type]
     assert FedAvg.of(weighting="uniform").weights(replies) == [1.0, 5 / 8, 2 / 8]  # type: ignore[arg-type]
+    # a reply that claims more than its whole round counts as its whole round, never more
+    boast = Reply({}, {"num_examples": 10, "work_share": 1e6})
+    low = Reply({}, {"num_examples": 10, "work_share": -3.0})
+    assert algo.weights([boast, low]) == pytest.approx([10.0, 1e-5])
 
 
 def test_an_availability_trace_limits_who_is_sampled(tmp_path: Path) -> None:

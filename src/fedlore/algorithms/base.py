@@ -196,7 +196,9 @@ class Hyper:
         """Aggregation weights p_i of the given replies (not normalized): n_i or 1, times the
         share of its round's steps a straggler finished (reply metric ``work_share``, set by
         the simulator under ``clients.partial_work``; 1 otherwise)."""
-        share = [float(r.metrics.get("work_share", 1.0)) for r in replies]
+        # in [1e-6, 1] whatever a client reports: a share never raises a client above its n_i,
+        # and never makes the weights sum to zero
+        share = [min(1.0, max(1e-6, float(r.metrics.get("work_share", 1.0)))) for r in replies]
         if self.train.weighting == "uniform":
             return share
         return [float(r.num_examples) * s for r, s in zip(replies, share, strict=True)]
