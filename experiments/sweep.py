@@ -16,7 +16,10 @@ Usage::
 
 Each run is ``fedlore run CONFIG name=<name>-<setting> algorithms=<m> seeds=<s> <k=v ...>
 output_dir=<runs> [--set overrides] --resume`` in its own process, so a killed sweep resumes
-where it stopped. Writes ``<out>/table.md`` and ``<out>/table.json``.
+where it stopped. Writes ``<out>/table.md`` and ``<out>/table.json``. Run names hold only the
+``--vary`` settings: a finished run under the same name whose ``config.json`` differs (another
+sweep's ``--set`` values in the same runs root) is neither reused nor tabulated, and the sweep
+says so (give each sweep its own ``--runs`` root).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from fedlore.config import load_config
+from fedlore.engine.rundir import config_diff
+from fedlore.experiment_parts import make_algorithm
 
 COLUMNS = (
     ("final_accuracy", "acc. (%)", 100.0),
@@ -115,14 +120,36 @@ def main(argv: list[str] | None = None) -> int:
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
+    def overrides(setting: tuple[tuple[str, str], ...], method: str, seed: int) -> list[str]:
+        name = f"{cfg.name}-{label(setting)}"
+        return [
+            f"name={name}", f"algorithms={method}", f"seeds={seed}", f"output_dir={root}",
+            "progress=false", *[f"{k}={v}" for k, v in setting], *args.set,
+        ]  # fmt: skip
+
+    def other_config(setting: tuple[tuple[str, str], ...], method: str, seed: int) -> str:
+        """Why the finished run in this setting's folder is not this sweep's ('' if it is):
+        run names hold only the ``--vary`` settings, so a sweep whose ``--set`` differs finds
+        another sweep's runs under the same names."""
+        folder = Path(root) / f"{cfg.name}-{label(setting)}" / method / f"seed-{seed}"
+        record = folder / "config.json"
+        if not record.exists():
+            return ""
+        run_cfg = load_config(args.config, overrides(setting, method, seed))
+        diff = config_diff(run_cfg, method, json.loads(record.read_text()), make_algorithm)
+        return f"{folder} holds a run of another config ({diff})" if diff else ""
+
     def run(setting: tuple[tuple[str, str], ...], method: str, seed: int) -> None:
         name = f"{cfg.name}-{label(setting)}"
         if (Path(root) / name / method / f"seed-{seed}" / "summary.json").exists():  # done
+            why = other_config(setting, method, seed)
+            if why:
+                print(f"{label(setting)} {method} seed {seed}: skipped: {why}; give this "
+                      "sweep its own --runs root", flush=True)  # fmt: skip
             return
         cmd = [
             sys.executable, "-m", "fedlore.cli", "run", args.config,
-            f"name={name}", f"algorithms={method}", f"seeds={seed}", f"output_dir={root}",
-            "progress=false", *[f"{k}={v}" for k, v in setting], *args.set, "--resume",
+            *overrides(setting, method, seed), "--resume",
         ]  # fmt: skip
         log = logs / f"{label(setting)}-{method}-{seed}.log"
         with log.open("a") as fh:  # append: a rerun (resume) keeps the earlier log
@@ -144,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     for setting in settings:
         for method in methods:
             folder = Path(root) / f"{cfg.name}-{label(setting)}" / method
-            runs = [folder / f"seed-{s}" for s in cfg.seeds]
+            runs = [
+                folder / f"seed-{s}" for s in cfg.seeds if not other_config(setting, method, s)
+            ]
             finished = [r / "summary.json" for r in runs if (r / "summary.json").exists()]
             done = [json.loads(f.read_text()) for f in finished]
             if not done:

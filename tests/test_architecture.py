@@ -46,6 +46,11 @@ BREACHES = {
     "the engine never imports an algorithm": ("engine/sampling.py", "import fedlore.algorithms"),
     "the experiment driver never imports Flower": ("experiment.py", "import fedlore.flower"),
     "only fedlore.flower imports flwr": ("data/partition.py", "import flwr"),
+    "only the hf source and flwr: partitioners import datasets": (
+        "data/partition.py",
+        "import flwr_datasets",
+    ),
+    "only fedlore.tracking imports the trackers": ("results/plots.py", "import mlflow"),
     "no import cycles": ("atomic.py", "import fedlore.results.store"),
 }
 

@@ -47,7 +47,7 @@ ADMONITIONS = {
 NOT_RUN = {
     "pip", "apt-get", "sudo", "source", "cd", "ls", "cat", "head", "tail", "export", "mkdir",
     "cp", "mv", "kill", "git", "flower-superlink", "flower-supernode", "flwr", "tensorboard",
-    "mlflow", "xdg-open", "open", "chromium", "nvidia-smi", "du", "tree", "wc", "less",
+    "mlflow", "wandb", "xdg-open", "open", "chromium", "nvidia-smi", "du", "tree", "wc", "less",
 }  # fmt: skip
 
 

@@ -4,8 +4,9 @@
   the config (default: ``experiments/quickstart.yaml``), prints the mean ± std table and the
   folder the results are in; options may come anywhere on the line.
 * ``fedlore report RUN_DIR`` writes ``report.md``, ``report.csv`` and plots and prints the table.
-* ``fedlore partition CONFIG [key=value ...]`` prints each client's class histogram per seed
-  (documents per source group for a pre-training corpus).
+* ``fedlore partition CONFIG [key=value ...] [--plot FILE]`` prints each client's class
+  histogram per seed (documents per source group for a pre-training corpus) and, with
+  ``--plot``, draws it (:mod:`fedlore.data.label_plot`).
 * ``fedlore fortunes-c4 OUT_DIR [--root FOLDER]`` converts Debian's fortunes corpus into C4-format
   ``c4-train.jsonl`` / ``c4-validation.jsonl`` (one source host per category file).
 """
@@ -172,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         "partition",
         help="print per-client class histograms of an experiment's partition",
         description="Print each client's class histogram per seed (documents per source group "
-        "for a pre-training corpus), without training.",
+        "for a pre-training corpus), without training; with --plot, also draw it.",
         epilog=_EPILOG,
     )
     p_part.add_argument(
@@ -180,6 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="*",
         metavar="CONFIG|key=value",
         help="the experiment file, then overrides of its keys",
+    )
+    p_part.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write each seed's label distribution per client (stacked bars, or a heat "
+        "map past 20 classes) to FILE (format from its suffix, e.g. .png; with several seeds, "
+        "FILE-seed<s>.png per seed)",
     )
     p_conv = sub.add_parser(
         "fortunes-c4",
@@ -245,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
                 fed = build_federation(cfg, seed)
                 print(f"# {cfg.name}: {cfg.data.name}, {cfg.partition.name} partition, seed {seed}")
                 print(fed.format_histogram())
+                if ns.plot is not None:
+                    from fedlore.data.label_plot import save_label_plot
+
+                    plot = ns.plot
+                    if len(cfg.seeds) > 1:
+                        plot = plot.with_name(f"{plot.stem}-seed{seed}{plot.suffix}")
+                    print(f"label distribution written to {save_label_plot(fed, plot)}")
             return 0
         from fedlore.checks import check_overrides
         from fedlore.experiment import run_experiment
@@ -256,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
             summaries = run_experiment(cfg, ns.resume, ns.overwrite, engine)
         folder = Path(cfg.output_dir) / cfg.name
         print(report(folder), flush=True)  # the table before any warning about it
+        if cfg.tracking.backends:
+            from fedlore.tracking import track_report
+
+            track_report(cfg, folder)  # the table and plots to each tracker (tracking: [...])
         for method, runs in summaries.items():
             for summary in runs:
                 if summary.get("diverged"):

@@ -28,6 +28,7 @@ from fedlore.config_sections import (
     RobustConfig,
     StoreConfig,
 )
+from fedlore.config_tracking import TrackingConfig
 
 __all__ = [
     "AttackConfig",
@@ -46,6 +47,7 @@ __all__ = [
     "RobustConfig",
     "ServerConfig",
     "StoreConfig",
+    "TrackingConfig",
     "apply_overrides",
     "load_config",
     "read_yaml",

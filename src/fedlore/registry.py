@@ -26,6 +26,12 @@ _PACKAGES = {
     "source": "fedlore.data.sources",
     "partition": "fedlore.data.partition",
 }
+# Names with a prefix name entries of another library, resolved by a module's
+# ``resolve(rest_of_the_name)`` instead of a table: ``flwr:<Class>`` is any row partitioner of
+# flwr-datasets (:func:`fedlore.data.flwr_partitions.resolve`).
+_PREFIXES = {
+    "partition": {"flwr:": ("fedlore.data.flwr_partitions", "a partitioner of flwr-datasets")}
+}
 
 
 def _register(kind: str, name: str) -> Callable[[F], F]:
@@ -60,15 +66,22 @@ def register_partition(name: str) -> Callable[[F], F]:
 
 
 def get(kind: str, name: str) -> Any:
-    """Look up ``name`` in the ``kind`` table.
+    """Look up ``name`` in the ``kind`` table (a prefixed name, ``flwr:<Class>``, in the
+    library it names).
 
     Raises:
-        KeyError: naming the unknown entry and listing the registered ones.
+        KeyError: naming the unknown entry and listing the registered ones (and the prefixed
+            names of the kind).
     """
+    prefixes = _PREFIXES.get(kind, {})
+    for prefix, (module, _) in prefixes.items():
+        if name.startswith(prefix):
+            return importlib.import_module(module).resolve(name[len(prefix) :])
     importlib.import_module(_PACKAGES[kind])
     table = _TABLES[kind]
     if name not in table:
-        raise KeyError(f"unknown {kind} {name!r}; registered: {sorted(table)}")
+        more = "".join(f"; or {p}<class>, {what}" for p, (_, what) in prefixes.items())
+        raise KeyError(f"unknown {kind} {name!r}; registered: {sorted(table)}{more}")
     return table[name]
 
 

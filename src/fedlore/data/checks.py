@@ -109,8 +109,9 @@ def central_splits(source: DataSource, data: DataConfig) -> tuple[DataSource, st
     ``"error"`` refuses.
 
     Returns:
-        ``(source, note)``: the source with both splits, and what was held out (None when the
-        source has its own test split), e.g. ``"held out 20 % of train.npz (...)"``, which the
+        ``(source, note)``: the source with both splits (the natural ids of its examples,
+        ``train_ids``, split with them), and what was held out (None when the source has its
+        own test split), e.g. ``"held out 20 % of train.npz (...)"``, which the
         run's summary and report repeat.
 
     Raises:
@@ -157,7 +158,12 @@ def central_splits(source: DataSource, data: DataConfig) -> tuple[DataSource, st
         f"a held-out {share} of {train_file} ({len(test_idx)} of {len(y)} "
         f"examples, stratified by class, seed {HOLDOUT_SEED})",
     )
+    ids = source.train_ids
     held = dataclasses.replace(
-        source, train=source.train.subset(train_idx), test=source.train.subset(test_idx)
+        source,
+        train=source.train.subset(train_idx),
+        test=source.train.subset(test_idx),
+        train_ids=None if ids is None else ids[train_idx],
+        test_ids=None if ids is None else ids[test_idx],
     )
     return held, note

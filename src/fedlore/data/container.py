@@ -28,7 +28,9 @@ class Federation:
     Attributes:
         source: registry name of the data source.
         pool: the kept training set; inputs ``[n, C, H, W]`` with noise already applied (text:
-            int64 token ids ``[n, L]``), labels ``[n]`` the true (unflipped) classes.
+            int64 token ids ``[n, L]``), labels ``[n]`` the true (unflipped) classes. Under
+            ``data.local_test=by_id`` the source's test split follows it, the examples of the
+            clients' local test splits.
         train_labels: labels ``[n]`` that clients train on (with label flips, if configured).
         train_indices: per client, sorted indices into ``pool`` of its local training split.
         test_indices: per client, sorted indices into ``pool`` of its local test split.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from fedlore.data.client_data import TensorSplit
 
 
@@ -22,6 +24,12 @@ class DataSource:
         task: ``"classification"`` (int64 labels) or ``"regression"`` (float32 targets
             ``[B]``; ``num_classes`` is then the number of target values per example, the
             model's output width, and ``class_names`` names them).
+        train_ids: the natural owner of every training example (a writer, a speaker, a LEAF
+            user), int64 ``[len(train)]`` indexing ``id_names``; None for a source without one.
+            ``partition.name: natural`` gives each id its own client
+            (:func:`fedlore.data.partition.partition_natural`).
+        test_ids: the same for the test split (None when the source has no ids).
+        id_names: the name of each id, index = id (sorted names).
     """
 
     name: str
@@ -31,3 +39,6 @@ class DataSource:
     input_shape: tuple[int, ...]
     class_names: list[str]
     task: str = "classification"
+    train_ids: np.ndarray | None = None
+    test_ids: np.ndarray | None = None
+    id_names: tuple[str, ...] = ()

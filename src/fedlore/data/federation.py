@@ -24,8 +24,9 @@ from fedlore.progress import say
 
 __all__ = ["SOURCE_OPTIONS", "Federation", "build_federation", "load_source"]
 
-# DataConfig fields that only some sources take (the text sources): passed as keyword arguments
-# to a loader that declares them; set to a non-default value for any other source, an error.
+# DataConfig fields that only some sources take (the text sources, npz, hf, leaf): passed as
+# keyword arguments to a loader that declares them; set to a non-default value for any other
+# source, an error.
 SOURCE_OPTIONS = (
     "tokenizer",
     "max_length",
@@ -34,6 +35,11 @@ SOURCE_OPTIONS = (
     "max_documents",
     "validation_documents",
     "non_finite",
+    "input_column",
+    "label_column",
+    "id_column",
+    "train_split",
+    "test_split",
 )
 
 

@@ -1,6 +1,7 @@
 """How the kept training pool is cut before and after partitioning: the strata of regression
 targets, the server's unlabeled set U, the selection split, and each client's local train/test
-split.
+split (a random share, or, ``data.local_test=by_id``, the test examples of its own natural
+ids).
 
 U is the server's share of unlabeled training data of Meta-BayFL (seed 001, Sec. V-B: "10,000
 training photos are stored as unlabeled data on the server"), held out, like the selection split,
@@ -134,3 +135,68 @@ def split_local(
     n_test = min(max(1, round(test_fraction * n)), n - 1)
     perm = rng.permutation(indices)
     return np.sort(perm[n_test:]).astype(np.int64), np.sort(perm[:n_test]).astype(np.int64)
+
+
+def local_test_mode(local_test: str | None, partition: str, test_ids: np.ndarray | None) -> str:
+    """How the clients' local test splits are made (``data.local_test``): ``"split"`` (a random
+    ``test_fraction`` of each partition, :func:`split_local`) or ``"by_id"`` (the test examples
+    of the client's own ids, :func:`tests_by_id`). None: ``by_id`` for the ``natural`` partition
+    of a source whose test examples carry ids, else ``split``.
+
+    Raises:
+        ConfigError: for ``by_id`` on a source without ids.
+    """
+    if local_test is None:
+        return "by_id" if partition == "natural" and test_ids is not None else "split"
+    if local_test == "by_id" and test_ids is None:
+        raise ConfigError(
+            "data.local_test=by_id needs a source whose examples carry natural ids: "
+            "data.name=leaf (its users), or data.name=hf with data.id_column"
+        )
+    return local_test
+
+
+def tests_by_id(
+    parts: list[np.ndarray],
+    ids: np.ndarray,
+    test_ids: np.ndarray,
+    offset: int,
+    id_names: tuple[str, ...] = (),
+) -> list[np.ndarray]:
+    """Each client's local test split under ``data.local_test=by_id``: the test examples whose
+    id is one of the client's (a LEAF user's own test data), as indices ``offset + j`` of test
+    example ``j`` (the test split is appended to the pool after its ``offset`` training
+    examples). Test examples of an id no client holds are in no local test split.
+
+    Args:
+        parts: per client, indices into the pool of its training examples.
+        ids: the id of every pool training example.
+        test_ids: the id of every test example.
+        offset: where the test split starts in the pool.
+        id_names: the ids' names, for messages.
+
+    Returns:
+        Per client, sorted int64 indices.
+
+    Raises:
+        ConfigError: when an id's training examples are on two clients (``by_id`` needs each id
+            on one client: ``partition.name=natural``).
+    """
+    size = int(max(ids.max(initial=-1), test_ids.max(initial=-1))) + 1
+    client_of = np.full(size, -1, dtype=np.int64)
+    for client, part in enumerate(parts):
+        mine = np.unique(ids[part])
+        taken = mine[(client_of[mine] >= 0) & (client_of[mine] != client)]
+        if len(taken):
+            u = int(taken[0])
+            name = id_names[u] if u < len(id_names) else str(u)
+            raise ConfigError(
+                f"data.local_test=by_id: the examples of id {name!r} are on clients "
+                f"{int(client_of[u])} and {client}; by_id needs every id on one client "
+                "(partition.name=natural), else set data.local_test=split"
+            )
+        client_of[mine] = client
+    owner = client_of[test_ids]
+    order = np.argsort(owner, kind="stable")[int((owner < 0).sum()) :]  # ids of no client first
+    counts = np.bincount(owner[owner >= 0], minlength=len(parts))
+    return [offset + p.astype(np.int64) for p in np.split(order, np.cumsum(counts)[:-1])]

@@ -23,7 +23,14 @@ from fedlore.data.client_data import TensorSplit
 from fedlore.data.container import Federation
 from fedlore.data.corruption import add_gaussian_noise, flip_labels, subsample_stratified
 from fedlore.data.datasource import DataSource
-from fedlore.data.holdout import hold_out_selection, hold_out_server, split_local, target_strata
+from fedlore.data.holdout import (
+    hold_out_selection,
+    hold_out_server,
+    local_test_mode,
+    split_local,
+    target_strata,
+    tests_by_id,
+)
 from fedlore.data.partition import partition_labels
 from fedlore.seeding import (
     DATA_FLIP,
@@ -49,10 +56,13 @@ def labelled_federation(cfg: Config, seed: int, source: DataSource) -> Federatio
     (:func:`hold_out_server`, stream ``data_rng(seed, DATA_SERVER)``) and a stratified share
     ``cfg.data.selection_fraction`` of what is left as the selection split
     (:func:`hold_out_selection`, stream ``data_rng(seed, DATA_SELECTION)``); partition the rest
-    over ``cfg.num_clients`` clients with ``cfg.partition``; split each client's examples into
-    local train/test with ``cfg.data.test_fraction``; add input noise ``cfg.data.noise`` to the
-    kept training inputs (so to client train and test) and, from another stream, to the central
-    test set; flip a share ``cfg.data.label_flip`` of each client's training labels.
+    over ``cfg.num_clients`` clients with ``cfg.partition`` (given the source's natural ids,
+    ``train_ids``, where it has them); split each client's examples into local train/test with
+    ``cfg.data.test_fraction`` (or, ``data.local_test=by_id``, give each client the test
+    examples of its own ids, appended to the pool: :func:`tests_by_id`); add input noise
+    ``cfg.data.noise`` to the kept training inputs (so to client train and test) and, from
+    another stream, to the central test set; flip a share ``cfg.data.label_flip`` of each
+    client's training labels.
 
     Args:
         cfg: the experiment config.
@@ -63,10 +73,12 @@ def labelled_federation(cfg: Config, seed: int, source: DataSource) -> Federatio
         The :class:`~fedlore.data.container.Federation`.
 
     Raises:
+        KeyError: for an unknown partitioner.
         ValueError: on a partition that is not a cover, or a client left with no training data
             (the message suggests ``partition.min_size``).
         ConfigError: when ``data.server_fraction`` or ``data.selection_fraction`` leaves the
-            clients nothing, or input noise or label flips are asked of a regression source.
+            clients nothing, input noise or label flips are asked of a regression source, or
+            ``data.local_test=by_id`` of a source without ids or a partition that splits an id.
     """
     test_split = None
     if not cfg.flower.site_data:  # a site's test file is never read: the server evaluates
@@ -92,13 +104,27 @@ def labelled_federation(cfg: Config, seed: int, source: DataSource) -> Federatio
         cfg.data.selection_fraction,
         data_rng(seed, DATA_SELECTION),
     )
+    ids = None if source.train_ids is None else source.train_ids[keep]  # natural ids, if any
     # without U and a selection split, client_idx is arange(n): the partition is exactly the
     # one without these steps
-    parts = [client_idx[p] for p in partition_labels(cfg, seed, labels[client_idx])]
+    parts = [
+        client_idx[p]
+        for p in partition_labels(
+            cfg, seed, labels[client_idx], None if ids is None else ids[client_idx]
+        )
+    ]
+    by_id = local_test_mode(cfg.data.local_test, cfg.partition.name, source.test_ids) == "by_id"
+    if by_id:  # each client tests on the test examples of its own ids, appended to the pool
+        assert ids is not None and source.test_ids is not None
+        own_tests = tests_by_id(parts, ids, source.test_ids, len(pool), source.id_names)
+        pool = TensorSplit.concat([pool, source.test])
 
     train_idx, test_idx = [], []
     for i, part in enumerate(parts):
-        tr, te = split_local(part, cfg.data.test_fraction, data_rng(seed, DATA_SPLIT, i))
+        if by_id:
+            tr, te = part, own_tests[i]
+        else:
+            tr, te = split_local(part, cfg.data.test_fraction, data_rng(seed, DATA_SPLIT, i))
         if len(tr) == 0:
             raise ValueError(
                 f"client {i} received no training data from partition {cfg.partition.name!r} "

@@ -19,10 +19,22 @@ The schemes:
 * ``source_dirichlet``: seed 000's C4 allocation of source groups (here the "labels" are
   source-group ids): per-group Dirichlet proportions rounded by largest remainder, redrawn
   while some client is empty.
+* ``natural``: one client per natural id (a LEAF user, a writer or speaker of an ``hf``
+  dataset's ``data.id_column``), or whole ids grouped when there are more ids than clients.
+* ``flwr:<Partitioner>``: any row partitioner of flwr-datasets, resolved by
+  :func:`fedlore.registry.get` in :mod:`fedlore.data.flwr_partitions`.
+
+A partitioner receives three more inputs only when its signature names them: ``ids`` (the
+natural id of every example, int64 ``[n]``, when the source has ids), ``run_seed`` (the
+experiment seed) and ``kwargs`` (``partition.kwargs`` whole); without a ``kwargs`` parameter,
+each key of ``partition.kwargs`` must be a keyword parameter it declares, and is passed as one.
+A partitioner with ``covers = False`` (flwr-datasets' shards, sizes) may leave examples to no
+client; its parts must still be disjoint.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -320,26 +332,146 @@ def partition_source_dirichlet(
     )
 
 
-def _check_cover(parts: list[np.ndarray], n: int, name: str) -> None:
-    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    if len(flat) != n or not np.array_equal(np.sort(flat), np.arange(n)):
-        raise ValueError(f"partition {name!r} does not cover each of the {n} indices exactly once")
+@register_partition("natural")
+def partition_natural(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    ids: np.ndarray | None = None,
+    **_: Any,
+) -> list[np.ndarray]:
+    """Natural partition: every example goes to the client of its natural id (the LEAF user, the
+    writer or speaker of ``data.id_column``), never split between clients.
 
+    With as many clients as ids present, client ``k`` holds the ``k``-th id in increasing order
+    (the sorted id names of the source): no randomness. With fewer clients, the ids are shuffled
+    with ``rng`` and cut into ``num_clients`` groups of near-equal numbers of ids
+    (``numpy.array_split``), each client holding the examples of one group; client sizes then
+    follow the ids' sizes.
 
-def partition_labels(cfg: Config, seed: int, labels: np.ndarray) -> list[np.ndarray]:
-    """Split ``labels`` (classes, or source groups of documents) over ``cfg.num_clients`` with
-    the registered partitioner ``cfg.partition.name``, drawing from the partition stream
-    ``data_rng(seed, DATA_PARTITION)`` only.
+    Args:
+        labels: int array ``[n]`` of class labels (only checked).
+        num_clients: number of clients N (at most the number of ids present).
+        rng: source of the grouping (unused when N equals the number of ids).
+        ids: int array ``[n]``, the id of every example (from the source).
+
+    Returns:
+        N sorted int64 index arrays, none empty.
 
     Raises:
-        ValueError: from the partitioner, or when its parts do not cover every index once.
+        ValueError: without ids (naming the sources that have them), on ids of another length
+            than ``labels``, or for more clients than ids.
     """
-    partition = registry.get("partition", cfg.partition.name)
+    labels = _check(labels, num_clients)
+    if ids is None:
+        raise ValueError(
+            "partition 'natural' needs the natural id of every example: data.name=leaf (its "
+            "users), or data.name=hf with data.id_column=<the column of writers, speakers, ...>"
+        )
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.shape != labels.shape:
+        raise ValueError(f"natural partition: {len(ids)} ids for {len(labels)} labels")
+    present = np.unique(ids)
+    if num_clients > len(present):
+        raise ValueError(
+            f"partition 'natural': num_clients={num_clients}, but the clients' data hold "
+            f"{len(present)} ids (users, writers, ...): set num_clients={len(present)} for one "
+            "id per client, or fewer to group whole ids"
+        )
+    if num_clients == len(present):
+        groups = [present[k : k + 1] for k in range(num_clients)]
+    else:
+        groups = np.array_split(rng.permutation(present), num_clients)
+    owner = np.full(int(present.max()) + 1, -1, dtype=np.int64)
+    for client, group in enumerate(groups):
+        owner[group] = client
+    client_of = owner[ids]
+    order = np.argsort(client_of, kind="stable")  # within a client: increasing index
+    return [
+        np.asarray(p, dtype=np.int64)
+        for p in np.split(order, np.cumsum(np.bincount(client_of, minlength=num_clients))[:-1])
+    ]
+
+
+def _check_cover(parts: list[np.ndarray], n: int, name: str, complete: bool = True) -> None:
+    """Every index in ``[0, n)`` in exactly one part (``complete``), or in at most one (a
+    partitioner that may leave examples out: the count left out is said)."""
+    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    if complete:
+        if len(flat) != n or not np.array_equal(np.sort(flat), np.arange(n)):
+            raise ValueError(
+                f"partition {name!r} does not cover each of the {n} indices exactly once"
+            )
+        return
+    if len(flat) and (flat.min() < 0 or flat.max() >= n):
+        raise ValueError(f"partition {name!r} gave an index outside [0, {n})")
+    if len(np.unique(flat)) != len(flat):
+        raise ValueError(f"partition {name!r} gave some example to two clients")
+    if len(flat) < n:
+        say("partition %s: %d of the %d examples went to no client", name, n - len(flat), n)
+
+
+_FIXED = ("labels", "num_clients", "rng")  # positional inputs of every partitioner
+_ON_REQUEST = ("ids", "run_seed", "kwargs")  # inputs a partitioner gets when it names them
+
+
+def _declared_kwargs(partition: Any, cfg: Config) -> dict[str, Any]:
+    """``partition.kwargs`` as keyword arguments of a partitioner that declares each of them.
+
+    Raises:
+        ValueError: naming a key the partitioner does not declare, and those it does.
+    """
+    params = inspect.signature(partition).parameters
+    named = {
+        k
+        for k, p in params.items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and k not in (*_FIXED, *_ON_REQUEST)
+        and k not in type(cfg.partition).model_fields
+    }
+    unknown = sorted(set(cfg.partition.kwargs) - named)
+    if unknown:
+        raise ValueError(
+            f"partition.kwargs {unknown}: partitioner {cfg.partition.name!r} takes no such "
+            f"argument (its own: {sorted(named) or 'none'}; partition.alpha, min_size, "
+            "major_classes and major_share are keys of their own)"
+        )
+    return dict(cfg.partition.kwargs)
+
+
+def partition_labels(
+    cfg: Config, seed: int, labels: np.ndarray, ids: np.ndarray | None = None
+) -> list[np.ndarray]:
+    """Split ``labels`` (classes, or source groups of documents) over ``cfg.num_clients`` with
+    the partitioner ``cfg.partition.name`` (registered, or ``flwr:<Partitioner>``), drawing from
+    the partition stream ``data_rng(seed, DATA_PARTITION)`` only (a flwr-datasets partitioner:
+    from its ``seed``, the run's ``seed`` unless ``partition.kwargs`` gives one).
+
+    Args:
+        cfg: the experiment config.
+        seed: the experiment seed.
+        labels: int array ``[n]``.
+        ids: the natural id of every example, int64 ``[n]``, or None (the source has none).
+
+    Raises:
+        KeyError: for an unknown partitioner.
+        ValueError: from the partitioner, for ``partition.kwargs`` it does not take, or when its
+            parts do not cover every index once (leave none to two clients, for a partitioner
+            with ``covers = False``).
+    """
+    name = cfg.partition.name
+    partition = registry.get("partition", name)
+    params = inspect.signature(partition).parameters
+    given = {"ids": ids, "run_seed": seed, "kwargs": dict(cfg.partition.kwargs)}
+    extra = {k: v for k, v in given.items() if k in params}
+    if "kwargs" not in params:
+        extra.update(_declared_kwargs(partition, cfg))
     parts: list[np.ndarray] = partition(
         labels,
         cfg.num_clients,
         data_rng(seed, DATA_PARTITION),
-        **cfg.partition.model_dump(exclude={"name"}),
+        **cfg.partition.model_dump(exclude={"name", "kwargs"}),
+        **extra,
     )
-    _check_cover(parts, len(labels), cfg.partition.name)
+    _check_cover(parts, len(labels), name, complete=getattr(partition, "covers", True))
     return parts

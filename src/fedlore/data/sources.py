@@ -4,7 +4,9 @@ Every loader has the signature ``f(root: str | None = None, **options) -> DataSo
 registered under its name with :func:`fedlore.registry.register_source`. Nothing is downloaded: a
 loader reads the files under ``root`` (or a documented default) and fails with a message that
 names every path it looked at and how to get the data. Text sources (``fortunes``, ``text_csv``,
-``text_jsonl``) live in :mod:`fedlore.data.text` and take keyword options (tokenizer, length).
+``text_jsonl``) live in :mod:`fedlore.data.text` and take keyword options (tokenizer, length);
+``hf`` (:mod:`fedlore.data.hf`) and ``leaf`` (:mod:`fedlore.data.leaf`) read data sets of the
+federated-learning ecosystem.
 
 Images are float32 ``[B, C, H, W]`` scaled to [0, 1]; labels are int64 ``[B]``.
 """
@@ -20,9 +22,11 @@ import numpy as np
 import torch
 
 # Importing this module registers every source (registry.get imports it): the image sources
-# below, the text sources and the pre-training corpora.
+# below, the text sources, the pre-training corpora, Hugging Face datasets on disk and LEAF.
 from fedlore.data import c4 as _c4  # noqa: F401
 from fedlore.data import fortunes_c4 as _fortunes_c4  # noqa: F401
+from fedlore.data import hf as _hf  # noqa: F401
+from fedlore.data import leaf as _leaf  # noqa: F401
 from fedlore.data import text as _text  # noqa: F401
 from fedlore.data.checks import check_rows
 from fedlore.data.client_data import TensorSplit

@@ -294,8 +294,8 @@ def _read_rows(path: Path, kind: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _label_order(raw: list[str]) -> list[str]:
-    """Distinct labels sorted numerically when all are integers, else as strings."""
+def label_order(raw: list[str]) -> list[str]:
+    """Distinct labels (or ids) sorted numerically when all are integers, else as strings."""
     distinct = set(raw)
     try:
         return sorted(distinct, key=int)
@@ -353,7 +353,7 @@ def load_text_file(
         if split not in (None, "", "train", "test"):
             raise ValueError(f"{where}: split must be 'train' or 'test', got {split!r}")
         splits.append(split or None)
-    class_names = _label_order(raw_labels)
+    class_names = label_order(raw_labels)
     index = {c: k for k, c in enumerate(class_names)}
     y = np.asarray([index[c] for c in raw_labels], dtype=np.int64)
     if any(s is not None for s in splits):

@@ -133,11 +133,11 @@ class RunFolder:
 
 _NOT_RESULT_KEYS = (
     "progress", "algorithms", "seeds", "method", "store", "output_dir", "flower", "device",
-    "threads",
+    "threads", "tracking",
 )  # fmt: skip
-"""Config keys that do not change a run's results (or, ``method``, are compared per method);
-``device`` and ``threads`` change them by float rounding only, so a run may resume on another
-device or with another thread count."""
+"""Config keys that do not change a run's results (or, ``method``, are compared per method;
+``tracking`` only shows them elsewhere); ``device`` and ``threads`` change them by float
+rounding only, so a run may resume on another device or with another thread count."""
 
 
 def _run_config(cfg: Config, method: str) -> dict[str, Any]:

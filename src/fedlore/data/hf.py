@@ -1,0 +1,397 @@
+"""The ``hf`` source: a Hugging Face dataset read from local files with the ``datasets``
+library's own readers (nothing is downloaded).
+
+``data.root`` is one of
+
+* a folder written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk`` (it holds
+  ``dataset_dict.json`` or ``state.json``), read with ``datasets.load_from_disk``; a single
+  ``Dataset`` is the training split;
+* a ``.parquet``, ``.csv``, ``.json`` or ``.jsonl`` file: the training split;
+* a folder of such files (in subfolders too, e.g. ``data/`` of the Hub's layout; hidden ones
+  such as ``.cache/`` are skipped): a file belongs to a split when its name starts with the
+  split's name (``train.csv``, ``data/test-00000-of-00001.parquet``) or it lies in a folder
+  named after it (``train/0.jsonl``).
+
+Files are read with ``datasets.load_dataset("parquet" | "csv" | "json", data_files=...)``,
+which caches them as Arrow files in the ``datasets`` cache (``HF_DATASETS_CACHE``).
+
+The splits are ``data.train_split`` and ``data.test_split`` (default ``train`` / ``test``); a
+dataset without the test split is tested on a held-out share of its training split
+(``data.missing_test``, :func:`fedlore.data.checks.central_splits`). The columns:
+
+* ``data.input_column`` (default: the first of :data:`INPUT_COLUMNS` present): a
+  ``datasets.Image`` column becomes float32 ``[B, C, H, W]`` in [0, 1] (one channel when every
+  image is greyscale, else RGB; every image must have one size); a column of arrays or lists of
+  numbers becomes float32 (uint8 scaled to [0, 1] as ``npz`` does; ``[B, H, W]`` gets one
+  channel, ``[B, H, W, C]`` with C of 1 or 3 is moved to ``[B, C, H, W]``); a string column is
+  tokenized as the text sources do (``data.tokenizer``, ``data.max_length``).
+* ``data.label_column`` (default ``label``): a ``ClassLabel`` gives the classes and their names;
+  non-negative integers are classes ``0 .. largest``; strings are numbered in sorted order
+  (numerically when every label is an integer), over both splits.
+* ``data.id_column`` (optional): the natural owner of each example (writer, speaker, user), the
+  ids of ``partition.name: natural``, numbered in sorted order over both splits.
+
+``datasets`` is imported only when this source loads data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedlore.data.checks import check_rows
+from fedlore.data.client_data import TensorSplit
+from fedlore.data.datasource import DataSource
+from fedlore.data.text import label_order, load_tokenizer, tokenize
+from fedlore.registry import register_source
+
+INPUT_COLUMNS = ("image", "img", "text", "sentence")
+"""Input columns looked for, in order, when ``data.input_column`` is not set."""
+
+BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json"}
+"""File suffix -> the ``datasets`` builder that reads it."""
+
+_SAVED = ("dataset_dict.json", "state.json")  # what save_to_disk writes at the top of a folder
+_FORMATS = "a save_to_disk folder, or a .parquet / .csv / .json / .jsonl file or folder of them"
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """``datasets`` without its progress bars (restored afterwards)."""
+    import datasets
+
+    bars = datasets.are_progress_bars_disabled()
+    level = datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+        if not bars:
+            datasets.enable_progress_bars()
+
+
+def _split_files(folder: Path, splits: tuple[str, str]) -> tuple[dict[str, list[str]], str]:
+    """The data files of a folder grouped by split, and the builder that reads them."""
+    found = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file()
+        and p.suffix in BUILDERS
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
+    files: dict[str, list[str]] = {}
+    for split in splits:
+        mine = [
+            p
+            for p in found
+            if p.name.startswith(split) or split in p.relative_to(folder).parts[:-1]
+        ]
+        if mine:
+            files[split] = [str(p) for p in mine]
+    if splits[0] not in files:
+        shown = [str(p.relative_to(folder)) for p in found[:10]]
+        raise FileNotFoundError(
+            f"hf: no data file for the training split {splits[0]!r} in {folder} (looked for "
+            f"{', '.join('*' + s for s in BUILDERS)} files named {splits[0]}* or in a folder "
+            f"{splits[0]}/, in subfolders too; found {shown or 'none'}). data.root must be "
+            f"{_FORMATS}; data.train_split names the split"
+        )
+    kinds = {BUILDERS[Path(f).suffix] for fs in files.values() for f in fs}
+    if len(kinds) > 1:
+        raise ValueError(f"hf: {folder} mixes file formats {sorted(kinds)}; keep one")
+    return files, kinds.pop()
+
+
+def read_splits(root: str | None, train_split: str, test_split: str) -> dict[str, Any]:
+    """The ``datasets.Dataset`` of each split present of ``root`` (the training split always).
+
+    Raises:
+        FileNotFoundError: when ``root`` is None or does not exist, or holds no training split
+            (naming where it looked and the splits or files it found).
+        ValueError: naming ``root`` when ``datasets`` cannot read it.
+    """
+    if root is None:
+        raise FileNotFoundError(f"hf: no data.root given; point data.root=... at {_FORMATS}")
+    path = Path(root)
+    if not path.exists():
+        raise FileNotFoundError(f"hf: data.root={root} does not exist; it must be {_FORMATS}")
+    import datasets
+
+    splits = (train_split, test_split)
+    if path.is_file() and path.suffix not in BUILDERS:
+        raise FileNotFoundError(
+            f"hf: data.root={root} is a {path.suffix or 'suffix-less'} file; it must be {_FORMATS}"
+        )
+    saved = path.is_dir() and any((path / f).is_file() for f in _SAVED)
+    files, builder = ({}, "") if saved or path.is_file() else _split_files(path, splits)
+    with _quiet():
+        try:
+            if saved:
+                loaded = datasets.load_from_disk(str(path))
+                if isinstance(loaded, datasets.Dataset):
+                    loaded = {train_split: loaded}
+            elif path.is_file():
+                loaded = datasets.load_dataset(
+                    BUILDERS[path.suffix], data_files={train_split: str(path)}
+                )
+            else:
+                loaded = datasets.load_dataset(builder, data_files=files)
+        except Exception as e:  # pyarrow's, json's and datasets' own errors on a corrupt file
+            raise ValueError(f"hf: datasets cannot read {root} ({type(e).__name__}: {e})") from e
+    if train_split not in loaded:
+        raise FileNotFoundError(
+            f"hf: {root} has no split {train_split!r} (data.train_split); its splits: "
+            f"{sorted(loaded)}"
+        )
+    return {s: loaded[s] for s in splits if s in loaded}
+
+
+def _column(ds: Any, column: str, key: str, where: str) -> Any:
+    """The feature of ``column``, refused naming the split, the key and the columns there are."""
+    if column not in ds.column_names:
+        raise ValueError(
+            f"hf: {where} has no column {column!r} (data.{key}); its columns: {ds.column_names}"
+        )
+    return ds.features[column]
+
+
+def _images(images: list[Any], column: str, where: str) -> np.ndarray:
+    """PIL images -> uint8 ``[B, C, H, W]``: one channel when all are greyscale, else RGB."""
+    mode = "L" if all(im.mode in ("L", "1") for im in images) else "RGB"
+    arrays = [np.asarray(im.convert(mode), dtype=np.uint8) for im in images]
+    for k, a in enumerate(arrays):
+        if a.shape != arrays[0].shape:
+            raise ValueError(
+                f"hf: {where}: the images of column {column!r} differ in size ({arrays[0].shape} "
+                f"at row 0, {a.shape} at row {k}); resize them to one size first"
+            )
+    if not arrays:
+        return np.zeros((0, 1, 1, 1), dtype=np.uint8)
+    x = np.stack(arrays)
+    return x[:, None] if mode == "L" else x.transpose(0, 3, 1, 2)
+
+
+def _values(ds: Any, column: str) -> list[Any]:
+    """One column's values as Python objects (images decoded), no other column read."""
+    return list(ds.select_columns([column])[:][column])
+
+
+def _innermost(feature: Any) -> str | None:
+    """The dtype of the numbers of a (nested) list or array feature, e.g. ``"uint8"``."""
+    while not hasattr(feature, "dtype") and hasattr(feature, "feature"):
+        feature = feature.feature  # List / Sequence / LargeList of ...
+    return getattr(feature, "dtype", None)
+
+
+def _arrays(ds: Any, column: str, where: str) -> np.ndarray:
+    """A column of numbers, arrays or nested lists -> ``[B, F]`` or ``[B, C, H, W]`` (uint8
+    kept as uint8: ``datasets``' numpy format widens integers to int64)."""
+    x = np.asarray(ds.select_columns([column]).with_format("numpy")[:][column])
+    if _innermost(ds.features[column]) == "uint8" and x.dtype.kind in "iu":
+        x = x.astype(np.uint8)
+    if x.dtype == object or x.dtype.kind not in "biuf":
+        raise ValueError(
+            f"hf: {where}: column {column!r} holds {ds.features[column]}, not images, text or "
+            "arrays of numbers of one shape (data.input_column names the input)"
+        )
+    if x.ndim in (1, 3):  # one number per example: one feature; [H, W]: one channel
+        x = x[:, None]
+    elif x.ndim == 4 and x.shape[1] not in (1, 3):
+        if x.shape[3] not in (1, 3):
+            raise ValueError(
+                f"hf: {where}: column {column!r} holds arrays of shape {x.shape[1:]}; images "
+                "must be [C, H, W] or [H, W, C] with 1 or 3 channels"
+            )
+        x = x.transpose(0, 3, 1, 2)
+    elif x.ndim > 4:
+        raise ValueError(f"hf: {where}: column {column!r} holds arrays of shape {x.shape[1:]}")
+    return x if x.dtype == np.uint8 else x.astype(np.float32)
+
+
+def _missing(values: list[Any], column: str, where: str) -> None:
+    """Refuse a column with an empty (None) entry, naming its first row."""
+    empty = next((k for k, v in enumerate(values) if v is None), None)
+    if empty is not None:
+        raise ValueError(f"hf: {where}: row {empty} has no value in column {column!r}")
+
+
+def _raw_labels(ds: Any, column: str, where: str) -> tuple[np.ndarray, list[str] | None]:
+    """A label column as ``(values, ClassLabel names or None)``: ints, or strings (object)."""
+    import datasets
+
+    feature = _column(ds, column, "label_column", where)
+    values = _values(ds, column)
+    _missing(values, column, where)
+    if isinstance(feature, datasets.ClassLabel):
+        return np.asarray(values, dtype=np.int64), list(feature.names)
+    if getattr(feature, "dtype", None) in ("string", "large_string"):
+        return np.asarray([str(v) for v in values], dtype=object), None
+    y = np.asarray(values)
+    if y.dtype.kind not in "iu":
+        raise ValueError(
+            f"hf: {where}: label column {column!r} holds {feature}; the hf source reads class "
+            "labels (a ClassLabel, integers or strings)"
+        )
+    return y.astype(np.int64), None
+
+
+def _classes(
+    raw: dict[str, tuple[np.ndarray, list[str] | None]], column: str, root: str
+) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Class ids of every split and the class names (see the module docstring)."""
+    kinds = {
+        s: "strings" if v.dtype == object else "ClassLabel" if n is not None else "integers"
+        for s, (v, n) in raw.items()
+    }
+    names = [n for _, n in raw.values()]
+    if len(set(kinds.values())) > 1 or any(n != names[0] for n in names):
+        raise ValueError(
+            f"hf: {root}: label column {column!r} differs between the splits: {kinds}"
+            + ("" if len(set(kinds.values())) > 1 else " with other ClassLabel names")
+        )
+    if next(iter(kinds.values())) == "strings":
+        order = label_order([str(c) for v, _ in raw.values() for c in v.tolist()])
+        index = {c: k for k, c in enumerate(order)}
+        ids = {s: np.asarray([index[c] for c in v], dtype=np.int64) for s, (v, _) in raw.items()}
+        return ids, order
+    known = names[0]
+    for s, (v, _) in raw.items():
+        bad = np.flatnonzero((v < 0) | (v >= len(known) if known is not None else False))
+        if len(bad):
+            limit = f"outside its {len(known)} ClassLabel names" if known else "labels are >= 0"
+            raise ValueError(
+                f"hf: {root} (split {s!r}): row {int(bad[0])} has label {int(v[bad[0]])} in "
+                f"column {column!r} ({limit})"
+            )
+    labels = {s: v for s, (v, _) in raw.items()}
+    if known is not None:
+        return labels, list(known)
+    top = max((int(v.max()) + 1 for v in labels.values() if len(v)), default=1)
+    return labels, [str(c) for c in range(top)]
+
+
+@register_source("hf")
+def load_hf(
+    root: str | None = None,
+    *,
+    input_column: str | None = None,
+    label_column: str = "label",
+    id_column: str | None = None,
+    train_split: str = "train",
+    test_split: str = "test",
+    tokenizer: str | None = None,
+    max_length: int = 64,
+    non_finite: str = "error",
+) -> DataSource:
+    """A labelled Hugging Face dataset from local files (see the module docstring).
+
+    Args:
+        root: ``data.root``: a ``save_to_disk`` folder, or a parquet / CSV / JSON(L) file or
+            folder of them.
+        input_column: ``data.input_column`` (None: the first of :data:`INPUT_COLUMNS`).
+        label_column: ``data.label_column``.
+        id_column: ``data.id_column``: the natural ids, or None.
+        train_split: ``data.train_split``.
+        test_split: ``data.test_split``.
+        tokenizer: a string input's tokenizer folder (None: all-MiniLM-L6-v2).
+        max_length: a string input's tokens per example.
+        non_finite: ``data.non_finite``, for inputs of numbers (``error`` or ``drop``).
+
+    Returns:
+        A :class:`DataSource` named ``"hf"`` (with ``train_ids`` / ``test_ids`` given an
+        ``id_column``); an empty test split when the dataset has no ``test_split``.
+
+    Raises:
+        FileNotFoundError: when ``root`` is missing or holds no training split (naming where it
+            looked).
+        ValueError: naming the root, the split and the column when a column is missing or
+            holds what this source cannot read, images differ in size, labels are negative or
+            differ in kind between the splits, or (``non_finite="error"``) an input is NaN.
+    """
+    import datasets
+
+    data = read_splits(root, train_split, test_split)
+    assert root is not None
+    first = data[train_split]
+    if input_column is None:
+        input_column = next((c for c in INPUT_COLUMNS if c in first.column_names), None)
+        if input_column is None:
+            raise ValueError(
+                f"hf: {root} (split {train_split!r}) has none of the input columns "
+                f"{list(INPUT_COLUMNS)}; name it with data.input_column (its columns: "
+                f"{first.column_names})"
+            )
+    inputs: dict[str, Any] = {}
+    raw: dict[str, tuple[np.ndarray, list[str] | None]] = {}
+    owners: dict[str, list[str]] = {}
+    for split, ds in data.items():
+        where = f"{root} (split {split!r})"
+        feature = _column(ds, input_column, "input_column", where)
+        raw[split] = _raw_labels(ds, label_column, where)
+        if id_column is not None:
+            _column(ds, id_column, "id_column", where)
+            owner = _values(ds, id_column)
+            _missing(owner, id_column, where)
+            owners[split] = [str(v) for v in owner]
+        if isinstance(feature, datasets.Image):
+            inputs[split] = _images(_values(ds, input_column), input_column, where)
+        elif getattr(feature, "dtype", None) in ("string", "large_string"):
+            texts = _values(ds, input_column)
+            _missing(texts, input_column, where)
+            inputs[split] = [str(t) for t in texts]
+        else:
+            x = _arrays(ds, input_column, where)
+            _, kept = check_rows(where, x, np.arange(len(x)), non_finite)
+            if len(kept) < len(x):
+                x = x[kept]
+                raw[split] = (raw[split][0][kept], raw[split][1])
+                if id_column is not None:
+                    owners[split] = [owners[split][k] for k in kept]
+            inputs[split] = x
+    labels, class_names = _classes(raw, label_column, root)
+    text = isinstance(inputs[train_split], list)
+    if text:
+        tok = load_tokenizer(tokenizer)
+        xs = {s: tokenize(tok, v, max_length) for s, v in inputs.items()}
+    else:
+        shapes = {s: x.shape[1:] for s, x in inputs.items()}
+        if len(set(shapes.values())) > 1:
+            raise ValueError(f"hf: {root}: the splits' inputs differ in shape: {shapes}")
+        xs = {s: _float(x) for s, x in inputs.items()}
+    train = TensorSplit(xs[train_split], torch.from_numpy(labels[train_split]))
+    if test_split in xs:
+        test = TensorSplit(xs[test_split], torch.from_numpy(labels[test_split]))
+    else:
+        test = TensorSplit(train.x[:0].clone(), train.y[:0].clone())
+    ids: dict[str, np.ndarray] = {}
+    id_names: list[str] = []
+    if id_column is not None:
+        id_names = label_order([o for v in owners.values() for o in v])
+        index = {o: k for k, o in enumerate(id_names)}
+        ids = {s: np.asarray([index[o] for o in v], dtype=np.int64) for s, v in owners.items()}
+    return DataSource(
+        name="hf",
+        train=train,
+        test=test,
+        num_classes=len(class_names),
+        input_shape=tuple(int(d) for d in train.x.shape[1:]),
+        class_names=class_names,
+        train_ids=ids.get(train_split),
+        test_ids=ids.get(test_split, np.zeros(0, np.int64)) if ids else None,
+        id_names=tuple(id_names),
+    )
+
+
+def _float(x: np.ndarray) -> torch.Tensor:
+    """uint8 pixels scaled to [0, 1], other numbers cast to float32 (as ``npz``)."""
+    out = x.astype(np.float32)
+    if x.dtype == np.uint8:
+        out /= 255.0
+    return torch.from_numpy(out)

@@ -1,0 +1,46 @@
+"""experiments/sweep.py: a sweep reuses and tabulates only its own finished runs, never another
+sweep's whose ``--set`` values differ under the same run names."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sweep() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("sweep", ROOT / "experiments" / "sweep.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_sweep_tabulates_only_runs_of_its_own_settings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        "name: tiny\nrounds: 2\nnum_clients: 3\nlocal_steps: 2\nbatch_size: 16\n"
+        "algorithms: [fedavg]\nseeds: [1]\npartition: {min_size: 10}\n"
+        "model: {name: mlp, kwargs: {hidden: [16]}}\n"
+    )
+    sweep = _sweep()
+    common = [str(config), "--vary", "data.noise=0", "--runs", str(tmp_path / "runs")]
+    assert sweep.main([*common, "--set", "lr=0.01", "--out", str(tmp_path / "a")]) == 0
+    (row,) = json.loads((tmp_path / "a" / "table.json").read_text())
+    assert row["seeds"] == 1
+    # another --set under the same run names: not reused, not tabulated, and said
+    assert sweep.main([*common, "--set", "lr=0.02", "--out", str(tmp_path / "b")]) == 0
+    assert json.loads((tmp_path / "b" / "table.json").read_text()) == []
+    out = capsys.readouterr().out
+    assert "holds a run of another config" in out and "lr" in out
+    assert (
+        sweep.main([*common, "--set", "lr=0.01", "--out", str(tmp_path / "c"), "--table-only"]) == 0
+    )
+    assert len(json.loads((tmp_path / "c" / "table.json").read_text())) == 1
