@@ -139,8 +139,8 @@ def fedlore_update(
     (``r x n``, ``d_k`` Adam's direction on ``Pᵀ G_k``, ``G_k`` the weight's ``m x n`` view),
     for the other parameters their dense change after Adam steps, in parameter order.
 
-    ``side`` is FedLore's ``side`` rule for these weights (:class:`~fedlore.optim.subspace.
-    MatrixSpec`): ``left`` (the seed's default) views a Linear weight as ``out x in``, so the basis
+    ``side`` is FedLore's ``side`` rule for these weights (``MatrixSpec.side`` of
+    :mod:`fedlore.optim.subspace`): ``left`` (the seed's default) views a Linear weight as ``out x in``, so the basis
     ``P`` is ``out x r`` and the coordinates keep the input dimension; ``right`` views it as
     ``in x out`` (``P`` is ``in x r``)."""
     if side not in ("left", "right"):
