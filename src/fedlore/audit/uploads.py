@@ -140,9 +140,9 @@ def fedlore_update(
     for the other parameters their dense change after Adam steps, in parameter order.
 
     ``side`` is FedLore's ``side`` rule for these weights (``MatrixSpec.side`` of
-    :mod:`fedlore.optim.subspace`): ``left`` (the seed's default) views a Linear weight as ``out x in``, so the basis
-    ``P`` is ``out x r`` and the coordinates keep the input dimension; ``right`` views it as
-    ``in x out`` (``P`` is ``in x r``)."""
+    :mod:`fedlore.optim.subspace`): ``left`` (the seed's default) views a Linear weight as
+    ``out x in``, so the basis ``P`` is ``out x r`` and the coordinates keep the input
+    dimension; ``right`` views it as ``in x out`` (``P`` is ``in x r``)."""
     if side not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right', got {side!r}")
     start = _params(model)
