@@ -46,3 +46,19 @@ def test_seed_000_tables_list_its_five_trials(name: str) -> None:
     """Seed 000 reports five trials with seeds {42, 43, 44, 45, 46} (Hardware and
     Reproducibility)."""
     assert load_config(EXPERIMENTS / name).seeds == [42, 43, 44, 45, 46]
+
+
+def test_the_subspace_rivals_run_on_the_table_1_analogue() -> None:
+    """Issue 35: FedLore and its low-rank rivals on vision_table1's setting, seeds 42-44,
+    uniform weights and a selection split (for experiments/lr_grid.py)."""
+    cfg = load_config(EXPERIMENTS / "subspace_rivals.yaml")
+    base = load_config(EXPERIMENTS / "vision_table1.yaml")
+    assert cfg.algorithms == ["fedlore", "fedgalore", "fedslop", "local_galore", "fedit", "fedfull"]
+    assert cfg.seeds == [42, 43, 44] and cfg.weighting == "uniform"
+    assert cfg.data.selection_fraction > 0
+    assert (cfg.model, cfg.data, cfg.partition, cfg.rank) == (
+        base.model,
+        base.data,
+        base.partition,
+        base.rank,
+    )

@@ -55,6 +55,7 @@ TABLE: dict[str, Row] = {
     "fedbe":          Row(0,    F,   F,  T,     T, F,   1,   None,     F,     "own"),
     "fedfomo":        Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "fedfull":        Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
+    "fedgalore":      Row(0,    F,   F,  T,     F, T,   1,   "client", F,     "own"),
     "fedit":          Row(0,    T,   T,  F,     F, T,   1,   None,     T,     "default"),
     "fedlore":        Row(1,    F,   T,  F,     F, T,   1,   "shared", F,     "own"),
     "fedlore_fixed":  Row(1,    T,   T,  F,     F, T,   1,   "shared", F,     "fedlore"),
@@ -62,6 +63,7 @@ TABLE: dict[str, Row] = {
     "fedlore_sketch": Row(1,    T,   T,  F,     F, T,   1,   "shared", F,     "fedlore"),
     "fedmask":        Row(0,    F,   F,  F,     F, T,   2,   None,     F,     "own"),
     "fedprox":        Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
+    "fedslop":        Row(0,    T,   T,  F,     F, T,   1,   "shared", F,     "fedlore"),
     "ffa_lora":       Row(0,    T,   T,  F,     F, T,   1,   None,     T,     "default"),
     "flexlora":       Row(0,    F,   T,  F,     F, T,   1,   None,     T,     "own"),
     "flora":          Row(0,    F,   T,  F,     F, T,   1,   None,     T,     "own"),
@@ -253,4 +255,5 @@ def test_the_methods_that_take_a_server_optimizer() -> None:
         "bayfl", "ditto", "fedavg", "fedavg_mcd", "fedfull", "fedprox", "local_galore",
         "meta_bayfl", "meta_bayfl_mcd", "meta_fl", "pfedbayes", "pfedme",
         "fedlore", "fedlore_fixed", "fedlore_random", "fedlore_sketch", "fedit", "ffa_lora",
+        "fedgalore", "fedslop",
     }  # fmt: skip

@@ -40,8 +40,10 @@ ISSUE_LIST = {
     "fedlore_sketch",
     "fedlore_random",
     "fedlore_fixed",
+    "fedslop",  # issue 35: FedLore-Random's uploads and server, another client optimizer
 }
-"""Issue 20, item 3: the methods whose server needs only weighted sums of the uploads."""
+"""Issue 20, item 3: the methods whose server needs only weighted sums of the uploads (and
+FedSLoP, issue 35)."""
 OWN = {"fedavg", "fedfull", "fedprox", "fedit", "ffa_lora"}
 """The five of them outside the FedLore family (:mod:`fedlore.algorithms.fedlore`)."""
 FEDLORE_FAMILY = {"fedlore", "fedlore_sketch", "fedlore_random", "fedlore_fixed"}

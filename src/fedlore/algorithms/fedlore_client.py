@@ -33,6 +33,8 @@ from fedlore.algorithms.base import construction_gradients, local_eval_metrics, 
 from fedlore.algorithms.basis_rules import BasisRule
 from fedlore.algorithms.lowrank import (
     LowRankHyper,
+    OptState,
+    ProjectedResult,
     add_increment,
     apply_increment,
     train_projected,
@@ -97,6 +99,8 @@ class FedLoreClient(LowRankHyper, abc.ABC):
             bases,
             lrs,
             keep_last_grad=rule.refreshes,
+            start=self.optimizer_start(state, plan, bases),
+            keep_state=self.keeps_optimizer_state,
         )
         final = model_arrays(model)
         wire = self.wire_dtype
@@ -115,11 +119,31 @@ class FedLoreClient(LowRankHyper, abc.ABC):
             train_s=res.train_s,
             **local_eval_metrics(self, model, data, rnd),
         )
+        kept = self.optimizer_keep(res)
         new_state = State(
-            arrays={**with_prefix(cache, "cache."), **with_prefix(bases, "basis.")},
-            values={"version": rnd, "held": held},
+            arrays={**with_prefix(cache, "cache."), **with_prefix(bases, "basis."), **kept.arrays},
+            values={"version": rnd, "held": held, **kept.values},
         )
         return Reply(out, metrics), new_state
+
+    @property
+    def keeps_optimizer_state(self) -> bool:
+        """Whether the client keeps optimizer state across rounds (:meth:`optimizer_keep` is
+        handed the round's final state): no; FedSLoP does."""
+        return False
+
+    def optimizer_start(
+        self, state: State | None, plan: dict[str, MatrixSpec], bases: Arrays
+    ) -> dict[str, OptState] | None:
+        """The optimizer state the round's local steps continue from, given the client's state
+        before the round and the round's ``bases``: None, fresh moments every round (seed
+        Algorithm 1 line 12); FedSLoP continues its momentum."""
+        return None
+
+    def optimizer_keep(self, res: ProjectedResult) -> State:
+        """What of the round's final optimizer state the client keeps (nothing; FedSLoP keeps
+        its momentum), merged into its state."""
+        return State()
 
     def _synchronize(
         self,

@@ -43,6 +43,9 @@ SVD_DTYPES: dict[str, torch.dtype | None] = {
 """``LowRankHyper.svd_dtype`` -> the ``compute_dtype`` of
 :func:`~fedlore.optim.subspace.top_left_singular` (None: each route's default)."""
 
+OptState = dict[str, torch.Tensor | int]
+"""One parameter's optimizer state: tensors (moments, buffers) and the int step count."""
+
 
 @dataclass(frozen=True)
 class LowRankHyper(Hyper):
@@ -143,6 +146,26 @@ class LowRankHyper(Hyper):
             dtype=dtype,
             warm=warm,
             compute_dtype=SVD_DTYPES[self.svd_dtype],
+        )
+
+    def projected_optimizer(
+        self,
+        dense: list[nn.Parameter],
+        projected: list[tuple[nn.Parameter, MatrixSpec, torch.Tensor]],
+    ) -> ProjectedAdam:
+        """A fresh local optimizer of :func:`train_projected`: :class:`ProjectedAdam`
+        (``optimizer="adam"``) or :class:`ProjectedSGD` (``"sgd"``) with the run's lr, betas,
+        eps, weight decay and this method's scale; a method with its own optimizer (FedSLoP)
+        overrides this."""
+        kind = ProjectedSGD if self.optimizer == "sgd" else ProjectedAdam
+        return kind(
+            dense,
+            projected,
+            lr=self.train.lr,
+            betas=self.train.betas,
+            eps=self.train.eps,
+            weight_decay=self.train.weight_decay,
+            scale=self.scale,
         )
 
     def plan(self, model: nn.Module) -> dict[str, MatrixSpec]:
@@ -307,6 +330,10 @@ class ProjectedResult:
         state_bytes: bytes of the optimizer's moment tensors.
         basis_bytes: bytes of the bases held by the optimizer.
         train_s: seconds of the K steps (the reply's ``train_s``, ``client_train_s`` in rows).
+        opt_state: the optimizer's state at the end, by parameter name (``{"exp_avg": M,
+            "exp_avg_sq": V, "step": k}`` for Adam, ``{"momentum_buffer": B}`` for momentum;
+            only the parameters that stepped; empty unless asked for with ``keep_state``), for a
+            method that keeps it across rounds.
     """
 
     stats: TrainStats
@@ -315,6 +342,38 @@ class ProjectedResult:
     state_bytes: int
     basis_bytes: int
     train_s: float = 0.0
+    opt_state: dict[str, OptState] = field(default_factory=dict)
+
+
+def optimizer_arrays(opt_state: dict[str, OptState], prefix: str = "opt.") -> State:
+    """Optimizer states by parameter name as a client :class:`~fedlore.types.State`: tensor
+    ``<prefix><stat>.<name>`` (``opt.exp_avg_sq.fc1.weight``), int ``<prefix><stat>.<name>``
+    in ``values`` (the step count)."""
+    arrays: Arrays = {}
+    values: dict[str, int] = {}
+    for name, st in opt_state.items():
+        for stat, v in st.items():
+            if isinstance(v, torch.Tensor):
+                arrays[f"{prefix}{stat}.{name}"] = v.detach().clone().contiguous()
+            else:
+                values[f"{prefix}{stat}.{name}"] = int(v)
+    return State(arrays, dict(values))
+
+
+def optimizer_from(state: State | None, prefix: str = "opt.") -> dict[str, OptState]:
+    """Inverse of :func:`optimizer_arrays` (copies of the tensors: the state passed in is never
+    changed); empty for None."""
+    out: dict[str, OptState] = {}
+    if state is None:
+        return out
+    flat: dict[str, torch.Tensor | int] = {
+        **{k: v for k, v in state.values.items() if k.startswith(prefix) and isinstance(v, int)},
+        **{k: v.clone() for k, v in state.arrays.items() if k.startswith(prefix)},
+    }
+    for key, v in flat.items():
+        stat, _, name = key[len(prefix) :].partition(".")
+        out.setdefault(name, {})[stat] = v
+    return out
 
 
 def train_projected(
@@ -325,23 +384,27 @@ def train_projected(
     bases: Arrays,
     lrs: list[float],
     keep_last_grad: bool = False,
+    start: dict[str, OptState] | None = None,
+    keep_state: bool = False,
 ) -> ProjectedResult:
-    """K steps of :class:`ProjectedAdam` (``hyper.optimizer="sgd"``: :class:`ProjectedSGD`) on
-    ``batches`` (K = ``len(lrs)``): projected matrices in ``bases``, the rest dense AdamW (SGD).
+    """K steps of ``hyper.projected_optimizer`` (:class:`ProjectedAdam`, or
+    :class:`ProjectedSGD` under ``optimizer="sgd"``) on ``batches`` (K = ``len(lrs)``):
+    projected matrices in ``bases``, the rest dense AdamW (SGD).
+
+    ``start`` (parameter name -> optimizer state, :class:`ProjectedResult`'s ``opt_state``
+    form) is put into the fresh optimizer before the first step, so the moments continue from
+    it (None or a missing name: from zero). Its tensors are used in place: pass copies. With
+    ``keep_state`` the result's ``opt_state`` holds the optimizer's final state (the tensors
+    themselves, not copies: the optimizer is gone); without, it is empty and the moments are
+    freed when this returns.
     """
     params = dict(model.named_parameters())
     projected = [(params[k], plan[k], bases[k]) for k in plan]
     dense = [p for k, p in params.items() if k not in plan and p.requires_grad]
-    kind = ProjectedSGD if hyper.optimizer == "sgd" else ProjectedAdam
-    opt = kind(
-        dense,
-        projected,
-        lr=hyper.train.lr,
-        betas=hyper.train.betas,
-        eps=hyper.train.eps,
-        weight_decay=hyper.train.weight_decay,
-        scale=hyper.scale,
-    )
+    opt = hyper.projected_optimizer(dense, projected)
+    for name, st in (start or {}).items():
+        if name in params and params[name].requires_grad:
+            opt.state[params[name]] = dict(st)
     last: Arrays = {}
     hooks: list[Callable[[nn.Module, int], None]] = []
     if keep_last_grad:
@@ -359,4 +422,16 @@ def train_projected(
     stats = local_train(model, batches, opt, lrs, on_grad=hooks, grad_clip=hyper.train.grad_clip)
     train_s = time.perf_counter() - t0
     coords = {k: opt.coords[params[k]].detach().clone() for k in plan}
-    return ProjectedResult(stats, coords, last, opt.state_bytes(), opt.basis_bytes(), train_s)
+    final: dict[str, OptState] = {}
+    if keep_state:
+        final = {
+            k: {
+                stat: v.detach() if isinstance(v, torch.Tensor) else int(v)
+                for stat, v in opt.state[p].items()
+            }
+            for k, p in params.items()
+            if p in opt.state
+        }
+    return ProjectedResult(
+        stats, coords, last, opt.state_bytes(), opt.basis_bytes(), train_s, opt_state=final
+    )

@@ -277,7 +277,7 @@ def check_privacy(name: str, cls: type[Declares], cfg: Config) -> None:
         raise ConfigError(
             f"{mode}: method {name!r} cannot run under it: {why} (methods "
             "whose server needs only weighted sums: fedavg, fedfull, fedprox, fedit, ffa_lora, "
-            "fedlore_sketch, fedlore_random, fedlore_fixed)"
+            "fedlore_sketch, fedlore_random, fedlore_fixed, fedslop)"
         )
     if cfg.robust.aggregate != "mean":
         raise ConfigError(

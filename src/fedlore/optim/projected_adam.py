@@ -1,5 +1,6 @@
 """Adam whose moments live in the coordinates of bases handed to it (never computes a basis),
-and projected SGD (:class:`ProjectedSGD`, the same update with the raw projected gradient).
+projected SGD (:class:`ProjectedSGD`, the same update with the raw projected gradient) and
+projected heavy-ball momentum (:class:`ProjectedMomentum`, FedSLoP's).
 
 For a projected parameter with view ``G`` (``m x n``) and basis ``P`` (``m x r``), one step is
 (seed Algorithm 1 lines 14–18, with the decoupled decay of Proposition 8)::
@@ -18,7 +19,10 @@ includes ``-lr * scale`` (the paper's ``ΔZ`` times ``-ηα`` for a constant lr)
 Dense (unprojected) parameters get plain AdamW with the same betas, eps, lr and decoupled decay
 (the operation sequence of PyTorch's multi-tensor ``foreach`` AdamW, which FedFull's clients run
 on CUDA; on the CPU PyTorch picks its per-tensor loop, the same arithmetic).
-Moments start at zero when the optimizer is made; FedLore makes a fresh one every round.
+Moments start at zero when the optimizer is made; FedLore makes a fresh one every round. A
+method that keeps its moments across rounds (FedGaLore, FedSLoP) puts them into ``state`` after
+making the optimizer (:func:`fedlore.algorithms.lowrank.train_projected`'s ``start``): each
+step continues from what it finds there.
 
 Cost per projected matrix and step (issue 19): two ``r·m·n`` products (``Pᵀ G``, and ``P D``
 added in place into the weight by one ``addmm_``), no ``m x n`` temporary (the weight is written
@@ -243,3 +247,68 @@ class ProjectedSGD(ProjectedAdam):
         params = self._decayed_dense(group)
         if params:
             torch._foreach_add_(params, [p.grad for p in params], alpha=-group["lr"])
+
+
+class ProjectedMomentum(ProjectedAdam):
+    """Heavy-ball momentum SGD in the bases handed to it (FedSLoP's local optimizer,
+    :mod:`fedlore.algorithms.fedslop`). For a projected parameter with basis ``P``::
+
+        R = Pᵀ G ;  B <- μ B + R ;  D = -lr_k · scale · B
+        W <- a_k W + P D ;        Z <- a_k Z + D
+
+    and ``b <- μ b + g ; p <- a_k p - lr_k b`` for dense parameters, with
+    ``a_k = 1 - lr_k · weight_decay``: the buffer of ``torch.optim.SGD`` (no dampening, no
+    Nesterov; a zero buffer makes the first step ``B = R``), kept in the ``r x n`` coordinates
+    of ``P`` (state ``momentum_buffer``). A buffer already in the optimizer's state when it is
+    made (FedSLoP's momentum carried across rounds) is continued, not reset. ``betas`` and
+    ``eps`` are not used.
+
+    Args:
+        dense, projected, lr, weight_decay, scale: as :class:`ProjectedAdam`.
+        momentum: μ in [0, 1) (0: :class:`ProjectedSGD`).
+
+    Raises:
+        ValueError: if ``momentum`` is outside [0, 1), or as :class:`ProjectedAdam`.
+    """
+
+    def __init__(
+        self,
+        dense: Iterable[nn.Parameter],
+        projected: Iterable[tuple[nn.Parameter, MatrixSpec, torch.Tensor]],
+        lr: float = 1e-3,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        scale: float = 1.0,
+    ) -> None:
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        super().__init__(dense, projected, lr=lr, weight_decay=weight_decay, scale=scale)
+        self.momentum = momentum
+
+    def _buffers(self, params: list[torch.Tensor], gs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``B <- μ B + g`` for each parameter (state ``momentum_buffer``, zero when absent)."""
+        bufs = []
+        for p, g in zip(params, gs, strict=True):
+            st = self.state[p]
+            if "momentum_buffer" not in st:
+                st["momentum_buffer"] = torch.zeros_like(g)
+            bufs.append(st["momentum_buffer"])
+        torch._foreach_mul_(bufs, self.momentum)
+        torch._foreach_add_(bufs, gs)
+        return bufs
+
+    def directions(
+        self, params: list[torch.Tensor], rs: list[torch.Tensor], group: dict[str, Any]
+    ) -> list[torch.Tensor]:
+        """``D = -lr_k · scale · B`` with ``B <- μ B + R`` (in the buffers of ``rs``)."""
+        bufs = self._buffers(params, rs)
+        torch._foreach_zero_(rs)  # R is in the buffer now: D goes into its place
+        torch._foreach_add_(rs, bufs, alpha=-group["lr"] * self.scale)
+        return rs
+
+    def _dense_step(self, group: dict[str, Any]) -> None:
+        """``b <- μ b + g ; p <- a_k p - lr_k b`` for every dense parameter with a gradient."""
+        params = self._decayed_dense(group)
+        if params:
+            bufs = self._buffers(params, [p.grad for p in params])
+            torch._foreach_add_(params, bufs, alpha=-group["lr"])
