@@ -13,6 +13,9 @@ honest-but-curious server inverts the upload (threat model: :mod:`fedlore.audit`
   ΔZ coordinates and dense biases and head; the bases are random orthonormal, known to the
   server as it broadcast them), on the seed's ``left`` side (the basis spans a weight's outputs)
   and, as ``fedlore side=right``, on the inputs' side (``side: right``);
+* ``fedlore-sketch``: FedLore's upload plus FedLore-Sketch's sketches ``Y = G Ω`` of the last
+  step's gradient (Gaussian Ω, ``n x (r + 5)``, from the seed the server broadcast); the sketch
+  is meant to travel under secure aggregation, and is attacked here in the clear;
 * ``fedit``: FedIT's LoRA factors (rank r, A Kaiming-uniform and B zero as peft initializes
   them, scaling 1) and dense biases and head after K local Adam steps;
 * ``fedavg-1`` and ``fedlore`` under central DP at ε = 8 and ε = 1 (δ = 1e-5, one release, N
@@ -81,7 +84,7 @@ def uploads(
 ) -> dict[str, tuple[Upload, bool]]:
     """method -> (its upload model, whether its first layer is SGD-trained: closed form)."""
     g = torch.Generator().manual_seed(seed)
-    left, right, lora = {}, {}, {}
+    left, right, lora, omegas = {}, {}, {}, {}
     for name, p in model.named_parameters():
         if name.startswith("body.") and p.dim() == 2:
             left[name] = torch.linalg.qr(torch.randn(p.shape[0], rank, generator=g))[0]
@@ -89,12 +92,14 @@ def uploads(
             bound = 1 / math.sqrt(p.shape[1])  # peft: A Kaiming-uniform, B zero
             a = (torch.rand(rank, p.shape[1], generator=g) * 2 - 1) * bound
             lora[name] = (a, torch.zeros(p.shape[0], rank))
+            omegas[name] = torch.randn(p.shape[1], rank + 5, generator=g)  # Ω: n x (r + p)
     return {
         "fedavg-1": (sgd_update(model, 0.1, 1), True),
         f"fedavg-{steps}": (sgd_update(model, 0.1, steps), True),
         "fedfull": (adam_update(model, 1e-3, steps), False),
         "fedlore": (fedlore_update(model, left, 1e-3, steps), False),
         "fedlore side=right": (fedlore_update(model, right, 1e-3, steps, side="right"), False),
+        "fedlore-sketch": (fedlore_update(model, left, 1e-3, steps, sketch=omegas), False),
         "fedit": (lora_update(model, lora, 1e-3, steps), False),
     }
 

@@ -87,6 +87,12 @@ def test_fedlore_upload_is_adam_on_the_coordinates(digits: Digits, side: str) ->
     torch.testing.assert_close(got[0].detach(), -1e-2 * r / (r.abs() + 1e-8), rtol=1e-4, atol=1e-7)
     assert got[0].shape == (4, 32 if side == "right" else 64)
     torch.testing.assert_close(got[1].detach(), -1e-2 * g[1] / (g[1].abs() + 1e-8))
+    omega = torch.randn(64 if side == "left" else 32, 6, generator=torch.Generator().manual_seed(2))
+    sketched = fedlore_update(
+        model, {"body.0.weight": p}, 1e-2, 1, side=side, sketch={"body.0.weight": omega}
+    )(x, _onehot(y))
+    assert len(sketched) == len(got) + 1  # the sketch Y = G Ω of the (only) step's gradient
+    torch.testing.assert_close(sketched[-1].detach(), view @ omega, rtol=1e-4, atol=1e-7)
 
 
 def test_the_closed_form_recovers_a_single_image_and_fedlores_left_side_does_not_hide_it(
@@ -191,7 +197,7 @@ def test_the_benchmark_writes_its_table_summary_and_figure(tmp_path: Path) -> No
     assert (1, "fedavg-1", "closed form") in methods and (1, "fedavg-1", "dlg") in methods
     assert {m for b, m, a in methods if b == 4} == {
         "fedavg-1", "fedavg-1 ε=8", "fedavg-5", "fedfull", "fedlore", "fedlore ε=8",
-        "fedlore side=right", "fedit",
+        "fedlore side=right", "fedlore-sketch", "fedit",
     }  # fmt: skip
     assert result["summary"]["digits_b1_fedavg-1_closed_psnr"] > 60
     assert "digits_b4_fedlore_eps8_ig_ssim" in result["summary"]

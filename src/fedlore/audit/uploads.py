@@ -19,6 +19,8 @@ examples), as in Geiping et al. (2020, Sec. 6) for multi-step FedAvg updates.
   (biases, the head), its dense change. The candidate subspace ``P_i`` the client also sends is
   not modelled: the attacker here uses ``ΔZ`` and the dense tensors only (a stronger attacker
   could also match ``P_i``).
+  With FedLore-Sketch's test matrices it also returns the sketches ``Y = G Ω`` of the last
+  step's gradient (the sketch rule's upload).
 * :func:`lora_update`: FedIT's upload: K local Adam steps on the LoRA factors ``A``, ``B`` of
   each adapted weight (``W + s B A``, ``W`` frozen) and on the unadapted parameters; the upload
   is the factors' and the dense tensors' changes. With ``B = 0`` at the start (peft's
@@ -134,6 +136,7 @@ def fedlore_update(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     side: str = "left",
+    sketch: Mapping[str, torch.Tensor] | None = None,
 ) -> Upload:
     """FedLore: for each weight named in ``bases`` the coordinates' change ``ΔZ = -Σ_k η d_k``
     (``r x n``, ``d_k`` Adam's direction on ``Pᵀ G_k``, ``G_k`` the weight's ``m x n`` view),
@@ -142,7 +145,12 @@ def fedlore_update(
     ``side`` is FedLore's ``side`` rule for these weights (``MatrixSpec.side`` of
     :mod:`fedlore.optim.subspace`): ``left`` (the seed's default) views a Linear weight as
     ``out x in``, so the basis ``P`` is ``out x r`` and the coordinates keep the input
-    dimension; ``right`` views it as ``in x out`` (``P`` is ``in x r``)."""
+    dimension; ``right`` views it as ``in x out`` (``P`` is ``in x r``).
+
+    With ``sketch`` (FedLore-Sketch: weight name -> its ``n x q`` test matrix Ω, which the
+    server derives from the seed it broadcast) the upload ends with each sketched weight's
+    ``Y = G Ω`` (``m x q``) of the last local step's gradient view ``G``, as the sketch rule's
+    client sends it (:func:`fedlore.algorithms.lowrank.sketch_gradients`)."""
     if side not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right', got {side!r}")
     start = _params(model)
@@ -159,6 +167,7 @@ def fedlore_update(
         coords = {k: p.new_zeros(p.shape[1], view(start[k]).shape[1]) for k, p in bases.items()}
         m: dict[str, torch.Tensor] = {}
         v2: dict[str, torch.Tensor] = {}
+        g: dict[str, torch.Tensor] = {}
         for t in range(1, steps + 1):
             g = _grads(model, params, x, y)
             new = {}
@@ -174,7 +183,8 @@ def fedlore_update(
                 else:
                     new[k] = params[k] - lr * d
             params = new
-        return [coords[k] if k in bases else params[k] - start[k] for k in start]
+        out = [coords[k] if k in bases else params[k] - start[k] for k in start]
+        return out + [view(g[k]) @ omega for k, omega in (sketch or {}).items()]
 
     return upload
 
