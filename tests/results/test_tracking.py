@@ -17,6 +17,7 @@ from fedlore.cli import main
 from fedlore.config import Config, ConfigError, load_config
 from fedlore.engine.rundir import run_dir
 from fedlore.experiment import run_experiment, run_one
+from fedlore.tracking.base import TrackingWarning
 
 pytest.importorskip("mlflow", reason="the tracking extra: pip install 'fedlore[tracking]'")
 pytest.importorskip("wandb", reason="the tracking extra: pip install 'fedlore[tracking]'")
@@ -264,7 +265,7 @@ def test_a_replacement_run_leaves_one_live_mlflow_run(tmp_path: Path) -> None:
 
 def test_a_failing_tracker_warns_and_the_run_finishes(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, "tracking={backends: [mlflow], mlflow_uri: 'bogus://nowhere'}")
-    with pytest.warns(UserWarning, match="tracking: mlflow failed"):
+    with pytest.warns(TrackingWarning, match="tracking: mlflow failed"):
         summary = run_one(cfg, "fedavg", SEED)
     assert summary is not None
     assert (run_dir(cfg, "fedavg", SEED) / "summary.json").exists()

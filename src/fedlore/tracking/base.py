@@ -69,14 +69,22 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+class TrackingWarning(UserWarning):
+    """A tracker failed and is off for the rest of the run (the command line shows it as one
+    ``fedlore: warning:`` line)."""
+
+
 def _attempt(name: str, call: Callable[[], object]) -> bool:
-    """Run ``call``; on an error warn once, naming tracker ``name``, and return False."""
+    """Run ``call``; on an error warn once, naming tracker ``name`` and the error's first line
+    (at most 200 characters), and return False."""
     try:
         call()
     except Exception as e:  # a view of the record failed, not the record
+        why = (str(e).strip().splitlines() or [""])[0][:200]
         warnings.warn(
             f"tracking: {name} failed and is off for the rest of this run "
-            f"({type(e).__name__}: {e}); the run's own files are complete",
+            f"({type(e).__name__}: {why}); the run's own files are complete",
+            TrackingWarning,
             stacklevel=3,
         )
         return False
