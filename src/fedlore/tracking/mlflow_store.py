@@ -16,6 +16,7 @@ the finished run of the same folder it replaces: one live MLflow run per method 
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import time
 from collections.abc import Sequence
@@ -48,13 +49,26 @@ def store_uri(info: RunInfo) -> str:
 
 
 def _client_and_experiment(info: RunInfo) -> tuple[Any, str]:
+    """The client and the experiment's id. A SQLite store is created and migrated under an OS
+    lock on ``<db>.lock``: two runs of one experiment starting at once (a sweep with
+    ``--jobs 2``) would otherwise race MLflow's table creation and one would lose its
+    tracking."""
+    uri = store_uri(info)
+    if not uri.startswith("sqlite:///"):
+        return _open(uri, info)
+    with open(uri[len("sqlite:///") :] + ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes
+        return _open(uri, info)
+
+
+def _open(uri: str, info: RunInfo) -> tuple[Any, str]:
     from mlflow.tracking import MlflowClient
 
     # MLflow says at INFO level when it creates a SQLite store's tables: not fedlore's news
     logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
 
-    client = MlflowClient(tracking_uri=store_uri(info))
-    found = client.get_experiment_by_name(info.experiment)
+    client = MlflowClient(tracking_uri=uri)
+    found = client.get_experiment_by_name(info.experiment)  # creates the store's tables
     if found is not None:
         return client, str(found.experiment_id)
     where = (info.exp_dir / "mlartifacts").as_uri()
