@@ -76,9 +76,6 @@ from torch import nn
 
 from fedlore.algorithms.base import (
     ReplySpec,
-    construction_gradients,
-    local_eval_metrics,
-    reply_metrics,
 )
 from fedlore.algorithms.local_galore import LocalGaLore
 from fedlore.algorithms.lowrank import (
@@ -251,13 +248,16 @@ class FedGaLore(LocalGaLore):
         data: ClientData,
         rng: torch.Generator,
     ) -> tuple[Reply, State]:
-        start, keep = self.dense_start(msg, state, model)
-        plan = self.plan(model)
-        grads = construction_gradients(model, data.train, self.train.batch_size, rng, list(plan))
-        bases = self.client_bases({k: s.view(grads[k]) for k, s in plan.items()}, rng)
-        rnd = int(msg.config["round"])
-        lrs = self.round_lrs(rnd, data.num_examples)
-        batches = data.batches(self.train.batch_size, len(lrs), rng, rnd)
+        r = self.round_setup(msg, state, model, data, rng)
+        start, keep, plan, bases, rnd, lrs, batches = (
+            r.start,
+            r.keep,
+            r.plan,
+            r.bases,
+            r.rnd,
+            r.lrs,
+            r.batches,
+        )
         moments = self.round_moments(msg, state, plan, start)
         res = train_projected(
             self, model, batches, plan, bases, lrs, start=moments, keep_state=True
@@ -266,16 +266,7 @@ class FedGaLore(LocalGaLore):
         kept = {k: st for k, st in final.items() if st}
         upload = {UPLOAD + k: _second_moment(kept.get(k), s, start[k]) for k, s in plan.items()}
         steps = min((int(st["step"]) for st in kept.values()), default=0)
-        metrics = reply_metrics(
-            data.num_examples,
-            train_loss=res.stats.mean_loss,
-            skipped_steps=res.stats.skipped_steps,
-            optimizer_state_bytes=res.state_bytes,
-            basis_bytes=res.basis_bytes,
-            train_s=res.train_s,
-            moment_steps=steps,
-            **local_eval_metrics(self, model, data, rnd),
-        )
+        metrics = self.round_metrics(res, model, data, rnd, moment_steps=steps)
         held = optimizer_arrays(kept, MOMENTS)
         new_state = State({**keep.arrays, **held.arrays}, {**keep.values, **held.values})
         return Reply({**self.dense_update(model, start), **upload}, metrics), new_state

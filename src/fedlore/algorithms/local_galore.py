@@ -10,6 +10,7 @@ side and the set of projected tensors follow the same rule as FedLore
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -18,10 +19,24 @@ from torch import nn
 
 from fedlore.algorithms.base import construction_gradients, local_eval_metrics, reply_metrics
 from fedlore.algorithms.fedavg import DenseServer
-from fedlore.algorithms.lowrank import LowRankHyper, train_projected
+from fedlore.algorithms.lowrank import LowRankHyper, ProjectedResult, train_projected
 from fedlore.data.client_data import ClientData
+from fedlore.optim.subspace import MatrixSpec
 from fedlore.registry import register_algorithm
-from fedlore.types import Arrays, Broadcast, Reply, State
+from fedlore.types import Arrays, Broadcast, Reply, Scalars, State
+
+
+@dataclass(frozen=True)
+class GaLoreRound:
+    """A Local GaLore client round's inputs (:meth:`LocalGaLore.round_setup`)."""
+
+    start: Arrays
+    keep: State
+    plan: dict[str, MatrixSpec]
+    bases: Arrays
+    rnd: int
+    lrs: list[float]
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
 
 
 @register_algorithm("local_galore")
@@ -77,6 +92,22 @@ class LocalGaLore(DenseServer, LowRankHyper):
         data: ClientData,
         rng: torch.Generator,
     ) -> tuple[Reply, State]:
+        r = self.round_setup(msg, state, model, data, rng)
+        res = train_projected(self, model, r.batches, r.plan, r.bases, r.lrs)
+        metrics = self.round_metrics(res, model, data, r.rnd)
+        return Reply(self.dense_update(model, r.start), metrics), r.keep
+
+    def round_setup(
+        self,
+        msg: Broadcast,
+        state: State | None,
+        model: nn.Module,
+        data: ClientData,
+        rng: torch.Generator,
+    ) -> GaLoreRound:
+        """A client round's inputs: the dense start, the kept state, the plan, the client's
+        own bases from one construction minibatch, the round's learning rates and batches
+        (FedGaLore's client starts the same way)."""
         start, keep = self.dense_start(msg, state, model)
         plan = self.plan(model)
         grads = construction_gradients(model, data.train, self.train.batch_size, rng, list(plan))
@@ -84,14 +115,19 @@ class LocalGaLore(DenseServer, LowRankHyper):
         rnd = int(msg.config["round"])
         lrs = self.round_lrs(rnd, data.num_examples)
         batches = data.batches(self.train.batch_size, len(lrs), rng, rnd)
-        res = train_projected(self, model, batches, plan, bases, lrs)
-        metrics = reply_metrics(
+        return GaLoreRound(start, keep, plan, bases, rnd, lrs, batches)
+
+    def round_metrics(
+        self, res: ProjectedResult, model: nn.Module, data: ClientData, rnd: int, **extra: float
+    ) -> Scalars:
+        """The reply's metrics of a round of :func:`train_projected` (``extra`` added)."""
+        return reply_metrics(
             data.num_examples,
             train_loss=res.stats.mean_loss,
             skipped_steps=res.stats.skipped_steps,
             optimizer_state_bytes=res.state_bytes,
             basis_bytes=res.basis_bytes,
             train_s=res.train_s,
+            **extra,
             **local_eval_metrics(self, model, data, rnd),
         )
-        return Reply(self.dense_update(model, start), metrics), keep
