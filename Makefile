@@ -59,7 +59,7 @@ data:
 
 # Two pytest workers (pytest-xdist): every test process keeps one torch thread
 # (tests/conftest.py), so two workers fill two cores; 15.5 -> 11.6 min measured on two cores.
-PYTEST_ARGS ?= -n 2
+PYTEST_ARGS ?= -n 2 --dist loadgroup
 test: lint data
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 

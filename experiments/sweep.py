@@ -6,7 +6,8 @@ the config. Reported per (setting, method): mean ± sample std over seeds of the
 final central-test accuracy, NLL and ECE, the global model's accuracy on the clients' test
 splits (G-local, ``eval.clients``), the clients' personal or last local model's accuracy and NLL
 on their own test splits (P-local) when ``eval.local`` is on, the mean local-training seconds
-per client per round, and the learning rates the clients chose (Meta methods).
+per client per round, the learning rates the clients chose (Meta methods) and, with ``--bytes``,
+each run's total bytes up and down.
 
 Usage::
 
@@ -49,6 +50,8 @@ COLUMNS = (
     ("local_loss", "P-local NLL", 1.0),
     ("client_train_s_per_round", "client s / round", 1.0),
 )
+BYTES = (("bytes_up_total", "MB up", 1e-6), ("bytes_down_total", "MB down", 1e-6))
+"""``--bytes``: the run's total bytes up and down (setup exchange included), in 10^6 bytes."""
 
 
 def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
@@ -104,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for every run")
     ap.add_argument("--table-only", action="store_true", help="tabulate finished runs only")
+    ap.add_argument("--bytes", action="store_true", help="add each run's MB up and down")
     args = ap.parse_args(argv)
     cfg = load_config(args.config)
     methods = args.methods.split(",") if args.methods else list(cfg.algorithms)
@@ -164,9 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             list(pool.map(lambda j: run(*j), jobs))
 
     records: list[dict[str, Any]] = []
+    columns = COLUMNS + BYTES if args.bytes else COLUMNS
     lines = [
-        "| setting | method | seeds | " + " | ".join(h for _, h, _ in COLUMNS) + " | lr chosen |",
-        "|---|---|---|" + "---|" * len(COLUMNS) + "---|",
+        "| setting | method | seeds | " + " | ".join(h for _, h, _ in columns) + " | lr chosen |",
+        "|---|---|---|" + "---|" * len(columns) + "---|",
     ]
     for setting in settings:
         for method in methods:
@@ -185,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                         lrs[k] = lrs.get(k, 0) + v
             rec: dict[str, Any] = {"setting": dict(setting), "method": method, "seeds": len(done)}
             cells = []
-            for key, _, scale in COLUMNS:
+            for key, _, scale in columns:
                 vals = [float(d[key]) for d in done if d.get(key) is not None]
                 rec[key] = vals
                 cells.append(stat(vals, scale))

@@ -10,6 +10,26 @@ from pathlib import Path
 import pytest
 import torch
 
+# The longest tests (Flower deployments, interrupted simulations, the docs' pages: 10-160 s each on
+# two cores) start first, so that the two pytest-xdist workers do not end with one of them
+# running a long test alone; the deployment tests run on one worker, one after another (their
+# round timeouts assume the other worker is not starting SuperNodes too).
+LONG_FIRST = (
+    "tests/flower/test_deployment.py",
+    "tests/reliability/test_interrupts.py",
+    "tests/flower/test_simulation",
+    "tests/test_docs_examples.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        return next(
+            (i for i, p in enumerate(LONG_FIRST) if item.nodeid.startswith(p)), len(LONG_FIRST)
+        )
+
+    items.sort(key=rank)
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread() -> Iterator[None]:

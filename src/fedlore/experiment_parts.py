@@ -13,6 +13,7 @@ a method projects or adapts.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
@@ -190,6 +191,9 @@ def describe_parameters(name: str, algo: Algorithm, model: nn.Module) -> None:
     which tensors train densely, and warn about every Linear/Conv weight outside
     ``params.exclude`` that is not projected because the rank covers it (``min(m, n) <= rank``):
     it trains densely, which a user asking for a projected method would not expect."""
+    prepare = getattr(algo, "prepare_model", None)
+    if prepare is not None:  # a Bayesian or MC-dropout twin: its own tensors
+        model = prepare(model)
     params = dict(model.named_parameters())
     if projects(algo) is not None:
         lowrank = cast("LowRankHyper", algo)
@@ -197,21 +201,18 @@ def describe_parameters(name: str, algo: Algorithm, model: nn.Module) -> None:
         plan = lowrank.plan(model)
         kind = f"projects (rank {lowrank.rank})"
         chosen = {k: f"{s.m}x{s.n}" for k, s in plan.items()}
-        for mod_name, mod in model.named_modules():
-            if not isinstance(mod, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d):
-                continue
-            weight = f"{mod_name}.weight" if mod_name else "weight"
+        for weight, shape in lowrank.projectable(model).items():
             if weight in plan or is_frozen(weight):
                 continue
             if any(weight.startswith(p) for p in lowrank.exclude):
                 continue
-            shape = tuple(mod.weight.shape)
+            m, n = shape[0], math.prod(shape[1:])
             log.warning(
                 "%s: %s %s is not projected (min(m, n) = %d <= rank %d): it trains densely",
                 name,
                 weight,
-                "x".join(map(str, (shape[0], int(mod.weight[0].numel())))),
-                min(shape[0], int(mod.weight[0].numel())),
+                f"{m}x{n}",
+                min(m, n),
                 lowrank.rank,
             )
     elif adapts(algo):

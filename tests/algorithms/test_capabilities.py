@@ -58,6 +58,8 @@ TABLE: dict[str, Row] = {
     "fedgalore":      Row(0,    F,   F,  T,     F, T,   1,   "client", F,     "own"),
     "fedit":          Row(0,    T,   T,  F,     F, T,   1,   None,     T,     "default"),
     "fedlore":        Row(1,    F,   T,  F,     F, T,   1,   "shared", F,     "own"),
+    "fedlore_bayes":  Row(1,    F,   T,  F,     F, T,   1,   "shared", F,     "own"),
+    "fedlore_bayfl":  Row(1,    F,   T,  F,     F, T,   1,   "shared", F,     "own"),
     "fedlore_fixed":  Row(1,    T,   T,  F,     F, T,   1,   "shared", F,     "fedlore"),
     "fedlore_random": Row(0,    T,   T,  F,     F, T,   1,   "shared", F,     "fedlore"),
     "fedlore_sketch": Row(1,    T,   T,  F,     F, T,   1,   "shared", F,     "fedlore"),
@@ -255,5 +257,5 @@ def test_the_methods_that_take_a_server_optimizer() -> None:
         "bayfl", "ditto", "fedavg", "fedavg_mcd", "fedfull", "fedprox", "local_galore",
         "meta_bayfl", "meta_bayfl_mcd", "meta_fl", "pfedbayes", "pfedme",
         "fedlore", "fedlore_fixed", "fedlore_random", "fedlore_sketch", "fedit", "ffa_lora",
-        "fedgalore", "fedslop",
+        "fedgalore", "fedslop", "fedlore_bayes", "fedlore_bayfl",
     }  # fmt: skip

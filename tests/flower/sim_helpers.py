@@ -20,6 +20,9 @@ SMALL = [
     "local_steps=2",
     "batch_size=16",
     "progress=false",
+    # one Ray actor runs the three clients in turn: every actor is a new process that imports
+    # torch and fedlore (about 4 s of CPU); test_simulation.py's experiment test keeps two
+    "flower.client_cpus=2",
     "lr=0.01",
     "model.kwargs={hidden: [16]}",
     "flower.num_cpus=2",

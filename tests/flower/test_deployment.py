@@ -25,7 +25,7 @@ pytest.importorskip("flwr", reason="needs the [flower] extra: pip install -e '.[
 from fedlore.engine.sampling import sample_clients
 from fedlore.flower.loopback import LoopbackFederation
 
-pytestmark = pytest.mark.flower
+pytestmark = [pytest.mark.flower, pytest.mark.xdist_group("deployment")]
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 3

@@ -51,7 +51,8 @@ def test_an_experiment_starts_ray_once_and_its_runs_equal_runs_alone(
 
     monkeypatch.setattr(ray, "init", spy_init)
     monkeypatch.setattr(simulation, "stop_ray", spy_stop)
-    tiny = [*SMALL, *digits_npz, "rounds=2", "algorithms=[fedfull, fedavg]"]
+    # two actors (one CPU each): clients of one round run in two processes at once
+    tiny = [*SMALL, *digits_npz, "rounds=2", "algorithms=[fedfull, fedavg]", "flower.client_cpus=1"]
     sim = load_config(None, [*tiny, "engine=flower-sim", f"output_dir={tmp_path / 'sim'}"])
     got = run_experiment(sim, engine=ENGINES["flower-sim"]())
     assert len(inits) == 1 and not ray.is_initialized()

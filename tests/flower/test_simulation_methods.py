@@ -37,10 +37,13 @@ def one_ray() -> Iterator[None]:
 
 
 # Variants that only switch hyperparameters of a class tested here run no transport-specific
-# code of their own (each Ray start costs ~15 s of CI): FedProx is FedAvg with a loss term, and
-# the Meta-BayFL family is one class (``meta_bayfl`` covers the BNN, the search, per-client
-# learning rates in the reply metrics and the in-place model conversion on a fresh ClientApp).
-SAME_CLASS_AS_TESTED = {"fedprox", "bayfl", "meta_bayfl_mcd", "fedavg_mcd", "meta_fl"}
+# code of their own (each Ray start costs ~15 s of CI): FedProx is FedAvg with a loss term, the
+# Meta-BayFL family is one class (``meta_bayfl`` covers the BNN, the search, per-client
+# learning rates in the reply metrics and the in-place model conversion on a fresh ClientApp),
+# and fedlore_bayfl is fedlore_bayes without the search.
+SAME_CLASS_AS_TESTED = {
+    "fedprox", "bayfl", "meta_bayfl_mcd", "fedavg_mcd", "meta_fl", "fedlore_bayfl",
+}  # fmt: skip
 # FedFull and FedAvg are compared with their in-process runs by the two-method experiment test
 # (one Ray start for both: test_an_experiment_starts_ray_once_and_its_runs_equal_runs_alone)
 IN_EXPERIMENT_TEST = {"fedfull", "fedavg"}

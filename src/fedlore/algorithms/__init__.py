@@ -8,6 +8,7 @@ from fedlore.algorithms import (  # noqa: F401
     fedfomo,
     fedgalore,
     fedlore,
+    fedlore_bayes,
     fedmask,
     fedslop,
     local_galore,

@@ -49,8 +49,6 @@ Communication: the BNN sends (mu, rho), twice the deterministic parameter count 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
 import time
 from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
@@ -60,10 +58,10 @@ from torch import nn
 
 from fedlore.algorithms import meta_lr
 from fedlore.algorithms.base import local_eval_metrics, reply_metrics
+from fedlore.algorithms.bayes_search import BayesSearch, elbo_kl_term, train_with_search
 from fedlore.algorithms.fedavg import FedFull, optimizer_state_bytes
-from fedlore.algorithms.meta_lr import MetaScore, MetaSplit, meta_split
+from fedlore.algorithms.meta_lr import meta_split
 from fedlore.bayes import (
-    ESTIMATORS,
     Aggregation,
     GaussianPrior,
     add_mc_dropout,
@@ -76,55 +74,25 @@ from fedlore.bayes import (
 )
 from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.registry import register_algorithm
-from fedlore.seeding import derive_seed
-from fedlore.train.local import LossTerm, local_train
+from fedlore.train.local import LossTerm
 from fedlore.types import Broadcast, Reply, State
 
-
-def elbo_kl_term(beta_kl: float, num_examples: int) -> LossTerm:
-    """The KL part of the per-example negative ELBO: ``model -> beta_kl · KL(q || p) / N_k``
-    (reference notes Part 0.3; the mean NLL is the task loss).
-
-    Raises:
-        ValueError: when ``num_examples`` < 1.
-    """
-    if num_examples < 1:
-        raise ValueError(f"the ELBO needs N_k >= 1 training examples, got {num_examples}")
-
-    def term(model: nn.Module) -> torch.Tensor:
-        return beta_kl * kl_divergence(model) / num_examples
-
-    return term
+__all__ = ["BayFL", "FedAvgMCDropout", "MetaBayFL", "MetaBayFLMCDropout", "MetaFL", "elbo_kl_term"]
 
 
 @register_algorithm("meta_bayfl")
 @dataclass(frozen=True)
-class MetaBayFL(FedFull):
-    """Meta-BayFL and its comparators (module docstring). Hyperparameters beyond :class:`Hyper`:
+class MetaBayFL(BayesSearch, FedFull):
+    """Meta-BayFL and its comparators (module docstring). Hyperparameters beyond :class:`Hyper`
+    and the BNN's and search's of :class:`~fedlore.algorithms.bayes_search.BayesSearch`:
 
     Attributes:
         posterior: ``"bnn"``, ``"mcdropout"`` or ``"none"``.
-        lr_search: ``"per_epoch"``, ``"per_round"`` or ``"none"`` (fixed ``lr``).
-        candidate_lrs: eta_1..eta_J (default {1e-2, 1e-3, 1e-4}, seed Table III and the
-            authors' supplementary code, with Adam).
-        temp_steps: T_temp, steps of each temporary copy (reference notes Part 1.7).
-        meta_fraction: share of the training split that forms d (seed: 20 %).
-        meta_split: ``"subset"`` (the seed: d ⊂ D, the client trains on all of D) or
-            ``"heldout"`` (d is removed from training).
-        meta_score: ``"nll"`` (the seed's Eq. 19: mean NLL of the MC predictive on d, S =
-            ``mc_samples``) or ``"elbo"`` (per-example negative ELBO on d, one weight sample).
         local_optimizer: ``"adamw"`` (Adam when ``weight_decay`` = 0, the authors' choice) or
             ``"sgd"`` (the seed's update, Eq. 21).
         momentum: SGD momentum coefficient (≥ 0), read only with ``local_optimizer="sgd"``
             (0, the default: the seed's plain update); a non-zero value makes
             ``trials="batched"`` fall back to sequential trials.
-        beta_kl: weight of KL / N_k in the ELBO (1 = the ELBO itself).
-        prior_mu: mu0, the mean of the Gaussian prior N(mu0, sigma0²) of every weight and bias
-            of the BNN, in the ELBO's KL(q || p) (``posterior="bnn"`` only; default 0, with
-            ``prior_sigma`` the N(0, 1) of reference notes Part 16 #8).
-        prior_sigma: sigma0 > 0, the prior's standard deviation (``posterior="bnn"`` only;
-            default 1).
-        rho_init: initial rho of every weight (-5: sigma 0.0067).
         dropout: MC-dropout rate before every Linear (``posterior="mcdropout"``).
         conv_dropout: MC-dropout rate before every Conv2d but the first (0: none).
         posterior_aggregation: ``"mean"`` (A), ``"sigma"`` (B), ``"moment"`` (C) or
@@ -138,16 +106,8 @@ class MetaBayFL(FedFull):
             up to float rounding while every trial step is finite (a batched trial stops at its
             first non-finite step; a sequential one skips it). Batched is slower on CPU for
             conv nets (``vmap`` turns each conv into a grouped conv): see
-            ``benchmarks/bayes_time.py``.
-        bnn_estimator: how the BNN's Linear layers sample, in training, in the search and in
-            the MC predictive: ``"weights"`` (default, the seed's: one weight draw per forward
-            pass) or ``"local"`` (the local reparameterization trick of Kingma, Salimans &
-            Welling 2015: pre-activations drawn per example, lower-variance gradients;
-            convolutions keep weight sampling; :class:`~fedlore.bayes.BayesLinear`). Only with
+            ``benchmarks/bayes_time.py``. The BNN's ``bnn_estimator`` applies only with
             ``posterior="bnn"``.
-        meta_resample: ``"round"`` (default, seed 001: a new meta split d_n^k ⊂ D_n^k in every
-            round k, drawn from (run seed, round, client)) or ``"fixed"`` (one d per client for
-            the whole run and every seed, our earlier reading).
     """
 
     name: ClassVar[str] = "meta_bayfl"
@@ -164,50 +124,25 @@ class MetaBayFL(FedFull):
     )
     per_client_metrics: ClassVar[tuple[str, ...]] = ("lr_chosen", "lr_picks")
     posterior: Literal["bnn", "mcdropout", "none"] = "bnn"
-    lr_search: Literal["per_epoch", "per_round", "none"] = "per_epoch"
-    candidate_lrs: tuple[float, ...] = (1e-2, 1e-3, 1e-4)
-    temp_steps: int = 5
-    meta_fraction: float = 0.2
-    meta_split: MetaSplit = "subset"
-    meta_score: MetaScore = "nll"
     local_optimizer: Literal["adamw", "sgd"] = "adamw"
-    beta_kl: float = 1.0
-    prior_mu: float = 0.0
-    prior_sigma: float = 1.0
-    rho_init: float = -5.0
     dropout: float = 0.5
     conv_dropout: float = 0.0
     posterior_aggregation: Aggregation = "mean"
     trials: Literal["batched", "sequential"] = "sequential"
-    bnn_estimator: Literal["weights", "local"] = "weights"
-    meta_resample: Literal["round", "fixed"] = "round"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         checks = {
             "posterior": self.posterior in ("bnn", "mcdropout", "none"),
-            "lr_search": self.lr_search in ("per_epoch", "per_round", "none"),
-            "candidate_lrs": bool(self.candidate_lrs)
-            and all(isinstance(x, int | float) and x > 0 for x in self.candidate_lrs),
-            "temp_steps": self.temp_steps >= 1,
-            "meta_fraction": 0.0 < self.meta_fraction < 1.0,
-            "meta_split": self.meta_split in ("subset", "heldout"),
-            "meta_score": self.meta_score in ("nll", "elbo"),
-            "beta_kl": self.beta_kl >= 0,
-            "prior_sigma": self.prior_sigma > 0 and math.isfinite(self.prior_sigma),
-            "prior_mu": math.isfinite(self.prior_mu),
-            "rho_init": math.isfinite(self.rho_init),
             "dropout": 0.0 <= self.dropout < 1.0,
             "conv_dropout": 0.0 <= self.conv_dropout < 1.0,
             "posterior_aggregation": self.posterior_aggregation
             in ("mean", "sigma", "moment", "precision"),
             "trials": self.trials in ("batched", "sequential"),
-            "bnn_estimator": self.bnn_estimator in ESTIMATORS,
-            "meta_resample": self.meta_resample in ("round", "fixed"),
         }
-        for field, ok in checks.items():
+        for name, ok in checks.items():
             if not ok:
-                raise ValueError(f"{self.name}: invalid {field}={getattr(self, field)!r}")
+                raise ValueError(f"{self.name}: invalid {name}={getattr(self, name)!r}")
         if self.bnn_estimator != "weights" and self.posterior != "bnn":
             raise ValueError(
                 f"{self.name}: invalid bnn_estimator={self.bnn_estimator!r}: the estimator of a "
@@ -275,75 +210,40 @@ class MetaBayFL(FedFull):
         model = self.prepare_model(model)
         start, keep = self.dense_start(msg, state, model)
         rnd = int(msg.config["round"])
-        # a held-out d needs 2 examples: a client with fewer trains at the fixed lr
-        need = 2 if self.meta_split == "heldout" else 1
-        search = self.lr_search != "none" and data.num_examples >= need
+        search = self.searches(data.num_examples)
         fit, meta = (
             meta_split(data, self.meta_fraction, self.meta_split, self.meta_seed(rng))
             if search
             else (data.train, None)
         )
-        n_fit = len(fit)
-        terms = [elbo_kl_term(self.beta_kl, n_fit)] if is_bayesian(model) else []
+        terms = [elbo_kl_term(self.beta_kl, len(fit))] if is_bayesian(model) else []
         opt = self.make_optimizer(model)
-        base = self.round_lrs(rnd, n_fit)
-        schedule = self.lr_schedule(n_fit)
-        first = max(rnd, 0) * len(base)  # the run's index of this round's first local step
+        base = self.round_lrs(rnd, len(fit))
         search_seed = int(torch.randint(0, 2**62, (1,), generator=rng))
-        epoch = max(1, math.ceil(n_fit / min(self.train.batch_size, n_fit)))
-        starts = {"per_epoch": range(0, len(base), epoch), "per_round": [0], "none": [0]}
-        cuts = [*starts[self.lr_search], len(base)]
-        chosen: list[float] = []
-        losses: list[float] = []
-        skipped = 0
         t0 = time.perf_counter()
         with seeded(rng), sampling(model, True):
             batches = dataclasses.replace(data, train=fit).batches(
                 self.train.batch_size, len(base), rng, rnd
             )
-            for i, (a, b) in enumerate(itertools.pairwise(cuts)):
-                lr = self.train.lr
-                if search and meta is not None:
-                    # trial step s stands for local step a + s: the schedule's factor there
-                    factors = [
-                        schedule.at(first + a + s) / self.train.lr for s in range(self.temp_steps)
-                    ]
-                    lr, _ = self.select_lr(model, opt, fit, meta, terms, search_seed + i, factors)
-                    chosen.append(lr)
-                seg = [lr * x / self.train.lr for x in base[a:b]]
-                stats = local_train(
-                    model, batches, opt, seg, loss_terms=terms, grad_clip=self.train.grad_clip
-                )
-                skipped += stats.skipped_steps
-                if math.isfinite(stats.mean_loss):
-                    losses.extend([stats.mean_loss] * (stats.steps - stats.skipped_steps))
+            done = train_with_search(
+                self, model, opt, batches, base, fit, meta, terms, search_seed, rnd
+            )
         train_s = time.perf_counter() - t0
         extra: dict[str, float | int | str] = {}
         if terms:
             with torch.no_grad():
                 extra["kl"] = float(kl_divergence(model))
-        if chosen:
-            extra["lr_chosen"] = max(set(chosen), key=lambda x: (chosen.count(x), -chosen.index(x)))
-            extra["lr_searches"] = len(chosen)
-            extra["lr_picks"] = ",".join(f"{lr:g}" for lr in chosen)  # every search, in order
+        extra.update(done.metrics())
         metrics = reply_metrics(
             data.num_examples,  # n_k, the aggregation weight (d is part of the client's data)
-            train_loss=sum(losses) / len(losses) if losses else float("nan"),
-            skipped_steps=skipped,
+            train_loss=done.stats.mean_loss,
+            skipped_steps=done.stats.skipped_steps,
             optimizer_state_bytes=optimizer_state_bytes(opt),
             train_s=train_s,
             **extra,
             **local_eval_metrics(self, model, data, rnd),
         )
         return Reply(arrays=self.dense_update(model, start), metrics=metrics), keep
-
-    def meta_seed(self, rng: torch.Generator) -> int | None:
-        """The seed of this round's meta split d_n^k (``meta_resample="round"``: from the
-        client's round generator, itself seeded by (run seed, round, client), without drawing
-        from it), or None for the one fixed d per client (``"fixed"``)."""
-        if self.meta_resample == "fixed":
-            return None
-        return derive_seed(rng.initial_seed(), meta_lr.META_SPLIT_SALT)
 
     def select_lr(
         self,

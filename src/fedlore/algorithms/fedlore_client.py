@@ -90,18 +90,7 @@ class FedLoreClient(LowRankHyper, abc.ABC):
         if cur != held:
             bases, held = rule.client_bases(msg, cur, plan, cache), cur
         load_model_arrays(model, cache)
-        lrs = self.round_lrs(rnd, data.num_examples)
-        res = train_projected(
-            self,
-            model,
-            data.batches(self.train.batch_size, len(lrs), rng, rnd),
-            plan,
-            bases,
-            lrs,
-            keep_last_grad=rule.refreshes,
-            start=self.optimizer_start(state, plan, bases),
-            keep_state=self.keeps_optimizer_state,
-        )
+        res = self.train_round(model, data, plan, bases, rng, rnd, state)
         final = model_arrays(model)
         wire = self.wire_dtype
         out = with_prefix(to_wire(res.coords, wire), "update.")
@@ -117,6 +106,7 @@ class FedLoreClient(LowRankHyper, abc.ABC):
             optimizer_state_bytes=res.state_bytes,
             basis_bytes=res.basis_bytes,
             train_s=res.train_s,
+            **res.extra,
             **local_eval_metrics(self, model, data, rnd),
         )
         kept = self.optimizer_keep(res)
@@ -125,6 +115,33 @@ class FedLoreClient(LowRankHyper, abc.ABC):
             values={"version": rnd, "held": held, **kept.values},
         )
         return Reply(out, metrics), new_state
+
+    def train_round(
+        self,
+        model: nn.Module,
+        data: ClientData,
+        plan: dict[str, MatrixSpec],
+        bases: Arrays,
+        rng: torch.Generator,
+        rnd: int,
+        state: State | None,
+    ) -> ProjectedResult:
+        """The round's K local steps from the synchronized model (lines 11-19): projected Adam
+        in ``bases`` on the task loss (:func:`~fedlore.algorithms.lowrank.train_projected`),
+        keeping the last gradient when the basis rule needs it; Bayesian FedLore trains on the
+        ELBO with a learning-rate search instead."""
+        lrs = self.round_lrs(rnd, data.num_examples)
+        return train_projected(
+            self,
+            model,
+            data.batches(self.train.batch_size, len(lrs), rng, rnd),
+            plan,
+            bases,
+            lrs,
+            keep_last_grad=self.rule.refreshes,
+            start=self.optimizer_start(state, plan, bases),
+            keep_state=self.keeps_optimizer_state,
+        )
 
     @property
     def keeps_optimizer_state(self) -> bool:

@@ -25,10 +25,11 @@ from fedlore.optim.subspace import (
     SideRule,
     SvdMethod,
     gaussian_sketch,
-    projection_plan,
+    plan_of,
     random_basis,
     sketch_basis,
     top_left_singular,
+    weight_matrices,
 )
 from fedlore.seeding import derive_seed
 from fedlore.tensors import all_finite, weighted_mean
@@ -168,10 +169,17 @@ class LowRankHyper(Hyper):
             scale=self.scale,
         )
 
+    def projectable(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
+        """The weight matrices this method may project, name -> shape: the weights of the
+        Linear and Conv layers (:func:`~fedlore.optim.subspace.weight_matrices`); Bayesian
+        FedLore's are its layers' mean (and scale) matrices."""
+        return weight_matrices(model)
+
     def plan(self, model: nn.Module) -> dict[str, MatrixSpec]:
-        """The projection plan of ``model`` (see :func:`fedlore.optim.subspace.projection_plan`),
-        without frozen matrices."""
-        plan = projection_plan(model, self.rank, self.side, self.exclude)
+        """The projection plan of ``model`` (the rule of
+        :func:`fedlore.optim.subspace.projection_plan` on :meth:`projectable`), without frozen
+        matrices."""
+        plan = plan_of(self.projectable(model), self.rank, self.side, self.exclude)
         return {k: s for k, s in plan.items() if not self.is_frozen(k)}
 
     def checked_plan(self, model: nn.Module) -> dict[str, MatrixSpec]:
@@ -319,6 +327,20 @@ def mean_sketch_basis(
     return {k: sketch_basis(mean[k], rank, p) for k, p in previous.items()}
 
 
+Runner = Callable[
+    [
+        nn.Module,
+        Iterable[tuple[torch.Tensor, torch.Tensor]],
+        ProjectedAdam,
+        list[float],
+        list[Callable[[nn.Module, int], None]],
+    ],
+    TrainStats,
+]
+"""How :func:`train_projected` runs its steps: ``(model, batches, optimizer, lrs, gradient
+hooks) -> stats``."""
+
+
 @dataclass(frozen=True)
 class ProjectedResult:
     """Outcome of :func:`train_projected`.
@@ -334,6 +356,8 @@ class ProjectedResult:
             "exp_avg_sq": V, "step": k}`` for Adam, ``{"momentum_buffer": B}`` for momentum;
             only the parameters that stepped; empty unless asked for with ``keep_state``), for a
             method that keeps it across rounds.
+        extra: further reply metrics of the round (Bayesian FedLore: ``kl`` and the searches'
+            ``lr_chosen``, ``lr_searches``, ``lr_picks``).
     """
 
     stats: TrainStats
@@ -343,6 +367,7 @@ class ProjectedResult:
     basis_bytes: int
     train_s: float = 0.0
     opt_state: dict[str, OptState] = field(default_factory=dict)
+    extra: dict[str, float | int | str] = field(default_factory=dict)
 
 
 def optimizer_arrays(opt_state: dict[str, OptState], prefix: str = "opt.") -> State:
@@ -386,6 +411,7 @@ def train_projected(
     keep_last_grad: bool = False,
     start: dict[str, OptState] | None = None,
     keep_state: bool = False,
+    runner: Runner | None = None,
 ) -> ProjectedResult:
     """K steps of ``hyper.projected_optimizer`` (:class:`ProjectedAdam`, or
     :class:`ProjectedSGD` under ``optimizer="sgd"``) on ``batches`` (K = ``len(lrs)``):
@@ -397,6 +423,10 @@ def train_projected(
     ``keep_state`` the result's ``opt_state`` holds the optimizer's final state (the tensors
     themselves, not copies: the optimizer is gone); without, it is empty and the moments are
     freed when this returns.
+
+    ``runner`` runs the K steps in place of :func:`~fedlore.train.local.local_train` (called as
+    ``runner(model, batches, opt, lrs, hooks)``; the hooks keep the last gradient and must run
+    after every real step): Bayesian FedLore's ELBO steps with a learning-rate search.
     """
     params = dict(model.named_parameters())
     projected = [(params[k], plan[k], bases[k]) for k in plan]
@@ -419,7 +449,12 @@ def train_projected(
 
         hooks.append(remember)
     t0 = time.perf_counter()
-    stats = local_train(model, batches, opt, lrs, on_grad=hooks, grad_clip=hyper.train.grad_clip)
+    if runner is None:
+        stats = local_train(
+            model, batches, opt, lrs, on_grad=hooks, grad_clip=hyper.train.grad_clip
+        )
+    else:
+        stats = runner(model, batches, opt, lrs, hooks)
     train_s = time.perf_counter() - t0
     coords = {k: opt.coords[params[k]].detach().clone() for k in plan}
     final: dict[str, OptState] = {}

@@ -25,7 +25,6 @@ through :class:`SearchHyper`; the method is :class:`fedlore.algorithms.bayes.Met
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Sequence
 from typing import Literal, Protocol
@@ -57,7 +56,8 @@ MetaScore = Literal["nll", "elbo"]
 
 class SearchHyper(Protocol):
     """The hyperparameters the search reads (:class:`~fedlore.algorithms.bayes.MetaBayFL`'s,
-    documented there) and the local optimizer it copies."""
+    documented there) and how it copies the local model and optimizer for a trial
+    (:meth:`~fedlore.algorithms.bayes_search.BayesSearch.trial_copy`)."""
 
     @property
     def train(self) -> LocalTraining: ...
@@ -75,7 +75,9 @@ class SearchHyper(Protocol):
     def prior_mu(self) -> float: ...
     @property
     def prior_sigma(self) -> float: ...
-    def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer: ...
+    def trial_copy(
+        self, model: nn.Module, opt: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]: ...
 
 
 def meta_split(
@@ -146,11 +148,11 @@ def select_lr(
     factors: Sequence[float] | None = None,
 ) -> tuple[float, list[float]]:
     """Seed Algorithm 1 lines 10-15: for each candidate eta_j, copy the current local model
-    and optimizer state, take ``temp_steps`` steps with eta_j on minibatches of ``fit``, and
-    score the copy on ``meta`` by :func:`candidate_score` (seed Eq. 19). Step s of a trial runs
-    at ``eta_j * factors[s]``: the learning-rate schedule's factor at the local step that trial
-    step stands for (None: 1, a constant schedule), so candidates are compared at the rates
-    training would use after the choice. Every candidate
+    and optimizer state (``hyper.trial_copy``), take ``temp_steps`` steps with eta_j on
+    minibatches of ``fit``, and score the copy on ``meta`` by :func:`candidate_score` (seed
+    Eq. 19). Step s of a trial runs at ``eta_j * factors[s]``: the learning-rate schedule's
+    factor at the local step that trial step stands for (None: 1, a constant schedule), so
+    candidates are compared at the rates training would use after the choice. Every candidate
     sees the same minibatches and the same weight samples (common random numbers), in
     training and in scoring; the copies are discarded (reference notes Part 16 #4).
 
@@ -167,12 +169,9 @@ def select_lr(
     if hyper.trials == "batched" and batchable(model, opt, hyper.train.grad_clip):
         scores = batched_trials(hyper, model, opt, fit, meta, seed, factors)
         return pick_lowest(hyper.candidate_lrs, scores), scores
-    opt_state = opt.state_dict()
     scores = []
     for lr in hyper.candidate_lrs:
-        trial = copy.deepcopy(model)
-        trial_opt = hyper.make_optimizer(trial)
-        trial_opt.load_state_dict(copy.deepcopy(opt_state))
+        trial, trial_opt = hyper.trial_copy(model, opt)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             g = torch.Generator().manual_seed(seed)

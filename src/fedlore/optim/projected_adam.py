@@ -92,6 +92,16 @@ class ProjectedAdam(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self.scale = scale
 
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's optimizer state (defaults, state, groups) and the projection: the specs,
+        bases and accumulated coordinates ``Z`` by parameter, ``scale`` and a subclass's own
+        settings, so that ``copy.deepcopy((model, opt))`` gives an optimizer of the copied model
+        that continues exactly where this one stands (Bayesian FedLore's learning-rate trials)."""
+        state = dict(super().__getstate__())
+        keep = ("specs", "bases", "coords", "scale", "momentum")
+        state.update({k: v for k, v in self.__dict__.items() if k in keep})
+        return state
+
     def set_lr(self, lr: float) -> None:
         """Set the learning rate of every group (called by the loop for a schedule)."""
         for g in self.param_groups:

@@ -91,25 +91,53 @@ def projection_plan(
         raise ValueError(f"rank must be >= 1, got {rank}")
     if side not in ("left", "right", "auto"):
         raise ValueError(f"side must be 'left', 'right' or 'auto', got {side!r}")
-    plan: dict[str, MatrixSpec] = {}
+    return plan_of(weight_matrices(model), rank, side, exclude)
+
+
+def weight_matrices(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The weights of ``model``'s ``nn.Linear`` and ``nn.Conv*`` layers, ``state_dict`` name ->
+    shape, in model order: what :func:`projection_plan` may project."""
+    out: dict[str, tuple[int, ...]] = {}
     for mod_name, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d):
-            continue
-        name = f"{mod_name}.weight" if mod_name else "weight"
+        if isinstance(mod, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d):
+            out[f"{mod_name}.weight" if mod_name else "weight"] = tuple(mod.weight.shape)
+    return out
+
+
+def plan_of(
+    matrices: dict[str, tuple[int, ...]],
+    rank: int,
+    side: SideRule = "left",
+    exclude: tuple[str, ...] = ("head.",),
+) -> dict[str, MatrixSpec]:
+    """:func:`projection_plan`'s rule on given weights (name -> shape): every one whose name
+    starts with no prefix in ``exclude`` and whose :func:`matrix_spec` exists."""
+    plan: dict[str, MatrixSpec] = {}
+    for name, shape in matrices.items():
         if any(name.startswith(p) for p in exclude):
             continue
-        shape = tuple(mod.weight.shape)
-        out_dim, in_dim = shape[0], int(mod.weight[0].numel())
-        chosen: Side
-        if side == "auto":
-            chosen = "right" if out_dim >= in_dim else "left"
-        else:
-            chosen = side
-        m, n = (out_dim, in_dim) if chosen == "left" else (in_dim, out_dim)
-        if min(m, n) <= rank:
-            continue
-        plan[name] = MatrixSpec(name, shape, chosen, m, n, rank)
+        spec = matrix_spec(name, shape, rank, side)
+        if spec is not None:
+            plan[name] = spec
     return plan
+
+
+def matrix_spec(
+    name: str, shape: tuple[int, ...], rank: int, side: SideRule = "left"
+) -> MatrixSpec | None:
+    """The :class:`MatrixSpec` of one weight of ``shape`` (``out x in...``, a conv kernel viewed
+    as ``out x in*kh*kw``) under ``side`` (:func:`projection_plan`'s rule), or None when
+    ``min(m, n) <= rank`` (not worth projecting)."""
+    out_dim, in_dim = shape[0], int(torch.Size(shape[1:]).numel())
+    chosen: Side
+    if side == "auto":
+        chosen = "right" if out_dim >= in_dim else "left"
+    else:
+        chosen = side
+    m, n = (out_dim, in_dim) if chosen == "left" else (in_dim, out_dim)
+    if min(m, n) <= rank:
+        return None
+    return MatrixSpec(name, shape, chosen, m, n, rank)
 
 
 def _fix_signs(u: torch.Tensor) -> torch.Tensor:
