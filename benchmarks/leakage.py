@@ -18,6 +18,12 @@ honest-but-curious server inverts the upload (threat model: :mod:`fedlore.audit`
   is meant to travel under secure aggregation, and is attacked here in the clear;
 * ``fedit``: FedIT's LoRA factors (rank r, A Kaiming-uniform and B zero as peft initializes
   them, scaling 1) and dense biases and head after K local Adam steps;
+* ``meta-bayfl noise-known``: Meta-BayFL's (and BayFL's) ``(Δmu, Δrho)`` after K Adam steps on
+  the ELBO of the MLP's mean-field Gaussian twin (rho = -5, prior N(0, 1)) at the rate the
+  client's search chose (the run reports it), the weight samples' noise known to the server (in
+  fedlore it is drawn from the client's round generator, which derives from the run seed the
+  server holds); ``meta-bayfl noise-guessed``: the same upload, attacked with the server's own
+  draws of the noise;
 * ``fedavg-1`` and ``fedlore`` under central DP at ε = 8 and ε = 1 (δ = 1e-5, one release, N
   clients, all sampled): the clipped upload (C = its own norm, so clipping does not distort it)
   plus the Gaussian mechanism's noise σC per coordinate, σ from fedlore's accountant.
@@ -34,6 +40,7 @@ and rewrites the table from the files, without attacking again).
 
     python benchmarks/leakage.py                 # the full table (about an hour on two cores)
     python benchmarks/leakage.py --quick          # digits, B = 1 and 4, fewer steps (CI-sized)
+    python benchmarks/leakage.py --only meta-bayfl   # these methods' rows, merged into the files
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from fedlore.audit.inversion import analytic_first_layer, invert, score
 from fedlore.audit.uploads import (
     Upload,
     adam_update,
+    bayes_update,
     fedlore_update,
     gradient,
     lora_update,
@@ -81,8 +89,9 @@ def load(name: str, count: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, 
 
 def uploads(
     model: torch.nn.Module, rank: int, steps: int, seed: int
-) -> dict[str, tuple[Upload, bool]]:
-    """method -> (its upload model, whether its first layer is SGD-trained: closed form)."""
+) -> dict[str, tuple[Upload, bool, Upload | None]]:
+    """method -> (the attacker's model of its upload, whether its first layer is SGD-trained:
+    closed form, the client's own round where it differs from the attacker's model)."""
     g = torch.Generator().manual_seed(seed)
     left, right, lora, omegas = {}, {}, {}, {}
     for name, p in model.named_parameters():
@@ -93,14 +102,21 @@ def uploads(
             a = (torch.rand(rank, p.shape[1], generator=g) * 2 - 1) * bound
             lora[name] = (a, torch.zeros(p.shape[0], rank))
             omegas[name] = torch.randn(p.shape[1], rank + 5, generator=g)  # Ω: n x (r + p)
+    bnn = bayes_update(model, 1e-3, steps, noise_seed=seed + 7)  # the client's own draws
     return {
-        "fedavg-1": (sgd_update(model, 0.1, 1), True),
-        f"fedavg-{steps}": (sgd_update(model, 0.1, steps), True),
-        "fedfull": (adam_update(model, 1e-3, steps), False),
-        "fedlore": (fedlore_update(model, left, 1e-3, steps), False),
-        "fedlore side=right": (fedlore_update(model, right, 1e-3, steps, side="right"), False),
-        "fedlore-sketch": (fedlore_update(model, left, 1e-3, steps, sketch=omegas), False),
-        "fedit": (lora_update(model, lora, 1e-3, steps), False),
+        "fedavg-1": (sgd_update(model, 0.1, 1), True, None),
+        f"fedavg-{steps}": (sgd_update(model, 0.1, steps), True, None),
+        "fedfull": (adam_update(model, 1e-3, steps), False, None),
+        "fedlore": (fedlore_update(model, left, 1e-3, steps), False, None),
+        "fedlore side=right": (
+            fedlore_update(model, right, 1e-3, steps, side="right"),
+            False,
+            None,
+        ),
+        "fedlore-sketch": (fedlore_update(model, left, 1e-3, steps, sketch=omegas), False, None),
+        "fedit": (lora_update(model, lora, 1e-3, steps), False, None),
+        "meta-bayfl noise-known": (bnn, False, None),
+        "meta-bayfl noise-guessed": (bayes_update(model, 1e-3, steps, seed + 8), False, bnn),
     }
 
 
@@ -140,8 +156,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             x, y = x_all[:batch], y_all[:batch]
             onehot = torch.nn.functional.one_hot(y, 10).float()
             cells: list[tuple[str, Upload, list[torch.Tensor], bool, dict[str, Any]]] = []
-            for method, (up, sgd_first) in uploads(model, args.rank, args.steps, args.seed).items():
-                observed = [t.detach() for t in up(x, onehot)]
+            made = uploads(model, args.rank, args.steps, args.seed)
+            for method, (up, sgd_first, client) in made.items():
+                if args.only and not method.startswith(tuple(args.only)):
+                    continue
+                observed = [t.detach() for t in (client or up)(x, onehot)]
                 cells.append((method, up, observed, sgd_first, {}))
                 if method in ("fedavg-1", "fedlore"):
                     for eps in args.epsilons:
@@ -229,6 +248,47 @@ def figure(pictures: dict[str, dict[str, torch.Tensor]], path: Path) -> None:
     plt.close(fig)
 
 
+def merged(
+    stem: Path,
+    result: dict[str, Any],
+    pictures: dict[str, dict[str, torch.Tensor]],
+    args: argparse.Namespace,
+) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+    """``--only``: the rows and figure images of ``stem``'s files with this run's methods
+    replaced, in the full run's order (data, B, method, attack); the settings must match.
+
+    Raises:
+        SystemExit: when the files are missing or were written with other settings.
+    """
+    path = stem.with_suffix(".json")
+    if not path.exists():
+        raise SystemExit(f"--only merges into {path}, which does not exist: run without --only")
+    old = json.loads(path.read_text())
+    same = ("data", "batch", "steps", "rank", "attack_steps", "restarts", "tv", "epsilons", "seed")
+    differ = [k for k in same if old["settings"].get(k) != result["settings"].get(k)]
+    if differ:
+        raise SystemExit(f"--only: {path} was written with other settings ({', '.join(differ)})")
+    ran = {r["method"] for r in result["rows"]}
+    rows = [r for r in old["rows"] if r["method"] not in ran] + result["rows"]
+    order = list(uploads(torch.nn.Linear(1, 1), 1, args.steps, 0))
+    data_order = list(args.data)
+
+    attacks = ["ig", "closed form", "dlg"]  # the order run() writes them in
+
+    def key(r: dict[str, Any]) -> tuple[int, int, int, int, int]:
+        base, _, eps = r["method"].partition(" ε=")
+        at = order.index(base) if base in order else len(order)
+        variant = 1 + [f"{e:g}" for e in args.epsilons].index(eps) if eps else 0
+        return (data_order.index(r["data"]), r["batch"], at, variant, attacks.index(r["attack"]))
+
+    rows.sort(key=key)
+    images = stem.with_name(stem.name + "-images.pt")
+    kept = torch.load(images, weights_only=True) if images.exists() else {}
+    for data, imgs in pictures.items():
+        kept.setdefault(data, {}).update(imgs)
+    return {**old, "rows": rows}, kept
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="digits, B = 1 and 4, 100 steps")
@@ -242,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epsilons", nargs="+", type=float, default=[8.0, 1.0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        help="run the methods whose names start so and merge their rows into the written files",
+    )
     ap.add_argument(
         "--tables-only", action="store_true", help="rewrite the table and summary from the JSON"
     )
@@ -263,8 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     result = run(args)
     pictures = result.pop("pictures")
-    result["summary"] = summary(result["rows"])
     name = "leakage-quick" if args.quick else "leakage"
+    if args.only:  # merged into what the files hold: the other methods' rows stay
+        result, pictures = merged(args.out / name, result, pictures, args)
+    result["summary"] = summary(result["rows"])
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / f"{name}.json", result)
     write_text(args.out / f"{name}.md", table(result["rows"]))

@@ -37,7 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from fedlore.config import load_config
+import fedlore.algorithms  # noqa: F401  (registers the methods)
+from fedlore import registry
+from fedlore.config import ConfigError, load_config
 from fedlore.engine.rundir import config_diff
 from fedlore.experiment_parts import make_algorithm
 
@@ -102,21 +104,58 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config")
     ap.add_argument("--vary", action="append", default=[], help="KEY=V1,V2,...")
     ap.add_argument("--methods", default=None, help="comma-separated (default: the config's)")
-    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--jobs", type=positive, default=2)
     ap.add_argument("--runs", default=None, help="runs root (default: the config's output_dir)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for every run")
     ap.add_argument("--table-only", action="store_true", help="tabulate finished runs only")
     ap.add_argument("--bytes", action="store_true", help="add each run's MB up and down")
     args = ap.parse_args(argv)
+    try:
+        return sweep(args)
+    except KeyboardInterrupt:
+        print("sweep: interrupted; finished runs are kept: rerun the same command to resume")
+        return 130
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"sweep: {e}", file=sys.stderr)
+        return 2
+
+
+def positive(text: str) -> int:
+    """``--jobs``: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def sweep(args: argparse.Namespace) -> int:
+    """The sweep of :func:`main`'s arguments: 0 when every run finished, 1 otherwise.
+
+    Raises:
+        ConfigError, FileNotFoundError: for the config, a ``--set`` that names a ``--vary`` key,
+            or a method that is not registered.
+    """
     cfg = load_config(args.config)
     methods = args.methods.split(",") if args.methods else list(cfg.algorithms)
     root = args.runs or cfg.output_dir
     vary = parse_vary(args.vary)
+    both = {k for k, _ in vary} & {kv.partition("=")[0] for kv in args.set}
+    if both:
+        raise ConfigError(
+            f"--set {sorted(both)} would override the --vary values of the same key(s) in every "
+            "run (the table would be labelled with values the runs do not have)"
+        )
+    known = registry.names("algorithm")
+    unknown = [m for m in methods if m not in known]
+    if unknown:
+        raise ConfigError(f"--methods: {unknown} not registered; the methods: {known}")
     settings = [
         tuple(zip([k for k, _ in vary], combo, strict=True))
         for combo in itertools.product(*[vs for _, vs in vary])
     ]
+    for setting in settings:
+        load_config(args.config, [*[f"{k}={v}" for k, v in setting], *args.set])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
@@ -161,7 +200,10 @@ def main(argv: list[str] | None = None) -> int:
             fh.flush()
             rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
         print(f"{label(setting)} {method} seed {seed}: rc={rc}", flush=True)
+        if rc != 0:
+            failed.append(f"{label(setting)} {method} seed {seed} (rc={rc}, log {log})")
 
+    failed: list[str] = []
     if not args.table_only:
         jobs = [(s, m, seed) for s in settings for m in methods for seed in cfg.seeds]
         with ThreadPoolExecutor(args.jobs) as pool:
@@ -176,9 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     for setting in settings:
         for method in methods:
             folder = Path(root) / f"{cfg.name}-{label(setting)}" / method
-            runs = [
-                folder / f"seed-{s}" for s in cfg.seeds if not other_config(setting, method, s)
-            ]
+            runs = [folder / f"seed-{s}" for s in cfg.seeds if not other_config(setting, method, s)]
             finished = [r / "summary.json" for r in runs if (r / "summary.json").exists()]
             done = [json.loads(f.read_text()) for f in finished]
             if not done:
@@ -203,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / "table.json").write_text(json.dumps(records, indent=2))
     print(f"results in {out}/ (table.md, table.json; runs under {root})")
     print("\n".join(lines))
+    if failed:
+        print(f"sweep: {len(failed)} run(s) failed: " + "; ".join(failed), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -44,3 +44,38 @@ def test_a_sweep_tabulates_only_runs_of_its_own_settings(
         sweep.main([*common, "--set", "lr=0.01", "--out", str(tmp_path / "c"), "--table-only"]) == 0
     )
     assert len(json.loads((tmp_path / "c" / "table.json").read_text())) == 1
+
+
+def test_bad_sweeps_are_refused_before_any_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "tiny.yaml"
+    config.write_text("name: tiny\nalgorithms: [fedavg]\nseeds: [1]\n")
+    sweep = _sweep()
+    out = ["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]
+    # a --set of a --vary key would label the table with values the runs do not have
+    assert sweep.main([str(config), "--vary", "lr=0.1,0.2", "--set", "lr=0.3", *out]) == 2
+    assert "--set ['lr'] would override the --vary values" in capsys.readouterr().err
+    assert sweep.main([str(config), "--methods", "fedavgg", *out]) == 2
+    assert "fedavgg" in capsys.readouterr().err
+    assert sweep.main([str(config), "--vary", "lr=fast", *out]) == 2
+    assert "lr" in capsys.readouterr().err
+    assert sweep.main([str(tmp_path / "missing.yaml"), *out]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sweep.main([str(config), "--jobs", "0", *out])
+    assert "--jobs: must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # nothing ran
+
+
+def test_a_sweep_with_a_failed_run_exits_1_and_names_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "tiny.yaml"  # a data root that does not exist: every run exits 2
+    config.write_text(
+        "name: tiny\nrounds: 1\nalgorithms: [fedavg]\nseeds: [1]\n"
+        f"data: {{name: text_csv, root: {tmp_path / 'nothing.csv'}}}\n"
+    )
+    out = ["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--jobs", "1"]
+    assert _sweep().main([str(config), *out]) == 1
+    assert "1 run(s) failed: base fedavg seed 1 (rc=2" in capsys.readouterr().err

@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "partition":
             from fedlore.data.federation import build_federation
 
+            if ns.plot is not None:
+                _check_plot_path(ns.plot)
             for seed in cfg.seeds:
                 fed = build_federation(cfg, seed)
                 print(f"# {cfg.name}: {cfg.data.name}, {cfg.partition.name} partition, seed {seed}")
@@ -313,6 +315,22 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+
+
+def _check_plot_path(plot: Path) -> None:
+    """``fedlore partition --plot FILE``: refuse, before any data is read, a FILE that is empty
+    or a folder, or whose folder does not exist.
+
+    Raises:
+        ValueError: naming the problem and an example.
+    """
+    if str(plot) in ("", ".") or plot.is_dir():
+        raise ValueError(f"--plot {str(plot)!r}: give an image file name, e.g. --plot labels.png")
+    if not plot.parent.is_dir():
+        raise ValueError(
+            f"--plot {plot}: the folder {plot.parent} does not exist; create it or write the "
+            "plot elsewhere"
+        )
 
 
 if __name__ == "__main__":

@@ -413,7 +413,9 @@ def run_experiment(
     for name in cfg.algorithms:
         try:
             make_algorithm(name, cfg)  # unknown methods and bad hyperparameters fail early
-        except (KeyError, ValueError) as e:
+        except KeyError as e:  # not registered: the key is algorithms
+            problems.append(f"algorithms: {e.args[0] if e.args else e}")
+        except ValueError as e:  # the method's settings
             problems.append(f"{name}: {e.args[0] if e.args else e}")
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))

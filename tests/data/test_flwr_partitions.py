@@ -156,6 +156,8 @@ def test_bad_names_and_arguments_are_refused_clearly() -> None:
     six = "makes 6 partitions .* but num_clients=5; set num_clients=6"
     refused("flwr:NaturalIdPartitioner", by_id, six)
     refused(dirichlet, "{alpha: -1}", r"flwr:DirichletPartitioner with \{")
+    grouped = "flwr:GroupedNaturalIdPartitioner"
+    refused(grouped, "{partition_by: id, group_size: 0}", r"group_size': 0\}: ZeroDivisionError")
     own = r"partition.kwargs \['beta'\]: partitioner 'dirichlet' takes no such argument"
     refused("dirichlet", "{beta: 2}", own)
     refused(natural, "{}", "needs the natural id of every example", ids=None)

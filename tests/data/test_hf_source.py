@@ -249,3 +249,11 @@ def test_datasets_and_flwr_datasets_are_imported_only_when_used() -> None:
         cwd=ROOT,
     )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_without_datasets_the_error_names_the_extra(
+    saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with pytest.raises(ValueError, match=r"pip install -e '\.\[hf\]'"):
+        load_hf(str(saved))

@@ -66,4 +66,10 @@ def test_partition_plot_writes_one_file_per_seed(
     assert f"label distribution written to {plot}" in capsys.readouterr().out
     assert main(["partition", "--plot", str(plot), "num_clients=3", "seeds=[1,2]"]) == 0
     assert (tmp_path / "dist-seed1.png").is_file() and (tmp_path / "dist-seed2.png").is_file()
+    capsys.readouterr()
     assert main(["partition", "num_clients=3", "--plot", str(tmp_path / "no" / "x.png")]) == 2
+    err = capsys.readouterr()
+    assert f"the folder {tmp_path / 'no'} does not exist" in err.err and "# " not in err.out
+    assert main(["partition", "num_clients=3", "--plot", ""]) == 2
+    assert "give an image file name, e.g. --plot labels.png" in capsys.readouterr().err
+    assert main(["partition", "num_clients=3", "--plot", str(tmp_path)]) == 2

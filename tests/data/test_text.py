@@ -133,8 +133,10 @@ def test_text_jsonl_split_field_and_numeric_labels() -> None:
 def test_text_file_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"data\.root"):
         load_text_csv(None)
-    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl not found"):
         load_text_jsonl(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(FileNotFoundError, match=r"is a folder; data.root must name a .csv file"):
+        load_text_csv(str(tmp_path))
     bad = tmp_path / "bad.csv"
     bad.write_text("text,category\nhello,a\n")
     with pytest.raises(ValueError, match=r"bad.csv:2: needs fields 'text' and 'label'"):

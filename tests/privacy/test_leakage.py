@@ -14,12 +14,14 @@ import torch
 from fedlore.audit.inversion import analytic_first_layer, infer_label, invert, score
 from fedlore.audit.uploads import (
     adam_update,
+    bayes_update,
     fedlore_update,
     gradient,
     lora_update,
     sgd_update,
     soft_cross_entropy,
 )
+from fedlore.bayes.posterior import gaussian_kl, log_softplus
 from fedlore.data.sources import load_digits
 from fedlore.models.mlp import mlp
 
@@ -69,6 +71,36 @@ def test_the_upload_models_are_the_training_torch_does(digits: Digits, opt_name:
     want = _trained_delta(model, opt_name, x, y, 0.1 if opt_name == "sgd" else 1e-2, 3)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_the_bnn_upload_is_adam_on_fedlores_elbo(digits: Digits) -> None:
+    """Meta-BayFL's upload model against torch's Adam on the ELBO written with fedlore's own KL
+    (:func:`~fedlore.bayes.posterior.gaussian_kl`, the one its training uses), the same noise."""
+    x, y = digits
+    model = _model()
+    steps, lr, seed = 3, 1e-2, 11
+    got = [t.detach() for t in bayes_update(model, lr, steps, noise_seed=seed)(x, _onehot(y))]
+    start = {k: v.detach() for k, v in model.named_parameters()}
+    mu = {k: v.clone().requires_grad_(True) for k, v in start.items()}
+    rho = {k: torch.full_like(v, -5.0).requires_grad_(True) for k, v in start.items()}
+    opt = torch.optim.Adam([*mu.values(), *rho.values()], lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        noise = {k: torch.randn(v.shape, generator=g) for k, v in start.items()}
+        w = {k: mu[k] + torch.nn.functional.softplus(rho[k]) * noise[k] for k in start}
+        kl = sum(gaussian_kl(mu[k], log_softplus(rho[k]), 0.0, 1.0) for k in start)
+        logits = torch.func.functional_call(model, w, (x,))
+        loss = soft_cross_entropy(logits, _onehot(y)) + kl / x.shape[0]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    want = [mu[k].detach() - start[k] for k in start]
+    want += [rho[k].detach() + 5.0 for k in start]
+    assert len(got) == len(want) == 2 * len(start)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    other = bayes_update(model, lr, steps, noise_seed=seed + 1)(x, _onehot(y))
+    assert not torch.allclose(other[len(start)].detach(), got[len(start)])  # ε moves Δrho
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -197,13 +229,36 @@ def test_the_benchmark_writes_its_table_summary_and_figure(tmp_path: Path) -> No
     assert (1, "fedavg-1", "closed form") in methods and (1, "fedavg-1", "dlg") in methods
     assert {m for b, m, a in methods if b == 4} == {
         "fedavg-1", "fedavg-1 ε=8", "fedavg-5", "fedfull", "fedlore", "fedlore ε=8",
-        "fedlore side=right", "fedlore-sketch", "fedit",
+        "fedlore side=right", "fedlore-sketch", "fedit", "meta-bayfl noise-known",
+        "meta-bayfl noise-guessed",
     }  # fmt: skip
     assert result["summary"]["digits_b1_fedavg-1_closed_psnr"] > 60
     assert "digits_b4_fedlore_eps8_ig_ssim" in result["summary"]
     assert (tmp_path / "leakage.png").stat().st_size > 0
     assert 0 < (tmp_path / "leakage-images.pt").stat().st_size < 100_000  # the images only
     assert "| digits | 4 | fedlore | ig |" in (tmp_path / "leakage.md").read_text()
+
+
+def test_only_reruns_some_methods_and_keeps_the_others_rows(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("leakage", ROOT / "benchmarks" / "leakage.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = ["--data", "digits", "--batch", "1", "--attack-steps", "2", "--epsilons", "8"]
+    assert bench.main([*args, "--out", str(tmp_path)]) == 0
+    before = json.loads((tmp_path / "leakage.json").read_text())["rows"]
+    with pytest.raises(SystemExit, match="other settings"):
+        bench.main([*args[:-1], "1", "--only", "fedit", "--out", str(tmp_path)])
+    assert bench.main([*args, "--only", "fedit", "--out", str(tmp_path)]) == 0
+    after = json.loads((tmp_path / "leakage.json").read_text())["rows"]
+    assert [(r["method"], r["attack"]) for r in after] == [
+        (r["method"], r["attack"]) for r in before
+    ]  # the full run's order
+    for old, new in zip(before, after, strict=True):
+        if old["method"] != "fedit":
+            assert old == new  # kept as written
+    md = (tmp_path / "leakage.md").read_text()
+    assert md == bench.table(after)
 
 
 def test_the_committed_table_is_the_committed_results() -> None:

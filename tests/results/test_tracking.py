@@ -271,6 +271,29 @@ def test_a_failing_tracker_warns_and_the_run_finishes(tmp_path: Path) -> None:
     assert (run_dir(cfg, "fedavg", SEED) / "summary.json").exists()
 
 
+def test_a_tracking_server_that_is_down_is_given_up_in_seconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow's own HTTP retries would hold the run for about four minutes."""
+    import os
+    import socket
+    import time
+
+    from fedlore.tracking.mlflow_store import HTTP_DEFAULTS
+
+    for key in HTTP_DEFAULTS:
+        monkeypatch.delenv(key, raising=False)
+    with socket.socket() as s:  # a free port: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = _cfg(tmp_path, f"tracking={{backends: [mlflow], mlflow_uri: 'http://127.0.0.1:{port}'}}")
+    start = time.monotonic()
+    with pytest.warns(TrackingWarning, match="tracking: mlflow failed"):
+        summary = run_one(cfg, "fedavg", SEED)
+    assert summary is not None and time.monotonic() - start < 60
+    assert {k: os.environ[k] for k in HTTP_DEFAULTS} == HTTP_DEFAULTS
+
+
 def test_a_tracker_without_its_package_is_refused_before_any_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -21,6 +21,12 @@ examples), as in Geiping et al. (2020, Sec. 6) for multi-step FedAvg updates.
   could also match ``P_i``).
   With FedLore-Sketch's test matrices it also returns the sketches ``Y = G Ω`` of the last
   step's gradient (the sketch rule's upload).
+* :func:`bayes_update`: BayFL's and Meta-BayFL's upload (seed 001, Algorithm 1; Meta-BayFL at
+  the rate its search chose, which the run reports per client as ``lr_chosen``): a mean-field
+  Gaussian twin of the model (means = the broadcast weights, ``rho`` = the broadcast scales), K
+  steps of Adam on the per-example negative ELBO with one weight sample ``w = mu + softplus(rho)
+  ε`` per step; the upload is every mean's and every scale's change ``(Δmu, Δrho)``. The noise
+  ``ε`` comes from ``noise_seed``: the client's own draws, or the attacker's guess of them.
 * :func:`lora_update`: FedIT's upload: K local Adam steps on the LoRA factors ``A``, ``B`` of
   each adapted weight (``W + s B A``, ``W`` frozen) and on the unadapted parameters; the upload
   is the factors' and the dense tensors' changes. With ``B = 0`` at the start (peft's
@@ -185,6 +191,60 @@ def fedlore_update(
             params = new
         out = [coords[k] if k in bases else params[k] - start[k] for k in start]
         return out + [view(g[k]) @ omega for k, omega in (sketch or {}).items()]
+
+    return upload
+
+
+def bayes_update(
+    model: nn.Module,
+    lr: float,
+    steps: int,
+    noise_seed: int,
+    rho_init: float = -5.0,
+    prior_sigma: float = 1.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+) -> Upload:
+    """BayFL / Meta-BayFL: ``steps`` full-batch Adam steps on ``mean NLL + KL(q || p) / B`` of
+    the mean-field Gaussian twin of ``model`` (every parameter ``w ~ N(mu, softplus(rho)²)``,
+    ``mu`` the model's values, ``rho = rho_init``; prior ``N(0, prior_sigma²)``, ``B`` the
+    batch: the client's data is one batch), one weight sample per step with standard normal
+    noise drawn from ``noise_seed``. Returns ``[Δmu for every parameter] + [Δrho for every
+    parameter]``, in parameter order."""
+    start = _params(model)
+
+    def upload(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(noise_seed)
+        noise = [{k: torch.randn(v.shape, generator=g) for k, v in start.items()}]
+        noise += [{k: torch.randn(v.shape, generator=g) for k, v in start.items()}
+                  for _ in range(steps - 1)]  # fmt: skip
+        free = {f"{k}.mu": v.clone().requires_grad_(True) for k, v in start.items()}
+        free.update(
+            {
+                f"{k}.rho": torch.full_like(v, rho_init).requires_grad_(True)
+                for k, v in start.items()
+            }
+        )
+        first = {k: v.detach() for k, v in free.items()}
+        m = {k: torch.zeros_like(v) for k, v in free.items()}
+        v2 = {k: torch.zeros_like(v) for k, v in free.items()}
+        for t in range(1, steps + 1):
+            sigma = {k: nn.functional.softplus(free[f"{k}.rho"]) for k in start}
+            weights = {k: free[f"{k}.mu"] + sigma[k] * noise[t - 1][k] for k in start}
+            kl = sum(
+                (torch.log(prior_sigma / sigma[k])
+                 + (sigma[k] ** 2 + free[f"{k}.mu"] ** 2) / (2 * prior_sigma**2) - 0.5).sum()
+                for k in start
+            )  # fmt: skip
+            loss = soft_cross_entropy(functional_call(model, weights, (x,)), y) + kl / x.shape[0]
+            names = list(free)
+            grads = torch.autograd.grad(loss, [free[k] for k in names], create_graph=True)
+            new = {}
+            for k, grad in zip(names, grads, strict=True):
+                d, m[k], v2[k] = _adam_step(grad, m[k], v2[k], t, betas, eps)
+                new[k] = free[k] - lr * d
+            free = new
+        return [free[f"{k}.{part}"] - first[f"{k}.{part}"] for part in ("mu", "rho") for k in start]
 
     return upload
 

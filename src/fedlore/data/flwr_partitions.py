@@ -222,6 +222,7 @@ class FlwrPartitioner:
                     partitioner.load_partition(i).with_format("numpy")[:][INDEX]
                     for i in range(made)
                 ]
-        except (TypeError, ValueError, KeyError, IndexError) as e:
-            raise ValueError(f"{where}: {e}") from e
+        except (TypeError, ValueError, KeyError, IndexError, ArithmeticError) as e:
+            # ArithmeticError: a size flwr-datasets divides by (GroupedNaturalId's group_size=0)
+            raise ValueError(f"{where}: {type(e).__name__}: {e}") from e
         return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]

@@ -311,11 +311,18 @@ def load_hf(
     Raises:
         FileNotFoundError: when ``root`` is missing or holds no training split (naming where it
             looked).
-        ValueError: naming the root, the split and the column when a column is missing or
+        ValueError: without the ``datasets`` package (naming the ``pip install`` line), or
+            naming the root, the split and the column when a column is missing or
             holds what this source cannot read, images differ in size, labels are negative or
             differ in kind between the splits, or (``non_finite="error"``) an input is NaN.
     """
-    import datasets
+    try:
+        import datasets
+    except ImportError as e:
+        raise ValueError(
+            f"data.name=hf reads with Hugging Face's datasets package, which is not installed "
+            f"({e}); install the hf extra: pip install -e '.[hf]'"
+        ) from e
 
     data = read_splits(root, train_split, test_split)
     assert root is not None

@@ -331,8 +331,9 @@ def load_text_file(
         )
     path = Path(root)
     if not path.is_file():
+        what = "is a folder" if path.is_dir() else "not found"
         raise FileNotFoundError(
-            f"{name}: file {path} not found; data.root must name a .{kind} file with 'text' and "
+            f"{name}: {path} {what}; data.root must name a .{kind} file with 'text' and "
             "'label' fields per row"
         )
     rows = _read_rows(path, kind)

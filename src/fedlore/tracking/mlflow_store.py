@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,7 +62,21 @@ def _client_and_experiment(info: RunInfo) -> tuple[Any, str]:
         return _open(uri, info)
 
 
+HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+}
+"""MLflow's HTTP settings for a tracking server, where the user has not set them: MLflow's own
+(7 retries, backoff factor 2, 120 s timeout) keep a run waiting about four minutes for a server
+that is down before the tracker is switched off; these give up after seconds (a refused
+connection) or about two minutes (a server that never answers)."""
+
+
 def _open(uri: str, info: RunInfo) -> tuple[Any, str]:
+    if uri.startswith(("http://", "https://")):
+        for key, value in HTTP_DEFAULTS.items():
+            os.environ.setdefault(key, value)
     from mlflow.tracking import MlflowClient
 
     # MLflow says at INFO level when it creates a SQLite store's tables: not fedlore's news
