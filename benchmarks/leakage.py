@@ -23,7 +23,8 @@ honest-but-curious server inverts the upload (threat model: :mod:`fedlore.audit`
   client's search chose (the run reports it), the weight samples' noise known to the server (in
   fedlore it is drawn from the client's round generator, which derives from the run seed the
   server holds); ``meta-bayfl noise-guessed``: the same upload, attacked with the server's own
-  draws of the noise;
+  draws of the noise; ``meta-bayfl flat-prior``: the ablation of the prior's pull (prior
+  N(0, 10^12), whose KL gradient on the means is nil), noise known;
 * ``fedavg-1`` and ``fedlore`` under central DP at ε = 8 and ε = 1 (δ = 1e-5, one release, N
   clients, all sampled): the clipped upload (C = its own norm, so clipping does not distort it)
   plus the Gaussian mechanism's noise σC per coordinate, σ from fedlore's accountant.
@@ -117,6 +118,11 @@ def uploads(
         "fedit": (lora_update(model, lora, 1e-3, steps), False, None),
         "meta-bayfl noise-known": (bnn, False, None),
         "meta-bayfl noise-guessed": (bayes_update(model, 1e-3, steps, seed + 8), False, bnn),
+        "meta-bayfl flat-prior": (
+            bayes_update(model, 1e-3, steps, seed + 7, prior_sigma=1e6),
+            False,
+            None,
+        ),
     }
 
 

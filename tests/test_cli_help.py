@@ -51,7 +51,7 @@ def test_every_option_of_every_command_has_a_one_line_meaning() -> None:
             assert all(choice.help for choice in action._choices_actions)
 
 
-@pytest.mark.parametrize("command", ["", "run", "report", "partition", "fortunes-c4"])
+@pytest.mark.parametrize("command", ["", "run", "report", "partition", "track", "fortunes-c4"])
 def test_the_printed_help_lists_each_option_with_its_meaning(command: str) -> None:
     parser = build_parser()
     sub = _subparsers(parser)[command] if command else parser

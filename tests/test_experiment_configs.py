@@ -62,3 +62,14 @@ def test_the_subspace_rivals_run_on_the_table_1_analogue() -> None:
         base.partition,
         base.rank,
     )
+
+
+def test_bayesian_fedlore_runs_on_the_table_3_digits_analogue() -> None:
+    """Issue 35 part 2: the four BNN methods side by side on bayes_table3_digits' setting at input
+    noise 0.1 (seed 001's local protocol: 10 local epochs, seeds 42-44, 1/N weights)."""
+    cfg = load_config(EXPERIMENTS / "bayes_fedlore.yaml")
+    base = load_config(EXPERIMENTS / "bayes_table3_digits.yaml")
+    assert cfg.algorithms == ["bayfl", "meta_bayfl", "fedlore_bayfl", "fedlore_bayes"]
+    assert cfg.data.noise == 0.1 and cfg.rank == 8
+    assert (cfg.seeds, cfg.local_epochs, cfg.weighting) == ([42, 43, 44], 10, "uniform")
+    assert (cfg.model, cfg.partition, cfg.rounds) == (base.model, base.partition, base.rounds)

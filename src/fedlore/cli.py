@@ -7,6 +7,9 @@
 * ``fedlore partition CONFIG [key=value ...] [--plot FILE]`` prints each client's class
   histogram per seed (documents per source group for a pre-training corpus) and, with
   ``--plot``, draws it (:mod:`fedlore.data.label_plot`).
+* ``fedlore track CONFIG [key=value ...]`` sends the config's finished runs and its report to
+  the trackers of its ``tracking`` section again (a tracker that failed during the run, or one
+  added since), from the runs' own files.
 * ``fedlore fortunes-c4 OUT_DIR [--root FOLDER]`` converts Debian's fortunes corpus into C4-format
   ``c4-train.jsonl`` / ``c4-validation.jsonl`` (one source host per category file).
 """
@@ -169,6 +172,22 @@ def build_parser() -> argparse.ArgumentParser:
         "named in a warning.",
     )
     p_rep.add_argument("run_dir", type=Path, help="the experiment folder, e.g. runs/quickstart")
+    p_track = sub.add_parser(
+        "track",
+        help="send finished runs and the report to the trackers again",
+        description="Send every finished run of CONFIG (its metrics.jsonl rows, parameters, "
+        "summary and files) and the experiment's report to the trackers its tracking section "
+        "names, as the runs would have at their end: for a tracker that failed during a run, "
+        "or one added since. MLflow replaces a run's earlier tracked run; TensorBoard and W&B "
+        "rewrite their folders. Nothing is trained and no result file is changed.",
+        epilog=_EPILOG,
+    )
+    p_track.add_argument(
+        "args",
+        nargs="*",
+        metavar="CONFIG|key=value",
+        help="the experiment file, then overrides of its keys (e.g. tracking=[mlflow])",
+    )
     p_part = sub.add_parser(
         "partition",
         help="print per-client class histograms of an experiment's partition",
@@ -265,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                         plot = plot.with_name(f"{plot.stem}-seed{seed}{plot.suffix}")
                     print(f"label distribution written to {save_label_plot(fed, plot)}")
             return 0
+        if ns.command == "track":
+            return _track(cfg)
         from fedlore.checks import check_overrides
         from fedlore.experiment import run_experiment
         from fedlore.results.report import report
@@ -315,6 +336,33 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+
+
+def _track(cfg: Config) -> int:
+    """``fedlore track``: every finished run of ``cfg`` and its report to its trackers.
+
+    Raises:
+        ConfigError: when the config names no tracker or a tracker's package is missing.
+    """
+    from fedlore.engine.rundir import run_dir
+    from fedlore.tracking import track_finished, track_report, tracking_problems
+
+    if not cfg.tracking.backends:
+        raise ConfigError(
+            "fedlore track sends runs to the trackers of the tracking section, and this config "
+            "names none; add e.g. tracking=[mlflow]"
+        )
+    problems = tracking_problems(cfg)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    runs = [(m, s, run_dir(cfg, m, s)) for m in cfg.algorithms for s in cfg.seeds]
+    for line in track_finished(cfg, runs):
+        print(line, flush=True)
+    folder = Path(cfg.output_dir) / cfg.name
+    track_report(cfg, folder)
+    if (folder / "report.md").exists():
+        print(f"report of {folder} sent to {', '.join(cfg.tracking.backends)}")
+    return 0
 
 
 def _check_plot_path(plot: Path) -> None:

@@ -230,7 +230,7 @@ def test_the_benchmark_writes_its_table_summary_and_figure(tmp_path: Path) -> No
     assert {m for b, m, a in methods if b == 4} == {
         "fedavg-1", "fedavg-1 ε=8", "fedavg-5", "fedfull", "fedlore", "fedlore ε=8",
         "fedlore side=right", "fedlore-sketch", "fedit", "meta-bayfl noise-known",
-        "meta-bayfl noise-guessed",
+        "meta-bayfl noise-guessed", "meta-bayfl flat-prior",
     }  # fmt: skip
     assert result["summary"]["digits_b1_fedavg-1_closed_psnr"] > 60
     assert "digits_b4_fedlore_eps8_ig_ssim" in result["summary"]

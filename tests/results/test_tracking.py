@@ -271,6 +271,32 @@ def test_a_failing_tracker_warns_and_the_run_finishes(tmp_path: Path) -> None:
     assert (run_dir(cfg, "fedavg", SEED) / "summary.json").exists()
 
 
+def test_track_sends_finished_runs_to_a_tracker_they_did_not_have(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fedlore track``: a run made without tracking (or whose tracker failed) is sent
+    afterwards, every round and the summary; an unfinished run is named, not sent; the results
+    stay as they were."""
+    args = _args(tmp_path, "algorithms=[fedavg]", "seeds=[5,6]")
+    assert main(["run", *args]) == 0
+    (run_dir(_cfg(tmp_path, "algorithms=[fedavg]"), "fedavg", 6) / "summary.json").unlink()
+    folder = tmp_path / "tracked" / "fedavg" / f"seed-{SEED}"
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert main(["track", *args]) == 2  # no tracker named
+    assert "names none; add e.g. tracking=[mlflow]" in capsys.readouterr().err
+    assert main(["track", *args, "tracking=[tensorboard]"]) == 0
+    out = capsys.readouterr().out
+    assert f"fedavg seed {SEED}: {ROUNDS} rounds and the summary sent to tensorboard" in out
+    assert "fedavg seed 6: not finished" in out and "report of" in out
+    acc = _tensorboard(folder / "tensorboard")
+    rows = _rows(folder)
+    assert [e.step for e in acc.Scalars("accuracy")] == [s for s, _ in _series(rows, "accuracy")]
+    assert "summary/text_summary" in acc.Tags()["tensors"]
+    assert not (tmp_path / "tracked" / "fedavg" / "seed-6" / "tensorboard").exists()
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
+
+
 def test_a_tracking_server_that_is_down_is_given_up_in_seconds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

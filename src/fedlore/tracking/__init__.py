@@ -33,8 +33,16 @@ from fedlore.tracking.base import (
     BACKENDS,
     Tracking,
     open_tracking,
+    track_finished,
     track_report,
     tracking_problems,
 )
 
-__all__ = ["BACKENDS", "Tracking", "open_tracking", "track_report", "tracking_problems"]
+__all__ = [
+    "BACKENDS",
+    "Tracking",
+    "open_tracking",
+    "track_finished",
+    "track_report",
+    "tracking_problems",
+]

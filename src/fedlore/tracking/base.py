@@ -113,12 +113,17 @@ class Tracking:
         values = scalars(row)
         self._each(lambda t: t.log_round(rnd, values))
 
-    def finish(self, summary: dict[str, Any], out: Path) -> None:
-        """Log ``summary``'s numbers and the run's files in ``out``; close every tracker."""
+    def finish(self, summary: dict[str, Any], out: Path) -> list[str]:
+        """Log ``summary``'s numbers and the run's files in ``out``; close every tracker.
+
+        Returns:
+            The trackers that took them (a failing one is warned about and left out)."""
         files = [out / f for f in RUN_FILES if (out / f).exists()]
         values = scalars(summary)
         self._each(lambda t: t.finish(values, files))
+        done = list(self.trackers)
         self.trackers.clear()
+        return done
 
     def abort(self) -> None:
         """Close every tracker with the run unfinished."""
@@ -181,6 +186,31 @@ def open_tracking(cfg: Config, method: str, seed: int, out: Path, target: Path) 
     if replay and tracking:
         say("%s seed %d: %d tracked rounds logged again", method, seed, len(replay))
     return tracking
+
+
+def track_finished(cfg: Config, runs: Iterable[tuple[str, int, Path]]) -> list[str]:
+    """Send finished runs to the trackers of ``cfg.tracking`` again (``fedlore track``): for
+    each ``(method, seed, folder)`` holding a ``summary.json``, every ``metrics.jsonl`` row,
+    the parameters, the summary and the files, as the run itself would have at its end (a
+    tracker that failed or was not configured during the run; MLflow replaces the folder's
+    earlier tracked run, TensorBoard and W&B rewrite their folders). Runs without a summary
+    are left out and named.
+
+    Returns:
+        One line per run: what was sent, or why not.
+    """
+    lines = []
+    for method, seed, folder in runs:
+        summary = folder / "summary.json"
+        if not summary.exists():
+            lines.append(f"{method} seed {seed}: not finished ({folder} has no summary.json)")
+            continue
+        tracking = open_tracking(cfg, method, seed, folder, folder)
+        done = tracking.finish(json.loads(summary.read_text()), folder)
+        rows = len(_rows(folder / "metrics.jsonl"))
+        to = ", ".join(done) or "no tracker (each one's failure is warned about above)"
+        lines.append(f"{method} seed {seed}: {rows} rounds and the summary sent to {to}")
+    return lines
 
 
 MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
