@@ -825,6 +825,7 @@ def bayes_fedlore() -> dict[str, str]:
             for r in read(path)
         }
         pairs = {"fedlore_bayfl": "bayfl", "fedlore_bayes": "meta_bayfl"}
+        best = {"fedlore_bayes_vs_bayfl": ("fedlore_bayes", "bayfl")}
         facts[name] = {
             "methods": mean,
             "bytes_up_ratio": {
@@ -843,6 +844,12 @@ def bayes_fedlore() -> dict[str, str]:
             },
             "ece_minus": {m: mean[m]["final_ece"] - mean[d]["final_ece"] for m, d in pairs.items()},
         }
+        for key, (m, d) in best.items():
+            facts[name][key] = {
+                "accuracy_pct_minus": 100 * (mean[m]["final_accuracy"] - mean[d]["final_accuracy"]),
+                "nll_minus": mean[m]["final_loss"] - mean[d]["final_loss"],
+                "ece_minus": mean[m]["final_ece"] - mean[d]["final_ece"],
+            }
     return {"experiments/results/bayes_fedlore/summary.json": dump_json(facts)}
 
 
