@@ -67,6 +67,42 @@ def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
     return out
 
 
+OWN_KEYS = ("name", "algorithms", "seeds", "output_dir", "progress")
+"""Keys the sweep sets in every run itself (``--methods``, the config's seeds, ``--runs``)."""
+
+
+def refuse_clashes(vary: list[tuple[str, list[str]]], sets: list[str], methods: list[str]) -> None:
+    """Refuse a sweep whose table would be labelled with values its runs do not have: a
+    ``--set`` of a key the sweep sets itself or of a ``--vary`` key (also as a method's own
+    ``method.<name>.<key>``), or a value or method named twice.
+
+    Raises:
+        ConfigError: naming the keys.
+    """
+    set_keys = [kv.partition("=")[0].strip() for kv in sets]
+    own = sorted(k for k in set_keys if k in OWN_KEYS)
+    if own:
+        raise ConfigError(
+            f"--set {own}: the sweep sets these itself (--methods, the config's seeds, --runs); "
+            "change them there"
+        )
+    varied = {k for k, _ in vary}
+    leaves = {k.rsplit(".", 1)[-1] for k in varied}
+    both = sorted(
+        k for k in set_keys
+        if k in varied or (k.startswith("method.") and k.rsplit(".", 1)[-1] in leaves)
+    )  # fmt: skip
+    if both:
+        raise ConfigError(
+            f"--set {both} would override the --vary values of the same key(s) in every "
+            "run (the table would be labelled with values the runs do not have)"
+        )
+    for what, values in [*((f"--vary {k}", vs) for k, vs in vary), ("--methods", methods)]:
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            raise ConfigError(f"{what}: {twice} named twice")
+
+
 def label(setting: tuple[tuple[str, str], ...]) -> str:
     """A run-folder-safe name of one setting, e.g. ``fraction-0.5_noise-0.01``."""
     return "_".join(f"{k.rsplit('.', 1)[-1]}-{v}" for k, v in setting) or "base"
@@ -133,19 +169,16 @@ def sweep(args: argparse.Namespace) -> int:
     """The sweep of :func:`main`'s arguments: 0 when every run finished, 1 otherwise.
 
     Raises:
-        ConfigError, FileNotFoundError: for the config, a ``--set`` that names a ``--vary`` key,
-            or a method that is not registered.
+        ConfigError, FileNotFoundError: before any run, for the config, a ``--set`` that the
+            sweep sets itself or that overrides a ``--vary`` key (:func:`refuse_clashes`), a
+            value or method named twice, a method that is not registered or whose settings
+            some run would refuse, or an ``--out`` that is a file.
     """
     cfg = load_config(args.config)
     methods = args.methods.split(",") if args.methods else list(cfg.algorithms)
     root = args.runs or cfg.output_dir
     vary = parse_vary(args.vary)
-    both = {k for k, _ in vary} & {kv.partition("=")[0] for kv in args.set}
-    if both:
-        raise ConfigError(
-            f"--set {sorted(both)} would override the --vary values of the same key(s) in every "
-            "run (the table would be labelled with values the runs do not have)"
-        )
+    refuse_clashes(vary, args.set, methods)
     known = registry.names("algorithm")
     unknown = [m for m in methods if m not in known]
     if unknown:
@@ -154,8 +187,16 @@ def sweep(args: argparse.Namespace) -> int:
         tuple(zip([k for k, _ in vary], combo, strict=True))
         for combo in itertools.product(*[vs for _, vs in vary])
     ]
-    for setting in settings:
-        load_config(args.config, [*[f"{k}={v}" for k, v in setting], *args.set])
+    for setting in settings:  # every run's config and method settings, before any run
+        for method in methods:
+            given = [*[f"{k}={v}" for k, v in setting], *args.set, f"algorithms=[{method}]"]
+            try:
+                make_algorithm(method, load_config(args.config, given))
+            except (KeyError, ValueError) as e:
+                where = f" ({label(setting)})" if setting else ""
+                raise ConfigError(f"{method}{where}: {e.args[0] if e.args else e}") from e
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ConfigError(f"--out {args.out} is a file; name a folder for the table")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
@@ -189,6 +230,7 @@ def sweep(args: argparse.Namespace) -> int:
             if why:
                 print(f"{label(setting)} {method} seed {seed}: skipped: {why}; give this "
                       "sweep its own --runs root", flush=True)  # fmt: skip
+                failed.append(f"{label(setting)} {method} seed {seed} (another config's run)")
             return
         cmd = [
             sys.executable, "-m", "fedlore.cli", "run", args.config,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 from types import ModuleType
 
@@ -36,7 +37,7 @@ def test_a_sweep_tabulates_only_runs_of_its_own_settings(
     (row,) = json.loads((tmp_path / "a" / "table.json").read_text())
     assert row["seeds"] == 1
     # another --set under the same run names: not reused, not tabulated, and said
-    assert sweep.main([*common, "--set", "lr=0.02", "--out", str(tmp_path / "b")]) == 0
+    assert sweep.main([*common, "--set", "lr=0.02", "--out", str(tmp_path / "b")]) == 1
     assert json.loads((tmp_path / "b" / "table.json").read_text()) == []
     out = capsys.readouterr().out
     assert "holds a run of another config" in out and "lr" in out
@@ -62,6 +63,27 @@ def test_bad_sweeps_are_refused_before_any_run(
     assert "lr" in capsys.readouterr().err
     assert sweep.main([str(tmp_path / "missing.yaml"), *out]) == 2
     assert "missing.yaml" in capsys.readouterr().err
+    refused = {
+        ("--set", "seeds=[1,2]"): "the sweep sets these itself",
+        ("--set", "output_dir=elsewhere"): "the sweep sets these itself",
+        ("--vary", "rank=2,4", "--set", "method.fedavg.rank=3"): "would override the --vary",
+        ("--vary", "lr=0.1,0.2", "--set", "lr =0.3"): "would override the --vary",
+        ("--vary", "lr=0.1,0.1"): r"--vary lr: \['0.1'\] named twice",
+        ("--methods", "fedavg,fedavg"): r"--methods: \['fedavg'\] named twice",
+        ("--methods", "fedlore_bayes", "--set", "method.fedlore_bayes.temp_steps=0"): "temp_steps",
+        ("--set", "secure_aggregation=true", "--methods", "fedlore"): "cannot run under it",
+    }
+    for extra, match in refused.items():
+        assert sweep.main([str(config), *extra, *out]) == 2, extra
+        assert re.search(match, capsys.readouterr().err), extra
+    (tmp_path / "afile").write_text("")
+    assert (
+        sweep.main(
+            [str(config), "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "afile")]
+        )
+        == 2
+    )
+    assert "is a file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         sweep.main([str(config), "--jobs", "0", *out])
     assert "--jobs: must be at least 1" in capsys.readouterr().err

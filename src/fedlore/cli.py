@@ -356,12 +356,14 @@ def _track(cfg: Config) -> int:
     if problems:
         raise ConfigError("\n".join(problems))
     runs = [(m, s, run_dir(cfg, m, s)) for m in cfg.algorithms for s in cfg.seeds]
-    for line in track_finished(cfg, runs):
+    lines = track_finished(cfg, runs)
+    for line in lines:
         print(line, flush=True)
     folder = Path(cfg.output_dir) / cfg.name
-    track_report(cfg, folder)
-    if (folder / "report.md").exists():
-        print(f"report of {folder} sent to {', '.join(cfg.tracking.backends)}")
+    if any(" sent to " in line and "no tracker" not in line for line in lines):
+        took = track_report(cfg, folder)
+        if took:
+            print(f"report of {folder} sent to {', '.join(took)}")
     return 0
 
 

@@ -65,6 +65,12 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return merged
 
 
+LIST_SHORTHANDS = {"tracking": "backends"}
+"""Sections a list (or one name) may stand for, and the key it fills: an override
+``tracking=[mlflow]`` sets ``tracking.backends`` and keeps the section's other keys, before or
+after ``tracking.mlflow_uri=...``."""
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``key=value`` overrides (dotted keys, YAML-parsed values) to a raw config dict.
 
@@ -85,10 +91,17 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         parts = key.strip().split(".")
         for p in parts[:-1]:
             nxt = node.setdefault(p, {})
+            if p in LIST_SHORTHANDS and isinstance(nxt, list | str):  # tracking=[...] before
+                nxt = node[p] = {LIST_SHORTHANDS[p]: nxt}
             if not isinstance(nxt, dict):
                 raise ConfigError(f"override {item!r}: {p!r} is not a section")
             node = nxt
         last = parts[-1]
+        shorthand = last in LIST_SHORTHANDS and isinstance(value, list | str)
+        if shorthand and isinstance(node.get(last), dict):  # the section's other keys stay
+            node[last] = {**node[last], LIST_SHORTHANDS[last]: value}
+            given.add(tuple(parts))
+            continue
         if last in STEP_PAIR and value is not None:  # local_epochs=E replaces local_steps
             partner = (*parts[:-1], STEP_PAIR[last])
             if partner in given:

@@ -201,6 +201,20 @@ def describe_parameters(name: str, algo: Algorithm, model: nn.Module) -> None:
         plan = lowrank.plan(model)
         kind = f"projects (rank {lowrank.rank})"
         chosen = {k: f"{s.m}x{s.n}" for k, s in plan.items()}
+        for k, spec in plan.items():
+            if spec.rank * (spec.m + spec.n) >= spec.m * spec.n:
+                log.warning(
+                    "%s: %s %dx%d is projected, but at rank %d its basis and coordinates "
+                    "(r(m+n) = %d numbers) cost more than the matrix itself (%d): lower the rank "
+                    "to save bytes",
+                    name,
+                    k,
+                    spec.m,
+                    spec.n,
+                    spec.rank,
+                    spec.rank * (spec.m + spec.n),
+                    spec.m * spec.n,
+                )
         for weight, shape in lowrank.projectable(model).items():
             if weight in plan or is_frozen(weight):
                 continue

@@ -357,6 +357,28 @@ def test_a_matrix_the_rank_covers_is_named(
     ]
 
 
+def test_a_projection_that_costs_more_than_the_matrix_is_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """48 x 64 at rank 30 is projected by the seed's rule (min(m, n) > r), but r(m + n) = 3360
+    numbers exceed the 3072 of the matrix; Bayesian FedLore names its mean and scale alike."""
+    from fedlore.experiment_parts import describe_parameters, make_algorithm
+    from fedlore.models import build_model
+
+    cfg = _cfg(tmp_path, "rank=30", "model.kwargs={hidden: [48, 16]}")
+    with caplog.at_level("WARNING", logger="fedlore.experiment_parts"):
+        for method in ("fedlore", "fedlore_bayes"):
+            model = build_model(cfg.model.name, (1, 8, 8), 10, **cfg.model.kwargs)
+            describe_parameters(method, make_algorithm(method, cfg), model)
+    costly = [r.getMessage() for r in caplog.records if "cost more" in r.getMessage()]
+    assert [m.split(" is projected")[0] for m in costly] == [
+        "fedlore: body.0.weight 48x64",
+        "fedlore_bayes: body.0.weight_mu 48x64",
+        "fedlore_bayes: body.0.weight_rho 48x64",
+    ]
+    assert "(r(m+n) = 3360 numbers) cost more than the matrix itself (3072)" in costly[0]
+
+
 def test_data_root_for_embedded_digits_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="has no effect on source 'digits'"):
         run_experiment(_cfg(tmp_path, "data.root=/somewhere"))

@@ -274,10 +274,12 @@ def test_a_failing_tracker_warns_and_the_run_finishes(tmp_path: Path) -> None:
 def test_track_sends_finished_runs_to_a_tracker_they_did_not_have(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    import socket
+
     """``fedlore track``: a run made without tracking (or whose tracker failed) is sent
     afterwards, every round and the summary; an unfinished run is named, not sent; the results
     stay as they were."""
-    args = _args(tmp_path, "algorithms=[fedavg]", "seeds=[5,6]")
+    args = _args(tmp_path, "algorithms=[fedavg]", "seeds=[5,6,7]")
     assert main(["run", *args]) == 0
     (run_dir(_cfg(tmp_path, "algorithms=[fedavg]"), "fedavg", 6) / "summary.json").unlink()
     folder = tmp_path / "tracked" / "fedavg" / f"seed-{SEED}"
@@ -295,6 +297,16 @@ def test_track_sends_finished_runs_to_a_tracker_they_did_not_have(
     assert "summary/text_summary" in acc.Tags()["tensors"]
     assert not (tmp_path / "tracked" / "fedavg" / "seed-6" / "tensorboard").exists()
     assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
+    # a tracker that cannot be reached: tried once, no claim that anything was sent
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    down = ["tracking=[mlflow]", f"tracking.mlflow_uri=http://127.0.0.1:{port}"]
+    assert main(["track", *args, *down]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("tracking: mlflow failed") == 1 and "Retrying" not in err
+    assert f"fedavg seed {SEED}: {ROUNDS} rounds and the summary sent to no tracker" in out
+    assert "fedavg seed 7: not sent (every tracker failed)" in out and "report of" not in out
 
 
 def test_a_tracking_server_that_is_down_is_given_up_in_seconds(
@@ -335,6 +347,10 @@ def test_a_tracker_without_its_package_is_refused_before_any_run(
 def test_tracking_settings_are_checked_and_do_not_change_a_run(tmp_path: Path) -> None:
     assert _cfg(tmp_path, "tracking=tensorboard").tracking.backends == ["tensorboard"]
     assert _cfg(tmp_path, "tracking=[mlflow,wandb]").tracking.backends == ["mlflow", "wandb"]
+    uri = "tracking.mlflow_uri=http://127.0.0.1:9"
+    for order in (["tracking=[mlflow]", uri], [uri, "tracking=[mlflow]"]):  # either order
+        both = _cfg(tmp_path, *order).tracking
+        assert (both.backends, both.mlflow_uri) == (["mlflow"], "http://127.0.0.1:9")
     with pytest.raises(ConfigError, match="tracker named twice: mlflow"):
         _cfg(tmp_path, "tracking=[mlflow,mlflow]")
     with pytest.raises(ConfigError, match="tensorbored"):

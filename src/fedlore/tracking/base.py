@@ -9,7 +9,7 @@ import importlib.util
 import json
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -200,17 +200,29 @@ def track_finished(cfg: Config, runs: Iterable[tuple[str, int, Path]]) -> list[s
         One line per run: what was sent, or why not.
     """
     lines = []
+    working: list[str] = list(cfg.tracking.backends)  # a tracker that failed: not tried again
     for method, seed, folder in runs:
         summary = folder / "summary.json"
         if not summary.exists():
             lines.append(f"{method} seed {seed}: not finished ({folder} has no summary.json)")
             continue
-        tracking = open_tracking(cfg, method, seed, folder, folder)
+        if not working:
+            lines.append(f"{method} seed {seed}: not sent (every tracker failed)")
+            continue
+        tracking = open_tracking(with_backends(cfg, working), method, seed, folder, folder)
         done = tracking.finish(json.loads(summary.read_text()), folder)
+        working = [b for b in working if b in done]
         rows = len(_rows(folder / "metrics.jsonl"))
-        to = ", ".join(done) or "no tracker (each one's failure is warned about above)"
+        to = ", ".join(done) or "no tracker (its failure is warned about above)"
         lines.append(f"{method} seed {seed}: {rows} rounds and the summary sent to {to}")
     return lines
+
+
+def with_backends(cfg: Config, backends: Sequence[str]) -> Config:
+    """``cfg`` with ``tracking.backends`` replaced."""
+    return cfg.model_copy(
+        update={"tracking": cfg.tracking.model_copy(update={"backends": backends})}
+    )
 
 
 MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
@@ -233,14 +245,17 @@ def report_files(folder: Path) -> tuple[list[Path], list[Path]]:
     return files, sorted(folder.glob("*.png"))
 
 
-def track_report(cfg: Config, folder: Path) -> None:
+def track_report(cfg: Config, folder: Path) -> list[str]:
     """Send the experiment's report (``report.md``, ``report.csv``) and plots in ``folder`` to
     each tracker of ``cfg.tracking``: TensorBoard's ``<folder>/tensorboard-report/`` (the table
     as text, the plots as images), an MLflow run named ``report``, an offline W&B run named
-    ``report``."""
+    ``report``.
+
+    Returns:
+        The trackers that took the report (a failing one is warned about and left out)."""
     files, plots = report_files(folder)
     if not files and not plots:
-        return
+        return []
     info = RunInfo(
         cfg.tracking.experiment or cfg.name,
         "report",
@@ -250,6 +265,7 @@ def track_report(cfg: Config, folder: Path) -> None:
         folder.resolve(),
         cfg.tracking.mlflow_uri,
     )
+    took: list[str] = []
     for backend in cfg.tracking.backends:
         if backend == "tensorboard":
             from fedlore.tracking.tensorboard import log_report
@@ -257,4 +273,6 @@ def track_report(cfg: Config, folder: Path) -> None:
             from fedlore.tracking.mlflow_store import log_report
         else:
             from fedlore.tracking.wandb_offline import log_report
-        _attempt(backend, functools.partial(log_report, info, files, plots))
+        if _attempt(backend, functools.partial(log_report, info, files, plots)):
+            took.append(backend)
+    return took

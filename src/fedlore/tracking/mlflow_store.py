@@ -77,6 +77,8 @@ def _open(uri: str, info: RunInfo) -> tuple[Any, str]:
     if uri.startswith(("http://", "https://")):
         for key, value in HTTP_DEFAULTS.items():
             os.environ.setdefault(key, value)
+        # each retry's "Retrying (...)" line: the one warning that the tracker is off suffices
+        logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     from mlflow.tracking import MlflowClient
 
     # MLflow says at INFO level when it creates a SQLite store's tables: not fedlore's news
