@@ -108,6 +108,28 @@ def _adam_step(
     return m_hat / (torch.sqrt(v_hat + 1e-30) + eps), m, v
 
 
+def _adam_all(
+    loss: torch.Tensor,
+    free: dict[str, torch.Tensor],
+    m: dict[str, torch.Tensor],
+    v2: dict[str, torch.Tensor],
+    t: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+) -> dict[str, torch.Tensor]:
+    """Adam's step ``t`` on every tensor of ``free`` from ``loss`` (differentiable: the
+    gradients keep their graph); updates the moments ``m``, ``v2`` in place, returns the new
+    tensors."""
+    names = list(free)
+    grads = torch.autograd.grad(loss, [free[k] for k in names], create_graph=True)
+    new = {}
+    for k, g in zip(names, grads, strict=True):
+        d, m[k], v2[k] = _adam_step(g, m[k], v2[k], t, betas, eps)
+        new[k] = free[k] - lr * d
+    return new
+
+
 def adam_update(
     model: nn.Module,
     lr: float,
@@ -237,13 +259,7 @@ def bayes_update(
                 for k in start
             )  # fmt: skip
             loss = soft_cross_entropy(functional_call(model, weights, (x,)), y) + kl / x.shape[0]
-            names = list(free)
-            grads = torch.autograd.grad(loss, [free[k] for k in names], create_graph=True)
-            new = {}
-            for k, grad in zip(names, grads, strict=True):
-                d, m[k], v2[k] = _adam_step(grad, m[k], v2[k], t, betas, eps)
-                new[k] = free[k] - lr * d
-            free = new
+            free = _adam_all(loss, free, m, v2, t, lr, betas, eps)
         return [free[f"{k}.{part}"] - first[f"{k}.{part}"] for part in ("mu", "rho") for k in start]
 
     return upload
@@ -286,13 +302,7 @@ def lora_update(
                 for k in start
             }
             loss = soft_cross_entropy(functional_call(model, weights, (x,)), y)
-            names = list(free)
-            grads = torch.autograd.grad(loss, [free[k] for k in names], create_graph=True)
-            new = {}
-            for k, g in zip(names, grads, strict=True):
-                d, m[k], v2[k] = _adam_step(g, m[k], v2[k], t, betas, eps)
-                new[k] = free[k] - lr * d
-            free = new
+            free = _adam_all(loss, free, m, v2, t, lr, betas, eps)
         out: list[torch.Tensor] = []
         for k in start:
             if k in factors:
