@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch is pinned (2.13.0, the CPU build of our machines); install it first so that no
 	# later requirement pulls another (multi-GB CUDA) build.
-	$(BIN)/python -m pip install --quiet --no-compile torch==2.13.0
-	$(BIN)/python -m pip install --quiet --no-compile -e '.[dev,flower,docs,tracking,hf]'
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev,flower,docs,tracking,hf]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -60,16 +60,8 @@ data:
 # Two pytest workers (pytest-xdist): every test process keeps one torch thread
 # (tests/conftest.py), so two workers fill two cores; 15.5 -> 11.6 min measured on two cores.
 PYTEST_ARGS ?= -n 2 --dist loadgroup
-# The checks of `lint` run beside the tests, at a lower priority: they use the CPU the Flower
-# tests leave while they wait on their processes and timeouts; their output follows the tests'.
-# The target fails when either does.
-test: $(STAMP) data
-	@log=$$(mktemp); \
-	nice -n 10 $(MAKE) --no-print-directory lint > $$log 2>&1 & lint=$$!; \
-	$(BIN)/python -m pytest $(PYTEST_ARGS); tests=$$?; \
-	wait $$lint; checks=$$?; cat $$log; rm -f $$log; \
-	if [ $$checks -ne 0 ]; then echo "make test: the lint checks failed (above)"; fi; \
-	[ $$checks -eq 0 ] && [ $$tests -eq 0 ]
+test: lint data
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Mutation testing with mutmut (scripts/mutation.py, docs/development/mutation.md); not part of `make test`
 # (minutes per group). MODULES picks groups of [tool.fedlore.mutation] in pyproject.toml by name
