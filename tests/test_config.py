@@ -407,6 +407,25 @@ def test_a_method_refuses_fewer_clients_per_round_than_it_needs() -> None:
         make_algorithm("pfedme", load_config(None, ["lr=0.3"]))  # 0.3 * 15 >= 2
 
 
+def test_a_setting_the_method_never_reads_is_no_difference_between_its_runs() -> None:
+    """``rank`` feeds FedLore's and the LoRA methods' settings, not FedAvg's: a finished FedAvg
+    run is this config's run at any rank (its results are the same), unless the subspace
+    diagnostics, which run at ``rank``, are on; for FedLore the rank is a difference."""
+    from fedlore.engine.rundir import _run_config, config_diff, resolved_hyper
+
+    def record(cfg: Config, method: str) -> dict[str, object]:
+        return {**_run_config(cfg, method), "hyper": resolved_hyper(make_algorithm(method, cfg))}
+
+    at8, at16 = load_config(None, ["rank=8"]), load_config(None, ["rank=16"])
+    assert config_diff(at16, "fedavg", record(at8, "fedavg"), make_algorithm) == ""
+    assert config_diff(at16, "fedlore", record(at8, "fedlore"), make_algorithm) == "rank: 8 -> 16"
+    diag8, diag16 = (load_config(None, [f"rank={r}", "diagnostics.every=1"]) for r in (8, 16))
+    assert config_diff(diag16, "fedavg", record(diag8, "fedavg"), make_algorithm) == "rank: 8 -> 16"
+    assert config_diff(  # a setting every method reads stays a difference
+        load_config(None, ["rounds=3"]), "fedavg", record(at8, "fedavg"), make_algorithm
+    ).startswith("rounds: ")
+
+
 def test_transport_dtype_reaches_the_methods_that_honour_it_and_is_refused_elsewhere() -> None:
     from fedlore.engine.rundir import _run_config, config_diff
 

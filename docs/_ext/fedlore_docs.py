@@ -250,6 +250,7 @@ class MethodSettingsDirective(ConfigDirective):
 
     def run(self) -> list[nodes.Node]:
         from fedlore import registry
+        from fedlore.settings import not_applicable
 
         name = self.arguments[0]
         if name not in registry.names("algorithm"):
@@ -267,6 +268,14 @@ class MethodSettingsDirective(ConfigDirective):
         if not lines:
             lines = ["No settings of its own beyond the shared local-training ones.", ""]
             self.env.fedlore_methods.add(name)  # type: ignore[attr-defined]
+        ignored = not_applicable(registry.get("algorithm", name))
+        if ignored:
+            lines += [
+                f"Settings {name} does not read (a ``method.{name}`` override of one is refused):",
+                "",
+                *(f"* ``{key}``: {why}." for key, why in sorted(ignored.items())),
+                "",
+            ]
         return self.parse_text_to_nodes("\n".join(lines))
 
 

@@ -416,7 +416,8 @@ def run_experiment(
         except KeyError as e:  # not registered: the key is algorithms
             problems.append(f"algorithms: {e.args[0] if e.args else e}")
         except ValueError as e:  # the method's settings
-            problems.append(f"{name}: {e.args[0] if e.args else e}")
+            text = str(e.args[0] if e.args else e)
+            problems.append(text if text.startswith(f"method.{name}") else f"{name}: {text}")
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
     check_output_dir(cfg)

@@ -345,13 +345,38 @@ def config_value(cfg: Any, path: str) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
+NOT_APPLICABLE = "not_applicable"
+"""Name of a method class's optional ``{setting: why}`` mapping: settings it inherits or shares
+that it never reads (FedSLoP's inner optimizer is always the heavy ball). They are not among
+its :func:`hyperparameter_names`: a ``method.<name>`` override of one is refused with the
+reason, and the method's settings page lists them apart."""
+
+
+def not_applicable(cls: type) -> dict[str, str]:
+    """``{setting: why}``: the settings method class ``cls`` never reads
+    (:data:`NOT_APPLICABLE`)."""
+    return dict(getattr(cls, NOT_APPLICABLE, {}))
+
+
+def not_applicable_problems(cls: type, name: str, keys: Any) -> list[str]:
+    """One line for each of ``keys`` (a ``method.<name>`` section's) that method class ``cls``
+    never reads, with the reason."""
+    ignored = not_applicable(cls)
+    return [
+        f"method.{name}.{k}: does not apply to {name} ({ignored[k]})"
+        for k in sorted(keys)
+        if k in ignored
+    ]
+
+
 def hyperparameter_names(cls: type) -> list[str]:
     """The names a ``method.<name>`` section may set for method class ``cls``: its own fields
-    and, for a class holding ``train``, the :class:`LocalTraining` fields (sorted)."""
+    and, for a class holding ``train``, the :class:`LocalTraining` fields (sorted), less those
+    it never reads (:func:`not_applicable`)."""
     names = {f.name for f in dataclasses.fields(cls)}
     if "train" in names:
         names = (names - {"train"}) | set(LocalTraining.model_fields)
-    return sorted(names)
+    return sorted(names - set(not_applicable(cls)))
 
 
 @functools.cache
@@ -390,8 +415,9 @@ def build_hyper(cls: type, name: str, cfg: Any, overrides: dict[str, Any], **fix
             value with its key (``method.<name>.<key>`` for an override), all at once.
     """
     names = hyperparameter_names(cls)
-    unknown = sorted(set(overrides) - set(names))
-    problems = []
+    ignored = not_applicable(cls)
+    problems = not_applicable_problems(cls, name, overrides)
+    unknown = sorted(set(overrides) - set(names) - set(ignored))
     if unknown:
         problems.append(
             f"method.{name}: {cls.__name__} has no hyperparameter(s) {unknown}; known: {names}"
@@ -406,7 +432,7 @@ def build_hyper(cls: type, name: str, cfg: Any, overrides: dict[str, Any], **fix
         (train if holds_train and k in LocalTraining.model_fields else own)[k] = v
         source[k] = k
     for k, v in overrides.items():
-        if k in unknown:
+        if k in unknown or k in ignored:
             continue
         if holds_train and k in STEP_PAIR and STEP_PAIR[k] not in overrides:
             train[STEP_PAIR[k]] = None  # method.<name>.local_epochs replaces local_steps
@@ -426,6 +452,8 @@ def build_hyper(cls: type, name: str, cfg: Any, overrides: dict[str, Any], **fix
                 loc = loc[1:]
             msg = err["msg"].removeprefix("Value error, ")
             if not loc:  # a check across settings (the method's __post_init__)
+                for who in (name, *(k.__name__ for k in cls.__mro__)):
+                    msg = msg.removeprefix(f"{who}: ")  # named once, by the section
                 problems.append(f"method.{name}: {msg}")
                 continue
             where = source.get(loc[0], f"method.{name}.{loc[0]}")

@@ -217,8 +217,11 @@ def test_the_config_refusals_follow_the_record(name: str) -> None:
     if want.sums:
         checks.check_privacy(name, cls, cfg)
     else:
-        with pytest.raises(ConfigError, match=f"dp: method '{name}' cannot run under it"):
+        with pytest.raises(ConfigError, match=f"dp: method '{name}' cannot run under it") as e:
             checks.check_privacy(name, cls, cfg)
+        # the methods it names as the way out are those of the record, every one of them
+        able = str(e.value).rpartition("needs only weighted sums: ")[2].rstrip(")").split(", ")
+        assert sorted(able) == sorted(m for m, w in TABLE.items() if w.sums)
 
 
 OLD = (

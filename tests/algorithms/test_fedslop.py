@@ -202,3 +202,27 @@ def test_defaults_follow_the_authors_code() -> None:
     algo = FedSLoP()
     assert (algo.side, algo.momentum, algo.carry, algo.scale) == ("right", 0.8, "keep", 1.0)
     assert algo.caps().sum_aggregable and algo.caps().projects == "shared"
+
+
+def test_settings_it_never_reads_are_refused_with_the_reason() -> None:
+    """FedSLoP inherits FedLore-Random's ``optimizer`` and shares Adam's ``betas``/``eps``; it
+    reads none of them, so a ``method.fedslop`` override of one is refused naming why (in the
+    methods of ``algorithms`` and in a section for another method alike), and they are not among
+    the settings a ``method.fedslop`` section may set."""
+    from fedlore.checks.methods import unused_method_problems
+    from fedlore.config import load_config
+    from fedlore.experiment_parts import make_algorithm
+    from fedlore.settings import hyperparameter_names
+
+    names = hyperparameter_names(FedSLoP)
+    assert {"momentum", "carry", "lr"} <= set(names)
+    assert not {"optimizer", "betas", "eps"} & set(names)
+    cfg = load_config(None, ["algorithms=[fedslop]", "method.fedslop.optimizer=sgd"])
+    with pytest.raises(ValueError, match=r"method.fedslop.optimizer: does not apply to fedslop "
+                       r"\(its inner optimizer is always the heavy ball"):  # fmt: skip
+        make_algorithm("fedslop", cfg)
+    with pytest.raises(ValueError, match=r"method.fedslop.betas: does not apply"):
+        make_algorithm("fedslop", load_config(None, ["method.fedslop.betas=[0.5, 0.9]"]))
+    make_algorithm("fedlore_random", load_config(None, ["method.fedlore_random.optimizer=sgd"]))
+    other = load_config(None, ["algorithms=[fedavg]", "method.fedslop.eps=1e-6"])
+    assert any("method.fedslop.eps: does not apply" in p for p in unused_method_problems(other))

@@ -152,3 +152,36 @@ def test_bad_folders_and_files_are_named(tmp_path: Path) -> None:
     write_leaf(tmp_path / "r", ragged)
     with pytest.raises(ValueError, match=r"strings differ in length \(80 and 70 at example 1\)"):
         load_leaf(str(tmp_path / "r"))
+
+
+def test_per_client_metrics_need_a_local_test_split(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """LEAF split by user (its test users hold no training data): under ``natural`` no client
+    has a test example of its own, so ``eval.clients`` would record nothing; it is refused,
+    naming why and the ways out. With some clients left without one, they are named in a
+    warning and the run goes on."""
+    import logging
+
+    from fedlore.checks import check_eval
+
+    users = femnist_users(num_users=5, n_train=6, n_test=3, seed=4)
+    names = sorted(users)
+    for name in names[:3]:  # training users: no test data
+        users[name]["test"] = ([], [])
+    for name in names[3:]:  # test users: no training data
+        users[name]["train"] = ([], [])
+    write_leaf(tmp_path / "f", users)
+    over = leaf(tmp_path / "f", "partition.name=natural", "num_clients=3", "eval.clients=true")
+    cfg = load_config(None, over)
+    with pytest.raises(ConfigError, match=r"none of the 3 clients has a local test split: .*LEAF"):
+        check_eval(cfg, build_federation(cfg, 0))
+    check_eval(load_config(None, over[:-1]), build_federation(cfg, 0))  # eval.clients off: fine
+    users = femnist_users(num_users=3, n_train=6, n_test=3, seed=4)
+    users[sorted(users)[0]]["test"] = ([], [])
+    write_leaf(tmp_path / "g", users)
+    cfg = load_config(None, leaf(tmp_path / "g", "partition.name=natural", "num_clients=3",
+                                 "eval.clients=true"))  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="fedlore.checks"):
+        check_eval(cfg, build_federation(cfg, 0))
+    assert "1 of the 3 clients have no local test split" in caplog.text

@@ -186,3 +186,27 @@ def test_source_dirichlet_errors() -> None:
         partition_source_dirichlet(np.zeros(3, dtype=np.int64), 4, np.random.default_rng(0))
     with pytest.raises(ValueError, match="alpha must be > 0"):
         partition_source_dirichlet(np.zeros(3, dtype=np.int64), 2, np.random.default_rng(0), 0.0)
+
+
+def test_a_partition_setting_the_partitioner_never_reads_is_named() -> None:
+    """``partition.alpha`` with ``iid`` (a sweep that switches the partition keeps the base
+    config's alpha) still runs, with a warning naming the unread setting and what the
+    partitioner reads; a setting it reads, or one left at its default, says nothing."""
+    import warnings
+
+    from fedlore.config import load_config
+    from fedlore.data.checks import DataWarning
+    from fedlore.data.partition import partition_labels
+
+    cfg = load_config(None, ["partition.name=iid", "partition.alpha=0.1", "num_clients=4"])
+    with pytest.warns(DataWarning, match=r"partition.alpha=0.1 not used: partition 'iid' reads"):
+        parts = partition_labels(cfg, 0, LABELS)
+    assert len(parts) == 4
+    cfg = load_config(None, ["partition.name=step", "partition.min_size=5", "num_clients=4"])
+    with pytest.warns(DataWarning, match=r"partition.min_size=5 not used: .* reads partition.maj"):
+        partition_labels(cfg, 0, LABELS)
+    for over in (["partition.name=dirichlet", "partition.alpha=0.1"], ["partition.name=iid"]):
+        cfg = load_config(None, [*over, "num_clients=4"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DataWarning)
+            partition_labels(cfg, 0, LABELS)

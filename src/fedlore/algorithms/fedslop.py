@@ -140,6 +140,11 @@ class FedSLoP(FedLoreRandom):
     side: SideRule = "right"
     momentum: float = 0.8
     carry: Literal["keep", "project", "reset"] = "keep"
+    not_applicable: ClassVar[dict[str, str]] = {
+        "optimizer": "its inner optimizer is always the heavy ball; momentum sets it",
+        "betas": "Adam's betas; the heavy ball's coefficient is momentum",
+        "eps": "Adam's epsilon; the heavy ball has none",
+    }
 
     def __post_init__(self) -> None:
         super().__post_init__()

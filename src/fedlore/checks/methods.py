@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 from fedlore import registry
 from fedlore.algorithm import Algorithm, Capabilities
 from fedlore.config import Config, ConfigError
-from fedlore.settings import hyperparameter_names
+from fedlore.settings import hyperparameter_names, not_applicable, not_applicable_problems
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +63,8 @@ def unused_method_problems(cfg: Config) -> list[str]:
             problems.append(f"method.{name}: {e.args[0] if e.args else e}")
             continue
         fields = hyperparameter_names(cls)
-        unknown = sorted(set(settings) - set(fields))
+        problems += not_applicable_problems(cls, name, settings)
+        unknown = sorted(set(settings) - set(fields) - set(not_applicable(cls)))
         if unknown:
             problems.append(
                 f"method.{name}: {cls.__name__} has no hyperparameter(s) {unknown}; known: "
@@ -274,10 +275,14 @@ def check_privacy(name: str, cls: type[Declares], cfg: Config) -> None:
     caps = cls.capabilities
     if not caps.sum_aggregable:
         why = caps.individual_uploads
+        able = [
+            m
+            for m in registry.names("algorithm")
+            if registry.get("algorithm", m).capabilities.sum_aggregable
+        ]
         raise ConfigError(
             f"{mode}: method {name!r} cannot run under it: {why} (methods "
-            "whose server needs only weighted sums: fedavg, fedfull, fedprox, fedit, ffa_lora, "
-            "fedlore_sketch, fedlore_random, fedlore_fixed, fedslop)"
+            f"whose server needs only weighted sums: {', '.join(able)})"
         )
     if cfg.robust.aggregate != "mean":
         raise ConfigError(

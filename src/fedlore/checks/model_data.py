@@ -91,15 +91,40 @@ def check_model_fits_data(model: str, fed: Federation) -> None:
 
 def check_eval(cfg: Config, fed: Federation) -> None:
     """Per-client evaluation needs local test splits, which a pre-training corpus does not
-    have (every training document belongs to exactly one client's training data).
+    have (every training document belongs to exactly one client's training data), nor do LEAF
+    users whose test examples lie with other users under ``data.local_test=by_id``.
 
     Raises:
-        ConfigError: for ``eval.clients=true`` on a pre-training corpus.
+        ConfigError: for ``eval.clients=true`` on a pre-training corpus, or where no client
+            has a local test split (a warning names those without one, who are left out).
     """
     if cfg.eval.clients and fed.task == "language_modeling":
         raise ConfigError(
             f"eval.clients=true: {fed.source!r} clients have no local test split (the common "
             "validation corpus is evaluated every eval.every rounds); set eval.clients=false"
+        )
+    if not cfg.eval.clients:
+        return
+    empty = [c for c in range(fed.num_clients) if len(fed.client(c).test) == 0]
+    why = (
+        "data.local_test=by_id gives a client the test examples of its own ids, and these "
+        "clients' ids have none (LEAF's test users are not its training users unless the "
+        "source splits each user)"
+        if cfg.data.local_test == "by_id" or cfg.partition.name == "natural"
+        else "their data are too few to hold any out (data.test_fraction)"
+    )
+    if len(empty) == fed.num_clients:
+        raise ConfigError(
+            f"eval.clients=true: none of the {fed.num_clients} clients has a local test split: "
+            f"{why}; set data.local_test=split, or eval.clients=false"
+        )
+    if empty:
+        log.warning(
+            "eval.clients: %d of the %d clients have no local test split and are left out of "
+            "the per-client metrics (%s)",
+            len(empty),
+            fed.num_clients,
+            why,
         )
 
 

@@ -35,11 +35,13 @@ client; its parts must still be disjoint.
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fedlore import registry
+from fedlore.data.checks import DataWarning
 from fedlore.progress import say
 from fedlore.registry import register_partition
 from fedlore.seeding import DATA_PARTITION, data_rng
@@ -439,6 +441,33 @@ def _declared_kwargs(partition: Any, cfg: Config) -> dict[str, Any]:
     return dict(cfg.partition.kwargs)
 
 
+_OWN_KEYS = ("alpha", "min_size", "major_classes", "major_share")  # read by name, or not at all
+
+
+def _warn_unread(cfg: Config, name: str, params: Any) -> None:
+    """Warn about keys of ``partition`` set in the config that partitioner ``name`` never reads
+    (``partition.alpha`` with ``iid``): the run goes on, as a sweep over partitions needs, but
+    the setting is not silently lost."""
+    unread = [
+        f"partition.{k}={getattr(cfg.partition, k)}"
+        for k in _OWN_KEYS
+        if k in cfg.partition.model_fields_set and k not in params
+    ]
+    if unread:
+        read = [f"partition.{k}" for k in _OWN_KEYS if k in params]
+        warnings.warn(
+            f"{', '.join(unread)} not used: partition {name!r} reads "
+            f"{', '.join(read) or 'none of alpha, min_size, major_classes, major_share'}"
+            + (
+                " (a flwr-datasets partitioner takes its arguments from partition.kwargs)"
+                if name.startswith("flwr:")
+                else ""
+            ),
+            DataWarning,
+            stacklevel=3,
+        )
+
+
 def partition_labels(
     cfg: Config, seed: int, labels: np.ndarray, ids: np.ndarray | None = None
 ) -> list[np.ndarray]:
@@ -462,6 +491,7 @@ def partition_labels(
     name = cfg.partition.name
     partition = registry.get("partition", name)
     params = inspect.signature(partition).parameters
+    _warn_unread(cfg, name, params)
     given = {"ids": ids, "run_seed": seed, "kwargs": dict(cfg.partition.kwargs)}
     extra = {k: v for k, v in given.items() if k in params}
     if "kwargs" not in params:

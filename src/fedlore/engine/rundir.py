@@ -37,6 +37,7 @@ from fedlore.engine.dp_ledger import LEDGER, account_repeats
 from fedlore.engine.store import ClientStore
 from fedlore.privacy import Privacy
 from fedlore.progress import say
+from fedlore.settings import config_paths
 from fedlore.types import State
 
 MakeAlgorithm = Callable[[str, Config], Algorithm]
@@ -226,6 +227,26 @@ def check_same_config(cfg: Config, method: str, out: Path, make_algorithm: MakeA
         )
 
 
+READ_BY_THE_RUN = {"diagnostics.every"}
+"""Settings that some methods read (a field's config path) and the run reads for every method."""
+
+
+def _unread_method_settings(method: str, before: dict[str, Any], now: dict[str, Any]) -> set[str]:
+    """Config paths that feed other methods' settings but not ``method``'s (``rank`` for fedavg)
+    and decide nothing else in its run: no difference between two runs of ``method``. ``rank``
+    also sets the subspace diagnostics' rank while ``diagnostics.every`` is above 0."""
+    own = set(config_paths(registry.get("algorithm", method)).values())
+    read = {
+        path
+        for name in registry.names("algorithm")
+        for path in config_paths(registry.get("algorithm", name)).values()
+    }
+    unread = read - own - READ_BY_THE_RUN
+    if (before.get("diagnostics.every") or 0) > 0 or (now.get("diagnostics.every") or 0) > 0:
+        unread.discard("rank")
+    return unread
+
+
 def config_diff(
     cfg: Config, method: str, recorded: dict[str, Any], make_algorithm: MakeAlgorithm
 ) -> str:
@@ -251,6 +272,9 @@ def config_diff(
         now.update(
             {f"hyper.{k}": v for k, v in resolved_hyper(make_algorithm(method, cfg)).items()}
         )
+        for key in _unread_method_settings(method, before, now):
+            before.pop(key, None)
+            now.pop(key, None)
     # a setting added to fedlore after the run started is no difference while it keeps its
     # default (the run was made with that behaviour)
     defaults = _flatten(_run_config(Config(), method))

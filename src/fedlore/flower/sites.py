@@ -115,7 +115,7 @@ def site_federation(cfg: Config, seed: int, client_id: int, root: str) -> Federa
         update={
             "data": data,
             "num_clients": 1,
-            "partition": cfg.partition.model_copy(update={"name": "iid", "kwargs": {}}),
+            "partition": type(cfg.partition)(name="iid"),
         }
     )
     return build_federation(one, site_seed)
