@@ -424,6 +424,16 @@ def test_a_setting_the_method_never_reads_is_no_difference_between_its_runs() ->
     assert config_diff(  # a setting every method reads stays a difference
         load_config(None, ["rounds=3"]), "fedavg", record(at8, "fedavg"), make_algorithm
     ).startswith("rounds: ")
+    # FedSLoP declares that it never reads the inner optimizer's name, betas or eps
+    plain = load_config(None, ["algorithms=[fedslop]"])
+    for change in ("optim.name=sgd", "optim.betas=[0.5, 0.9]", "optim.eps=1e-6"):
+        other = load_config(None, ["algorithms=[fedslop]", change])
+        assert config_diff(other, "fedslop", record(plain, "fedslop"), make_algorithm) == ""
+    # ... but FedLore reads them, each named once (not as optim.betas and hyper.betas)
+    betas = load_config(None, ["optim.betas=[0.5, 0.9]"])
+    assert config_diff(betas, "fedlore", record(at8, "fedlore"), make_algorithm) == (
+        "optim.betas: [0.9, 0.999] -> [0.5, 0.9]"
+    )
 
 
 def test_transport_dtype_reaches_the_methods_that_honour_it_and_is_refused_elsewhere() -> None:

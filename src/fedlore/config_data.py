@@ -138,8 +138,9 @@ class PartitionConfig(_Strict):
     groups), ``natural`` (one client per natural id: a LEAF user, ``data.id_column``'s writer),
     ``flwr:<Partitioner>`` (any row partitioner of flwr-datasets by its class name, e.g.
     ``flwr:ShardPartitioner``, with ``kwargs``), or one registered with
-    :func:`fedlore.registry.register_partition`. A key below that the chosen partitioner does
-    not read (``alpha`` with ``iid``) is named in a warning when the clients are built."""
+    :func:`fedlore.registry.register_partition`. A key below set to a value other than its
+    default that the chosen partitioner does not read (``alpha: 0.1`` with ``iid``) is named in
+    a warning when the clients are built."""
     alpha: float = Field(0.5, gt=0.0)
     """Dirichlet concentration alpha (smaller = more heterogeneous)."""
     min_size: int = Field(0, ge=0)

@@ -417,7 +417,8 @@ def run_experiment(
             problems.append(f"algorithms: {e.args[0] if e.args else e}")
         except ValueError as e:  # the method's settings
             text = str(e.args[0] if e.args else e)
-            problems.append(text if text.startswith(f"method.{name}") else f"{name}: {text}")
+            named = f"method.{name}" in text or f"'{name}'" in text  # said once is enough
+            problems.append(text if named else f"{name}: {text}")
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
     check_output_dir(cfg)

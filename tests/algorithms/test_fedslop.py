@@ -226,3 +226,21 @@ def test_settings_it_never_reads_are_refused_with_the_reason() -> None:
     make_algorithm("fedlore_random", load_config(None, ["method.fedlore_random.optimizer=sgd"]))
     other = load_config(None, ["algorithms=[fedavg]", "method.fedslop.eps=1e-6"])
     assert any("method.fedslop.eps: does not apply" in p for p in unused_method_problems(other))
+
+
+def test_a_run_wide_inner_optimizer_is_said_not_to_reach_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``optim.name: sgd`` sets the projected methods' inner optimizer; FedSLoP inherits the
+    setting but always runs the heavy ball, so the run says so (as for a method without one)."""
+    import logging
+
+    from fedlore.checks.model_data import warn_own_optimizer
+    from fedlore.config import load_config
+    from fedlore.experiment_parts import make_algorithm
+
+    cfg = load_config(None, ["algorithms=[fedslop, fedlore]", "optim.name=sgd"])
+    with caplog.at_level(logging.WARNING, logger="fedlore.checks"):
+        warn_own_optimizer(cfg, "fedslop", make_algorithm("fedslop", cfg))
+        warn_own_optimizer(cfg, "fedlore", make_algorithm("fedlore", cfg))
+    assert "fedslop keeps its own" in caplog.text and "fedlore keeps" not in caplog.text

@@ -154,16 +154,15 @@ def test_bad_folders_and_files_are_named(tmp_path: Path) -> None:
         load_leaf(str(tmp_path / "r"))
 
 
-def test_per_client_metrics_need_a_local_test_split(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_per_client_metrics_need_a_local_test_split(tmp_path: Path) -> None:
     """LEAF split by user (its test users hold no training data): under ``natural`` no client
-    has a test example of its own, so ``eval.clients`` would record nothing; it is refused,
-    naming why and the ways out. With some clients left without one, they are named in a
-    warning and the run goes on."""
-    import logging
+    has a test example of its own, so ``eval.clients`` (G-local) and ``eval.local`` (P-local)
+    would record nothing; each is refused, naming why and the way out that applies. With some
+    clients left without one, they are named in a warning (once) and the run goes on."""
+    import warnings
 
-    from fedlore.checks import check_eval
+    from fedlore.checks import check_eval, model_data
+    from fedlore.data.checks import DataWarning
 
     users = femnist_users(num_users=5, n_train=6, n_test=3, seed=4)
     names = sorted(users)
@@ -172,16 +171,36 @@ def test_per_client_metrics_need_a_local_test_split(
     for name in names[3:]:  # test users: no training data
         users[name]["train"] = ([], [])
     write_leaf(tmp_path / "f", users)
-    over = leaf(tmp_path / "f", "partition.name=natural", "num_clients=3", "eval.clients=true")
-    cfg = load_config(None, over)
-    with pytest.raises(ConfigError, match=r"none of the 3 clients has a local test split: .*LEAF"):
-        check_eval(cfg, build_federation(cfg, 0))
-    check_eval(load_config(None, over[:-1]), build_federation(cfg, 0))  # eval.clients off: fine
+    base = leaf(tmp_path / "f", "partition.name=natural", "num_clients=3")
+    fed = build_federation(load_config(None, base), 0)
+    for setting in ("eval.clients", "eval.local"):
+        cfg = load_config(None, [*base, f"{setting}=true"])
+        with pytest.raises(
+            ConfigError,
+            match=rf"{setting}=true: none of the 3 clients has a local test split: under "
+            r"data.local_test=by_id .*LEAF.*; set data.local_test=split",
+        ):
+            check_eval(cfg, fed)
+    check_eval(load_config(None, base), fed)  # neither asked: fine
+    # under data.local_test=split the reason is the clients' size, and the way out is more data
+    tiny = load_config(None, ["data.fraction=0.01", "num_clients=10", "partition.name=iid",
+                              "eval.clients=true"])  # fmt: skip
+    tiny_fed = build_federation(tiny, 0)
+    sizes = [len(tiny_fed.client(c).train) + len(tiny_fed.client(c).test) for c in range(10)]
+    assert max(sizes) < 2  # every client too small to hold one out
+    with pytest.raises(ConfigError, match=r"at least two examples .*; use fewer clients or more"):
+        check_eval(tiny, tiny_fed)
     users = femnist_users(num_users=3, n_train=6, n_test=3, seed=4)
     users[sorted(users)[0]]["test"] = ([], [])
     write_leaf(tmp_path / "g", users)
     cfg = load_config(None, leaf(tmp_path / "g", "partition.name=natural", "num_clients=3",
                                  "eval.clients=true"))  # fmt: skip
-    with caplog.at_level(logging.WARNING, logger="fedlore.checks"):
-        check_eval(cfg, build_federation(cfg, 0))
-    assert "1 of the 3 clients have no local test split" in caplog.text
+    model_data._WARNED.clear()
+    some = build_federation(cfg, 0)
+    with pytest.warns(
+        DataWarning, match=r"1 of the 3 clients have no local test split .*\(clients 0\)"
+    ):
+        check_eval(cfg, some)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DataWarning)
+        check_eval(cfg, some)  # the next seed: said already

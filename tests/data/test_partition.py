@@ -189,24 +189,38 @@ def test_source_dirichlet_errors() -> None:
 
 
 def test_a_partition_setting_the_partitioner_never_reads_is_named() -> None:
-    """``partition.alpha`` with ``iid`` (a sweep that switches the partition keeps the base
+    """``partition.alpha=0.1`` with ``iid`` (a sweep that switches the partition keeps the base
     config's alpha) still runs, with a warning naming the unread setting and what the
-    partitioner reads; a setting it reads, or one left at its default, says nothing."""
+    partitioner reads, once per process (not once per seed); a setting it reads, or an unread
+    one left at its default (also when the config was dumped and validated again, as on
+    Flower), says nothing."""
     import warnings
 
-    from fedlore.config import load_config
+    from fedlore.config import Config, load_config
+    from fedlore.data import partition as partition_module
     from fedlore.data.checks import DataWarning
     from fedlore.data.partition import partition_labels
 
+    partition_module._WARNED.clear()
     cfg = load_config(None, ["partition.name=iid", "partition.alpha=0.1", "num_clients=4"])
     with pytest.warns(DataWarning, match=r"partition.alpha=0.1 not used: partition 'iid' reads"):
         parts = partition_labels(cfg, 0, LABELS)
     assert len(parts) == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DataWarning)
+        partition_labels(cfg, 1, LABELS)  # the next seed: said already
     cfg = load_config(None, ["partition.name=step", "partition.min_size=5", "num_clients=4"])
     with pytest.warns(DataWarning, match=r"partition.min_size=5 not used: .* reads partition.maj"):
         partition_labels(cfg, 0, LABELS)
-    for over in (["partition.name=dirichlet", "partition.alpha=0.1"], ["partition.name=iid"]):
+    quiet = [
+        ["partition.name=dirichlet", "partition.alpha=0.1"],
+        ["partition.name=iid"],
+        ["partition.name=iid", "partition.alpha=0.5", "partition.major_classes=2"],  # defaults
+    ]
+    for over in quiet:
         cfg = load_config(None, [*over, "num_clients=4"])
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", DataWarning)
-            partition_labels(cfg, 0, LABELS)
+        again = Config.model_validate_json(cfg.model_dump_json())  # every field "set"
+        for c in (cfg, again):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", DataWarning)
+                partition_labels(c, 0, LABELS)

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from fedlore import registry
 from fedlore.algorithm import Algorithm, Capabilities
 from fedlore.config import Config, ConfigError
+from fedlore.data.checks import DataWarning
+from fedlore.settings import not_applicable
 
 if TYPE_CHECKING:
     from torch import nn
@@ -90,42 +93,63 @@ def check_model_fits_data(model: str, fed: Federation) -> None:
 
 
 def check_eval(cfg: Config, fed: Federation) -> None:
-    """Per-client evaluation needs local test splits, which a pre-training corpus does not
-    have (every training document belongs to exactly one client's training data), nor do LEAF
-    users whose test examples lie with other users under ``data.local_test=by_id``.
+    """Per-client evaluation (``eval.clients``, G-local; ``eval.local``, P-local) needs local
+    test splits, which a pre-training corpus does not have (every training document belongs to
+    exactly one client's training data), nor LEAF users whose test examples lie with other users
+    under ``data.local_test=by_id``, nor a client too small to hold an example out.
 
     Raises:
-        ConfigError: for ``eval.clients=true`` on a pre-training corpus, or where no client
-            has a local test split (a warning names those without one, who are left out).
+        ConfigError: for either setting on a pre-training corpus, or where no client has a
+            local test split, naming why and the ways out (a warning, once per process, names
+            the clients without one when only some lack it: they are left out).
     """
-    if cfg.eval.clients and fed.task == "language_modeling":
-        raise ConfigError(
-            f"eval.clients=true: {fed.source!r} clients have no local test split (the common "
-            "validation corpus is evaluated every eval.every rounds); set eval.clients=false"
-        )
-    if not cfg.eval.clients:
+    asked = [
+        k for k, on in (("eval.clients", cfg.eval.clients), ("eval.local", cfg.eval.local)) if on
+    ]
+    if not asked:
         return
+    settings = " / ".join(f"{k}=true" for k in asked)
+    off = " and ".join(f"{k}=false" for k in asked)
+    if fed.task == "language_modeling":
+        raise ConfigError(
+            f"{settings}: {fed.source!r} clients have no local test split (the common "
+            f"validation corpus is evaluated every eval.every rounds); set {off}"
+        )
     empty = [c for c in range(fed.num_clients) if len(fed.client(c).test) == 0]
-    why = (
-        "data.local_test=by_id gives a client the test examples of its own ids, and these "
-        "clients' ids have none (LEAF's test users are not its training users unless the "
-        "source splits each user)"
-        if cfg.data.local_test == "by_id" or cfg.partition.name == "natural"
-        else "their data are too few to hold any out (data.test_fraction)"
+    if not empty:
+        return
+    by_id = cfg.data.local_test == "by_id" or (
+        cfg.data.local_test is None and cfg.partition.name == "natural"
     )
+    if by_id:
+        why = (
+            "under data.local_test=by_id a client's test examples are those of its own ids, and "
+            "these clients' ids have none (LEAF split by user: its test users are not its "
+            "training users)"
+        )
+        way = "set data.local_test=split (a share of each client's training data held out)"
+    else:
+        why = (
+            f"a client holds out data.test_fraction={cfg.data.test_fraction} of its training "
+            "examples, and one needs at least two examples to hold one out"
+        )
+        way = "use fewer clients or more data (data.fraction)"
     if len(empty) == fed.num_clients:
         raise ConfigError(
-            f"eval.clients=true: none of the {fed.num_clients} clients has a local test split: "
-            f"{why}; set data.local_test=split, or eval.clients=false"
+            f"{settings}: none of the {fed.num_clients} clients has a local test split: {why}; "
+            f"{way}, or set {off}"
         )
-    if empty:
-        log.warning(
-            "eval.clients: %d of the %d clients have no local test split and are left out of "
-            "the per-client metrics (%s)",
-            len(empty),
-            fed.num_clients,
-            why,
-        )
+    shown = ", ".join(map(str, empty[:10])) + (", ..." if len(empty) > 10 else "")
+    text = (
+        f"{' / '.join(asked)}: {len(empty)} of the {fed.num_clients} clients have no local test "
+        f"split and are left out of the per-client metrics (clients {shown}): {why}"
+    )
+    if text not in _WARNED:
+        _WARNED.add(text)
+        warnings.warn(text, DataWarning, stacklevel=2)
+
+
+_WARNED: set[str] = set()
 
 
 def check_tokenizer_matches_model(cfg: Config, fed: Federation) -> None:
@@ -226,7 +250,8 @@ def preflight(
 def warn_own_optimizer(cfg: Config, name: str, algo: Algorithm) -> None:
     """Warn that ``optim.name`` does not reach method ``name`` when it keeps an inner optimizer
     of its own (it has no ``optimizer`` setting)."""
-    if cfg.optim.name != "adam" and not hasattr(algo, "optimizer"):
+    keeps_own = not hasattr(algo, "optimizer") or "optimizer" in not_applicable(type(algo))
+    if cfg.optim.name != "adam" and keeps_own:
         log.warning(
             "optim.name=%s sets the inner optimizer of the projected methods; %s keeps its "
             "own (method.%s.local_optimizer where it has one)",

@@ -444,28 +444,32 @@ def _declared_kwargs(partition: Any, cfg: Config) -> dict[str, Any]:
 _OWN_KEYS = ("alpha", "min_size", "major_classes", "major_share")  # read by name, or not at all
 
 
+_WARNED: set[str] = set()
+
+
 def _warn_unread(cfg: Config, name: str, params: Any) -> None:
-    """Warn about keys of ``partition`` set in the config that partitioner ``name`` never reads
-    (``partition.alpha`` with ``iid``): the run goes on, as a sweep over partitions needs, but
-    the setting is not silently lost."""
+    """Warn, once per process, about keys of ``partition`` given a value other than their
+    default that partitioner ``name`` never reads (``partition.alpha=0.1`` with ``iid``): the
+    run goes on, as a sweep over partitions needs, but the setting is not silently lost. A key
+    at its default says nothing (it asks for nothing), wherever the config came from."""
+    fields = type(cfg.partition).model_fields
     unread = [
         f"partition.{k}={getattr(cfg.partition, k)}"
         for k in _OWN_KEYS
-        if k in cfg.partition.model_fields_set and k not in params
+        if k not in params and getattr(cfg.partition, k) != fields[k].default
     ]
-    if unread:
-        read = [f"partition.{k}" for k in _OWN_KEYS if k in params]
-        warnings.warn(
-            f"{', '.join(unread)} not used: partition {name!r} reads "
-            f"{', '.join(read) or 'none of alpha, min_size, major_classes, major_share'}"
-            + (
-                " (a flwr-datasets partitioner takes its arguments from partition.kwargs)"
-                if name.startswith("flwr:")
-                else ""
-            ),
-            DataWarning,
-            stacklevel=3,
-        )
+    if not unread:
+        return
+    read = [f"partition.{k}" for k in _OWN_KEYS if k in params]
+    text = (
+        f"{', '.join(unread)} not used: partition {name!r} reads "
+        f"{', '.join(read) or 'none of alpha, min_size, major_classes, major_share'}"
+    )
+    if name.startswith("flwr:"):
+        text += " (a flwr-datasets partitioner takes its arguments from partition.kwargs)"
+    if text not in _WARNED:
+        _WARNED.add(text)
+        warnings.warn(text, DataWarning, stacklevel=3)
 
 
 def partition_labels(

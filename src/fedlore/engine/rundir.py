@@ -37,7 +37,7 @@ from fedlore.engine.dp_ledger import LEDGER, account_repeats
 from fedlore.engine.store import ClientStore
 from fedlore.privacy import Privacy
 from fedlore.progress import say
-from fedlore.settings import config_paths
+from fedlore.settings import LocalTraining, config_paths, not_applicable
 from fedlore.types import State
 
 MakeAlgorithm = Callable[[str, Config], Algorithm]
@@ -233,9 +233,15 @@ READ_BY_THE_RUN = {"diagnostics.every"}
 
 def _unread_method_settings(method: str, before: dict[str, Any], now: dict[str, Any]) -> set[str]:
     """Config paths that feed other methods' settings but not ``method``'s (``rank`` for fedavg)
-    and decide nothing else in its run: no difference between two runs of ``method``. ``rank``
-    also sets the subspace diagnostics' rank while ``diagnostics.every`` is above 0."""
-    own = set(config_paths(registry.get("algorithm", method)).values())
+    and decide nothing else in its run, and the settings ``method`` declares it never reads
+    (:func:`~fedlore.settings.not_applicable`, with their config paths and ``hyper.`` keys): no
+    difference between two runs of ``method``. ``rank`` also sets the subspace diagnostics'
+    rank while ``diagnostics.every`` is above 0."""
+    cls = registry.get("algorithm", method)
+    paths = {**config_paths(LocalTraining), **config_paths(cls)}
+    ignored = set(not_applicable(cls))
+    never = {f"hyper.{k}" for k in ignored} | {paths[k] for k in ignored if k in paths}
+    own = {p for k, p in config_paths(cls).items() if k not in ignored}
     read = {
         path
         for name in registry.names("algorithm")
@@ -244,7 +250,7 @@ def _unread_method_settings(method: str, before: dict[str, Any], now: dict[str, 
     unread = read - own - READ_BY_THE_RUN
     if (before.get("diagnostics.every") or 0) > 0 or (now.get("diagnostics.every") or 0) > 0:
         unread.discard("rank")
-    return unread
+    return unread | (never - READ_BY_THE_RUN)
 
 
 def config_diff(
@@ -293,8 +299,17 @@ def config_diff(
         if before.get(k, defaults.get(k)) != now.get(k) and not (k in before and k not in now)
     )
     diff += sorted(k for k in set(before) - set(now))
-    # ``hyper.lr`` repeats ``lr`` when the method takes the global setting: name it once
-    diff = [k for k in diff if not (k.startswith("hyper.") and k.removeprefix("hyper.") in diff)]
+    # ``hyper.lr`` repeats ``lr`` (``hyper.betas`` repeats ``optim.betas``) when the method
+    # takes the global setting: name it once
+    path_of = {**config_paths(LocalTraining), **config_paths(cls)}
+    diff = [
+        k
+        for k in diff
+        if not (
+            k.startswith("hyper.")
+            and path_of.get(k.removeprefix("hyper."), k.removeprefix("hyper.")) in diff
+        )
+    ]
     return "; ".join(f"{k}: {before.get(k, defaults.get(k))!r} -> {now.get(k)!r}" for k in diff[:5])
 
 
