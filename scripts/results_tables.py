@@ -384,7 +384,25 @@ def grid_table_facts(folder: str) -> dict[str, str]:
         "fedfull_minus_fedlore": m["fedfull"]["mean"] - fl["mean"],
         "lora_at_top_of_grid": sum(m[x]["lr"] == top[x] for x in lora),
         "lora_methods": len(lora),
+        "at_top_of_grid": sorted(x for x in m if m[x]["lr"] == max(tab["grid"][x])),
+        "at_top_of_grid_count": sum(m[x]["lr"] == max(tab["grid"][x]) for x in m),
+        "method_count": len(m),
+        "seeds": len(fl.get("final_accuracy") or fl.get("final_accuracy_pct") or {}),
     }
+    if isinstance(fl.get("final_accuracy"), dict):  # per seed: the same partition for each method
+        facts["fedlore_minus_paired"] = {
+            x: {
+                "mean": statistics.fmean(
+                    fl["final_accuracy"][s] - v["final_accuracy"][s] for s in fl["final_accuracy"]
+                ),
+                "seeds_ahead": sum(
+                    fl["final_accuracy"][s] > v["final_accuracy"][s] for s in fl["final_accuracy"]
+                ),
+            }
+            for x, v in m.items()
+            if x != "fedlore"
+        }
+        facts["lora_above_fedlore"] = sorted(x for x in lora if m[x]["mean"] > fl["mean"])
     return {f"experiments/results/{folder}/summary.json": dump_json(facts)}
 
 
