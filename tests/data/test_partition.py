@@ -197,11 +197,11 @@ def test_a_partition_setting_the_partitioner_never_reads_is_named() -> None:
     import warnings
 
     from fedlore.config import Config, load_config
-    from fedlore.data import partition as partition_module
+    from fedlore.data import checks as data_checks
     from fedlore.data.checks import DataWarning
     from fedlore.data.partition import partition_labels
 
-    partition_module._WARNED.clear()
+    data_checks._WARNED.clear()
     cfg = load_config(None, ["partition.name=iid", "partition.alpha=0.1", "num_clients=4"])
     with pytest.warns(DataWarning, match=r"partition.alpha=0.1 not used: partition 'iid' reads"):
         parts = partition_labels(cfg, 0, LABELS)

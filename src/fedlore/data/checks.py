@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedlore.config import ConfigError, DataConfig
+from fedlore.config import Config, ConfigError, DataConfig
 from fedlore.progress import say_once
 
 if TYPE_CHECKING:
@@ -167,3 +167,34 @@ def central_splits(source: DataSource, data: DataConfig) -> tuple[DataSource, st
         test_ids=None if ids is None else ids[test_idx],
     )
     return held, note
+
+
+_OWN_KEYS = ("alpha", "min_size", "major_classes", "major_share")  # read by name, or not at all
+
+
+_WARNED: set[str] = set()
+
+
+def warn_unread_partition_keys(cfg: Config, name: str, params: Any) -> None:
+    """Warn, once per process, about keys of ``partition`` given a value other than their
+    default that partitioner ``name`` never reads (``partition.alpha=0.1`` with ``iid``): the
+    run goes on, as a sweep over partitions needs, but the setting is not silently lost. A key
+    at its default says nothing (it asks for nothing), wherever the config came from."""
+    fields = type(cfg.partition).model_fields
+    unread = [
+        f"partition.{k}={getattr(cfg.partition, k)}"
+        for k in _OWN_KEYS
+        if k not in params and getattr(cfg.partition, k) != fields[k].default
+    ]
+    if not unread:
+        return
+    read = [f"partition.{k}" for k in _OWN_KEYS if k in params]
+    text = (
+        f"{', '.join(unread)} not used: partition {name!r} reads "
+        f"{', '.join(read) or 'none of alpha, min_size, major_classes, major_share'}"
+    )
+    if name.startswith("flwr:"):
+        text += " (a flwr-datasets partitioner takes its arguments from partition.kwargs)"
+    if text not in _WARNED:
+        _WARNED.add(text)
+        warnings.warn(text, DataWarning, stacklevel=3)

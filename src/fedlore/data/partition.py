@@ -35,13 +35,12 @@ client; its parts must still be disjoint.
 from __future__ import annotations
 
 import inspect
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fedlore import registry
-from fedlore.data.checks import DataWarning
+from fedlore.data.checks import warn_unread_partition_keys
 from fedlore.progress import say
 from fedlore.registry import register_partition
 from fedlore.seeding import DATA_PARTITION, data_rng
@@ -441,37 +440,6 @@ def _declared_kwargs(partition: Any, cfg: Config) -> dict[str, Any]:
     return dict(cfg.partition.kwargs)
 
 
-_OWN_KEYS = ("alpha", "min_size", "major_classes", "major_share")  # read by name, or not at all
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_unread(cfg: Config, name: str, params: Any) -> None:
-    """Warn, once per process, about keys of ``partition`` given a value other than their
-    default that partitioner ``name`` never reads (``partition.alpha=0.1`` with ``iid``): the
-    run goes on, as a sweep over partitions needs, but the setting is not silently lost. A key
-    at its default says nothing (it asks for nothing), wherever the config came from."""
-    fields = type(cfg.partition).model_fields
-    unread = [
-        f"partition.{k}={getattr(cfg.partition, k)}"
-        for k in _OWN_KEYS
-        if k not in params and getattr(cfg.partition, k) != fields[k].default
-    ]
-    if not unread:
-        return
-    read = [f"partition.{k}" for k in _OWN_KEYS if k in params]
-    text = (
-        f"{', '.join(unread)} not used: partition {name!r} reads "
-        f"{', '.join(read) or 'none of alpha, min_size, major_classes, major_share'}"
-    )
-    if name.startswith("flwr:"):
-        text += " (a flwr-datasets partitioner takes its arguments from partition.kwargs)"
-    if text not in _WARNED:
-        _WARNED.add(text)
-        warnings.warn(text, DataWarning, stacklevel=3)
-
-
 def partition_labels(
     cfg: Config, seed: int, labels: np.ndarray, ids: np.ndarray | None = None
 ) -> list[np.ndarray]:
@@ -495,7 +463,7 @@ def partition_labels(
     name = cfg.partition.name
     partition = registry.get("partition", name)
     params = inspect.signature(partition).parameters
-    _warn_unread(cfg, name, params)
+    warn_unread_partition_keys(cfg, name, params)
     given = {"ids": ids, "run_seed": seed, "kwargs": dict(cfg.partition.kwargs)}
     extra = {k: v for k, v in given.items() if k in params}
     if "kwargs" not in params:
