@@ -24,6 +24,13 @@ keeps every run's training log). Writes ``<out>/table.md``,
 ``<out>/table.json`` and the curves of the chosen runs (``<out>/*_vs_round.png``,
 ``*_vs_bytes.png``). Bytes per client per round count every byte of the run, FedLore's setup
 exchange (round -1) included, divided by the client contacts of the training rounds.
+
+The seed tables' grids outlast one sitting (Table 2's 92 runs take about four hours on two
+cores), so their commands pass ``--runs experiments/runs/<table>``: a finished run's
+``config.json``, ``summary.json`` and ``metrics.jsonl`` (a few kB) are committed there, while
+its checkpoint and spilled client states are not (``experiments/runs/.gitignore``). A finished
+run needs nothing else: rerun with ``--resume`` on any machine, it is reported, not trained
+again, so the grid continues from the runs that finished anywhere.
 """
 
 from __future__ import annotations

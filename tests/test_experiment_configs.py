@@ -50,10 +50,14 @@ def test_seed_000_tables_list_its_five_trials(name: str) -> None:
 
 @pytest.mark.parametrize(
     ("rivals", "table"),
-    [("subspace_rivals.yaml", "vision_table1.yaml"), ("text_rivals.yaml", "text_table2.yaml")],
+    [
+        ("subspace_rivals.yaml", "vision_table1.yaml"),
+        ("text_rivals.yaml", "text_table2.yaml"),
+        ("pretrain_rivals.yaml", "pretrain_table3.yaml"),
+    ],
 )
 def test_the_subspace_rivals_run_on_the_table_analogues(rivals: str, table: str) -> None:
-    """Issue 35: FedLore and its low-rank rivals on the Table 1 and Table 2 settings, seeds
+    """Issue 35: FedLore and its low-rank rivals on the Table 1, 2 and 3 settings, seeds
     42-44, uniform weights and a selection split (for experiments/lr_grid.py). Every setting
     that decides a run's results is the table's, so a shared method's run is the table's own
     run (the same folder, reported rather than trained again)."""

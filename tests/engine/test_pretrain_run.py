@@ -67,6 +67,22 @@ def test_methods_of_table3_run_and_report_perplexity(tmp_path: Path) -> None:
     assert (tmp_path / "pretrain" / "perplexity_vs_bytes.png").is_file()
 
 
+@pytest.mark.parametrize(("method", "lr"), [("fedgalore", "3e-3"), ("fedslop", "0.3")])
+def test_the_subspace_rivals_pre_train_a_llama(tmp_path: Path, method: str, lr: str) -> None:
+    """Issue 35: FedGaLore and FedSLoP run on the pre-training setting (experiments/
+    pretrain_rivals.yaml): they learn (below the uniform guess over the vocabulary), and their
+    uploads, counted from their messages, stand where their papers put them against FedFull's
+    dense delta: FedSLoP's projected delta is smaller, FedGaLore's dense delta plus the r x n
+    second moment of every projected matrix is larger."""
+    cfg = _cfg(tmp_path, f"algorithms=[{method},fedfull]", f"lr={lr}")
+    out = run_experiment(cfg)
+    (s,) = out[method]
+    assert math.isfinite(s["final_perplexity"]) and s["final_perplexity"] < 300
+    assert s["final_perplexity"] == pytest.approx(math.exp(s["final_loss"]), rel=1e-9)
+    up, dense = s["bytes_up_total"], out["fedfull"][0]["bytes_up_total"]
+    assert 0 < up < dense if method == "fedslop" else up > dense
+
+
 def test_resume_after_a_kill_gives_the_same_run(tmp_path: Path) -> None:
     want = run_one(_cfg(tmp_path / "a"), "fedlore", SEED)
     cfg = _cfg(tmp_path / "b")

@@ -228,6 +228,26 @@ def test_resume_of_a_finished_run_returns_its_summary(tmp_path: Path) -> None:
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
 
 
+def test_a_finished_run_moved_without_its_checkpoint_is_still_finished(tmp_path: Path) -> None:
+    """What ``experiments/runs/`` keeps of a finished seed-table run (``config.json``,
+    ``summary.json``, ``metrics.jsonl``; its ``.gitignore`` leaves checkpoints and spilled
+    client states out) is all a ``--resume`` on another machine, in another folder, needs to
+    report the run instead of training it again (experiments/lr_grid.py)."""
+    cfg = _cfg(tmp_path / "here", "rounds=2")
+    first = run_one(cfg, "fedlore", SEED)
+    kept = {"config.json", "summary.json", "metrics.jsonl"}
+    elsewhere = _cfg(tmp_path / "there", "rounds=2")
+    out = run_dir(elsewhere, "fedlore", SEED)
+    out.mkdir(parents=True)
+    for name in kept:
+        (out / name).write_bytes((run_dir(cfg, "fedlore", SEED) / name).read_bytes())
+    assert run_one(elsewhere, "fedlore", SEED, resume=True) == first
+    assert {p.name for p in out.iterdir()} == kept  # nothing trained, nothing written
+    ignore = (Path(__file__).parents[2] / "experiments" / "runs" / ".gitignore").read_text()
+    lines = set(ignore.splitlines())
+    assert {"checkpoint.pt*", "client_states/"} <= lines
+
+
 def test_without_resume_a_run_starts_over(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, "rounds=2")
     run_one(cfg, "fedfull", SEED, stop_after=0)
