@@ -32,8 +32,8 @@ run: $(STAMP)
 	$(BIN)/fedlore run $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks docs/conf.py docs/_ext
-	$(BIN)/ruff format --check src tests benchmarks docs/conf.py docs/_ext
+	$(BIN)/ruff check src tests benchmarks scripts experiments docs/conf.py docs/_ext
+	$(BIN)/ruff format --check src tests benchmarks scripts experiments docs/conf.py docs/_ext
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
 	$(MAKE) --no-print-directory docs

@@ -6,7 +6,8 @@ quotes, from the sweep of ``experiments/dropout.yaml``:
     python experiments/dropout_table.py
 
 Writes ``experiments/results/dropout/summary.md`` (final test accuracy %, mean ± std over the
-config's seeds, per method and dropout rate) and ``summary.json`` (``{method: {rate in %: mean}}``, e.g. ``fedlore.60``).
+config's seeds, per method and dropout rate) and ``summary.json``
+(``{method: {rate in %: mean}}``, e.g. ``fedlore.60``).
 """
 
 from __future__ import annotations
