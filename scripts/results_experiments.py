@@ -373,15 +373,37 @@ def pretrain() -> dict[str, str]:
         r: read(abl / d / "table.json")["methods"]["fedlore"]["mean"] for r, d in ranks.items()
     }
     am = read(abl / "table.json")["methods"]
+    rank_seeds = {r: read(abl / d / "table.json")["methods"]["fedlore"] for r, d in ranks.items()}
     facts_abl = {
         "methods": {k: {"ppl": v["mean"], "ppl_std": v["std"]} for k, v in am.items()},
+        "seeds": len(am["fedlore"]["final_perplexity"]),
+        # per seed (the same allocation and data order for each setting): how far each setting
+        # is from FedLore, and on how many seeds it is worse
+        "minus_fedlore_paired": {
+            k: paired(v["final_perplexity"], am["fedlore"]["final_perplexity"])
+            for k, v in am.items()
+            if k != "fedlore"
+        },
         "rank_ppl": rank_ppl,
+        "rank_minus_r32_paired": {
+            r: paired(v["final_perplexity"], rank_seeds["32"]["final_perplexity"])
+            for r, v in rank_seeds.items()
+            if r != "32"
+        },
         "rank_8_to_32_gain_pct": 100 * (rank_ppl["8"] - rank_ppl["32"]) / rank_ppl["8"],
     }
     return {
         "experiments/results/pretrain_table3/summary.json": dump_json(facts3),
         "experiments/results/pretrain_ablation/summary.json": dump_json(facts_abl),
     }
+
+
+def paired(values: dict[str, float], reference: dict[str, float]) -> dict[str, float]:
+    """Per-seed differences ``values - reference`` over the seeds both hold: their mean, and on
+    how many seeds ``values`` is the larger (for a perplexity: the worse)."""
+    seeds = [s for s in values if s in reference]
+    diffs = [values[s] - reference[s] for s in seeds]
+    return {"mean": statistics.fmean(diffs), "seeds_above": sum(d > 0 for d in diffs)}
 
 
 def bayes_fedlore() -> dict[str, str]:
