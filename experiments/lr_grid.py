@@ -14,7 +14,8 @@ Usage::
 
     python experiments/lr_grid.py experiments/vision_table1.yaml \\
         --grid fedfull,local_galore,fedlore,fedit=1e-4,3e-4,5e-4,8e-4,1e-3,3e-3,5e-3 \\
-        --grid ffa_lora,...=5e-4,1e-3,3e-3,5e-3 --jobs 2 --out experiments/results/vision_table1
+        --grid ffa_lora,...=5e-4,1e-3,3e-3,5e-3 --jobs 2 --runs experiments/runs/vision \\
+        --out experiments/results/vision_table1
 
 Each run is ``fedlore run CONFIG algorithms=<m> seeds=<s> lr=<lr> output_dir=<runs>/lr-<lr>
 [--set overrides] --resume`` in its own process (a killed driver resumes where it stopped;
@@ -54,6 +55,7 @@ from fedlore.results.store import load_runs
 
 TABLE_ONLY = False
 EXTRA: list[str] = []  # --set overrides passed to every run
+NAME: list[str] = [""]  # the config's name (its runs' folder under <runs>/lr-<lr>/)
 
 
 def parse_grid(items: list[str]) -> dict[str, list[float]]:
@@ -91,12 +93,27 @@ def launch(config: str, root: str, method: str, seed: int, lr: float, log_dir: P
     ]
     log = log_dir / f"{method}-{seed}-lr{lr:g}.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    folder = run_dir(root, NAME[0], lr, method, seed)
+    found = "finished" if (folder / "summary.json").is_file() else "unfinished"
+    if found == "unfinished" and not (folder / "checkpoint.pt").is_file():
+        found = "new"
+    shown = " ".join(["python", *cmd[1:]])  # the interpreter's path is this machine's
     with log.open("a") as fh:  # append: a rerun (resume) keeps the earlier log
-        fh.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {' '.join(cmd)}\n")
+        fh.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {shown}\n")
+        fh.write(f"=== {folder}: {FOUND[found]}\n")
         fh.flush()
         rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     if rc != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({rc}); see {log}")
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:]
+        raise RuntimeError(f"{method} seed {seed} lr {lr:g} failed ({rc}): {' '.join(tail)}")
+
+
+FOUND = {
+    "finished": "a finished run: reported after fedlore's rerun checks, not trained again",
+    "unfinished": "an unfinished run with its checkpoint: continued from it",
+    "new": "no finished run and no checkpoint: trained from its first round",
+}
+"""What a run's log says its folder held when the grid reached it."""
 
 
 def summary(root: str, name: str, lr: float, method: str, seed: int) -> dict[str, Any]:
@@ -189,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.data.selection_fraction == 0:
         raise SystemExit(NO_SELECTION)
     name, methods, seeds = cfg.name, list(cfg.algorithms), list(cfg.seeds)
+    NAME[0] = name
     args.runs = args.runs or cfg.output_dir
     grid = parse_grid(args.grid)
     missing = [m for m in methods if m not in grid]
@@ -205,12 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[str] = []
 
     def after_grid(method: str, futures: list[Future[None]]) -> None:
-        try:
-            for f in futures:
+        errors = []
+        for f in futures:  # every failed run of the grid is listed, not only the first
+            try:
                 f.result()
-        except RuntimeError as e:
+            except RuntimeError as e:
+                errors.append(str(e))
+        if errors:
             with lock:
-                failed.append(str(e))
+                failed.extend(errors)
             return
         try:
             scores = {lr: score(summary(args.runs, name, lr, method, first)) for lr in grid[method]}
@@ -243,7 +264,12 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(str(e))
     pool.shutdown()
     if failed:
-        print("failed runs:\n" + "\n".join(failed), file=sys.stderr)
+        print(
+            f"failed runs (each run's log is in {logs}/; a finished run that fedlore refuses is "
+            "rerun with `fedlore run ... --overwrite` on its own, or its folder removed):\n"
+            + "\n".join(failed),
+            file=sys.stderr,
+        )
         return 1
 
     table: dict[str, Any] = {

@@ -398,6 +398,24 @@ def pretrain() -> dict[str, str]:
     }
 
 
+def subspace_rivals() -> dict[str, str]:
+    """FedSLoP's seven-rate SGD grid on the Table 1 analogue: the seed-42 selection accuracy per
+    rate, from the main grid and its downward extension (``fedslop_grid/``)."""
+    folder = EXP / "subspace_rivals"
+    grids = [
+        read(folder / "table.json")["methods"]["fedslop"],
+        read(folder / "fedslop_grid" / "table.json")["methods"]["fedslop"],
+    ]
+    selection = {
+        rate(float(lr)): acc for g in grids for lr, acc in g["selection_grid_seed42"].items()
+    }
+    facts = {
+        "fedslop_selection_seed42": selection,
+        "fedslop_best_rate": max(selection, key=lambda k: selection[k]),
+    }
+    return {"experiments/results/subspace_rivals/summary.json": dump_json(facts)}
+
+
 def paired(values: dict[str, float], reference: dict[str, float]) -> dict[str, float]:
     """Per-seed differences ``values - reference`` over the seeds both hold: their mean, and on
     how many seeds ``values`` is the larger (for a perplexity: the worse)."""

@@ -37,6 +37,7 @@ from results_experiments import (
     grid_table_facts,
     pretrain,
     sketch_vs_projector,
+    subspace_rivals,
 )
 
 GENERATORS: tuple[Callable[[], dict[str, str]], ...] = (
@@ -47,6 +48,7 @@ GENERATORS: tuple[Callable[[], dict[str, str]], ...] = (
     lambda: grid_table_facts("vision_table1"),
     lambda: grid_table_facts("text_table2"),
     pretrain,
+    subspace_rivals,
     bayes_fedlore,
     benchmarks,
 )

@@ -3,6 +3,7 @@ with oversubscribed threads on a 2-core machine), restored afterwards. ``OMP_NUM
 is exported too, so ``threads: auto`` in the runs under test keeps one thread and every
 subprocess a test starts (the CLI, Flower's SuperNodes) starts with one."""
 
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +44,19 @@ def _one_thread() -> Iterator[None]:
         os.environ.pop("OMP_NUM_THREADS", None)
     else:
         os.environ["OMP_NUM_THREADS"] = env_before
+
+
+@pytest.fixture(autouse=True)
+def _progress_as_it_was() -> Iterator[None]:
+    """A test that runs the command line switches fedlore's progress messages on for its whole
+    process; the next test in that process starts with the logger as it was (off, as for a
+    library user), so what it captures from standard error does not depend on the order."""
+    log = logging.getLogger("fedlore.progress")
+    handlers, level, propagate = list(log.handlers), log.level, log.propagate
+    yield
+    log.handlers[:] = handlers
+    log.setLevel(level)
+    log.propagate = propagate
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import shutil
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -302,24 +301,25 @@ def run_one(
     target = run_dir(cfg, method, seed)
     # a sibling replaces a finished run
     out = write_dir(cfg, method, target, resume, overwrite, make_algorithm)
-    summary_path = out / "summary.json"
     spill = spill_dir(cfg, method, seed, out)
-    if resume:
+    # ``out`` holds a finished run only when it is ``target`` (write_dir swaps a finished
+    # replacement in first); with or without --resume, that run is reported only after the
+    # checks of a rerun (readable record, same config, same data): a run folder copied from
+    # another machine is held to the same rules as one made here
+    finished = (out / "summary.json").exists()
+    if resume and not finished:
         check_same_config(cfg, method, out, make_algorithm)
-    if resume and summary_path.exists():
-        done: dict[str, Any] = json.loads(summary_path.read_text())
-        return done
-    if not resume and not overwrite:
+    if finished or not (resume or overwrite):
         check_no_finished_run_of_another_config(cfg, method, out, make_algorithm)
     # every check that can refuse the config runs before anything in the run folder is touched
     fed = prepare_federation(cfg, seed, fed)
     fingerprint = fed.fingerprint()
-    if resume:
-        check_same_data(out, fingerprint)
-    elif not overwrite:
+    if finished or not (resume or overwrite):
         kept = finished_run(cfg, method, seed, fingerprint, make_algorithm)
         if kept is not None:
             return kept  # finished already: said, not trained again
+    if resume:
+        check_same_data(out, fingerprint)
     exp = build(cfg, method, seed, fed, fingerprint)
     folder = RunFolder(target, out, spill, resume)
     factory = make_transport if make_transport is not None else LocalTransport
@@ -460,7 +460,9 @@ def _run_all(
     with contextlib.ExitStack() as session:
         for seed in cfg.seeds:
             fed = first if seed == cfg.seeds[0] else build_federation(cfg, seed)
-            done = {} if resume or overwrite else finished_runs(cfg, seed, fed, make_algorithm)
+            # finished runs are reported after the checks of a rerun, under --resume too (a run
+            # folder copied from another machine is held to the same rules)
+            done = {} if overwrite else finished_runs(cfg, seed, fed, make_algorithm, resume)
             for method in cfg.algorithms:
                 summary: dict[str, Any] | None = done.get(method)  # finished: said, kept
                 if summary is None:

@@ -32,13 +32,28 @@ def say_once(message: str, *args: object) -> None:
         log.info(text)
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler that writes to ``sys.stderr`` as it is when a message is emitted, not as it was
+    when the handler was made: a caller that redirects or replaces the stream later (a test's
+    capture, a notebook, ``contextlib.redirect_stderr``) gets the messages, and no message goes
+    to a stream closed since."""
+
+    @property
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
+
+
 def enable(on: bool) -> None:
     """Print progress messages to standard error (``on``) or drop them (the default)."""
     for handler in list(log.handlers):
         log.removeHandler(handler)
     log.propagate = False
     if on:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("fedlore: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)

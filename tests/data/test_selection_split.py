@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -167,10 +168,14 @@ def test_a_rerun_of_the_grid_keeps_each_runs_earlier_log(
     """Rerunning a grid resumes every run, finished ones included: the log of a run's training
     must survive the short 'already finished' output of the rerun (it was overwritten once)."""
     grid = _lr_grid()
+    grid.NAME[0] = "cfg"
     outputs = iter(["round 0 ... round 59: training log\n", "already finished\n"])
+    folder = grid.run_dir(str(tmp_path), "cfg", 1e-3, "fedlore", 42)
 
     def fake_call(cmd: list[str], stdout: Any, **_: Any) -> int:
         stdout.write(next(outputs))
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "summary.json").write_text("{}")  # the run finished
         return 0
 
     monkeypatch.setattr(grid.subprocess, "call", fake_call)
@@ -178,4 +183,31 @@ def test_a_rerun_of_the_grid_keeps_each_runs_earlier_log(
         grid.launch("cfg.yaml", str(tmp_path), "fedlore", 42, 1e-3, tmp_path)
     text = (tmp_path / "fedlore-42-lr0.001.log").read_text()
     assert "training log" in text and "already finished" in text
-    assert text.count("=== ") == 2 and text.index("training log") < text.index("already finished")
+    assert text.count("=== ") == 4 and text.index("training log") < text.index("already finished")
+    # each launch says what the grid found in the run's folder, and no path of this machine
+    new, finished = grid.FOUND["new"], grid.FOUND["finished"]
+    assert text.index(new) < text.index("training log") < text.index(finished)
+    assert sys.executable not in text and "=== " in text.splitlines()[0]
+
+
+def test_every_failed_run_of_a_grid_is_listed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A grid whose runs fail names each of them with the last line of its log (not only the
+    first failure of each method), writes no table and exits 1."""
+    grid = _lr_grid()
+
+    def fake_call(cmd: list[str], stdout: Any, **_: Any) -> int:
+        lr = next(a for a in cmd if a.startswith("lr="))
+        stdout.write(f"fedlore: error: refused at {lr}\n")
+        return 2
+
+    monkeypatch.setattr(grid.subprocess, "call", fake_call)
+    config = tmp_path / "tiny.yaml"
+    config.write_text("name: tiny\nalgorithms: [fedavg]\ndata: {selection_fraction: 0.1}\n")
+    args = [str(config), "--grid", "fedavg=1e-3,3e-3", "--jobs", "1"]
+    assert grid.main([*args, "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    for lr in ("0.001", "0.003"):
+        assert f"fedavg seed 42 lr {lr} failed (2): fedlore: error: refused at lr={lr}" in err
+    assert not (tmp_path / "out" / "table.md").exists()

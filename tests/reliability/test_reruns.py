@@ -3,8 +3,9 @@
 * The same command again says each finished method x seed is finished and where, trains nothing
   (every file of the run keeps its bytes and its modification time) and exits 0; the unfinished
   runs of the same experiment run.
-* A finished run of another config, of other data, or whose ``config.json`` cannot be read is
-  refused, and left as it was.
+* A finished run of another config, of other data, or whose record is not whole (``config.json``
+  or ``summary.json`` unreadable or missing, a summary emptied or of another method, no
+  ``metrics.jsonl``) is refused, with and without ``--resume``, and left as it was.
 * ``--overwrite`` retrains, in ``seed-<s>.overwrite``: until the new run has finished, the finished
   one stays whole in its folder (an interrupted replacement leaves it byte for byte, and a report
   shows it); ``--resume`` continues the replacement exactly; the swap at the end leaves no other
@@ -127,35 +128,61 @@ def test_an_experiment_reruns_only_its_unfinished_runs(
         assert f"{method} seed {seed}: finished already" not in err
 
 
-@pytest.mark.parametrize("change", ["config", "data", "unreadable"])
+CHANGES = {
+    "config": "holds a finished run of another config (rounds: 3 -> 2)",
+    "data": "holds a finished run of this config made on other data (fingerprint "
+    "0123456789abcdef -> ",
+    "unreadable": "holds a finished run whose config.json is missing or unreadable",
+    "no_config": "holds a finished run whose config.json is missing or unreadable",
+    "torn_summary": "holds a finished run whose summary.json is unreadable",
+    "empty_summary": "holds a finished run whose summary.json lacks method, seed, rounds, "
+    "final_loss, bytes_up_total",
+    "foreign_summary": "holds a finished run whose summary.json is fedfull's, not fedavg's",
+    "no_metrics": "holds a finished run whose metrics.jsonl is missing",
+}
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["rerun", "resume"])
+@pytest.mark.parametrize("change", list(CHANGES))
 def test_a_finished_run_of_another_config_or_other_data_is_refused_and_kept(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], change: str
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], change: str, resume: bool
 ) -> None:
+    """Refused the same way with and without ``--resume``: a run folder copied from another
+    machine (experiments/runs/, continued by ``experiments/lr_grid.py``, which always resumes)
+    is reported only when its record is whole and its config and data are this run's."""
     assert main(["run", *_args(tmp_path)]) == 0
     folder = run_dir(_cfg(tmp_path), "fedavg", 0)
-    extra: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ("--resume",) if resume else ()
+    summary = json.loads((folder / "summary.json").read_text())
     if change == "config":
-        extra = ("rounds=2",)
+        extra += ("rounds=2",)
     elif change == "data":  # as if the files under data.root had changed since
         recorded = json.loads((folder / "config.json").read_text())
         recorded["data_fingerprint"] = "0123456789abcdef"
         (folder / "config.json").write_text(json.dumps(recorded))
-    else:
+    elif change == "unreadable":
         (folder / "config.json").write_text("{ torn")
+    elif change == "no_config":
+        (folder / "config.json").unlink()
+    elif change == "torn_summary":
+        (folder / "summary.json").write_text(json.dumps(summary)[:200])
+    elif change == "empty_summary":
+        (folder / "summary.json").write_text("{}")
+    elif change == "foreign_summary":  # another method's summary copied into this folder
+        (folder / "summary.json").write_text(json.dumps({**summary, "method": "fedfull"}))
+    else:
+        (folder / "metrics.jsonl").unlink()
     before = _files(folder)
     capsys.readouterr()
     assert main(["run", *_args(tmp_path, *extra)]) == 2
     err = capsys.readouterr().err
-    expected = {
-        "config": "holds a finished run of another config (rounds: 3 -> 2)",
-        "data": "holds a finished run of this config made on other data (fingerprint "
-        "0123456789abcdef -> ",
-        "unreadable": "holds a finished run whose config.json is missing or unreadable",
-    }[change]
-    assert expected in err and "--overwrite" in err and "Traceback" not in err
+    assert CHANGES[change] in err and "--overwrite" in err and "Traceback" not in err, err
+    assert str(folder) in err
     assert _files(folder) == before
-    assert main(["run", *_args(tmp_path, *extra), "--overwrite"]) == 0
-    assert json.loads((folder / "summary.json").read_text())["rounds"] == (2 if extra else 3)
+    replace = [a for a in extra if a != "--resume"]
+    assert main(["run", *_args(tmp_path, *replace), "--overwrite"]) == 0
+    rounds = 2 if change == "config" else 3
+    assert json.loads((folder / "summary.json").read_text())["rounds"] == rounds
     assert _leftovers(folder) == []
 
 

@@ -83,13 +83,14 @@ def finished_record(
     if not summary_path.is_file():
         return None
     summary, recorded = _read_json(summary_path), _read_json(out / "config.json")
-    if summary is None or recorded is None:
-        bad = SUMMARY if summary is None else "config.json"
+    bad = _unreadable(summary, recorded, method, out)
+    if bad is not None:
         raise ConfigError(
-            f"{out} holds a finished run whose {bad} is missing or unreadable, so it cannot be "
-            "told apart from another config's run; a fresh run would delete it. Pass "
-            "--overwrite to replace it, or give this run another name=... to keep both"
+            f"{out} holds a finished run whose {bad}, so it cannot be told apart from another "
+            "config's run; it is left as it is. Pass --overwrite to replace it, or give this "
+            "run another name=... to keep both"
         )
+    assert summary is not None and recorded is not None  # _unreadable said so
     details = config_diff(cfg, method, recorded, make_algorithm)
     if details:
         raise ConfigError(
@@ -98,6 +99,31 @@ def finished_record(
             "keep both (--resume applies only to the config the run was started with)"
         )
     return summary, recorded
+
+
+SUMMARY_KEYS = ("method", "seed", "rounds", "final_loss", "bytes_up_total")
+"""Keys every ``summary.json`` holds (:func:`fedlore.results.summary.summarize`)."""
+
+
+def _unreadable(
+    summary: dict[str, Any] | None, recorded: dict[str, Any] | None, method: str, out: Path
+) -> str | None:
+    """What makes the record of the finished run in ``out`` unusable (None: nothing): an
+    unreadable ``config.json`` or ``summary.json``, a summary without the keys every summary
+    holds or of another method (a file copied into the wrong folder, or emptied), or no
+    ``metrics.jsonl`` (the rows every report and table reads)."""
+    if summary is None:
+        return f"{SUMMARY} is unreadable"
+    if recorded is None:
+        return "config.json is missing or unreadable"
+    missing = [k for k in SUMMARY_KEYS if k not in summary]
+    if missing:
+        return f"{SUMMARY} lacks {', '.join(missing)}"
+    if summary["method"] != method:
+        return f"{SUMMARY} is {summary['method']}'s, not {method}'s"
+    if not (out / "metrics.jsonl").is_file():
+        return "metrics.jsonl is missing"
+    return None
 
 
 def check_no_finished_run_of_another_config(
@@ -150,15 +176,31 @@ def finished_run(
 
 
 def finished_runs(
-    cfg: Config, seed: int, fed: Federation, make_algorithm: MakeAlgorithm
+    cfg: Config, seed: int, fed: Federation, make_algorithm: MakeAlgorithm, resume: bool = False
 ) -> dict[str, dict[str, Any]]:
     """Method -> summary of each method of ``cfg`` whose run for ``seed`` on ``fed`` is finished
-    (:func:`finished_run`, which says so)."""
-    if not any((run_dir(cfg, m, seed) / SUMMARY).is_file() for m in cfg.algorithms):
+    (:func:`finished_run`, which says so, after the checks of a rerun). Under ``resume`` a
+    method whose folder holds an interrupted replacement of this config (``--overwrite``, then
+    killed) is left out: ``--resume`` continues the replacement."""
+    methods = list(cfg.algorithms)
+    for m in methods:  # a replacement whose swap a kill cut in two is completed first
+        target = run_dir(cfg, m, seed)
+        if (staging_dir(target) / SUMMARY).is_file():
+            swap_in(staging_dir(target), target)
+    if resume:
+        methods = [m for m in methods if not _continues_replacement(cfg, m, seed, make_algorithm)]
+    if not any((run_dir(cfg, m, seed) / SUMMARY).is_file() for m in methods):
         return {}
     fingerprint = fed.fingerprint()
-    done = {m: finished_run(cfg, m, seed, fingerprint, make_algorithm) for m in cfg.algorithms}
+    done = {m: finished_run(cfg, m, seed, fingerprint, make_algorithm) for m in methods}
     return {m: s for m, s in done.items() if s is not None}
+
+
+def _continues_replacement(cfg: Config, method: str, seed: int, make: MakeAlgorithm) -> bool:
+    """Whether the run folder of ``method`` and ``seed`` holds an interrupted replacement
+    (:func:`staging_dir`) started by this config, which ``--resume`` continues."""
+    recorded = _read_json(staging_dir(run_dir(cfg, method, seed)) / "config.json")
+    return recorded is not None and not config_diff(cfg, method, recorded, make)
 
 
 def write_dir(

@@ -46,7 +46,7 @@ from fedlore.atomic import WriteError
 from fedlore.config import Config
 from fedlore.engine import interrupt
 from fedlore.engine.interrupt import Interrupted, Process
-from fedlore.engine.rerun import stamp, write_dir
+from fedlore.engine.rerun import finished_record, stamp, write_dir
 from fedlore.engine.rundir import check_same_config, run_dir
 from fedlore.experiment_parts import make_algorithm
 from fedlore.flower.app import make_apps
@@ -67,11 +67,11 @@ def run_simulated(
     from flwr.simulation import run_simulation
 
     summary_path = run_dir(cfg, method, seed) / "summary.json"
+    record = finished_record(cfg, method, summary_path.parent, make_algorithm) if resume else None
+    if record is not None:  # finished: reported once its record is whole and this config's
+        return record[0]
     if resume:
         check_same_config(cfg, method, summary_path.parent, make_algorithm)
-    if resume and summary_path.exists():
-        done: dict[str, Any] = json.loads(summary_path.read_text())
-        return done
     # a simulation starts anew
     folder = write_dir(cfg, method, summary_path.parent, False, overwrite, make_algorithm)
     before = stamp(summary_path)  # a replaced finished run's summary is not this run's
