@@ -73,7 +73,7 @@ def launch(config: str, root: str, method: str, seed: int, eps: str, clip: float
     log = logs / f"{method}-{seed}-eps{eps}-clip{clip}.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     with log.open("a") as fh:  # append: a rerun (resume) keeps the earlier log
-        fh.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {' '.join(cmd)}\n")
+        fh.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {' '.join(['python', *cmd[1:]])}\n")
         fh.flush()
         rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     if rc != 0:

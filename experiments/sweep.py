@@ -238,7 +238,8 @@ def sweep(args: argparse.Namespace) -> int:
         ]  # fmt: skip
         log = logs / f"{label(setting)}-{method}-{seed}.log"
         with log.open("a") as fh:  # append: a rerun (resume) keeps the earlier log
-            fh.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {' '.join(cmd)}\n")
+            shown = " ".join(["python", *cmd[1:]])  # the interpreter's path is this machine's
+            fh.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {shown}\n")
             fh.flush()
             rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
         print(f"{label(setting)} {method} seed {seed}: rc={rc}", flush=True)
