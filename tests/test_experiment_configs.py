@@ -82,3 +82,37 @@ def test_bayesian_fedlore_runs_on_the_table_3_digits_analogue() -> None:
     assert cfg.data.noise == 0.1 and cfg.rank == 8
     assert (cfg.seeds, cfg.local_epochs, cfg.weighting) == ([42, 43, 44], 10, "uniform")
     assert (cfg.model, cfg.partition, cfg.rounds) == (base.model, base.partition, base.rounds)
+
+
+def test_the_owed_reruns_script_names_real_configs_methods_and_committed_run_folders() -> None:
+    """``experiments/reruns.sh`` (the reruns issues 33 and 35 still owe): every config it runs
+    exists and loads, every method of its grids and sweeps is registered and in its config's
+    methods, and every runs folder is under ``experiments/runs/`` (committed, so that a fresh
+    clone continues the grids), never the ignored ``runs/``."""
+    import re
+    import subprocess
+
+    from fedlore import registry
+
+    script = EXPERIMENTS / "reruns.sh"
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+    text = script.read_text().replace("\\\n", " ")
+    known = set(registry.names("algorithm"))
+    seven = "1e-4,3e-4,5e-4,8e-4,1e-3,3e-3,5e-3"
+    lines = [x for x in text.splitlines() if not x.lstrip().startswith("#")]
+    commands = [x for x in lines if "lr_grid.py" in x or re.match(r"\s*sweep [\w/]", x)]
+    assert len(commands) >= 13
+    assert f"SEVEN={seven}" in text
+    for line in commands:
+        (config,) = re.findall(r"experiments/[\w/]+\.yaml", line)
+        cfg = load_config(EXPERIMENTS.parent / config)
+        named = set()
+        for methods in re.findall(r"--(?:grid|methods) ([\w,]+)", line):
+            named |= set(methods.split(","))
+        assert named <= known, (line, named - known)
+        if "lr_grid.py" in line:  # a grid for every method of the config
+            assert '--set "algorithms=' in line or set(cfg.algorithms) <= named, line
+            runs = re.findall(r"--runs (\S+)", line)
+            assert runs and all(r.startswith("experiments/runs/") for r in runs), line
+    (runs_root,) = re.findall(r'--runs "(experiments/runs/)\$name"', text)  # every sweep's
+    assert runs_root == "experiments/runs/"
