@@ -117,9 +117,20 @@ FOUND = {
 
 
 def summary(root: str, name: str, lr: float, method: str, seed: int) -> dict[str, Any]:
+    """The ``summary.json`` of a finished run.
+
+    Raises:
+        Unfinished: when the run has not finished (``--table-only`` before the grid has).
+    """
     path = run_dir(root, name, lr, method, seed) / "summary.json"
+    if not path.is_file():
+        raise Unfinished(f"{method} seed {seed} lr {lr:g}: not finished ({path.parent})")
     data: dict[str, Any] = json.loads(path.read_text())
     return data
+
+
+class Unfinished(RuntimeError):
+    """A run the table needs has not finished."""
 
 
 SEED_GRID = (1e-4, 3e-4, 5e-4, 8e-4, 1e-3, 3e-3, 5e-3)
@@ -235,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             return
         try:
             scores = {lr: score(summary(args.runs, name, lr, method, first)) for lr in grid[method]}
-        except SystemExit as e:
+        except (SystemExit, Unfinished) as e:
             with lock:
                 failed.append(str(e))
             return
@@ -263,13 +274,22 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as e:
             failed.append(str(e))
     pool.shutdown()
+    for method in chosen if not failed else ():  # every seed of the chosen rates
+        for s in rest:
+            try:
+                summary(args.runs, name, chosen[method], method, s)
+            except Unfinished as e:
+                failed.append(str(e))
     if failed:
-        print(
-            f"failed runs (each run's log is in {logs}/; a finished run that fedlore refuses is "
-            "rerun with `fedlore run ... --overwrite` on its own, or its folder removed):\n"
-            + "\n".join(failed),
-            file=sys.stderr,
+        why = (
+            "runs the table needs have not finished (the same command without --table-only "
+            "trains them)"
+            if TABLE_ONLY
+            else f"failed runs (each run's log is in {logs}/; a finished run that fedlore "
+            "refuses is rerun with `fedlore run ... --overwrite` on its own, or its folder "
+            "removed)"
         )
+        print(f"{why}:\n" + "\n".join(failed), file=sys.stderr)
         return 1
 
     table: dict[str, Any] = {

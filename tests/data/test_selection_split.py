@@ -211,3 +211,31 @@ def test_every_failed_run_of_a_grid_is_listed(
     for lr in ("0.001", "0.003"):
         assert f"fedavg seed 42 lr {lr} failed (2): fedlore: error: refused at lr={lr}" in err
     assert not (tmp_path / "out" / "table.md").exists()
+
+
+def test_a_table_of_an_unfinished_grid_lists_the_missing_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--table-only`` on a grid whose runs have not all finished names each missing run in one
+    line (no traceback), writes no table and exits 1."""
+    grid = _lr_grid()
+    config = tmp_path / "tiny.yaml"
+    config.write_text("name: tiny\nalgorithms: [fedavg]\ndata: {selection_fraction: 0.1}\n")
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    done = grid.run_dir(str(runs), "tiny", 1e-3, "fedavg", 42)
+    done.mkdir(parents=True)
+    (done / "summary.json").write_text(json.dumps({"final_selection_accuracy": 0.5}))
+    args = [str(config), "--grid", "fedavg=1e-3,3e-3", "--table-only", "--runs", str(runs)]
+    assert grid.main([*args, "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "have not finished" in err and "Traceback" not in err
+    assert "fedavg seed 42 lr 0.003: not finished" in err and "lr 0.001" not in err
+    assert not (out / "table.md").exists()
+    # the grid's first seed finished: the chosen rate's other seeds are what is missing
+    config.write_text(config.read_text() + "seeds: [42, 43]\n")
+    other = grid.run_dir(str(runs), "tiny", 3e-3, "fedavg", 42)
+    other.mkdir(parents=True)
+    (other / "summary.json").write_text(json.dumps({"final_selection_accuracy": 0.7}))
+    assert grid.main([*args, "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "fedavg seed 43 lr 0.003: not finished" in err and "seed 42" not in err
