@@ -2,9 +2,11 @@
 # The seed-table reruns still owed (issues 33 and 35), in the order they are run: each command is
 # the one on its results page, with its runs under experiments/runs/<table>/ (finished runs are
 # committed there, so this script, started again in a fresh clone, reuses every run that finished
-# anywhere and trains only the missing ones; see experiments/lr_grid.py). Each table lands in
-# <out> (default runs/reruns/) when its last run finishes; its results page says how to move it
-# into experiments/results/.
+# anywhere and trains only the missing ones; see experiments/lr_grid.py). Each table is written
+# to OUT/<table>/ (default runs/reruns/, outside git) when its last run finishes, so nothing
+# committed is replaced; publishing it is the docs' "Regenerating results" (docs/results/
+# index.md): copy its table, plots and logs into experiments/results/<table>/, rewrite the
+# README there, then `python scripts/results_tables.py`.
 #
 #   experiments/reruns.sh [OUT]       # two runs at a time; resumable; logs in OUT/*.log
 #
