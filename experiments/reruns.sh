@@ -14,48 +14,53 @@
 # about 1 h, Table 2 about 4 h, the text and pre-training rivals about 1 h each; the Fashion-MNIST
 # Meta-BayFL tables at seed 001's 10 local epochs are 6-20 h each, and ResNet-20's Table IV about
 # two days, so they come last.
-set -euo pipefail
-cd "$(dirname "$0")/.."
+# A table whose grid fails (a run refused, say) does not stop the queue: the next table runs, and
+# the script ends by naming the failed ones (their logs are OUT/<table>.log) and exits 1.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
 OUT=${1:-runs/reruns}
 P=${PYTHON:-.venv/bin/python}
 SEVEN=1e-4,3e-4,5e-4,8e-4,1e-3,3e-3,5e-3
 SGD=3e-4,1e-3,3e-3,1e-2,3e-2,1e-1,3e-1
 mkdir -p "$OUT"
+FAILED=()
 step() { echo "$(date '+%F %T') $1" >&2; }
 
 step "pre-training ablation and rank sweep (seed 000 Table 4 right, Figure 3(d))"
 $P experiments/lr_grid.py experiments/pretrain_ablation.yaml --grid fedlore,fedlore_fixed=3e-3 \
   --grid local_galore=5e-3 --jobs 2 --runs experiments/runs/pretrain \
-  --out "$OUT/pretrain_ablation" >> "$OUT/pretrain_ablation.log" 2>&1
+  --out "$OUT/pretrain_ablation" >> "$OUT/pretrain_ablation.log" 2>&1 || FAILED+=("pretrain_ablation")
 for r in 8 16 48; do
   $P experiments/lr_grid.py experiments/pretrain_ablation.yaml --set "algorithms=[fedlore]" \
     --set rank=$r --grid fedlore=3e-3 --jobs 2 --runs experiments/runs/pretrain/rank-$r \
-    --out "$OUT/pretrain_ablation/rank-$r" >> "$OUT/pretrain_ablation.log" 2>&1
+    --out "$OUT/pretrain_ablation/rank-$r" >> "$OUT/pretrain_ablation.log" 2>&1 || FAILED+=("pretrain_ablation")
 done
 $P experiments/rank_sweep.py experiments/pretrain_ablation.yaml --ranks 8,16,32,48 --lr 3e-3 \
-  --root experiments/runs/pretrain --out "$OUT/pretrain_ablation" >> "$OUT/pretrain_ablation.log" 2>&1
+  --root experiments/runs/pretrain --out "$OUT/pretrain_ablation" \
+  >> "$OUT/pretrain_ablation.log" 2>&1 || FAILED+=("pretrain_ablation")
 
 step "Table 2 (MiniLM on fortunes)"
 $P experiments/lr_grid.py experiments/text_table2.yaml \
   --grid fedfull,local_galore,fedlore,fedit=$SEVEN \
   --grid ffa_lora,flexlora,lora_fair,rolora,flora,frlora=5e-4,1e-3,3e-3,5e-3 \
-  --jobs 2 --runs experiments/runs/text --out "$OUT/text_table2" >> "$OUT/text_table2.log" 2>&1
+  --jobs 2 --runs experiments/runs/text --out "$OUT/text_table2" >> "$OUT/text_table2.log" 2>&1 || FAILED+=("text_table2")
 
 step "FedLore's rivals on Table 2 and Table 3 (issue 35)"
 $P experiments/lr_grid.py experiments/text_rivals.yaml \
   --grid fedlore,fedgalore,local_galore,fedit,fedfull=$SEVEN --grid fedslop=$SGD \
-  --jobs 2 --runs experiments/runs/text --out "$OUT/text_rivals" >> "$OUT/text_rivals.log" 2>&1
+  --jobs 2 --runs experiments/runs/text --out "$OUT/text_rivals" >> "$OUT/text_rivals.log" 2>&1 || FAILED+=("text_rivals")
 $P experiments/lr_grid.py experiments/pretrain_rivals.yaml \
   --grid fedlore,fedfull=3e-3 --grid local_galore,fedit=5e-3 --grid fedgalore=$SEVEN \
   --grid fedslop=$SGD --jobs 2 --runs experiments/runs/pretrain \
-  --out "$OUT/pretrain_rivals" >> "$OUT/pretrain_rivals.log" 2>&1
+  --out "$OUT/pretrain_rivals" >> "$OUT/pretrain_rivals.log" 2>&1 || FAILED+=("pretrain_rivals")
 
 step "Meta-BayFL on Fashion-MNIST at 10 local epochs (seed 001 Tables IV, III, VI, V, II)"
 sweep() { # TABLE-FOLDER CONFIG ARGS...
   local name=$1 config=$2
   shift 2
+  mkdir -p "$(dirname "$OUT/$name.log")"
   $P experiments/sweep.py "$config" "$@" --jobs 2 --runs "experiments/runs/$name" \
-    --out "$OUT/$name" >> "$OUT/$name.log" 2>&1
+    --out "$OUT/$name" >> "$OUT/$name.log" 2>&1 || FAILED+=("$name")
 }
 sweep bayes_table4/cnn experiments/bayes_table4.yaml \
   --methods fedavg,fedprox,meta_bayfl_mcd,meta_bayfl,meta_fl,bayfl,fedavg_mcd
@@ -69,4 +74,8 @@ sweep bayes_table5 experiments/bayes_table5.yaml --vary num_clients=5,10,15,20
 sweep bayes_table2 experiments/bayes_table2.yaml \
   --vary data.fraction=1.0,0.5,0.25,0.1 --vary data.noise=0,1e-4,1e-3,1e-2,1e-1,0.5
 sweep bayes_table4/resnet20 experiments/bayes_table4_resnet20.yaml
+if ((${#FAILED[@]})); then
+  step "done; failed (see $OUT/<name>.log): $(printf '%s\n' "${FAILED[@]}" | sort -u | xargs)"
+  exit 1
+fi
 step "done"
