@@ -240,7 +240,9 @@ def test_local_sigterm_exits_143_and_a_second_sigint_quits_at_once(
     _assert_nothing_left(proc.pid, started)
     _check_stopped(out, err, rc, 143, 2)
     out = tmp_path / "twice"
-    proc, err = _start(out, "local_steps=3000", *digits_npz)  # clients of a second or more
+    # clients of ten seconds or more: the second SIGINT (0.1 s after the first) must find a
+    # client still training, so the run cannot have stopped between clients in the meantime
+    proc, err = _start(out, "local_steps=30000", *digits_npz)
     _wait_for_rows(proc, _metrics(out), 0, err)
     time.sleep(0.3)  # into the first round
     _force(proc, err, signal.SIGINT)
