@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The seed-table reruns still owed (issues 33 and 35), in the order they are run: each command is
+# The seed-table reruns still owed (issues 33 and 35), in the order they are run (the rivals of
+# issue 35 before Table 2, whose last seeds are the longer job): each command is
 # the one on its results page, with its runs under experiments/runs/<table>/ (finished runs are
 # committed there, so this script, started again in a fresh clone, reuses every run that finished
 # anywhere and trains only the missing ones; see experiments/lr_grid.py). Each table is written
@@ -39,12 +40,6 @@ $P experiments/rank_sweep.py experiments/pretrain_ablation.yaml --ranks 8,16,32,
   --root experiments/runs/pretrain --out "$OUT/pretrain_ablation" \
   >> "$OUT/pretrain_ablation.log" 2>&1 || FAILED+=("pretrain_ablation")
 
-step "Table 2 (MiniLM on fortunes)"
-$P experiments/lr_grid.py experiments/text_table2.yaml \
-  --grid fedfull,local_galore,fedlore,fedit=$SEVEN \
-  --grid ffa_lora,flexlora,lora_fair,rolora,flora,frlora=5e-4,1e-3,3e-3,5e-3 \
-  --jobs 2 --runs experiments/runs/text --out "$OUT/text_table2" >> "$OUT/text_table2.log" 2>&1 || FAILED+=("text_table2")
-
 step "FedLore's rivals on Table 2 and Table 3 (issue 35)"
 $P experiments/lr_grid.py experiments/text_rivals.yaml \
   --grid fedlore,fedgalore,local_galore,fedit,fedfull=$SEVEN --grid fedslop=$SGD \
@@ -53,6 +48,12 @@ $P experiments/lr_grid.py experiments/pretrain_rivals.yaml \
   --grid fedlore,fedfull=3e-3 --grid local_galore,fedit=5e-3 --grid fedgalore=$SEVEN \
   --grid fedslop=$SGD --jobs 2 --runs experiments/runs/pretrain \
   --out "$OUT/pretrain_rivals" >> "$OUT/pretrain_rivals.log" 2>&1 || FAILED+=("pretrain_rivals")
+
+step "Table 2 (MiniLM on fortunes)"
+$P experiments/lr_grid.py experiments/text_table2.yaml \
+  --grid fedfull,local_galore,fedlore,fedit=$SEVEN \
+  --grid ffa_lora,flexlora,lora_fair,rolora,flora,frlora=5e-4,1e-3,3e-3,5e-3 \
+  --jobs 2 --runs experiments/runs/text --out "$OUT/text_table2" >> "$OUT/text_table2.log" 2>&1 || FAILED+=("text_table2")
 
 step "Meta-BayFL on Fashion-MNIST at 10 local epochs (seed 001 Tables IV, III, VI, V, II)"
 sweep() { # TABLE-FOLDER CONFIG ARGS...
