@@ -399,21 +399,70 @@ def pretrain() -> dict[str, str]:
 
 
 def subspace_rivals() -> dict[str, str]:
-    """FedSLoP's seven-rate SGD grid on the Table 1 analogue: the seed-42 selection accuracy per
-    rate, from the main grid and its downward extension (``fedslop_grid/``)."""
-    folder = EXP / "subspace_rivals"
-    grids = [
-        read(folder / "table.json")["methods"]["fedslop"],
-        read(folder / "fedslop_grid" / "table.json")["methods"]["fedslop"],
-    ]
-    selection = {
-        rate(float(lr)): acc for g in grids for lr, acc in g["selection_grid_seed42"].items()
+    """FedLore's rivals side by side (issue 35) on the Table 1, 2 and 3 analogues
+    (``subspace_rivals/``, ``text_rivals/``, ``pretrain_rivals/``; a table not yet produced is
+    skipped): per method, the per-seed difference from FedLore (accuracy: FedLore minus it, so
+    positive = FedLore ahead; perplexity: it minus FedLore, so positive = FedLore ahead too) and
+    how many times FedLore's bytes up and optimizer state it uses. For the vision table also
+    FedSLoP's seven-rate SGD grid: the seed-42 selection accuracy per rate, from the main grid
+    and its downward extension (``fedslop_grid/``)."""
+    out: dict[str, str] = {}
+    for name, metric in (
+        ("subspace_rivals", "final_accuracy"),
+        ("text_rivals", "final_accuracy"),
+        ("pretrain_rivals", "final_perplexity"),
+    ):
+        folder = EXP / name
+        if not (folder / "table.json").exists():
+            continue
+        methods = read(folder / "table.json")["methods"]
+        fl = methods["fedlore"]
+        facts: dict[str, Any] = {
+            "fedlore_ahead_paired": {
+                m: rivals_paired(v[metric], fl[metric], lower_is_better=metric.endswith("plexity"))
+                for m, v in methods.items()
+                if m != "fedlore"
+            },
+            "over_fedlore": {
+                m: {
+                    "mb_up": v["up_per_client"] / fl["up_per_client"],
+                    "optimizer_state": v["optimizer_state_bytes"] / fl["optimizer_state_bytes"],
+                }
+                for m, v in methods.items()
+                if m != "fedlore"
+            },
+            "best": (min if metric.endswith("plexity") else max)(
+                methods, key=lambda m: methods[m]["mean"]
+            ),
+        }
+        if name == "subspace_rivals":
+            grids = [methods["fedslop"]]
+            if (folder / "fedslop_grid" / "table.json").exists():
+                grids.append(read(folder / "fedslop_grid" / "table.json")["methods"]["fedslop"])
+            selection = {
+                rate(float(lr)): acc
+                for g in grids
+                for lr, acc in g["selection_grid_seed42"].items()
+            }
+            facts["fedslop_selection_seed42"] = selection
+            facts["fedslop_best_rate"] = max(selection, key=lambda k: selection[k])
+        out[f"experiments/results/{name}/summary.json"] = dump_json(facts)
+    return out
+
+
+def rivals_paired(
+    values: dict[str, float], fedlore: dict[str, float], lower_is_better: bool
+) -> dict[str, float]:
+    """How far FedLore is ahead of a method, seed by seed: the mean of the per-seed margins
+    (positive: FedLore better) and on how many of the seeds both hold FedLore is better."""
+    seeds = [s for s in values if s in fedlore]
+    sign = -1.0 if lower_is_better else 1.0
+    margins = [sign * (fedlore[s] - values[s]) for s in seeds]
+    return {
+        "mean": statistics.fmean(margins),
+        "seeds_ahead": sum(d > 0 for d in margins),
+        "seeds": len(seeds),
     }
-    facts = {
-        "fedslop_selection_seed42": selection,
-        "fedslop_best_rate": max(selection, key=lambda k: selection[k]),
-    }
-    return {"experiments/results/subspace_rivals/summary.json": dump_json(facts)}
 
 
 def paired(values: dict[str, float], reference: dict[str, float]) -> dict[str, float]:
