@@ -340,7 +340,8 @@ def batched_trials(
 
     def kl(p: dict[str, torch.Tensor]) -> torch.Tensor:
         """KL of every Bayesian layer, frozen (mu, rho) included, as kl_divergence(model)."""
-        total = torch.zeros(())
+        device = next((t.device for t in p.values()), torch.device("cpu"))
+        total = torch.zeros((), device=device)
         for key in p:
             if key.endswith("_rho"):
                 mu = p[key[: -len("_rho")] + "_mu"]

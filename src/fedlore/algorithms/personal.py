@@ -49,8 +49,9 @@ def prox_term(anchor: dict[str, torch.Tensor], lam: float) -> LossTerm:
             for name, p in model.named_parameters()
             if p.requires_grad and name in fixed
         ]
-        if not parts:
-            return torch.zeros(())
+        if not parts:  # nothing anchored is trained: a zero on the model's device
+            device = next((q.device for q in model.parameters()), torch.device("cpu"))
+            return torch.zeros((), device=device)
         total = parts[0]
         for part in parts[1:]:
             total = total + part
