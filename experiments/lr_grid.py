@@ -324,6 +324,11 @@ def main(argv: list[str] | None = None) -> int:
         mean, std = mean_std(vals)  # over the seeds that did not diverge
         loss_mean, loss_std = mean_std(losses)
         comm = per_round(args.runs, name, lr, method, first)
+        # seconds per round: the median over the seeds (runs of one grid may have finished in
+        # different sittings, on another machine or beside other work; bytes do not vary)
+        walls = {s: per_round(args.runs, name, lr, method, s)["wall_s_per_round"] for s in seeds}
+        comm["wall_s_per_round"] = statistics.median(walls.values())
+        comm["wall_s_per_round_per_seed"] = {str(s): w for s, w in walls.items()}
         grid_runs = {g: summary(args.runs, name, g, method, first) for g in grid[method]}
         table["methods"][method] = {
             "lr": lr,

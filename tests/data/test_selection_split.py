@@ -239,3 +239,30 @@ def test_a_table_of_an_unfinished_grid_lists_the_missing_runs(
     assert grid.main([*args, "--out", str(out)]) == 1
     err = capsys.readouterr().err
     assert "fedavg seed 43 lr 0.003: not finished" in err and "seed 42" not in err
+
+
+def test_a_tables_seconds_per_round_are_the_median_over_its_seeds(tmp_path: Path) -> None:
+    """Bytes come from the first seed (they do not vary); seconds per round are the median over
+    the seeds, so one run finished on a slower sitting does not set a method's time."""
+    grid = _lr_grid()
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        "name: tiny\nalgorithms: [fedavg]\nseeds: [42, 43, 44]\ndata: {selection_fraction: 0.1}\n"
+    )
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    for seed, wall in ((42, 30.0), (43, 10.0), (44, 11.0)):
+        folder = grid.run_dir(str(runs), "tiny", 1e-3, "fedavg", seed)
+        folder.mkdir(parents=True)
+        result = {"final_accuracy": 0.5, "final_selection_accuracy": 0.5, "final_loss": 1.0}
+        (folder / "summary.json").write_text(json.dumps(result))
+        rows = [
+            {"round": r, "wall_s": wall, "bytes_up": 100, "bytes_down": 200, "clients": 2}
+            for r in range(2)
+        ]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [str(config), "--grid", "fedavg=1e-3", "--table-only", "--runs", str(runs)]
+    assert grid.main([*args, "--out", str(out)]) == 0
+    row = json.loads((out / "table.json").read_text())["methods"]["fedavg"]
+    assert row["wall_s_per_round"] == 11.0
+    assert row["wall_s_per_round_per_seed"] == {"42": 30.0, "43": 10.0, "44": 11.0}
+    assert row["up_per_client"] == 50.0 and "| 11.0 |" in (out / "table.md").read_text()
