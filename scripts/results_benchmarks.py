@@ -360,6 +360,36 @@ def transport() -> tuple[str, str, dict[str, Any]]:
     return md_bytes, md_acc, facts
 
 
+def pool_layout() -> str:
+    """``benchmarks/pool_layout.py``: the CNN's two max-pools side by side."""
+    rows = []
+    for r in read(BENCH / "pool_layout.json")["rows"]:
+        m = r["ms"]
+        rows.append(
+            [
+                r["model"],
+                f"{m['nchw']['step']:.2f}",
+                f"{m['ours']['step']:.2f}",
+                f"{r['step_speedup']:.2f}x",
+                f"{m['nchw']['eval']:.0f}",
+                f"{m['ours']['eval']:.0f}",
+                f"{r['eval_speedup']:.2f}x",
+                "yes" if r["identical"] else "NO",
+            ]
+        )
+    header = [
+        "model",
+        "train step, nn.MaxPool2d (ms CPU)",
+        "train step, fedlore (ms CPU)",
+        "speed-up",
+        "eval 2,048 images, nn.MaxPool2d (ms CPU)",
+        "eval, fedlore (ms CPU)",
+        "speed-up",
+        "same logits and gradients",
+    ]
+    return table(header, rows)
+
+
 def benchmarks() -> dict[str, str]:
     sub_md, sub_facts = subspace()
     scale_md, scale_facts = scale()
@@ -373,6 +403,7 @@ def benchmarks() -> dict[str, str]:
         "benchmarks/results/peer_pfl.md": peer_pfl(),
         "benchmarks/results/overhead.md": overhead(),
         "benchmarks/results/bayes_time.md": bayes_time(),
+        "benchmarks/results/pool_layout.md": pool_layout(),
         "benchmarks/results/scale.md": scale_md,
         "benchmarks/results/flower_round_time.md": flower_round_time(),
         "benchmarks/results/transport_bytes.md": bytes_md,

@@ -123,3 +123,33 @@ def test_bad_arguments() -> None:
         build_model("resnet20", (3, 32, 32), 10, norm="group", groups=3)
     with pytest.raises(KeyError, match="unknown model 'vgg'"):
         build_model("vgg", (3, 32, 32), 10)
+
+
+@pytest.mark.parametrize("shape", [(5, 8, 28, 28), (3, 4, 7, 9), (2, 1, 8, 8)])
+@pytest.mark.parametrize("ceil_mode", [False, True])
+def test_the_cnns_channels_last_pool_is_torchs_pool_bit_for_bit(
+    shape: tuple[int, int, int, int], ceil_mode: bool
+) -> None:
+    """fedlore's CPU max-pool gives nn.MaxPool2d's values without autograd (its channels-last
+    route, ties included: ReLU zeros and repeated integers) and nn.MaxPool2d's values and
+    gradients with it; the CNN pools with it."""
+    from fedlore.models.cnn import CNN, MaxPool2d
+
+    gen = torch.Generator().manual_seed(0)
+    ties = torch.randint(0, 3, shape, generator=gen).float()
+    for x in (torch.randn(shape, generator=gen).relu(), ties):
+        ours, theirs = MaxPool2d(2, ceil_mode=ceil_mode), torch.nn.MaxPool2d(2, ceil_mode=ceil_mode)
+        with torch.no_grad():
+            out = ours(x)
+        assert out.is_contiguous() and torch.equal(out, theirs(x))
+        with torch.no_grad():  # a model in channels-last layout (Meta-BayFL's scoring) keeps it
+            kept = ours(x.contiguous(memory_format=torch.channels_last))
+        assert kept.is_contiguous(memory_format=torch.channels_last) and torch.equal(kept, out)
+        grads = []
+        for pool in (ours, theirs):
+            xg = x.clone().requires_grad_()
+            pool(xg).pow(2).sum().backward()
+            grads.append(xg.grad)
+        assert torch.equal(grads[0], grads[1])
+    cnn = CNN((1, 28, 28), 10, (8, 16), 64, 0.0)
+    assert sum(isinstance(m, MaxPool2d) for m in cnn.modules()) == 2

@@ -18,10 +18,41 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fedlore.models.common import check_image_shape, check_num_classes
 from fedlore.registry import register_model
+
+
+class MaxPool2d(nn.MaxPool2d):
+    """``nn.MaxPool2d`` that, on CPU and without autograd (evaluation, the MC predictive,
+    Meta-BayFL's trial scoring), pools in channels-last layout and hands the result back
+    contiguous (or channels-last when it came so: Meta-BayFL scores its trial copies in that
+    layout, :func:`~fedlore.algorithms.meta_lr.scoring_layout`): the same values, bit for bit,
+    in about 40 % less time for a whole evaluation pass. PyTorch's CPU max-pool kernel for
+    the default NCHW layout is about as slow as the 5x5 convolution before it; its
+    channels-last kernel pools ``[512, 8, 28, 28]`` in 6 ms with the two layout copies, against
+    17 ms (one thread). With autograd on, the channels-last route
+    gave the same gradients but no faster steps, so training pools as ``nn.MaxPool2d``, as do
+    other devices. Measured side by side in ``benchmarks/pool_layout.py``. No parameters or
+    buffers: state dicts are unchanged."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Pool ``x`` (``[B, C, H, W]`` or ``[C, H, W]``)."""
+        backward = torch.is_grad_enabled() and x.requires_grad
+        if backward or x.device.type != "cpu" or x.dim() != 4 or self.return_indices:
+            return super().forward(x)
+        kept = x.is_contiguous(memory_format=torch.channels_last)  # a model in that layout
+        pooled = F.max_pool2d(
+            x.contiguous(memory_format=torch.channels_last),
+            self.kernel_size,
+            self.stride,
+            self.padding,
+            self.dilation,
+            ceil_mode=self.ceil_mode,
+        )
+        return pooled if kept else pooled.contiguous()
 
 
 class CNN(nn.Module):
@@ -49,10 +80,10 @@ class CNN(nn.Module):
         self.features = nn.Sequential(
             nn.Conv2d(c, c1, kernel_size=5, padding=2),
             nn.ReLU(),
-            nn.MaxPool2d(2),
+            MaxPool2d(2),
             nn.Conv2d(c1, c2, kernel_size=5, padding=2),
             nn.ReLU(),
-            nn.MaxPool2d(2),
+            MaxPool2d(2),
         )
         # padding=2 keeps the size through each 5x5 conv; each 2x2 pool floors it by half.
         flat = c2 * (h // 4) * (w // 4)
