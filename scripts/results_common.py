@@ -36,7 +36,10 @@ def span(values: list[float]) -> dict[str, float]:
 
 
 def rate(lr: float) -> str:
-    """``0.003`` -> ``3e-3``: a learning rate as the pages write it (and a key without a dot)."""
+    """``0.003`` -> ``3e-3``, ``1.0`` -> ``1``: a learning rate as the pages write it (and a key
+    without a dot)."""
+    if lr >= 1 and float(lr).is_integer():
+        return str(int(lr))
     return f"{lr:.0e}".replace("e-0", "e-")
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -403,9 +404,9 @@ def subspace_rivals() -> dict[str, str]:
     (``subspace_rivals/``, ``text_rivals/``, ``pretrain_rivals/``; a table not yet produced is
     skipped): per method, the per-seed difference from FedLore (accuracy: FedLore minus it, so
     positive = FedLore ahead; perplexity: it minus FedLore, so positive = FedLore ahead too) and
-    how many times FedLore's bytes up and optimizer state it uses. For the vision table also
-    FedSLoP's seven-rate SGD grid: the seed-42 selection accuracy per rate, from the main grid
-    and its downward extension (``fedslop_grid/``)."""
+    how many times FedLore's bytes up and optimizer state it uses. Where FedSLoP's SGD grid was
+    extended (``fedslop_grid/``: downward on the ViT, upward in pre-training) also its seed-42
+    selection score per rate over both grids and the rate they choose."""
     out: dict[str, str] = {}
     for name, metric in (
         ("subspace_rivals", "final_accuracy"),
@@ -435,17 +436,19 @@ def subspace_rivals() -> dict[str, str]:
                 methods, key=lambda m: methods[m]["mean"]
             ),
         }
-        if name == "subspace_rivals":
+        if (folder / "fedslop_grid" / "table.json").exists():  # FedSLoP's grid, extended
             grids = [methods["fedslop"]]
-            if (folder / "fedslop_grid" / "table.json").exists():
-                grids.append(read(folder / "fedslop_grid" / "table.json")["methods"]["fedslop"])
+            grids.append(read(folder / "fedslop_grid" / "table.json")["methods"]["fedslop"])
             selection = {
-                rate(float(lr)): acc
+                rate(float(lr)): score
                 for g in grids
-                for lr, acc in g["selection_grid_seed42"].items()
+                for lr, score in g["selection_grid_seed42"].items()
             }
+            finite = [k for k in selection if math.isfinite(selection[k])]
             facts["fedslop_selection_seed42"] = selection
-            facts["fedslop_best_rate"] = max(selection, key=lambda k: selection[k])
+            facts["fedslop_best_rate"] = (min if metric.endswith("plexity") else max)(
+                finite, key=lambda k: selection[k]
+            )
         out[f"experiments/results/{name}/summary.json"] = dump_json(facts)
     return out
 
