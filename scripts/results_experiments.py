@@ -319,6 +319,7 @@ def grid_table_facts(folder: str) -> dict[str, str]:
         "lora_methods": len(lora),
         "at_top_of_grid": sorted(x for x in m if m[x]["lr"] == max(tab["grid"][x])),
         "at_top_of_grid_count": sum(m[x]["lr"] == max(tab["grid"][x]) for x in m),
+        "at_bottom_of_grid": sorted(x for x in m if m[x]["lr"] == min(tab["grid"][x])),
         "method_count": len(m),
         "seeds": len(fl.get("final_accuracy") or fl.get("final_accuracy_pct") or {}),
     }
