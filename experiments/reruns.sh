@@ -11,6 +11,9 @@
 #
 #   experiments/reruns.sh [OUT]       # two runs at a time; resumable; logs in OUT/*.log
 #
+# Started again with the same OUT, it skips the tables it already wrote there (a fresh clone's
+# first run checks every committed run of each table once).
+#
 # CPU cost on two cores (measured): the pre-training ablation and rank sweep about 1.5 h, Table 2
 # about 3 h, the text rivals 30 min and the pre-training rivals 1 h (all finished and committed:
 # a run of this script reports them in minutes); the Fashion-MNIST
@@ -27,8 +30,12 @@ SGD=3e-4,1e-3,3e-3,1e-2,3e-2,1e-1,3e-1
 mkdir -p "$OUT"
 FAILED=()
 step() { echo "$(date '+%F %T') $1" >&2; }
+# a table this script already wrote to OUT is not checked again (restarting the queue would
+# otherwise verify every finished run of it: minutes per table); delete OUT/<table> to redo it
+made() { [ -f "$OUT/$1" ] && step "  $OUT/$1 is there already: skipped"; }
 
 step "pre-training ablation and rank sweep (seed 000 Table 4 right, Figure 3(d))"
+made pretrain_ablation/rank_sweep.md || {
 $P experiments/lr_grid.py experiments/pretrain_ablation.yaml --grid fedlore,fedlore_fixed=3e-3 \
   --grid local_galore=5e-3 --jobs 2 --runs experiments/runs/pretrain \
   --out "$OUT/pretrain_ablation" >> "$OUT/pretrain_ablation.log" 2>&1 || FAILED+=("pretrain_ablation")
@@ -40,22 +47,24 @@ done
 $P experiments/rank_sweep.py experiments/pretrain_ablation.yaml --ranks 8,16,32,48 --lr 3e-3 \
   --root experiments/runs/pretrain --out "$OUT/pretrain_ablation" \
   >> "$OUT/pretrain_ablation.log" 2>&1 || FAILED+=("pretrain_ablation")
+}
 
 step "FedLore's rivals on Table 2 and Table 3 (issue 35)"
-$P experiments/lr_grid.py experiments/text_rivals.yaml \
+made text_rivals/table.md || $P experiments/lr_grid.py experiments/text_rivals.yaml \
   --grid fedlore,fedgalore,local_galore,fedit,fedfull=$SEVEN --grid fedslop=$SGD \
   --jobs 2 --runs experiments/runs/text --out "$OUT/text_rivals" >> "$OUT/text_rivals.log" 2>&1 || FAILED+=("text_rivals")
-$P experiments/lr_grid.py experiments/pretrain_rivals.yaml \
+made pretrain_rivals/table.md || $P experiments/lr_grid.py experiments/pretrain_rivals.yaml \
   --grid fedlore,fedfull=3e-3 --grid local_galore,fedit=5e-3 --grid fedgalore=$SEVEN \
   --grid fedslop=$SGD --jobs 2 --runs experiments/runs/pretrain \
   --out "$OUT/pretrain_rivals" >> "$OUT/pretrain_rivals.log" 2>&1 || FAILED+=("pretrain_rivals")
 # FedSLoP chose the top of its SGD grid in pre-training: the grid extended upward
-$P experiments/lr_grid.py experiments/pretrain_rivals.yaml --set "algorithms=[fedslop]" \
+made pretrain_rivals/fedslop_grid/table.md ||
+  $P experiments/lr_grid.py experiments/pretrain_rivals.yaml --set "algorithms=[fedslop]" \
   --grid fedslop=3e-1,1,3 --jobs 2 --runs experiments/runs/pretrain \
   --out "$OUT/pretrain_rivals/fedslop_grid" >> "$OUT/pretrain_rivals.log" 2>&1 || FAILED+=("pretrain_rivals")
 
 step "Table 2 (MiniLM on fortunes)"
-$P experiments/lr_grid.py experiments/text_table2.yaml \
+made text_table2/table.md || $P experiments/lr_grid.py experiments/text_table2.yaml \
   --grid fedfull,local_galore,fedlore,fedit=$SEVEN \
   --grid ffa_lora,flexlora,lora_fair,rolora,flora,frlora=5e-4,1e-3,3e-3,5e-3 \
   --jobs 2 --runs experiments/runs/text --out "$OUT/text_table2" >> "$OUT/text_table2.log" 2>&1 || FAILED+=("text_table2")
@@ -64,6 +73,7 @@ step "Meta-BayFL on Fashion-MNIST at 10 local epochs (seed 001 Tables IV, III, V
 sweep() { # TABLE-FOLDER CONFIG ARGS...
   local name=$1 config=$2
   shift 2
+  made "$name/table.md" && return
   mkdir -p "$(dirname "$OUT/$name.log")"
   $P experiments/sweep.py "$config" "$@" --jobs 2 --runs "experiments/runs/$name" \
     --out "$OUT/$name" >> "$OUT/$name.log" 2>&1 || FAILED+=("$name")
