@@ -32,6 +32,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -223,7 +224,11 @@ def sweep(args: argparse.Namespace) -> int:
         diff = config_diff(run_cfg, method, json.loads(record.read_text()), make_algorithm)
         return f"{folder} holds a run of another config ({diff})" if diff else ""
 
+    stop = threading.Event()  # an interrupt: no run starts after it
+
     def run(setting: tuple[tuple[str, str], ...], method: str, seed: int) -> None:
+        if stop.is_set():
+            return
         name = f"{cfg.name}-{label(setting)}"
         if (Path(root) / name / method / f"seed-{seed}" / "summary.json").exists():  # done
             why = other_config(setting, method, seed)
@@ -243,14 +248,24 @@ def sweep(args: argparse.Namespace) -> int:
             fh.flush()
             rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
         print(f"{label(setting)} {method} seed {seed}: rc={rc}", flush=True)
+        if rc in (130, 143):  # the run was stopped by SIGINT / SIGTERM: so is the sweep
+            stop.set()
         if rc != 0:
             failed.append(f"{label(setting)} {method} seed {seed} (rc={rc}, log {log})")
 
     failed: list[str] = []
     if not args.table_only:
         jobs = [(s, m, seed) for s in settings for m in methods for seed in cfg.seeds]
-        with ThreadPoolExecutor(args.jobs) as pool:
+        pool = ThreadPoolExecutor(args.jobs)
+        try:
             list(pool.map(lambda j: run(*j), jobs))
+        except KeyboardInterrupt:  # the queued runs are dropped, the running ones end
+            stop.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown()
+        if stop.is_set():
+            raise KeyboardInterrupt
 
     records: list[dict[str, Any]] = []
     columns = COLUMNS + BYTES if args.bytes else COLUMNS

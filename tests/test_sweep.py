@@ -101,3 +101,26 @@ def test_a_sweep_with_a_failed_run_exits_1_and_names_it(
     out = ["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--jobs", "1"]
     assert _sweep().main([str(config), *out]) == 1
     assert "1 run(s) failed: base fedavg seed 1 (rc=2" in capsys.readouterr().err
+
+
+def test_an_interrupted_sweep_starts_no_further_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C reaches the running runs (one process group): they exit 130, and the sweep then
+    starts none of its queued runs (it used to start every one of them) and exits 130."""
+    sweep = _sweep()
+    calls: list[list[str]] = []
+
+    class Done:
+        returncode = 130
+
+    def fake_run(cmd: list[str], **_: object) -> Done:
+        calls.append(cmd)
+        return Done()
+
+    monkeypatch.setattr(sweep.subprocess, "run", fake_run)
+    config = tmp_path / "tiny.yaml"
+    config.write_text("name: tiny\nrounds: 1\nalgorithms: [fedavg, fedprox]\nseeds: [1, 2, 3]\n")
+    out = ["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--jobs", "1"]
+    assert sweep.main([str(config), *out]) == 130
+    assert len(calls) == 1 and "interrupted" in capsys.readouterr().out
