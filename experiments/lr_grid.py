@@ -45,7 +45,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +74,15 @@ def run_dir(root: str, name: str, lr: float, method: str, seed: int) -> Path:
     return Path(root) / f"lr-{lr:g}" / name / method / f"seed-{seed}"
 
 
+STOP = threading.Event()
+"""Set by an interrupt (Ctrl-C, or a run that exited 130 / 143): no run starts after it."""
+
+
 def launch(config: str, root: str, method: str, seed: int, lr: float, log_dir: Path) -> None:
     if TABLE_ONLY:
         return
+    if STOP.is_set():
+        raise RuntimeError(f"{method} seed {seed} lr {lr:g}: not started (interrupted)")
     cmd = [
         sys.executable,
         "-m",
@@ -103,6 +109,8 @@ def launch(config: str, root: str, method: str, seed: int, lr: float, log_dir: P
         fh.write(f"=== {folder}: {FOUND[found]}\n")
         fh.flush()
         rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    if rc in (130, 143):  # the run was stopped by SIGINT / SIGTERM: so is the grid
+        STOP.set()
     if rc != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-1:]
         raise RuntimeError(f"{method} seed {seed} lr {lr:g} failed ({rc}): {' '.join(tail)}")
@@ -161,6 +169,11 @@ def score(result: dict[str, Any]) -> float:
     acc = result.get("final_selection_accuracy")
     return -float("inf") if acc is None or acc != acc else float(acc)
 
+
+INTERRUPTED = (
+    "lr_grid: interrupted; no run starts after it, and finished runs are kept: the same command "
+    "resumes the grid"
+)
 
 NO_SELECTION = (
     "lr_grid: the runs have no selection-split score; set data.selection_fraction (e.g. 0.1) "
@@ -240,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                 f.result()
             except RuntimeError as e:
                 errors.append(str(e))
+            except CancelledError:  # dropped by an interrupt
+                errors.append("cancelled")
         if errors:
             with lock:
                 failed.extend(errors)
@@ -254,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         with lock:
             chosen[method] = best
         print(f"{method}: seed {first} scores {scores} -> lr {best:g}", flush=True)
+        if STOP.is_set():
+            return
         for s in rest:
             pending.append(pool.submit(launch, args.config, args.runs, method, s, best, logs))
 
@@ -264,16 +281,22 @@ def main(argv: list[str] | None = None) -> int:
             for lr in grid[method]
         ]
         waiters.append(threading.Thread(target=after_grid, args=(method, futs)))
-    for w in waiters:
-        w.start()
-    for w in waiters:
-        w.join()
-    while pending:
-        try:
-            pending.pop().result()
-        except RuntimeError as e:
-            failed.append(str(e))
-    pool.shutdown()
+    try:
+        for w in waiters:
+            w.start()
+        for w in waiters:
+            w.join()
+        while pending:
+            try:
+                pending.pop().result()
+            except RuntimeError as e:
+                failed.append(str(e))
+    except KeyboardInterrupt:  # the queued runs are dropped, the running ones end
+        STOP.set()
+    pool.shutdown(wait=True, cancel_futures=STOP.is_set())
+    if STOP.is_set():
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
     for method in chosen if not failed else ():  # every seed of the chosen rates
         for s in rest:
             try:

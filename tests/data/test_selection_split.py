@@ -266,3 +266,23 @@ def test_a_tables_seconds_per_round_are_the_median_over_its_seeds(tmp_path: Path
     assert row["wall_s_per_round"] == 11.0
     assert row["wall_s_per_round_per_seed"] == {"42": 30.0, "43": 10.0, "44": 11.0}
     assert row["up_per_client"] == 50.0 and "| 11.0 |" in (out / "table.md").read_text()
+
+
+def test_an_interrupted_grid_starts_no_further_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C reaches the running runs (one process group) and they exit 130: the grid then
+    starts none of its queued runs, says so in one line and exits 130."""
+    grid = _lr_grid()
+    calls: list[list[str]] = []
+
+    def fake_call(cmd: list[str], stdout: Any, **_: Any) -> int:
+        calls.append(cmd)
+        return 130
+
+    monkeypatch.setattr(grid.subprocess, "call", fake_call)
+    config = tmp_path / "tiny.yaml"
+    config.write_text("name: tiny\nalgorithms: [fedavg]\ndata: {selection_fraction: 0.1}\n")
+    args = [str(config), "--grid", "fedavg=1e-3,3e-3,1e-2", "--jobs", "1"]
+    assert grid.main([*args, "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "o")]) == 130
+    assert len(calls) == 1 and "interrupted" in capsys.readouterr().err
