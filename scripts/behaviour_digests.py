@@ -11,9 +11,9 @@ counts) and the rows themselves.
 
 ``--check`` compares digests exactly: run it on the machine that recorded them (float sums
 depend on torch's build, the CPU kernels and the thread count; the fixture records them).
-Issue 31 records the fixture before its first move and adds a test that repeats the runs and
-compares the rows within float tolerance, so a change of behaviour fails on any machine (not yet
-written: this script is its first part).
+``tests/test_behaviour.py`` repeats the runs and compares the rows within float tolerance, so a
+change of behaviour fails on any machine; its docstring says when the fixture was re-recorded on
+purpose and how that was checked.
 
 The set (each with its config overrides, :data:`RUNS`): the quickstart (5 rounds); Fashion-MNIST
 partial participation with FedLore and diagnostics; one round of every LoRA method on the vision

@@ -5,7 +5,15 @@ a fixed set of runs in ``tests/fixtures/behaviour_digests.json`` before the firs
 ``--check`` compares bit-exact digests on the machine that recorded them. Here the cheap runs of
 that set are repeated on any machine and compared row by row: every key, every integer (bytes,
 counts, rounds) and string exactly, every float within a relative 1e-4 (float sums may differ in
-their last bits between CPUs and torch builds, a changed formula does not stay within 1e-4).
+their last bits between CPUs and torch builds, a changed formula does not stay within 1e-4),
+except the subspace diagnostics of :data:`LOOSER` (an SVD's rank-r cut).
+
+Re-recorded once since, on purpose (2026-12, an AVX-512 CPU): issue 33 draws Meta-BayFL's meta
+split d anew every round and logs every search's pick (``lr_picks``), so ``bayes_personalized``'s
+Meta-BayFL row changed; with ``method.meta_bayfl.meta_resample=fixed`` (d fixed per client, the
+earlier reading) the code of that day computed the recorded rows within the tolerance, as it did
+for every other run of the set, before the fixture was written again. A re-recording needs such
+a check: it is the only way this test can be made to pass after a change it should catch.
 """
 
 from __future__ import annotations
@@ -21,6 +29,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "behaviour_digests.json"
+
+LOOSER = {"basis_overlap": 1e-3}
+"""Relative tolerance of the metrics that compare subspaces cut at rank r from an SVD. By
+Davis-Kahan a perturbation E of the matrix moves the cut subspace by up to ||E|| / gap, gap
+being the distance between the r-th and (r+1)-th singular values: with a near-tie at the cut,
+float sums that differ in the 7th digit move ``||P_new^T P_old||^2 / r`` in the 4th (quickstart
+FedLore, round 5, 0.90101 -> 0.90150 on another CPU, while every loss there agrees to 6e-6). A
+wrong formula (no square, 1/m for 1/r, the old basis twice) moves it by far more than 1e-3."""
 
 CHEAP = ["fedavg_secagg_dp", "fedlore_sketch"]
 """Runs of the set that take a few seconds (the rest: ``--check`` and the slow test below)."""
@@ -59,7 +75,8 @@ def differences(want: Any, got: Any, where: str = "") -> list[str]:
         a, b = float(want), float(got)
         if math.isnan(a) and math.isnan(b):
             return []
-        return [] if math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-9) else [f"{where}: {a} -> {b}"]
+        rel = LOOSER.get(where.rpartition(".")[2], 1e-4)
+        return [] if math.isclose(a, b, rel_tol=rel, abs_tol=1e-9) else [f"{where}: {a} -> {b}"]
     return [] if want == got else [f"{where}: {want!r} -> {got!r}"]
 
 
@@ -69,6 +86,10 @@ def test_tolerance_sees_a_changed_value_and_a_lost_key() -> None:
     assert differences(rows, {"m/seed-42": [{"round": 0, "accuracy": 0.5001, "bytes_up": 10}]})
     assert differences(rows, {"m/seed-42": [{"round": 0, "accuracy": 0.5, "bytes_up": 11}]})
     assert differences(rows, {"m/seed-42": [{"round": 0, "accuracy": 0.5}]})
+    overlap = {"m/seed-42": [{"round": 5, "basis_overlap": 0.90101}]}
+    assert not differences(overlap, {"m/seed-42": [{"round": 5, "basis_overlap": 0.90150}]})
+    assert differences(overlap, {"m/seed-42": [{"round": 5, "basis_overlap": 0.9030}]})
+    assert differences(rows, {"m/seed-42": [{"round": 0, "accuracy": 0.5006, "bytes_up": 10}]})
 
 
 def _check(names: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
