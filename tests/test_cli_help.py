@@ -72,3 +72,31 @@ def test_the_reference_page_is_generated_from_this_parser() -> None:
     page = (ROOT / "docs" / "reference" / "cli.rst").read_text(encoding="utf-8")
     assert ".. argparse::" in page and ":module: fedlore.cli" in page
     assert ":func: build_parser" in page
+
+
+def test_version_names_fedlore_torch_flwr_and_python() -> None:
+    import re
+    import sys
+
+    line = _help(["--version"]).strip()
+    python = ".".join(str(v) for v in sys.version_info[:3])
+    assert re.fullmatch(rf"fedlore \S+ \(torch \S+, flwr \S+, Python {python}\)", line), line
+
+
+def test_python_m_fedlore_is_the_command_and_importing_the_package_loads_no_torch() -> None:
+    """The entry point (``fedlore.console``, also ``python -m fedlore``) imports nothing heavy
+    before it installs its Ctrl-C handler: ``import fedlore`` leaves torch unloaded."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    code = "import sys, fedlore, fedlore.console; print('torch' in sys.modules, fedlore.Arrays)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.startswith("False "), out  # fedlore.Arrays still resolves, lazily
+    done = subprocess.run(
+        [sys.executable, "-m", "fedlore", "--version"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stdout.startswith("fedlore "), done

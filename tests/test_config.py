@@ -362,6 +362,58 @@ def test_malformed_yaml_is_a_config_error(tmp_path: Path) -> None:
         load_config(bad)
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(None, ["rounds=["])
+    bad.write_text("rounds: 3\nname: x: y\n")  # one line: where, and what is wrong
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    assert str(e.value) == (
+        f"{bad}, line 2, column 8: not valid YAML: mapping values are not allowed here"
+    )
+
+
+def test_a_folder_or_a_forgotten_equals_sign_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="is a folder; give a config file"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match=r"key=value, e\.g\. rounds=\.\.\."):
+        load_config(tmp_path / "rounds")
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("rouns=3", "rouns: unknown key (did you mean 'rounds'?) (got 3)"),
+        ("partition.alpah=1", "partition.alpah: unknown key (did you mean 'alpha'?) (got 1)"),
+        ("data.zzz=1", "data.zzz: unknown key (got 1)"),  # nothing close: no guess
+        ("seeds=[]", "seeds: at least one entry is needed (got [])"),  # no pydantic prefix
+    ],
+)
+def test_a_config_error_is_one_plain_line_per_key(override: str, line: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert str(e.value).splitlines()[1:] == [f"  {line}"]
+
+
+def test_a_rule_over_two_keys_names_them_without_dumping_the_config(tmp_path: Path) -> None:
+    both = tmp_path / "both.yaml"
+    both.write_text("rounds: 2\nlocal_steps: 10\nlocal_epochs: 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(both)
+    lines = str(e.value).splitlines()
+    assert lines[1].startswith("  local_steps=10 and local_epochs=1 are both set")
+    assert "rounds" not in str(e.value) and len(lines) == 2
+
+
+def test_did_you_mean_guesses_only_close_names() -> None:
+    from fedlore.registry import did_you_mean
+
+    assert did_you_mean("FedLore", ["fedlore", "fedfull"]) == " (did you mean 'fedlore'?)"
+    assert did_you_mean("fedlroe", ["fedlore", "fedfull"]) == " (did you mean 'fedlore'?)"
+    assert did_you_mean("lrr", ["lr", "rank"]) == " (did you mean 'lr'?)"
+    assert did_you_mean("zzz", ["lr", "rank"]) == ""
+    cfg = load_config(None, ["algorithms=[fedfull]", "method.fedfull.lrr=1"])
+    with pytest.raises(
+        ValueError, match=r"has no hyperparameter\(s\) \['lrr'\] \(did you mean 'lr'"
+    ):
+        make_algorithm("fedfull", cfg)
 
 
 def test_diagnostics_period_reaches_fedlore_only_where_it_has_the_field() -> None:

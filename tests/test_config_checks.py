@@ -21,9 +21,9 @@ def test_every_unknown_name_is_listed_with_the_registered_ones() -> None:
     cfg = load_config(None, ["data.name=digitz", "partition.name=diri", "model.name=mpl"])
     problems = name_problems(cfg)
     assert [p.split(":")[0] for p in problems] == ["data.name", "partition.name", "model.name"]
-    assert "unknown source 'digitz'; registered: [" in problems[0] and "'digits'" in problems[0]
+    assert "unknown source 'digitz' (did you mean 'digits'?); registered: [" in problems[0]
     assert "unknown partition 'diri'" in problems[1] and "'dirichlet'" in problems[1]
-    assert "unknown model 'mpl'" in problems[2] and "'mlp'" in problems[2]
+    assert "unknown model 'mpl' (did you mean 'mlp'?)" in problems[2]
     assert name_problems(load_config(None)) == []
 
 

@@ -211,5 +211,8 @@ def explain(e: WriteError) -> str:
         if (folder / "config.json").is_file():
             return f"{e}; no checkpoint was written yet: {advice} and run the command again"
     if path.name.startswith("report.") or path.suffix == ".png":
-        return f"{e}; the runs are saved: {advice} and run `fedlore report {path.parent}`"
+        return (
+            f"{e}; the runs themselves are untouched: {advice} and run "
+            f"`fedlore report {path.parent}` again"
+        )
     return f"{e}; {advice} and run again"

@@ -124,6 +124,24 @@ _EPILOG = (
 )
 
 
+def _version() -> str:
+    """``fedlore X (torch Y, flwr Z, Python V)``: what a bug report needs."""
+    from importlib import metadata
+
+    parts = []
+    for dist in ("torch", "flwr"):
+        try:
+            parts.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{dist} not installed")
+    try:
+        own = metadata.version("fedlore")
+    except metadata.PackageNotFoundError:  # a source tree on PYTHONPATH
+        from fedlore import __version__ as own
+    python = ".".join(str(v) for v in sys.version_info[:3])
+    return f"fedlore {own} ({', '.join(parts)}, Python {python})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``fedlore`` argument parser (its help is the CLI reference of the docs)."""
     parser = argparse.ArgumentParser(
@@ -134,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="log at INFO level (anywhere on the line)"
+    )
+    parser.add_argument(
+        "--version", action="version", version=_version(), help="print the versions and exit"
     )
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", help="what to do (one of these)"
@@ -224,12 +245,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _resume_hint(argv: list[str]) -> str:
+    """What continues the interrupted command: the exact ``fedlore run ... --resume`` line, or
+    words for the other commands."""
+    if argv[:1] != ["run"] and not (argv and argv[0].endswith((".yaml", ".yml"))):
+        return "nothing was left half-written"
+    again = shlex.join(["fedlore", *argv, *([] if "--resume" in argv else ["--resume"])])
+    return f"`{again}` continues unfinished runs from their last checkpoint"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``fedlore`` command; returns the exit status."""
+    """Entry point of the ``fedlore`` command; returns the exit status.
+
+    After a Ctrl-C (or SIGTERM) the command ends in one line however the interrupted code
+    failed: an import cut short by ``KeyboardInterrupt`` can raise anything (a
+    ``RecursionError`` inside numpy was seen), and that is reported as the interrupt it is."""
+    command = argv is None  # the fedlore command itself (not a call from Python)
+    args = list(sys.argv[1:] if argv is None else argv)
+    before = interrupt.signals()
+    try:
+        return _main(args, command)
+    except BaseException as e:
+        if isinstance(e, SystemExit) or interrupt.signals() == before:
+            raise
+        print(f"fedlore: interrupted; {_resume_hint(args)}", file=sys.stderr)
+        if command:
+            interrupt.exit_now(130)
+        return 130
+
+
+def _main(argv: list[str], command: bool) -> int:
+    """:func:`main`'s work, on the arguments ``argv``."""
     warnings.showwarning = _show_warning
     parser = build_parser()
-    command = argv is None  # the fedlore command itself (not a call from Python)
-    argv = list(sys.argv[1:] if argv is None else argv)
     verbose = any(a in ("-v", "--verbose") for a in argv)  # -v anywhere on the line
     argv = [a for a in argv if a not in ("-v", "--verbose")]
     ns, extra = parser.parse_known_args(argv)
@@ -252,7 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "report":
             from fedlore.results.report import report
 
-            print(report(ns.run_dir))
+            try:
+                print(report(ns.run_dir))
+            except WriteError:  # a folder it cannot write: the table all the same, then why
+                print(report(ns.run_dir, write=False), flush=True)
+                raise
             print(f"report written to {ns.run_dir}/report.md (with report.csv and the plots)")
             return 0
         if ns.command == "fortunes-c4":
@@ -330,11 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             interrupt.exit_now(e.status)
         return e.status
     except KeyboardInterrupt:
-        print(
-            "fedlore: interrupted; `fedlore run ... --resume` continues unfinished runs from "
-            "their last checkpoint",
-            file=sys.stderr,
-        )
+        print(f"fedlore: interrupted; {_resume_hint(argv)}", file=sys.stderr)
         return 130
 
 

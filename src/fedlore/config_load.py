@@ -5,13 +5,15 @@ from :mod:`fedlore.config`)."""
 from __future__ import annotations
 
 import copy
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from fedlore.config_model import Config
+from fedlore.registry import did_you_mean
 from fedlore.settings import STEP_PAIR
 
 
@@ -46,12 +48,17 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         if path in seen:
             raise ConfigError(f"config base chain loops at {path}")
         seen.append(path)
+        if path.is_dir():
+            raise ConfigError(f"{path} is a folder; give a config file (a .yaml) in it")
         if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
+            hint = ""
+            if path.suffix not in (".yaml", ".yml"):  # `rounds` for `rounds=5`, say
+                hint = f" (a setting is written key=value, e.g. {path.name}=...)"
+            raise ConfigError(f"config file not found: {path}{hint}")
         try:
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+            raise ConfigError(f"{path}{_yaml_problem(e)}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
         base = raw.pop("base", None)
@@ -63,6 +70,16 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     for layer in reversed(layers):
         merged = _deep_merge(merged, layer)
     return merged
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """``, line L, column C: not valid YAML: <problem>`` on one line (PyYAML's own message
+    spans several, with a pointer under a copy of the line)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    context = getattr(e, "context", None)
+    return f"{where}: not valid YAML: {f'{context}: ' if context else ''}{problem}"
 
 
 LIST_SHORTHANDS = {"tracking": "backends"}
@@ -126,12 +143,40 @@ def validate(raw: dict[str, Any]) -> Config:
     except ValidationError as e:
         lines = []
         for err in e.errors():
-            loc = ".".join(str(p) for p in err["loc"])
-            msg = err["msg"]
+            where = tuple(str(p) for p in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
-                msg = "unknown key"
-            lines.append(f"{loc}: {msg} (got {err.get('input')!r})")
+                msg = "unknown key" + did_you_mean(where[-1], _keys_at(where[:-1]))
+            if not where:  # a rule over several keys: its message names them
+                lines.append(msg)
+                continue
+            lines.append(f"{'.'.join(where)}: {msg} (got {_short(err.get('input'))})")
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 5] + " ...>"
+
+
+def _keys_at(where: tuple[str, ...]) -> list[str]:
+    """The keys the config admits in the section at ``where`` (() the top level; [] when
+    ``where`` is not a section of fixed keys)."""
+    model: Any = Config
+    for part in where:
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        sections = [
+            a
+            for a in (field.annotation, *typing.get_args(field.annotation))
+            if isinstance(a, type) and issubclass(a, BaseModel)
+        ]
+        if not sections:
+            return []
+        model = sections[0]
+    return list(model.model_fields)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:

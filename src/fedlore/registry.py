@@ -7,8 +7,9 @@ without import-order surprises. Unknown names raise ``KeyError`` listing the kno
 
 from __future__ import annotations
 
+import difflib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -65,6 +66,15 @@ def register_partition(name: str) -> Callable[[F], F]:
     return _register("partition", name)
 
 
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the known name closest to a misspelled ``word`` (a
+    different case, a typo), or an empty string when none is close."""
+    choices = sorted(set(known))
+    same_case = [c for c in choices if c.lower() == word.lower()]
+    close = same_case or difflib.get_close_matches(word.lower(), choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def get(kind: str, name: str) -> Any:
     """Look up ``name`` in the ``kind`` table (a prefixed name, ``flwr:<Class>``, in the
     library it names).
@@ -81,7 +91,8 @@ def get(kind: str, name: str) -> Any:
     table = _TABLES[kind]
     if name not in table:
         more = "".join(f"; or {p}<class>, {what}" for p, (_, what) in prefixes.items())
-        raise KeyError(f"unknown {kind} {name!r}; registered: {sorted(table)}{more}")
+        hint = did_you_mean(name, table)
+        raise KeyError(f"unknown {kind} {name!r}{hint}; registered: {sorted(table)}{more}")
     return table[name]
 
 

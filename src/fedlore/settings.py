@@ -35,6 +35,8 @@ from pydantic import (
     model_validator,
 )
 
+from fedlore.registry import did_you_mean
+
 CONFIG = "config"
 """The metadata key naming a setting's dotted path in the config."""
 
@@ -420,7 +422,8 @@ def build_hyper(cls: type, name: str, cfg: Any, overrides: dict[str, Any], **fix
     unknown = sorted(set(overrides) - set(names) - set(ignored))
     if unknown:
         problems.append(
-            f"method.{name}: {cls.__name__} has no hyperparameter(s) {unknown}; known: {names}"
+            f"method.{name}: {cls.__name__} has no hyperparameter(s) {unknown}"
+            f"{did_you_mean(unknown[0], names)}; known: {names}"
         )
     holds_train = any(f.name == "train" for f in dataclasses.fields(cls))
     train_paths = config_paths(LocalTraining) if holds_train else {}

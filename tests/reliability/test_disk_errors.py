@@ -337,3 +337,25 @@ def _write_many(path: str, who: int) -> int:
     for _ in range(200):
         write_text(path, f"writer {who}\n" * 1000, shared=True)
     return 200
+
+
+@pytest.mark.parametrize("name", [r"report\.md", r"report\.csv", r".*\.png"])
+def test_a_report_on_a_read_only_folder_still_prints_its_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """``fedlore report`` where its files cannot be written: the table on standard output all
+    the same, then one line naming the file and what to do (exit 2); the runs are untouched."""
+    assert main(["run", *_args(tmp_path)]) == 0
+    exp = tmp_path / "disk"
+    summary = (exp / "fedavg" / f"seed-{SEED}" / "summary.json").read_bytes()
+    capsys.readouterr()
+    _fail(monkeypatch, errno.EROFS, name)
+    assert main(["report", str(exp)]) == 2
+    out, err = capsys.readouterr()
+    assert "| method | seeds |" in out and "| fedavg | 1 |" in out, out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedlore: error: cannot write "), err
+    assert "the runs themselves are untouched" in lines[0]
+    assert f"run `fedlore report {exp}` again" in lines[0]
+    assert (exp / "fedavg" / f"seed-{SEED}" / "summary.json").read_bytes() == summary
+    _no_temporary_files(tmp_path)

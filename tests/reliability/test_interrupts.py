@@ -61,7 +61,7 @@ def _start(out: Path, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
     args = [
         sys.executable,
         "-m",
-        "fedlore.cli",
+        "fedlore",  # the command's own entry point (fedlore.console)
         "run",
         str(QUICKSTART),
         *TINY,
@@ -319,6 +319,63 @@ def test_a_round_in_progress_is_discarded_and_resume_repeats_it(tmp_path: Path) 
     assert run_one(ref, METHOD, SEED) is not None
     reference = _rows(tmp_path / "ref" / "ctrlc" / METHOD / f"seed-{SEED}" / "metrics.jsonl")
     assert all(_same(a, b) for a, b in zip(_rows(path), reference, strict=True))
+
+
+def _importing_torch(pid: int) -> bool:
+    """Whether process ``pid`` has begun loading torch's library (its import is under way)."""
+    with contextlib.suppress(OSError):
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    return False
+
+
+@pytest.mark.parametrize("delay", [None, 1.0, 2.0])
+def test_ctrl_c_while_the_command_starts_ends_in_one_line(
+    tmp_path: Path, delay: float | None
+) -> None:
+    """A Ctrl-C while torch loads (``delay=None``: as soon as its library is mapped), or a
+    second or two in (the libraries, the config, the data), ends with exit status 130 and one
+    line: before the startup handler, an interrupted import printed a traceback of ``import
+    torch`` (once a RecursionError inside numpy, exit status 1). (A signal in the first
+    milliseconds, while Python itself starts, is Python's to report.)"""
+    proc, err = _start(tmp_path)
+    if delay is None:
+        deadline = time.monotonic() + 60
+        while not _importing_torch(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.002)
+    else:
+        time.sleep(delay)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=120) == 130, err.read_text()
+    lines = err.read_text().strip().splitlines()
+    assert "Traceback" not in err.read_text() and lines, err.read_text()
+    assert lines[-1].startswith("fedlore: interrupted"), lines
+    if delay is None:  # still importing: nothing else was said
+        assert lines == ["fedlore: interrupted while starting; nothing was run or written"]
+
+
+def test_an_error_after_a_signal_is_reported_as_the_interrupt(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An import cut short by Ctrl-C may raise anything; after a counted signal the command
+    says it was interrupted and how to resume (exit 130); without one the error propagates."""
+    from fedlore import cli
+
+    def cut_short(argv: list[str], command: bool) -> int:
+        with contextlib.suppress(KeyboardInterrupt):
+            interrupt.startup_handler(signal.SIGINT, None)
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(cli, "_main", cut_short)
+    assert cli.main(["run", "a.yaml", "rounds=2"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "fedlore: interrupted; `fedlore run a.yaml rounds=2 --resume` continues unfinished runs "
+        "from their last checkpoint"
+    ]
+    monkeypatch.setattr(cli, "_main", lambda argv, command: 1 // 0)
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["run", "a.yaml"])
 
 
 def test_a_signal_outside_the_round_loop_stops_at_once() -> None:

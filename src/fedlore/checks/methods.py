@@ -67,8 +67,9 @@ def unused_method_problems(cfg: Config) -> list[str]:
         unknown = sorted(set(settings) - set(fields) - set(not_applicable(cls)))
         if unknown:
             problems.append(
-                f"method.{name}: {cls.__name__} has no hyperparameter(s) {unknown}; known: "
-                f"{fields} ({name} is not in algorithms {_names(cfg)} either)"
+                f"method.{name}: {cls.__name__} has no hyperparameter(s) {unknown}"
+                f"{registry.did_you_mean(unknown[0], fields)}; known: {fields} "
+                f"({name} is not in algorithms {_names(cfg)} either)"
             )
     return problems
 

@@ -107,9 +107,21 @@ _deferred_lock = threading.Lock()
 _previous: dict[int, Any] = {}
 
 
+_count = 0
+"""How many signals this process has counted (:func:`startup_handler` and :func:`handling`'s
+handler; never reset)."""
+
+
 def received() -> int | None:
     """The signal that asked the run to stop, or None."""
     return _received
+
+
+def signals() -> int:
+    """How many signals this process has counted (:func:`startup_handler`, :func:`handling`'s
+    handler): the ``fedlore`` command compares it before and after its work, so an error raised
+    by code a signal cut short is reported as the interrupt it is."""
+    return _count
 
 
 def check(last_round: int | None = None) -> None:
@@ -133,8 +145,17 @@ def _say(text: str) -> None:
         os.write(2, f"\nfedlore: {text}\n".encode())
 
 
+def startup_handler(signum: int, frame: FrameType | None) -> None:
+    """SIGINT while the ``fedlore`` command starts (:mod:`fedlore.console`): count it
+    (:func:`signals`), then raise ``KeyboardInterrupt`` as Python's own handler would."""
+    global _count
+    _count += 1
+    raise KeyboardInterrupt
+
+
 def _handler(signum: int, frame: FrameType | None) -> None:
-    global _received
+    global _received, _count
+    _count += 1
     if _received is not None:
         force_exit(signum)
     _received = signum

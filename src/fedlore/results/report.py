@@ -81,7 +81,7 @@ def setting_title(name: str, runs: dict[str, list[RunRecord]]) -> str:
     return f"{name}: {', '.join(parts)}" if parts else name
 
 
-def _report_experiment(exp_dir: Path, keys: Sequence[str] | None) -> str:
+def _report_experiment(exp_dir: Path, keys: Sequence[str] | None, write: bool = True) -> str:
     runs = split_by_config(load_runs(exp_dir))  # runs of different configs are never pooled
     table = summary_table(runs)
     diag = diagnostics_table(runs)
@@ -91,8 +91,10 @@ def _report_experiment(exp_dir: Path, keys: Sequence[str] | None) -> str:
             for k in DIAGNOSTIC_KEYS
             if any(value(x, k) is not None for rs in runs.values() for r in rs for x in r.rows)
         ]
-    pngs = plot(runs, exp_dir, keys=keys, title=setting_title(exp_dir.name, runs))
-    to_csv(table, exp_dir / "report.csv")
+    pngs = []
+    if write:
+        pngs = plot(runs, exp_dir, keys=keys, title=setting_title(exp_dir.name, runs))
+        to_csv(table, exp_dir / "report.csv")
     images = "\n\n".join(f"![{p.stem.replace('_', ' ')}]({p.name})" for p in pngs)
     held = {s for rs in runs.values() for r in rs if (s := r.summary.get("data_test_split"))}
     text = (
@@ -116,18 +118,22 @@ def _report_experiment(exp_dir: Path, keys: Sequence[str] | None) -> str:
             "rounds, seconds and candidate-gradient MB uploaded are per run "
             "(see fedlore.diagnostics).\n\n"
         )
+    if not write:
+        return text
     text += f"{images}\n"
     write_text(exp_dir / "report.md", text, shared=True)  # each finishing run writes it
     return text
 
 
-def report(path: Path, keys: Sequence[str] | None = None) -> str:
+def report(path: Path, keys: Sequence[str] | None = None, write: bool = True) -> str:
     """Write ``report.md``, ``report.csv`` and the PNG plots for one or several experiments.
 
     Args:
         path: an experiment directory (``runs/quickstart``) or an output directory holding
             several experiments (``runs``); each experiment gets its own files.
         keys: extra numeric metrics-row keys to plot against the round (see :func:`plot`).
+        write: False: write nothing, only return the text (without the plots' image links;
+            ``fedlore report`` prints it when the folder cannot be written).
 
     Returns:
         The Markdown text (experiments concatenated, in name order).
@@ -147,4 +153,4 @@ def report(path: Path, keys: Sequence[str] | None = None) -> str:
             f"report: no runs found in {path}: expected <experiment>/<method>/seed-<s>/ "
             "or <method>/seed-<s>/ below it"
         )
-    return "\n".join(_report_experiment(d, keys) for d in experiments)
+    return "\n".join(_report_experiment(d, keys, write) for d in experiments)
