@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from fedlore import plugins
 from fedlore.config_federation import AttackConfig, ClientsConfig, ServerConfig
 from fedlore.config_sections import (
     DataConfig,
@@ -55,6 +56,13 @@ class Config(_Strict):
     overrides it for one)."""
     rank: int = Field(8, ge=1)
     """r: the rank of every projected matrix (FedLore, Local GaLore) and of every LoRA adapter."""
+    imports: list[str] = Field(default_factory=list)
+    """Your own code to import before anything is looked up by name: Python files
+    (``my_methods.py``, relative to the working directory) or module names
+    (``mylab.fl_methods``). A method, model, data source or partitioner they register can then be
+    named in this config, on every engine: each process that reads the config imports them
+    (:mod:`fedlore.plugins`). Imported when the config is validated; a file that is missing or
+    fails to import is a config error."""
     algorithms: list[str] = Field(default_factory=lambda: ["fedlore"])
     """One method or a list (their registered names, see the method reference), run side by side
     on identical client data."""
@@ -236,6 +244,13 @@ class Config(_Strict):
                 "takes its neighbourhood from flower.secagg_num_shares"
             )
         return self
+
+    @field_validator("imports")
+    @classmethod
+    def _import_them(cls, v: list[str]) -> list[str]:
+        entries = [plugins.resolve(e) for e in v]
+        plugins.load(entries)  # every process that reads the config: its names exist
+        return entries
 
     @field_validator("name")
     @classmethod

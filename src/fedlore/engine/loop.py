@@ -80,6 +80,21 @@ class RoundLoop:
     norm_screen: float | None = None
     privacy: Privacy | None = None
 
+    def __post_init__(self) -> None:
+        """Refuse a method whose per-client metrics would overwrite a key the loop records.
+
+        Raises:
+            ValueError: naming the method, the keys and what to do.
+        """
+        clash = sorted(set(self.algorithm.per_client_metrics) & LOOP_KEYS)
+        if clash:
+            raise ValueError(
+                f"{type(self.algorithm).__name__}.per_client_metrics names {clash}: the round "
+                "loop records these itself (train_loss is the mean over clients), so their "
+                f"per-client values would replace them; give them another name (e.g. "
+                f"'client_{clash[0]}')"
+            )
+
     def run_round(self, state: State, rnd: int, last_round: int) -> tuple[State, Row]:
         """One round (``rnd < 0`` is an algorithm's setup exchange); returns (state, row)."""
         t0 = time.perf_counter()
@@ -160,6 +175,12 @@ class RoundLoop:
             row["rejected_reasons"] = rejected
         if privacy is not None and privacy.hides_sample:
             hide_client_ids(row, self.algorithm.per_client_metrics)
+        clash = sorted(agg.keys() & LOOP_KEYS)
+        if clash:  # a method's aggregate metric would replace what the loop measured
+            raise ValueError(
+                f"{type(self.algorithm).__name__}.aggregate returned the metric(s) {clash}, "
+                "which the round loop records itself; give them another name"
+            )
         row.update(agg)
         row["wall_s"] = time.perf_counter() - t0 - diag_s
         if diag:
@@ -245,6 +266,34 @@ class RoundLoop:
 
 LOCAL_KEYS = ("local_accuracy", "local_loss", "local_ece", "local_mse")
 """P-local reply metrics, pooled over clients weighted by their test size ``local_n``."""
+
+LOOP_KEYS = frozenset(
+    {
+        "round",
+        "clients",
+        "accepted",
+        "rejected",
+        "accepted_clients",
+        "rejected_reasons",
+        "bytes_up",
+        "bytes_down",
+        "train_loss",
+        "optimizer_state_bytes",
+        "peak_memory_bytes",
+        "skipped_steps",
+        "client_train_s",
+        "local_clients",
+        "local_rmse",
+        "wall_s",
+        "eval_s",
+        "diag_s",
+        "diag_bytes_up",
+        *LOCAL_KEYS,
+    }
+)
+"""The keys of a round's row that the loop itself measures: a method's per-client metrics
+(:attr:`~fedlore.algorithm.Algorithm.per_client_metrics`) and its aggregate metrics must not
+reuse them (:class:`RoundLoop` refuses both)."""
 
 
 def hide_client_ids(row: Row, per_client: Sequence[str] = ()) -> None:

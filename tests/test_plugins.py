@@ -1,0 +1,101 @@
+"""A method of the user's own, in a file named by the config's ``imports``, runs from the command
+line and on Flower's simulation workers like a built-in one (before, a registration outside the
+package lived only in the Python process that made it). A missing file, a module that fails and
+a module that is not importable are one-line config errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fedlore import plugins, registry
+from fedlore.cli import main
+from fedlore.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
+NAME = "plugin_fedavg_half"
+PLUGIN = f'''
+from dataclasses import dataclass
+from typing import ClassVar
+
+from fedlore.algorithms.fedavg import FedAvg
+from fedlore.registry import register_algorithm
+
+
+@register_algorithm("{NAME}")
+@dataclass(frozen=True)
+class FedAvgHalf(FedAvg):
+    """FedAvg whose server takes half the mean client delta."""
+
+    name: ClassVar[str] = "{NAME}"
+    server_lr: float = 0.5
+
+    def mean_update(self, model, updates, weights):
+        step = super().mean_update(model, updates, weights)
+        return {{k: self.server_lr * v for k, v in step.items()}}
+'''
+TINY = [
+    "num_clients=3",
+    "rounds=2",
+    "local_steps=2",
+    "batch_size=16",
+    "model.kwargs={hidden: [16]}",
+    "progress=false",
+]
+
+
+@pytest.fixture
+def plugin(tmp_path: Path) -> Iterator[Path]:
+    """The plugin file; its registration and module are removed afterwards (other tests list
+    the registered methods)."""
+    path = tmp_path / "my_methods.py"
+    path.write_text(PLUGIN)
+    yield path
+    registry._TABLES["algorithm"].pop(NAME, None)
+    sys.modules.pop(plugins.module_name(str(path.resolve())), None)
+
+
+def test_a_method_from_a_file_runs_from_the_command_line(
+    plugin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # a relative path, as a user writes it
+    out = tmp_path / "runs"
+    args = ["run", str(QUICKSTART), *TINY, "imports=[my_methods.py]", f"output_dir={out}"]
+    assert main([*args, f"algorithms=[{NAME},fedavg]"]) == 0
+    folder = out / "quickstart" / NAME / "seed-42"
+    record = json.loads((folder / "config.json").read_text())
+    assert record["imports"] == [str(plugin.resolve())]  # absolute: any process reads it
+    assert record["hyper"]["server_lr"] == 0.5
+    half = json.loads((folder / "summary.json").read_text())
+    full = json.loads((out / "quickstart" / "fedavg" / "seed-42" / "summary.json").read_text())
+    assert half["final_loss"] != full["final_loss"]  # the server step is really halved
+    assert main([*args, f"algorithms=[{NAME}]", "--resume"]) == 0  # finished: kept
+
+
+def test_bad_imports_are_one_line_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"imports: .*nowhere\.py: no such file"):
+        load_config(None, [f"imports=[{tmp_path / 'nowhere.py'}]"])
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('boom')\n")
+    with pytest.raises(ConfigError, match=r"broken\.py raised RuntimeError: boom"):
+        load_config(None, [f"imports=[{broken}]"])
+    assert plugins.module_name(str(broken)) not in sys.modules  # a later fix is imported again
+    with pytest.raises(ConfigError, match=r"cannot import 'no_such_module_here'"):
+        load_config(None, ["imports=[no_such_module_here]"])
+
+
+@pytest.mark.flower
+def test_a_method_from_a_file_runs_on_the_simulation_workers(
+    plugin: Path, tmp_path: Path, digits_npz: list[str]
+) -> None:
+    """Ray's workers are other processes: they import the file when they read the config."""
+    pytest.importorskip("flwr", reason="needs the [flower] extra: pip install -e '.[flower]'")
+    args = [*TINY, *digits_npz, "rounds=1", "flower.num_cpus=2", "flower.client_cpus=2"]
+    args += [f"imports=[{plugin}]", f"algorithms=[{NAME}]", "engine=flower-sim"]
+    assert main(["run", str(QUICKSTART), *args, f"output_dir={tmp_path / 'sim'}"]) == 0
+    assert (tmp_path / "sim" / "quickstart" / NAME / "seed-42" / "summary.json").is_file()
