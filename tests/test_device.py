@@ -6,6 +6,7 @@ Flower simulation's client resources. The CUDA side is in ``tests/gpu`` (run by
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +162,14 @@ def test_a_run_records_its_platform_and_resumes_on_another(tmp_path: Path) -> No
     assert recorded["ran_torch"] == torch.__version__
     assert recorded["ran_cpu"] == torch.backends.cpu.get_cpu_capability()
     assert recorded["ran_numpy"] == np.__version__ and "ran_gpu" not in recorded
-    path.write_text(json.dumps({**recorded, "ran_cpu": "AVX2", "ran_torch": "0.0"}))
+    from fedlore import __version__
+
+    assert recorded["ran_fedlore"].startswith(__version__)  # and the git commit in a checkout
+    if (Path(device_keys.__file__).parents[2] / ".git").exists():
+        assert re.search(r" \(git [0-9a-f]{12}(, modified)?\)$", recorded["ran_fedlore"])
+    path.write_text(
+        json.dumps({**recorded, "ran_cpu": "AVX2", "ran_torch": "0.0", "ran_fedlore": "0.0.1"})
+    )
     summary = run_one(cfg, "fedfull", 0, resume=True)
     assert summary is not None and summary["rounds"] == 2
     assert json.loads(path.read_text())["ran_cpu"] == recorded["ran_cpu"]  # this part's platform

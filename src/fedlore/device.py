@@ -11,8 +11,10 @@ GPU differs from the same run on the CPU only by float rounding.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -270,8 +272,34 @@ def use_threads(setting: int | str, recorded: int | None = None) -> int:
     return n
 
 
-PLATFORM_KEYS = ("ran_torch", "ran_numpy", "ran_cpu", "ran_gpu")
+PLATFORM_KEYS = ("ran_fedlore", "ran_torch", "ran_numpy", "ran_cpu", "ran_gpu")
 """The ``config.json`` keys of :func:`platform_record`."""
+
+
+@functools.cache
+def fedlore_version() -> str:
+    """fedlore's version, and when it runs from a git checkout its commit and whether tracked
+    files differ from it: ``0.1.0 (git 3798d78c1a2b, modified)``."""
+    from fedlore import __version__
+
+    src = Path(__file__).resolve().parent
+    try:
+        git = ["git", "-C", str(src)]
+        head = subprocess.run(
+            [*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        if head.returncode != 0:
+            return __version__
+        changed = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no", "--", str(src)],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):  # no git, or a very slow file system
+        return __version__
+    modified = ", modified" if changed.stdout.strip() else ""
+    return f"{__version__} (git {head.stdout.strip()}{modified})"
 
 
 def platform_record(device: torch.device) -> dict[str, str]:
@@ -290,11 +318,14 @@ def platform_record(device: torch.device) -> dict[str, str]:
         device: the run's device.
 
     Returns:
-        ``ran_torch`` and ``ran_numpy`` (the versions), ``ran_cpu`` (the instruction set of
-        torch's CPU kernels, ``torch.backends.cpu.get_cpu_capability()``) and, on CUDA,
-        ``ran_gpu`` (the device's name).
+        ``ran_fedlore`` (:func:`fedlore_version`: the version, the git commit and whether the
+        package's files were modified), ``ran_torch`` and ``ran_numpy`` (the versions),
+        ``ran_cpu`` (the instruction set of torch's CPU kernels,
+        ``torch.backends.cpu.get_cpu_capability()``) and, on CUDA, ``ran_gpu`` (the device's
+        name).
     """
     out = {
+        "ran_fedlore": fedlore_version(),
         "ran_torch": str(torch.__version__),
         "ran_numpy": np.__version__,
         "ran_cpu": torch.backends.cpu.get_cpu_capability(),

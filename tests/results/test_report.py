@@ -321,3 +321,27 @@ def test_report_module_keeps_the_names_it_used_to_define() -> None:
     for name in ("to_markdown", "diagnostics_markdown", "seeds_cell"):
         assert getattr(report, name) is getattr(markdown, name)
     assert set(report.__all__) <= set(dir(report))
+
+
+def test_seconds_per_round_leave_out_round_zeros_start_up(tmp_path: Path) -> None:
+    """The first run of a process pays its start-up in round 0 (1.4 s against 0.01 s later on
+    a small FedAvg): s / round is the mean over rounds 1, 2, ... (round 0 alone for a one-round
+    run), in a finished run's summary and in one derived from its rows; the total keeps it."""
+    from fedlore.results.summary import derive_summary, per_round_wall, summarize
+
+    rows = [
+        {"round": -1, "wall_s": 9.0, "bytes_up": 1, "bytes_down": 1, "optimizer_state_bytes": 0},
+        *[
+            {"round": r, "wall_s": w, "bytes_up": 1, "bytes_down": 1, "optimizer_state_bytes": 0}
+            for r, w in enumerate([1.4, 0.01, 0.03])
+        ],
+    ]
+    assert per_round_wall(rows) == pytest.approx(0.02)
+    assert per_round_wall(rows[:2]) == pytest.approx(1.4)  # one round: itself
+    assert per_round_wall([{"round": 0}]) is None
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    done = summarize("m", 0, path)
+    assert done["wall_s_per_round"] == pytest.approx(0.02)
+    assert done["wall_s_total"] == pytest.approx(9.0 + 1.4 + 0.04)
+    assert derive_summary("m", 0, rows)["wall_s_per_round"] == pytest.approx(0.02)

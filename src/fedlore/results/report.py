@@ -102,7 +102,7 @@ def _report_experiment(exp_dir: Path, keys: Sequence[str] | None, write: bool = 
         + "".join(f"Test set: {s}.\n\n" for s in sorted(held))  # no test split of its own
         + "Mean ± sample std (ddof=1) over seeds (no ± with one seed); MB = 10^6 bytes, totals "
         "per run; optimizer state per client (moment tensors); peak device memory (CUDA runs) the "
-        "largest peak of one client's update; s / round without evaluation; "
+        "largest peak of one client's update; s / round without evaluation, from round 1 on; "
         "rejected client replies and skipped local steps (non-finite loss or gradient) per run. "
         "Seeds: unfinished runs (no summary yet) show their last written round; diverged runs "
         "(a training loss gone non-finite, or test predictions not finite or blown up) are left "

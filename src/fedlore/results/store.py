@@ -41,7 +41,7 @@ __all__ = [
     "value",
 ]
 
-PLATFORM_KEYS = ("ran_torch", "ran_numpy", "ran_cpu", "ran_gpu")
+PLATFORM_KEYS = ("ran_fedlore", "ran_torch", "ran_numpy", "ran_cpu", "ran_gpu")
 """``fedlore.device.PLATFORM_KEYS``, spelled here so that reading results needs no torch."""
 
 SEED_DIR = re.compile(r"^seed-(-?\d+)$")

@@ -38,6 +38,24 @@ def lm_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def per_round_wall(rows: list[dict[str, Any]]) -> float | None:
+    """Mean seconds of a training round (``wall_s``, without evaluation) over rounds 1, 2, ...;
+    round 0 counts only in a run of one round. Round 0 of the first run in a process also pays
+    the process's one-time start-up (lazy imports, first kernels: 1.4 s against 0.01 s for the
+    next rounds of a small FedAvg), so with it the method run first in ``fedlore run`` looked
+    slower than the others. The total, start-up included, is ``wall_s_total``. None: no row
+    has a time."""
+    walls = [
+        (int(r["round"]), w)
+        for r in rows
+        if isinstance(r.get("round"), int)
+        and r["round"] >= 0
+        and (w := value(r, "wall_s")) is not None
+    ]
+    later = [w for rnd, w in walls if rnd > 0] or [w for _, w in walls]
+    return sum(later) / len(later) if later else None
+
+
 def derive_summary(method: str, seed: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """A ``summary.json`` equivalent computed from metrics rows.
 
@@ -46,14 +64,13 @@ def derive_summary(method: str, seed: int, rows: list[dict[str, Any]]) -> dict[s
     round was evaluated); language models add
     ``final_perplexity`` and ``best_perplexity`` (the minimum); byte totals are sums;
     ``optimizer_state_bytes`` is the peak over rounds; ``wall_s_per_round`` the mean round
-    time; ``rounds`` the number of rows; rejected replies and skipped steps are totals, and the
-    optional last values (ECE, P-local, client seconds) and the divergence mark are those a
-    finished run's summary would hold.
+    time (:func:`per_round_wall`); ``rounds`` the number of rows; rejected replies and skipped
+    steps are totals, and the optional last values (ECE, P-local, client seconds) and the
+    divergence mark are those a finished run's summary would hold.
     """
     acc = [a for a in (value(r, "accuracy") for r in rows) if a is not None]
     evaluated = [r for r in rows if "accuracy" in r or "loss" in r]
     last_eval = evaluated[-1] if evaluated else {}
-    walls = [w for w in (value(r, "wall_s") for r in rows) if w is not None]
     states = [s for s in (value(r, "optimizer_state_bytes") for r in rows) if s is not None]
     losses = [v for v in (value(r, "loss") for r in rows) if v is not None]
     train = [r for r in rows if isinstance(r.get("round"), int) and r["round"] >= 0]
@@ -66,7 +83,7 @@ def derive_summary(method: str, seed: int, rows: list[dict[str, Any]]) -> dict[s
         "bytes_up_total": sum(value(r, "bytes_up") or 0.0 for r in rows),
         "bytes_down_total": sum(value(r, "bytes_down") or 0.0 for r in rows),
         "optimizer_state_bytes": max(states) if states else None,
-        "wall_s_per_round": sum(walls) / len(walls) if walls else None,
+        "wall_s_per_round": per_round_wall(train),
         "rounds": len(rows),
         "final_loss": value(last_eval, "loss") if losses else None,
         "rejected_total": sum(int(r.get("rejected", 0) or 0) for r in rows),
@@ -95,7 +112,7 @@ def summarize(method: str, seed: int, metrics_path: Path) -> dict[str, Any]:
         "bytes_down_total": sum(r["bytes_down"] for r in rows),
         "optimizer_state_bytes": max((r["optimizer_state_bytes"] for r in rows), default=0),
         **_peak(rows),
-        "wall_s_per_round": sum(r["wall_s"] for r in train) / max(len(train), 1),
+        "wall_s_per_round": per_round_wall(train) or 0.0,
         "wall_s_total": sum(r["wall_s"] for r in rows),
         "rejected_total": sum(r.get("rejected", 0) for r in rows),
         "skipped_steps_total": sum(r.get("skipped_steps", 0) for r in rows),
