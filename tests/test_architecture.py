@@ -65,3 +65,31 @@ def test_each_contract_reports_its_breach(contract: str, tmp_path: Path) -> None
     assert res.returncode != 0, res.stdout
     broken = [row for row in res.stdout.splitlines() if row.endswith("BROKEN")]
     assert any(row.startswith(contract) for row in broken), res.stdout
+
+
+def test_the_project_points_at_no_file_outside_itself() -> None:
+    """Docstrings, docs and scripts cite papers and the project's own files, never the
+    workspace around a checkout (a sibling folder of notes and papers): a reader of a clone
+    does not have it."""
+    files = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "src", "docs", "tests", "scripts", "benchmarks",
+         "experiments/*.py", "experiments/*.yaml", "experiments/*.sh", "README.md", "Makefile"],
+        capture_output=True, text=True, check=False,
+    ).stdout.split()  # fmt: skip
+    if not files:
+        pytest.skip("not a git checkout: no file list to read")
+    outside = (
+        "../" + "shared/",
+        "shared/" + "seeds/",
+        "shared/" + "ENVIRONMENT",
+        "shared/" + "DESIGN",
+    )
+    found = [
+        f"{name}:{i}"
+        for name in files
+        if (ROOT / name).suffix in (".py", ".md", ".rst", ".yaml", ".sh", ".toml", "")
+        and (ROOT / name).is_file()
+        for i, line in enumerate((ROOT / name).read_text(errors="replace").splitlines(), 1)
+        if any(o in line for o in outside)
+    ]
+    assert not found, f"points outside the project: {found[:10]}"

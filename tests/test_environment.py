@@ -1,4 +1,5 @@
-"""Cheap insurance against the environment traps of shared/ENVIRONMENT.md."""
+"""Cheap insurance against known environment traps (a CUDA torchvision beside the CPU torch, flwr
+imported by the core), and the package's metadata agreeing with itself."""
 
 import importlib.util
 import subprocess
@@ -37,3 +38,21 @@ def test_flower_tests_skip_with_a_reason_without_the_flower_extra() -> None:
     files = sorted(Path("tests/flower").glob("test_*.py"))
     assert len(skipped) == len(files) >= 5, res.stdout
     assert all("needs the [flower] extra" in s for s in skipped), res.stdout
+
+
+def test_the_version_license_and_citation_agree() -> None:
+    """pyproject.toml, ``fedlore.__version__``, CITATION.cff and LICENSE say the same thing."""
+    import tomllib
+
+    import yaml
+
+    import fedlore
+
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    citation = yaml.safe_load((root / "CITATION.cff").read_text())
+    assert project["version"] == fedlore.__version__ == citation["version"]
+    assert project["license"] == citation["license"] == "Apache-2.0"
+    license_text = (root / "LICENSE").read_text()
+    assert "Apache License\n                           Version 2.0" in license_text
+    assert citation["cff-version"] == "1.2.0" and citation["references"]

@@ -1,7 +1,7 @@
 """FedLore's basis rules: how the shared basis P^t starts, travels and is refreshed, one small
 strategy per variant, chosen by name (:data:`RULES`, a FedLore class's ``basis_rule``).
 
-Seed (``../shared/seeds/000_7a70688bd6d66f38.txt``):
+Seed (the FedLore paper):
 
 * ``"candidates"`` (FedLore, Algorithm 1): client i uploads its candidate ``P_i =
   TopLeftSVD_r(G_i^{t,K-1})`` of its last local gradient (line 21, :func:`candidate`); the server

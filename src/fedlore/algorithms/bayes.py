@@ -1,5 +1,5 @@
 """The Meta-BayFL family of methods: Meta-BayFL (seed 001,
-``../shared/seeds/001_31a14a9c13b184af.txt``, Algorithm 1) and its comparators BayFL, the
+the Meta-BayFL paper, arXiv 2603.18083, Algorithm 1) and its comparators BayFL, the
 MC-dropout variants and Meta-FL, trained on the ELBO of Eq. 17 (:func:`elbo_kl_term`). One class,
 three switches:
 

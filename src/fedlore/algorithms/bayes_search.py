@@ -2,7 +2,7 @@
 (:mod:`fedlore.algorithms.fedlore_bayes`) share: the ELBO's KL term (:func:`elbo_kl_term`), the
 hyperparameters of the mean-field BNN and of the per-client learning-rate search
 (:class:`BayesSearch`), and one round of local training with a search before every local epoch
-(:func:`train_with_search`, seed 001 ``../shared/seeds/001_31a14a9c13b184af.txt`` Algorithm 1
+(:func:`train_with_search`, seed 001 the Meta-BayFL paper, arXiv 2603.18083 Algorithm 1
 lines 7-17). The search itself (the meta split d, the trials, their scores) is
 :mod:`fedlore.algorithms.meta_lr`.
 """

@@ -4,7 +4,7 @@ variant builds its basis is its rule (:mod:`fedlore.algorithms.basis_rules`), th
 :mod:`fedlore.algorithms.fedlore_client`, and client caches stay synchronized through
 :mod:`fedlore.algorithms.sync`.
 
-Seed (``../shared/seeds/000_7a70688bd6d66f38.txt``). Per projected matrix W (view m x n, rank r),
+Seed (the FedLore paper). Per projected matrix W (view m x n, rank r),
 round t:
 
 * server -> client: the increments the client's cache lacks, ``(Δ^s, P^s)`` for rounds ``s``

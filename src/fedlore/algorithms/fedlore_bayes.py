@@ -1,6 +1,6 @@
 """Bayesian FedLore (issue 35): Meta-BayFL's mean-field BNN clients (seed 001,
-``../shared/seeds/001_31a14a9c13b184af.txt``) communicating through FedLore's shared, refreshed
-low-rank basis (seed 000, ``../shared/seeds/000_7a70688bd6d66f38.txt``, Algorithm 1).
+the Meta-BayFL paper, arXiv 2603.18083) communicating through FedLore's shared, refreshed
+low-rank basis (seed 000, the FedLore paper, Algorithm 1).
 
 Why. Seed 001 names its own cost (§V-D): a BNN client uploads its posterior's means and scales
 ``(mu, rho)``, twice FedAvg's bytes per round, and it leaves "Bayesian compression" to future

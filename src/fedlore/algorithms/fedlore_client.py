@@ -1,7 +1,7 @@
 """FedLore's client round: :class:`FedLoreClient`, the client half of
 :class:`~fedlore.algorithms.fedlore.FedLore` and every variant.
 
-Seed (``../shared/seeds/000_7a70688bd6d66f38.txt``), Algorithm 1 lines 6-22:
+Seed (the FedLore paper), Algorithm 1 lines 6-22:
 
 * synchronize (lines 6-10): the cached global model becomes W^t, from the dense model or by a
   replay of the server's increment log (:func:`~fedlore.algorithms.sync.replay_steps`),

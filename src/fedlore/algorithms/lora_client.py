@@ -6,7 +6,7 @@ Parity with every other method (reference notes section 13): each client synchro
 frozen base (the broadcast's base at first contact, else its cache with every logged merge of
 FLoRA / FRLoRA since its version merged in with the server's own function,
 :func:`~fedlore.algorithms.sync.replay_steps`: the replay of FedLore's clients, seed
-``../shared/seeds/000_7a70688bd6d66f38.txt`` Algorithm 1 lines 6-10), works on a deep copy of the
+the FedLore paper Algorithm 1 lines 6-10), works on a deep copy of the
 scratch model (peft mutates modules, and heterogeneous ranks need a fresh adapter), loads base +
 dense strictly, injects the adapter, trains the round's factors and the dense parameters with a
 fresh AdamW for K steps on the same minibatches and schedule as every method, and uploads the

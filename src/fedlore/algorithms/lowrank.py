@@ -2,7 +2,7 @@
 
 Kept here so that every method uses one projection rule, one projected-Adam training routine
 and one increment formula on both server and client, ``W <- a W + P Δ`` (seed
-``../shared/seeds/000_7a70688bd6d66f38.txt``, Proposition 8; identical operations in identical
+the FedLore paper, Proposition 8; identical operations in identical
 order give bit-identical caches, which the synchronization tests rely on), and the sketch
 primitives of FedLore-Sketch (Ω, ``Y = G Ω``, the range of the mean sketch).
 """

@@ -1,4 +1,4 @@
-"""Meta-BayFL's learning-rate search (seed 001, ``../shared/seeds/001_31a14a9c13b184af.txt``,
+"""Meta-BayFL's learning-rate search (seed 001, the Meta-BayFL paper, arXiv 2603.18083,
 Algorithm 1 lines 7-17, Eqs. 19-20): before a stretch of local training each candidate rate
 ``eta_j`` trains a temporary copy of the local model for ``temp_steps`` steps, the copy is scored
 on the client's meta split ``d_n^k`` (:func:`meta_split`, the text after Eq. 22), and the lowest

@@ -2,7 +2,7 @@
 clients (FedLore and its variants, the federated LoRA methods): the server's increment log, the
 cheaper-of rule, the client's replay and the receiving side of a 16-bit transport.
 
-Seed (``../shared/seeds/000_7a70688bd6d66f38.txt``): Algorithm 1 lines 6-10, a client holding the
+Seed (the FedLore paper): Algorithm 1 lines 6-10, a client holding the
 cache ``W~ = W^{t-1}`` rebuilds ``W^t`` from the round's increment, ``W~ <- W~ + eta alpha
 P^{t-1} Δ^{t-1}``; Proposition 8, with a common decay ``a`` the update is ``W <- a W + P Z``,
 which "a client holding the synchronized cache W reconstructs ... from a without receiving a

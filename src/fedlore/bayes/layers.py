@@ -3,7 +3,7 @@
 A Bayesian layer holds variational parameters ``weight_mu``, ``weight_rho`` (and ``bias_mu``,
 ``bias_rho``) with ``sigma = softplus(rho)``; the posterior is
 ``q(w) = Π_i N(w_i; mu_i, sigma_i²)`` and the prior ``p(w) = Π_i N(w_i; mu0, sigma0²)`` (seed 001,
-``../shared/seeds/001_31a14a9c13b184af.txt``, Eqs. 14-15; reference notes Part 0.1; the math is
+the Meta-BayFL paper, arXiv 2603.18083, Eqs. 14-15; reference notes Part 0.1; the math is
 in :mod:`fedlore.bayes.posterior`). A forward pass draws one weight sample
 ``w = mu + sigma · eps`` shared by the minibatch (the reparameterization of Blundell et al. 2015)
 when the layer's :attr:`Stochastic.sampling` flag is on, and uses ``mu`` when it is off. The flag

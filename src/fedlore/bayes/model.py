@@ -1,7 +1,7 @@
 """Operations on a whole model: converting a registered model into its Bayesian or MC-dropout
 twin in place (:func:`bayesianize`, :func:`add_mc_dropout`), the estimator and sampling switches,
 the seeded sampling block, and the model-wide sums of the layers' Gaussian math: ``KL(q || p)``
-over every Bayesian layer (seed 001, ``../shared/seeds/001_31a14a9c13b184af.txt``, Eq. 16, the
+over every Bayesian layer (seed 001, the Meta-BayFL paper, arXiv 2603.18083, Eq. 16, the
 ELBO's KL of Eq. 17), ``KL(q || p)`` between two models' posteriors, and the log prior.
 
 The layers are in :mod:`fedlore.bayes.layers`, the closed-form math in

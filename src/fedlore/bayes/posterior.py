@@ -1,5 +1,5 @@
 """The closed-form math of mean-field Gaussian posteriors, on (mu, rho) tensors: no layer, no
-model. Seed 001 (``../shared/seeds/001_31a14a9c13b184af.txt``), Eqs. 14-16.
+model. Seed 001 (the Meta-BayFL paper, arXiv 2603.18083), Eqs. 14-16.
 
 * the parameterization ``sigma = softplus(rho)``, in log space (:func:`log_softplus`) and
   inverted (:func:`inverse_softplus`);

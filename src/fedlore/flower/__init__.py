@@ -13,7 +13,8 @@ Install with ``pip install -e '.[flower]'``.
 
 import os
 
-# Offline, quiet, no runtime dependency installation (shared/ENVIRONMENT.md, Flower traps).
+# Offline and quiet: by default Flower sends telemetry, checks for updates and installs
+# dependencies at run time; none of that may happen here.
 for _key, _value in {
     "FLWR_TELEMETRY_ENABLED": "0",
     "FLWR_DISABLE_UPDATE_CHECK": "1",
