@@ -181,6 +181,29 @@ NO_SELECTION = (
 )
 
 
+def grid_edge(rates: list[float], best: float) -> str | None:
+    """``"top"`` or ``"bottom"`` when ``best`` is the largest or smallest of a grid of at least
+    two rates (the best rate may lie beyond it), else None."""
+    if len(rates) < 2:
+        return None
+    return "top" if best == max(rates) else "bottom" if best == min(rates) else None
+
+
+def edge_warning(method: str, rates: list[float], best: float) -> str | None:
+    """The line that says a chosen rate sits at an edge of its grid, and how to widen it."""
+    edge = grid_edge(rates, best)
+    if edge is None:
+        return None
+    ordered = sorted(rates)
+    step = ordered[-1] / ordered[-2] if edge == "top" else ordered[0] / ordered[1]
+    beyond = best * step
+    return (
+        f"warning: {method} chose lr {best:g}, the {edge} of its grid "
+        f"{','.join(f'{r:g}' for r in ordered)}: a better rate may lie beyond it; widen the "
+        f"grid (e.g. --grid {method}={beyond:.2g},...) before trusting the choice"
+    )
+
+
 def mean_std(values: list[float]) -> tuple[float, float]:
     """Mean and sample std of the finite values (NaN, NaN when none; std 0 with one)."""
     xs = [v for v in values if math.isfinite(v)]
@@ -269,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         with lock:
             chosen[method] = best
         print(f"{method}: seed {first} scores {scores} -> lr {best:g}", flush=True)
+        edge = edge_warning(method, grid[method], best)
+        if edge is not None:
+            print(edge, file=sys.stderr, flush=True)
         if STOP.is_set():
             return
         for s in rest:
@@ -367,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             # for the record only (never used to choose): the test metric over the grid
             f"test_grid_seed{first}": {f"{g:g}": number(r, key) for g, r in grid_runs.items()},
+            "chosen_at_grid_edge": grid_edge(grid[method], lr),  # "top", "bottom" or None
             **comm,
         }
     (out / "table.json").write_text(json.dumps(table, indent=2))

@@ -286,3 +286,19 @@ def test_an_interrupted_grid_starts_no_further_run(
     args = [str(config), "--grid", "fedavg=1e-3,3e-3,1e-2", "--jobs", "1"]
     assert grid.main([*args, "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "o")]) == 130
     assert len(calls) == 1 and "interrupted" in capsys.readouterr().err
+
+
+def test_a_rate_chosen_at_an_edge_of_its_grid_is_flagged() -> None:
+    """The how-to's pitfall (widen a grid whose winner is an edge) is said by the tool itself:
+    a warning naming the edge and a rate beyond it, and ``chosen_at_grid_edge`` in table.json."""
+    grid = _lr_grid()
+    assert grid.grid_edge([3e-3, 1e-2], 1e-2) == "top"
+    assert grid.grid_edge([1e-4, 3e-4, 1e-3], 1e-4) == "bottom"
+    assert grid.grid_edge([1e-4, 3e-4, 1e-3], 3e-4) is None
+    assert grid.grid_edge([1e-3], 1e-3) is None  # one rate: nothing to widen
+    line = grid.edge_warning("fedlore", [1e-2, 3e-3], 1e-2)
+    assert line is not None and "the top of its grid 0.003,0.01" in line
+    assert "--grid fedlore=0.033," in line  # one more step of the grid's own ratio upward
+    low = grid.edge_warning("fedfull", [1e-4, 1e-3], 1e-4)
+    assert low is not None and "bottom" in low and "fedfull=1e-05," in low
+    assert grid.edge_warning("fedlore", [1e-3, 3e-3, 1e-2], 3e-3) is None
