@@ -110,9 +110,11 @@ class EvalConfig(_Strict):
     """Minibatch size of evaluation (memory only; results do not depend on it)."""
     clients: bool = False
     """Also score the global model on every client's local test split (G-local: pooled
-    ``client_accuracy``, ``client_loss``, ``client_ece`` and the client mean
-    ``client_accuracy_mean``). Refused when no client has a local test split (LEAF split by
-    user, under ``data.local_test=by_id``); clients without one are named and left out."""
+    ``client_accuracy``, ``client_loss``, ``client_ece``; over the clients' own accuracies
+    their mean ``client_accuracy_mean``, spread ``client_accuracy_std``, worst
+    ``client_accuracy_min`` and 10th percentile ``client_accuracy_p10``). Refused when no
+    client has a local test split (LEAF split by user, under ``data.local_test=by_id``);
+    clients without one are named and left out."""
     local: bool = False
     """In the last round every client sampled in it also scores its freshly trained local model
     on its own test split (P-local): ``local_accuracy`` and ``local_loss`` pooled over their test

@@ -165,8 +165,11 @@ def global_local_metrics(
     """G-local (reference notes Part 0.8): the global model on every client's test split, one
     predictive pass over their concatenation ``pooled`` (client after client, ``sizes`` examples
     each; None when no client has a test split). Pooled ``client_accuracy``, ``client_loss``
-    (NLL) and ``client_ece`` over all test examples, and ``client_accuracy_mean``, the unweighted
-    mean over clients."""
+    (NLL) and ``client_ece`` over all test examples; over the clients' own accuracies (each
+    client counts once, whatever its test size): ``client_accuracy_mean``, the spread
+    ``client_accuracy_std`` (sample std), the worst client ``client_accuracy_min`` and the
+    10th percentile ``client_accuracy_p10`` (linear interpolation), the fairness figures FL
+    papers report besides the mean. Clients without a test split are left out."""
     if pooled is None:
         return {}
     if is_regression(pooled.y):  # RMSE and NLL over every client's test example
@@ -177,12 +180,24 @@ def global_local_metrics(
     out = {f"client_{k}": v for k, v in classification_metrics(log_probs, pooled.y).items()}
     out.pop("client_num_examples")
     if not bool(torch.isfinite(log_probs).all()):  # a diverged model: no score is meaningful
-        out["client_accuracy_mean"] = float("nan")
-        return out
+        return {**out, **dict.fromkeys(CLIENT_SPREAD, float("nan"))}
     hits = (log_probs.argmax(-1) == pooled.y).float()
-    per = [float(h.mean()) for h in hits.split(sizes)]
+    per = [float(h.mean()) for h in hits.split(sizes) if h.numel()]
     out["client_accuracy_mean"] = sum(per) / len(per)
+    spread = torch.tensor(per, dtype=torch.float64)  # a CPU summary of a few numbers
+    out["client_accuracy_std"] = float(spread.std()) if len(per) > 1 else 0.0
+    out["client_accuracy_min"] = min(per)
+    out["client_accuracy_p10"] = float(torch.quantile(spread, 0.1))
     return out
+
+
+CLIENT_SPREAD = (
+    "client_accuracy_mean",
+    "client_accuracy_std",
+    "client_accuracy_min",
+    "client_accuracy_p10",
+)
+"""The row keys of :func:`global_local_metrics` over the clients' own accuracies."""
 
 
 def describe_parameters(name: str, algo: Algorithm, model: nn.Module) -> None:

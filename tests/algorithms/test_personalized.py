@@ -347,3 +347,29 @@ def test_diverged_scores_are_nan_not_invented() -> None:
     pooled = TensorSplit.concat([_client(0).test, _client(1).test])
     out = global_local_metrics(model, pooled, [24, 24], 64, 0)
     assert math.isnan(out["client_accuracy"]) and math.isnan(out["client_accuracy_mean"])
+
+
+def test_the_clients_accuracy_spread_is_computed_per_client_not_per_example() -> None:
+    """``eval.clients``' fairness figures over the clients' own accuracies (each client once):
+    mean, sample std, worst, 10th percentile; a diverged model gives NaN for all four."""
+    from fedlore.experiment_parts import CLIENT_SPREAD, global_local_metrics
+
+    class Fixed(torch.nn.Module):  # predicts class 0 for every input
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tensor([[0.0, -9.0]]).expand(len(x), 2)
+
+    sizes = [10, 4, 1, 5]  # per client: 10, 1, 0 and 5 hits of class 0 -> 1.0, 0.25, 0.0, 1.0
+    y = torch.tensor([0] * 10 + [0, 1, 1, 1] + [1] + [0] * 5)
+    pooled = TensorSplit(torch.zeros(len(y), 3), y)
+    out = global_local_metrics(Fixed(), pooled, sizes, 64, 0)
+    per = torch.tensor([1.0, 0.25, 0.0, 1.0], dtype=torch.float64)
+    assert out["client_accuracy"] == pytest.approx(16 / 20)  # pooled over examples
+    assert out["client_accuracy_mean"] == pytest.approx(0.5625)
+    assert out["client_accuracy_std"] == pytest.approx(float(per.std()))  # ddof = 1
+    assert out["client_accuracy_min"] == 0.0
+    assert out["client_accuracy_p10"] == pytest.approx(0.075)  # 0 + 0.3 * (0.25 - 0)
+    model = _model()
+    with torch.no_grad():
+        model[0].weight.fill_(float("nan"))
+    nan = global_local_metrics(model, TensorSplit.concat([_client(0).test]), [24], 64, 0)
+    assert all(math.isnan(nan[k]) for k in CLIENT_SPREAD)
