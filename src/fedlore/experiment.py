@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -82,6 +82,7 @@ from fedlore.experiment_parts import (
     make_algorithm,
     model_factory,
     start_server,
+    try_method,
 )
 from fedlore.experiment_privacy import (
     client_sampler,
@@ -362,26 +363,12 @@ IN_PROCESS = Engine(run_one)
 """Every run in this process, over :class:`~fedlore.engine.transport.LocalTransport`."""
 
 
-def try_method(
-    cfg: Config, fed: Federation, build_model: Callable[[], nn.Module], name: str
-) -> Algorithm:
-    """Method ``name`` built, its server started on a fresh model of ``build_model`` and
-    dropped, and under secure aggregation its round checked: the preflight's trial of one
-    method (:func:`fedlore.checks.preflight`).
-
-    Raises:
-        ValueError (ConfigError included), KeyError: the method's problem.
-    """
-    rng = generator(cfg.seeds[0], SERVER_INIT)
-    algo = make_algorithm(name, cfg)
-    start_server(algo, build_model(), rng, fed, name)
-    if cfg.secure_aggregation:  # its round checks, before any run folder
-        make_privacy(cfg, algo, cfg.seeds[0], max_weight=float(fed.client_sizes().max()))
-    return algo
-
-
 def run_experiment(
-    cfg: Config, resume: bool = False, overwrite: bool = False, engine: Engine | None = None
+    cfg: Config,
+    resume: bool = False,
+    overwrite: bool = False,
+    engine: Engine | None = None,
+    callbacks: Callable[[str, int], Sequence[Callback]] | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """Every method x seed of ``cfg``; the federation of a seed is built once and shared, so all
     methods see identical client data. Returns method -> summaries.
@@ -395,9 +382,13 @@ def run_experiment(
         engine: carries out the runs that train: :data:`IN_PROCESS` by default, which only an
             ``engine: local`` config may use; ``fedlore run`` passes the config's engine from
             :data:`fedlore.cli.ENGINES`.
+        callbacks: ``(method, seed) -> callbacks`` for each run that trains: objects with
+            ``on_round_end(rnd, row, state)`` (:class:`~fedlore.engine.loop.Callback`), called
+            after every round with its ``metrics.jsonl`` row and the new server state, after
+            the run's own (the row is written, the checkpoint saved). In process only.
 
     Raises:
-        ConfigError: as above, naming each problem.
+        ConfigError: as above, naming each problem; ``callbacks`` with another engine.
     """
     if engine is None:
         if cfg.engine != "local":
@@ -406,6 +397,13 @@ def run_experiment(
                 f"pass engine=fedlore.cli.ENGINES[{cfg.engine!r}]() (as `fedlore run` does)"
             )
         engine = IN_PROCESS
+    if callbacks is not None:
+        if engine.run is not run_one:
+            raise ConfigError(
+                "run_experiment(callbacks=...) calls them in this process, on the in-process "
+                f"engine only (engine: local); this config runs on {cfg.engine}"
+            )
+        engine = Engine(functools.partial(_run_with_callbacks, callbacks), engine.session)
     out: dict[str, list[dict[str, Any]]] = {m: [] for m in cfg.algorithms}
     # the config first (names, every method's settings): a typo is the problem to name, not a
     # run folder in the way
@@ -444,6 +442,23 @@ def run_experiment(
                 held.enter_context(RunLock(run_dir(cfg, method, seed)))
         _run_all(cfg, first, resume, overwrite, engine, out)
     return out
+
+
+def _run_with_callbacks(
+    callbacks: Callable[[str, int], Sequence[Callback]],
+    cfg: Config,
+    method: str,
+    seed: int,
+    *,
+    fed: Federation,
+    resume: bool,
+    overwrite: bool,
+) -> dict[str, Any] | None:
+    """:func:`run_one` with the user's callbacks for this method and seed."""
+    extra = tuple(callbacks(method, seed))
+    return run_one(
+        cfg, method, seed, fed, resume=resume, overwrite=overwrite, extra_callbacks=extra
+    )
 
 
 def _run_all(

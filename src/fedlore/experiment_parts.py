@@ -7,7 +7,7 @@ its ``method.<name>`` overrides, after :mod:`fedlore.checks` has had its say);
 :func:`start_server` starts the method's server (with the server's unlabeled set where the
 method needs it); :func:`evaluator` scores a server state on the central test set, the
 selection split and the clients' test splits; :func:`describe_parameters` says at the start what
-a method projects or adapts.
+a method projects or adapts; :func:`try_method` is the preflight's trial of a method.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from fedlore.checks import (
 from fedlore.config import Config, ConfigError
 from fedlore.data.client_data import TensorSplit
 from fedlore.data.federation import Federation
+from fedlore.experiment_privacy import make_privacy
 from fedlore.models import build_model
 from fedlore.progress import say
-from fedlore.seeding import MODEL_INIT, derive_seed
+from fedlore.seeding import MODEL_INIT, SERVER_INIT, derive_seed, generator
 from fedlore.settings import build_hyper
 from fedlore.tensors import load_model_arrays
 from fedlore.train.local import (
@@ -263,3 +264,21 @@ def describe_parameters(name: str, algo: Algorithm, model: nn.Module) -> None:
         ", ".join(dense) or "nothing",
         f"; frozen: {', '.join(frozen)}" if frozen else "",
     )
+
+
+def try_method(
+    cfg: Config, fed: Federation, build_model: Callable[[], nn.Module], name: str
+) -> Algorithm:
+    """Method ``name`` built, its server started on a fresh model of ``build_model`` and
+    dropped, and under secure aggregation its round checked: the preflight's trial of one
+    method (:func:`fedlore.checks.preflight`).
+
+    Raises:
+        ValueError (ConfigError included), KeyError: the method's problem.
+    """
+    rng = generator(cfg.seeds[0], SERVER_INIT)
+    algo = make_algorithm(name, cfg)
+    start_server(algo, build_model(), rng, fed, name)
+    if cfg.secure_aggregation:  # its round checks, before any run folder
+        make_privacy(cfg, algo, cfg.seeds[0], max_weight=float(fed.client_sizes().max()))
+    return algo

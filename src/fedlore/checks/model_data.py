@@ -221,7 +221,7 @@ def preflight(
         build: the first seed's model factory (:func:`fedlore.experiment_parts.model_factory`).
         start: builds a method by name and starts its server on a fresh model (and, under secure
             aggregation, checks its round), raising ValueError (ConfigError included) for a
-            problem; the driver passes it (:func:`fedlore.experiment.try_method`), so nothing
+            problem; the driver passes it (:func:`fedlore.experiment_parts.try_method`), so nothing
             here builds a method itself.
 
     Raises:
