@@ -135,7 +135,10 @@ def test_bad_names_and_arguments_are_refused_clearly() -> None:
         registry.get("partition", "flwr:Shards")
     with pytest.raises(KeyError, match=r"not usable: its partition_id_to_size_fn is a Python"):
         registry.get("partition", "flwr:IdToSizeFncPartitioner")
-    with pytest.raises(KeyError, match=r"'diri'; registered: .*'natural'.*; or flwr:<class>"):
+    with pytest.raises(
+        KeyError,
+        match=r"'diri' \(did you mean 'dirichlet'\?\); registered: .*'natural'.*; or flwr:<class>",
+    ):
         registry.get("partition", "diri")
 
     def refused(name: str, kwargs: str, match: str, clients: int = 5, ids: Any = IDS) -> None:
