@@ -12,7 +12,10 @@
 #   experiments/reruns.sh [OUT]       # two runs at a time; resumable; logs in OUT/*.log
 #
 # Started again with the same OUT, it skips the tables it already wrote there (a fresh clone's
-# first run checks every committed run of each table once).
+# first run checks every committed run of each table once). Its first step restores the runs a
+# previous machine left unfinished (experiments/runs/in-progress.tar.gz): before leaving a
+# machine, stop the queue (Ctrl-C), run `python experiments/carry.py pack` and commit that
+# archive, or the next machine trains those runs again from their first round.
 #
 # CPU cost on two cores (measured): the pre-training ablation and rank sweep about 1.5 h, Table 2
 # about 3 h, the text rivals 30 min and the pre-training rivals 1 h (all finished and committed:
@@ -30,6 +33,8 @@ SGD=3e-4,1e-3,3e-3,1e-2,3e-2,1e-1,3e-1
 mkdir -p "$OUT"
 FAILED=()
 step() { echo "$(date '+%F %T') $1" >&2; }
+step "runs a previous machine left unfinished (experiments/carry.py)"
+$P experiments/carry.py unpack >&2 || exit 2
 # a table this script already wrote to OUT is not checked again (restarting the queue would
 # otherwise verify every finished run of it: minutes per table); delete OUT/<table> to redo it
 made() { [ -f "$OUT/$1" ] && step "  $OUT/$1 is there already: skipped"; }
