@@ -123,6 +123,15 @@ class EvalConfig(_Strict):
     mc_samples: int = Field(20, ge=0)
     """S, the MC predictive's weight samples for models with stochastic layers (BNN, MC
     dropout); 0 scores one pass with the posterior means / dropout off."""
+    metrics: list[str] = Field(default_factory=list)
+    """Further classifier metrics, recorded beside accuracy, NLL and ECE wherever those are
+    (central test ``<name>``, selection split ``selection_<name>``, with ``clients`` the
+    pooled client test splits ``client_<name>``; ``final_<key>`` in ``summary.json``):
+    ``balanced_accuracy``, ``f1_macro``, ``top5_accuracy``, ``auroc_macro``, ``brier``, or one
+    registered with :func:`fedlore.registry.register_metric` in a module of ``imports``
+    (:mod:`fedlore.train.metrics`). Each is computed from the same predictive, at no extra
+    forward pass. Classifiers only; the P-local scores of ``local`` stay accuracy, NLL and
+    ECE."""
 
 
 class RobustConfig(_Strict):

@@ -270,7 +270,7 @@ def run(
                 tracking.abort()  # unfinished: a resume logs its rounds again
         if end < cfg.rounds:
             return None
-        summary = summarize(method, seed, metrics.path)
+        summary = summarize(method, seed, metrics.path, cfg.eval.metrics)
         if exp.fed.test_split is not None:  # no test split of its own: what was held out
             summary["data_test_split"] = exp.fed.test_split
         summary.update(privacy_summary(privacy))  # the mechanism, beside its ε

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -137,20 +137,21 @@ def evaluator(
     pooled_tests = TensorSplit.concat(tests) if tests else None  # built once per run
     test_sizes = [len(t) for t in tests]
 
+    extra = tuple(cfg.eval.metrics)
+
     def evaluate_state(s: State) -> dict[str, float]:
         load_model_arrays(model, algo.global_arrays(s))
         bs, mc = cfg.eval.batch_size, cfg.eval.mc_samples
-        res = evaluate(model, fed.central_test, bs, mc)
-        row: dict[str, float] = {
-            k: res[k] for k in ("accuracy", "loss", "ece", "perplexity", "rmse") if k in res
-        }
+        res = evaluate(model, fed.central_test, bs, mc, extra)
+        keys = ("accuracy", "loss", "ece", "perplexity", "rmse", *extra)
+        row: dict[str, float] = {k: res[k] for k in keys if k in res}
         if fed.selection is not None:  # the split hyperparameters are chosen on
-            sel = evaluate(model, fed.selection, bs, mc)
-            for k in ("accuracy", "loss", "perplexity", "rmse"):
+            sel = evaluate(model, fed.selection, bs, mc, extra)
+            for k in ("accuracy", "loss", "perplexity", "rmse", *extra):
                 if k in sel:
                     row[f"selection_{k}"] = sel[k]
         if cfg.eval.clients:
-            row.update(global_local_metrics(model, pooled_tests, test_sizes, bs, mc))
+            row.update(global_local_metrics(model, pooled_tests, test_sizes, bs, mc, extra))
         return row
 
     return evaluate_state
@@ -162,6 +163,7 @@ def global_local_metrics(
     sizes: list[int],
     batch_size: int,
     mc_samples: int,
+    extra: Sequence[str] = (),
 ) -> dict[str, float]:
     """G-local (reference notes Part 0.8): the global model on every client's test split, one
     predictive pass over their concatenation ``pooled`` (client after client, ``sizes`` examples
@@ -170,7 +172,8 @@ def global_local_metrics(
     client counts once, whatever its test size): ``client_accuracy_mean``, the spread
     ``client_accuracy_std`` (sample std), the worst client ``client_accuracy_min`` and the
     10th percentile ``client_accuracy_p10`` (linear interpolation), the fairness figures FL
-    papers report besides the mean. Clients without a test split are left out."""
+    papers report besides the mean; ``client_<name>`` of each ``extra`` metric
+    (``eval.metrics``) on the pooled splits. Clients without a test split are left out."""
     if pooled is None:
         return {}
     if is_regression(pooled.y):  # RMSE and NLL over every client's test example
@@ -178,7 +181,8 @@ def global_local_metrics(
         reg = regression_metrics(draws, pooled.y)
         return {"client_rmse": reg["rmse"], "client_loss": reg["loss"]}
     log_probs = predictive_log_probs(model, pooled.x, batch_size, mc_samples)
-    out = {f"client_{k}": v for k, v in classification_metrics(log_probs, pooled.y).items()}
+    scores = classification_metrics(log_probs, pooled.y, extra)
+    out = {f"client_{k}": v for k, v in scores.items()}
     out.pop("client_num_examples")
     if not bool(torch.isfinite(log_probs).all()):  # a diverged model: no score is meaningful
         return {**out, **dict.fromkeys(CLIENT_SPREAD, float("nan"))}

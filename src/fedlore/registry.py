@@ -1,4 +1,5 @@
-"""Explicit name -> factory tables for algorithms, models, data sources and partitioners.
+"""Explicit name -> factory tables for algorithms, models, data sources, partitioners and
+evaluation metrics.
 
 Each table is filled by a ``register_*`` decorator in the module that defines the entry; the
 ``get_*`` functions import the package that holds the entries first, so a name always resolves
@@ -19,6 +20,7 @@ _TABLES: dict[str, dict[str, Any]] = {
     "model": {},
     "source": {},
     "partition": {},
+    "metric": {},
 }
 # The package whose import fills each table.
 _PACKAGES = {
@@ -26,6 +28,7 @@ _PACKAGES = {
     "model": "fedlore.models",
     "source": "fedlore.data.sources",
     "partition": "fedlore.data.partition",
+    "metric": "fedlore.train.metrics",
 }
 # Names with a prefix name entries of another library, resolved by a module's
 # ``resolve(rest_of_the_name)`` instead of a table: ``flwr:<Class>`` is any row partitioner of
@@ -64,6 +67,12 @@ def register_source(name: str) -> Callable[[F], F]:
 def register_partition(name: str) -> Callable[[F], F]:
     """Register a partitioner ``f(labels, num_clients, rng, **kwargs) -> list[index array]``."""
     return _register("partition", name)
+
+
+def register_metric(name: str) -> Callable[[F], F]:
+    """Register an evaluation metric ``f(log_probs [n, K], y [n]) -> float`` under ``name``
+    (:mod:`fedlore.train.metrics`; named in ``eval.metrics``)."""
+    return _register("metric", name)
 
 
 def did_you_mean(word: str, known: Iterable[str]) -> str:

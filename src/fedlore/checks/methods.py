@@ -11,6 +11,7 @@ from fedlore import registry
 from fedlore.algorithm import Algorithm, Capabilities
 from fedlore.config import Config, ConfigError
 from fedlore.settings import hyperparameter_names, not_applicable, not_applicable_problems
+from fedlore.train.metrics import check_names as check_metric_names
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +39,8 @@ def _names(cfg: Config) -> str:
 
 def name_problems(cfg: Config) -> list[str]:
     """``key: unknown <kind> ...; registered: [...]`` for every name of :data:`NAMED` that is
-    not registered."""
+    not registered, and the problems of ``eval.metrics``
+    (:func:`fedlore.train.metrics.check_names`)."""
     problems = []
     for key, kind in NAMED:
         section, field = key.split(".")
@@ -46,7 +48,7 @@ def name_problems(cfg: Config) -> list[str]:
             registry.get(kind, getattr(getattr(cfg, section), field))
         except KeyError as e:
             problems.append(f"{key}: {e.args[0] if e.args else e}")
-    return problems
+    return problems + check_metric_names(cfg.eval.metrics)
 
 
 def unused_method_problems(cfg: Config) -> list[str]:

@@ -93,16 +93,30 @@ def check_model_fits_data(model: str, fed: Federation) -> None:
 
 
 def check_eval(cfg: Config, fed: Federation) -> None:
-    """Per-client evaluation (``eval.clients``, G-local; ``eval.local``, P-local) needs local
+    """``eval.metrics`` needs a classifier (``top5_accuracy`` more than five classes).
+    Per-client evaluation (``eval.clients``, G-local; ``eval.local``, P-local) needs local
     test splits, which a pre-training corpus does not have (every training document belongs to
     exactly one client's training data), nor LEAF users whose test examples lie with other users
     under ``data.local_test=by_id``, nor a client too small to hold an example out.
 
     Raises:
-        ConfigError: for either setting on a pre-training corpus, or where no client has a
+        ConfigError: for ``eval.metrics`` on language or regression data; for
+            ``eval.clients`` or ``eval.local`` on a pre-training corpus, or where no client has a
             local test split, naming why and the ways out (a warning, once per process, names
             the clients without one when only some lack it: they are left out).
     """
+    if cfg.eval.metrics and fed.task != "classification":
+        raise ConfigError(
+            f"eval.metrics {cfg.eval.metrics} score classifiers; {fed.source!r} is a "
+            f"{fed.task.replace('_', ' ')} task (its scores: "
+            f"{'perplexity' if fed.task == 'language_modeling' else 'rmse'} and loss); "
+            "set eval.metrics=[]"
+        )
+    if "top5_accuracy" in cfg.eval.metrics and fed.num_classes <= 5:
+        raise ConfigError(
+            f"eval.metrics: top5_accuracy needs more than 5 classes; {fed.source!r} has "
+            f"{fed.num_classes}"
+        )
     asked = [
         k for k, on in (("eval.clients", cfg.eval.clients), ("eval.local", cfg.eval.local)) if on
     ]

@@ -222,3 +222,17 @@ def diagnostics_markdown(table: list[dict[str, Any]]) -> str:
         cells += [_count(row["measured_rounds"]), _num(row["diag_s"]), _num(row["diag_mb_up"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def eval_metrics_markdown(keys: list[str], table: list[dict[str, Any]]) -> str:
+    """Render :func:`~fedlore.results.tables.eval_metrics_table` as Markdown: a column per
+    metric (``final_`` dropped), mean ± std over seeds with 4 decimals (empty for no rows)."""
+    if not table:
+        return ""
+    header = ["method", *[k.removeprefix("final_") for k in keys]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in table:
+        n = int(row["n_seeds"])
+        cells = [str(row["method"]), *[_pm(row[k][0], row[k][1], digits=4, n=n) for k in keys]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

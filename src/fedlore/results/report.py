@@ -16,7 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from fedlore.atomic import replacing, write_text
-from fedlore.results.markdown import diagnostics_markdown, seeds_cell, to_markdown
+from fedlore.results.markdown import (
+    diagnostics_markdown,
+    eval_metrics_markdown,
+    seeds_cell,
+    to_markdown,
+)
 from fedlore.results.plots import plot
 from fedlore.results.store import (
     IncompleteRunWarning,
@@ -27,7 +32,13 @@ from fedlore.results.store import (
     split_by_config,
     value,
 )
-from fedlore.results.tables import COLUMNS, DIAGNOSTIC_KEYS, diagnostics_table, summary_table
+from fedlore.results.tables import (
+    COLUMNS,
+    DIAGNOSTIC_KEYS,
+    diagnostics_table,
+    eval_metrics_table,
+    summary_table,
+)
 
 __all__ = [
     "COLUMNS",
@@ -110,6 +121,14 @@ def _report_experiment(exp_dir: Path, keys: Sequence[str] | None, write: bool = 
         "named by the settings that differ."
         "\n\n"
     )
+    metric_keys, metrics = eval_metrics_table(runs)
+    if metrics:
+        text += (
+            "## Evaluation metrics\n\n"
+            f"{eval_metrics_markdown(metric_keys, metrics)}\n"
+            "The runs' eval.metrics at their last evaluation (central test set; selection_ the "
+            "selection split, client_ the clients' pooled test splits), mean ± std over seeds.\n\n"
+        )
     if diag:
         text += (
             "## Diagnostics\n\n"

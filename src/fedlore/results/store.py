@@ -94,6 +94,15 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: int(r["round"]))
 
 
+def _eval_metrics(run_dir: Path) -> list[str]:
+    """The run's ``eval.metrics``, from its ``config.json`` (none when it cannot be read)."""
+    try:
+        names = json.loads((run_dir / "config.json").read_text())["eval"]["metrics"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+
+
 def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
     if {p.name for p in run_dir.iterdir()} == {"run.lock"}:  # a folder a run reserved only
         return None
@@ -124,7 +133,7 @@ def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
             IncompleteRunWarning,
             stacklevel=3,
         )
-        summary = derive_summary(method, seed, rows)
+        summary = derive_summary(method, seed, rows, _eval_metrics(run_dir))
     elif not rows:
         warnings.warn(
             f"{run_dir}: no metrics rows; the run appears in tables but not in plots",

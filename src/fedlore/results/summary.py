@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,9 @@ def per_round_wall(rows: list[dict[str, Any]]) -> float | None:
     return sum(later) / len(later) if later else None
 
 
-def derive_summary(method: str, seed: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def derive_summary(
+    method: str, seed: int, rows: list[dict[str, Any]], extra: Sequence[str] = ()
+) -> dict[str, Any]:
     """A ``summary.json`` equivalent computed from metrics rows.
 
     ``final_accuracy`` and ``final_loss`` are the last evaluation's values (None when they were
@@ -91,12 +94,16 @@ def derive_summary(method: str, seed: int, rows: list[dict[str, Any]]) -> dict[s
         "derived": True,
         **lm,
         **_last_values(train),  # ECE, P-local, client seconds: as a finished run's summary
+        **extra_values(train, extra),
         **divergence(train),
     }
 
 
-def summarize(method: str, seed: int, metrics_path: Path) -> dict[str, Any]:
-    """The ``summary.json`` of a finished run, computed from its ``metrics.jsonl``."""
+def summarize(
+    method: str, seed: int, metrics_path: Path, extra: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The ``summary.json`` of a finished run, computed from its ``metrics.jsonl``; ``extra``
+    names the run's ``eval.metrics`` (:func:`extra_values`)."""
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = [r for r in rows if r["round"] >= 0]
     accs = [r["accuracy"] for r in train if r.get("accuracy") is not None]
@@ -125,6 +132,7 @@ def summarize(method: str, seed: int, metrics_path: Path) -> dict[str, Any]:
         ),
         **lm,
         **_last_values(train),
+        **extra_values(train, extra),
         **divergence(train),
     }
 
@@ -183,4 +191,20 @@ def _last_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
     times = [r["client_train_s"] for r in rows if r.get("client_train_s") is not None]
     if times:
         out["client_train_s_per_round"] = sum(times) / len(times)
+    return out
+
+
+def extra_values(rows: list[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:
+    """The last values of the ``eval.metrics`` ``names``: ``final_<key>`` for each of
+    ``<name>``, ``selection_<name>`` and ``client_<name>`` that a row recorded (None when not
+    finite, see :func:`final_value`), and ``eval_metrics``, the names, when there are any."""
+    out: dict[str, Any] = {"eval_metrics": list(names)} if names else {}
+    for name in names:
+        for final, key in (
+            (f"final_{name}", name),
+            (f"final_selection_{name}", f"selection_{name}"),
+            (f"final_client_{name}", f"client_{name}"),
+        ):
+            if any(key in r for r in rows):
+                out[final] = final_value(rows, key)
     return out

@@ -35,6 +35,7 @@ from fedlore.data.client_data import TensorSplit
 from fedlore.data.corpus import IGNORE_INDEX
 from fedlore.device import autocast
 from fedlore.tensors import all_finite
+from fedlore.train.metrics import classification_metrics
 
 LossTerm = Callable[[nn.Module], torch.Tensor]
 GradHook = Callable[[nn.Module, int], None]
@@ -261,9 +262,6 @@ EVAL_LOGITS_ELEMENTS = 2**24
 per evaluation forward pass."""
 
 
-ECE_BINS = 15
-"""Equal-width confidence bins of the expected calibration error (Guo et al. 2017)."""
-
 EVAL_SAMPLING_SEED = 20170
 
 
@@ -398,36 +396,13 @@ def regression_metrics(draws: torch.Tensor, y: torch.Tensor) -> dict[str, float]
     return {"rmse": rmse, "loss": float(regression_nll(draws, y).mean()), "num_examples": n}
 
 
-def classification_metrics(log_probs: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-    """Accuracy, NLL and ECE of predictive log probabilities.
-
-    Args:
-        log_probs: ``[n, K]`` log predictive probabilities.
-        y: ``[n]`` class indices.
-
-    Returns:
-        ``accuracy`` (argmax, torchmetrics micro), ``loss`` (mean NLL ``-log p(y|x)`` in nats),
-        ``ece`` (torchmetrics ``multiclass_calibration_error``, 15 equal-width bins, L1;
-        Guo et al. 2017), and ``num_examples``; all NaN when a log probability is not finite
-        (a diverged model), never a chance-level accuracy read from NaN probabilities.
-    """
-    from torchmetrics.classification import MulticlassAccuracy  # lazily: seconds to import
-    from torchmetrics.functional.classification import multiclass_calibration_error
-
-    k = int(log_probs.shape[-1])
-    if not bool(torch.isfinite(log_probs).all()):  # a diverged model: no score is meaningful
-        nan = float("nan")
-        return {"accuracy": nan, "loss": nan, "ece": nan, "num_examples": len(y)}
-    probs = log_probs.exp()
-    acc = MulticlassAccuracy(num_classes=k, average="micro")(probs, y)
-    nll = F.nll_loss(log_probs, y)
-    ece = multiclass_calibration_error(probs, y, num_classes=k, n_bins=ECE_BINS, norm="l1")
-    return {"accuracy": float(acc), "loss": float(nll), "ece": float(ece), "num_examples": len(y)}
-
-
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, split: TensorSplit, batch_size: int = 512, mc_samples: int = 0
+    model: nn.Module,
+    split: TensorSplit,
+    batch_size: int = 512,
+    mc_samples: int = 0,
+    metrics: Sequence[str] = (),
 ) -> dict[str, float]:
     """Accuracy and mean cross-entropy of ``model`` on ``split``; perplexity for a language model.
 
@@ -442,6 +417,9 @@ def evaluate(
     Regression models (real targets): ``rmse`` and ``loss``, the mean NLL of the predictive
     (:func:`regression_metrics`), instead of accuracy.
 
+    ``metrics`` (``eval.metrics``) adds classifier metrics of :mod:`fedlore.train.metrics`,
+    computed on the same predictive; refused for language and regression models.
+
     Returns:
         ``{"accuracy": share in [0, 1], "loss": mean NLL in nats, "num_examples": count}``, plus
         ``"ece"`` for a classifier, ``"perplexity"`` and ``"num_tokens"`` (counted targets) for a
@@ -451,12 +429,18 @@ def evaluate(
     model.eval()
     n = len(split)
     if n == 0:
-        return {"accuracy": float("nan"), "loss": float("nan"), "num_examples": 0}
+        nan = float("nan")
+        return {"accuracy": nan, "loss": nan, "num_examples": 0, **dict.fromkeys(metrics, nan)}
+    if metrics and (is_regression(split.y) or split.y.dim() != 1):
+        raise ValueError(
+            f"eval.metrics {list(metrics)} score classifiers; this model's targets are "
+            f"{'real numbers' if is_regression(split.y) else 'token sequences'}"
+        )
     if is_regression(split.y):
         return regression_metrics(predictive_draws(model, split.x, batch_size, mc_samples), split.y)
     if split.y.dim() == 1:
         return classification_metrics(
-            predictive_log_probs(model, split.x, batch_size, mc_samples), split.y
+            predictive_log_probs(model, split.x, batch_size, mc_samples), split.y, metrics
         )
     nll, correct, tokens = 0.0, 0, 0
     per_row = split.x.shape[1] * int(model(split.x[:1]).shape[-1])  # logits of one sequence

@@ -1,0 +1,157 @@
+"""``eval.metrics``: each built-in metric equals scikit-learn's independent computation, also on
+test splits that lack a class (the non-IID client's case); names are checked before a run
+starts; the metrics reach the rows, ``summary.json`` and the report; a metric of the user's
+own, registered in a module of ``imports``, runs like a built-in one."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import balanced_accuracy_score, f1_score, roc_auc_score, top_k_accuracy_score
+
+from fedlore.cli import main
+from fedlore.config import ConfigError, load_config
+from fedlore.experiment import run_experiment
+from fedlore.results.report import report
+from fedlore.train import metrics as M
+
+K = 10
+
+
+def _predictive(seed: int, n: int = 300, drop: tuple[int, ...] = ()) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    log_probs = torch.log_softmax(3 * torch.randn(n, K, generator=g, dtype=torch.float64), -1)
+    y = torch.randint(0, K, (n,), generator=g)
+    for c in drop:  # a client's test split without these classes
+        y[y == c] = (c + 1) % K
+    return log_probs, y
+
+
+@pytest.mark.parametrize("drop", [(), (3,), (0, 7, 8)])
+def test_built_ins_equal_scikit_learn(drop: tuple[int, ...]) -> None:
+    log_probs, y = _predictive(len(drop), drop=drop)
+    p, t = log_probs.exp().numpy(), y.numpy()
+    pred = p.argmax(1)
+    assert M.balanced_accuracy(log_probs, y) == pytest.approx(balanced_accuracy_score(t, pred))
+    assert M.f1_macro(log_probs, y) == pytest.approx(f1_score(t, pred, average="macro"), abs=1e-6)
+    want = top_k_accuracy_score(t, p, k=5, labels=range(K))
+    assert M.top5_accuracy(log_probs, y) == pytest.approx(want, abs=1e-6)
+    present = sorted(set(t.tolist()))
+    ovr = [roc_auc_score(t == c, p[:, c]) for c in present]
+    assert M.auroc_macro(log_probs, y) == pytest.approx(float(np.mean(ovr)), abs=1e-6)
+    brier = ((p - np.eye(K)[t]) ** 2).sum(1).mean()
+    assert M.brier(log_probs, y) == pytest.approx(brier, rel=1e-12)
+
+
+def test_edge_cases() -> None:
+    log_probs, y = _predictive(5)
+    perfect = torch.log(torch.nn.functional.one_hot(y, K).double().clamp_min(1e-300))
+    assert M.balanced_accuracy(perfect, y) == 1.0
+    assert M.brier(perfect, y) == pytest.approx(0.0, abs=1e-12)
+    assert M.auroc_macro(log_probs, torch.zeros_like(y)) != M.auroc_macro(
+        log_probs, torch.zeros_like(y)
+    )  # NaN
+    with pytest.raises(ValueError, match="more than 5 classes"):
+        M.top5_accuracy(log_probs[:, :5].log_softmax(-1), y % 5)
+    diverged = M.extra_metrics(torch.full_like(log_probs, float("nan")), y, ["brier", "f1_macro"])
+    assert all(v != v for v in diverged.values())  # NaN, never a score read from NaN
+
+
+def test_names_are_checked() -> None:
+    problems = M.check_names(["balanced_acc", "loss", "Brier", "brier", "brier"])
+    text = "\n".join(problems)
+    assert "unknown metric 'balanced_acc' (did you mean 'balanced_accuracy'?)" in text
+    assert "'loss' cannot name a metric" in text
+    assert "'Brier' cannot name a metric" in text
+    assert "['brier'] named twice" in text
+    assert M.check_names(["brier", "f1_macro"]) == []
+
+
+def _cfg(out: Path, *extra: str):  # type: ignore[no-untyped-def]
+    return load_config(
+        None,
+        [
+            "name=metrics",
+            "num_clients=3",
+            "rounds=2",
+            "local_steps=2",
+            "batch_size=16",
+            "algorithms=[fedavg]",
+            "seeds=[0, 1]",
+            "model.kwargs={hidden: [16]}",
+            "partition.min_size=10",
+            "eval.clients=true",
+            "progress=false",
+            f"output_dir={out}",
+            *extra,
+        ],
+    )
+
+
+def test_metrics_reach_rows_summary_and_report(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "eval.metrics=[balanced_accuracy, brier]")
+    run_experiment(cfg)
+    run = tmp_path / "metrics" / "fedavg" / "seed-0"
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in ("balanced_accuracy", "brier", "client_balanced_accuracy", "client_brier"):
+        assert isinstance(last[key], float), key
+    assert 0 <= last["balanced_accuracy"] <= 1 and 0 <= last["brier"] <= 2
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["eval_metrics"] == ["balanced_accuracy", "brier"]
+    assert summary["final_brier"] == last["brier"]
+    assert summary["final_client_balanced_accuracy"] == last["client_balanced_accuracy"]
+    text = report(tmp_path / "metrics", write=False)
+    section = text.split("## Evaluation metrics")[1]
+    assert (
+        "| method | balanced_accuracy | brier | client_balanced_accuracy | client_brier |"
+        in section
+    )
+    seeds = [json.loads((run.parent / f"seed-{s}" / "summary.json").read_text()) for s in (0, 1)]
+    mean = np.mean([s["final_brier"] for s in seeds])
+    assert f"{mean:.4f} ± " in section.split("\n")[4]
+
+
+def test_a_metric_of_ones_own_through_imports(tmp_path: Path) -> None:
+    plugin = tmp_path / "my_metrics.py"
+    plugin.write_text(
+        textwrap.dedent(
+            """
+            from fedlore.registry import register_metric
+
+            @register_metric("worst_class_recall")
+            def worst_class_recall(log_probs, y):
+                hits = log_probs.argmax(-1) == y
+                return min(float(hits[y == c].float().mean()) for c in y.unique())
+            """
+        )
+    )
+    cfg = _cfg(tmp_path, f"imports=[{plugin}]", "eval.metrics=[worst_class_recall]", "seeds=[0]")
+    run_experiment(cfg)
+    summary = json.loads((tmp_path / "metrics" / "fedavg" / "seed-0" / "summary.json").read_text())
+    assert 0 <= summary["final_worst_class_recall"] <= summary["final_accuracy"]
+
+
+def test_refusals_before_any_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match="did you mean 'f1_macro'"):
+        run_experiment(_cfg(tmp_path, "eval.metrics=[f1_marco]"))
+    quickstart = Path(__file__).resolve().parents[2] / "experiments" / "quickstart.yaml"
+    args = ["run", str(quickstart), f"output_dir={tmp_path}", "algorithms=[fedfull]"]
+    assert main([*args, "data.name=diabetes", "eval.metrics=[brier]"]) != 0
+    assert "eval.metrics ['brier'] score classifiers; 'diabetes' is a regression task" in (
+        capsys.readouterr().err
+    )
+    data = tmp_path.parent / f"{tmp_path.name}-npz"  # three classes
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 300), ("test", 60)):
+        x, y = rng.normal(size=(n, 4)).astype("float32"), np.arange(n) % 3
+        np.savez(data / f"{split}.npz", x=x, y=y)
+    more = ["data.name=npz", f"data.root={data}", "eval.metrics=[top5_accuracy]"]
+    assert main([*args, *more]) != 0
+    assert "top5_accuracy needs more than 5 classes; 'npz' has 3" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
