@@ -345,3 +345,26 @@ def test_seconds_per_round_leave_out_round_zeros_start_up(tmp_path: Path) -> Non
     assert done["wall_s_per_round"] == pytest.approx(0.02)
     assert done["wall_s_total"] == pytest.approx(9.0 + 1.4 + 0.04)
     assert derive_summary("m", 0, rows)["wall_s_per_round"] == pytest.approx(0.02)
+
+
+def test_runs_split_by_what_they_trained_with_only(tmp_path: Path) -> None:
+    """Runs are one group when their records differ only by a setting added to fedlore after
+    the earlier one ran (missing: at its default) or by eval.metrics; a setting that changes
+    training (lr) still splits them."""
+    from fedlore.config import load_config
+    from fedlore.results.store import split_by_config
+
+    e = tmp_path / "grouped"
+    base = load_config(None, []).model_dump(mode="json")
+    older = {k: v for k, v in base.items() if k != "imports"}  # before `imports` existed
+    scored = {**base, "eval": {**base["eval"], "metrics": ["brier"]}}
+    faster = {**base, "lr": base["lr"] * 10}
+    for seed, cfg in ((1, older), (2, base), (3, scored), (4, faster)):
+        run = write_run(e, "fedavg", seed, rows_for([0.5], 1, 1), summ(0.5, 0.5, 1, 1, 1, 1))
+        (run / "config.json").write_text(json.dumps(cfg))
+    groups = split_by_config(load_runs(e))
+    lr = base["lr"]
+    assert {k: [r.seed for r in v] for k, v in groups.items()} == {
+        f"fedavg [lr={lr}]": [1, 2, 3],
+        f"fedavg [lr={lr * 10}]": [4],
+    }

@@ -15,6 +15,7 @@ rounds without evaluation. A summary has at least ``method``, ``seed``, ``final_
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import warnings
@@ -158,9 +159,39 @@ RECORD_KEYS = ("data_fingerprint", "ran_on", "ran_threads", "hyper", *PLATFORM_K
 seed to seed; ``hyper`` repeats the method's settings; ``ran_*``: where and how it ran)."""
 
 
+def _flat(tree: dict[str, Any]) -> dict[str, Any]:
+    """A ``config.json`` as dotted keys (``method`` and empty sections kept whole)."""
+    out: dict[str, Any] = {}
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for k, v in node.items():
+            if isinstance(v, dict) and k != "method" and v:
+                walk(v, f"{prefix}{k}.")
+            else:
+                out[f"{prefix}{k}"] = v
+
+    walk(tree, "")
+    return out
+
+
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    """The default config, flattened: a setting added to fedlore after a run was made is
+    missing from its ``config.json`` and was, in effect, at its default."""
+    from fedlore.config import Config  # lazily: pydantic models, only for reports
+
+    return _flat(Config().model_dump(mode="json"))
+
+
+EVAL_ONLY = ("eval.metrics",)
+"""Settings that add scores to the rows without changing what a run trains: runs that differ
+only in them are one group of :func:`split_by_config`."""
+
+
 def run_config(record: RunRecord) -> dict[str, Any] | None:
     """The settings a run was made with (its ``config.json`` without :data:`RECORD_KEYS`,
-    flattened to dotted keys), or None when it has none or it cannot be read."""
+    flattened to dotted keys, a setting it lacks at its default), or None when it has none or
+    it cannot be read."""
     path = record.path / "config.json"
     try:
         raw = json.loads(path.read_text())
@@ -168,17 +199,7 @@ def run_config(record: RunRecord) -> dict[str, Any] | None:
         return None
     if not isinstance(raw, dict):
         return None
-    out: dict[str, Any] = {}
-
-    def flat(tree: dict[str, Any], prefix: str) -> None:
-        for k, v in tree.items():
-            if isinstance(v, dict) and k != "method" and v:
-                flat(v, f"{prefix}{k}.")
-            else:
-                out[f"{prefix}{k}"] = v
-
-    flat({k: v for k, v in raw.items() if k not in RECORD_KEYS}, "")
-    return out
+    return {**_defaults(), **_flat({k: v for k, v in raw.items() if k not in RECORD_KEYS})}
 
 
 def split_by_config(runs: dict[str, list[RunRecord]]) -> dict[str, list[RunRecord]]:
@@ -186,13 +207,16 @@ def split_by_config(runs: dict[str, list[RunRecord]]) -> dict[str, list[RunRecor
     configs left under one experiment name are never pooled. A method whose runs all share one
     config keeps its name; otherwise each group is named ``method [key=value, ...]`` by the keys
     that differ between its groups (runs without a readable config form a group
-    ``method [config unknown]``)."""
+    ``method [config unknown]``). A setting a run's record lacks counts at its default, and
+    the settings of :data:`EVAL_ONLY` do not split."""
     out: dict[str, list[RunRecord]] = {}
     for method, records in runs.items():
         groups: dict[str, list[RunRecord]] = {}
         configs: dict[str, dict[str, Any] | None] = {}
         for r in records:
             cfg = run_config(r)
+            if cfg is not None:
+                cfg = {k: v for k, v in cfg.items() if k not in EVAL_ONLY}
             key = json.dumps(cfg, sort_keys=True, default=str)
             groups.setdefault(key, []).append(r)
             configs[key] = cfg
