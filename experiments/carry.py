@@ -8,15 +8,17 @@ its first round: on two cores that is up to two hours lost per run a sitting lea
 ``pack`` writes the resumable files of every unfinished run under ROOT (a ``seed-*`` folder with
 a ``checkpoint.pt`` and no ``summary.json``: its ``config.json``, ``metrics.jsonl``,
 ``checkpoint.pt`` and spilled ``client_states/``) into one archive, ``ROOT/in-progress.tar.gz``,
-to commit; with none left it removes the archive. ``unpack`` (the first step of
-``experiments/reruns.sh``) restores each run of the archive whose folder has neither a
-``summary.json`` nor a ``checkpoint.pt``, so the queue's ``--resume`` continues it after the packed
-round and reaches the result an uninterrupted run reaches; a run that finished or got further
-here is left as it is.
+to commit. What the archive already holds is kept unless it is superseded: a run packed here
+replaces its archived copy when it got as far (a checkpoint of the same or a later round), and a
+run finished here leaves the archive; the archive is removed once it holds nothing.
+``unpack`` (the first step of ``experiments/reruns.sh``) restores each archived run that is not
+training here, not finished here and not as far along here, so the queue's ``--resume``
+continues it after the packed round and reaches the result an uninterrupted run reaches.
 
 Pack after stopping the queue (Ctrl-C): a run still training is packed too (its checkpoint is
 read before its rows, and a resume drops rows past the checkpoint), except one whose client
-states are spilled to disk, which could change under the copy; it is named and left out.
+states are spilled to disk, which could change under the copy: it is named, its archived copy
+kept, and pack exits 1.
 
     python experiments/carry.py pack   [--root experiments/runs]
     python experiments/carry.py unpack [--root experiments/runs]
@@ -30,13 +32,19 @@ import io
 import os
 import sys
 import tarfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+
+import torch
 
 from fedlore.atomic import write_bytes
 
 ARCHIVE = "in-progress.tar.gz"
-FILES = ("config.json", "metrics.jsonl", "checkpoint.pt")
-"""What a resumed run reads, besides the spilled client states (``client_states/``)."""
+Files = dict[str, tuple[bytes, float]]
+"""A run's files: name relative to the root -> (content, modification time)."""
+
+
+class ArchiveError(Exception):
+    """The archive cannot be read, or holds a member no run folder may hold."""
 
 
 def unfinished(root: Path) -> list[Path]:
@@ -62,77 +70,145 @@ def training(folder: Path) -> bool:
     return False
 
 
-def _add(tar: tarfile.TarFile, name: str, data: bytes, mtime: float) -> None:
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = len(data), int(mtime), 0o644
-    tar.addfile(info, io.BytesIO(data))
+def checkpoint_round(data: bytes) -> int:
+    """The round a checkpoint was written after."""
+    return int(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)["round"])
 
 
-def pack(root: Path) -> int:
-    """Write ``root/in-progress.tar.gz`` (atomically); the number of runs it holds."""
-    runs, buf = [], io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for folder in unfinished(root):
-            spilled = sorted((folder / "client_states").glob("*"))
-            if spilled and training(folder):
-                print(f"left out (still training, client states spilled to disk): {folder}")
-                continue
-            # the checkpoint before the rows: rows past its round are dropped on resume
-            members = [folder / "checkpoint.pt", folder / "config.json", folder / "metrics.jsonl"]
-            members += [p for p in spilled if p.is_file()]
-            if not all(p.is_file() for p in members):
-                print(f"left out (no config.json or metrics.jsonl beside the checkpoint): {folder}")
-                continue
-            for path in members:
-                _add(
-                    tar, path.relative_to(root).as_posix(), path.read_bytes(), path.stat().st_mtime
-                )
-            runs.append(folder)
+def run_of(name: str) -> PurePosixPath:
+    """The run folder an archive member belongs to (``.../seed-<s>[.overwrite]``).
+
+    Raises:
+        ArchiveError: for a member outside a run folder, absolute, or climbing out with ``..``.
+    """
+    path = PurePosixPath(name)
+    run = path.parent.parent if path.parent.name == "client_states" else path.parent
+    if path.is_absolute() or ".." in path.parts or not run.name.startswith("seed-"):
+        raise ArchiveError(f"refusing member {name!r}: not a file of a seed-* run folder")
+    return run
+
+
+def read_archive(archive: Path) -> dict[PurePosixPath, Files]:
+    """The archive's runs and their files (empty when there is no archive).
+
+    Raises:
+        ArchiveError: naming the archive when it cannot be read or holds a foreign member.
+    """
+    if not archive.exists():
+        return {}
+    runs: dict[PurePosixPath, Files] = {}
+    try:
+        with tarfile.open(archive, mode="r:gz") as tar:
+            for member in tar.getmembers():
+                if not member.isfile():
+                    raise ArchiveError(f"refusing member {member.name!r}: not a regular file")
+                source = tar.extractfile(member)
+                assert source is not None  # a regular file
+                files = runs.setdefault(run_of(member.name), {})
+                files[member.name] = (source.read(), float(member.mtime))
+    except (OSError, EOFError, tarfile.TarError) as e:
+        raise ArchiveError(f"cannot read it ({type(e).__name__}: {e})") from None
+    for run, files in runs.items():
+        if f"{run}/checkpoint.pt" not in files:
+            raise ArchiveError(f"its run {run} has no checkpoint.pt")
+    return runs
+
+
+def local_files(root: Path, folder: Path) -> Files:
+    """A run folder's resumable files, the checkpoint read first (rows past it are dropped on
+    resume)."""
+    paths = [folder / "checkpoint.pt", folder / "config.json", folder / "metrics.jsonl"]
+    paths += sorted(p for p in (folder / "client_states").glob("*") if p.is_file())
+    return {p.relative_to(root).as_posix(): (p.read_bytes(), p.stat().st_mtime) for p in paths}
+
+
+def _round(files: Files) -> int:
+    ckpt = next(data for name, (data, _) in files.items() if name.endswith("/checkpoint.pt"))
+    return checkpoint_round(ckpt)
+
+
+def pack(root: Path) -> tuple[int, list[Path]]:
+    """Update ``root/in-progress.tar.gz`` (atomically); (the runs it holds, the runs left out).
+
+    Raises:
+        ArchiveError: when the archive there cannot be read (nothing is written).
+    """
     archive = root / ARCHIVE
+    runs = read_archive(archive)
+    left_out: list[Path] = []
+    for run in list(runs):
+        if (root / run / "summary.json").exists():
+            print(f"finished here, dropped from the archive: {run}")
+            del runs[run]
+    for folder in unfinished(root):
+        run = PurePosixPath(folder.relative_to(root).as_posix())
+        if any((folder / "client_states").glob("*")) and training(folder):
+            print(f"left out (still training, client states spilled to disk): {run}")
+            left_out.append(folder)
+            continue
+        if not all((folder / f).is_file() for f in ("config.json", "metrics.jsonl")):
+            print(f"left out (no config.json or metrics.jsonl beside the checkpoint): {run}")
+            left_out.append(folder)
+            continue
+        files = local_files(root, folder)
+        here = _round(files)
+        if run in runs and (archived := _round(runs[run])) > here:
+            print(f"kept the archived copy (round {archived}; round {here} here): {run}")
+            continue
+        runs[run] = files
+        print(f"packed {run} (after round {here})")
     if not runs:
-        if archive.exists():
+        if archive.exists() and not left_out:
             archive.unlink()
             print(f"no unfinished run under {root}: removed {archive}")
-        else:
+        elif not left_out:
             print(f"no unfinished run under {root}: nothing to pack")
-        return 0
+        return 0, left_out
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for run in sorted(runs):
+            for name, (data, mtime) in sorted(runs[run].items()):
+                info = tarfile.TarInfo(name)
+                info.size, info.mtime, info.mode = len(data), int(mtime), 0o644
+                tar.addfile(info, io.BytesIO(data))
     write_bytes(archive, buf.getvalue())
-    for folder in runs:
-        print(f"packed {folder.relative_to(root)}")
     print(f"{archive}: {len(runs)} unfinished run(s), {archive.stat().st_size / 1e6:.2f} MB")
-    return len(runs)
+    return len(runs), left_out
 
 
 def unpack(root: Path) -> int:
-    """Restore the archive's runs whose folders have no summary and no checkpoint; how many."""
-    archive = root / ARCHIVE
-    if not archive.exists():
-        print(f"no {archive}: nothing to restore")
-        return 0
+    """Restore the archive's runs that are not training, finished or further along here; how
+    many were restored.
+
+    Raises:
+        ArchiveError: when the archive cannot be read (nothing is written).
+    """
     restored = 0
-    with tarfile.open(archive, mode="r:gz") as tar:
-        by_run: dict[Path, list[tarfile.TarInfo]] = {}
-        for member in tar.getmembers():
-            rel = Path(member.name)
-            if not member.isfile() or rel.is_absolute() or ".." in rel.parts:
-                raise SystemExit(f"{archive}: refusing member {member.name!r}")
-            run = rel.parent.parent if rel.parent.name == "client_states" else rel.parent
-            by_run.setdefault(run, []).append(member)
-        for run, members in sorted(by_run.items()):
-            folder = root / run
-            if (folder / "summary.json").exists() or (folder / "checkpoint.pt").exists():
-                print(f"kept as it is (finished or further along here): {run}")
+    for run, files in sorted(read_archive(root / ARCHIVE).items()):
+        folder = root / run
+        archived = _round(files)
+        if (folder / "summary.json").exists():
+            print(f"kept as it is (finished here): {run}")
+            continue
+        if training(folder):
+            print(f"kept as it is (training here now): {run}")
+            continue
+        if (folder / "checkpoint.pt").exists():
+            here = checkpoint_round((folder / "checkpoint.pt").read_bytes())
+            if here >= archived:
+                print(f"kept as it is (round {here} here; archived: round {archived}): {run}")
                 continue
-            # the checkpoint last: an unpack cut short leaves no checkpoint without its rows
-            for member in sorted(members, key=lambda m: m.name.endswith("/checkpoint.pt")):
-                source = tar.extractfile(member)
-                assert source is not None  # a regular file
-                target = root / member.name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                write_bytes(target, source.read())
-                os.utime(target, (member.mtime, member.mtime))
-            restored += 1
-            print(f"restored {run}")
+            (folder / "checkpoint.pt").unlink()  # first: never a checkpoint beside other rows
+        # the checkpoint last: an unpack cut short leaves no checkpoint without its rows
+        for name, (data, mtime) in sorted(files.items(), key=lambda f: f[0].endswith(".pt")):
+            target = root / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes(target, data)
+            os.utime(target, (mtime, mtime))
+        restored += 1
+        print(f"restored {run} (after round {archived})")
+    if not restored:
+        print(f"nothing to restore under {root}")
     return restored
 
 
@@ -144,8 +220,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.root.is_dir():
         print(f"carry.py: no runs folder {args.root}", file=sys.stderr)
         return 2
-    (pack if args.action == "pack" else unpack)(args.root)
-    return 0
+    try:
+        if args.action == "unpack":
+            unpack(args.root)
+            return 0
+        _, left_out = pack(args.root)
+    except ArchiveError as e:
+        print(
+            f"carry.py: {args.root / ARCHIVE}: {e}; nothing was written (restore it with "
+            "`git checkout -- <it>`, or move it away to start those runs over)",
+            file=sys.stderr,
+        )
+        return 2
+    return 1 if left_out else 0
 
 
 if __name__ == "__main__":

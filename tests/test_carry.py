@@ -3,6 +3,7 @@ resumes to the result of an uninterrupted run; finished runs and runs further al
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import shutil
@@ -12,6 +13,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
 
 from fedlore.config import Config, load_config
 from fedlore.engine.rundir import run_dir
@@ -65,7 +67,7 @@ def test_a_packed_run_resumes_elsewhere_to_the_uninterrupted_result(tmp_path: Pa
     assert run_one(here, "fedlore", 1, stop_after=2) is None  # killed after round 2
     assert run_one(here, "fedavg", 1) is not None  # finished: never packed
     root = Path(here.output_dir)
-    assert carry.pack(root) == 1
+    assert carry.pack(root) == (1, [])
     archive = root / carry.ARCHIVE
 
     # a fresh clone: the committed archive and nothing else of the unfinished run
@@ -90,24 +92,92 @@ def test_a_packed_run_resumes_elsewhere_to_the_uninterrupted_result(tmp_path: Pa
 
     # once every run has finished, pack removes the stale archive
     assert run_one(here, "fedlore", 1, resume=True) is not None
-    assert carry.pack(root) == 0 and not archive.exists()
+    assert carry.pack(root) == (0, []) and not archive.exists()
 
 
-def test_a_folder_without_checkpoint_is_restored_and_a_bad_archive_refused(tmp_path: Path) -> None:
-    run = tmp_path / "t" / "m" / "seed-0"
-    run.mkdir(parents=True)
-    for name, text in (("config.json", "{}"), ("metrics.jsonl", '{"round": 1}\n')):
-        (run / name).write_text(text)
-    (run / "checkpoint.pt").write_bytes(b"ckpt")
-    assert carry.pack(tmp_path) == 1
+def _fake_run(root: Path, name: str, rnd: int) -> Path:
+    """A run folder as a run killed after round ``rnd`` leaves it."""
+    run = root / "t" / name / "seed-0"
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("".join(f'{{"round": {r}}}\n' for r in range(rnd + 1)))
+    torch.save({"round": rnd}, run / "checkpoint.pt")
+    return run
+
+
+def _archived(root: Path) -> dict[str, int]:
+    return {
+        str(run): carry._round(files)
+        for run, files in carry.read_archive(root / carry.ARCHIVE).items()
+    }
+
+
+def test_pack_keeps_what_the_archive_holds_unless_superseded(tmp_path: Path) -> None:
+    a = _fake_run(tmp_path, "a", 5)
+    assert carry.pack(tmp_path) == (1, [])
+    shutil.rmtree(a)  # a fresh clone, before unpack: only the archive
+    assert carry.pack(tmp_path) == (1, [])  # never removed for want of local runs
+    _fake_run(tmp_path, "b", 2)  # another table's run, packed beside it
+    assert carry.pack(tmp_path) == (2, [])
+    assert _archived(tmp_path) == {"t/a/seed-0": 5, "t/b/seed-0": 2}
+    _fake_run(tmp_path, "a", 1)  # started over here, behind the archived copy
+    carry.pack(tmp_path)
+    assert _archived(tmp_path)["t/a/seed-0"] == 5
+    assert carry.unpack(tmp_path) == 1  # the archived round 5 replaces round 1
+    assert torch.load(a / "checkpoint.pt", weights_only=True)["round"] == 5
+    assert len((a / "metrics.jsonl").read_text().splitlines()) == 6
+    (a / "summary.json").write_text("{}")  # finished here: it leaves the archive
+    carry.pack(tmp_path)
+    assert _archived(tmp_path) == {"t/b/seed-0": 2}
+
+
+def test_unpack_never_writes_under_a_training_run(tmp_path: Path) -> None:
+    run = _fake_run(tmp_path, "a", 3)
+    carry.pack(tmp_path)
     (run / "checkpoint.pt").unlink()
-    (run / "metrics.jsonl").write_text("")  # a fresh start left by a clone without checkpoint
-    assert carry.unpack(tmp_path) == 1
-    assert (run / "checkpoint.pt").read_bytes() == b"ckpt"
-    assert (run / "metrics.jsonl").read_text() == '{"round": 1}\n'
+    (run / "metrics.jsonl").write_text('{"round": 0}\n')  # started over, now training
+    with open(run / "run.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert carry.unpack(tmp_path) == 0
+    assert not (run / "checkpoint.pt").exists()
+    assert carry.unpack(tmp_path) == 1  # once it stopped
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["round"] == 3
 
-    with tarfile.open(tmp_path / carry.ARCHIVE, "w:gz") as tar:
-        tar.add(run / "config.json", arcname="../escape/config.json")
-    with pytest.raises(SystemExit, match=r"refusing member '\.\./escape/config\.json'"):
-        carry.unpack(tmp_path)
+
+def test_a_bad_archive_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _fake_run(tmp_path, "a", 1)
+    archive = tmp_path / carry.ARCHIVE
+    for member, why in (
+        ("../escape/seed-0/config.json", "refusing member '../escape/seed-0/config.json'"),
+        ("in-progress.tar.gz", "refusing member 'in-progress.tar.gz'"),
+        ("t/a/seed-0/config.json", "its run t/a/seed-0 has no checkpoint.pt"),
+    ):
+        with tarfile.open(archive, "w:gz") as tar:
+            tar.add(run / "config.json", arcname=member)
+        assert carry.main(["unpack", "--root", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1
+    for broken in (b"", b"not a tar", archive.read_bytes()[:40]):
+        archive.write_bytes(broken)
+        before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+        for action in ("unpack", "pack"):
+            assert carry.main([action, "--root", str(tmp_path)]) == 2
+            assert "cannot read it" in capsys.readouterr().err
+        assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
     assert not (tmp_path.parent / "escape").exists()
+
+
+def test_a_run_left_out_keeps_its_archived_copy_and_pack_says_so(tmp_path: Path) -> None:
+    run = _fake_run(tmp_path, "a", 2)
+    (run / "client_states").mkdir()
+    (run / "client_states" / "0.pt").write_bytes(b"state")
+    assert carry.pack(tmp_path) == (1, [])
+    torch.save({"round": 4}, run / "checkpoint.pt")  # trained on, spilling, still training
+    with open(run / "run.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert carry.main(["pack", "--root", str(tmp_path)]) == 1
+    assert _archived(tmp_path) == {"t/a/seed-0": 2}
+    assert carry.pack(tmp_path) == (1, [])  # stopped: packed at round 4
+    assert _archived(tmp_path) == {"t/a/seed-0": 4}

@@ -66,3 +66,36 @@ class State:
 
     arrays: Arrays = field(default_factory=dict)
     values: Scalars = field(default_factory=dict)
+
+
+LOCAL_KEYS = ("local_accuracy", "local_loss", "local_ece", "local_mse")
+"""P-local reply metrics, pooled over clients weighted by their test size ``local_n``."""
+
+LOOP_KEYS = frozenset(
+    {
+        "round",
+        "clients",
+        "accepted",
+        "rejected",
+        "accepted_clients",
+        "rejected_reasons",
+        "bytes_up",
+        "bytes_down",
+        "train_loss",
+        "optimizer_state_bytes",
+        "peak_memory_bytes",
+        "skipped_steps",
+        "client_train_s",
+        "local_clients",
+        "local_rmse",
+        "wall_s",
+        "eval_s",
+        "diag_s",
+        "diag_bytes_up",
+        *LOCAL_KEYS,
+    }
+)
+"""The keys of a round's row that the loop itself measures: a method's per-client metrics
+(:attr:`~fedlore.algorithm.Algorithm.per_client_metrics`) and its aggregate metrics must not
+reuse them (:class:`fedlore.engine.loop.RoundLoop` refuses both), nor may a metric of
+``eval.metrics`` (:mod:`fedlore.train.metrics`)."""

@@ -5,15 +5,19 @@ own, registered in a module of ``imports``, runs like a built-in one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from sklearn.metrics import balanced_accuracy_score, f1_score, roc_auc_score, top_k_accuracy_score
 
+from fedlore import registry
 from fedlore.cli import main
 from fedlore.config import ConfigError, load_config
 from fedlore.experiment import run_experiment
@@ -66,10 +70,61 @@ def test_names_are_checked() -> None:
     problems = M.check_names(["balanced_acc", "loss", "Brier", "brier", "brier"])
     text = "\n".join(problems)
     assert "unknown metric 'balanced_acc' (did you mean 'balanced_accuracy'?)" in text
-    assert "'loss' cannot name a metric" in text
-    assert "'Brier' cannot name a metric" in text
+    assert "'loss' is recorded in every evaluation already" in text
+    assert "'Brier' cannot name a metric (lower-case" in text and "did you mean 'brier'" in text
     assert "['brier'] named twice" in text
     assert M.check_names(["brier", "f1_macro"]) == []
+    # a name fedlore writes itself, or one it would make of the name, is refused
+    for name in ("round", "train_loss", "wall_s", "eval_s", "accuracy_min", "client_accuracy"):
+        assert "fedlore writes a key of that name" in "".join(M.check_names([name])), name
+    for name in ("selection_accuracy", "local_x", "final_y", "diag.rho2", "lr_chosen"):
+        assert M.check_names([name]), name
+
+
+def test_the_reserved_names_cover_the_round_loops_keys() -> None:
+    from fedlore.engine.loop import LOOP_KEYS
+
+    uncovered = [
+        k for k in LOOP_KEYS if k not in M.RESERVED and not k.startswith(M.RESERVED_PREFIXES)
+    ]
+    assert not uncovered, f"add to fedlore.train.metrics.RESERVED: {uncovered}"
+
+
+def test_a_metric_gets_copies_and_must_return_one_real_number() -> None:
+    log_probs, y = _predictive(7)
+    seen = log_probs.clone()
+
+    def vandal(lp: torch.Tensor, t: torch.Tensor) -> float:
+        lp.zero_()
+        t.zero_()
+        return 0.0
+
+    with _registered("vandal", vandal):
+        got = M.classification_metrics(log_probs, y, ["vandal", "balanced_accuracy"])
+    assert torch.equal(log_probs, seen)  # the caller's predictive is untouched
+    assert got["balanced_accuracy"] == M.balanced_accuracy(seen, y) and got["vandal"] == 0.0
+    assert got["accuracy"] == pytest.approx(float((seen.argmax(-1) == y).double().mean()))
+    for name, value in (("nothing", None), ("text", "0.5"), ("yes", True), ("many", torch.ones(3))):
+        with _registered(name, lambda lp, t, v=value: v), pytest.raises(ValueError) as e:
+            M.extra_metrics(log_probs, y, [name])
+        assert f"metric {name!r} returned" in str(e.value) and "one real number" in str(e.value)
+    boom = pytest.raises(ValueError, match="metric 'boom' failed: ZeroDivisionError")
+    with _registered("boom", lambda lp, t: 1 / 0), boom:
+        M.extra_metrics(log_probs, y, ["boom"])
+    for value in (0.25, np.float32(0.25), torch.tensor(0.25), np.array([0.25])):
+        with _registered("fine", lambda lp, t, v=value: v):
+            assert M.extra_metrics(log_probs, y, ["fine"]) == {"fine": 0.25}
+
+
+@contextlib.contextmanager
+def _registered(name: str, fn: Any) -> Iterator[None]:
+    """``fn`` registered as metric ``name`` while the block runs."""
+    table = registry._TABLES["metric"]
+    registry.register_metric(name)(fn)
+    try:
+        yield
+    finally:
+        table.pop(name, None)
 
 
 def _cfg(out: Path, *extra: str):  # type: ignore[no-untyped-def]
@@ -151,6 +206,16 @@ def test_refusals_before_any_run(tmp_path: Path, capsys: pytest.CaptureFixture[s
     for split, n in (("train", 300), ("test", 60)):
         x, y = rng.normal(size=(n, 4)).astype("float32"), np.arange(n) % 3
         np.savez(data / f"{split}.npz", x=x, y=y)
+    plugin = tmp_path.parent / f"{tmp_path.name}-broken.py"
+    plugin.write_text(
+        "from fedlore.registry import register_metric\n"
+        "register_metric('per_example')(lambda log_probs, y: log_probs.max(-1).values)\n"
+    )
+    bad = [f"imports=[{plugin}]", "eval.metrics=[per_example]"]
+    assert main([*args, *bad]) != 0
+    err = capsys.readouterr().err
+    assert "metric 'per_example' returned a torch.float32 tensor of shape [64]" in err
+    assert "before training" in err and not any(tmp_path.iterdir())
     more = ["data.name=npz", f"data.root={data}", "eval.metrics=[top5_accuracy]"]
     assert main([*args, *more]) != 0
     assert "top5_accuracy needs more than 5 classes; 'npz' has 3" in capsys.readouterr().err

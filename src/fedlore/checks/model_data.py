@@ -14,6 +14,7 @@ from fedlore.algorithm import Algorithm, Capabilities
 from fedlore.config import Config, ConfigError
 from fedlore.data.checks import DataWarning
 from fedlore.settings import not_applicable
+from fedlore.train.metrics import trial_problems
 
 if TYPE_CHECKING:
     from torch import nn
@@ -93,7 +94,8 @@ def check_model_fits_data(model: str, fed: Federation) -> None:
 
 
 def check_eval(cfg: Config, fed: Federation) -> None:
-    """``eval.metrics`` needs a classifier (``top5_accuracy`` more than five classes).
+    """``eval.metrics`` needs a classifier (``top5_accuracy`` more than five classes), and
+    each metric must score a trial predictive (:func:`~fedlore.train.metrics.trial_problems`).
     Per-client evaluation (``eval.clients``, G-local; ``eval.local``, P-local) needs local
     test splits, which a pre-training corpus does not have (every training document belongs to
     exactly one client's training data), nor LEAF users whose test examples lie with other users
@@ -117,6 +119,10 @@ def check_eval(cfg: Config, fed: Federation) -> None:
             f"eval.metrics: top5_accuracy needs more than 5 classes; {fed.source!r} has "
             f"{fed.num_classes}"
         )
+    if cfg.eval.metrics:
+        problems = trial_problems(cfg.eval.metrics, fed.central_test.y, fed.num_classes)
+        if problems:
+            raise ConfigError("\n".join(problems))
     asked = [
         k for k, on in (("eval.clients", cfg.eval.clients), ("eval.local", cfg.eval.local)) if on
     ]

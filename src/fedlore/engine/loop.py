@@ -31,7 +31,7 @@ from fedlore.engine.validate import validate_reply
 from fedlore.privacy import Privacy
 from fedlore.robust import norm_screen
 from fedlore.tensors import nbytes
-from fedlore.types import Broadcast, Reply, State
+from fedlore.types import LOCAL_KEYS, LOOP_KEYS, Broadcast, Reply, State
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,14 @@ class RoundLoop:
             and ((rnd + 1) % self.eval_every == 0 or rnd == last_round)
         ):
             t1 = time.perf_counter()
-            row.update(self.evaluate(state))
+            scores = self.evaluate(state)
+            clash = sorted(scores.keys() & (row.keys() | {"eval_s"}))
+            if clash:  # a metric of eval.metrics, or a method's metric, of the same name
+                raise ValueError(
+                    f"the evaluation's score(s) {clash} have the name of a key the round's row "
+                    "holds already; rename the metric"
+                )
+            row.update(scores)
             row["eval_s"] = time.perf_counter() - t1
         return state, row
 
@@ -262,38 +269,6 @@ class RoundLoop:
             e.last_round = done
             raise
         return state
-
-
-LOCAL_KEYS = ("local_accuracy", "local_loss", "local_ece", "local_mse")
-"""P-local reply metrics, pooled over clients weighted by their test size ``local_n``."""
-
-LOOP_KEYS = frozenset(
-    {
-        "round",
-        "clients",
-        "accepted",
-        "rejected",
-        "accepted_clients",
-        "rejected_reasons",
-        "bytes_up",
-        "bytes_down",
-        "train_loss",
-        "optimizer_state_bytes",
-        "peak_memory_bytes",
-        "skipped_steps",
-        "client_train_s",
-        "local_clients",
-        "local_rmse",
-        "wall_s",
-        "eval_s",
-        "diag_s",
-        "diag_bytes_up",
-        *LOCAL_KEYS,
-    }
-)
-"""The keys of a round's row that the loop itself measures: a method's per-client metrics
-(:attr:`~fedlore.algorithm.Algorithm.per_client_metrics`) and its aggregate metrics must not
-reuse them (:class:`RoundLoop` refuses both)."""
 
 
 def hide_client_ids(row: Row, per_client: Sequence[str] = ()) -> None:

@@ -348,9 +348,15 @@ def check_same_data(out: Path, fingerprint: str) -> None:
 def start_fresh(out: Path, spill: Path, method: str, seed: int) -> None:
     """Clear what an earlier run left in ``out`` for a fresh run (nothing of it may survive):
     its summary, checkpoint, config record and DP ledger, and its spilled client states; says so
-    when the folder held a run (``--resume`` would have continued it)."""
+    when the folder held an unfinished run (``--resume`` continues one of the same config)."""
     if (out / "metrics.jsonl").exists():
-        say("%s seed %d: starting over in %s (--resume would continue)", method, seed, out)
+        say(
+            "%s seed %d: starting over in %s, over an unfinished run (--resume continues one "
+            "of the same config)",
+            method,
+            seed,
+            out,
+        )
     for stale in (
         "summary.json",
         "checkpoint.pt",

@@ -226,13 +226,18 @@ def diagnostics_markdown(table: list[dict[str, Any]]) -> str:
 
 def eval_metrics_markdown(keys: list[str], table: list[dict[str, Any]]) -> str:
     """Render :func:`~fedlore.results.tables.eval_metrics_table` as Markdown: a column per
-    metric (``final_`` dropped), mean ± std over seeds with 4 decimals (empty for no rows)."""
+    metric (``final_`` dropped), mean ± std over the seeds with a finite value, 4 decimals, and
+    how many of the method's seeds those are when not all (empty for no rows)."""
     if not table:
         return ""
     header = ["method", *[k.removeprefix("final_") for k in keys]]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in table:
         n = int(row["n_seeds"])
-        cells = [str(row["method"]), *[_pm(row[k][0], row[k][1], digits=4, n=n) for k in keys]]
+        cells = [str(row["method"])]
+        for k in keys:
+            mean, std, count = row[k]
+            cell = _pm(mean, std, digits=4, n=count)
+            cells.append(cell if count in (0, n) else f"{cell} ({count} of {n} seeds)")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -211,8 +211,9 @@ def diagnostics_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
 def eval_metrics_table(runs: dict[str, list[RunRecord]]) -> tuple[list[str], list[dict[str, Any]]]:
     """The ``eval.metrics`` of the runs (:mod:`fedlore.train.metrics`): the summary keys
     (``final_<name>``, then ``final_selection_<name>``, then ``final_client_<name>``, in the
-    order the runs named them), and per method ``{"method", "n_seeds", key: (mean, std)}``
-    over the seeds that recorded a finite value. Both empty when no run named any."""
+    order the runs named them), and per method ``{"method", "n_seeds", key: (mean, std,
+    count)}`` over the ``count`` seeds that recorded a finite value. Both empty when no run
+    named any."""
     names: list[str] = []
     for records in runs.values():
         for r in records:
@@ -228,6 +229,8 @@ def eval_metrics_table(runs: dict[str, list[RunRecord]]) -> tuple[list[str], lis
     table = []
     for method, records in runs.items():
         row: dict[str, Any] = {"method": method, "n_seeds": len(records)}
-        row.update({key: _stat(_summary_values(records, key)) for key in keys})
+        for key in keys:
+            values = _summary_values(records, key)
+            row[key] = (*_stat(values), len(values))
         table.append(row)
     return keys, table

@@ -40,18 +40,40 @@ import re
 import warnings
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from fedlore import registry
 from fedlore.registry import register_metric
+from fedlore.types import LOOP_KEYS
 
 Metric = Callable[[torch.Tensor, torch.Tensor], float]
 
-RESERVED = frozenset(
-    {"accuracy", "loss", "ece", "perplexity", "rmse", "num_examples", "num_tokens", "mean", "std"}
+ALWAYS = frozenset({"accuracy", "loss", "ece", "perplexity", "rmse"})
+"""What every evaluation records already."""
+
+RESERVED = (
+    ALWAYS
+    | frozenset(
+        {
+            # the evaluation's and the G-local spread's (client_<name> of these); the round
+            # loop's are LOOP_KEYS
+            "num_examples",
+            "num_tokens",
+            "accuracy_mean",
+            "accuracy_std",
+            "accuracy_min",
+            "accuracy_p10",
+            "eval_metrics",
+        }
+    )
+    | LOOP_KEYS
 )
-"""Row keys the evaluation writes itself: a metric named like one would replace it."""
+"""Row keys fedlore writes itself: a metric named like one would replace it."""
+
+RESERVED_PREFIXES = ("client_", "selection_", "local_", "final_", "best_", "diag", "dp_", "lr_")
+"""Prefixes of the keys fedlore writes (and of those it makes from a metric's name)."""
 
 NAME = re.compile(r"[a-z][a-z0-9_]*")
 
@@ -116,13 +138,23 @@ def brier(log_probs: torch.Tensor, y: torch.Tensor) -> float:
 
 def check_names(names: Sequence[str]) -> list[str]:
     """Problems of an ``eval.metrics`` list: unknown names (with a did-you-mean), names a
-    registered metric may not have, duplicates."""
+    metric may not have (a key fedlore writes, or one it would make of the name), duplicates."""
     problems = []
     for name in names:
-        if not NAME.fullmatch(name) or name in RESERVED:
+        hint = registry.did_you_mean(name, registry.names("metric"))
+        if name in ALWAYS:
+            problems.append(f"eval.metrics: {name!r} is recorded in every evaluation already")
+            continue
+        if not NAME.fullmatch(name):
             problems.append(
                 f"eval.metrics: {name!r} cannot name a metric (lower-case letters, digits and _, "
-                f"starting with a letter; not one of {sorted(RESERVED)})"
+                f"starting with a letter){hint}"
+            )
+            continue
+        if name in RESERVED or name.startswith(RESERVED_PREFIXES):
+            problems.append(
+                f"eval.metrics: {name!r} cannot name a metric: fedlore writes a key of that name "
+                f"(its own keys, and those starting with {', '.join(RESERVED_PREFIXES)})"
             )
             continue
         try:
@@ -135,6 +167,46 @@ def check_names(names: Sequence[str]) -> list[str]:
     return problems
 
 
+def real_number(name: str, value: object) -> float:
+    """A metric's value as a float: a Python or NumPy real, or a one-element tensor.
+
+    Raises:
+        ValueError: naming the metric, for anything else (a bool, a string, None, a tensor of
+            several values).
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and not value.dtype.is_complex and value.dtype != torch.bool:
+            return float(value.item())
+        shown = f"a {value.dtype} tensor of shape {list(value.shape)}"
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    elif isinstance(value, np.ndarray | np.generic) and value.size == 1:
+        if value.dtype.kind in "iuf":  # not bool, complex, text
+            return float(value.item())
+        shown = f"a numpy {value.dtype} value"
+    else:
+        shown = f"{type(value).__name__} {str(value)[:40]!r}"
+    raise ValueError(f"metric {name!r} returned {shown}; a metric returns one real number")
+
+
+def trial_problems(names: Sequence[str], y: torch.Tensor, num_classes: int) -> list[str]:
+    """Each metric of ``names`` called once, before any run, on a made-up predictive over
+    ``num_classes`` for the first 64 labels of ``y``: a metric that raises or returns no real
+    number is named now, not after the first ``eval.every`` rounds of training."""
+    y = y[:64].cpu()
+    if len(y) == 0:
+        return []
+    g = torch.Generator().manual_seed(0)  # a stand-in predictive, not a result
+    log_probs = torch.log_softmax(torch.randn(len(y), num_classes, generator=g), -1)
+    problems = []
+    for name in names:
+        try:
+            extra_metrics(log_probs, y, [name])
+        except ValueError as e:
+            problems.append(f"eval.metrics: {e} (on a trial predictive, before training)")
+    return problems
+
+
 def extra_metrics(
     log_probs: torch.Tensor, y: torch.Tensor, names: Sequence[str]
 ) -> dict[str, float]:
@@ -142,8 +214,8 @@ def extra_metrics(
     log probability is not finite (a diverged model) or the split is empty.
 
     Raises:
-        ValueError: from a metric that cannot score this task (``top5_accuracy`` with 5 classes),
-            or when a metric returns something that is not a real number.
+        ValueError: naming the metric, when it raised (``top5_accuracy`` with 5 classes) or
+            returned something that is not one real number (:func:`real_number`).
     """
     if not names:
         return {}
@@ -151,14 +223,11 @@ def extra_metrics(
         return dict.fromkeys(names, float("nan"))
     out = {}
     for name in names:
-        value = registry.get("metric", name)(log_probs, y)
-        try:
-            out[name] = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"metric {name!r} returned {type(value).__name__} {value!r}; a metric returns "
-                "one real number"
-            ) from None
+        try:  # on copies: a metric that edits its inputs cannot change another's scores
+            value = registry.get("metric", name)(log_probs.clone(), y.clone())
+        except Exception as e:
+            raise ValueError(f"metric {name!r} failed: {type(e).__name__}: {e}") from e
+        out[name] = real_number(name, value)
     return out
 
 
