@@ -262,8 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     ``RecursionError`` inside numpy was seen), and that is reported as the interrupt it is."""
     command = argv is None  # the fedlore command itself (not a call from Python)
     args = list(sys.argv[1:] if argv is None else argv)
-    before = interrupt.signals()
+    # the command counts from its process's start: a library's import may have swallowed the
+    # KeyboardInterrupt of a Ctrl-C while the command loaded (leaving a module half-imported)
+    before = 0 if command else interrupt.signals()
     try:
+        if interrupt.signals() > before:  # that Ctrl-C: nothing runs
+            raise KeyboardInterrupt
         return _main(args, command)
     except BaseException as e:
         if isinstance(e, SystemExit) or interrupt.signals() == before:
