@@ -14,8 +14,9 @@
 # Started again with the same OUT, it skips the tables it already wrote there (a fresh clone's
 # first run checks every committed run of each table once). Its first step restores the runs a
 # previous machine left unfinished (experiments/runs/in-progress.tar.gz): before leaving a
-# machine, stop the queue (Ctrl-C), run `python experiments/carry.py pack` and commit that
-# archive, or the next machine trains those runs again from their first round.
+# machine, stop the queue (Ctrl-C, or SIGTERM to its process group when it runs in the
+# background), run `python experiments/carry.py pack` and commit that archive, or the next
+# machine trains those runs again from their first round.
 #
 # CPU cost on two cores (measured): the pre-training ablation and rank sweep about 1.5 h, Table 2
 # about 3 h, the text rivals 30 min and the pre-training rivals 1 h (all finished and committed:
@@ -31,6 +32,10 @@ P=${PYTHON:-.venv/bin/python}
 SEVEN=1e-4,3e-4,5e-4,8e-4,1e-3,3e-3,5e-3
 SGD=3e-4,1e-3,3e-3,1e-2,3e-2,1e-1,3e-1
 mkdir -p "$OUT"
+# SIGTERM to the queue's process group (`kill -TERM -- -PGID`; Ctrl-C in a terminal) stops it:
+# the runs stop cleanly and the drivers exit on their own, so without this trap bash would go on
+# to the next table. (Started in the background, bash ignores SIGINT: stop it with SIGTERM.)
+trap 'step "interrupted: the queue stops here (run it again to continue)"; exit 130' INT TERM
 FAILED=()
 step() { echo "$(date '+%F %T') $1" >&2; }
 step "runs a previous machine left unfinished (experiments/carry.py)"
