@@ -203,8 +203,16 @@ def _uninterrupted(tmp: Path, *extra: str) -> list[dict[str, Any]]:
 
 def _force(proc: subprocess.Popen[bytes], err: Path, first: int) -> None:
     """A SIGINT while the stop the ``first`` signal asked for is under way (a client still
-    training, Ray shutting down) ends the run at once, killing what it started."""
-    started = _signal(proc, first, signal.SIGINT, gap=0.1)
+    training, Ray shutting down) ends the run at once, killing what it started. The SIGINT is
+    sent once the run has said it is stopping (up to 5 s): two signals that reach a process
+    busy in one C call are handled once by Python, so a fixed gap made this test flaky."""
+    started = _signal(proc, first)
+    deadline = time.monotonic() + 5.0
+    while "stopping before the next round" not in err.read_text():
+        if time.monotonic() > deadline or proc.poll() is not None:
+            break
+        time.sleep(0.02)
+    _signal(proc, signal.SIGINT)
     t0 = time.monotonic()
     rc = proc.wait(timeout=30)
     text = err.read_text()

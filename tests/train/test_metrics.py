@@ -220,3 +220,11 @@ def test_refusals_before_any_run(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main([*args, *more]) != 0
     assert "top5_accuracy needs more than 5 classes; 'npz' has 3" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_a_metric_named_like_a_methods_own_row_key_stops_the_run(tmp_path: Path) -> None:
+    """FedAvg's rows hold ``aggregated``; a metric of that name would replace it: the round
+    loop refuses it rather than let one value silently overwrite the other."""
+    with _registered("aggregated", lambda lp, t: 0.5), pytest.raises(ValueError) as e:
+        run_experiment(_cfg(tmp_path, "eval.metrics=[aggregated]", "seeds=[0]"))
+    assert "['aggregated'] have the name of a key the round's row holds already" in str(e.value)

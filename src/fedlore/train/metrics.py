@@ -141,14 +141,13 @@ def check_names(names: Sequence[str]) -> list[str]:
     metric may not have (a key fedlore writes, or one it would make of the name), duplicates."""
     problems = []
     for name in names:
-        hint = registry.did_you_mean(name, registry.names("metric"))
         if name in ALWAYS:
             problems.append(f"eval.metrics: {name!r} is recorded in every evaluation already")
             continue
         if not NAME.fullmatch(name):
             problems.append(
                 f"eval.metrics: {name!r} cannot name a metric (lower-case letters, digits and _, "
-                f"starting with a letter){hint}"
+                f"starting with a letter){registry.did_you_mean(name, registry.names('metric'))}"
             )
             continue
         if name in RESERVED or name.startswith(RESERVED_PREFIXES):
