@@ -380,3 +380,33 @@ def test_evaluation_metrics_table_counts_the_seeds_behind_each_value(tmp_path: P
     assert section[2] == "| method | brier | f1_macro |"
     assert section[4] == "| fedavg | 0.4000 ± 0.2000 | 0.5000 (1 of 3 seeds) |"
     assert section[5] == "| fedlore | – | – |"
+
+
+def test_report_csv_has_the_evaluation_metrics_beside_the_summary(tmp_path: Path) -> None:
+    e = tmp_path / "scored"
+    for seed, brier, f1 in ((1, 0.2, 0.5), (2, 0.4, None), (3, 0.6, None)):
+        extra = {"eval_metrics": ["brier", "f1_macro"], "final_brier": brier, "final_f1_macro": f1}
+        write_run(e, "fedavg", seed, rows_for([0.5], 1, 1), {**summ(0.5, 0.5, 1, 1, 1, 1), **extra})
+    write_run(e, "fedlore", 1, rows_for([0.5], 1, 1), summ(0.5, 0.5, 1, 1, 1, 1))  # none named
+    report(e)
+    with (e / "report.csv").open() as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames is not None
+        assert reader.fieldnames[: len(COLUMNS)] == COLUMNS
+        assert reader.fieldnames[len(COLUMNS) :] == [
+            f"final_{m}_{s}" for m in ("brier", "f1_macro") for s in ("mean", "std", "n")
+        ]
+        fedavg, fedlore = reader
+    assert float(fedavg["final_brier_mean"]) == pytest.approx(0.4)
+    assert float(fedavg["final_brier_std"]) == pytest.approx(0.2)
+    assert fedavg["final_brier_n"] == "3"
+    assert float(fedavg["final_f1_macro_mean"]) == pytest.approx(0.5)
+    assert fedavg["final_f1_macro_std"] == "0.0" and fedavg["final_f1_macro_n"] == "1"
+    assert fedlore["final_brier_mean"] == "" and fedlore["final_brier_n"] == "0"
+    assert float(fedlore["final_accuracy_pct_mean"]) == pytest.approx(50.0)
+    # no eval.metrics anywhere: the header is COLUMNS alone
+    plain = tmp_path / "plain"
+    write_run(plain, "fedavg", 1, rows_for([0.5], 1, 1), summ(0.5, 0.5, 1, 1, 1, 1))
+    report(plain)
+    with (plain / "report.csv").open() as f:
+        assert csv.DictReader(f).fieldnames == COLUMNS

@@ -58,13 +58,32 @@ __all__ = [
 ]
 
 
-def to_csv(table: list[dict[str, Any]], path: Path) -> None:
+def to_csv(
+    table: list[dict[str, Any]],
+    path: Path,
+    metrics: tuple[list[str], list[dict[str, Any]]] = ([], []),
+) -> None:
     """Write :func:`summary_table` rows to ``path`` with the :data:`COLUMNS` header; missing
-    statistics are empty cells, numbers are written at full precision."""
+    statistics are empty cells, numbers are written at full precision.
+
+    ``metrics`` is :func:`eval_metrics_table`'s ``(keys, rows)``: each key adds the columns
+    ``<key>_mean``, ``<key>_std`` and ``<key>_n`` (the seeds with a finite value), after
+    :data:`COLUMNS`, joined to the summary rows by method."""
+    keys, rows = metrics
+    extra = [f"{key}_{stat}" for key in keys for stat in ("mean", "std", "n")]
+    by_method = {r["method"]: r for r in rows}
+    out = []
+    for r in table:
+        cells = {k: r.get(k) for k in COLUMNS}
+        scored = by_method.get(r["method"], {})
+        for key in keys:
+            mean, std, n = scored.get(key, (None, None, 0))
+            cells |= {f"{key}_mean": mean, f"{key}_std": std, f"{key}_n": n}
+        out.append({k: "" if v is None else v for k, v in cells.items()})
     with replacing(path, "w", newline="", shared=True) as f:  # a failure leaves the old file
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=COLUMNS + extra)
         writer.writeheader()
-        writer.writerows({k: "" if r.get(k) is None else r[k] for k in COLUMNS} for r in table)
+        writer.writerows(out)
 
 
 def setting_title(name: str, runs: dict[str, list[RunRecord]]) -> str:
@@ -102,10 +121,11 @@ def _report_experiment(exp_dir: Path, keys: Sequence[str] | None, write: bool = 
             for k in DIAGNOSTIC_KEYS
             if any(value(x, k) is not None for rs in runs.values() for r in rs for x in r.rows)
         ]
+    metric_keys, metrics = eval_metrics_table(runs)
     pngs = []
     if write:
         pngs = plot(runs, exp_dir, keys=keys, title=setting_title(exp_dir.name, runs))
-        to_csv(table, exp_dir / "report.csv")
+        to_csv(table, exp_dir / "report.csv", (metric_keys, metrics))
     images = "\n\n".join(f"![{p.stem.replace('_', ' ')}]({p.name})" for p in pngs)
     held = {s for rs in runs.values() for r in rs if (s := r.summary.get("data_test_split"))}
     text = (
@@ -121,7 +141,6 @@ def _report_experiment(exp_dir: Path, keys: Sequence[str] | None, write: bool = 
         "named by the settings that differ."
         "\n\n"
     )
-    metric_keys, metrics = eval_metrics_table(runs)
     if metrics:
         text += (
             "## Evaluation metrics\n\n"
