@@ -126,12 +126,13 @@ class EvalConfig(_Strict):
     metrics: list[str] = Field(default_factory=list)
     """Further classifier metrics, recorded beside accuracy, NLL and ECE wherever those are
     (central test ``<name>``, selection split ``selection_<name>``, with ``clients`` the
-    pooled client test splits ``client_<name>``; ``final_<key>`` in ``summary.json``):
+    pooled client test splits ``client_<name>``, with ``local`` the P-local scores
+    ``local_<name>``, each client's value weighted by its test size; ``final_<key>`` in
+    ``summary.json``):
     ``balanced_accuracy``, ``f1_macro``, ``top5_accuracy``, ``auroc_macro``, ``brier``, or one
     registered with :func:`fedlore.registry.register_metric` in a module of ``imports``
     (:mod:`fedlore.train.metrics`). Each is computed from the same predictive, at no extra
-    forward pass. Classifiers only; the P-local scores of ``local`` stay accuracy, NLL and
-    ECE."""
+    forward pass. Classifiers only."""
 
 
 class RobustConfig(_Strict):

@@ -212,6 +212,14 @@ class LocalTraining(StrictModel):
         description="S, the MC predictive's samples for stochastic layers (0: one mean pass)",
         json_schema_extra=_from("eval.mc_samples"),
     )
+    metrics: tuple[str, ...] = Field(
+        (),
+        description=(
+            "further classifier metrics the P-local scores of local_eval add as local_<name> "
+            "(fedlore.train.metrics)"
+        ),
+        json_schema_extra=_from("eval.metrics"),
+    )
     robust_aggregate: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan"] = (
         Field(
             "mean",

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("flwr", reason="needs the [flower] extra: pip install -e '.[flower]'")
 
-from sim_helpers import SMALL, assert_matches
+from sim_helpers import SMALL, assert_matches, rows
 
 from fedlore.config import load_config
 from fedlore.experiment import run_one
@@ -53,6 +53,7 @@ def test_an_experiment_starts_ray_once_and_its_runs_equal_runs_alone(
     monkeypatch.setattr(simulation, "stop_ray", spy_stop)
     # two actors (one CPU each): clients of one round run in two processes at once
     tiny = [*SMALL, *digits_npz, "rounds=2", "algorithms=[fedfull, fedavg]", "flower.client_cpus=1"]
+    tiny += ["eval.local=true", "eval.metrics=[brier]"]  # P-local metrics cross Flower's wire
     sim = load_config(None, [*tiny, "engine=flower-sim", f"output_dir={tmp_path / 'sim'}"])
     got = run_experiment(sim, engine=ENGINES["flower-sim"]())
     assert len(inits) == 1 and not ray.is_initialized()
@@ -65,6 +66,9 @@ def test_an_experiment_starts_ray_once_and_its_runs_equal_runs_alone(
     for method in ("fedfull", "fedavg"):
         run_one(local, method, 42)
         assert_matches(local, sim, method, got[method][0])
+        want, have = rows(local, method)[-1], rows(sim, method)[-1]
+        assert have["local_clients"] == want["local_clients"] == 3
+        assert have["local_brier"] == pytest.approx(want["local_brier"], rel=1e-5)
 
 
 # Ctrl-C and SIGTERM during a simulation (exit status, no spoiled round, no Ray process left):

@@ -1,7 +1,8 @@
 """``eval.metrics``: each built-in metric equals scikit-learn's independent computation, also on
 test splits that lack a class (the non-IID client's case); names are checked before a run
 starts; the metrics reach the rows, ``summary.json`` and the report; a metric of the user's
-own, registered in a module of ``imports``, runs like a built-in one."""
+own, registered in a module of ``imports``, runs like a built-in one; with ``eval.local`` each
+client scores its own model with them and the round pools them weighted by test size."""
 
 from __future__ import annotations
 
@@ -75,7 +76,18 @@ def test_names_are_checked() -> None:
     assert "['brier'] named twice" in text
     assert M.check_names(["brier", "f1_macro"]) == []
     # a name fedlore writes itself, or one it would make of the name, is refused
-    for name in ("round", "train_loss", "wall_s", "eval_s", "accuracy_min", "client_accuracy"):
+    # n, clients, mse: P-local's local_n, local_clients, local_mse
+    for name in (
+        "round",
+        "train_loss",
+        "wall_s",
+        "eval_s",
+        "accuracy_min",
+        "client_accuracy",
+        "n",
+        "clients",
+        "mse",
+    ):
         assert "fedlore writes a key of that name" in "".join(M.check_names([name])), name
     for name in ("selection_accuracy", "local_x", "final_y", "diag.rho2", "lr_chosen"):
         assert M.check_names([name]), name
@@ -228,3 +240,60 @@ def test_a_metric_named_like_a_methods_own_row_key_stops_the_run(tmp_path: Path)
     with _registered("aggregated", lambda lp, t: 0.5), pytest.raises(ValueError) as e:
         run_experiment(_cfg(tmp_path, "eval.metrics=[aggregated]", "seeds=[0]"))
     assert "['aggregated'] have the name of a key the round's row holds already" in str(e.value)
+
+
+def test_p_local_metrics_are_each_clients_own_weighted_by_test_size(tmp_path: Path) -> None:
+    from fedlore.algorithms.base import local_scores
+    from fedlore.data.client_data import ClientData, TensorSplit
+    from fedlore.engine.loop import client_reports
+    from fedlore.types import Reply
+
+    # a client's own score: the metric on its model's predictive over its test split
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(40, 4), torch.tensor([0, 1, 2, 2] * 10)
+    empty = TensorSplit(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long))
+    data = ClientData(client_id=0, train=empty, test=TensorSplit(x, y))
+    out = local_scores(model, data, 0, ("balanced_accuracy", "brier"))
+    with torch.no_grad():
+        probs = model(x).softmax(-1)
+    want = balanced_accuracy_score(y.numpy(), probs.argmax(-1).numpy())
+    assert out["local_balanced_accuracy"] == pytest.approx(want)
+    onehot = torch.nn.functional.one_hot(y, 3).float()
+    assert out["local_brier"] == pytest.approx(float(((probs - onehot) ** 2).sum(-1).mean()))
+    assert out["local_n"] == 40 and set(out) >= {"local_accuracy", "local_loss", "local_ece"}
+
+    # the round pools them by local_n, leaving out a client whose value is undefined
+    def reply(n: int, **scores: float) -> Reply:
+        return Reply(metrics={"num_examples": 9, "local_n": n, "local_accuracy": 0.5, **scores})
+
+    row = client_reports([(0, reply(1, local_brier=0.2)), (1, reply(3, local_brier=0.6))])
+    assert row["local_brier"] == pytest.approx((0.2 * 1 + 0.6 * 3) / 4)  # not the plain 0.4
+    nan = float("nan")
+    undefined = reply(1, local_auroc_macro=nan)  # AUROC on a one-class split
+    row = client_reports([(0, undefined), (1, reply(3, local_auroc_macro=0.7))])
+    assert row["local_auroc_macro"] == pytest.approx(0.7) and row["local_clients"] == 2
+    row = client_reports([(0, undefined), (1, reply(3, local_auroc_macro=nan))])
+    assert np.isnan(row["local_auroc_macro"])
+    # a method's per-client metric stays per client, never pooled
+    row = client_reports([(0, reply(1, local_lr=0.1))], per_client=("local_lr",))
+    assert row["local_lr"] == {"0": 0.1}
+
+    # end to end: rows, summary and the report's table
+    # (ditto's P-local score is its personal model's, fedfomo's the combined model's)
+    cfg = _cfg(
+        tmp_path,
+        "eval.metrics=[balanced_accuracy]",
+        "eval.local=true",
+        "seeds=[0]",
+        "algorithms=[fedavg, ditto, fedfomo]",
+    )
+    run_experiment(cfg)
+    for method in ("fedavg", "ditto", "fedfomo"):
+        run = tmp_path / "metrics" / method / "seed-0"
+        last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+        assert 0 <= last["local_balanced_accuracy"] <= 1 and last["local_clients"] == 3, method
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["final_local_balanced_accuracy"] == last["local_balanced_accuracy"]
+    section = report(tmp_path / "metrics", write=False).split("## Evaluation metrics")[1]
+    assert "| local_balanced_accuracy |" in section

@@ -8,6 +8,7 @@ optimizer per round), the same gradient clipping, weight-decay policy and aggreg
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
@@ -235,7 +236,7 @@ def local_eval_metrics(hyper: Hyper, model: nn.Module, data: ClientData, rnd: in
     The test split is read only here, after training."""
     if not local_eval_due(hyper, rnd) or len(data.test) == 0:
         return {}
-    return local_scores(model, data, hyper.train.mc_samples)
+    return local_scores(model, data, hyper.train.mc_samples, hyper.train.metrics)
 
 
 def local_eval_due(hyper: Hyper, rnd: int) -> bool:
@@ -244,19 +245,24 @@ def local_eval_due(hyper: Hyper, rnd: int) -> bool:
     return hyper.train.local_eval and rnd == hyper.train.rounds - 1
 
 
-def local_scores(model: nn.Module, data: ClientData, mc_samples: int) -> Scalars:
+def local_scores(
+    model: nn.Module, data: ClientData, mc_samples: int, metrics: Sequence[str] = ()
+) -> Scalars:
     """``model`` on ``data.test``: ``local_accuracy`` (share), ``local_loss`` (NLL, nats),
-    ``local_ece`` and ``local_n`` (test examples), with the MC predictive over ``mc_samples``
-    draws for a stochastic model (:func:`~fedlore.train.local.evaluate`). Regression:
-    ``local_mse`` (squared error of the predictive mean, pooled over clients into
-    ``local_rmse`` by the round loop) and ``local_loss`` instead of accuracy and ECE."""
-    res = evaluate(model, data.test, mc_samples=mc_samples)
+    ``local_ece``, ``local_<name>`` for each of ``metrics`` (``eval.metrics``,
+    :mod:`fedlore.train.metrics`, from the same predictive) and ``local_n`` (test examples),
+    with the MC predictive over ``mc_samples`` draws for a stochastic model
+    (:func:`~fedlore.train.local.evaluate`). Regression: ``local_mse`` (squared error of the
+    predictive mean, pooled over clients into ``local_rmse`` by the round loop) and
+    ``local_loss`` instead of accuracy and ECE."""
+    res = evaluate(model, data.test, mc_samples=mc_samples, metrics=metrics)
     if "rmse" in res:
         return {"local_mse": res["rmse"] ** 2, "local_loss": res["loss"], "local_n": len(data.test)}
     return {
         "local_accuracy": res["accuracy"],
         "local_loss": res["loss"],
         "local_ece": res["ece"],
+        **{f"local_{name}": res[name] for name in metrics},
         "local_n": len(data.test),
     }
 

@@ -282,7 +282,8 @@ class FedFomo(Personalized, FedAvg):
             combined = self.combine(model, base, cands, val, affinity)
         scores: Scalars = {}
         if self.plocal == "combined" and local_eval_due(self, rnd) and len(data.test):
-            scores = local_scores(model, data, self.train.mc_samples)  # NVlabs: before training
+            # NVlabs: before training
+            scores = local_scores(model, data, self.train.mc_samples, self.train.metrics)
         start = {k: v.clone() for k, v in model.state_dict().items()}
         opt = self.make_optimizer(model)
         lrs = self.round_lrs(rnd, len(fit))

@@ -116,13 +116,16 @@ class Personalized:
         split, not on what ``model`` held.
 
         Returns:
-            ``local_accuracy`` (share), ``local_loss`` (mean NLL, nats), ``local_ece`` and
-            ``local_n`` (test examples); {} when the client has no test split.
+            ``local_accuracy`` (share), ``local_loss`` (mean NLL, nats), ``local_ece``,
+            ``local_<name>`` for each of ``eval.metrics`` and ``local_n`` (test examples); {}
+            when the client has no test split.
         """
         if len(data.test) == 0:
             return {}
         hyper: Hyper = self  # type: ignore[assignment]
-        return local_scores(self.load_personal(state, model), data, hyper.train.mc_samples)
+        return local_scores(
+            self.load_personal(state, model), data, hyper.train.mc_samples, hyper.train.metrics
+        )
 
     def personal_eval_metrics(
         self, state: State, model: nn.Module, data: ClientData, rnd: int

@@ -291,6 +291,10 @@ def client_reports(accepted: list[tuple[int, Reply | None]], per_client: Sequenc
       ``local_n`` (accuracy and NLL are then the pooled values; ECE the test-size-weighted mean of
       the clients' ECEs; NaN when a client's score is not finite), with ``local_clients`` = how
       many reported; regression: ``local_rmse``, the root of the pooled squared error;
+    * ``local_<name>`` for each metric of ``eval.metrics`` the clients reported: the
+      test-size-weighted mean of the clients' finite values (a metric undefined on one client's
+      split, such as AUROC over a single class, leaves that client out; a diverged client
+      already shows as NaN in ``local_loss``), NaN when no client's value is finite;
     * the reply metrics named in ``per_client`` (an algorithm's ``per_client_metrics``) per
       client, e.g. ``lr_chosen: {"3": 0.001}``.
     """
@@ -308,6 +312,16 @@ def client_reports(accepted: list[tuple[int, Reply | None]], per_client: Sequenc
                 row[key] = sum(v * n for v, n in vals) / sum(n for _, n in vals)
             elif vals:  # a diverged local model: the pooled score is NaN, not left out
                 row[key] = float("nan")
+        for key in sorted({k for m in local for k in m} - {*LOCAL_KEYS, "local_n"}):
+            if not key.startswith("local_") or key in per_client:
+                continue  # eval.metrics' names never start with local_ (fedlore.train.metrics)
+            vals = [(float(m[key]), float(m["local_n"])) for m in local if _real(m.get(key))]
+            finite = [(v, n) for v, n in vals if math.isfinite(v) and n > 0]
+            row[key] = (
+                sum(v * n for v, n in finite) / sum(n for _, n in finite)
+                if finite
+                else float("nan")
+            )
         if "local_mse" in row:  # regression: the pooled RMSE of the clients' own models
             row["local_rmse"] = math.sqrt(row.pop("local_mse"))
         row["local_clients"] = len(local)
@@ -338,3 +352,8 @@ def _device(loop: RoundLoop, state: State) -> torch.device:
 def _mean(values: list[Any]) -> float | None:
     xs = [float(v) for v in values if isinstance(v, int | float) and math.isfinite(float(v))]
     return sum(xs) / len(xs) if xs else None
+
+
+def _real(value: Any) -> bool:
+    """A number a reply may carry as a score (not a bool, a string or a missing value)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)

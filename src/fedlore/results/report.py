@@ -146,7 +146,9 @@ def _report_experiment(exp_dir: Path, keys: Sequence[str] | None, write: bool = 
             "## Evaluation metrics\n\n"
             f"{eval_metrics_markdown(metric_keys, metrics)}\n"
             "The runs' eval.metrics at their last evaluation (central test set; selection_ the "
-            "selection split, client_ the clients' pooled test splits), mean ± std over seeds.\n\n"
+            "selection split, client_ the clients' pooled test splits, local_ P-local: each "
+            "client's own model on its test split, weighted by test size), mean ± std over "
+            "seeds.\n\n"
         )
     if diag:
         text += (

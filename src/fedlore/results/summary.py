@@ -196,14 +196,16 @@ def _last_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def extra_values(rows: list[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:
     """The last values of the ``eval.metrics`` ``names``: ``final_<key>`` for each of
-    ``<name>``, ``selection_<name>`` and ``client_<name>`` that a row recorded (None when not
-    finite, see :func:`final_value`), and ``eval_metrics``, the names, when there are any."""
+    ``<name>``, ``selection_<name>``, ``client_<name>`` and ``local_<name>`` (P-local) that a
+    row recorded (None when not finite, see :func:`final_value`), and ``eval_metrics``, the
+    names, when there are any."""
     out: dict[str, Any] = {"eval_metrics": list(names)} if names else {}
     for name in names:
         for final, key in (
             (f"final_{name}", name),
             (f"final_selection_{name}", f"selection_{name}"),
             (f"final_client_{name}", f"client_{name}"),
+            (f"final_local_{name}", f"local_{name}"),
         ):
             if any(key in r for r in rows):
                 out[final] = final_value(rows, key)

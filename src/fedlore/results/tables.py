@@ -210,17 +210,17 @@ def diagnostics_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
 
 def eval_metrics_table(runs: dict[str, list[RunRecord]]) -> tuple[list[str], list[dict[str, Any]]]:
     """The ``eval.metrics`` of the runs (:mod:`fedlore.train.metrics`): the summary keys
-    (``final_<name>``, then ``final_selection_<name>``, then ``final_client_<name>``, in the
-    order the runs named them), and per method ``{"method", "n_seeds", key: (mean, std,
-    count)}`` over the ``count`` seeds that recorded a finite value. Both empty when no run
-    named any."""
+    (``final_<name>``, then ``final_selection_<name>``, ``final_client_<name>`` and
+    ``final_local_<name>``, in the order the runs named them), and per method ``{"method",
+    "n_seeds", key: (mean, std, count)}`` over the ``count`` seeds that recorded a finite
+    value. Both empty when no run named any."""
     names: list[str] = []
     for records in runs.values():
         for r in records:
             names += [n for n in r.summary.get("eval_metrics") or [] if n not in names]
     keys = [
         key
-        for where in ("", "selection_", "client_")  # the central test set's first
+        for where in ("", "selection_", "client_", "local_")  # the central test set's first
         for key in (f"final_{where}{n}" for n in names)
         if any(key in r.summary for records in runs.values() for r in records)
     ]

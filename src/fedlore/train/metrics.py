@@ -6,8 +6,10 @@ A metric scores a classifier's predictive on a split: ``fn(log_probs, y) -> floa
 model, :func:`fedlore.train.local.predictive_log_probs`) and ``y`` the ``[n]`` class indices. The
 evaluation computes the predictive once and hands it to every metric, so a metric costs no
 forward pass. Each named metric is recorded for the central test set (``<name>``), the
-selection split (``selection_<name>``) and, with ``eval.clients``, the clients' pooled test
-splits (``client_<name>``); ``summary.json`` holds their last values as ``final_<key>``.
+selection split (``selection_<name>``), with ``eval.clients`` the clients' pooled test splits
+(``client_<name>``) and with ``eval.local`` each client's own model on its test split, the
+test-size-weighted mean over the clients (``local_<name>``, P-local); ``summary.json`` holds
+their last values as ``final_<key>``.
 
 Built in:
 
@@ -66,6 +68,10 @@ RESERVED = (
             "accuracy_min",
             "accuracy_p10",
             "eval_metrics",
+            # P-local's own (local_<name> of these: local_n, local_clients, local_mse)
+            "n",
+            "clients",
+            "mse",
         }
     )
     | LOOP_KEYS
