@@ -202,7 +202,8 @@ class LocalTraining(StrictModel):
         False,
         description=(
             "in the last round a client also scores the model it just trained on its own test "
-            "split (P-local: local_accuracy, local_loss, local_ece, local_n)"
+            "split (P-local: local_accuracy, local_loss, local_ece, local_<name> of "
+            "eval.metrics, local_n)"
         ),
         json_schema_extra=_from("eval.local"),
     )
@@ -379,13 +380,20 @@ def not_applicable_problems(cls: type, name: str, keys: Any) -> list[str]:
     ]
 
 
+RUN_WIDE = frozenset({"metrics"})
+""":class:`LocalTraining` fields that copy a setting of the whole run (``eval.metrics``: the
+clients score P-local with the metrics the run records and tabulates everywhere else): a
+``method.<name>`` section may not set them, and ``config.json`` records them at their config
+path only, not among a method's ``hyper`` settings."""
+
+
 def hyperparameter_names(cls: type) -> list[str]:
     """The names a ``method.<name>`` section may set for method class ``cls``: its own fields
-    and, for a class holding ``train``, the :class:`LocalTraining` fields (sorted), less those
-    it never reads (:func:`not_applicable`)."""
+    and, for a class holding ``train``, the :class:`LocalTraining` fields (sorted) but the
+    :data:`RUN_WIDE` ones, less those it never reads (:func:`not_applicable`)."""
     names = {f.name for f in dataclasses.fields(cls)}
     if "train" in names:
-        names = (names - {"train"}) | set(LocalTraining.model_fields)
+        names = (names - {"train"}) | (set(LocalTraining.model_fields) - RUN_WIDE)
     return sorted(names - set(not_applicable(cls)))
 
 
@@ -427,7 +435,13 @@ def build_hyper(cls: type, name: str, cfg: Any, overrides: dict[str, Any], **fix
     names = hyperparameter_names(cls)
     ignored = not_applicable(cls)
     problems = not_applicable_problems(cls, name, overrides)
-    unknown = sorted(set(overrides) - set(names) - set(ignored))
+    run_wide = sorted(set(overrides) & RUN_WIDE - set(names))
+    problems += [
+        f"method.{name}.{k}: set {config_paths(LocalTraining)[k]} instead (it applies to every "
+        "method of the run)"
+        for k in run_wide
+    ]
+    unknown = sorted(set(overrides) - set(names) - set(ignored) - set(run_wide))
     if unknown:
         problems.append(
             f"method.{name}: {cls.__name__} has no hyperparameter(s) {unknown}"
@@ -443,7 +457,7 @@ def build_hyper(cls: type, name: str, cfg: Any, overrides: dict[str, Any], **fix
         (train if holds_train and k in LocalTraining.model_fields else own)[k] = v
         source[k] = k
     for k, v in overrides.items():
-        if k in unknown or k in ignored:
+        if k in unknown or k in ignored or k in run_wide:
             continue
         if holds_train and k in STEP_PAIR and STEP_PAIR[k] not in overrides:
             train[STEP_PAIR[k]] = None  # method.<name>.local_epochs replaces local_steps

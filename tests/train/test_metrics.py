@@ -297,3 +297,96 @@ def test_p_local_metrics_are_each_clients_own_weighted_by_test_size(tmp_path: Pa
         assert summary["final_local_balanced_accuracy"] == last["local_balanced_accuracy"]
     section = report(tmp_path / "metrics", write=False).split("## Evaluation metrics")[1]
     assert "| local_balanced_accuracy |" in section
+
+
+def _all_classes(log_probs: torch.Tensor, y: torch.Tensor) -> float:
+    """A metric that needs every class in the split (fails on a non-IID client's)."""
+    if len(y.unique()) < log_probs.shape[-1]:
+        raise ValueError("needs every class")
+    return 0.5
+
+
+def test_p_local_metrics_are_tried_on_every_clients_split_before_the_run(tmp_path: Path) -> None:
+    """The central test set holds every class; a Dirichlet(0.05) client's test split does not:
+    with eval.local the metric is refused before training, naming the client, not left to
+    fail in the last round (where it would cost the client its update)."""
+    skewed = ["partition.alpha=0.05", "eval.metrics=[all_classes]", "seeds=[0]"]
+    with _registered("all_classes", _all_classes):
+        run_experiment(_cfg(tmp_path / "central", *skewed))  # G-central only: it scores
+        with pytest.raises(ConfigError) as e:
+            run_experiment(_cfg(tmp_path / "local", *skewed, "eval.local=true"))
+    text = str(e.value)
+    assert "metric 'all_classes' failed: ValueError: needs every class" in text
+    assert "on client " in text and "test split (eval.local" in text
+    assert not (tmp_path / "local").exists()
+
+
+def test_a_metric_failing_on_a_clients_model_costs_neither_its_update_nor_the_round() -> None:
+    from fedlore.algorithms.base import local_scores
+    from fedlore.data.client_data import ClientData, TensorSplit
+
+    def confident_only(log_probs: torch.Tensor, y: torch.Tensor) -> float:
+        if float(log_probs.exp().max()) < 0.99:  # fails on this model's predictive
+            raise ValueError("not confident")
+        return 1.0
+
+    torch.manual_seed(0)
+    x, y = torch.randn(30, 4), torch.arange(30) % 3
+    empty = TensorSplit(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long))
+    data = ClientData(client_id=7, train=empty, test=TensorSplit(x, y))
+    with _registered("confident_only", confident_only), pytest.warns(RuntimeWarning) as w:
+        out = local_scores(torch.nn.Linear(4, 3), data, 0, ("brier", "confident_only"))
+    assert "client 7: P-local eval.metrics not scored" in str(w[0].message)
+    assert "'confident_only' failed" in str(w[0].message)
+    assert np.isnan(out["local_confident_only"]) and np.isnan(out["local_brier"])
+    assert 0 <= out["local_accuracy"] <= 1 and out["local_n"] == 30
+
+
+def test_a_diverged_clients_model_makes_the_pooled_p_local_metric_nan() -> None:
+    from fedlore.engine.loop import client_reports
+    from fedlore.types import Reply
+
+    def reply(loss: float, brier: float) -> Reply:
+        m = {"num_examples": 9, "local_n": 5, "local_loss": loss, "local_brier": brier}
+        return Reply(metrics=m)
+
+    healthy = reply(0.5, 0.3)
+    assert client_reports([(0, healthy), (1, reply(0.7, 0.5))])["local_brier"] == 0.4
+    row = client_reports([(0, healthy), (1, reply(float("nan"), 0.9))])
+    assert np.isnan(row["local_loss"]) and np.isnan(row["local_brier"])  # not 0.6, not 0.3
+
+
+def test_no_metric_name_makes_a_report_csv_column_of_its_own() -> None:
+    """A metric's CSV columns are final_<name>_mean/_std/_n: a name that would repeat a fixed
+    column (final_accuracy_pct_mean: 'accuracy_pct') is reserved."""
+    from fedlore.results.tables import COLUMNS
+
+    made = {
+        c.removeprefix("final_").rsplit("_", 1)[0]
+        for c in COLUMNS
+        if c.startswith("final_") and c.rsplit("_", 1)[1] in ("mean", "std", "n")
+    }
+    assert "accuracy_pct" in made
+    free = sorted(n for n in made if n not in M.RESERVED)
+    assert not free, f"add to fedlore.train.metrics.RESERVED: {free}"
+
+
+def test_a_method_section_may_not_set_the_runs_metrics(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"method.fedavg.metrics: set eval.metrics instead"):
+        run_experiment(_cfg(tmp_path, "method={fedavg: {metrics: [brier]}}"))
+
+
+def test_runs_recorded_with_or_without_the_metrics_copy_continue(tmp_path: Path) -> None:
+    """eval.metrics is compared at its config path; the copy the clients get is not a method
+    setting: a run recorded by fedlore 2026-12-05 (hyper.metrics in config.json) or before it
+    (no such key) is the same config."""
+    cfg = _cfg(tmp_path, "eval.metrics=[brier]", "eval.local=true", "seeds=[0]")
+    run_experiment(cfg)
+    run = tmp_path / "metrics" / "fedavg" / "seed-0"
+    record = json.loads((run / "config.json").read_text())
+    assert "metrics" not in record["hyper"] and record["eval"]["metrics"] == ["brier"]
+    summary = (run / "summary.json").read_text()
+    for hyper in ({**record["hyper"], "metrics": ["brier"]}, record["hyper"]):
+        (run / "config.json").write_text(json.dumps({**record, "hyper": hyper}))
+        run_experiment(cfg)  # skipped as finished: a different config would raise
+        assert (run / "summary.json").read_text() == summary

@@ -8,6 +8,7 @@ optimizer per round), the same gradient clipping, weight-decay policy and aggreg
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
@@ -24,6 +25,7 @@ from fedlore.optim.server import ServerOpt
 from fedlore.settings import STEP_BUDGET, LocalTraining
 from fedlore.tensors import WIRE_DTYPES, select
 from fedlore.train.local import Schedule, evaluate, task_loss
+from fedlore.train.metrics import MetricError
 from fedlore.types import Reply, Scalar, Scalars, State
 
 ReplySpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -254,8 +256,21 @@ def local_scores(
     with the MC predictive over ``mc_samples`` draws for a stochastic model
     (:func:`~fedlore.train.local.evaluate`). Regression: ``local_mse`` (squared error of the
     predictive mean, pooled over clients into ``local_rmse`` by the round loop) and
-    ``local_loss`` instead of accuracy and ECE."""
-    res = evaluate(model, data.test, mc_samples=mc_samples, metrics=metrics)
+    ``local_loss`` instead of accuracy and ECE.
+
+    A metric that fails on this client's predictive (each was tried on every client's labels
+    before the run) makes every ``local_<name>`` of the client NaN, with a warning naming it:
+    the client's update still counts, and the round leaves the client out of those metrics."""
+    try:
+        res = evaluate(model, data.test, mc_samples=mc_samples, metrics=metrics)
+    except MetricError as e:
+        warnings.warn(
+            f"client {data.client_id}: P-local eval.metrics not scored ({e}); its update counts",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        res = evaluate(model, data.test, mc_samples=mc_samples)
+        res.update(dict.fromkeys(metrics, float("nan")))
     if "rmse" in res:
         return {"local_mse": res["rmse"] ** 2, "local_loss": res["loss"], "local_n": len(data.test)}
     return {

@@ -95,7 +95,8 @@ def check_model_fits_data(model: str, fed: Federation) -> None:
 
 def check_eval(cfg: Config, fed: Federation) -> None:
     """``eval.metrics`` needs a classifier (``top5_accuracy`` more than five classes), and
-    each metric must score a trial predictive (:func:`~fedlore.train.metrics.trial_problems`).
+    each metric must score a trial predictive (:func:`~fedlore.train.metrics.trial_problems`)
+    for the central test set's labels and, with ``eval.local``, for each client's test split.
     Per-client evaluation (``eval.clients``, G-local; ``eval.local``, P-local) needs local
     test splits, which a pre-training corpus does not have (every training document belongs to
     exactly one client's training data), nor LEAF users whose test examples lie with other users
@@ -136,6 +137,17 @@ def check_eval(cfg: Config, fed: Federation) -> None:
             f"validation corpus is evaluated every eval.every rounds); set {off}"
         )
     empty = [c for c in range(fed.num_clients) if len(fed.client(c).test) == 0]
+    if cfg.eval.local and cfg.eval.metrics:  # each client scores its own split: try them all
+        problems = []
+        for c in range(fed.num_clients):
+            where = f"client {c}'s test split (eval.local scores each client's own)"
+            problems += trial_problems(
+                cfg.eval.metrics, fed.client(c).test.y, fed.num_classes, where, limit=0
+            )
+            if len(problems) >= 3:
+                break
+        if problems:
+            raise ConfigError("\n".join(problems))
     if not empty:
         return
     by_id = cfg.data.local_test == "by_id" or (

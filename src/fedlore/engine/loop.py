@@ -293,8 +293,9 @@ def client_reports(accepted: list[tuple[int, Reply | None]], per_client: Sequenc
       many reported; regression: ``local_rmse``, the root of the pooled squared error;
     * ``local_<name>`` for each metric of ``eval.metrics`` the clients reported: the
       test-size-weighted mean of the clients' finite values (a metric undefined on one client's
-      split, such as AUROC over a single class, leaves that client out; a diverged client
-      already shows as NaN in ``local_loss``), NaN when no client's value is finite;
+      split, such as AUROC over a single class, leaves that client out), NaN when no client's
+      value is finite or a client's model diverged (its ``local_loss`` not finite), as
+      ``local_accuracy`` is;
     * the reply metrics named in ``per_client`` (an algorithm's ``per_client_metrics``) per
       client, e.g. ``lr_chosen: {"3": 0.001}``.
     """
@@ -315,11 +316,16 @@ def client_reports(accepted: list[tuple[int, Reply | None]], per_client: Sequenc
         for key in sorted({k for m in local for k in m} - {*LOCAL_KEYS, "local_n"}):
             if not key.startswith("local_") or key in per_client:
                 continue  # eval.metrics' names never start with local_ (fedlore.train.metrics)
-            vals = [(float(m[key]), float(m["local_n"])) for m in local if _real(m.get(key))]
-            finite = [(v, n) for v, n in vals if math.isfinite(v) and n > 0]
+            scored = [m for m in local if _real(m.get(key))]
+            diverged = any(not math.isfinite(float(m.get("local_loss", 0.0))) for m in scored)
+            finite = [
+                (float(m[key]), float(m["local_n"]))
+                for m in scored
+                if math.isfinite(float(m[key])) and float(m["local_n"]) > 0
+            ]
             row[key] = (
                 sum(v * n for v, n in finite) / sum(n for _, n in finite)
-                if finite
+                if finite and not diverged
                 else float("nan")
             )
         if "local_mse" in row:  # regression: the pooled RMSE of the clients' own models

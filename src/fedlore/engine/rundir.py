@@ -37,7 +37,7 @@ from fedlore.engine.dp_ledger import LEDGER, account_repeats
 from fedlore.engine.store import ClientStore
 from fedlore.privacy import Privacy
 from fedlore.progress import say
-from fedlore.settings import LocalTraining, config_paths, not_applicable
+from fedlore.settings import RUN_WIDE, LocalTraining, config_paths, not_applicable
 from fedlore.types import State
 
 MakeAlgorithm = Callable[[str, Config], Algorithm]
@@ -180,11 +180,13 @@ def resolved_hyper(algo: Algorithm) -> dict[str, Any]:
 def _flat_hyper(items: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     """Hyperparameter ``(name, value)`` pairs as one flat JSON-ready mapping: a settings
     sub-model (``train``, :class:`fedlore.settings.LocalTraining`) contributes its fields in its
-    place, so ``config.json`` records ``hyper.lr`` as before the sub-model existed."""
+    place, so ``config.json`` records ``hyper.lr`` as before the sub-model existed; less its
+    :data:`~fedlore.settings.RUN_WIDE` fields, recorded at their config paths."""
     out: dict[str, Any] = {}
     for name, v in items:
         if isinstance(v, BaseModel):
-            out.update(_flat_hyper((k, getattr(v, k)) for k in type(v).model_fields))
+            fields = [k for k in type(v).model_fields if k not in RUN_WIDE]
+            out.update(_flat_hyper((k, getattr(v, k)) for k in fields))
         else:
             out[name] = list(v) if isinstance(v, tuple) else v
     return dict(json.loads(json.dumps(out, default=str)))
@@ -274,7 +276,9 @@ def config_diff(
     if hyper_before is not None:  # the method's settings as resolved (types and defaults)
         before.pop("method", None)
         now.pop("method", None)
-        before.update({f"hyper.{k}": v for k, v in hyper_before.items()})
+        # a copy of a run-wide setting, compared at its config path (recorded by a few runs of
+        # fedlore 2026-12-05)
+        before.update({f"hyper.{k}": v for k, v in hyper_before.items() if k not in RUN_WIDE})
         now.update(
             {f"hyper.{k}": v for k, v in resolved_hyper(make_algorithm(method, cfg)).items()}
         )

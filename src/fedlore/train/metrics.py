@@ -68,6 +68,8 @@ RESERVED = (
             "accuracy_min",
             "accuracy_p10",
             "eval_metrics",
+            # report.csv's final_accuracy_pct_mean (final_<name>_mean of a metric's columns)
+            "accuracy_pct",
             # P-local's own (local_<name> of these: local_n, local_clients, local_mse)
             "n",
             "clients",
@@ -172,11 +174,16 @@ def check_names(names: Sequence[str]) -> list[str]:
     return problems
 
 
+class MetricError(ValueError):
+    """A metric of ``eval.metrics`` raised, or returned something other than one real
+    number; the message names it."""
+
+
 def real_number(name: str, value: object) -> float:
     """A metric's value as a float: a Python or NumPy real, or a one-element tensor.
 
     Raises:
-        ValueError: naming the metric, for anything else (a bool, a string, None, a tensor of
+        MetricError: naming the metric, for anything else (a bool, a string, None, a tensor of
             several values).
     """
     if isinstance(value, torch.Tensor):
@@ -191,14 +198,18 @@ def real_number(name: str, value: object) -> float:
         shown = f"a numpy {value.dtype} value"
     else:
         shown = f"{type(value).__name__} {str(value)[:40]!r}"
-    raise ValueError(f"metric {name!r} returned {shown}; a metric returns one real number")
+    raise MetricError(f"metric {name!r} returned {shown}; a metric returns one real number")
 
 
-def trial_problems(names: Sequence[str], y: torch.Tensor, num_classes: int) -> list[str]:
+def trial_problems(
+    names: Sequence[str], y: torch.Tensor, num_classes: int, where: str = "", limit: int = 64
+) -> list[str]:
     """Each metric of ``names`` called once, before any run, on a made-up predictive over
-    ``num_classes`` for the first 64 labels of ``y``: a metric that raises or returns no real
-    number is named now, not after the first ``eval.every`` rounds of training."""
-    y = y[:64].cpu()
+    ``num_classes`` for the first ``limit`` labels of ``y`` (all of them for ``limit=0``; a
+    client's test split, whose classes decide what a metric can score, is tried whole): a
+    metric that raises or returns no real number is named now, not after the first
+    ``eval.every`` rounds of training. ``where`` names the split in the message."""
+    y = (y[:limit] if limit else y).cpu()
     if len(y) == 0:
         return []
     g = torch.Generator().manual_seed(0)  # a stand-in predictive, not a result
@@ -207,8 +218,9 @@ def trial_problems(names: Sequence[str], y: torch.Tensor, num_classes: int) -> l
     for name in names:
         try:
             extra_metrics(log_probs, y, [name])
-        except ValueError as e:
-            problems.append(f"eval.metrics: {e} (on a trial predictive, before training)")
+        except MetricError as e:
+            on = f" on {where}" if where else ""
+            problems.append(f"eval.metrics: {e} (on a trial predictive{on}, before training)")
     return problems
 
 
@@ -219,7 +231,7 @@ def extra_metrics(
     log probability is not finite (a diverged model) or the split is empty.
 
     Raises:
-        ValueError: naming the metric, when it raised (``top5_accuracy`` with 5 classes) or
+        MetricError: naming the metric, when it raised (``top5_accuracy`` with 5 classes) or
             returned something that is not one real number (:func:`real_number`).
     """
     if not names:
@@ -231,7 +243,7 @@ def extra_metrics(
         try:  # on copies: a metric that edits its inputs cannot change another's scores
             value = registry.get("metric", name)(log_probs.clone(), y.clone())
         except Exception as e:
-            raise ValueError(f"metric {name!r} failed: {type(e).__name__}: {e}") from e
+            raise MetricError(f"metric {name!r} failed: {type(e).__name__}: {e}") from e
         out[name] = real_number(name, value)
     return out
 
