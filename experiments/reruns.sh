@@ -91,6 +91,10 @@ sweep() { # TABLE-FOLDER CONFIG ARGS...
 sweep bayes_table4/cnn experiments/bayes_table4.yaml \
   --methods fedavg,fedprox,meta_bayfl_mcd,meta_bayfl,meta_fl,bayfl,fedavg_mcd
 sweep bayes_table4/cnn_lr1e-2 experiments/bayes_table4.yaml --methods fedavg,bayfl --vary lr=1e-2
+# not a seed table: whether a longer trial (50 steps, not 5) makes the late-epoch searches pick
+# better (at 5 steps their scores lie within the trial noise, experiments/search_noise.py)
+sweep bayes_table4/cnn_temp50 experiments/bayes_table4.yaml --methods meta_fl \
+  --set method.meta_fl.temp_steps=50
 sweep bayes_table3/bayfl experiments/bayes_table3.yaml --methods bayfl \
   --vary data.noise=1e-3,1e-2,1e-1 --vary lr=1e-4,1e-3,1e-2
 sweep bayes_table3/meta experiments/bayes_table3.yaml --methods meta_bayfl \
