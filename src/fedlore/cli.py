@@ -193,6 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
         "named in a warning.",
     )
     p_rep.add_argument("run_dir", type=Path, help="the experiment folder, e.g. runs/quickstart")
+    p_rep.add_argument(
+        "--baseline",
+        metavar="METHOD",
+        default=None,
+        help="add a section comparing every method with METHOD seed by seed: the mean "
+        "difference of the final scores on the same seeds, its 95%% t interval and the seeds "
+        "each method was better on",
+    )
     p_track = sub.add_parser(
         "track",
         help="send finished runs and the report to the trackers again",
@@ -305,9 +313,9 @@ def _main(argv: list[str], command: bool) -> int:
             from fedlore.results.report import report
 
             try:
-                print(report(ns.run_dir))
+                print(report(ns.run_dir, baseline=ns.baseline))
             except WriteError:  # a folder it cannot write: the table all the same, then why
-                print(report(ns.run_dir, write=False), flush=True)
+                print(report(ns.run_dir, write=False, baseline=ns.baseline), flush=True)
                 raise
             print(f"report written to {ns.run_dir}/report.md (with report.csv and the plots)")
             return 0

@@ -22,6 +22,12 @@ from fedlore.results.markdown import (
     seeds_cell,
     to_markdown,
 )
+from fedlore.results.paired import (
+    baseline_label,
+    paired_markdown,
+    paired_table,
+    unknown_baseline,
+)
 from fedlore.results.plots import plot
 from fedlore.results.store import (
     IncompleteRunWarning,
@@ -111,8 +117,15 @@ def setting_title(name: str, runs: dict[str, list[RunRecord]]) -> str:
     return f"{name}: {', '.join(parts)}" if parts else name
 
 
-def _report_experiment(exp_dir: Path, keys: Sequence[str] | None, write: bool = True) -> str:
-    runs = split_by_config(load_runs(exp_dir))  # runs of different configs are never pooled
+def _report_experiment(
+    exp_dir: Path,
+    keys: Sequence[str] | None,
+    write: bool = True,
+    baseline: str | None = None,
+    runs: dict[str, list[RunRecord]] | None = None,
+) -> str:
+    if runs is None:
+        runs = split_by_config(load_runs(exp_dir))  # runs of different configs never pool
     table = summary_table(runs)
     diag = diagnostics_table(runs)
     if keys is None:
@@ -122,6 +135,7 @@ def _report_experiment(exp_dir: Path, keys: Sequence[str] | None, write: bool = 
             if any(value(x, k) is not None for rs in runs.values() for r in rs for x in r.rows)
         ]
     metric_keys, metrics = eval_metrics_table(runs)
+    paired = paired_table(runs, baseline) if baseline else []
     pngs = []
     if write:
         pngs = plot(runs, exp_dir, keys=keys, title=setting_title(exp_dir.name, runs))
@@ -141,6 +155,12 @@ def _report_experiment(exp_dir: Path, keys: Sequence[str] | None, write: bool = 
         "named by the settings that differ."
         "\n\n"
     )
+    if baseline:
+        text += f"## Paired against {baseline}\n\n" + (
+            paired_markdown(paired, baseline) + "\n"
+            if paired
+            else f"No finished runs of {baseline} in this experiment.\n\n"
+        )
     if metrics:
         text += (
             "## Evaluation metrics\n\n"
@@ -165,7 +185,12 @@ def _report_experiment(exp_dir: Path, keys: Sequence[str] | None, write: bool = 
     return text
 
 
-def report(path: Path, keys: Sequence[str] | None = None, write: bool = True) -> str:
+def report(
+    path: Path,
+    keys: Sequence[str] | None = None,
+    write: bool = True,
+    baseline: str | None = None,
+) -> str:
     """Write ``report.md``, ``report.csv`` and the PNG plots for one or several experiments.
 
     Args:
@@ -174,12 +199,17 @@ def report(path: Path, keys: Sequence[str] | None = None, write: bool = True) ->
         keys: extra numeric metrics-row keys to plot against the round (see :func:`plot`).
         write: False: write nothing, only return the text (without the plots' image links;
             ``fedlore report`` prints it when the folder cannot be written).
+        baseline: a method (or a row label, when its runs split by config): each report gets a
+            section comparing every other method with it seed by seed
+            (:mod:`fedlore.results.paired`).
 
     Returns:
         The Markdown text (experiments concatenated, in name order).
 
     Raises:
         FileNotFoundError: if ``path`` is missing or holds no runs.
+        ValueError: if no experiment has runs of ``baseline``, or its runs split by config and
+            it names none of the rows.
     """
     path = Path(path)
     if not path.is_dir():
@@ -193,4 +223,9 @@ def report(path: Path, keys: Sequence[str] | None = None, write: bool = True) ->
             f"report: no runs found in {path}: expected <experiment>/<method>/seed-<s>/ "
             "or <method>/seed-<s>/ below it"
         )
-    return "\n".join(_report_experiment(d, keys, write) for d in experiments)
+    runs = {d: split_by_config(load_runs(d)) for d in experiments}
+    if baseline is not None:
+        found = [baseline_label(r, baseline) for r in runs.values()]  # may raise: ambiguous
+        if all(label is None for label in found):
+            raise ValueError(unknown_baseline(baseline, [k for r in runs.values() for k in r]))
+    return "\n".join(_report_experiment(d, keys, write, baseline, runs[d]) for d in experiments)

@@ -1,0 +1,105 @@
+"""Paired comparisons against a baseline (``fedlore report --baseline``): differences are taken
+seed by seed (never by position), the interval is Student's t as scipy's paired t-test gives it,
+unfinished and diverged runs are left out and counted, and a baseline that names nothing, or
+several config rows, is refused with the reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+from test_report import rows_for, summ, write_run
+
+from fedlore.cli import main
+from fedlore.results.paired import paired_stats, paired_table
+from fedlore.results.report import report
+from fedlore.results.store import load_runs, split_by_config
+
+
+def _run(e: Path, method: str, seed: int, acc: float | None, loss: float = 0.5, **extra: object):
+    summary = {**summ(acc or 0.0, acc or 0.0, 1, 1, 1, 1), "final_loss": loss, **extra}
+    if acc is None:
+        summary["final_accuracy"] = None  # diverged: no final score
+    return write_run(e, method, seed, rows_for([acc], 1, 1), summary)
+
+
+def test_the_interval_is_scipys_paired_t_interval() -> None:
+    rng = np.random.default_rng(3)
+    for n in (2, 3, 5, 9):
+        a, b = rng.normal(70, 5, n), rng.normal(68, 5, n)
+        mean, half = paired_stats(list(a - b))
+        ci = stats.ttest_rel(a, b).confidence_interval(0.95)
+        assert mean == pytest.approx(float(np.mean(a - b)))
+        assert half is not None
+        assert (mean - half, mean + half) == pytest.approx((ci.low, ci.high))
+    assert paired_stats([1.5]) == (1.5, None)
+
+
+def test_differences_pair_by_seed_and_see_what_the_spread_hides(tmp_path: Path) -> None:
+    """The seeds move both methods by ±10 points; the method is 1 point ahead on each seed.
+    Side by side the rows overlap; paired, the interval excludes 0."""
+    e = tmp_path / "exp"
+    for seed, base in ((1, 0.60), (2, 0.80), (3, 0.70), (4, 0.75)):
+        _run(e, "fedavg", seed, base, loss=1.0)
+        _run(e, "mine", 5 - seed, {1: 0.60, 2: 0.80, 3: 0.70, 4: 0.75}[5 - seed] + 0.01, 0.9)
+    (row,) = paired_table(split_by_config(load_runs(e)), "fedavg")
+    assert row["paired"] == 4 and row["unpaired"] == 0 and row["ahead"] == 4
+    assert row["delta"] == pytest.approx(1.0) and row["ci"] == pytest.approx(0.0, abs=1e-9)
+    assert row["delta_nll"] == pytest.approx(-0.1)
+    # by position instead of seed, the differences would be -20..+20 points
+    text = report(e, write=False, baseline="fedavg").split("## Paired against fedavg")[1]
+    assert "| mine | 4 | +1.00 | [+1.00, +1.00] | 4 of 4 | -0.100 |" in text
+
+
+def test_unfinished_and_diverged_runs_are_left_out_and_counted(tmp_path: Path) -> None:
+    e = tmp_path / "exp"
+    for seed, acc in ((1, 0.5), (2, 0.6), (3, 0.7)):
+        _run(e, "fedavg", seed, acc)
+    _run(e, "mine", 1, 0.55)
+    _run(e, "mine", 2, None)  # diverged
+    unfinished = e / "mine" / "seed-3"
+    unfinished.mkdir(parents=True)
+    (unfinished / "metrics.jsonl").write_text(json.dumps(rows_for([0.99], 1, 1)[0]) + "\n")
+    _run(e, "mine", 4, 0.9)  # no baseline run of seed 4
+    with pytest.warns(UserWarning):
+        runs = split_by_config(load_runs(e))
+    (row,) = paired_table(runs, "fedavg")
+    assert row["paired"] == 1 and row["unpaired"] == 3
+    assert row["delta"] == pytest.approx(5.0) and row["ci"] is None
+
+
+def test_perplexity_is_better_lower(tmp_path: Path) -> None:
+    e = tmp_path / "lm"
+    for seed, (base, mine) in enumerate(((30.0, 25.0), (32.0, 33.0), (31.0, 29.0))):
+        for method, ppl in (("fedfull", base), ("fedlore", mine)):
+            run = write_run(e, method, seed, [{"round": 0, "perplexity": ppl}], None)
+            (run / "summary.json").write_text(
+                json.dumps({"method": method, "seed": seed, "final_perplexity": ppl})
+            )
+    (row,) = paired_table(split_by_config(load_runs(e)), "fedfull")
+    assert row["label"] == "perplexity" and not row["higher_better"]
+    assert row["delta"] == pytest.approx(-2.0) and row["ahead"] == 2
+
+
+def test_a_baseline_that_names_nothing_or_several_rows_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedlore.config import load_config
+
+    e = tmp_path / "exp"
+    base = load_config(None, []).model_dump(mode="json")
+    for seed, lr in ((1, base["lr"]), (2, base["lr"] * 10)):
+        (_run(e, "fedavg", seed, 0.5) / "config.json").write_text(json.dumps({**base, "lr": lr}))
+        (_run(e, "mine", seed, 0.6) / "config.json").write_text(json.dumps({**base, "lr": lr}))
+    with pytest.raises(ValueError, match=r"its runs differ in config here \(fedavg \[lr="):
+        report(e, write=False, baseline="fedavg")
+    label = f"fedavg [lr={base['lr']}]"
+    text = report(e, write=False, baseline=label)
+    assert f"## Paired against {label}" in text and "| mine [lr=" in text
+    assert main(["report", str(e), "--baseline", "fedavgg"]) == 2
+    err = capsys.readouterr().err
+    assert "--baseline fedavgg: no runs of it here (did you mean 'fedavg'?)" in err
+    assert not (e / "report.md").exists()  # refused before anything is written
