@@ -17,7 +17,9 @@ Usage::
 
 Each run is ``fedlore run CONFIG name=<name>-<setting> algorithms=<m> seeds=<s> <k=v ...>
 output_dir=<runs> [--set overrides] --resume`` in its own process, so a killed sweep resumes
-where it stopped. Writes ``<out>/table.md`` and ``<out>/table.json``. Run names hold only the
+where it stopped. Writes ``<out>/table.md`` and ``<out>/table.json`` (per row each column's
+values over the finished seeds, and ``by_seed``: each seed's, to compare methods seed by seed).
+Run names hold only the
 ``--vary`` settings: a finished run under the same name whose ``config.json`` differs (another
 sweep's ``--set`` values in the same runs root) is neither reused nor tabulated, and the sweep
 says so (give each sweep its own ``--runs`` root).
@@ -293,6 +295,10 @@ def sweep(args: argparse.Namespace) -> int:
                 rec[key] = vals
                 cells.append(stat(vals, scale))
             rec["lr_chosen"] = lrs
+            # each seed's values, to pair methods seed by seed (fedlore.results.paired)
+            rec["by_seed"] = {
+                str(d.get("seed")): {key: d.get(key) for key, _, _ in columns} for d in done
+            }
             records.append(rec)
             lr_cell = ", ".join(f"{k}: {v}" for k, v in sorted(lrs.items())) or "–"
             head = f"| {label(setting)} | {method} | {len(done)} | "

@@ -36,6 +36,9 @@ def test_a_sweep_tabulates_only_runs_of_its_own_settings(
     assert sweep.main([*common, "--set", "lr=0.01", "--out", str(tmp_path / "a")]) == 0
     (row,) = json.loads((tmp_path / "a" / "table.json").read_text())
     assert row["seeds"] == 1
+    # each seed's values, for comparisons seed by seed
+    assert list(row["by_seed"]) == ["1"]
+    assert row["by_seed"]["1"]["final_accuracy"] == row["final_accuracy"][0]
     # another --set under the same run names: not reused, not tabulated, and said
     assert sweep.main([*common, "--set", "lr=0.02", "--out", str(tmp_path / "b")]) == 1
     assert json.loads((tmp_path / "b" / "table.json").read_text()) == []
