@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fedlore.results.paired import paired_stats
+
 Record = dict[str, Any]
 
 
@@ -233,16 +235,49 @@ def row_lr(r: Record) -> str:
     return r["setting"].get("lr", "1e-3" if not r["lr_chosen"] else "searched")
 
 
-def table4(root: Path, sub: str) -> list[str]:
-    lines = [
-        "| method | lr | acc. (%) | NLL | ECE | P-local acc. (%) | client train s / round "
-        "| lr chosen |",
-        "|---|---|---|---|---|---|---|---|",
+def paired_vs(rec: Record, base: Record | None) -> dict[str, Any] | None:
+    """``rec``'s final accuracy minus ``base``'s, seed by seed (the sweeps' ``by_seed``), in
+    points: ``delta``, the 95 % Student-t interval ``low`` / ``high`` (``delta`` itself with one
+    seed), ``ahead`` and ``n`` (seeds both finished); None without per-seed values."""
+    if base is None or rec is base or not rec.get("by_seed") or not base.get("by_seed"):
+        return None
+    diffs = [
+        100 * (v["final_accuracy"] - base["by_seed"][s]["final_accuracy"])
+        for s, v in rec["by_seed"].items()
+        if v.get("final_accuracy") is not None
+        and base["by_seed"].get(s, {}).get("final_accuracy") is not None
     ]
-    for r in table4_rows(root, sub):
+    if not diffs:
+        return None
+    delta, half = paired_stats(diffs)
+    half = half or 0.0
+    n, ahead = len(diffs), sum(d > 0 for d in diffs)
+    return {"delta": delta, "low": delta - half, "high": delta + half, "ahead": ahead, "n": n}
+
+
+def paired_cell(p: dict[str, Any] | None) -> str:
+    if p is None:
+        return "–"
+    if p["n"] == 1:
+        return f"{p['delta']:+.2f} (1 seed)"
+    return f"{p['delta']:+.2f} [{p['low']:+.2f}, {p['high']:+.2f}], {p['ahead']} of {p['n']}"
+
+
+def table4(root: Path, sub: str) -> list[str]:
+    rows = table4_rows(root, sub)
+    base = find(rows, "fedavg")
+    paired = any(r.get("by_seed") for r in rows)  # a sweep that recorded each seed's values
+    extra = " Δ acc. vs fedavg, paired (95 % CI), ahead |" if paired else ""
+    lines = [
+        "| method | lr | acc. (%) |" + extra + " NLL | ECE | P-local acc. (%) "
+        "| client train s / round | lr chosen |",
+        "|---|---|---|" + ("---|" if paired else "") + "---|---|---|---|---|",
+    ]
+    for r in rows:
+        cell = f" {paired_cell(paired_vs(r, base))} |" if paired else ""
         lines.append(
-            f"| {r['method']} | {row_lr(r)} | {ms(r['final_accuracy'])} "
-            f"| {ms(r['final_loss'], 1, 3)} | {ms(r['final_ece'], 1, 3)} "
+            f"| {r['method']} | {row_lr(r)} | {ms(r['final_accuracy'])} |{cell}"
+            f" {ms(r['final_loss'], 1, 3)} | {ms(r['final_ece'], 1, 3)} "
             f"| {ms(r['local_accuracy'])} | {ms(r['client_train_s_per_round'], 1, 3)} "
             f"| {lr_counts(r)} |"
         )
@@ -254,9 +289,13 @@ def table4_facts(root: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for sub in ("cnn", "resnet20"):
         rows: dict[str, Any] = {}
-        for r in table4_rows(root, sub):
+        records = table4_rows(root, sub)
+        base = find(records, "fedavg")
+        for r in records:
             key = r["method"] + (f"_lr{r['setting']['lr']}" if "lr" in r["setting"] else "")
             rows[key] = metrics(r)
+            if (p := paired_vs(r, base)) is not None:
+                rows[key]["vs_fedavg"] = p
         out[sub] = rows
     return out
 
