@@ -236,23 +236,28 @@ def row_lr(r: Record) -> str:
 
 
 def paired_vs(rec: Record, base: Record | None) -> dict[str, Any] | None:
-    """``rec``'s final accuracy minus ``base``'s, seed by seed (the sweeps' ``by_seed``), in
-    points: ``delta``, the 95 % Student-t interval ``low`` / ``high`` (``delta`` itself with one
-    seed), ``ahead`` and ``n`` (seeds both finished); None without per-seed values."""
+    """``rec``'s final accuracy minus ``base``'s, seed by seed (the sweeps' ``by_seed``; a
+    diverged run's seed is left out), in points: ``delta``, the 95 % Student-t interval ``low``
+    / ``high`` (None with one seed), ``ahead`` and ``n`` (seeds both finished); None without
+    per-seed values."""
     if base is None or rec is base or not rec.get("by_seed") or not base.get("by_seed"):
         return None
+
+    def score(values: dict[str, Any]) -> float | None:
+        return None if values.get("diverged") else values.get("final_accuracy")
+
     diffs = [
-        100 * (v["final_accuracy"] - base["by_seed"][s]["final_accuracy"])
+        100 * (mine - theirs)
         for s, v in rec["by_seed"].items()
-        if v.get("final_accuracy") is not None
-        and base["by_seed"].get(s, {}).get("final_accuracy") is not None
+        if (mine := score(v)) is not None
+        and (theirs := score(base["by_seed"].get(s, {}))) is not None
     ]
     if not diffs:
         return None
     delta, half = paired_stats(diffs)
-    half = half or 0.0
+    low, high = (None, None) if half is None else (delta - half, delta + half)
     n, ahead = len(diffs), sum(d > 0 for d in diffs)
-    return {"delta": delta, "low": delta - half, "high": delta + half, "ahead": ahead, "n": n}
+    return {"delta": delta, "low": low, "high": high, "ahead": ahead, "n": n}
 
 
 def paired_cell(p: dict[str, Any] | None) -> str:
@@ -267,7 +272,8 @@ def table4(root: Path, sub: str) -> list[str]:
     rows = table4_rows(root, sub)
     base = find(rows, "fedavg")
     paired = any(r.get("by_seed") for r in rows)  # a sweep that recorded each seed's values
-    extra = " Δ acc. vs fedavg, paired (95 % CI), ahead |" if paired else ""
+    at = f" at {row_lr(base)}" if base else ""
+    extra = f" Δ acc. vs fedavg{at}, paired (95 % CI), ahead |" if paired else ""
     lines = [
         "| method | lr | acc. (%) |" + extra + " NLL | ECE | P-local acc. (%) "
         "| client train s / round | lr chosen |",

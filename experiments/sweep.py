@@ -297,7 +297,11 @@ def sweep(args: argparse.Namespace) -> int:
             rec["lr_chosen"] = lrs
             # each seed's values, to pair methods seed by seed (fedlore.results.paired)
             rec["by_seed"] = {
-                str(d.get("seed")): {key: d.get(key) for key, _, _ in columns} for d in done
+                str(d.get("seed")): {
+                    **{key: d.get(key) for key, _, _ in columns},
+                    "diverged": d.get("diverged"),
+                }
+                for d in done
             }
             records.append(rec)
             lr_cell = ", ".join(f"{k}: {v}" for k, v in sorted(lrs.items())) or "–"

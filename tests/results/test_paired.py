@@ -1,7 +1,8 @@
 """Paired comparisons against a baseline (``fedlore report --baseline``): differences are taken
 seed by seed (never by position), the interval is Student's t as scipy's paired t-test gives it,
-unfinished and diverged runs are left out and counted, and a baseline that names nothing, or
-several config rows, is refused with the reason."""
+runs that did not finish, diverged or trained on other data are left out and counted, language
+models compare perplexity, and a baseline that names nothing, or several config rows, is refused
+with the reason."""
 
 from __future__ import annotations
 
@@ -46,42 +47,68 @@ def test_differences_pair_by_seed_and_see_what_the_spread_hides(tmp_path: Path) 
         _run(e, "fedavg", seed, base, loss=1.0)
         _run(e, "mine", 5 - seed, {1: 0.60, 2: 0.80, 3: 0.70, 4: 0.75}[5 - seed] + 0.01, 0.9)
     (row,) = paired_table(split_by_config(load_runs(e)), "fedavg")
-    assert row["paired"] == 4 and row["unpaired"] == 0 and row["ahead"] == 4
+    assert row["paired"] == 4 and row["left_out"] == [] and row["better"] == 4
     assert row["delta"] == pytest.approx(1.0) and row["ci"] == pytest.approx(0.0, abs=1e-9)
     assert row["delta_nll"] == pytest.approx(-0.1)
     # by position instead of seed, the differences would be -20..+20 points
     text = report(e, write=False, baseline="fedavg").split("## Paired against fedavg")[1]
-    assert "| mine | 4 | +1.00 | [+1.00, +1.00] | 4 of 4 | -0.100 |" in text
+    assert "| mine | 4 | +1.00 | [+1.00, +1.00] | 4 of 4 | -0.1 |" in text
 
 
-def test_unfinished_and_diverged_runs_are_left_out_and_counted(tmp_path: Path) -> None:
+def test_unfinished_diverged_and_other_data_runs_are_left_out_and_counted(tmp_path: Path) -> None:
+    from fedlore.config import load_config
+
     e = tmp_path / "exp"
-    for seed, acc in ((1, 0.5), (2, 0.6), (3, 0.7)):
-        _run(e, "fedavg", seed, acc)
-    _run(e, "mine", 1, 0.55)
-    _run(e, "mine", 2, None)  # diverged
+    config = load_config(None, []).model_dump(mode="json")
+
+    def record(run: Path, fingerprint: str) -> None:
+        (run / "config.json").write_text(json.dumps({**config, "data_fingerprint": fingerprint}))
+
+    for seed, acc in ((1, 0.5), (2, 0.6), (3, 0.7), (5, 0.7), (6, 0.5), (7, 0.5)):
+        record(_run(e, "fedavg", seed, acc), f"fp{seed}")
+    record(_run(e, "mine", 1, 0.55), "fp1")
+    record(_run(e, "mine", 2, None), "fp2")  # no final score
     unfinished = e / "mine" / "seed-3"
     unfinished.mkdir(parents=True)
     (unfinished / "metrics.jsonl").write_text(json.dumps(rows_for([0.99], 1, 1)[0]) + "\n")
-    _run(e, "mine", 4, 0.9)  # no baseline run of seed 4
+    record(unfinished, "fp3")
+    record(_run(e, "mine", 4, 0.9), "fp4")  # no baseline run of seed 4
+    diverged = _run(e, "mine", 6, 0.9, diverged="the final test loss is 1e+12 nats")
+    record(diverged, "fp6")  # a finite accuracy all the same
+    record(_run(e, "mine", 7, 0.9), "another")  # trained on other data
+    # seed 5: the baseline's only
     with pytest.warns(UserWarning):
         runs = split_by_config(load_runs(e))
     (row,) = paired_table(runs, "fedavg")
-    assert row["paired"] == 1 and row["unpaired"] == 3
+    assert row["paired"] == 1 and row["left_out"] == [2, 3, 4, 5, 6, 7]
     assert row["delta"] == pytest.approx(5.0) and row["ci"] is None
+    with pytest.warns(UserWarning):
+        text = report(e, write=False, baseline="fedavg").split("## Paired against fedavg")[1]
+    assert "| mine | 1 (6 left out) | +5.00 | – | 1 of 1 |" in text
 
 
-def test_perplexity_is_better_lower(tmp_path: Path) -> None:
+def test_ties_are_not_better_and_small_nll_differences_keep_their_digits(tmp_path: Path) -> None:
+    e = tmp_path / "exp"
+    for seed in (1, 2):
+        _run(e, "fedavg", seed, 0.5, loss=0.4)
+        _run(e, "mine", seed, 0.5, loss=0.4 + 2e-7 * seed)
+    text = report(e, write=False, baseline="fedavg").split("## Paired against fedavg")[1]
+    assert "| mine | 2 | +0.00 | [+0.00, +0.00] | 0 of 2 (2 tied) | +3e-07 |" in text
+
+
+def test_language_models_compare_perplexity_lower_is_better(tmp_path: Path) -> None:
+    """A language model's summary holds a token accuracy too; its headline is perplexity."""
     e = tmp_path / "lm"
     for seed, (base, mine) in enumerate(((30.0, 25.0), (32.0, 33.0), (31.0, 29.0))):
         for method, ppl in (("fedfull", base), ("fedlore", mine)):
             run = write_run(e, method, seed, [{"round": 0, "perplexity": ppl}], None)
+            summary = {"final_perplexity": ppl, "final_accuracy": 100 / ppl}
             (run / "summary.json").write_text(
-                json.dumps({"method": method, "seed": seed, "final_perplexity": ppl})
+                json.dumps({"method": method, "seed": seed, **summary})
             )
     (row,) = paired_table(split_by_config(load_runs(e)), "fedfull")
     assert row["label"] == "perplexity" and not row["higher_better"]
-    assert row["delta"] == pytest.approx(-2.0) and row["ahead"] == 2
+    assert row["delta"] == pytest.approx(-2.0) and row["better"] == 2
 
 
 def test_a_baseline_that_names_nothing_or_several_rows_is_refused(
@@ -103,3 +130,23 @@ def test_a_baseline_that_names_nothing_or_several_rows_is_refused(
     err = capsys.readouterr().err
     assert "--baseline fedavgg: no runs of it here (did you mean 'fedavg'?)" in err
     assert not (e / "report.md").exists()  # refused before anything is written
+
+
+def test_a_folder_of_experiments_says_why_one_has_no_comparison(tmp_path: Path) -> None:
+    from fedlore.config import load_config
+
+    root = tmp_path / "runs"
+    base = load_config(None, []).model_dump(mode="json")
+    for seed in (1, 2):
+        _run(root / "a", "fedavg", seed, 0.5)
+        _run(root / "a", "mine", seed, 0.6)
+        _run(root / "b", "mine", seed, 0.6)  # no fedavg
+        _run(root / "c", "fedavg", seed, 0.5)  # fedavg alone
+        split = {**base, "lr": base["lr"] * seed}  # fedavg's runs split by config in d
+        (_run(root / "d", "fedavg", seed, 0.5) / "config.json").write_text(json.dumps(split))
+    text = report(root, write=False, baseline="fedavg")  # a has it: no refusal
+    a, b, c, d = text.split("## Paired against fedavg")[1:]
+    assert "| mine | 2 | +10.00 |" in a
+    assert "No row fedavg here (rows: mine)." in b
+    assert "fedavg is the only row here: nothing to compare with it." in c
+    assert "Its runs differ in config here (fedavg [lr=" in d and "name one of these rows" in d

@@ -410,3 +410,17 @@ def test_report_csv_has_the_evaluation_metrics_beside_the_summary(tmp_path: Path
     report(plain)
     with (plain / "report.csv").open() as f:
         assert csv.DictReader(f).fieldnames == COLUMNS
+
+
+def test_a_diverged_runs_scores_are_left_out_its_costs_kept(tmp_path: Path) -> None:
+    """A model that blew up can keep a finite accuracy (its NLL at 1e12): the seeds column says
+    it diverged, and its scores stay out of the means while its bytes and seconds count."""
+    e = tmp_path / "div"
+    write_run(e, "fedavg", 1, rows_for([0.8], 1, 1), {**summ(0.8, 0.8, 2e6, 2e6, 1, 1.0)})
+    blown = {**summ(0.3, 0.9, 4e6, 4e6, 1, 3.0), "final_loss": 1e12, "diverged": "blew up"}
+    write_run(e, "fedavg", 2, rows_for([0.3], 1, 1), blown)
+    (row,) = summary_table(load_runs(e))
+    assert row["diverged_runs"] == 1
+    assert row["final_accuracy_pct_mean"] == pytest.approx(80.0)
+    assert row["best_accuracy_pct_mean"] == pytest.approx(80.0) and row["final_loss_mean"] is None
+    assert row["mb_up_mean"] == pytest.approx(3.0) and row["wall_s_per_round_mean"] == 2.0

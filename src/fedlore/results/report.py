@@ -22,12 +22,7 @@ from fedlore.results.markdown import (
     seeds_cell,
     to_markdown,
 )
-from fedlore.results.paired import (
-    baseline_label,
-    paired_markdown,
-    paired_table,
-    unknown_baseline,
-)
+from fedlore.results.paired import baseline_label, section, unknown_baseline
 from fedlore.results.plots import plot
 from fedlore.results.store import (
     IncompleteRunWarning,
@@ -135,7 +130,6 @@ def _report_experiment(
             if any(value(x, k) is not None for rs in runs.values() for r in rs for x in r.rows)
         ]
     metric_keys, metrics = eval_metrics_table(runs)
-    paired = paired_table(runs, baseline) if baseline else []
     pngs = []
     if write:
         pngs = plot(runs, exp_dir, keys=keys, title=setting_title(exp_dir.name, runs))
@@ -156,11 +150,7 @@ def _report_experiment(
         "\n\n"
     )
     if baseline:
-        text += f"## Paired against {baseline}\n\n" + (
-            paired_markdown(paired, baseline) + "\n"
-            if paired
-            else f"No finished runs of {baseline} in this experiment.\n\n"
-        )
+        text += section(runs, baseline)
     if metrics:
         text += (
             "## Evaluation metrics\n\n"
@@ -224,8 +214,17 @@ def report(
             "or <method>/seed-<s>/ below it"
         )
     runs = {d: split_by_config(load_runs(d)) for d in experiments}
-    if baseline is not None:
-        found = [baseline_label(r, baseline) for r in runs.values()]  # may raise: ambiguous
-        if all(label is None for label in found):
-            raise ValueError(unknown_baseline(baseline, [k for r in runs.values() for k in r]))
+    if baseline is not None:  # refused when no experiment has it (each says why it lacks it)
+        problems, found = [], False
+        for r in runs.values():
+            try:
+                found = found or baseline_label(r, baseline) is not None
+            except ValueError as e:  # its runs split by config there: name a row
+                problems.append(str(e))
+        if not found:
+            raise ValueError(
+                problems[0]
+                if problems
+                else unknown_baseline(baseline, [k for r in runs.values() for k in r])
+            )
     return "\n".join(_report_experiment(d, keys, write, baseline, runs[d]) for d in experiments)

@@ -59,9 +59,32 @@ empty for classifiers; ECE, G-local and P-local accuracy and client training tim
 runs that did not record them)."""
 
 
+COSTS = frozenset(
+    {
+        "bytes_up_total",
+        "bytes_down_total",
+        "optimizer_state_bytes",
+        "peak_memory_bytes",
+        "wall_s_per_round",
+        "rejected_total",
+        "skipped_steps_total",
+        "client_train_s_per_round",
+        "dp_epsilon",
+        "dp_noise_multiplier",
+        "dp_clipped_total",
+        "dp_clip_norm",
+    }
+)
+"""Summary keys that measure what a run cost or spent, not how good its model is: a diverged
+run keeps them in the statistics; its scores (accuracy, NLL, ECE, perplexity, RMSE, the
+eval.metrics) are left out, as the seeds column says."""
+
+
 def _summary_values(records: list[RunRecord], key: str, scale: float = 1.0) -> list[float]:
     out = []
     for r in records:
+        if key not in COSTS and r.summary.get("diverged"):
+            continue  # a blown-up model's finite accuracy is no score
         v = r.summary.get(key)
         if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
             out.append(float(v) * scale)
