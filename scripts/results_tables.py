@@ -29,16 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the generators besid
 
 from results_benchmarks import benchmarks
 from results_common import EXP, ROOT, bayes_tables
-from results_experiments import (
-    bayes_fedlore,
-    dp,
-    fmnist_dir01,
-    fmnist_partial,
-    grid_table_facts,
-    pretrain,
-    sketch_vs_projector,
-    subspace_rivals,
-)
+from results_experiments import dp, fmnist_dir01, fmnist_partial, sketch_vs_projector
+from results_rivals import bayes_fedlore, grid_table_facts, pretrain, subspace_rivals
 
 GENERATORS: tuple[Callable[[], dict[str, str]], ...] = (
     fmnist_dir01,
