@@ -315,9 +315,10 @@ def client_reports(accepted: list[tuple[int, Reply | None]], per_client: Sequenc
                 row[key] = float("nan")
         for key in sorted({k for m in local for k in m} - {*LOCAL_KEYS, "local_n"}):
             if not key.startswith("local_") or key in per_client:
-                continue  # eval.metrics' names never start with local_ (fedlore.train.metrics)
+                continue  # P-local scores only: local_<name> of eval.metrics
             scored = [m for m in local if _real(m.get(key))]
-            diverged = any(not math.isfinite(float(m.get("local_loss", 0.0))) for m in scored)
+            losses = [m.get("local_loss") for m in scored]
+            diverged = any(isinstance(v, float) and not math.isfinite(v) for v in losses)
             finite = [
                 (float(m[key]), float(m["local_n"]))
                 for m in scored
