@@ -5,7 +5,8 @@ files that ``experiments/sweep.py`` wrote under ``experiments/results/``.
     python experiments/bayes_tables.py [experiments/results] --write   # and write them
 
 ``--write`` writes each table beside its data as Markdown (``bayes_table2/summary.md``,
-``bayes_table3/summary.md``, ``bayes_table4/summary_cnn.md``, ``summary_resnet20.md``,
+``bayes_table3/summary.md``, ``bayes_table4/summary_cnn.md``, ``summary_cnn_steps20.md`` (the
+earlier protocol's), ``summary_resnet20.md``,
 ``bayes_table5/summary.md``, ``bayes_table6/summary_fmnist.md``, ``summary_digits.md``) and, as
 ``summary.json`` in each folder, the numbers the documentation quotes in its prose (means,
 differences, counts, shares of the learning-rate searches): the pages under ``docs/results/``
@@ -198,7 +199,7 @@ def table4(root: Path, sub: str) -> list[str]:
 def table4_facts(root: Path) -> dict[str, Any]:
     """Every row's means, keyed ``method`` (the base rate or searched) or ``method_lr<lr>``."""
     out: dict[str, Any] = {}
-    for sub in ("cnn", "resnet20"):
+    for sub in ("cnn", "cnn_steps20", "resnet20"):
         rows: dict[str, Any] = {}
         records = table4_rows(root, sub)
         base = find(records, "fedavg")
@@ -317,6 +318,11 @@ TABLES: tuple[tuple[str, str, Callable[[Path], list[str]]], ...] = (
     ("Table II", "bayes_table2/summary.md", table2),
     ("Table III", "bayes_table3/summary.md", table3),
     ("Table IV (CNN)", "bayes_table4/summary_cnn.md", lambda root: table4(root, "cnn")),
+    (
+        "Table IV (CNN, earlier protocol: 20 local steps)",
+        "bayes_table4/summary_cnn_steps20.md",
+        lambda root: table4(root, "cnn_steps20"),
+    ),
     (
         "Table IV (ResNet-20)",
         "bayes_table4/summary_resnet20.md",
