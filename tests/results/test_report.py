@@ -370,12 +370,18 @@ def test_runs_split_by_what_they_trained_with_only(tmp_path: Path) -> None:
     }
 
 
-def test_evaluation_metrics_table_counts_the_seeds_behind_each_value(tmp_path: Path) -> None:
-    e = tmp_path / "scored"
+def scored_experiment(e: Path) -> Path:
+    """fedavg over seeds 1-3 with eval.metrics brier (every seed) and f1_macro (seed 1 only);
+    fedlore naming none."""
     for seed, brier, f1 in ((1, 0.2, 0.5), (2, 0.4, None), (3, 0.6, None)):
         extra = {"eval_metrics": ["brier", "f1_macro"], "final_brier": brier, "final_f1_macro": f1}
         write_run(e, "fedavg", seed, rows_for([0.5], 1, 1), {**summ(0.5, 0.5, 1, 1, 1, 1), **extra})
-    write_run(e, "fedlore", 1, rows_for([0.5], 1, 1), summ(0.5, 0.5, 1, 1, 1, 1))  # none named
+    write_run(e, "fedlore", 1, rows_for([0.5], 1, 1), summ(0.5, 0.5, 1, 1, 1, 1))
+    return e
+
+
+def test_evaluation_metrics_table_counts_the_seeds_behind_each_value(tmp_path: Path) -> None:
+    e = scored_experiment(tmp_path / "scored")
     section = report(e, write=False).split("## Evaluation metrics")[1].splitlines()
     assert section[2] == "| method | brier | f1_macro |"
     assert section[4] == "| fedavg | 0.4000 ± 0.2000 | 0.5000 (1 of 3 seeds) |"
@@ -383,11 +389,7 @@ def test_evaluation_metrics_table_counts_the_seeds_behind_each_value(tmp_path: P
 
 
 def test_report_csv_has_the_evaluation_metrics_beside_the_summary(tmp_path: Path) -> None:
-    e = tmp_path / "scored"
-    for seed, brier, f1 in ((1, 0.2, 0.5), (2, 0.4, None), (3, 0.6, None)):
-        extra = {"eval_metrics": ["brier", "f1_macro"], "final_brier": brier, "final_f1_macro": f1}
-        write_run(e, "fedavg", seed, rows_for([0.5], 1, 1), {**summ(0.5, 0.5, 1, 1, 1, 1), **extra})
-    write_run(e, "fedlore", 1, rows_for([0.5], 1, 1), summ(0.5, 0.5, 1, 1, 1, 1))  # none named
+    e = scored_experiment(tmp_path / "scored")
     report(e)
     with (e / "report.csv").open() as f:
         reader = csv.DictReader(f)
