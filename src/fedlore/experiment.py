@@ -274,6 +274,9 @@ def run(
         if exp.fed.test_split is not None:  # no test split of its own: what was held out
             summary["data_test_split"] = exp.fed.test_split
         summary.update(privacy_summary(privacy))  # the mechanism, beside its ε
+        measured = getattr(clients, "summary_fields", None)  # a transport's own (Flower's bytes)
+        if measured is not None:
+            summary.update(measured())
         write_json(out / "summary.json", summary)
         tracking.finish(summary, out)  # before the folder moves (a tracker may write in it)
         # a finished run is never resumed: its spilled client states are no longer needed

@@ -4,6 +4,7 @@ transport's polling and its client -> node map without a running Flower."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -254,3 +255,36 @@ def test_a_round_waits_for_the_nodes_of_its_clients_not_for_a_dead_one(
     start = time.monotonic()
     t.refresh_nodes()
     assert time.monotonic() - start >= 0.3 and t.node_of == {0: 11, 1: 13}
+
+
+class _Measuring(ClientAppInProcess):
+    """A transport with measurements of its own, as the Flower transport has its wire bytes."""
+
+    def summary_fields(self) -> dict[str, Any]:
+        return {"wire_bytes_up_total": 123, "client_num_examples": {"0": 7}}
+
+
+def test_a_transports_measurements_are_in_the_summary_as_first_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run's one write of summary.json carries what the transport measured, and so does
+    what its trackers receive (no second write after the run, which a reader or a tracker
+    could miss)."""
+    import fedlore.experiment as experiment
+
+    app = load_config(None, [*SMALL, f"output_dir={tmp_path}"])
+    _, client = make_apps(app, "fedfull", 42)
+    writes: list[dict[str, Any]] = []
+    real = experiment.write_json
+
+    def spy(path: Path, obj: Any) -> None:
+        if Path(path).name == "summary.json":
+            writes.append(dict(obj))
+        real(path, obj)
+
+    monkeypatch.setattr(experiment, "write_json", spy)
+    s = run_one(app, "fedfull", 42, make_transport=lambda *_: _Measuring(client, app.num_clients))
+    assert s is not None and s["wire_bytes_up_total"] == 123
+    assert len(writes) == 1 and writes[0]["client_num_examples"] == {"0": 7}
+    on_disk = json.loads((run_dir(app, "fedfull", 42) / "summary.json").read_text())
+    assert on_disk["wire_bytes_up_total"] == 123

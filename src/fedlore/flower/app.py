@@ -44,14 +44,13 @@ from flwr.serverapp import Grid, ServerApp
 from torch import nn
 
 from fedlore.algorithm import Algorithm
-from fedlore.atomic import WriteError, explain, write_json
+from fedlore.atomic import WriteError, explain
 from fedlore.config import Config, load_config, validate
 from fedlore.data.client_data import ClientData
 from fedlore.data.federation import Federation, build_federation
 from fedlore.device import PeakMemory, resolve_device, training_precision
 from fedlore.engine import interrupt
 from fedlore.engine.interrupt import Interrupted
-from fedlore.engine.rundir import run_dir
 from fedlore.experiment import run_one
 from fedlore.experiment_parts import make_algorithm, model_factory
 from fedlore.flower.codec import (
@@ -273,11 +272,10 @@ def server_main(
 ) -> dict[str, Any] | None:
     """Run one method x seed of ``cfg`` over ``grid`` (``resume`` / ``overwrite`` as for
     :func:`fedlore.experiment.run_one`); returns the run summary."""
-    transport_box: dict[str, FlowerTransport] = {}
     fed = server_federation(cfg, seed) if cfg.flower.site_data else None
 
     def make_transport(_algo: Any, *args: Any) -> FlowerTransport:
-        t = FlowerTransport(
+        return FlowerTransport(
             grid,
             round_timeout=cfg.flower.round_timeout_s,
             max_message_bytes=(
@@ -289,10 +287,10 @@ def server_main(
             extra_config=None if fed is None else {SITE_SHAPE: data_shape(fed)},
             secagg=secagg_settings(cfg, method, None if fed is not None else args[0]),
         )
-        transport_box["t"] = t
-        return t
 
-    summary = run_one(
+    # the bytes measured on the wire and each site's example count go into the run's summary
+    # as it is written (FlowerTransport.summary_fields): one write, seen by its trackers too
+    return run_one(
         cfg,
         method,
         seed,
@@ -301,14 +299,6 @@ def server_main(
         overwrite=overwrite,
         make_transport=make_transport,
     )
-    t = transport_box.get("t")
-    if t is not None and summary is not None:
-        summary["wire_bytes_up_total"] = t.wire_bytes_up
-        summary["wire_bytes_down_total"] = t.wire_bytes_down
-        # who trained on how much (with site-local data, each site's own count)
-        summary["client_num_examples"] = {str(c): n for c, n in sorted(t.num_examples.items())}
-        write_json(run_dir(cfg, method, seed) / "summary.json", summary)
-    return summary
 
 
 def secagg_settings(cfg: Config, method: str, client_data: Any = None) -> SecAggSettings:

@@ -153,6 +153,17 @@ class FlowerTransport:
             time.sleep(0.5)
         self.refresh_nodes()
 
+    def summary_fields(self) -> dict[str, Any]:
+        """What this transport measured, for the run's ``summary.json`` (the engine adds these
+        as it writes it, :func:`fedlore.experiment.run`): the bytes of the serialized arrays
+        Flower's messages carried up and down, and each client's ``num_examples`` as its
+        latest reply gave it (with site-local data, each site's own count)."""
+        return {
+            "wire_bytes_up_total": self.wire_bytes_up,
+            "wire_bytes_down_total": self.wire_bytes_down,
+            "client_num_examples": {str(c): n for c, n in sorted(self.num_examples.items())},
+        }
+
     def refresh_nodes(
         self, node_ids: Iterable[int] | None = None, need: Iterable[int] = ()
     ) -> None:
