@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="add a section comparing every method with METHOD seed by seed: the mean "
         "difference of the final scores on the same seeds, its 95%% t interval and the seeds "
-        "each method was better on",
+        "each method was better on (in report.md, and as paired_* columns of report.csv)",
     )
     p_track = sub.add_parser(
         "track",

@@ -150,3 +150,42 @@ def test_a_folder_of_experiments_says_why_one_has_no_comparison(tmp_path: Path) 
     assert "No row fedavg here (rows: mine)." in b
     assert "fedavg is the only row here: nothing to compare with it." in c
     assert "Its runs differ in config here (fedavg [lr=" in d and "name one of these rows" in d
+
+
+def test_report_csv_carries_the_paired_columns_with_a_baseline(tmp_path: Path) -> None:
+    """With --baseline, report.csv gets each row's paired difference, interval ends (scipy's
+    paired t interval), seeds and wins; the baseline's row names it only; without a baseline
+    the columns are absent."""
+    import csv
+
+    e = tmp_path / "exp"
+    base, mine = (0.60, 0.80, 0.70), (0.62, 0.79, 0.75)
+    for seed, (a, b) in enumerate(zip(base, mine, strict=True)):
+        _run(e, "fedavg", seed, a, loss=1.0)
+        _run(e, "mine", seed, b, loss=1.0 - 0.1 * seed)
+    _run(e, "lonely", 9, 0.9)  # no fedavg run of seed 9
+    report(e, baseline="fedavg")
+    rows = {r["method"]: r for r in csv.DictReader((e / "report.csv").open())}
+    row = rows["mine"]
+    diffs = 100 * (np.array(mine) - np.array(base))
+    low, high = stats.ttest_rel(np.array(mine) * 100, np.array(base) * 100).confidence_interval()
+    assert row["paired_baseline"] == "fedavg" and row["paired_score"] == "final_accuracy"
+    assert float(row["paired_delta"]) == pytest.approx(diffs.mean())
+    assert float(row["paired_low"]) == pytest.approx(low)
+    assert float(row["paired_high"]) == pytest.approx(high)
+    assert (row["paired_seeds"], row["paired_left_out"], row["paired_better"]) == ("3", "", "2")
+    assert float(row["paired_nll_delta"]) == pytest.approx(-0.1)
+    assert row["paired_nll_seeds"] == "3" and row["paired_ties"] == "0"
+    assert rows["fedavg"]["paired_baseline"] == "fedavg" and rows["fedavg"]["paired_delta"] == ""
+    lonely = rows["lonely"]
+    assert (lonely["paired_seeds"], lonely["paired_left_out"], lonely["paired_delta"]) == (
+        "0",
+        "0 1 2 9",
+        "",
+    )
+    assert lonely["paired_better"] == "" and lonely["paired_low"] == ""
+    report(e)  # no baseline: no paired columns
+    assert "paired_delta" not in (e / "report.csv").read_text()
+    report(e, baseline="lonely")  # no seed in common: rows without a difference, said so
+    rows = {r["method"]: r for r in csv.DictReader((e / "report.csv").open())}
+    assert (rows["mine"]["paired_seeds"], rows["mine"]["paired_delta"]) == ("0", "")

@@ -22,7 +22,7 @@ from fedlore.results.markdown import (
     seeds_cell,
     to_markdown,
 )
-from fedlore.results.paired import baseline_label, section, unknown_baseline
+from fedlore.results.paired import baseline_label, paired_table, section, unknown_baseline
 from fedlore.results.plots import plot
 from fedlore.results.store import (
     IncompleteRunWarning,
@@ -59,20 +59,69 @@ __all__ = [
 ]
 
 
+PAIRED_COLUMNS = [
+    "paired_baseline",
+    "paired_score",
+    "paired_seeds",
+    "paired_left_out",
+    "paired_delta",
+    "paired_low",
+    "paired_high",
+    "paired_better",
+    "paired_ties",
+    "paired_nll_seeds",
+    "paired_nll_delta",
+    "paired_nll_low",
+    "paired_nll_high",
+]
+"""The columns ``fedlore report --baseline`` adds to ``report.csv`` (:func:`paired_cells`)."""
+
+
+def paired_cells(row: dict[str, Any] | None, baseline: str) -> dict[str, Any]:
+    """A :func:`~fedlore.results.paired.paired_table` row as :data:`PAIRED_COLUMNS` cells (the
+    baseline's own row, ``row`` None, names the baseline only): the interval as its two ends,
+    the left-out seeds joined by spaces; no interval with one seed."""
+    cells: dict[str, Any] = dict.fromkeys(PAIRED_COLUMNS)
+    cells["paired_baseline"] = baseline
+    if row is None:
+        return cells
+    cells |= {
+        "paired_score": row["key"],
+        "paired_seeds": row["paired"],
+        "paired_left_out": " ".join(str(s) for s in row["left_out"]),
+        "paired_better": row["better"] if row["paired"] else None,
+        "paired_ties": row["ties"] if row["paired"] else None,
+        "paired_nll_seeds": row["paired_nll"],
+    }
+    for delta, low, high, mean, half in (
+        ("paired_delta", "paired_low", "paired_high", row["delta"], row["ci"]),
+        ("paired_nll_delta", "paired_nll_low", "paired_nll_high", row["delta_nll"], row["ci_nll"]),
+    ):
+        cells[delta] = mean
+        if mean is not None and half is not None:
+            cells[low], cells[high] = mean - half, mean + half
+    return cells
+
+
 def to_csv(
     table: list[dict[str, Any]],
     path: Path,
     metrics: tuple[list[str], list[dict[str, Any]]] = ([], []),
+    paired: tuple[str, list[dict[str, Any]]] | None = None,
 ) -> None:
     """Write :func:`summary_table` rows to ``path`` with the :data:`COLUMNS` header; missing
     statistics are empty cells, numbers are written at full precision.
 
     ``metrics`` is :func:`eval_metrics_table`'s ``(keys, rows)``: each key adds the columns
     ``<key>_mean``, ``<key>_std`` and ``<key>_n`` (the seeds with a finite value), after
-    :data:`COLUMNS`, joined to the summary rows by method."""
+    :data:`COLUMNS`, joined to the summary rows by method. ``paired`` is ``(baseline row,
+    paired_table rows)`` (``fedlore report --baseline``): :data:`PAIRED_COLUMNS` last, joined
+    by method (the difference in the scale of :data:`fedlore.results.paired.HEADLINE`: points
+    for accuracy)."""
     keys, rows = metrics
     extra = [f"{key}_{stat}" for key in keys for stat in ("mean", "std", "n")]
     by_method = {r["method"]: r for r in rows}
+    pairs = {r["method"]: r for r in paired[1]} if paired is not None else {}
     out = []
     for r in table:
         cells = {k: r.get(k) for k in COLUMNS}
@@ -80,9 +129,12 @@ def to_csv(
         for key in keys:
             mean, std, n = scored.get(key, (None, None, 0))
             cells |= {f"{key}_mean": mean, f"{key}_std": std, f"{key}_n": n}
+        if paired is not None:
+            cells |= paired_cells(pairs.get(r["method"]), paired[0])
         out.append({k: "" if v is None else v for k, v in cells.items()})
+    header = COLUMNS + extra + (PAIRED_COLUMNS if paired is not None else [])
     with replacing(path, "w", newline="", shared=True) as f:  # a failure leaves the old file
-        writer = csv.DictWriter(f, fieldnames=COLUMNS + extra)
+        writer = csv.DictWriter(f, fieldnames=header)
         writer.writeheader()
         writer.writerows(out)
 
@@ -133,7 +185,7 @@ def _report_experiment(
     pngs = []
     if write:
         pngs = plot(runs, exp_dir, keys=keys, title=setting_title(exp_dir.name, runs))
-        to_csv(table, exp_dir / "report.csv", (metric_keys, metrics))
+        to_csv(table, exp_dir / "report.csv", (metric_keys, metrics), _paired(runs, baseline))
     images = "\n\n".join(f"![{p.stem.replace('_', ' ')}]({p.name})" for p in pngs)
     held = {s for rs in runs.values() for r in rs if (s := r.summary.get("data_test_split"))}
     text = (
@@ -173,6 +225,21 @@ def _report_experiment(
     text += f"{images}\n"
     write_text(exp_dir / "report.md", text, shared=True)  # each finishing run writes it
     return text
+
+
+def _paired(
+    runs: dict[str, list[RunRecord]], baseline: str | None
+) -> tuple[str, list[dict[str, Any]]] | None:
+    """The ``paired`` argument of :func:`to_csv`: None without a baseline, or when this
+    experiment has no paired table against it (the Markdown's section says why)."""
+    if not baseline:
+        return None
+    try:
+        label = baseline_label(runs, baseline)
+    except ValueError:
+        return None  # its runs split by config: a row must be named
+    rows = paired_table(runs, baseline) if label is not None else []
+    return (label, rows) if label is not None and rows else None
 
 
 def report(
