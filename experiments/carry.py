@@ -18,7 +18,8 @@ continues it after the packed round and reaches the result an uninterrupted run 
 Pack after stopping the queue (Ctrl-C): a run still training is packed too (its checkpoint is
 read before its rows, and a resume drops rows past the checkpoint), except one whose client
 states are spilled to disk, which could change under the copy: it is named, its archived copy
-kept, and pack exits 1.
+kept, and pack exits 1. So is a run whose checkpoint names spilled states its folder lacks (with
+``store.spill_dir`` they live outside it, where the archive cannot take them).
 
     python experiments/carry.py pack   [--root experiments/runs]
     python experiments/carry.py unpack [--root experiments/runs]
@@ -73,6 +74,19 @@ def training(folder: Path) -> bool:
 def checkpoint_round(data: bytes) -> int:
     """The round a checkpoint was written after."""
     return int(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)["round"])
+
+
+def spilled_elsewhere(folder: Path) -> list[str]:
+    """The spilled client states the run's checkpoint names that its ``client_states/`` lacks
+    (a run with ``store.spill_dir`` keeps them outside its folder, where pack cannot see
+    them; a resume without them fails), sorted."""
+    raw = torch.load(folder / "checkpoint.pt", map_location="cpu", weights_only=True)
+    named = {
+        e["spilled"]
+        for e in raw.get("clients", {}).values()
+        if isinstance(e, dict) and isinstance(e.get("spilled"), str)
+    }
+    return sorted(f for f in named if not (folder / "client_states" / f).is_file())
 
 
 def run_of(name: str) -> PurePosixPath:
@@ -148,6 +162,14 @@ def pack(root: Path) -> tuple[int, list[Path]]:
             continue
         if not all((folder / f).is_file() for f in ("config.json", "metrics.jsonl")):
             print(f"left out (no config.json or metrics.jsonl beside the checkpoint): {run}")
+            left_out.append(folder)
+            continue
+        if missing := spilled_elsewhere(folder):
+            print(
+                f"left out ({len(missing)} spilled client states its checkpoint names are not in "
+                f"its client_states/, e.g. {missing[0]}: store.spill_dir keeps them elsewhere; "
+                f"resume it on this machine, or run it without store.spill_dir): {run}"
+            )
             left_out.append(folder)
             continue
         files = local_files(root, folder)

@@ -33,22 +33,23 @@ def _carry() -> ModuleType:
 carry = _carry()
 
 
+def _over(out: Path) -> list[str]:
+    return [
+        "name=carry",
+        "num_clients=3",
+        "rounds=4",
+        "local_steps=2",
+        "batch_size=16",
+        "rank=4",
+        "model.kwargs={hidden: [16]}",
+        "partition.min_size=10",
+        "progress=false",
+        f"output_dir={out}",
+    ]
+
+
 def _cfg(out: Path) -> Config:
-    return load_config(
-        None,
-        [
-            "name=carry",
-            "num_clients=3",
-            "rounds=4",
-            "local_steps=2",
-            "batch_size=16",
-            "rank=4",
-            "model.kwargs={hidden: [16]}",
-            "partition.min_size=10",
-            "progress=false",
-            f"output_dir={out}",
-        ],
-    )
+    return load_config(None, _over(out))
 
 
 def _untimed(d: dict[str, Any]) -> dict[str, Any]:
@@ -181,3 +182,34 @@ def test_a_run_left_out_keeps_its_archived_copy_and_pack_says_so(tmp_path: Path)
     assert _archived(tmp_path) == {"t/a/seed-0": 2}
     assert carry.pack(tmp_path) == (1, [])  # stopped: packed at round 4
     assert _archived(tmp_path) == {"t/a/seed-0": 4}
+
+
+def test_a_run_spilling_outside_its_folder_is_left_out_and_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With ``store.spill_dir`` the client states a checkpoint names live outside the run
+    folder: packing the folder alone would carry a run no resume can continue. It is left out
+    (pack exits 1, naming the setting); spilling inside the folder, it is packed whole and
+    resumes elsewhere to the uninterrupted result."""
+    spill = ["store.max_memory_mb=0.000001"]
+    outside = load_config(
+        None, [*_over(tmp_path / "a"), *spill, f"store.spill_dir={tmp_path / 'spill'}"]
+    )
+    assert run_one(outside, "fedlore", 1, stop_after=1) is None
+    folder = run_dir(outside, "fedlore", 1)
+    assert carry.spilled_elsewhere(folder)  # the checkpoint names states the folder lacks
+    assert carry.main(["pack", "--root", str(outside.output_dir)]) == 1
+    assert "store.spill_dir keeps them elsewhere" in capsys.readouterr().out
+    assert not (Path(outside.output_dir) / carry.ARCHIVE).exists()
+
+    inside = load_config(None, [*_over(tmp_path / "b"), *spill])
+    want = run_one(load_config(None, [*_over(tmp_path / "ref"), *spill]), "fedlore", 1)
+    assert run_one(inside, "fedlore", 1, stop_after=1) is None
+    assert any((run_dir(inside, "fedlore", 1) / "client_states").glob("*"))
+    assert carry.pack(Path(inside.output_dir)) == (1, [])
+    there = tmp_path / "there"
+    there.mkdir()
+    shutil.copy(Path(inside.output_dir) / carry.ARCHIVE, there / carry.ARCHIVE)
+    assert carry.unpack(there) == 1
+    got = run_one(load_config(None, [*_over(there), *spill]), "fedlore", 1, resume=True)
+    assert got is not None and want is not None and _same(got, want)
