@@ -108,7 +108,7 @@ def load(path: Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", default="2")
     ap.add_argument("--table-only", action="store_true")
     args = ap.parse_args(argv)

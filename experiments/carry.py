@@ -235,7 +235,7 @@ def unpack(root: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=("pack", "unpack"))
     parser.add_argument("--root", type=Path, default=Path("experiments/runs"))
     args = parser.parse_args(argv)

@@ -98,7 +98,7 @@ def score(s: dict[str, Any] | None) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("config")
     ap.add_argument("--methods", default="fedlore_sketch,fedfull,fedit,ffa_lora")
     ap.add_argument("--epsilons", default="2,8")

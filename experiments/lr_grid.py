@@ -233,7 +233,7 @@ def per_round(root: str, name: str, lr: float, method: str, seed: int) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
     ap.add_argument("--grid", action="append", required=True, help="METHODS=RATES")
     ap.add_argument("--jobs", type=int, default=2)

@@ -25,7 +25,7 @@ from fedlore.results.store import RunRecord, load_runs
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
     ap.add_argument("--ranks", required=True, help="comma-separated ranks")
     ap.add_argument("--lr", type=float, required=True, help="FedLore's learning rate")

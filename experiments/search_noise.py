@@ -32,7 +32,7 @@ EPOCHS = 2
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="a Meta-BayFL run folder with its checkpoint.pt")
     args = parser.parse_args()
     run = load_trained(args.run)

@@ -139,7 +139,7 @@ def chosen_lrs(path: Path) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
     ap.add_argument("--vary", action="append", default=[], help="KEY=V1,V2,...")
     ap.add_argument("--methods", default=None, help="comma-separated (default: the config's)")

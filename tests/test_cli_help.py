@@ -100,3 +100,23 @@ def test_python_m_fedlore_is_the_command_and_importing_the_package_loads_no_torc
         [sys.executable, "-m", "fedlore", "--version"], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0 and done.stdout.startswith("fedlore "), done
+
+
+@pytest.mark.parametrize("flag", ["--ov", "--over", "--res", "--base"])
+def test_abbreviated_options_are_refused_not_guessed(
+    flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse guesses `--ov` means --overwrite, which replaces finished results: only whole
+    option names are accepted, by every command and the experiment drivers."""
+    from fedlore.cli import main
+
+    command = "report" if flag == "--base" else "run"
+    args = [str(tmp_path)] if command == "report" else [f"output_dir={tmp_path}", "rounds=1"]
+    with pytest.raises(SystemExit) as stop:
+        main([command, flag, *args] if flag != "--base" else [command, *args, flag, "x"])
+    assert stop.value.code == 2 and not any(tmp_path.iterdir())
+    assert "unrecognized arguments" in capsys.readouterr().err
+    for driver in ("sweep", "lr_grid", "carry"):
+        text = (ROOT / "experiments" / f"{driver}.py").read_text()
+        assert "allow_abbrev=False" in text, driver
+

@@ -146,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``fedlore`` argument parser (its help is the CLI reference of the docs)."""
     parser = argparse.ArgumentParser(
         prog="fedlore",
+        allow_abbrev=False,  # `--ov` must not mean --overwrite: only whole option names
         description="fedlore: federated learning experiments (FedLore, Meta-BayFL and their "
         "baselines) from a YAML config.",
         epilog=_EPILOG,
@@ -161,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_run = sub.add_parser(
         "run",
+        allow_abbrev=False,
         help="run every method x seed of an experiment and print its table",
         description="Run every method x seed of CONFIG (each in its own folder under "
         "output_dir/name), then write and print the report (mean ± std over seeds). A finished "
@@ -187,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_rep = sub.add_parser(
         "report",
+        allow_abbrev=False,
         help="summarize a run directory (report.md, report.csv, plots)",
         description="Write report.md, report.csv and the plots of an experiment folder "
         "(output_dir/name) from its finished runs, and print the table; unfinished runs are "
@@ -203,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_track = sub.add_parser(
         "track",
+        allow_abbrev=False,
         help="send finished runs and the report to the trackers again",
         description="Send every finished run of CONFIG (its metrics.jsonl rows, parameters, "
         "summary and files) and the experiment's report to the trackers its tracking section "
@@ -219,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_part = sub.add_parser(
         "partition",
+        allow_abbrev=False,
         help="print per-client class histograms of an experiment's partition",
         description="Print each client's class histogram per seed (documents per source group "
         "for a pre-training corpus), without training; with --plot, also draw it.",
@@ -241,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_conv = sub.add_parser(
         "fortunes-c4",
+        allow_abbrev=False,
         help="convert the fortunes corpus to C4 JSONL files",
         description="Convert Debian's fortunes corpus into C4-format c4-train.jsonl and "
         "c4-validation.jsonl (one source host per category file), the pre-training data of "
@@ -286,6 +292,18 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _report_written(path: Path) -> str:
+    """Where ``fedlore report PATH`` wrote: the experiment's files, or each experiment's."""
+    from fedlore.results.store import is_experiment_dir
+
+    if is_experiment_dir(path):
+        return f"report written to {path}/report.md (with report.csv and the plots)"
+    return (
+        f"reports written in each experiment folder under {path} (report.md, report.csv and "
+        "the plots in each)"
+    )
+
+
 def _main(argv: list[str], command: bool) -> int:
     """:func:`main`'s work, on the arguments ``argv``."""
     warnings.showwarning = _show_warning
@@ -317,7 +335,7 @@ def _main(argv: list[str], command: bool) -> int:
             except WriteError:  # a folder it cannot write: the table all the same, then why
                 print(report(ns.run_dir, write=False, baseline=ns.baseline), flush=True)
                 raise
-            print(f"report written to {ns.run_dir}/report.md (with report.csv and the plots)")
+            print(_report_written(ns.run_dir))
             return 0
         if ns.command == "fortunes-c4":
             from fedlore.data.fortunes_c4 import convert_fortunes
