@@ -426,3 +426,47 @@ def test_a_diverged_runs_scores_are_left_out_its_costs_kept(tmp_path: Path) -> N
     assert row["final_accuracy_pct_mean"] == pytest.approx(80.0)
     assert row["best_accuracy_pct_mean"] == pytest.approx(80.0) and row["final_loss_mean"] is None
     assert row["mb_up_mean"] == pytest.approx(3.0) and row["wall_s_per_round_mean"] == 2.0
+
+
+def test_a_summary_without_its_final_score_is_counted_not_hidden(tmp_path: Path) -> None:
+    """A finished run whose summary.json lost its final_accuracy (edited, damaged) is left out
+    of that column with a warning, and the cell says over how many seeds it is: not a mean of
+    one seed with a spread of 0 under a seeds column of 2."""
+    e = tmp_path / "exp"
+    write_run(e, "fedavg", 1, rows_for([0.5, 0.8], 1, 1), summ(0.80, 0.80, 1, 1, 1, 1.0))
+    damaged = summ(0.90, 0.90, 1, 1, 1, 1.0)
+    del damaged["final_accuracy"]
+    write_run(e, "fedavg", 2, rows_for([0.5, 0.9], 1, 1), damaged)
+    with pytest.warns(IncompleteRunWarning, match="no final_accuracy number"):
+        text = report(e)
+    row = next(line for line in text.splitlines() if line.startswith("| fedavg"))
+    assert "| 2 | 80.00 (1 of 2 seeds) | 85.00 ± 7.07 |" in row
+    (e / "fedavg" / "seed-2" / "summary.json").write_text(
+        json.dumps({"method": "fedavg", "seed": 2, **summ(0.90, 0.90, 1, 1, 1, 1.0)})
+    )
+    row = next(line for line in report(e).splitlines() if line.startswith("| fedavg"))
+    assert "| 2 | 85.00 ± 7.07 | 85.00 ± 7.07 |" in row
+
+
+def test_report_keeps_drawn_plots_when_there_is_nothing_to_draw(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Runs kept without their metrics rows (a published summary) leave the plots drawn
+    earlier as they were, instead of replacing them with empty axes."""
+    from fedlore.cli import main
+
+    e = tmp_path / "exp"
+    write_run(e, "fedavg", 1, rows_for([0.5, 0.8], 1, 1), summ(0.80, 0.80, 1, 1, 1, 1.0))
+    report(e)
+    drawn = (e / "accuracy_vs_round.png").read_bytes()
+    (e / "fedavg" / "seed-1" / "metrics.jsonl").unlink()
+    with pytest.warns(UserWarning) as caught:  # no rows, and so no plots
+        text = report(e)
+    said = [str(w.message) for w in caught]
+    assert any("accuracy_vs_round.png and accuracy_vs_bytes.png not written" in m for m in said)
+    assert (e / "accuracy_vs_round.png").read_bytes() == drawn
+    assert "![" not in text  # nothing written this time, nothing linked
+    capsys.readouterr()
+    with pytest.warns(UserWarning):
+        assert main(["report", str(tmp_path)]) == 0  # a folder of experiments
+    assert f"reports written in each experiment folder under {tmp_path}" in capsys.readouterr().out

@@ -34,6 +34,19 @@ def _pm(mean: float | None, std: float | None, digits: int = 2, n: int = 2) -> s
     return f"{mean:.{digits}f} ± {(std or 0.0):.{digits}f}"
 
 
+def _score(row: dict[str, Any], column: str, digits: int = 2) -> str:
+    """A score's ``mean ± std`` cell over the seeds that gave it; when fewer than the row's
+    seeds that did not diverge (a summary without the value), how many of them:
+    ``91.67 (1 of 2 seeds)``, not a spread of 0 that one seed cannot have."""
+    n = int(row["n_seeds"])
+    count = row.get("counts", {}).get(column, n)
+    mean = row.get(f"{column}_mean")
+    cell = _pm(mean, row.get(f"{column}_std"), digits=digits, n=count)
+    if mean is None or count >= n - int(row.get("diverged_runs") or 0):
+        return cell
+    return f"{cell} ({count} of {n} seeds)"
+
+
 def _num(v: float | None) -> str:
     if v is None:
         return "–"
@@ -121,31 +134,27 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
     for row in table:
         n = int(row["n_seeds"])
         rej, skip = row.get("rejected_total_mean"), row.get("skipped_steps_total_mean")
-        acc = _pm(row["final_accuracy_pct_mean"], row["final_accuracy_pct_std"], n=n)
+        acc = _score(row, "final_accuracy_pct")
         if lm:
-            ppl = _pm(row.get("final_perplexity_mean"), row.get("final_perplexity_std"), n=n)
+            ppl = _score(row, "final_perplexity")
             if row.get("diverged_runs"):
                 ppl += " (diverged)"
             first = [
-                _pm(row.get("final_loss_mean"), row.get("final_loss_std"), digits=3, n=n),
+                _score(row, "final_loss", 3),
                 ppl,
                 acc,
             ]
         else:
-            first = [acc, _pm(row["best_accuracy_pct_mean"], row["best_accuracy_pct_std"], n=n)]
+            first = [acc, _score(row, "best_accuracy_pct")]
         if calib:
             first += [
-                _pm(row.get("final_loss_mean"), row.get("final_loss_std"), digits=3, n=n),
-                _pm(row.get("final_ece_mean"), row.get("final_ece_std"), digits=3, n=n),
+                _score(row, "final_loss", 3),
+                _score(row, "final_ece", 3),
             ]
         if glocal:
-            first.append(
-                _pm(row.get("client_accuracy_pct_mean"), row.get("client_accuracy_pct_std"), n=n)
-            )
+            first.append(_score(row, "client_accuracy_pct"))
         if local:
-            first.append(
-                _pm(row.get("local_accuracy_pct_mean"), row.get("local_accuracy_pct_std"), n=n)
-            )
+            first.append(_score(row, "local_accuracy_pct"))
         cells = [
             str(row["method"]),
             seeds_cell(row),
@@ -186,8 +195,8 @@ def _regression_markdown(table: list[dict[str, Any]]) -> str:
         cells = [
             str(row["method"]),
             seeds_cell(row),
-            _pm(row.get("final_rmse_mean"), row.get("final_rmse_std"), digits=3, n=n),
-            _pm(row.get("final_loss_mean"), row.get("final_loss_std"), digits=3, n=n),
+            _score(row, "final_rmse", 3),
+            _score(row, "final_loss", 3),
             *([_num(row.get("client_rmse_mean"))] if glocal else []),
             *([_num(row.get("local_rmse_mean"))] if local else []),
             _num(row["mb_up_mean"]),

@@ -10,6 +10,7 @@ configs share its colour and differ by line style. The log-scale bytes axis is l
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -229,7 +230,8 @@ def plot(
         title: the figures' title (``fedlore report`` gives the experiment name and setting).
 
     Returns:
-        The paths written.
+        The paths written (none when no run has a per-round score to draw: plots already
+        there are kept, with a warning).
 
     Raises:
         ValueError: if an extra key has no finite numeric value in any row of any run.
@@ -252,6 +254,15 @@ def plot(
         return cumulative_mb(r.rows), by_round(r.rows, metric)
 
     styles = method_colors(list(runs))  # the same colour for a method in every figure
+    if not any(by_round(r.rows, metric) for records in runs.values() for r in records):
+        names = f"{metric}_vs_round.png and {metric}_vs_bytes.png"
+        warnings.warn(
+            f"{out_dir}: no run has a per-round {metric} (no metrics rows): {names} not "
+            "written (any there are kept as they were)",
+            UserWarning,
+            stacklevel=2,
+        )
+        return []  # an empty figure must not replace a drawn one
     written = [
         _save(
             _curve_figure(

@@ -270,7 +270,8 @@ def report(
     """
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"report: directory not found: {path}")
+        what = "not a directory" if path.exists() else "directory not found"
+        raise FileNotFoundError(f"report: {what}: {path} (give an experiment's output folder)")
     if is_experiment_dir(path):
         experiments = [path]
     else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -141,7 +142,25 @@ def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
             IncompleteRunWarning,
             stacklevel=3,
         )
+    elif _lacks_final_accuracy(summary, rows):
+        warnings.warn(
+            f"{summary_path}: no final_accuracy number although its rounds were scored "
+            "(edited or damaged?); the run is left out of the final accuracy column",
+            IncompleteRunWarning,
+            stacklevel=3,
+        )
     return RunRecord(seed=seed, rows=rows, summary=summary, path=run_dir)
+
+
+def _lacks_final_accuracy(summary: dict[str, Any], rows: list[dict[str, Any]]) -> bool:
+    """A finished run's summary without a finite ``final_accuracy`` while its last evaluated
+    round has one (a diverged run's is not a score: it says so itself)."""
+    if summary.get("diverged") or summary.get("derived"):
+        return False
+    scored = [r["accuracy"] for r in rows if isinstance(r.get("accuracy"), int | float)]
+    v = summary.get("final_accuracy")
+    finite = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    return bool(scored) and math.isfinite(scored[-1]) and not finite
 
 
 def is_experiment_dir(path: Path) -> bool:

@@ -10,6 +10,7 @@ optimizer state and peak memory in bytes, round time in seconds.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -91,6 +92,15 @@ def _summary_values(records: list[RunRecord], key: str, scale: float = 1.0) -> l
     return out
 
 
+def _scored(
+    records: list[RunRecord], counts: dict[str, int], column: str, key: str, scale: float = 1.0
+) -> tuple[float | None, float | None]:
+    """:func:`_stat` of a score, its number of values noted in ``counts[column]``."""
+    values = _summary_values(records, key, scale)
+    counts[column] = len(values)
+    return _stat(values)
+
+
 def _stat(values: list[float]) -> tuple[float | None, float | None]:
     if not values:
         return None, None
@@ -111,23 +121,28 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
         on its test split, ``eval.local``) in percent, and client training seconds per round
         where the runs recorded them; mean total MB up and down per run; mean per-client
         optimizer-state bytes; seconds per round (mean, std)). A statistic is None when no seed
-        reports it.
+        reports it. ``counts`` (not a CSV column) holds, per score column (``final_accuracy_pct``,
+        ``final_loss``, ...), how many seeds its statistics are over: fewer than ``n_seeds``
+        when a run diverged or its summary lacks the value.
     """
     table = []
     for method, records in runs.items():
-        final_m, final_s = _stat(_summary_values(records, "final_accuracy", 100.0))
-        best_m, best_s = _stat(_summary_values(records, "best_accuracy", 100.0))
+        counts: dict[str, int] = {}
+        scored = functools.partial(_scored, records, counts)
+        final_m, final_s = scored("final_accuracy_pct", "final_accuracy", 100.0)
+        best_m, best_s = scored("best_accuracy_pct", "best_accuracy", 100.0)
         wall_m, wall_s = _stat(_summary_values(records, "wall_s_per_round"))
-        loss_m, loss_s = _stat(_summary_values(records, "final_loss"))
-        ppl_m, ppl_s = _stat(_summary_values(records, "final_perplexity"))
-        ece_m, ece_s = _stat(_summary_values(records, "final_ece"))
-        local_m, local_s = _stat(_summary_values(records, "local_accuracy", 100.0))
-        glocal_m, glocal_s = _stat(_summary_values(records, "final_client_accuracy", 100.0))
-        rmse_m, rmse_s = _stat(_summary_values(records, "final_rmse"))
+        loss_m, loss_s = scored("final_loss", "final_loss")
+        ppl_m, ppl_s = scored("final_perplexity", "final_perplexity")
+        ece_m, ece_s = scored("final_ece", "final_ece")
+        local_m, local_s = scored("local_accuracy_pct", "local_accuracy", 100.0)
+        glocal_m, glocal_s = scored("client_accuracy_pct", "final_client_accuracy", 100.0)
+        rmse_m, rmse_s = scored("final_rmse", "final_rmse")
         table.append(
             {
                 "method": method,
                 "n_seeds": len(records),
+                "counts": counts,
                 "final_accuracy_pct_mean": final_m,
                 "final_accuracy_pct_std": final_s,
                 "best_accuracy_pct_mean": best_m,
