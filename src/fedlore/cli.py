@@ -413,6 +413,8 @@ def _main(argv: list[str], command: bool) -> int:
         return e.status
     except KeyboardInterrupt:
         print(f"fedlore: interrupted; {_resume_hint(argv)}", file=sys.stderr)
+        if command:  # Python's shutdown after a Ctrl-C could end the process by SIGINT (-2)
+            interrupt.exit_now(130)
         return 130
 
 

@@ -424,3 +424,28 @@ def test_flower_transport_stops_waiting_and_a_deployment_hands_the_signal_to_flo
         assert seen == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, flowers)
+
+
+def test_a_ctrl_c_caught_inside_the_command_ends_it_with_130_not_python_shutdown(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A KeyboardInterrupt the command catches (a Ctrl-C while it loads a config or the data,
+    before a run takes the signals) ends the ``fedlore`` process at once with 130: through
+    Python's shutdown it sometimes ended killed by SIGINT (exit status -2) instead."""
+    from fedlore import cli
+
+    def cut(*_: Any, **__: Any) -> Any:
+        raise KeyboardInterrupt
+
+    ended: list[int] = []
+
+    def exit_now(status: int) -> None:
+        ended.append(status)
+
+    monkeypatch.setattr(cli, "load_config", cut)
+    monkeypatch.setattr(interrupt, "exit_now", exit_now)
+    assert cli._main(["run", "a.yaml", "rounds=2"], command=True) == 130
+    assert ended == [130]
+    assert "fedlore: interrupted; `fedlore run a.yaml rounds=2 --resume`" in capsys.readouterr().err
+    ended.clear()
+    assert cli._main(["run", "a.yaml"], command=False) == 130 and not ended  # a call from Python
