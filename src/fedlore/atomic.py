@@ -170,9 +170,10 @@ def save_figure(fig: Any, path: Path | str, shared: bool = False, **kwargs: Any)
         fig.savefig(f, format=fmt, **kwargs)
 
 
-def append_text(path: Path | str, text: str) -> None:
+def append_text(path: Path | str, text: str, sync: bool = False) -> None:
     """Append ``text`` (whole lines) to ``path``, creating it. A failed append is cut back to the
-    file's length before it, so the file never ends in a torn line.
+    file's length before it, so the file never ends in a torn line. ``sync``: on disk before
+    returning (``fsync``), so a file written after it cannot outlive it in a power loss.
 
     Raises:
         WriteError: for an OSError.
@@ -188,6 +189,8 @@ def append_text(path: Path | str, text: str) -> None:
         try:
             while data:
                 data = data[os.write(fd, data) :]
+            if sync:
+                os.fsync(fd)
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, start)

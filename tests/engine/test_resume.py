@@ -218,6 +218,30 @@ def test_torn_temp_checkpoint_and_torn_metrics_line(
     assert not (out / "checkpoint.pt.tmp").exists()  # replaced by the next atomic save
 
 
+@pytest.mark.parametrize("cut", ["middle", "tail", "all"])
+def test_resume_refuses_metrics_rows_lost_before_the_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cut: str
+) -> None:
+    """Rows of rounds the checkpoint has passed, gone (a file cut or edited by hand), would
+    give a finished run with rounds missing from its summary and curves: the resume is
+    refused, naming the rounds; the file and checkpoint are left as they were."""
+    from fedlore.config import ConfigError
+
+    cfg = _cfg(tmp_path)
+    out = run_dir(cfg, "fedfull", SEED)
+    assert run_one(cfg, "fedfull", SEED, stop_after=2) is None
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    kept = {"middle": lines[:1] + lines[2:], "tail": lines[:2], "all": []}[cut]
+    (out / "metrics.jsonl").write_text("".join(kept))
+    ckpt = (out / "checkpoint.pt").read_bytes()
+    with pytest.raises(ConfigError, match="lacks the rows of round") as e:
+        run_one(cfg, "fedfull", SEED, resume=True)
+    assert {"middle": "round 1,", "tail": "round 2,", "all": "rounds 0-2,"}[cut] in str(e.value)
+    assert (out / "metrics.jsonl").read_text() == "".join(kept)
+    assert (out / "checkpoint.pt").read_bytes() == ckpt
+    assert not (out / "summary.json").exists()
+
+
 def test_resume_of_a_finished_run_returns_its_summary(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, "rounds=2")
     first = run_one(cfg, "fedfull", SEED)

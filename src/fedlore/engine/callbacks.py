@@ -31,13 +31,16 @@ def _jsonable(v: Any) -> Any:
 
 class MetricsWriter:
     """Appends one JSON object per round to ``metrics.jsonl`` (written every round; a failed
-    append is cut back to the row before, :func:`fedlore.atomic.append_text`)."""
+    append is cut back to the row before, :func:`fedlore.atomic.append_text`). Each row is on
+    disk before the round's checkpoint is written, so a checkpoint never outlives the rows of
+    the rounds it has passed (a resume checks that they are all there)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
     def on_round_end(self, rnd: int, row: dict[str, Any], state: State) -> None:
-        append_text(self.path, json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
+        row_text = json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n"
+        append_text(self.path, row_text, sync=True)
 
     def truncate_after(self, rnd: int) -> None:
         """Drop rows of rounds > ``rnd`` (rows a killed run wrote after its last checkpoint)."""

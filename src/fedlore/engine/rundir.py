@@ -372,6 +372,35 @@ def start_fresh(out: Path, spill: Path, method: str, seed: int) -> None:
     shutil.rmtree(spill, ignore_errors=True)
 
 
+def check_rows_reach(path: Path, last: int) -> None:
+    """Refuse to resume when ``metrics.jsonl`` lacks rows of the rounds its checkpoint (after
+    round ``last``) has passed: the run would continue and its summary count traffic, rounds
+    and curves without them (rows are on disk before each checkpoint, so only a file cut or
+    edited by hand lacks them).
+
+    Raises:
+        ConfigError: naming the file and the rounds it lacks.
+    """
+    rounds: set[int] = set()
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rnd = json.loads(line)["round"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a torn last line: dropped with the rows after the checkpoint
+        if isinstance(rnd, int) and not isinstance(rnd, bool) and rnd <= last:
+            rounds.add(rnd)
+    first = min(rounds, default=0)
+    missing = sorted(set(range(min(first, 0), last + 1)) - rounds)
+    if missing:
+        span = f"round {missing[0]}" if len(missing) == 1 else f"rounds {missing[0]}-{missing[-1]}"
+        some = "" if len(missing) == missing[-1] - missing[0] + 1 else f" ({len(missing)} rows)"
+        raise ConfigError(
+            f"--resume: {path} lacks the rows of {span}{some}, which its checkpoint (after "
+            f"round {last}) has passed: the file was cut or edited, and the run's summary would "
+            "miss those rounds. Restore the file, or run without --resume to start over"
+        )
+
+
 def resume_point(
     folder: RunFolder,
     metrics: MetricsWriter,
@@ -394,6 +423,7 @@ def resume_point(
         last, state, store = Checkpointer.load(ckpt_path, max_bytes, folder.spill, device)
         if privacy is not None:  # the adaptive clip norm the killed run had reached
             privacy.restore(state)
+        check_rows_reach(metrics.path, last)
         privacy = account_repeats(privacy, folder.out, metrics.path, last)  # before the rows go
         metrics.truncate_after(last)
         say("%s seed %d: resuming after round %d (its checkpoint)", method, seed, last)
