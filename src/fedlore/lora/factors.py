@@ -19,6 +19,8 @@ from typing import Literal
 
 import torch
 
+from fedlore.optim.svd import svd_triplets
+
 Factor = Literal["A", "B"]
 """``"A"`` (``r x n``) or ``"B"`` (``m x r``)."""
 
@@ -83,7 +85,7 @@ def truncated_svd(mat: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Ten
     """
     if not 1 <= rank <= min(mat.shape):
         raise ValueError(f"truncated_svd: rank {rank} not in [1, {min(mat.shape)}]")
-    u, s, vh = torch.linalg.svd(mat.to(torch.float64), full_matrices=False)
+    u, s, vh = svd_triplets(mat.to(torch.float64))
     return u[:, :rank].contiguous(), s[:rank].contiguous(), vh[:rank].contiguous()
 
 

@@ -34,6 +34,7 @@ import math
 import torch
 
 from fedlore.optim.subspace import _fix_signs
+from fedlore.optim.svd import svd_left, svd_right
 
 
 def signal_basis(block: torch.Tensor, rank: int, rtol: float | None = None) -> torch.Tensor:
@@ -59,7 +60,7 @@ def signal_basis(block: torch.Tensor, rank: int, rtol: float | None = None) -> t
     x = block.detach().to(torch.float64)
     if not bool(torch.isfinite(x).all()):
         raise ValueError("cannot take the signal of a block with NaN or Inf entries")
-    _, s, vh = torch.linalg.svd(x, full_matrices=False)
+    s, vh = svd_right(x)
     if s.numel() == 0 or float(s[0]) == 0.0:
         return x.new_zeros(x.shape[1], 0)
     tol = (max(x.shape) * torch.finfo(torch.float64).eps) if rtol is None else rtol
@@ -104,7 +105,7 @@ def joint_basis(
     stack = torch.cat(scaled, dim=1)
     if stack.shape[1] == 0:
         return stack.new_zeros(n, 0), stack.new_zeros(0)
-    u, s, _ = torch.linalg.svd(stack, full_matrices=False)
+    u, s = svd_left(stack)
     s2 = s * s
     floor = math.cos(math.radians(max_angle)) ** 2
     keep = int((s2 >= floor * (1.0 - 1e-12)).sum())  # a rounding below the floor still counts
