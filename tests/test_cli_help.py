@@ -120,3 +120,15 @@ def test_abbreviated_options_are_refused_not_guessed(
         text = (ROOT / "experiments" / f"{driver}.py").read_text()
         assert "allow_abbrev=False" in text, driver
 
+
+def test_resume_and_overwrite_together_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both flags said `finished already ... (--overwrite trains it again)` of a finished run:
+    one of them was ignored. The pair is refused before anything runs, saying what each does."""
+    from fedlore.cli import main
+
+    assert main(["run", f"output_dir={tmp_path}", "rounds=1", "--resume", "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "--resume and --overwrite together" in err and "Give one of them" in err
+    assert not any(tmp_path.iterdir())
