@@ -370,6 +370,35 @@ def test_malformed_yaml_is_a_config_error(tmp_path: Path) -> None:
     )
 
 
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path: Path) -> None:
+    """PyYAML keeps the last of two equal keys silently (``rounds: 3`` ... ``rounds: 4`` ran 4
+    rounds); the YAML spec forbids them, and so does fedlore, in every mapping. A merge key
+    (``<<: *anchor``) may still be overridden."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: 3\nlr: 0.1\nrounds: 4\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    assert str(e.value) == (
+        f"{bad}, line 3, column 1: not valid YAML: key 'rounds' given twice (first on line 1)"
+    )
+    bad.write_text("partition: {name: dirichlet, alpha: 0.1, alpha: 0.5}\n")
+    with pytest.raises(ConfigError, match="key 'alpha' given twice"):
+        load_config(bad)
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("data: &d {name: digits}\nrounds: 2\n")
+    assert load_config(merged).rounds == 2
+    merged.write_text("x: &m {alpha: 0.1, min_size: 5}\npartition:\n  <<: *m\n  alpha: 0.3\n")
+    with pytest.raises(ConfigError, match="unknown key"):  # x: merged fine, then refused
+        load_config(merged)
+
+
+def test_a_missing_base_names_the_file_that_refers_to_it(tmp_path: Path) -> None:
+    child = tmp_path / "child.yaml"
+    child.write_text("base: missing.yaml\nrounds: 3\n")
+    with pytest.raises(ConfigError, match=r"missing\.yaml \(the base of .*child\.yaml\)"):
+        load_config(child)
+
+
 def test_a_folder_or_a_forgotten_equals_sign_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="is a folder; give a config file"):
         load_config(tmp_path)

@@ -54,9 +54,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
             hint = ""
             if path.suffix not in (".yaml", ".yml"):  # `rounds` for `rounds=5`, say
                 hint = f" (a setting is written key=value, e.g. {path.name}=...)"
-            raise ConfigError(f"config file not found: {path}{hint}")
+            named = f" (the base of {seen[-2]})" if len(seen) > 1 else ""
+            raise ConfigError(f"config file not found: {path}{named}{hint}")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}{_yaml_problem(e)}") from None
         if not isinstance(raw, dict):
@@ -70,6 +71,34 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     for layer in reversed(layers):
         merged = _deep_merge(merged, layer)
     return merged
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (the YAML spec forbids
+    it; PyYAML keeps the last one silently, so ``rounds: 3`` ... ``rounds: 4`` ran 4 rounds)."""
+
+
+def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    first: dict[Any, yaml.Mark] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # `<<: *anchor` merges a mapping; its keys may be overridden here
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            mark = first.setdefault(key, key_node.start_mark)
+        except TypeError:  # an unhashable key: the constructor below reports it
+            continue
+        if mark is not key_node.start_mark:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"key {key!r} given twice (first on line {mark.line + 1})",
+                key_node.start_mark,
+            )
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
