@@ -165,13 +165,33 @@ def table3_facts(root: Path, folder: str = "bayes_table3") -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- Table IV
+ABLATIONS = {"cnn": (("cnn_temp50", "temp50", "50 trial steps"),)}
+"""Table IV's ablation folders: ``sub -> (folder, key suffix, what differs)``; their rows are
+the same methods under one changed setting (the sweep's ``--set``, which ``table.json`` does
+not record), shown and keyed apart."""
+
+
 def table4_rows(root: Path, sub: str) -> list[Record]:
     recs = load(root / "bayes_table4" / sub / "table.json")
-    return recs + load(root / "bayes_table4" / f"{sub}_lr1e-2" / "table.json")
+    recs += load(root / "bayes_table4" / f"{sub}_lr1e-2" / "table.json")
+    for folder, tag, what in ABLATIONS.get(sub, ()):
+        rows = load(root / "bayes_table4" / folder / "table.json")
+        recs += [{**r, "variant": (tag, what)} for r in rows]
+    return recs
 
 
 def row_lr(r: Record) -> str:
     return r["setting"].get("lr", "1e-3" if not r["lr_chosen"] else "searched")
+
+
+def row_name(r: Record) -> str:
+    return r["method"] + (f" ({r['variant'][1]})" if "variant" in r else "")
+
+
+def row_key(r: Record) -> str:
+    """The row's key in ``summary.json``: ``method``, ``method_lr<lr>``, ``method_<variant>``."""
+    key = r["method"] + (f"_lr{r['setting']['lr']}" if "lr" in r["setting"] else "")
+    return key + (f"_{r['variant'][0]}" if "variant" in r else "")
 
 
 def table4(root: Path, sub: str) -> list[str]:
@@ -188,7 +208,7 @@ def table4(root: Path, sub: str) -> list[str]:
     for r in rows:
         cell = f" {paired_cell(paired_vs(r, base))} |" if paired else ""
         lines.append(
-            f"| {r['method']} | {row_lr(r)} | {ms(r['final_accuracy'])} |{cell}"
+            f"| {row_name(r)} | {row_lr(r)} | {ms(r['final_accuracy'])} |{cell}"
             f" {ms(r['final_loss'], 1, 3)} | {ms(r['final_ece'], 1, 3)} "
             f"| {ms(r['local_accuracy'])} | {ms(r['client_train_s_per_round'], 1, 3)} "
             f"| {lr_counts(r)} |"
@@ -204,10 +224,14 @@ def table4_facts(root: Path) -> dict[str, Any]:
         records = table4_rows(root, sub)
         base = find(records, "fedavg")
         for r in records:
-            key = r["method"] + (f"_lr{r['setting']['lr']}" if "lr" in r["setting"] else "")
+            key = row_key(r)
             rows[key] = metrics(r)
             if (p := paired_vs(r, base)) is not None:
                 rows[key]["vs_fedavg"] = p
+            if "variant" in r:  # against the same method without the change, seed by seed
+                plain = next((x for x in records if x["method"] == r["method"]), None)
+                if (p := paired_vs(r, plain)) is not None:
+                    rows[key][f"vs_{r['method']}"] = p
         out[sub] = rows
     return out
 
