@@ -373,7 +373,9 @@ def _main(argv: list[str], command: bool) -> int:
                     print(f"label distribution written to {save_label_plot(fed, plot)}")
             return 0
         if ns.command == "track":
-            return _track(cfg)
+            from fedlore.cli_track import track_command
+
+            return track_command(cfg)
         from fedlore.checks import check_overrides
         from fedlore.experiment import run_experiment
         from fedlore.results.report import report
@@ -422,35 +424,6 @@ def _main(argv: list[str], command: bool) -> int:
         if command:  # Python's shutdown after a Ctrl-C could end the process by SIGINT (-2)
             interrupt.exit_now(130)
         return 130
-
-
-def _track(cfg: Config) -> int:
-    """``fedlore track``: every finished run of ``cfg`` and its report to its trackers.
-
-    Raises:
-        ConfigError: when the config names no tracker or a tracker's package is missing.
-    """
-    from fedlore.engine.rundir import run_dir
-    from fedlore.tracking import track_finished, track_report, tracking_problems
-
-    if not cfg.tracking.backends:
-        raise ConfigError(
-            "fedlore track sends runs to the trackers of the tracking section, and this config "
-            "names none; add e.g. tracking=[mlflow]"
-        )
-    problems = tracking_problems(cfg)
-    if problems:
-        raise ConfigError("\n".join(problems))
-    runs = [(m, s, run_dir(cfg, m, s)) for m in cfg.algorithms for s in cfg.seeds]
-    lines = track_finished(cfg, runs)
-    for line in lines:
-        print(line, flush=True)
-    folder = Path(cfg.output_dir) / cfg.name
-    if any(" sent to " in line and "no tracker" not in line for line in lines):
-        took = track_report(cfg, folder)
-        if took:
-            print(f"report of {folder} sent to {', '.join(took)}")
-    return 0
 
 
 def _check_plot_path(plot: Path) -> None:

@@ -302,11 +302,31 @@ def test_track_sends_finished_runs_to_a_tracker_they_did_not_have(
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     down = ["tracking=[mlflow]", f"tracking.mlflow_uri=http://127.0.0.1:{port}"]
-    assert main(["track", *args, *down]) == 0
+    assert main(["track", *args, *down]) == 1  # nothing sent
     out, err = capsys.readouterr()
     assert err.count("tracking: mlflow failed") == 1 and "Retrying" not in err
+    assert "fedlore: nothing sent: every tracker failed under" in err
     assert f"fedavg seed {SEED}: {ROUNDS} rounds and the summary sent to no tracker" in out
     assert "fedavg seed 7: not sent (every tracker failed)" in out and "report of" not in out
+
+
+def test_track_sends_nothing_of_another_config_and_says_when_nothing_was_sent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A name with no runs, or with runs of other settings, sends nothing and exits 1: it said
+    `not finished` of a folder that did not exist, and sent a 2-round run as this config's."""
+    args = _args(tmp_path, "algorithms=[fedavg]")
+    assert main(["track", *args, "tracking=[tensorboard]"]) == 1
+    assert "nothing sent: no finished run of this config" in capsys.readouterr().err
+    assert main(["run", *args]) == 0
+    longer = [*args, f"rounds={ROUNDS + 1}", "tracking=[tensorboard]"]
+    capsys.readouterr()
+    assert main(["track", *longer]) == 1
+    out, err = capsys.readouterr()
+    assert f"not sent: {tmp_path}" in out and f"another config (rounds: {ROUNDS} -> " in out
+    assert "nothing sent" in err
+    folder = tmp_path / "tracked" / "fedavg" / f"seed-{SEED}"
+    assert not (folder / "tensorboard").exists()
 
 
 def test_a_tracking_server_that_is_down_is_given_up_in_seconds(
