@@ -132,3 +132,13 @@ def test_resume_and_overwrite_together_are_refused(
     err = capsys.readouterr().err
     assert "--resume and --overwrite together" in err and "Give one of them" in err
     assert not any(tmp_path.iterdir())
+
+
+def test_a_stray_argument_gets_the_commands_own_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    from fedlore.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["report", "a", "b"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: fedlore report") and "unrecognized arguments: b" in err

@@ -319,8 +319,9 @@ def _main(argv: list[str], command: bool) -> int:
         and not any(e.startswith("-") for e in extra)
     ):
         ns.args = [*ns.args, *extra]
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    elif extra:  # the command's own usage, not fedlore's
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[ns.command].error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=logging.INFO if ns.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
