@@ -426,7 +426,12 @@ def resume_point(
         check_rows_reach(metrics.path, last)
         privacy = account_repeats(privacy, folder.out, metrics.path, last)  # before the rows go
         metrics.truncate_after(last)
-        say("%s seed %d: resuming after round %d (its checkpoint)", method, seed, last)
+        say(
+            "%s seed %d: resuming after round %d (its checkpoint; rounds count from 0)",
+            method,
+            seed,
+            last,
+        )
         return last, state, store, privacy
     if folder.resume:
         say(
