@@ -192,11 +192,17 @@ def test_a_run_spilling_outside_its_folder_is_left_out_and_named(
     (pack exits 1, naming the setting); spilling inside the folder, it is packed whole and
     resumes elsewhere to the uninterrupted result."""
     spill = ["store.max_memory_mb=0.000001"]
+    # an earlier unfinished run in the same folder spilled inside it, under the very file names
+    # the new run's store gives: a fresh start clears them, or they would pass for the new run's
+    earlier = load_config(None, [*_over(tmp_path / "a"), *spill, "lr=0.05"])
+    assert run_one(earlier, "fedlore", 1, stop_after=1) is None
+    folder = run_dir(earlier, "fedlore", 1)
+    assert any((folder / "client_states").glob("*"))
     outside = load_config(
         None, [*_over(tmp_path / "a"), *spill, f"store.spill_dir={tmp_path / 'spill'}"]
     )
     assert run_one(outside, "fedlore", 1, stop_after=1) is None
-    folder = run_dir(outside, "fedlore", 1)
+    assert not (folder / "client_states").exists()
     assert carry.spilled_elsewhere(folder)  # the checkpoint names states the folder lacks
     assert carry.main(["pack", "--root", str(outside.output_dir)]) == 1
     assert "store.spill_dir keeps them elsewhere" in capsys.readouterr().out

@@ -215,6 +215,7 @@ def run(
             exp.device,
             method,
             seed,
+            first_round=-setup_rounds(algo),
         )
         start = -setup_rounds(algo) if last is None else last + 1
         clients = transport(algo, exp.fed.client, exp.model_factory, seed, store)

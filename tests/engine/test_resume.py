@@ -218,25 +218,44 @@ def test_torn_temp_checkpoint_and_torn_metrics_line(
     assert not (out / "checkpoint.pt.tmp").exists()  # replaced by the next atomic save
 
 
-@pytest.mark.parametrize("cut", ["middle", "tail", "all"])
+@pytest.mark.parametrize(
+    ("method", "cut", "said"),
+    [
+        ("fedfull", "middle", "lacks the rows of round 1,"),
+        ("fedfull", "tail", "lacks the rows of round 2,"),
+        ("fedfull", "all", "lacks the rows of rounds 0 to 2,"),
+        ("fedfull", "twice", "holds round 1 twice,"),
+        ("fedlore", "setup", "lacks the rows of round -1,"),  # its basis-only setup round
+        ("fedlore", "all", "lacks the rows of rounds -1 to 2,"),
+    ],
+)
 def test_resume_refuses_metrics_rows_lost_before_the_checkpoint(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], cut: str
+    tmp_path: Path, method: str, cut: str, said: str
 ) -> None:
-    """Rows of rounds the checkpoint has passed, gone (a file cut or edited by hand), would
-    give a finished run with rounds missing from its summary and curves: the resume is
-    refused, naming the rounds; the file and checkpoint are left as they were."""
+    """Rows of rounds the checkpoint has passed, gone or repeated (a file cut or edited by
+    hand), would give a finished run whose summary and curves miss or double them: the resume
+    is refused, naming the rounds, from the method's first round (a setup round is -1); the
+    file and checkpoint are left as they were."""
     from fedlore.config import ConfigError
 
     cfg = _cfg(tmp_path)
-    out = run_dir(cfg, "fedfull", SEED)
-    assert run_one(cfg, "fedfull", SEED, stop_after=2) is None
+    out = run_dir(cfg, method, SEED)
+    assert run_one(cfg, method, SEED, stop_after=2) is None
     lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
-    kept = {"middle": lines[:1] + lines[2:], "tail": lines[:2], "all": []}[cut]
+    first = json.loads(lines[0])["round"]
+    assert first == (-1 if method == "fedlore" else 0)
+    kept = {
+        "middle": lines[:1] + lines[2:],
+        "tail": lines[:-1],
+        "all": [],
+        "twice": lines[:2] + lines[1:],
+        "setup": lines[1:],
+    }[cut]
     (out / "metrics.jsonl").write_text("".join(kept))
     ckpt = (out / "checkpoint.pt").read_bytes()
-    with pytest.raises(ConfigError, match="lacks the rows of round") as e:
-        run_one(cfg, "fedfull", SEED, resume=True)
-    assert {"middle": "round 1,", "tail": "round 2,", "all": "rounds 0-2,"}[cut] in str(e.value)
+    with pytest.raises(ConfigError, match="the file was cut or edited") as e:
+        run_one(cfg, method, SEED, resume=True)
+    assert said in str(e.value)
     assert (out / "metrics.jsonl").read_text() == "".join(kept)
     assert (out / "checkpoint.pt").read_bytes() == ckpt
     assert not (out / "summary.json").exists()

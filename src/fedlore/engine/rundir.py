@@ -351,7 +351,8 @@ def check_same_data(out: Path, fingerprint: str) -> None:
 
 def start_fresh(out: Path, spill: Path, method: str, seed: int) -> None:
     """Clear what an earlier run left in ``out`` for a fresh run (nothing of it may survive):
-    its summary, checkpoint, config record and DP ledger, and its spilled client states; says so
+    its summary, checkpoint, config record and DP ledger, and its spilled client states (in
+    ``spill``, and in ``out/client_states`` when ``spill`` is elsewhere); says so
     when the folder held an unfinished run (``--resume`` continues one of the same config)."""
     if (out / "metrics.jsonl").exists():
         say(
@@ -370,35 +371,48 @@ def start_fresh(out: Path, spill: Path, method: str, seed: int) -> None:
     ):
         (out / stale).unlink(missing_ok=True)
     shutil.rmtree(spill, ignore_errors=True)
+    # an earlier run's own spill folder, when this one spills elsewhere (store.spill_dir): its
+    # files bear the names this run's store will give, and would be taken for this run's
+    shutil.rmtree(out / "client_states", ignore_errors=True)
 
 
-def check_rows_reach(path: Path, last: int) -> None:
-    """Refuse to resume when ``metrics.jsonl`` lacks rows of the rounds its checkpoint (after
-    round ``last``) has passed: the run would continue and its summary count traffic, rounds
-    and curves without them (rows are on disk before each checkpoint, so only a file cut or
-    edited by hand lacks them).
+def check_rows_reach(path: Path, first: int, last: int) -> None:
+    """Refuse to resume when ``metrics.jsonl`` does not hold one row of each round from the
+    run's first (``first``: negative for a method's setup rounds) to the checkpoint's ``last``:
+    the run would continue and its summary count traffic, rounds and curves without the
+    missing rows, or twice with a repeated one (rows are on disk before each checkpoint, so
+    only a file cut or edited by hand does this).
 
     Raises:
-        ConfigError: naming the file and the rounds it lacks.
+        ConfigError: naming the file and the rounds it lacks or repeats.
     """
-    rounds: set[int] = set()
+    seen: dict[int, int] = {}
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
             rnd = json.loads(line)["round"]
         except (json.JSONDecodeError, KeyError, TypeError):
             continue  # a torn last line: dropped with the rows after the checkpoint
         if isinstance(rnd, int) and not isinstance(rnd, bool) and rnd <= last:
-            rounds.add(rnd)
-    first = min(rounds, default=0)
-    missing = sorted(set(range(min(first, 0), last + 1)) - rounds)
+            seen[rnd] = seen.get(rnd, 0) + 1
+    missing = [r for r in range(first, last + 1) if r not in seen]
+    twice = sorted(r for r, n in seen.items() if n > 1)
     if missing:
-        span = f"round {missing[0]}" if len(missing) == 1 else f"rounds {missing[0]}-{missing[-1]}"
-        some = "" if len(missing) == missing[-1] - missing[0] + 1 else f" ({len(missing)} rows)"
-        raise ConfigError(
-            f"--resume: {path} lacks the rows of {span}{some}, which its checkpoint (after "
-            f"round {last}) has passed: the file was cut or edited, and the run's summary would "
-            "miss those rounds. Restore the file, or run without --resume to start over"
+        span = (
+            f"round {missing[0]}" if len(missing) == 1 else f"rounds {missing[0]} to {missing[-1]}"
         )
+        some = "" if len(missing) == missing[-1] - missing[0] + 1 else f" ({len(missing)} rows)"
+        problem = f"lacks the rows of {span}{some}"
+    elif twice:
+        problem = f"holds round {twice[0]} twice" + (
+            f" (and {len(twice) - 1} more)" if len(twice) > 1 else ""
+        )
+    else:
+        return
+    raise ConfigError(
+        f"--resume: {path} {problem}, which its checkpoint (after round {last}) has passed: "
+        "the file was cut or edited, and the run's summary would be wrong for those rounds. "
+        "Restore the file, or run without --resume to start over"
+    )
 
 
 def resume_point(
@@ -411,19 +425,21 @@ def resume_point(
     device: torch.device,
     method: str,
     seed: int,
+    first_round: int = 0,
 ) -> tuple[int | None, State, ClientStore, Privacy | None]:
     """Where a run continues: ``(last, state, store, privacy)``, with ``last`` the round of the
     checkpoint in ``folder.out`` that a resumed run continues after (its server state, client
     states and, under adaptive clipping, clip norm loaded; the metrics rows after it dropped), or
     None when the run starts from its first round (``metrics.jsonl`` emptied). Under DP the
     releases a resume repeats are counted (:func:`~fedlore.engine.dp_ledger.account_repeats`)
-    before their rows go."""
+    before their rows go. ``first_round``: the run's first round (``-setup_rounds``), from
+    which the rows must reach the checkpoint (:func:`check_rows_reach`)."""
     ckpt_path = folder.out / "checkpoint.pt"
     if folder.resume and ckpt_path.exists():
         last, state, store = Checkpointer.load(ckpt_path, max_bytes, folder.spill, device)
         if privacy is not None:  # the adaptive clip norm the killed run had reached
             privacy.restore(state)
-        check_rows_reach(metrics.path, last)
+        check_rows_reach(metrics.path, first_round, last)
         privacy = account_repeats(privacy, folder.out, metrics.path, last)  # before the rows go
         metrics.truncate_after(last)
         say(
