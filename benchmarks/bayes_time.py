@@ -124,7 +124,7 @@ class Runner:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--config", type=Path, default=Path("experiments/bayes_table4.yaml"))
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)

@@ -56,7 +56,7 @@ def deployed(work: Path, method: str, clients: int, overrides: list[str]) -> Non
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--local-steps", type=int, default=10)

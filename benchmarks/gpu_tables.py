@@ -293,7 +293,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--dry-run", action="store_true", help="smallest shapes, on the CPU")
     ap.add_argument("--device", default=None, help="default: cuda (dry run: cpu)")

@@ -296,7 +296,7 @@ def merged(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="digits, B = 1 and 4, 100 steps")
     ap.add_argument("--data", nargs="+", default=["digits", "fashion_mnist"])
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 4, 16])

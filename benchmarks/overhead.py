@@ -211,7 +211,7 @@ def measure(name: str, rounds: int, repeats: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--configs", default="cnn,quickstart")
     p.add_argument("--rounds", type=int, default=None, help="rounds per repeat and side")
     p.add_argument("--repeats", type=int, default=3)

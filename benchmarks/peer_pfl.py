@@ -175,7 +175,7 @@ def median(values: list[float]) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {list(TASKS)}")
     p.add_argument("--rounds", type=int, default=None, help="rounds (default: per task)")
     p.add_argument("--repeats", type=int, default=3)

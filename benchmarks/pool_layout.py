@@ -99,7 +99,7 @@ def same(a: nn.Module, b: nn.Module, x: torch.Tensor, y: torch.Tensor, xe: torch
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS / "pool_layout.json"))

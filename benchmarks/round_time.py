@@ -154,7 +154,7 @@ def measure(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--data", default="fashion_mnist")
     p.add_argument("--model", default="cnn")
     p.add_argument("--clients", type=int, default=10)

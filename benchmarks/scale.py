@@ -160,7 +160,7 @@ def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         print(json.dumps(child(json.loads(sys.argv[2]))))
         return
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=(__doc__ or "").splitlines()[0])
     p.add_argument("--data", default="fashion_mnist" if FASHION.is_dir() else "digits")
     p.add_argument("--model", default="cnn")
     p.add_argument("--rounds", type=int, default=8)

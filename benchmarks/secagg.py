@@ -94,7 +94,7 @@ def one_round(mode: str, m: int, length: int, replies: list[Reply]) -> dict[str,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--clients", default="10,100")
     ap.add_argument("--entries", default="10000,200000")
     ap.add_argument("--out", default="benchmarks/results/secagg.json")

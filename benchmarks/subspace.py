@@ -202,7 +202,7 @@ def table(title: str, rows: list[dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3, help="FedLore rounds of each real run")
     p.add_argument("--rank", type=int, default=8, help="rank of the synthetic part")
     p.add_argument("--threads", type=int, default=1)

@@ -95,7 +95,7 @@ def run(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--config", default="experiments/quickstart.yaml")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)

@@ -214,7 +214,7 @@ def accuracy_part(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("part", choices=["bytes", "accuracy"])
     p.add_argument("--config", type=Path, default=None)
     p.add_argument("--rounds", type=int, default=2, help="bytes: rounds after the setup")

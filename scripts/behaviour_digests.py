@@ -194,7 +194,7 @@ def platform() -> dict[str, str]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--record", action="store_true", help=f"write {FIXTURE.name}")
     mode.add_argument("--check", action="store_true", help="compare with the recorded digests")

@@ -276,7 +276,7 @@ def report(name: str, group: dict[str, Any], work: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("modules", nargs="*", help="group names or paths (default: all groups)")
     parser.add_argument("--jobs", type=int, default=int(os.environ.get("MUTATION_JOBS", "1")))
     parser.add_argument("--list", action="store_true", help="print the groups and exit")

@@ -546,3 +546,8 @@ def test_transport_dtype_reaches_the_methods_that_honour_it_and_is_refused_elsew
         )
     with pytest.raises(ConfigError, match="transport_dtype"):
         load_config(None, ["transport_dtype=fp8"])
+
+
+def test_an_override_with_a_key_given_twice_is_refused() -> None:
+    with pytest.raises(ConfigError, match="key 'hidden' given twice"):
+        load_config(None, ["model.kwargs={hidden: [32], hidden: [64]}"])

@@ -25,7 +25,7 @@ def seed_means(path: Path, key: str) -> float | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("results")
     ap.add_argument("--runs", default="runs")
     ap.add_argument("--name", required=True)

@@ -130,7 +130,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             raise ConfigError(f"override {item!r} is not of the form key=value")
         key, _, text = item.partition("=")
         try:
-            value = yaml.safe_load(text) if text != "" else None
+            value = yaml.load(text, Loader=_UniqueKeyLoader) if text != "" else None
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
         node = out

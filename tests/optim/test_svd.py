@@ -90,3 +90,12 @@ def test_a_gradient_gesdd_failed_on_gets_its_basis() -> None:
     _same_subspace(basis, torch.from_numpy(want_u[:, :8]))
     # the directions above the fallback's floor (32 of them; the next singular value is 9e-9)
     _same_subspace(u[:, :32], torch.from_numpy(want_u[:, :32]), atol=1e-5)
+
+
+def test_the_fallback_refuses_nan_as_the_svd_does(failing_svd: None) -> None:
+    a = _matrix(10, 6, 4)
+    a[2, 3] = float("nan")
+    with pytest.raises(torch.linalg.LinAlgError, match="NaN or Inf"):
+        svd_left(a)
+    with pytest.raises(torch.linalg.LinAlgError, match="NaN or Inf"):
+        svd_triplets(a)

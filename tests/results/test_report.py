@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -463,10 +464,24 @@ def test_report_keeps_drawn_plots_when_there_is_nothing_to_draw(
     with pytest.warns(UserWarning) as caught:  # no rows, and so no plots
         text = report(e)
     said = [str(w.message) for w in caught]
-    assert any("accuracy_vs_round.png and accuracy_vs_bytes.png not written" in m for m in said)
+    kept = "accuracy_vs_round.png and accuracy_vs_bytes.png not redrawn (the ones there are kept)"
+    assert any(kept in m for m in said)
     assert (e / "accuracy_vs_round.png").read_bytes() == drawn
-    assert "![" not in text  # nothing written this time, nothing linked
+    assert "![accuracy vs round](accuracy_vs_round.png)" in text  # still linked
+    # rows without the score: the extra keys are drawn all the same, a missing key refused
+    rows = [{k: v for k, v in r.items() if k != "accuracy"} for r in rows_for([0.5, 0.8], 1, 1)]
+    (e / "fedavg" / "seed-1" / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows)
+    )
+    runs = load_runs(e)
+    with pytest.warns(UserWarning, match="not redrawn"):
+        paths = plot(runs, e, keys=["retained_energy"])
+    assert e / "retained_energy_vs_round.png" in paths
+    with pytest.raises(ValueError, match="no_such"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the score's plots, said above
+        plot(runs, e, keys=["no_such"])
     capsys.readouterr()
-    with pytest.warns(UserWarning):
-        assert main(["report", str(tmp_path)]) == 0  # a folder of experiments
-    assert f"reports written in each experiment folder under {tmp_path}" in capsys.readouterr().out
+    assert main(["report", str(tmp_path)]) == 0  # a folder of experiments
+    out, err = capsys.readouterr()
+    assert f"reports written in each experiment folder under {tmp_path}" in out
+    assert "fedlore: warning: " in err and "not redrawn (the ones there are kept)" in err

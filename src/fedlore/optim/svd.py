@@ -53,7 +53,13 @@ def svd_triplets(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def _gram_left(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The fallback: ``U = Q W`` and ``s = sqrt(λ)`` from ``A = QR`` and ``R Rᵀ = W Λ Wᵀ`` (for
-    a wide ``a``, ``A Aᵀ = W Λ Wᵀ`` itself)."""
+    a wide ``a``, ``A Aᵀ = W Λ Wᵀ`` itself).
+
+    Raises:
+        torch.linalg.LinAlgError: for a matrix with NaN or Inf entries, as the SVD would.
+    """
+    if not bool(torch.isfinite(a).all()):
+        raise torch.linalg.LinAlgError("svd: the matrix has NaN or Inf entries")
     m, k = a.shape
     if m >= k:
         q, r = torch.linalg.qr(a)  # q: m x k, r: k x k

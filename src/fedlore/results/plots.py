@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from fedlore.atomic import save_figure
-from fedlore.results.store import RunRecord, value
+from fedlore.results.store import IncompleteRunWarning, RunRecord, value
 
 BYTES_PER_MB = 1e6
 """MB here is the SI megabyte, 10^6 bytes."""
@@ -230,8 +230,9 @@ def plot(
         title: the figures' title (``fedlore report`` gives the experiment name and setting).
 
     Returns:
-        The paths written (none when no run has a per-round score to draw: plots already
-        there are kept, with a warning).
+        The paths of the plots: written, or, when no run has a per-round score to draw, the
+        score's two plots already there (kept as they were, with a warning); the extra keys'
+        are drawn either way.
 
     Raises:
         ValueError: if an extra key has no finite numeric value in any row of any run.
@@ -254,36 +255,38 @@ def plot(
         return cumulative_mb(r.rows), by_round(r.rows, metric)
 
     styles = method_colors(list(runs))  # the same colour for a method in every figure
+    names = [f"{metric}_vs_round.png", f"{metric}_vs_bytes.png"]
     if not any(by_round(r.rows, metric) for records in runs.values() for r in records):
-        names = f"{metric}_vs_round.png and {metric}_vs_bytes.png"
+        # an empty figure must not replace a drawn one: those there are kept, and linked
+        written = [out_dir / n for n in names if (out_dir / n).is_file()]
         warnings.warn(
-            f"{out_dir}: no run has a per-round {metric} (no metrics rows): {names} not "
-            "written (any there are kept as they were)",
-            UserWarning,
+            f"{out_dir}: no run has a per-round {metric}: {' and '.join(names)} not redrawn"
+            + (" (the ones there are kept)" if written else ""),
+            IncompleteRunWarning,
             stacklevel=2,
         )
-        return []  # an empty figure must not replace a drawn one
-    written = [
-        _save(
-            _curve_figure(
-                runs, round_axis(metric), "round", metric, logy=lm, title=title, styles=styles
+    else:
+        written = [
+            _save(
+                _curve_figure(
+                    runs, round_axis(metric), "round", metric, logy=lm, title=title, styles=styles
+                ),
+                out_dir / names[0],
             ),
-            out_dir / f"{metric}_vs_round.png",
-        ),
-        _save(
-            _curve_figure(
-                runs,
-                metric_vs_bytes,
-                "cumulative MB (up + down), log scale",
-                metric,
-                logx=True,
-                logy=lm,
-                title=title,
-                styles=styles,
+            _save(
+                _curve_figure(
+                    runs,
+                    metric_vs_bytes,
+                    "cumulative MB (up + down), log scale",
+                    metric,
+                    logx=True,
+                    logy=lm,
+                    title=title,
+                    styles=styles,
+                ),
+                out_dir / names[1],
             ),
-            out_dir / f"{metric}_vs_bytes.png",
-        ),
-    ]
+        ]
     for key in keys or []:
         if not any(by_round(r.rows, key) for records in runs.values() for r in records):
             raise ValueError(f"plot: key {key!r} has no numeric value in any metrics row")
