@@ -132,6 +132,13 @@ def test_resume_and_overwrite_together_are_refused(
     err = capsys.readouterr().err
     assert "--resume and --overwrite together" in err and "Give one of them" in err
     assert not any(tmp_path.iterdir())
+    from fedlore.config import ConfigError, load_config
+    from fedlore.experiment import run_experiment
+
+    cfg = load_config(None, [f"output_dir={tmp_path}", "rounds=1"])
+    with pytest.raises(ConfigError, match="--resume and --overwrite together"):
+        run_experiment(cfg, resume=True, overwrite=True)  # the Python API too
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_stray_argument_gets_the_commands_own_usage(capsys: pytest.CaptureFixture[str]) -> None:

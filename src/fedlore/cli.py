@@ -345,12 +345,10 @@ def _main(argv: list[str], command: bool) -> int:
                 lines = sum(1 for _ in written.open(encoding="utf-8"))
                 print(f"wrote {written} ({lines} documents)")
             return 0
-        if getattr(ns, "resume", False) and getattr(ns, "overwrite", False):
-            raise ConfigError(
-                "--resume and --overwrite together: --resume continues interrupted runs (an "
-                "interrupted --overwrite too) and keeps finished ones; --overwrite trains finished "
-                "runs again. Give one of them"
-            )
+        if ns.command == "run":  # before the config and the data load
+            from fedlore.experiment import check_run_flags
+
+            check_run_flags(ns.resume, ns.overwrite)
         path, overrides = _split_args(ns.args)
         cfg = load_config(path if path is not None else _default_config(), overrides)
         from fedlore import progress

@@ -367,6 +367,21 @@ IN_PROCESS = Engine(run_one)
 """Every run in this process, over :class:`~fedlore.engine.transport.LocalTransport`."""
 
 
+def check_run_flags(resume: bool, overwrite: bool) -> None:
+    """Refuse ``resume`` with ``overwrite``: one continues interrupted runs and keeps finished
+    ones, the other trains finished ones again (together, one of them was silently ignored).
+
+    Raises:
+        ConfigError: saying what each does.
+    """
+    if resume and overwrite:
+        raise ConfigError(
+            "--resume and --overwrite together: --resume continues interrupted runs (an "
+            "interrupted --overwrite too) and keeps finished ones; --overwrite trains finished "
+            "runs again. Give one of them"
+        )
+
+
 def run_experiment(
     cfg: Config,
     resume: bool = False,
@@ -392,8 +407,10 @@ def run_experiment(
             the run's own (the row is written, the checkpoint saved). In process only.
 
     Raises:
-        ConfigError: as above, naming each problem; ``callbacks`` with another engine.
+        ConfigError: as above, naming each problem; ``callbacks`` with another engine; ``resume``
+            and ``overwrite`` together.
     """
+    check_run_flags(resume, overwrite)
     if engine is None:
         if cfg.engine != "local":
             raise ConfigError(
