@@ -485,3 +485,16 @@ def test_report_keeps_drawn_plots_when_there_is_nothing_to_draw(
     out, err = capsys.readouterr()
     assert f"reports written in each experiment folder under {tmp_path}" in out
     assert "fedlore: warning: " in err and "not redrawn (the ones there are kept)" in err
+
+
+def test_a_finished_run_with_an_unreadable_summary_is_not_called_unfinished(
+    tmp_path: Path,
+) -> None:
+    e = tmp_path / "exp"
+    write_run(e, "fedavg", 1, rows_for([0.5, 0.8], 1, 1), summ(0.80, 0.80, 1, 1, 1, 1.0))
+    run = write_run(e, "fedavg", 2, rows_for([0.5, 0.9], 1, 1), summ(0.90, 0.90, 1, 1, 1, 1.0))
+    (run / "summary.json").write_text('{"method": "fedavg", "se')  # cut short
+    with pytest.warns(IncompleteRunWarning, match="unreadable"):
+        text = report(e)
+    row = next(line for line in text.splitlines() if line.startswith("| fedavg"))
+    assert "| 2 (1 with an unreadable summary) |" in row and "unfinished" not in row

@@ -12,12 +12,15 @@ from fedlore.results.tables import DIAGNOSTIC_KEYS
 
 def seeds_cell(row: dict[str, Any]) -> str:
     """The seeds column: how many runs, and how many of them are unfinished (no summary.json:
-    their values are those of the last round written) or diverged (a training loss gone
+    their values are those of the last round written), have a summary.json that cannot be read
+    (their values are the last round's too) or diverged (a training loss gone
     non-finite, or a model that blew up, :mod:`fedlore.results.divergence`: their final values
     are left out of the statistics)."""
     notes = []
     if row.get("unfinished_runs"):
         notes.append(f"{row['unfinished_runs']} unfinished")
+    if row.get("unreadable_runs"):  # values of its last round, as an unfinished run's
+        notes.append(f"{row['unreadable_runs']} with an unreadable summary")
     if row.get("diverged_runs"):
         notes.append(f"{row['diverged_runs']} diverged")
     n = str(int(row["n_seeds"]))

@@ -136,6 +136,8 @@ def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
             stacklevel=3,
         )
         summary = derive_summary(method, seed, rows, _eval_metrics(run_dir))
+        if summary_path.is_file():  # finished, perhaps, but its summary cannot be read
+            summary["unreadable_summary"] = True
     elif not rows:
         warnings.warn(
             f"{run_dir}: no metrics rows; the run appears in tables but not in plots",

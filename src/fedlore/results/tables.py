@@ -183,7 +183,12 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
                     if r.summary.get("diverged")
                     or ("final_perplexity" in r.summary and r.summary["final_perplexity"] is None)
                 ),
-                "unfinished_runs": sum(1 for r in records if r.summary.get("derived")),
+                "unfinished_runs": sum(
+                    1
+                    for r in records
+                    if r.summary.get("derived") and not r.summary.get("unreadable_summary")
+                ),
+                "unreadable_runs": sum(1 for r in records if r.summary.get("unreadable_summary")),
                 "language_model": any("final_perplexity" in r.summary for r in records),
                 "final_rmse_mean": rmse_m,
                 "final_rmse_std": rmse_s,
