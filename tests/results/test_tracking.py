@@ -327,6 +327,13 @@ def test_track_sends_nothing_of_another_config_and_says_when_nothing_was_sent(
     assert "nothing sent" in err
     folder = tmp_path / "tracked" / "fedavg" / f"seed-{SEED}"
     assert not (folder / "tensorboard").exists()
+    # a method with a setup round: its rows are counted apart from the rounds
+    lore = _args(tmp_path, "algorithms=[fedlore]")
+    assert main(["run", *lore]) == 0
+    capsys.readouterr()
+    assert main(["track", *lore, "tracking=[tensorboard]"]) == 0
+    out = capsys.readouterr().out
+    assert f"fedlore seed {SEED}: {ROUNDS} rounds (plus 1 setup round) and the summary" in out
 
 
 def test_a_tracking_server_that_is_down_is_given_up_in_seconds(

@@ -212,9 +212,12 @@ def track_finished(cfg: Config, runs: Iterable[tuple[str, int, Path]]) -> list[s
         tracking = open_tracking(with_backends(cfg, working), method, seed, folder, folder)
         done = tracking.finish(json.loads(summary.read_text()), folder)
         working = [b for b in working if b in done]
-        rows = len(_rows(folder / "metrics.jsonl"))
+        rows = _rows(folder / "metrics.jsonl")
+        setup = sum(1 for r in rows if isinstance(r.get("round"), int) and r["round"] < 0)
+        what = f"{len(rows) - setup} rounds"
+        what += f" (plus {setup} setup round{'s' * (setup > 1)})" if setup else ""
         to = ", ".join(done) or "no tracker (its failure is warned about above)"
-        lines.append(f"{method} seed {seed}: {rows} rounds and the summary sent to {to}")
+        lines.append(f"{method} seed {seed}: {what} and the summary sent to {to}")
     return lines
 
 
