@@ -200,6 +200,8 @@ def run(
     with RunLock(folder.target), RunLock(out):  # the folders are this run's until it ends
         if not folder.resume:  # a fresh run: nothing of an earlier run in this folder may survive
             start_fresh(out, folder.spill, method, seed)
+        elif folder.from_start:  # from round 0 again: the DP ledger and the rows stay to count
+            start_fresh(out, folder.spill, method, seed, keep_ledger=True)
         out.mkdir(parents=True, exist_ok=True)
         written = run_record(cfg, method, exp.fingerprint, algo, exp.device, threads)
         write_json(out / "config.json", {**written, **privacy_record(exp.privacy)})
@@ -296,9 +298,14 @@ def run_one(
     extra_callbacks: tuple[Callback, ...] = (),
     make_transport: Callable[..., Transport] | None = None,
     overwrite: bool = False,
+    from_start: bool = False,
 ) -> dict[str, Any] | None:
     """Run one method for one seed; returns its summary (None if stopped early by ``stop_after``,
     which simulates a killed run for tests).
+
+    ``from_start`` (with ``resume``): continue an unfinished run from its first round instead
+    of its checkpoint (:attr:`~fedlore.engine.rundir.RunFolder.from_start`; Flower's
+    simulation, whose clients' states a new simulation does not have).
 
     ``make_transport(algorithm, client_data, model_factory, seed, store)`` replaces the
     in-process transport (the Flower ServerApp passes one over its Grid)."""
@@ -326,7 +333,7 @@ def run_one(
     if resume:
         check_same_data(out, fingerprint)
     exp = build(cfg, method, seed, fed, fingerprint)
-    folder = RunFolder(target, out, spill, resume)
+    folder = RunFolder(target, out, spill, resume, from_start=resume and from_start)
     factory = make_transport if make_transport is not None else LocalTransport
     a = cfg.attack
     factory = attacked(factory, a.kind, a.fraction, a.scale, fed.num_clients, fed.num_classes)

@@ -342,6 +342,41 @@ def test_a_resume_without_a_checkpoint_counts_every_earlier_release(tmp_path: Pa
     assert eps == pytest.approx([_eps(3), _eps(4), _eps(5)])
 
 
+def test_a_resume_from_the_first_round_counts_every_earlier_release(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Flower's simulation cannot restore its clients' states, so its --resume runs an
+    unfinished run again from round 0 (``from_start``) even with a checkpoint there: every
+    round the killed attempt released is released again, and ε counts them (it restarted from
+    0 before: a resumed simulation under-reported ε). The simulation asks for exactly this."""
+    extra = ("weighting=uniform", "dp.clip_norm=1", "dp.noise_multiplier=1.5")
+    cfg = _cfg(tmp_path, *extra)
+    out = run_dir(cfg, "fedfull", SEED)
+    assert run_one(cfg, "fedfull", SEED, stop_after=1) is None  # rounds 0 and 1 released
+    assert (out / "checkpoint.pt").exists()
+    summary = run_one(cfg, "fedfull", SEED, resume=True, from_start=True)
+    assert summary is not None
+    rows = _rows(cfg, "fedfull")
+    assert [r["round"] for r in rows] == [0, 1, 2]  # from round 0 again, not after round 1
+    assert json.loads((out / "dp_ledger.json").read_text()) == {"repeated_exchanges": 2}
+    assert [r["dp_epsilon"] for r in rows] == pytest.approx([_eps(3), _eps(4), _eps(5)])
+
+    from fedlore.flower import simulation
+
+    asked: dict[str, Any] = {}
+
+    def capture(*args: Any, **kwargs: Any) -> Any:
+        asked.update(kwargs)
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr(simulation, "make_apps", capture)
+    fresh = _cfg(tmp_path / "sim", *extra)
+    for resume in (True, False):
+        with pytest.raises(RuntimeError, match="captured"):
+            simulation.run_simulated(fresh, "fedfull", SEED, resume=resume)
+        assert asked["restart"] is resume
+
+
 def test_a_secure_round_that_cannot_hold_is_refused_before_any_run_folder(tmp_path: Path) -> None:
     """Two clients per round under in-process secure aggregation: refused by the preflight,
     once, with the reason, and no run folder (not even a lock) is left behind."""

@@ -124,12 +124,16 @@ class RunFolder:
             (:func:`fedlore.engine.rerun.write_dir`).
         spill: where its client states spill (:func:`spill_dir`).
         resume: whether it continues the run in ``out`` (``--resume``) instead of starting over.
+        from_start: a resume that runs again from the first round without the checkpoint (an
+            engine that cannot restore its clients' states, Flower's simulation): the run's
+            record is kept, and its DP ledger counts the released rows it runs again.
     """
 
     target: Path
     out: Path
     spill: Path
     resume: bool
+    from_start: bool = False
 
 
 _NOT_RESULT_KEYS = (
@@ -349,12 +353,14 @@ def check_same_data(out: Path, fingerprint: str) -> None:
         )
 
 
-def start_fresh(out: Path, spill: Path, method: str, seed: int) -> None:
-    """Clear what an earlier run left in ``out`` for a fresh run (nothing of it may survive):
+def start_fresh(out: Path, spill: Path, method: str, seed: int, keep_ledger: bool = False) -> None:
+    """Clear what an earlier run left in ``out`` for a fresh run (nothing of it may survive;
+    ``keep_ledger``: its DP ledger does, and its rows, for a resume from the first round to
+    count them, :attr:`RunFolder.from_start`):
     its summary, checkpoint, config record and DP ledger, and its spilled client states (in
     ``spill``, and in ``out/client_states`` when ``spill`` is elsewhere); says so
     when the folder held an unfinished run (``--resume`` continues one of the same config)."""
-    if (out / "metrics.jsonl").exists():
+    if (out / "metrics.jsonl").exists() and not keep_ledger:
         say(
             "%s seed %d: starting over in %s, over an unfinished run (--resume continues one "
             "of the same config)",
@@ -367,7 +373,7 @@ def start_fresh(out: Path, spill: Path, method: str, seed: int) -> None:
         "checkpoint.pt",
         "checkpoint.pt.tmp",
         "config.json",
-        LEDGER,
+        *(() if keep_ledger else (LEDGER,)),
     ):
         (out / stale).unlink(missing_ok=True)
     shutil.rmtree(spill, ignore_errors=True)
@@ -451,10 +457,12 @@ def resume_point(
         return last, state, store, privacy
     if folder.resume:
         say(
-            "%s seed %d: no checkpoint in %s; starting from the first round",
+            "%s seed %d: %s; starting from the first round",
             method,
             seed,
-            folder.out,
+            "its clients' states are not kept on this engine"
+            if folder.from_start
+            else f"no checkpoint in {folder.out}",
         )
         privacy = account_repeats(privacy, folder.out, metrics.path, None)
     write_text(metrics.path, "")

@@ -269,9 +269,10 @@ def server_main(
     seed: int,
     resume: bool = False,
     overwrite: bool = False,
+    from_start: bool = False,
 ) -> dict[str, Any] | None:
-    """Run one method x seed of ``cfg`` over ``grid`` (``resume`` / ``overwrite`` as for
-    :func:`fedlore.experiment.run_one`); returns the run summary."""
+    """Run one method x seed of ``cfg`` over ``grid`` (``resume`` / ``overwrite`` /
+    ``from_start`` as for :func:`fedlore.experiment.run_one`); returns the run summary."""
     fed = server_federation(cfg, seed) if cfg.flower.site_data else None
 
     def make_transport(_algo: Any, *args: Any) -> FlowerTransport:
@@ -298,6 +299,7 @@ def server_main(
         resume=resume,
         overwrite=overwrite,
         make_transport=make_transport,
+        from_start=from_start,
     )
 
 
@@ -342,9 +344,13 @@ def make_apps(
     on_end: Callable[[Interrupted | None], None] | None = None,
     overwrite: bool = False,
     failed: list[WriteError] | None = None,
+    restart: bool = False,
 ) -> tuple[ServerApp, ClientApp]:
     """A ServerApp/ClientApp pair bound to a validated config, one method and one seed
-    (``overwrite``: replace a finished run, as :func:`server_main`). A file the ServerApp cannot
+    (``overwrite``: replace a finished run, as :func:`server_main`; ``restart``: a ``--resume``
+    of an unfinished simulated run, which runs again from its first round with its DP ledger
+    counting the rows it repeats, :func:`fedlore.experiment.run_one`'s ``from_start``). A file
+    the ServerApp cannot
     write (a full disk) is appended to ``failed`` when given (for the caller to report in one
     line), else raised.
 
@@ -360,7 +366,15 @@ def make_apps(
     def _main(grid: Grid, context: Context) -> None:
         stopped = None
         try:
-            server_main(grid, validate(json.loads(cfg_json)), method, seed, overwrite=overwrite)
+            server_main(
+                grid,
+                validate(json.loads(cfg_json)),
+                method,
+                seed,
+                resume=restart,
+                overwrite=overwrite,
+                from_start=restart,
+            )
         except WriteError as e:
             if failed is None:
                 raise

@@ -24,7 +24,9 @@ all and exits at once.
 
 A simulated run is not resumed from its checkpoint: its client states live in Flower's
 ``Context.state`` of the virtual SuperNodes, which a new simulation does not have, so
-``--resume`` returns a finished run's summary and starts an unfinished one over.
+``--resume`` returns a finished run's summary and runs an unfinished one again from its first
+round: as a resume (same config and data, or refused), with its DP ledger counting every row
+the earlier attempt released (:func:`fedlore.experiment.run_one`'s ``from_start``).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def run_simulated(
         ended["stopped"], ended["ray"] = stopped, ray_processes()
 
     failed: list[WriteError] = []  # a file the ServerApp could not write: one line, not a trace
-    server, client = make_apps(cfg, method, seed, on_end, overwrite, failed)
+    server, client = make_apps(cfg, method, seed, on_end, overwrite, failed, restart=resume)
     with ray_session() as session, interrupt.handling(), interrupt.deferred():
         try:
             with flower_output_to(folder / "flower.log"), prompt_delivery(), keep_ray():
