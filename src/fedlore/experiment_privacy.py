@@ -9,6 +9,7 @@ mechanism needs; :func:`privacy_record` and :func:`privacy_summary` are what a r
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,21 @@ NO_PRIVACY = (
     "no privacy: dp.reproducible_noise drew the DP noise and the client sample from the run seed"
 )
 """The ``privacy`` entry of a summary whose DP noise anyone who knows the seed can regenerate."""
+
+
+class PrivacyWarning(UserWarning):
+    """A setting that weakens or removes a run's privacy: shown whether or not progress
+    messages are (``progress: false`` silences those, never these)."""
+
+
+_WARNED: set[str] = set()
+
+
+def _privacy_warning(message: str) -> None:
+    """Warn about ``message`` once per process (each run of an experiment would repeat it)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, PrivacyWarning, stacklevel=3)
 
 
 def make_privacy(
@@ -80,21 +96,22 @@ def make_privacy(
             cfg.dp.delta,
         )
         if sigma == 0:
-            say_once("DP: dp.noise_multiplier = 0 adds no noise: ε is infinite (clipping only)")
+            _privacy_warning(
+                "DP: dp.noise_multiplier = 0 adds no noise: ε is infinite (clipping only)"
+            )
         if cfg.dp.delta >= 1.0 / cfg.num_clients:
-            say_once(
-                "DP: dp.delta = %g is not below 1/num_clients = %g: a mechanism that publishes "
-                "one client's data outright would meet it",
-                cfg.dp.delta,
-                1.0 / cfg.num_clients,
+            _privacy_warning(
+                f"DP: dp.delta = {cfg.dp.delta:g} is not below 1/num_clients = "
+                f"{1.0 / cfg.num_clients:g}: a mechanism that publishes one client's data outright "
+                "would meet it"
             )
         if cfg.diagnostics.every > 0 or cfg.eval.clients:
-            say_once(
+            _privacy_warning(
                 "DP: diagnostics.every / eval.clients read client data outside the mechanism "
                 "(simulation measurements, not covered by ε)"
             )
     if cfg.dp.enabled and cfg.dp.reproducible_noise:
-        say_once(
+        _privacy_warning(
             "DP: dp.reproducible_noise=true draws the noise and the client sample from the run "
             "seed: anyone who knows it can remove the noise. This run has NO PRIVACY (debugging "
             "only); its summary and report row say so"

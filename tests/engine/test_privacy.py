@@ -386,3 +386,32 @@ def test_a_secure_round_that_cannot_hold_is_refused_before_any_run_folder(tmp_pa
     ):
         run_experiment(cfg)
     assert not (tmp_path / "privacy").exists()
+
+
+def test_settings_that_remove_privacy_warn_even_with_progress_off(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`progress: false` silences progress messages; it used to silence these warnings too
+    (they went through the progress log), so a run with no privacy said nothing at start."""
+    from fedlore import experiment_privacy
+    from fedlore.cli import main
+
+    experiment_privacy._WARNED.clear()
+    args = [
+        f"output_dir={tmp_path}",
+        "name=silent",
+        "algorithms=[fedfull]",
+        "rounds=1",
+        "num_clients=4",
+        "progress=false",
+        "weighting=uniform",
+        "dp.clip_norm=1",
+        "dp.noise_multiplier=0",
+        "dp.delta=0.5",
+        "dp.reproducible_noise=true",
+    ]
+    assert main(["run", *args]) == 0
+    err = capsys.readouterr().err
+    assert "fedlore: warning: DP: dp.reproducible_noise=true" in err and "NO PRIVACY" in err
+    assert "fedlore: warning: DP: dp.noise_multiplier = 0 adds no noise" in err
+    assert "fedlore: warning: DP: dp.delta = 0.5 is not below 1/num_clients = 0.25" in err
