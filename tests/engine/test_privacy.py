@@ -224,7 +224,7 @@ def test_reproducible_noise_replays_and_says_no_privacy(tmp_path: Path) -> None:
     assert [r["accepted_clients"] for r in _rows(whole, "fedfull")] == [
         r["accepted_clients"] for r in _rows(parts, "fedfull")
     ]
-    assert "no privacy (1 runs with seeded noise)" in report(str(tmp_path / "whole" / "privacy"))
+    assert "no privacy (1 run with seeded noise)" in report(str(tmp_path / "whole" / "privacy"))
 
 
 @pytest.mark.parametrize(

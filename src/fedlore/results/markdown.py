@@ -87,7 +87,8 @@ def _dp_cell(row: dict[str, Any]) -> str:
     clip_s = "–" if clip is None else f"{clip:g}"
     cell = f"{eps_s}{delta_s} / {sigma:.3g} / {clip_s} / {_count(row.get('dp_clipped_total_mean'))}"
     if row.get("no_privacy_runs"):  # dp.reproducible_noise: the noise can be regenerated
-        cell = f"no privacy ({int(row['no_privacy_runs'])} runs with seeded noise): " + cell
+        n = int(row["no_privacy_runs"])
+        cell = f"no privacy ({n} run{'s' * (n != 1)} with seeded noise): " + cell
     return cell
 
 
