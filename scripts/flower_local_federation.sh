@@ -60,9 +60,11 @@ export FLWR_SUPEREXEC_TASK_POLL_INTERVAL=${FLWR_SUPEREXEC_TASK_POLL_INTERVAL:-0.
 mkdir -p "$FLWR_HOME"
 
 PIDS=()
+KEEP_WORK=1   # the SuperLink's state and the logs stay for a run that did not finish
 cleanup() {
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  [ "$KEEP_WORK" = 1 ] || rm -rf "$WORK"
 }
 trap cleanup EXIT INT TERM
 
@@ -71,7 +73,7 @@ LINK=127.0.0.1:$BASE_PORT   # Flower 1.42 serves Fleet, Control and ServerAppIo 
   --disable-runtime-dependency-installation --host 127.0.0.1 --port "$BASE_PORT" \
   > "$WORK/superlink.log" 2>&1 &
 PIDS+=($!)
-echo "SuperLink pid $! (logs in $WORK)"
+echo "SuperLink pid $! (logs in $WORK, removed once the run has finished)"
 sleep 3
 for i in $(seq 0 $((N - 1))); do
   NODE_CONFIG="partition-id=$i num-partitions=$N"
@@ -100,6 +102,7 @@ touch "$WORK/started"
 SUMMARY="$OUT_DIR/$NAME/$METHOD/seed-$SEED/summary.json"
 if [ -f "$SUMMARY" ] && { [ "$SUMMARY" -nt "$WORK/started" ] || [ "$RESUME" = true ]; }; then
   echo "results in $OUT_DIR/$NAME/$METHOD/ (fedlore report $OUT_DIR/$NAME)"
+  KEEP_WORK=0
 else
   echo "fedlore: the deployed run did not finish (its error is above; logs in $WORK)" >&2
   exit 1

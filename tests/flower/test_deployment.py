@@ -14,6 +14,7 @@ fixture (the same federation, without importing scikit-learn in each of those pr
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -271,8 +272,18 @@ def test_deployment_script_leaves_the_main_job_alone(tmp_path: Path, digits_npz:
     assert "the deployed run did not finish" in refused.stderr
     assert "results in" not in refused.stdout
     assert steps() == 2
+
+    def work(out: str) -> Path:  # the SuperLink's folder (its state and the logs)
+        found = re.search(r"\(logs in (\S+), removed once the run has finished\)", out)
+        assert found, out[:2000]
+        return Path(found.group(1).rstrip(","))
+
+    kept = work(refused.stdout)
+    assert (kept / "superlink.log").is_file()  # a failed run keeps its logs
+    shutil.rmtree(kept)
     replaced = script("--overwrite")
     assert replaced.returncode == 0, replaced.stdout[-3000:] + replaced.stderr[-3000:]
+    assert not work(replaced.stdout).exists()  # a finished one leaves nothing in /tmp
     assert steps() == 3 and json.loads(own.read_text())["rounds"] == 1
     assert f"results in {proj / 'runs'}/flower_local/fedavg/" in replaced.stdout
     # the main job's run is untouched
