@@ -346,7 +346,7 @@ def _main(argv: list[str], command: bool) -> int:
                 print(f"wrote {written} ({lines} documents)")
             return 0
         if ns.command == "run":  # before the config and the data load
-            from fedlore.experiment import check_run_flags
+            from fedlore.engine.rerun import check_run_flags
 
             check_run_flags(ns.resume, ns.overwrite)
         path, overrides = _split_args(ns.args)

@@ -33,11 +33,8 @@ from torch import nn
 from fedlore.algorithm import Algorithm
 from fedlore.atomic import write_json
 from fedlore.checks import (
-    check_eval,
-    check_model_fits_data,
     check_params,
     check_site_data,
-    check_tokenizer_matches_model,
     name_problems,
     preflight,
     setup_rounds,
@@ -55,6 +52,7 @@ from fedlore.engine.lock import RunLock
 from fedlore.engine.loop import Callback, RoundLoop
 from fedlore.engine.rerun import (
     check_no_finished_run_of_another_config,
+    check_run_flags,
     finished_run,
     finished_runs,
     swap_in,
@@ -81,6 +79,7 @@ from fedlore.experiment_parts import (
     evaluator,
     make_algorithm,
     model_factory,
+    prepare_federation,
     start_server,
     try_method,
 )
@@ -130,22 +129,6 @@ class Experiment:
     privacy: Privacy | None
 
 
-def prepare_federation(cfg: Config, seed: int, fed: Federation | None = None) -> Federation:
-    """The federation of ``seed`` (``fed``, or built) on the config's device, checked against
-    the model: it fits the data, the tokenizer is the model's, and ``eval.clients`` can hold.
-
-    Raises:
-        ConfigError: naming the device, model or setting that does not fit.
-    """
-    device = resolve_device(cfg.device)
-    fed = fed if fed is not None else build_federation(cfg, seed)
-    fed = fed.to(device)  # once per run: every client's data are slices made there
-    check_model_fits_data(cfg.model.name, fed)
-    check_tokenizer_matches_model(cfg, fed)
-    check_eval(cfg, fed)
-    return fed
-
-
 def build(
     cfg: Config,
     method: str,
@@ -157,8 +140,9 @@ def build(
     started; every check that can refuse the config has run, and nothing is written.
 
     Args:
-        fed: the seed's federation as :func:`prepare_federation` returns it (built and
-            prepared here when None).
+        fed: the seed's federation as
+            :func:`~fedlore.experiment_parts.prepare_federation` returns it (built and prepared
+            here when None).
         fingerprint: ``fed.fingerprint()`` when the caller has it already.
 
     Raises:
@@ -372,21 +356,6 @@ class Engine:
 
 IN_PROCESS = Engine(run_one)
 """Every run in this process, over :class:`~fedlore.engine.transport.LocalTransport`."""
-
-
-def check_run_flags(resume: bool, overwrite: bool) -> None:
-    """Refuse ``resume`` with ``overwrite``: one continues interrupted runs and keeps finished
-    ones, the other trains finished ones again (together, one of them was silently ignored).
-
-    Raises:
-        ConfigError: saying what each does.
-    """
-    if resume and overwrite:
-        raise ConfigError(
-            "--resume and --overwrite together: --resume continues interrupted runs (an "
-            "interrupted --overwrite too) and keeps finished ones; --overwrite trains finished "
-            "runs again. Give one of them"
-        )
 
 
 def run_experiment(

@@ -24,16 +24,20 @@ from fedlore import registry
 from fedlore.algorithm import Algorithm
 from fedlore.checks import (
     adapts,
+    check_eval,
     check_method_settings,
     check_min_clients,
+    check_model_fits_data,
     check_privacy,
+    check_tokenizer_matches_model,
     privacy_modes,
     projects,
     server_data,
 )
 from fedlore.config import Config, ConfigError
 from fedlore.data.client_data import TensorSplit
-from fedlore.data.federation import Federation
+from fedlore.data.federation import Federation, build_federation
+from fedlore.device import resolve_device
 from fedlore.experiment_privacy import make_privacy
 from fedlore.models import build_model
 from fedlore.progress import say
@@ -286,3 +290,19 @@ def try_method(
     if cfg.secure_aggregation:  # its round checks, before any run folder
         make_privacy(cfg, algo, cfg.seeds[0], max_weight=float(fed.client_sizes().max()))
     return algo
+
+
+def prepare_federation(cfg: Config, seed: int, fed: Federation | None = None) -> Federation:
+    """The federation of ``seed`` (``fed``, or built) on the config's device, checked against
+    the model: it fits the data, the tokenizer is the model's, and ``eval.clients`` can hold.
+
+    Raises:
+        ConfigError: naming the device, model or setting that does not fit.
+    """
+    device = resolve_device(cfg.device)
+    fed = fed if fed is not None else build_federation(cfg, seed)
+    fed = fed.to(device)  # once per run: every client's data are slices made there
+    check_model_fits_data(cfg.model.name, fed)
+    check_tokenizer_matches_model(cfg, fed)
+    check_eval(cfg, fed)
+    return fed

@@ -297,3 +297,18 @@ def stamp(path: Path) -> tuple[int, int] | None:
     except OSError:
         return None
     return st.st_ino, st.st_mtime_ns
+
+
+def check_run_flags(resume: bool, overwrite: bool) -> None:
+    """Refuse ``resume`` with ``overwrite``: one continues interrupted runs and keeps finished
+    ones, the other trains finished ones again (together, one of them was silently ignored).
+
+    Raises:
+        ConfigError: saying what each does.
+    """
+    if resume and overwrite:
+        raise ConfigError(
+            "--resume and --overwrite together: --resume continues interrupted runs (an "
+            "interrupted --overwrite too) and keeps finished ones; --overwrite trains finished "
+            "runs again. Give one of them"
+        )
