@@ -9,7 +9,6 @@ mechanism needs; :func:`privacy_record` and :func:`privacy_summary` are what a r
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +23,7 @@ from fedlore.privacy.dp import (
     default_clipped_count_stddev,
     update_noise_multiplier,
 )
-from fedlore.progress import say_once
+from fedlore.progress import say_once, warn_once
 
 NO_PRIVACY = (
     "no privacy: dp.reproducible_noise drew the DP noise and the client sample from the run seed"
@@ -37,14 +36,8 @@ class PrivacyWarning(UserWarning):
     messages are (``progress: false`` silences those, never these)."""
 
 
-_WARNED: set[str] = set()
-
-
 def _privacy_warning(message: str) -> None:
-    """Warn about ``message`` once per process (each run of an experiment would repeat it)."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, PrivacyWarning, stacklevel=3)
+    warn_once(message, PrivacyWarning)  # each run of an experiment would repeat it
 
 
 def make_privacy(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 
 log = logging.getLogger("fedlore.progress")
 
@@ -30,6 +31,14 @@ def say_once(message: str, *args: object) -> None:
     if text not in _SAID:
         _SAID.add(text)
         log.info(text)
+
+
+def warn_once(message: str, category: type[Warning]) -> None:
+    """A warning that shows whether or not progress messages do (``progress: false`` silences
+    :func:`say`, never this), once per process as :func:`say_once`."""
+    if message not in _SAID:
+        _SAID.add(message)
+        warnings.warn(message, category, stacklevel=3)
 
 
 class _Stderr(logging.StreamHandler):

@@ -389,14 +389,14 @@ def test_a_secure_round_that_cannot_hold_is_refused_before_any_run_folder(tmp_pa
 
 
 def test_settings_that_remove_privacy_warn_even_with_progress_off(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`progress: false` silences progress messages; it used to silence these warnings too
     (they went through the progress log), so a run with no privacy said nothing at start."""
-    from fedlore import experiment_privacy
+    from fedlore import progress
     from fedlore.cli import main
 
-    experiment_privacy._WARNED.clear()
+    monkeypatch.setattr(progress, "_SAID", set())  # said once per process: not yet here
     args = [
         f"output_dir={tmp_path}",
         "name=silent",
