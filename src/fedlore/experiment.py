@@ -88,6 +88,7 @@ from fedlore.experiment_privacy import (
     make_privacy,
     privacy_record,
     privacy_summary,
+    warn_over_target,
 )
 from fedlore.privacy import Privacy
 from fedlore.progress import say_once
@@ -203,6 +204,7 @@ def run(
             seed,
             first_round=-setup_rounds(algo),
         )
+        warn_over_target(cfg, privacy)  # repeated releases can take ε past dp.epsilon
         start = -setup_rounds(algo) if last is None else last + 1
         clients = transport(algo, exp.fed.client, exp.model_factory, seed, store)
         evaluate_state = evaluator(cfg, exp.fed, algo, exp.eval_model)

@@ -180,6 +180,24 @@ def privacy_record(privacy: Privacy | None) -> dict[str, Any]:
     }
 
 
+def warn_over_target(cfg: Config, privacy: Privacy | None) -> None:
+    """A :class:`PrivacyWarning` when a resumed run will end above its ``dp.epsilon``: σ was
+    solved for the run's exchanges, and the releases an interrupted attempt made and this
+    resume runs again (the DP ledger, :attr:`~fedlore.privacy.aggregation.Privacy.repeated`)
+    add to them. The run goes on (its rows and summary report the ε it reaches); the warning
+    names that ε before any further release, so the user can stop it."""
+    target = cfg.dp.epsilon
+    if privacy is None or privacy.dp is None or target is None or not privacy.repeated:
+        return
+    final = privacy.epsilon(cfg.rounds - 1)
+    if final > target:
+        _privacy_warning(
+            f"DP: {privacy.repeated} exchange(s) released before this resume run again with "
+            f"fresh noise, so the run will end at ε = {final:.4g}, above its target "
+            f"dp.epsilon = {target:g} (σ was solved for the exchanges without repeats)"
+        )
+
+
 def privacy_summary(privacy: Privacy | None) -> dict[str, Any]:
     """What a finished run's summary records of its DP mechanism, beside the ε its rows report:
     noise multiplier, clip norm (where it began, and under adaptive clipping where it ended),
@@ -197,6 +215,8 @@ def privacy_summary(privacy: Privacy | None) -> dict[str, Any]:
     }
     if privacy.adaptive:  # where adaptive clipping left C (dp_clip_norm: where it began)
         out["dp_clip_norm_final"] = privacy.clip_norm
+    if privacy.repeated:  # releases an interrupted attempt made and a resume ran again
+        out["dp_repeated_exchanges"] = privacy.repeated
     if privacy.reproducible:
         out["privacy"] = NO_PRIVACY
     return out

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from fedlore.engine.rundir import run_dir
 from fedlore.engine.transport import LocalTransport
 from fedlore.experiment import run_experiment, run_one
 from fedlore.experiment_parts import make_algorithm
-from fedlore.experiment_privacy import NO_PRIVACY, make_privacy
+from fedlore.experiment_privacy import NO_PRIVACY, PrivacyWarning, make_privacy
 from fedlore.privacy.dp import epsilon_spent
 from fedlore.results.report import report
 from fedlore.types import Broadcast, State
@@ -328,6 +330,29 @@ def test_rounds_run_again_after_a_resume_are_counted_in_epsilon(tmp_path: Path) 
     run_one(cfg, "fedfull", SEED, overwrite=True)
     assert not (out / "dp_ledger.json").exists()
     assert _rows(cfg, "fedfull")[-1]["dp_epsilon"] == pytest.approx(_eps(4))
+
+
+def test_a_resume_whose_repeats_pass_the_epsilon_target_warns(tmp_path: Path) -> None:
+    """σ solved for ``dp.epsilon`` over 4 rounds; a kill between round 2's row and its
+    checkpoint makes the resume release round 2 twice, so the run must end above its target:
+    it says so (a PrivacyWarning naming the ε it will reach) before training on, and its
+    summary records the repeats. A resume that repeats nothing stays within the target and
+    does not warn."""
+    extra = ("weighting=uniform", "dp.clip_norm=1", "dp.epsilon=8", "rounds=4")
+    cfg = _cfg(tmp_path, *extra)
+    out = run_dir(cfg, "fedfull", SEED)
+    assert run_one(cfg, "fedfull", SEED, stop_after=1) is None
+    round1 = (out / "checkpoint.pt").read_bytes()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert run_one(cfg, "fedfull", SEED, resume=True, stop_after=2) is None
+    assert not [w for w in seen if issubclass(w.category, PrivacyWarning)]
+    (out / "checkpoint.pt").write_bytes(round1)
+    with pytest.warns(PrivacyWarning, match=r"end at ε = [\d.]+, above its target") as caught:
+        summary = run_one(cfg, "fedfull", SEED, resume=True)
+    assert summary is not None and summary["dp_repeated_exchanges"] == 1
+    said = float(re.search(r"ε = ([\d.]+)", str(caught[0].message)).group(1))  # type: ignore[union-attr]
+    assert 8 < summary["dp_epsilon"] == pytest.approx(said, rel=1e-3)
 
 
 def test_a_resume_without_a_checkpoint_counts_every_earlier_release(tmp_path: Path) -> None:
