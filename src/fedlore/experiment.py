@@ -89,6 +89,7 @@ from fedlore.experiment_privacy import (
     privacy_record,
     privacy_summary,
     warn_over_target,
+    warn_uncounted,
 )
 from fedlore.privacy import Privacy
 from fedlore.progress import say_once
@@ -184,6 +185,7 @@ def run(
         say_once("%d CPU thread%s (threads=%s)", threads, "" if threads == 1 else "s", cfg.threads)
     with RunLock(folder.target), RunLock(out):  # the folders are this run's until it ends
         if not folder.resume:  # a fresh run: nothing of an earlier run in this folder may survive
+            warn_uncounted(exp.privacy, out)  # an unfinished DP run's releases
             start_fresh(out, folder.spill, method, seed)
         elif folder.from_start:  # from round 0 again: the DP ledger and the rows stay to count
             start_fresh(out, folder.spill, method, seed, keep_ledger=True)

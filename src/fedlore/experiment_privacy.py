@@ -10,11 +10,13 @@ mechanism needs; :func:`privacy_record` and :func:`privacy_summary` are what a r
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fedlore.algorithm import Algorithm
 from fedlore.checks import check_secure_round, setup_rounds
 from fedlore.config import Config, ConfigError
+from fedlore.engine.dp_ledger import released_after, repeated
 from fedlore.engine.sampling import sample_clients
 from fedlore.engine.unreliable import available_sampler
 from fedlore.privacy import ClipNorm, DPSettings, Privacy, noise_for_epsilon, noise_source
@@ -178,6 +180,22 @@ def privacy_record(privacy: Privacy | None) -> dict[str, Any]:
         "dp_noise_multiplier": privacy.dp.noise_multiplier,
         "dp_noise_source": "seed (no privacy)" if privacy.reproducible else "os",
     }
+
+
+def warn_uncounted(privacy: Privacy | None, out: Path) -> None:
+    """A :class:`PrivacyWarning` when a fresh DP run starts over an unfinished one in ``out``
+    that released rounds (rows with ``dp_epsilon``, and the repeats of its DP ledger): the new
+    run's ε starts from zero and does not count them, where ``--resume`` would have
+    (:mod:`fedlore.engine.dp_ledger`). Those rows may have been seen (the file, a tracker)."""
+    if privacy is None or privacy.dp is None:
+        return
+    released = released_after(out / "metrics.jsonl", None) + repeated(out)
+    if released:
+        _privacy_warning(
+            f"DP: starting over discards the {released} release(s) the unfinished run in {out} "
+            "made, and this run's ε does not count them; if anyone may have seen them (its "
+            "metrics.jsonl, a tracker), continue that run with --resume, whose ε does"
+        )
 
 
 def warn_over_target(cfg: Config, privacy: Privacy | None) -> None:

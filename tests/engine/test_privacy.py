@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from fedlore.atomic import write_json
 from fedlore.config import load_config
 from fedlore.engine.callbacks import Checkpointer
 from fedlore.engine.rundir import run_dir
@@ -353,6 +354,25 @@ def test_a_resume_whose_repeats_pass_the_epsilon_target_warns(tmp_path: Path) ->
     assert summary is not None and summary["dp_repeated_exchanges"] == 1
     said = float(re.search(r"ε = ([\d.]+)", str(caught[0].message)).group(1))  # type: ignore[union-attr]
     assert 8 < summary["dp_epsilon"] == pytest.approx(said, rel=1e-3)
+
+
+def test_starting_a_dp_run_over_an_unfinished_one_warns_of_its_uncounted_releases(
+    tmp_path: Path,
+) -> None:
+    """A fresh run (no --resume) over an unfinished DP run discards its released rows and
+    starts ε from zero: it warns, naming how many releases go uncounted (rows plus the ledger's
+    repeats). Replacing a finished run (--overwrite) is the user's own choice and does not."""
+    extra = ("weighting=uniform", "dp.clip_norm=1", "dp.noise_multiplier=1.5")
+    cfg = _cfg(tmp_path, *extra)
+    assert run_one(cfg, "fedfull", SEED, stop_after=1) is None  # rounds 0 and 1 released
+    write_json(run_dir(cfg, "fedfull", SEED) / "dp_ledger.json", {"repeated_exchanges": 1})
+    with pytest.warns(PrivacyWarning, match="discards the 3 release"):
+        summary = run_one(cfg, "fedfull", SEED)
+    assert summary is not None and summary["dp_epsilon"] == pytest.approx(_eps(3))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        run_one(cfg, "fedfull", SEED, overwrite=True)
+    assert not [w for w in seen if issubclass(w.category, PrivacyWarning)]
 
 
 def test_a_resume_without_a_checkpoint_counts_every_earlier_release(tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ composition counts both. Before the resume discards those rows, their number is 
 ``dp_ledger.json`` in the run folder (written atomically, before the rows go; a kill in between
 counts them twice, never zero times), and the accountant adds the ledger's total to the rounds
 it counts (:attr:`fedlore.privacy.aggregation.Privacy.repeated`). A fresh run starts without a
-ledger.
+ledger; started over an unfinished DP run, it warns that the releases it discards go uncounted
+(:func:`fedlore.experiment_privacy.warn_uncounted`).
 """
 
 from __future__ import annotations
