@@ -149,3 +149,22 @@ def test_a_stray_argument_gets_the_commands_own_usage(capsys: pytest.CaptureFixt
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: fedlore report") and "unrecognized arguments: b" in err
+
+
+def test_an_unknown_option_before_the_command_gets_fedlores_usage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``fedlore --verb report DIR``: the option was given to fedlore, not to ``report``, so
+    the error shows fedlore's usage (the command's own usage misled: ``report`` has no such
+    place for options); after the command it is the command's."""
+    from fedlore.cli import main
+
+    for argv, usage in (
+        (["--verb", "report", "a"], "usage: fedlore [-h]"),
+        (["report", "--verb", "a"], "usage: fedlore report"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(usage) and "unrecognized arguments: --verb" in err

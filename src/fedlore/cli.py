@@ -319,7 +319,10 @@ def _main(argv: list[str], command: bool) -> int:
         and not any(e.startswith("-") for e in extra)
     ):
         ns.args = [*ns.args, *extra]
-    elif extra:  # the command's own usage, not fedlore's
+    elif extra:  # the usage of whichever took it: fedlore's (before the command) or the command's
+        before = argv[: argv.index(ns.command)] if ns.command in argv else []
+        if any(e in before for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         commands.choices[ns.command].error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
