@@ -384,6 +384,9 @@ def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path: Path) -> None:
     bad.write_text("partition: {name: dirichlet, alpha: 0.1, alpha: 0.5}\n")
     with pytest.raises(ConfigError, match="key 'alpha' given twice"):
         load_config(bad)
+    bad.write_text("partition: {&k alpha: 0.1, *k : 0.5}\n")  # an alias key is the same node
+    with pytest.raises(ConfigError, match="key 'alpha' given twice"):
+        load_config(bad)
     merged = tmp_path / "merged.yaml"
     merged.write_text("data: &d {name: digits}\nrounds: 2\n")
     assert load_config(merged).rounds == 2

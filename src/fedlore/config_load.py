@@ -79,16 +79,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
-    first: dict[Any, yaml.Mark] = {}
-    for key_node, _ in node.value:
+    first: dict[Any, int] = {}  # key -> its first entry (an alias key is the same node)
+    for index, (key_node, _) in enumerate(node.value):
         if key_node.tag == "tag:yaml.org,2002:merge":
             continue  # `<<: *anchor` merges a mapping; its keys may be overridden here
         key = loader.construct_object(key_node, deep=True)
         try:
-            mark = first.setdefault(key, key_node.start_mark)
+            earlier = first.setdefault(key, index)
         except TypeError:  # an unhashable key: the constructor below reports it
             continue
-        if mark is not key_node.start_mark:
+        if earlier != index:
+            mark = node.value[earlier][0].start_mark
             raise yaml.constructor.ConstructorError(
                 None,
                 None,
