@@ -36,6 +36,7 @@ from torch import nn
 from fedlore.checks import projects
 from fedlore.data.client_data import ClientData
 from fedlore.optim.subspace import MatrixSpec, projection_plan
+from fedlore.optim.svd import spectral_norm
 from fedlore.seeding import DIAG, derive_seed, generator
 from fedlore.tensors import load_model_arrays
 from fedlore.train.local import task_loss
@@ -109,7 +110,7 @@ def candidate_certificate(
         h64, q64 = h.double(), q.double()
         kept = float((q64.t() @ h64).pow(2).sum())
         eps_loc2 += w * max(float(h64.pow(2).sum()) - kept, 0.0)
-        spectral = max(spectral, float(torch.linalg.matrix_norm(h64, ord=2)))
+        spectral = max(spectral, float(spectral_norm(h64)))
         hbar += w * h64
         tr_pi_a += w * float((pi.t() @ q64).pow(2).sum())
     lam = mixture_eigenvalues(cand_bases, p)

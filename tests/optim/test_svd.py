@@ -99,3 +99,22 @@ def test_the_fallback_refuses_nan_as_the_svd_does(failing_svd: None) -> None:
         svd_left(a)
     with pytest.raises(torch.linalg.LinAlgError, match="NaN or Inf"):
         svd_triplets(a)
+
+
+def test_the_spectral_norm_falls_back_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``spectral_norm`` (the diagnostics' ``||H||_2``, ``projector_distance``) is the matrix
+    norm where it converges, and the fallback's top singular value where it does not, equal to
+    NumPy's to rounding, on the fixture's gradient too."""
+    from fedlore.optim.svd import spectral_norm
+
+    a = _matrix(30, 12, 7) * 3.0
+    assert torch.equal(spectral_norm(a), torch.linalg.matrix_norm(a, ord=2))
+    fixture = torch.from_numpy(np.load(FIXTURE)["a"])
+
+    def no_convergence(*_: object, **__: object) -> None:
+        raise torch.linalg.LinAlgError("linalg.svd: The algorithm failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "matrix_norm", no_convergence)
+    for m in (a, a.t(), fixture):
+        want = float(np.linalg.norm(m.numpy(), ord=2))
+        assert float(spectral_norm(m)) == pytest.approx(want, rel=1e-12)

@@ -32,7 +32,7 @@ from fedlore.optim.plan import matrix_spec as matrix_spec
 from fedlore.optim.plan import plan_of as plan_of
 from fedlore.optim.plan import projection_plan as projection_plan
 from fedlore.optim.plan import weight_matrices as weight_matrices
-from fedlore.optim.svd import svd_left
+from fedlore.optim.svd import spectral_norm, svd_left
 
 
 def _fix_signs(u: torch.Tensor) -> torch.Tensor:
@@ -398,7 +398,7 @@ def projector_distance(p: torch.Tensor, q: torch.Tensor) -> float:
     orthogonal to the other); a basis-invariant subspace distance."""
     pp = p.double() @ p.double().t()
     qq = q.double() @ q.double().t()
-    return float(torch.linalg.matrix_norm(pp - qq, ord=2))
+    return float(spectral_norm(pp - qq))
 
 
 def captured_energy(basis: torch.Tensor, mat: torch.Tensor) -> float:

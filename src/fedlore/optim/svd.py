@@ -51,6 +51,16 @@ def svd_triplets(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return u, s, vh
 
 
+def spectral_norm(a: torch.Tensor) -> torch.Tensor:
+    """``||a||_2``, the largest singular value of the matrix ``a`` (a 0-dim tensor on its
+    device): ``torch.linalg.matrix_norm(a, ord=2)``, or where its SVD does not converge the
+    fallback's largest value (exact to rounding: the top of the squared spectrum is)."""
+    try:
+        return torch.linalg.matrix_norm(a, ord=2)
+    except torch.linalg.LinAlgError:
+        return _gram_left(a)[1][0]
+
+
 def _gram_left(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The fallback: ``U = Q W`` and ``s = sqrt(λ)`` from ``A = QR`` and ``R Rᵀ = W Λ Wᵀ`` (for
     a wide ``a``, ``A Aᵀ = W Λ Wᵀ`` itself).
