@@ -4,10 +4,16 @@ kept (atomically, before the rows go) and accumulates over resumes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 from pathlib import Path
 
+import pytest
+
 from fedlore.engine import dp_ledger
+from fedlore.engine.callbacks import MetricsWriter
+from fedlore.privacy import DPSettings, Privacy
 
 
 def _metrics(path: Path, rows: list[dict[str, object]], torn: str = "") -> Path:
@@ -39,3 +45,45 @@ def test_the_ledger_accumulates_over_resumes(tmp_path: Path) -> None:
     assert dp_ledger.record_repeats(tmp_path, m, 2) == 5
     assert json.loads((tmp_path / dp_ledger.LEDGER).read_text()) == {"repeated_exchanges": 5}
     assert dp_ledger.repeated(tmp_path) == 5
+
+
+def test_a_line_that_is_no_row_does_not_end_the_count(tmp_path: Path) -> None:
+    """A line that is not JSON (blank, or torn by a kill) is skipped, not the end of the file:
+    the releases after it count. A DP row without a ``round`` counts as after any checkpoint:
+    the resume's truncation drops it too, and a release counted once too often only overstates
+    ε."""
+    m = tmp_path / "metrics.jsonl"
+    lines = ['{"round": 0, "dp_epsilon": 0.1}', "", '{"round": 1, "dp_eps', '{"dp_epsilon": 0.2}']
+    m.write_text("".join(line + "\n" for line in [*lines, '{"round": 1, "dp_epsilon": 0.3}']))
+    assert dp_ledger.released_after(m, None) == 3
+    assert dp_ledger.released_after(m, 0) == 2  # the row without a round and round 1
+    assert dp_ledger.released_after(m, 1) == 1
+    MetricsWriter(m).truncate_after(0)  # what the resume after round 0 then discards
+    assert m.read_text().splitlines() == ['{"round": 0, "dp_epsilon": 0.1}']
+
+
+def test_account_repeats_counts_under_dp_only_and_names_the_ledger(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under DP the releases a resume discards go to the ledger, the privacy comes back with
+    the ledger's total as ``repeated`` and a warning names that total and the ledger file.
+    Without DP (no privacy, or secure aggregation alone) nothing is recorded and the privacy
+    comes back as it is."""
+    m = _metrics(tmp_path / "metrics.jsonl", [{"round": r, "dp_epsilon": 1.0} for r in range(4)])
+    common = {"uniform": True, "num_clients": 4, "per_round": 4, "setup_rounds": 0, "seed": 0}
+    secure = Privacy(secure=True, dp=None, **common)
+    assert dp_ledger.account_repeats(None, tmp_path, m, 1) is None
+    assert dp_ledger.account_repeats(secure, tmp_path, m, 1) is secure
+    assert not (tmp_path / dp_ledger.LEDGER).exists()
+    dp = Privacy(
+        secure=False, dp=DPSettings(clip_norm=1.0, noise_multiplier=1.0, delta=1e-5), **common
+    )
+    with caplog.at_level(logging.WARNING, logger="fedlore.engine.dp_ledger"):
+        counted = dp_ledger.account_repeats(dp, tmp_path, m, 1)
+    assert counted is not None and counted.repeated == 2 and dp.repeated == 0
+    assert dataclasses.replace(counted, repeated=0) == dp
+    assert dp_ledger.repeated(tmp_path) == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "2 DP exchange(s) released before this resume run again with fresh noise: ε counts "
+        f"them too ({tmp_path / dp_ledger.LEDGER})"
+    ]

@@ -10,6 +10,7 @@ the round itself: tests/privacy/test_round.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -27,7 +28,13 @@ from fedlore.engine.rundir import run_dir
 from fedlore.engine.transport import LocalTransport
 from fedlore.experiment import run_experiment, run_one
 from fedlore.experiment_parts import make_algorithm
-from fedlore.experiment_privacy import NO_PRIVACY, PrivacyWarning, make_privacy
+from fedlore.experiment_privacy import (
+    NO_PRIVACY,
+    PrivacyWarning,
+    make_privacy,
+    warn_over_target,
+    warn_uncounted,
+)
 from fedlore.privacy.dp import epsilon_spent
 from fedlore.results.report import report
 from fedlore.types import Broadcast, State
@@ -373,6 +380,53 @@ def test_starting_a_dp_run_over_an_unfinished_one_warns_of_its_uncounted_release
         warnings.simplefilter("always")
         run_one(cfg, "fedfull", SEED, overwrite=True)
     assert not [w for w in seen if issubclass(w.category, PrivacyWarning)]
+
+
+def test_the_ledger_warnings_name_what_they_count_and_need_dp(tmp_path: Path) -> None:
+    """``warn_uncounted`` names the releases (rows plus the ledger's repeats) that starting over
+    leaves uncounted and ``warn_over_target`` the ε a resume with repeats reaches, strictly
+    above ``dp.epsilon`` (ending exactly at it is within the target); neither warns without
+    DP (no privacy, or secure aggregation alone) or, for the target, without repeats."""
+    out = tmp_path / "unfinished"
+    out.mkdir()
+    rows = [{"round": r, "dp_epsilon": _eps(r + 1)} for r in range(2)]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_json(out / "dp_ledger.json", {"repeated_exchanges": 1})
+    cfg = _cfg(tmp_path, "weighting=uniform", "dp.clip_norm=1", "dp.epsilon=6", "rounds=4")
+    secure_cfg = _cfg(tmp_path, "secure_aggregation=true")
+    secure = make_privacy(secure_cfg, make_algorithm("fedfull", secure_cfg), SEED)
+    dp = make_privacy(cfg, make_algorithm("fedfull", cfg), SEED)
+    assert secure is not None and secure.dp is None and dp is not None and dp.dp is not None
+    repeats = dataclasses.replace(dp, repeated=1)
+    final = repeats.epsilon(cfg.rounds - 1)
+    assert final > 6 >= dp.epsilon(cfg.rounds - 1)
+
+    def at(target: float) -> Any:
+        return cfg.model_copy(update={"dp": cfg.dp.model_copy(update={"epsilon": target})})
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for privacy in (None, secure):
+            warn_uncounted(privacy, out)
+            warn_over_target(cfg, privacy)
+        warn_over_target(cfg, dp)  # no repeats
+        warn_over_target(at(final), repeats)  # exactly at the target
+    assert not [w for w in seen if issubclass(w.category, PrivacyWarning)]
+    uncounted = (
+        f"DP: starting over discards the 3 release(s) the unfinished run in {out} made, and this "
+        "run's ε does not count them; if anyone may have seen them (its metrics.jsonl, a "
+        "tracker), continue that run with --resume, whose ε does"
+    )
+    with pytest.warns(PrivacyWarning, match=f"^{re.escape(uncounted)}$"):
+        warn_uncounted(dp, out)
+    below = math.nextafter(final, 0.0)
+    over = (
+        f"DP: 1 exchange(s) released before this resume run again with fresh noise, so the run "
+        f"will end at ε = {final:.4g}, above its target dp.epsilon = {below:g} (σ was solved "
+        "for the exchanges without repeats)"
+    )
+    with pytest.warns(PrivacyWarning, match=f"^{re.escape(over)}$"):
+        warn_over_target(at(below), repeats)
 
 
 def test_a_resume_without_a_checkpoint_counts_every_earlier_release(tmp_path: Path) -> None:

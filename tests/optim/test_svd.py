@@ -65,8 +65,10 @@ def test_the_fallback_gives_the_svds_values_and_subspaces(
 
 
 def test_where_the_svd_converges_its_answer_is_returned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each of the three returns the economy-size SVD's own factors (a 20 x 10 matrix: 10
+    columns of U, 10 rows of Vh), untouched."""
     a = _matrix(20, 10, 6)
-    u, s, _ = torch.linalg.svd(a, full_matrices=False)
+    u, s, vh = torch.linalg.svd(a, full_matrices=False)
 
     def unused(*_: object) -> None:
         raise AssertionError("the fallback ran although the SVD converged")
@@ -74,6 +76,26 @@ def test_where_the_svd_converges_its_answer_is_returned(monkeypatch: pytest.Monk
     monkeypatch.setattr(svd_mod, "_gram_left", unused)
     got_u, got_s = svd_left(a)
     assert torch.equal(got_u, u) and torch.equal(got_s, s)
+    got_u, got_s, got_vh = svd_triplets(a)
+    assert got_u.shape == (20, 10) and got_vh.shape == (10, 10)
+    assert torch.equal(got_u, u) and torch.equal(got_s, s) and torch.equal(got_vh, vh)
+    got_s, got_vh = svd_right(a.t())  # aᵀ's right singular vectors: a's left ones
+    assert torch.equal(got_s, s) and torch.equal(got_vh, u.t())
+
+
+def test_the_fallbacks_vh_has_a_zero_row_for_a_zero_singular_value(failing_svd: None) -> None:
+    """``svd_triplets``' fallback divides ``Uᵀ A`` by the singular values where they are not 0
+    and leaves a zero row where one is (exactly 0 here: ``R Rᵀ`` is diagonal), as its
+    docstring says; ``U S Vh`` is ``A``."""
+    a = torch.zeros(5, 3, dtype=torch.float64)
+    a[0, 0], a[1, 1] = 3.0, 2.0
+    u, s, vh = svd_triplets(a)
+    assert s.tolist() == [3.0, 2.0, 0.0]
+    assert torch.equal(vh[2], torch.zeros(3, dtype=torch.float64))
+    torch.testing.assert_close(vh[:2].abs(), torch.eye(3, dtype=torch.float64)[:2], atol=0, rtol=0)
+    torch.testing.assert_close(u @ torch.diag(s) @ vh, a, atol=1e-15, rtol=0)
+    _, s0, vh0 = svd_triplets(torch.zeros(4, 6, dtype=torch.float64))  # all zero, wide
+    assert not s0.any() and not vh0.any() and vh0.shape == (4, 6)
 
 
 def test_a_gradient_gesdd_failed_on_gets_its_basis() -> None:
@@ -95,9 +117,10 @@ def test_a_gradient_gesdd_failed_on_gets_its_basis() -> None:
 def test_the_fallback_refuses_nan_as_the_svd_does(failing_svd: None) -> None:
     a = _matrix(10, 6, 4)
     a[2, 3] = float("nan")
-    with pytest.raises(torch.linalg.LinAlgError, match="NaN or Inf"):
+    message = r"^svd: the matrix has NaN or Inf entries$"
+    with pytest.raises(torch.linalg.LinAlgError, match=message):
         svd_left(a)
-    with pytest.raises(torch.linalg.LinAlgError, match="NaN or Inf"):
+    with pytest.raises(torch.linalg.LinAlgError, match=message):
         svd_triplets(a)
 
 
