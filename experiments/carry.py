@@ -7,10 +7,11 @@ its first round: on two cores that is up to two hours lost per run a sitting lea
 
 ``pack`` writes the resumable files of every unfinished run under ROOT (a ``seed-*`` folder with
 a ``checkpoint.pt`` and no ``summary.json``: its ``config.json``, ``metrics.jsonl``,
-``checkpoint.pt`` and spilled ``client_states/``) into one archive, ``ROOT/in-progress.tar.gz``,
-to commit. What the archive already holds is kept unless it is superseded: a run packed here
-replaces its archived copy when it got as far (a checkpoint of the same or a later round), and a
-run finished here leaves the archive; the archive is removed once it holds nothing.
+``checkpoint.pt``, spilled ``client_states/`` and, for a DP run, ``dp_ledger.json``) into one
+archive, ``ROOT/in-progress.tar.gz``, to commit. What the archive already holds is kept unless
+it is superseded: a run packed here replaces its archived copy when it got as far (a checkpoint
+of the same or a later round), and a run finished here leaves the archive; the archive is
+removed once it holds nothing.
 ``unpack`` (the first step of ``experiments/reruns.sh``) restores each archived run that is not
 training here, not finished here and not as far along here, so the queue's ``--resume``
 continues it after the packed round and reaches the result an uninterrupted run reaches.
@@ -38,6 +39,7 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from fedlore.atomic import write_bytes
+from fedlore.engine.dp_ledger import LEDGER
 
 ARCHIVE = "in-progress.tar.gz"
 Files = dict[str, tuple[bytes, float]]
@@ -132,6 +134,8 @@ def local_files(root: Path, folder: Path) -> Files:
     """A run folder's resumable files, the checkpoint read first (rows past it are dropped on
     resume)."""
     paths = [folder / "checkpoint.pt", folder / "config.json", folder / "metrics.jsonl"]
+    if (folder / LEDGER).is_file():  # a DP run's repeated releases: ε must go on counting them
+        paths.append(folder / LEDGER)
     paths += sorted(p for p in (folder / "client_states").glob("*") if p.is_file())
     return {p.relative_to(root).as_posix(): (p.read_bytes(), p.stat().st_mtime) for p in paths}
 

@@ -132,6 +132,17 @@ def test_pack_keeps_what_the_archive_holds_unless_superseded(tmp_path: Path) -> 
     assert _archived(tmp_path) == {"t/b/seed-0": 2}
 
 
+def test_a_dp_runs_ledger_travels_with_it(tmp_path: Path) -> None:
+    """A DP run's ``dp_ledger.json`` (releases a resume ran again) is packed and unpacked with
+    its run: without it, the resume on the next machine would count ε without them."""
+    run = _fake_run(tmp_path, "a", 3)
+    (run / "dp_ledger.json").write_text('{"repeated_exchanges": 2}')
+    carry.pack(tmp_path)
+    shutil.rmtree(tmp_path / "t")  # a fresh clone: only the archive
+    assert carry.unpack(tmp_path) == 1
+    assert json.loads((run / "dp_ledger.json").read_text()) == {"repeated_exchanges": 2}
+
+
 def test_unpack_never_writes_under_a_training_run(tmp_path: Path) -> None:
     run = _fake_run(tmp_path, "a", 3)
     carry.pack(tmp_path)
