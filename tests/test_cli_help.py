@@ -121,22 +121,25 @@ def test_abbreviated_options_are_refused_not_guessed(
         assert "allow_abbrev=False" in text, driver
 
 
-def test_resume_and_overwrite_together_are_refused(
+def test_resume_and_overwrite_together_are_refused_with_nothing_to_continue(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Both flags said `finished already ... (--overwrite trains it again)` of a finished run:
-    one of them was ignored. The pair is refused before anything runs, saying what each does."""
+    one of them was ignored. Together they continue an interrupted --overwrite
+    (tests/reliability/test_reruns.py); with none there, the pair is refused before anything
+    runs, saying what each does."""
     from fedlore.cli import main
 
     assert main(["run", f"output_dir={tmp_path}", "rounds=1", "--resume", "--overwrite"]) == 2
     err = capsys.readouterr().err
-    assert "--resume and --overwrite together" in err and "Give one of them" in err
+    assert "--resume with --overwrite continues an interrupted --overwrite" in err
+    assert "holds none" in err and "Give one of them" in err
     assert not any(tmp_path.iterdir())
     from fedlore.config import ConfigError, load_config
     from fedlore.experiment import run_experiment
 
     cfg = load_config(None, [f"output_dir={tmp_path}", "rounds=1"])
-    with pytest.raises(ConfigError, match="--resume and --overwrite together"):
+    with pytest.raises(ConfigError, match="--resume with --overwrite continues"):
         run_experiment(cfg, resume=True, overwrite=True)  # the Python API too
     assert not any(tmp_path.iterdir())
 

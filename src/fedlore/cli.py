@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite",
         action="store_true",
         help="train finished runs again, also of another config left under the same name (each "
-        "finished run stays in place until its replacement has finished)",
+        "finished run stays in place until its replacement has finished); with --resume, "
+        "continue an interrupted --overwrite",
     )
     p_rep = sub.add_parser(
         "report",
@@ -348,10 +349,6 @@ def _main(argv: list[str], command: bool) -> int:
                 lines = sum(1 for _ in written.open(encoding="utf-8"))
                 print(f"wrote {written} ({lines} documents)")
             return 0
-        if ns.command == "run":  # before the config and the data load
-            from fedlore.engine.rerun import check_run_flags
-
-            check_run_flags(ns.resume, ns.overwrite)
         path, overrides = _split_args(ns.args)
         cfg = load_config(path if path is not None else _default_config(), overrides)
         from fedlore import progress

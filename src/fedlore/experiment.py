@@ -45,6 +45,7 @@ from fedlore.config import Config, ConfigError
 from fedlore.data.federation import Federation, build_federation
 from fedlore.device import resolve_device, training_precision, use_threads
 from fedlore.diagnostics import Diagnoser
+from fedlore.engine import overwriting
 from fedlore.engine.attack import attacked
 from fedlore.engine.callbacks import Checkpointer, MetricsWriter, ProgressBar
 from fedlore.engine.interrupt import Interrupted
@@ -52,9 +53,7 @@ from fedlore.engine.lock import RunLock
 from fedlore.engine.loop import Callback, RoundLoop
 from fedlore.engine.rerun import (
     check_no_finished_run_of_another_config,
-    check_run_flags,
     finished_run,
-    finished_runs,
     swap_in,
     write_dir,
 )
@@ -388,9 +387,10 @@ def run_experiment(
 
     Raises:
         ConfigError: as above, naming each problem; ``callbacks`` with another engine; ``resume``
-            and ``overwrite`` together.
+            and ``overwrite`` together with no interrupted ``--overwrite`` to continue
+            (:mod:`fedlore.engine.overwriting`).
     """
-    check_run_flags(resume, overwrite)
+    overwriting.check_run_flags(cfg, resume, overwrite)
     if engine is None:
         if cfg.engine != "local":
             raise ConfigError(
@@ -434,6 +434,7 @@ def run_experiment(
         describe_parameters(name, algo, build_model())
         warn_own_optimizer(cfg, name, algo)
     make_output_dir(cfg)
+    overwriting.begin(cfg, resume, overwrite)  # what an interrupted --overwrite has finished
     with contextlib.ExitStack() as held:
         # every folder this experiment will write is its own from the start: a second process
         # running the same experiment is refused now, not when it reaches a busy folder (after
@@ -442,6 +443,7 @@ def run_experiment(
             for method in cfg.algorithms:
                 held.enter_context(RunLock(run_dir(cfg, method, seed)))
         _run_all(cfg, first, resume, overwrite, engine, out)
+    overwriting.end(cfg, overwrite)
     return out
 
 
@@ -478,15 +480,16 @@ def _run_all(
             fed = first if seed == cfg.seeds[0] else build_federation(cfg, seed)
             # finished runs are reported after the checks of a rerun, under --resume too (a run
             # folder copied from another machine is held to the same rules)
-            done = {} if overwrite else finished_runs(cfg, seed, fed, make_algorithm, resume)
+            done, flags = overwriting.plan(cfg, seed, fed, resume, overwrite, make_algorithm)
             for method in cfg.algorithms:
                 summary: dict[str, Any] | None = done.get(method)  # finished: said, kept
                 if summary is None:
                     if engine.session is not None and not in_session:
                         session.enter_context(engine.session())
                         in_session = True
-                    summary = engine.run(
-                        cfg, method, seed, fed=fed, resume=resume, overwrite=overwrite
-                    )
+                    again, over = flags[method]
+                    summary = engine.run(cfg, method, seed, fed=fed, resume=again, overwrite=over)
+                    if summary is not None:  # an --overwrite records what it has finished
+                        overwriting.record_finished(cfg, method, seed, overwrite)
                 if summary is not None:
                     out[method].append(summary)

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -242,6 +243,55 @@ def test_resume_continues_an_interrupted_overwrite_exactly(tmp_path: Path) -> No
     reference = run_one(_cfg(tmp_path / "reference", "rounds=4", "lr=0.01"), "fedavg", 0)
     assert reference is not None and _no_timing(resumed) == _no_timing(reference)
     assert _leftovers(folder) == []
+
+
+def test_overwrite_then_resume_continues_an_interrupted_overwrite_of_an_experiment(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An --overwrite of three methods interrupted in the second: the command the interrupt
+    prints (the same line with --resume) keeps the run already replaced (bytes and times),
+    continues the interrupted replacement from its checkpoint to the uninterrupted result, and
+    replaces the run not reached yet; the record of the --overwrite then goes. --resume alone
+    refused the old config's finished run, and --overwrite alone trained everything again."""
+    from fedlore.cli import _resume_hint
+    from fedlore.engine import overwriting
+
+    methods = "algorithms=[fedavg,fedfull,fedprox]"
+    old = [a if not a.startswith("algorithms=") else methods for a in _args(tmp_path)]
+    assert main(["run", *old, "progress=false"]) == 0
+    argv = [*old, "rounds=4", "lr=0.01", "--overwrite"]  # the later rounds= wins
+
+    def config(*extra: str) -> Config:
+        return load_config(Path(old[0]), [*old[1:], "rounds=4", "lr=0.01", "progress=false",
+                                          *extra])  # fmt: skip
+
+    new = config()
+    stop = {"fedfull": [_Interrupt(1)]}
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(new, overwrite=True, callbacks=lambda m, s: stop.get(m, []))
+    record = tmp_path / "rerun" / overwriting.RECORD
+    assert json.loads(record.read_text()) == {"finished": ["fedavg/seed-0"]}
+    replaced = _files(run_dir(new, "fedavg", 0))
+    fedfull = run_dir(new, "fedfull", 0)
+    partial = (staging_dir(fedfull) / "metrics.jsonl").read_text()
+    assert _rounds(run_dir(new, "fedprox", 0)) == [0, 1, 2]  # the old run, not reached
+    with pytest.raises(ConfigError, match="holds a finished run of another config"):
+        run_experiment(new, resume=True)
+    hint = _resume_hint(["run", *argv])
+    assert hint.startswith(f"`fedlore run {shlex.join(argv)} --resume`")
+    capsys.readouterr()
+    assert main(["run", *argv, "--resume"]) == 0
+    assert "fedavg seed 0: finished already" in capsys.readouterr().err
+    assert _files(run_dir(new, "fedavg", 0)) == replaced
+    assert (fedfull / "metrics.jsonl").read_text().startswith(partial)  # not trained again
+    for m in ("fedfull", "fedprox"):
+        assert _rounds(run_dir(new, m, 0)) == [0, 1, 2, 3]
+        assert json.loads((run_dir(new, m, 0) / "config.json").read_text())["lr"] == 0.01
+        assert _leftovers(run_dir(new, m, 0)) == []
+    reference = run_one(config(f"output_dir={tmp_path / 'reference'}"), "fedfull", 0)
+    summary = json.loads((fedfull / "summary.json").read_text())
+    assert reference is not None and _no_timing(summary) == _no_timing(reference)
+    assert not record.exists()
 
 
 def test_overwrite_of_the_same_config_retrains_it(

@@ -13,7 +13,9 @@ finished run. Running into it again:
 * with ``--overwrite``, the new run trains in the sibling folder ``seed-<s>.overwrite``
   (:func:`write_dir`) and takes the finished run's place only once it has finished itself
   (:func:`swap_in`). Killed, failed or interrupted before, it leaves the finished run as it was;
-  ``--resume`` continues the interrupted replacement and ``--overwrite`` starts it over.
+  ``--resume`` continues the interrupted replacement and ``--overwrite`` starts it over
+  (``--overwrite --resume`` continues an interrupted ``--overwrite`` of a whole experiment:
+  :mod:`fedlore.engine.overwriting`).
 
 Why a sibling folder and a swap rather than moving the finished run aside as a backup: the run
 folder then holds the finished run at every moment until its replacement is complete, so no
@@ -59,7 +61,8 @@ def staging_dir(target: Path) -> Path:
     return target.with_name(target.name + STAGING)
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def read_record(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``; None when it is missing, unreadable or not an object."""
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -82,7 +85,7 @@ def finished_record(
     summary_path = out / SUMMARY
     if not summary_path.is_file():
         return None
-    summary, recorded = _read_json(summary_path), _read_json(out / "config.json")
+    summary, recorded = read_record(summary_path), read_record(out / "config.json")
     bad = _unreadable(summary, recorded, method, out)
     if bad is not None:
         raise ConfigError(
@@ -199,7 +202,7 @@ def finished_runs(
 def _continues_replacement(cfg: Config, method: str, seed: int, make: MakeAlgorithm) -> bool:
     """Whether the run folder of ``method`` and ``seed`` holds an interrupted replacement
     (:func:`staging_dir`) started by this config, which ``--resume`` continues."""
-    recorded = _read_json(staging_dir(run_dir(cfg, method, seed)) / "config.json")
+    recorded = read_record(staging_dir(run_dir(cfg, method, seed)) / "config.json")
     return recorded is not None and not config_diff(cfg, method, recorded, make)
 
 
@@ -222,7 +225,7 @@ def write_dir(
     if not (target / SUMMARY).is_file():
         return target
     if resume:
-        recorded = _read_json(staged / "config.json")
+        recorded = read_record(staged / "config.json")
         if recorded is None or config_diff(cfg, method, recorded, make_algorithm):
             return target
         say_once("continuing the replacement of the finished run in %s (in %s)", target, staged)
@@ -297,18 +300,3 @@ def stamp(path: Path) -> tuple[int, int] | None:
     except OSError:
         return None
     return st.st_ino, st.st_mtime_ns
-
-
-def check_run_flags(resume: bool, overwrite: bool) -> None:
-    """Refuse ``resume`` with ``overwrite``: one continues interrupted runs and keeps finished
-    ones, the other trains finished ones again (together, one of them was silently ignored).
-
-    Raises:
-        ConfigError: saying what each does.
-    """
-    if resume and overwrite:
-        raise ConfigError(
-            "--resume and --overwrite together: --resume continues interrupted runs (an "
-            "interrupted --overwrite too) and keeps finished ones; --overwrite trains finished "
-            "runs again. Give one of them"
-        )

@@ -1,0 +1,136 @@
+"""Continuing an interrupted ``--overwrite``: ``fedlore run ... --overwrite --resume``.
+
+``--overwrite`` replaces an experiment's finished runs one after another, each in its sibling
+folder until it has finished (:mod:`fedlore.engine.rerun`). Interrupted, it leaves three kinds
+of run: those it has replaced already, the one it was training, and those it had not reached.
+Neither flag alone continues that: ``--resume`` keeps finished runs, so it cannot tell the runs
+not reached yet from runs to keep (and refuses those of another config), and ``--overwrite``
+trains the replaced ones again and the interrupted one from its first round.
+
+So while an ``--overwrite`` runs, the experiment folder holds :data:`RECORD`, the runs it has
+finished. ``--overwrite --resume`` (:func:`plan`) keeps those that are of this config and data,
+continues an interrupted replacement of this config (or an unfinished run of it) from its
+checkpoint, and replaces every other run, as ``--overwrite`` would. The record goes when the
+experiment has finished; without one, the two flags together are refused
+(:func:`check_run_flags`), since there is nothing to continue.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fedlore.atomic import write_json
+from fedlore.config import Config, ConfigError
+from fedlore.engine.rerun import (
+    SUMMARY,
+    finished_run,
+    finished_runs,
+    read_record,
+    staging_dir,
+    swap_in,
+)
+from fedlore.engine.rundir import MakeAlgorithm, config_diff, run_dir
+
+if TYPE_CHECKING:
+    from fedlore.data.federation import Federation
+
+RECORD = "overwriting.json"
+"""In the experiment folder while an ``--overwrite`` runs: ``{"finished": [<method>/seed-<s>,
+...]}``, the runs it has finished so far."""
+
+Flags = tuple[bool, bool]
+"""``(resume, overwrite)`` for one run."""
+
+
+def _record(cfg: Config) -> Path:
+    return Path(cfg.output_dir) / cfg.name / RECORD
+
+
+def _name(cfg: Config, method: str, seed: int) -> str:
+    return run_dir(cfg, method, seed).relative_to(Path(cfg.output_dir) / cfg.name).as_posix()
+
+
+def check_run_flags(cfg: Config, resume: bool, overwrite: bool) -> None:
+    """Refuse ``resume`` with ``overwrite`` unless an interrupted ``--overwrite`` of this
+    experiment is there to continue.
+
+    Raises:
+        ConfigError: saying what each flag does.
+    """
+    if resume and overwrite and not _record(cfg).is_file():
+        raise ConfigError(
+            f"--resume with --overwrite continues an interrupted --overwrite, and "
+            f"{_record(cfg).parent} holds none: --resume continues interrupted runs and keeps "
+            "finished ones; --overwrite trains finished runs again. Give one of them"
+        )
+
+
+def begin(cfg: Config, resume: bool, overwrite: bool) -> None:
+    """A new ``--overwrite`` (not continued) starts its record empty."""
+    if overwrite and not resume:
+        write_json(_record(cfg), {"finished": []})
+
+
+def _finished(cfg: Config) -> list[str]:
+    raw = read_record(_record(cfg))
+    names = raw.get("finished") if raw is not None else None
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+
+
+def record_finished(cfg: Config, method: str, seed: int, overwrite: bool) -> None:
+    """Add a run an ``--overwrite`` has finished to its record (atomically)."""
+    if overwrite:
+        write_json(_record(cfg), {"finished": [*_finished(cfg), _name(cfg, method, seed)]})
+
+
+def end(cfg: Config, overwrite: bool) -> None:
+    """The ``--overwrite`` has finished every run: its record goes."""
+    if overwrite:
+        _record(cfg).unlink(missing_ok=True)
+
+
+def _same(cfg: Config, method: str, folder: Path, make: MakeAlgorithm, fingerprint: str) -> bool:
+    """Whether ``folder`` holds a run (started) with this config on this data."""
+    recorded = read_record(folder / "config.json")
+    return (
+        recorded is not None
+        and not config_diff(cfg, method, recorded, make)
+        and recorded.get("data_fingerprint") in (None, fingerprint)
+    )
+
+
+def plan(
+    cfg: Config, seed: int, fed: Federation, resume: bool, overwrite: bool, make: MakeAlgorithm
+) -> tuple[dict[str, dict[str, Any]], dict[str, Flags]]:
+    """The runs of ``seed`` to keep (method -> summary; each said to be finished) and the
+    ``(resume, overwrite)`` each other method runs with: the flags as given, except under both
+    (continuing an interrupted ``--overwrite``, see the module docstring)."""
+    if not overwrite:
+        done = finished_runs(cfg, seed, fed, make, resume)
+        return done, {m: (resume, False) for m in cfg.algorithms if m not in done}
+    if not resume:
+        return {}, {m: (False, True) for m in cfg.algorithms}
+    replaced = set(_finished(cfg))
+    fingerprint = fed.fingerprint()
+    kept: dict[str, dict[str, Any]] = {}
+    flags: dict[str, Flags] = {}
+    for m in cfg.algorithms:
+        target = run_dir(cfg, m, seed)
+        staged = staging_dir(target)
+        if (staged / SUMMARY).is_file():  # a replacement whose swap a kill cut in two
+            swap_in(staged, target)
+            replaced.add(_name(cfg, m, seed))
+        if not (target / SUMMARY).is_file():  # unfinished: continued if it is this config's
+            other = not _same(cfg, m, target, make, fingerprint)
+            fresh = (target / "config.json").exists() and other
+            flags[m] = (not fresh, fresh)
+        elif _name(cfg, m, seed) in replaced and _same(cfg, m, target, make, fingerprint):
+            summary = finished_run(cfg, m, seed, fingerprint, make)
+            assert summary is not None  # a readable summary of this config and data
+            kept[m] = summary
+        elif _same(cfg, m, staged, make, fingerprint):  # the interrupted replacement
+            flags[m] = (True, False)
+        else:  # not reached yet: replaced
+            flags[m] = (False, True)
+    return kept, flags
