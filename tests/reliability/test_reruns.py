@@ -139,6 +139,12 @@ CHANGES = {
     "empty_summary": "holds a finished run whose summary.json lacks method, seed, rounds, "
     "final_loss, bytes_up_total",
     "foreign_summary": "holds a finished run whose summary.json is fedfull's, not fedavg's",
+    "other_seed": "holds a finished run whose summary.json is of seed 1, not of seed-0",
+    "cut_metrics": "holds a finished run whose metrics.jsonl lacks the rows of rounds 1 to 2 "
+    "(its summary counts 3 rounds)",
+    "row_gone": "holds a finished run whose metrics.jsonl lacks the rows of round 1 (its "
+    "summary counts 3 rounds)",
+    "garbled_metrics": "holds a finished run whose metrics.jsonl has an unreadable line 4",
     "no_metrics": "holds a finished run whose metrics.jsonl is missing",
 }
 
@@ -171,6 +177,12 @@ def test_a_finished_run_of_another_config_or_other_data_is_refused_and_kept(
         (folder / "summary.json").write_text("{}")
     elif change == "foreign_summary":  # another method's summary copied into this folder
         (folder / "summary.json").write_text(json.dumps({**summary, "method": "fedfull"}))
+    elif change == "other_seed":
+        (folder / "summary.json").write_text(json.dumps({**summary, "seed": 1}))
+    elif change in ("cut_metrics", "row_gone", "garbled_metrics"):
+        lines = (folder / "metrics.jsonl").read_text().splitlines(keepends=True)
+        kept = {"cut_metrics": lines[:1], "row_gone": [lines[0], lines[2]]}
+        (folder / "metrics.jsonl").write_text("".join(kept.get(change, [*lines, "oops\n"])))
     else:
         (folder / "metrics.jsonl").unlink()
     before = _files(folder)

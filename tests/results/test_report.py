@@ -26,8 +26,11 @@ def write_run(
     run = exp / method / f"seed-{seed}"
     run.mkdir(parents=True)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    if summary is not None:
-        (run / "summary.json").write_text(json.dumps({"method": method, "seed": seed, **summary}))
+    if summary is not None:  # as a finished run's: it counts the rounds its rows hold
+        rounds = {"rounds": len(rows)} if rows and "rounds" in summary else {}
+        (run / "summary.json").write_text(
+            json.dumps({"method": method, "seed": seed, **summary, **rounds})
+        )
     return run
 
 
@@ -443,10 +446,48 @@ def test_a_summary_without_its_final_score_is_counted_not_hidden(tmp_path: Path)
     row = next(line for line in text.splitlines() if line.startswith("| fedavg"))
     assert "| 2 | 80.00 (1 of 2 seeds) | 85.00 ± 7.07 |" in row
     (e / "fedavg" / "seed-2" / "summary.json").write_text(
-        json.dumps({"method": "fedavg", "seed": 2, **summ(0.90, 0.90, 1, 1, 1, 1.0)})
+        json.dumps({"method": "fedavg", "seed": 2, **summ(0.90, 0.90, 1, 1, 1, 1.0), "rounds": 2})
     )
     row = next(line for line in report(e).splitlines() if line.startswith("| fedavg"))
     assert "| 2 | 85.00 ± 7.07 | 85.00 ± 7.07 |" in row
+
+
+def test_a_summary_of_another_run_or_rows_it_lacks_are_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A summary copied from another method's (or seed's) folder is not that run's: it is
+    ignored (the row is derived from the run's own rows, and counted as unreadable), not shown
+    as this method's; a finished run whose metrics.jsonl lost rows keeps its table row and is
+    warned about (its curves are incomplete), also in `fedlore report`'s output."""
+    from fedlore.cli import main
+
+    e = tmp_path / "exp"
+    write_run(e, "fedavg", 1, rows_for([0.5, 0.6], 1, 1), summ(0.6, 0.6, 2, 2, 1, 1.0))
+    fedfull = write_run(e, "fedfull", 1, rows_for([0.5, 0.9], 1, 1), summ(0.9, 0.9, 2, 2, 1, 1.0))
+    copied = fedfull / "summary.json"
+    copied.write_text(copied.read_text().replace('"fedfull"', '"fedavg"'))
+    with pytest.warns(IncompleteRunWarning, match="the summary of fedavg seed 1, not of fedfull"):
+        runs = load_runs(e)
+    assert (
+        runs["fedfull"][0].summary["derived"]
+        and runs["fedfull"][0].summary["final_accuracy"] == 0.9
+    )
+    copied.write_text(
+        copied.read_text().replace('"fedavg"', '"fedfull"').replace('"seed": 1', '"seed": 2')
+    )
+    with pytest.warns(
+        IncompleteRunWarning, match="the summary of fedfull seed 2, not of fedfull seed 1"
+    ):
+        load_runs(e)
+    copied.write_text(copied.read_text().replace('"seed": 2', '"seed": 1'))
+    rows = (fedfull / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (fedfull / "metrics.jsonl").write_text(rows[0])
+    assert main(["report", str(e)]) == 0
+    err = capsys.readouterr().err
+    assert "rows of 1 of the 2 rounds its summary counts" in err and "curves" in err
+    (fedfull / "metrics.jsonl").write_text("".join([*rows, rows[1]]))
+    with pytest.warns(IncompleteRunWarning, match="a round twice among the 2 rounds"):
+        load_runs(e)
 
 
 def test_report_keeps_drawn_plots_when_there_is_nothing_to_draw(

@@ -32,13 +32,14 @@ import ctypes
 import errno
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedlore.atomic import WriteError
 from fedlore.config import ConfigError
-from fedlore.engine.rundir import MakeAlgorithm, config_diff, run_dir
+from fedlore.engine.rundir import MakeAlgorithm, config_diff, rows_problem, run_dir
 from fedlore.progress import say, say_once
 
 if TYPE_CHECKING:
@@ -114,7 +115,8 @@ def _unreadable(
     """What makes the record of the finished run in ``out`` unusable (None: nothing): an
     unreadable ``config.json`` or ``summary.json``, a summary without the keys every summary
     holds or of another method (a file copied into the wrong folder, or emptied), or no
-    ``metrics.jsonl`` (the rows every report and table reads)."""
+    ``metrics.jsonl`` (the rows every report and table reads), or one that lacks, repeats or
+    garbles a row of the rounds the summary counts."""
     if summary is None:
         return f"{SUMMARY} is unreadable"
     if recorded is None:
@@ -124,8 +126,16 @@ def _unreadable(
         return f"{SUMMARY} lacks {', '.join(missing)}"
     if summary["method"] != method:
         return f"{SUMMARY} is {summary['method']}'s, not {method}'s"
+    named = re.fullmatch(r"seed-(-?\d+)", out.name)
+    if named is not None and summary["seed"] != int(named.group(1)):
+        return f"{SUMMARY} is of seed {summary['seed']}, not of {out.name}"
     if not (out / "metrics.jsonl").is_file():
         return "metrics.jsonl is missing"
+    rounds = summary["rounds"]
+    if isinstance(rounds, int):
+        rows = rows_problem(out / "metrics.jsonl", 0, rounds - 1, torn_ok=False)
+        if rows is not None:
+            return f"metrics.jsonl {rows} (its summary counts {rounds} rounds)"
     return None
 
 

@@ -382,22 +382,20 @@ def start_fresh(out: Path, spill: Path, method: str, seed: int, keep_ledger: boo
     shutil.rmtree(out / "client_states", ignore_errors=True)
 
 
-def check_rows_reach(path: Path, first: int, last: int) -> None:
-    """Refuse to resume when ``metrics.jsonl`` does not hold one row of each round from the
-    run's first (``first``: negative for a method's setup rounds) to the checkpoint's ``last``:
-    the run would continue and its summary count traffic, rounds and curves without the
-    missing rows, or twice with a repeated one (rows are on disk before each checkpoint, so
-    only a file cut or edited by hand does this).
-
-    Raises:
-        ConfigError: naming the file and the rounds it lacks or repeats.
-    """
+def rows_problem(path: Path, first: int, last: int, torn_ok: bool = True) -> str | None:
+    """What keeps ``metrics.jsonl`` at ``path`` from holding one row of each round from
+    ``first`` to ``last`` (rows after ``last`` are not looked at), as words (``"lacks the rows
+    of rounds 3 to 5"``, ``"holds round 2 twice"``, ``"has an unreadable line 7"``); None when it
+    does. ``torn_ok``: a line that is no row is skipped (the torn last line of a killed run)
+    rather than a problem."""
     seen: dict[int, int] = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
+    for i, line in enumerate(path.read_text().splitlines() if path.exists() else [], start=1):
         try:
             rnd = json.loads(line)["round"]
         except (json.JSONDecodeError, KeyError, TypeError):
-            continue  # a torn last line: dropped with the rows after the checkpoint
+            if torn_ok or not line.strip():
+                continue
+            return f"has an unreadable line {i}"
         if isinstance(rnd, int) and not isinstance(rnd, bool) and rnd <= last:
             seen[rnd] = seen.get(rnd, 0) + 1
     missing = [r for r in range(first, last + 1) if r not in seen]
@@ -407,12 +405,26 @@ def check_rows_reach(path: Path, first: int, last: int) -> None:
             f"round {missing[0]}" if len(missing) == 1 else f"rounds {missing[0]} to {missing[-1]}"
         )
         some = "" if len(missing) == missing[-1] - missing[0] + 1 else f" ({len(missing)} rows)"
-        problem = f"lacks the rows of {span}{some}"
-    elif twice:
-        problem = f"holds round {twice[0]} twice" + (
+        return f"lacks the rows of {span}{some}"
+    if twice:
+        return f"holds round {twice[0]} twice" + (
             f" (and {len(twice) - 1} more)" if len(twice) > 1 else ""
         )
-    else:
+    return None
+
+
+def check_rows_reach(path: Path, first: int, last: int) -> None:
+    """Refuse to resume when ``metrics.jsonl`` does not hold one row of each round from the
+    run's first (``first``: negative for a method's setup rounds) to the checkpoint's ``last``
+    (:func:`rows_problem`): the run would continue and its summary count traffic, rounds and
+    curves without the missing rows, or twice with a repeated one (rows are on disk before
+    each checkpoint, so only a file cut or edited by hand does this).
+
+    Raises:
+        ConfigError: naming the file and the rounds it lacks or repeats.
+    """
+    problem = rows_problem(path, first, last)
+    if problem is None:
         return
     raise ConfigError(
         f"--resume: {path} {problem}, which its checkpoint (after round {last}) has passed: "

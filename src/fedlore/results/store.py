@@ -121,6 +121,14 @@ def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
             warnings.warn(
                 f"{summary_path}: unreadable, ignoring it", IncompleteRunWarning, stacklevel=3
             )
+        elif (other := _of_another_run(summary, method, seed)) is not None:
+            warnings.warn(
+                f"{summary_path}: the summary of {other}, not of {method} seed {seed} (copied "
+                "from another folder?); ignoring it",
+                IncompleteRunWarning,
+                stacklevel=3,
+            )
+            summary = None
     if summary is None:
         if not rows:
             warnings.warn(
@@ -151,7 +159,35 @@ def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
             IncompleteRunWarning,
             stacklevel=3,
         )
+    if rows and (short := _rows_short(summary, rows)) is not None:
+        warnings.warn(
+            f"{metrics_path}: {short} (cut or edited?); the run's table row is its summary's, "
+            "but its curves and plots are incomplete",
+            IncompleteRunWarning,
+            stacklevel=3,
+        )
     return RunRecord(seed=seed, rows=rows, summary=summary, path=run_dir)
+
+
+def _of_another_run(summary: dict[str, Any], method: str, seed: int) -> str | None:
+    """``"<method> seed <s>"`` when ``summary`` names another method or seed than its folder's
+    (None when it names these, or none)."""
+    named = (summary.get("method", method), summary.get("seed", seed))
+    return None if named == (method, seed) else f"{named[0]} seed {named[1]}"
+
+
+def _rows_short(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str | None:
+    """What a finished run's rows lack against the rounds its summary counts (each of rounds
+    0 .. rounds-1 once), as words; None when they hold them all or the summary counts none."""
+    rounds = summary.get("rounds")
+    if summary.get("derived") or not isinstance(rounds, int) or isinstance(rounds, bool):
+        return None
+    have = [int(r["round"]) for r in rows if 0 <= int(r["round"]) < rounds]
+    if len(set(have)) < rounds:
+        return f"rows of {len(set(have))} of the {rounds} rounds its summary counts"
+    if len(have) > rounds:
+        return f"a round twice among the {rounds} rounds its summary counts"
+    return None
 
 
 def _lacks_final_accuracy(summary: dict[str, Any], rows: list[dict[str, Any]]) -> bool:
