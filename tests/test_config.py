@@ -395,6 +395,15 @@ def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path: Path) -> None:
         load_config(merged)
 
 
+def test_a_config_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("name: caf\u00e9\nrounds: 2\n".encode("latin-1"))
+    with pytest.raises(
+        ConfigError, match=rf"^{bad}: not a UTF-8 text file \(byte 0xe9 at offset 9\)"
+    ):
+        load_config(bad)
+
+
 def test_a_missing_base_names_the_file_that_refers_to_it(tmp_path: Path) -> None:
     child = tmp_path / "child.yaml"
     child.write_text("base: missing.yaml\nrounds: 3\n")

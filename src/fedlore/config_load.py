@@ -57,9 +57,14 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
             named = f" (the base of {seen[-2]})" if len(seen) > 1 else ""
             raise ConfigError(f"config file not found: {path}{named}{hint}")
         try:
-            raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+            raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}{_yaml_problem(e)}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"{path}: not a UTF-8 text file (byte {e.object[e.start]:#04x} at offset "
+                f"{e.start}); save it as UTF-8"
+            ) from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
         base = raw.pop("base", None)

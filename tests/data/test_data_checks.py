@@ -94,6 +94,29 @@ def test_the_npz_loader_checks_each_file(tmp_path: Path) -> None:
         load_npz(str(tmp_path))
 
 
+def test_the_npz_loader_names_labels_no_model_can_use(tmp_path: Path) -> None:
+    """Labels a classifier cannot work with are said, naming the files: labels that are not
+    one int per example; a single class (refused before any run folder exists: torchmetrics
+    failed after it with a message naming no file); test labels no training example has (a
+    warning: every such example counts as a miss, silently 0 %)."""
+    _npz(tmp_path, "train", 12, y=np.zeros((12, 1), np.int64))
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'train.npz'}: labels y must be 1-D"):
+        load_npz(str(tmp_path))
+    _npz(tmp_path, "train", 12, y=np.zeros(12, np.int64))
+    _npz(tmp_path, "test", 4, y=np.zeros(4, np.int64))
+    with pytest.raises(ValueError, match=rf"npz in {tmp_path}: every label is 0, so there is 1"):
+        load_npz(str(tmp_path))
+    _npz(tmp_path, "train", 12, y=np.arange(12) % 3)
+    _npz(tmp_path, "test", 4, y=np.array([0, 7, 7, 9]))
+    with pytest.warns(DataWarning, match=r"test\.npz holds label\(s\) 7, 9 that no example of "
+                      r"train\.npz has \(3 of its 4 examples\)"):  # fmt: skip
+        assert load_npz(str(tmp_path)).num_classes == 10
+    _npz(tmp_path, "test", 4, y=np.array([0, 1, 2, 2]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every test label trained on: no warning
+        load_npz(str(tmp_path))
+
+
 def test_non_finite_is_an_option_of_the_npz_source_only() -> None:
     with pytest.raises(
         ValueError, match=r"data\.non_finite='drop' has no effect on source 'digits'"

@@ -50,6 +50,15 @@ class TensorSplit:
         return TensorSplit(self.x[t], self.y[t])
 
 
+def numpy_split(images: np.ndarray, labels: np.ndarray) -> TensorSplit:
+    """uint8 or float inputs ``[B, ...]`` and integer labels ``[B]`` -> a float32 / int64
+    split (uint8 images scaled to [0, 1])."""
+    x = images.astype(np.float32)
+    if images.dtype == np.uint8:
+        x /= 255.0
+    return TensorSplit(torch.from_numpy(x), torch.from_numpy(labels.astype(np.int64)))
+
+
 @dataclass(frozen=True)
 class ClientData:
     """One client's local data.

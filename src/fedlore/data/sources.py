@@ -6,7 +6,7 @@ loader reads the files under ``root`` (or a documented default) and fails with a
 names every path it looked at and how to get the data. Text sources (``fortunes``, ``text_csv``,
 ``text_jsonl``) live in :mod:`fedlore.data.text` and take keyword options (tokenizer, length);
 ``hf`` (:mod:`fedlore.data.hf`) and ``leaf`` (:mod:`fedlore.data.leaf`) read data sets of the
-federated-learning ecosystem.
+federated-learning ecosystem, and ``npz`` (:mod:`fedlore.data.npz`) a user's own arrays.
 
 Images are float32 ``[B, C, H, W]`` scaled to [0, 1]; labels are int64 ``[B]``.
 """
@@ -28,9 +28,9 @@ from fedlore.data import fortunes_c4 as _fortunes_c4  # noqa: F401
 from fedlore.data import hf as _hf  # noqa: F401
 from fedlore.data import leaf as _leaf  # noqa: F401
 from fedlore.data import text as _text  # noqa: F401
-from fedlore.data.checks import check_rows
-from fedlore.data.client_data import TensorSplit
+from fedlore.data.client_data import TensorSplit, numpy_split
 from fedlore.data.datasource import DataSource
+from fedlore.data.npz import load_npz as load_npz  # registered there; importable here too
 from fedlore.registry import register_source
 
 DIGITS_SPLIT_SEED = 0
@@ -45,14 +45,6 @@ FASHION_MNIST_CLASSES = [
 ]  # fmt: skip
 
 _IDX_UBYTE = 0x08  # IDX type code of unsigned bytes, the only one MNIST-style files use
-
-
-def _split(images: np.ndarray, labels: np.ndarray) -> TensorSplit:
-    """uint8 or float images ``[B, C, H, W]`` and integer labels -> a float32/int64 split."""
-    x = images.astype(np.float32)
-    if images.dtype == np.uint8:
-        x /= 255.0
-    return TensorSplit(torch.from_numpy(x), torch.from_numpy(labels.astype(np.int64)))
 
 
 @register_source("digits")
@@ -89,8 +81,8 @@ def load_digits(root: str | None = None) -> DataSource:
     idx_train, idx_test = np.sort(idx_train), np.sort(idx_test)
     return DataSource(
         name="digits",
-        train=_split(images[idx_train], labels[idx_train]),
-        test=_split(images[idx_test], labels[idx_test]),
+        train=numpy_split(images[idx_train], labels[idx_train]),
+        test=numpy_split(images[idx_test], labels[idx_test]),
         num_classes=10,
         input_shape=(1, 8, 8),
         class_names=[str(d) for d in range(10)],
@@ -252,7 +244,7 @@ def load_fashion_mnist(root: str | None = None) -> DataSource:
             raise ValueError(f"{x_path} has {len(images)} images but {y_path} has {len(labels)}")
         if labels.size and labels.max() >= len(FASHION_MNIST_CLASSES):
             raise ValueError(f"{y_path}: label {int(labels.max())} outside [0, 10)")
-        splits.append(_split(images[:, None, :, :], labels))
+        splits.append(numpy_split(images[:, None, :, :], labels))
     return DataSource(
         name="fashion_mnist",
         train=splits[0],
@@ -306,7 +298,7 @@ def _cifar_split(path: Path, label_key: bytes, num_classes: int) -> TensorSplit:
         )
     if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
         raise ValueError(f"{path}: labels outside [0, {num_classes})")
-    return _split(data.reshape(-1, 3, 32, 32), labels)
+    return numpy_split(data.reshape(-1, 3, 32, 32), labels)
 
 
 def _class_names(path: Path, key: bytes, num_classes: int) -> list[str]:
@@ -372,104 +364,4 @@ def load_cifar100(root: str | None = None) -> DataSource:
         num_classes=100,
         input_shape=(3, 32, 32),
         class_names=_class_names(folder / "meta", b"fine_label_names", 100),
-    )
-
-
-def _read_npz(path: Path, non_finite: str) -> tuple[np.ndarray, np.ndarray, list[str] | None]:
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            missing = [k for k in ("x", "y") if k not in f.files]
-            if missing:
-                raise ValueError(
-                    f"{path}: needs arrays 'x' (inputs) and 'y' (labels), missing {missing} "
-                    f"(it holds {sorted(f.files)})"
-                )
-            x, y = np.asarray(f["x"]), np.asarray(f["y"])
-            names = [str(c) for c in f["class_names"]] if "class_names" in f.files else None
-    except (OSError, EOFError, ValueError) as e:
-        if isinstance(e, ValueError) and str(path) in str(e):
-            raise
-        raise ValueError(f"{path}: cannot read the npz file ({e})") from e
-    if len(x) != len(y):
-        raise ValueError(f"{path}: x has {len(x)} rows but y has {len(y)}")
-    if y.dtype.kind not in "iu":
-        raise ValueError(f"{path}: labels y must be integers, got {y.dtype}")
-    if len(y) and y.min() < 0:
-        raise ValueError(f"{path}: negative label {int(y.min())}")
-    x, y = check_rows(path, x, y, non_finite)  # not empty; NaN/inf refused or dropped
-    return x, y, names
-
-
-@register_source("npz")
-def load_npz(root: str | None = None, *, non_finite: str = "error") -> DataSource:
-    """A labelled data set from ``root/train.npz`` and ``root/test.npz``, NumPy archives with
-    arrays ``x`` (inputs ``[B, ...]``: uint8 images are scaled to [0, 1], other inputs are cast
-    to float32; images as ``[B, C, H, W]``, tabular data as ``[B, F]``), ``y`` (int labels
-    ``[B]``) and, optionally, ``class_names`` (strings, index = label).
-
-    Either file may be missing (an empty split), not both: a deployed site
-    (``flower.site_data``) may hold only ``train.npz``, the server only ``test.npz``; a central
-    run without ``test.npz`` holds out part of ``train.npz`` (``data.missing_test``,
-    :func:`fedlore.data.checks.central_splits`). With
-    ``class_names`` in a file, ``num_classes`` is its length (every site of a federation should
-    store the same list, so that every site's model has the same output layer); else it is the
-    largest label + 1.
-
-    Args:
-        root: the folder (required).
-        non_finite: ``data.non_finite``: ``"error"`` or ``"drop"`` rows holding NaN or inf
-            (:func:`fedlore.data.checks.check_rows`).
-
-    Returns:
-        A :class:`DataSource` named ``"npz"``.
-
-    Raises:
-        FileNotFoundError: when ``root`` is None, not a folder, or holds neither file.
-        ValueError: naming the file when an array is missing, x and y disagree in length,
-            labels are not non-negative integers, inputs of the two files differ in shape, a
-            label reaches past ``class_names``, a file holds no rows, or (``non_finite="error"``)
-            an input is NaN or infinite (naming the array and the index).
-    """
-    if root is None:
-        raise FileNotFoundError(
-            "npz: no data.root given; point data.root=... at a folder with train.npz and/or "
-            "test.npz (arrays x, y and optionally class_names)"
-        )
-    folder = Path(root)
-    paths = {part: folder / f"{part}.npz" for part in ("train", "test")}
-    found = {part: p for part, p in paths.items() if p.is_file()}
-    if not found:
-        raise FileNotFoundError(
-            f"npz: neither {paths['train']} nor {paths['test']} exists; data.root must name a "
-            "folder with train.npz and/or test.npz (arrays x, y and optionally class_names)"
-        )
-    read = {part: _read_npz(p, non_finite) for part, p in found.items()}
-    shapes = {part: x.shape[1:] for part, (x, _, _) in read.items()}
-    if len(set(shapes.values())) > 1:
-        raise ValueError(f"npz in {folder}: inputs differ in shape between the files: {shapes}")
-    names = next((n for _, _, n in read.values() if n is not None), None)
-    top = max((int(y.max()) + 1 for _, y, _ in read.values() if len(y)), default=1)
-    if names is not None and top > len(names):
-        raise ValueError(
-            f"npz in {folder}: label {top - 1} but class_names has {len(names)} entries"
-        )
-    num_classes = len(names) if names is not None else top
-    shape = next(iter(shapes.values()))
-    template = next(iter(read.values()))[0]
-
-    def split(part: str) -> TensorSplit:
-        if part not in read:
-            return _split(np.zeros((0, *shape), dtype=template.dtype), np.zeros(0, np.int64))
-        x, y, _ = read[part]
-        if x.dtype != np.uint8:
-            x = x.astype(np.float32)
-        return _split(x, y)
-
-    return DataSource(
-        name="npz",
-        train=split("train"),
-        test=split("test"),
-        num_classes=num_classes,
-        input_shape=tuple(int(s) for s in shape),
-        class_names=names if names is not None else [str(c) for c in range(num_classes)],
     )

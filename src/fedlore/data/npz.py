@@ -1,0 +1,153 @@
+"""``npz``: a user's own labelled data set, NumPy archives ``train.npz`` and ``test.npz``.
+
+The source a deployed site's own data (``flower.site_data``) and any data set fedlore has no
+loader for take: arrays ``x`` and ``y`` (and optionally ``class_names``) per file, checked as
+they are read, each problem named with its file.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from fedlore.data.checks import DataWarning, check_rows
+from fedlore.data.client_data import TensorSplit, numpy_split
+from fedlore.data.datasource import DataSource
+from fedlore.registry import register_source
+
+Read = tuple[np.ndarray, np.ndarray, list[str] | None]
+"""One file's ``(x, y, class_names or None)``."""
+
+
+def _read_npz(path: Path, non_finite: str) -> Read:
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            missing = [k for k in ("x", "y") if k not in f.files]
+            if missing:
+                raise ValueError(
+                    f"{path}: needs arrays 'x' (inputs) and 'y' (labels), missing {missing} "
+                    f"(it holds {sorted(f.files)})"
+                )
+            x, y = np.asarray(f["x"]), np.asarray(f["y"])
+            names = [str(c) for c in f["class_names"]] if "class_names" in f.files else None
+    except (OSError, EOFError, ValueError) as e:
+        if isinstance(e, ValueError) and str(path) in str(e):
+            raise
+        raise ValueError(f"{path}: cannot read the npz file ({e})") from e
+    if len(x) != len(y):
+        raise ValueError(f"{path}: x has {len(x)} rows but y has {len(y)}")
+    if y.ndim != 1:
+        raise ValueError(f"{path}: labels y must be 1-D (one int per example), got shape {y.shape}")
+    if y.dtype.kind not in "iu":
+        raise ValueError(f"{path}: labels y must be integers, got {y.dtype}")
+    if len(y) and y.min() < 0:
+        raise ValueError(f"{path}: negative label {int(y.min())}")
+    x, y = check_rows(path, x, y, non_finite)  # not empty; NaN/inf refused or dropped
+    return x, y, names
+
+
+def _warn_unseen_test_labels(folder: Path, read: dict[str, Read]) -> None:
+    """A :class:`~fedlore.data.checks.DataWarning` when ``test.npz`` holds labels that no
+    example of ``train.npz`` has: no client trains on them, and each such test example counts
+    as a miss."""
+    if "train" not in read or "test" not in read:
+        return
+    train, test = read["train"][1], read["test"][1]
+    unseen = np.setdiff1d(np.unique(test), np.unique(train))
+    if len(unseen):
+        shown = ", ".join(str(int(c)) for c in unseen[:5]) + (" ..." if len(unseen) > 5 else "")
+        warnings.warn(
+            f"npz in {folder}: test.npz holds label(s) {shown} that no example of train.npz "
+            f"has ({int(np.isin(test, unseen).sum())} of its {len(test)} examples): no model "
+            "can learn them, and each counts as a miss",
+            DataWarning,
+            stacklevel=3,
+        )
+
+
+@register_source("npz")
+def load_npz(root: str | None = None, *, non_finite: str = "error") -> DataSource:
+    """A labelled data set from ``root/train.npz`` and ``root/test.npz``, NumPy archives with
+    arrays ``x`` (inputs ``[B, ...]``: uint8 images are scaled to [0, 1], other inputs are cast
+    to float32; images as ``[B, C, H, W]``, tabular data as ``[B, F]``), ``y`` (int labels
+    ``[B]``) and, optionally, ``class_names`` (strings, index = label).
+
+    Either file may be missing (an empty split), not both: a deployed site
+    (``flower.site_data``) may hold only ``train.npz``, the server only ``test.npz``; a central
+    run without ``test.npz`` holds out part of ``train.npz`` (``data.missing_test``,
+    :func:`fedlore.data.checks.central_splits`). With
+    ``class_names`` in a file, ``num_classes`` is its length (every site of a federation should
+    store the same list, so that every site's model has the same output layer); else it is the
+    largest label + 1.
+
+    Args:
+        root: the folder (required).
+        non_finite: ``data.non_finite``: ``"error"`` or ``"drop"`` rows holding NaN or inf
+            (:func:`fedlore.data.checks.check_rows`).
+
+    Returns:
+        A :class:`DataSource` named ``"npz"``.
+
+    Raises:
+        FileNotFoundError: when ``root`` is None, not a folder, or holds neither file.
+        ValueError: naming the file when an array is missing, x and y disagree in length,
+            labels are not non-negative integers one per example, inputs of the two files
+            differ in shape, a label reaches past ``class_names``, there is one class only, a
+            file holds no rows, or (``non_finite="error"``) an input is NaN or infinite
+            (naming the array and the index).
+
+    Warns:
+        DataWarning: when ``test.npz`` holds labels no example of ``train.npz`` has.
+    """
+    if root is None:
+        raise FileNotFoundError(
+            "npz: no data.root given; point data.root=... at a folder with train.npz and/or "
+            "test.npz (arrays x, y and optionally class_names)"
+        )
+    folder = Path(root)
+    paths = {part: folder / f"{part}.npz" for part in ("train", "test")}
+    found = {part: p for part, p in paths.items() if p.is_file()}
+    if not found:
+        raise FileNotFoundError(
+            f"npz: neither {paths['train']} nor {paths['test']} exists; data.root must name a "
+            "folder with train.npz and/or test.npz (arrays x, y and optionally class_names)"
+        )
+    read = {part: _read_npz(p, non_finite) for part, p in found.items()}
+    shapes = {part: x.shape[1:] for part, (x, _, _) in read.items()}
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"npz in {folder}: inputs differ in shape between the files: {shapes}")
+    names = next((n for _, _, n in read.values() if n is not None), None)
+    top = max((int(y.max()) + 1 for _, y, _ in read.values() if len(y)), default=1)
+    if names is not None and top > len(names):
+        raise ValueError(
+            f"npz in {folder}: label {top - 1} but class_names has {len(names)} entries"
+        )
+    num_classes = len(names) if names is not None else top
+    if num_classes < 2:
+        raise ValueError(
+            f"npz in {folder}: every label is 0, so there is 1 class; a classifier needs 2 or "
+            "more (a site that holds one class of a federation's data gives class_names, the "
+            "federation's list, in its file)"
+        )
+    _warn_unseen_test_labels(folder, read)
+    shape = next(iter(shapes.values()))
+    template = next(iter(read.values()))[0]
+
+    def split(part: str) -> TensorSplit:
+        if part not in read:
+            return numpy_split(np.zeros((0, *shape), dtype=template.dtype), np.zeros(0, np.int64))
+        x, y, _ = read[part]
+        if x.dtype != np.uint8:
+            x = x.astype(np.float32)
+        return numpy_split(x, y)
+
+    return DataSource(
+        name="npz",
+        train=split("train"),
+        test=split("test"),
+        num_classes=num_classes,
+        input_shape=tuple(int(s) for s in shape),
+        class_names=names if names is not None else [str(c) for c in range(num_classes)],
+    )
