@@ -108,6 +108,20 @@ def test_the_same_command_again_reports_the_finished_run_and_trains_nothing(
     assert "| fedavg | 1 |" in captured.out
 
 
+def test_a_copied_experiment_under_another_name_reports_its_finished_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``name`` names the folder and decides no result: a copy of the experiment folder, run
+    under its new name, is the same config (it was refused as ``name: 'rerun' -> 'copy'``)."""
+    _finished_run(tmp_path, capsys)
+    shutil.copytree(tmp_path / "rerun", tmp_path / "copy")
+    copied = tmp_path / "copy" / "fedavg" / "seed-0"
+    before = _files(copied)
+    assert main(["run", *_args(tmp_path), "name=copy"]) == 0
+    assert f"fedavg seed 0: finished already; results in {copied}" in capsys.readouterr().err
+    assert _files(copied) == before  # nothing trained or rewritten
+
+
 def test_an_experiment_reruns_only_its_unfinished_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

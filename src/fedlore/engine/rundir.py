@@ -264,7 +264,7 @@ def config_diff(
 ) -> str:
     """How ``cfg`` (for ``method``) differs from a run's recorded ``config.json``, as
     ``key: before -> now`` items (the first five; empty when the same). Settings that decide no
-    result (``device``, the data fingerprint, the record keys) are left out; a setting the record
+    result (``device``, ``name``, the data fingerprint, the record keys) are left out; a setting the record
     lacks counts as its default; with a recorded ``hyper`` the method's resolved settings are
     compared instead of how the config spelled them (those of ``make_algorithm(method, cfg)``)."""
     raw = dict(recorded)
@@ -277,6 +277,8 @@ def config_diff(
     before.pop("dp_noise_multiplier", None)  # a record: solved from the dp.* settings compared
     before.pop("dp_noise_source", None)  # a record of dp.reproducible_noise, which is compared
     now = _flatten(_run_config(cfg, method))
+    for record in (before, now):  # the folder's name, not a setting: a renamed copy is the same
+        record.pop("name", None)
     if hyper_before is not None:  # the method's settings as resolved (types and defaults)
         before.pop("method", None)
         now.pop("method", None)

@@ -211,9 +211,10 @@ def is_experiment_dir(path: Path) -> bool:
     )
 
 
-RECORD_KEYS = ("data_fingerprint", "ran_on", "ran_threads", "hyper", *PLATFORM_KEYS)
-"""``config.json`` keys that record a run rather than set it (the data fingerprint differs from
-seed to seed; ``hyper`` repeats the method's settings; ``ran_*``: where and how it ran)."""
+RECORD_KEYS = ("name", "data_fingerprint", "ran_on", "ran_threads", "hyper", *PLATFORM_KEYS)
+"""``config.json`` keys that record a run rather than set it (``name``: the folder's, which a
+copy under another name keeps; the data fingerprint differs from seed to seed; ``hyper``
+repeats the method's settings; ``ran_*``: where and how it ran)."""
 
 
 def _flat(tree: dict[str, Any]) -> dict[str, Any]:
