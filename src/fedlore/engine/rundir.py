@@ -264,9 +264,10 @@ def config_diff(
 ) -> str:
     """How ``cfg`` (for ``method``) differs from a run's recorded ``config.json``, as
     ``key: before -> now`` items (the first five; empty when the same). Settings that decide no
-    result (``device``, ``name``, the data fingerprint, the record keys) are left out; a setting the record
-    lacks counts as its default; with a recorded ``hyper`` the method's resolved settings are
-    compared instead of how the config spelled them (those of ``make_algorithm(method, cfg)``)."""
+    result (``device``, ``name``, the data fingerprint, the record keys) are left out; a setting
+    the record lacks counts as its default; with a recorded ``hyper`` the method's resolved
+    settings are compared instead of how the config spelled them (those of
+    ``make_algorithm(method, cfg)``)."""
     raw = dict(recorded)
     hyper_before = raw.pop("hyper", None)
     before = _flatten(raw)
