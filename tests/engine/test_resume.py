@@ -8,6 +8,7 @@ an uninterrupted run in another output directory, round by round.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -426,3 +427,29 @@ def test_runs_of_methods_whose_defaults_changed_are_not_resumed_from_older_recor
                 run_one(cfg, method, SEED, resume=True)
         else:
             assert run_one(cfg, method, SEED, resume=True) is not None
+
+
+def test_starting_over_an_unfinished_run_warns_under_progress_false(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run without --resume over an unfinished one discards its rounds: that is a warning,
+    shown with ``progress: false`` (it went through the progress log, which that silences),
+    naming how many rounds go; a folder without rows starts over silently."""
+    from fedlore.cli import main
+    from fedlore.engine.rundir import StartOverWarning
+
+    cfg = _cfg(tmp_path)
+    assert run_one(cfg, "fedavg", SEED, stop_after=1) is None
+    with pytest.warns(StartOverWarning, match=r"fedavg seed 3: starting over in .*whose 2 rounds"):
+        assert run_one(cfg, "fedavg", SEED, stop_after=0) is None
+    folder = run_dir(cfg, "fedavg", SEED)
+    (folder / "metrics.jsonl").write_text("")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StartOverWarning)
+        assert run_one(cfg, "fedavg", SEED, stop_after=0) is None
+    capsys.readouterr()
+    args = ["name=resume", "num_clients=3", f"rounds={ROUNDS}", "local_steps=2", "batch_size=16",
+            "lr=3e-3", "model.kwargs={hidden: [32]}", "partition.min_size=10", "progress=false",
+            f"output_dir={tmp_path}", "algorithms=[fedavg]", f"seeds=[{SEED}]"]  # fmt: skip
+    assert main(["run", *args]) == 0
+    assert "fedlore: warning: fedavg seed 3: starting over in" in capsys.readouterr().err

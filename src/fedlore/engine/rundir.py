@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -356,20 +357,29 @@ def check_same_data(out: Path, fingerprint: str) -> None:
         )
 
 
+class StartOverWarning(UserWarning):
+    """A fresh run discards the rounds of an unfinished run in its folder (shown whether or not
+    progress messages are)."""
+
+
 def start_fresh(out: Path, spill: Path, method: str, seed: int, keep_ledger: bool = False) -> None:
     """Clear what an earlier run left in ``out`` for a fresh run (nothing of it may survive;
     ``keep_ledger``: its DP ledger does, and its rows, for a resume from the first round to
     count them, :attr:`RunFolder.from_start`):
     its summary, checkpoint, config record and DP ledger, and its spilled client states (in
-    ``spill``, and in ``out/client_states`` when ``spill`` is elsewhere); says so
-    when the folder held an unfinished run (``--resume`` continues one of the same config)."""
-    if (out / "metrics.jsonl").exists() and not keep_ledger:
-        say(
-            "%s seed %d: starting over in %s, over an unfinished run (--resume continues one "
-            "of the same config)",
-            method,
-            seed,
-            out,
+    ``spill``, and in ``out/client_states`` when ``spill`` is elsewhere); a
+    :class:`StartOverWarning` when the folder held an unfinished run's rounds (``--resume``
+    continues one of the same config)."""
+    rows = out / "metrics.jsonl"
+    lines = rows.read_text().splitlines() if rows.exists() and not keep_ledger else []
+    done = sum(1 for line in lines if line.strip())
+    if done:  # a warning, shown under progress: false too: those rounds are trained again
+        warnings.warn(
+            f"{method} seed {seed}: starting over in {out}, over an unfinished run whose "
+            f"{done} round{'' if done == 1 else 's'} are discarded (--resume continues a run "
+            "of the same config from its checkpoint)",
+            StartOverWarning,
+            stacklevel=2,
         )
     for stale in (
         "summary.json",
