@@ -423,7 +423,11 @@ def test_a_folder_or_a_forgotten_equals_sign_is_named(tmp_path: Path) -> None:
     [
         ("rouns=3", "rouns: unknown key (did you mean 'rounds'?) (got 3)"),
         ("partition.alpah=1", "partition.alpah: unknown key (did you mean 'alpha'?) (got 1)"),
-        ("data.zzz=1", "data.zzz: unknown key (got 1)"),  # nothing close: no guess
+        (
+            "robust.zzz=1",
+            "robust.zzz: unknown key (got 1); robust has: aggregate, "
+            "multi_krum_keep, norm_screen, num_byzantine, trim_fraction",
+        ),  # nothing close: the keys
         ("seeds=[]", "seeds: at least one entry is needed (got [])"),  # no pydantic prefix
     ],
 )

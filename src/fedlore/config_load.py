@@ -180,12 +180,18 @@ def validate(raw: dict[str, Any]) -> Config:
         for err in e.errors():
             where = tuple(str(p) for p in err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
+            after = ""
             if err["type"] == "extra_forbidden":
-                msg = "unknown key" + did_you_mean(where[-1], _keys_at(where[:-1]))
+                keys = _keys_at(where[:-1])
+                msg = "unknown key" + did_you_mean(where[-1], keys)
+                if keys and msg == "unknown key":  # no near miss: what the section admits
+                    section = ".".join(where[:-1])
+                    after = f"; {section + ' has' if section else 'the keys are'}: "
+                    after += ", ".join(sorted(keys))
             if not where:  # a rule over several keys: its message names them
                 lines.append(msg)
                 continue
-            lines.append(f"{'.'.join(where)}: {msg} (got {_short(err.get('input'))})")
+            lines.append(f"{'.'.join(where)}: {msg} (got {_short(err.get('input'))}){after}")
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 
