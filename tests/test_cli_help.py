@@ -171,3 +171,40 @@ def test_an_unknown_option_before_the_command_gets_fedlores_usage(
         assert stop.value.code == 2
         err = capsys.readouterr().err
         assert err.startswith(usage) and "unrecognized arguments: --verb" in err
+
+
+def test_a_closed_pipe_ends_the_command_quietly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`fedlore report DIR | head`: the reader left before the table was written. That is no
+    error to report ("fedlore: error: Broken pipe" was printed): status 141, as a tool ended
+    by SIGPIPE, and nothing on stderr; in a real pipe too."""
+    import subprocess
+    import sys
+
+    from fedlore.cli import main
+
+    def closed(*_: object, **__: object) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("fedlore.results.report.report", closed)
+    assert main(["report", str(tmp_path)]) == 141
+    assert capsys.readouterr().err == ""
+    script = (
+        "import sys, fedlore.cli as c\n"
+        "def flood(*a, **k):\n"
+        "    for _ in range(10**5): print('x' * 80)\n"
+        "c.build_parser  # loaded\n"
+        "import fedlore.results.report as r; r.report = flood\n"
+        "sys.exit(c.main(['report', sys.argv[1]]))\n"
+    )
+    reader = subprocess.Popen(
+        ["head", "-c", "10"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], stdout=reader.stdin, stderr=subprocess.PIPE
+    )
+    assert reader.stdin is not None
+    reader.stdin.close()
+    reader.wait()
+    assert done.returncode == 141 and done.stderr == b"", done.stderr

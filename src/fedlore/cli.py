@@ -408,6 +408,9 @@ def _main(argv: list[str], command: bool) -> int:
     except WriteError as e:  # a full disk, a quota, no permission: one line and what to do
         print(f"fedlore: error: {explain(e)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `fedlore ... | head`: the reader has gone, nothing to tell it
+        _quiet_stdout()
+        return 141  # as a tool the pipe's SIGPIPE ends (128 + 13)
     except OSError as e:  # a folder that cannot be created or written (output_dir, a data root)
         where = f": {e.filename}" if e.filename else ""
         print(f"fedlore: error: {e.strerror or e}{where}", file=sys.stderr)
@@ -423,6 +426,18 @@ def _main(argv: list[str], command: bool) -> int:
         if command:  # Python's shutdown after a Ctrl-C could end the process by SIGINT (-2)
             interrupt.exit_now(130)
         return 130
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at the null device, so that Python's flush at exit does not fail again on
+    the closed pipe (Python's documented way: the signal module's notes on SIGPIPE)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's capture)
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    os.close(null)
 
 
 def _check_plot_path(plot: Path) -> None:

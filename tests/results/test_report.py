@@ -178,6 +178,15 @@ def test_nothing_found_errors(tmp_path: Path) -> None:
         report(tmp_path)
 
 
+def test_a_method_or_run_folder_points_at_its_experiment(exp: Path) -> None:
+    """`fedlore report runs/quick/fedavg` (one level too deep) names the folder to report."""
+    for folder, kind in ((exp / "fedavg", "a method's"), (exp / "fedavg" / "seed-1", "a run's")):
+        with pytest.raises(FileNotFoundError) as e:
+            report(folder)
+        assert str(e.value).endswith(f"it is {kind} folder: report its experiment, "
+                                     f"`fedlore report {exp}`")  # fmt: skip
+
+
 def test_report_experiment_and_output_dir(exp: Path) -> None:
     text = report(exp)
     assert text.startswith("# quick\n") and "82.00 ± 2.83" in text

@@ -25,6 +25,7 @@ from fedlore.results.markdown import (
 from fedlore.results.paired import baseline_label, paired_table, section, unknown_baseline
 from fedlore.results.plots import plot
 from fedlore.results.store import (
+    SEED_DIR,
     IncompleteRunWarning,
     RunRecord,
     is_experiment_dir,
@@ -278,9 +279,14 @@ def report(
     else:
         experiments = sorted(d for d in path.iterdir() if is_experiment_dir(d))
     if not experiments:
+        hint = ""
+        if is_experiment_dir(path.parent) or SEED_DIR.match(path.name):  # a method's or a run's
+            up = path.parent if is_experiment_dir(path.parent) else path.parent.parent
+            kind = "a method's" if up == path.parent else "a run's"
+            hint = f"; it is {kind} folder: report its experiment, `fedlore report {up}`"
         raise FileNotFoundError(
             f"report: no runs found in {path}: expected <experiment>/<method>/seed-<s>/ "
-            "or <method>/seed-<s>/ below it"
+            f"or <method>/seed-<s>/ below it{hint}"
         )
     runs = {d: split_by_config(load_runs(d)) for d in experiments}
     if baseline is not None:  # refused when no experiment has it (each says why it lacks it)
