@@ -59,10 +59,11 @@ def _announce_redraw(attempt: int, min_size: int) -> None:
     (a slow start with a small alpha and a large ``min_size`` is otherwise silent)."""
     if attempt and attempt % 50 == 0:
         say(
-            "Dirichlet partition: %d draws so far left a client below %d examples; redrawing "
+            "Dirichlet partition: %d draws so far left a client below %d example%s; redrawing "
             "(at most %d)",
             attempt,
             min_size,
+            "" if min_size == 1 else "s",
             MAX_DIRICHLET_ATTEMPTS,
         )
 
