@@ -78,6 +78,7 @@ TABLE: dict[str, Row] = {
     "pfedbayes":      Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "pfedme":         Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "rolora":         Row(0,    F,   T,  F,     F, T,   1,   None,     T,     "own"),
+    "scaffold":       Row(0,    F,   F,  F,     F, T,   1,   None,     F,     "own"),
 }
 # fmt: on
 
@@ -258,7 +259,7 @@ def test_the_methods_that_take_a_server_optimizer() -> None:
     }
     assert takes == {
         "bayfl", "ditto", "fedavg", "fedavg_mcd", "fedfull", "fedprox", "local_galore",
-        "meta_bayfl", "meta_bayfl_mcd", "meta_fl", "pfedbayes", "pfedme",
+        "meta_bayfl", "meta_bayfl_mcd", "meta_fl", "pfedbayes", "pfedme", "scaffold",
         "fedlore", "fedlore_fixed", "fedlore_random", "fedlore_sketch", "fedit", "ffa_lora",
         "fedgalore", "fedslop", "fedlore_bayes", "fedlore_bayfl",
     }  # fmt: skip

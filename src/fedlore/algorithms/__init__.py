@@ -21,6 +21,7 @@ from fedlore.algorithms import (  # noqa: F401
     lora_rolora,
     pfedbayes,
     pfedme,
+    scaffold,
 )
 from fedlore.algorithms.base import Hyper
 

@@ -260,6 +260,20 @@ class FedFull(DenseServer, Hyper):
         rng: torch.Generator,
     ) -> tuple[Reply, State]:
         start, keep = self.dense_start(msg, state, model)
+        reply, _ = self.train_locally(msg, start, model, data, rng, self.loss_terms(start))
+        return reply, keep
+
+    def train_locally(
+        self,
+        msg: Broadcast,
+        start: dict[str, torch.Tensor],
+        model: nn.Module,
+        data: ClientData,
+        rng: torch.Generator,
+        terms: list[LossTerm],
+    ) -> tuple[Reply, list[float]]:
+        """The round's local steps from ``start`` (loaded in ``model``) with the extra loss
+        ``terms``: the reply (``update.*`` and the metrics) and the step sizes taken."""
         opt = self.make_optimizer(model)
         rnd = int(msg.config["round"])
         lrs = self.round_lrs(rnd, data.num_examples)
@@ -269,7 +283,7 @@ class FedFull(DenseServer, Hyper):
             data.batches(self.train.batch_size, len(lrs), rng, rnd),
             opt,
             lrs,
-            loss_terms=self.loss_terms(start),
+            loss_terms=terms,
             grad_clip=self.train.grad_clip,
         )
         train_s = time.perf_counter() - t0
@@ -281,7 +295,7 @@ class FedFull(DenseServer, Hyper):
             train_s=train_s,
             **self.trained_model_metrics(model, data, rnd),
         )
-        return Reply(arrays=self.dense_update(model, start), metrics=metrics), keep
+        return Reply(arrays=self.dense_update(model, start), metrics=metrics), lrs
 
     def trained_model_metrics(self, model: nn.Module, data: ClientData, rnd: int) -> Scalars:
         """P-local scores of the model the client just trained (last round, ``local_eval``);

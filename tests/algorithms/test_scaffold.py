@@ -1,0 +1,137 @@
+"""SCAFFOLD (fedlore.algorithms.scaffold): its control variates on hand-checkable cases, and the
+drift correction they exist for.
+
+* One local step makes ``c_i+`` the client's gradient at ``x`` whatever ``c`` and ``c_i`` were
+  (option II), and the reply's ``Δc_i`` is ``c_i+ - c_i``.
+* The server's ``c`` moves by ``(1 / N) Σ Δc_i`` over the round's clients (partial
+  participation included), and its model as FedAvg's.
+* On two clients whose least-squares problems disagree, with many full-batch local steps, FedAvg
+  stalls at a biased point and SCAFFOLD reaches the global optimum.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fedlore.algorithms.fedavg import FedAvg
+from fedlore.algorithms.scaffold import CONTROL, DCONTROL, Scaffold
+from fedlore.config import ConfigError, load_config
+from fedlore.data.client_data import ClientData, TensorSplit
+from fedlore.experiment_parts import make_algorithm
+from fedlore.tensors import load_model_arrays, select, with_prefix
+from fedlore.train.local import task_loss
+from fedlore.types import Broadcast, Reply, State
+
+
+def _regression(cid: int, n: int = 32, d: int = 3) -> ClientData:
+    """Client ``cid``: y = x·w_cid + noise, each client with its own w (non-IID)."""
+    g = torch.Generator().manual_seed(10 + cid)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    w = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) * (1 + 2 * cid) + cid
+    y = x @ w + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
+    return ClientData(cid, TensorSplit(x, y), TensorSplit(x[:0], y[:0]))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(3, 1, bias=False).double()
+
+
+def _algo(cls: type[FedAvg], **extra: object) -> FedAvg:
+    common = {"lr": 0.05, "local_steps": 20, "batch_size": 32, "weighting": "uniform"}
+    return cls.of(**{**common, **extra})  # type: ignore[arg-type]
+
+
+def test_one_step_makes_the_control_variate_the_clients_gradient() -> None:
+    """K = 1: y = x - η (g - c_i + c), so c_i+ = c_i - c + (x - y) / η = g at x, for any c and
+    c_i; Δc_i = c_i+ - c_i is what the reply carries and c_i+ what the client keeps."""
+    algo = _algo(Scaffold, local_steps=1, num_clients=4)
+    model = _model()
+    state = algo.init_server(model, torch.Generator())
+    data = _regression(1)
+    c = {"weight": torch.tensor([[0.3, -0.1, 2.0]], dtype=torch.float64)}
+    c_i = {"weight": torch.tensor([[-1.0, 0.5, 0.25]], dtype=torch.float64)}
+    state = State(arrays={**state.arrays, **with_prefix(c, CONTROL)})
+    msg = algo.broadcast(state, 0, 1)
+    reply, kept = algo.client_update(
+        msg, State(arrays=with_prefix(c_i, CONTROL)), model, data, torch.Generator()
+    )
+    at_x = _model()
+    load_model_arrays(at_x, select(msg.arrays, "model."))
+    task_loss(at_x(data.train.x), data.train.y).backward()  # the full batch: one step's batch
+    grad = at_x.weight.grad
+    assert grad is not None
+    torch.testing.assert_close(kept.arrays[CONTROL + "weight"], grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(reply.arrays[DCONTROL + "weight"], grad - c_i["weight"])
+    step = reply.arrays["update.weight"]
+    torch.testing.assert_close(step, -0.05 * (grad - c_i["weight"] + c["weight"]))
+
+
+def test_the_server_moves_c_by_the_mean_over_all_n_clients() -> None:
+    """Two of N = 4 clients reply (a third was dropped): c <- c + (Δc_a + Δc_b) / 4; the
+    model steps by the mean of the Δy, as FedAvg's."""
+    algo = _algo(Scaffold, num_clients=4)
+    model = _model()
+    state = algo.init_server(model, torch.Generator())
+    c0 = torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.float64)
+    state = State(arrays={**state.arrays, CONTROL + "weight": c0})
+    dc = [torch.tensor([[4.0, 0.0, -4.0]]), torch.tensor([[0.0, 8.0, 4.0]])]
+    dy = [torch.full((1, 3), 0.5), torch.full((1, 3), -0.1)]
+    replies: list[tuple[int, Reply | None]] = [
+        (
+            c,
+            Reply(
+                arrays={"update.weight": y.double(), DCONTROL + "weight": d.double()},
+                metrics={"num_examples": 10},
+            ),
+        )
+        for c, y, d in zip((0, 2), dy, dc, strict=True)
+    ]
+    new, _ = algo.aggregate(state, [*replies, (3, None)], 0)
+    torch.testing.assert_close(new.arrays[CONTROL + "weight"], c0 + (dc[0] + dc[1]).double() / 4)
+    before = state.arrays["model.weight"]
+    torch.testing.assert_close(new.arrays["model.weight"], before + 0.2)
+
+
+def _train(algo: FedAvg, rounds: int) -> torch.Tensor:
+    """Full participation of the two regression clients, in process."""
+    model = _model()
+    state = algo.init_server(model, torch.Generator())
+    kept: dict[int, State | None] = {0: None, 1: None}
+    for rnd in range(rounds):
+        replies: list[tuple[int, Reply | None]] = []
+        for cid in (0, 1):
+            msg: Broadcast = algo.broadcast(state, rnd, cid)
+            reply, kept[cid] = algo.client_update(
+                msg, kept[cid], _model(), _regression(cid), torch.Generator().manual_seed(rnd)
+            )
+            replies.append((cid, reply))
+        state, _ = algo.aggregate(state, replies, rnd)
+    return state.arrays["model.weight"].flatten()
+
+
+def test_scaffold_removes_the_client_drift_fedavg_keeps() -> None:
+    """The global objective ½ Σ_i mean_i (x·w - y)² (uniform weights) has its optimum w*;
+    with 20 full-batch local steps per round FedAvg's fixed point is off w* (each client
+    drifts to its own optimum), SCAFFOLD's is w* itself."""
+    clients = [_regression(c) for c in (0, 1)]
+    hessian = sum(d.train.x.T @ d.train.x / len(d.train) for d in clients)
+    rhs = sum(d.train.x.T @ d.train.y / len(d.train) for d in clients)
+    optimum = torch.linalg.solve(hessian, rhs)
+    fedavg = (_train(_algo(FedAvg), 150) - optimum).norm()
+    scaffold = (_train(_algo(Scaffold, num_clients=2), 150) - optimum).norm()
+    assert fedavg > 0.05  # the drift: FedAvg settles elsewhere
+    assert scaffold < 1e-6 < fedavg / 1e4
+
+
+def test_scaffold_takes_sgd_steps_and_is_not_offered_under_privacy(tmp_path: object) -> None:
+    with pytest.raises(ValueError, match="local_optimizer must be 'sgd'"):
+        _algo(Scaffold, local_optimizer="adamw")
+    cfg = load_config(None, ["algorithms=[scaffold]", "num_clients=7"])
+    algo = make_algorithm("scaffold", cfg)
+    assert isinstance(algo, Scaffold) and algo.num_clients == 7  # N from the config
+    private = load_config(None, ["algorithms=[scaffold]", "secure_aggregation=true"])
+    with pytest.raises(ConfigError, match="scaffold"):
+        make_algorithm("scaffold", private)
