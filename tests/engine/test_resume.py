@@ -106,6 +106,7 @@ KILLS = [
     ("fedfull", 0),
     ("fedfull", 1),
     ("fedfull", ROUNDS - 2),
+    ("scaffold", 1),  # its server c and each client's c_i come back from the checkpoint
 ]
 
 
