@@ -95,8 +95,8 @@ def test_the_server_moves_c_by_the_mean_over_all_n_clients() -> None:
     torch.testing.assert_close(new.arrays["model.weight"], before + 0.2)
 
 
-def _train(algo: FedAvg, rounds: int) -> torch.Tensor:
-    """Full participation of the two regression clients, in process."""
+def _train(algo: FedAvg, rounds: int, sizes: tuple[int, int] = (32, 32)) -> torch.Tensor:
+    """Full participation of the two regression clients (of ``sizes`` examples), in process."""
     model = _model()
     state = algo.init_server(model, torch.Generator())
     kept: dict[int, State | None] = {0: None, 1: None}
@@ -105,25 +105,61 @@ def _train(algo: FedAvg, rounds: int) -> torch.Tensor:
         for cid in (0, 1):
             msg: Broadcast = algo.broadcast(state, rnd, cid)
             reply, kept[cid] = algo.client_update(
-                msg, kept[cid], _model(), _regression(cid), torch.Generator().manual_seed(rnd)
+                msg,
+                kept[cid],
+                _model(),
+                _regression(cid, sizes[cid]),
+                torch.Generator().manual_seed(rnd),
             )
             replies.append((cid, reply))
         state, _ = algo.aggregate(state, replies, rnd)
     return state.arrays["model.weight"].flatten()
 
 
-def test_scaffold_removes_the_client_drift_fedavg_keeps() -> None:
-    """The global objective ½ Σ_i mean_i (x·w - y)² (uniform weights) has its optimum w*;
-    with 20 full-batch local steps per round FedAvg's fixed point is off w* (each client
-    drifts to its own optimum), SCAFFOLD's is w* itself."""
-    clients = [_regression(c) for c in (0, 1)]
-    hessian = sum(d.train.x.T @ d.train.x / len(d.train) for d in clients)
-    rhs = sum(d.train.x.T @ d.train.y / len(d.train) for d in clients)
-    optimum = torch.linalg.solve(hessian, rhs)
-    fedavg = (_train(_algo(FedAvg), 150) - optimum).norm()
-    scaffold = (_train(_algo(Scaffold, num_clients=2), 150) - optimum).norm()
-    assert fedavg > 0.05  # the drift: FedAvg settles elsewhere
-    assert scaffold < 1e-6 < fedavg / 1e4
+def _optimum(sizes: tuple[int, int], uniform: bool) -> torch.Tensor:
+    """argmin Σ_i p_i · ½ mean_i (x·w - y)², p_i = 1 or n_i."""
+    clients = [_regression(c, n) for c, n in zip((0, 1), sizes, strict=True)]
+    p = [1.0 if uniform else float(n) for n in sizes]
+    hessian = sum(
+        w * d.train.x.T @ d.train.x / len(d.train) for w, d in zip(p, clients, strict=True)
+    )
+    rhs = sum(w * d.train.x.T @ d.train.y / len(d.train) for w, d in zip(p, clients, strict=True))
+    return torch.linalg.solve(hessian, rhs)
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "num_examples"])
+def test_scaffold_removes_the_client_drift_fedavg_keeps(weighting: str) -> None:
+    """The global objective Σ_i p_i · ½ mean_i (x·w - y)² has its optimum w*; with 20
+    full-batch local steps per round FedAvg's fixed point is off w* (each client drifts to its
+    own optimum), SCAFFOLD's is w* itself, under uniform weights (the paper's) and under
+    example weights with clients of 16 and 160 examples (its c then the weighted mean of the
+    c_i; the uniform mean led to the uniform optimum, 1.9 away)."""
+    sizes = (32, 32) if weighting == "uniform" else (16, 160)
+    optimum = _optimum(sizes, weighting == "uniform")
+    other = _optimum(sizes, weighting != "uniform")
+    fedavg = _train(_algo(FedAvg, weighting=weighting, batch_size=160), 150, sizes) - optimum
+    scaffold = _train(
+        _algo(Scaffold, num_clients=2, weighting=weighting, batch_size=160), 150, sizes
+    )
+    assert fedavg.norm() > 0.05  # the drift: FedAvg settles elsewhere
+    assert (scaffold - optimum).norm() < 1e-6 < fedavg.norm() / 1e4
+    if weighting != "uniform":
+        assert (other - optimum).norm() > 1.0  # the two optima are far apart
+
+
+def test_the_control_variate_divides_by_the_step_sizes_taken() -> None:
+    """Under a decaying schedule the K steps' sizes differ: c_i+ = c_i - c + (x - y) / Σ η_k
+    over the sizes the round used (K η_0 would be wrong)."""
+    algo = _algo(Scaffold, local_steps=3, num_clients=1, rounds=4, schedule="cosine")
+    model = _model()
+    state = algo.init_server(model, torch.Generator())
+    data = _regression(0)
+    msg = algo.broadcast(state, 2, 0)
+    reply, kept = algo.client_update(msg, None, model, data, torch.Generator())
+    taken = sum(algo.round_lrs(2, data.num_examples))
+    assert len(set(algo.round_lrs(2, data.num_examples))) == 3  # three different step sizes
+    want = -reply.arrays["update.weight"] / taken  # c = c_i = 0: (x - y) / Σ η
+    torch.testing.assert_close(kept.arrays[CONTROL + "weight"], want)
 
 
 def test_scaffold_takes_sgd_steps_and_is_not_offered_under_privacy(tmp_path: object) -> None:

@@ -14,13 +14,21 @@ its option II for ``c_i``):
   uploads ``Δy = y - x`` (``update.*``) and ``Δc_i = c_i+ - c_i`` (``dcontrol.*``);
 * the server steps ``x`` with the mean of the ``Δy`` as FedAvg does (``server.lr`` is the
   paper's global step size η_g; the mean is weighted by ``weighting``, uniform in the paper) and
-  sets ``c <- c + (1 / N) Σ_{i ∈ S} Δc_i`` over the round's accepted clients, ``N`` the
-  federation's clients (``num_clients``).
+  moves ``c`` by the round's ``Δc_i`` averaged with the same weights ``p_i`` (1 or ``n_i``, no
+  straggler discount: a ``c_i`` is an estimate, not a share of work), scaled by ``|S| / N``:
+  ``c <- c + (|S| / N) Σ p_i Δc_i / Σ p_i`` over the round's accepted clients, ``N`` the
+  federation's clients (``num_clients``). Under uniform weights that is the paper's
+  ``c <- c + (1 / N) Σ_{i ∈ S} Δc_i``; under ``num_examples`` weights it keeps ``c`` the
+  weighted mean of the ``c_i`` under full participation, so the fixed point is the weighted
+  optimum FedAvg's ``x`` step aims at (with the uniform mean it would be the uniform one).
 
 With one local step (K = 1), ``c_i+`` is the client's minibatch gradient at ``x`` whatever
 ``c`` and ``c_i`` were; with full participation the server's ``c`` is the mean of the
 ``c_i`` (each starts at 0). The control variates cover the parameters that train (a frozen
 tensor, a buffer such as BatchNorm's running statistics, has no gradient to correct).
+
+A client keeps ``c_i+`` even when the server rejects its reply (it cannot know), so ``c`` misses
+that change until the client's next accepted reply.
 
 Bytes per round: the model and ``c`` down, ``Δy`` and ``Δc_i`` up (twice FedAvg's each way);
 the client keeps one model-sized ``c_i``. Local steps are SGD (the option-II estimate
@@ -157,11 +165,17 @@ class Scaffold(FedAvg):
     def aggregate(
         self, state: State, replies: list[tuple[int, Reply | None]], rnd: int
     ) -> tuple[State, Scalars]:
-        """FedAvg's step of ``x``, then ``c <- c + (1 / N) Σ Δc_i`` over the accepted replies."""
+        """FedAvg's step of ``x``, then ``c <- c + (|S| / N) Σ p_i Δc_i / Σ p_i`` over the
+        accepted replies (``p_i`` 1 or ``n_i`` by ``weighting``: the paper's
+        ``(1 / N) Σ Δc_i`` under uniform weights)."""
         new, metrics = super().aggregate(state, replies, rnd)
         c = select(state.arrays, CONTROL)
-        for _, r in replies:
-            if r is not None:
+        ok = [r for _, r in replies if r is not None]
+        if ok:
+            uniform = self.train.weighting == "uniform"
+            p = [1.0 if uniform else float(r.num_examples) for r in ok]
+            scale = len(ok) / (self.num_clients * sum(p))
+            for r, w in zip(ok, p, strict=True):
                 dc = select(r.arrays, DCONTROL)
-                c = {k: v + dc[k].to(v) / self.num_clients for k, v in c.items()}
+                c = {k: v + (scale * w) * dc[k].to(v) for k, v in c.items()}
         return State(arrays={**new.arrays, **with_prefix(c, CONTROL)}, values=new.values), metrics
