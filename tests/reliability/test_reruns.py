@@ -374,3 +374,30 @@ def test_a_finished_simulated_run_is_reported_without_starting_the_simulation(
     monkeypatch.setitem(sys.modules, "fedlore.flower.simulation", None)  # importing it fails
     assert run_experiment(cfg, engine=ENGINES["flower-sim"]()) == {"fedavg": [finished]}
     assert _files(run_dir(cfg, "fedavg", 0)) == before
+
+
+@pytest.mark.parametrize("change", [(), ("lr=0.01",)], ids=["same_config", "other_config"])
+def test_a_simulated_resume_continues_an_interrupted_replacement(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: tuple[str, ...]
+) -> None:
+    """On flower-sim, --resume (and so --overwrite --resume) with an interrupted replacement of
+    this config beside the finished run simulates that replacement again (from round 0, as a
+    resumed simulation does): it returned the finished run it was to replace (same config, so
+    the record of the --overwrite went and the replacement was left behind) or refused it as
+    another config's (the config changed)."""
+    from fedlore.flower import simulation
+
+    old = _cfg(tmp_path, "engine=flower-sim")
+    assert run_one(old, "fedavg", 0) is not None  # in process: the same records
+    new = _cfg(tmp_path, "engine=flower-sim", *change)
+    assert run_one(new, "fedavg", 0, overwrite=True, stop_after=0) is None  # interrupted
+    asked: dict[str, Any] = {}
+
+    def capture(*args: Any, **kwargs: Any) -> Any:
+        asked.update(kwargs, overwrite=args[4])
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr(simulation, "make_apps", capture)
+    with pytest.raises(RuntimeError, match="captured"):  # it simulates, not reports the old run
+        simulation.run_simulated(new, "fedavg", 0, resume=True)
+    assert asked == {"restart": True, "overwrite": False}

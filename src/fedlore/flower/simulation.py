@@ -68,14 +68,18 @@ def run_simulated(
     """
     from flwr.simulation import run_simulation
 
-    summary_path = run_dir(cfg, method, seed) / "summary.json"
-    record = finished_record(cfg, method, summary_path.parent, make_algorithm) if resume else None
+    target = run_dir(cfg, method, seed)
+    summary_path = target / "summary.json"
+    # where it trains: the run folder, or beside a finished run its replacement (new under
+    # --overwrite; under --resume an interrupted one of this config, which a simulation, unable
+    # to restore its clients, runs again from round 0)
+    folder = write_dir(cfg, method, target, resume, overwrite, make_algorithm)
+    finished = resume and folder == target
+    record = finished_record(cfg, method, target, make_algorithm) if finished else None
     if record is not None:  # finished: reported once its record is whole and this config's
         return record[0]
     if resume:
-        check_same_config(cfg, method, summary_path.parent, make_algorithm)
-    # a simulation starts anew
-    folder = write_dir(cfg, method, summary_path.parent, False, overwrite, make_algorithm)
+        check_same_config(cfg, method, folder, make_algorithm)
     before = stamp(summary_path)  # a replaced finished run's summary is not this run's
     interrupt.check()  # a signal between two runs: no simulation starts
     ended: dict[str, Any] = {}
