@@ -408,7 +408,10 @@ def _main(argv: list[str], command: bool) -> int:
     except WriteError as e:  # a full disk, a quota, no permission: one line and what to do
         print(f"fedlore: error: {explain(e)}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # `fedlore ... | head`: the reader has gone, nothing to tell it
+    except BrokenPipeError as e:  # `fedlore ... | head`: the reader has gone, nothing to tell it
+        if not _stdout_closed():  # another pipe (a worker, a socket): an error like any other
+            print(f"fedlore: error: {e.strerror or e}", file=sys.stderr)
+            return 2
         _quiet_stdout()
         return 141  # as a tool the pipe's SIGPIPE ends (128 + 13)
     except OSError as e:  # a folder that cannot be created or written (output_dir, a data root)
@@ -426,6 +429,19 @@ def _main(argv: list[str], command: bool) -> int:
         if command:  # Python's shutdown after a Ctrl-C could end the process by SIGINT (-2)
             interrupt.exit_now(130)
         return 130
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (``poll`` reports an error on it)."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        watch = select.poll()
+        watch.register(fd, select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in watch.poll(0))
+    except (AttributeError, OSError, ValueError):  # not a file (a test's capture)
+        return False
 
 
 def _quiet_stdout() -> None:

@@ -434,7 +434,6 @@ def run_experiment(
         describe_parameters(name, algo, build_model())
         warn_own_optimizer(cfg, name, algo)
     make_output_dir(cfg)
-    overwriting.begin(cfg, resume, overwrite)  # what an interrupted --overwrite has finished
     with contextlib.ExitStack() as held:
         # every folder this experiment will write is its own from the start: a second process
         # running the same experiment is refused now, not when it reaches a busy folder (after
@@ -442,6 +441,7 @@ def run_experiment(
         for seed in cfg.seeds:
             for method in cfg.algorithms:
                 held.enter_context(RunLock(run_dir(cfg, method, seed)))
+        overwriting.begin(cfg, resume, overwrite)  # once the runs are ours, not a refused twin's
         _run_all(cfg, first, resume, overwrite, engine, out)
     overwriting.end(cfg, overwrite)
     return out
