@@ -401,3 +401,32 @@ def test_a_simulated_resume_continues_an_interrupted_replacement(
     with pytest.raises(RuntimeError, match="captured"):  # it simulates, not reports the old run
         simulation.run_simulated(new, "fedavg", 0, resume=True)
     assert asked == {"restart": True, "overwrite": False}
+
+
+def test_a_refused_second_overwrite_leaves_the_running_ones_record(tmp_path: Path) -> None:
+    """A second `--overwrite` of an experiment another process is running is refused at its
+    locks, before it touches the running one's record of what it has finished."""
+    import subprocess
+
+    from fedlore.engine import overwriting
+
+    cfg = _cfg(tmp_path)
+    assert run_one(cfg, "fedavg", 0) is not None
+    record = tmp_path / "rerun" / overwriting.RECORD
+    record.write_text('{"finished": ["fedavg/seed-0"]}')
+    hold = (  # the other process, holding the run's lock
+        "import sys, time; from fedlore.engine.lock import RunLock\n"
+        "with RunLock(__import__('pathlib').Path(sys.argv[1])):\n"
+        "    print('held', flush=True); time.sleep(60)\n"
+    )
+    other = subprocess.Popen(
+        [sys.executable, "-c", hold, str(run_dir(cfg, "fedavg", 0))], stdout=subprocess.PIPE
+    )
+    try:
+        assert other.stdout is not None and other.stdout.readline() == b"held\n"
+        with pytest.raises(ConfigError, match="in use"):
+            run_experiment(cfg, overwrite=True)
+    finally:
+        other.kill()
+        other.wait()
+    assert json.loads(record.read_text()) == {"finished": ["fedavg/seed-0"]}
