@@ -14,7 +14,9 @@ of the same or a later round), and a run finished here leaves the archive; the a
 removed once it holds nothing.
 ``unpack`` (the first step of ``experiments/reruns.sh``) restores each archived run that is not
 training here, not finished here and not as far along here, so the queue's ``--resume``
-continues it after the packed round and reaches the result an uninterrupted run reaches.
+continues it after the packed round and reaches the result an uninterrupted run reaches. Over a
+DP run's own attempt here, the releases that attempt made and the archive lacks stay counted in
+the restored ``dp_ledger.json`` (they were released: ε must count them).
 
 Pack after stopping the queue (Ctrl-C): a run still training is packed too (its checkpoint is
 read before its rows, and a resume drops rows past the checkpoint), except one whose client
@@ -31,15 +33,17 @@ from __future__ import annotations
 import argparse
 import fcntl
 import io
+import json
 import os
 import sys
 import tarfile
+import time
 from pathlib import Path, PurePosixPath
 
 import torch
 
 from fedlore.atomic import write_bytes
-from fedlore.engine.dp_ledger import LEDGER
+from fedlore.engine.dp_ledger import LEDGER, repeated
 
 ARCHIVE = "in-progress.tar.gz"
 Files = dict[str, tuple[bytes, float]]
@@ -202,6 +206,38 @@ def pack(root: Path) -> tuple[int, list[Path]]:
     return len(runs), left_out
 
 
+def own_releases(folder: Path, files: Files) -> int:
+    """DP releases this machine's attempt of a run made that the archived copy does not hold
+    (its ``metrics.jsonl`` rows with ``dp_epsilon`` not among the archive's rows, plus its own
+    ledger's count): they were released, so restoring the archive over them must keep them in
+    the ledger (a resume then counts them in ε)."""
+    metrics = folder / "metrics.jsonl"
+    if not metrics.is_file():
+        return 0
+    archived = next((d for n, (d, _) in files.items() if n.endswith("/metrics.jsonl")), b"")
+    theirs = set(archived.decode("utf-8", "replace").splitlines())
+    mine = [line for line in metrics.read_text("utf-8", "replace").splitlines() if line.strip()]
+    new = sum(1 for line in mine if line not in theirs and '"dp_epsilon"' in line)
+    ledger = folder / LEDGER
+    same = next((d for n, (d, _) in files.items() if n.endswith(f"/{LEDGER}")), None)
+    if not ledger.is_file() or ledger.read_bytes() == same:  # none, or the archive's own
+        return new
+    try:
+        return new + repeated(folder)
+    except ValueError:  # a damaged ledger here: its rows still count
+        return new
+
+
+def with_ledger(files: Files, run: PurePosixPath, extra: int) -> Files:
+    """``files`` whose ``dp_ledger.json`` counts ``extra`` more repeated releases."""
+    name = f"{run}/{LEDGER}"
+    total = extra
+    if name in files:
+        total += int(json.loads(files[name][0])["repeated_exchanges"])
+    data = json.dumps({"repeated_exchanges": total}).encode()
+    return {**files, name: (data, files.get(name, (b"", 0.0))[1] or time.time())}
+
+
 def unpack(root: Path) -> int:
     """Restore the archive's runs that are not training, finished or further along here; how
     many were restored.
@@ -225,6 +261,9 @@ def unpack(root: Path) -> int:
                 print(f"kept as it is (round {here} here; archived: round {archived}): {run}")
                 continue
             (folder / "checkpoint.pt").unlink()  # first: never a checkpoint beside other rows
+        extra = own_releases(folder, files)  # DP rows made here that the archive lacks
+        if extra:
+            files = with_ledger(files, run, extra)
         # the checkpoint last: an unpack cut short leaves no checkpoint without its rows
         for name, (data, mtime) in sorted(files.items(), key=lambda f: f[0].endswith(".pt")):
             target = root / name

@@ -230,3 +230,28 @@ def test_a_run_spilling_outside_its_folder_is_left_out_and_named(
     assert carry.unpack(there) == 1
     got = run_one(load_config(None, [*_over(there), *spill]), "fedlore", 1, resume=True)
     assert got is not None and want is not None and _same(got, want)
+
+
+def test_unpack_keeps_count_of_the_dp_releases_made_here(tmp_path: Path) -> None:
+    """Machine B ran its own attempt of a DP run (rows 0-1 with its own noise) and then
+    unpacks machine A's copy, further along: B's releases were made, so the restored ledger
+    counts them (they vanished: a resume reported ε without them). Rows B holds that are the
+    archive's own (an earlier unpack of the same run) are not counted again."""
+    run = _fake_run(tmp_path, "a", 3)
+    rows = "".join(f'{{"round": {r}, "dp_epsilon": {r + 1}.0}}\n' for r in range(4))
+    (run / "metrics.jsonl").write_text(rows)
+    (run / "dp_ledger.json").write_text('{"repeated_exchanges": 1}')
+    carry.pack(tmp_path)
+    shutil.rmtree(tmp_path / "t")
+    run.mkdir(parents=True)  # machine B: its own attempt, killed after round 1
+    mine = "".join(f'{{"round": {r}, "dp_epsilon": {r + 1}.5}}\n' for r in range(2))
+    (run / "metrics.jsonl").write_text(mine)
+    torch.save({"round": 1}, run / "checkpoint.pt")
+    (run / "config.json").write_text("{}")
+    assert carry.unpack(tmp_path) == 1
+    assert json.loads((run / "dp_ledger.json").read_text()) == {"repeated_exchanges": 3}
+    assert (run / "metrics.jsonl").read_text() == rows  # the archive's rows, restored
+    (run / "checkpoint.pt").unlink()  # an unpack again, over the archive's own rows
+    (run / "dp_ledger.json").write_text('{"repeated_exchanges": 1}')
+    assert carry.unpack(tmp_path) == 1
+    assert json.loads((run / "dp_ledger.json").read_text()) == {"repeated_exchanges": 1}

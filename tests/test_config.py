@@ -385,7 +385,10 @@ def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="key 'alpha' given twice"):
         load_config(bad)
     bad.write_text("partition: {&k alpha: 0.1, *k : 0.5}\n")  # an alias key is the same node
-    with pytest.raises(ConfigError, match="key 'alpha' given twice"):
+    with pytest.raises(ConfigError, match="key 'alpha' given twice \\(once more through an alias"):
+        load_config(bad)
+    bad.write_text("x: &k rounds\nrounds: 2\n*k : 3\n")  # the anchor is a value elsewhere
+    with pytest.raises(ConfigError, match="key 'rounds' given twice \\(once more through an"):
         load_config(bad)
     merged = tmp_path / "merged.yaml"
     merged.write_text("data: &d {name: digits}\nrounds: 2\n")

@@ -94,12 +94,14 @@ def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool 
         except TypeError:  # an unhashable key: the constructor below reports it
             continue
         if earlier != index:
-            mark = node.value[earlier][0].start_mark
+            prior = node.value[earlier][0]
+            # an alias (*k) is its anchor's node, marked where the anchor is: name the mapping
+            if key_node is prior or key_node.start_mark.index <= prior.start_mark.index:
+                said, mark = "once more through an alias of an anchor", node.start_mark
+            else:
+                said, mark = f"first on line {prior.start_mark.line + 1}", key_node.start_mark
             raise yaml.constructor.ConstructorError(
-                None,
-                None,
-                f"key {key!r} given twice (first on line {mark.line + 1})",
-                key_node.start_mark,
+                None, None, f"key {key!r} given twice ({said})", mark
             )
     return loader.construct_mapping(node, deep=deep)
 

@@ -205,7 +205,7 @@ def run(
             seed,
             first_round=-setup_rounds(algo),
         )
-        warn_over_target(cfg, privacy)  # repeated releases can take ε past dp.epsilon
+        warn_over_target(cfg, privacy, f"{method} seed {seed}")  # repeats can pass dp.epsilon
         start = -setup_rounds(algo) if last is None else last + 1
         clients = transport(algo, exp.fed.client, exp.model_factory, seed, store)
         evaluate_state = evaluator(cfg, exp.fed, algo, exp.eval_model)

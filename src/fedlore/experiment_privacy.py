@@ -189,16 +189,20 @@ def warn_uncounted(privacy: Privacy | None, out: Path) -> None:
     (:mod:`fedlore.engine.dp_ledger`). Those rows may have been seen (the file, a tracker)."""
     if privacy is None or privacy.dp is None:
         return
-    released = released_after(out / "metrics.jsonl", None) + repeated(out)
-    if released:
+    try:
+        n = released_after(out / "metrics.jsonl", None) + repeated(out)
+        count = f"the {n} release(s)"
+    except ValueError:  # a damaged ledger: the number is unknown, the warning is not
+        n, count = -1, "an unknown number of releases"
+    if n:
         _privacy_warning(
-            f"DP: starting over discards the {released} release(s) the unfinished run in {out} "
-            "made, and this run's ε does not count them; if anyone may have seen them (its "
-            "metrics.jsonl, a tracker), continue that run with --resume, whose ε does"
+            f"DP: starting over discards {count} the unfinished run in {out} made, and this "
+            "run's ε does not count them; if anyone may have seen them (its metrics.jsonl, a "
+            "tracker), continue that run with --resume, whose ε does"
         )
 
 
-def warn_over_target(cfg: Config, privacy: Privacy | None) -> None:
+def warn_over_target(cfg: Config, privacy: Privacy | None, run: str = "") -> None:
     """A :class:`PrivacyWarning` when a resumed run will end above its ``dp.epsilon``: σ was
     solved for the run's exchanges, and the releases an interrupted attempt made and this
     resume runs again (the DP ledger, :attr:`~fedlore.privacy.aggregation.Privacy.repeated`)
@@ -210,9 +214,10 @@ def warn_over_target(cfg: Config, privacy: Privacy | None) -> None:
     final = privacy.epsilon(cfg.rounds - 1)
     if final > target:
         _privacy_warning(
-            f"DP: {privacy.repeated} exchange(s) released before this resume run again with "
-            f"fresh noise, so the run will end at ε = {final:.4g}, above its target "
-            f"dp.epsilon = {target:g} (σ was solved for the exchanges without repeats)"
+            f"DP{f' ({run})' if run else ''}: {privacy.repeated} exchange(s) released before "
+            f"this resume run again with fresh noise, so the run will end at ε = {final:.4g}, "
+            f"above its target dp.epsilon = {target:g} (σ was solved for the exchanges without "
+            "repeats)"
         )
 
 

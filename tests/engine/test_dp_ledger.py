@@ -87,3 +87,20 @@ def test_account_repeats_counts_under_dp_only_and_names_the_ledger(
         "2 DP exchange(s) released before this resume run again with fresh noise: ε counts "
         f"them too ({tmp_path / dp_ledger.LEDGER})"
     ]
+
+
+def test_a_damaged_ledger_is_named_not_read_as_a_count(tmp_path: Path) -> None:
+    """A ledger that is not one (emptied, edited) cannot be counted: the error names the file;
+    a fresh DP run over it still warns, of an unknown number of uncounted releases."""
+    import pytest
+
+    from fedlore.experiment_privacy import PrivacyWarning, warn_uncounted
+    from fedlore.privacy import DPSettings, Privacy
+
+    for text in ("{}", '{"repeated_exchanges": "2"}', '{"repeated_exchanges": -1}', "[1"):
+        (tmp_path / dp_ledger.LEDGER).write_text(text)
+        with pytest.raises(ValueError, match=rf"{tmp_path / dp_ledger.LEDGER}: not a DP ledger"):
+            dp_ledger.repeated(tmp_path)
+    private = Privacy(False, DPSettings(1.0, 1.0, 1e-5), True, 4, 4, 0, 0)
+    with pytest.warns(PrivacyWarning, match="discards an unknown number of releases"):
+        warn_uncounted(private, tmp_path)

@@ -139,10 +139,11 @@ def check_method_settings(
     caps = cls.capabilities
     if cfg.robust.aggregate != "mean" and not caps.robust_aggregate:
         raise ConfigError(
-            f"robust.aggregate={cfg.robust.aggregate}: method {name!r} does not average dense "
-            "deltas (its server combines low-rank factors, bases or masks), so a coordinate-wise "
-            "median or trimmed mean is not defined for it; use robust.aggregate=mean (the norm "
-            "screen, robust.norm_screen, works for every method)"
+            f"robust.aggregate={cfg.robust.aggregate}: method {name!r} offers no robust "
+            "combination of its uploads (the low-rank and mask methods' servers combine factors, "
+            "bases or masks; SCAFFOLD's adds up its control variates), so a coordinate-wise "
+            "median, trimmed mean or Krum is not defined for it; use robust.aggregate=mean (the "
+            "norm screen, robust.norm_screen, works for every method)"
         )
     rule, f, n = cfg.robust.aggregate, cfg.robust.num_byzantine, cfg.clients_per_round()
     if rule == "bulyan" and n < 4 * f + 3:

@@ -36,10 +36,12 @@ def _read_npz(path: Path, non_finite: str) -> Read:
         if isinstance(e, ValueError) and str(path) in str(e):
             raise
         raise ValueError(f"{path}: cannot read the npz file ({e})") from e
-    if len(x) != len(y):
-        raise ValueError(f"{path}: x has {len(x)} rows but y has {len(y)}")
+    if x.ndim == 0:
+        raise ValueError(f"{path}: inputs x must have one row per example, got a scalar")
     if y.ndim != 1:
         raise ValueError(f"{path}: labels y must be 1-D (one int per example), got shape {y.shape}")
+    if len(x) != len(y):
+        raise ValueError(f"{path}: x has {len(x)} rows but y has {len(y)}")
     if y.dtype.kind not in "iu":
         raise ValueError(f"{path}: labels y must be integers, got {y.dtype}")
     if len(y) and y.min() < 0:

@@ -50,11 +50,25 @@ def released_after(metrics: Path, last: int | None) -> int:
 
 
 def repeated(folder: Path) -> int:
-    """The ledger's total (0 without a ledger)."""
+    """The ledger's total (0 without a ledger).
+
+    Raises:
+        ValueError: naming the file when it is not a ledger (damaged or edited): ε cannot be
+            counted without it.
+    """
     path = folder / LEDGER
     if not path.exists():
         return 0
-    return int(json.loads(path.read_text("utf-8"))["repeated_exchanges"])
+    try:
+        total = json.loads(path.read_text("utf-8"))["repeated_exchanges"]
+        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+            raise TypeError(total)
+        return total
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"{path}: not a DP ledger ({type(e).__name__}: {e}); ε cannot count the releases "
+            "this run repeated without it: restore it, or start the run over without --resume"
+        ) from None
 
 
 def record_repeats(folder: Path, metrics: Path, last: int | None) -> int:
