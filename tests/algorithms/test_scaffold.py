@@ -171,3 +171,14 @@ def test_scaffold_takes_sgd_steps_and_is_not_offered_under_privacy(tmp_path: obj
     private = load_config(None, ["algorithms=[scaffold]", "secure_aggregation=true"])
     with pytest.raises(ConfigError, match="scaffold"):
         make_algorithm("scaffold", private)
+
+
+def test_n_is_the_federations_not_a_method_setting() -> None:
+    """c moves by (|S| / N) ...: an N other than the federation's would break c = mean c_i."""
+    cfg = load_config(None, ["algorithms=[scaffold]", "num_clients=3"])
+    over = load_config(
+        None, ["algorithms=[scaffold]", "num_clients=3", "method.scaffold.num_clients=5"]
+    )
+    with pytest.raises((ValueError, ConfigError), match="set num_clients instead"):
+        make_algorithm("scaffold", over)
+    assert make_algorithm("scaffold", cfg).num_clients == 3  # type: ignore[attr-defined]

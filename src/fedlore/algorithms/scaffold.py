@@ -95,7 +95,7 @@ class Scaffold(FedAvg):
             "covers it there)"
         ),
     )
-    num_clients: int = field(default=1, metadata={"config": "num_clients"})
+    num_clients: int = field(default=10, metadata={"config": "num_clients"})
     local_optimizer: Literal["adamw", "sgd"] = "sgd"
 
     def __post_init__(self) -> None:

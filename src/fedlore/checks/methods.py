@@ -123,7 +123,8 @@ def check_method_settings(
     name: str, cls: type[Declares], cfg: Config, overrides: dict[str, Any]
 ) -> None:
     """Refuse settings that method class ``cls`` (registered as ``name``) cannot honour: a
-    ``method.<name>.freeze`` or ``.exclude`` override (``params.*`` sets them for every method),
+    ``method.<name>.freeze``, ``.exclude`` or ``.num_clients`` override (``params.*`` and
+    ``num_clients`` set them for every method),
     a robust aggregate for a method that averages no dense deltas, a 16-bit transport for one
     that sends at the model's dtype only.
 
@@ -136,6 +137,10 @@ def check_method_settings(
                 f"method.{name}.{key}: set params.{key} instead; it applies to every method "
                 "alike (reference notes section 13.3)"
             )
+    if "num_clients" in overrides:  # SCAFFOLD's N: the federation's, not a method's choice
+        raise ValueError(
+            f"method.{name}.num_clients: set num_clients instead; it is the federation's size"
+        )
     caps = cls.capabilities
     if cfg.robust.aggregate != "mean" and not caps.robust_aggregate:
         raise ConfigError(
