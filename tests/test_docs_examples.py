@@ -257,3 +257,16 @@ def test_the_readme_quickstart_table_is_the_recorded_one() -> None:
     assert want and want[0] in got, "the README lacks the quickstart table's header"
     start = got.index(want[0])
     assert got[start : start + len(want)] == want
+
+
+def test_no_page_holds_control_characters() -> None:
+    """A page written through an unescaped string once carried \\b, \\f and \\a in place of
+    LaTeX's \\bigl, \\frac and \\alpha: no C0 control character but tab and newline."""
+    bad = {
+        str(p.relative_to(ROOT)): sorted(
+            {hex(ord(c)) for c in p.read_text("utf-8") if ord(c) < 32 and c not in "\t\n\r"}
+        )
+        for p in (ROOT / "docs").rglob("*.md")
+        if "_build" not in p.parts
+    }
+    assert {k: v for k, v in bad.items() if v} == {}

@@ -499,6 +499,19 @@ def test_a_summary_of_another_run_or_rows_it_lacks_are_said(
         load_runs(e)
 
 
+def test_a_setup_round_is_no_row_a_finished_run_lacks_or_repeats(tmp_path: Path) -> None:
+    """FedLore's setup exchange writes round -1 before rounds 0 .. R-1, and its summary counts R
+    rounds: no warning (a check counting every row would call round -1 a repeat)."""
+    e = tmp_path / "exp"
+    rows = [{**rows_for([None], 1, 1)[0], "round": -1}, *rows_for([0.5, 0.7], 1, 1)]
+    run = write_run(e, "fedlore", 1, rows, summ(0.7, 0.7, 3, 3, 1, 1.0))
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "rounds": 2}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IncompleteRunWarning)
+        load_runs(e)
+
+
 def test_report_keeps_drawn_plots_when_there_is_nothing_to_draw(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
