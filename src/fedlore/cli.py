@@ -205,6 +205,21 @@ def build_parser() -> argparse.ArgumentParser:
         "difference of the final scores on the same seeds, its 95%% t interval and the seeds "
         "each method was better on (in report.md, and as paired_* columns of report.csv)",
     )
+    where = p_rep.add_mutually_exclusive_group()
+    where.add_argument(
+        "--out",
+        metavar="DIR",
+        type=Path,
+        default=None,
+        help="write report.md, report.csv and the plots in DIR instead of the experiment "
+        "folder (DIR/<experiment>/ for each experiment of an output folder): for results you "
+        "cannot or would not write in, such as a colleague's read-only folder",
+    )
+    where.add_argument(
+        "--print-only",
+        action="store_true",
+        help="print the table and write nothing",
+    )
     p_track = sub.add_parser(
         "track",
         allow_abbrev=False,
@@ -293,16 +308,17 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _report_written(path: Path) -> str:
-    """Where ``fedlore report PATH`` wrote: the experiment's files, or each experiment's."""
+def _report_written(path: Path, out: Path | None = None) -> str:
+    """Where ``fedlore report PATH [--out OUT]`` wrote: the experiment's files, or each
+    experiment's."""
     from fedlore.results.store import is_experiment_dir
 
     if is_experiment_dir(path):
-        return f"report written to {path}/report.md (with report.csv and the plots)"
-    return (
-        f"reports written in each experiment folder under {path} (report.md, report.csv and "
-        "the plots in each)"
+        return f"report written to {out or path}/report.md (with report.csv and the plots)"
+    where = (
+        f"a folder per experiment under {out}" if out else (f"each experiment folder under {path}")
     )
+    return f"reports written in {where} (report.md, report.csv and the plots in each)"
 
 
 def _main(argv: list[str], command: bool) -> int:
@@ -335,12 +351,19 @@ def _main(argv: list[str], command: bool) -> int:
         if ns.command == "report":
             from fedlore.results.report import report
 
+            if ns.print_only:
+                print(report(ns.run_dir, write=False, baseline=ns.baseline))
+                return 0
             try:
-                print(report(ns.run_dir, baseline=ns.baseline))
-            except WriteError:  # a folder it cannot write: the table all the same, then why
+                print(report(ns.run_dir, baseline=ns.baseline, out=ns.out))
+            except WriteError as e:  # a folder it cannot write: the table all the same, then why
                 print(report(ns.run_dir, write=False, baseline=ns.baseline), flush=True)
+                if ns.out is None:  # the runs' own folder: say how to report without writing it
+                    hint = "; or give --out DIR to write the report elsewhere (--print-only: none)"
+                    print(f"fedlore: error: {explain(e)}{hint}", file=sys.stderr)
+                    return 2
                 raise
-            print(_report_written(ns.run_dir))
+            print(_report_written(ns.run_dir, ns.out))
             return 0
         if ns.command == "fortunes-c4":
             from fedlore.data.fortunes_c4 import convert_fortunes

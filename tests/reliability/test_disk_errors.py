@@ -357,5 +357,44 @@ def test_a_report_on_a_read_only_folder_still_prints_its_table(
     assert len(lines) == 1 and lines[0].startswith("fedlore: error: cannot write "), err
     assert "the runs themselves are untouched" in lines[0]
     assert f"run `fedlore report {exp}` again" in lines[0]
+    assert "or give --out DIR to write the report elsewhere" in lines[0]
     assert (exp / "fedavg" / f"seed-{SEED}" / "summary.json").read_bytes() == summary
     _no_temporary_files(tmp_path)
+
+
+def test_a_read_only_experiment_reports_elsewhere_or_only_prints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Results one cannot write in (a colleague's, a read-only share): ``--print-only`` prints
+    the table and writes nothing; ``--out DIR`` writes the report there (``DIR/<experiment>/``
+    for an output folder of several) and nothing in the runs' folder."""
+    assert main(["run", *_args(tmp_path)]) == 0
+    exp = tmp_path / "disk"
+    before = sorted(p.relative_to(exp) for p in exp.rglob("*") if p.name != "report.md")
+    (exp / "report.md").unlink()
+    capsys.readouterr()
+    real = atomic._open_temp
+
+    def read_only(tmp: Path, mode: str, compress: bool, **kwargs: Any) -> Any:
+        if tmp.is_relative_to(exp):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp))
+        return real(tmp, mode, compress, **kwargs)
+
+    monkeypatch.setattr(atomic, "_open_temp", read_only)
+    assert main(["report", str(exp), "--print-only"]) == 0
+    out, err = capsys.readouterr()
+    assert "| fedavg | 1 |" in out and not err, err
+    assert main(["report", str(exp), "--out", str(tmp_path / "mine")]) == 0
+    out, err = capsys.readouterr()
+    assert "| fedavg | 1 |" in out and f"report written to {tmp_path / 'mine'}/report.md" in out
+    text = (tmp_path / "mine" / "report.md").read_text(encoding="utf-8")
+    assert "| fedavg | 1 |" in text and "![accuracy vs round](accuracy_vs_round.png)" in text
+    assert (tmp_path / "mine" / "report.csv").is_file()
+    assert (tmp_path / "mine" / "accuracy_vs_round.png").is_file()
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "all")]) == 0
+    assert (tmp_path / "all" / "disk" / "report.md").is_file()
+    assert "a folder per experiment under" in capsys.readouterr().out
+    after = sorted(p.relative_to(exp) for p in exp.rglob("*"))
+    assert after == before  # nothing written in the experiment folder
+    with pytest.raises(SystemExit):  # one or the other
+        main(["report", str(exp), "--out", str(tmp_path / "x"), "--print-only"])

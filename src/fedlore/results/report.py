@@ -171,7 +171,11 @@ def _report_experiment(
     write: bool = True,
     baseline: str | None = None,
     runs: dict[str, list[RunRecord]] | None = None,
+    out: Path | None = None,
 ) -> str:
+    """One experiment's report text; with ``write``, its files in ``out`` (default
+    ``exp_dir``)."""
+    out = exp_dir if out is None else out
     if runs is None:
         runs = split_by_config(load_runs(exp_dir))  # runs of different configs never pool
     table = summary_table(runs)
@@ -185,8 +189,9 @@ def _report_experiment(
     metric_keys, metrics = eval_metrics_table(runs)
     pngs = []
     if write:
-        pngs = plot(runs, exp_dir, keys=keys, title=setting_title(exp_dir.name, runs))
-        to_csv(table, exp_dir / "report.csv", (metric_keys, metrics), _paired(runs, baseline))
+        out.mkdir(parents=True, exist_ok=True)
+        pngs = plot(runs, out, keys=keys, title=setting_title(exp_dir.name, runs))
+        to_csv(table, out / "report.csv", (metric_keys, metrics), _paired(runs, baseline))
     images = "\n\n".join(f"![{p.stem.replace('_', ' ')}]({p.name})" for p in pngs)
     held = {s for rs in runs.values() for r in rs if (s := r.summary.get("data_test_split"))}
     text = (
@@ -225,7 +230,7 @@ def _report_experiment(
     if not write:
         return text
     text += f"{images}\n"
-    write_text(exp_dir / "report.md", text, shared=True)  # each finishing run writes it
+    write_text(out / "report.md", text, shared=True)  # each finishing run writes it
     return text
 
 
@@ -249,6 +254,7 @@ def report(
     keys: Sequence[str] | None = None,
     write: bool = True,
     baseline: str | None = None,
+    out: Path | None = None,
 ) -> str:
     """Write ``report.md``, ``report.csv`` and the PNG plots for one or several experiments.
 
@@ -261,6 +267,10 @@ def report(
         baseline: a method (or a row label, when its runs split by config): each report gets a
             section comparing every other method with it seed by seed
             (:mod:`fedlore.results.paired`).
+        out: where the files go instead of each experiment's own folder (one it cannot write:
+            results shared read-only, say): ``out`` itself for an experiment folder, and
+            ``out/<experiment>/`` for each experiment of an output folder. Nothing is written
+            in ``path`` then.
 
     Returns:
         The Markdown text (experiments concatenated, in name order).
@@ -302,4 +312,15 @@ def report(
                 if problems
                 else unknown_baseline(baseline, [k for r in runs.values() for k in r])
             )
-    return "\n".join(_report_experiment(d, keys, write, baseline, runs[d]) for d in experiments)
+    return "\n".join(
+        _report_experiment(d, keys, write, baseline, runs[d], _out_of(d, path, out))
+        for d in experiments
+    )
+
+
+def _out_of(exp_dir: Path, path: Path, out: Path | None) -> Path | None:
+    """Where :func:`report` writes ``exp_dir``'s files: its own folder (None), ``out`` when
+    ``path`` is the experiment, else ``out/<experiment>``."""
+    if out is None:
+        return None
+    return Path(out) if exp_dir == path else Path(out) / exp_dir.name
