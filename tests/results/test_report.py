@@ -209,13 +209,18 @@ def test_calibration_local_and_client_time_columns(tmp_path: Path) -> None:
         "final_client_accuracy": 0.75,
         "client_train_s_per_round": 0.25,
     }
-    for seed, ece in ((1, 0.04), (2, 0.08)):
+    for seed, ece, train in ((1, 0.04, 0.25), (2, 0.08, 0.35)):
         write_run(
             e,
             "bayfl",
             seed,
             rows_for([0.7], 1e6, 1e6),
-            {**summ(0.7, 0.7, 1e6, 1e6, 0, 1.0), **extra, "final_ece": ece},
+            {
+                **summ(0.7, 0.7, 1e6, 1e6, 0, 1.0),
+                **extra,
+                "final_ece": ece,
+                "client_train_s_per_round": train,
+            },
         )
     (row,) = summary_table(load_runs(e))
     assert row["final_ece_mean"] == pytest.approx(0.06)
@@ -228,7 +233,9 @@ def test_calibration_local_and_client_time_columns(tmp_path: Path) -> None:
     assert header.index("G-local acc. (%)") < header.index("P-local acc. (%)")
     assert "75.00 ± 0.00 | 90.00 ± 0.00" in md
     assert "client train s / round" in header
-    assert "0.060 ± 0.028" in md and "0.25" in md
+    assert "0.060 ± 0.028" in md
+    assert "| 0.300 ± 0.071 |" in md  # client seconds per round: mean ± std over the seeds
+    assert row["client_train_s_per_round_std"] == pytest.approx(0.0707, abs=1e-4)
 
 
 def test_a_method_keeps_its_colour_in_every_figure(tmp_path: Path) -> None:

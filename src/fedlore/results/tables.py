@@ -44,6 +44,7 @@ COLUMNS = [
     "local_accuracy_pct_mean",
     "local_accuracy_pct_std",
     "client_train_s_per_round_mean",
+    "client_train_s_per_round_std",
     "final_rmse_mean",
     "final_rmse_std",
     "client_rmse_mean",
@@ -132,6 +133,7 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
         final_m, final_s = scored("final_accuracy_pct", "final_accuracy", 100.0)
         best_m, best_s = scored("best_accuracy_pct", "best_accuracy", 100.0)
         wall_m, wall_s = _stat(_summary_values(records, "wall_s_per_round"))
+        train_m, train_s = _stat(_summary_values(records, "client_train_s_per_round"))
         loss_m, loss_s = scored("final_loss", "final_loss")
         ppl_m, ppl_s = scored("final_perplexity", "final_perplexity")
         ece_m, ece_s = scored("final_ece", "final_ece")
@@ -174,9 +176,8 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
                 "client_accuracy_pct_std": glocal_s,
                 "local_accuracy_pct_mean": local_m,
                 "local_accuracy_pct_std": local_s,
-                "client_train_s_per_round_mean": _stat(
-                    _summary_values(records, "client_train_s_per_round")
-                )[0],
+                "client_train_s_per_round_mean": train_m,
+                "client_train_s_per_round_std": train_s,
                 "diverged_runs": sum(
                     1
                     for r in records
