@@ -106,6 +106,20 @@ def test_the_npz_loader_names_labels_no_model_can_use(tmp_path: Path) -> None:
     _npz(tmp_path, "test", 4, y=np.zeros(4, np.int64))
     with pytest.raises(ValueError, match=rf"npz in {tmp_path}: every label is 0, so there is 1"):
         load_npz(str(tmp_path))
+    _npz(tmp_path, "train", 12, y=np.full(12, 3, np.int64))  # one class, not 4 with 3 empty
+    _npz(tmp_path, "test", 4, y=np.full(4, 3, np.int64))
+    with pytest.raises(ValueError, match=rf"npz in {tmp_path}: every label is 3, so there is 1"):
+        load_npz(str(tmp_path))
+    site = tmp_path / "site"  # one class of a federation's ten, said by class_names: no fuss
+    _npz(site, "train", 12, y=np.full(12, 3, np.int64), class_names=np.array(list("abcdefghij")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_npz(str(site)).num_classes == 10
+    _npz(tmp_path, "train", 12, y=np.arange(12) % 3 * 2)  # 0, 2, 4: 1 and 3 have no example
+    _npz(tmp_path, "test", 4, y=np.array([0, 2, 2, 4]))
+    with pytest.warns(DataWarning, match=r"label\(s\) 1, 3 have no example, yet the model gets 5 "
+                      r"outputs .* number the 3 classes 0 to 2"):  # fmt: skip
+        assert load_npz(str(tmp_path)).num_classes == 5
     _npz(tmp_path, "train", 12, y=np.arange(12) % 3)
     _npz(tmp_path, "test", 4, y=np.array([0, 7, 7, 9]))
     with pytest.warns(DataWarning, match=r"test\.npz holds label\(s\) 7, 9 that no example of "

@@ -50,6 +50,23 @@ def _read_npz(path: Path, non_finite: str) -> Read:
     return x, y, names
 
 
+def _warn_absent_labels(folder: Path, present: np.ndarray, top: int) -> None:
+    """A :class:`~fedlore.data.checks.DataWarning` when, without ``class_names``, labels below
+    the largest have no example in either file: the model gets ``top`` outputs, some of which
+    nothing trains (a site holding part of a federation's classes means that; a labelling that
+    skips values rarely does)."""
+    absent = np.setdiff1d(np.arange(top), present)
+    shown = ", ".join(str(int(c)) for c in absent[:5]) + (" ..." if len(absent) > 5 else "")
+    warnings.warn(
+        f"npz in {folder}: label(s) {shown} have no example, yet the model gets {top} outputs "
+        f"(the largest label + 1, as there is no class_names): store class_names, the full "
+        "list of classes, to say that is meant (a site of a federation), or number the "
+        f"{len(present)} classes 0 to {len(present) - 1}",
+        DataWarning,
+        stacklevel=3,
+    )
+
+
 def _warn_unseen_test_labels(folder: Path, read: dict[str, Read]) -> None:
     """A :class:`~fedlore.data.checks.DataWarning` when ``test.npz`` holds labels that no
     example of ``train.npz`` has: no client trains on them, and each such test example counts
@@ -82,7 +99,7 @@ def load_npz(root: str | None = None, *, non_finite: str = "error") -> DataSourc
     :func:`fedlore.data.checks.central_splits`). With
     ``class_names`` in a file, ``num_classes`` is its length (every site of a federation should
     store the same list, so that every site's model has the same output layer); else it is the
-    largest label + 1.
+    largest label + 1, and a single label value is refused as one class.
 
     Args:
         root: the folder (required).
@@ -101,7 +118,8 @@ def load_npz(root: str | None = None, *, non_finite: str = "error") -> DataSourc
             (naming the array and the index).
 
     Warns:
-        DataWarning: when ``test.npz`` holds labels no example of ``train.npz`` has.
+        DataWarning: when ``test.npz`` holds labels no example of ``train.npz`` has; and,
+            without ``class_names``, when labels below the largest have no example at all.
     """
     if root is None:
         raise FileNotFoundError(
@@ -127,12 +145,15 @@ def load_npz(root: str | None = None, *, non_finite: str = "error") -> DataSourc
             f"npz in {folder}: label {top - 1} but class_names has {len(names)} entries"
         )
     num_classes = len(names) if names is not None else top
-    if num_classes < 2:
+    present = np.unique(np.concatenate([y for _, y, _ in read.values()]))
+    if num_classes < 2 or (names is None and len(present) < 2):
         raise ValueError(
-            f"npz in {folder}: every label is 0, so there is 1 class; a classifier needs 2 or "
-            "more (a site that holds one class of a federation's data gives class_names, the "
-            "federation's list, in its file)"
+            f"npz in {folder}: every label is {int(present[0])}, so there is 1 class; a "
+            "classifier needs 2 or more (a site that holds one class of a federation's data "
+            "gives class_names, the federation's list, in its file)"
         )
+    if names is None and len(present) < top:
+        _warn_absent_labels(folder, present, top)
     _warn_unseen_test_labels(folder, read)
     shape = next(iter(shapes.values()))
     template = next(iter(read.values()))[0]
