@@ -35,10 +35,8 @@ from fedlore.atomic import write_json
 from fedlore.checks import (
     check_params,
     check_site_data,
-    name_problems,
     preflight,
     setup_rounds,
-    unused_method_problems,
     warn_own_optimizer,
 )
 from fedlore.config import Config, ConfigError
@@ -74,6 +72,7 @@ from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport, Transport
 from fedlore.engine.unreliable import unreliable
 from fedlore.experiment_parts import (
+    check_config,
     describe_parameters,
     evaluator,
     make_algorithm,
@@ -94,7 +93,7 @@ from fedlore.privacy import Privacy
 from fedlore.progress import say_once
 from fedlore.results.summary import summarize
 from fedlore.seeding import SERVER_INIT, generator
-from fedlore.tracking import open_tracking, tracking_problems
+from fedlore.tracking import open_tracking
 from fedlore.types import State
 
 
@@ -406,20 +405,7 @@ def run_experiment(
             )
         engine = Engine(functools.partial(_run_with_callbacks, callbacks), engine.session)
     out: dict[str, list[dict[str, Any]]] = {m: [] for m in cfg.algorithms}
-    # the config first (names, every method's settings): a typo is the problem to name, not a
-    # run folder in the way
-    problems = [*name_problems(cfg), *unused_method_problems(cfg), *tracking_problems(cfg)]
-    for name in cfg.algorithms:
-        try:
-            make_algorithm(name, cfg)  # unknown methods and bad hyperparameters fail early
-        except KeyError as e:  # not registered: the key is algorithms
-            problems.append(f"algorithms: {e.args[0] if e.args else e}")
-        except ValueError as e:  # the method's settings
-            text = str(e.args[0] if e.args else e)
-            named = f"method.{name}" in text or f"'{name}'" in text  # said once is enough
-            problems.append(text if named else f"{name}: {text}")
-    if problems:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    check_config(cfg)
     check_output_dir(cfg)
     if not resume and not overwrite:
         for seed in cfg.seeds:

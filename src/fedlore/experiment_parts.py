@@ -30,9 +30,11 @@ from fedlore.checks import (
     check_model_fits_data,
     check_privacy,
     check_tokenizer_matches_model,
+    name_problems,
     privacy_modes,
     projects,
     server_data,
+    unused_method_problems,
 )
 from fedlore.config import Config, ConfigError
 from fedlore.data.client_data import TensorSplit
@@ -44,6 +46,7 @@ from fedlore.progress import say
 from fedlore.seeding import MODEL_INIT, SERVER_INIT, derive_seed, generator
 from fedlore.settings import build_hyper
 from fedlore.tensors import load_model_arrays
+from fedlore.tracking import tracking_problems
 from fedlore.train.local import (
     classification_metrics,
     evaluate,
@@ -306,3 +309,25 @@ def prepare_federation(cfg: Config, seed: int, fed: Federation | None = None) ->
     check_tokenizer_matches_model(cfg, fed)
     check_eval(cfg, fed)
     return fed
+
+
+def check_config(cfg: Config) -> None:
+    """The config's own problems, all at once, before any folder is looked at (a typo is the
+    problem to name, not a run folder in the way): names, settings of methods the run leaves
+    out, trackers, and every method's name and hyperparameters.
+
+    Raises:
+        ConfigError: ``invalid config:`` and one line per problem.
+    """
+    problems = [*name_problems(cfg), *unused_method_problems(cfg), *tracking_problems(cfg)]
+    for name in cfg.algorithms:
+        try:
+            make_algorithm(name, cfg)  # unknown methods and bad hyperparameters fail early
+        except KeyError as e:  # not registered: the key is algorithms
+            problems.append(f"algorithms: {e.args[0] if e.args else e}")
+        except ValueError as e:  # the method's settings
+            text = str(e.args[0] if e.args else e)
+            named = f"method.{name}" in text or f"'{name}'" in text  # said once is enough
+            problems.append(text if named else f"{name}: {text}")
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))

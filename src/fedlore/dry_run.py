@@ -1,0 +1,223 @@
+"""``fedlore run CONFIG ... --dry-run``: what the command would do with each run, without doing it.
+
+Before a long sweep, or after an interrupted one, a researcher wants to know which of its
+method x seed runs would train from the start, continue from a checkpoint, be kept as finished,
+or stop the command because another config's results are in the way. :func:`plan_runs` answers
+that with the same rules and the same checks as :func:`fedlore.experiment.run_experiment` (the
+config's own problems, the output folder, each run folder's record, config and data), reading
+files only: nothing is trained, written, locked or moved. The data of a seed is built (its
+fingerprint is checked against the runs' records) only when a folder of that seed holds a run.
+
+One difference, said in the line: a finished ``--overwrite`` replacement whose swap a kill cut
+in two (``seed-<s>.overwrite`` holds a summary) is completed by the real command before
+anything else; the dry run reports the run as the swap would leave it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedlore.config import Config, ConfigError
+from fedlore.engine import overwriting
+from fedlore.engine.rerun import SUMMARY, finished_record, read_record, staging_dir
+from fedlore.engine.rundir import (
+    check_output_dir,
+    check_same_config,
+    check_same_data,
+    config_diff,
+    run_dir,
+)
+from fedlore.experiment_parts import check_config, make_algorithm
+
+ACTIONS = ("train", "continue", "keep", "refuse")
+"""What the command does with a run: trains it from its first round, continues it from its
+checkpoint, keeps it (finished: reported, not trained again), or refuses to start because of
+it (then nothing trains: the command stops before the first run)."""
+
+
+Fate = tuple[str, str]
+"""``(action, why)`` of one run."""
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One run's fate under the command: ``action`` (one of :data:`ACTIONS`) and why."""
+
+    method: str
+    seed: int
+    action: str
+    why: str
+
+
+def _last_round(folder: Path) -> int | None:
+    """The last round ``folder/metrics.jsonl`` records (None: no row)."""
+    last = None
+    try:
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a torn last line: the run drops it when it resumes
+        if isinstance(row, dict) and isinstance(row.get("round"), int):
+            last = row["round"]
+    return last
+
+
+def _rounds_in(folder: Path) -> int:
+    """Rows an unfinished run has written (rounds a fresh start discards)."""
+    try:
+        return sum(1 for line in (folder / "metrics.jsonl").read_text().splitlines() if line)
+    except OSError:
+        return 0
+
+
+def _same(cfg: Config, method: str, folder: Path) -> bool:
+    recorded = read_record(folder / "config.json")
+    return recorded is not None and not config_diff(cfg, method, recorded, make_algorithm)
+
+
+def _fresh(cfg: Config, folder: Path, resumable: bool = True) -> Fate:
+    done = _rounds_in(folder)
+    if not done:
+        return "train", f"trains {cfg.rounds} rounds"
+    whose = "the unfinished run" if resumable else "another config's unfinished run"
+    hint = " (--resume continues it)" if resumable else ""
+    return "train", f"starts over, discarding the {done} round(s) of {whose} there{hint}"
+
+
+def _continue(cfg: Config, folder: Path, what: str = "") -> Fate:
+    last = _last_round(folder)
+    if cfg.engine == "flower-sim":
+        return "continue", (
+            f"{what}trains again from its first round (a new simulation does not hold the "
+            "clients' states)"
+        )
+    if not (folder / "checkpoint.pt").is_file() or last is None:
+        return "continue", f"{what}has no checkpoint: trains from its first round"
+    return "continue", f"{what}continues after round {last} of {cfg.rounds}"
+
+
+def _one(
+    cfg: Config,
+    method: str,
+    seed: int,
+    resume: bool,
+    overwrite: bool,
+    fingerprint: Callable[[], str],
+    replaced: set[str],
+) -> Fate:
+    """The fate of one run (:func:`plan_runs`), by the rules of ``run_experiment``,
+    :func:`fedlore.engine.overwriting.plan` and :func:`fedlore.experiment.run_one`."""
+    target = run_dir(cfg, method, seed)
+    staged = staging_dir(target)
+    swapped = (staged / SUMMARY).is_file()  # the real command swaps it in first
+    view = staged if swapped else target
+    note = " (its finished replacement in the .overwrite folder is swapped in first)"
+    finished = (view / SUMMARY).is_file()
+    name = target.relative_to(Path(cfg.output_dir) / cfg.name).as_posix()
+    try:
+        if overwrite and resume:  # continuing an interrupted --overwrite
+            if swapped:
+                replaced = replaced | {name}
+            if not finished:
+                if (view / "config.json").exists() and not _same(cfg, method, view):
+                    return _fresh(cfg, view, resumable=False)
+                check_same_data(view, fingerprint())
+                return _continue(cfg, view)
+            if name in replaced and _same(cfg, method, view):
+                _check_finished_data(view, fingerprint)
+                return "keep", "replaced already by the --overwrite: kept"
+            if not (staged / SUMMARY).is_file() and _same(cfg, method, staged):
+                check_same_data(staged, fingerprint())
+                return _continue(cfg, staged, "the interrupted replacement ")
+            return "train", "trains again, replacing the finished run"
+        if overwrite:
+            if finished:
+                return "train", (
+                    "trains again beside the finished run, which it replaces when it has "
+                    "finished (until then the finished run stays)" + note * swapped
+                )
+            return _fresh(cfg, view)
+        if resume and finished and not swapped and _same(cfg, method, staged):
+            check_same_data(staged, fingerprint())
+            return _continue(cfg, staged, "the interrupted --overwrite replacement ")
+        if finished:
+            record = finished_record(cfg, method, view, make_algorithm)
+            assert record is not None
+            _check_finished_data(view, fingerprint)
+            return "keep", "finished already: kept (--overwrite trains it again)" + note * swapped
+        if resume:
+            check_same_config(cfg, method, view, make_algorithm)
+            check_same_data(view, fingerprint())
+            return _continue(cfg, view)
+        return _fresh(cfg, view)
+    except ConfigError as e:
+        return "refuse", str(e)
+
+
+def _check_finished_data(folder: Path, fingerprint: Callable[[], str]) -> None:
+    """Refuse, as :func:`fedlore.engine.rerun.finished_run` does, a finished run made on other
+    data."""
+    before = (read_record(folder / "config.json") or {}).get("data_fingerprint")
+    if before is not None and before != fingerprint():
+        raise ConfigError(
+            f"{folder} holds a finished run of this config made on other data (fingerprint "
+            f"{before} -> {fingerprint()}); pass --overwrite to replace it, or give this run "
+            "another name=... to keep both"
+        )
+
+
+def plan_runs(cfg: Config, resume: bool = False, overwrite: bool = False) -> list[Planned]:
+    """What ``fedlore run`` with this config and these flags would do with each run, in the
+    order it runs them (seed by seed, methods in config order). Reads files only.
+
+    Raises:
+        ConfigError: what the command itself refuses before looking at any run: the config's
+            own problems, an output folder that is a file, ``--resume --overwrite`` with no
+            interrupted ``--overwrite`` to continue.
+    """
+    overwriting.check_run_flags(cfg, resume, overwrite)
+    check_config(cfg)
+    check_output_dir(cfg)
+    record = read_record(Path(cfg.output_dir) / cfg.name / overwriting.RECORD) or {}
+    names = record.get("finished")
+    replaced = {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
+    planned = []
+    for seed in cfg.seeds:
+        prints: dict[str, str] = {}
+
+        def fingerprint(seed: int = seed, prints: dict[str, str] = prints) -> str:
+            if "fp" not in prints:  # the data of this seed, built once and only when needed
+                from fedlore.data.federation import build_federation
+
+                prints["fp"] = build_federation(cfg, seed).fingerprint()
+            return prints["fp"]
+
+        for method in cfg.algorithms:
+            action, why = _one(cfg, method, seed, resume, overwrite, fingerprint, replaced)
+            planned.append(Planned(method, seed, action, why))
+    return planned
+
+
+def describe(cfg: Config, planned: list[Planned]) -> str:
+    """The dry run's text: one line per run, then the counts and whether the command would
+    start."""
+    folder = Path(cfg.output_dir) / cfg.name
+    width = max(len(f"{p.method} seed {p.seed}") for p in planned)
+    lines = [f"dry run of {folder} (nothing is trained or written): {len(planned)} run(s)"]
+    for p in planned:
+        head = f"{p.method} seed {p.seed}".ljust(width)
+        lines.append(f"  {head}  {p.action}: {p.why}")
+    counts = {a: sum(1 for p in planned if p.action == a) for a in ACTIONS}
+    said = ", ".join(f"{n} {a}" for a, n in counts.items() if n)
+    if counts["refuse"]:
+        lines.append(f"{said}: `fedlore run` would stop before training anything")
+    else:
+        lines.append(said)
+    return "\n".join(lines)

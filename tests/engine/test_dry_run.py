@@ -1,0 +1,231 @@
+"""``fedlore run ... --dry-run`` (:mod:`fedlore.dry_run`): it says, run by run, what the command
+would do (train, continue, keep, refuse) without touching a file, and what it says is what the
+command then does: each scenario is checked by running the real command after the dry run and
+seeing which runs trained (their records changed), which continued (after the round said) and
+which were kept (their files unchanged)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from fedlore.cli import main
+from fedlore.config import Config, load_config
+from fedlore.engine.rundir import run_dir
+from fedlore.experiment import run_one
+
+SEEDS = (1, 2)
+METHODS = ("fedavg", "fedfull")
+
+
+def _overrides(out: Path, *extra: str) -> list[str]:
+    return [
+        "algorithms=[fedavg, fedfull]",
+        "seeds=[1, 2]",
+        "num_clients=3",
+        "rounds=3",
+        "local_steps=2",
+        "batch_size=16",
+        "model.kwargs={hidden: [16]}",
+        "partition.min_size=10",
+        "progress=false",
+        f"output_dir={out}",
+        *extra,
+    ]
+
+
+def _file(out: Path) -> Path:
+    """The experiment's YAML file, beside ``out``."""
+    path = out.parent / "dry.yaml"
+    if not path.exists():
+        path.write_text("name: dry\n", encoding="utf-8")
+    return path
+
+
+def _args(out: Path, *extra: str) -> list[str]:
+    """``fedlore run`` arguments: the file, then the overrides."""
+    return [str(_file(out)), *_overrides(out, *extra)]
+
+
+def _cfg(out: Path, *extra: str) -> Config:
+    return load_config(_file(out), _overrides(out, *extra))
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    """Every file under ``root`` -> a digest of its bytes (with its mtime: a rewrite counts)."""
+    if not root.exists():
+        return {}
+    return {
+        str(p.relative_to(root)): hashlib.sha1(p.read_bytes()).hexdigest()
+        + str(p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _dry(out: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, dict[str, str]]:
+    """``fedlore run ... --dry-run``: its exit status and each run's line (``fedavg seed 1``
+    -> ``train: ...``); no file under ``out`` changes."""
+    before = _snapshot(out)
+    capsys.readouterr()
+    status = main(["run", *_args(out), *extra, "--dry-run"])
+    text = capsys.readouterr().out
+    assert _snapshot(out) == before, "a dry run wrote"
+    lines = {}
+    for line in text.splitlines()[1:-1]:
+        m = re.match(r"\s+(\S+ seed \d+)\s+(\w+: .*)$", line)
+        assert m, text
+        lines[m.group(1)] = m.group(2)
+    assert text.startswith(f"dry run of {out / 'dry'} (nothing is trained or written): 4 run(s)")
+    return status, lines
+
+
+def _summary_stamp(out: Path, method: str, seed: int) -> str | None:
+    path = run_dir(_cfg(out), method, seed) / "summary.json"
+    return hashlib.sha1(path.read_bytes()).hexdigest() if path.exists() else None
+
+
+def test_a_dry_run_says_what_the_command_then_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "runs"
+    # nothing there: every run trains, and no folder is made
+    status, lines = _dry(out, capsys)
+    assert status == 0 and not out.exists()
+    assert set(lines.values()) == {"train: trains 3 rounds"} and len(lines) == 4
+
+    # fedavg seed 1 finished, fedfull seed 1 killed after round 1, seed 2 never started
+    cfg = _cfg(out)
+    assert run_one(cfg, "fedavg", 1) is not None
+    assert run_one(cfg, "fedfull", 1, stop_after=1) is None
+    status, lines = _dry(out, capsys)
+    assert status == 0
+    assert lines["fedavg seed 1"].startswith("keep: finished already")
+    assert lines["fedfull seed 1"] == (
+        "train: starts over, discarding the 2 round(s) of the unfinished run there (--resume "
+        "continues it)"
+    )
+    assert lines["fedavg seed 2"] == lines["fedfull seed 2"] == "train: trains 3 rounds"
+    status, lines = _dry(out, capsys, "--resume")
+    assert status == 0
+    assert lines["fedfull seed 1"] == "continue: continues after round 1 of 3"
+    assert lines["fedavg seed 1"].startswith("keep: ")
+
+    # the command does what the dry run said: fedavg seed 1 kept, fedfull seed 1 resumed after
+    # round 1 (its first two rows stay as they were), seed 2 trained
+    kept = _summary_stamp(out, "fedavg", 1)
+    rows_before = (run_dir(cfg, "fedfull", 1) / "metrics.jsonl").read_text().splitlines()
+    assert main(["run", *_args(out), "--resume"]) == 0
+    assert _summary_stamp(out, "fedavg", 1) == kept
+    rows = (run_dir(cfg, "fedfull", 1) / "metrics.jsonl").read_text().splitlines()
+    assert rows[:2] == rows_before[:2] and len(rows) == 3
+    assert all(_summary_stamp(out, m, 2) is not None for m in METHODS)
+
+    # everything finished: all kept
+    status, lines = _dry(out, capsys)
+    assert status == 0 and all(v.startswith("keep: finished already") for v in lines.values())
+
+    # another config: refused (exit 2, as the command would), every run named; --overwrite
+    # trains them again beside the finished ones
+    capsys.readouterr()
+    status, lines = _dry(out, capsys, "lr=0.5")
+    assert status == 2
+    assert all(v.startswith("refuse: ") and "another config (lr: " in v for v in lines.values())
+    assert main(["run", *_args(out), "lr=0.5"]) == 2  # the command refuses it too
+    status, lines = _dry(out, capsys, "lr=0.5", "--overwrite")
+    assert status == 0
+    assert all(v.startswith("train: trains again beside the finished run") for v in lines.values())
+    status, lines = _dry(out, capsys, "lr=0.5", "--resume")
+    assert status == 2 and all(v.startswith("refuse: ") for v in lines.values())
+
+
+def test_a_dry_run_of_an_interrupted_overwrite_says_what_overwrite_resume_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "runs"
+    assert main(["run", *_args(out)]) == 0
+    finished = {(m, s): _summary_stamp(out, m, s) for m in METHODS for s in SEEDS}
+    # an --overwrite with lr 0.5 that replaced seed 1's runs and was killed in fedavg seed 2
+    cfg = _cfg(out, "lr=0.5")
+    from fedlore.engine import overwriting
+
+    overwriting.begin(cfg, resume=False, overwrite=True)
+    for m in METHODS:
+        assert run_one(cfg, m, 1, overwrite=True) is not None
+        overwriting.record_finished(cfg, m, 1, overwrite=True)
+    assert run_one(cfg, "fedavg", 2, overwrite=True, stop_after=0) is None
+    capsys.readouterr()
+    status, lines = _dry(out, capsys, "lr=0.5", "--resume")
+    assert status == 2  # plain --resume: the runs not reached are another config's
+    status, lines = _dry(out, capsys, "lr=0.5", "--overwrite", "--resume")
+    assert status == 0
+    assert (
+        lines["fedavg seed 1"]
+        == lines["fedfull seed 1"]
+        == ("keep: replaced already by the --overwrite: kept")
+    )
+    assert lines["fedavg seed 2"] == (
+        "continue: the interrupted replacement continues after round 0 of 3"
+    )
+    assert lines["fedfull seed 2"] == "train: trains again, replacing the finished run"
+    replaced = {m: _summary_stamp(out, m, 1) for m in METHODS}
+    assert main(["run", *_args(out), "lr=0.5", "--overwrite", "--resume"]) == 0
+    assert {m: _summary_stamp(out, m, 1) for m in METHODS} == replaced  # kept
+    for m in METHODS:  # replaced
+        assert _summary_stamp(out, m, 2) != finished[(m, 2)]
+        recorded = json.loads((run_dir(cfg, m, 2) / "config.json").read_text())
+        assert recorded["lr"] == 0.5
+    capsys.readouterr()  # the --overwrite has ended: nothing left to continue, as the command says
+    assert main(["run", *_args(out), "lr=0.5", "--overwrite", "--resume", "--dry-run"]) == 2
+    assert "holds none" in capsys.readouterr().err
+
+
+def test_a_dry_run_refuses_what_the_command_refuses_before_any_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "runs"
+    assert main(["run", *_args(out), "--resume", "--overwrite", "--dry-run"]) == 2
+    assert "holds none" in capsys.readouterr().err
+    assert main(["run", *_args(out), "method.fedavg.lr=-1", "--dry-run"]) == 2
+    assert "invalid config" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_dry_run_reports_a_cut_swap_and_a_simulation_as_the_command_leaves_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A finished replacement whose swap a kill cut in two is swapped in first by the command:
+    the dry run says so (and does not swap); an unfinished run on the Flower simulation
+    resumes from its first round."""
+    import shutil
+
+    from fedlore.dry_run import plan_runs
+    from fedlore.engine.rerun import staging_dir
+
+    out = tmp_path / "runs"
+    assert main(["run", *_args(out)]) == 0
+    target = run_dir(_cfg(out), "fedavg", 1)
+    shutil.copytree(target, staging_dir(target))  # a replacement of this config, not swapped
+    status, lines = _dry(out, capsys)
+    assert status == 0 and staging_dir(target).is_dir()
+    assert lines["fedavg seed 1"] == (
+        "keep: finished already: kept (--overwrite trains it again) (its finished replacement "
+        "in the .overwrite folder is swapped in first)"
+    )
+    assert main(["run", *_args(out)]) == 0
+    assert not staging_dir(target).exists()  # the command swapped it in
+
+    cfg = _cfg(out, "engine=flower-sim", "rounds=4")
+    planned = {(p.method, p.seed): p for p in plan_runs(cfg, resume=True)}
+    assert planned["fedavg", 1].action == "refuse"  # 3 rounds run: another config
+    cfg = _cfg(tmp_path / "sim", "engine=flower-sim")
+    assert run_one(cfg, "fedavg", 1, stop_after=0) is None
+    (p,) = [p for p in plan_runs(cfg, resume=True) if (p.method, p.seed) == ("fedavg", 1)]
+    assert (p.action, p.why) == (
+        "continue",
+        "trains again from its first round (a new simulation does not hold the clients' states)",
+    )
