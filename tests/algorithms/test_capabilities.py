@@ -53,6 +53,7 @@ TABLE: dict[str, Row] = {
     "fedavg":         Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
     "fedavg_mcd":     Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "fedbe":          Row(0,    F,   F,  T,     T, F,   1,   None,     F,     "own"),
+    "feddyn":         Row(0,    F,   F,  F,     F, T,   1,   None,     F,     "own"),
     "fedfomo":        Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "fedfull":        Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
     "fedgalore":      Row(0,    F,   F,  T,     F, T,   1,   "client", F,     "own"),

@@ -13,35 +13,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from least_squares import linear_model as _model
+from least_squares import make_algo as _algo
+from least_squares import optimum as _optimum
+from least_squares import regression as _regression
+from least_squares import train as _train
 
 from fedlore.algorithms.fedavg import FedAvg
 from fedlore.algorithms.scaffold import CONTROL, DCONTROL, Scaffold
 from fedlore.config import ConfigError, load_config
-from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.experiment_parts import make_algorithm
 from fedlore.tensors import load_model_arrays, select, with_prefix
 from fedlore.train.local import task_loss
-from fedlore.types import Broadcast, Reply, State
-
-
-def _regression(cid: int, n: int = 32, d: int = 3) -> ClientData:
-    """Client ``cid``: y = x·w_cid + noise, each client with its own w (non-IID)."""
-    g = torch.Generator().manual_seed(10 + cid)
-    x = torch.randn(n, d, generator=g, dtype=torch.float64)
-    w = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) * (1 + 2 * cid) + cid
-    y = x @ w + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
-    return ClientData(cid, TensorSplit(x, y), TensorSplit(x[:0], y[:0]))
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Linear(3, 1, bias=False).double()
-
-
-def _algo(cls: type[FedAvg], **extra: object) -> FedAvg:
-    common = {"lr": 0.05, "local_steps": 20, "batch_size": 32, "weighting": "uniform"}
-    return cls.of(**{**common, **extra})  # type: ignore[arg-type]
+from fedlore.types import Reply, State
 
 
 def test_one_step_makes_the_control_variate_the_clients_gradient() -> None:
@@ -93,38 +77,6 @@ def test_the_server_moves_c_by_the_mean_over_all_n_clients() -> None:
     torch.testing.assert_close(new.arrays[CONTROL + "weight"], c0 + (dc[0] + dc[1]).double() / 4)
     before = state.arrays["model.weight"]
     torch.testing.assert_close(new.arrays["model.weight"], before + 0.2)
-
-
-def _train(algo: FedAvg, rounds: int, sizes: tuple[int, int] = (32, 32)) -> torch.Tensor:
-    """Full participation of the two regression clients (of ``sizes`` examples), in process."""
-    model = _model()
-    state = algo.init_server(model, torch.Generator())
-    kept: dict[int, State | None] = {0: None, 1: None}
-    for rnd in range(rounds):
-        replies: list[tuple[int, Reply | None]] = []
-        for cid in (0, 1):
-            msg: Broadcast = algo.broadcast(state, rnd, cid)
-            reply, kept[cid] = algo.client_update(
-                msg,
-                kept[cid],
-                _model(),
-                _regression(cid, sizes[cid]),
-                torch.Generator().manual_seed(rnd),
-            )
-            replies.append((cid, reply))
-        state, _ = algo.aggregate(state, replies, rnd)
-    return state.arrays["model.weight"].flatten()
-
-
-def _optimum(sizes: tuple[int, int], uniform: bool) -> torch.Tensor:
-    """argmin Σ_i p_i · ½ mean_i (x·w - y)², p_i = 1 or n_i."""
-    clients = [_regression(c, n) for c, n in zip((0, 1), sizes, strict=True)]
-    p = [1.0 if uniform else float(n) for n in sizes]
-    hessian = sum(
-        w * d.train.x.T @ d.train.x / len(d.train) for w, d in zip(p, clients, strict=True)
-    )
-    rhs = sum(w * d.train.x.T @ d.train.y / len(d.train) for w, d in zip(p, clients, strict=True))
-    return torch.linalg.solve(hessian, rhs)
 
 
 @pytest.mark.parametrize("weighting", ["uniform", "num_examples"])

@@ -52,7 +52,8 @@ IN_EXPERIMENT_TEST = {"fedfull", "fedavg"}
 @pytest.mark.parametrize(
     ("method", "rounds"),
     [
-        (m, 2 if m in ("fedlore", "fedfull", "meta_bayfl") else 1)
+        # FedDyn: two rounds, so that its clients read their h_k back in the second
+        (m, 2 if m in ("fedlore", "fedfull", "meta_bayfl", "feddyn") else 1)
         for m in registry.names("algorithm")
         if m not in SAME_CLASS_AS_TESTED | IN_EXPERIMENT_TEST
     ],

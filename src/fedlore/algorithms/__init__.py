@@ -5,6 +5,7 @@ from fedlore.algorithms import (  # noqa: F401
     ditto,
     fedavg,
     fedbe,
+    feddyn,
     fedfomo,
     fedgalore,
     fedlore,

@@ -146,9 +146,10 @@ def check_method_settings(
         raise ConfigError(
             f"robust.aggregate={cfg.robust.aggregate}: method {name!r} offers no robust "
             "combination of its uploads (the low-rank and mask methods' servers combine factors, "
-            "bases or masks; SCAFFOLD's adds up its control variates), so a coordinate-wise "
-            "median, trimmed mean or Krum is not defined for it; use robust.aggregate=mean (the "
-            "norm screen, robust.norm_screen, works for every method)"
+            "bases or masks; SCAFFOLD's and FedDyn's add up their control variates or gradient "
+            "states), so a coordinate-wise median, trimmed mean or Krum is not defined for it; "
+            "use robust.aggregate=mean (the norm screen, robust.norm_screen, works for every "
+            "method)"
         )
     rule, f, n = cfg.robust.aggregate, cfg.robust.num_byzantine, cfg.clients_per_round()
     if rule == "bulyan" and n < 4 * f + 3:
@@ -197,8 +198,9 @@ def check_method_settings(
         raise ConfigError(
             f"server.optimizer={kind}, server.lr={lr}: method {name!r} does not add an averaged "
             "dense delta to its model (its server combines low-rank factors, bases, masks or "
-            "forwarded models, or runs its own optimizer), so no server optimizer applies; use "
-            "server.optimizer=sgd with server.lr=1"
+            "forwarded models, or runs its own optimizer, or corrects the mean by a state of its "
+            "own: FedDyn's h), so no server optimizer applies; use server.optimizer=sgd with "
+            "server.lr=1"
         )
     if cfg.transport_dtype != "fp32" and not caps.transport_16bit:
         raise ConfigError(
