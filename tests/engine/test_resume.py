@@ -107,6 +107,7 @@ KILLS = [
     ("fedfull", 1),
     ("fedfull", ROUNDS - 2),
     ("scaffold", 1),  # its server c and each client's c_i come back from the checkpoint
+    ("fednova", 1),  # its parameter list (server state values) comes back from the checkpoint
 ]
 
 
