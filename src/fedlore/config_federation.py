@@ -61,10 +61,10 @@ class ServerConfig(_Strict):
     round's aggregated client delta Δ_t. ``sgd`` at ``lr`` 1 is FedAvg itself (the default);
     ``momentum`` is FedAvgM (Hsu et al. 2019), ``adagrad``, ``adam`` and ``yogi`` are
     FedAdagrad, FedAdam and FedYogi (Reddi et al., ICLR 2021, Algorithm 2). For methods whose
-    server adds an averaged dense delta (FedAvg, FedFull, FedProx, SCAFFOLD, Local GaLore, the
-    Meta-BayFL family, Ditto, pFedMe, pFedBayes), for FedLore and its variants, whose moments
-    live in the shared r x n coordinates, and for FedIT and FFA-LoRA (the averaged adapter
-    factors); the others refuse any other setting. Every key can be set
+    server adds an averaged dense delta (FedAvg, FedFull, FedProx, SCAFFOLD, FedNova, Local
+    GaLore, the Meta-BayFL family, Ditto, pFedMe, pFedBayes), for FedLore and its variants,
+    whose moments live in the shared r x n coordinates, and for FedIT and FFA-LoRA (the
+    averaged adapter factors); the others refuse any other setting. Every key can be set
     for one method as ``method.<name>.server_optimizer``, ``server_eta`` (the lr),
     ``server_betas``, ``server_tau``, ``server_v0``, ``server_bias_correction``."""
 

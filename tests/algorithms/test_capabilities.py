@@ -65,6 +65,7 @@ TABLE: dict[str, Row] = {
     "fedlore_random": Row(0,    T,   T,  F,     F, T,   1,   "shared", F,     "fedlore"),
     "fedlore_sketch": Row(1,    T,   T,  F,     F, T,   1,   "shared", F,     "fedlore"),
     "fedmask":        Row(0,    F,   F,  F,     F, T,   2,   None,     F,     "own"),
+    "fednova":        Row(0,    F,   T,  F,     F, T,   1,   None,     F,     "own"),
     "fedprox":        Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
     "fedslop":        Row(0,    T,   T,  F,     F, T,   1,   "shared", F,     "fedlore"),
     "ffa_lora":       Row(0,    T,   T,  F,     F, T,   1,   None,     T,     "default"),
@@ -260,7 +261,7 @@ def test_the_methods_that_take_a_server_optimizer() -> None:
     }
     assert takes == {
         "bayfl", "ditto", "fedavg", "fedavg_mcd", "fedfull", "fedprox", "local_galore",
-        "meta_bayfl", "meta_bayfl_mcd", "meta_fl", "pfedbayes", "pfedme", "scaffold",
+        "meta_bayfl", "meta_bayfl_mcd", "meta_fl", "pfedbayes", "pfedme", "scaffold", "fednova",
         "fedlore", "fedlore_fixed", "fedlore_random", "fedlore_sketch", "fedit", "ffa_lora",
         "fedgalore", "fedslop", "fedlore_bayes", "fedlore_bayfl",
     }  # fmt: skip

@@ -74,6 +74,7 @@ LEARNING_OVERRIDES: dict[str, list[str]] = {
     "fedfomo": ["method.fedfomo.lr=0.3"],
     "scaffold": ["method.scaffold.lr=0.3"],  # SGD steps, as FedAvg
     "feddyn": ["method.feddyn.lr=0.3"],  # SGD steps, as FedAvg
+    "fednova": ["method.fednova.lr=0.3"],  # SGD steps, as FedAvg
     # FedSLoP's heavy ball in a random rank-4 subspace (a 16th of the hidden layer's input):
     # 0.13 at 3e-2, 0.53 at 0.3 (seed 1)
     "fedslop": ["method.fedslop.lr=0.3"],

@@ -108,6 +108,7 @@ KILLS = [
     ("fedfull", ROUNDS - 2),
     ("scaffold", 1),  # its server c and each client's c_i come back from the checkpoint
     ("feddyn", 1),  # its server h and each client's h_k, likewise
+    ("fednova", 1),  # its parameter list (server state values) comes back from the checkpoint
 ]
 
 

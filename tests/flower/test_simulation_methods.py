@@ -123,3 +123,24 @@ def test_simulation_carries_diagnostics(tmp_path: Path, digits_npz: list[str]) -
     assert a[1]["diag_bytes_up"] == b[1]["diag_bytes_up"] > 0  # round 0 uploads H_i
     for key in ("diag.retained_energy", "diag.rho2", "diag.d_r", "diag.certificate2"):
         assert b[-1][key] == pytest.approx(a[-1][key], rel=1e-4), key
+
+
+def test_fednova_under_local_epochs_matches_in_process(
+    tmp_path: Path, digits_npz: list[str]
+) -> None:
+    """FedNova's clients of different sizes take different numbers of steps under
+    ``local_epochs``, so its server really divides each delta by that client's own ``a_norm``,
+    a reply metric that crosses Flower's wire (under ``local_steps`` every ``a_norm`` is the
+    same and the division changes nothing)."""
+    local, sim = (
+        sim_cfg(tmp_path, engine, 2, "fednova", digits_npz).model_copy(
+            update={"local_steps": None, "local_epochs": 1}
+        )
+        for engine in ("local", "sim")
+    )
+    run_one(local, "fednova", 42)
+    summary = run_simulated(sim, "fednova", 42)
+    assert_matches(local, sim, "fednova", summary)
+    for a, b in zip(rows(local, "fednova"), rows(sim, "fednova"), strict=True):
+        assert b["tau_eff_lr"] == pytest.approx(a["tau_eff_lr"], rel=1e-12)
+        assert a["accepted"] == 3

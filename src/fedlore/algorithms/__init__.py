@@ -11,6 +11,7 @@ from fedlore.algorithms import (  # noqa: F401
     fedlore,
     fedlore_bayes,
     fedmask,
+    fednova,
     fedslop,
     local_galore,
     lora_fair,

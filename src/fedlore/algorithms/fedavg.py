@@ -23,6 +23,7 @@ client's delta coordinate by coordinate and need the individual uploads: with
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
 
@@ -43,7 +44,7 @@ from fedlore.tensors import (
     to_wire,
     with_prefix,
 )
-from fedlore.train.local import LossTerm, local_train
+from fedlore.train.local import GradHook, LossTerm, local_train
 from fedlore.types import Broadcast, Reply, Scalars, State
 
 
@@ -271,9 +272,11 @@ class FedFull(DenseServer, Hyper):
         data: ClientData,
         rng: torch.Generator,
         terms: list[LossTerm],
+        on_grad: Sequence[GradHook] = (),
     ) -> tuple[Reply, list[float]]:
         """The round's local steps from ``start`` (loaded in ``model``) with the extra loss
-        ``terms``: the reply (``update.*`` and the metrics) and the step sizes taken."""
+        ``terms`` (and ``on_grad`` hooks, called before each step that is not skipped): the
+        reply (``update.*`` and the metrics) and the round's step sizes."""
         opt = self.make_optimizer(model)
         rnd = int(msg.config["round"])
         lrs = self.round_lrs(rnd, data.num_examples)
@@ -284,6 +287,7 @@ class FedFull(DenseServer, Hyper):
             opt,
             lrs,
             loss_terms=terms,
+            on_grad=on_grad,
             grad_clip=self.train.grad_clip,
         )
         train_s = time.perf_counter() - t0

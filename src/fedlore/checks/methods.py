@@ -147,9 +147,9 @@ def check_method_settings(
             f"robust.aggregate={cfg.robust.aggregate}: method {name!r} offers no robust "
             "combination of its uploads (the low-rank and mask methods' servers combine factors, "
             "bases or masks; SCAFFOLD's and FedDyn's add up their control variates or gradient "
-            "states), so a coordinate-wise median, trimmed mean or Krum is not defined for it; "
-            "use robust.aggregate=mean (the norm screen, robust.norm_screen, works for every "
-            "method)"
+            "states; FedNova's rescales each delta by the client's own reported ‖a_i‖₁), so a "
+            "coordinate-wise median, trimmed mean or Krum is not defined for it; use "
+            "robust.aggregate=mean (the norm screen, robust.norm_screen, works for every method)"
         )
     rule, f, n = cfg.robust.aggregate, cfg.robust.num_byzantine, cfg.clients_per_round()
     if rule == "bulyan" and n < 4 * f + 3:
@@ -206,8 +206,8 @@ def check_method_settings(
         raise ConfigError(
             f"transport_dtype={cfg.transport_dtype}: method {name!r} sends its tensors at the "
             "model's dtype only; 16-bit transport is implemented for fedlore, fedlore_random, "
-            "fedlore_fixed, fedlore_sketch, fedfull, fedavg, fedprox and the LoRA methods (use "
-            "transport_dtype=fp32)"
+            "fedlore_fixed, fedlore_sketch, fedfull, fedavg, fedprox, fednova and the LoRA "
+            "methods (use transport_dtype=fp32)"
         )
 
 
@@ -268,7 +268,7 @@ def check_wire_settings(cls: type[Declares], upload_increments: bool, transport_
         raise ValueError(
             f"{cls.__name__}: invalid transport_dtype={transport_dtype!r}: this "
             "method sends its tensors at the model's dtype only (16-bit transport: FedLore and "
-            "its variants, FedFull, FedAvg, FedProx and the LoRA methods)"
+            "its variants, FedFull, FedAvg, FedProx, FedNova and the LoRA methods)"
         )
 
 
