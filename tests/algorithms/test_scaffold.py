@@ -114,6 +114,37 @@ def test_the_control_variate_divides_by_the_step_sizes_taken() -> None:
     torch.testing.assert_close(kept.arrays[CONTROL + "weight"], want)
 
 
+def test_a_skipped_step_is_not_in_the_divisor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose loss is not finite is skipped: it moves nothing, so its step size is not in
+    Σ η_k. With a linear loss <g, w> (the gradient g at every step) and c = c_i = 0, the local
+    run moves by -Σ_taken η_k g, so c_i+ = (x - y) / Σ_taken η_k is g exactly; dividing by the
+    schedule's whole sum would shrink it."""
+    import fedlore.algorithms.fedavg as fedavg_mod
+
+    algo = _algo(Scaffold, local_steps=4, num_clients=1, rounds=3, schedule="cosine")
+    model = _model()
+    state = algo.init_server(model, torch.Generator())
+    data = _regression(0)
+    g = torch.tensor([[0.5, -1.0, 2.0]], dtype=torch.float64)
+    inner = fedavg_mod.local_train
+    calls: list[int] = []
+
+    def linear_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        loss = (model.weight * g).sum() + 0.0 * out.sum()
+        return loss * float("nan") if len(calls) == 2 else loss  # the second step is skipped
+
+    def train(net: torch.nn.Module, *args: object, **kwargs: object) -> object:
+        return inner(net, *args, loss_fn=linear_loss, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fedavg_mod, "local_train", train)
+    reply, kept = algo.client_update(
+        algo.broadcast(state, 1, 0), None, model, data, torch.Generator()
+    )
+    assert reply.metrics["skipped_steps"] == 1
+    torch.testing.assert_close(kept.arrays[CONTROL + "weight"], g, rtol=1e-12, atol=1e-14)
+
+
 def test_scaffold_takes_sgd_steps_and_is_not_offered_under_privacy(tmp_path: object) -> None:
     with pytest.raises(ValueError, match="local_optimizer must be 'sgd'"):
         _algo(Scaffold, local_optimizer="adamw")

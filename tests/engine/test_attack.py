@@ -75,7 +75,7 @@ def test_label_flip_poisons_only_the_attackers_training_labels() -> None:
 
 
 def test_update_attacks_need_dense_deltas_and_the_local_engine() -> None:
-    with pytest.raises(ConfigError, match="update attack is not defined"):
+    with pytest.raises(ConfigError, match="the attack is not defined for it"):
         make_algorithm(
             "fedlore", load_config(None, ["attack.kind=sign_flip", "attack.fraction=0.1"])
         )

@@ -10,7 +10,8 @@ its option II for ``c_i``):
   its minibatch gradient corrected by ``c - c_i`` (here the gradient of the loss term
   ``<y, c - c_i>``, so gradient clipping and weight decay act as on any other method's step);
 * it sets ``c_i+ = c_i - c + (x - y) / Σ_k η_k`` (option II; ``K η_l`` in the paper, the sum of
-  the step sizes taken under a schedule or a straggler's cut round), keeps ``c_i+``, and
+  the step sizes taken under a schedule or a straggler's cut round, without a step skipped for
+  a non-finite loss, which moved nothing), keeps ``c_i+``, and
   uploads ``Δy = y - x`` (``update.*``) and ``Δc_i = c_i+ - c_i`` (``dcontrol.*``);
 * the server steps ``x`` with the mean of the ``Δy`` as FedAvg does (``server.lr`` is the
   paper's global step size η_g; the mean is weighted by ``weighting``, uniform in the paper) and
@@ -148,8 +149,13 @@ class Scaffold(FedAvg):
         mine = {k: held[k].to(v) if k in held else torch.zeros_like(v) for k, v in c.items()}
         shift = {k: c[k] - mine[k] for k in c}
         terms = [*self.loss_terms(start), correction_term(shift)]
-        reply, lrs = self.train_locally(msg, start, model, data, rng, terms)
-        taken = float(sum(lrs))
+        steps: list[int] = []  # the steps taken: a step skipped for a non-finite loss moved nothing
+
+        def record(_model: nn.Module, k: int) -> None:
+            steps.append(k)
+
+        reply, lrs = self.train_locally(msg, start, model, data, rng, terms, on_grad=[record])
+        taken = float(sum(lrs[k] for k in steps))
         trained = dict(model.named_parameters())
         new = {
             k: mine[k] - c[k] + (start[k].to(v) - trained[k].detach().to(v)) / taken

@@ -164,8 +164,10 @@ def check_method_settings(
         )
     if cfg.attack.kind in ("sign_flip", "scale", "gaussian") and not caps.robust_aggregate:
         raise ConfigError(
-            f"attack.kind={cfg.attack.kind}: method {name!r} does not upload dense deltas "
-            "(update.*) for its server to average, so an update attack is not defined for it; "
+            f"attack.kind={cfg.attack.kind}: an update attack is simulated against the methods "
+            "whose servers offer a robust combination of the uploaded deltas (robust.aggregate), "
+            f"and {name!r} offers none (its uploads are factors, bases or masks, or its server "
+            "keeps state built from each upload), so the attack is not defined for it; "
             "attack.kind=label_flip works for every method"
         )
     if cfg.attack.kind != "none" and cfg.attack.fraction > 0 and cfg.engine != "local":
