@@ -51,7 +51,9 @@ A personalized method (pFedMe, Ditto, FedFomo, pFedBayes, FedMask) keeps each cl
 model in that client's state under ``personal.*`` (never in a reply) and mixes in
 :class:`fedlore.algorithms.personal.Personalized`, whose ``evaluate_personal(state, model, data)``
 scores the personal model of a client state on the client's own test split (P-local) without
-reading the global model.
+reading the global model. FedPer and FedBN (:mod:`fedlore.algorithms.partial`) keep only some
+tensors of the model per client (``personal.<name>``, the rest is the global model's), score the
+model a client has just trained P-local, and declare ``keeps_layers_local``.
 
 ``aggregate`` receives no model. A server that needs one (FedBE distils into a student) may keep
 a deep copy of the model handed to ``init_server`` as its server-side scratch workspace, under
@@ -108,6 +110,12 @@ class Capabilities:
             projects nothing. The diagnostics measure the bases accordingly.
         adapts: the method trains LoRA adapters on the matrices its ``targets(model)`` names
             (each of its ``rank``) instead of the matrices themselves.
+        keeps_layers_local: every client keeps some tensors of the model to itself and never
+            uploads them (FedPer's head, FedBN's BatchNorm layers;
+            :mod:`fedlore.algorithms.partial`), so the server's copy of them stays at its
+            initialization: the global model's scores (G-central, G-local) are of a model no
+            client uses, and the method's result is each client's model, scored P-local
+            (``eval.local``; a run without it is warned).
     """
 
     setup_rounds: int = 0
@@ -123,6 +131,7 @@ class Capabilities:
     min_clients: int = 1
     projects: Literal["shared", "client"] | None = None
     adapts: bool = False
+    keeps_layers_local: bool = False
 
 
 @runtime_checkable

@@ -54,6 +54,7 @@ TABLE: dict[str, Row] = {
     "fedavg_mcd":     Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "fedbe":          Row(0,    F,   F,  T,     T, F,   1,   None,     F,     "own"),
     "feddyn":         Row(0,    F,   F,  F,     F, T,   1,   None,     F,     "own"),
+    "fedbn":          Row(0,    F,   T,  T,     F, T,   1,   None,     F,     "own"),
     "fedfomo":        Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "fedfull":        Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
     "fedgalore":      Row(0,    F,   F,  T,     F, T,   1,   "client", F,     "own"),
@@ -66,6 +67,7 @@ TABLE: dict[str, Row] = {
     "fedlore_sketch": Row(1,    T,   T,  F,     F, T,   1,   "shared", F,     "fedlore"),
     "fedmask":        Row(0,    F,   F,  F,     F, T,   2,   None,     F,     "own"),
     "fednova":        Row(0,    F,   T,  F,     F, T,   1,   None,     F,     "own"),
+    "fedper":         Row(0,    F,   T,  T,     F, T,   1,   None,     F,     "own"),
     "fedprox":        Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
     "fedslop":        Row(0,    T,   T,  F,     F, T,   1,   "shared", F,     "fedlore"),
     "ffa_lora":       Row(0,    T,   T,  F,     F, T,   1,   None,     T,     "default"),
@@ -145,6 +147,7 @@ def test_the_defaults() -> None:
         "min_clients": 1,
         "projects": None,
         "adapts": False,
+        "keeps_layers_local": False,
     }
     assert Hyper.per_client_metrics == ()
     assert registry.get("algorithm", "meta_bayfl").per_client_metrics == ("lr_chosen", "lr_picks")
@@ -262,6 +265,22 @@ def test_the_methods_that_take_a_server_optimizer() -> None:
     assert takes == {
         "bayfl", "ditto", "fedavg", "fedavg_mcd", "fedfull", "fedprox", "local_galore",
         "meta_bayfl", "meta_bayfl_mcd", "meta_fl", "pfedbayes", "pfedme", "scaffold", "fednova",
+        "fedper", "fedbn",
         "fedlore", "fedlore_fixed", "fedlore_random", "fedlore_sketch", "fedit", "ffa_lora",
         "fedgalore", "fedslop", "fedlore_bayes", "fedlore_bayfl",
     }  # fmt: skip
+
+
+def test_only_the_partial_personalization_methods_keep_layers_local() -> None:
+    """``keeps_layers_local`` excuses a method's global model from the conformance suite's
+    accuracy check (its server's copy of the kept layers is their initialization): only FedPer
+    and FedBN, whose replies leave those layers out, claim it."""
+    from fedlore.algorithms.partial import PartialFedAvg
+
+    keep = {
+        n
+        for n in registry.names("algorithm")
+        if checks.keeps_layers_local(registry.get("algorithm", n)())
+    }
+    assert keep == {"fedper", "fedbn"}
+    assert all(issubclass(registry.get("algorithm", n), PartialFedAvg) for n in keep)

@@ -109,15 +109,19 @@ KILLS = [
     ("scaffold", 1),  # its server c and each client's c_i come back from the checkpoint
     ("feddyn", 1),  # its server h and each client's h_k, likewise
     ("fednova", 1),  # its parameter list (server state values) comes back from the checkpoint
+    ("fedper", 1),  # each client's head comes back from the checkpoint's client store
+    ("fedbn", 1),  # each client's BatchNorm layers, running statistics included
 ]
+MODEL: dict[str, tuple[str, ...]] = {"fedbn": ("model.kwargs={hidden: [32], norm: batch}",)}
+"""A method's own model (FedBN refuses one without BatchNorm)."""
 
 
 @pytest.mark.parametrize(("method", "kill_after"), KILLS)
 def test_resume_matches_uninterrupted_run(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, method: str, kill_after: int
 ) -> None:
-    want_summary, want = _reference(method, tmp_path_factory)
-    cfg = _cfg(tmp_path)
+    want_summary, want = _reference(method, tmp_path_factory, *MODEL.get(method, ()))
+    cfg = _cfg(tmp_path, *MODEL.get(method, ()))
     out = run_dir(cfg, method, SEED)
     assert run_one(cfg, method, SEED, stop_after=kill_after) is None
     assert not (out / "summary.json").exists()
@@ -208,8 +212,8 @@ def test_torn_temp_checkpoint_and_torn_metrics_line(
 ) -> None:
     """A kill inside ``atomic_save`` leaves ``checkpoint.pt.tmp`` garbage; a kill between the
     metrics row and the checkpoint leaves a row (maybe half written) past the checkpoint."""
-    want_summary, want = _reference(method, tmp_path_factory)
-    cfg = _cfg(tmp_path)
+    want_summary, want = _reference(method, tmp_path_factory, *MODEL.get(method, ()))
+    cfg = _cfg(tmp_path, *MODEL.get(method, ()))
     out = run_dir(cfg, method, SEED)
     run_one(cfg, method, SEED, stop_after=1)
     (out / "checkpoint.pt.tmp").write_bytes(b"\x80\x02garbage, not a torch file" * 10)

@@ -27,6 +27,8 @@ SMALL = [
     "model.kwargs={hidden: [16]}",
     "flower.num_cpus=2",
 ]
+OWN_MODEL = {"fedbn": ["model.kwargs={hidden: [16], norm: batch}"]}
+"""A method's own model: FedBN refuses one without BatchNorm."""
 
 
 def sim_cfg(tmp: Path, engine: str, rounds: int, method: str, data: list[str]) -> Config:
@@ -40,6 +42,7 @@ def sim_cfg(tmp: Path, engine: str, rounds: int, method: str, data: list[str]) -
             *SMALL,
             *data,
             *(["data.server_fraction=0.2"] if needs_u else []),
+            *OWN_MODEL.get(method, []),
             f"rounds={rounds}",
             f"algorithms=[{method}]",
             f"output_dir={tmp / engine}",

@@ -1,9 +1,9 @@
 """Every registered algorithm on Flower's Simulation Engine (Ray backend) equals its in-process run.
 
-Each method runs one simulated round (plus its setup exchange; FedLore, FedFull and Meta-BayFL
-two): the global model and the byte counts must equal those of the in-process transport (same
-seeds, same data, same ``client_update``). So do a pre-training run (LLaMA on the C4 fixture)
-and FedLore's diagnostics. One Ray serves the whole module
+Each method runs one simulated round (plus its setup exchange; FedLore, FedFull, Meta-BayFL,
+FedPer and FedBN two): the global model and the byte counts must equal those of the in-process
+transport (same seeds, same data, same ``client_update``). So do a pre-training run (LLaMA on
+the C4 fixture) and FedLore's diagnostics. One Ray serves the whole module
 (:func:`fedlore.flower.simulation.ray_session`, as ``fedlore run`` holds one around all its
 runs; a simulation's actors are killed at its end, so each method starts in fresh worker
 processes): a Ray start per method cost ~10 s of CI each. The digits come from the
@@ -52,8 +52,10 @@ IN_EXPERIMENT_TEST = {"fedfull", "fedavg"}
 @pytest.mark.parametrize(
     ("method", "rounds"),
     [
-        # FedDyn: two rounds, so that its clients read their h_k back in the second
-        (m, 2 if m in ("fedlore", "fedfull", "meta_bayfl", "feddyn") else 1)
+        # FedDyn: two rounds, so that its clients read their h_k back in the second; FedPer and
+        # FedBN: a second round, where clients overlay their own layers (Context.state) on a
+        # broadcast without them
+        (m, 2 if m in ("fedlore", "fedfull", "meta_bayfl", "feddyn", "fedper", "fedbn") else 1)
         for m in registry.names("algorithm")
         if m not in SAME_CLASS_AS_TESTED | IN_EXPERIMENT_TEST
     ],

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from fedlore import registry
-from fedlore.models import build_model
+from fedlore.models import build_model, mlp
 
 SHAPES = [(1, 8, 8), (1, 28, 28), (3, 32, 32)]
 MODELS = ["mlp", "cnn", "resnet20", "resnet32", "resnet44", "resnet56"]
@@ -67,6 +67,52 @@ def test_mlp_kwargs() -> None:
     assert any(isinstance(mod, nn.Dropout) for mod in m.modules())
     linear = build_model("mlp", (5,), 3, hidden=[])
     assert n_params(linear) == 5 * 3 + 3
+
+
+def test_mlp_batch_norm_sits_between_each_hidden_linear_and_its_relu() -> None:
+    """``norm="batch"`` (FedBN's model): Linear -> BatchNorm1d -> ReLU per hidden layer; the
+    default builds the plain MLP with the tensor names it always had."""
+    torch.manual_seed(0)
+    m = build_model("mlp", (1, 8, 8), 10, hidden=[32, 16], norm="batch")
+    kinds = [type(mod) for mod in m.body]
+    assert kinds == [nn.Linear, mlp.BatchNorm1d, nn.ReLU] * 2
+    assert issubclass(mlp.BatchNorm1d, nn.BatchNorm1d)  # torch's, found by type (FedBN)
+    assert [bn.num_features for bn in m.body if isinstance(bn, nn.BatchNorm1d)] == [32, 16]
+    assert {"body.1.running_mean", "body.1.running_var", "body.1.num_batches_tracked"} <= set(
+        m.state_dict()
+    )
+    assert m(torch.rand(4, 1, 8, 8)).shape == (4, 10)
+    assert not torch.equal(m.body[1].running_mean, torch.zeros(32))  # training mode: stats move
+    plain = build_model("mlp", (1, 8, 8), 10, hidden=[32, 16])
+    assert not any(isinstance(mod, nn.BatchNorm1d) for mod in plain.modules())
+    assert list(plain.state_dict()) == [
+        "body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias", "head.weight", "head.bias",
+    ]  # fmt: skip
+    assert list(plain.state_dict()) == list(build_model("mlp", (1, 8, 8), 10, hidden=[32, 16],
+                                                        norm="none").state_dict())  # fmt: skip
+    with pytest.raises(ValueError, match="norm must be 'none' or 'batch'"):
+        build_model("mlp", (1, 8, 8), 10, norm="group")
+
+
+def test_mlp_batch_norm_takes_a_training_batch_of_one() -> None:
+    """A client of ``1 mod batch_size`` examples ends each pass on a batch of one, which torch's
+    BatchNorm1d refuses in training mode: the MLP's normalizes it by its running statistics (as
+    in evaluation) and leaves them unchanged, and the step still reaches every parameter."""
+    torch.manual_seed(0)
+    m = build_model("mlp", (6,), 3, hidden=[8], norm="batch")
+    m.train()
+    m(torch.randn(16, 6) * 3 + 1)  # statistics away from (0, 1)
+    bn = m.body[1]
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    one = torch.randn(1, 6)
+    out = m(one)
+    out.sum().backward()
+    assert all(torch.equal(v, bn.state_dict()[k]) for k, v in before.items())
+    assert all(p.grad is not None for p in m.parameters())
+    m.eval()
+    torch.testing.assert_close(out.detach(), m(one))
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        nn.BatchNorm1d(8).train()(torch.randn(1, 8))  # what torch's own does
 
 
 @pytest.mark.parametrize(("name", "n"), [("resnet20", 3), ("resnet32", 5), ("resnet56", 9)])

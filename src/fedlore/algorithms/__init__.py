@@ -21,6 +21,7 @@ from fedlore.algorithms import (  # noqa: F401
     lora_flora,
     lora_frlora,
     lora_rolora,
+    partial,
     pfedbayes,
     pfedme,
     scaffold,

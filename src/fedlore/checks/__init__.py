@@ -24,7 +24,8 @@ preflight); everything is importable from here. :mod:`fedlore.checks.methods` is
 of a method's :class:`~fedlore.algorithm.Capabilities` (its
 ``capabilities`` record, and ``caps()`` where a value depends on hyperparameters): the refusals
 above, the construction-time refusals of :func:`check_wire_settings`, and the questions other
-modules ask (:func:`setup_rounds`, :func:`is_sum_aggregable`, :func:`projects`, :func:`adapts`).
+modules ask (:func:`setup_rounds`, :func:`is_sum_aggregable`, :func:`projects`, :func:`adapts`,
+:func:`keeps_layers_local`).
 Whether a method has an ``optimizer`` setting is read here too (:func:`warn_own_optimizer`).
 """
 
@@ -39,6 +40,7 @@ from fedlore.checks.methods import (
     check_secure_round,
     check_wire_settings,
     is_sum_aggregable,
+    keeps_layers_local,
     name_problems,
     override_problems,
     privacy_modes,
@@ -73,6 +75,7 @@ __all__ = [
     "check_tokenizer_matches_model",
     "check_wire_settings",
     "is_sum_aggregable",
+    "keeps_layers_local",
     "name_problems",
     "override_problems",
     "preflight",

@@ -208,8 +208,8 @@ def check_method_settings(
         raise ConfigError(
             f"transport_dtype={cfg.transport_dtype}: method {name!r} sends its tensors at the "
             "model's dtype only; 16-bit transport is implemented for fedlore, fedlore_random, "
-            "fedlore_fixed, fedlore_sketch, fedfull, fedavg, fedprox, fednova and the LoRA "
-            "methods (use transport_dtype=fp32)"
+            "fedlore_fixed, fedlore_sketch, fedfull, fedavg, fedprox, fednova, fedper, fedbn and "
+            "the LoRA methods (use transport_dtype=fp32)"
         )
 
 
@@ -253,6 +253,12 @@ def adapts(algo: Algorithm) -> bool:
     return algo.caps().adapts
 
 
+def keeps_layers_local(algo: Algorithm) -> bool:
+    """Whether the method's clients keep some of the model's tensors to themselves, so that its
+    global model is incomplete by design (FedPer, FedBN: :mod:`fedlore.algorithms.partial`)."""
+    return algo.caps().keeps_layers_local
+
+
 def check_wire_settings(cls: type[Declares], upload_increments: bool, transport_dtype: str) -> None:
     """Refuse, when method class ``cls`` is instantiated, the settings of what crosses the wire
     that it cannot honour: ``upload_increments`` for a method that is not sum-aggregable, a
@@ -270,7 +276,7 @@ def check_wire_settings(cls: type[Declares], upload_increments: bool, transport_
         raise ValueError(
             f"{cls.__name__}: invalid transport_dtype={transport_dtype!r}: this "
             "method sends its tensors at the model's dtype only (16-bit transport: FedLore and "
-            "its variants, FedFull, FedAvg, FedProx, FedNova and the LoRA methods)"
+            "its variants, FedFull, FedAvg, FedProx, FedNova, FedPer, FedBN and the LoRA methods)"
         )
 
 

@@ -247,7 +247,9 @@ def preflight(
     """Refuse a config that would fail part-way: the model fits the data, the tokenizer is the
     model's, and every method accepts ``params`` and its hyperparameters on the real model
     (its server state is built once and dropped). Runs before any run folder is touched.
-    Returns every method's name with the method as built.
+    Returns every method's name with the method as built. Warns about a method that keeps
+    layers on the clients (:attr:`~fedlore.algorithm.Capabilities.keeps_layers_local`) in a
+    run without ``eval.local``.
 
     Args:
         build: the first seed's model factory (:func:`fedlore.experiment_parts.model_factory`).
@@ -274,6 +276,13 @@ def preflight(
             problems.append(text if text.startswith(prefix) else f"{prefix}: {e}")
             continue
         accepted.append((name, algo))
+        if algo.caps().keeps_layers_local and not cfg.eval.local:
+            log.warning(
+                "%s keeps part of the model on each client (its server's copy stays at its "
+                "initialization), so its global scores are of a model no client uses; set "
+                "eval.local=true for its real score, each client's own model (P-local)",
+                name,
+            )
     if problems:
         raise ConfigError("\n".join(problems))
     return accepted
