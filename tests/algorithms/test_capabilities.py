@@ -138,6 +138,7 @@ def test_the_defaults() -> None:
         "transport_16bit": False,
         "robust_aggregate": False,
         "server_optimizer": False,
+        "compress_uploads": False,
         "server_data": False,
         "regression": True,
         "min_clients": 1,
