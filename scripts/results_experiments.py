@@ -5,6 +5,7 @@ against the projector, DP; the rival tables' are in ``results_rivals.py``."""
 from __future__ import annotations
 
 import csv
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -280,4 +281,20 @@ def dp() -> dict[str, str]:
     return {
         "experiments/results/dp_fmnist/summary.md": md,
         "experiments/results/dp_fmnist/summary.json": dump_json(facts),
+    }
+
+
+# ---------------------------------------------------------------- upload compression
+def compression() -> dict[str, str]:
+    """``experiments/results/compression/summary.*`` from its ``table.json``, by the driver's
+    own :func:`summarize` (``experiments/compression.py``)."""
+    path = EXP.parents[0] / "compression.py"
+    spec = importlib.util.spec_from_file_location("compression_driver", path)
+    assert spec and spec.loader
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)
+    md, facts = driver.summarize(read(EXP / "compression" / "table.json"))
+    return {
+        "experiments/results/compression/summary.md": md,
+        "experiments/results/compression/summary.json": dump_json(facts),
     }

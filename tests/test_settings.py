@@ -46,7 +46,18 @@ def test_method_fields_name_existing_config_keys() -> None:
         for field, path in config_paths(cls).items():
             config_value(cfg, path)
             seen.add(field)
-    assert seen == {"rank", "scale", "optimizer", "diagnostics_every", "exclude", "num_clients"}
+    assert seen == {
+        "rank",
+        "scale",
+        "optimizer",
+        "diagnostics_every",
+        "exclude",
+        "num_clients",
+        "compression",
+        "compression_fraction",
+        "compression_levels",
+        "error_feedback",
+    }
 
 
 def test_a_bad_override_is_refused_naming_key_and_method_all_at_once() -> None:

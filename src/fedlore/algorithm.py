@@ -39,6 +39,13 @@ Besides its capabilities a method declares ``per_client_metrics`` (default none)
 the round loop records per client (``{client id: value}``) in each round's row, e.g.
 Meta-BayFL's chosen learning rate.
 
+The server checks every reply against ``expected_reply`` (keys, shapes, dtypes, finite values)
+before ``aggregate`` sees it. A method whose uploads need more than that may define
+``reply_problem(state, rnd, client_id, reply) -> str | None`` (optional, not part of the
+protocol): the round loop calls it on each reply that passed and rejects the reply with the
+reason it returns (FedFull's compressed uploads: top-k indices in range and distinct, QSGD codes
+within the levels, norms >= 0), so ``aggregate`` never decodes a malformed one.
+
 The algorithm object holds only hyperparameters (a frozen dataclass; a server workspace, below,
 is the one exception). The model handed to ``init_server`` and ``client_update`` is a scratch
 workspace: an algorithm must load every parameter and buffer it relies on from the message or the
@@ -98,6 +105,9 @@ class Capabilities:
         server_optimizer: the server adds the step of :class:`fedlore.optim.server.ServerOpt`
             to the global model, taken from its averaged dense delta (``server.*``: FedAvgM,
             FedAdagrad, FedAdam, FedYogi); otherwise only ``sgd`` at lr 1 (FedAvg's step).
+        compress_uploads: the method's clients can encode their dense deltas with
+            ``compression`` (top-k with error feedback, QSGD; :mod:`fedlore.compression`) and its
+            server decodes them before averaging; otherwise only ``compression: none``.
         server_data: the method trains on the server's unlabeled set U (``init_server`` takes
             ``unlabeled``; the config must hold U out with ``data.server_fraction``).
         regression: the method is defined for regression data (False: it needs class
@@ -126,6 +136,7 @@ class Capabilities:
     transport_16bit: bool = False
     robust_aggregate: bool = False
     server_optimizer: bool = False
+    compress_uploads: bool = False
     server_data: bool = False
     regression: bool = True
     min_clients: int = 1

@@ -12,7 +12,12 @@ settings every method shares are :class:`fedlore.settings.LocalTraining`. Import
 
 from __future__ import annotations
 
-from fedlore.config_federation import AttackConfig, ClientsConfig, ServerConfig
+from fedlore.config_federation import (
+    AttackConfig,
+    ClientsConfig,
+    CompressionConfig,
+    ServerConfig,
+)
 from fedlore.config_load import ConfigError, apply_overrides, load_config, read_yaml, validate
 from fedlore.config_model import Config
 from fedlore.config_sections import (
@@ -33,6 +38,7 @@ from fedlore.config_tracking import TrackingConfig
 __all__ = [
     "AttackConfig",
     "ClientsConfig",
+    "CompressionConfig",
     "Config",
     "ConfigError",
     "DPConfig",

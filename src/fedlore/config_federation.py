@@ -1,6 +1,6 @@
 """Configuration sections of the simulated federation around the method: the server optimizer,
-malicious clients and unreliable clients (sections of :class:`fedlore.config_model.Config`;
-import them from :mod:`fedlore.config`)."""
+upload compression, malicious clients and unreliable clients (sections of
+:class:`fedlore.config_model.Config`; import them from :mod:`fedlore.config`)."""
 
 from __future__ import annotations
 
@@ -85,3 +85,27 @@ class ServerConfig(_Strict):
     bias_correction: bool = False
     """FedAdam only: scale η by √(1-β2^t)/(1-β1^t) at the t-th server step (Kingma & Ba);
     Reddi et al. do not."""
+
+
+class CompressionConfig(_Strict):
+    """Upload compression of the dense methods (FedFull, FedAvg, FedProx;
+    :mod:`fedlore.compression`): each client encodes its delta, the server checks and decodes it
+    and averages as without compression. Every key can be set for one method as
+    ``method.<name>.compression``, ``compression_fraction``, ``compression_levels``,
+    ``error_feedback``; a method that uploads anything else refuses a ``kind`` other than
+    ``none``, and so do secure aggregation, DP and the update attacks."""
+
+    kind: Literal["none", "topk", "qsgd"] = "none"
+    """``none`` (dense deltas), ``topk`` (per floating tensor the ``fraction`` largest-magnitude
+    entries as values + int32 indices; Stich et al. 2018, Aji & Heafield 2017) or ``qsgd`` (per
+    floating tensor its L2 norm and a signed int8 / int16 code per entry, stochastically rounded
+    to ``levels`` levels so that the decoded delta is unbiased; Alistarh et al. 2017). Floating
+    values travel in ``transport_dtype`` (a QSGD norm rounded up to it)."""
+    fraction: float = Field(0.01, gt=0.0, le=1.0)
+    """Top-k: the share of each tensor's entries sent, ``k = ceil(fraction * numel)``."""
+    levels: int = Field(127, ge=1, le=32767)
+    """QSGD: s, the number of nonzero levels; codes are int8 up to 127, int16 above."""
+    error_feedback: bool | None = None
+    """Each client keeps what its upload left out (``Δ + e - decoded``) in its client state and
+    adds it to its next delta (Karimireddy et al. 2019); None: on for ``topk``, off for
+    ``qsgd`` (unbiased already)."""

@@ -9,7 +9,12 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from fedlore import plugins
-from fedlore.config_federation import AttackConfig, ClientsConfig, ServerConfig
+from fedlore.config_federation import (
+    AttackConfig,
+    ClientsConfig,
+    CompressionConfig,
+    ServerConfig,
+)
 from fedlore.config_sections import (
     DataConfig,
     DiagnosticsConfig,
@@ -150,6 +155,7 @@ class Config(_Strict):
     diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
     robust: RobustConfig = Field(default_factory=RobustConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
     attack: AttackConfig = Field(default_factory=AttackConfig)
     clients: ClientsConfig = Field(default_factory=ClientsConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)

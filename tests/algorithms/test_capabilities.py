@@ -28,6 +28,7 @@ from fedlore.algorithms.fedavg import FedAvg
 from fedlore.algorithms.fedlore import FedLore
 from fedlore.algorithms.fedmask import FedMask
 from fedlore.config import ConfigError, load_config
+from fedlore.experiment_parts import make_algorithm
 from fedlore.settings import LocalTraining
 
 
@@ -142,6 +143,7 @@ def test_the_defaults() -> None:
         "transport_16bit": False,
         "robust_aggregate": False,
         "server_optimizer": False,
+        "compress_uploads": False,
         "server_data": False,
         "regression": True,
         "min_clients": 1,
@@ -284,3 +286,18 @@ def test_only_the_partial_personalization_methods_keep_layers_local() -> None:
     }
     assert keep == {"fedper", "fedbn"}
     assert all(issubclass(registry.get("algorithm", n), PartialFedAvg) for n in keep)
+
+
+def test_only_the_methods_whose_uploads_are_fedfulls_compress_them() -> None:
+    """Upload compression encodes FedFull's plain dense deltas; a subclass whose server builds
+    state from each upload (SCAFFOLD, FedDyn), rescales it (FedNova), keeps layers local
+    (FedPer, FedBN) or uploads something else withdraws it, and says so for its settings."""
+    compressing = {
+        n
+        for n in registry.names("algorithm")
+        if registry.get("algorithm", n).capabilities.compress_uploads
+    }
+    assert compressing == {"fedfull", "fedavg", "fedprox"}
+    for name in ("scaffold", "feddyn", "fednova", "fedper", "fedbn"):
+        with pytest.raises(ValueError, match=f"method '{name}' does not offer upload compression"):
+            make_algorithm(name, load_config(None, [f"method.{name}.compression=topk"]))

@@ -59,7 +59,7 @@ from torch import nn
 from fedlore.algorithms import meta_lr
 from fedlore.algorithms.base import local_eval_metrics, reply_metrics
 from fedlore.algorithms.bayes_search import BayesSearch, elbo_kl_term, train_with_search
-from fedlore.algorithms.fedavg import FedFull, optimizer_state_bytes
+from fedlore.algorithms.fedavg import UNCOMPRESSED, FedFull, optimizer_state_bytes
 from fedlore.algorithms.meta_lr import meta_split
 from fedlore.bayes import (
     Aggregation,
@@ -113,6 +113,7 @@ class MetaBayFL(BayesSearch, FedFull):
     name: ClassVar[str] = "meta_bayfl"
     capabilities = replace(
         FedFull.capabilities,
+        compress_uploads=False,
         sum_aggregable=False,
         transport_16bit=False,
         individual_uploads=(
@@ -122,6 +123,7 @@ class MetaBayFL(BayesSearch, FedFull):
             "weighted sum"
         ),
     )
+    not_applicable: ClassVar[dict[str, str]] = UNCOMPRESSED
     per_client_metrics: ClassVar[tuple[str, ...]] = ("lr_chosen", "lr_picks")
     posterior: Literal["bnn", "mcdropout", "none"] = "bnn"
     local_optimizer: Literal["adamw", "sgd"] = "adamw"

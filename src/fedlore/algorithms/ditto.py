@@ -31,7 +31,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from fedlore.algorithms.fedavg import FedAvg
+from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
 from fedlore.algorithms.personal import Personalized, keep_personal, personal_arrays, prox_term
 from fedlore.data.client_data import ClientData
 from fedlore.registry import register_algorithm
@@ -59,6 +59,7 @@ class Ditto(Personalized, FedAvg):
     name: ClassVar[str] = "ditto"
     capabilities = replace(
         FedAvg.capabilities,
+        compress_uploads=False,
         sum_aggregable=False,
         transport_16bit=False,
         individual_uploads=(
@@ -67,6 +68,7 @@ class Ditto(Personalized, FedAvg):
             "secure aggregation and DP (no test covers it there)"
         ),
     )
+    not_applicable: ClassVar[dict[str, str]] = UNCOMPRESSED
     lam: float = 1.0
     personal_steps: int | None = None
     personal_lr: float | None = None

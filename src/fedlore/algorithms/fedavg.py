@@ -18,13 +18,21 @@ only ``Σ p_i Δ_i`` and ``Σ p_i``, so ``upload_increments=True`` changes nothi
 or compute. The robust combinations (``robust_aggregate: median | trimmed_mean``) rank each
 client's delta coordinate by coordinate and need the individual uploads: with
 ``upload_increments`` they are refused.
+
+Upload compression (``compression: topk | qsgd``, FedFull, FedAvg and FedProx;
+:mod:`fedlore.compression`): the client encodes ``Δ_i + e_i`` (top-k values and indices, or
+QSGD's norm and integer codes) and keeps its error-feedback memory ``e_i`` as ``ef.*`` in its
+client state; the server checks the encoding (:meth:`FedFull.reply_problem`), decodes, and
+averages as above (a robust aggregate and the server optimizer act on the decoded deltas).
+Refused with ``upload_increments``: top-k's supports differ per client, so no masked sum of
+the uploads is the sum of the deltas, and QSGD is not offered there (untested).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -32,6 +40,8 @@ from torch import nn
 
 from fedlore.algorithms.base import Hyper, ReplySpec, local_eval_metrics, reply_metrics
 from fedlore.algorithms.personal import prox_term
+from fedlore.checks import check_compression
+from fedlore.compression import Codec, compress_update, decode_update, update_problem, update_spec
 from fedlore.data.client_data import ClientData
 from fedlore.optim.server import STEPS
 from fedlore.registry import register_algorithm
@@ -46,6 +56,13 @@ from fedlore.tensors import (
 )
 from fedlore.train.local import GradHook, LossTerm, local_train
 from fedlore.types import Broadcast, Reply, Scalars, State
+
+UNCOMPRESSED: dict[str, str] = dict.fromkeys(
+    ("compression", "compression_fraction", "compression_levels", "error_feedback"),
+    "its clients upload uncompressed; compression is implemented for fedfull, fedavg and fedprox",
+)
+"""``not_applicable`` of FedFull's subclasses whose uploads are not FedFull's (their
+``capabilities`` withdraw ``compress_uploads``)."""
 
 
 class DenseServer:
@@ -98,8 +115,7 @@ class DenseServer:
             return State(arrays=dict(state.arrays), values=values), {"aggregated": 0}
         weights = self.weights([r for _, r in ok])  # type: ignore[attr-defined]
         model = select(state.arrays, "model.")
-        dtypes = {k: v.dtype for k, v in model.items()}  # 16-bit uploads: upcast first
-        ups = [from_wire(select(r.arrays, "update."), dtypes) for _, r in ok]
+        ups = [self.received_update(r.arrays, model) for _, r in ok]
         mean = self.mean_update(model, ups, weights)
         step, moments = self.server_step(state, mean, values)
         new = {k: v + step[k].to(v.dtype) if k in step else v for k, v in model.items()}
@@ -138,6 +154,13 @@ class DenseServer:
         """
         return self.combine_deltas(updates, weights)
 
+    def received_update(
+        self, arrays: dict[str, torch.Tensor], model: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """A reply's ``Δ_i`` by plain name at the dtypes of the global tensors ``model``
+        (16-bit uploads upcast; FedFull decodes a compressed upload)."""
+        return from_wire(select(arrays, "update."), {k: v.dtype for k, v in model.items()})
+
     def global_arrays(self, state: State) -> dict[str, torch.Tensor]:
         return select(state.arrays, "model.")
 
@@ -164,17 +187,23 @@ class DenseServer:
         keep = State(arrays={"cache." + k: start[k] for k in frozen}) if frozen else State()
         return start, keep
 
-    def dense_update(
+    def dense_delta(
         self, model: nn.Module, start: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """``update.* = W_K - W^t`` of the tensors that are not frozen, in the wire dtype
-        (``transport_dtype``; the model's by default): new contiguous tensors, computed from the
-        model's own tensors without copying them first."""
-        delta = {
+        """``W_K - W^t`` of the tensors that are not frozen, by plain name at the model's dtype:
+        new contiguous tensors, computed from the model's own tensors without copying them."""
+        return {
             k: (v.detach() - start[k].to(v.dtype)).contiguous()
             for k, v in model.state_dict().items()
             if not self.is_frozen(k)  # type: ignore[attr-defined]
         }
+
+    def dense_update(
+        self, model: nn.Module, start: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """``update.* = W_K - W^t`` (:meth:`dense_delta`) in the wire dtype
+        (``transport_dtype``; the model's by default)."""
+        delta = self.dense_delta(model, start)
         return with_prefix(to_wire(delta, self.wire_dtype), "update.")  # type: ignore[attr-defined]
 
 
@@ -222,6 +251,20 @@ class FedFull(DenseServer, Hyper):
         momentum: heavy-ball momentum coefficient (≥ 0) of ``torch.optim.SGD`` (no dampening,
             no Nesterov); read only with ``local_optimizer="sgd"`` (0: plain SGD). Its buffer
             starts at zero every round.
+        compression: how each client encodes its delta's floating tensors
+            (:mod:`fedlore.compression`): ``none`` (dense), ``topk`` (the
+            ``compression_fraction`` largest-magnitude entries per tensor as values + int32
+            indices) or ``qsgd`` (per tensor its norm and one signed int8 / int16 code per entry,
+            unbiased stochastic rounding to ``compression_levels`` levels, drawn from the
+            client's round generator). The server validates and decodes the upload, then
+            averages as without compression. Refused under secure aggregation and DP.
+        compression_fraction: top-k's share of each tensor's entries sent, in (0, 1]:
+            ``k = ceil(fraction * numel)`` (at least one entry per tensor).
+        compression_levels: QSGD's s, the levels of ``|v_i| / ||v||`` in [1, 32767]; codes are
+            int8 up to 127, int16 above.
+        error_feedback: whether a client keeps what its upload left out, ``Δ + e - decoded``,
+            in its state (``ef.*``) and adds it to its next delta (Stich et al. 2018); None: on
+            for ``topk`` (biased), off for ``qsgd`` (unbiased).
     """
 
     name: ClassVar[str] = "fedfull"
@@ -234,12 +277,32 @@ class FedFull(DenseServer, Hyper):
         transport_16bit=True,
         robust_aggregate=True,
         server_optimizer=True,
+        compress_uploads=True,
     )
     local_optimizer: Literal["adamw", "sgd"] = "adamw"
     momentum: float = 0.0
+    compression: Literal["none", "topk", "qsgd"] = field(
+        default="none", metadata={"config": "compression.kind"}
+    )
+    compression_fraction: float = field(default=0.01, metadata={"config": "compression.fraction"})
+    compression_levels: int = field(default=127, metadata={"config": "compression.levels"})
+    error_feedback: bool | None = field(
+        default=None, metadata={"config": "compression.error_feedback"}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_compression(type(self), self.compression, self.train.upload_increments)
+        if not 0 < self.compression_fraction <= 1:
+            raise ValueError(
+                f"{type(self).__name__}: compression_fraction must be in (0, 1], got "
+                f"{self.compression_fraction!r}"
+            )
+        if not 1 <= self.compression_levels <= 32767:
+            raise ValueError(
+                f"{type(self).__name__}: compression_levels must be in [1, 32767] (int16 codes), "
+                f"got {self.compression_levels!r}"
+            )
         if self.train.upload_increments and self.train.robust_aggregate != "mean":
             raise ValueError(
                 f"{type(self).__name__}: invalid upload_increments=True with robust_aggregate="
@@ -262,7 +325,73 @@ class FedFull(DenseServer, Hyper):
     ) -> tuple[Reply, State]:
         start, keep = self.dense_start(msg, state, model)
         reply, _ = self.train_locally(msg, start, model, data, rng, self.loss_terms(start))
-        return reply, keep
+        codec = self.codec()
+        if codec is None:
+            return reply, keep
+        memory = select(state.arrays, "ef.") if state is not None else {}
+        delta = select(reply.arrays, "update.")
+        sent, kept = compress_update(codec, delta, memory, rng, self.feedback)
+        keep = State({**keep.arrays, **with_prefix(kept, "ef.")}, dict(keep.values))
+        return Reply(with_prefix(sent, "update."), reply.metrics), keep
+
+    def codec(self) -> Codec | None:
+        """The upload's :class:`~fedlore.compression.Codec` (None: ``compression: none``);
+        floating values travel in the ``transport_dtype``."""
+        if self.compression == "none":
+            return None
+        return Codec(
+            self.compression, self.compression_fraction, self.compression_levels, self.wire_dtype
+        )
+
+    @property
+    def feedback(self) -> bool:
+        """Whether the clients keep an error-feedback memory (``error_feedback``; None: top-k)."""
+        return self.compression == "topk" if self.error_feedback is None else self.error_feedback
+
+    def dense_update(
+        self, model: nn.Module, start: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """``update.*`` as :class:`DenseServer` sends it; under ``compression`` the delta at the
+        model's dtype, which :meth:`client_update` then encodes."""
+        if self.compression == "none":
+            return super().dense_update(model, start)
+        return with_prefix(self.dense_delta(model, start), "update.")
+
+    def uploaded(
+        self, model: dict[str, torch.Tensor]
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{name: (shape, dtype)}`` of the global tensors ``model`` that a delta holds."""
+        return {k: (tuple(v.shape), v.dtype) for k, v in model.items() if not self.is_frozen(k)}
+
+    def expected_reply(self, state: State, rnd: int, client_id: int | None = None) -> ReplySpec:
+        """``update.*`` as :class:`DenseServer` expects it, or the encoded parts (``<name>.values``
+        and ``.index``, or ``.norm`` and ``.code``; :func:`~fedlore.compression.update_spec`)."""
+        codec = self.codec()
+        if codec is None:
+            return super().expected_reply(state, rnd, client_id)
+        spec = update_spec(codec, self.uploaded(select(state.arrays, "model.")))
+        return {"update." + k: v for k, v in spec.items()}
+
+    def reply_problem(self, state: State, rnd: int, client_id: int, reply: Reply) -> str | None:
+        """Why a reply of the expected shapes and dtypes is still no upload (the round loop
+        rejects it then): a top-k index out of range or repeated, a QSGD norm negative or not
+        finite, a code beyond the levels; None without compression."""
+        codec = self.codec()
+        if codec is None:
+            return None
+        like = self.uploaded(select(state.arrays, "model."))
+        why = update_problem(codec, select(reply.arrays, "update."), like)
+        return None if why is None else f"update.{why}"
+
+    def received_update(
+        self, arrays: dict[str, torch.Tensor], model: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The decoded ``Δ_i`` under ``compression`` (at the model's dtypes), else
+        :meth:`DenseServer.received_update`."""
+        codec = self.codec()
+        if codec is None:
+            return super().received_update(arrays, model)
+        return decode_update(codec, select(arrays, "update."), self.uploaded(model))
 
     def train_locally(
         self,

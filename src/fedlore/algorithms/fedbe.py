@@ -97,7 +97,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from fedlore.algorithms.fedavg import FedAvg
+from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
 from fedlore.algorithms.fedbe_ensemble import (
     FEDBE_SWA_START_SHARE,
     SHARPEN_FLOOR,
@@ -195,6 +195,7 @@ class FedBE(FedAvg):
     # regression=False: the pseudo-labels are class probabilities
     capabilities = replace(
         FedAvg.capabilities,
+        compress_uploads=False,
         sum_aggregable=False,
         transport_16bit=False,
         server_optimizer=False,  # its server distils after averaging: it has its own optimizer
@@ -206,6 +207,7 @@ class FedBE(FedAvg):
         server_data=True,
         regression=False,
     )
+    not_applicable: ClassVar[dict[str, str]] = UNCOMPRESSED
     name: ClassVar[str] = "fedbe"
     num_samples: int = 10
     var_scale: float = 0.1

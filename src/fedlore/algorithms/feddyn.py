@@ -62,7 +62,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from fedlore.algorithms.fedavg import FedAvg
+from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
 from fedlore.data.client_data import ClientData
 from fedlore.registry import register_algorithm
 from fedlore.tensors import from_wire, select, with_prefix
@@ -111,6 +111,7 @@ class FedDyn(FedAvg):
     name: ClassVar[str] = "feddyn"
     capabilities = replace(
         FedAvg.capabilities,
+        compress_uploads=False,
         sum_aggregable=False,
         transport_16bit=False,
         robust_aggregate=False,
@@ -122,6 +123,7 @@ class FedDyn(FedAvg):
             "do) FedDyn is not tested yet"
         ),
     )
+    not_applicable: ClassVar[dict[str, str]] = UNCOMPRESSED
     alpha: float = 0.01
     num_clients: int = field(default=10, metadata={"config": "num_clients"})
 

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from fedlore.algorithms.base import ReplySpec, local_eval_due, local_scores, reply_metrics
-from fedlore.algorithms.fedavg import FedAvg
+from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
 from fedlore.algorithms.meta_lr import meta_split
 from fedlore.algorithms.personal import Personalized, keep_personal, personal_arrays
 from fedlore.data.client_data import ClientData, TensorSplit
@@ -148,6 +148,7 @@ class FedFomo(Personalized, FedAvg):
     name: ClassVar[str] = "fedfomo"
     capabilities = replace(
         FedAvg.capabilities,
+        compress_uploads=False,
         sum_aggregable=False,
         transport_16bit=False,
         server_optimizer=False,  # its server forwards models; it takes no averaged step
@@ -157,6 +158,7 @@ class FedFomo(Personalized, FedAvg):
             "split (FedFomo Eqs. 5-7)"
         ),
     )
+    not_applicable: ClassVar[dict[str, str]] = UNCOMPRESSED
     num_candidates: int = 4
     epsilon: float = 0.3
     epsilon_decay: float = 0.05

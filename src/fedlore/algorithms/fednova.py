@@ -61,7 +61,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
-from fedlore.algorithms.fedavg import FedAvg
+from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
 from fedlore.algorithms.personal import prox_term
 from fedlore.data.client_data import ClientData
 from fedlore.registry import register_algorithm
@@ -112,6 +112,7 @@ class FedNova(FedAvg):
     name: ClassVar[str] = "fednova"
     capabilities = replace(
         FedAvg.capabilities,
+        compress_uploads=False,
         sum_aggregable=False,
         robust_aggregate=False,
         individual_uploads=(
@@ -121,6 +122,7 @@ class FedNova(FedAvg):
             "and DP would need a sensitivity for ‖a_i‖₁)"
         ),
     )
+    not_applicable: ClassVar[dict[str, str]] = UNCOMPRESSED
     mu: float = 0.0
     local_optimizer: Literal["adamw", "sgd"] = "sgd"
 

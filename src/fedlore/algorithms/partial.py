@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from fedlore.algorithms.base import ReplySpec
-from fedlore.algorithms.fedavg import FedAvg
+from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
 from fedlore.algorithms.personal import PERSONAL, personal_arrays
 from fedlore.data.client_data import ClientData
 from fedlore.registry import register_algorithm
@@ -106,6 +106,7 @@ class PartialFedAvg(FedAvg):
     name: ClassVar[str] = "partial"
     capabilities = replace(
         FedAvg.capabilities,
+        compress_uploads=False,
         sum_aggregable=False,
         keeps_layers_local=True,
         individual_uploads=(
@@ -114,6 +115,7 @@ class PartialFedAvg(FedAvg):
             "aggregation and DP (no test covers it there)"
         ),
     )
+    not_applicable: ClassVar[dict[str, str]] = UNCOMPRESSED
     default_rule: ClassVar[str] = ""
     """What the method keeps when ``personal_layers`` is None, for messages."""
     personal_layers: tuple[str, ...] | None = None

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from fedlore.algorithms.base import reply_metrics
-from fedlore.algorithms.fedavg import FedFull, optimizer_state_bytes
+from fedlore.algorithms.fedavg import UNCOMPRESSED, FedFull, optimizer_state_bytes
 from fedlore.algorithms.personal import BetaMixing, Personalized, keep_personal, personal_arrays
 from fedlore.bayes import (
     ESTIMATORS,
@@ -81,6 +81,7 @@ class PFedBayes(BetaMixing, Personalized, FedFull):
     name: ClassVar[str] = "pfedbayes"
     capabilities = replace(
         FedFull.capabilities,
+        compress_uploads=False,
         sum_aggregable=False,
         transport_16bit=False,
         individual_uploads=(
@@ -89,6 +90,7 @@ class PFedBayes(BetaMixing, Personalized, FedFull):
             "yet offered under secure aggregation and DP (no test covers it there)"
         ),
     )
+    not_applicable: ClassVar[dict[str, str]] = UNCOMPRESSED
     zeta: float = 10.0
     inner_steps: int = 5
     personal_lr: float | None = None

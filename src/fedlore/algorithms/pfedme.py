@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from fedlore.algorithms.base import reply_metrics
-from fedlore.algorithms.fedavg import FedAvg
+from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
 from fedlore.algorithms.personal import BetaMixing, Personalized, keep_personal, prox_term
 from fedlore.data.client_data import ClientData
 from fedlore.registry import register_algorithm
@@ -67,6 +67,7 @@ class PFedMe(BetaMixing, Personalized, FedAvg):
     name: ClassVar[str] = "pfedme"
     capabilities = replace(
         FedAvg.capabilities,
+        compress_uploads=False,
         sum_aggregable=False,
         transport_16bit=False,
         individual_uploads=(
@@ -75,6 +76,7 @@ class PFedMe(BetaMixing, Personalized, FedAvg):
             "secure aggregation and DP (no test covers it there)"
         ),
     )
+    not_applicable: ClassVar[dict[str, str]] = UNCOMPRESSED
     lam: float = 15.0
     inner_steps: int = 5
     personal_lr: float = 0.09

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from fedlore.algorithms.base import ReplySpec
-from fedlore.algorithms.fedavg import FedAvg
+from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
 from fedlore.data.client_data import ClientData
 from fedlore.registry import register_algorithm
 from fedlore.tensors import select, with_prefix
@@ -87,6 +87,7 @@ class Scaffold(FedAvg):
     name: ClassVar[str] = "scaffold"
     capabilities = replace(
         FedAvg.capabilities,
+        compress_uploads=False,
         sum_aggregable=False,
         transport_16bit=False,
         robust_aggregate=False,
@@ -96,6 +97,7 @@ class Scaffold(FedAvg):
             "covers it there)"
         ),
     )
+    not_applicable: ClassVar[dict[str, str]] = UNCOMPRESSED
     num_clients: int = field(default=10, metadata={"config": "num_clients"})
     local_optimizer: Literal["adamw", "sgd"] = "sgd"
 

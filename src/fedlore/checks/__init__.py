@@ -8,8 +8,9 @@ problem (a misspelt source or setting), not a folder in the way:
   a registered method and only hyperparameters it has (:func:`unused_method_problems`), and a
   command-line ``method.<name>.*`` setting for a method the run leaves out is refused
   (:func:`check_overrides`);
-* a method against the config: its overrides, ``robust.aggregate``, ``transport_dtype`` and
-  clients per round (:func:`check_method_settings`, :func:`check_min_clients`), secure
+* a method against the config: its overrides, ``robust.aggregate``, ``transport_dtype``,
+  ``compression`` and clients per round (:func:`check_method_settings`,
+  :func:`check_min_clients`), secure
   aggregation and DP (:func:`check_privacy`, :func:`check_secure_round`), the server's
   unlabeled set and regression data (:func:`server_data`);
 * the model against the data: :func:`check_model_fits_data`,
@@ -23,9 +24,9 @@ config, privacy) and :mod:`fedlore.checks.model_data` (the model against the dat
 preflight); everything is importable from here. :mod:`fedlore.checks.methods` is the one reader
 of a method's :class:`~fedlore.algorithm.Capabilities` (its
 ``capabilities`` record, and ``caps()`` where a value depends on hyperparameters): the refusals
-above, the construction-time refusals of :func:`check_wire_settings`, and the questions other
-modules ask (:func:`setup_rounds`, :func:`is_sum_aggregable`, :func:`projects`, :func:`adapts`,
-:func:`keeps_layers_local`).
+above, the construction-time refusals of :func:`check_wire_settings` and
+:func:`check_compression`, and the questions other modules ask (:func:`setup_rounds`,
+:func:`is_sum_aggregable`, :func:`projects`, :func:`adapts`, :func:`keeps_layers_local`).
 Whether a method has an ``optimizer`` setting is read here too (:func:`warn_own_optimizer`).
 """
 
@@ -33,6 +34,7 @@ from fedlore.checks.methods import (
     NAMED,
     Declares,
     adapts,
+    check_compression,
     check_method_settings,
     check_min_clients,
     check_overrides,
@@ -63,6 +65,7 @@ __all__ = [
     "NAMED",
     "Declares",
     "adapts",
+    "check_compression",
     "check_eval",
     "check_method_settings",
     "check_min_clients",

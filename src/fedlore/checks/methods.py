@@ -126,7 +126,8 @@ def check_method_settings(
     ``method.<name>.freeze``, ``.exclude`` or ``.num_clients`` override (``params.*`` and
     ``num_clients`` set them for every method),
     a robust aggregate for a method that averages no dense deltas, a 16-bit transport for one
-    that sends at the model's dtype only.
+    that sends at the model's dtype only, upload compression for one without
+    ``compress_uploads`` or with an update attack.
 
     Raises:
         ValueError: for a ``freeze`` or ``exclude`` override; ConfigError: for the others.
@@ -204,6 +205,19 @@ def check_method_settings(
             "own: FedDyn's h), so no server optimizer applies; use server.optimizer=sgd with "
             "server.lr=1"
         )
+    kind = overrides.get("compression", cfg.compression.kind)
+    key = f"method.{name}.compression" if "compression" in overrides else "compression.kind"
+    if kind != "none" and not caps.compress_uploads:
+        raise ConfigError(
+            f"{key}={kind}: method {name!r} does not {COMPRESSING}; to compress one method's "
+            "uploads set method.<name>.compression for one of those"
+        )
+    if kind != "none" and cfg.attack.kind in ("sign_flip", "scale", "gaussian"):
+        raise ConfigError(
+            f"attack.kind={cfg.attack.kind} with {key}={kind}: the update attacks "
+            "corrupt dense deltas (update.*), and a compressed upload holds top-k values and "
+            "indices or QSGD norms and codes; use compression.kind=none or attack.kind=label_flip"
+        )
     if cfg.transport_dtype != "fp32" and not caps.transport_16bit:
         raise ConfigError(
             f"transport_dtype={cfg.transport_dtype}: method {name!r} sends its tensors at the "
@@ -280,6 +294,47 @@ def check_wire_settings(cls: type[Declares], upload_increments: bool, transport_
         )
 
 
+COMPRESSING = (
+    "offer upload compression: only fedfull, fedavg and fedprox encode their dense deltas "
+    "(top-k, QSGD) and decode them on the server"
+)
+"""Why a method without the ``compress_uploads`` capability refuses ``compression``."""
+
+NO_PRIVATE_COMPRESSION = {
+    "topk": (
+        "each client's top-k indices differ, so the masked or clipped-and-noised sum of the "
+        "uploads (values and indices) is not the sum of the sparse deltas"
+    ),
+    "qsgd": (
+        "QSGD's integer codes and per-client norms are not offered under secure aggregation "
+        "and DP (no test covers it there)"
+    ),
+}
+"""Why ``compression`` is refused under secure aggregation and DP (``upload_increments``)."""
+
+
+def check_compression(cls: type[Declares], compression: str, upload_increments: bool) -> None:
+    """Refuse, when method class ``cls`` is instantiated, a ``compression`` it cannot honour:
+    any for a method without the ``compress_uploads`` capability, and any with
+    ``upload_increments`` (secure aggregation and DP).
+
+    Raises:
+        ValueError: naming the class, the setting and the reason.
+    """
+    if compression == "none":
+        return
+    if not cls.capabilities.compress_uploads:
+        raise ValueError(
+            f"{cls.__name__}: invalid compression={compression!r}: it does not {COMPRESSING}"
+        )
+    if upload_increments:
+        raise ValueError(
+            f"{cls.__name__}: invalid compression={compression!r} with upload_increments=True "
+            f"(secure aggregation or DP): {NO_PRIVATE_COMPRESSION[compression]}; use "
+            "compression=none"
+        )
+
+
 def check_privacy(name: str, cls: type[Declares], cfg: Config) -> None:
     """Refuse a config that asks for secure aggregation or DP where it cannot hold.
 
@@ -307,6 +362,11 @@ def check_privacy(name: str, cls: type[Declares], cfg: Config) -> None:
         raise ConfigError(
             f"{mode}: robust.aggregate={cfg.robust.aggregate} needs each client's upload; only "
             "the weighted mean is a sum (use robust.aggregate=mean)"
+        )
+    if cfg.compression.kind != "none":
+        raise ConfigError(
+            f"{mode}: compression.kind={cfg.compression.kind} is not supported: "
+            f"{NO_PRIVATE_COMPRESSION[cfg.compression.kind]}; use compression.kind=none"
         )
     if cfg.transport_dtype != "fp32":
         raise ConfigError(

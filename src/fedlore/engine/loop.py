@@ -27,7 +27,7 @@ import torch
 from fedlore.algorithm import Algorithm
 from fedlore.engine import interrupt
 from fedlore.engine.transport import Transport
-from fedlore.engine.validate import validate_reply
+from fedlore.engine.validate import method_problem, validate_reply
 from fedlore.privacy import Privacy
 from fedlore.robust import norm_screen
 from fedlore.tensors import nbytes
@@ -127,6 +127,8 @@ class RoundLoop:
                     bytes_up += nbytes(sent) - nbytes(extra)
                     spec = self.algorithm.expected_reply(state, rnd, cid)
                     reasons[cid] = validate_reply(res, spec)
+                    if reasons[cid] is None:
+                        reasons[cid] = method_problem(self.algorithm, state, rnd, cid, res)
                     if reasons[cid] is None and privacy is not None:
                         reasons[cid] = privacy.screen(res)
                 else:

@@ -7,7 +7,7 @@ import math
 import torch
 
 from fedlore.tensors import all_finite
-from fedlore.types import Reply
+from fedlore.types import Reply, State
 
 
 def validate_reply(
@@ -55,3 +55,17 @@ def validate_reply(
             if not all_finite([reply.arrays[k]]):
                 return f"{k}: contains NaN or Inf"
     return problem
+
+
+def method_problem(
+    algorithm: object, state: State, rnd: int, client_id: int, reply: Reply
+) -> str | None:
+    """Why the method rejects a reply that passed :func:`validate_reply`, or None: its optional
+    ``reply_problem(state, rnd, client_id, reply)`` (:mod:`fedlore.algorithm`), for what shapes
+    and dtypes cannot say (a compressed upload's indices in range and distinct, its codes within
+    the levels, its norms >= 0). A method without it accepts every such reply."""
+    check = getattr(algorithm, "reply_problem", None)
+    if check is None:
+        return None
+    why: str | None = check(state, rnd, client_id, reply)
+    return why
