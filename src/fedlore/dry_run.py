@@ -77,16 +77,23 @@ def _rounds_in(folder: Path) -> int:
         return 0
 
 
-def _same(cfg: Config, method: str, folder: Path) -> bool:
+def _same(
+    cfg: Config, method: str, folder: Path, fingerprint: Callable[[], str] | None = None
+) -> bool:
+    """Whether ``folder`` holds a run (started) with this config; with ``fingerprint``, also on
+    this data (:func:`fedlore.engine.overwriting.plan`'s test: a recorded fingerprint, if any,
+    is the data's)."""
     recorded = read_record(folder / "config.json")
-    return recorded is not None and not config_diff(cfg, method, recorded, make_algorithm)
+    if recorded is None or config_diff(cfg, method, recorded, make_algorithm):
+        return False
+    return fingerprint is None or recorded.get("data_fingerprint") in (None, fingerprint())
 
 
 def _fresh(cfg: Config, folder: Path, resumable: bool = True) -> Fate:
     done = _rounds_in(folder)
     if not done:
         return "train", f"trains {cfg.rounds} rounds"
-    whose = "the unfinished run" if resumable else "another config's unfinished run"
+    whose = "the unfinished run" if resumable else "an unfinished run of another config or data"
     hint = " (--resume continues it)" if resumable else ""
     return "train", f"starts over, discarding the {done} round(s) of {whose} there{hint}"
 
@@ -122,19 +129,19 @@ def _one(
     finished = (view / SUMMARY).is_file()
     name = target.relative_to(Path(cfg.output_dir) / cfg.name).as_posix()
     try:
-        if overwrite and resume:  # continuing an interrupted --overwrite
+        if overwrite and resume:  # continuing an interrupted --overwrite (overwriting.plan)
             if swapped:
                 replaced = replaced | {name}
-            if not finished:
-                if (view / "config.json").exists() and not _same(cfg, method, view):
+            if not finished:  # continued if it is this config's, on this data; else trained
+                if (view / "config.json").exists() and not _same(cfg, method, view, fingerprint):
                     return _fresh(cfg, view, resumable=False)
-                check_same_data(view, fingerprint())
+                check_same_config(cfg, method, view, make_algorithm)
                 return _continue(cfg, view)
-            if name in replaced and _same(cfg, method, view):
-                _check_finished_data(view, fingerprint)
+            if name in replaced and _same(cfg, method, view, fingerprint):
+                # kept after the checks of a rerun: a damaged record stops the command
+                finished_record(cfg, method, view, make_algorithm)
                 return "keep", "replaced already by the --overwrite: kept"
-            if not (staged / SUMMARY).is_file() and _same(cfg, method, staged):
-                check_same_data(staged, fingerprint())
+            if not swapped and _same(cfg, method, staged, fingerprint):
                 return _continue(cfg, staged, "the interrupted replacement ")
             return "train", "trains again, replacing the finished run"
         if overwrite:

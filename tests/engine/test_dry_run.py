@@ -229,3 +229,46 @@ def test_a_dry_run_reports_a_cut_swap_and_a_simulation_as_the_command_leaves_the
         "continue",
         "trains again from its first round (a new simulation does not hold the clients' states)",
     )
+
+
+def test_overwrite_resume_judges_kept_and_continued_runs_by_their_data_and_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--overwrite --resume`` keeps a replaced run, or continues an unfinished one, only when
+    it is of this config *and data* (:func:`fedlore.engine.overwriting.plan`); on other data it
+    trains it again rather than refusing, and a replaced run whose summary is damaged stops the
+    command rather than being kept. The dry run says the same."""
+    from fedlore.engine import overwriting
+
+    out = tmp_path / "runs"
+    assert main(["run", *_args(out)]) == 0
+    cfg = _cfg(out)
+    overwriting.begin(cfg, resume=False, overwrite=True)  # an --overwrite that replaced seed 1
+    for m in METHODS:
+        overwriting.record_finished(cfg, m, 1, overwrite=True)
+    # fedavg seed 1 replaced on other data; fedfull seed 2 unfinished, on other data
+    for m, s in (("fedavg", 1), ("fedfull", 2)):
+        path = run_dir(cfg, m, s) / "config.json"
+        recorded = json.loads(path.read_text())
+        recorded["data_fingerprint"] = "0" * 16
+        path.write_text(json.dumps(recorded))
+    (run_dir(cfg, "fedfull", 2) / "summary.json").unlink()
+    status, lines = _dry(out, capsys, "--overwrite", "--resume")
+    assert status == 0, lines
+    assert lines["fedavg seed 1"] == "train: trains again, replacing the finished run"
+    assert lines["fedfull seed 1"] == "keep: replaced already by the --overwrite: kept"
+    assert lines["fedfull seed 2"].startswith("train: starts over, discarding the 3 round(s)")
+    before = {(m, s): _summary_stamp(out, m, s) for m in METHODS for s in SEEDS}
+    assert main(["run", *_args(out), "--overwrite", "--resume"]) == 0  # as said
+    assert _summary_stamp(out, "fedavg", 1) != before["fedavg", 1]  # trained again
+    assert _summary_stamp(out, "fedfull", 1) == before["fedfull", 1]  # kept
+    assert _summary_stamp(out, "fedfull", 2) is not None
+
+    # a replaced run whose summary is damaged: the command refuses, and so does the dry run
+    overwriting.begin(cfg, resume=False, overwrite=True)
+    overwriting.record_finished(cfg, "fedavg", 1, overwrite=True)
+    (run_dir(cfg, "fedavg", 1) / "summary.json").write_text('{"method": "fedavg"}')
+    status, lines = _dry(out, capsys, "--overwrite", "--resume")
+    assert status == 2, lines
+    assert lines["fedavg seed 1"].startswith("refuse: ") and "lacks seed" in lines["fedavg seed 1"]
+    assert main(["run", *_args(out), "--overwrite", "--resume"]) == 2
