@@ -272,3 +272,34 @@ def test_overwrite_resume_judges_kept_and_continued_runs_by_their_data_and_recor
     assert status == 2, lines
     assert lines["fedavg seed 1"].startswith("refuse: ") and "lacks seed" in lines["fedavg seed 1"]
     assert main(["run", *_args(out), "--overwrite", "--resume"]) == 2
+
+
+def test_a_cut_swap_over_another_configs_run_is_completed_not_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An ``--overwrite`` replaced another config's finished run, and a kill came between the
+    replacement's summary and its swap: the next plain run swaps it in and keeps it (as the dry
+    run says), rather than refusing the run about to be replaced. A replacement copied from
+    another seed is refused by both."""
+    import shutil
+
+    from fedlore.engine.rerun import staging_dir
+
+    out = tmp_path / "runs"
+    assert main(["run", *_args(out)]) == 0
+    target = run_dir(_cfg(out), "fedavg", 1)
+    shutil.copytree(target, staging_dir(target))  # the finished replacement, of this config
+    path = target / "config.json"  # the run it replaces: another config's
+    recorded = json.loads(path.read_text())
+    recorded["lr"] = recorded["hyper"]["lr"] = 0.5
+    path.write_text(json.dumps(recorded))
+    status, lines = _dry(out, capsys)
+    assert status == 0 and lines["fedavg seed 1"].startswith("keep: finished already")
+    assert main(["run", *_args(out)]) == 0
+    assert not staging_dir(target).exists()
+    assert json.loads(path.read_text())["lr"] != 0.5  # the replacement took its place
+
+    shutil.copytree(run_dir(_cfg(out), "fedavg", 2), staging_dir(target))  # seed 2's run
+    status, lines = _dry(out, capsys)
+    assert status == 2 and "is of seed 2, not of seed-1.overwrite" in lines["fedavg seed 1"]
+    assert main(["run", *_args(out)]) == 2

@@ -126,7 +126,7 @@ def _unreadable(
         return f"{SUMMARY} lacks {', '.join(missing)}"
     if summary["method"] != method:
         return f"{SUMMARY} is {summary['method']}'s, not {method}'s"
-    named = re.fullmatch(r"seed-(-?\d+)", out.name)
+    named = re.fullmatch(rf"seed-(-?\d+)(?:{re.escape(STAGING)})?", out.name)
     if named is not None and summary["seed"] != int(named.group(1)):
         return f"{SUMMARY} is of seed {summary['seed']}, not of {out.name}"
     if not (out / "metrics.jsonl").is_file():
