@@ -41,15 +41,23 @@ it (then nothing trains: the command stops before the first run)."""
 Fate = tuple[str, str]
 """``(action, why)`` of one run."""
 
+WHEN = ("start", "seed", "run")
+"""When the command refuses a run: before it trains anything (the checks of every run folder
+before the first run), before any run of the run's seed (the finished runs of a seed are checked
+together), or when it reaches the run (the checks of a resume): the runs before it in the
+command's order have trained by then."""
+
 
 @dataclass(frozen=True)
 class Planned:
-    """One run's fate under the command: ``action`` (one of :data:`ACTIONS`) and why."""
+    """One run's fate under the command: ``action`` (one of :data:`ACTIONS`) and why; for a
+    refused run, ``when`` (one of :data:`WHEN`) the command refuses it."""
 
     method: str
     seed: int
     action: str
     why: str
+    when: str = "run"
 
 
 def _last_round(folder: Path) -> int | None:
@@ -118,9 +126,10 @@ def _one(
     overwrite: bool,
     fingerprint: Callable[[], str],
     replaced: set[str],
-) -> Fate:
+) -> Fate | tuple[str, str, str]:
     """The fate of one run (:func:`plan_runs`), by the rules of ``run_experiment``,
-    :func:`fedlore.engine.overwriting.plan` and :func:`fedlore.experiment.run_one`."""
+    :func:`fedlore.engine.overwriting.plan` and :func:`fedlore.experiment.run_one`, and when
+    (:data:`WHEN`) a refusal comes."""
     target = run_dir(cfg, method, seed)
     staged = staging_dir(target)
     swapped = (staged / SUMMARY).is_file()  # the real command swaps it in first
@@ -128,6 +137,7 @@ def _one(
     note = " (its finished replacement in the .overwrite folder is swapped in first)"
     finished = (view / SUMMARY).is_file()
     name = target.relative_to(Path(cfg.output_dir) / cfg.name).as_posix()
+    when = "run"
     try:
         if overwrite and resume:  # continuing an interrupted --overwrite (overwriting.plan)
             if swapped:
@@ -139,8 +149,9 @@ def _one(
                 return _continue(cfg, view)
             if name in replaced and _same(cfg, method, view, fingerprint):
                 # kept after the checks of a rerun: a damaged record stops the command
+                when = "seed"
                 finished_record(cfg, method, view, make_algorithm)
-                return "keep", "replaced already by the --overwrite: kept"
+                return "keep", "replaced already by the --overwrite: kept", "run"
             if not swapped and _same(cfg, method, staged, fingerprint):
                 return _continue(cfg, staged, "the interrupted replacement ")
             return "train", "trains again, replacing the finished run"
@@ -152,20 +163,26 @@ def _one(
                 )
             return _fresh(cfg, view)
         if resume and finished and not swapped and _same(cfg, method, staged):
+            check_same_config(cfg, method, staged, make_algorithm)
             check_same_data(staged, fingerprint())
             return _continue(cfg, staged, "the interrupted --overwrite replacement ")
         if finished:
+            # without a flag every run folder's record is checked before the first run; the
+            # data, and under --resume the record too, seed by seed
+            when = "seed" if resume else "start"
             record = finished_record(cfg, method, view, make_algorithm)
             assert record is not None
+            when = "seed"
             _check_finished_data(view, fingerprint)
-            return "keep", "finished already: kept (--overwrite trains it again)" + note * swapped
+            why = "finished already: kept (--overwrite trains it again)" + note * swapped
+            return "keep", why, "run"
         if resume:
             check_same_config(cfg, method, view, make_algorithm)
             check_same_data(view, fingerprint())
             return _continue(cfg, view)
         return _fresh(cfg, view)
     except ConfigError as e:
-        return "refuse", str(e)
+        return "refuse", str(e), when
 
 
 def _check_finished_data(folder: Path, fingerprint: Callable[[], str]) -> None:
@@ -207,9 +224,27 @@ def plan_runs(cfg: Config, resume: bool = False, overwrite: bool = False) -> lis
             return prints["fp"]
 
         for method in cfg.algorithms:
-            action, why = _one(cfg, method, seed, resume, overwrite, fingerprint, replaced)
-            planned.append(Planned(method, seed, action, why))
+            fate = _one(cfg, method, seed, resume, overwrite, fingerprint, replaced)
+            planned.append(Planned(method, seed, *fate))
     return planned
+
+
+def stop(planned: list[Planned]) -> tuple[Planned, list[Planned]] | None:
+    """Where the command stops: the refused run it stops at and the runs that train or
+    continue before (in its order: seed by seed, methods in config order); None when it refuses
+    none. Every run folder is checked before the first run, the finished runs of a seed before
+    its first run, and the rest as each run is reached (:data:`WHEN`)."""
+    first: dict[int, int] = {}
+    for i, p in enumerate(planned):
+        first.setdefault(p.seed, i)
+    at = {"start": lambda i, p: -1, "seed": lambda i, p: first[p.seed], "run": lambda i, p: i}
+    refused = [(at[p.when](i, p), WHEN.index(p.when), i) for i, p in enumerate(planned)
+               if p.action == "refuse"]  # fmt: skip
+    if not refused:
+        return None
+    where, _, i = min(refused)
+    done = [p for p in planned[: max(where, 0)] if p.action in ("train", "continue")]
+    return planned[i], done
 
 
 def describe(cfg: Config, planned: list[Planned]) -> str:
@@ -223,8 +258,17 @@ def describe(cfg: Config, planned: list[Planned]) -> str:
         lines.append(f"  {head}  {p.action}: {p.why}")
     counts = {a: sum(1 for p in planned if p.action == a) for a in ACTIONS}
     said = ", ".join(f"{n} {a}" for a, n in counts.items() if n)
-    if counts["refuse"]:
-        lines.append(f"{said}: `fedlore run` would stop before training anything")
+    stopped = stop(planned)
+    if stopped is not None:
+        at, done = stopped
+        if not done:
+            lines.append(f"{said}: `fedlore run` would stop before training anything")
+        else:
+            runs = ", ".join(f"{p.method} seed {p.seed}" for p in done)
+            lines.append(
+                f"{said}: `fedlore run` would first train or continue {len(done)} run(s) "
+                f"({runs}), then stop at {at.method} seed {at.seed}"
+            )
     else:
         lines.append(said)
     return "\n".join(lines)

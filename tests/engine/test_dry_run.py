@@ -303,3 +303,49 @@ def test_a_cut_swap_over_another_configs_run_is_completed_not_refused(
     status, lines = _dry(out, capsys)
     assert status == 2 and "is of seed 2, not of seed-1.overwrite" in lines["fedavg seed 1"]
     assert main(["run", *_args(out)]) == 2
+
+
+def test_a_dry_run_says_which_runs_train_before_the_command_stops(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A refusal found as the command reaches a run (a resume of another config's run) or a
+    seed (a finished run on other data) comes after the runs before it have trained: the dry run
+    names them and where the command stops, rather than saying nothing trains."""
+    out = tmp_path / "runs"
+    cfg = _cfg(out)
+    assert run_one(cfg, "fedfull", 2) is not None  # finished, then its data "changed"
+    path = run_dir(cfg, "fedfull", 2) / "config.json"
+    recorded = json.loads(path.read_text())
+    recorded["data_fingerprint"] = "0" * 16
+    path.write_text(json.dumps(recorded))
+    capsys.readouterr()
+    status = main(["run", *_args(out), "--dry-run"])
+    text = capsys.readouterr().out
+    assert status == 2
+    assert text.splitlines()[-1] == (
+        "3 train, 1 refuse: `fedlore run` would first train or continue 2 run(s) (fedavg seed "
+        "1, fedfull seed 1), then stop at fedfull seed 2"
+    ), text
+    assert main(["run", *_args(out)]) == 2  # as said: seed 1 trained, seed 2 not reached
+    assert all(_summary_stamp(out, m, 1) is not None for m in METHODS)
+    assert _summary_stamp(out, "fedavg", 2) is None
+
+    # --resume of another config's unfinished run: refused when reached, after fedavg seed 1
+    other = tmp_path / "other"
+    assert run_one(_cfg(other, "lr=0.5"), "fedfull", 1, stop_after=0) is None
+    capsys.readouterr()
+    status = main(["run", *_args(other), "--resume", "--dry-run"])
+    text = capsys.readouterr().out
+    assert status == 2
+    assert text.splitlines()[-1].endswith(
+        "`fedlore run` would first train or continue 1 run(s) (fedavg seed 1), then stop at "
+        "fedfull seed 1"
+    ), text
+    assert main(["run", *_args(other), "--resume"]) == 2
+    assert _summary_stamp(other, "fedavg", 1) is not None
+
+    # a finished run of another config is refused before any run trains
+    assert main(["run", *_args(out), "lr=0.5", "--dry-run"]) == 2
+    assert capsys.readouterr().out.splitlines()[-1].endswith(
+        "`fedlore run` would stop before training anything"
+    )
