@@ -15,16 +15,19 @@ anything else; the dry run reports the run as the swap would leave it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedlore.checks import setup_rounds
 from fedlore.config import Config, ConfigError
 from fedlore.engine import overwriting
+from fedlore.engine.callbacks import checkpoint_round
+from fedlore.engine.dp_ledger import repeated
 from fedlore.engine.rerun import SUMMARY, finished_record, read_record, staging_dir
 from fedlore.engine.rundir import (
     check_output_dir,
+    check_rows_reach,
     check_same_config,
     check_same_data,
     config_diff,
@@ -60,23 +63,6 @@ class Planned:
     when: str = "run"
 
 
-def _last_round(folder: Path) -> int | None:
-    """The last round ``folder/metrics.jsonl`` records (None: no row)."""
-    last = None
-    try:
-        lines = (folder / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a torn last line: the run drops it when it resumes
-        if isinstance(row, dict) and isinstance(row.get("round"), int):
-            last = row["round"]
-    return last
-
-
 def _rounds_in(folder: Path) -> int:
     """Rows an unfinished run has written (rounds a fresh start discards)."""
     try:
@@ -106,15 +92,26 @@ def _fresh(cfg: Config, folder: Path, resumable: bool = True) -> Fate:
     return "train", f"starts over, discarding the {done} round(s) of {whose} there{hint}"
 
 
-def _continue(cfg: Config, folder: Path, what: str = "") -> Fate:
-    last = _last_round(folder)
+def _continue(cfg: Config, method: str, folder: Path, what: str = "") -> Fate:
+    """A resume of the run in ``folder``, after the checks
+    :func:`fedlore.engine.rundir.resume_point` makes: its checkpoint can be read (the round it
+    continues after is the checkpoint's), ``metrics.jsonl`` holds every round up to it, and
+    under DP its ledger of repeated releases can be read."""
+    if cfg.dp.clip_norm is not None:
+        try:
+            repeated(folder)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if cfg.engine == "flower-sim":
         return "continue", (
             f"{what}trains again from its first round (a new simulation does not hold the "
             "clients' states)"
         )
-    if not (folder / "checkpoint.pt").is_file() or last is None:
+    ckpt = folder / "checkpoint.pt"
+    if not ckpt.exists():
         return "continue", f"{what}has no checkpoint: trains from its first round"
+    last = checkpoint_round(ckpt)
+    check_rows_reach(folder / "metrics.jsonl", -setup_rounds(make_algorithm(method, cfg)), last)
     return "continue", f"{what}continues after round {last} of {cfg.rounds}"
 
 
@@ -146,14 +143,14 @@ def _one(
                 if (view / "config.json").exists() and not _same(cfg, method, view, fingerprint):
                     return _fresh(cfg, view, resumable=False)
                 check_same_config(cfg, method, view, make_algorithm)
-                return _continue(cfg, view)
+                return _continue(cfg, method, view)
             if name in replaced and _same(cfg, method, view, fingerprint):
                 # kept after the checks of a rerun: a damaged record stops the command
                 when = "seed"
                 finished_record(cfg, method, view, make_algorithm)
                 return "keep", "replaced already by the --overwrite: kept", "run"
             if not swapped and _same(cfg, method, staged, fingerprint):
-                return _continue(cfg, staged, "the interrupted replacement ")
+                return _continue(cfg, method, staged, "the interrupted replacement ")
             return "train", "trains again, replacing the finished run"
         if overwrite:
             if finished:
@@ -165,7 +162,7 @@ def _one(
         if resume and finished and not swapped and _same(cfg, method, staged):
             check_same_config(cfg, method, staged, make_algorithm)
             check_same_data(staged, fingerprint())
-            return _continue(cfg, staged, "the interrupted --overwrite replacement ")
+            return _continue(cfg, method, staged, "the interrupted --overwrite replacement ")
         if finished:
             # without a flag every run folder's record is checked before the first run; the
             # data, and under --resume the record too, seed by seed
@@ -179,7 +176,7 @@ def _one(
         if resume:
             check_same_config(cfg, method, view, make_algorithm)
             check_same_data(view, fingerprint())
-            return _continue(cfg, view)
+            return _continue(cfg, method, view)
         return _fresh(cfg, view)
     except ConfigError as e:
         return "refuse", str(e), when

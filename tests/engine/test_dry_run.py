@@ -346,6 +346,57 @@ def test_a_dry_run_says_which_runs_train_before_the_command_stops(
 
     # a finished run of another config is refused before any run trains
     assert main(["run", *_args(out), "lr=0.5", "--dry-run"]) == 2
-    assert capsys.readouterr().out.splitlines()[-1].endswith(
-        "`fedlore run` would stop before training anything"
+    assert (
+        capsys.readouterr()
+        .out.splitlines()[-1]
+        .endswith("`fedlore run` would stop before training anything")
     )
+
+
+def test_a_resume_continues_after_its_checkpoints_round_and_is_refused_as_the_command_does(
+    tmp_path: Path,
+) -> None:
+    """``continue`` names the checkpoint's round (a kill while the checkpoint was being saved
+    leaves ``metrics.jsonl`` a row ahead of it), and a resume the command refuses (rows cut
+    short of the checkpoint, a damaged checkpoint) is a refusal in the dry run too."""
+    from fedlore.dry_run import plan_runs
+
+    out = tmp_path / "runs"
+    cfg = _cfg(out, "seeds=[1]", "algorithms=[fedavg]")
+    assert run_one(cfg, "fedavg", 1, stop_after=1) is None  # checkpoint after round 1
+    metrics = run_dir(cfg, "fedavg", 1) / "metrics.jsonl"
+    rows = metrics.read_text().splitlines()
+    ahead = {**json.loads(rows[-1]), "round": 2}  # round 2's row written, its checkpoint not
+    metrics.write_text("\n".join([*rows, json.dumps(ahead)]) + "\n")
+    (p,) = plan_runs(cfg, resume=True)
+    assert (p.action, p.why) == ("continue", "continues after round 1 of 3")
+
+    metrics.write_text(rows[0] + "\n")  # cut short of the checkpoint
+    (p,) = plan_runs(cfg, resume=True)
+    assert p.action == "refuse" and "lacks the rows of round 1" in p.why, p
+    args = [*_args(out), "seeds=[1]", "algorithms=[fedavg]", "--resume"]
+    assert main(["run", *args]) == 2  # the command refuses it too
+
+    metrics.write_text("\n".join(rows) + "\n")
+    ckpt = run_dir(cfg, "fedavg", 1) / "checkpoint.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:100])  # torn
+    (p,) = plan_runs(cfg, resume=True)
+    assert p.action == "refuse" and "is damaged and cannot be read" in p.why, p
+    assert main(["run", *args]) == 2
+
+
+def test_a_dp_resume_with_a_damaged_ledger_is_refused_as_the_command_does(
+    tmp_path: Path,
+) -> None:
+    from fedlore.dry_run import plan_runs
+    from fedlore.engine.dp_ledger import LEDGER
+
+    out = tmp_path / "runs"
+    dp = ("dp.clip_norm=1.0", "dp.noise_multiplier=1.0", "weighting=uniform")
+    cfg = _cfg(out, "seeds=[1]", "algorithms=[fedavg]", *dp)
+    assert run_one(cfg, "fedavg", 1, stop_after=0) is None
+    (run_dir(cfg, "fedavg", 1) / LEDGER).write_text("{")
+    (p,) = plan_runs(cfg, resume=True)
+    assert p.action == "refuse" and "not a DP ledger" in p.why, p
+    args = [*_args(out), "seeds=[1]", "algorithms=[fedavg]", *dp, "--resume"]
+    assert main(["run", *args]) == 2
