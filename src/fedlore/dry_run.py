@@ -4,9 +4,10 @@ Before a long sweep, or after an interrupted one, a researcher wants to know whi
 method x seed runs would train from the start, continue from a checkpoint, be kept as finished,
 or stop the command because another config's results are in the way. :func:`plan_runs` answers
 that with the same rules and the same checks as :func:`fedlore.experiment.run_experiment` (the
-config's own problems, the output folder, each run folder's record, config and data), reading
-files only: nothing is trained, written, locked or moved. The data of a seed is built (its
-fingerprint is checked against the runs' records) only when a folder of that seed holds a run.
+config's own problems, the output folder, the first seed's data and the model on it, each run
+folder's record, config, data and checkpoint), reading files only: nothing is trained, written,
+locked or moved. The data of a later seed is built (its fingerprint is checked against the runs'
+records) only when a folder of that seed holds a run.
 
 One difference, said in the line: a finished ``--overwrite`` replacement whose swap a kill cut
 in two (``seed-<s>.overwrite`` holds a summary) is completed by the real command before
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fedlore.checks import setup_rounds
 from fedlore.config import Config, ConfigError
@@ -34,6 +36,9 @@ from fedlore.engine.rundir import (
     run_dir,
 )
 from fedlore.experiment_parts import check_config, make_algorithm
+
+if TYPE_CHECKING:
+    from fedlore.data.federation import Federation
 
 ACTIONS = ("train", "continue", "keep", "refuse")
 """What the command does with a run: trains it from its first round, continues it from its
@@ -199,9 +204,11 @@ def plan_runs(cfg: Config, resume: bool = False, overwrite: bool = False) -> lis
     order it runs them (seed by seed, methods in config order). Reads files only.
 
     Raises:
-        ConfigError: what the command itself refuses before looking at any run: the config's
+        ConfigError: what the command itself refuses before it trains any run: the config's
             own problems, an output folder that is a file, ``--resume --overwrite`` with no
-            interrupted ``--overwrite`` to continue.
+            interrupted ``--overwrite`` to continue, a model that does not fit the data or a
+            method that cannot start on it (:func:`fedlore.checks.preflight`).
+        ValueError: data the first seed's federation cannot be built from (as the command).
     """
     overwriting.check_run_flags(cfg, resume, overwrite)
     check_config(cfg)
@@ -209,21 +216,50 @@ def plan_runs(cfg: Config, resume: bool = False, overwrite: bool = False) -> lis
     record = read_record(Path(cfg.output_dir) / cfg.name / overwriting.RECORD) or {}
     names = record.get("finished")
     replaced = {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
+    from fedlore.data.federation import build_federation
+
+    first: list[Federation] = []  # the first seed's data, which the command always builds
+
+    def first_federation() -> Federation:
+        if not first:
+            first.append(build_federation(cfg, cfg.seeds[0]))
+        return first[0]
+
     planned = []
     for seed in cfg.seeds:
         prints: dict[str, str] = {}
 
         def fingerprint(seed: int = seed, prints: dict[str, str] = prints) -> str:
             if "fp" not in prints:  # the data of this seed, built once and only when needed
-                from fedlore.data.federation import build_federation
-
-                prints["fp"] = build_federation(cfg, seed).fingerprint()
+                fed = first_federation() if seed == cfg.seeds[0] else build_federation(cfg, seed)
+                prints["fp"] = fed.fingerprint()
             return prints["fp"]
 
         for method in cfg.algorithms:
             fate = _one(cfg, method, seed, resume, overwrite, fingerprint, replaced)
             planned.append(Planned(method, seed, *fate))
+    if not any(p.action == "refuse" and p.when == "start" for p in planned):
+        _preflight(cfg, first_federation())  # what the command checks next, before any run
     return planned
+
+
+def _preflight(cfg: Config, fed: Federation) -> None:
+    """The checks :func:`fedlore.experiment.run_experiment` makes on the first seed's data and
+    model before its first run (the model fits the data, every method starts on it), and
+    :func:`fedlore.experiment.run_one`'s of the config before it trains.
+
+    Raises:
+        ConfigError, ValueError, KeyError: as the command does.
+    """
+    import functools
+
+    from fedlore.checks import check_site_data, preflight
+    from fedlore.experiment_parts import model_factory, try_method
+
+    if cfg.engine == "local":
+        check_site_data(cfg, deployed=False)
+    build_model = model_factory(cfg, fed, cfg.seeds[0])
+    preflight(cfg, fed, build_model, functools.partial(try_method, cfg, fed, build_model))
 
 
 def stop(planned: list[Planned]) -> tuple[Planned, list[Planned]] | None:

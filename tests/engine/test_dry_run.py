@@ -400,3 +400,26 @@ def test_a_dp_resume_with_a_damaged_ledger_is_refused_as_the_command_does(
     assert p.action == "refuse" and "not a DP ledger" in p.why, p
     args = [*_args(out), "seeds=[1]", "algorithms=[fedavg]", *dp, "--resume"]
     assert main(["run", *args]) == 2
+
+
+def test_a_dry_run_refuses_a_model_or_data_the_command_refuses_before_any_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command checks the first seed's data and the model on it before any run (its
+    preflight): the dry run makes the same checks, not only the config's and the folders'."""
+    import numpy as np
+
+    out = tmp_path / "runs"
+    assert main(["run", *_args(out), "model.name=cnn", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert main(["run", *_args(out), "model.name=cnn"]) == 2
+    assert capsys.readouterr().err == err
+    site = tmp_path / "one-class"  # every label 3: refused by the npz loader
+    site.mkdir()
+    x = np.random.default_rng(0).random((60, 64)).astype(np.float32)
+    np.savez(site / "train.npz", x=x, y=np.full(60, 3))
+    np.savez(site / "test.npz", x=x[:10], y=np.full(10, 3))
+    npz = ("data.name=npz", f"data.root={site}")
+    assert main(["run", *_args(out), *npz, "--dry-run"]) == 2
+    assert "every label is 3" in capsys.readouterr().err
+    assert not out.exists()
