@@ -30,6 +30,7 @@ from fedlore.engine.rerun import SUMMARY, finished_record, read_record, staging_
 from fedlore.engine.rundir import (
     check_output_dir,
     check_rows_reach,
+    check_run_folder,
     check_same_config,
     check_same_data,
     config_diff,
@@ -141,6 +142,9 @@ def _one(
     name = target.relative_to(Path(cfg.output_dir) / cfg.name).as_posix()
     when = "run"
     try:
+        when = "start"  # a file where the run's folder goes: the command makes none
+        check_run_folder(cfg, method, seed)
+        when = "run"
         if overwrite and resume:  # continuing an interrupted --overwrite (overwriting.plan)
             if swapped:
                 replaced = replaced | {name}

@@ -60,6 +60,7 @@ from fedlore.engine.rerun import (
 from fedlore.engine.rundir import (
     RunFolder,
     check_output_dir,
+    check_run_folder,
     check_same_config,
     check_same_data,
     make_output_dir,
@@ -409,6 +410,9 @@ def run_experiment(
     out: dict[str, list[dict[str, Any]]] = {m: [] for m in cfg.algorithms}
     check_config(cfg)
     check_output_dir(cfg)
+    for seed in cfg.seeds:  # before any folder or lock is made
+        for method in cfg.algorithms:
+            check_run_folder(cfg, method, seed)
     if not resume and not overwrite:
         for seed in cfg.seeds:
             for method in cfg.algorithms:

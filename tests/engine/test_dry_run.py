@@ -423,3 +423,22 @@ def test_a_dry_run_refuses_a_model_or_data_the_command_refuses_before_any_run(
     assert main(["run", *_args(out), *npz, "--dry-run"]) == 2
     assert "every label is 3" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_file_where_a_run_folder_goes_is_refused_before_anything_is_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file named like a method's folder or a run's: the command refuses before it makes
+    any folder or lock (it made the others', then failed with 'Not a directory'), and the dry
+    run says so (it said train)."""
+    out = tmp_path / "runs"
+    (out / "dry").mkdir(parents=True)
+    (out / "dry" / "fedfull").write_text("not a folder")
+    status, lines = _dry(out, capsys)
+    assert status == 2
+    assert lines["fedfull seed 1"].startswith("refuse: ") and "is a file" in lines["fedfull seed 1"]
+    assert lines["fedavg seed 1"].startswith("train: ")
+    capsys.readouterr()
+    assert main(["run", *_args(out)]) == 2
+    assert "fedfull is a file, not a folder" in capsys.readouterr().err
+    assert sorted(p.name for p in (out / "dry").iterdir()) == ["fedfull"]  # nothing made

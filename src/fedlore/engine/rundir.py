@@ -98,6 +98,22 @@ def check_output_dir(cfg: Config) -> None:
         break
 
 
+def check_run_folder(cfg: Config, method: str, seed: int) -> None:
+    """The run folder of ``method`` and ``seed`` (:func:`run_dir`) can be a folder: neither it
+    nor its method's folder is a file (nothing is created).
+
+    Raises:
+        ConfigError: naming the file in the way.
+    """
+    target = run_dir(cfg, method, seed)
+    for part in (target.parent, target):
+        if part.exists() and not part.is_dir():
+            raise ConfigError(
+                f"{part} is a file, not a folder: the run of {method} seed {seed} cannot be made "
+                "there; move the file away, or give this run another name=..."
+            )
+
+
 def make_output_dir(cfg: Config) -> None:
     """Create ``<output_dir>/<name>``.
 
