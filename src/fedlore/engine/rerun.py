@@ -263,7 +263,11 @@ def swap_in(staged: Path, target: Path) -> None:
     replaced = target.with_name(target.name + REPLACED)
     try:
         if target.exists() and _exchange(staged, target):
-            shutil.rmtree(staged, ignore_errors=True)  # now holds the run replaced
+            # ``staged`` now holds the run replaced, summary and all: renamed out of the way
+            # at once, so that a kill or a failed removal never leaves it looking like a
+            # finished replacement (the next run would swap it back in)
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.rename(staged, replaced)
         else:
             shutil.rmtree(replaced, ignore_errors=True)
             if target.exists():
