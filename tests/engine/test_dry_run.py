@@ -442,3 +442,20 @@ def test_a_file_where_a_run_folder_goes_is_refused_before_anything_is_made(
     assert main(["run", *_args(out)]) == 2
     assert "fedfull is a file, not a folder" in capsys.readouterr().err
     assert sorted(p.name for p in (out / "dry").iterdir()) == ["fedfull"]  # nothing made
+
+
+def test_a_resume_of_a_run_whose_config_json_is_torn_is_refused_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was a bare JSON error naming no file, from the command and the dry run alike (which
+    then printed no plan)."""
+    out = tmp_path / "runs"
+    cfg = _cfg(out)
+    assert run_one(cfg, "fedfull", 2, stop_after=0) is None
+    record = run_dir(cfg, "fedfull", 2) / "config.json"
+    record.write_text("{")
+    status, lines = _dry(out, capsys, "--resume")
+    assert status == 2
+    assert lines["fedfull seed 2"].startswith(f"refuse: --resume: {record} cannot be read")
+    assert main(["run", *_args(out), "--resume"]) == 2
+    assert f"--resume: {record} cannot be read" in capsys.readouterr().err
