@@ -26,6 +26,7 @@ from fedlore.config import Config, ConfigError
 from fedlore.engine import overwriting
 from fedlore.engine.callbacks import checkpoint_round
 from fedlore.engine.dp_ledger import repeated
+from fedlore.engine.lock import check_not_held
 from fedlore.engine.rerun import SUMMARY, finished_record, read_record, staging_dir
 from fedlore.engine.rundir import (
     check_output_dir,
@@ -142,8 +143,9 @@ def _one(
     name = target.relative_to(Path(cfg.output_dir) / cfg.name).as_posix()
     when = "run"
     try:
-        when = "start"  # a file where the run's folder goes: the command makes none
+        when = "start"  # a file where the run's folder goes, a run of it in progress
         check_run_folder(cfg, method, seed)
+        check_not_held(target)
         when = "run"
         if overwrite and resume:  # continuing an interrupted --overwrite (overwriting.plan)
             if swapped:

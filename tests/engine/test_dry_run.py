@@ -459,3 +459,35 @@ def test_a_resume_of_a_run_whose_config_json_is_torn_is_refused_naming_the_file(
     assert lines["fedfull seed 2"].startswith(f"refuse: --resume: {record} cannot be read")
     assert main(["run", *_args(out), "--resume"]) == 2
     assert f"--resume: {record} cannot be read" in capsys.readouterr().err
+
+
+def test_a_run_in_progress_in_another_process_is_refused_as_the_command_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A dry run while the sweep runs: the command would be refused at the folder another
+    process holds (its lock), and the dry run says so (without taking the lock)."""
+    import fcntl
+    import os
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the lock is read from Linux's /proc/locks")
+    out = tmp_path / "runs"
+    folder = run_dir(_cfg(out), "fedavg", 2)
+    folder.mkdir(parents=True)
+    fd = os.open(folder / "run.lock", os.O_RDWR | os.O_CREAT)
+    try:  # held as another process would hold it (not through this process's RunLock)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, b"PID 4242 on elsewhere since now\n")
+        status, lines = _dry(out, capsys)
+        assert status == 2
+        assert lines["fedavg seed 2"] == (
+            f"refuse: {folder} is in use by another fedlore run (PID 4242 on elsewhere since "
+            "now); wait for it to finish, stop it, or give this run another name=..."
+        )
+        assert main(["run", *_args(out)]) == 2
+        assert "is in use by another fedlore run (PID 4242" in capsys.readouterr().err
+    finally:
+        os.close(fd)
+    status, lines = _dry(out, capsys)  # released: nothing in the way
+    assert status == 0 and lines["fedavg seed 2"] == "train: trains 3 rounds"
