@@ -4,9 +4,10 @@ Before a long sweep, or after an interrupted one, a researcher wants to know whi
 method x seed runs would train from the start, continue from a checkpoint, be kept as finished,
 or stop the command because another config's results are in the way. :func:`plan_runs` answers
 that with the same rules and the same checks as :func:`fedlore.experiment.run_experiment` (the
-config's own problems, the output folder, each run folder's record, config and data), reading
-files only: nothing is trained, written, locked or moved. The data of a seed is built (its
-fingerprint is checked against the runs' records) only when a folder of that seed holds a run.
+config's own problems, the output folder, the first seed's data and the model on it, each run
+folder's record, config, data and checkpoint), reading files only: nothing is trained, written,
+locked or moved. The data of a later seed is built (its fingerprint is checked against the runs'
+records) only when a folder of that seed holds a run.
 
 One difference, said in the line: a finished ``--overwrite`` replacement whose swap a kill cut
 in two (``seed-<s>.overwrite`` holds a summary) is completed by the real command before
@@ -15,22 +16,31 @@ anything else; the dry run reports the run as the swap would leave it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from fedlore.checks import setup_rounds
 from fedlore.config import Config, ConfigError
 from fedlore.engine import overwriting
+from fedlore.engine.callbacks import checkpoint_round
+from fedlore.engine.dp_ledger import repeated
+from fedlore.engine.lock import check_not_held
 from fedlore.engine.rerun import SUMMARY, finished_record, read_record, staging_dir
 from fedlore.engine.rundir import (
     check_output_dir,
+    check_rows_reach,
+    check_run_folder,
     check_same_config,
     check_same_data,
     config_diff,
     run_dir,
 )
 from fedlore.experiment_parts import check_config, make_algorithm
+
+if TYPE_CHECKING:
+    from fedlore.data.federation import Federation
 
 ACTIONS = ("train", "continue", "keep", "refuse")
 """What the command does with a run: trains it from its first round, continues it from its
@@ -41,32 +51,23 @@ it (then nothing trains: the command stops before the first run)."""
 Fate = tuple[str, str]
 """``(action, why)`` of one run."""
 
+WHEN = ("start", "seed", "run")
+"""When the command refuses a run: before it trains anything (the checks of every run folder
+before the first run), before any run of the run's seed (the finished runs of a seed are checked
+together), or when it reaches the run (the checks of a resume): the runs before it in the
+command's order have trained by then."""
+
 
 @dataclass(frozen=True)
 class Planned:
-    """One run's fate under the command: ``action`` (one of :data:`ACTIONS`) and why."""
+    """One run's fate under the command: ``action`` (one of :data:`ACTIONS`) and why; for a
+    refused run, ``when`` (one of :data:`WHEN`) the command refuses it."""
 
     method: str
     seed: int
     action: str
     why: str
-
-
-def _last_round(folder: Path) -> int | None:
-    """The last round ``folder/metrics.jsonl`` records (None: no row)."""
-    last = None
-    try:
-        lines = (folder / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a torn last line: the run drops it when it resumes
-        if isinstance(row, dict) and isinstance(row.get("round"), int):
-            last = row["round"]
-    return last
+    when: str = "run"
 
 
 def _rounds_in(folder: Path) -> int:
@@ -77,29 +78,47 @@ def _rounds_in(folder: Path) -> int:
         return 0
 
 
-def _same(cfg: Config, method: str, folder: Path) -> bool:
+def _same(
+    cfg: Config, method: str, folder: Path, fingerprint: Callable[[], str] | None = None
+) -> bool:
+    """Whether ``folder`` holds a run (started) with this config; with ``fingerprint``, also on
+    this data (:func:`fedlore.engine.overwriting.plan`'s test: a recorded fingerprint, if any,
+    is the data's)."""
     recorded = read_record(folder / "config.json")
-    return recorded is not None and not config_diff(cfg, method, recorded, make_algorithm)
+    if recorded is None or config_diff(cfg, method, recorded, make_algorithm):
+        return False
+    return fingerprint is None or recorded.get("data_fingerprint") in (None, fingerprint())
 
 
 def _fresh(cfg: Config, folder: Path, resumable: bool = True) -> Fate:
     done = _rounds_in(folder)
     if not done:
         return "train", f"trains {cfg.rounds} rounds"
-    whose = "the unfinished run" if resumable else "another config's unfinished run"
+    whose = "the unfinished run" if resumable else "an unfinished run of another config or data"
     hint = " (--resume continues it)" if resumable else ""
     return "train", f"starts over, discarding the {done} round(s) of {whose} there{hint}"
 
 
-def _continue(cfg: Config, folder: Path, what: str = "") -> Fate:
-    last = _last_round(folder)
+def _continue(cfg: Config, method: str, folder: Path, what: str = "") -> Fate:
+    """A resume of the run in ``folder``, after the checks
+    :func:`fedlore.engine.rundir.resume_point` makes: its checkpoint can be read (the round it
+    continues after is the checkpoint's), ``metrics.jsonl`` holds every round up to it, and
+    under DP its ledger of repeated releases can be read."""
+    if cfg.dp.clip_norm is not None:
+        try:
+            repeated(folder)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if cfg.engine == "flower-sim":
         return "continue", (
             f"{what}trains again from its first round (a new simulation does not hold the "
             "clients' states)"
         )
-    if not (folder / "checkpoint.pt").is_file() or last is None:
+    ckpt = folder / "checkpoint.pt"
+    if not ckpt.exists():
         return "continue", f"{what}has no checkpoint: trains from its first round"
+    last = checkpoint_round(ckpt)
+    check_rows_reach(folder / "metrics.jsonl", -setup_rounds(make_algorithm(method, cfg)), last)
     return "continue", f"{what}continues after round {last} of {cfg.rounds}"
 
 
@@ -111,9 +130,10 @@ def _one(
     overwrite: bool,
     fingerprint: Callable[[], str],
     replaced: set[str],
-) -> Fate:
+) -> Fate | tuple[str, str, str]:
     """The fate of one run (:func:`plan_runs`), by the rules of ``run_experiment``,
-    :func:`fedlore.engine.overwriting.plan` and :func:`fedlore.experiment.run_one`."""
+    :func:`fedlore.engine.overwriting.plan` and :func:`fedlore.experiment.run_one`, and when
+    (:data:`WHEN`) a refusal comes."""
     target = run_dir(cfg, method, seed)
     staged = staging_dir(target)
     swapped = (staged / SUMMARY).is_file()  # the real command swaps it in first
@@ -121,21 +141,27 @@ def _one(
     note = " (its finished replacement in the .overwrite folder is swapped in first)"
     finished = (view / SUMMARY).is_file()
     name = target.relative_to(Path(cfg.output_dir) / cfg.name).as_posix()
+    when = "run"
     try:
-        if overwrite and resume:  # continuing an interrupted --overwrite
+        when = "start"  # a file where the run's folder goes, a run of it in progress
+        check_run_folder(cfg, method, seed)
+        check_not_held(target)
+        when = "run"
+        if overwrite and resume:  # continuing an interrupted --overwrite (overwriting.plan)
             if swapped:
                 replaced = replaced | {name}
-            if not finished:
-                if (view / "config.json").exists() and not _same(cfg, method, view):
+            if not finished:  # continued if it is this config's, on this data; else trained
+                if (view / "config.json").exists() and not _same(cfg, method, view, fingerprint):
                     return _fresh(cfg, view, resumable=False)
-                check_same_data(view, fingerprint())
-                return _continue(cfg, view)
-            if name in replaced and _same(cfg, method, view):
-                _check_finished_data(view, fingerprint)
-                return "keep", "replaced already by the --overwrite: kept"
-            if not (staged / SUMMARY).is_file() and _same(cfg, method, staged):
-                check_same_data(staged, fingerprint())
-                return _continue(cfg, staged, "the interrupted replacement ")
+                check_same_config(cfg, method, view, make_algorithm)
+                return _continue(cfg, method, view)
+            if name in replaced and _same(cfg, method, view, fingerprint):
+                # kept after the checks of a rerun: a damaged record stops the command
+                when = "seed"
+                finished_record(cfg, method, view, make_algorithm)
+                return "keep", "replaced already by the --overwrite: kept", "run"
+            if not swapped and _same(cfg, method, staged, fingerprint):
+                return _continue(cfg, method, staged, "the interrupted replacement ")
             return "train", "trains again, replacing the finished run"
         if overwrite:
             if finished:
@@ -145,20 +171,26 @@ def _one(
                 )
             return _fresh(cfg, view)
         if resume and finished and not swapped and _same(cfg, method, staged):
+            check_same_config(cfg, method, staged, make_algorithm)
             check_same_data(staged, fingerprint())
-            return _continue(cfg, staged, "the interrupted --overwrite replacement ")
+            return _continue(cfg, method, staged, "the interrupted --overwrite replacement ")
         if finished:
+            # without a flag every run folder's record is checked before the first run; the
+            # data, and under --resume the record too, seed by seed
+            when = "seed" if resume else "start"
             record = finished_record(cfg, method, view, make_algorithm)
             assert record is not None
+            when = "seed"
             _check_finished_data(view, fingerprint)
-            return "keep", "finished already: kept (--overwrite trains it again)" + note * swapped
+            why = "finished already: kept (--overwrite trains it again)" + note * swapped
+            return "keep", why, "run"
         if resume:
             check_same_config(cfg, method, view, make_algorithm)
             check_same_data(view, fingerprint())
-            return _continue(cfg, view)
+            return _continue(cfg, method, view)
         return _fresh(cfg, view)
     except ConfigError as e:
-        return "refuse", str(e)
+        return "refuse", str(e), when
 
 
 def _check_finished_data(folder: Path, fingerprint: Callable[[], str]) -> None:
@@ -178,9 +210,11 @@ def plan_runs(cfg: Config, resume: bool = False, overwrite: bool = False) -> lis
     order it runs them (seed by seed, methods in config order). Reads files only.
 
     Raises:
-        ConfigError: what the command itself refuses before looking at any run: the config's
+        ConfigError: what the command itself refuses before it trains any run: the config's
             own problems, an output folder that is a file, ``--resume --overwrite`` with no
-            interrupted ``--overwrite`` to continue.
+            interrupted ``--overwrite`` to continue, a model that does not fit the data or a
+            method that cannot start on it (:func:`fedlore.checks.preflight`).
+        ValueError: data the first seed's federation cannot be built from (as the command).
     """
     overwriting.check_run_flags(cfg, resume, overwrite)
     check_config(cfg)
@@ -188,21 +222,68 @@ def plan_runs(cfg: Config, resume: bool = False, overwrite: bool = False) -> lis
     record = read_record(Path(cfg.output_dir) / cfg.name / overwriting.RECORD) or {}
     names = record.get("finished")
     replaced = {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
+    from fedlore.data.federation import build_federation
+
+    first: list[Federation] = []  # the first seed's data, which the command always builds
+
+    def first_federation() -> Federation:
+        if not first:
+            first.append(build_federation(cfg, cfg.seeds[0]))
+        return first[0]
+
     planned = []
     for seed in cfg.seeds:
         prints: dict[str, str] = {}
 
         def fingerprint(seed: int = seed, prints: dict[str, str] = prints) -> str:
             if "fp" not in prints:  # the data of this seed, built once and only when needed
-                from fedlore.data.federation import build_federation
-
-                prints["fp"] = build_federation(cfg, seed).fingerprint()
+                fed = first_federation() if seed == cfg.seeds[0] else build_federation(cfg, seed)
+                prints["fp"] = fed.fingerprint()
             return prints["fp"]
 
         for method in cfg.algorithms:
-            action, why = _one(cfg, method, seed, resume, overwrite, fingerprint, replaced)
-            planned.append(Planned(method, seed, action, why))
+            fate = _one(cfg, method, seed, resume, overwrite, fingerprint, replaced)
+            planned.append(Planned(method, seed, *fate))
+    if not any(p.action == "refuse" and p.when == "start" for p in planned):
+        _preflight(cfg, first_federation())  # what the command checks next, before any run
     return planned
+
+
+def _preflight(cfg: Config, fed: Federation) -> None:
+    """The checks :func:`fedlore.experiment.run_experiment` makes on the first seed's data and
+    model before its first run (the model fits the data, every method starts on it), and
+    :func:`fedlore.experiment.run_one`'s of the config before it trains.
+
+    Raises:
+        ConfigError, ValueError, KeyError: as the command does.
+    """
+    import functools
+
+    from fedlore.checks import check_site_data, preflight
+    from fedlore.experiment_parts import model_factory, try_method
+
+    if cfg.engine == "local":
+        check_site_data(cfg, deployed=False)
+    build_model = model_factory(cfg, fed, cfg.seeds[0])
+    preflight(cfg, fed, build_model, functools.partial(try_method, cfg, fed, build_model))
+
+
+def stop(planned: list[Planned]) -> tuple[Planned, list[Planned]] | None:
+    """Where the command stops: the refused run it stops at and the runs that train or
+    continue before (in its order: seed by seed, methods in config order); None when it refuses
+    none. Every run folder is checked before the first run, the finished runs of a seed before
+    its first run, and the rest as each run is reached (:data:`WHEN`)."""
+    first: dict[int, int] = {}
+    for i, p in enumerate(planned):
+        first.setdefault(p.seed, i)
+    at = {"start": lambda i, p: -1, "seed": lambda i, p: first[p.seed], "run": lambda i, p: i}
+    refused = [(at[p.when](i, p), WHEN.index(p.when), i) for i, p in enumerate(planned)
+               if p.action == "refuse"]  # fmt: skip
+    if not refused:
+        return None
+    where, _, i = min(refused)
+    done = [p for p in planned[: max(where, 0)] if p.action in ("train", "continue")]
+    return planned[i], done
 
 
 def describe(cfg: Config, planned: list[Planned]) -> str:
@@ -216,8 +297,17 @@ def describe(cfg: Config, planned: list[Planned]) -> str:
         lines.append(f"  {head}  {p.action}: {p.why}")
     counts = {a: sum(1 for p in planned if p.action == a) for a in ACTIONS}
     said = ", ".join(f"{n} {a}" for a, n in counts.items() if n)
-    if counts["refuse"]:
-        lines.append(f"{said}: `fedlore run` would stop before training anything")
+    stopped = stop(planned)
+    if stopped is not None:
+        at, done = stopped
+        if not done:
+            lines.append(f"{said}: `fedlore run` would stop before training anything")
+        else:
+            runs = ", ".join(f"{p.method} seed {p.seed}" for p in done)
+            lines.append(
+                f"{said}: `fedlore run` would first train or continue {len(done)} run(s) "
+                f"({runs}), then stop at {at.method} seed {at.seed}"
+            )
     else:
         lines.append(said)
     return "\n".join(lines)

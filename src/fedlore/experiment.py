@@ -50,14 +50,17 @@ from fedlore.engine.interrupt import Interrupted
 from fedlore.engine.lock import RunLock
 from fedlore.engine.loop import Callback, RoundLoop
 from fedlore.engine.rerun import (
+    SUMMARY,
     check_no_finished_run_of_another_config,
     finished_run,
+    staging_dir,
     swap_in,
     write_dir,
 )
 from fedlore.engine.rundir import (
     RunFolder,
     check_output_dir,
+    check_run_folder,
     check_same_config,
     check_same_data,
     make_output_dir,
@@ -407,11 +410,19 @@ def run_experiment(
     out: dict[str, list[dict[str, Any]]] = {m: [] for m in cfg.algorithms}
     check_config(cfg)
     check_output_dir(cfg)
+    for seed in cfg.seeds:  # before any folder or lock is made
+        for method in cfg.algorithms:
+            check_run_folder(cfg, method, seed)
     if not resume and not overwrite:
         for seed in cfg.seeds:
             for method in cfg.algorithms:
                 target = run_dir(cfg, method, seed)
-                check_no_finished_run_of_another_config(cfg, method, target, make_algorithm)
+                # what the folder holds once a finished replacement whose swap a kill cut in two
+                # is swapped in (the first thing a run of it does): that run is judged, not the
+                # one it replaces
+                staged = staging_dir(target)
+                held = staged if (staged / SUMMARY).is_file() else target
+                check_no_finished_run_of_another_config(cfg, method, held, make_algorithm)
     first = build_federation(cfg, cfg.seeds[0])
     # every check runs before a run folder is created or touched
     build_model = model_factory(cfg, first, cfg.seeds[0])

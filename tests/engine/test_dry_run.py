@@ -229,3 +229,265 @@ def test_a_dry_run_reports_a_cut_swap_and_a_simulation_as_the_command_leaves_the
         "continue",
         "trains again from its first round (a new simulation does not hold the clients' states)",
     )
+
+
+def test_overwrite_resume_judges_kept_and_continued_runs_by_their_data_and_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--overwrite --resume`` keeps a replaced run, or continues an unfinished one, only when
+    it is of this config *and data* (:func:`fedlore.engine.overwriting.plan`); on other data it
+    trains it again rather than refusing, and a replaced run whose summary is damaged stops the
+    command rather than being kept. The dry run says the same."""
+    from fedlore.engine import overwriting
+
+    out = tmp_path / "runs"
+    assert main(["run", *_args(out)]) == 0
+    cfg = _cfg(out)
+    overwriting.begin(cfg, resume=False, overwrite=True)  # an --overwrite that replaced seed 1
+    for m in METHODS:
+        overwriting.record_finished(cfg, m, 1, overwrite=True)
+    # fedavg seed 1 replaced on other data; fedfull seed 2 unfinished, on other data
+    for m, s in (("fedavg", 1), ("fedfull", 2)):
+        path = run_dir(cfg, m, s) / "config.json"
+        recorded = json.loads(path.read_text())
+        recorded["data_fingerprint"] = "0" * 16
+        path.write_text(json.dumps(recorded))
+    (run_dir(cfg, "fedfull", 2) / "summary.json").unlink()
+    status, lines = _dry(out, capsys, "--overwrite", "--resume")
+    assert status == 0, lines
+    assert lines["fedavg seed 1"] == "train: trains again, replacing the finished run"
+    assert lines["fedfull seed 1"] == "keep: replaced already by the --overwrite: kept"
+    assert lines["fedfull seed 2"].startswith("train: starts over, discarding the 3 round(s)")
+    before = {(m, s): _summary_stamp(out, m, s) for m in METHODS for s in SEEDS}
+    assert main(["run", *_args(out), "--overwrite", "--resume"]) == 0  # as said
+    assert _summary_stamp(out, "fedavg", 1) != before["fedavg", 1]  # trained again
+    assert _summary_stamp(out, "fedfull", 1) == before["fedfull", 1]  # kept
+    assert _summary_stamp(out, "fedfull", 2) is not None
+
+    # a replaced run whose summary is damaged: the command refuses, and so does the dry run
+    overwriting.begin(cfg, resume=False, overwrite=True)
+    overwriting.record_finished(cfg, "fedavg", 1, overwrite=True)
+    (run_dir(cfg, "fedavg", 1) / "summary.json").write_text('{"method": "fedavg"}')
+    status, lines = _dry(out, capsys, "--overwrite", "--resume")
+    assert status == 2, lines
+    assert lines["fedavg seed 1"].startswith("refuse: ") and "lacks seed" in lines["fedavg seed 1"]
+    assert main(["run", *_args(out), "--overwrite", "--resume"]) == 2
+
+
+def test_a_cut_swap_over_another_configs_run_is_completed_not_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An ``--overwrite`` replaced another config's finished run, and a kill came between the
+    replacement's summary and its swap: the next plain run swaps it in and keeps it (as the dry
+    run says), rather than refusing the run about to be replaced. A replacement copied from
+    another seed is refused by both."""
+    import shutil
+
+    from fedlore.engine.rerun import staging_dir
+
+    out = tmp_path / "runs"
+    assert main(["run", *_args(out)]) == 0
+    target = run_dir(_cfg(out), "fedavg", 1)
+    shutil.copytree(target, staging_dir(target))  # the finished replacement, of this config
+    path = target / "config.json"  # the run it replaces: another config's
+    recorded = json.loads(path.read_text())
+    recorded["lr"] = recorded["hyper"]["lr"] = 0.5
+    path.write_text(json.dumps(recorded))
+    status, lines = _dry(out, capsys)
+    assert status == 0 and lines["fedavg seed 1"].startswith("keep: finished already")
+    assert main(["run", *_args(out)]) == 0
+    assert not staging_dir(target).exists()
+    assert json.loads(path.read_text())["lr"] != 0.5  # the replacement took its place
+
+    shutil.copytree(run_dir(_cfg(out), "fedavg", 2), staging_dir(target))  # seed 2's run
+    status, lines = _dry(out, capsys)
+    assert status == 2 and "is of seed 2, not of seed-1.overwrite" in lines["fedavg seed 1"]
+    assert main(["run", *_args(out)]) == 2
+
+
+def test_a_dry_run_says_which_runs_train_before_the_command_stops(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A refusal found as the command reaches a run (a resume of another config's run) or a
+    seed (a finished run on other data) comes after the runs before it have trained: the dry run
+    names them and where the command stops, rather than saying nothing trains."""
+    out = tmp_path / "runs"
+    cfg = _cfg(out)
+    assert run_one(cfg, "fedfull", 2) is not None  # finished, then its data "changed"
+    path = run_dir(cfg, "fedfull", 2) / "config.json"
+    recorded = json.loads(path.read_text())
+    recorded["data_fingerprint"] = "0" * 16
+    path.write_text(json.dumps(recorded))
+    capsys.readouterr()
+    status = main(["run", *_args(out), "--dry-run"])
+    text = capsys.readouterr().out
+    assert status == 2
+    assert text.splitlines()[-1] == (
+        "3 train, 1 refuse: `fedlore run` would first train or continue 2 run(s) (fedavg seed "
+        "1, fedfull seed 1), then stop at fedfull seed 2"
+    ), text
+    assert main(["run", *_args(out)]) == 2  # as said: seed 1 trained, seed 2 not reached
+    assert all(_summary_stamp(out, m, 1) is not None for m in METHODS)
+    assert _summary_stamp(out, "fedavg", 2) is None
+
+    # --resume of another config's unfinished run: refused when reached, after fedavg seed 1
+    other = tmp_path / "other"
+    assert run_one(_cfg(other, "lr=0.5"), "fedfull", 1, stop_after=0) is None
+    capsys.readouterr()
+    status = main(["run", *_args(other), "--resume", "--dry-run"])
+    text = capsys.readouterr().out
+    assert status == 2
+    assert text.splitlines()[-1].endswith(
+        "`fedlore run` would first train or continue 1 run(s) (fedavg seed 1), then stop at "
+        "fedfull seed 1"
+    ), text
+    assert main(["run", *_args(other), "--resume"]) == 2
+    assert _summary_stamp(other, "fedavg", 1) is not None
+
+    # a finished run of another config is refused before any run trains
+    assert main(["run", *_args(out), "lr=0.5", "--dry-run"]) == 2
+    assert (
+        capsys.readouterr()
+        .out.splitlines()[-1]
+        .endswith("`fedlore run` would stop before training anything")
+    )
+
+
+def test_a_resume_continues_after_its_checkpoints_round_and_is_refused_as_the_command_does(
+    tmp_path: Path,
+) -> None:
+    """``continue`` names the checkpoint's round (a kill while the checkpoint was being saved
+    leaves ``metrics.jsonl`` a row ahead of it), and a resume the command refuses (rows cut
+    short of the checkpoint, a damaged checkpoint) is a refusal in the dry run too."""
+    from fedlore.dry_run import plan_runs
+
+    out = tmp_path / "runs"
+    cfg = _cfg(out, "seeds=[1]", "algorithms=[fedavg]")
+    assert run_one(cfg, "fedavg", 1, stop_after=1) is None  # checkpoint after round 1
+    metrics = run_dir(cfg, "fedavg", 1) / "metrics.jsonl"
+    rows = metrics.read_text().splitlines()
+    ahead = {**json.loads(rows[-1]), "round": 2}  # round 2's row written, its checkpoint not
+    metrics.write_text("\n".join([*rows, json.dumps(ahead)]) + "\n")
+    (p,) = plan_runs(cfg, resume=True)
+    assert (p.action, p.why) == ("continue", "continues after round 1 of 3")
+
+    metrics.write_text(rows[0] + "\n")  # cut short of the checkpoint
+    (p,) = plan_runs(cfg, resume=True)
+    assert p.action == "refuse" and "lacks the rows of round 1" in p.why, p
+    args = [*_args(out), "seeds=[1]", "algorithms=[fedavg]", "--resume"]
+    assert main(["run", *args]) == 2  # the command refuses it too
+
+    metrics.write_text("\n".join(rows) + "\n")
+    ckpt = run_dir(cfg, "fedavg", 1) / "checkpoint.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:100])  # torn
+    (p,) = plan_runs(cfg, resume=True)
+    assert p.action == "refuse" and "is damaged and cannot be read" in p.why, p
+    assert main(["run", *args]) == 2
+
+
+def test_a_dp_resume_with_a_damaged_ledger_is_refused_as_the_command_does(
+    tmp_path: Path,
+) -> None:
+    from fedlore.dry_run import plan_runs
+    from fedlore.engine.dp_ledger import LEDGER
+
+    out = tmp_path / "runs"
+    dp = ("dp.clip_norm=1.0", "dp.noise_multiplier=1.0", "weighting=uniform")
+    cfg = _cfg(out, "seeds=[1]", "algorithms=[fedavg]", *dp)
+    assert run_one(cfg, "fedavg", 1, stop_after=0) is None
+    (run_dir(cfg, "fedavg", 1) / LEDGER).write_text("{")
+    (p,) = plan_runs(cfg, resume=True)
+    assert p.action == "refuse" and "not a DP ledger" in p.why, p
+    args = [*_args(out), "seeds=[1]", "algorithms=[fedavg]", *dp, "--resume"]
+    assert main(["run", *args]) == 2
+
+
+def test_a_dry_run_refuses_a_model_or_data_the_command_refuses_before_any_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command checks the first seed's data and the model on it before any run (its
+    preflight): the dry run makes the same checks, not only the config's and the folders'."""
+    import numpy as np
+
+    out = tmp_path / "runs"
+    assert main(["run", *_args(out), "model.name=cnn", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert main(["run", *_args(out), "model.name=cnn"]) == 2
+    assert capsys.readouterr().err == err
+    site = tmp_path / "one-class"  # every label 3: refused by the npz loader
+    site.mkdir()
+    x = np.random.default_rng(0).random((60, 64)).astype(np.float32)
+    np.savez(site / "train.npz", x=x, y=np.full(60, 3))
+    np.savez(site / "test.npz", x=x[:10], y=np.full(10, 3))
+    npz = ("data.name=npz", f"data.root={site}")
+    assert main(["run", *_args(out), *npz, "--dry-run"]) == 2
+    assert "every label is 3" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_file_where_a_run_folder_goes_is_refused_before_anything_is_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file named like a method's folder or a run's: the command refuses before it makes
+    any folder or lock (it made the others', then failed with 'Not a directory'), and the dry
+    run says so (it said train)."""
+    out = tmp_path / "runs"
+    (out / "dry").mkdir(parents=True)
+    (out / "dry" / "fedfull").write_text("not a folder")
+    status, lines = _dry(out, capsys)
+    assert status == 2
+    assert lines["fedfull seed 1"].startswith("refuse: ") and "is a file" in lines["fedfull seed 1"]
+    assert lines["fedavg seed 1"].startswith("train: ")
+    capsys.readouterr()
+    assert main(["run", *_args(out)]) == 2
+    assert "fedfull is a file, not a folder" in capsys.readouterr().err
+    assert sorted(p.name for p in (out / "dry").iterdir()) == ["fedfull"]  # nothing made
+
+
+def test_a_resume_of_a_run_whose_config_json_is_torn_is_refused_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was a bare JSON error naming no file, from the command and the dry run alike (which
+    then printed no plan)."""
+    out = tmp_path / "runs"
+    cfg = _cfg(out)
+    assert run_one(cfg, "fedfull", 2, stop_after=0) is None
+    record = run_dir(cfg, "fedfull", 2) / "config.json"
+    record.write_text("{")
+    status, lines = _dry(out, capsys, "--resume")
+    assert status == 2
+    assert lines["fedfull seed 2"].startswith(f"refuse: --resume: {record} cannot be read")
+    assert main(["run", *_args(out), "--resume"]) == 2
+    assert f"--resume: {record} cannot be read" in capsys.readouterr().err
+
+
+def test_a_run_in_progress_in_another_process_is_refused_as_the_command_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A dry run while the sweep runs: the command would be refused at the folder another
+    process holds (its lock), and the dry run says so (without taking the lock)."""
+    import fcntl
+    import os
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the lock is read from Linux's /proc/locks")
+    out = tmp_path / "runs"
+    folder = run_dir(_cfg(out), "fedavg", 2)
+    folder.mkdir(parents=True)
+    fd = os.open(folder / "run.lock", os.O_RDWR | os.O_CREAT)
+    try:  # held as another process would hold it (not through this process's RunLock)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, b"PID 4242 on elsewhere since now\n")
+        status, lines = _dry(out, capsys)
+        assert status == 2
+        assert lines["fedavg seed 2"] == (
+            f"refuse: {folder} is in use by another fedlore run (PID 4242 on elsewhere since "
+            "now); wait for it to finish, stop it, or give this run another name=..."
+        )
+        assert main(["run", *_args(out)]) == 2
+        assert "is in use by another fedlore run (PID 4242" in capsys.readouterr().err
+    finally:
+        os.close(fd)
+    status, lines = _dry(out, capsys)  # released: nothing in the way
+    assert status == 0 and lines["fedavg seed 2"] == "train: trains 3 rounds"

@@ -430,3 +430,22 @@ def test_a_refused_second_overwrite_leaves_the_running_ones_record(tmp_path: Pat
         other.kill()
         other.wait()
     assert json.loads(record.read_text()) == {"finished": ["fedavg/seed-0"]}
+
+
+def test_a_swap_whose_cleanup_is_cut_short_is_never_undone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the atomic exchange the sibling folder holds the replaced run, summary and all,
+    until it is deleted: a kill (or a failed removal) before then must not leave it looking like
+    a finished replacement, which the next run would swap back in, deleting the new run."""
+    folder = run_dir(_cfg(tmp_path), "fedavg", 0)
+    run_one(_cfg(tmp_path), "fedavg", 0)
+    if not rerun._exchange(folder, folder):  # a same-path exchange: a no-op where supported
+        pytest.skip("this system or file system has no renameat2(RENAME_EXCHANGE)")
+    new = _cfg(tmp_path, "rounds=2")
+    monkeypatch.setattr(rerun.shutil, "rmtree", lambda *a, **k: None)  # the removal cut short
+    assert run_one(new, "fedavg", 0, overwrite=True) is not None
+    monkeypatch.undo()
+    assert _rounds(folder) == [0, 1]
+    again = run_experiment(new)  # the next plain run keeps the new run
+    assert again["fedavg"][0]["rounds"] == 2 and _rounds(folder) == [0, 1]

@@ -568,3 +568,16 @@ def test_a_finished_run_with_an_unreadable_summary_is_not_called_unfinished(
         text = report(e)
     row = next(line for line in text.splitlines() if line.startswith("| fedavg"))
     assert "| 2 (1 with an unreadable summary) |" in row and "unfinished" not in row
+
+
+def test_client_time_over_fewer_seeds_says_so_rather_than_a_spread_of_zero(tmp_path: Path) -> None:
+    """A seed whose summary lacks the client training time (a run of an older fedlore): the
+    cell is the other seed's value, ``(1 of 2 seeds)``, not ``± 0.000``."""
+    e = tmp_path / "runs" / "timed"
+    base = summ(0.7, 0.7, 1e6, 1e6, 0, 1.0)
+    write_run(
+        e, "fedlore", 1, rows_for([0.7], 1e6, 1e6), {**base, "client_train_s_per_round": 0.25}
+    )
+    write_run(e, "fedlore", 2, rows_for([0.7], 1e6, 1e6), base)
+    md = to_markdown(summary_table(load_runs(e)))
+    assert "| 0.250 (1 of 2 seeds) |" in md, md

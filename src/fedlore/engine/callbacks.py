@@ -118,15 +118,36 @@ class Checkpointer:
         except FileNotFoundError:
             raise
         except Exception as e:  # a torn, truncated or foreign file: say which and what to do
-            why = damage_reason(e, path)
-            raise DamagedCheckpoint(
-                f"the checkpoint {path} is damaged and cannot be read ({why}). Run "
-                f"without --resume to start this run over, or remove {path} (the run then "
-                "restarts from round 0)"
-            ) from None
+            raise _damaged(path, e) from None
         store = ClientStore.from_dict(clients, max_memory_bytes, spill_dir, device)
         store.verify_spilled()  # a damaged spilled state is found now, not rounds later
         return last, server, store
+
+
+def _damaged(path: Path, e: BaseException) -> DamagedCheckpoint:
+    why = damage_reason(e, path)
+    return DamagedCheckpoint(
+        f"the checkpoint {path} is damaged and cannot be read ({why}). Run without --resume to "
+        f"start this run over, or remove {path} (the run then restarts from round 0)"
+    )
+
+
+def checkpoint_round(path: Path) -> int:
+    """The last completed round of the checkpoint ``path``, read as :meth:`Checkpointer.load`
+    reads it but without building its states (``fedlore run --dry-run``).
+
+    Raises:
+        FileNotFoundError: when ``path`` does not exist.
+        DamagedCheckpoint: when :meth:`Checkpointer.load` could not read it either.
+    """
+    try:
+        raw = load_tensors(path, torch.device("cpu"))
+        _ = dict(raw["server"]["arrays"]), dict(raw["server"]["values"]), raw["clients"]  # load's
+        return int(raw["round"])
+    except FileNotFoundError:
+        raise
+    except Exception as e:
+        raise _damaged(path, e) from None
 
 
 class ProgressBar:

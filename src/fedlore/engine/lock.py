@@ -60,10 +60,7 @@ class RunLock:
         except BlockingIOError:
             holder = os.read(fd, 512).decode(errors="replace").strip() or "an unknown process"
             os.close(fd)
-            raise RunLocked(
-                f"{self.path.parent} is in use by another fedlore run ({holder}); wait for it to "
-                "finish, stop it, or give this run another name=..."
-            ) from None
+            raise _in_use(self.path.parent, holder) from None
         os.ftruncate(fd, 0)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         os.write(fd, f"PID {os.getpid()} on {socket.gethostname()} since {stamp}\n".encode())
@@ -90,3 +87,31 @@ class RunLock:
         finally:
             os.close(self._fd)
             self._fd = None
+
+
+def _in_use(folder: Path, holder: str) -> RunLocked:
+    return RunLocked(
+        f"{folder} is in use by another fedlore run ({holder}); wait for it to finish, stop it, "
+        "or give this run another name=..."
+    )
+
+
+def check_not_held(folder: Path) -> None:
+    """Refuse as :class:`RunLock` would, without taking the lock (``fedlore run --dry-run``):
+    whether a process holds ``folder/run.lock`` is read from Linux's ``/proc/locks``; elsewhere,
+    or when it cannot be read, nothing is said.
+
+    Raises:
+        RunLocked: when another process holds it.
+    """
+    path = Path(folder) / LOCK_FILE
+    try:
+        st = path.stat()
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    held = any("FLOCK" in fields and key in fields for fields in map(str.split, table.splitlines()))
+    if held and path.resolve() not in _HELD:
+        holder = path.read_text(errors="replace").strip() or "an unknown process"
+        raise _in_use(path.parent, holder)

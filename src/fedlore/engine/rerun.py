@@ -126,7 +126,7 @@ def _unreadable(
         return f"{SUMMARY} lacks {', '.join(missing)}"
     if summary["method"] != method:
         return f"{SUMMARY} is {summary['method']}'s, not {method}'s"
-    named = re.fullmatch(r"seed-(-?\d+)", out.name)
+    named = re.fullmatch(rf"seed-(-?\d+)(?:{re.escape(STAGING)})?", out.name)
     if named is not None and summary["seed"] != int(named.group(1)):
         return f"{SUMMARY} is of seed {summary['seed']}, not of {out.name}"
     if not (out / "metrics.jsonl").is_file():
@@ -263,7 +263,11 @@ def swap_in(staged: Path, target: Path) -> None:
     replaced = target.with_name(target.name + REPLACED)
     try:
         if target.exists() and _exchange(staged, target):
-            shutil.rmtree(staged, ignore_errors=True)  # now holds the run replaced
+            # ``staged`` now holds the run replaced, summary and all: renamed out of the way
+            # at once, so that a kill or a failed removal never leaves it looking like a
+            # finished replacement (the next run would swap it back in)
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.rename(staged, replaced)
         else:
             shutil.rmtree(replaced, ignore_errors=True)
             if target.exists():

@@ -98,6 +98,22 @@ def check_output_dir(cfg: Config) -> None:
         break
 
 
+def check_run_folder(cfg: Config, method: str, seed: int) -> None:
+    """The run folder of ``method`` and ``seed`` (:func:`run_dir`) can be a folder: neither it
+    nor its method's folder is a file (nothing is created).
+
+    Raises:
+        ConfigError: naming the file in the way.
+    """
+    target = run_dir(cfg, method, seed)
+    for part in (target.parent, target):
+        if part.exists() and not part.is_dir():
+            raise ConfigError(
+                f"{part} is a file, not a folder: the run of {method} seed {seed} cannot be made "
+                "there; move the file away, or give this run another name=..."
+            )
+
+
 def make_output_dir(cfg: Config) -> None:
     """Create ``<output_dir>/<name>``.
 
@@ -210,6 +226,26 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _resumed_record(path: Path) -> dict[str, Any]:
+    """The ``config.json`` of a run to resume.
+
+    Raises:
+        ConfigError: naming it when it cannot be read or is no JSON object (a torn or edited
+            file): which config the run was started with is unknown.
+    """
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raw = e
+    if not isinstance(raw, dict):
+        why = f"{type(raw).__name__}: {raw}" if isinstance(raw, Exception) else "not an object"
+        raise ConfigError(
+            f"--resume: {path} cannot be read ({why}), so the config the run was started with "
+            "is unknown; run without --resume to start over"
+        )
+    return raw
+
+
 def check_same_config(cfg: Config, method: str, out: Path, make_algorithm: MakeAlgorithm) -> None:
     """Refuse to resume a run that an earlier, different config started (:func:`config_diff`).
 
@@ -219,7 +255,7 @@ def check_same_config(cfg: Config, method: str, out: Path, make_algorithm: MakeA
     path = out / "config.json"
     if not path.exists():
         return
-    raw = json.loads(path.read_text())
+    raw = _resumed_record(path)
     if raw.get("hyper") is None and method in DEFAULTS_CHANGED:
         raise ConfigError(
             f"--resume: {out} was started by an earlier fedlore in which {method} behaved "
@@ -348,7 +384,7 @@ def check_same_data(out: Path, fingerprint: str) -> None:
     path = out / "config.json"
     if not path.exists():
         return
-    before = json.loads(path.read_text()).get("data_fingerprint")
+    before = _resumed_record(path).get("data_fingerprint")
     if before is not None and before != fingerprint:
         raise ConfigError(
             f"--resume: the data of {out} changed since the run started (fingerprint {before} "

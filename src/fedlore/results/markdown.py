@@ -168,18 +168,7 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
             _bytes(row["optimizer_state_bytes_mean"]),
             *([_bytes(row.get("peak_memory_bytes_mean"))] if peak else []),
             _pm(row["wall_s_per_round_mean"], row["wall_s_per_round_std"], digits=3, n=n),
-            *(
-                [
-                    _pm(
-                        row.get("client_train_s_per_round_mean"),
-                        row.get("client_train_s_per_round_std"),
-                        digits=3,
-                        n=n,
-                    )
-                ]
-                if timed
-                else []
-            ),
+            *([_score(row, "client_train_s_per_round", digits=3)] if timed else []),
             f"{_count(rej)} / {_count(skip)}",
             *([_dp_cell(row)] if private else []),
         ]

@@ -133,7 +133,8 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
         final_m, final_s = scored("final_accuracy_pct", "final_accuracy", 100.0)
         best_m, best_s = scored("best_accuracy_pct", "best_accuracy", 100.0)
         wall_m, wall_s = _stat(_summary_values(records, "wall_s_per_round"))
-        train_m, train_s = _stat(_summary_values(records, "client_train_s_per_round"))
+        # counted like a score: a seed without the timing (an older run) is no spread of 0
+        train_m, train_s = scored("client_train_s_per_round", "client_train_s_per_round")
         loss_m, loss_s = scored("final_loss", "final_loss")
         ppl_m, ppl_s = scored("final_perplexity", "final_perplexity")
         ece_m, ece_s = scored("final_ece", "final_ece")
