@@ -30,13 +30,13 @@ from fedlore.engine.lock import check_not_held
 from fedlore.engine.rerun import SUMMARY, finished_record, read_record, staging_dir
 from fedlore.engine.rundir import (
     check_output_dir,
-    check_rows_reach,
     check_run_folder,
     check_same_config,
     check_same_data,
     config_diff,
     run_dir,
 )
+from fedlore.engine.runstart import check_rows_reach
 from fedlore.experiment_parts import check_config, make_algorithm
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def _fresh(cfg: Config, folder: Path, resumable: bool = True) -> Fate:
 
 def _continue(cfg: Config, method: str, folder: Path, what: str = "") -> Fate:
     """A resume of the run in ``folder``, after the checks
-    :func:`fedlore.engine.rundir.resume_point` makes: its checkpoint can be read (the round it
+    :func:`fedlore.engine.runstart.resume_point` makes: its checkpoint can be read (the round it
     continues after is the checkpoint's), ``metrics.jsonl`` holds every round up to it, and
     under DP its ledger of repeated releases can be read."""
     if cfg.dp.clip_norm is not None:

@@ -65,12 +65,11 @@ from fedlore.engine.rundir import (
     check_same_data,
     make_output_dir,
     recorded_threads,
-    resume_point,
     run_dir,
     run_record,
     spill_dir,
-    start_fresh,
 )
+from fedlore.engine.runstart import resume_point, start_fresh
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport, Transport
 from fedlore.engine.unreliable import unreliable
@@ -421,8 +420,8 @@ def run_experiment(
                 # is swapped in (the first thing a run of it does): that run is judged, not the
                 # one it replaces
                 staged = staging_dir(target)
-                held = staged if (staged / SUMMARY).is_file() else target
-                check_no_finished_run_of_another_config(cfg, method, held, make_algorithm)
+                judged = staged if (staged / SUMMARY).is_file() else target
+                check_no_finished_run_of_another_config(cfg, method, judged, make_algorithm)
     first = build_federation(cfg, cfg.seeds[0])
     # every check runs before a run folder is created or touched
     build_model = model_factory(cfg, first, cfg.seeds[0])

@@ -472,7 +472,7 @@ def test_starting_over_an_unfinished_run_warns_under_progress_false(
     shown with ``progress: false`` (it went through the progress log, which that silences),
     naming how many rounds go; a folder without rows starts over silently."""
     from fedlore.cli import main
-    from fedlore.engine.rundir import StartOverWarning
+    from fedlore.engine.runstart import StartOverWarning
 
     cfg = _cfg(tmp_path)
     assert run_one(cfg, "fedavg", SEED, stop_after=1) is None

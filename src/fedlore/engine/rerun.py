@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 from fedlore.atomic import WriteError
 from fedlore.config import ConfigError
-from fedlore.engine.rundir import MakeAlgorithm, config_diff, rows_problem, run_dir
+from fedlore.engine.rundir import MakeAlgorithm, config_diff, run_dir
+from fedlore.engine.runstart import rows_problem
 from fedlore.progress import say, say_once
 
 if TYPE_CHECKING:

@@ -4,9 +4,10 @@ A run of (config, method, seed) lives in ``<output_dir>/<name>/<method>/seed-<se
 (:func:`run_dir`): ``config.json`` records the settings that decide its results, the method's
 resolved hyperparameters and the data fingerprint (:func:`run_record`); ``--resume`` continues
 it only under the same config and data (:func:`check_same_config`, :func:`check_same_data`) from
-its checkpoint (:func:`resume_point`), and a fresh run clears what an earlier one left
-(:func:`start_fresh`). Client states spill to :func:`spill_dir`. What a run may do with a folder
-that holds a *finished* run is :mod:`fedlore.engine.rerun`'s.
+its checkpoint (:func:`fedlore.engine.runstart.resume_point`), and a fresh run clears what an
+earlier one left (:func:`fedlore.engine.runstart.start_fresh`). Client states spill to
+:func:`spill_dir`. What a run may do with a folder that holds a *finished* run is
+:mod:`fedlore.engine.rerun`'s.
 
 The engine builds no method (it never imports one): a run's resolved settings are compared with
 those of the method the config builds now through the ``make_algorithm`` the driver passes in
@@ -19,8 +20,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
-import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -30,16 +29,9 @@ from pydantic import BaseModel
 
 from fedlore import registry
 from fedlore.algorithm import Algorithm
-from fedlore.atomic import write_text
 from fedlore.config import Config, ConfigError
 from fedlore.device import PLATFORM_KEYS, platform_record
-from fedlore.engine.callbacks import Checkpointer, MetricsWriter
-from fedlore.engine.dp_ledger import LEDGER, account_repeats
-from fedlore.engine.store import ClientStore
-from fedlore.privacy import Privacy
-from fedlore.progress import say
 from fedlore.settings import RUN_WIDE, LocalTraining, config_paths, not_applicable
-from fedlore.types import State
 
 MakeAlgorithm = Callable[[str, Config], Algorithm]
 """``(method, config) -> the method as the config builds it``: the driver's
@@ -391,140 +383,3 @@ def check_same_data(out: Path, fingerprint: str) -> None:
             f"-> {fingerprint}): files under data.root or the tokenizer differ. Restore them, or "
             "run without --resume to start over"
         )
-
-
-class StartOverWarning(UserWarning):
-    """A fresh run discards the rounds of an unfinished run in its folder (shown whether or not
-    progress messages are)."""
-
-
-def start_fresh(out: Path, spill: Path, method: str, seed: int, keep_ledger: bool = False) -> None:
-    """Clear what an earlier run left in ``out`` for a fresh run (nothing of it may survive;
-    ``keep_ledger``: its DP ledger does, and its rows, for a resume from the first round to
-    count them, :attr:`RunFolder.from_start`):
-    its summary, checkpoint, config record and DP ledger, and its spilled client states (in
-    ``spill``, and in ``out/client_states`` when ``spill`` is elsewhere); a
-    :class:`StartOverWarning` when the folder held an unfinished run's rounds (``--resume``
-    continues one of the same config)."""
-    rows = out / "metrics.jsonl"
-    lines = rows.read_text().splitlines() if rows.exists() and not keep_ledger else []
-    done = sum(1 for line in lines if line.strip())
-    if done:  # a warning, shown under progress: false too: those rounds are trained again
-        warnings.warn(
-            f"{method} seed {seed}: starting over in {out}, over an unfinished run whose "
-            f"{done} round{'' if done == 1 else 's'} are discarded (--resume continues a run "
-            "of the same config from its checkpoint)",
-            StartOverWarning,
-            stacklevel=2,
-        )
-    for stale in (
-        "summary.json",
-        "checkpoint.pt",
-        "checkpoint.pt.tmp",
-        "config.json",
-        *(() if keep_ledger else (LEDGER,)),
-    ):
-        (out / stale).unlink(missing_ok=True)
-    shutil.rmtree(spill, ignore_errors=True)
-    # an earlier run's own spill folder, when this one spills elsewhere (store.spill_dir): its
-    # files bear the names this run's store will give, and would be taken for this run's
-    shutil.rmtree(out / "client_states", ignore_errors=True)
-
-
-def rows_problem(path: Path, first: int, last: int, torn_ok: bool = True) -> str | None:
-    """What keeps ``metrics.jsonl`` at ``path`` from holding one row of each round from
-    ``first`` to ``last`` (rows after ``last`` are not looked at), as words (``"lacks the rows
-    of rounds 3 to 5"``, ``"holds round 2 twice"``, ``"has an unreadable line 7"``); None when it
-    does. ``torn_ok``: a line that is no row is skipped (the torn last line of a killed run)
-    rather than a problem."""
-    seen: dict[int, int] = {}
-    for i, line in enumerate(path.read_text().splitlines() if path.exists() else [], start=1):
-        try:
-            rnd = json.loads(line)["round"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            if torn_ok or not line.strip():
-                continue
-            return f"has an unreadable line {i}"
-        if isinstance(rnd, int) and not isinstance(rnd, bool) and rnd <= last:
-            seen[rnd] = seen.get(rnd, 0) + 1
-    missing = [r for r in range(first, last + 1) if r not in seen]
-    twice = sorted(r for r, n in seen.items() if n > 1)
-    if missing:
-        span = (
-            f"round {missing[0]}" if len(missing) == 1 else f"rounds {missing[0]} to {missing[-1]}"
-        )
-        some = "" if len(missing) == missing[-1] - missing[0] + 1 else f" ({len(missing)} rows)"
-        return f"lacks the rows of {span}{some}"
-    if twice:
-        return f"holds round {twice[0]} twice" + (
-            f" (and {len(twice) - 1} more)" if len(twice) > 1 else ""
-        )
-    return None
-
-
-def check_rows_reach(path: Path, first: int, last: int) -> None:
-    """Refuse to resume when ``metrics.jsonl`` does not hold one row of each round from the
-    run's first (``first``: negative for a method's setup rounds) to the checkpoint's ``last``
-    (:func:`rows_problem`): the run would continue and its summary count traffic, rounds and
-    curves without the missing rows, or twice with a repeated one (rows are on disk before
-    each checkpoint, so only a file cut or edited by hand does this).
-
-    Raises:
-        ConfigError: naming the file and the rounds it lacks or repeats.
-    """
-    problem = rows_problem(path, first, last)
-    if problem is None:
-        return
-    raise ConfigError(
-        f"--resume: {path} {problem}, which its checkpoint (after round {last}) has passed: "
-        "the file was cut or edited, and the run's summary would be wrong for those rounds. "
-        "Restore the file, or run without --resume to start over"
-    )
-
-
-def resume_point(
-    folder: RunFolder,
-    metrics: MetricsWriter,
-    state: State,
-    store: ClientStore,
-    privacy: Privacy | None,
-    max_bytes: int | None,
-    device: torch.device,
-    method: str,
-    seed: int,
-    first_round: int = 0,
-) -> tuple[int | None, State, ClientStore, Privacy | None]:
-    """Where a run continues: ``(last, state, store, privacy)``, with ``last`` the round of the
-    checkpoint in ``folder.out`` that a resumed run continues after (its server state, client
-    states and, under adaptive clipping, clip norm loaded; the metrics rows after it dropped), or
-    None when the run starts from its first round (``metrics.jsonl`` emptied). Under DP the
-    releases a resume repeats are counted (:func:`~fedlore.engine.dp_ledger.account_repeats`)
-    before their rows go. ``first_round``: the run's first round (``-setup_rounds``), from
-    which the rows must reach the checkpoint (:func:`check_rows_reach`)."""
-    ckpt_path = folder.out / "checkpoint.pt"
-    if folder.resume and ckpt_path.exists():
-        last, state, store = Checkpointer.load(ckpt_path, max_bytes, folder.spill, device)
-        if privacy is not None:  # the adaptive clip norm the killed run had reached
-            privacy.restore(state)
-        check_rows_reach(metrics.path, first_round, last)
-        privacy = account_repeats(privacy, folder.out, metrics.path, last)  # before the rows go
-        metrics.truncate_after(last)
-        say(
-            "%s seed %d: resuming after round %d (its checkpoint; rounds count from 0)",
-            method,
-            seed,
-            last,
-        )
-        return last, state, store, privacy
-    if folder.resume:
-        say(
-            "%s seed %d: %s; starting from the first round",
-            method,
-            seed,
-            "its clients' states are not kept on this engine"
-            if folder.from_start
-            else f"no checkpoint in {folder.out}",
-        )
-        privacy = account_repeats(privacy, folder.out, metrics.path, None)
-    write_text(metrics.path, "")
-    return None, state, store, privacy

@@ -23,7 +23,7 @@ experiment's ``name``:
   config, the summary, the run's files as an artifact; the report in ``<name>/wandb/``.
 
 A resumed run's tracked record is made again from the rows of ``metrics.jsonl`` that survive the
-resume (:func:`fedlore.engine.rundir.resume_point` drops the rows after the checkpoint), so a
+resume (:func:`fedlore.engine.runstart.resume_point` drops the rows after the checkpoint), so a
 killed and resumed run's record equals an uninterrupted one's, with no round logged twice; an
 MLflow run left unfinished by the kill is deleted (MLflow's soft delete: ``mlflow runs restore``
 brings it back) and so is the run a replacement takes the place of.
