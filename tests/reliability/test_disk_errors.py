@@ -398,3 +398,12 @@ def test_a_read_only_experiment_reports_elsewhere_or_only_prints(
     assert after == before  # nothing written in the experiment folder
     with pytest.raises(SystemExit):  # one or the other
         main(["report", str(exp), "--out", str(tmp_path / "x"), "--print-only"])
+    capsys.readouterr()
+    run = exp / "fedavg" / f"seed-{SEED}"
+    assert main(["report", str(exp), "--out", str(run / "plots")]) == 2  # inside a run's folder
+    assert f"--out {run / 'plots'} is inside the run folder {run}" in capsys.readouterr().err
+    other = tmp_path / "other"
+    shutil.copytree(exp / "fedavg", other / "fedavg")  # another experiment's results
+    assert main(["report", str(exp), "--out", str(other)]) == 2
+    assert f"would write into {other}, another experiment's folder" in capsys.readouterr().err
+    assert not (other / "report.md").exists()

@@ -55,8 +55,13 @@ def _warn_absent_labels(folder: Path, present: np.ndarray, top: int) -> None:
     the largest have no example in either file: the model gets ``top`` outputs, some of which
     nothing trains (a site holding part of a federation's classes means that; a labelling that
     skips values rarely does)."""
-    absent = np.setdiff1d(np.arange(top), present)
-    shown = ", ".join(str(int(c)) for c in absent[:5]) + (" ..." if len(absent) > 5 else "")
+    have, first = {int(c) for c in present}, []
+    for c in range(top):  # the first five absent labels, in O(classes present) memory
+        if c not in have:
+            first.append(c)
+            if len(first) == 6:
+                break
+    shown = ", ".join(str(c) for c in first[:5]) + (" ..." if len(first) > 5 else "")
     warnings.warn(
         f"npz in {folder}: label(s) {shown} have no example, yet the model gets {top} outputs "
         f"(the largest label + 1, as there is no class_names): store class_names, the full "

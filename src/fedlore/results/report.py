@@ -298,6 +298,8 @@ def report(
             f"report: no runs found in {path}: expected <experiment>/<method>/seed-<s>/ "
             f"or <method>/seed-<s>/ below it{hint}"
         )
+    if out is not None:
+        _check_out(Path(out), path, experiments)
     runs = {d: split_by_config(load_runs(d)) for d in experiments}
     if baseline is not None:  # refused when no experiment has it (each says why it lacks it)
         problems, found = [], False
@@ -316,6 +318,28 @@ def report(
         _report_experiment(d, keys, write, baseline, runs[d], _out_of(d, path, out))
         for d in experiments
     )
+
+
+def _check_out(out: Path, path: Path, experiments: list[Path]) -> None:
+    """Refuse an ``--out`` whose report files would land among other results: another
+    experiment's folder (its own report would be replaced), or a run's folder or anything
+    inside one.
+
+    Raises:
+        ValueError: naming ``out`` and what it is.
+    """
+    mine = {d.resolve() for d in experiments}
+    for folder in (out, *out.parents):
+        if (folder / "metrics.jsonl").is_file() or (folder / "summary.json").is_file():
+            raise ValueError(f"report: --out {out} is inside the run folder {folder}: give a "
+                             "folder of its own")  # fmt: skip
+    targets = [out] if is_experiment_dir(path) else [out / d.name for d in experiments]
+    for t in targets:
+        if t.is_dir() and is_experiment_dir(t) and t.resolve() not in mine:
+            raise ValueError(
+                f"report: --out would write into {t}, another experiment's folder (its own "
+                "report.md would be replaced): give a folder of its own"
+            )
 
 
 def _out_of(exp_dir: Path, path: Path, out: Path | None) -> Path | None:
