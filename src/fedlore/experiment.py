@@ -439,7 +439,7 @@ def run_experiment(
                 held.enter_context(RunLock(run_dir(cfg, method, seed)))
         overwriting.begin(cfg, resume, overwrite)  # once the runs are ours, not a refused twin's
         _run_all(cfg, first, resume, overwrite, engine, out)
-    overwriting.end(cfg, overwrite)
+    overwriting.end(cfg, resume, overwrite)
     return out
 
 

@@ -320,6 +320,30 @@ def test_overwrite_then_resume_continues_an_interrupted_overwrite_of_an_experime
     assert not record.exists()
 
 
+def test_a_plain_resume_that_finishes_an_interrupted_overwrite_ends_its_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An --overwrite killed in its last run, finished by --resume alone (the runs it replaced
+    are this config's, so nothing is refused): the record goes, so a later --overwrite --resume
+    is refused instead of training the replaced run again (a newcomer's finding)."""
+    from fedlore.engine import overwriting
+
+    old = [a if not a.startswith("algorithms=") else "algorithms=[fedavg,fedfull]"
+           for a in _args(tmp_path)]  # fmt: skip
+    assert main(["run", *old, "progress=false"]) == 0
+    new = load_config(Path(old[0]), [*old[1:], "lr=0.01", "progress=false"])
+    stop = {"fedfull": [_Interrupt(1)]}
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(new, overwrite=True, callbacks=lambda m, s: stop.get(m, []))
+    record = tmp_path / "rerun" / overwriting.RECORD
+    assert record.is_file()
+    assert main(["run", *old, "lr=0.01", "--resume"]) == 0
+    assert not record.exists()
+    capsys.readouterr()
+    assert main(["run", *old, "lr=0.01", "--resume", "--overwrite"]) == 2
+    assert "holds none" in capsys.readouterr().err
+
+
 def test_overwrite_of_the_same_config_retrains_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

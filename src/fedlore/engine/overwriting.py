@@ -84,9 +84,13 @@ def record_finished(cfg: Config, method: str, seed: int, overwrite: bool) -> Non
         write_json(_record(cfg), {"finished": [*_finished(cfg), _name(cfg, method, seed)]})
 
 
-def end(cfg: Config, overwrite: bool) -> None:
-    """The ``--overwrite`` has finished every run: its record goes."""
-    if overwrite:
+def end(cfg: Config, resume: bool, overwrite: bool) -> None:
+    """Every run of the experiment has finished: an ``--overwrite``'s record goes. So it does
+    after a plain ``--resume`` that finished an interrupted ``--overwrite`` (it refuses the
+    runs of another config, so once it has finished every run is of this one): left there, the
+    record would let a later ``--overwrite --resume`` train again the runs it names as not yet
+    replaced."""
+    if overwrite or resume:
         _record(cfg).unlink(missing_ok=True)
 
 
