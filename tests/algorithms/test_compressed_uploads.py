@@ -412,8 +412,23 @@ REFUSED = [
     ),
     (["compression.fraction=0"], "compression.fraction"),
     (["compression.levels=40000"], "compression.levels"),
-    (["method.fedavg.compression_fraction=1.5"], "compression_fraction must be in (0, 1]"),
-    (["method.fedavg.compression_levels=0"], "compression_levels must be in [1, 32767]"),
+    (
+        ["method.fedavg.compression=topk", "method.fedavg.compression_fraction=1.5"],
+        "compression_fraction must be in (0, 1]",
+    ),
+    (
+        ["method.fedavg.compression=qsgd", "method.fedavg.compression_levels=0"],
+        "compression_levels must be in [1, 32767]",
+    ),
+    (  # a compression setting without a kind: it would change nothing (a forgotten kind)
+        ["compression.fraction=0.1"],
+        "compression.fraction=0.1: compression.kind=none, so method 'fedavg' uploads dense",
+    ),
+    (["method.fedavg.error_feedback=true"], "method.fedavg.error_feedback=True: compression"),
+    (  # top-k's supports differ: a coordinate-wise median of them is zero almost everywhere
+        ["compression.kind=topk", "robust.aggregate=median"],
+        "robust.aggregate=median with compression.kind=topk: each client's top-k",
+    ),
     (["method.fedavg.compression=gzip"], "method.fedavg.compression"),
 ]
 

@@ -212,6 +212,30 @@ def check_method_settings(
             f"{key}={kind}: method {name!r} does not {COMPRESSING}; to compress one method's "
             "uploads set method.<name>.compression for one of those"
         )
+    if kind == "none" and caps.compress_uploads:  # a compression that does not run: no kind
+        sec = cfg.compression
+        idle = {
+            f"method.{name}.compression_fraction": overrides.get("compression_fraction"),
+            f"method.{name}.compression_levels": overrides.get("compression_levels"),
+            f"method.{name}.error_feedback": overrides.get("error_feedback"),
+            "compression.fraction": sec.fraction if sec.fraction != 0.01 else None,
+            "compression.levels": sec.levels if sec.levels != 127 else None,
+            "compression.error_feedback": sec.error_feedback,
+        }
+        given = [f"{k}={v}" for k, v in idle.items() if v is not None]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)}: {key}=none, so method {name!r} uploads dense deltas and "
+                "the setting would change nothing; set compression.kind=topk or qsgd (or "
+                f"method.{name}.compression), or leave it out"
+            )
+    if kind == "topk" and cfg.robust.aggregate in ("median", "trimmed_mean", "bulyan"):
+        raise ConfigError(
+            f"robust.aggregate={cfg.robust.aggregate} with {key}=topk: each client's top-k "
+            "keeps other coordinates, so a coordinate-wise median or trimmed mean of the sparse "
+            "deltas is zero almost everywhere (a run on digits fell to 16 %); use the mean, "
+            "krum or multi_krum, or compression.kind=qsgd"
+        )
     if kind != "none" and cfg.attack.kind in ("sign_flip", "scale", "gaussian"):
         raise ConfigError(
             f"attack.kind={cfg.attack.kind} with {key}={kind}: the update attacks "
