@@ -116,7 +116,7 @@ def _continue(cfg: Config, method: str, folder: Path, what: str = "") -> Fate:
         )
     ckpt = folder / "checkpoint.pt"
     if not ckpt.exists():
-        return "continue", f"{what}has no checkpoint: trains from its first round"
+        return "train", f"{what}has no checkpoint: trains from its first round (as --resume does)"
     last = checkpoint_round(ckpt)
     check_rows_reach(folder / "metrics.jsonl", -setup_rounds(make_algorithm(method, cfg)), last)
     return "continue", f"{what}continues after round {last} of {cfg.rounds}"

@@ -405,5 +405,6 @@ def test_a_read_only_experiment_reports_elsewhere_or_only_prints(
     other = tmp_path / "other"
     shutil.copytree(exp / "fedavg", other / "fedavg")  # another experiment's results
     assert main(["report", str(exp), "--out", str(other)]) == 2
-    assert f"would write into {other}, another experiment's folder" in capsys.readouterr().err
-    assert not (other / "report.md").exists()
+    assert f"would write into {other}, in another experiment's folder" in capsys.readouterr().err
+    assert main(["report", str(exp), "--out", str(other / "fedavg")]) == 2  # one of its folders
+    assert not (other / "report.md").exists() and not (other / "fedavg" / "report.md").exists()

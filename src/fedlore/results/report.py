@@ -335,11 +335,13 @@ def _check_out(out: Path, path: Path, experiments: list[Path]) -> None:
                              "folder of its own")  # fmt: skip
     targets = [out] if is_experiment_dir(path) else [out / d.name for d in experiments]
     for t in targets:
-        if t.is_dir() and is_experiment_dir(t) and t.resolve() not in mine:
-            raise ValueError(
-                f"report: --out would write into {t}, another experiment's folder (its own "
-                "report.md would be replaced): give a folder of its own"
-            )
+        for folder in (t, *t.parents):  # the experiment folder itself, or one of its folders
+            if folder.is_dir() and is_experiment_dir(folder) and folder.resolve() not in mine:
+                raise ValueError(
+                    f"report: --out would write into {t}, in another experiment's folder "
+                    f"{folder} (among its results; its own report.md would be replaced): give "
+                    "a folder of its own"
+                )
 
 
 def _out_of(exp_dir: Path, path: Path, out: Path | None) -> Path | None:
