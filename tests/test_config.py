@@ -570,3 +570,14 @@ def test_transport_dtype_reaches_the_methods_that_honour_it_and_is_refused_elsew
 def test_an_override_with_a_key_given_twice_is_refused() -> None:
     with pytest.raises(ConfigError, match="key 'hidden' given twice"):
         load_config(None, ["model.kwargs={hidden: [32], hidden: [64]}"])
+
+
+def test_an_override_with_an_unquoted_yaml_mark_says_how_to_quote_it() -> None:
+    """``personal_layers=[*]`` is a YAML alias, not a glob: the error says to quote it, in one
+    line (PyYAML's message spans several)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["method.fedper.personal_layers=[*]"])
+    msg = str(err.value)
+    assert "\n" not in msg and "value is not valid YAML (while scanning an alias" in msg
+    assert "quote text holding YAML's marks inside the value" in msg
+    assert "\"method.fedper.personal_layers=['*']\" (a list)" in msg

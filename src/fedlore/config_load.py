@@ -140,7 +140,16 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         try:
             value = yaml.load(text, Loader=_UniqueKeyLoader) if text != "" else None
         except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
+            said = " ".join(str(e).split())  # PyYAML's message spans lines
+            hint = ""
+            if any(c in text for c in "*&!%@`|>"):  # YAML's own marks (an alias, a tag, ...)
+                hint = (
+                    "; quote text holding YAML's marks inside the value, as in "
+                    f"\"{key}=['*']\" (a list) or \"{key}='*.bias'\" (a string)"
+                )
+            raise ConfigError(
+                f"override {item!r}: value is not valid YAML ({said}){hint}"
+            ) from None
         node = out
         parts = key.strip().split(".")
         for p in parts[:-1]:

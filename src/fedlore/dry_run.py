@@ -16,6 +16,7 @@ anything else; the dry run reports the run as the swap would leave it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,12 +71,24 @@ class Planned:
     when: str = "run"
 
 
-def _rounds_in(folder: Path) -> int:
-    """Rows an unfinished run has written (rounds a fresh start discards)."""
+def _rounds_in(folder: Path) -> tuple[int, bool]:
+    """``(rounds, setup)`` an unfinished run has written: its rows of rounds 0 and on (the count
+    the interrupt message gives: "stopped after N complete rounds"), and whether it has a row of
+    a setup round (FedLore's round -1) too."""
+    rounds, setup = 0, False
     try:
-        return sum(1 for line in (folder / "metrics.jsonl").read_text().splitlines() if line)
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
     except OSError:
-        return 0
+        return 0, False
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a torn last line
+        if isinstance(row, dict) and isinstance(row.get("round"), int):
+            rounds += row["round"] >= 0
+            setup = setup or row["round"] < 0
+    return rounds, setup
 
 
 def _same(
@@ -91,12 +104,15 @@ def _same(
 
 
 def _fresh(cfg: Config, folder: Path, resumable: bool = True) -> Fate:
-    done = _rounds_in(folder)
-    if not done:
+    done, setup = _rounds_in(folder)
+    if not done and not setup:
         return "train", f"trains {cfg.rounds} rounds"
     whose = "the unfinished run" if resumable else "an unfinished run of another config or data"
     hint = " (--resume continues it)" if resumable else ""
-    return "train", f"starts over, discarding the {done} round(s) of {whose} there{hint}"
+    what = f"the {done} complete round(s)" if done else "the setup round"
+    if done and setup:
+        what += " and the setup round"
+    return "train", f"starts over, discarding {what} of {whose} there{hint}"
 
 
 def _continue(cfg: Config, method: str, folder: Path, what: str = "") -> Fate:
@@ -119,6 +135,8 @@ def _continue(cfg: Config, method: str, folder: Path, what: str = "") -> Fate:
         return "train", f"{what}has no checkpoint: trains from its first round (as --resume does)"
     last = checkpoint_round(ckpt)
     check_rows_reach(folder / "metrics.jsonl", -setup_rounds(make_algorithm(method, cfg)), last)
+    if last < 0:  # only the setup round (FedLore's round -1) was checkpointed
+        return "continue", f"{what}continues after its setup round (round {last})"
     return "continue", f"{what}continues after round {last} of {cfg.rounds}"
 
 

@@ -106,8 +106,8 @@ def test_a_dry_run_says_what_the_command_then_does(
     assert status == 0
     assert lines["fedavg seed 1"].startswith("keep: finished already")
     assert lines["fedfull seed 1"] == (
-        "train: starts over, discarding the 2 round(s) of the unfinished run there (--resume "
-        "continues it)"
+        "train: starts over, discarding the 2 complete round(s) of the unfinished run there "
+        "(--resume continues it)"
     )
     assert lines["fedavg seed 2"] == lines["fedfull seed 2"] == "train: trains 3 rounds"
     status, lines = _dry(out, capsys, "--resume")
@@ -257,7 +257,9 @@ def test_overwrite_resume_judges_kept_and_continued_runs_by_their_data_and_recor
     assert status == 0, lines
     assert lines["fedavg seed 1"] == "train: trains again, replacing the finished run"
     assert lines["fedfull seed 1"] == "keep: replaced already by the --overwrite: kept"
-    assert lines["fedfull seed 2"].startswith("train: starts over, discarding the 3 round(s)")
+    assert lines["fedfull seed 2"].startswith(
+        "train: starts over, discarding the 3 complete round(s)"
+    )
     before = {(m, s): _summary_stamp(out, m, s) for m in METHODS for s in SEEDS}
     assert main(["run", *_args(out), "--overwrite", "--resume"]) == 0  # as said
     assert _summary_stamp(out, "fedavg", 1) != before["fedavg", 1]  # trained again
@@ -491,3 +493,23 @@ def test_a_run_in_progress_in_another_process_is_refused_as_the_command_does(
         os.close(fd)
     status, lines = _dry(out, capsys)  # released: nothing in the way
     assert status == 0 and lines["fedavg seed 2"] == "train: trains 3 rounds"
+
+
+def test_a_dry_run_counts_rounds_as_the_interrupt_message_does(tmp_path: Path) -> None:
+    """FedLore's setup round (-1) is not one of the run's rounds: a run killed after it is said
+    to hold "the setup round", and one killed after round 1 "2 complete round(s) and the setup
+    round" (the interrupt message's count: "stopped after 2 complete rounds")."""
+    from fedlore.dry_run import plan_runs
+
+    cfg = _cfg(tmp_path / "runs", "algorithms=[fedlore]", "seeds=[1]")
+    assert run_one(cfg, "fedlore", 1, stop_after=-1) is None
+    (p,) = plan_runs(cfg)
+    assert p.why == (
+        "starts over, discarding the setup round of the unfinished run there (--resume "
+        "continues it)"
+    )
+    (p,) = plan_runs(cfg, resume=True)
+    assert (p.action, p.why) == ("continue", "continues after its setup round (round -1)")
+    assert run_one(cfg, "fedlore", 1, resume=True, stop_after=1) is None
+    (p,) = plan_runs(cfg)
+    assert p.why.startswith("starts over, discarding the 2 complete round(s) and the setup round")
