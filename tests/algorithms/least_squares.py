@@ -1,5 +1,5 @@
 """Two clients with conflicting least-squares problems, the drift-correction methods' test bed
-(imported by ``test_scaffold.py`` and ``test_feddyn.py``; not a test module).
+(imported by ``test_scaffold.py``, ``test_feddyn.py`` and ``test_fednova.py``; not a test module).
 
 Each client ``cid`` fits y = x·w_cid + noise with its own w, so the clients' optima disagree and
 the global optimum of ``Σ_i p_i · ½ mean_i (x·w - y)²`` is known in closed form
@@ -13,6 +13,7 @@ from torch import nn
 
 from fedlore.algorithms.fedavg import FedAvg
 from fedlore.data.client_data import ClientData, TensorSplit
+from fedlore.engine.validate import validate_reply
 from fedlore.types import Broadcast, Reply, State
 
 
@@ -68,3 +69,45 @@ def optimum(sizes: tuple[int, int], uniform: bool) -> torch.Tensor:
     )
     rhs = sum(w * d.train.x.T @ d.train.y / len(d.train) for w, d in zip(p, clients, strict=True))
     return torch.linalg.solve(hessian, rhs)
+
+
+def frozen_bias_rounds(algo: FedAvg, rounds: int = 2) -> tuple[State, list[Broadcast], State]:
+    """``algo`` (made with ``freeze=("bias",)``) on client 0 alone for ``rounds`` rounds of a
+    linear model with a bias: the server's last state, each round's broadcast and the client's
+    last state. Every reply passes the engine's check against ``expected_reply``; from the
+    second round the server sends no frozen tensor and the client takes the bias from its
+    cache."""
+    torch.manual_seed(0)
+    state = algo.init_server(nn.Linear(3, 1).double(), torch.Generator())
+    kept: State | None = None
+    sent: list[Broadcast] = []
+    for rnd in range(rounds):
+        sent.append(algo.broadcast(state, rnd, 0))
+        torch.manual_seed(rnd + 1)  # a client model of other weights: the broadcast sets them
+        model = nn.Linear(3, 1).double()
+        reply, kept = algo.client_update(sent[-1], kept, model, regression(0), torch.Generator())
+        assert validate_reply(reply, algo.expected_reply(state, rnd, 0)) is None
+        state, _ = algo.aggregate(state, [(0, reply)], rnd)
+    assert kept is not None
+    return state, sent, kept
+
+
+def minibatch_update(algo: FedAvg, seed: int, global_seed: int) -> torch.Tensor:
+    """Client 1's upload ``update.weight`` after one round of ``algo`` on minibatches (its
+    ``batch_size`` below 32), its generator seeded ``seed`` and torch's global one
+    ``global_seed``: a client's draws must come from its own generator only."""
+    state = algo.init_server(linear_model(), torch.Generator())
+    model = linear_model()
+    msg = algo.broadcast(state, 0, 1)
+    torch.manual_seed(global_seed)
+    rng = torch.Generator().manual_seed(seed)
+    reply, _ = algo.client_update(msg, None, model, regression(1), rng)
+    return reply.arrays["update.weight"]
+
+
+def assert_draws_from_its_generator(algo: FedAvg) -> None:
+    """The same client generator gives the same upload whatever the global generator; another
+    seed other minibatches, another upload."""
+    first = minibatch_update(algo, 3, global_seed=1)
+    assert torch.equal(first, minibatch_update(algo, 3, global_seed=2))
+    assert not torch.allclose(first, minibatch_update(algo, 4, global_seed=1))

@@ -10,6 +10,8 @@ the drift correction they exist for.
   hand, under both weightings and with a straggler; ``h`` stays the mean of all clients' ``h_k``.
 * On two clients whose least-squares problems disagree, with many full-batch local steps,
   FedAvg stalls at a biased point and FedDyn reaches the global optimum.
+* Frozen tensors have no ``h`` or ``h_k`` and are sent once; a client's minibatches come from
+  its own generator.
 * Settings it cannot honour are refused, naming them.
 """
 
@@ -19,7 +21,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from least_squares import linear_model, make_algo, optimum, regression, train
+from least_squares import (
+    assert_draws_from_its_generator,
+    frozen_bias_rounds,
+    linear_model,
+    make_algo,
+    optimum,
+    regression,
+    train,
+)
 
 from fedlore.algorithms.fedavg import FedAvg, FedProx
 from fedlore.algorithms.feddyn import DYN, FedDyn
@@ -167,6 +177,24 @@ def test_feddyn_removes_the_client_drift_fedavg_keeps(weighting: str) -> None:
     assert (feddyn - best).norm() < 1e-6 < fedavg.norm() / 1e4
     if weighting != "uniform":
         assert (other - best).norm() > 1.0
+
+
+def test_frozen_tensors_have_no_gradient_state_and_are_sent_once() -> None:
+    """``freeze`` leaves the bias out of training: h and h_k cover the weight only, the
+    replies pass the engine's check, the server remembers the client (its ``seen`` flag
+    survives FedDyn's aggregate) and sends the bias once, the client takes it from its cache
+    after that, and the bias stays where it was (no ``- h / α`` for it)."""
+    algo = make_algo(FedDyn, alpha=0.5, num_clients=1, freeze=("bias",))
+    state, sent, kept = frozen_bias_rounds(algo, rounds=3)
+    assert set(select(state.arrays, DYN)) == {"weight"}
+    assert set(select(kept.arrays, DYN)) == {"weight"}
+    assert "model.bias" in sent[0].arrays
+    assert all("model.bias" not in msg.arrays for msg in sent[1:])
+    torch.testing.assert_close(state.arrays["model.bias"], sent[0].arrays["model.bias"])
+
+
+def test_the_local_run_draws_from_the_clients_generator() -> None:
+    assert_draws_from_its_generator(make_algo(FedDyn, alpha=0.1, batch_size=8, local_steps=4))
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,9 @@ server step, and the objective inconsistency it exists for.
   quadratic), ``η Σ (1 - ημ)^k`` for the proximal term; a client reports it for the steps it took.
 * With equal local work FedNova is FedAvg; the server's step is
   ``(Σ p_j A_j / Σ p_j) Σ p_i (Δ_i / A_i) / Σ p_i`` (buffers averaged as FedAvg's).
+* A reply without a usable ``A_i`` is left out (with a warning naming it, unless its ``A_i`` is
+  0); a 16-bit upload is normalized in the model's precision; frozen tensors are not normalized
+  and are sent once; a client's minibatches come from its own generator.
 * Two least-squares clients taking 1 and 10 full-batch steps a round: FedAvg converges near the
   optimum of the surrogate ``Σ p_i τ_i F_i``, FedNova near that of ``Σ p_i F_i``.
 """
@@ -13,9 +16,11 @@ server step, and the objective inconsistency it exists for.
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
+from least_squares import assert_draws_from_its_generator, frozen_bias_rounds
 from torch import nn
 
 from fedlore.algorithms.fedavg import FedAvg
@@ -182,8 +187,9 @@ def test_a_straggler_reports_the_steps_it_took() -> None:
 
 def test_the_server_step_normalizes_each_delta_by_its_a_norm() -> None:
     """p = (10, 30), A = (0.1, 0.5): x + (Σ p A / Σ p) Σ p (Δ / A) / Σ p over the accepted
-    replies (a lost one and one with a_norm 0 left out; a straggler's work_share discounts
-    nothing); tau_eff_lr is Σ p A / Σ p. Buffers (BatchNorm's) get FedAvg's mean delta."""
+    replies (a lost one, listed first, and one with a_norm 0 left out; a straggler's
+    work_share discounts nothing); tau_eff_lr is Σ p A / Σ p. Buffers (BatchNorm's) get
+    FedAvg's mean delta."""
     algo = _algo(FedNova, weighting="num_examples")
     model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)).double()
     state = algo.init_server(model, torch.Generator())
@@ -198,10 +204,10 @@ def test_the_server_step_normalizes_each_delta_by_its_a_norm() -> None:
         return Reply(arrays=arrays, metrics={"num_examples": n, A_NORM: a, "work_share": share})
 
     replies: list[tuple[int, Reply | None]] = [
+        (2, None),  # first: the replies after a lost one count
         (0, reply(1.0, 10, 0.1, share=0.3)),
-        (1, reply(-2.0, 30, 0.5)),
-        (2, None),
         (3, reply(7.0, 50, 0.0)),
+        (1, reply(-2.0, 30, 0.5)),
     ]
     new, metrics = algo.aggregate(state, replies, 0)
     tau = (10 * 0.1 + 30 * 0.5) / 40
@@ -336,15 +342,60 @@ def test_bad_settings_are_refused_with_the_reason() -> None:
 
 
 def test_a_reply_without_a_usable_a_norm_is_left_out(caplog: pytest.LogCaptureFixture) -> None:
+    """An a_norm that is missing, not finite, negative or not a number (a bool) is left out
+    with a warning naming the round, the client and the value; 0 (a round of zero step sizes,
+    nothing learnt) is left out silently."""
     algo = _algo(FedNova)
     state = algo.init_server(_model(), torch.Generator())
     up = {"update.weight": torch.ones(1, 3, dtype=torch.float64)}
+    bad: list[object] = [float("nan"), -1.0, float("inf"), True]
     replies: list[tuple[int, Reply | None]] = [
         (0, Reply(arrays=up, metrics={"num_examples": 4})),
-        (1, Reply(arrays=up, metrics={"num_examples": 4, A_NORM: float("nan")})),
-        (2, Reply(arrays=up, metrics={"num_examples": 4, A_NORM: -1.0})),
+        *(
+            (c, Reply(arrays=up, metrics={"num_examples": 4, A_NORM: a}))
+            for c, a in enumerate(bad, 1)
+        ),
+        (7, Reply(arrays=up, metrics={"num_examples": 4, A_NORM: 0.0})),
     ]
-    new, metrics = algo.aggregate(state, replies, 5)
+    with caplog.at_level(logging.WARNING, logger="fedlore.algorithms.fednova"):
+        new, metrics = algo.aggregate(state, replies, 5)
     assert metrics["aggregated"] == 0
     torch.testing.assert_close(new.arrays["model.weight"], state.arrays["model.weight"])
-    assert caplog.text.count("no usable a_norm") == 3
+    assert [r.getMessage() for r in caplog.records] == [
+        f"round 5: client {c} sent no usable a_norm ({a!r}): left out"
+        for c, a in enumerate([None, *bad])
+    ]
+
+
+def test_a_16_bit_upload_is_normalized_in_the_models_precision() -> None:
+    """Under ``transport_dtype: bf16`` the Δ_i arrive in bfloat16; the server upcasts them to
+    the model's float64 before dividing by A_i (a quotient such as 1 · 0.2 / 0.3 rounded to
+    bfloat16 would move the model by 1e-3 elsewhere)."""
+    algo = _algo(FedNova, transport_dtype="bf16")
+    state = algo.init_server(_model(), torch.Generator())
+    up = {"update.weight": torch.ones(1, 3, dtype=torch.bfloat16)}
+    replies: list[tuple[int, Reply | None]] = [
+        (c, Reply(arrays=dict(up), metrics={"num_examples": 4, A_NORM: a}))
+        for c, a in ((0, 0.1), (1, 0.3))
+    ]
+    new, metrics = algo.aggregate(state, replies, 0)
+    assert metrics["tau_eff_lr"] == pytest.approx(0.2)
+    step = (0.2 / 0.1 + 0.2 / 0.3) / 2
+    want = state.arrays["model.weight"] + step
+    torch.testing.assert_close(new.arrays["model.weight"], want, rtol=1e-12, atol=1e-12)
+
+
+def test_frozen_tensors_are_not_normalized_and_are_sent_once() -> None:
+    """``freeze`` leaves the bias out of training: the normalized tensors are the weight only,
+    the replies pass the engine's check, the bias is sent once and then taken from the
+    client's cache, and it stays where it was."""
+    algo = _algo(FedNova, freeze=("bias",))
+    state, sent, _ = frozen_bias_rounds(algo, rounds=3)
+    assert json.loads(str(state.values[NORMALIZED])) == ["weight"]
+    assert "model.bias" in sent[0].arrays
+    assert all("model.bias" not in msg.arrays for msg in sent[1:])
+    torch.testing.assert_close(state.arrays["model.bias"], sent[0].arrays["model.bias"])
+
+
+def test_the_local_run_draws_from_the_clients_generator() -> None:
+    assert_draws_from_its_generator(_algo(FedNova, batch_size=8, local_steps=4))

@@ -4,15 +4,22 @@ drift correction they exist for.
 * One local step makes ``c_i+`` the client's gradient at ``x`` whatever ``c`` and ``c_i`` were
   (option II), and the reply's ``Δc_i`` is ``c_i+ - c_i``.
 * The server's ``c`` moves by ``(1 / N) Σ Δc_i`` over the round's clients (partial
-  participation included), and its model as FedAvg's.
+  participation included; under example weights by their weighted mean times ``|S| / N``), and
+  its model as FedAvg's.
+* A round without a step keeps ``c_i``; frozen tensors have no control variate and are sent
+  once; a client's minibatches come from its own generator; the checkpoint holds ``c`` and the
+  ``c_i``.
 * On two clients whose least-squares problems disagree, with many full-batch local steps, FedAvg
   stalls at a biased point and SCAFFOLD reaches the global optimum.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from least_squares import assert_draws_from_its_generator, frozen_bias_rounds
 from least_squares import linear_model as _model
 from least_squares import make_algo as _algo
 from least_squares import optimum as _optimum
@@ -22,6 +29,9 @@ from least_squares import train as _train
 from fedlore.algorithms.fedavg import FedAvg
 from fedlore.algorithms.scaffold import CONTROL, DCONTROL, Scaffold
 from fedlore.config import ConfigError, load_config
+from fedlore.engine.callbacks import Checkpointer
+from fedlore.engine.rundir import run_dir
+from fedlore.experiment import run_one
 from fedlore.experiment_parts import make_algorithm
 from fedlore.tensors import load_model_arrays, select, with_prefix
 from fedlore.train.local import task_loss
@@ -53,10 +63,13 @@ def test_one_step_makes_the_control_variate_the_clients_gradient() -> None:
     torch.testing.assert_close(step, -0.05 * (grad - c_i["weight"] + c["weight"]))
 
 
-def test_the_server_moves_c_by_the_mean_over_all_n_clients() -> None:
-    """Two of N = 4 clients reply (a third was dropped): c <- c + (Δc_a + Δc_b) / 4; the
-    model steps by the mean of the Δy, as FedAvg's."""
-    algo = _algo(Scaffold, num_clients=4)
+@pytest.mark.parametrize("weighting", ["uniform", "num_examples"])
+def test_the_server_moves_c_by_the_mean_over_all_n_clients(weighting: str) -> None:
+    """Two of N = 4 clients reply (a third was dropped), of 10 and 30 examples: under uniform
+    weights c <- c + (Δc_a + Δc_b) / 4 and the model steps by the plain mean of the Δy; under
+    example weights c <- c + (2 / 4)(10 Δc_a + 30 Δc_b) / 40 and the model steps by FedAvg's
+    weighted mean (either rule applied under the other weighting moves both elsewhere)."""
+    algo = _algo(Scaffold, num_clients=4, weighting=weighting)
     model = _model()
     state = algo.init_server(model, torch.Generator())
     c0 = torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.float64)
@@ -68,15 +81,19 @@ def test_the_server_moves_c_by_the_mean_over_all_n_clients() -> None:
             c,
             Reply(
                 arrays={"update.weight": y.double(), DCONTROL + "weight": d.double()},
-                metrics={"num_examples": 10},
+                metrics={"num_examples": n},
             ),
         )
-        for c, y, d in zip((0, 2), dy, dc, strict=True)
+        for c, y, d, n in zip((0, 2), dy, dc, (10, 30), strict=True)
     ]
     new, _ = algo.aggregate(state, [*replies, (3, None)], 0)
-    torch.testing.assert_close(new.arrays[CONTROL + "weight"], c0 + (dc[0] + dc[1]).double() / 4)
+    if weighting == "uniform":
+        want_c, step = c0 + (dc[0] + dc[1]).double() / 4, 0.2
+    else:
+        want_c, step = c0 + 0.5 * (10 * dc[0] + 30 * dc[1]).double() / 40, (5.0 - 3.0) / 40
+    torch.testing.assert_close(new.arrays[CONTROL + "weight"], want_c)
     before = state.arrays["model.weight"]
-    torch.testing.assert_close(new.arrays["model.weight"], before + 0.2)
+    torch.testing.assert_close(new.arrays["model.weight"], before + step)
 
 
 @pytest.mark.parametrize("weighting", ["uniform", "num_examples"])
@@ -143,6 +160,94 @@ def test_a_skipped_step_is_not_in_the_divisor(monkeypatch: pytest.MonkeyPatch) -
     )
     assert reply.metrics["skipped_steps"] == 1
     torch.testing.assert_close(kept.arrays[CONTROL + "weight"], g, rtol=1e-12, atol=1e-14)
+
+
+def test_a_round_without_a_step_keeps_the_control_variate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every step's loss is not finite: no step is taken (Σ η_k = 0), the model does not move,
+    and the client learnt nothing about its drift: it keeps c_i (not 0 / 0) and uploads
+    Δc_i = 0."""
+    import fedlore.algorithms.fedavg as fedavg_mod
+
+    algo = _algo(Scaffold, local_steps=3, num_clients=2)
+    state = algo.init_server(_model(), torch.Generator())
+    c = {"weight": torch.tensor([[0.3, -0.1, 2.0]], dtype=torch.float64)}
+    c_i = {"weight": torch.tensor([[-1.0, 0.5, 0.25]], dtype=torch.float64)}
+    state = State(arrays={**state.arrays, **with_prefix(c, CONTROL)})
+    inner = fedavg_mod.local_train
+
+    def nan_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return out.sum() * float("nan")
+
+    def train(net: torch.nn.Module, *args: object, **kwargs: object) -> object:
+        return inner(net, *args, loss_fn=nan_loss, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fedavg_mod, "local_train", train)
+    reply, kept = algo.client_update(
+        algo.broadcast(state, 0, 1),
+        State(arrays=with_prefix(c_i, CONTROL)),
+        _model(),
+        _regression(1),
+        torch.Generator(),
+    )
+    assert reply.metrics["skipped_steps"] == 3
+    assert torch.equal(reply.arrays["update.weight"], torch.zeros(1, 3, dtype=torch.float64))
+    assert torch.equal(kept.arrays[CONTROL + "weight"], c_i["weight"])
+    assert torch.equal(reply.arrays[DCONTROL + "weight"], torch.zeros(1, 3, dtype=torch.float64))
+
+
+def test_frozen_tensors_have_no_control_variate_and_are_sent_once() -> None:
+    """``freeze`` leaves a tensor out of training: c and c_i cover the weight only, the replies
+    (Δy and Δc_i of the weight) pass the engine's check against ``expected_reply``, the server
+    remembers the client (its ``seen`` flag survives SCAFFOLD's aggregate) and sends the bias
+    once, and the client takes it from its cache after that."""
+    algo = _algo(Scaffold, num_clients=1, freeze=("bias",))
+    state, sent, kept = frozen_bias_rounds(algo, rounds=3)
+    assert set(select(state.arrays, CONTROL)) == {"weight"}
+    assert set(select(kept.arrays, CONTROL)) == {"weight"}
+    assert algo.expected_reply(state, 3, 0) == {
+        "update.weight": ((1, 3), torch.float64),
+        DCONTROL + "weight": ((1, 3), torch.float64),
+    }
+    assert "model.bias" in sent[0].arrays
+    assert all(
+        "model.bias" not in msg.arrays and CONTROL + "weight" in msg.arrays for msg in sent[1:]
+    )
+    torch.testing.assert_close(state.arrays["model.bias"], sent[0].arrays["model.bias"])
+
+
+def test_the_local_run_draws_from_the_clients_generator() -> None:
+    assert_draws_from_its_generator(_algo(Scaffold, batch_size=8, local_steps=4))
+
+
+def test_the_checkpoint_holds_c_and_every_clients_c_i(tmp_path: Path) -> None:
+    """A real run (the engine checks each reply against ``expected_reply``; the client store
+    keeps each c_i): after round 0 the checkpoint holds the server's c and each client's c_i,
+    non-zero."""
+    cfg = load_config(
+        None,
+        [
+            "name=scaffold_ckpt",
+            "num_clients=3",
+            "rounds=2",
+            "local_steps=2",
+            "batch_size=16",
+            "model.kwargs={hidden: [8]}",
+            "partition.min_size=10",
+            "progress=false",
+            f"output_dir={tmp_path}",
+        ],
+    )
+    assert run_one(cfg, "scaffold", 3, stop_after=0) is None
+    _, server, store = Checkpointer.load(run_dir(cfg, "scaffold", 3) / "checkpoint.pt")
+    c = select(server.arrays, CONTROL)
+    assert c and sum(float(v.abs().sum()) for v in c.values()) > 0
+    states = store.to_dict()
+    assert len(states) == 3
+    for st in states.values():
+        c_i = select(st["arrays"], CONTROL)
+        assert c_i.keys() == c.keys() and sum(float(v.abs().sum()) for v in c_i.values()) > 0
 
 
 def test_scaffold_takes_sgd_steps_and_is_not_offered_under_privacy(tmp_path: object) -> None:
