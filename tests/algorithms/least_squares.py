@@ -111,3 +111,37 @@ def assert_draws_from_its_generator(algo: FedAvg) -> None:
     first = minibatch_update(algo, 3, global_seed=1)
     assert torch.equal(first, minibatch_update(algo, 3, global_seed=2))
     assert not torch.allclose(first, minibatch_update(algo, 4, global_seed=1))
+
+
+def checkpointed_states(
+    method: str, prefix: str, out: object
+) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """A 3-client, 2-round digits run of ``method`` killed after round 0 (in ``out``): the
+    server's ``prefix`` arrays and each client's, as the checkpoint holds them (what a
+    resumed run continues from)."""
+    from pathlib import Path
+
+    from fedlore.config import load_config
+    from fedlore.engine.callbacks import Checkpointer
+    from fedlore.engine.rundir import run_dir
+    from fedlore.experiment import run_one
+    from fedlore.tensors import select
+
+    cfg = load_config(
+        None,
+        [
+            f"name={method}_ckpt",
+            "num_clients=3",
+            "rounds=2",
+            "local_steps=2",
+            "batch_size=16",
+            "model.kwargs={hidden: [8]}",
+            "partition.min_size=10",
+            "progress=false",
+            f"output_dir={out}",
+        ],
+    )
+    assert run_one(cfg, method, 3, stop_after=0) is None
+    _, server, store = Checkpointer.load(Path(run_dir(cfg, method, 3)) / "checkpoint.pt")
+    clients = [select(st["arrays"], prefix) for st in store.to_dict().values()]
+    return select(server.arrays, prefix), clients

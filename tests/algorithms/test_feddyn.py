@@ -23,6 +23,7 @@ import pytest
 import torch
 from least_squares import (
     assert_draws_from_its_generator,
+    checkpointed_states,
     frozen_bias_rounds,
     linear_model,
     make_algo,
@@ -34,9 +35,6 @@ from least_squares import (
 from fedlore.algorithms.fedavg import FedAvg, FedProx
 from fedlore.algorithms.feddyn import DYN, FedDyn
 from fedlore.config import ConfigError, load_config
-from fedlore.engine.callbacks import Checkpointer
-from fedlore.engine.rundir import run_dir
-from fedlore.experiment import run_one
 from fedlore.experiment_parts import make_algorithm
 from fedlore.tensors import load_model_arrays, select, with_prefix
 from fedlore.train.local import task_loss
@@ -229,26 +227,8 @@ def test_the_checkpoint_holds_every_clients_h_k(tmp_path: Path) -> None:
     """After round 0 the checkpointed client store holds each client's ``dyn.*`` (non-zero) and
     the server state its h (the kill-and-resume run of tests/engine/test_resume.py then
     continues from them)."""
-    cfg = load_config(
-        None,
-        [
-            "name=feddyn_ckpt",
-            "num_clients=3",
-            "rounds=2",
-            "local_steps=2",
-            "batch_size=16",
-            "model.kwargs={hidden: [8]}",
-            "partition.min_size=10",
-            "progress=false",
-            f"output_dir={tmp_path}",
-        ],
-    )
-    assert run_one(cfg, "feddyn", 3, stop_after=0) is None
-    _, server, store = Checkpointer.load(run_dir(cfg, "feddyn", 3) / "checkpoint.pt")
-    h = select(server.arrays, DYN)
+    h, clients = checkpointed_states("feddyn", DYN, tmp_path)
     assert h and sum(float(v.abs().sum()) for v in h.values()) > 0
-    states = store.to_dict()
-    assert len(states) == 3
-    for st in states.values():
-        h_k = select(st["arrays"], DYN)
+    assert len(clients) == 3
+    for h_k in clients:
         assert h_k and sum(float(v.abs().sum()) for v in h_k.values()) > 0

@@ -20,7 +20,13 @@ import logging
 
 import pytest
 import torch
-from least_squares import assert_draws_from_its_generator, frozen_bias_rounds
+from least_squares import (
+    assert_draws_from_its_generator,
+    frozen_bias_rounds,
+    linear_model,
+    make_algo,
+    regression,
+)
 from torch import nn
 
 from fedlore.algorithms.fedavg import FedAvg
@@ -31,24 +37,12 @@ from fedlore.experiment_parts import make_algorithm
 from fedlore.settings import STEP_BUDGET
 from fedlore.types import Reply
 
-
-def _regression(cid: int, n: int = 32, d: int = 3) -> ClientData:
-    """Client ``cid``: y = x·w_cid + noise, each client with its own w (non-IID)."""
-    g = torch.Generator().manual_seed(10 + cid)
-    x = torch.randn(n, d, generator=g, dtype=torch.float64)
-    w = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) * (1 + 2 * cid) + cid
-    y = x @ w + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
-    return ClientData(cid, TensorSplit(x, y), TensorSplit(x[:0], y[:0]))
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Linear(3, 1, bias=False).double()
+_regression = regression
+_model = linear_model
 
 
 def _algo(cls: type[FedAvg], **extra: object) -> FedAvg:
-    common = {"lr": 0.05, "local_steps": 10, "batch_size": 64, "weighting": "uniform"}
-    return cls.of(**{**common, **extra})  # type: ignore[arg-type]
+    return make_algo(cls, **{"local_steps": 10, "batch_size": 64, **extra})
 
 
 # ----------------------------------------------------------------------------- the normalizer

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from least_squares import assert_draws_from_its_generator, frozen_bias_rounds
+from least_squares import assert_draws_from_its_generator, checkpointed_states, frozen_bias_rounds
 from least_squares import linear_model as _model
 from least_squares import make_algo as _algo
 from least_squares import optimum as _optimum
@@ -29,9 +29,6 @@ from least_squares import train as _train
 from fedlore.algorithms.fedavg import FedAvg
 from fedlore.algorithms.scaffold import CONTROL, DCONTROL, Scaffold
 from fedlore.config import ConfigError, load_config
-from fedlore.engine.callbacks import Checkpointer
-from fedlore.engine.rundir import run_dir
-from fedlore.experiment import run_one
 from fedlore.experiment_parts import make_algorithm
 from fedlore.tensors import load_model_arrays, select, with_prefix
 from fedlore.train.local import task_loss
@@ -225,28 +222,10 @@ def test_the_checkpoint_holds_c_and_every_clients_c_i(tmp_path: Path) -> None:
     """A real run (the engine checks each reply against ``expected_reply``; the client store
     keeps each c_i): after round 0 the checkpoint holds the server's c and each client's c_i,
     non-zero."""
-    cfg = load_config(
-        None,
-        [
-            "name=scaffold_ckpt",
-            "num_clients=3",
-            "rounds=2",
-            "local_steps=2",
-            "batch_size=16",
-            "model.kwargs={hidden: [8]}",
-            "partition.min_size=10",
-            "progress=false",
-            f"output_dir={tmp_path}",
-        ],
-    )
-    assert run_one(cfg, "scaffold", 3, stop_after=0) is None
-    _, server, store = Checkpointer.load(run_dir(cfg, "scaffold", 3) / "checkpoint.pt")
-    c = select(server.arrays, CONTROL)
+    c, clients = checkpointed_states("scaffold", CONTROL, tmp_path)
     assert c and sum(float(v.abs().sum()) for v in c.values()) > 0
-    states = store.to_dict()
-    assert len(states) == 3
-    for st in states.values():
-        c_i = select(st["arrays"], CONTROL)
+    assert len(clients) == 3
+    for c_i in clients:
         assert c_i.keys() == c.keys() and sum(float(v.abs().sum()) for v in c_i.values()) > 0
 
 
