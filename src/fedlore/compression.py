@@ -91,7 +91,7 @@ def round_up(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     exact = value.detach().to("cpu", torch.float64)
     out = exact.to(dtype)
     if bool(out.to(torch.float64) < exact):
-        out = torch.nextafter(out, torch.tensor(math.inf, dtype=dtype))
+        out = torch.nextafter(out, torch.tensor(math.inf, dtype=dtype, device=out.device))
     return out
 
 

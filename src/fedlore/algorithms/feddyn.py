@@ -66,7 +66,7 @@ from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
 from fedlore.data.client_data import ClientData
 from fedlore.registry import register_algorithm
 from fedlore.tensors import from_wire, select, with_prefix
-from fedlore.train.local import LossTerm
+from fedlore.train.local import LossTerm, parameter_term
 from fedlore.types import Broadcast, Reply, Scalars, State
 
 DYN = "dyn."
@@ -83,15 +83,11 @@ def dynamic_term(
     fixed = {k: v.detach().clone() for k, v in anchor.items()}
     held = {k: v.detach().clone() for k, v in grad.items()}
 
-    def term(model: nn.Module) -> torch.Tensor:
-        total = torch.zeros((), device=next(model.parameters()).device)
-        for name, p in model.named_parameters():
-            if name in fixed:
-                d = p - fixed[name].to(p)
-                total = total + (0.5 * alpha * d.pow(2) - held[name].to(p) * d).sum()
-        return total
+    def part(name: str, p: nn.Parameter) -> torch.Tensor:
+        d = p - fixed[name].to(p)
+        return (0.5 * alpha * d.pow(2) - held[name].to(p) * d).sum()
 
-    return term
+    return parameter_term(fixed, part)
 
 
 @register_algorithm("feddyn")

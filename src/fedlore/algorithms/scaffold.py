@@ -49,7 +49,7 @@ from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
 from fedlore.data.client_data import ClientData
 from fedlore.registry import register_algorithm
 from fedlore.tensors import select, with_prefix
-from fedlore.train.local import LossTerm
+from fedlore.train.local import LossTerm, parameter_term
 from fedlore.types import Broadcast, Reply, Scalars, State
 
 CONTROL = "control."
@@ -62,14 +62,7 @@ def correction_term(shift: dict[str, torch.Tensor]) -> LossTerm:
     """The loss term ``Σ_p <p, shift_p>`` over the parameters named in ``shift``: its gradient
     adds ``shift_p`` (SCAFFOLD's ``c - c_i``) to each parameter's gradient."""
 
-    def term(model: nn.Module) -> torch.Tensor:
-        total = torch.zeros((), device=next(model.parameters()).device)
-        for name, p in model.named_parameters():
-            if name in shift:
-                total = total + (p * shift[name].to(p.dtype)).sum()
-        return total
-
-    return term
+    return parameter_term(shift, lambda name, p: (p * shift[name].to(p.dtype)).sum())
 
 
 @register_algorithm("scaffold")

@@ -41,6 +41,24 @@ LossTerm = Callable[[nn.Module], torch.Tensor]
 GradHook = Callable[[nn.Module, int], None]
 
 
+def parameter_term(
+    names: Iterable[str], part: Callable[[str, nn.Parameter], torch.Tensor]
+) -> LossTerm:
+    """The loss term ``model -> Σ part(name, p)`` over the model's parameters whose names are
+    in ``names`` (a zero on the model's device when none is), summed in the model's parameter
+    order: the shape of SCAFFOLD's and FedDyn's terms."""
+    chosen = set(names)
+
+    def term(model: nn.Module) -> torch.Tensor:
+        total = torch.zeros((), device=next(model.parameters()).device)
+        for name, p in model.named_parameters():
+            if name in chosen:
+                total = total + part(name, p)
+        return total
+
+    return term
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Learning rate as a function of the global local-step index (round * K + k).
