@@ -8,12 +8,17 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from fedlore.types import Arrays
+from fedlore.types import Arrays, State
 
 
 def nbytes(arrays: Arrays) -> int:
     """Total payload size in bytes (``numel * element_size`` summed over all tensors)."""
     return sum(int(t.numel()) * t.element_size() for t in arrays.values())
+
+
+def state_bytes(state: State | None) -> int:
+    """The bytes a client keeps between rounds: its state's tensors (0 for no state)."""
+    return 0 if state is None else nbytes(state.arrays)
 
 
 WIRE_DTYPES: dict[str, torch.dtype | None] = {

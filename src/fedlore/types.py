@@ -84,6 +84,7 @@ LOOP_KEYS = frozenset(
         "train_loss",
         "optimizer_state_bytes",
         "peak_memory_bytes",
+        "client_state_bytes",
         "skipped_steps",
         "client_train_s",
         "local_clients",

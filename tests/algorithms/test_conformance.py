@@ -57,6 +57,7 @@ from fedlore.engine.transport import LocalTransport
 from fedlore.experiment import run_one
 from fedlore.experiment_parts import make_algorithm, model_factory, start_server
 from fedlore.seeding import CLIENT, SERVER_INIT, generator
+from fedlore.tensors import state_bytes
 from fedlore.train.local import evaluate
 from fedlore.types import Broadcast, Reply, State
 
@@ -280,6 +281,7 @@ def test_client_update_is_pure_and_well_formed(
     for rnd in range(s.start, LAST_CHECKED_ROUND + 1):
         server_before = _clone_state(state)
         direct: dict[int, Reply] = {}
+        kept: dict[int, int] = {}  # the bytes of each client's new state
         for cid in CHECK_CLIENTS:
             data = fed.client(cid)
             msg = s.algo.broadcast(state, rnd, cid)
@@ -314,6 +316,7 @@ def test_client_update_is_pure_and_well_formed(
             assert msg.config == msg_before.config
             _assert_states_equal(client_state, client_before, f"round {rnd}: client state changed")
             direct[cid] = first
+            kept[cid] = state_bytes(first_state)
 
         _assert_states_equal(state, server_before, f"round {rnd}: server state changed")
         state, row = loop.run_round(state, rnd, s.cfg.rounds - 1)
@@ -324,7 +327,9 @@ def test_client_update_is_pure_and_well_formed(
             got = capture.results[rnd][cid]
             assert isinstance(got, Reply)
             _assert_arrays_equal(got.arrays, reply.arrays, f"round {rnd}, client {cid} in loop")
-            assert _metrics(got) == _metrics(reply)
+            # the transport adds what it measured: the state the client keeps between rounds
+            assert got.metrics["client_state_bytes"] == kept[cid]
+            assert {**_metrics(reply), "client_state_bytes": kept[cid]} == _metrics(got)
 
 
 # --------------------------------------------------------------------------- (c) checkpoint

@@ -56,7 +56,8 @@ def rows(cfg: Config, method: str) -> list[dict]:
 
 
 def assert_matches(local: Config, sim: Config, method: str, summary: dict[str, Any]) -> None:
-    """The simulated run of ``method`` ended with the in-process run's global model and bytes."""
+    """The simulated run of ``method`` ended with the in-process run's global model, bytes and
+    client state sizes."""
     _, s_local, _ = Checkpointer.load(run_dir(local, method, 42) / "checkpoint.pt")
     _, s_sim, _ = Checkpointer.load(run_dir(sim, method, 42) / "checkpoint.pt")
     model_keys = [k for k in s_local.arrays if k.startswith("model.")]
@@ -67,6 +68,8 @@ def assert_matches(local: Config, sim: Config, method: str, summary: dict[str, A
     assert [r["round"] for r in rows_sim] == [r["round"] for r in rows_local]
     for a, b in zip(rows_local, rows_sim, strict=True):
         assert (a["bytes_up"], a["bytes_down"]) == (b["bytes_up"], b["bytes_down"])
+        # the state each client keeps, measured where it lives (a Ray actor's node state)
+        assert a["client_state_bytes"] == b["client_state_bytes"]
         assert b["rejected"] == 0
     # bytes measured on the wire (numpy payload + header) sit next to our accounting
     ours_up = sum(r["bytes_up"] for r in rows_sim)

@@ -169,7 +169,8 @@ class RoundLoop:
             "optimizer_state_bytes": max(
                 (int(r.metrics.get("optimizer_state_bytes", 0)) for r in ok), default=0
             ),
-            **_peak_memory(ok),
+            **_largest(ok, "peak_memory_bytes"),
+            **_largest(ok, "client_state_bytes"),
             "skipped_steps": sum(int(r.metrics.get("skipped_steps", 0)) for r in ok),
         }
         row.update(client_reports(accepted, self.algorithm.per_client_metrics))
@@ -341,14 +342,19 @@ def client_reports(accepted: list[tuple[int, Reply | None]], per_client: Sequenc
     return row
 
 
-def _peak_memory(replies: list[Reply]) -> Row:
-    """``peak_memory_bytes``: the largest peak device memory of a client's update this round
-    (replies' ``peak_memory_bytes``, measured on CUDA devices only); absent when none reports
-    it (the CPU)."""
-    peaks = [
-        int(r.metrics["peak_memory_bytes"]) for r in replies if "peak_memory_bytes" in r.metrics
-    ]
-    return {"peak_memory_bytes": max(peaks)} if peaks else {}
+def _largest(replies: list[Reply], key: str) -> Row:
+    """``key``'s largest value over this round's accepted replies; absent when none reports it.
+
+    * ``peak_memory_bytes``: a client's peak device memory during its update (measured on CUDA
+      devices only: absent on the CPU).
+    * ``client_state_bytes``: the bytes a client keeps between rounds (its state's tensors, as
+      the transport stores them: control variates, personal layers, optimizer moments kept for
+      the next round); 0 for a method that keeps nothing. Absent under secure aggregation or DP,
+      which send only :data:`fedlore.privacy.CLEAR_METRICS` in the clear (the built-in methods
+      keep states whose size the config fixes, but a method's state may be sized by its data).
+    """
+    values = [int(r.metrics[key]) for r in replies if key in r.metrics]
+    return {key: max(values)} if values else {}
 
 
 def _device(loop: RoundLoop, state: State) -> torch.device:

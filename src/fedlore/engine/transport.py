@@ -28,6 +28,7 @@ from fedlore.privacy import Privacy, SecureSum, client_contribution, client_nois
 from fedlore.privacy.parties import LocalParties, secure_sum
 from fedlore.privacy.secagg import Abort
 from fedlore.seeding import CLIENT, generator
+from fedlore.tensors import state_bytes
 from fedlore.types import Broadcast, Reply, Scalars
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,9 @@ class LocalTransport:
         return out
 
     def _train(self, rnd: int, cid: int, msg: Broadcast) -> Reply:
-        """One client's local training: its reply (with ``peak_memory_bytes`` on a CUDA
-        device); its new state goes to the store. Raises what the client raised."""
+        """One client's local training: its reply, with ``client_state_bytes`` (the state it
+        keeps) and, on a CUDA device, ``peak_memory_bytes``; its new state goes to the store.
+        Raises what the client raised."""
         data = self.client_data(cid)
         first = next(self.model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
@@ -92,9 +94,10 @@ class LocalTransport:
                 generator(self.seed, CLIENT, rnd, cid),
             )
         self.store.put(cid, state)
+        measured = {"client_state_bytes": state_bytes(state)}
         if peak.bytes is not None:  # a CUDA device: the client's peak, reset per client
-            reply = Reply(reply.arrays, {**reply.metrics, "peak_memory_bytes": peak.bytes})
-        return reply
+            measured["peak_memory_bytes"] = peak.bytes
+        return Reply(reply.arrays, {**reply.metrics, **measured})
 
     def _run_client(self, rnd: int, cid: int, msg: Broadcast) -> Reply | BaseException:
         """One client's turn. Its data, optimizer and the state it started from are locals of

@@ -70,7 +70,7 @@ from fedlore.flower.sites import server_federation, site_federation
 from fedlore.flower.transport import FlowerTransport
 from fedlore.progress import say_once
 from fedlore.seeding import CLIENT, generator
-from fedlore.tensors import to_device
+from fedlore.tensors import state_bytes, to_device
 from fedlore.types import Broadcast, Reply, State
 
 log = logging.getLogger(__name__)
@@ -206,8 +206,10 @@ def client_train(
         reply, new_state = algo.client_update(
             bcast, state, model, data, generator(seed, CLIENT, rnd, cid)
         )
+    measured = {"client_state_bytes": state_bytes(new_state)}  # as the in-process transport
     if peak.bytes is not None:
-        reply = Reply(reply.arrays, {**reply.metrics, "peak_memory_bytes": peak.bytes})
+        measured["peak_memory_bytes"] = peak.bytes
+    reply = Reply(reply.arrays, {**reply.metrics, **measured})
     # the client's state is replaced; SecAgg+'s own record (flwr's mod) is kept
     for key in list(context.state.keys()):
         if key != SECAGG_STATE:

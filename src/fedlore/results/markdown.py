@@ -101,7 +101,9 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
     runs that recorded an ECE add the final NLL and ECE; runs with ``eval.local`` the P-local
     accuracy, beside the G-local accuracy of runs with ``eval.clients``, so a personalized
     method's global and personal scores stand side by side; runs with client timing the
-    local-training seconds per client and round; DP runs the privacy spent (ε at δ), the noise
+    local-training seconds per client and round; runs that measured it the client state (the
+    most one client keeps between rounds: control variates, personal layers, optimizer moments
+    carried to its next round); DP runs the privacy spent (ε at δ), the noise
     multiplier σ and the clipped uploads.
     """
     lm = any(row.get("language_model") for row in table)
@@ -112,6 +114,7 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
     glocal = any(row.get("client_accuracy_pct_mean") is not None for row in table)
     timed = any(row.get("client_train_s_per_round_mean") is not None for row in table)
     peak = any(row.get("peak_memory_bytes_mean") is not None for row in table)
+    kept = any(row.get("client_state_bytes_mean") is not None for row in table)
     private = any(row.get("dp_noise_multiplier_mean") is not None for row in table)
     quality = (
         ["val loss", "val PPL", "next-token acc. (%)"]
@@ -128,6 +131,7 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
         "MB up",
         "MB down",
         "optimizer state",
+        *(["client state"] if kept else []),
         *(["peak device memory"] if peak else []),
         "s / round",
         *(["client train s / round"] if timed else []),
@@ -166,6 +170,7 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
             _num(row["mb_up_mean"]),
             _num(row["mb_down_mean"]),
             _bytes(row["optimizer_state_bytes_mean"]),
+            *([_bytes(row.get("client_state_bytes_mean"))] if kept else []),
             *([_bytes(row.get("peak_memory_bytes_mean"))] if peak else []),
             _pm(row["wall_s_per_round_mean"], row["wall_s_per_round_std"], digits=3, n=n),
             *([_score(row, "client_train_s_per_round", digits=3)] if timed else []),

@@ -198,7 +198,9 @@ def _report_experiment(
         f"# {exp_dir.name}\n\n{to_markdown(table)}\n"
         + "".join(f"Test set: {s}.\n\n" for s in sorted(held))  # no test split of its own
         + "Mean ± sample std (ddof=1) over seeds (no ± with one seed); MB = 10^6 bytes, totals "
-        "per run; optimizer state per client (moment tensors); peak device memory (CUDA runs) the "
+        "per run; optimizer state per client (moment tensors); client state the most one client "
+        "keeps between rounds (control variates, personal layers, moments carried over; not "
+        "measured under secure aggregation or DP); peak device memory (CUDA runs) the "
         "largest peak of one client's update; s / round without evaluation, from round 1 on; "
         "rejected client replies and skipped local steps (non-finite loss or gradient) per run. "
         "Seeds: unfinished runs (no summary yet) and runs whose summary cannot be read show their "

@@ -86,6 +86,7 @@ def derive_summary(
         "bytes_up_total": sum(value(r, "bytes_up") or 0.0 for r in rows),
         "bytes_down_total": sum(value(r, "bytes_down") or 0.0 for r in rows),
         "optimizer_state_bytes": max(states) if states else None,
+        **_largest(rows, "client_state_bytes"),
         "wall_s_per_round": per_round_wall(train),
         "rounds": len(rows),
         "final_loss": value(last_eval, "loss") if losses else None,
@@ -119,6 +120,7 @@ def summarize(
         "bytes_down_total": sum(r["bytes_down"] for r in rows),
         "optimizer_state_bytes": max((r["optimizer_state_bytes"] for r in rows), default=0),
         **_peak(rows),
+        **_largest(rows, "client_state_bytes"),
         "wall_s_per_round": per_round_wall(train) or 0.0,
         "wall_s_total": sum(r["wall_s"] for r in rows),
         "rejected_total": sum(r.get("rejected", 0) for r in rows),
@@ -167,6 +169,14 @@ def _peak(rows: list[dict[str, Any]]) -> dict[str, Any]:
     (CUDA only; absent on the CPU, where nothing measures it)."""
     peaks = [r["peak_memory_bytes"] for r in rows if r.get("peak_memory_bytes") is not None]
     return {"peak_memory_bytes": max(peaks)} if peaks else {}
+
+
+def _largest(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """``key``'s largest value over the rows (``client_state_bytes``: the most any client kept
+    between rounds); absent when no row has it (runs from before it was measured, or under
+    secure aggregation or DP)."""
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return {key: max(values)} if values else {}
 
 
 def final_value(rows: list[dict[str, Any]], key: str) -> Any:

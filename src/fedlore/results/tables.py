@@ -5,7 +5,7 @@ summary (:func:`summary_table`, keys :data:`COLUMNS`) and for the subspace diagn
 
 Statistics are over seeds: the mean and the sample standard deviation (ddof=1) when there are
 at least two seeds, else a std of 0. Accuracies are in percent, traffic in MB (10^6 bytes),
-optimizer state and peak memory in bytes, round time in seconds.
+optimizer state, client state and peak memory in bytes, round time in seconds.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ COLUMNS = [
     "mb_down_mean",
     "optimizer_state_bytes_mean",
     "peak_memory_bytes_mean",
+    "client_state_bytes_mean",
     "wall_s_per_round_mean",
     "wall_s_per_round_std",
     "rejected_total_mean",
@@ -67,6 +68,7 @@ COSTS = frozenset(
         "bytes_down_total",
         "optimizer_state_bytes",
         "peak_memory_bytes",
+        "client_state_bytes",
         "wall_s_per_round",
         "rejected_total",
         "skipped_steps_total",
@@ -160,6 +162,7 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
                     _summary_values(records, "optimizer_state_bytes")
                 )[0],
                 "peak_memory_bytes_mean": _stat(_summary_values(records, "peak_memory_bytes"))[0],
+                "client_state_bytes_mean": _stat(_summary_values(records, "client_state_bytes"))[0],
                 "wall_s_per_round_mean": wall_m,
                 "wall_s_per_round_std": wall_s,
                 "rejected_total_mean": _stat(_summary_values(records, "rejected_total"))[0],
