@@ -536,6 +536,54 @@ def test_a_setting_the_method_never_reads_is_no_difference_between_its_runs() ->
     )
 
 
+def test_compression_is_compared_as_the_method_used_it() -> None:
+    """A finished run is this config's when the method compressed as it would now: a run-wide
+    ``compression.*`` that ``method.<name>.compression`` overrides, and a setting of another
+    kind (top-k's fraction under QSGD, QSGD's levels under top-k, either under none), are no
+    difference; what the method reads is, named once."""
+    from fedlore.engine.rundir import _run_config, config_diff, resolved_hyper, unread_given
+
+    def record(over: list[str]) -> dict[str, object]:
+        cfg = load_config(None, over)
+        return {
+            **_run_config(cfg, "fedavg"),
+            "hyper": resolved_hyper(make_algorithm("fedavg", cfg)),
+        }
+
+    def diff(was: list[str], now: list[str]) -> str:
+        return config_diff(load_config(None, now), "fedavg", record(was), make_algorithm)
+
+    own = ["method.fedavg.compression=qsgd"]
+    assert (
+        diff(
+            ["compression.kind=topk", "compression.fraction=0.1", *own],
+            ["compression.kind=qsgd", *own],
+        )
+        == ""
+    )
+    assert (
+        diff(["compression.kind=qsgd"], ["compression.kind=qsgd", "compression.fraction=0.5"]) == ""
+    )
+    assert diff(["compression.kind=topk"], ["compression.kind=topk", "compression.levels=15"]) == ""
+    assert diff([], ["compression.kind=none", "method.fedprox.compression=topk"]) == ""
+    assert diff(["compression.kind=qsgd"], ["compression.kind=qsgd", "compression.levels=15"]) == (
+        "hyper.compression_levels: 127 -> 15"
+    )
+    assert diff(
+        ["compression.kind=topk"], ["compression.kind=topk", "compression.fraction=0.5"]
+    ) == ("hyper.compression_fraction: 0.01 -> 0.5")
+    assert diff(["compression.kind=qsgd"], ["compression.kind=topk"]) == (
+        "hyper.compression: 'qsgd' -> 'topk'"
+    )
+    fedavg = registry.get("algorithm", "fedavg")
+    assert unread_given(fedavg, {"hyper.compression": "topk"}) == {"hyper.compression_levels"}
+    assert unread_given(fedavg, {"hyper.compression": "none"}) == {
+        "hyper.compression_fraction",
+        "hyper.compression_levels",
+        "hyper.error_feedback",
+    }
+
+
 def test_transport_dtype_reaches_the_methods_that_honour_it_and_is_refused_elsewhere() -> None:
     from fedlore.engine.rundir import _run_config, config_diff
 

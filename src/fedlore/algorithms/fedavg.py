@@ -279,6 +279,12 @@ class FedFull(DenseServer, Hyper):
         server_optimizer=True,
         compress_uploads=True,
     )
+    # the settings read only at some values of another (fedlore.engine.rundir.read_only_with)
+    read_only_with: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {
+        "compression_fraction": ("compression", ("topk",)),
+        "compression_levels": ("compression", ("qsgd",)),
+        "error_feedback": ("compression", ("topk", "qsgd")),
+    }
     local_optimizer: Literal["adamw", "sgd"] = "adamw"
     momentum: float = 0.0
     compression: Literal["none", "topk", "qsgd"] = field(

@@ -262,6 +262,24 @@ def check_same_config(cfg: Config, method: str, out: Path, make_algorithm: MakeA
         )
 
 
+METHOD_ONLY = ("compression.",)
+"""Config paths (prefixes) that only the methods read: with a recorded ``hyper`` they are compared
+as each method resolved them (its ``hyper.*`` settings), since a ``method.<name>`` override makes
+the path's value one the run never used."""
+
+
+def unread_given(cls: type, hyper: dict[str, Any]) -> set[str]:
+    """The ``hyper.*`` keys a method of class ``cls`` does not read at these settings: its
+    ``read_only_with`` maps a setting to ``(other, values)``, read only while ``other`` is one of
+    ``values`` (FedFull's top-k fraction only under ``compression: topk``)."""
+    rules: dict[str, tuple[str, tuple[Any, ...]]] = getattr(cls, "read_only_with", {})
+    return {
+        f"hyper.{k}"
+        for k, (other, values) in rules.items()
+        if hyper.get(f"hyper.{other}") not in values
+    }
+
+
 READ_BY_THE_RUN = {"diagnostics.every"}
 """Settings that some methods read (a field's config path) and the run reads for every method."""
 
@@ -318,7 +336,11 @@ def config_diff(
         now.update(
             {f"hyper.{k}": v for k, v in resolved_hyper(make_algorithm(method, cfg)).items()}
         )
-        for key in _unread_method_settings(method, before, now):
+        cls = registry.get("algorithm", method)
+        unread = _unread_method_settings(method, before, now)
+        unread |= {k for k in set(before) | set(now) if k.startswith(METHOD_ONLY)}
+        unread |= unread_given(cls, before) & unread_given(cls, now)
+        for key in unread:
             before.pop(key, None)
             now.pop(key, None)
     # a setting added to fedlore after the run started is no difference while it keeps its
