@@ -12,6 +12,7 @@ from fedlore.algorithms import (  # noqa: F401
     fedlore_bayes,
     fedmask,
     fednova,
+    fedrep,
     fedslop,
     local_galore,
     lora_fair,
