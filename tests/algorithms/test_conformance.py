@@ -83,6 +83,7 @@ LEARNING_OVERRIDES: dict[str, list[str]] = {
     "fedper": ["method.fedper.lr=0.3"],
     "fedbn": ["method.fedbn.lr=0.3"],
     "fedrep": ["method.fedrep.lr=0.3"],  # FedPer's SGD, 4 steps on the head, then 1 on the body
+    "moon": ["method.moon.lr=0.3"],  # FedAvg's SGD steps with the contrastive term
     # FedSLoP's heavy ball in a random rank-4 subspace (a 16th of the hidden layer's input):
     # 0.13 at 3e-2, 0.53 at 0.3 (seed 1)
     "fedslop": ["method.fedslop.lr=0.3"],

@@ -22,6 +22,7 @@ from fedlore.algorithms import (  # noqa: F401
     lora_flora,
     lora_frlora,
     lora_rolora,
+    moon,
     partial,
     pfedbayes,
     pfedme,

@@ -246,7 +246,7 @@ def check_method_settings(
         raise ConfigError(
             f"transport_dtype={cfg.transport_dtype}: method {name!r} sends its tensors at the "
             "model's dtype only; 16-bit transport is implemented for fedlore, fedlore_random, "
-            "fedlore_fixed, fedlore_sketch, fedfull, fedavg, fedprox, fednova, fedper, "
+            "fedlore_fixed, fedlore_sketch, fedfull, fedavg, fedprox, fednova, moon, fedper, "
             "fedbn, fedrep and the LoRA methods (use transport_dtype=fp32)"
         )
 
@@ -315,7 +315,7 @@ def check_wire_settings(cls: type[Declares], upload_increments: bool, transport_
         raise ValueError(
             f"{cls.__name__}: invalid transport_dtype={transport_dtype!r}: this "
             "method sends its tensors at the model's dtype only (16-bit transport: FedLore and "
-            "its variants, FedFull, FedAvg, FedProx, FedNova, FedPer, FedBN, FedRep and the "
+            "its variants, FedFull, FedAvg, FedProx, FedNova, MOON, FedPer, FedBN, FedRep and the "
             "LoRA methods)"
         )
 
