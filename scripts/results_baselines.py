@@ -1,7 +1,9 @@
 """The classic baselines' quoted numbers (``experiments/results/baselines/summary.json``), for
 ``scripts/results_tables.py``: SCAFFOLD, FedDyn and FedNova against FedAvg under equal and
-unequal local work, FedPer and FedBN against FedAvg (``experiments/drift_*.yaml``,
-``experiments/partial*.yaml``; each folder's ``table.json`` is ``experiments/sweep.py``'s)."""
+unequal local work, FedPer, FedBN and FedRep against FedAvg's P-local, MOON against FedAvg's
+global model (``experiments/drift_*.yaml``, ``experiments/partial*.yaml``,
+``experiments/representation.yaml``, ``experiments/moon.yaml``; each folder's ``table.json`` is
+``experiments/sweep.py``'s)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,18 @@ from typing import Any
 
 from results_common import EXP, dump_json, read
 
-FOLDERS = ("drift_steps", "drift_epochs", "feddyn_alpha", "partial", "partial_bn")
+FOLDERS = (
+    "drift_steps",
+    "drift_epochs",
+    "feddyn_alpha",
+    "partial",
+    "partial_bn",
+    "representation",
+    "representation_epochs",
+    "representation_body",
+    "moon",
+    "moon_mu",
+)
 SCORES = {
     "acc": ("final_accuracy", 100.0),
     "nll": ("final_loss", 1.0),
@@ -38,7 +51,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """``{setting: {method: {score: {mean, sd}, "seeds": n, "ahead": seeds above FedAvg,
     "minus_fedavg": mean difference in points}}}``; a score no run recorded is left out; the
     comparison with FedAvg is of the final (global) accuracy, or of the P-local accuracy where
-    the runs recorded one."""
+    the runs recorded one. Where the setting has FedPer, FedRep is compared with it the same way
+    (``ahead_fedper``, ``minus_fedper``)."""
     out: dict[str, Any] = {}
     for row in rows:
         entry: dict[str, Any] = {"seeds": row["seeds"]}
@@ -54,18 +68,27 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if base_row is None:  # a sweep of one method's setting: nothing to compare with
             continue
         for row in (r for r in rows if _setting(r) == setting and r["method"] != "fedavg"):
-            key = "local_accuracy" if row["local_accuracy"] else "final_accuracy"
-            pairs = [
-                (row["by_seed"][s][key], base_row["by_seed"][s][key])
-                for s in row["by_seed"]
-                if s in base_row["by_seed"]
-            ]
+            pairs = _pairs(row, base_row)
             methods[row["method"]]["ahead"] = sum(1 for a, b in pairs if a > b)
             methods[row["method"]]["minus_fedavg"] = 100 * statistics.fmean(a - b for a, b in pairs)
+        fedper = next((r for r in rows if _setting(r) == setting and r["method"] == "fedper"), None)
+        fedrep = next((r for r in rows if _setting(r) == setting and r["method"] == "fedrep"), None)
+        if fedper is not None and fedrep is not None:
+            pairs = _pairs(fedrep, fedper)
+            methods["fedrep"]["ahead_fedper"] = sum(1 for a, b in pairs if a > b)
+            methods["fedrep"]["minus_fedper"] = 100 * statistics.fmean(a - b for a, b in pairs)
     return out
 
 
+def _pairs(row: dict[str, Any], base: dict[str, Any]) -> list[tuple[float, float]]:
+    """(the row's, the base's) accuracy of each seed both ran: P-local where the row recorded
+    it, else the global model's."""
+    key = "local_accuracy" if row["local_accuracy"] else "final_accuracy"
+    return [(row["by_seed"][s][key], base["by_seed"][s][key]) for s in row["by_seed"]
+            if s in base["by_seed"]]  # fmt: skip
+
+
 def baselines() -> dict[str, str]:
-    """``experiments/results/baselines/summary.json`` from the four sweeps' ``table.json``."""
+    """``experiments/results/baselines/summary.json`` from the sweeps' ``table.json``."""
     facts = {f: summarize(read(EXP / "baselines" / f / "table.json")) for f in FOLDERS}
     return {"experiments/results/baselines/summary.json": dump_json(facts)}

@@ -60,7 +60,8 @@ model in that client's state under ``personal.*`` (never in a reply) and mixes i
 scores the personal model of a client state on the client's own test split (P-local) without
 reading the global model. FedPer and FedBN (:mod:`fedlore.algorithms.partial`) keep only some
 tensors of the model per client (``personal.<name>``, the rest is the global model's), score the
-model a client has just trained P-local, and declare ``keeps_layers_local``.
+model a client has just trained P-local, and declare ``keeps_layers_local``; so does FedRep
+(:mod:`fedlore.algorithms.fedrep`), which trains FedPer's head and body one after the other.
 
 ``aggregate`` receives no model. A server that needs one (FedBE distils into a student) may keep
 a deep copy of the model handed to ``init_server`` as its server-side scratch workspace, under
@@ -121,7 +122,7 @@ class Capabilities:
         adapts: the method trains LoRA adapters on the matrices its ``targets(model)`` names
             (each of its ``rank``) instead of the matrices themselves.
         keeps_layers_local: every client keeps some tensors of the model to itself and never
-            uploads them (FedPer's head, FedBN's BatchNorm layers;
+            uploads them (FedPer's and FedRep's head, FedBN's BatchNorm layers;
             :mod:`fedlore.algorithms.partial`), so the server's copy of them stays at its
             initialization: the global model's scores (G-central, G-local) are of a model no
             client uses, and the method's result is each client's model, scored P-local

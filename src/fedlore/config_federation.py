@@ -62,12 +62,12 @@ class ServerConfig(_Strict):
     ``momentum`` is FedAvgM (Hsu et al. 2019), ``adagrad``, ``adam`` and ``yogi`` are
     FedAdagrad, FedAdam and FedYogi (Reddi et al., ICLR 2021, Algorithm 2). For methods whose
     server adds an averaged dense delta (FedAvg, FedFull, FedProx, SCAFFOLD, FedNova, Local
-    GaLore, the Meta-BayFL family, Ditto, pFedMe, pFedBayes, FedPer and FedBN for their shared
-    layers), for FedLore and its variants, whose moments live in the shared r x n coordinates,
-    and for FedIT and FFA-LoRA (the averaged adapter factors); the others refuse any other
-    setting. Every key can be set
-    for one method as ``method.<name>.server_optimizer``, ``server_eta`` (the lr),
-    ``server_betas``, ``server_tau``, ``server_v0``, ``server_bias_correction``."""
+    GaLore, the Meta-BayFL family, Ditto, pFedMe, pFedBayes, MOON, FedPer, FedBN and FedRep for
+    their shared layers), for FedLore and its variants, whose moments live in the shared r x n
+    coordinates, and for FedIT and FFA-LoRA (the averaged adapter factors); the others refuse any
+    other setting. Every key can be set for one method as ``method.<name>.server_optimizer``,
+    ``server_eta`` (the lr), ``server_betas``, ``server_tau``, ``server_v0``,
+    ``server_bias_correction``."""
 
     optimizer: Literal["sgd", "momentum", "adagrad", "adam", "yogi"] = "sgd"
     """The server optimizer: ``sgd`` (x += η Δ), ``momentum`` (FedAvgM: m = β1 m + Δ,

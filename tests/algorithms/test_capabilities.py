@@ -70,6 +70,7 @@ TABLE: dict[str, Row] = {
     "fednova":        Row(0,    F,   T,  F,     F, T,   1,   None,     F,     "own"),
     "fedper":         Row(0,    F,   T,  T,     F, T,   1,   None,     F,     "own"),
     "fedprox":        Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
+    "fedrep":         Row(0,    F,   T,  T,     F, T,   1,   None,     F,     "own"),
     "fedslop":        Row(0,    T,   T,  F,     F, T,   1,   "shared", F,     "fedlore"),
     "ffa_lora":       Row(0,    T,   T,  F,     F, T,   1,   None,     T,     "default"),
     "flexlora":       Row(0,    F,   T,  F,     F, T,   1,   None,     T,     "own"),
@@ -80,6 +81,7 @@ TABLE: dict[str, Row] = {
     "meta_bayfl":     Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "meta_bayfl_mcd": Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "meta_fl":        Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
+    "moon":           Row(0,    F,   T,  T,     F, T,   1,   None,     F,     "own"),
     "pfedbayes":      Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "pfedme":         Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "rolora":         Row(0,    F,   T,  F,     F, T,   1,   None,     T,     "own"),
@@ -267,7 +269,7 @@ def test_the_methods_that_take_a_server_optimizer() -> None:
     assert takes == {
         "bayfl", "ditto", "fedavg", "fedavg_mcd", "fedfull", "fedprox", "local_galore",
         "meta_bayfl", "meta_bayfl_mcd", "meta_fl", "pfedbayes", "pfedme", "scaffold", "fednova",
-        "fedper", "fedbn",
+        "fedper", "fedbn", "fedrep", "moon",
         "fedlore", "fedlore_fixed", "fedlore_random", "fedlore_sketch", "fedit", "ffa_lora",
         "fedgalore", "fedslop", "fedlore_bayes", "fedlore_bayfl",
     }  # fmt: skip
@@ -275,8 +277,8 @@ def test_the_methods_that_take_a_server_optimizer() -> None:
 
 def test_only_the_partial_personalization_methods_keep_layers_local() -> None:
     """``keeps_layers_local`` excuses a method's global model from the conformance suite's
-    accuracy check (its server's copy of the kept layers is their initialization): only FedPer
-    and FedBN, whose replies leave those layers out, claim it."""
+    accuracy check (its server's copy of the kept layers is their initialization): only FedPer,
+    FedBN and FedRep, whose replies leave those layers out, claim it."""
     from fedlore.algorithms.partial import PartialFedAvg
 
     keep = {
@@ -284,20 +286,21 @@ def test_only_the_partial_personalization_methods_keep_layers_local() -> None:
         for n in registry.names("algorithm")
         if checks.keeps_layers_local(registry.get("algorithm", n)())
     }
-    assert keep == {"fedper", "fedbn"}
+    assert keep == {"fedper", "fedbn", "fedrep"}
     assert all(issubclass(registry.get("algorithm", n), PartialFedAvg) for n in keep)
 
 
 def test_only_the_methods_whose_uploads_are_fedfulls_compress_them() -> None:
     """Upload compression encodes FedFull's plain dense deltas; a subclass whose server builds
     state from each upload (SCAFFOLD, FedDyn), rescales it (FedNova), keeps layers local
-    (FedPer, FedBN) or uploads something else withdraws it, and says so for its settings."""
+    (FedPer, FedBN, FedRep), trains on another loss untested with it (MOON) or uploads something
+    else withdraws it, and says so for its settings."""
     compressing = {
         n
         for n in registry.names("algorithm")
         if registry.get("algorithm", n).capabilities.compress_uploads
     }
     assert compressing == {"fedfull", "fedavg", "fedprox"}
-    for name in ("scaffold", "feddyn", "fednova", "fedper", "fedbn"):
+    for name in ("scaffold", "feddyn", "fednova", "fedper", "fedbn", "fedrep", "moon"):
         with pytest.raises(ValueError, match=f"method '{name}' does not offer upload compression"):
             make_algorithm(name, load_config(None, [f"method.{name}.compression=topk"]))

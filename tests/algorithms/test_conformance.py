@@ -18,7 +18,7 @@ first contact (round 0) and a round with client state (round 1):
     personalized method (:class:`~fedlore.algorithms.personal.Personalized`), whose product is
     each client's personal model, the P-local accuracy of those models must clear the margin and
     the global model only has to beat chance. A method whose clients keep layers to themselves
-    (FedPer, FedBN: :attr:`~fedlore.algorithm.Capabilities.keeps_layers_local`) has a global
+    (FedPer, FedBN, FedRep: :attr:`~fedlore.algorithm.Capabilities.keeps_layers_local`) has a global
     model that is incomplete by design (the server's copy of those layers stays at its
     initialization, a random head under FedPer): its P-local accuracy must clear the margin, its
     global accuracy is not asserted, and the suite checks that its replies indeed leave out part
@@ -83,6 +83,8 @@ LEARNING_OVERRIDES: dict[str, list[str]] = {
     "fednova": ["method.fednova.lr=0.3"],  # SGD steps, as FedAvg
     "fedper": ["method.fedper.lr=0.3"],
     "fedbn": ["method.fedbn.lr=0.3"],
+    "fedrep": ["method.fedrep.lr=0.3"],  # FedPer's SGD, 4 steps on the head, then 1 on the body
+    "moon": ["method.moon.lr=0.3"],  # FedAvg's SGD steps with the contrastive term
     # FedSLoP's heavy ball in a random rank-4 subspace (a 16th of the hidden layer's input):
     # 0.13 at 3e-2, 0.53 at 0.3 (seed 1)
     "fedslop": ["method.fedslop.lr=0.3"],

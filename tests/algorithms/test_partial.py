@@ -22,18 +22,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
+from four_clusters import BN, HEAD, N, Run
+from four_clusters import client as _client
+from four_clusters import model as _model
 
 from fedlore.algorithm import Algorithm
 from fedlore.algorithms.fedavg import FedAvg
 from fedlore.algorithms.partial import LOCAL, FedBN, FedPer, PartialFedAvg, batchnorm_tensors
 from fedlore.algorithms.personal import personal_arrays
 from fedlore.config import ConfigError, load_config
-from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.data.federation import build_federation
-from fedlore.engine.loop import RoundLoop
-from fedlore.engine.store import ClientStore
-from fedlore.engine.transport import LocalTransport
 from fedlore.engine.validate import validate_reply
 from fedlore.experiment import run_experiment
 from fedlore.experiment_parts import make_algorithm
@@ -43,33 +41,6 @@ from fedlore.seeding import generator
 from fedlore.tensors import load_model_arrays, model_arrays, nbytes, select
 from fedlore.train.local import task_loss
 from fedlore.types import Broadcast, Reply, State
-
-D, C, N = 8, 4, 3
-HEAD = {"head.weight", "head.bias"}
-BN = {f"body.1.{k}" for k in ("weight", "bias", "running_mean", "running_var")} | {
-    "body.1.num_batches_tracked"
-}
-
-
-def _model(norm: str = "none", seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return build_model("mlp", (D,), C, hidden=[12], norm=norm)
-
-
-def _client(cid: int, kind: str = "labels", seed: int = 0, n: int = 48, m: int = 48) -> ClientData:
-    """Four Gaussian clusters in R^8. ``labels``: client ``cid`` names cluster c as class
-    (c + cid) mod 4 (a concept shift only a personal head can follow); ``features``: every
-    client names them alike but sees its inputs scaled and shifted its own way."""
-    g = torch.Generator().manual_seed(1000 * seed + cid)
-    means = torch.randn(C, D, generator=torch.Generator().manual_seed(seed)) * 1.5
-    c = torch.randint(0, C, (n + m,), generator=g)
-    x = means[c] + torch.randn(n + m, D, generator=g)
-    y = c
-    if kind == "labels":
-        y = (c + cid) % C
-    else:
-        x = x * torch.tensor([1.0, 6.0, 0.15, 3.0])[cid] + 4.0 * (cid - 1.5)
-    return ClientData(cid, TensorSplit(x[:n], y[:n]), TensorSplit(x[n:], y[n:]))
 
 
 def _fedper(**kw: object) -> FedPer:
@@ -81,41 +52,6 @@ def _fedbn(**kw: object) -> FedBN:
 
 
 CASES = {"fedper": (_fedper, "none", HEAD), "fedbn": (_fedbn, "batch", BN)}
-
-
-class Run:
-    """A federation run in process: every round's server state, broadcasts, replies and rows."""
-
-    def __init__(
-        self, algo: Algorithm, norm: str, schedule: list[list[int]], kind: str = "labels",
-        seed: int = 0,
-    ) -> None:  # fmt: skip
-        self.store = ClientStore()
-        self.sent: list[dict[int, Broadcast]] = []
-        self.got: list[dict[int, Reply | BaseException]] = []
-        self.rows: list[dict[str, object]] = []
-        self.clients: list[dict[int, State]] = []
-        run = self
-
-        class Spy(LocalTransport):
-            def send(
-                self, rnd: int, messages: dict[int, Broadcast]
-            ) -> dict[int, Reply | BaseException]:
-                run.sent.append(dict(messages))
-                out = super().send(rnd, messages)
-                run.got.append(dict(out))
-                return out
-
-        transport = Spy(algo, lambda c: _client(c, kind, seed), lambda: _model(norm, seed),
-                        seed, self.store)  # fmt: skip
-        self.states = [algo.init_server(_model(norm, seed), generator(seed, 2))]
-        loop = RoundLoop(algo, transport, lambda rnd: schedule[rnd])
-        for rnd in range(len(schedule)):
-            state, row = loop.run_round(self.states[-1], rnd, len(schedule) - 1)
-            assert row["accepted"] == len(schedule[rnd]), row
-            self.states.append(state)
-            self.rows.append(row)
-            self.clients.append({c: self.store.get(c) for c in self.store.client_ids()})  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

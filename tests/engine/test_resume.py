@@ -111,6 +111,8 @@ KILLS = [
     ("fednova", 1),  # its parameter list (server state values) comes back from the checkpoint
     ("fedper", 1),  # each client's head comes back from the checkpoint's client store
     ("fedbn", 1),  # each client's BatchNorm layers, running statistics included
+    ("fedrep", 1),  # each client's head, trained before the body in every round
+    ("moon", 1),  # each client's previous model (prev.*), the negative of its contrastive term
 ]
 MODEL: dict[str, tuple[str, ...]] = {"fedbn": ("model.kwargs={hidden: [32], norm: batch}",)}
 """A method's own model (FedBN refuses one without BatchNorm)."""

@@ -300,7 +300,7 @@ class FedPer(PartialFedAvg):
         super().__post_init__()
         if self.personal_layers is None:
             raise ValueError(
-                "fedper: personal_layers must name the personalization layers (default "
+                f"{self.name}: personal_layers must name the personalization layers (default "
                 "['head.*'], the classifier)"
             )
 

@@ -246,8 +246,8 @@ def check_method_settings(
         raise ConfigError(
             f"transport_dtype={cfg.transport_dtype}: method {name!r} sends its tensors at the "
             "model's dtype only; 16-bit transport is implemented for fedlore, fedlore_random, "
-            "fedlore_fixed, fedlore_sketch, fedfull, fedavg, fedprox, fednova, fedper, fedbn and "
-            "the LoRA methods (use transport_dtype=fp32)"
+            "fedlore_fixed, fedlore_sketch, fedfull, fedavg, fedprox, fednova, moon, fedper, "
+            "fedbn, fedrep and the LoRA methods (use transport_dtype=fp32)"
         )
 
 
@@ -293,7 +293,8 @@ def adapts(algo: Algorithm) -> bool:
 
 def keeps_layers_local(algo: Algorithm) -> bool:
     """Whether the method's clients keep some of the model's tensors to themselves, so that its
-    global model is incomplete by design (FedPer, FedBN: :mod:`fedlore.algorithms.partial`)."""
+    global model is incomplete by design (FedPer, FedBN: :mod:`fedlore.algorithms.partial`;
+    FedRep: :mod:`fedlore.algorithms.fedrep`)."""
     return algo.caps().keeps_layers_local
 
 
@@ -314,7 +315,8 @@ def check_wire_settings(cls: type[Declares], upload_increments: bool, transport_
         raise ValueError(
             f"{cls.__name__}: invalid transport_dtype={transport_dtype!r}: this "
             "method sends its tensors at the model's dtype only (16-bit transport: FedLore and "
-            "its variants, FedFull, FedAvg, FedProx, FedNova, FedPer, FedBN and the LoRA methods)"
+            "its variants, FedFull, FedAvg, FedProx, FedNova, MOON, FedPer, FedBN, FedRep and the "
+            "LoRA methods)"
         )
 
 
