@@ -62,6 +62,8 @@ def _param_bytes(cfg: Any, prefix: str = "") -> int:
         ("feddyn", ""),  # h_k: likewise
         ("ditto", ""),  # the personal model
         ("fedper", "head."),  # the personalization layers only
+        ("fedrep", "head."),  # likewise
+        ("moon", ""),  # its model of the previous round
     ],
 )
 def test_each_round_records_the_state_its_clients_keep(
