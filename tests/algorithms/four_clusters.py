@@ -10,6 +10,8 @@ and shifted its own way. The model is the MLP with one hidden layer of 12 (``bod
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -18,8 +20,10 @@ from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.engine.loop import RoundLoop
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport
+from fedlore.engine.validate import validate_reply
 from fedlore.models import build_model
 from fedlore.seeding import generator
+from fedlore.tensors import select
 from fedlore.types import Broadcast, Reply, State
 
 D, C, N = 8, 4, 3
@@ -81,3 +85,50 @@ class Run:
             self.states.append(state)
             self.rows.append(row)
             self.clients.append({c: self.store.get(c) for c in self.store.client_ids()})  # type: ignore[misc]
+
+
+SERVER_SETTINGS: tuple[dict[str, object], ...] = (
+    {"transport_dtype": "bf16"},
+    {"robust_aggregate": "median"},
+    {"server_optimizer": "adam", "server_eta": 0.01},
+)
+"""The FedAvg server settings a method built on it keeps: 16-bit uploads, a robust mean, a
+server optimizer (:func:`check_fedavg_server`)."""
+
+
+def check_fedavg_server(
+    algo: Algorithm,
+    settings: dict[str, object],
+    shared: set[str],
+    kept: Callable[[State], dict[str, torch.Tensor]],
+) -> None:
+    """One round of ``algo`` (built with ``settings``, one of :data:`SERVER_SETTINGS`) over the
+    N clients: every reply is valid and what each client keeps (``kept`` of its state) stays
+    fp32; the server moves the ``shared`` tensors only, all fp32; a bf16 upload is bf16, the
+    median is the coordinate-wise median of the deltas, the server optimizer keeps moments of
+    exactly the shared tensors."""
+    state = algo.init_server(model(), generator(0, 2))
+    replies: list[tuple[int, Reply | None]] = []
+    ups: dict[str, list[torch.Tensor]] = {}
+    for c in range(N):
+        msg = algo.broadcast(state, 0, c)
+        reply, new_state = algo.client_update(msg, None, model(), client(c), generator(0, 3, c))
+        assert validate_reply(reply, algo.expected_reply(state, 0, c)) is None
+        assert all(v.dtype == torch.float32 for v in kept(new_state).values())
+        replies.append((c, reply))
+        for k, v in reply.arrays.items():
+            ups.setdefault(k.removeprefix("update."), []).append(v)
+    new, _ = algo.aggregate(state, replies, 0)
+    before = select(state.arrays, "model.")
+    assert set(ups) == shared
+    assert all(torch.equal(new.arrays["model." + k], before[k]) for k in set(before) - shared)
+    assert all(v.dtype == torch.float32 for v in select(new.arrays, "model.").values())
+    if "transport_dtype" in settings:
+        assert all(v.dtype == torch.bfloat16 for vs in ups.values() for v in vs)
+    if "robust_aggregate" in settings:
+        for k in shared:
+            median = torch.stack(ups[k]).median(dim=0).values
+            torch.testing.assert_close(new.arrays["model." + k], before[k] + median)
+    if "server_optimizer" in settings:
+        moments = {k.split(".", 2)[2] for k in new.arrays if k.startswith("sopt.m.")}
+        assert moments == shared

@@ -20,7 +20,7 @@ import statistics
 
 import pytest
 import torch
-from four_clusters import HEAD, N, Run
+from four_clusters import HEAD, SERVER_SETTINGS, N, Run, check_fedavg_server
 from four_clusters import client as _client
 from four_clusters import model as _model
 from torch import nn
@@ -194,31 +194,9 @@ def test_16_bit_uploads_a_robust_mean_and_a_server_optimizer_act_on_the_body() -
     """The capabilities FedRep keeps of FedAvg's: a bf16 upload of the body's delta (the head
     stays fp32 in the client state), the coordinate-wise median of the body's deltas, FedAdam's
     moments for the body only."""
-    for settings in ({"transport_dtype": "bf16"}, {"robust_aggregate": "median"},
-                     {"server_optimizer": "adam", "server_eta": 0.01}):  # fmt: skip
-        algo = _fedrep(**settings)
-        state = algo.init_server(_model(), generator(0, 2))
-        replies: list[tuple[int, Reply | None]] = []
-        for c in range(N):
-            reply, kept = algo.client_update(algo.broadcast(state, 0, c), None, _model(),
-                                             _client(c), generator(0, 3, c))  # fmt: skip
-            assert validate_reply(reply, algo.expected_reply(state, 0, c)) is None
-            assert all(v.dtype == torch.float32 for v in personal_arrays(kept).values())
-            replies.append((c, reply))
-        new, _ = algo.aggregate(state, replies, 0)
-        model = select(state.arrays, "model.")
-        assert all(torch.equal(new.arrays["model." + k], model[k]) for k in HEAD)
-        assert all(v.dtype == torch.float32 for v in select(new.arrays, "model.").values())
-        if "transport_dtype" in settings:
-            assert all(v.dtype == torch.bfloat16 for _, r in replies for v in r.arrays.values())  # type: ignore[union-attr]
-        if "robust_aggregate" in settings:
-            for k in set(model) - HEAD:
-                ups = torch.stack([r.arrays["update." + k] for _, r in replies])  # type: ignore[union-attr]
-                torch.testing.assert_close(new.arrays["model." + k],
-                                           model[k] + ups.median(dim=0).values)  # fmt: skip
-        if "server_optimizer" in settings:
-            moments = {k.split(".", 2)[2] for k in new.arrays if k.startswith("sopt.m.")}
-            assert moments == set(model) - HEAD
+    body = {n for n, _ in _model().named_parameters()} - HEAD
+    for settings in SERVER_SETTINGS:
+        check_fedavg_server(_fedrep(**settings), settings, body, personal_arrays)
 
 
 def _p_local(algo: FedRep | FedAvg, seed: int) -> float:

@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from four_clusters import N, Run
+from four_clusters import SERVER_SETTINGS, N, Run, check_fedavg_server
 from four_clusters import client as _client
 from four_clusters import model as _model
 from torch import nn
@@ -29,7 +29,6 @@ from fedlore.algorithms.fedavg import FedAvg
 from fedlore.algorithms.moon import PREV, Moon, contrastive_loss
 from fedlore.config import ConfigError, load_config
 from fedlore.data.client_data import ClientData
-from fedlore.engine.validate import validate_reply
 from fedlore.experiment_parts import make_algorithm
 from fedlore.seeding import generator
 from fedlore.tensors import load_model_arrays, model_arrays, nbytes, select
@@ -210,27 +209,6 @@ def test_a_model_without_a_head_and_bad_settings_are_refused() -> None:
 def test_16_bit_uploads_a_robust_mean_and_a_server_optimizer_work() -> None:
     """FedAvg's server, unchanged: a bf16 upload (the kept model stays fp32), the coordinate-wise
     median of the deltas, FedAdam's moments for every tensor."""
-    for settings in ({"transport_dtype": "bf16"}, {"robust_aggregate": "median"},
-                     {"server_optimizer": "adam", "server_eta": 0.01}):  # fmt: skip
-        algo = _moon(**settings)
-        state = algo.init_server(_model(), generator(0, 2))
-        replies: list[tuple[int, Reply | None]] = []
-        for c in range(N):
-            reply, kept = algo.client_update(algo.broadcast(state, 0, c), None, _model(),
-                                             _client(c), generator(0, 3, c))  # fmt: skip
-            assert validate_reply(reply, algo.expected_reply(state, 0, c)) is None
-            assert all(v.dtype == torch.float32 for v in kept.arrays.values())
-            replies.append((c, reply))
-        new, _ = algo.aggregate(state, replies, 0)
-        model = select(state.arrays, "model.")
-        assert all(v.dtype == torch.float32 for v in select(new.arrays, "model.").values())
-        if "transport_dtype" in settings:
-            assert all(v.dtype == torch.bfloat16 for _, r in replies for v in r.arrays.values())  # type: ignore[union-attr]
-        if "robust_aggregate" in settings:
-            for k in model:
-                ups = torch.stack([r.arrays["update." + k] for _, r in replies])  # type: ignore[union-attr]
-                torch.testing.assert_close(new.arrays["model." + k],
-                                           model[k] + ups.median(dim=0).values)  # fmt: skip
-        if "server_optimizer" in settings:
-            moments = {k.split(".", 2)[2] for k in new.arrays if k.startswith("sopt.m.")}
-            assert moments == set(model)
+    every = {n for n, _ in _model().named_parameters()}
+    for settings in SERVER_SETTINGS:
+        check_fedavg_server(_moon(**settings), settings, every, lambda kept: kept.arrays)
