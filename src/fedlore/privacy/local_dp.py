@@ -71,8 +71,8 @@ def local_noise_for_epsilon(
 ) -> float:
     """The smallest σ (within :data:`~fedlore.privacy.dp.SIGMA_SEARCH_RTOL`) whose
     :func:`local_epsilon` after ``exchanges`` uploads is at most ``epsilon``: the worst case, a
-    client that uploads in every exchange of the run (:func:`~fedlore.privacy.dp.
-    noise_for_epsilon` for one client of one).
+    client that uploads in every exchange of the run
+    (:func:`~fedlore.privacy.dp.noise_for_epsilon` for one client of one).
 
     Raises:
         ValueError: as :func:`~fedlore.privacy.dp.noise_for_epsilon`.
