@@ -189,10 +189,12 @@ class DPConfig(_Strict):
     uploads at the same σ. Refuses ``target_quantile`` and ``colluding_clients``; combines with
     ``secure_aggregation`` (each client's masked upload then carries its whole σC)."""
     noise_multiplier: float | None = Field(None, ge=0.0)
-    """σ: noise std on the sum is σ C. Give this or ``epsilon``, not both."""
+    """σ: noise std on the sum is σ C (under ``mode: local``, on each client's upload). Give
+    this or ``epsilon``, not both."""
     epsilon: float | None = Field(None, gt=0.0)
     """A target ε at ``delta`` for the whole run: σ is solved from it (smallest σ that
-    reaches it over the run's exchanges, setup exchanges included)."""
+    reaches it over the run's exchanges, setup exchanges included; under ``mode: local`` for a
+    client in every exchange, without amplification by sampling)."""
     delta: float = Field(1e-5, gt=0.0, lt=1.0)
     """δ of the reported (ε, δ)."""
     sketch_share: float = Field(0.5, gt=0.0, lt=1.0)

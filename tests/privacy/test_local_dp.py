@@ -44,6 +44,7 @@ from fedlore.privacy import (
     SecureSource,
     SeededSource,
     Uploads,
+    add_local_noise,
     client_contribution,
     client_noise,
     clip_upload,
@@ -194,6 +195,33 @@ def test_the_noise_is_not_the_seeds_and_a_rerun_cannot_remove_it() -> None:
             # the seed's draw subtracted adds its own noise: std √2 σC, nothing removed
             assert noise_std_ok(guess - truth, math.sqrt(2) * SIGMA * CLIP)
             assert noise_std_ok(flatten(first.arrays) - truth, SIGMA * CLIP)
+
+
+class Counting:
+    """A noise source whose draw is 0, 1, 2, ... (to see which entry lands where)."""
+
+    secure = True
+
+    def gaussian(self, n: int, std: float, rnd: int, client: int) -> torch.Tensor:
+        return torch.arange(n, dtype=torch.float64)
+
+    def sample(self, num_clients: int, per_round: int, rnd: int) -> list[int]:
+        return list(range(per_round))
+
+
+def test_the_noise_is_one_draw_laid_over_the_arrays_in_sorted_key_order() -> None:
+    """Three arrays (given out of order): each gets its own consecutive slice of the one draw,
+    in sorted key order, shaped and typed as the array; none shares an entry."""
+    arrays = {
+        "update.c": torch.zeros(2, dtype=torch.float32),
+        "update.a": torch.zeros(3, 2, dtype=torch.float64),
+        "update.b": torch.zeros(4, dtype=torch.float32),
+    }
+    out = add_local_noise(arrays, 1.0, Counting(), 0, 0)
+    assert list(out) == list(arrays)
+    assert torch.equal(out["update.a"], torch.arange(6, dtype=torch.float64).reshape(3, 2))
+    assert torch.equal(out["update.b"], torch.arange(6, 10, dtype=torch.float32))
+    assert torch.equal(out["update.c"], torch.arange(10, 12, dtype=torch.float32))
 
 
 def test_local_dp_needs_the_clients_noise_source() -> None:
@@ -363,6 +391,8 @@ def test_the_counts_go_into_the_checkpoint_and_come_back() -> None:
     empty = Uploads()
     empty.restore("")
     assert empty.most() == 0 and empty.encode() == ""
+    empty.restore("4:0")  # a zero count is a count (never written, harmless)
+    assert empty.counts == {4: 0} and empty.most() == 0
 
 
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
