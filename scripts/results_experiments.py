@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -281,6 +283,53 @@ def dp() -> dict[str, str]:
     return {
         "experiments/results/dp_fmnist/summary.md": md,
         "experiments/results/dp_fmnist/summary.json": dump_json(facts),
+    }
+
+
+# ---------------------------------------------------------------- local against central DP
+def ldp() -> dict[str, str]:
+    """``experiments/ldp_digits.py``'s runs: per DP mode the test accuracy (mean ± std over the
+    seeds, in %) and ε, at the runs' σ and C."""
+    rows = read(EXP / "ldp_digits" / "table.json")
+    modes: dict[str, Any] = {}
+    for mode in ("none", "central", "local"):
+        runs = [r for r in rows if r["mode"] == mode]
+        accs = [100 * r["final_accuracy"] for r in runs]
+        entry: dict[str, Any] = {
+            "accuracy": statistics.mean(accs),
+            "accuracy_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+            "seeds": len(runs),
+        }
+        if mode != "none":
+            eps = [r["dp_epsilon"] for r in runs]
+            assert max(eps) == min(eps), f"{mode}: ε differs between seeds: {eps}"
+            entry["epsilon"] = eps[0]
+        modes[mode] = entry
+    dp_run = next(r for r in rows if r["mode"] == "local")
+    m = dp_run["clients_per_round"]
+    facts = {
+        "modes": modes,
+        "sigma": dp_run["dp_noise_multiplier"],
+        "clip_norm": dp_run["dp_clip_norm"],
+        "delta": dp_run["dp_delta"],
+        "rounds": dp_run["rounds"],
+        "clients_per_round": m,
+        "seeds": modes["local"]["seeds"],
+        "local_over_central_noise": math.sqrt(m),
+        "central_minus_local": modes["central"]["accuracy"] - modes["local"]["accuracy"],
+        "none_minus_central": modes["none"]["accuracy"] - modes["central"]["accuracy"],
+    }
+    names = {"none": "no DP", "central": "central DP", "local": "local DP"}
+    md_rows = []
+    for mode, e in modes.items():
+        noise = {"none": "–", "central": "σC on the sum", "local": "σC on each upload"}[mode]
+        eps = f"{e['epsilon']:.3g}" if "epsilon" in e else "∞"
+        md_rows.append([names[mode], noise, eps, f"{e['accuracy']:.1f} ± {e['accuracy_std']:.1f}"])
+    delta = f"{facts['delta']:.0e}".replace("e-0", "e-")
+    md = table(["DP", "noise", f"ε (δ = {delta})", "test acc. (%)"], md_rows)
+    return {
+        "experiments/results/ldp_digits/summary.md": md,
+        "experiments/results/ldp_digits/summary.json": dump_json(facts),
     }
 
 

@@ -8,7 +8,7 @@ difference, a span), this script writes it from the result files, beside them:
 
 * ``experiments/results/<experiment>/summary.md`` / ``summary.json``: combined tables and the
   numbers the prose quotes (FedLore tables, partial participation, sketch vs projector, DP,
-  upload compression, the classic baselines);
+  local against central DP, upload compression, the classic baselines);
 * ``benchmarks/results/<benchmark>.md`` and ``benchmarks/results/summary.json``: the benchmark
   tables and their derived numbers;
 * the Meta-BayFL tables, through ``experiments/bayes_tables.py --write``.
@@ -31,7 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the generators besid
 from results_baselines import baselines
 from results_benchmarks import benchmarks
 from results_common import EXP, ROOT, bayes_tables
-from results_experiments import compression, dp, fmnist_dir01, fmnist_partial, sketch_vs_projector
+from results_experiments import (
+    compression,
+    dp,
+    fmnist_dir01,
+    fmnist_partial,
+    ldp,
+    sketch_vs_projector,
+)
 from results_rivals import bayes_fedlore, grid_table_facts, pretrain, subspace_rivals
 
 GENERATORS: tuple[Callable[[], dict[str, str]], ...] = (
@@ -39,6 +46,7 @@ GENERATORS: tuple[Callable[[], dict[str, str]], ...] = (
     fmnist_partial,
     sketch_vs_projector,
     dp,
+    ldp,
     compression,
     baselines,
     lambda: grid_table_facts("vision_table1"),

@@ -164,20 +164,37 @@ class RobustConfig(_Strict):
 
 
 class DPConfig(_Strict):
-    """User-level central differential privacy (DP-FedAvg, McMahan et al. 2018;
+    """User-level differential privacy (DP-FedAvg, McMahan et al. 2018;
     :mod:`fedlore.privacy.dp`): every client clips its whole upload to ``clip_norm``, Gaussian
-    noise of standard deviation ``noise_multiplier * clip_norm`` is added to the sum, and the
-    privacy spent is tracked with dp-accounting's accountant (``accountant``: RDP or PLD) for the
-    run's sampling; ``target_quantile`` turns on adaptive clipping (Andrew et al. 2021).
-    Off while ``clip_norm`` is None. Needs a sum-aggregable method and ``weighting: uniform``."""
+    noise of standard deviation ``noise_multiplier * clip_norm`` is added to the sum (``mode:
+    central``) or by each client to its own upload (``mode: local``), and the privacy spent is
+    tracked with dp-accounting's accountant (``accountant``: RDP or PLD); ``target_quantile``
+    turns on adaptive clipping (Andrew et al. 2021, central only). Off while ``clip_norm`` is
+    None. Needs a sum-aggregable method and ``weighting: uniform``."""
 
     clip_norm: float | None = Field(None, gt=0.0)
     """C: the L2 bound of each client's whole upload vector (None: DP off)."""
+    mode: Literal["central", "local"] = "central"
+    """Whom the noise protects against. ``central`` (default): DP-FedAvg's trusted aggregator
+    adds N(0, (σC)²) once to the sum of the clipped uploads (the server under DP alone; under
+    ``secure_aggregation`` the clients, in shares that only add up inside the masked sum); ε is
+    amplified by client sampling against whoever sees only the models and logs. ``local``: no
+    one is trusted, not even the server: each sampled client adds N(0, (σC)²) to every coordinate
+    of its own clipped upload, from OS entropy, before it leaves the client, so the server,
+    the other clients and anyone who knows the run seed see only noised uploads
+    (:mod:`fedlore.privacy.local_dp`). Each client's ε counts the exchanges it took part in,
+    without amplification (the server knows the sample), and ``dp_epsilon`` is the worst-off
+    client's; ``epsilon`` solves σ for a client in every exchange. The price: noise σC on every
+    upload instead of once on the sum, so about √m times the central noise on the mean of m
+    uploads at the same σ. Refuses ``target_quantile`` and ``colluding_clients``; combines with
+    ``secure_aggregation`` (each client's masked upload then carries its whole σC)."""
     noise_multiplier: float | None = Field(None, ge=0.0)
-    """σ: noise std on the sum is σ C. Give this or ``epsilon``, not both."""
+    """σ: noise std on the sum is σ C (under ``mode: local``, on each client's upload). Give
+    this or ``epsilon``, not both."""
     epsilon: float | None = Field(None, gt=0.0)
     """A target ε at ``delta`` for the whole run: σ is solved from it (smallest σ that
-    reaches it over the run's exchanges, setup exchanges included)."""
+    reaches it over the run's exchanges, setup exchanges included; under ``mode: local`` for a
+    client in every exchange, without amplification by sampling)."""
     delta: float = Field(1e-5, gt=0.0, lt=1.0)
     """δ of the reported (ε, δ)."""
     sketch_share: float = Field(0.5, gt=0.0, lt=1.0)
@@ -231,6 +248,27 @@ class DPConfig(_Strict):
                 f"dp.clipped_count_stddev = {sb:g} must exceed dp.noise_multiplier / 2 = "
                 f"{sigma / 2:g} under adaptive clipping (the noised count would spend the whole "
                 "privacy budget, leaving none for the update)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _local_mode(self) -> DPConfig:
+        if self.mode != "local":
+            return self
+        if self.clip_norm is None:
+            raise ValueError("dp.mode=local is set but dp.clip_norm is not (DP is off)")
+        if self.target_quantile is not None:
+            raise ValueError(
+                "dp.mode=local cannot adapt the clip norm (dp.target_quantile): adaptive "
+                "clipping moves C by a noised count of unclipped clients that only a trusted "
+                "aggregator can compute, and under local DP no one is trusted with the clients' "
+                "clip flags; use a fixed dp.clip_norm"
+            )
+        if self.colluding_clients:
+            raise ValueError(
+                "dp.mode=local has no use for dp.colluding_clients: every client adds its whole "
+                "noise itself, so no coalition of other clients can remove any of it; leave it "
+                "at 0"
             )
         return self
 

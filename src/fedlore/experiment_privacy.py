@@ -25,6 +25,7 @@ from fedlore.privacy.dp import (
     default_clipped_count_stddev,
     update_noise_multiplier,
 )
+from fedlore.privacy.local_dp import local_noise_for_epsilon
 from fedlore.progress import say_once, warn_once
 
 NO_PRIVACY = (
@@ -47,7 +48,8 @@ def make_privacy(
 ) -> Privacy | None:
     """The run's :class:`~fedlore.privacy.Privacy` (None when neither secure aggregation nor DP
     is on). With ``dp.epsilon`` the noise multiplier is solved for the run's exchanges (its
-    rounds plus the method's setup exchanges) and sampling.
+    rounds plus the method's setup exchanges) and sampling; under ``dp.mode: local`` for a
+    client in every exchange, without sampling (:mod:`fedlore.privacy.local_dp`).
 
     Args:
         max_weight: the largest client weight (training examples) under
@@ -61,10 +63,16 @@ def make_privacy(
         return None
     setup = setup_rounds(algo)
     per_round = cfg.clients_per_round()
+    local = cfg.dp.enabled and cfg.dp.mode == "local"
     dp = None
     if cfg.dp.enabled:
         assert cfg.dp.clip_norm is not None
         sigma = cfg.dp.noise_multiplier
+        if sigma is None and local:  # the worst case: a client in every exchange
+            assert cfg.dp.epsilon is not None
+            sigma = local_noise_for_epsilon(
+                cfg.dp.epsilon, cfg.dp.delta, cfg.rounds + setup, accountant=cfg.dp.accountant
+            )
         if sigma is None:
             assert cfg.dp.epsilon is not None
             sigma = noise_for_epsilon(
@@ -90,6 +98,16 @@ def make_privacy(
             cfg.num_clients,
             cfg.dp.delta,
         )
+        if local:
+            say_once(
+                "DP: local mode: each client adds noise of std σC = %g to every coordinate of its "
+                "own upload, and ε is each client's over the exchanges it takes part in, "
+                "without amplification by sampling%s",
+                sigma * cfg.dp.clip_norm,
+                " (with secure aggregation: inside its masked upload)"
+                if cfg.secure_aggregation
+                else "",
+            )
         if sigma == 0:
             _privacy_warning(
                 "DP: dp.noise_multiplier = 0 adds no noise: ε is infinite (clipping only)"
@@ -152,6 +170,7 @@ def make_privacy(
         max_weight=1.0 if cfg.weighting == "uniform" or max_weight is None else float(max_weight),
         noise=noise_source(cfg.dp.enabled and cfg.dp.reproducible_noise, seed),
         clip=clip,
+        local=local,
     )
     if cfg.secure_aggregation:
         check_secure_round(cfg, privacy)
@@ -224,8 +243,8 @@ def warn_over_target(cfg: Config, privacy: Privacy | None, run: str = "") -> Non
 def privacy_summary(privacy: Privacy | None) -> dict[str, Any]:
     """What a finished run's summary records of its DP mechanism, beside the ε its rows report:
     noise multiplier, clip norm (where it began, and under adaptive clipping where it ended),
-    δ, adjacency, noise source and accountant, and :data:`NO_PRIVACY` for noise drawn from the
-    seed; empty without DP."""
+    δ, adjacency, noise source, accountant and mode (``central`` or ``local``), and
+    :data:`NO_PRIVACY` for noise drawn from the seed; empty without DP."""
     if privacy is None or privacy.dp is None:
         return {}
     out: dict[str, Any] = {
@@ -235,6 +254,7 @@ def privacy_summary(privacy: Privacy | None) -> dict[str, Any]:
         "dp_adjacency": ADJACENCY,
         "dp_noise_source": "seed" if privacy.reproducible else "os",
         "dp_accountant": privacy.dp.accountant,
+        "dp_mode": "local" if privacy.local else "central",
     }
     if privacy.adaptive:  # where adaptive clipping left C (dp_clip_norm: where it began)
         out["dp_clip_norm_final"] = privacy.clip_norm

@@ -1,4 +1,4 @@
-"""Secure aggregation and central DP in runs (fedlore.privacy through the loop and run_one;
+"""Secure aggregation, central and local DP in runs (fedlore.privacy through the loop and run_one;
 the round itself: tests/privacy/test_round.py).
 
 * A secure FedFull run gives the plain run's model; a client failing mid-round leaves the
@@ -35,8 +35,11 @@ from fedlore.experiment_privacy import (
     warn_over_target,
     warn_uncounted,
 )
+from fedlore.privacy import flatten, local_epsilon
 from fedlore.privacy.dp import epsilon_spent
+from fedlore.privacy.local_dp import UPLOADS_KEY
 from fedlore.results.report import report
+from fedlore.seeding import DP_NOISE, generator
 from fedlore.types import Broadcast, State
 
 SEED = 5
@@ -514,3 +517,111 @@ def test_settings_that_remove_privacy_warn_even_with_progress_off(
     assert "fedlore: warning: DP: dp.reproducible_noise=true" in err and "NO PRIVACY" in err
     assert "fedlore: warning: DP: dp.noise_multiplier = 0 adds no noise" in err
     assert "fedlore: warning: DP: dp.delta = 0.5 is not below 1/num_clients = 0.25" in err
+
+
+# ------------------------------------------------------------------ local DP (dp.mode: local)
+
+LOCAL = ("weighting=uniform", "dp.clip_norm=1", "dp.mode=local")
+
+
+def _uploads(cfg: Any) -> dict[int, int]:
+    """Each client's count of exchanges, as the run's last checkpoint holds it."""
+    _, state, _ = Checkpointer.load(run_dir(cfg, "fedfull", SEED) / "checkpoint.pt")
+    text = str(state.values[UPLOADS_KEY])
+    return {int(c): int(n) for c, n in (item.split(":") for item in text.split(","))}
+
+
+def test_a_local_dp_run_reports_the_worst_off_clients_epsilon_and_resumes(tmp_path: Path) -> None:
+    """Two of four clients per round under local DP, killed after round 1 and resumed: the
+    checkpoint's counts of exchanges go on from where they were (two clients a round, four
+    rounds: 8 in all), each row's ``dp_epsilon`` is the ε of the client with the most
+    exchanges, without amplification (more than the sampled accountant gives for as many),
+    the rows name no client and carry no clip count, and the summary says the mode."""
+    cfg = _cfg(tmp_path, *LOCAL, "dp.noise_multiplier=1.5", "participation=0.5", "rounds=4")
+    assert run_one(cfg, "fedfull", SEED, stop_after=1) is None
+    assert sum(_uploads(cfg).values()) == 4
+    summary = run_one(cfg, "fedfull", SEED, resume=True)
+    assert summary is not None and summary["dp_mode"] == "local"
+    counts = _uploads(cfg)
+    assert sum(counts.values()) == 8 and max(counts.values()) >= 2
+    rows = _rows(cfg, "fedfull")
+    eps = [r["dp_epsilon"] for r in rows]
+    assert eps == sorted(eps)
+    most = max(counts.values())
+    assert summary["dp_epsilon"] == eps[-1] == local_epsilon(1.5, 1e-5, most)
+    assert eps[-1] > 1.1 * epsilon_spent(1.5, 1e-5, most, 4, 2)  # amplified: less
+    for r in rows:
+        assert not {"accepted_clients", "dp_clipped", "dp_epsilon_sample_known"} & r.keys()
+    assert "dp_epsilon_sample_known" not in summary and "dp_clipped_total" not in summary
+
+
+class _Received:
+    """What the server receives in round 0: each client's reply arrays, flattened."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.uploads: dict[int, torch.Tensor] = {}
+        real = LocalTransport.send
+
+        def send(transport: LocalTransport, rnd: int, messages: Any) -> Any:
+            out = real(transport, rnd, messages)
+            if rnd == 0:
+                self.uploads = {c: flatten(r.arrays) for c, r in out.items()}
+            return out
+
+        monkeypatch.setattr(LocalTransport, "send", send)
+
+    def vector(self) -> torch.Tensor:
+        return torch.cat([self.uploads[c] for c in sorted(self.uploads)])
+
+
+def test_a_server_that_reruns_the_clients_with_the_seed_cannot_remove_local_noise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The honest-but-curious server records the uploads it receives and reruns every client
+    with the run's seed (round 0: the same model, the same training generator, so the same
+    clipped update, here a run with σ = 0). Subtracting it from the recorded uploads leaves noise
+    of std σC on each of the 4 · 1210 coordinates, and a second run of the same seed receives
+    other uploads. Under ``dp.reproducible_noise`` the same server also regenerates the noise
+    (the seeded stream of each client) and recovers the clipped updates exactly."""
+    received = _Received(monkeypatch)
+    sigma = 0.8
+    uploads = []
+    for name in ("one", "two"):
+        run_one(_cfg(tmp_path / name, *LOCAL, f"dp.noise_multiplier={sigma}", "rounds=1"),
+                "fedfull", SEED)  # fmt: skip
+        uploads.append(received.vector())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PrivacyWarning)  # σ = 0: no noise, the attacker's rerun
+        run_one(_cfg(tmp_path / "rerun", *LOCAL, "dp.noise_multiplier=0", "rounds=1"),
+                "fedfull", SEED)  # fmt: skip
+    clipped = received.vector()
+    assert clipped.numel() == 4 * 1210 and float(clipped.abs().max()) > 0
+    residual = uploads[0] - clipped
+    n = residual.numel()
+    assert abs(float(residual.std()) / sigma - 1) < 6 / math.sqrt(2 * n)
+    assert abs(float(residual.mean())) < 6 * sigma / math.sqrt(n)
+    assert not torch.equal(uploads[0], uploads[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PrivacyWarning)
+        run_one(_cfg(tmp_path / "seeded", *LOCAL, f"dp.noise_multiplier={sigma}", "rounds=1",
+                     "dp.reproducible_noise=true"), "fedfull", SEED)  # fmt: skip
+    for c, got in received.uploads.items():
+        g = generator(SEED, DP_NOISE, 0, c)
+        noise = sigma * torch.randn(got.numel(), generator=g, dtype=torch.float64)
+        truth = clipped[c * 1210 : (c + 1) * 1210]
+        assert (got - noise - truth).abs().max().item() < 1e-5
+
+
+def test_local_dp_with_secure_aggregation_reaches_its_target_epsilon(tmp_path: Path) -> None:
+    """Local DP composes with in-process secure aggregation: σ solved for ε = 20 over the run's
+    3 exchanges (a client in every one, as full participation makes every client), each client
+    masks its whole noise, and the run ends at ε = 20."""
+    cfg = _cfg(tmp_path, *LOCAL, "dp.epsilon=20", "secure_aggregation=true")
+    summary = run_one(cfg, "fedfull", SEED)
+    assert summary is not None and summary["dp_mode"] == "local"
+    rows = _rows(cfg, "fedfull")
+    assert all(r["secagg_aborted"] == 0 and r["accepted"] == 4 for r in rows)
+    sigma = summary["dp_noise_multiplier"]
+    assert [r["dp_epsilon"] for r in rows] == [local_epsilon(sigma, 1e-5, t) for t in (1, 2, 3)]
+    assert rows[-1]["dp_epsilon"] == pytest.approx(20.0, rel=1e-3) and rows[-1]["dp_epsilon"] <= 20
+    assert _uploads(cfg) == {0: 3, 1: 3, 2: 3, 3: 3}

@@ -6,7 +6,8 @@ In process (:class:`DirectGrid`: a Flower ``Grid`` that calls fedlore's ClientAp
 equals the plain weighted mean of the same clients' contribution vectors within the
 quantization error; nothing of a client's vector or weight travels in the clear; a client that
 drops out after sharing its keys is left out of the sum; ordinary rounds pass the mod
-untouched. The loopback deployment (real SuperLink and SuperNodes) is at the end.
+untouched; under local DP each ClientApp noises its own upload (with or without SecAgg+). The
+loopback deployment (real SuperLink and SuperNodes) is at the end.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import time
 import types
 import uuid
@@ -48,6 +50,10 @@ from fedlore.privacy import (
     NoiseSource,
     SecureSum,
     client_contribution,
+    clip_upload,
+    flatten,
+    local_epsilon,
+    privatize,
     spec_length,
 )
 from fedlore.seeding import generator
@@ -366,6 +372,78 @@ def test_adaptive_clipping_under_secagg_plus_sums_the_noised_bits(
     _, metrics = privacy.from_mean(0, spec, got.mean, got.metrics, list(range(N)),
                                    torch.device("cpu"))  # fmt: skip
     assert metrics["dp_clip_norm"] == 0.05 and privacy.clip_norm != 0.05
+
+
+def _local_dp_round(extra: list[str]) -> tuple[Config, Any, dict[int, Broadcast], Spec]:
+    """Round 0 of FedAvg under local DP (C = 0.05, σ = 2): the config, its Privacy, the
+    broadcasts with the run's ``privacy.*`` settings and the reply spec."""
+    cfg = load_config(None, [*SMALL, "weighting=uniform", "dp.clip_norm=0.05", "dp.mode=local",
+                             "dp.noise_multiplier=2", *extra])  # fmt: skip
+    fed = _federation(cfg.model_dump_json(), SEED, "cpu")
+    algo = make_algorithm("fedavg", cfg)
+    model = model_factory(cfg, fed, SEED)()
+    state = start_server(algo, model, generator(SEED, 0), fed, "fedavg")
+    privacy = make_privacy(cfg, algo, SEED)
+    assert privacy is not None and privacy.local
+    msgs = privacy.configure(0, {c: algo.broadcast(state, 0, c) for c in range(N)})
+    return cfg, privacy, msgs, algo.expected_reply(state, 0, 0)
+
+
+def _noise_of_std(residual: torch.Tensor, std: float) -> bool:
+    n = residual.numel()
+    sd, mean = float(residual.std()), float(residual.mean())
+    return abs(sd / std - 1) < 6 / math.sqrt(2 * n) and abs(mean) < 6 * std / math.sqrt(n)
+
+
+def test_local_dp_noises_each_upload_inside_the_client_app(
+    task_identity: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Local DP on Flower without secure aggregation: the reply that leaves each ClientApp is its
+    clipped update (noted as the ClientApp computes it) plus noise of std σC per coordinate,
+    with no clip flag in the clear; a second round of the same broadcasts draws other noise."""
+    cfg, _, msgs, _ = _local_dp_round(["secure_aggregation=false"])
+    clipped: dict[int, torch.Tensor] = {}
+    real = privatize
+
+    def noted(reply: Reply, config: Scalars, noise: Any, rnd: int, cid: int) -> Reply:
+        clipped[cid] = flatten(clip_upload(dict(reply.arrays), 0.05, 0.5)[0])
+        return real(reply, config, noise, rnd, cid)
+
+    monkeypatch.setattr("fedlore.privacy.privatize", noted)
+    _, client = make_apps(cfg, "fedavg", SEED)
+    transport = FlowerTransport(DirectGrid(client, N), wait_for_nodes=0.0, expected_nodes=0)
+    got = transport.send(0, msgs)
+    again = transport.send(0, msgs)
+    assert sorted(clipped) == list(range(N))
+    replies = [got[c] for c in range(N)]
+    assert all(isinstance(r, Reply) for r in replies), replies
+    residual = torch.cat([flatten(got[c].arrays) - clipped[c] for c in range(N)])  # type: ignore[union-attr]
+    assert _noise_of_std(residual, 2 * 0.05)
+    assert all("dp_clipped" not in got[c].metrics for c in range(N))  # type: ignore[union-attr]
+    assert not torch.equal(flatten(got[0].arrays), flatten(again[0].arrays))  # type: ignore[union-attr]
+
+
+def test_local_dp_under_secagg_plus_masks_each_clients_whole_noise(
+    task_identity: None, contributions: dict[int, Contribution]
+) -> None:
+    """Local DP with SecAgg+: each client's contribution carries noise of std σC (not a share of
+    it), the unmasked mean is the mean of those noised vectors, and the server adds nothing."""
+    cfg, privacy, msgs, spec = _local_dp_round([])
+    _, client = make_apps(cfg, "fedavg", SEED)
+    settings = secagg_settings(
+        cfg, "fedavg", _federation(cfg.model_dump_json(), SEED, "cpu").client
+    )
+    assert settings.follow_privacy
+    transport = FlowerTransport(DirectGrid(client, N), wait_for_nodes=0.0, expected_nodes=0,
+                                secagg=settings)  # fmt: skip
+    got = transport.send_secure(0, msgs, spec, privacy)
+    assert isinstance(got, SecureSum), got
+    want = _expected(contributions, got.clients)
+    assert (got.mean - want).abs().max().item() < 1e-3  # SecAgg+'s quantization
+    assert all(float(c.vector.norm()) > 0.05 * 5 for c in contributions.values())  # noised
+    _, metrics = privacy.from_mean(0, spec, got.mean, got.metrics, list(range(N)),
+                                   torch.device("cpu"))  # fmt: skip
+    assert metrics["dp_epsilon"] == local_epsilon(2.0, 1e-5, 1)
 
 
 # ------------------------------------------------------------------ the loopback deployment

@@ -104,7 +104,9 @@ class LocalTransport:
         this call, so nothing of the client outlives its turn except its reply and the state put
         in the store (a failure's traceback, which would pin them, is dropped after logging)."""
         try:
-            return privatize(self._train(rnd, cid, msg), msg.config)  # DP alone: clipped
+            reply = self._train(rnd, cid, msg)
+            # DP alone: clipped (local DP: and noised here, with the client's own noise)
+            return privatize(reply, msg.config, client_noise(msg.config, self.seed), rnd, cid)
         except (StoreError, WriteError):
             raise  # the server's own storage failed: stop rather than drop clients silently
         except Exception as e:  # a failing client must not stop the round

@@ -222,9 +222,10 @@ def client_train(
         noise = client_noise(bcast.config, seed)  # OS entropy unless dp.reproducible_noise
         c = client_contribution(reply, bcast.config, cid, rnd, noise)
         return Message(contribution_record(c.summed, c.weight, c.metrics, context), reply_to=msg)
-    from fedlore.privacy import privatize
+    from fedlore.privacy import client_noise, privatize
 
-    reply = privatize(reply, bcast.config)  # DP only; no privacy.*: unchanged
+    # DP only (local DP: noised here, on the client, from OS entropy); no privacy.*: unchanged
+    reply = privatize(reply, bcast.config, client_noise(bcast.config, seed), rnd, cid)
     return Message(reply_to_record(reply), reply_to=msg)
 
 

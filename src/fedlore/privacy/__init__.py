@@ -1,4 +1,4 @@
-"""Secure aggregation and user-level central differential privacy.
+"""Secure aggregation and user-level central and local differential privacy.
 
 * :mod:`fedlore.privacy.randomness`: where every draw that protects privacy comes from (OS
   entropy; the run seed only under ``dp.reproducible_noise``, a debugging mode with no privacy).
@@ -9,6 +9,8 @@
   bound and the number of clients.
 * :mod:`fedlore.privacy.dp`: clipping, the Gaussian mechanism's settings and Google's
   dp-accounting accountants (ε per round, σ from a target ε).
+* :mod:`fedlore.privacy.local_dp`: local DP (``dp.mode: local``): each client noises its own
+  upload; each client's ε over the exchanges it took part in.
 * :mod:`fedlore.privacy.client`: the client side of a round (:func:`client_contribution`,
   :func:`privatize`); :mod:`fedlore.privacy.plan`: what a secure round sums and returns;
   :mod:`fedlore.privacy.aggregation`: the server side (:class:`Privacy`).
@@ -29,6 +31,12 @@ from fedlore.privacy.client import (
     unflatten,
 )
 from fedlore.privacy.dp import DPSettings, clip_upload, epsilon_spent, noise_for_epsilon
+from fedlore.privacy.local_dp import (
+    Uploads,
+    add_local_noise,
+    local_epsilon,
+    local_noise_for_epsilon,
+)
 from fedlore.privacy.plan import SecurePlan, SecureSum
 from fedlore.privacy.randomness import NoiseSource, SecureSource, SeededSource, noise_source
 
@@ -43,11 +51,15 @@ __all__ = [
     "SecureSource",
     "SecureSum",
     "SeededSource",
+    "Uploads",
+    "add_local_noise",
     "client_contribution",
     "client_noise",
     "clip_upload",
     "epsilon_spent",
     "flatten",
+    "local_epsilon",
+    "local_noise_for_epsilon",
     "noise_for_epsilon",
     "noise_source",
     "privatize",

@@ -17,6 +17,12 @@ Gaussian(z) does (:func:`~fedlore.privacy.dp.update_noise_multiplier`), and the 
 moves C for the next round (:func:`~fedlore.privacy.dp.next_clip_norm`). The accountant is fed
 z either way.
 
+Local DP (``local``; :mod:`fedlore.privacy.local_dp`): each client adds N(0, (σC)²) to its own
+clipped upload (DP alone: :func:`~fedlore.privacy.client.privatize`; with secure aggregation its
+noise share is the whole σC), the server adds none, and ``dp_epsilon`` is the largest ε over the
+clients, from each one's count of exchanges (:class:`~fedlore.privacy.local_dp.Uploads`), without
+amplification by sampling.
+
 With ``dp.reproducible_noise: true`` every draw comes from the run seed instead
 (:class:`~fedlore.privacy.randomness.SeededSource`): a debugging mode with no privacy.
 """
@@ -39,6 +45,7 @@ from fedlore.privacy.dp import (
     upload_norm,
 )
 from fedlore.privacy.fixedpoint import FixedPoint
+from fedlore.privacy.local_dp import UPLOADS_KEY, Uploads, local_epsilon
 from fedlore.privacy.plan import SecurePlan
 from fedlore.privacy.randomness import SERVER, SERVER_COUNT, NoiseSource, SecureSource
 from fedlore.privacy.secagg import RoundParams
@@ -108,7 +115,10 @@ class Privacy:
         clip: the clip norm schedule (None: fixed at ``dp.clip_norm``).
         repeated: DP exchanges released by an earlier attempt of this run and run again after a
             resume (:mod:`fedlore.engine.dp_ledger`): counted by the accountant on top of the
-            rounds.
+            rounds (under local DP, for every client: who took part in them is not known).
+        local: ``dp.mode: local``: each client noises its own upload (needs ``dp``; no
+            adaptive clipping, no colluders).
+        uploads: under local DP, each client's count of exchanges.
     """
 
     secure: bool
@@ -126,10 +136,16 @@ class Privacy:
     noise: NoiseSource = field(default_factory=SecureSource)
     clip: ClipNorm | None = None
     repeated: int = 0
+    local: bool = False
+    uploads: Uploads = field(default_factory=Uploads)
 
     def __post_init__(self) -> None:
         if self.clip is None and self.dp is not None:
             object.__setattr__(self, "clip", ClipNorm(self.dp.clip_norm))
+        if self.local and self.dp is None:
+            raise ValueError("local DP needs the DP mechanism (dp.clip_norm)")
+        if self.local and (self.adaptive or self.colluders):
+            raise ValueError("local DP takes neither adaptive clipping nor colluding clients")
 
     # ------------------------------------------------------------------ the round's mechanism
 
@@ -180,8 +196,11 @@ class Privacy:
         return honest
 
     def noise_share(self, sampled: int) -> float:
-        """A client's noise-share std on its upload under secure aggregation with DP:
-        z_Δ C_t / sqrt(m_min − c) (0 without either)."""
+        """A client's noise std on its upload: under local DP its whole σC (with or without
+        secure aggregation); under secure aggregation with central DP its share
+        z_Δ C_t / sqrt(m_min − c); else 0."""
+        if self.dp is not None and self.local:
+            return self.dp.noise_multiplier * self.clip_norm
         if self.dp is None or not self.secure:
             return 0.0
         return self.update_multiplier * self.clip_norm / math.sqrt(self._honest(sampled))
@@ -258,13 +277,15 @@ class Privacy:
         }
         if self.adaptive and self.secure:
             settings["privacy.count_share"] = self.count_share(m)
+        if self.local:
+            settings["privacy.local"] = True
         return {c: Broadcast(b.arrays, {**b.config, **settings}) for c, b in messages.items()}
 
     def screen(self, reply: Reply) -> str | None:
-        """DP without secure aggregation: why a (shape-valid) reply is rejected, or None: its
-        norm must be within the round's clip norm (a client that did not clip would break the
-        bound)."""
-        if self.secure or self.dp is None:
+        """Central DP without secure aggregation: why a (shape-valid) reply is rejected, or
+        None: its norm must be within the round's clip norm (a client that did not clip would
+        break the bound). Local DP's uploads carry their noise, so they are not screened."""
+        if self.secure or self.dp is None or self.local:
             return None
         norm = upload_norm(reply.arrays)
         if norm > self.clip_norm * (1 + 1e-5):
@@ -277,7 +298,10 @@ class Privacy:
         Args:
             sample_known: ε against a party that knows which clients took part in each round
                 (the server itself, which sends them the model): no amplification by
-                subsampling, every round a full Gaussian release.
+                subsampling, every round a full Gaussian release. Under local DP always so:
+                the ε of a client in every exchange so far, the most any client can have spent
+                (what ``dp.epsilon`` is solved for; :meth:`epsilon_metrics` reports the ε the
+                clients did spend).
         """
         assert self.dp is not None
         done = rnd + 1 + self.setup_rounds + self.repeated
@@ -286,7 +310,7 @@ class Privacy:
             self.dp.delta,
             done,
             self.num_clients,
-            self.num_clients if sample_known else self.per_round,
+            self.num_clients if sample_known or self.local else self.per_round,
             accountant=self.dp.accountant,
         )
 
@@ -294,7 +318,15 @@ class Privacy:
         """``dp_epsilon`` (against whoever sees the models and the logs, which do not name the
         sample) and, when clients are sampled, ``dp_epsilon_sample_known`` (against a party that
         knows the sample: the server, and under secure aggregation the server is who the
-        noise protects against)."""
+        noise protects against). Under local DP ``dp_epsilon`` alone: the largest ε over the
+        clients, each one's from its own count of exchanges (:attr:`uploads`, plus the
+        :attr:`repeated` ones), never amplified."""
+        assert self.dp is not None
+        if self.local:
+            most = self.uploads.most() + self.repeated
+            dp = self.dp
+            return {"dp_epsilon": local_epsilon(dp.noise_multiplier, dp.delta, most,
+                                                accountant=dp.accountant)}  # fmt: skip
         out: Scalars = {"dp_epsilon": self.epsilon(rnd)}
         if self.per_round < self.num_clients:
             out["dp_epsilon_sample_known"] = self.epsilon(rnd, sample_known=True)
@@ -320,6 +352,7 @@ class Privacy:
         if self.secure:
             raise ValueError("a secure round's sum comes from the transport's send_secure")
         sampled = [c for c, _ in accepted]
+        self._count(sampled)
         ok = {c: r for c, r in accepted if r is not None}
         if not ok:
             return self._finish(rnd, spec, None, {}, sampled, device)
@@ -328,7 +361,7 @@ class Privacy:
             total += flatten(r.arrays).cpu()
         metrics: Scalars = {}
         count = None
-        if self.dp is not None:
+        if self.dp is not None and not self.local:  # local DP: the uploads carry the noise
             std = self.update_multiplier * self.clip_norm
             total = total + self.noise.gaussian(total.numel(), std, rnd, SERVER)
             clipped = sum(int(r.metrics.get("dp_clipped", 0)) for r in ok.values())
@@ -354,6 +387,7 @@ class Privacy:
         entries, and the noised adaptive-clipping bit after them) is ``Σ p_i v_i / Σ p_i`` over
         the contributors ``clear`` (client -> clear metrics); the clients' noise shares
         already carry the DP noise."""
+        self._count(sampled)
         length = spec_length(spec)
         extras = 1 if self.adaptive else 0
         if mean.numel() != length + extras:
@@ -405,6 +439,7 @@ class Privacy:
     def aborted(self, rnd: int, sampled: list[int]) -> Scalars:
         """The privacy metrics of a round whose secure aggregation was aborted (ε still
         counts the exchange: the clients computed on their data)."""
+        self._count(sampled)
         metrics: Scalars = {"secagg_dropped": len(sampled), "secagg_aborted": 1}
         if self.dp is not None:
             metrics.update(self.epsilon_metrics(rnd))
@@ -413,15 +448,29 @@ class Privacy:
 
     # ------------------------------------------------------------------ state across rounds
 
+    def _count(self, sampled: list[int]) -> None:
+        """Local DP: one more exchange for each client of the round (its noised upload may have
+        left it, whether or not it arrived)."""
+        if self.local:
+            self.uploads.add(sampled)
+
     def record(self, state: State) -> State:
-        """``state`` with the adaptive clip norm of the coming round in its values (checkpointed
-        with it); ``state`` itself otherwise."""
-        if not self.adaptive:
+        """``state`` with the adaptive clip norm of the coming round, or local DP's counts of
+        exchanges, in its values (checkpointed with it); ``state`` itself otherwise."""
+        values: Scalars = {}
+        if self.adaptive:
+            values[CLIP_KEY] = self.clip_norm
+        if self.local:
+            values[UPLOADS_KEY] = self.uploads.encode()
+        if not values:
             return state
-        return State(state.arrays, {**state.values, CLIP_KEY: self.clip_norm})
+        return State(state.arrays, {**state.values, **values})
 
     def restore(self, state: State) -> None:
-        """Go on from a checkpoint: the adaptive clip norm :meth:`record` stored in ``state``."""
+        """Go on from a checkpoint: the adaptive clip norm or the counts of exchanges
+        :meth:`record` stored in ``state``."""
         if self.adaptive and CLIP_KEY in state.values:
             assert self.clip is not None
             self.clip.value = float(state.values[CLIP_KEY])
+        if self.local and UPLOADS_KEY in state.values:
+            self.uploads.restore(str(state.values[UPLOADS_KEY]))

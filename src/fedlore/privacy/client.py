@@ -11,7 +11,10 @@ flattened in sorted key order into one vector of length L). Right after ``client
    (:meth:`fedlore.privacy.Privacy.noise_share`); with adaptive clipping also the bit ``b_i``
    (1: the upload was not clipped) plus its own noise share, one extra entry.
    DP without secure aggregation (:func:`privatize`): the clipped arrays themselves, and the
-   clip flag as a metric for the trusted curator.
+   clip flag as a metric for the trusted curator; under local DP (``dp.mode: local``) the
+   clipped arrays plus the client's own noise ``N(0, (σC)²)`` per coordinate, no clip flag
+   (:mod:`fedlore.privacy.local_dp`). Local DP under secure aggregation: the noise share of
+   step 2 is the whole σC.
 3. Only :data:`CLEAR_METRICS` (timings and memory, which say nothing about the data) stay in
    the clear: training losses and local test scores of single clients are not released.
 """
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from fedlore.privacy.dp import clip_upload
+from fedlore.privacy.local_dp import add_local_noise
 from fedlore.privacy.randomness import NoiseSource, count_stream, noise_source
 from fedlore.types import Arrays, Reply, Scalars
 
@@ -132,19 +136,35 @@ def client_contribution(
     return Contribution(vec, extras, weight, clipped, metrics)
 
 
-def privatize(reply: Reply, config: Scalars) -> Reply:
+def privatize(
+    reply: Reply,
+    config: Scalars,
+    noise: NoiseSource | None = None,
+    rnd: int = 0,
+    client_id: int = 0,
+) -> Reply:
     """Client side of DP without secure aggregation: the arrays clipped to the round's
-    ``privacy.clip_norm`` (their own dtypes), the metric ``dp_clipped`` (for the trusted
-    curator), :data:`CLEAR_METRICS` and ``num_examples = 1``. The reply unchanged when the
-    broadcast has no ``privacy.*`` settings or asks for secure aggregation (which
+    ``privacy.clip_norm`` (their own dtypes), :data:`CLEAR_METRICS` and ``num_examples = 1``;
+    under central DP also the metric ``dp_clipped`` (for the trusted curator). Under local DP
+    (``privacy.local``) the clipped arrays get ``N(0, s²)`` on every coordinate, s =
+    ``privacy.noise_share`` (σC), drawn from ``noise`` for round ``rnd`` and ``client_id``
+    (:func:`~fedlore.privacy.local_dp.add_local_noise`), and no clip flag leaves the client
+    (it says something of the data and no one is trusted with it). The reply unchanged when
+    the broadcast has no ``privacy.*`` settings or asks for secure aggregation (which
     :func:`client_contribution` handles).
 
     Raises:
-        ValueError: for non-finite uploads.
+        ValueError: for non-finite uploads, or local DP without a ``noise`` source.
     """
     if "privacy.secure" not in config or config["privacy.secure"]:
         return reply
     clip = float(config["privacy.clip_norm"])
     arrays, clipped = clip_upload(dict(reply.arrays), clip, float(config["privacy.sketch_share"]))
     metrics = {k: reply.metrics[k] for k in CLEAR_METRICS if k in reply.metrics}
-    return Reply(arrays, {**metrics, "num_examples": 1, "dp_clipped": int(clipped)})
+    if not config.get("privacy.local", False):
+        return Reply(arrays, {**metrics, "num_examples": 1, "dp_clipped": int(clipped)})
+    if noise is None:
+        raise ValueError("local DP: the client needs its noise source to noise its upload")
+    std = float(config["privacy.noise_share"])
+    arrays = add_local_noise(arrays, std, noise, rnd, client_id)
+    return Reply(arrays, {**metrics, "num_examples": 1})
