@@ -96,16 +96,29 @@ def toml_value(value: Any) -> str:
     raise TypeError(f"no TOML for {value!r}")
 
 
+BESIDE = ("benchmarks", "scripts", "experiments", "docs")
+"""Folders of the repository the tests read, linked into each group's ``mutants/``."""
+
+
 def prepare(
     name: str, group: dict[str, Any], mutmut: dict[str, Any], pytest: dict[str, Any]
 ) -> Path:
-    """The group's working folder: links to src/ and tests/ and its pyproject.toml."""
+    """The group's working folder: links to src/ and tests/ (and, in mutants/, to
+    :data:`BESIDE`) and its pyproject.toml."""
     work = WORK / name
     work.mkdir(parents=True, exist_ok=True)
     for link in ("src", "tests"):
         target = work / link
         if not target.is_symlink():
             target.symlink_to(Path("..") / ".." / link)
+    # mutmut runs the tests from its copy in mutants/, so a test's repository root is mutants/:
+    # the folders tests read beside src/ (benchmarks/leakage.py, scripts/, experiments/*.yaml)
+    # are linked there (copying experiments/ would copy its committed runs)
+    (work / "mutants").mkdir(exist_ok=True)
+    for link in BESIDE:
+        target = work / "mutants" / link
+        if not target.is_symlink():
+            target.symlink_to(Path("..") / ".." / ".." / link)
     settings = {
         **mutmut,
         "only_mutate": [
