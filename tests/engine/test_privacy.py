@@ -553,6 +553,9 @@ def test_a_local_dp_run_reports_the_worst_off_clients_epsilon_and_resumes(tmp_pa
     for r in rows:
         assert not {"accepted_clients", "dp_clipped", "dp_epsilon_sample_known"} & r.keys()
     assert "dp_epsilon_sample_known" not in summary and "dp_clipped_total" not in summary
+    # the report's privacy cell says whose ε it is: a local run's, not a central one's
+    shown = report(str(tmp_path / cfg.name))
+    assert f"local DP: {summary['dp_epsilon']:.3g} (1e-05) / 1.5 / 1 / " in shown
 
 
 class _Received:

@@ -74,8 +74,9 @@ def _bytes(v: float | None) -> str:
 def _dp_cell(row: dict[str, Any]) -> str:
     """``ε (δ) / σ / C / clipped``: the privacy spent at the run's end (mean over seeds), the
     noise multiplier, the clip norm and the clipped uploads per run (of all the uploads the
-    run's clients made); "–" for a run without DP. Runs with ``dp.reproducible_noise`` (noise
-    from the run seed) are marked "no privacy"."""
+    run's clients made); "–" for a run without DP. Runs of ``dp.mode: local`` are marked
+    "local DP" (ε is then the worst-off client's, against the server too), runs with
+    ``dp.reproducible_noise`` (noise from the run seed) "no privacy"."""
     sigma = row.get("dp_noise_multiplier_mean")
     if sigma is None:
         return "–"
@@ -86,6 +87,11 @@ def _dp_cell(row: dict[str, Any]) -> str:
     clip = row.get("dp_clip_norm_mean")
     clip_s = "–" if clip is None else f"{clip:g}"
     cell = f"{eps_s}{delta_s} / {sigma:.3g} / {clip_s} / {_count(row.get('dp_clipped_total_mean'))}"
+    local, n_runs = int(row.get("dp_local_runs") or 0), int(row.get("n_seeds") or 0)
+    if local:  # dp.mode: local, each client's ε against everyone, the server included
+        cell = (
+            "local DP: " if local == n_runs else f"local DP in {local} of {n_runs} runs: "
+        ) + cell
     if row.get("no_privacy_runs"):  # dp.reproducible_noise: the noise can be regenerated
         n = int(row["no_privacy_runs"])
         cell = f"no privacy ({n} run{'s' * (n != 1)} with seeded noise): " + cell

@@ -56,6 +56,7 @@ COLUMNS = [
     "dp_delta",
     "dp_clipped_total_mean",
     "no_privacy_runs",
+    "dp_local_runs",
 ]
 """Keys of every :func:`summary_table` row, in CSV column order (the perplexity columns are
 empty for classifiers; ECE, G-local and P-local accuracy and client training time are empty for
@@ -210,6 +211,7 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
                     (r.summary["dp_delta"] for r in records if "dp_delta" in r.summary), None
                 ),
                 "no_privacy_runs": sum(1 for r in records if r.summary.get("privacy")),
+                "dp_local_runs": sum(1 for r in records if r.summary.get("dp_mode") == "local"),
             }
         )
     return table
