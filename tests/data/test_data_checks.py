@@ -131,6 +131,30 @@ def test_the_npz_loader_names_labels_no_model_can_use(tmp_path: Path) -> None:
         load_npz(str(tmp_path))
 
 
+def test_the_npz_loader_refuses_files_that_disagree_or_cannot_be_read(tmp_path: Path) -> None:
+    """What a careless copy gives, each named in one line: class_names that differ between the
+    two files (label k would mean one class in training and another in the test: the accuracy
+    would be wrong without a word), a train.npz cut short (a zip error, not a traceback), 1-D
+    inputs (the model's error named no file)."""
+    names = np.array(["a", "b", "c"])
+    _npz(tmp_path, "train", 12, y=np.arange(12) % 3, class_names=names)
+    _npz(tmp_path, "test", 4, y=np.array([0, 1, 2, 2]), class_names=names[::-1])
+    with pytest.raises(ValueError, match=r"class_names differ between train\.npz \['a', 'b', "
+                       r"'c'\] and test\.npz \['c', 'b', 'a'\]"):  # fmt: skip
+        load_npz(str(tmp_path))
+    _npz(tmp_path, "test", 4, y=np.array([0, 1, 2, 2]), class_names=names)
+    assert load_npz(str(tmp_path)).class_names == ["a", "b", "c"]
+    _npz(tmp_path, "test", 4, y=np.array([0, 1, 2, 2]))  # one file names them: its list holds
+    assert load_npz(str(tmp_path)).class_names == ["a", "b", "c"]
+    whole = (tmp_path / "train.npz").read_bytes()
+    (tmp_path / "train.npz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'train.npz'}: cannot read the npz file"):
+        load_npz(str(tmp_path))
+    _npz(tmp_path, "train", 12, x=np.ones(12, np.float32), y=np.arange(12) % 3)
+    with pytest.raises(ValueError, match=r"train\.npz: inputs x must be \[examples, features"):
+        load_npz(str(tmp_path))
+
+
 def test_non_finite_is_an_option_of_the_npz_source_only() -> None:
     with pytest.raises(
         ValueError, match=r"data\.non_finite='drop' has no effect on source 'digits'"

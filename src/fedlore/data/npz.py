@@ -8,6 +8,7 @@ they are read, each problem named with its file.
 from __future__ import annotations
 
 import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -32,12 +33,17 @@ def _read_npz(path: Path, non_finite: str) -> Read:
                 )
             x, y = np.asarray(f["x"]), np.asarray(f["y"])
             names = [str(c) for c in f["class_names"]] if "class_names" in f.files else None
-    except (OSError, EOFError, ValueError) as e:
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile) as e:  # BadZipFile: a cut file
         if isinstance(e, ValueError) and str(path) in str(e):
             raise
         raise ValueError(f"{path}: cannot read the npz file ({e})") from e
     if x.ndim == 0:
         raise ValueError(f"{path}: inputs x must have one row per example, got a scalar")
+    if x.ndim == 1:
+        raise ValueError(
+            f"{path}: inputs x must be [examples, features...], got 1-D shape {x.shape} (one "
+            "feature per example: store x.reshape(-1, 1))"
+        )
     if y.ndim != 1:
         raise ValueError(f"{path}: labels y must be 1-D (one int per example), got shape {y.shape}")
     if len(x) != len(y):
@@ -117,8 +123,9 @@ def load_npz(root: str | None = None, *, non_finite: str = "error") -> DataSourc
     Raises:
         FileNotFoundError: when ``root`` is None, not a folder, or holds neither file.
         ValueError: naming the file when an array is missing, x and y disagree in length,
-            labels are not non-negative integers one per example, inputs of the two files
-            differ in shape, a label reaches past ``class_names``, there is one class only, a
+            labels are not non-negative integers one per example, inputs are 1-D or differ
+            in shape between the two files, the files' ``class_names`` differ, a label reaches
+            past ``class_names``, there is one class only, a
             file holds no rows, or (``non_finite="error"``) an input is NaN or infinite
             (naming the array and the index).
 
@@ -144,6 +151,12 @@ def load_npz(root: str | None = None, *, non_finite: str = "error") -> DataSourc
     if len(set(shapes.values())) > 1:
         raise ValueError(f"npz in {folder}: inputs differ in shape between the files: {shapes}")
     names = next((n for _, _, n in read.values() if n is not None), None)
+    listed = {part: n for part, (_, _, n) in read.items() if n is not None}
+    if len(listed) == 2 and listed["train"] != listed["test"]:  # label k would mean two things
+        raise ValueError(
+            f"npz in {folder}: class_names differ between train.npz {listed['train']} and "
+            f"test.npz {listed['test']}: label k must name the same class in both files"
+        )
     top = max((int(y.max()) + 1 for _, y, _ in read.values() if len(y)), default=1)
     if names is not None and top > len(names):
         raise ValueError(
