@@ -573,8 +573,14 @@ def test_compression_is_compared_as_the_method_used_it() -> None:
         ["compression.kind=topk"], ["compression.kind=topk", "compression.fraction=0.5"]
     ) == ("hyper.compression_fraction: 0.01 -> 0.5")
     assert diff(["compression.kind=qsgd"], ["compression.kind=topk"]) == (
-        "hyper.compression: 'qsgd' -> 'topk'"
+        "hyper.compression: 'qsgd' -> 'topk'; hyper.error_feedback: False -> True"
     )
+    # error_feedback None is on under top-k and off under QSGD: spelling it out is no difference
+    for kind, same in (("topk", "true"), ("qsgd", "false")):
+        assert diff([f"compression.kind={kind}"], [f"compression.kind={kind}",
+                    f"compression.error_feedback={same}"]) == ""  # fmt: skip
+    off = ["compression.kind=topk", "compression.error_feedback=false"]
+    assert diff(["compression.kind=topk"], off) == "hyper.error_feedback: True -> False"
     fedavg = registry.get("algorithm", "fedavg")
     assert unread_given(fedavg, {"hyper.compression": "topk"}) == {"hyper.compression_levels"}
     assert unread_given(fedavg, {"hyper.compression": "none"}) == {

@@ -285,6 +285,10 @@ class FedFull(DenseServer, Hyper):
         "compression_levels": ("compression", ("qsgd",)),
         "error_feedback": ("compression", ("topk", "qsgd")),
     }
+    # None standing for a value another setting decides (rundir.resolve_none)
+    none_means: ClassVar[dict[str, tuple[str, dict[str, bool]]]] = {
+        "error_feedback": ("compression", {"topk": True, "qsgd": False})
+    }
     local_optimizer: Literal["adamw", "sgd"] = "adamw"
     momentum: float = 0.0
     compression: Literal["none", "topk", "qsgd"] = field(

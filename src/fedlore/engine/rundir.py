@@ -280,6 +280,18 @@ def unread_given(cls: type, hyper: dict[str, Any]) -> set[str]:
     }
 
 
+def resolve_none(cls: type, hyper: dict[str, Any]) -> None:
+    """Replace, in place, each ``hyper.*`` None that stands for a value another setting decides
+    by that value: a method class's ``none_means`` maps a setting to ``(other, {value of
+    other: value})`` (FedFull's ``error_feedback`` None is on under top-k, off under QSGD), so
+    a run that spelled the default out is the run that left it None."""
+    rules: dict[str, tuple[str, dict[Any, Any]]] = getattr(cls, "none_means", {})
+    for k, (other, means) in rules.items():
+        key = f"hyper.{k}"
+        if key in hyper and hyper[key] is None and hyper.get(f"hyper.{other}") in means:
+            hyper[key] = means[hyper[f"hyper.{other}"]]
+
+
 READ_BY_THE_RUN = {"diagnostics.every"}
 """Settings that some methods read (a field's config path) and the run reads for every method."""
 
@@ -340,6 +352,8 @@ def config_diff(
         unread = _unread_method_settings(method, before, now)
         unread |= {k for k in set(before) | set(now) if k.startswith(METHOD_ONLY)}
         unread |= unread_given(cls, before) & unread_given(cls, now)
+        resolve_none(cls, before)
+        resolve_none(cls, now)
         for key in unread:
             before.pop(key, None)
             now.pop(key, None)
