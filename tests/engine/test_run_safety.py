@@ -382,3 +382,28 @@ def test_a_projection_that_costs_more_than_the_matrix_is_named(
 def test_data_root_for_embedded_digits_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="has no effect on source 'digits'"):
         run_experiment(_cfg(tmp_path, "data.root=/somewhere"))
+
+
+def test_a_full_disk_when_the_lock_is_taken_is_one_line_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The lock file's holder line is the first byte a run writes (even one that only reports
+    finished runs): a full disk there said only "No space left on device". Now the error names
+    the lock file and says what to do, and the lock is not left held."""
+    import errno
+
+    import fedlore.engine.lock as lock
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(lock.os, "write", full)
+    with pytest.raises(OSError, match=r"cannot write .*run\.lock: No space left on device"):
+        RunLock(tmp_path / "a").__enter__()
+    assert main(["run", *_args(tmp_path), "rounds=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run.lock: No space left on device (errno 28)" in err[0]
+    assert "free" in err[0]  # the advice for a full disk
+    monkeypatch.undo()
+    with RunLock(tmp_path / "a"):  # released: the next run takes it
+        pass

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from fedlore.atomic import WriteError
 from fedlore.config import ConfigError
 
 LOCK_FILE = "run.lock"
@@ -61,9 +62,14 @@ class RunLock:
             holder = os.read(fd, 512).decode(errors="replace").strip() or "an unknown process"
             os.close(fd)
             raise _in_use(self.path.parent, holder) from None
-        os.ftruncate(fd, 0)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        os.write(fd, f"PID {os.getpid()} on {socket.gethostname()} since {stamp}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"PID {os.getpid()} on {socket.gethostname()} since {stamp}\n".encode())
+        except OSError as e:  # a full disk: one line naming the file, not a bare strerror
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            raise WriteError(self.path, e) from e
         self._fd = fd
         _HELD[key] = 1
         return self
