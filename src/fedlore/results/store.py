@@ -122,13 +122,13 @@ def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
                 f"{summary_path}: unreadable, ignoring it", IncompleteRunWarning, stacklevel=3
             )
         elif (other := _of_another_run(summary, method, seed)) is not None:
-            warnings.warn(
+            warnings.warn(  # its rows are the other run's too: no row of them under this name
                 f"{summary_path}: the summary of {other}, not of {method} seed {seed} (copied "
-                "from another folder?); ignoring it",
+                "from another folder?); leaving the run out",
                 IncompleteRunWarning,
                 stacklevel=3,
             )
-            summary = None
+            return None
     if summary is None:
         if not rows:
             warnings.warn(
