@@ -408,3 +408,8 @@ def test_a_read_only_experiment_reports_elsewhere_or_only_prints(
     assert f"would write into {other}, in another experiment's folder" in capsys.readouterr().err
     assert main(["report", str(exp), "--out", str(other / "fedavg")]) == 2  # one of its folders
     assert not (other / "report.md").exists() and not (other / "fedavg" / "report.md").exists()
+    # inside the reported experiment's own folder: among its method folders
+    assert main(["report", str(exp), "--out", str(exp / "fedavg")]) == 2
+    assert f"inside the experiment folder {exp} (among its method" in capsys.readouterr().err
+    assert main(["report", str(tmp_path), "--out", str(exp)]) == 2  # would write exp/disk/
+    assert not (exp / "fedavg" / "report.md").exists() and not (exp / "disk").exists()

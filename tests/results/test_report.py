@@ -474,7 +474,8 @@ def test_a_summary_of_another_run_or_rows_it_lacks_are_said(
     """A summary that names another method (or seed) than its folder's was copied from that
     run's folder, and the metrics rows beside it most likely with it (nothing in them names a
     method): the run is left out with a warning, never shown as this method's (its rows used
-    to make a derived row of the other method's numbers under this name); a finished run whose metrics.jsonl lost rows keeps its table row and is
+    to make a derived row of the other method's numbers under this name); a finished run whose
+    metrics.jsonl lost rows keeps its table row and is
     warned about (its curves are incomplete), also in `fedlore report`'s output."""
     from fedlore.cli import main
 

@@ -324,8 +324,8 @@ def report(
 
 def _check_out(out: Path, path: Path, experiments: list[Path]) -> None:
     """Refuse an ``--out`` whose report files would land among other results: another
-    experiment's folder (its own report would be replaced), or a run's folder or anything
-    inside one.
+    experiment's folder (its own report would be replaced), a folder inside a reported
+    experiment's (among its method folders), or a run's folder or anything inside one.
 
     Raises:
         ValueError: naming ``out`` and what it is.
@@ -337,6 +337,13 @@ def _check_out(out: Path, path: Path, experiments: list[Path]) -> None:
                              "folder of its own")  # fmt: skip
     targets = [out] if is_experiment_dir(path) else [out / d.name for d in experiments]
     for t in targets:
+        inside = next((f for f in t.parents if f.resolve() in mine), None)
+        if inside is not None:  # among the reported runs' folders (the folder itself is fine)
+            raise ValueError(
+                f"report: --out would write into {t}, inside the experiment folder {inside} "
+                "(among its method folders): give a folder of its own, or leave --out out to "
+                "write the experiment's own report"
+            )
         for folder in (t, *t.parents):  # the experiment folder itself, or one of its folders
             if folder.is_dir() and is_experiment_dir(folder) and folder.resolve() not in mine:
                 raise ValueError(
