@@ -141,3 +141,12 @@ def test_the_report_shows_the_column_when_a_run_measured_it() -> None:
     assert "| 0 B | 2.44 KB |" in shown.splitlines()[2]
     assert "| 0 B | 0 B |" in shown.splitlines()[3]
     assert "client state" not in to_markdown([_table_row(None)])  # runs from before
+
+
+def test_client_seconds_per_round_leave_out_round_0_as_the_round_seconds_do() -> None:
+    """Round 0 pays the first run's one-time start-up in its clients as well (newcomer finding:
+    flower-sim showed 0.317 s of client training against 0.038 s a round): both averages start
+    at round 1, and a one-round run keeps its round 0."""
+    rows = [{**_row(r, None), "client_train_s": t} for r, t in ((0, 1.0), (1, 0.1), (2, 0.3))]
+    assert derive_summary("m", 1, rows)["client_train_s_per_round"] == pytest.approx(0.2)
+    assert derive_summary("m", 1, rows[:1])["client_train_s_per_round"] == 1.0
