@@ -538,9 +538,9 @@ def test_a_setting_the_method_never_reads_is_no_difference_between_its_runs() ->
 
 def test_compression_is_compared_as_the_method_used_it() -> None:
     """A finished run is this config's when the method compressed as it would now: a run-wide
-    ``compression.*`` that ``method.<name>.compression`` overrides, and a setting of another
-    kind (top-k's fraction under QSGD, QSGD's levels under top-k, either under none), are no
-    difference; what the method reads is, named once."""
+    ``compression.*`` (or ``transport_dtype``) that ``method.<name>.*`` overrides, and a
+    setting of another kind (top-k's fraction under QSGD, QSGD's levels under top-k, either
+    under none), are no difference; what the method reads is, named once."""
     from fedlore.engine.rundir import _run_config, config_diff, resolved_hyper, unread_given
 
     def record(over: list[str]) -> dict[str, object]:
@@ -581,6 +581,10 @@ def test_compression_is_compared_as_the_method_used_it() -> None:
                     f"compression.error_feedback={same}"]) == ""  # fmt: skip
     off = ["compression.kind=topk", "compression.error_feedback=false"]
     assert diff(["compression.kind=topk"], off) == "hyper.error_feedback: True -> False"
+    # so is the wire dtype: run-wide or the method's own, the run is the same
+    bf16 = ["transport_dtype=bf16"]
+    assert diff(bf16, ["method.fedavg.transport_dtype=bf16"]) == ""
+    assert diff(bf16, []) == "hyper.transport_dtype: 'bf16' -> 'fp32'"
     fedavg = registry.get("algorithm", "fedavg")
     assert unread_given(fedavg, {"hyper.compression": "topk"}) == {"hyper.compression_levels"}
     assert unread_given(fedavg, {"hyper.compression": "none"}) == {

@@ -262,10 +262,10 @@ def check_same_config(cfg: Config, method: str, out: Path, make_algorithm: MakeA
         )
 
 
-METHOD_ONLY = ("compression.",)
-"""Config paths (prefixes) that only the methods read: with a recorded ``hyper`` they are compared
-as each method resolved them (its ``hyper.*`` settings), since a ``method.<name>`` override makes
-the path's value one the run never used."""
+METHOD_ONLY = ("compression.", "transport_dtype")
+"""Config paths (prefixes) that only the methods read (and the config checks): with a recorded
+``hyper`` they are compared as each method resolved them (its ``hyper.*`` settings), since a
+``method.<name>`` override makes the path's value one the run never used."""
 
 
 def unread_given(cls: type, hyper: dict[str, Any]) -> set[str]:
