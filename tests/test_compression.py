@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from fedlore.compression import (
+    MAX_LEVELS,
     Codec,
     code_dtype,
     compress_update,
     decode_update,
     index_dtype,
+    round_up,
     topk_count,
     topk_indices,
     update_problem,
@@ -62,8 +64,29 @@ def test_ties_go_to_the_lower_index_whatever_the_sign() -> None:
     assert topk_indices(x, 4).tolist() == [1, 3, 4, 5]
     assert topk_indices(x, 5).tolist() == [1, 2, 3, 4, 5]
     assert topk_indices(torch.zeros(5), 2).tolist() == [0, 1]  # all tied
+    # one entry above the k-th magnitude, three tied at it: only k - 1 of the tied
+    assert topk_indices(torch.tensor([1.0, 5.0, -1.0, 1.0]), 2).tolist() == [0, 1]
     flipped = topk_indices(-x, 2)  # magnitudes only
     assert flipped.tolist() == [1, 3]
+
+
+def test_topk_of_nothing_and_of_everything_on_the_tensors_device() -> None:
+    """k = 0 selects no position and k >= n every one (int64, as every selection), without a
+    search: the positions are made on the tensor's device (the ``meta`` device here, on which
+    the search itself cannot run); the top-k decode fills a tensor on the values' device."""
+    none = topk_indices(torch.randn(5), 0)
+    assert none.dtype == torch.int64 and none.shape == (0,)
+    meta = torch.empty(6, device="meta")
+    for k in (0, 6, 9):
+        idx = topk_indices(meta, k)
+        assert idx.device.type == "meta" and idx.dtype == torch.int64
+        assert idx.shape == (min(k, 6),)
+    parts = {
+        "values": torch.empty(2, device="meta"),
+        "index": torch.empty(2, dtype=torch.int32, device="meta"),
+    }
+    dense = Codec("topk", fraction=0.5).decode(parts, (2, 2), torch.float64)
+    assert dense.device.type == "meta" and dense.dtype == torch.float64 and dense.shape == (2, 2)
 
 
 def test_topk_sends_a_nan_rather_than_hiding_it() -> None:
@@ -152,7 +175,27 @@ def test_integer_tensors_travel_as_they_are() -> None:
     )
     assert sent["bn.num_batches_tracked"] is count and "bn.num_batches_tracked" not in memory
     like = {"bn.num_batches_tracked": ((), torch.int64), "w": ((4,), torch.float32)}
-    assert set(update_spec(codec, like)) == {"bn.num_batches_tracked", "w.values", "w.index"}
+    assert update_spec(codec, like) == {
+        "bn.num_batches_tracked": ((), torch.int64),
+        "w.values": ((2,), torch.float32),
+        "w.index": ((2,), torch.int32),
+    }
+    # the tensors after it in name order are encoded too, and it is decoded as it came
+    dense = decode_update(codec, sent, like)
+    assert dense["bn.num_batches_tracked"] is count
+    assert torch.equal(dense["w"], torch.tensor([1.0, 1.0, 0.0, 0.0]))
+
+
+def test_the_memory_is_added_in_the_deltas_precision() -> None:
+    """A memory kept in another precision (float64 here) is added at the delta's dtype: the
+    upload and the new memory are in the delta's dtype, the one the server expects."""
+    codec = Codec("topk", fraction=0.5)
+    delta = {"w": torch.tensor([1.0, -3.0, 0.5, 2.0])}
+    memory = {"w": torch.tensor([0.25, 0.0, 4.0, 0.0], dtype=torch.float64)}
+    sent, kept = compress_update(codec, delta, memory, _gen(0), feedback=True)
+    assert sent["w.values"].dtype == torch.float32 and kept["w"].dtype == torch.float32
+    assert sent["w.values"].tolist() == [-3.0, 4.5] and sent["w.index"].tolist() == [1, 2]
+    assert kept["w"].tolist() == [1.25, 0.0, 0.0, 2.0]
 
 
 # -------------------------------------------------------------------------------------- QSGD
@@ -235,6 +278,97 @@ def test_qsgd_codes_are_on_the_stated_levels(levels: int, dtype: torch.dtype) ->
         assert set(code.unique().tolist()) <= {-1, 0, 1}
 
 
+@pytest.mark.parametrize(
+    ("levels", "dtype", "shape"),
+    [(1, torch.float64, (400,)), (5, torch.float32, (20, 20)), (300, torch.float64, (4, 5, 20))],
+)
+def test_qsgd_codes_are_the_floor_plus_one_uniform_draw_per_entry(
+    levels: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    """The codes, exactly: ``l_i = floor(r_i) + [u_i < r_i - floor(r_i)]`` with
+    ``r_i = s |v_i| / ||v||`` in float64 (the norm as sent: ``||v||`` of the float64 entries,
+    rounded up to the tensor's dtype) and ``u_i`` the float64 uniforms that ``rng`` gives next,
+    one per entry in row-major order; ``c_i = sign(v_i) l_i``."""
+    v = (torch.randn(shape, generator=_gen(21), dtype=torch.float64) * 3).to(dtype)
+    parts = Codec("qsgd", levels=levels).encode(v, _gen(5))
+    norm = round_up(torch.linalg.vector_norm(v.double()), dtype)
+    assert parts["norm"].dtype == dtype and float(parts["norm"]) == float(norm)
+    u = torch.rand(shape, generator=_gen(5), dtype=torch.float64)
+    r = v.double().abs() / float(norm) * levels
+    want = torch.sign(v.double()) * (r.floor() + (u < r - r.floor()).double())
+    assert parts["code"].dtype == code_dtype(levels) and parts["code"].shape == shape
+    assert torch.equal(parts["code"].double(), want)
+    assert bool((want.abs() != r.floor()).any()) and bool((want.abs() == r.floor()).any())
+
+
+def test_the_qsgd_norm_is_the_float64_norm_rounded_up() -> None:
+    """The norm sent with a float32 tensor is ``||v||`` of its entries in float64, rounded up
+    to float32: never below ``||v||`` (torch's float32 norm is, for about half of these 20
+    tensors)."""
+    codec = Codec("qsgd", levels=7)
+    below = 0
+    for seed in range(20):
+        v = torch.randn(50, generator=_gen(seed))
+        true = torch.linalg.vector_norm(v.double())
+        sent = codec.encode(v, _gen(0))["norm"]
+        assert sent.dtype == torch.float32 and float(sent) == float(round_up(true, torch.float32))
+        assert float(sent) >= float(true)
+        below += float(torch.linalg.vector_norm(v)) < float(true)
+    assert below > 0  # guard: the float32 norm would have been too small
+
+
+def test_qsgd_of_a_zero_or_non_finite_tensor_sends_zero_codes() -> None:
+    """A zero delta: norm 0 and zero codes, a valid encoding of zero; a non-finite one: its
+    non-finite norm (which the server rejects) and zero codes. A float64 delta too small for
+    its norm (torch squares the entries: 1e-170 squared underflows to 0) is sent as zero with
+    norm 0, not as codes ±s times a zero norm."""
+    codec = Codec("qsgd", levels=7)
+    for x, norm in (
+        (torch.zeros(4), 0.0),
+        (torch.tensor([1.0, math.inf, -2.0, 0.0]), math.inf),
+        (torch.tensor([1.0, -math.inf, 2.0, 3.0]), math.inf),
+        (torch.tensor([1.0, math.nan, 2.0, 3.0]), math.nan),
+        (torch.tensor([1e-170, -1e-170, 0.0, 1e-170], dtype=torch.float64), 0.0),
+    ):
+        parts = codec.encode(x, _gen(0))
+        assert parts["code"].dtype == torch.int8
+        assert torch.equal(parts["code"], torch.zeros(4, dtype=torch.int8)), x
+        got = float(parts["norm"])
+        assert got == norm or (math.isnan(norm) and math.isnan(got))
+        assert parts["norm"].dtype == x.dtype
+        why = codec.problem(parts, (4,))
+        assert (why is None) == (norm == 0.0), why
+
+
+def test_qsgd_of_tiny_float64_entries_stays_on_its_levels() -> None:
+    """torch's norm of float64 entries near 1e-160 (squares below the normal range) can come out
+    below the largest ``|v_i|``, so ``s |v_i| / ||v||`` above s: the level is clamped to s and
+    the encoding stays valid (at s = 32767 it would otherwise be a code the server rejects)."""
+    xs = torch.rand(64, generator=_gen(0), dtype=torch.float64) * 1e-160 + 1e-161
+    vs = [torch.tensor([x, 0.0], dtype=torch.float64) for x in xs.tolist()]
+    short = [v for v in vs if bool(torch.linalg.vector_norm(v) < v[0])]
+    assert short  # guard: torch's norm falls short for about half of them
+    codec = Codec("qsgd", levels=MAX_LEVELS)
+    for v in short[:4]:
+        parts = codec.encode(v, _gen(1))
+        assert codec.problem(parts, (2,)) is None
+        assert parts["code"].tolist() == [MAX_LEVELS, 0]
+
+
+def test_qsgd_draws_in_name_order_whatever_the_order_of_the_delta() -> None:
+    """compress_update encodes the tensors by name: ``a`` takes the generator's first draws, ``b``
+    the next ones, whichever order the delta lists them in."""
+    codec = Codec("qsgd", levels=3)
+    a, b = torch.randn(50, generator=_gen(0)), torch.randn(30, generator=_gen(1))
+    sent, _ = compress_update(codec, {"b": b, "a": a}, None, _gen(9), feedback=False)
+    g = _gen(9)
+    first, second = codec.encode(a, g), codec.encode(b, g)
+    assert torch.equal(sent["a.code"], first["code"]) and torch.equal(
+        sent["b.code"], second["code"]
+    )
+    assert list(sent) == ["a.norm", "a.code", "b.norm", "b.code"]
+
+
 def test_qsgd_codes_are_a_function_of_the_generator() -> None:
     codec = Codec("qsgd", levels=15)
     v = torch.randn(1000, generator=_gen(4))
@@ -253,6 +387,27 @@ def test_qsgd_codes_are_a_function_of_the_generator() -> None:
 
 
 # ---------------------------------------------------------------------------- 16-bit values
+
+
+@pytest.mark.parametrize(
+    ("value", "dtype", "want"),
+    [
+        (5.0, torch.float32, 5.0),  # exact: kept
+        (1 + 2**-30, torch.float32, 1 + 2**-23),  # nearest is 1, below: the next one up
+        (1 + 2**-23 - 2**-30, torch.float32, 1 + 2**-23),  # nearest is above: kept
+        (-(1 + 2**-30), torch.float32, -1.0),  # at or above, also for a negative value
+        (3.0, torch.bfloat16, 3.0),
+        (1 + 2**-9, torch.bfloat16, 1 + 2**-7),  # bf16 keeps 7 fraction bits
+        (1 + 2**-12, torch.float16, 1 + 2**-10),  # fp16 keeps 10
+        (0.1, torch.float64, 0.1),
+    ],
+)
+def test_a_norm_is_rounded_up_to_the_smallest_number_of_the_dtype_at_or_above(
+    value: float, dtype: torch.dtype, want: float
+) -> None:
+    got = round_up(torch.tensor(value, dtype=torch.float64), dtype)
+    assert got.dtype == dtype and got.shape == () and got.device.type == "cpu"
+    assert float(got) == want
 
 
 @pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16])
@@ -331,10 +486,68 @@ def test_malformed_encodings_are_named(
     assert why is not None and why.startswith(key.split(".")[0] + ": ") and needle in why, why
 
 
-def test_codec_refuses_settings_it_cannot_encode() -> None:
-    with pytest.raises(ValueError, match="fraction must be in"):
-        Codec("topk", fraction=0.0)
-    with pytest.raises(ValueError, match="levels must be in"):
-        Codec("qsgd", levels=32768)
-    with pytest.raises(ValueError, match="topk or qsgd"):
-        Codec("none")  # type: ignore[arg-type]
+def _topk_parts(index: list[int]) -> dict[str, torch.Tensor]:
+    return {"values": torch.ones(len(index)), "index": torch.tensor(index, dtype=torch.int32)}
+
+
+def test_the_topk_check_at_its_bounds() -> None:
+    """Positions 0 and n - 1 pass, n and -1 do not (the message names the offending one, the
+    lowest below 0 first); a single index is checked too; of several repeated positions the
+    lowest is named; an empty tensor sends no index and passes."""
+    codec = Codec("topk", fraction=0.1)
+    assert codec.problem(_topk_parts([0, 19]), (4, 5)) is None
+    assert codec.problem(_topk_parts([0, 20]), (4, 5)) == "index 20 out of range [0, 20)"
+    assert codec.problem(_topk_parts([-1, 20]), (4, 5)) == "index -1 out of range [0, 20)"
+    assert codec.problem(_topk_parts([7]), (4, 5)) is None
+    assert codec.problem(_topk_parts([20]), (4, 5)) == "index 20 out of range [0, 20)"
+    assert codec.problem(_topk_parts([9, 5, 9, 5, 1]), (4, 5)) == "index 5 given twice"
+    assert codec.problem(_topk_parts([]), (0, 3)) is None
+
+
+def test_the_qsgd_check_at_its_bounds() -> None:
+    """Codes -s and s pass, -s - 1 and s + 1 do not (the lower one named when both are out); a
+    zero norm (a zero delta) passes, the smallest negative one does not; an empty tensor
+    passes."""
+    codec = Codec("qsgd", levels=7)
+
+    def parts(code: list[int], norm: float = 2.0) -> dict[str, torch.Tensor]:
+        return {"norm": torch.tensor(norm), "code": torch.tensor(code, dtype=torch.int8)}
+
+    assert codec.problem(parts([-7, 0, 7]), (3,)) is None
+    assert codec.problem(parts([-7, 0, 7], 0.0), (3,)) is None
+    assert codec.problem(parts([-8, 0, 7]), (3,)) == "code -8 outside [-7, 7]"
+    assert codec.problem(parts([-7, 0, 8]), (3,)) == "code 8 outside [-7, 7]"
+    assert codec.problem(parts([-9, 0, 9]), (3,)) == "code -9 outside [-7, 7]"
+    assert codec.problem(parts([], 1.0), (0,)) is None
+    assert codec.problem(parts([1], -0.0), (1,)) is None
+    tiny = -(2.0**-100)
+    assert codec.problem(parts([1], tiny), (1,)) == f"norm {tiny} is not a finite number >= 0"
+
+
+def test_the_first_malformed_tensor_in_the_models_order_is_named() -> None:
+    codec = Codec("qsgd", levels=7)
+    sent = _encoded(codec)
+    sent["w.code"] = torch.full_like(sent["w.code"], 9)
+    sent["b.code"] = torch.full_like(sent["b.code"], -9)
+    assert update_problem(codec, sent, LIKE) == "w: code 9 outside [-7, 7]"
+    flipped = {"b": LIKE["b"], "w": LIKE["w"]}
+    assert update_problem(codec, sent, flipped) == "b: code -9 outside [-7, 7]"
+
+
+def test_codec_settings_at_their_bounds() -> None:
+    """A top-k fraction in (0, 1] and QSGD levels in [1, 32767]: the bounds themselves are
+    taken, the numbers just outside refused with the setting's whole message."""
+    assert Codec("topk", fraction=1.0).fraction == 1.0
+    assert Codec("qsgd", levels=1).levels == 1
+    assert Codec("qsgd", levels=MAX_LEVELS).levels == MAX_LEVELS
+    for bad in (0.0, -0.5, 1.0 + 2**-52):
+        with pytest.raises(ValueError) as info:
+            Codec("topk", fraction=bad)
+        assert str(info.value) == f"top-k fraction must be in (0, 1], got {bad!r}"
+    for levels in (0, -1, MAX_LEVELS + 1):
+        with pytest.raises(ValueError) as info:
+            Codec("qsgd", levels=levels)
+        assert str(info.value) == f"QSGD levels must be in [1, 32767], got {levels!r}"
+    with pytest.raises(ValueError) as info:
+        Codec("gzip")  # type: ignore[arg-type]
+    assert str(info.value) == "compression kind must be topk or qsgd, got 'gzip'"

@@ -142,7 +142,9 @@ class Codec:
         if not (math.isfinite(scale) and scale > 0):  # zero delta, or non-finite (rejected)
             code = torch.zeros(x.shape, dtype=code_dtype(s), device=x.device)
         else:
-            level = (v.abs() / scale * s).clamp_(0, s)  # within [0, s]: the norm was rounded up
+            # within [0, s]: the norm is rounded up, but torch's norm of tiny float64 entries
+            # (squares below the normal range) can come out below the largest |v_i|
+            level = (v.abs() / scale * s).clamp_(0, s)
             low = level.floor()
             level = low + (u < level - low).to(torch.float64)
             code = (torch.sign(v) * level).to(code_dtype(s))
