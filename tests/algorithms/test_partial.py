@@ -81,6 +81,11 @@ def test_the_kept_tensors_never_leave_a_client_and_stay_its_own(name: str) -> No
         assert all(not torch.equal(own[a][k], own[b][k]) for k in floats), (a, b)
     away = personal_arrays(run.clients[0][2]), personal_arrays(run.clients[1][2])
     assert all(torch.equal(away[0][k], away[1][k]) for k in local)
+    # and they come back from the client store as a checkpoint holds it
+    restored = ClientStore.from_dict(run.store.to_dict())
+    for c in range(N):
+        back = personal_arrays(restored.get(c))
+        assert all(torch.equal(back[k], own[c][k]) for k in local), c
 
 
 def test_the_broadcast_carries_the_kept_tensors_at_first_contact_only() -> None:
@@ -161,7 +166,11 @@ def test_the_server_moves_the_shared_tensors_by_fedavgs_mean_and_never_the_kept_
         torch.testing.assert_close(new.arrays["model." + k], model[k] + mean)
     for k in HEAD:
         assert torch.equal(new.arrays["model." + k], model[k])
-    assert {f"seen.{c}" for c in range(3)} <= set(new.values) and "seen.3" not in new.values
+    assert {k: v for k, v in new.values.items() if k.startswith("seen.")} == {
+        "seen.0": 1,
+        "seen.1": 1,
+        "seen.2": 1,
+    }
     assert {k for k in new.values if k.startswith(LOCAL)} == {LOCAL + k for k in HEAD}
 
 
@@ -224,8 +233,12 @@ def test_bad_settings_are_refused_naming_the_patterns_and_tensors() -> None:
         _fedbn().init_server(m, torch.Generator())
     with pytest.raises(ValueError, match=r"params\.freeze.*both name.*head\.bias"):
         _fedper(freeze=["head.bias"]).init_server(m, torch.Generator())
-    with pytest.raises(ValueError, match="fedper: personal_layers must name"):
+    with pytest.raises(ValueError) as info:
         FedPer(personal_layers=None)
+    assert str(info.value) == (
+        "fedper: personal_layers must name the personalization layers (default ['head.*'], the "
+        "classifier)"
+    )
     with pytest.raises(ValueError, match="non-empty list of glob patterns"):
         _fedbn(personal_layers=[])
     for mode in ("secure_aggregation=true", "dp.clip_norm=1,dp.noise_multiplier=1.0"):
@@ -233,6 +246,155 @@ def test_bad_settings_are_refused_naming_the_patterns_and_tensors() -> None:
             cfg = load_config(None, [f"algorithms=[{name}]", *mode.split(","), "weighting=uniform"])
             with pytest.raises(ConfigError, match=f"method '{name}' cannot run under it"):
                 make_algorithm(name, cfg)
+
+
+def test_a_batchnorm_model_itself_keeps_its_plain_names() -> None:
+    """A BatchNorm module as the whole model: its tensors' names have no prefix; one without
+    affine parameters or running statistics has only the tensors it has."""
+    assert batchnorm_tensors(nn.BatchNorm1d(3)) == [
+        "weight",
+        "bias",
+        "running_mean",
+        "running_var",
+        "num_batches_tracked",
+    ]
+    model = nn.Sequential(
+        nn.Linear(2, 3),
+        nn.BatchNorm1d(3, affine=False),
+        nn.Linear(3, 1),
+        nn.BatchNorm1d(1, track_running_stats=False),
+    )
+    assert batchnorm_tensors(model) == [
+        "1.running_mean",
+        "1.running_var",
+        "1.num_batches_tracked",
+        "3.weight",
+        "3.bias",
+    ]
+
+
+def test_the_kept_tensors_are_those_any_pattern_names_in_model_order() -> None:
+    m = _model()
+    two = _fedper(personal_layers=["head.*", "body.0.w*"])
+    assert two.personal_layers == ("head.*", "body.0.w*")  # a tuple: hashable, as from a config
+    hash(two)
+    assert two.local_names(m) == ["body.0.weight", "head.weight", "head.bias"]
+    state = two.init_server(m, torch.Generator())
+    plain = FedAvg.of(lr=0.1).init_server(m, torch.Generator())
+    assert state.values == {**plain.values, **{LOCAL + k: 1 for k in two.local_names(m)}}
+    assert PartialFedAvg.local_of(state) == {"body.0.weight", "head.weight", "head.bias"}
+
+
+def test_the_settings_are_checked_as_fedavgs_and_as_patterns() -> None:
+    with pytest.raises(ValueError, match=r"^FedPer: compression_fraction must be in \(0, 1\]"):
+        _fedper(compression_fraction=1.5)
+    with pytest.raises(ValueError, match=r"^FedBN: compression_fraction must be in \(0, 1\]"):
+        _fedbn(compression_fraction=1.5)
+    for bad in ("head.*", [], ["head.*", ""], ["head.*", 3]):
+        with pytest.raises(ValueError) as info:
+            _fedper(personal_layers=bad)
+        assert str(info.value) == (
+            "fedper: personal_layers must be a non-empty list of glob patterns over the model's "
+            f"tensor names (e.g. ['head.*']), got {bad!r}"
+        )
+    with pytest.raises(
+        ValueError, match=r"^partial: personal_layers must name the tensors the clients keep$"
+    ):
+        PartialFedAvg.of(lr=0.1).local_names(_model())
+
+
+def test_a_rule_that_with_params_freeze_leaves_nothing_to_federate_is_refused() -> None:
+    """The kept tensors and the frozen ones together hold every parameter: nothing trains and
+    is shared."""
+    m = _model()
+    algo = _fedper(freeze=["body.*"])
+    with pytest.raises(ValueError) as info:
+        algo.local_names(m)
+    assert str(info.value) == (
+        "fedper: personal_layers=['head.*'] keeps every trained parameter of the model on the "
+        "clients ([head.weight, head.bias] (2 tensors)), so nothing would be federated (that is "
+        "local training); name fewer tensors"
+    )
+    assert _fedper(freeze=["body.0.bias"]).local_names(m) == ["head.weight", "head.bias"]
+
+
+def test_refusals_name_the_patterns_and_up_to_six_tensors() -> None:
+    torch.manual_seed(0)
+    m = build_model("mlp", (8,), 4, hidden=[12, 12])
+    names = list(m.state_dict())
+    assert len(names) == 6
+    with pytest.raises(ValueError) as info:
+        _fedper(personal_layers=["nope", "head.*", "no*"]).local_names(m)
+    assert str(info.value) == (
+        "fedper: personal_layers pattern(s) ['nope', 'no*'] match no tensor of the model (its "
+        f"tensors: [{', '.join(names)}] (6 tensors))"
+    )
+    with pytest.raises(ValueError) as info:
+        _fedper(personal_layers=["head.*"], freeze=["head.bias"]).local_names(m)
+    assert str(info.value) == (
+        "fedper: personal_layers=['head.*'] and params.freeze=['head.bias'] both name "
+        "[head.bias] (1 tensors): a frozen tensor never trains, so keeping it local changes "
+        "nothing; drop it from one of them"
+    )
+    with pytest.raises(ValueError) as info:
+        _fedbn().local_names(m)
+    assert str(info.value) == (
+        "fedbn: the model has no BatchNorm layer, so FedBN would be FedAvg (its tensors: "
+        f"[{', '.join(names)}] (6 tensors)); use a model with BatchNorm (mlp with norm: batch, "
+        "resnet20 with norm: batch) or name the tensors to keep in method.fedbn.personal_layers"
+    )
+    bn = _model("batch")
+    seven = list(bn.state_dict())
+    assert len(seven) > 6
+    with pytest.raises(ValueError) as info:
+        _fedbn(freeze=["body.1.weight"]).local_names(bn)
+    assert "fedbn: its default (every BatchNorm layer) and params.freeze=['body.1.weight']" in str(
+        info.value
+    )
+    with pytest.raises(ValueError) as info:
+        _fedper(personal_layers=["*"]).local_names(bn)
+    assert f"([{', '.join(seven[:6])}, ...] ({len(seven)} tensors))" in str(info.value)
+
+
+def test_frozen_tensors_are_sent_once_beside_the_kept_ones() -> None:
+    """``params.freeze`` with FedPer: after a client's first contact the broadcast holds
+    neither its kept tensors nor the frozen ones (the client has both: the frozen ones in its
+    cache), it uploads the trained shared tensors only, and its next round runs from its cache
+    and its own head."""
+    algo = _fedper(freeze=["body.0.bias"])
+    run = Run(algo, "none", [[0, 1], [0, 1]])
+    full = {"model." + k for k in model_arrays(_model())}
+    assert all(set(m.arrays) == full for m in run.sent[0].values())
+    assert all(set(m.arrays) == {"model.body.0.weight"} for m in run.sent[1].values())
+    assert set(algo.expected_reply(run.states[1], 1, 0)) == {"update.body.0.weight"}
+    for replies in run.got:
+        assert all(set(r.arrays) == {"update.body.0.weight"} for r in replies.values())  # type: ignore[union-attr]
+    kept = run.store.get(0)
+    assert kept is not None and set(kept.arrays) == {
+        "cache.body.0.bias",
+        "personal.head.weight",
+        "personal.head.bias",
+    }
+    init = model_arrays(_model())
+    for k in ("body.0.bias", *HEAD):
+        assert torch.equal(run.states[-1].arrays["model." + k], init[k])
+
+
+def test_a_client_whose_state_was_lost_names_what_the_server_did_not_send() -> None:
+    algo = _fedbn()
+    state = algo.init_server(_model("batch"), generator(0, 2))
+    data = _client(0, "features")
+    reply, _ = algo.client_update(algo.broadcast(state, 0, 0), None, _model("batch"), data,
+                                  generator(0, 3))  # fmt: skip
+    state, _ = algo.aggregate(state, [(0, reply)], 0)
+    with pytest.raises(RuntimeError) as info:
+        algo.client_update(algo.broadcast(state, 1, 0), None, _model("batch"), data,
+                           generator(0, 3))  # fmt: skip
+    assert str(info.value) == (
+        "fedbn: the server sent no kept-local tensors ['body.1.weight', 'body.1.bias', "
+        "'body.1.running_mean'] (this client has replied before) and the client state holds "
+        "none (it was lost)"
+    )
 
 
 def _digits(tmp_path: Path, *extra: str) -> list[str]:

@@ -25,13 +25,14 @@ from least_squares import make_algo as _algo
 from least_squares import optimum as _optimum
 from least_squares import regression as _regression
 from least_squares import train as _train
+from torch import nn
 
 from fedlore.algorithms.fedavg import FedAvg
 from fedlore.algorithms.scaffold import CONTROL, DCONTROL, Scaffold
 from fedlore.config import ConfigError, load_config
 from fedlore.experiment_parts import make_algorithm
 from fedlore.tensors import load_model_arrays, select, with_prefix
-from fedlore.train.local import task_loss
+from fedlore.train.local import parameter_term, task_loss
 from fedlore.types import Reply, State
 
 
@@ -227,6 +228,48 @@ def test_the_checkpoint_holds_c_and_every_clients_c_i(tmp_path: Path) -> None:
     assert len(clients) == 3
     for c_i in clients:
         assert c_i.keys() == c.keys() and sum(float(v.abs().sum()) for v in c_i.values()) > 0
+
+
+class _Three(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.tensor([1.0, -2.0], dtype=torch.float64))
+        self.b = nn.Parameter(torch.tensor([3.0, 4.0, 5.0], dtype=torch.float64))
+        self.c = nn.Parameter(torch.tensor([0.5], dtype=torch.float64))
+
+
+def test_parameter_term_sums_the_named_parameters_in_model_order() -> None:
+    """``parameter_term`` (SCAFFOLD's correction and FedDyn's dynamic term): ``Σ part(name, p)``
+    over the named parameters only (a name the model lacks adds nothing), called in the model's
+    parameter order whatever the order of ``names``, exact in float64, with each part's
+    gradient. With no name it is a 0-d zero on the model's device (``meta`` here)."""
+    model = _Three()
+    weight = {
+        "a": torch.tensor([0.25, 2.0], dtype=torch.float64),
+        "c": torch.tensor([8.0], dtype=torch.float64),
+    }
+    calls: list[str] = []
+
+    def part(name: str, p: nn.Parameter) -> torch.Tensor:
+        calls.append(name)
+        return (weight[name] * p).sum()
+
+    term = parameter_term(iter(["c", "zzz", "a"]), part)
+    value = term(model)
+    assert value.dtype == torch.float64 and value.shape == ()
+    assert value.item() == 0.25 * 1.0 + 2.0 * -2.0 + 8.0 * 0.5
+    assert calls == ["a", "c"]
+    assert term(model).item() == 0.25 and calls == ["a", "c", "a", "c"]  # the names are kept
+    value.backward()
+    assert model.a.grad is not None and torch.equal(model.a.grad, weight["a"])
+    assert model.c.grad is not None and torch.equal(model.c.grad, weight["c"])
+    assert model.b.grad is None
+    assert parameter_term(["b"], lambda n, p: p.sum())(_Three()).item() == 12.0
+    assert parameter_term([], part)(model).item() == 0.0
+    with torch.device("meta"):
+        meta = _Three()
+    zero = parameter_term([], part)(meta)
+    assert zero.shape == () and zero.device.type == "meta"
 
 
 def test_scaffold_takes_sgd_steps_and_is_not_offered_under_privacy(tmp_path: object) -> None:
