@@ -25,6 +25,7 @@ import torch
 from four_clusters import BN, HEAD, N, Run
 from four_clusters import client as _client
 from four_clusters import model as _model
+from torch import nn
 
 from fedlore.algorithm import Algorithm
 from fedlore.algorithms.fedavg import FedAvg
@@ -32,6 +33,7 @@ from fedlore.algorithms.partial import LOCAL, FedBN, FedPer, PartialFedAvg, batc
 from fedlore.algorithms.personal import personal_arrays
 from fedlore.config import ConfigError, load_config
 from fedlore.data.federation import build_federation
+from fedlore.engine.store import ClientStore
 from fedlore.engine.validate import validate_reply
 from fedlore.experiment import run_experiment
 from fedlore.experiment_parts import make_algorithm
