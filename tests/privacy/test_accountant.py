@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 from dp_accounting import pld, rdp
 from dp_accounting.rdp import rdp_privacy_accountant
+from gdp import exact_gdp_epsilon
 from pydantic import ValidationError
-from scipy import optimize, stats
 
 from fedlore.config import DPConfig
 from fedlore.privacy import dp
@@ -47,17 +47,6 @@ def _fresh_caches() -> Iterator[None]:
     yield
     for fn in (dp.epsilon_spent, dp.noise_for_epsilon, dp.rdp_curve):
         fn.cache_clear()
-
-
-def exact_gdp_epsilon(mu: float, delta: float) -> float:
-    """The exact ε of μ-GDP at δ (Dong, Roth & Su 2022, Corollary 2.13), solved for ε."""
-
-    def excess(eps: float) -> float:
-        upper = stats.norm.cdf(-eps / mu + mu / 2)
-        lower = math.exp(eps + stats.norm.logcdf(-eps / mu - mu / 2))
-        return float(upper - lower - delta)
-
-    return float(optimize.brentq(excess, 0.0, 10.0 * (mu * mu + mu + 1.0), xtol=1e-12))
 
 
 def full_participation_exact(sigma: float, rounds: int, delta: float = DELTA) -> float:

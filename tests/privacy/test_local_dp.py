@@ -30,8 +30,9 @@ import dp_accounting
 import pytest
 import torch
 from dp_accounting import rdp
+from gdp import exact_gdp_epsilon
 from pydantic import ValidationError
-from scipy import optimize, stats
+from scipy import stats
 
 import fedlore.algorithms  # noqa: F401  (registers the methods)
 from fedlore import registry
@@ -284,17 +285,6 @@ def test_central_mode_is_what_it_was() -> None:
 
 
 # ------------------------------------------------------------------ the accountant
-
-
-def exact_gdp_epsilon(mu: float, delta: float) -> float:
-    """The exact ε of μ-GDP at δ (Dong, Roth & Su 2022, Corollary 2.13)."""
-
-    def excess(eps: float) -> float:
-        upper = stats.norm.cdf(-eps / mu + mu / 2)
-        lower = math.exp(eps + stats.norm.logcdf(-eps / mu - mu / 2))
-        return float(upper - lower - delta)
-
-    return float(optimize.brentq(excess, 0.0, 10.0 * (mu * mu + mu + 1.0), xtol=1e-12))
 
 
 @pytest.mark.parametrize(("sigma", "uploads"), [(1.0, 1), (1.5, 7), (4.0, 30)])
