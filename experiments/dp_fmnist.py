@@ -68,17 +68,25 @@ def launch(config: str, root: str, method: str, seed: int, eps: str, clip: float
         cmd += ["dp.clip_norm=null", "dp.epsilon=null"]
     else:
         cmd += [f"dp.epsilon={eps}", f"dp.clip_norm={clip:g}"]
-    logs = Path(root) / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    log = logs / f"{method}-{seed}-eps{eps}-clip{clip}.log"
+    run_logged(cmd, Path(root) / "logs" / f"{method}-{seed}-eps{eps}-clip{clip}.log")
+    return Path(out)
+
+
+def run_logged(cmd: list[str], log: Path) -> None:
+    """Run ``cmd`` (a ``python -m fedlore.cli run`` line) on one thread, appending its output to
+    ``log`` after a dated header (a rerun, resuming, keeps the earlier log).
+
+    Raises:
+        RuntimeError: naming the command and the log when it fails.
+    """
+    log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    with log.open("a") as fh:  # append: a rerun (resume) keeps the earlier log
+    with log.open("a") as fh:
         fh.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {' '.join(['python', *cmd[1:]])}\n")
         fh.flush()
         rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({rc}); see {log}")
-    return Path(out)
 
 
 def summary(root: str, name: str, method: str, seed: int, eps: str, clip: float | None) -> Any:

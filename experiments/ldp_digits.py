@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from dp_fmnist import run_logged  # experiments/ is the script's folder: on sys.path
 
 from fedlore.config import load_config
 
@@ -42,16 +41,7 @@ MODES = {
 def launch(config: str, root: Path, mode: str, seed: int) -> None:
     cmd = [sys.executable, "-m", "fedlore.cli", "run", "--resume", config, f"seeds={seed}",
            f"output_dir={root / mode}", "progress=false", *MODES[mode]]  # fmt: skip
-    logs = root / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    log = logs / f"{mode}-{seed}.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    with log.open("a") as fh:  # append: a rerun (resume) keeps the earlier log
-        fh.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {' '.join(cmd[1:])}\n")
-        fh.flush()
-        rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-    if rc != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({rc}); see {log}")
+    run_logged(cmd, root / "logs" / f"{mode}-{seed}.log")
 
 
 def record(root: Path, cfg: Any, method: str, mode: str, seed: int) -> dict[str, Any]:
