@@ -150,3 +150,14 @@ def test_client_seconds_per_round_leave_out_round_0_as_the_round_seconds_do() ->
     rows = [{**_row(r, None), "client_train_s": t} for r, t in ((0, 1.0), (1, 0.1), (2, 0.3))]
     assert derive_summary("m", 1, rows)["client_train_s_per_round"] == pytest.approx(0.2)
     assert derive_summary("m", 1, rows[:1])["client_train_s_per_round"] == 1.0
+
+
+def test_a_round_records_its_largest_client_and_nothing_when_none_measured() -> None:
+    """The row's value is the most any accepted client keeps (clients differ: a client at its
+    first contact keeps less under some methods), not the first's or the mean."""
+    from fedlore.engine.loop import _largest
+    from fedlore.types import Reply
+
+    replies = [Reply({}, {"client_state_bytes": b}) for b in (40, 90, 10)]
+    assert _largest(replies, "client_state_bytes") == {"client_state_bytes": 90}
+    assert _largest([Reply({}, {})], "client_state_bytes") == {}
