@@ -78,10 +78,17 @@ def test_each_round_records_the_state_its_clients_keep(
     assert all(r["optimizer_state_bytes"] == 0 for r in rows)
 
 
-def test_under_dp_the_state_size_is_not_sent_in_the_clear(tmp_path: Path) -> None:
-    rows, (_, summary) = _rows(
-        tmp_path, "fedavg", "weighting=uniform", "dp.clip_norm=1", "dp.noise_multiplier=1"
-    )
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["dp.clip_norm=1", "dp.noise_multiplier=1"],
+        ["secure_aggregation=true"],
+        ["dp.clip_norm=1", "dp.noise_multiplier=1", "dp.mode=local"],
+    ],
+    ids=["dp", "secagg", "local-dp"],
+)
+def test_under_dp_the_state_size_is_not_sent_in_the_clear(tmp_path: Path, mode: list[str]) -> None:
+    rows, (_, summary) = _rows(tmp_path, "fedavg", "weighting=uniform", *mode)
     assert all("client_state_bytes" not in r for r in rows)
     assert "client_state_bytes" not in summary
 
