@@ -233,7 +233,6 @@ def test_output_dir_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture
     assert f"name: {tmp_path / 'runs' / 'safe'} is a file" in capsys.readouterr().err
 
 
-
 def test_a_spill_dir_in_the_way_is_refused_before_any_run_trains(
     tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -260,6 +259,7 @@ def test_a_spill_dir_in_the_way_is_refused_before_any_run_trains(
     monkeypatch.undo()
     # states never spill without a memory limit: the setting is not used, so not checked
     assert main(["run", *args, "store.max_memory_mb=null", f"store.spill_dir={f}"]) == 0
+
 
 # --- 4. the command line and method values ---------------------------------------------------
 
