@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -29,9 +30,9 @@ from torch import nn
 
 from fedlore import checks
 from fedlore.algorithms.fedavg import FedAvg
-from fedlore.algorithms.qffl import LOSS, QFFL, TRAINED, qffl_scales
+from fedlore.algorithms.qffl import LOSS, QFFL, TRAINED, qffl_scales, split_loss
 from fedlore.config import ConfigError, load_config
-from fedlore.data.client_data import ClientData
+from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.experiment_parts import make_algorithm
 from fedlore.train.local import task_loss
 from fedlore.types import Reply, State
@@ -297,6 +298,46 @@ def test_the_client_reports_its_loss_at_the_start_and_fedavgs_delta() -> None:
     assert reply.metrics[LOSS] == reply.metrics["train_loss"] == plain.metrics["train_loss"]
 
 
+def test_split_loss_is_the_mean_over_examples_or_counted_tokens() -> None:
+    """Over minibatches of unequal size (3, 3, 2) the loss is the mean over all examples, not
+    the mean of the batches' means; for token targets, over the tokens that count."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double().requires_grad_(False)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 2, 2])
+    got = split_loss(model, TensorSplit(x, y), batch_size=3)
+    assert got == pytest.approx(float(nn.functional.cross_entropy(model(x), y)), rel=1e-13)
+    tokens = torch.tensor([[0, 1, -100], [2, -100, -100], [1, 1, 1]])
+    seqs = torch.randn(3, 3, 4, dtype=torch.float64)
+    got = split_loss(model, TensorSplit(seqs, tokens), batch_size=2)
+    keep = tokens.flatten() != -100
+    want = nn.functional.cross_entropy(model(seqs).flatten(0, 1)[keep], tokens.flatten()[keep])
+    assert got == pytest.approx(float(want), rel=1e-13)
+    assert math.isnan(split_loss(model, TensorSplit(seqs[:1], torch.full((1, 3), -100))))
+    # a batch where nothing counts is skipped, not a NaN in the sum
+    gap = torch.cat([tokens[:1], torch.full((1, 3), -100), tokens[1:]])
+    got = split_loss(model, TensorSplit(torch.cat([seqs[:1], seqs]), gap), batch_size=1)
+    assert got == pytest.approx(float(want), rel=1e-13)
+
+
+def test_the_pass_that_measures_the_loss_counts_in_the_clients_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import fedlore.algorithms.qffl as qffl_mod
+
+    def slow(model: nn.Module, split: TensorSplit) -> float:
+        time.sleep(0.2)
+        return 1.0
+
+    monkeypatch.setattr(qffl_mod, "split_loss", slow)
+    algo = _algo(local_steps=1)
+    state = algo.init_server(linear_model(), torch.Generator())
+    reply, _ = algo.client_update(
+        algo.broadcast(state, 0, 0), None, linear_model(), regression(0), torch.Generator()
+    )
+    assert reply.metrics[LOSS] == 1.0 and reply.metrics["train_s"] >= 0.2
+
+
 def test_the_local_run_draws_from_the_clients_generator() -> None:
     assert_draws_from_its_generator(_algo(batch_size=8))
 
@@ -338,6 +379,19 @@ def test_a_reply_without_a_usable_loss_is_rejected(loss: object) -> None:
     why = algo.reply_problem(state, 0, 4, reply)
     assert why == f"qffl_loss must be a finite number >= 0 (the client's loss F_k), got {loss!r}"
     assert algo.reply_problem(state, 0, 4, _reply([0.0, 0.0], 3, 0.0)) is None
+
+
+def test_lost_replies_reach_fedavgs_bookkeeping() -> None:
+    """A lost client's frozen tensors are sent again (FedAvg's ``seen.<id>`` dropped), in a
+    round with other replies and in a round where every reply was lost."""
+    algo = _algo(freeze=("bias",))
+    state = algo.init_server(nn.Linear(2, 1).double(), torch.Generator())
+    seen = State(arrays=dict(state.arrays), values={**state.values, "seen.2": 1, "seen.0": 1})
+    new, _ = algo.aggregate(seen, [(2, None), (0, _reply([0.1, 0.0], 1, 1.0))], 0)
+    assert "seen.2" not in new.values and new.values["seen.0"] == 1
+    new, metrics = algo.aggregate(seen, [(2, None)], 0)
+    assert "seen.2" not in new.values and metrics == {"aggregated": 0}
+    assert torch.equal(new.arrays["model.weight"], state.arrays["model.weight"])
 
 
 def test_buffers_get_fedavgs_mean_and_stay_out_of_the_norms() -> None:

@@ -2,7 +2,7 @@
 Federated Learning", ICLR 2020, Algorithm 2): FedAvg whose server weighs each client by its loss
 to the power q, so that the clients the global model serves worst pull hardest.
 
-The objective (the paper's q-FFL, Eq. 2) is
+The objective (the paper's q-FFL) is
 
     min_w f_q(w) = Σ_k p_k / (q + 1) · F_k^{q+1}(w),
 
@@ -21,12 +21,15 @@ A round (Algorithm 2, q-FedAvg):
 * the server steps ``w^{t+1} = w^t - Σ_k p_k Δ_k / Σ_k p_k h_k``.
 
 ``L`` estimates the Lipschitz constant of the clients' gradients (``ΔW_k`` stands for a gradient
-of ``F_k``: with one local step it is one, ``L = 1/η``); ``h_k`` bounds the Lipschitz constant of
-the gradient of ``F_k^{q+1}/(q+1)`` at ``w^t``, so ``1 / Σ h_k`` is the step size the server
-adapts to the round (the paper's Lemma 3). ``lipschitz`` None takes ``L = 1 / lr``, the inverse
-of the local learning rate, as the authors' code (``litian96/fair_flearn``,
-``flearn/trainers/qffedavg.py``) and Flower's ``QFedAvg`` do; under a schedule ``L`` stays
-``1 / lr`` (the paper trains at a constant rate).
+of ``F_k``: after one full-batch local step at ``η = 1/L`` it is ``∇F_k(w^t)``, and the round is
+the paper's q-FedSGD, Algorithm 1); ``h_k`` bounds the Lipschitz constant of the gradient of
+``F_k^{q+1}/(q+1)`` at ``w^t``, so ``1 / Σ h_k`` is a step size the server adapts to the round,
+with none of its own to tune. ``lipschitz`` None takes ``L = 1 / lr``, the inverse of the local
+learning rate, as the authors' code (``litian96/fair_flearn``, ``flearn/trainers/qffedavg.py``)
+and Flower's ``QFedAvg`` do; under a schedule ``L`` stays ``1 / lr`` (the paper trains at a
+constant rate). With K local steps ``ΔW_k`` is about the sum of K gradients, and the
+``q F^{q-1} ‖ΔW_k‖²`` terms shrink the step accordingly (the round metric ``qffl_step_share``);
+``lipschitz = 1 / (K lr)`` reads ``ΔW_k`` as their mean instead.
 
 The weights ``p_k``. The paper samples client k with probability ``p_k`` and sums over the
 round's clients unweighted; fedlore samples uniformly (:mod:`fedlore.engine.sampling`), so the
@@ -171,8 +174,8 @@ class QFFL(FedAvg):
 
     Attributes:
         q: the fairness parameter, >= 0: 0 is FedAvg; a larger q weighs the clients of large
-            loss more. Default 1, the paper's choice on its Synthetic and Sent140 data (Table 1;
-            5 on Vehicle). Flower's ``QFedAvg`` defaults to 0.1 (0.2 in its older strategy).
+            loss more. Default 1, the value the paper reports for its Synthetic and Sent140 data
+            (5 for Vehicle). Flower's ``QFedAvg`` defaults to 0.1 (0.2 in its older strategy).
         lipschitz: L, the Lipschitz estimate of the clients' gradients (> 0); None: ``1 / lr``,
             the inverse of the local learning rate, the paper's and its code's choice.
         loss_at: where a client measures its ``F_k``: ``"start"`` (the paper's ``F_k(w^t)``, the
@@ -283,12 +286,8 @@ class QFFL(FedAvg):
         dtypes = {k: v.dtype for k, v in select(state.arrays, "model.").items()}
         deltas = [from_wire(select(r.arrays, "update."), dtypes) for r in ok]
         lip = self.lipschitz_estimate
-        sq = [
-            lip
-            * lip
-            * sum(float(v.detach().double().pow(2).sum()) for k, v in d.items() if k in trained)
-            for d in deltas
-        ]
+        # ‖ΔW_k‖² = L² ‖w̄_k - w^t‖² over the trained parameters, in float64
+        sq = [lip * lip * _sq_norm(d, trained) for d in deltas]
         p = self.weights(ok)
         losses = [float(r.metrics[LOSS]) for r in ok]
         scales = iter(qffl_scales(losses, sq, p, self.q, lip))
@@ -310,3 +309,8 @@ class QFFL(FedAvg):
             "qffl_loss_max": max(losses),
             "qffl_step_share": share_num / sum(p),
         }
+
+
+def _sq_norm(tensors: dict[str, torch.Tensor], names: set[str]) -> float:
+    """``Σ ‖t‖²`` over the tensors named in ``names``, in float64."""
+    return sum(float(v.detach().double().pow(2).sum()) for k, v in tensors.items() if k in names)
