@@ -7,7 +7,9 @@ old readers computed them: ``honours_transport_dtype`` and ``sum_aggregable`` co
 class's own body (an inherited True did not count), ``supports_robust_aggregate``,
 ``supports_regression``, ``needs_server_data`` and ``individual_uploads`` through ``getattr``
 with defaults (inherited), and FedLore's ``setup_rounds`` and FedMask's ``min_clients_per_round``
-as properties of an instance built with defaults. Every value is the same.
+as properties of an instance built with defaults. Every value is the same. Changed since, on
+purpose: FedPer, FedBN, FedRep and MOON are sum-aggregable (their ``individual_uploads`` is then
+the unread default; ``tests/privacy/test_personal_methods.py`` attacks them under the modes).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ TABLE: dict[str, Row] = {
     "fedavg_mcd":     Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "fedbe":          Row(0,    F,   F,  T,     T, F,   1,   None,     F,     "own"),
     "feddyn":         Row(0,    F,   F,  F,     F, T,   1,   None,     F,     "own"),
-    "fedbn":          Row(0,    F,   T,  T,     F, T,   1,   None,     F,     "own"),
+    "fedbn":          Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
     "fedfomo":        Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "fedfull":        Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
     "fedgalore":      Row(0,    F,   F,  T,     F, T,   1,   "client", F,     "own"),
@@ -68,9 +70,9 @@ TABLE: dict[str, Row] = {
     "fedlore_sketch": Row(1,    T,   T,  F,     F, T,   1,   "shared", F,     "fedlore"),
     "fedmask":        Row(0,    F,   F,  F,     F, T,   2,   None,     F,     "own"),
     "fednova":        Row(0,    F,   T,  F,     F, T,   1,   None,     F,     "own"),
-    "fedper":         Row(0,    F,   T,  T,     F, T,   1,   None,     F,     "own"),
+    "fedper":         Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
     "fedprox":        Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
-    "fedrep":         Row(0,    F,   T,  T,     F, T,   1,   None,     F,     "own"),
+    "fedrep":         Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
     "fedslop":        Row(0,    T,   T,  F,     F, T,   1,   "shared", F,     "fedlore"),
     "ffa_lora":       Row(0,    T,   T,  F,     F, T,   1,   None,     T,     "default"),
     "flexlora":       Row(0,    F,   T,  F,     F, T,   1,   None,     T,     "own"),
@@ -81,7 +83,7 @@ TABLE: dict[str, Row] = {
     "meta_bayfl":     Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "meta_bayfl_mcd": Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "meta_fl":        Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
-    "moon":           Row(0,    F,   T,  T,     F, T,   1,   None,     F,     "own"),
+    "moon":           Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
     "pfedbayes":      Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "pfedme":         Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "rolora":         Row(0,    F,   T,  F,     F, T,   1,   None,     T,     "own"),

@@ -369,7 +369,9 @@ def check_privacy(name: str, cls: type[Declares], cfg: Config) -> None:
             uploads (its capabilities' ``individual_uploads``), a robust aggregate
             (coordinate-wise medians need each upload), a 16-bit transport (the masked sum is
             fixed point), DP with ``weighting: num_examples`` (a client's weight would scale its
-            contribution past C).
+            contribution past C). ``eval.local`` is allowed: the run warns that its P-local
+            scores are measured outside the mechanism
+            (:func:`fedlore.experiment_privacy.make_privacy`).
     """
     mode = privacy_modes(cfg)
     caps = cls.capabilities
@@ -424,12 +426,6 @@ def check_privacy(name: str, cls: type[Declares], cfg: Config) -> None:
             "does not know the largest client's training set, and SecAgg+ needs it to bound the "
             "weights (a larger client would be refused every round): set "
             "flower.secagg_max_weight to at least the largest site's example count"
-        )
-    if cfg.eval.local:
-        raise ConfigError(
-            f"{mode}: eval.local reports each client's own test scores, which these modes do "
-            "not release (only timings and memory travel in the clear); use eval.clients for "
-            "the global model on the clients' test splits, or drop eval.local"
         )
 
 
