@@ -26,6 +26,7 @@ from fedlore.algorithms.lora_ffa import FFALoRA
 from fedlore.algorithms.lora_rolora import RoLoRA
 from fedlore.algorithms.moon import Moon
 from fedlore.algorithms.partial import FedBN, FedPer
+from fedlore.algorithms.scaffold import Scaffold
 from fedlore.checks import is_sum_aggregable
 from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.engine.loop import validate_reply
@@ -50,9 +51,11 @@ ISSUE_LIST = {
     "fedbn",
     "fedrep",
     "moon",
+    "scaffold",  # secure aggregation alone: DP refused (tests/privacy/test_scaffold_secure.py)
 }
 """Issue 20, item 3: the methods whose server needs only weighted sums of the uploads (and
-FedSLoP, issue 35; FedPer, FedBN, FedRep and MOON, whose servers are FedAvg's)."""
+FedSLoP, issue 35; FedPer, FedBN, FedRep and MOON, whose servers are FedAvg's; SCAFFOLD, under
+secure aggregation alone)."""
 OWN = {"fedavg", "fedfull", "fedprox", "fedit", "ffa_lora"}
 """The five of them outside the FedLore family (:mod:`fedlore.algorithms.fedlore`)."""
 FEDLORE_FAMILY = {"fedlore", "fedlore_sketch", "fedlore_random", "fedlore_fixed"}

@@ -366,7 +366,8 @@ def check_privacy(name: str, cls: type[Declares], cfg: Config) -> None:
 
     Raises:
         ConfigError: naming the setting and the reason: a method whose server needs individual
-            uploads (its capabilities' ``individual_uploads``), a robust aggregate
+            uploads (its capabilities' ``individual_uploads``), DP for a method that takes
+            secure aggregation alone (its ``no_dp``), a robust aggregate
             (coordinate-wise medians need each upload), a 16-bit transport (the masked sum is
             fixed point), DP with ``weighting: num_examples`` (a client's weight would scale its
             contribution past C). ``eval.local`` is allowed: the run warns that its P-local
@@ -385,6 +386,11 @@ def check_privacy(name: str, cls: type[Declares], cfg: Config) -> None:
         raise ConfigError(
             f"{mode}: method {name!r} cannot run under it: {why} (methods "
             f"whose server needs only weighted sums: {', '.join(able)})"
+        )
+    if cfg.dp.enabled and caps.no_dp:
+        raise ConfigError(
+            f"dp: method {name!r} cannot run under it: {caps.no_dp} (secure_aggregation alone "
+            "runs it)"
         )
     if cfg.robust.aggregate != "mean":
         raise ConfigError(
