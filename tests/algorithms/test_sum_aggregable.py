@@ -112,7 +112,7 @@ def test_upload_increments_is_refused_with_the_reason(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "cls", [FedFull, FedAvg, FedProx, FedIT, FFALoRA, FedPer, FedBN, FedRep, Moon]
+    "cls", [FedFull, FedAvg, FedProx, FedIT, FFALoRA, FedPer, FedBN, FedRep, Moon, Scaffold]
 )
 def test_sum_aggregable_methods_accept_upload_increments(cls: type[Hyper]) -> None:
     assert cls.of(upload_increments=True).train.upload_increments

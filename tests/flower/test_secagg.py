@@ -7,9 +7,9 @@ equals the plain weighted mean of the same clients' contribution vectors within 
 quantization error; nothing of a client's vector or weight travels in the clear; a client that
 drops out after sharing its keys is left out of the sum; ordinary rounds pass the mod
 untouched; under local DP each ClientApp noises its own upload (with or without SecAgg+);
-FedPer, FedBN, FedRep and MOON mask their shared increments only, across rounds, and end where
-the in-process secure run ends. The loopback deployment (real SuperLink and SuperNodes) is at
-the end.
+FedPer, FedBN, FedRep, MOON and SCAFFOLD mask their shared increments only, across rounds, and
+end where the in-process secure run ends. The loopback deployment (real SuperLink and
+SuperNodes) is at the end.
 """
 
 from __future__ import annotations
@@ -448,17 +448,18 @@ def test_local_dp_under_secagg_plus_masks_each_clients_whole_noise(
     assert metrics["dp_epsilon"] == local_epsilon(2.0, 1e-5, 1)
 
 
-# ------------------------------------------------------------------ FedPer, FedBN, FedRep, MOON
+# ------------------------------------------------- FedPer, FedBN, FedRep, MOON and SCAFFOLD
 
 
-@pytest.mark.parametrize("method", ["fedper", "fedbn", "fedrep", "moon"])
+@pytest.mark.parametrize("method", ["fedper", "fedbn", "fedrep", "moon", "scaffold"])
 def test_personal_methods_sum_only_their_shared_increments_under_secagg_plus(
     task_identity: None, contributions: dict[int, Contribution], method: str
 ) -> None:
     """Two rounds of each method through fedlore's round loop, the FlowerTransport and SecAgg+
     on a :class:`DirectGrid` (in round 1 the ClientApps lay their own kept tensors, held in
     their node's ``Context.state``, over a broadcast without them; MOON contrasts with its
-    previous model from there): each client masks exactly its shared increment (the reply
+    previous model from there; SCAFFOLD its c_i, uploading Δy and Δc_i): each client masks
+    exactly its shared increment (the reply
     spec's entries; no kept tensor, no training loss in the clear); each round's unmasked mean
     is the clients' weighted mean within SecAgg+'s quantization; the server's kept tensors stay
     its initialization; and the run ends where the in-process secure run ends."""
@@ -475,7 +476,7 @@ def test_personal_methods_sum_only_their_shared_increments_under_secagg_plus(
     net = model_factory(cfg, fed, SEED)()
     start = start_server(algo, net, generator(SEED, 0), fed, method)
     kept = set(algo.local_names(net)) if isinstance(algo, PartialFedAvg) else set()
-    assert bool(kept) == (method != "moon")
+    assert bool(kept) == (method not in ("moon", "scaffold"))
     _, client = make_apps(cfg, method, SEED)
     transport = FlowerTransport(DirectGrid(client, N), wait_for_nodes=0.0, expected_nodes=0,
                                 secagg=secagg_settings(cfg, method, fed.client))  # fmt: skip
