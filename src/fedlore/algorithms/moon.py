@@ -186,7 +186,7 @@ class Moon(FedAvg):
 
     name: ClassVar[str] = "moon"
     # sum_aggregable (FedAvg's): its uploads are FedAvg's increments and its server FedAvg's;
-    # the previous model z_prev comes from stays in the client state, never uploaded
+    # the previous model (z_prev's source) stays in the client state, never uploaded
     capabilities = replace(FedAvg.capabilities, compress_uploads=False)
     not_applicable: ClassVar[dict[str, str]] = UNCOMPRESSED
     mu: float = 1.0
