@@ -333,6 +333,67 @@ def ldp() -> dict[str, str]:
     }
 
 
+# ---------------------------------------------------------------- FedPer under central and local DP
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def ldp_personal() -> dict[str, str]:
+    """``experiments/ldp_personal.py``'s runs: per method and DP mode P-local and the global
+    model's accuracy (mean ± std over the seeds, in %) and ε, at the runs' σ and C."""
+    rows = read(EXP / "ldp_personal" / "table.json")
+    methods: dict[str, Any] = {}
+    for method in sorted({r["method"] for r in rows}):
+        modes: dict[str, Any] = {}
+        for mode in ("none", "central", "local"):
+            runs = [r for r in rows if r["method"] == method and r["mode"] == mode]
+            local, local_std = _mean_std([100 * r["local_accuracy"] for r in runs])
+            glob, glob_std = _mean_std([100 * r["final_accuracy"] for r in runs])
+            entry: dict[str, Any] = {"p_local": local, "p_local_std": local_std,
+                                     "g_central": glob, "g_central_std": glob_std,
+                                     "seeds": len(runs)}  # fmt: skip
+            if mode != "none":
+                eps = {r["dp_epsilon"] for r in runs}
+                assert len(eps) == 1, f"{method} {mode}: ε differs between seeds: {eps}"
+                entry["epsilon"] = eps.pop()
+            modes[mode] = entry
+        modes["none_minus_central"] = modes["none"]["p_local"] - modes["central"]["p_local"]
+        modes["central_minus_local"] = modes["central"]["p_local"] - modes["local"]["p_local"]
+        methods[method] = modes
+    run = next(r for r in rows if r["mode"] == "local")
+    m = run["clients_per_round"]
+    facts = {
+        "methods": methods,
+        "sigma": run["dp_noise_multiplier"],
+        "clip_norm": run["dp_clip_norm"],
+        "delta": run["dp_delta"],
+        "rounds": run["rounds"],
+        "clients_per_round": m,
+        "seeds": methods["fedper"]["local"]["seeds"],
+        "local_over_central_noise": math.sqrt(m),
+        "fedper_over_fedavg_p_local": {
+            mode: methods["fedper"][mode]["p_local"] - methods["fedavg"][mode]["p_local"]
+            for mode in ("none", "central", "local")
+        },
+    }
+    names = {"fedavg": "FedAvg", "fedper": "FedPer"}
+    dps = {"none": "no DP", "central": "central DP", "local": "local DP"}
+    md_rows = []
+    for method, modes in methods.items():
+        for mode in ("none", "central", "local"):
+            e = modes[mode]
+            eps = f"{e['epsilon']:.3g}" if "epsilon" in e else "∞"
+            md_rows.append([names.get(method, method), dps[mode], eps,
+                            f"{e['p_local']:.1f} ± {e['p_local_std']:.1f}",
+                            f"{e['g_central']:.1f} ± {e['g_central_std']:.1f}"])  # fmt: skip
+    delta = f"{facts['delta']:.0e}".replace("e-0", "e-")
+    md = table(["method", "DP", f"ε (δ = {delta})", "P-local (%)", "G-central (%)"], md_rows)
+    return {
+        "experiments/results/ldp_personal/summary.md": md,
+        "experiments/results/ldp_personal/summary.json": dump_json(facts),
+    }
+
+
 # ---------------------------------------------------------------- upload compression
 def compression() -> dict[str, str]:
     """``experiments/results/compression/summary.*`` from its ``table.json``, by the driver's

@@ -8,7 +8,7 @@ difference, a span), this script writes it from the result files, beside them:
 
 * ``experiments/results/<experiment>/summary.md`` / ``summary.json``: combined tables and the
   numbers the prose quotes (FedLore tables, partial participation, sketch vs projector, DP,
-  local against central DP, upload compression, the classic baselines);
+  local against central DP (FedAvg; FedPer), upload compression, the classic baselines);
 * ``benchmarks/results/<benchmark>.md`` and ``benchmarks/results/summary.json``: the benchmark
   tables and their derived numbers;
 * the Meta-BayFL tables, through ``experiments/bayes_tables.py --write``.
@@ -37,6 +37,7 @@ from results_experiments import (
     fmnist_dir01,
     fmnist_partial,
     ldp,
+    ldp_personal,
     sketch_vs_projector,
 )
 from results_rivals import bayes_fedlore, grid_table_facts, pretrain, subspace_rivals
@@ -47,6 +48,7 @@ GENERATORS: tuple[Callable[[], dict[str, str]], ...] = (
     sketch_vs_projector,
     dp,
     ldp,
+    ldp_personal,
     compression,
     baselines,
     lambda: grid_table_facts("vision_table1"),

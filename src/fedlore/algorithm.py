@@ -99,6 +99,9 @@ class Capabilities:
         individual_uploads: why a method that is not ``sum_aggregable`` needs each client's
             upload (the reason a run under ``secure_aggregation`` or ``dp``, or
             ``upload_increments=True``, is refused with).
+        no_dp: why a ``sum_aggregable`` method still refuses DP (central and local): the
+            reason ``dp`` is refused with while ``secure_aggregation`` alone runs (SCAFFOLD:
+            its control variate would keep every round's noise); empty: DP applies.
         transport_16bit: the method casts what it sends to ``transport_dtype``, so a 16-bit
             setting (``fp16``, ``bf16``) is accepted; otherwise only ``fp32``.
         robust_aggregate: the server averages dense deltas, so ``robust.aggregate: median |
@@ -134,6 +137,7 @@ class Capabilities:
     individual_uploads: str = (
         "its server uses each client's upload on its own, not only their weighted sum"
     )
+    no_dp: str = ""
     transport_16bit: bool = False
     robust_aggregate: bool = False
     server_optimizer: bool = False

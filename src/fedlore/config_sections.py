@@ -119,7 +119,8 @@ class EvalConfig(_Strict):
     """In the last round every client sampled in it also scores its freshly trained local model
     on its own test split (P-local): ``local_accuracy`` and ``local_loss`` pooled over their test
     examples, ``local_ece`` the test-size-weighted mean of the clients' ECEs, ``local_clients``
-    how many reported."""
+    how many reported. Under secure aggregation or DP the scores travel in the clear beside the
+    protected uploads, outside the mechanism (the run warns)."""
     mc_samples: int = Field(20, ge=0)
     """S, the MC predictive's weight samples for models with stochastic layers (BNN, MC
     dropout); 0 scores one pass with the posterior means / dropout off."""

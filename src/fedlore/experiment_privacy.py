@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlore.algorithm import Algorithm
-from fedlore.checks import check_secure_round, setup_rounds
+from fedlore.checks import check_secure_round, privacy_modes, setup_rounds
 from fedlore.config import Config, ConfigError
 from fedlore.engine.dp_ledger import released_after, repeated
 from fedlore.engine.sampling import sample_clients
@@ -123,6 +123,14 @@ def make_privacy(
                 "DP: diagnostics.every / eval.clients read client data outside the mechanism "
                 "(simulation measurements, not covered by ε)"
             )
+    if cfg.eval.local:
+        _privacy_warning(
+            f"{privacy_modes(cfg)}: eval.local sends each client's P-local scores (its own model "
+            "on its own test split, in the last round) to the server in the clear, beside its "
+            "masked or noised upload: a measurement outside the mechanism, which neither secure "
+            "aggregation nor ε covers (the rows keep only the pooled scores); drop eval.local "
+            "where a single client's scores must stay private"
+        )
     if cfg.dp.enabled and cfg.dp.reproducible_noise:
         _privacy_warning(
             "DP: dp.reproducible_noise=true draws the noise and the client sample from the run "

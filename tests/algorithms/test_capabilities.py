@@ -7,7 +7,10 @@ old readers computed them: ``honours_transport_dtype`` and ``sum_aggregable`` co
 class's own body (an inherited True did not count), ``supports_robust_aggregate``,
 ``supports_regression``, ``needs_server_data`` and ``individual_uploads`` through ``getattr``
 with defaults (inherited), and FedLore's ``setup_rounds`` and FedMask's ``min_clients_per_round``
-as properties of an instance built with defaults. Every value is the same.
+as properties of an instance built with defaults. Every value is the same. Changed since, on
+purpose: FedPer, FedBN, FedRep and MOON are sum-aggregable (their ``individual_uploads`` is then
+the unread default; ``tests/privacy/test_personal_methods.py`` attacks them under the modes), and
+so is SCAFFOLD, under secure aggregation alone (its ``no_dp`` refuses DP).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ TABLE: dict[str, Row] = {
     "fedavg_mcd":     Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "fedbe":          Row(0,    F,   F,  T,     T, F,   1,   None,     F,     "own"),
     "feddyn":         Row(0,    F,   F,  F,     F, T,   1,   None,     F,     "own"),
-    "fedbn":          Row(0,    F,   T,  T,     F, T,   1,   None,     F,     "own"),
+    "fedbn":          Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
     "fedfomo":        Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "fedfull":        Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
     "fedgalore":      Row(0,    F,   F,  T,     F, T,   1,   "client", F,     "own"),
@@ -68,9 +71,9 @@ TABLE: dict[str, Row] = {
     "fedlore_sketch": Row(1,    T,   T,  F,     F, T,   1,   "shared", F,     "fedlore"),
     "fedmask":        Row(0,    F,   F,  F,     F, T,   2,   None,     F,     "own"),
     "fednova":        Row(0,    F,   T,  F,     F, T,   1,   None,     F,     "own"),
-    "fedper":         Row(0,    F,   T,  T,     F, T,   1,   None,     F,     "own"),
+    "fedper":         Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
     "fedprox":        Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
-    "fedrep":         Row(0,    F,   T,  T,     F, T,   1,   None,     F,     "own"),
+    "fedrep":         Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
     "fedslop":        Row(0,    T,   T,  F,     F, T,   1,   "shared", F,     "fedlore"),
     "ffa_lora":       Row(0,    T,   T,  F,     F, T,   1,   None,     T,     "default"),
     "flexlora":       Row(0,    F,   T,  F,     F, T,   1,   None,     T,     "own"),
@@ -81,12 +84,12 @@ TABLE: dict[str, Row] = {
     "meta_bayfl":     Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "meta_bayfl_mcd": Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "meta_fl":        Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
-    "moon":           Row(0,    F,   T,  T,     F, T,   1,   None,     F,     "own"),
+    "moon":           Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
     "pfedbayes":      Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "pfedme":         Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "qffl":           Row(0,    F,   T,  F,     F, T,   1,   None,     F,     "own"),
     "rolora":         Row(0,    F,   T,  F,     F, T,   1,   None,     T,     "own"),
-    "scaffold":       Row(0,    F,   F,  F,     F, T,   1,   None,     F,     "own"),
+    "scaffold":       Row(0,    T,   F,  F,     F, T,   1,   None,     F,     "default"),
 }
 # fmt: on
 
@@ -143,6 +146,7 @@ def test_the_defaults() -> None:
         "setup_rounds": 0,
         "sum_aggregable": False,
         "individual_uploads": DEFAULT,
+        "no_dp": "",
         "transport_16bit": False,
         "robust_aggregate": False,
         "server_optimizer": False,
@@ -156,6 +160,16 @@ def test_the_defaults() -> None:
     }
     assert Hyper.per_client_metrics == ()
     assert registry.get("algorithm", "meta_bayfl").per_client_metrics == ("lr_chosen", "lr_picks")
+
+
+def test_only_scaffold_refuses_dp_among_the_sum_aggregable_methods() -> None:
+    """``no_dp``: a sum-aggregable method whose server would keep DP's noise for good."""
+    refusing = {
+        n: registry.get("algorithm", n).capabilities
+        for n in registry.names("algorithm")
+        if registry.get("algorithm", n).capabilities.no_dp
+    }
+    assert set(refusing) == {"scaffold"} and refusing["scaffold"].sum_aggregable
 
 
 def test_the_record_is_frozen() -> None:
@@ -225,7 +239,11 @@ def test_the_config_refusals_follow_the_record(name: str) -> None:
             with pytest.raises(ConfigError, match=setting.partition("=")[0]):
                 checks.check_method_settings(name, cls, cfg, {})
     cfg = load_config(None, ["dp.clip_norm=1", "dp.noise_multiplier=1.0", "weighting=uniform"])
-    if want.sums:
+    if want.sums and cls.capabilities.no_dp:  # secure aggregation alone (SCAFFOLD)
+        checks.check_privacy(name, cls, load_config(None, ["secure_aggregation=true"]))
+        with pytest.raises(ConfigError, match=f"dp: method '{name}' cannot run under it: its "):
+            checks.check_privacy(name, cls, cfg)
+    elif want.sums:
         checks.check_privacy(name, cls, cfg)
     else:
         with pytest.raises(ConfigError, match=f"dp: method '{name}' cannot run under it") as e:

@@ -272,15 +272,19 @@ def test_parameter_term_sums_the_named_parameters_in_model_order() -> None:
     assert zero.shape == () and zero.device.type == "meta"
 
 
-def test_scaffold_takes_sgd_steps_and_is_not_offered_under_privacy(tmp_path: object) -> None:
+def test_scaffold_takes_sgd_steps_and_secure_aggregation_but_not_dp(tmp_path: object) -> None:
     with pytest.raises(ValueError, match="local_optimizer must be 'sgd'"):
         _algo(Scaffold, local_optimizer="adamw")
     cfg = load_config(None, ["algorithms=[scaffold]", "num_clients=7"])
     algo = make_algorithm("scaffold", cfg)
     assert isinstance(algo, Scaffold) and algo.num_clients == 7  # N from the config
     private = load_config(None, ["algorithms=[scaffold]", "secure_aggregation=true"])
-    with pytest.raises(ConfigError, match="scaffold"):
-        make_algorithm("scaffold", private)
+    assert make_algorithm("scaffold", private).train.upload_increments  # type: ignore[attr-defined]
+    for mode in (["dp.mode=central"], ["dp.mode=local"], ["secure_aggregation=true"]):
+        dp = ["weighting=uniform", "dp.clip_norm=1", "dp.noise_multiplier=1", *mode]
+        with pytest.raises(ConfigError, match="dp: method 'scaffold' cannot run under it: its "
+                           "control variate c adds every round's mean Δc_i for good"):  # fmt: skip
+            make_algorithm("scaffold", load_config(None, ["algorithms=[scaffold]", *dp]))
 
 
 def test_n_is_the_federations_not_a_method_setting() -> None:

@@ -19,10 +19,14 @@ import fedlore.algorithms  # noqa: F401  (registers every method)
 from fedlore import registry
 from fedlore.algorithms.base import Hyper
 from fedlore.algorithms.fedavg import FedAvg, FedFull, FedProx
+from fedlore.algorithms.fedrep import FedRep
 from fedlore.algorithms.lora_common import LoraMethod
 from fedlore.algorithms.lora_fedit import FedIT
 from fedlore.algorithms.lora_ffa import FFALoRA
 from fedlore.algorithms.lora_rolora import RoLoRA
+from fedlore.algorithms.moon import Moon
+from fedlore.algorithms.partial import FedBN, FedPer
+from fedlore.algorithms.scaffold import Scaffold
 from fedlore.checks import is_sum_aggregable
 from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.engine.loop import validate_reply
@@ -41,9 +45,17 @@ ISSUE_LIST = {
     "fedlore_random",
     "fedlore_fixed",
     "fedslop",  # issue 35: FedLore-Random's uploads and server, another client optimizer
+    # FedAvg's increments and server, their clients keeping layers (or a model) to themselves:
+    # tests/privacy/test_personal_methods.py
+    "fedper",
+    "fedbn",
+    "fedrep",
+    "moon",
+    "scaffold",  # secure aggregation alone: DP refused (tests/privacy/test_scaffold_secure.py)
 }
 """Issue 20, item 3: the methods whose server needs only weighted sums of the uploads (and
-FedSLoP, issue 35)."""
+FedSLoP, issue 35; FedPer, FedBN, FedRep and MOON, whose servers are FedAvg's; SCAFFOLD, under
+secure aggregation alone)."""
 OWN = {"fedavg", "fedfull", "fedprox", "fedit", "ffa_lora"}
 """The five of them outside the FedLore family (:mod:`fedlore.algorithms.fedlore`)."""
 FEDLORE_FAMILY = {"fedlore", "fedlore_sketch", "fedlore_random", "fedlore_fixed"}
@@ -99,7 +111,9 @@ def test_upload_increments_is_refused_with_the_reason(name: str) -> None:
     assert cls.capabilities.individual_uploads in str(err.value)
 
 
-@pytest.mark.parametrize("cls", [FedFull, FedAvg, FedProx, FedIT, FFALoRA])
+@pytest.mark.parametrize(
+    "cls", [FedFull, FedAvg, FedProx, FedIT, FFALoRA, FedPer, FedBN, FedRep, Moon, Scaffold]
+)
 def test_sum_aggregable_methods_accept_upload_increments(cls: type[Hyper]) -> None:
     assert cls.of(upload_increments=True).train.upload_increments
 

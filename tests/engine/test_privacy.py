@@ -248,7 +248,6 @@ def test_reproducible_noise_replays_and_says_no_privacy(tmp_path: Path) -> None:
         ("fedfull", ["secure_aggregation=true", "robust.aggregate=median"], "robust.aggregate"),
         ("fedfull", ["secure_aggregation=true", "transport_dtype=bf16"], "transport_dtype"),
         ("fedfull", ["secure_aggregation=true", "participation=0.25"], "at least 2 clients"),
-        ("fedfull", ["secure_aggregation=true", "eval.local=true"], "eval.local"),
         ("fedfull", ["secure_aggregation_degree=3"], "secure_aggregation is off"),
         ("fedlore_fixed", ["secure_aggregation=true"], "secure_aggregation .*init_basis"),
         ("fedlore_sketch", ["weighting=uniform", "dp.clip_norm=1", "dp.epsilon=1e-6"], "raise dp"),

@@ -6,8 +6,10 @@ In process (:class:`DirectGrid`: a Flower ``Grid`` that calls fedlore's ClientAp
 equals the plain weighted mean of the same clients' contribution vectors within the
 quantization error; nothing of a client's vector or weight travels in the clear; a client that
 drops out after sharing its keys is left out of the sum; ordinary rounds pass the mod
-untouched; under local DP each ClientApp noises its own upload (with or without SecAgg+). The
-loopback deployment (real SuperLink and SuperNodes) is at the end.
+untouched; under local DP each ClientApp noises its own upload (with or without SecAgg+);
+FedPer, FedBN, FedRep, MOON and SCAFFOLD mask their shared increments only, across rounds, and
+end where the in-process secure run ends. The loopback deployment (real SuperLink and
+SuperNodes) is at the end.
 """
 
 from __future__ import annotations
@@ -444,6 +446,77 @@ def test_local_dp_under_secagg_plus_masks_each_clients_whole_noise(
     _, metrics = privacy.from_mean(0, spec, got.mean, got.metrics, list(range(N)),
                                    torch.device("cpu"))  # fmt: skip
     assert metrics["dp_epsilon"] == local_epsilon(2.0, 1e-5, 1)
+
+
+# ------------------------------------------------- FedPer, FedBN, FedRep, MOON and SCAFFOLD
+
+
+@pytest.mark.parametrize("method", ["fedper", "fedbn", "fedrep", "moon", "scaffold"])
+def test_personal_methods_sum_only_their_shared_increments_under_secagg_plus(
+    task_identity: None, contributions: dict[int, Contribution], method: str
+) -> None:
+    """Two rounds of each method through fedlore's round loop, the FlowerTransport and SecAgg+
+    on a :class:`DirectGrid` (in round 1 the ClientApps lay their own kept tensors, held in
+    their node's ``Context.state``, over a broadcast without them; MOON contrasts with its
+    previous model from there; SCAFFOLD its c_i, uploading Δy and Δc_i): each client masks
+    exactly its shared increment (the reply
+    spec's entries; no kept tensor, no training loss in the clear); each round's unmasked mean
+    is the clients' weighted mean within SecAgg+'s quantization; the server's kept tensors stay
+    its initialization; and the run ends where the in-process secure run ends."""
+    from fedlore.algorithms.partial import PartialFedAvg
+    from fedlore.engine.store import ClientStore
+    from fedlore.engine.transport import LocalTransport
+    from fedlore.tensors import select
+
+    own = ["model.kwargs={hidden: [8], norm: batch}"] if method == "fedbn" else []
+    cfg = load_config(None, [*SMALL, *own, f"algorithms=[{method}]", "rounds=2", "lr=0.1"])
+    fed = _federation(cfg.model_dump_json(), SEED, "cpu")
+    sizes = [fed.client(c).num_examples for c in range(N)]
+    algo = make_algorithm(method, cfg)
+    net = model_factory(cfg, fed, SEED)()
+    start = start_server(algo, net, generator(SEED, 0), fed, method)
+    kept = set(algo.local_names(net)) if isinstance(algo, PartialFedAvg) else set()
+    assert bool(kept) == (method not in ("moon", "scaffold"))
+    _, client = make_apps(cfg, method, SEED)
+    transport = FlowerTransport(DirectGrid(client, N), wait_for_nodes=0.0, expected_nodes=0,
+                                secagg=secagg_settings(cfg, method, fed.client))  # fmt: skip
+    real = transport.send_secure
+    checked: list[int] = []
+
+    def checking(rnd: int, messages: Any, spec: Spec, privacy: Any = None) -> Any:
+        got = real(rnd, messages, spec, privacy)
+        assert isinstance(got, SecureSum), got
+        assert not {k[len("update.") :] for k in spec} & kept
+        assert all(c.vector.numel() == spec_length(spec) for c in contributions.values())
+        assert all(set(m) <= set(CLEAR_METRICS) for m in got.metrics.values())
+        err = (got.mean - _expected(contributions, got.clients)).abs().max().item()
+        max_abs = max(c.vector.abs().max().item() for c in contributions.values())
+        assert err <= transport.secagg.mean_error_bound(sizes, max_abs), (rnd, err)
+        checked.append(rnd)
+        return got
+
+    transport.send_secure = checking  # type: ignore[method-assign]
+    privacy = make_privacy(cfg, algo, SEED, max_weight=float(max(sizes)))
+    loop = RoundLoop(algo, transport, lambda rnd: list(range(N)), privacy=privacy)
+    state = start
+    for rnd in range(2):
+        state, row = loop.run_round(state, rnd, 1)
+        assert row["accepted"] == N and row["secagg_aborted"] == 0 and row["train_loss"] is None
+    assert checked == [0, 1]
+    assert all(torch.equal(state.arrays["model." + k], start.arrays["model." + k]) for k in kept)
+    # the in-process secure run (fedlore's own SecAgg, 50 fraction bits) ends at the same model
+    here = make_privacy(cfg, algo, SEED, max_weight=float(max(sizes)))
+    local = LocalTransport(algo, fed.client, model_factory(cfg, fed, SEED), SEED, ClientStore())
+    loop = RoundLoop(algo, local, lambda rnd: list(range(N)), privacy=here)
+    other = start
+    for rnd in range(2):
+        other, _ = loop.run_round(other, rnd, 1)
+    moved = 0.0
+    for k, v in select(other.arrays, "model.").items():
+        if v.is_floating_point():
+            torch.testing.assert_close(state.arrays["model." + k], v, rtol=0, atol=1e-5, msg=k)
+            moved = max(moved, float((v - start.arrays["model." + k]).abs().max()))
+    assert moved > 100 * 1e-5, moved  # the comparison is not of two models that stayed put
 
 
 # ------------------------------------------------------------------ the loopback deployment

@@ -8,7 +8,8 @@ module (:func:`fedlore.flower.simulation.ray_session`, as ``fedlore run`` holds 
 its runs; a simulation's actors are killed at its end, so each method starts in fresh worker
 processes): a Ray start per method cost ~10 s of CI each. The digits come from the
 ``digits_npz`` fixture (the same federation; every Ray actor would import scikit-learn for
-``data.name=digits``, ~2 s of CPU each).
+``data.name=digits``, ~2 s of CPU each). FedPer and MOON also run under secure aggregation
+(SecAgg+ over the actors) against fedlore's in-process protocol.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("flwr", reason="needs the [flower] extra: pip install -e '.[flower]'")
 from sim_helpers import SMALL, assert_matches, rows, sim_cfg
 
 from fedlore import registry
 from fedlore.config import load_config
+from fedlore.engine.callbacks import Checkpointer
 from fedlore.engine.rundir import run_dir
 from fedlore.experiment import run_one
 from fedlore.flower.simulation import ray_session, run_simulated
@@ -169,3 +172,32 @@ def test_qffl_weighs_each_client_by_the_loss_it_sent_over_flower(
         assert b["qffl_loss_max"] == pytest.approx(a["qffl_loss_max"], rel=1e-6)
         assert b["qffl_step_share"] == pytest.approx(a["qffl_step_share"], rel=1e-6)
         assert 0 < a["qffl_step_share"] < 1 and a["accepted"] == 3
+
+
+@pytest.mark.filterwarnings("ignore::fedlore.experiment_privacy.PrivacyWarning")  # eval.local's
+@pytest.mark.parametrize("method", ["fedper", "moon"])
+def test_secure_simulation_matches_the_in_process_secure_run(
+    tmp_path: Path, method: str, digits_npz: list[str]
+) -> None:
+    """Under secure aggregation: flwr's SecAgg+ over Ray actors, each client's kept layers
+    (FedPer; FedBN and FedRep are the same class) or previous model (MOON) held in its node's
+    ``Context.state`` across the two rounds, against fedlore's in-process protocol: the same
+    global model to SecAgg+'s quantization, the same P-local scores (``eval.local``, the
+    measurement the run warns of), no training loss in either run's rows."""
+    secure = ["secure_aggregation=true", "lr=0.1", "eval.local=true"]
+    local, sim = (
+        sim_cfg(tmp_path, engine, 2, method, [*digits_npz, *secure]) for engine in ("local", "sim")
+    )
+    run_one(local, method, 42)
+    run_simulated(sim, method, 42)
+    a = Checkpointer.load(run_dir(local, method, 42) / "checkpoint.pt")[1].arrays
+    b = Checkpointer.load(run_dir(sim, method, 42) / "checkpoint.pt")[1].arrays
+    first = rows(local, method)[0]
+    assert first["train_loss"] is None and first["secagg_aborted"] == 0
+    for k, v in a.items():
+        if k.startswith("model.") and v.is_floating_point():
+            torch.testing.assert_close(b[k], v, rtol=0, atol=1e-5, msg=k)
+    want, got = rows(local, method)[-1], rows(sim, method)[-1]
+    assert got["accepted"] == want["accepted"] == 3 and got["train_loss"] is None
+    assert got["local_clients"] == want["local_clients"] == 3
+    assert got["local_accuracy"] == pytest.approx(want["local_accuracy"], abs=1e-6)

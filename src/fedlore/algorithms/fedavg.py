@@ -12,12 +12,13 @@ stays at the model's dtype: rounding it would move every weight by up to half a 
 weight itself (2^-9 relative in bf16, more than a late round's whole update), each round.
 
 Secure aggregation and DP (issue 20, :attr:`~fedlore.algorithm.Capabilities.sum_aggregable`):
-FedFull, FedAvg and FedProx are sum-aggregable. Every reply array is an increment
-``update.<k> = W_K - W^t`` from the model the client started the round from, and the server needs
-only ``Σ p_i Δ_i`` and ``Σ p_i``, so ``upload_increments=True`` changes nothing in what they send
-or compute. The robust combinations (``robust_aggregate: median | trimmed_mean``) rank each
-client's delta coordinate by coordinate and need the individual uploads: with
-``upload_increments`` they are refused.
+FedFull, FedAvg, FedProx and the subclasses that keep their server (MOON, FedPer, FedBN, FedRep)
+are sum-aggregable. Every reply array is an increment ``update.<k> = W_K - W^t`` and the server
+needs only ``Σ p_i Δ_i`` and ``Σ p_i``, so ``upload_increments=True`` changes nothing in what they
+compute, except that integer buffers stay out of the upload (:meth:`DenseServer.uploads`). The
+robust combinations (``robust_aggregate: median | trimmed_mean``) rank each client's delta
+coordinate by coordinate and need the individual uploads: with ``upload_increments`` they are
+refused.
 
 Upload compression (``compression: topk | qsgd``, FedFull, FedAvg and FedProx;
 :mod:`fedlore.compression`): the client encodes ``Δ_i + e_i`` (top-k values and indices, or
@@ -70,12 +71,10 @@ class DenseServer:
     ``model.*``, aggregate ``W <- W + Σ p_i Δ_i / Σ p_i``. Mixed into a :class:`Hyper` dataclass.
 
     ``robust_aggregate`` (``median`` / ``trimmed_mean``) replaces the weighted mean of the
-    deltas by a robust one (:meth:`combine_deltas`); every subclass that averages deltas goes
-    through it.
+    deltas by a robust one (:meth:`combine_deltas`), for every subclass that averages deltas.
 
-    Frozen tensors (:attr:`~fedlore.settings.LocalTraining.freeze`) are sent only until a
-    client has replied once (value ``seen.<cid>``); the client keeps them as ``cache.*`` in its
-    state and never uploads them.
+    Frozen tensors (:attr:`~fedlore.settings.LocalTraining.freeze`) are sent only until a client
+    has replied once (``seen.<cid>``); the client keeps them as ``cache.*``, never uploaded.
     """
 
     def combine_deltas(
@@ -168,8 +167,17 @@ class DenseServer:
         return {
             "update." + k: (tuple(v.shape), self.wire_spec(v.dtype))  # type: ignore[attr-defined]
             for k, v in select(state.arrays, "model.").items()
-            if not self.is_frozen(k)  # type: ignore[attr-defined]
+            if self.uploads(k, v.dtype)
         }
+
+    def uploads(self, name: str, dtype: torch.dtype) -> bool:
+        """Whether a delta holds model tensor ``name`` of ``dtype``: one not frozen, and under
+        ``upload_increments`` (secure aggregation, DP) no integer buffer (BatchNorm's
+        ``num_batches_tracked``, which cannot be clipped, noised or summed in fixed point: it keeps
+        the server's value, as in the LoRA methods; BatchNorm with a momentum never reads it)."""
+        frozen = self.is_frozen(name)  # type: ignore[attr-defined]
+        increments = self.train.upload_increments  # type: ignore[attr-defined]
+        return not frozen and (dtype.is_floating_point or not increments)
 
     def dense_start(
         self, msg: Broadcast, state: State | None, model: nn.Module
@@ -190,12 +198,12 @@ class DenseServer:
     def dense_delta(
         self, model: nn.Module, start: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """``W_K - W^t`` of the tensors that are not frozen, by plain name at the model's dtype:
-        new contiguous tensors, computed from the model's own tensors without copying them."""
+        """``W_K - W^t`` of the tensors a client uploads (:meth:`uploads`), by plain name at the
+        model's dtype: new contiguous tensors, computed from the model's own tensors."""
         return {
             k: (v.detach() - start[k].to(v.dtype)).contiguous()
             for k, v in model.state_dict().items()
-            if not self.is_frozen(k)  # type: ignore[attr-defined]
+            if self.uploads(k, v.dtype)
         }
 
     def dense_update(
@@ -371,7 +379,7 @@ class FedFull(DenseServer, Hyper):
         self, model: dict[str, torch.Tensor]
     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """``{name: (shape, dtype)}`` of the global tensors ``model`` that a delta holds."""
-        return {k: (tuple(v.shape), v.dtype) for k, v in model.items() if not self.is_frozen(k)}
+        return {k: (tuple(v.shape), v.dtype) for k, v in model.items() if self.uploads(k, v.dtype)}
 
     def expected_reply(self, state: State, rnd: int, client_id: int | None = None) -> ReplySpec:
         """``update.*`` as :class:`DenseServer` expects it, or the encoded parts (``<name>.values``

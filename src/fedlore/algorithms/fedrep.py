@@ -51,7 +51,9 @@ the model each client has just trained in the run's last round, as for FedPer.
 Scores, bytes and the global model are FedPer's (:mod:`fedlore.algorithms.partial`): the global
 model holds the server's initial head (``keeps_layers_local``), P-local (``eval.local``) is the
 method's score; up the body, down the whole model at first contact and the body afterwards; the
-client keeps its head in its state.
+client keeps its head in its state. So is its privacy: under secure aggregation, central and local
+DP only the body's increment is masked, clipped and noised; the head never leaves the client, and
+the two phases' losses stay inside ``train_loss``, which those modes do not send.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -103,14 +105,7 @@ class FedRep(FedPer):
     """
 
     name: ClassVar[str] = "fedrep"
-    capabilities = replace(
-        FedPer.capabilities,
-        individual_uploads=(
-            "its server only averages the representation's deltas (linear in the uploads; each "
-            "client's head stays with it), but FedRep is not yet offered under secure "
-            "aggregation and DP (no test covers it there)"
-        ),
-    )
+    # capabilities: FedPer's (the body's increments, averaged; sum-aggregable)
     body_steps: int | None = None
     body_epochs: int | None = None
 

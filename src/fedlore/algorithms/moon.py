@@ -44,8 +44,11 @@ its reply is rejected or lost (it cannot know), as the Flower baseline saves it 
 Each local step costs two more forward passes (the frozen copies), without backward.
 
 Bytes: FedAvg's each way. The server is FedAvg's, so 16-bit uploads, the robust aggregates and
-the server optimizers apply (tested); secure aggregation and DP are refused (the server averages
-only, but no test covers MOON there), and so is upload compression.
+the server optimizers apply (tested), and so do secure aggregation, central and local DP: the
+upload is FedAvg's increment of the model, clipped, noised and masked as FedAvg's, while the
+previous model stays in the client state (it is never uploaded) and the contrastive term reaches
+no one (it is inside ``train_loss``, which those modes do not send). Upload compression is
+refused.
 """
 
 from __future__ import annotations
@@ -182,16 +185,9 @@ class Moon(FedAvg):
     """
 
     name: ClassVar[str] = "moon"
-    capabilities = replace(
-        FedAvg.capabilities,
-        compress_uploads=False,
-        sum_aggregable=False,
-        individual_uploads=(
-            "its server only averages the deltas (linear in the uploads; each client's previous "
-            "model stays with it), but MOON is not yet offered under secure aggregation and DP "
-            "(no test covers it there)"
-        ),
-    )
+    # sum_aggregable (FedAvg's): its uploads are FedAvg's increments and its server FedAvg's;
+    # the previous model (z_prev's source) stays in the client state, never uploaded
+    capabilities = replace(FedAvg.capabilities, compress_uploads=False)
     not_applicable: ClassVar[dict[str, str]] = UNCOMPRESSED
     mu: float = 1.0
     temperature: float = 0.5

@@ -48,6 +48,16 @@ warned).
 
 Bytes: up, the shared part only; down, the whole model at a client's first contact, the shared
 part afterwards. The client keeps L (a head, the BatchNorm tensors) in its state.
+
+Secure aggregation, central and local DP (FedAvg's
+:attr:`~fedlore.algorithm.Capabilities.sum_aggregable`): a reply holds the shared tensors'
+increments and nothing of L, so what a client masks, the norm DP clips to C and the coordinates
+that get noise are the shared tensors, every one of them and only them. A client's L is neither
+clipped nor noised (it never leaves the client), and the server's stays the initialization. A
+shared BatchNorm's integer ``num_batches_tracked`` (FedPer's body on a BatchNorm model) stays out
+of the upload there (:meth:`~fedlore.algorithms.fedavg.DenseServer.uploads`); FedBN keeps every
+BatchNorm tensor local anyway. P-local, the method's score, is then a measurement taken outside
+the mechanism (``eval.local``, docs/explanation/privacy.md).
 """
 
 from __future__ import annotations
@@ -104,17 +114,10 @@ class PartialFedAvg(FedAvg):
     """
 
     name: ClassVar[str] = "partial"
-    capabilities = replace(
-        FedAvg.capabilities,
-        compress_uploads=False,
-        sum_aggregable=False,
-        keeps_layers_local=True,
-        individual_uploads=(
-            "its server only averages the shared tensors' deltas (linear in the uploads; the "
-            "kept-local tensors stay on the clients), but it is not yet offered under secure "
-            "aggregation and DP (no test covers it there)"
-        ),
-    )
+    # sum_aggregable (FedAvg's): the uploads are the shared tensors' increments W_K - W^t and
+    # the server adds their weighted mean; L is in no upload, so secure aggregation, DP's clip
+    # and noise act on the shared tensors only (module docstring)
+    capabilities = replace(FedAvg.capabilities, compress_uploads=False, keeps_layers_local=True)
     not_applicable: ClassVar[dict[str, str]] = UNCOMPRESSED
     default_rule: ClassVar[str] = ""
     """What the method keeps when ``personal_layers`` is None, for messages."""
@@ -286,14 +289,7 @@ class FedPer(PartialFedAvg):
     """
 
     name: ClassVar[str] = "fedper"
-    capabilities = replace(
-        PartialFedAvg.capabilities,
-        individual_uploads=(
-            "its server only averages the base layers' deltas (linear in the uploads; the "
-            "personalization layers stay on the clients), but FedPer is not yet offered under "
-            "secure aggregation and DP (no test covers it there)"
-        ),
-    )
+    # capabilities: PartialFedAvg's
     personal_layers: tuple[str, ...] | None = ("head.*",)
 
     def __post_init__(self) -> None:
@@ -322,14 +318,7 @@ class FedBN(PartialFedAvg):
 
     name: ClassVar[str] = "fedbn"
     default_rule: ClassVar[str] = "its default (every BatchNorm layer)"
-    capabilities = replace(
-        PartialFedAvg.capabilities,
-        individual_uploads=(
-            "its server only averages the deltas of the tensors outside the BatchNorm layers "
-            "(linear in the uploads; BatchNorm stays on the clients), but FedBN is not yet "
-            "offered under secure aggregation and DP (no test covers it there)"
-        ),
-    )
+    # capabilities: PartialFedAvg's
 
     def default_local(self, model: nn.Module) -> list[str]:
         """Every BatchNorm layer's tensors (:func:`batchnorm_tensors`).

@@ -34,6 +34,12 @@ that change until the client's next accepted reply.
 Bytes per round: the model and ``c`` down, ``Δy`` and ``Δc_i`` up (twice FedAvg's each way);
 the client keeps one model-sized ``c_i``. Local steps are SGD (the option-II estimate
 ``(x - y) / Σ η`` assumes them; momentum, which the paper does not use, is allowed).
+
+Secure aggregation (:attr:`~fedlore.algorithm.Capabilities.sum_aggregable`): both uploads are
+increments and the server needs only their weighted means (the secure round hands it the mean
+of ``[Δy, Δc_i]`` once per contributor, weight 1: ``x`` moves by the mean Δy and ``c`` by
+``(|S| / N)`` times the mean Δc_i, as above). DP, central or local, is refused
+(:attr:`~fedlore.algorithm.Capabilities.no_dp`): ``c`` is a running sum of the noised means.
 """
 
 from __future__ import annotations
@@ -78,16 +84,18 @@ class Scaffold(FedAvg):
     """
 
     name: ClassVar[str] = "scaffold"
+    # sum_aggregable: the server needs the weighted means of the Δy and of the Δc_i, both
+    # increments (module docstring); no_dp: c keeps every round's mean Δc_i for good
     capabilities = replace(
         FedAvg.capabilities,
         compress_uploads=False,
-        sum_aggregable=False,
         transport_16bit=False,
         robust_aggregate=False,
-        individual_uploads=(
-            "its server only adds the mean of the Δy and the sum of the Δc_i (linear in the "
-            "uploads), but SCAFFOLD is not yet offered under secure aggregation and DP (no test "
-            "covers it there)"
+        no_dp=(
+            "its control variate c adds every round's mean Δc_i for good, so DP's noise on it "
+            "would pile up in c as a random walk that every client's corrected steps follow, "
+            "and one clip over Δy and Δc_i together would let the gradient-scale Δc_i take the "
+            "budget (DP would need its own sensitivity for each part)"
         ),
     )
     not_applicable: ClassVar[dict[str, str]] = UNCOMPRESSED

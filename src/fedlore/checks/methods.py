@@ -367,10 +367,13 @@ def check_privacy(name: str, cls: type[Declares], cfg: Config) -> None:
 
     Raises:
         ConfigError: naming the setting and the reason: a method whose server needs individual
-            uploads (its capabilities' ``individual_uploads``), a robust aggregate
+            uploads (its capabilities' ``individual_uploads``), DP for a method that takes
+            secure aggregation alone (its ``no_dp``), a robust aggregate
             (coordinate-wise medians need each upload), a 16-bit transport (the masked sum is
             fixed point), DP with ``weighting: num_examples`` (a client's weight would scale its
-            contribution past C).
+            contribution past C). ``eval.local`` is allowed: the run warns that its P-local
+            scores are measured outside the mechanism
+            (:func:`fedlore.experiment_privacy.make_privacy`).
     """
     mode = privacy_modes(cfg)
     caps = cls.capabilities
@@ -384,6 +387,11 @@ def check_privacy(name: str, cls: type[Declares], cfg: Config) -> None:
         raise ConfigError(
             f"{mode}: method {name!r} cannot run under it: {why} (methods "
             f"whose server needs only weighted sums: {', '.join(able)})"
+        )
+    if cfg.dp.enabled and caps.no_dp:
+        raise ConfigError(
+            f"dp: method {name!r} cannot run under it: {caps.no_dp} (secure_aggregation alone "
+            "runs it)"
         )
     if cfg.robust.aggregate != "mean":
         raise ConfigError(
@@ -425,12 +433,6 @@ def check_privacy(name: str, cls: type[Declares], cfg: Config) -> None:
             "does not know the largest client's training set, and SecAgg+ needs it to bound the "
             "weights (a larger client would be refused every round): set "
             "flower.secagg_max_weight to at least the largest site's example count"
-        )
-    if cfg.eval.local:
-        raise ConfigError(
-            f"{mode}: eval.local reports each client's own test scores, which these modes do "
-            "not release (only timings and memory travel in the clear); use eval.clients for "
-            "the global model on the clients' test splits, or drop eval.local"
         )
 
 

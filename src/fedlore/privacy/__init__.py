@@ -27,6 +27,7 @@ from fedlore.privacy.client import (
     client_noise,
     flatten,
     privatize,
+    released_metrics,
     spec_length,
     unflatten,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "noise_for_epsilon",
     "noise_source",
     "privatize",
+    "released_metrics",
     "spec_length",
     "unflatten",
 ]

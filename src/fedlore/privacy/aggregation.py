@@ -35,7 +35,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fedlore.privacy.client import CLEAR_METRICS, ReplySpec, flatten, spec_length, unflatten
+from fedlore.privacy.client import (
+    ReplySpec,
+    flatten,
+    released_metrics,
+    spec_length,
+    unflatten,
+)
 from fedlore.privacy.dp import (
     DEFAULT_CLIP_LR,
     DPSettings,
@@ -432,7 +438,7 @@ class Privacy:
             if c not in clear:
                 out.append((c, None))
                 continue
-            kept = {k: clear[c][k] for k in CLEAR_METRICS if k in clear[c]}
+            kept = released_metrics(clear[c])
             out.append((c, Reply(arrays, {**kept, "num_examples": 1})))
         return out, metrics
 

@@ -16,7 +16,10 @@ flattened in sorted key order into one vector of length L). Right after ``client
    (:mod:`fedlore.privacy.local_dp`). Local DP under secure aggregation: the noise share of
    step 2 is the whole σC.
 3. Only :data:`CLEAR_METRICS` (timings and memory, which say nothing about the data) stay in
-   the clear: training losses and local test scores of single clients are not released.
+   the clear: training losses of single clients are not released. The one exception is opt-in:
+   with ``eval.local`` the P-local scores a client computes in the run's last round
+   (``local_*``, :func:`~fedlore.algorithms.base.local_scores`) travel with them, a simulation
+   measurement outside the mechanism that the run warns of (:func:`released_metrics`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,18 @@ ReplySpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 CLEAR_METRICS = ("train_s", "optimizer_state_bytes", "basis_bytes", "peak_memory_bytes")
 """Reply metrics that travel in the clear under secure aggregation or DP."""
+MEASURED_PREFIX = "local_"
+"""P-local scores (``eval.local``; the prefix is reserved for them,
+:data:`fedlore.train.metrics.RESERVED_PREFIXES`): a measurement that travels beside
+:data:`CLEAR_METRICS` when a client reports it (only in the run's last round, only with
+``eval.local``), outside secure aggregation and DP."""
+
+
+def released_metrics(metrics: Scalars) -> Scalars:
+    """The reply metrics that leave a client under secure aggregation or DP: the
+    :data:`CLEAR_METRICS` and the P-local scores it reports (``local_*``: with ``eval.local``, in
+    the last round), nothing else (no training loss, no state size, no clip flag)."""
+    return {k: v for k, v in metrics.items() if k in CLEAR_METRICS or k.startswith(MEASURED_PREFIX)}
 
 
 def flatten(arrays: Arrays) -> torch.Tensor:
@@ -84,7 +99,7 @@ class Contribution:
             none: summed beside the vector.
         weight: p_i (1.0 under uniform weighting, else the client's training-set size).
         clipped: whether DP clipping scaled the upload down (known to the client only).
-        metrics: the reply metrics that travel in the clear.
+        metrics: the reply metrics that travel in the clear (:func:`released_metrics`).
     """
 
     vector: torch.Tensor
@@ -132,7 +147,7 @@ def client_contribution(
         count_share = float(config["privacy.count_share"])
         extras = bit + noise.gaussian(1, count_share, rnd, count_stream(client_id))
     weight = 1.0 if config.get("privacy.uniform", True) else float(reply.num_examples)
-    metrics = {k: reply.metrics[k] for k in CLEAR_METRICS if k in reply.metrics}
+    metrics = released_metrics(reply.metrics)
     return Contribution(vec, extras, weight, clipped, metrics)
 
 
@@ -144,7 +159,7 @@ def privatize(
     client_id: int = 0,
 ) -> Reply:
     """Client side of DP without secure aggregation: the arrays clipped to the round's
-    ``privacy.clip_norm`` (their own dtypes), :data:`CLEAR_METRICS` and ``num_examples = 1``;
+    ``privacy.clip_norm`` (their own dtypes), :func:`released_metrics` and ``num_examples = 1``;
     under central DP also the metric ``dp_clipped`` (for the trusted curator). Under local DP
     (``privacy.local``) the clipped arrays get ``N(0, s²)`` on every coordinate, s =
     ``privacy.noise_share`` (σC), drawn from ``noise`` for round ``rnd`` and ``client_id``
@@ -160,7 +175,7 @@ def privatize(
         return reply
     clip = float(config["privacy.clip_norm"])
     arrays, clipped = clip_upload(dict(reply.arrays), clip, float(config["privacy.sketch_share"]))
-    metrics = {k: reply.metrics[k] for k in CLEAR_METRICS if k in reply.metrics}
+    metrics = released_metrics(reply.metrics)
     if not config.get("privacy.local", False):
         return Reply(arrays, {**metrics, "num_examples": 1, "dp_clipped": int(clipped)})
     if noise is None:
