@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the generators beside this script
 
-from results_baselines import baselines
+from results_baselines import baselines, pfl_baselines
 from results_benchmarks import benchmarks
 from results_common import EXP, ROOT, bayes_tables
 from results_experiments import (
@@ -49,6 +49,7 @@ GENERATORS: tuple[Callable[[], dict[str, str]], ...] = (
     ldp,
     compression,
     baselines,
+    pfl_baselines,
     lambda: grid_table_facts("vision_table1"),
     lambda: grid_table_facts("text_table2"),
     pretrain,

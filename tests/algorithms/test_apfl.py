@@ -256,3 +256,58 @@ def test_config_refusals_name_the_setting() -> None:
     with pytest.raises(ConfigError, match="secure_aggregation: method 'apfl' cannot run under it"):
         make_algorithm("apfl", cfg)
     assert dataclasses.replace(APFL(), alpha=0.0).alpha == 0.0  # the ends are valid
+
+
+def test_the_gradient_at_the_mixed_model_is_clipped_like_ws() -> None:
+    """``optim.grad_clip`` bounds the step of v and α as it bounds w's: the gradient at v̄ is
+    scaled to the clip norm before both use it."""
+    lr, a, clip = 0.3, 0.4, 1e-2
+    algo = APFL.of(lr=lr, local_steps=1, batch_size=4, rounds=2, grad_clip=clip, alpha_lr=50.0)
+    v_w, v_b = _v0()
+    data = _data()
+    _, new = _one_step(algo, _state(v_w, v_b, a), data)
+    m = _model()
+    w, b = m.weight.detach(), m.bias.detach()
+    hw, hb = _grad(a * v_w + (1 - a) * w, a * v_b + (1 - a) * b, data.train)
+    norm = float(torch.sqrt((hw**2).sum() + (hb**2).sum()))
+    assert norm > 10 * clip  # the premise: the clip acts
+    c = clip / (norm + 1e-6)
+    v = personal_arrays(new)
+    torch.testing.assert_close(v["weight"], v_w - lr * a * c * hw, rtol=0, atol=1e-12)
+    grad_a = c * float(((v_w - w) * hw).sum() + ((v_b - b) * hb).sum())
+    assert float(new.arrays[ALPHA]) == pytest.approx(a - 50.0 * grad_a, abs=1e-12)
+
+
+def test_v_keeps_its_own_buffers() -> None:
+    """With BatchNorm the forward passes at v̄ update v's running statistics (kept in
+    ``personal.*``) and those at w update w's (uploaded): each the momentum average of its own
+    model's batch statistics, by hand."""
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(D_IN, 4), nn.BatchNorm1d(4), nn.Linear(4, CLASSES)).double()
+
+    data = _data(n=6)
+    algo = APFL.of(lr=0.3, local_steps=1, batch_size=6, rounds=2)
+    init = net().state_dict()
+    v = {k: t.clone() for k, t in init.items()}
+    v["0.weight"] = v["0.weight"] + 0.5
+    v["1.running_mean"] = torch.full((4,), 2.0, dtype=torch.float64)
+    state = State(
+        arrays={
+            **{f"personal.{k}": t for k, t in v.items()},
+            ALPHA: torch.tensor(0.5, dtype=torch.float64),
+        }
+    )
+    msg = algo.broadcast(algo.init_server(net(), generator(0, 2)), 0, 0)
+    reply, new = algo.client_update(msg, state, net(), data, generator(0, 3))
+    x = data.train.x
+    h_w = x @ init["0.weight"].T + init["0.bias"]
+    bar_w = 0.5 * v["0.weight"] + 0.5 * init["0.weight"]
+    h_bar = x @ bar_w.T + 0.5 * (v["0.bias"] + init["0.bias"])
+    want_w = 0.9 * init["1.running_mean"] + 0.1 * h_w.mean(0)
+    want_v = 0.9 * v["1.running_mean"] + 0.1 * h_bar.mean(0)
+    got_w = init["1.running_mean"] + reply.arrays["update.1.running_mean"]
+    torch.testing.assert_close(got_w, want_w, rtol=0, atol=1e-12)
+    torch.testing.assert_close(new.arrays["personal.1.running_mean"], want_v, rtol=0, atol=1e-12)
+    assert int(new.arrays["personal.1.num_batches_tracked"]) == 1

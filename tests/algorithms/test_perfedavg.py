@@ -192,3 +192,73 @@ def test_config_refusals_name_the_setting() -> None:
                              "dp.noise_multiplier=1", "weighting=uniform"])  # fmt: skip
     with pytest.raises(ConfigError, match="dp: method 'perfedavg' cannot run under it"):
         make_algorithm("perfedavg", cfg)
+
+
+@pytest.mark.parametrize("variant", ["fo", "hf"])
+def test_each_step_draws_independent_minibatches(
+    variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D (the inner step's), D' (the outer gradient's) and, for HF, D'' (the Hessian's) are
+    separate draws: with B < n they differ at some step, D is the run's own minibatch stream
+    (``ClientData.batches``), and every step gets its own."""
+    seen: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]] = []
+    real = PerFedAvg.meta_gradient
+
+    def spy(self: PerFedAvg, model: nn.Module, params: object, batches: object) -> object:
+        seen.append(batches)  # type: ignore[arg-type]
+        return real(self, model, params, batches)  # type: ignore[arg-type]
+
+    drawn: list[torch.Tensor] = []
+    real_batches = ClientData.batches
+
+    def spy_batches(self: ClientData, *args: object) -> object:
+        for x, y in real_batches(self, *args):  # type: ignore[arg-type]
+            drawn.append(x)
+            yield x, y
+
+    monkeypatch.setattr(PerFedAvg, "meta_gradient", spy)
+    monkeypatch.setattr(ClientData, "batches", spy_batches)
+    algo = PerFedAvg.of(lr=0.1, local_steps=4, batch_size=2, rounds=2, variant=variant)
+    _round(algo, _data(n=8))
+    assert len(seen) == 4 and all(len(b) == (3 if variant == "hf" else 2) for b in seen)
+    assert len(drawn) == 4 and all(
+        torch.equal(b[0][0], d) for b, d in zip(seen, drawn, strict=True)
+    )
+    for i, j in [(0, 1), *([(0, 2), (1, 2)] if variant == "hf" else [])]:
+        assert any(not torch.equal(b[i][0], b[j][0]) for b in seen), (i, j)
+    assert any(not torch.equal(seen[0][1][0], b[1][0]) for b in seen[1:])
+
+
+def test_hf_takes_the_hessian_at_w_not_at_the_inner_step() -> None:
+    """On a non-quadratic loss (a softmax classifier) the Hessian depends on where it is taken:
+    HF's step is ``w - β (I - α ∇²f(w)) ∇f(w̃)`` with the Hessian at ``w`` (torch's own gradient
+    and Hessian-vector product of the full-batch loss, B = n)."""
+    torch.manual_seed(2)
+    x = torch.randn(6, D_IN, dtype=torch.float64)
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    data = ClientData(0, TensorSplit(x, y), TensorSplit(x[:3], y[:3]))
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Linear(D_IN, 3).double()
+
+    alpha, beta = 0.8, 0.5
+    algo = PerFedAvg.of(lr=beta, local_steps=1, batch_size=6, rounds=2, alpha=alpha, variant="hf")
+    msg = algo.broadcast(algo.init_server(net(), generator(0, 2)), 0, 0)
+    reply, _ = algo.client_update(msg, None, net(), data, generator(0, 3))
+
+    def f(w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(x @ w.T + b, y)
+
+    m = net()
+    w0 = (m.weight.detach(), m.bias.detach())
+    g_in = torch.autograd.functional.jacobian(f, w0)
+    tilde = tuple(p - alpha * g for p, g in zip(w0, g_in, strict=True))
+    g_out = torch.autograd.functional.jacobian(f, tilde)
+    _, h_w = torch.autograd.functional.hvp(f, w0, g_out)
+    _, h_tilde = torch.autograd.functional.hvp(f, tilde, g_out)
+    want = [p - beta * (g - alpha * h) for p, g, h in zip(w0, g_out, h_w, strict=True)]
+    got = [w0[0] + reply.arrays["update.weight"], w0[1] + reply.arrays["update.bias"]]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert any(float((a - b).abs().max()) > 1e-4 for a, b in zip(h_w, h_tilde, strict=True))
