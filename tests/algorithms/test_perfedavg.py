@@ -262,3 +262,39 @@ def test_hf_takes_the_hessian_at_w_not_at_the_inner_step() -> None:
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     assert any(float((a - b).abs().max()) > 1e-4 for a, b in zip(h_w, h_tilde, strict=True))
+
+
+@pytest.mark.parametrize("variant", ["fo", "hf"])
+def test_minibatch_steps_by_hand_with_a_cosine_schedule(
+    variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B = 2 < n: each step's D, D' (and D'') are different minibatches, each with its own
+    quadratic ``A_D θ - c_D``; the inner gradient is D's, the outer D''s, the Hessian D'''s,
+    and β follows the cosine schedule: ``β_k = β (1 + cos(π k / K)) / 2`` over the run's K
+    steps (one round)."""
+    import math
+
+    seen: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]] = []
+    real = PerFedAvg.meta_gradient
+
+    def spy(self: PerFedAvg, model: nn.Module, params: object, batches: object) -> object:
+        seen.append(batches)  # type: ignore[arg-type]
+        return real(self, model, params, batches)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PerFedAvg, "meta_gradient", spy)
+    alpha, beta, k = 0.2, 0.3, 3
+    algo = PerFedAvg.of(lr=0.1, beta=beta, alpha=alpha, local_steps=k, batch_size=2, rounds=1,
+                        schedule="cosine", variant=variant)  # fmt: skip
+    reply, _ = _round(algo, _data())
+    want = _theta0()
+    for step, batches in enumerate(seen):
+        a_in, c_in = _quadratic(TensorSplit(*batches[0]))
+        a_out, c_out = _quadratic(TensorSplit(*batches[1]))
+        tilde = want - alpha * (a_in @ want - c_in)
+        g = a_out @ tilde - c_out
+        if variant == "hf":
+            a_h, _ = _quadratic(TensorSplit(*batches[2]))
+            g = g - alpha * (a_h @ g)
+        want = want - beta * 0.5 * (1 + math.cos(math.pi * step / k)) * g
+    assert len(seen) == k
+    torch.testing.assert_close(_theta1(reply), want, rtol=0, atol=1e-12)
