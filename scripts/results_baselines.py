@@ -1,17 +1,17 @@
 """The classic baselines' quoted numbers (``experiments/results/baselines/summary.json``), for
 ``scripts/results_tables.py``: SCAFFOLD, FedDyn and FedNova against FedAvg under equal and
 unequal local work, FedPer, FedBN and FedRep against FedAvg's P-local, MOON against FedAvg's
-global model (``experiments/drift_*.yaml``, ``experiments/partial*.yaml``,
-``experiments/representation.yaml``, ``experiments/moon.yaml``; each folder's ``table.json`` is
-``experiments/sweep.py``'s), and APFL and Per-FedAvg against FedAvg and Ditto
-(``experiments/pfl_baselines.yaml``: ``experiments/results/pfl_baselines/summary.json``)."""
+global model, q-FFL's spread of the clients' accuracies against FedAvg's
+(``experiments/drift_*.yaml``, ``experiments/partial*.yaml``,
+``experiments/representation.yaml``, ``experiments/moon.yaml``, ``experiments/fairness.yaml``;
+each folder's ``table.json`` is ``experiments/sweep.py``'s)."""
 
 from __future__ import annotations
 
 import statistics
 from typing import Any
 
-from results_common import EXP, dump_json, read, table
+from results_common import EXP, dump_json, read
 
 FOLDERS = (
     "drift_steps",
@@ -89,120 +89,56 @@ def _pairs(row: dict[str, Any], base: dict[str, Any]) -> list[tuple[float, float
             if s in base["by_seed"]]  # fmt: skip
 
 
+FAIRNESS_RUNS = {
+    "fedavg": ("fairness", "base", "fedavg"),
+    "qffl-q-1": ("fairness", "base", "qffl"),
+    "qffl-q-0": ("fairness_q", "q-0", "qffl"),
+    "qffl-q-5": ("fairness_q", "q-5", "qffl"),
+    "qffl-q-1-L-1": ("fairness_lipschitz", "lipschitz-1-q-1", "qffl"),
+    "qffl-q-5-L-1": ("fairness_lipschitz", "lipschitz-1-q-5", "qffl"),
+}
+"""The fairness runs (``experiments/fairness.yaml``): key -> (folder, setting, method); q-FFL at
+the paper's L = 1/lr (q = 1, its default, 0 and 5) and at L = 1 (``-L-1``)."""
+FAIR_SCORES = {
+    "acc": "final_accuracy",
+    "cmean": "final_client_accuracy_mean",
+    "cmin": "final_client_accuracy_min",
+    "cp10": "final_client_accuracy_p10",
+    "cstd": "final_client_accuracy_std",
+}
+"""Key in summary.json -> key of table.json (accuracies in percent, the std in points)."""
+
+
+def fairness() -> dict[str, Any]:
+    """``{run: {score: {mean, sd}, "seeds": n, "<score>_minus_fedavg": the mean difference from
+    FedAvg's, seed by seed, in points, "<score>_ahead": seeds above FedAvg's}}`` for the
+    :data:`FAIRNESS_RUNS`, and ``q0_max_diff``: the largest difference between q-FFL at q = 0 and
+    FedAvg over seeds and scores, in points (q = 0 is FedAvg)."""
+    rows = {}
+    for key, (folder, setting, method) in FAIRNESS_RUNS.items():
+        table = read(EXP / "baselines" / folder / "table.json")
+        rows[key] = next(r for r in table if _setting(r) == setting and r["method"] == method)
+    base = rows["fedavg"]["by_seed"]
+    out: dict[str, Any] = {}
+    for key, row in rows.items():
+        entry: dict[str, Any] = {"seeds": row["seeds"]}
+        for name, col in FAIR_SCORES.items():
+            entry[name] = _stats(row[col], 100.0)
+            if key == "fedavg":
+                continue
+            pairs = [(row["by_seed"][s][col], base[s][col]) for s in row["by_seed"]]
+            entry[f"{name}_minus_fedavg"] = 100 * statistics.fmean(a - b for a, b in pairs)
+            entry[f"{name}_ahead"] = sum(1 for a, b in pairs if a > b)
+        out[key] = entry
+    q0 = rows["qffl-q-0"]["by_seed"]
+    out["q0_max_diff"] = 100 * max(
+        abs(q0[s][col] - base[s][col]) for s in q0 for col in FAIR_SCORES.values()
+    )
+    return out
+
+
 def baselines() -> dict[str, str]:
     """``experiments/results/baselines/summary.json`` from the sweeps' ``table.json``."""
     facts = {f: summarize(read(EXP / "baselines" / f / "table.json")) for f in FOLDERS}
+    facts["fairness"] = fairness()
     return {"experiments/results/baselines/summary.json": dump_json(facts)}
-
-
-PFL_NAMES = {"fedavg": "FedAvg", "ditto": "Ditto", "apfl": "APFL", "perfedavg": "Per-FedAvg"}
-"""The methods of ``experiments/pfl_baselines.yaml`` as the page names them."""
-PFL_EXTRAS = {
-    "perfedavg_hf": ("perfedavg", "Per-FedAvg (HF)"),
-    "perfedavg_alpha1e-2": ("perfedavg", "Per-FedAvg, α = 0.01"),
-    "apfl_fixed": ("apfl", "APFL, α fixed at 0.5"),
-}
-"""The extra sweeps of one method each: folder -> (method, the row's name)."""
-PFL_COLUMNS = (
-    ("P-local acc. (%)", "local_accuracy", 100.0, 2),
-    ("P-local NLL", "local_loss", 1.0, 3),
-    ("acc. (%)", "final_accuracy", 100.0, 2),
-    ("G-local acc. (%)", "final_client_accuracy", 100.0, 2),
-    ("NLL", "final_loss", 1.0, 3),
-    ("client train s / round", "client_train_s_per_round", 1.0, 2),
-)
-
-
-def _paired(row: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
-    """Seed-by-seed P-local (else global) accuracy of ``row`` against ``base``: on how many
-    seeds it is ahead, and the mean difference in points."""
-    pairs = _pairs(row, base)
-    return {
-        "ahead": sum(1 for a, b in pairs if a > b),
-        "minus": 100 * statistics.fmean(a - b for a, b in pairs),
-    }
-
-
-def _seconds(row: dict[str, Any]) -> float:
-    return statistics.fmean(row["client_train_s_per_round"])
-
-
-def _cell(values: list[float], scale: float, digits: int) -> str:
-    vals = [v * scale for v in values]
-    sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
-    return f"{statistics.fmean(vals):.{digits}f} ± {sd:.{digits}f}"
-
-
-def _alphas(row: dict[str, Any]) -> list[float]:
-    """APFL's mixing weights α_i after the last round, every client of every seed."""
-    return [
-        float(a)
-        for seed in row.get("final_per_client", {}).values()
-        for a in (seed.get("alpha") or {}).values()
-    ]
-
-
-def pfl_baselines() -> dict[str, str]:
-    """APFL and Per-FedAvg beside FedAvg and Ditto (``experiments/pfl_baselines.yaml``,
-    ``experiments/results/pfl_baselines/<sweep>/table.json``): the table of every row
-    (``summary.md``) and the numbers the page quotes (``summary.json``): each method's scores
-    (:func:`summarize`), each paired with every other seed by seed, its client training time
-    over FedAvg's, which method has the best mean P-local accuracy and by how much (``best_plocal``:
-    the four methods at their settings; ``best_row``: every row), APFL's final mixing weights,
-    and each extra sweep against its method's main row and FedAvg."""
-    root = EXP / "pfl_baselines"
-    main = read(root / "main" / "table.json")
-    rows = {r["method"]: r for r in main}
-    facts: dict[str, Any] = {"main": summarize(main)["base"]}
-    for name, row in rows.items():
-        entry = facts["main"][name]
-        entry["name"] = PFL_NAMES[name]
-        entry["vs"] = {other: _paired(row, rows[other]) for other in rows if other != name}
-        entry["time_over_fedavg"] = _seconds(row) / _seconds(rows["fedavg"])
-    ranked = sorted(rows, key=lambda m: facts["main"][m]["plocal"]["mean"], reverse=True)
-    top = facts["main"][ranked[0]]["plocal"]["mean"]
-    best = [m for m in ranked if facts["main"][m]["plocal"]["mean"] == top]  # ties: all of them
-    rest = [m for m in ranked if m not in best]
-    facts["best_plocal"] = {
-        "methods": " and ".join(PFL_NAMES[m] for m in best),
-        "tied": len(best),
-        "next": PFL_NAMES[rest[0]],
-        "margin": top - facts["main"][rest[0]]["plocal"]["mean"],
-        "ahead_of_next": min(facts["main"][m]["vs"][rest[0]]["ahead"] for m in best),
-    }
-    alphas = _alphas(rows["apfl"])
-    facts["apfl_alpha"] = {
-        "clients": len(alphas),
-        "at_zero": sum(1 for a in alphas if a == 0.0),
-        "max": max(alphas),
-        "mean": statistics.fmean(alphas),
-    }
-    table_rows = [(PFL_NAMES[m], rows[m]) for m in rows]
-    for folder, (method, label) in PFL_EXTRAS.items():
-        path = root / folder / "table.json"
-        if not path.exists():
-            continue
-        row = read(path)[0]
-        table_rows.append((label, row))
-        facts[folder] = {
-            **summarize([row])["base"][method],
-            "vs_main": _paired(row, rows[method]),
-            "vs_fedavg": _paired(row, rows["fedavg"]),
-            "time_over_main": _seconds(row) / _seconds(rows[method]),
-        }
-        if method == "apfl":
-            facts[folder]["alpha"] = statistics.fmean(_alphas(row))
-    label, row = max(table_rows, key=lambda lr: statistics.fmean(lr[1]["local_accuracy"]))
-    facts["best_row"] = {
-        "name": label,
-        "plocal": 100 * statistics.fmean(row["local_accuracy"]),
-        "vs_fedavg": _paired(row, rows["fedavg"]),
-    }
-    header = ["method", *(h for h, _, _, _ in PFL_COLUMNS)]
-    body = [
-        [label, *(_cell(r[k], sc, d) for _, k, sc, d in PFL_COLUMNS)] for label, r in table_rows
-    ]
-    return {
-        "experiments/results/pfl_baselines/summary.json": dump_json(facts),
-        "experiments/results/pfl_baselines/summary.md": table(header, body),
-    }

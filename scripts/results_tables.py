@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the generators beside this script
 
-from results_baselines import baselines, pfl_baselines
+from results_baselines import baselines
 from results_benchmarks import benchmarks
 from results_common import EXP, ROOT, bayes_tables
 from results_experiments import (
@@ -39,6 +39,7 @@ from results_experiments import (
     ldp,
     sketch_vs_projector,
 )
+from results_pfl import pfl_baselines
 from results_rivals import bayes_fedlore, grid_table_facts, pretrain, subspace_rivals
 
 GENERATORS: tuple[Callable[[], dict[str, str]], ...] = (

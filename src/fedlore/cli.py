@@ -255,11 +255,22 @@ def _main(argv: list[str], command: bool) -> int:
         with interrupt.handling():  # SIGINT / SIGTERM stop between rounds, exit 130 / 143
             summaries = run_experiment(cfg, ns.resume, ns.overwrite, engine)
         folder = Path(cfg.output_dir) / cfg.name
-        print(report(folder), flush=True)  # the table before any warning about it
-        if cfg.tracking.backends:
-            from fedlore.tracking import track_report
+        try:
+            print(report(folder), flush=True)  # the table before any warning about it
+            if cfg.tracking.backends:
+                from fedlore.tracking import track_report
 
-            track_report(cfg, folder)  # the table and plots to each tracker (tracking: [...])
+                track_report(cfg, folder)  # the table and plots to each tracker (tracking: [...])
+        except KeyboardInterrupt:  # every run has finished: only the report is left to write
+            again = shlex.join(["fedlore", "report", str(folder)])
+            print(
+                f"fedlore: interrupted while writing the report; every run had finished (in "
+                f"{folder}/), and `{again}` writes the report",
+                file=sys.stderr,
+            )
+            if command:
+                interrupt.exit_now(130)
+            return 130
         for method, runs in summaries.items():
             for summary in runs:
                 if summary.get("diverged"):

@@ -449,3 +449,26 @@ def test_a_ctrl_c_caught_inside_the_command_ends_it_with_130_not_python_shutdown
     assert "fedlore: interrupted; `fedlore run a.yaml rounds=2 --resume`" in capsys.readouterr().err
     ended.clear()
     assert cli._main(["run", "a.yaml"], command=False) == 130 and not ended  # a call from Python
+
+
+def test_ctrl_c_while_the_final_report_is_written_says_the_runs_had_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every run has finished and the report is being written: the line says so and gives
+    `fedlore report`, which writes it, not the `--resume` hint of an interrupted training."""
+    from fedlore import cli
+    from fedlore.results import report as reporting
+
+    def cut_short(folder: Path) -> str:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(reporting, "report", cut_short)
+    argv = ["run", str(QUICKSTART), *TINY, "rounds=1", "local_steps=2", f"output_dir={tmp_path}"]
+    assert cli.main(argv) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    folder = tmp_path / "ctrlc"
+    assert err[-1] == (
+        f"fedlore: interrupted while writing the report; every run had finished (in {folder}/), "
+        f"and `fedlore report {folder}` writes the report"
+    )
+    assert (folder / METHOD / f"seed-{SEED}" / "summary.json").is_file()

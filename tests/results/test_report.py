@@ -563,10 +563,16 @@ def test_a_finished_run_with_an_unreadable_summary_is_not_called_unfinished(
     write_run(e, "fedavg", 1, rows_for([0.5, 0.8], 1, 1), summ(0.80, 0.80, 1, 1, 1, 1.0))
     run = write_run(e, "fedavg", 2, rows_for([0.5, 0.9], 1, 1), summ(0.90, 0.90, 1, 1, 1, 1.0))
     (run / "summary.json").write_text('{"method": "fedavg", "se')  # cut short
-    with pytest.warns(IncompleteRunWarning, match="unreadable"):
+    with pytest.warns(IncompleteRunWarning) as warned:
         text = report(e)
     row = next(line for line in text.splitlines() if line.startswith("| fedavg"))
     assert "| 2 (1 with an unreadable summary) |" in row and "unfinished" not in row
+    # one warning for the one damaged file, saying what the report does instead
+    said = [str(w.message) for w in warned if issubclass(w.category, IncompleteRunWarning)]
+    assert said == [f"{run / 'summary.json'}: unreadable; deriving the run from its 2 metrics rows"]
+    (run / "metrics.jsonl").unlink()
+    with pytest.warns(IncompleteRunWarning, match="unreadable and no metrics rows; skipping"):
+        report(e)
 
 
 def test_client_time_over_fewer_seeds_says_so_rather_than_a_spread_of_zero(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from fedlore.algorithms import (  # noqa: F401
     perfedavg,
     pfedbayes,
     pfedme,
+    qffl,
     scaffold,
 )
 from fedlore.algorithms.base import Hyper

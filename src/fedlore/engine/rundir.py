@@ -68,24 +68,37 @@ def recorded_threads(out: Path) -> int | None:
 def check_output_dir(cfg: Config) -> None:
     """``<output_dir>/<name>`` can be a folder this process creates and writes: no part of the
     path is a file, and the deepest part that exists is a writable folder (nothing is created).
+    So can ``store.spill_dir`` when client states may spill there (``store.max_memory_mb``
+    set), checked before any run trains instead of when a run builds its store.
 
     Raises:
-        ConfigError: naming ``output_dir`` (or ``name``) and the part of the path in the way.
+        ConfigError: naming ``output_dir`` (or ``name``, ``store.spill_dir``) and the part of
+            the path in the way.
     """
     target = Path(cfg.output_dir) / cfg.name
+    where = f"output_dir={cfg.output_dir!r}, name={cfg.name!r}"
+    _check_folder(target, "output_dir", where, "name")
+    if cfg.store.spill_dir and cfg.store.max_memory_mb is not None:
+        spill = Path(cfg.store.spill_dir)
+        _check_folder(spill, "store.spill_dir", f"store.spill_dir={cfg.store.spill_dir!r}")
+
+
+def _check_folder(target: Path, key: str, where: str, own_key: str | None = None) -> None:
+    """``target`` can be created and written (see :func:`check_output_dir`); ``own_key`` names
+    the setting when ``target`` itself is the file in the way."""
     for part in [target, *target.parents]:
         if not part.exists():
             continue
         if not part.is_dir():
-            key = "name" if part == target else "output_dir"
+            named = own_key if part == target and own_key else key
             raise ConfigError(
-                f"{key}: {part} is a file, not a folder (output_dir={cfg.output_dir!r}, "
-                f"name={cfg.name!r}); choose another output_dir or name"
+                f"{named}: {part} is a file, not a folder ({where}); choose another {key}"
+                + (f" or {own_key}" if own_key else "")
             )
         if not os.access(part, os.W_OK | os.X_OK):
             raise ConfigError(
-                f"output_dir={cfg.output_dir!r}: cannot create or write {target} ({part} is "
-                "not writable); choose another output_dir"
+                f"{key}: cannot create or write {target} ({part} is not writable; {where}); "
+                f"choose another {key}"
             )
         break
 

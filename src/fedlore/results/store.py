@@ -117,11 +117,7 @@ def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
             summary = loaded if isinstance(loaded, dict) else None
         except json.JSONDecodeError:
             summary = None
-        if summary is None:
-            warnings.warn(
-                f"{summary_path}: unreadable, ignoring it", IncompleteRunWarning, stacklevel=3
-            )
-        elif (other := _of_another_run(summary, method, seed)) is not None:
+        if summary is not None and (other := _of_another_run(summary, method, seed)) is not None:
             warnings.warn(  # its rows are the other run's too: no row of them under this name
                 f"{summary_path}: the summary of {other}, not of {method} seed {seed} (copied "
                 "from another folder?); leaving the run out",
@@ -129,16 +125,16 @@ def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
                 stacklevel=3,
             )
             return None
-    if summary is None:
+    if summary is None:  # one warning says what is wrong and what the report does instead
+        damaged = summary_path.is_file()
+        what = f"{summary_path}: unreadable" if damaged else f"{run_dir}: no summary.json"
         if not rows:
             warnings.warn(
-                f"{run_dir}: no summary.json and no metrics rows; skipping the run",
-                IncompleteRunWarning,
-                stacklevel=3,
+                f"{what} and no metrics rows; skipping the run", IncompleteRunWarning, stacklevel=3
             )
             return None
         warnings.warn(
-            f"{run_dir}: no summary.json (unfinished run?); deriving it from "
+            f"{what}{'' if damaged else ' (unfinished run?)'}; deriving the run from its "
             f"{len(rows)} metrics rows",
             IncompleteRunWarning,
             stacklevel=3,
