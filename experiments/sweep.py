@@ -19,7 +19,9 @@ Usage::
 Each run is ``fedlore run CONFIG name=<name>-<setting> algorithms=<m> seeds=<s> <k=v ...>
 output_dir=<runs> [--set overrides] --resume`` in its own process, so a killed sweep resumes
 where it stopped. Writes ``<out>/table.md`` and ``<out>/table.json`` (per row each column's
-values over the finished seeds, and ``by_seed``: each seed's, to compare methods seed by seed).
+values over the finished seeds, ``by_seed``: each seed's, to compare methods seed by seed, and
+for a method with per-client metrics of its own, such as APFL's ``alpha``, ``final_per_client``:
+their last-round values per seed).
 Run names hold only the
 ``--vary`` settings: a finished run under the same name whose ``config.json`` differs (another
 sweep's ``--set`` values in the same runs root) is neither reused nor tabulated, and the sweep
@@ -146,6 +148,26 @@ def chosen_lrs(path: Path) -> dict[str, int]:
         for lr in chosen:
             counts[f"{lr:g}"] = counts.get(f"{lr:g}", 0) + 1
     return counts
+
+
+SEARCH_METRICS = ("lr_chosen", "lr_picks")
+"""Per-client metrics :func:`chosen_lrs` already counts (Meta-BayFL's learning-rate search)."""
+
+
+def final_per_client(method: str, runs: list[Path]) -> dict[str, dict[str, Any]]:
+    """The last round's per-client metrics of each finished run (``seed -> {metric: {client:
+    value}}``) for a method that declares others than the learning-rate search's (APFL's mixing
+    weight ``alpha``); {} for the others."""
+    names = [
+        k for k in registry.get("algorithm", method).per_client_metrics if k not in SEARCH_METRICS
+    ]
+    out: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        rows = (run / "metrics.jsonl").read_text().splitlines() if names else []
+        if rows and (run / "summary.json").exists():
+            last = json.loads(rows[-1])
+            out[run.name.removeprefix("seed-")] = {k: last.get(k) for k in names}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,6 +340,9 @@ def sweep(args: argparse.Namespace) -> int:
                 }
                 for d in done
             }
+            kept = final_per_client(method, runs)
+            if kept:
+                rec["final_per_client"] = kept
             records.append(rec)
             lr_cell = ", ".join(f"{k}: {v}" for k, v in sorted(lrs.items())) or "–"
             head = f"| {label(setting)} | {method} | {len(done)} | "

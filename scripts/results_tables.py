@@ -40,6 +40,7 @@ from results_experiments import (
     ldp_personal,
     sketch_vs_projector,
 )
+from results_pfl import pfl_baselines
 from results_rivals import bayes_fedlore, grid_table_facts, pretrain, subspace_rivals
 
 GENERATORS: tuple[Callable[[], dict[str, str]], ...] = (
@@ -51,6 +52,7 @@ GENERATORS: tuple[Callable[[], dict[str, str]], ...] = (
     ldp_personal,
     compression,
     baselines,
+    pfl_baselines,
     lambda: grid_table_facts("vision_table1"),
     lambda: grid_table_facts("text_table2"),
     pretrain,

@@ -99,7 +99,7 @@ def test_bf16_autocasts_the_forward_and_keeps_fp32_masters() -> None:
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16
 
 
-@pytest.mark.parametrize("method", ["fedlore", "fedfull", "fedit", "bayfl"])
+@pytest.mark.parametrize("method", ["fedlore", "fedfull", "fedit", "bayfl", "apfl", "perfedavg"])
 def test_bf16_replies_bases_and_coordinates_stay_fp32(method: str) -> None:
     cfg = load_config(None, ["local_steps=3", "rank=4", "batch_size=16", "precision=bf16"])
     algo = make_algorithm(method, cfg)
@@ -222,7 +222,7 @@ class Wide(nn.Module):
 
 
 @pytest.mark.parametrize("method", ["fedfull", "fedlore", "local_galore", "fedit", "bayfl",
-                                    "ditto", "fedlore_random"])  # fmt: skip
+                                    "ditto", "fedlore_random", "apfl", "perfedavg"])  # fmt: skip
 def test_no_whole_model_copy_per_local_step(method: str) -> None:
     """Copies of the 256 x 256 weight in one client update do not grow with the number of local
     steps: per client and round only loading the broadcast and forming the reply copy it."""

@@ -84,6 +84,23 @@ def test_bayesian_fedlore_runs_on_the_table_3_digits_analogue() -> None:
     assert (cfg.model, cfg.partition, cfg.rounds) == (base.model, base.partition, base.rounds)
 
 
+def test_apfl_and_perfedavg_run_on_the_table_6_digits_setting() -> None:
+    """APFL and Per-FedAvg beside FedAvg and Ditto on the personalized-baselines page's digits
+    setting (bayes_table6.yaml with data.name=digits, data.fraction=1.0): every setting that
+    decides FedAvg's and Ditto's runs is that table's, the run's name aside, and the two new
+    methods train by plain SGD at the table's SGD rate."""
+    from fedlore.engine.rundir import _run_config
+
+    cfg = load_config(EXPERIMENTS / "pfl_baselines.yaml")
+    base = load_config(EXPERIMENTS / "bayes_table6.yaml", ["data.name=digits", "data.fraction=1.0"])
+    assert cfg.algorithms == ["fedavg", "ditto", "apfl", "perfedavg"]
+    assert (cfg.seeds, cfg.local_epochs, cfg.weighting) == ([42, 43, 44], 10, "uniform")
+    for method in ("fedavg", "ditto"):
+        ours, theirs = _run_config(cfg, method), _run_config(base, method)
+        assert {**ours, "name": None} == {**theirs, "name": None}
+    assert cfg.method["apfl"] == cfg.method["perfedavg"] == cfg.method["fedavg"] == {"lr": 0.05}
+
+
 def test_the_owed_reruns_script_names_real_configs_methods_and_committed_run_folders() -> None:
     """``experiments/reruns.sh`` (the reruns issues 33 and 35 still owe): every config it runs
     exists and loads, every method of its grids and sweeps is registered and in its config's

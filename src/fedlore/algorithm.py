@@ -62,6 +62,11 @@ reading the global model. FedPer and FedBN (:mod:`fedlore.algorithms.partial`) k
 tensors of the model per client (``personal.<name>``, the rest is the global model's), score the
 model a client has just trained P-local, and declare ``keeps_layers_local``; so does FedRep
 (:mod:`fedlore.algorithms.fedrep`), which trains FedPer's head and body one after the other.
+APFL (:mod:`fedlore.algorithms.apfl`) keeps a local model and a mixing weight per client
+(``personal.*``, ``apfl.alpha``) but its personalized model mixes in the client's trained copy of
+the global model, so it scores P-local in ``client_update`` instead of through ``Personalized``;
+Per-FedAvg (:mod:`fedlore.algorithms.perfedavg`) keeps nothing and scores the received global
+model after a step of personalization.
 
 ``aggregate`` receives no model. A server that needs one (FedBE distils into a student) may keep
 a deep copy of the model handed to ``init_server`` as its server-side scratch workspace, under

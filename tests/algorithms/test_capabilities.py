@@ -52,6 +52,7 @@ T, F = True, False
 # fmt: off
 TABLE: dict[str, Row] = {
     #                       setup sums b16 robust u  regr minc proj      adapts uploads
+    "apfl":           Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "bayfl":          Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "ditto":          Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "fedavg":         Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
@@ -86,6 +87,7 @@ TABLE: dict[str, Row] = {
     "meta_fl":        Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "moon":           Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
     "pfedbayes":      Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
+    "perfedavg":      Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "pfedme":         Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "qffl":           Row(0,    F,   T,  F,     F, T,   1,   None,     F,     "own"),
     "rolora":         Row(0,    F,   T,  F,     F, T,   1,   None,     T,     "own"),
@@ -288,7 +290,7 @@ def test_the_methods_that_take_a_server_optimizer() -> None:
     assert takes == {
         "bayfl", "ditto", "fedavg", "fedavg_mcd", "fedfull", "fedprox", "local_galore",
         "meta_bayfl", "meta_bayfl_mcd", "meta_fl", "pfedbayes", "pfedme", "scaffold", "fednova",
-        "fedper", "fedbn", "fedrep", "moon",
+        "fedper", "fedbn", "fedrep", "moon", "apfl", "perfedavg",
         "fedlore", "fedlore_fixed", "fedlore_random", "fedlore_sketch", "fedit", "ffa_lora",
         "fedgalore", "fedslop", "fedlore_bayes", "fedlore_bayfl",
     }  # fmt: skip

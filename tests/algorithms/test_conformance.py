@@ -77,6 +77,8 @@ LEARNING_OVERRIDES: dict[str, list[str]] = {
     "fedprox": ["method.fedprox.lr=0.3"],
     "fedbe": ["method.fedbe.lr=0.3"],  # FedAvg's clients
     "ditto": ["method.ditto.lr=0.3"],
+    "apfl": ["method.apfl.lr=0.3"],  # FedAvg's SGD steps for w, plain SGD for v
+    "perfedavg": ["method.perfedavg.lr=0.3"],  # SGD outer steps (beta = alpha = lr)
     "fedfomo": ["method.fedfomo.lr=0.3"],
     "scaffold": ["method.scaffold.lr=0.3"],  # SGD steps, as FedAvg
     "feddyn": ["method.feddyn.lr=0.3"],  # SGD steps, as FedAvg

@@ -122,7 +122,7 @@ def test_the_subclasses_of_aggregable_methods_withdraw_the_flag() -> None:
     """RoLoRA's base LoraMethod claims nothing; Ditto, FedBE etc. subclass FedAvg and state
     ``sum_aggregable=False`` in their ``replace(FedAvg.capabilities, ...)``."""
     assert not is_sum_aggregable(RoLoRA) and not is_sum_aggregable(LoraMethod)
-    for name in ("ditto", "fedbe", "fedfomo", "pfedme"):
+    for name in ("ditto", "fedbe", "fedfomo", "pfedme", "apfl", "perfedavg"):
         cls = registry.get("algorithm", name)
         assert issubclass(cls, FedAvg) and not is_sum_aggregable(cls)
 

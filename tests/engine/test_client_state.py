@@ -64,6 +64,7 @@ def _param_bytes(cfg: Any, prefix: str = "") -> int:
         ("fedper", "head."),  # the personalization layers only
         ("fedrep", "head."),  # likewise
         ("moon", ""),  # its model of the previous round
+        ("perfedavg", None),  # keeps nothing: it personalizes the received model when scored
     ],
 )
 def test_each_round_records_the_state_its_clients_keep(
@@ -76,6 +77,15 @@ def test_each_round_records_the_state_its_clients_keep(
     assert summary["client_state_bytes"] == want
     # the optimizer-state column still counts moments only: plain SGD keeps none
     assert all(r["optimizer_state_bytes"] == 0 for r in rows)
+
+
+def test_apfl_keeps_its_local_model_and_its_mixing_weight(tmp_path: Path) -> None:
+    """APFL's state is v_i (the whole model: personal.*) and alpha_i (one number of the model's
+    dtype, apfl.alpha): the transport counts both."""
+    rows, (cfg, summary) = _rows(tmp_path, "apfl")
+    want = _param_bytes(cfg) + 4  # fp32 v_i, and alpha_i as a 0-d fp32 tensor
+    assert [r["client_state_bytes"] for r in rows] == [want, want]
+    assert summary["client_state_bytes"] == want
 
 
 @pytest.mark.parametrize(

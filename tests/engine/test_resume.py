@@ -114,6 +114,8 @@ KILLS = [
     ("fedbn", 1),  # each client's BatchNorm layers, running statistics included
     ("fedrep", 1),  # each client's head, trained before the body in every round
     ("moon", 1),  # each client's previous model (prev.*), the negative of its contrastive term
+    ("apfl", 1),  # each client's v_i and alpha_i (personal.*, apfl.alpha)
+    ("perfedavg", 1),  # no client state: its D' and D'' streams come from the round generator
 ]
 MODEL: dict[str, tuple[str, ...]] = {"fedbn": ("model.kwargs={hidden: [32], norm: batch}",)}
 """A method's own model (FedBN refuses one without BatchNorm)."""

@@ -1,7 +1,7 @@
 """Every registered algorithm on Flower's Simulation Engine (Ray backend) equals its in-process run.
 
 Each method runs one simulated round (plus its setup exchange; FedLore, FedFull, Meta-BayFL,
-FedDyn, FedPer, FedBN, FedRep and MOON two): the global model and the byte counts must equal
+FedDyn, FedPer, FedBN, FedRep, MOON and APFL two): the global model and the byte counts must equal
 those of the in-process transport (same seeds, same data, same ``client_update``). So do a
 pre-training run (LLaMA on the C4 fixture) and FedLore's diagnostics. One Ray serves the whole
 module (:func:`fedlore.flower.simulation.ray_session`, as ``fedlore run`` holds one around all
@@ -50,7 +50,9 @@ SAME_CLASS_AS_TESTED = {
 # FedFull and FedAvg are compared with their in-process runs by the two-method experiment test
 # (one Ray start for both: test_an_experiment_starts_ray_once_and_its_runs_equal_runs_alone)
 IN_EXPERIMENT_TEST = {"fedfull", "fedavg"}
-TWO_ROUNDS = {"fedlore", "fedfull", "meta_bayfl", "feddyn", "fedper", "fedbn", "fedrep", "moon"}
+TWO_ROUNDS = {
+    "fedlore", "fedfull", "meta_bayfl", "feddyn", "fedper", "fedbn", "fedrep", "moon", "apfl",
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -59,7 +61,8 @@ TWO_ROUNDS = {"fedlore", "fedfull", "meta_bayfl", "feddyn", "fedper", "fedbn", "
         # FedDyn: two rounds, so that its clients read their h_k back in the second; FedPer,
         # FedBN and FedRep: a second round, where clients overlay their own layers
         # (Context.state) on a broadcast without them; MOON: a second round, where clients
-        # contrast with their previous model (Context.state)
+        # contrast with their previous model (Context.state); APFL: a second round, where
+        # clients read their v_i and alpha_i back (Context.state)
         (m, 2 if m in TWO_ROUNDS else 1)
         for m in registry.names("algorithm")
         if m not in SAME_CLASS_AS_TESTED | IN_EXPERIMENT_TEST

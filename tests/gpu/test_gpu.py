@@ -28,7 +28,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-EQUAL_METHODS = ["fedlore", "fedfull", "local_galore", "fedit", "meta_bayfl", "ditto"]
+EQUAL_METHODS = [
+    "fedlore", "fedfull", "local_galore", "fedit", "meta_bayfl", "ditto", "apfl", "perfedavg",
+]  # fmt: skip
 
 
 def _cfg(out: Path, device: str, *extra: str) -> Config:

@@ -1,6 +1,7 @@
 """One short module per method; importing this package registers them all."""
 
 from fedlore.algorithms import (  # noqa: F401
+    apfl,
     bayes,
     ditto,
     fedavg,
@@ -24,6 +25,7 @@ from fedlore.algorithms import (  # noqa: F401
     lora_rolora,
     moon,
     partial,
+    perfedavg,
     pfedbayes,
     pfedme,
     qffl,

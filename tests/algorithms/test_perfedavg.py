@@ -1,0 +1,300 @@
+"""Per-FedAvg (fedlore.algorithms.perfedavg): its FO and HF steps worked out by hand on a
+quadratic (a linear model under the Gaussian NLL, whose Hessian is the inputs' second moment), the
+evaluation-time adaptation's step count, the Hessian-vector product against torch's,
+``local_epochs`` and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fedlore.algorithms.perfedavg import PerFedAvg
+from fedlore.algorithms.weight_grads import hessian_vector
+from fedlore.config import ConfigError, load_config
+from fedlore.data.client_data import ClientData, TensorSplit
+from fedlore.experiment_parts import make_algorithm
+from fedlore.seeding import generator
+from fedlore.tensors import select
+from fedlore.types import Reply, State
+
+N, D_IN = 5, 2
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(D_IN, 1).double()
+
+
+def _data(n: int = N) -> ClientData:
+    """Real targets (a regression: the task loss is ½ (ŷ - y)² + const per example)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n + 4, D_IN, generator=g, dtype=torch.float64)
+    y = x @ torch.tensor([1.5, -2.0], dtype=torch.float64) + 0.5
+    y = y + 0.3 * torch.randn(n + 4, generator=g, dtype=torch.float64)
+    return ClientData(0, TensorSplit(x[:n], y[:n]), TensorSplit(x[n:], y[n:]))
+
+
+def _quadratic(split: TensorSplit) -> tuple[torch.Tensor, torch.Tensor]:
+    """``A``, ``c`` of the loss ``½ θᵀAθ - cᵀθ + const`` in ``θ = (W, b)``: its gradient is
+    ``Aθ - c`` and its Hessian ``A = mean z zᵀ`` with ``z = (x, 1)``, known exactly."""
+    z = torch.cat([split.x, torch.ones(len(split), 1, dtype=torch.float64)], dim=1)
+    return z.T @ z / len(split), z.T @ split.y / len(split)
+
+
+def _theta0() -> torch.Tensor:
+    m = _model()
+    return torch.cat([m.weight.detach().flatten(), m.bias.detach()])
+
+
+def _round(algo: PerFedAvg, data: ClientData) -> tuple[Reply, State]:
+    msg = algo.broadcast(algo.init_server(_model(), generator(0, 2)), 0, 0)
+    return algo.client_update(msg, None, _model(), data, generator(0, 3))
+
+
+def _theta1(reply: Reply) -> torch.Tensor:
+    up = select(reply.arrays, "update.")
+    return _theta0() + torch.cat([up["weight"].flatten(), up["bias"]])
+
+
+def _by_hand(theta: torch.Tensor, a: torch.Tensor, c: torch.Tensor, alpha: float, beta: float,
+             hf: bool) -> torch.Tensor:  # fmt: skip
+    g_in = a @ theta - c  # ∇f(w; D)
+    tilde = theta - alpha * g_in  # w̃
+    g_out = a @ tilde - c  # ∇f(w̃; D')
+    if hf:
+        g_out = g_out - alpha * (a @ g_out)  # (I - α ∇²f(w; D'')) ∇f(w̃; D')
+    return theta - beta * g_out
+
+
+@pytest.mark.parametrize("variant", ["fo", "hf"])
+@pytest.mark.parametrize(("beta", "steps"), [(None, 1), (0.3, 1), (0.3, 3)])
+def test_outer_steps_by_hand_on_a_quadratic(variant: str, beta: float | None, steps: int) -> None:
+    """Full-batch minibatches (B = n), so D, D' and D'' hold the whole split and the Hessian is
+    ``A``: FO is ``w - β ∇f(w̃)``, HF ``w - β (I - α A) ∇f(w̃)``, each step from the last."""
+    lr, alpha = 0.2, 0.15
+    algo = PerFedAvg.of(lr=lr, local_steps=steps, batch_size=N, rounds=2, alpha=alpha, beta=beta,
+                        variant=variant)  # fmt: skip
+    data = _data()
+    reply, _ = _round(algo, data)
+    a, c = _quadratic(data.train)
+    want = _theta0()
+    for _ in range(steps):
+        want = _by_hand(want, a, c, alpha, lr if beta is None else beta, variant == "hf")
+    torch.testing.assert_close(_theta1(reply), want, rtol=0, atol=1e-12)
+    # the Hessian term is not negligible here: the other variant lands elsewhere
+    other = _theta0()
+    for _ in range(steps):
+        other = _by_hand(other, a, c, alpha, lr if beta is None else beta, variant != "hf")
+    assert float((other - want).abs().max()) > 1e-3
+
+
+def test_hf_uses_the_minibatch_hessian_vector_product_of_torch() -> None:
+    """Beyond a quadratic: the exact product on a small softmax MLP equals torch's
+    ``autograd.functional.hvp`` (the finite difference of the paper would not, to 1e-10)."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    names = [n for n, _ in model.named_parameters()]
+    params = {n: p.detach().clone().requires_grad_(True) for n, p in model.named_parameters()}
+    u = {n: torch.randn_like(p) for n, p in params.items()}
+    got = hessian_vector(model, params, {}, (x, y), u)
+
+    def loss(*flat: torch.Tensor) -> torch.Tensor:
+        out = torch.func.functional_call(model, dict(zip(names, flat, strict=True)), (x,))
+        return nn.functional.cross_entropy(out, y)
+
+    _, want = torch.autograd.functional.hvp(
+        loss, tuple(params[n].detach() for n in names), tuple(u[n] for n in names)
+    )
+    for n, w in zip(names, want, strict=True):
+        torch.testing.assert_close(got[n], w, rtol=1e-10, atol=1e-12)
+    assert any(float(w.abs().max()) > 1e-3 for w in want)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_p_local_adapts_the_received_model_by_adapt_steps_steps_of_alpha(steps: int) -> None:
+    """In the last round P-local scores the global model received that round after
+    ``adapt_steps`` SGD steps of size α on the client's training data (full batches here):
+    ``θ_s = θ_{s-1} - α (A θ_{s-1} - c)``; one step more or fewer scores otherwise."""
+    alpha = 0.3
+    common = {"lr": 0.2, "local_steps": 2, "batch_size": N, "rounds": 1, "local_eval": True}
+    algo = PerFedAvg.of(alpha=alpha, adapt_steps=steps, **common)  # type: ignore[arg-type]
+    data = _data()
+    reply, _ = _round(algo, data)
+    a, c = _quadratic(data.train)
+    zt = torch.cat([data.test.x, torch.ones(len(data.test), 1, dtype=torch.float64)], dim=1)
+
+    def mse(s: int) -> float:
+        theta = _theta0()
+        for _ in range(s):
+            theta = theta - alpha * (a @ theta - c)
+        return float(((zt @ theta - data.test.y) ** 2).mean())
+
+    # (the evaluation's predictive is float32: agreement to its precision)
+    assert reply.metrics["local_mse"] == pytest.approx(mse(steps), rel=1e-6)
+    for s in (steps - 1, steps + 1):
+        assert reply.metrics["local_mse"] != pytest.approx(mse(s), rel=1e-3)
+    # scoring changes nothing of what the client trains and sends
+    quiet = PerFedAvg.of(alpha=alpha, adapt_steps=steps, **{**common, "local_eval": False})  # type: ignore[arg-type]
+    r2, _ = _round(quiet, data)
+    assert "local_mse" not in r2.metrics
+    assert all(torch.equal(reply.arrays[k], r2.arrays[k]) for k in reply.arrays)
+
+
+def test_alpha_defaults_to_the_runs_lr_and_keeps_no_state() -> None:
+    data = _data()
+    by_default = PerFedAvg.of(lr=0.2, local_steps=2, batch_size=N, rounds=2)
+    explicit = PerFedAvg.of(lr=0.2, local_steps=2, batch_size=N, rounds=2, alpha=0.2, beta=0.2)
+    (r1, s1), (r2, _) = _round(by_default, data), _round(explicit, data)
+    assert all(torch.equal(r1.arrays[k], r2.arrays[k]) for k in r1.arrays)
+    assert s1.arrays == {}  # Per-FedAvg keeps nothing between rounds
+
+
+@pytest.mark.parametrize("variant", ["fo", "hf"])
+def test_local_epochs_equal_the_same_number_of_local_steps(variant: str) -> None:
+    data = _data(n=7)
+    by_epochs = PerFedAvg.of(lr=0.1, local_epochs=2, batch_size=3, rounds=2, variant=variant)
+    by_steps = PerFedAvg.of(lr=0.1, local_steps=6, batch_size=3, rounds=2, variant=variant)
+    assert by_epochs.local_steps(7) == 6
+    r1, _ = _round(by_epochs, data)
+    r2, _ = _round(by_steps, data)
+    assert all(torch.equal(r1.arrays[k], r2.arrays[k]) for k in r1.arrays)
+    r3, _ = _round(PerFedAvg.of(lr=0.1, local_steps=5, batch_size=3, rounds=2, variant=variant),
+                   data)  # fmt: skip
+    assert not torch.equal(r1.arrays["update.bias"], r3.arrays["update.bias"])
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"alpha": 0.0}, "perfedavg: alpha must be > 0"),
+        ({"beta": -1.0}, "perfedavg: beta must be > 0"),
+        ({"adapt_steps": 0}, "perfedavg: adapt_steps must be >= 1"),
+        ({"variant": "so"}, "perfedavg: variant must be 'fo' or 'hf'"),
+        ({"upload_increments": True}, "Per-FedAvg is not yet offered under secure aggregation"),
+    ],
+)
+def test_bad_settings_are_refused(kw: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        PerFedAvg.of(**kw)  # type: ignore[arg-type]
+
+
+def test_config_refusals_name_the_setting() -> None:
+    with pytest.raises(ValueError, match=r"method\.perfedavg\.variant"):
+        make_algorithm("perfedavg", load_config(None, ["method.perfedavg.variant=so"]))
+    with pytest.raises(ValueError, match=r"method\.perfedavg: adapt_steps must be >= 1"):
+        make_algorithm("perfedavg", load_config(None, ["method.perfedavg.adapt_steps=0"]))
+    with pytest.raises(ValueError, match="method 'perfedavg' does not offer upload compression"):
+        make_algorithm("perfedavg", load_config(None, ["method.perfedavg.compression=topk"]))
+    cfg = load_config(None, ["algorithms=[perfedavg]", "dp.clip_norm=1",
+                             "dp.noise_multiplier=1", "weighting=uniform"])  # fmt: skip
+    with pytest.raises(ConfigError, match="dp: method 'perfedavg' cannot run under it"):
+        make_algorithm("perfedavg", cfg)
+
+
+@pytest.mark.parametrize("variant", ["fo", "hf"])
+def test_each_step_draws_independent_minibatches(
+    variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D (the inner step's), D' (the outer gradient's) and, for HF, D'' (the Hessian's) are
+    separate draws: with B < n they differ at some step, D is the run's own minibatch stream
+    (``ClientData.batches``), and every step gets its own."""
+    seen: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]] = []
+    real = PerFedAvg.meta_gradient
+
+    def spy(self: PerFedAvg, model: nn.Module, params: object, batches: object) -> object:
+        seen.append(batches)  # type: ignore[arg-type]
+        return real(self, model, params, batches)  # type: ignore[arg-type]
+
+    drawn: list[torch.Tensor] = []
+    real_batches = ClientData.batches
+
+    def spy_batches(self: ClientData, *args: object) -> object:
+        for x, y in real_batches(self, *args):  # type: ignore[arg-type]
+            drawn.append(x)
+            yield x, y
+
+    monkeypatch.setattr(PerFedAvg, "meta_gradient", spy)
+    monkeypatch.setattr(ClientData, "batches", spy_batches)
+    algo = PerFedAvg.of(lr=0.1, local_steps=4, batch_size=2, rounds=2, variant=variant)
+    _round(algo, _data(n=8))
+    assert len(seen) == 4 and all(len(b) == (3 if variant == "hf" else 2) for b in seen)
+    assert len(drawn) == 4 and all(
+        torch.equal(b[0][0], d) for b, d in zip(seen, drawn, strict=True)
+    )
+    for i, j in [(0, 1), *([(0, 2), (1, 2)] if variant == "hf" else [])]:
+        assert any(not torch.equal(b[i][0], b[j][0]) for b in seen), (i, j)
+    assert any(not torch.equal(seen[0][1][0], b[1][0]) for b in seen[1:])
+
+
+def test_hf_takes_the_hessian_at_w_not_at_the_inner_step() -> None:
+    """On a non-quadratic loss (a softmax classifier) the Hessian depends on where it is taken:
+    HF's step is ``w - β (I - α ∇²f(w)) ∇f(w̃)`` with the Hessian at ``w`` (torch's own gradient
+    and Hessian-vector product of the full-batch loss, B = n)."""
+    torch.manual_seed(2)
+    x = torch.randn(6, D_IN, dtype=torch.float64)
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    data = ClientData(0, TensorSplit(x, y), TensorSplit(x[:3], y[:3]))
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Linear(D_IN, 3).double()
+
+    alpha, beta = 0.8, 0.5
+    algo = PerFedAvg.of(lr=beta, local_steps=1, batch_size=6, rounds=2, alpha=alpha, variant="hf")
+    msg = algo.broadcast(algo.init_server(net(), generator(0, 2)), 0, 0)
+    reply, _ = algo.client_update(msg, None, net(), data, generator(0, 3))
+
+    def f(w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(x @ w.T + b, y)
+
+    m = net()
+    w0 = (m.weight.detach(), m.bias.detach())
+    g_in = torch.autograd.functional.jacobian(f, w0)
+    tilde = tuple(p - alpha * g for p, g in zip(w0, g_in, strict=True))
+    g_out = torch.autograd.functional.jacobian(f, tilde)
+    _, h_w = torch.autograd.functional.hvp(f, w0, g_out)
+    _, h_tilde = torch.autograd.functional.hvp(f, tilde, g_out)
+    want = [p - beta * (g - alpha * h) for p, g, h in zip(w0, g_out, h_w, strict=True)]
+    got = [w0[0] + reply.arrays["update.weight"], w0[1] + reply.arrays["update.bias"]]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert any(float((a - b).abs().max()) > 1e-4 for a, b in zip(h_w, h_tilde, strict=True))
+
+
+@pytest.mark.parametrize("variant", ["fo", "hf"])
+def test_minibatch_steps_by_hand_with_a_cosine_schedule(
+    variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B = 2 < n: each step's D, D' (and D'') are different minibatches, each with its own
+    quadratic ``A_D θ - c_D``; the inner gradient is D's, the outer D''s, the Hessian D'''s,
+    and β follows the cosine schedule: ``β_k = β (1 + cos(π k / K)) / 2`` over the run's K
+    steps (one round)."""
+    import math
+
+    seen: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]] = []
+    real = PerFedAvg.meta_gradient
+
+    def spy(self: PerFedAvg, model: nn.Module, params: object, batches: object) -> object:
+        seen.append(batches)  # type: ignore[arg-type]
+        return real(self, model, params, batches)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PerFedAvg, "meta_gradient", spy)
+    alpha, beta, k = 0.2, 0.3, 3
+    algo = PerFedAvg.of(lr=0.1, beta=beta, alpha=alpha, local_steps=k, batch_size=2, rounds=1,
+                        schedule="cosine", variant=variant)  # fmt: skip
+    reply, _ = _round(algo, _data())
+    want = _theta0()
+    for step, batches in enumerate(seen):
+        a_in, c_in = _quadratic(TensorSplit(*batches[0]))
+        a_out, c_out = _quadratic(TensorSplit(*batches[1]))
+        tilde = want - alpha * (a_in @ want - c_in)
+        g = a_out @ tilde - c_out
+        if variant == "hf":
+            a_h, _ = _quadratic(TensorSplit(*batches[2]))
+            g = g - alpha * (a_h @ g)
+        want = want - beta * 0.5 * (1 + math.cos(math.pi * step / k)) * g
+    assert len(seen) == k
+    torch.testing.assert_close(_theta1(reply), want, rtol=0, atol=1e-12)
