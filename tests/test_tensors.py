@@ -17,6 +17,7 @@ from fedlore.tensors import (
     load_model_arrays,
     model_arrays,
     nbytes,
+    nonnegative_variances,
     select,
     snap,
     sub,
@@ -225,3 +226,23 @@ def test_model_arrays_round_trip_and_strict_loading() -> None:
     new = {"0.bias": torch.tensor([5.0, 6.0]), "2.weight": torch.zeros(1)}
     load_model_arrays(model, new, strict=False)
     assert torch.equal(model[0].bias, torch.tensor([5.0, 6.0]))
+
+
+def test_only_running_variances_are_clamped_at_zero_and_the_rest_keeps_its_bits() -> None:
+    var = torch.tensor([-0.5, 0.0, 2.0, -1e-30])
+    arrays = {
+        "body.1.running_var": var,
+        "running_var": torch.tensor([-1.0], dtype=torch.float64),
+        "body.1.running_mean": torch.tensor([-3.0]),
+        "head.my_running_var": torch.tensor([-2.0]),  # another name: not BatchNorm's
+        "counts.running_var": torch.tensor([-4]),  # an integer tensor: left alone
+        "body.1.weight": torch.tensor([-5.0]),
+    }
+    out = nonnegative_variances(arrays)
+    assert torch.equal(out["body.1.running_var"], torch.tensor([0.0, 0.0, 2.0, 0.0]))
+    assert out["running_var"].dtype == torch.float64 and float(out["running_var"]) == 0.0
+    for k in ("body.1.running_mean", "head.my_running_var", "counts.running_var", "body.1.weight"):
+        assert out[k] is arrays[k]
+    assert float(var[0]) == -0.5  # not in place
+    kept = torch.tensor([0.25, 3.0])
+    assert torch.equal(nonnegative_variances({"bn.running_var": kept})["bn.running_var"], kept)

@@ -155,6 +155,21 @@ def load_model_arrays(model: nn.Module, arrays: Arrays, strict: bool = True) -> 
                 own[k].copy_(v)
 
 
+def nonnegative_variances(arrays: Arrays) -> Arrays:
+    """``arrays`` with every BatchNorm running variance (a floating-point tensor named
+    ``running_var`` or ``*.running_var``, torch's name) clamped at 0, the others as they are.
+
+    A plain weighted mean of client models keeps a variance non-negative, but DP's noise on the
+    summed deltas, and a server optimizer's step, can take it below 0, and BatchNorm would then
+    score with the square root of a negative number (NaN). Clamping is post-processing: it
+    spends no privacy. A variance that is already non-negative keeps its bits.
+    """
+    return {
+        k: v.clamp(min=0) if k.rsplit(".", 1)[-1] == "running_var" and v.is_floating_point() else v
+        for k, v in arrays.items()
+    }
+
+
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     """Whether every element of every floating-point or complex tensor in ``tensors`` is finite
     (integer and bool tensors always are); the same answer as ``torch.isfinite(t).all()`` over

@@ -181,7 +181,7 @@ class MetaBayFL(BayesSearch, FedFull):
         ``*_mu`` / ``*_rho`` pair is combined by :func:`~fedlore.bayes.combine_gaussians` on the
         clients' absolute parameters ``W^t + Δ_i`` and returned as a step from ``W^t``. The
         deltas' combination follows ``robust.aggregate``
-        (:meth:`~fedlore.algorithms.fedavg.DenseServer.combine_deltas`)."""
+        (:meth:`~fedlore.algorithms.dense.DenseServer.combine_deltas`)."""
         mean = self.combine_deltas(updates, weights)
         if self.posterior_aggregation == "mean":
             return mean

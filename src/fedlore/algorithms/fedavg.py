@@ -15,10 +15,10 @@ Secure aggregation and DP (issue 20, :attr:`~fedlore.algorithm.Capabilities.sum_
 FedFull, FedAvg, FedProx and the subclasses that keep their server (MOON, FedPer, FedBN, FedRep)
 are sum-aggregable. Every reply array is an increment ``update.<k> = W_K - W^t`` and the server
 needs only ``Σ p_i Δ_i`` and ``Σ p_i``, so ``upload_increments=True`` changes nothing in what they
-compute, except that integer buffers stay out of the upload (:meth:`DenseServer.uploads`). The
-robust combinations (``robust_aggregate: median | trimmed_mean``) rank each client's delta
-coordinate by coordinate and need the individual uploads: with ``upload_increments`` they are
-refused.
+compute, except that integer buffers stay out of the upload
+(:meth:`~fedlore.algorithms.dense.DenseServer.uploads`). The robust combinations
+(``robust_aggregate: median | trimmed_mean``) rank each client's delta coordinate by coordinate
+and need the individual uploads: with ``upload_increments`` they are refused.
 
 Upload compression (``compression: topk | qsgd``, FedFull, FedAvg and FedProx;
 :mod:`fedlore.compression`): the client encodes ``Δ_i + e_i`` (top-k values and indices, or
@@ -34,27 +34,19 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
 
 from fedlore.algorithms.base import Hyper, ReplySpec, local_eval_metrics, reply_metrics
+from fedlore.algorithms.dense import DenseServer
 from fedlore.algorithms.personal import prox_term
 from fedlore.checks import check_compression
 from fedlore.compression import Codec, compress_update, decode_update, update_problem, update_spec
 from fedlore.data.client_data import ClientData
-from fedlore.optim.server import STEPS
 from fedlore.registry import register_algorithm
-from fedlore.robust import combine_updates
-from fedlore.tensors import (
-    from_wire,
-    load_model_arrays,
-    model_arrays,
-    select,
-    to_wire,
-    with_prefix,
-)
+from fedlore.tensors import select, with_prefix
 from fedlore.train.local import GradHook, LossTerm, local_train
 from fedlore.types import Broadcast, Reply, Scalars, State
 
@@ -64,155 +56,6 @@ UNCOMPRESSED: dict[str, str] = dict.fromkeys(
 )
 """``not_applicable`` of FedFull's subclasses whose uploads are not FedFull's (their
 ``capabilities`` withdraw ``compress_uploads``)."""
-
-
-class DenseServer:
-    """Server side of every method whose clients upload dense deltas ``update.*``: broadcast
-    ``model.*``, aggregate ``W <- W + Σ p_i Δ_i / Σ p_i``. Mixed into a :class:`Hyper` dataclass.
-
-    ``robust_aggregate`` (``median`` / ``trimmed_mean``) replaces the weighted mean of the
-    deltas by a robust one (:meth:`combine_deltas`), for every subclass that averages deltas.
-
-    Frozen tensors (:attr:`~fedlore.settings.LocalTraining.freeze`) are sent only until a client
-    has replied once (``seen.<cid>``); the client keeps them as ``cache.*``, never uploaded.
-    """
-
-    def combine_deltas(
-        self, updates: list[dict[str, torch.Tensor]], weights: list[float]
-    ) -> dict[str, torch.Tensor]:
-        """``Σ p_i Δ_i / Σ p_i``, or the coordinate-wise median / trimmed mean, Krum, Multi-Krum
-        or Bulyan of the Δ_i under ``robust_aggregate`` (:func:`fedlore.robust.combine_updates`;
-        a Bulyan round left with fewer than 4f + 3 replies by rejections runs with the largest
-        f it tolerates)."""
-        t = self.train  # type: ignore[attr-defined]
-        f = t.num_byzantine
-        if t.robust_aggregate == "bulyan":
-            f = min(f, max(0, (len(updates) - 3) // 4))
-        return combine_updates(
-            updates, weights, t.robust_aggregate, t.trim_fraction, f, t.multi_krum_keep
-        )
-
-    def init_server(self, model: nn.Module, rng: torch.Generator) -> State:
-        self.check_freeze(model)  # type: ignore[attr-defined]
-        return State(arrays=with_prefix(model_arrays(model), "model."))
-
-    def broadcast(self, state: State, rnd: int, client_id: int) -> Broadcast:
-        model = select(state.arrays, "model.", strip=False)
-        if state.values.get(f"seen.{client_id}"):
-            model = {k: v for k, v in model.items() if not self.is_frozen(k[6:])}  # type: ignore[attr-defined]
-        return Broadcast(arrays=model, config={"round": rnd})
-
-    def aggregate(
-        self, state: State, replies: list[tuple[int, Reply | None]], rnd: int
-    ) -> tuple[State, Scalars]:
-        values = dict(state.values)
-        for c, r in replies:
-            if r is None:  # its cache may be gone: send the frozen tensors again
-                values.pop(f"seen.{c}", None)
-        ok = [(c, r) for c, r in replies if r is not None]
-        if not ok:
-            return State(arrays=dict(state.arrays), values=values), {"aggregated": 0}
-        weights = self.weights([r for _, r in ok])  # type: ignore[attr-defined]
-        model = select(state.arrays, "model.")
-        ups = [self.received_update(r.arrays, model) for _, r in ok]
-        mean = self.mean_update(model, ups, weights)
-        step, moments = self.server_step(state, mean, values)
-        new = {k: v + step[k].to(v.dtype) if k in step else v for k, v in model.items()}
-        if self.train.freeze:  # type: ignore[attr-defined]
-            values.update({f"seen.{c}": 1 for c, _ in ok})
-        arrays = {**with_prefix(new, "model."), **moments}
-        return State(arrays=arrays, values=values), {"aggregated": len(ok)}
-
-    def server_step(
-        self, state: State, mean: dict[str, torch.Tensor], values: dict[str, Any]
-    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The global model's step from the aggregated delta ``mean`` by the server optimizer,
-        and its moments to keep (``sopt.*`` arrays; their step count goes into ``values``).
-        Plain FedAvg (``sgd`` at lr 1) returns ``mean`` itself and keeps nothing."""
-        opt = self.server_opt()  # type: ignore[attr-defined]
-        if opt.is_identity:
-            return mean, {}
-        t = int(state.values.get(STEPS, 0)) + 1
-        values[STEPS] = t
-        prev = {k: v for k, v in state.arrays.items() if k.startswith("sopt.")}
-        return opt.step(mean, prev, t)
-
-    def mean_update(
-        self,
-        model: dict[str, torch.Tensor],
-        updates: list[dict[str, torch.Tensor]],
-        weights: list[float],
-    ) -> dict[str, torch.Tensor]:
-        """The step the global model takes: ``Σ p_i Δ_i / Σ p_i`` (FedAvg). Methods that combine
-        some tensors otherwise (Bayesian posteriors) override this.
-
-        Args:
-            model: the global tensors W^t by plain name.
-            updates: each accepted client's ``Δ_i`` by plain name.
-            weights: the p_i (not normalized).
-        """
-        return self.combine_deltas(updates, weights)
-
-    def received_update(
-        self, arrays: dict[str, torch.Tensor], model: dict[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        """A reply's ``Δ_i`` by plain name at the dtypes of the global tensors ``model``
-        (16-bit uploads upcast; FedFull decodes a compressed upload)."""
-        return from_wire(select(arrays, "update."), {k: v.dtype for k, v in model.items()})
-
-    def global_arrays(self, state: State) -> dict[str, torch.Tensor]:
-        return select(state.arrays, "model.")
-
-    def expected_reply(self, state: State, rnd: int, client_id: int | None = None) -> ReplySpec:
-        return {
-            "update." + k: (tuple(v.shape), self.wire_spec(v.dtype))  # type: ignore[attr-defined]
-            for k, v in select(state.arrays, "model.").items()
-            if self.uploads(k, v.dtype)
-        }
-
-    def uploads(self, name: str, dtype: torch.dtype) -> bool:
-        """Whether a delta holds model tensor ``name`` of ``dtype``: one not frozen, and under
-        ``upload_increments`` (secure aggregation, DP) no integer buffer (BatchNorm's
-        ``num_batches_tracked``, which cannot be clipped, noised or summed in fixed point: it keeps
-        the server's value, as in the LoRA methods; BatchNorm with a momentum never reads it)."""
-        frozen = self.is_frozen(name)  # type: ignore[attr-defined]
-        increments = self.train.upload_increments  # type: ignore[attr-defined]
-        return not frozen and (dtype.is_floating_point or not increments)
-
-    def dense_start(
-        self, msg: Broadcast, state: State | None, model: nn.Module
-    ) -> tuple[dict[str, torch.Tensor], State]:
-        """Client side: load W^t (broadcast + cached frozen tensors) into ``model``, mark the
-        frozen parameters, and return (W^t by plain name, the client state to keep).
-
-        Raises:
-            RuntimeError: when the server left out frozen tensors the client does not hold.
-        """
-        start = self.fill_frozen(select(msg.arrays, "model."), state, model)  # type: ignore[attr-defined]
-        frozen = [k for k in start if self.is_frozen(k)]  # type: ignore[attr-defined]
-        load_model_arrays(model, start)
-        self.set_frozen(model)  # type: ignore[attr-defined]
-        keep = State(arrays={"cache." + k: start[k] for k in frozen}) if frozen else State()
-        return start, keep
-
-    def dense_delta(
-        self, model: nn.Module, start: dict[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        """``W_K - W^t`` of the tensors a client uploads (:meth:`uploads`), by plain name at the
-        model's dtype: new contiguous tensors, computed from the model's own tensors."""
-        return {
-            k: (v.detach() - start[k].to(v.dtype)).contiguous()
-            for k, v in model.state_dict().items()
-            if self.uploads(k, v.dtype)
-        }
-
-    def dense_update(
-        self, model: nn.Module, start: dict[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        """``update.* = W_K - W^t`` (:meth:`dense_delta`) in the wire dtype
-        (``transport_dtype``; the model's by default)."""
-        delta = self.dense_delta(model, start)
-        return with_prefix(to_wire(delta, self.wire_dtype), "update.")  # type: ignore[attr-defined]
 
 
 def local_optimizer(

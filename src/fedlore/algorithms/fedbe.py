@@ -6,7 +6,7 @@ server step at round t, from the global weights w^t and the accepted clients' mo
 ``w_k = w^t + Δ_k`` (reference notes Part 13; hongyouc/FedBE ``main.py``):
 
 1. **FedAvg**: ``w̄ = w^t + Σ p_k Δ_k / Σ p_k``
-   (:class:`~fedlore.algorithms.fedavg.DenseServer`'s aggregate).
+   (:class:`~fedlore.algorithms.dense.DenseServer`'s aggregate).
 2. **Gaussian samples** (``swag.py: SWAG_server.construct_models``, mode ``"gaussian"``): per
    parameter tensor, the clients' normalised updates ``u_k = Δ_k / ||Δ_k||₂``, their uniform mean
    ū and variance ``max(E[u²] - ū², 1e-5)``; a sample is
@@ -141,7 +141,7 @@ log = logging.getLogger(__name__)
 
 UNLABELED_KEY = "server.unlabeled"
 """Server-state key of U's inputs (never broadcast:
-:meth:`~fedlore.algorithms.fedavg.DenseServer.broadcast` sends ``model.*`` only)."""
+:meth:`~fedlore.algorithms.dense.DenseServer.broadcast` sends ``model.*`` only)."""
 SEED_KEY = "fedbe.seed"
 """Server-state value: the seed of the server's per-round generators."""
 

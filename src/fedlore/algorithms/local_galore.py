@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fedlore.algorithms.base import construction_gradients, local_eval_metrics, reply_metrics
-from fedlore.algorithms.fedavg import DenseServer
+from fedlore.algorithms.dense import DenseServer
 from fedlore.algorithms.lowrank import LowRankHyper, ProjectedResult, train_projected
 from fedlore.data.client_data import ClientData
 from fedlore.optim.subspace import MatrixSpec

@@ -55,7 +55,7 @@ increments and nothing of L, so what a client masks, the norm DP clips to C and 
 that get noise are the shared tensors, every one of them and only them. A client's L is neither
 clipped nor noised (it never leaves the client), and the server's stays the initialization. A
 shared BatchNorm's integer ``num_batches_tracked`` (FedPer's body on a BatchNorm model) stays out
-of the upload there (:meth:`~fedlore.algorithms.fedavg.DenseServer.uploads`); FedBN keeps every
+of the upload there (:meth:`~fedlore.algorithms.dense.DenseServer.uploads`); FedBN keeps every
 BatchNorm tensor local anyway. P-local, the method's score, is then a measurement taken outside
 the mechanism (``eval.local``, docs/explanation/privacy.md).
 """

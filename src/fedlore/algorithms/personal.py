@@ -74,7 +74,7 @@ def keep_personal(model: nn.Module) -> dict[str, torch.Tensor]:
 class BetaMixing:
     """Server step of pFedMe (Dinh et al. 2020, Algorithm 1 line 12) and pFedBayes:
     ``w^{t+1} = (1 - beta) w^t + beta · Σ p_i w_i / Σ p_i``, i.e. the step ``beta · Σ p_i Δ_i /
-    Σ p_i`` (beta = 1: FedAvg). Mixed in before :class:`~fedlore.algorithms.fedavg.DenseServer`
+    Σ p_i`` (beta = 1: FedAvg). Mixed in before :class:`~fedlore.algorithms.dense.DenseServer`
     into a dataclass with a ``beta`` field."""
 
     def mean_update(

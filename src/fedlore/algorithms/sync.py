@@ -37,7 +37,7 @@ The state is typed here and spelled in the flat checkpoint dicts (``State.arrays
 :data:`LORA_LOG`). Lists that travel as one scalar (LoRA's adapted modules, its replayed rounds)
 go through :func:`join_names` / :func:`split_names`.
 
-The dense server (:class:`~fedlore.algorithms.fedavg.DenseServer`) keeps no log: every round it
+The dense server (:class:`~fedlore.algorithms.dense.DenseServer`) keeps no log: every round it
 sends the whole model (its only record, ``seen.<cid>``, says that a client holds the frozen
 tensors).
 """
