@@ -8,6 +8,9 @@ then the body with the head frozen; only the body is uploaded.
   uploading the head breaks it.
 * τ_h + τ_b is the run's local work; the defaults are the authors' (1 of 11 epochs on the body);
   settings that leave a phase without a step, or count in the other unit, are refused.
+* Each phase's steps see the gradients of its own tensors only (``params.freeze`` holds in both),
+  with the loss terms, gradient hooks and ``grad_clip`` of the round; the reply's loss weighs
+  each phase by its finite steps, and its optimizer bytes are the larger phase's.
 * The head never leaves a client, the server's head is its initialization and the body moves by
   FedAvg's weighted mean; a client keeps its head through a round off.
 * Kept from FedAvg and tested on the body: 16-bit uploads, a robust mean, a server optimizer.
@@ -16,7 +19,9 @@ then the body with the head frozen; only the body is uploaded.
 
 from __future__ import annotations
 
+import math
 import statistics
+import time
 
 import pytest
 import torch
@@ -34,7 +39,7 @@ from fedlore.engine.validate import validate_reply
 from fedlore.experiment_parts import make_algorithm
 from fedlore.seeding import generator
 from fedlore.tensors import load_model_arrays, model_arrays, select
-from fedlore.train.local import task_loss
+from fedlore.train.local import GradHook, LossTerm, task_loss
 from fedlore.types import Broadcast, Reply, State
 
 
@@ -44,19 +49,27 @@ def _fedrep(**kw: object) -> FedRep:
 
 
 def _sgd(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float,
-         names: set[str]) -> None:  # fmt: skip
-    """Plain SGD on the task loss, one step per batch, moving only the parameters ``names``
-    (every parameter takes part in the forward and backward: the reference knows nothing of
-    ``requires_grad``)."""
+         names: set[str], momentum: float = 0.0) -> list[float]:  # fmt: skip
+    """SGD on the task loss, one step per batch, moving only the parameters ``names``, with
+    heavy-ball ``momentum`` from a zero buffer (torch's SGD: ``b = μ b + g``, the first ``b = g``;
+    every parameter takes part in the forward and backward: the reference knows nothing of
+    ``requires_grad``). Returns each step's loss."""
     model.train()
+    buffers: dict[str, torch.Tensor] = {}
+    losses = []
     for x, y in batches:
         model.zero_grad(set_to_none=True)
-        task_loss(model(x), y).backward()
+        loss = task_loss(model(x), y)
+        loss.backward()
+        losses.append(float(loss.detach()))
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name in names:
                     assert p.grad is not None
-                    p.sub_(lr * p.grad)
+                    b = buffers.get(name)
+                    buffers[name] = p.grad.clone() if b is None else momentum * b + p.grad
+                    p.sub_(lr * buffers[name])
+    return losses
 
 
 def _round_one(algo: FedRep, data: ClientData) -> tuple[Broadcast, State, State]:
@@ -78,6 +91,10 @@ def _round_one(algo: FedRep, data: ClientData) -> tuple[Broadcast, State, State]
         ({"local_steps": 4, "batch_size": 64}, 3, 1),  # the default body share, ceil(4 / 11)
         ({"local_epochs": 3, "batch_size": 16}, 6, 3),  # 3 steps an epoch: 2 epochs, then 1
         ({"local_epochs": 3, "body_epochs": 2, "batch_size": 16}, 3, 6),
+        # heavy ball: each phase's optimizer starts with no momentum buffer
+        ({"local_steps": 5, "body_steps": 2, "batch_size": 16, "momentum": 0.5}, 3, 2),
+        # a streamed client: round 1 reads its stream from batch K on
+        ({"local_steps": 4, "body_steps": 2, "batch_size": 16, "stream": 7}, 2, 2),
     ],
 )
 def test_a_round_trains_the_head_then_the_body_by_hand(
@@ -85,12 +102,21 @@ def test_a_round_trains_the_head_then_the_body_by_hand(
 ) -> None:
     """Round 1 of client 0 (its own head from round 0, the server's body): its kept head and its
     upload are τ_h SGD steps on the head alone over the round's first minibatches, then τ_b
-    steps on the body alone over the rest, computed here by hand."""
+    steps on the body alone over the rest, computed here by hand; the reply's metrics are the
+    round's: its mean loss over both phases, no skipped step, the larger phase's momentum
+    buffers (none for plain SGD) and a training time within the call's."""
+    settings = dict(settings)
+    stream = settings.pop("stream", None)
+    momentum = float(str(settings.get("momentum", 0.0)))
     algo = _fedrep(lr=0.2, **settings)
     data = _client(0)
+    if stream is not None:
+        data = ClientData(0, data.train, data.test, stream_seed=int(str(stream)))
     assert algo.phases(data.num_examples) == (head_steps, body_steps)
     msg, mine, _ = _round_one(algo, data)
+    t0 = time.perf_counter()
     reply, after = algo.client_update(msg, mine, _model(), data, generator(0, 3, 1))
+    elapsed = time.perf_counter() - t0
     # by hand: the received body with the client's own head, then the two phases
     ref = _model(seed=5)
     received = select(msg.arrays, "model.")
@@ -98,8 +124,8 @@ def test_a_round_trains_the_head_then_the_body_by_hand(
     batches = list(data.batches(int(str(settings["batch_size"])), head_steps + body_steps,
                                 generator(0, 3, 1), 1))  # fmt: skip
     body = {n for n, _ in ref.named_parameters()} - HEAD
-    _sgd(ref, batches[:head_steps], 0.2, HEAD)
-    _sgd(ref, batches[head_steps:], 0.2, body)
+    losses = _sgd(ref, batches[:head_steps], 0.2, HEAD, momentum)
+    losses += _sgd(ref, batches[head_steps:], 0.2, body, momentum)
     want = ref.state_dict()
     assert {k.removeprefix("update.") for k in reply.arrays} == set(received)  # the body only
     for k in received:
@@ -111,6 +137,13 @@ def test_a_round_trains_the_head_then_the_body_by_hand(
         torch.testing.assert_close(kept[k], want[k], rtol=1e-5, atol=1e-6)
         assert not torch.equal(kept[k], personal_arrays(mine)[k])  # the head trained
     assert all(bool(reply.arrays["update." + k].abs().sum() > 0) for k in body)
+    m = reply.metrics
+    assert float(m["train_loss"]) == pytest.approx(statistics.mean(losses), rel=1e-5)
+    assert m["skipped_steps"] == 0
+    sizes = {n: p.numel() * p.element_size() for n, p in ref.named_parameters()}
+    phase_bytes = max(sum(sizes[n] for n in HEAD), sum(sizes[n] for n in body))
+    assert m["optimizer_state_bytes"] == (phase_bytes if momentum else 0)
+    assert 0 < float(m["train_s"]) < elapsed
 
 
 def test_the_split_is_the_runs_local_work() -> None:
@@ -119,27 +152,56 @@ def test_the_split_is_the_runs_local_work() -> None:
     assert FedRep.of(local_steps=10).phases(48) == (9, 1)  # the default K
     assert FedRep.of(local_steps=20).phases(48) == (18, 2)  # ceil(20 / 11)
     assert FedRep.of(local_steps=22).phases(7) == (20, 2)
+    assert FedRep.of(local_steps=11).phases(48) == (10, 1)
+    assert FedRep.of(local_steps=12).phases(48) == (10, 2)  # ceil(12 / 11): 11ths, not 12ths
     assert FedRep.of(local_steps=5, body_steps=3).phases(48) == (2, 3)
     assert FedRep.of(local_epochs=11, batch_size=16).phases(48) == (30, 3)  # the paper's round
     assert FedRep.of(local_epochs=11, batch_size=16).phases(40) == (30, 3)  # ceil(40 / 16) = 3
     assert FedRep.of(local_epochs=2, batch_size=64).phases(48) == (1, 1)  # B capped at n
 
 
+NO_HEAD_STEP = (
+    "fedrep: local_steps={k} with body_steps={b} leaves no step for the head (a round trains the "
+    "head for its first local_steps - body_steps steps, then the body for the last body_steps): "
+    "use local_steps >= 2 and body_steps < local_steps"
+)
+NO_HEAD_EPOCH = (
+    "fedrep: local_epochs={e} with body_epochs={b} leaves no epoch for the head (a round trains "
+    "the head for its first local_epochs - body_epochs passes, then the body for the last "
+    "body_epochs; the authors' round is local_epochs=11, body_epochs=1): use local_epochs > "
+    "body_epochs"
+)
+
+
 def test_bad_settings_are_refused_naming_what_to_set() -> None:
+    """Each refusal whole: a phase without a step (at the bounds: K = 2 and E = 2 with the
+    default body share are accepted), a count below 1, a count in the other unit."""
     cases = [
-        ({"local_steps": 1}, r"local_steps=1 with body_steps=1 leaves no step for the head"),
-        ({"local_steps": 4, "body_steps": 4}, r"body_steps=4 leaves no step for the head"),
-        ({"local_steps": 4, "body_steps": 0}, r"body_steps must be >= 1"),
-        ({"local_steps": 4, "body_epochs": 1}, r"body_epochs=1 .* read under local_epochs.* "
-                                               r"set method\.fedrep\.body_steps"),
-        ({"local_epochs": 1}, r"local_epochs=1 with body_epochs=1 leaves no epoch for the head"),
-        ({"local_epochs": 3, "body_epochs": 3}, r"body_epochs=3 leaves no epoch"),
-        ({"local_epochs": 3, "body_steps": 2}, r"body_steps=2 .* read under local_steps.* "
-                                               r"set method\.fedrep\.body_epochs"),
+        ({"local_steps": 1}, NO_HEAD_STEP.format(k=1, b=1)),
+        ({"local_steps": 4, "body_steps": 4}, NO_HEAD_STEP.format(k=4, b=4)),
+        ({"local_steps": 12, "body_steps": 12}, NO_HEAD_STEP.format(k=12, b=12)),
+        ({"local_steps": 4, "body_steps": 0}, "fedrep: body_steps must be >= 1 (the body trains), "
+                                              "got 0"),
+        ({"local_epochs": 3, "body_epochs": 0}, "fedrep: body_epochs must be >= 1 (the body "
+                                                "trains), got 0"),
+        ({"local_steps": 4, "body_epochs": 1},
+         "fedrep: body_epochs=1 counts passes over a client's data, read under local_epochs; this "
+         "run sizes its rounds by local_steps=4: set method.fedrep.body_steps instead (the steps "
+         "of the round that train the body; default ceil(local_steps / 11))"),
+        ({"local_epochs": 1}, NO_HEAD_EPOCH.format(e=1, b=1)),
+        ({"local_epochs": 3, "body_epochs": 3}, NO_HEAD_EPOCH.format(e=3, b=3)),
+        ({"local_epochs": 3, "body_steps": 2},
+         "fedrep: body_steps=2 counts steps, read under local_steps; this run sizes its rounds by "
+         "local_epochs=3: set method.fedrep.body_epochs instead (the passes of the round that "
+         "train the body; default 1)"),
     ]  # fmt: skip
-    for settings, match in cases:
-        with pytest.raises(ValueError, match=match):
+    for settings, message in cases:
+        with pytest.raises(ValueError) as info:
             FedRep.of(**settings)
+        assert str(info.value) == message, settings
+    for ok in ({"local_steps": 2}, {"local_epochs": 2}, {"local_steps": 3, "body_steps": 2},
+               {"local_epochs": 3, "body_epochs": 2}):  # fmt: skip
+        assert sum(FedRep.of(**ok).phases(16)) >= 2
     with pytest.raises(ValueError, match=r"method\.fedrep: body_epochs=1 counts passes"):
         make_algorithm(
             "fedrep", load_config(None, ["local_steps=5", "method.fedrep.body_epochs=1"])
@@ -153,6 +215,91 @@ def test_bad_settings_are_refused_naming_what_to_set() -> None:
         make_algorithm("fedrep", load_config(None, ["method.fedrep.compression=topk"]))
     with pytest.raises(ValueError, match=r"\['nope'\] match no tensor"):
         _fedrep(personal_layers=["nope"]).init_server(_model(), torch.Generator())
+
+
+def _first_round(algo: FedRep, terms: list[LossTerm], hooks: list[GradHook]) -> tuple[
+    Reply, list[float], dict[str, torch.Tensor], nn.Module
+]:  # fmt: skip
+    """Client 0's first round through ``train_locally`` with extra loss ``terms`` and gradient
+    ``hooks`` (FedRep's own ``client_update`` passes none; a method built on FedRep, as SCAFFOLD
+    or FedDyn on FedAvg, would): (the reply, the step sizes, the model before, the model)."""
+    state = algo.init_server(_model(), generator(0, 2))
+    msg = algo.broadcast(state, 0, 0)
+    model = _model()
+    start, _ = algo.dense_start(msg, None, model)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    reply, lrs = algo.train_locally(msg, start, model, _client(0), generator(0, 3, 0), terms,
+                                    hooks)  # fmt: skip
+    return reply, lrs, before, model
+
+
+def test_each_phase_trains_its_own_tensors_with_the_rounds_terms_and_hooks() -> None:
+    """τ_h = 3 steps, then τ_b = 2, ``params.freeze`` on the body's bias: every step's gradients
+    are the head's in the first phase, the body's unfrozen weight in the second; the frozen bias
+    never moves nor travels, and afterwards only it is marked frozen. The loss terms and the
+    gradient hooks given to ``train_locally`` act at every step of both phases (a constant
+    term: the same steps, the reported loss 5 higher)."""
+    algo = _fedrep(local_steps=5, body_steps=2, freeze=["body.0.bias"])
+    grads: list[set[str]] = []
+
+    def hook(model: nn.Module, k: int) -> None:
+        grads.append({n for n, p in model.named_parameters() if p.grad is not None})
+
+    calls: list[int] = []
+
+    def term(model: nn.Module) -> torch.Tensor:
+        calls.append(1)
+        return torch.tensor(5.0)
+
+    reply, lrs, before, model = _first_round(algo, [term], [hook])
+    assert grads == [HEAD] * 3 + [{"body.0.weight"}] * 2
+    assert len(calls) == 5 and lrs == algo.round_lrs(0, _client(0).num_examples)
+    assert set(reply.arrays) == {"update.body.0.weight"}
+    assert torch.equal(model.state_dict()["body.0.bias"], before["body.0.bias"])
+    for k in ("body.0.weight", *HEAD):
+        assert not torch.equal(model.state_dict()[k], before[k])
+    assert {n for n, p in model.named_parameters() if not p.requires_grad} == {"body.0.bias"}
+    plain, _, _, _ = _first_round(algo, [], [])
+    for k, v in reply.arrays.items():
+        torch.testing.assert_close(v, plain.arrays[k])
+    got, want = float(reply.metrics["train_loss"]), float(plain.metrics["train_loss"])
+    assert got == pytest.approx(want + 5.0, rel=1e-6)
+
+
+def test_the_reported_loss_weighs_each_phase_by_its_finite_steps() -> None:
+    """A term that makes some steps' losses non-finite: those steps are skipped and counted, and
+    ``train_loss`` is the mean over the finite steps of both phases (a term of 10⁴ and more
+    makes the task loss, about 1, negligible): head (·, 10⁴, 2·10⁴), body (4·10⁴, ·) gives
+    70000 / 3, not a mean of the phases' means nor one that counts skipped steps. With every
+    step skipped the loss is NaN and nothing moves."""
+    algo = _fedrep(local_steps=5, body_steps=2)
+
+    def terms(values: list[float]) -> LossTerm:
+        it = iter(values)
+        return lambda model: torch.tensor(next(it))
+
+    nan = float("nan")
+    reply, _, _, _ = _first_round(algo, [terms([nan, 1e4, 2e4, 4e4, nan])], [])
+    assert reply.metrics["skipped_steps"] == 2
+    assert float(reply.metrics["train_loss"]) == pytest.approx(70000 / 3, abs=10)
+    reply, _, before, model = _first_round(algo, [terms([nan] * 5)], [])
+    assert reply.metrics["skipped_steps"] == 5 and math.isnan(float(reply.metrics["train_loss"]))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_grad_clip_bounds_each_phases_steps() -> None:
+    """``optim.grad_clip`` clips every step of both phases, over the tensors that phase trains:
+    one full-batch step on the head, then one on the body, at lr 0.1 and clip 10⁻³, moves each
+    by exactly 10⁻⁴ (its gradient's norm is far above the clip)."""
+    algo = _fedrep(lr=0.1, local_steps=2, body_steps=1, batch_size=64, grad_clip=1e-3)
+    state = algo.init_server(_model(), generator(0, 2))
+    reply, after = algo.client_update(algo.broadcast(state, 0, 0), None, _model(), _client(0),
+                                      generator(0, 3, 0))  # fmt: skip
+    init = model_arrays(_model())
+    head = torch.cat([(personal_arrays(after)[k] - init[k]).flatten() for k in sorted(HEAD)])
+    body = torch.cat([v.flatten() for v in reply.arrays.values()])
+    assert float(head.norm()) == pytest.approx(1e-4, rel=1e-3)
+    assert float(body.norm()) == pytest.approx(1e-4, rel=1e-3)
 
 
 def test_the_head_stays_with_each_client_and_the_server_averages_the_body() -> None:

@@ -2,13 +2,17 @@
 term on the representation z (the input of the model's ``head``).
 
 * ℓ_con's value on a hand-computed example (cosine similarities, both divided by τ, the global
-  model's as the positive, the previous model's as the negative, the minibatch's mean).
+  model's as the positive, the previous model's as the negative, the minibatch's mean); for a
+  sequence, per position along the last dimension.
+* z is the head's input, read without leaving a hook; the frozen copies are evaluation-mode
+  twins without gradients; the term refuses to run without the step's training forward pass.
 * A local step is the gradient step of ``ℓ_sup + μ ℓ_con`` with z_glob from the received model
   and z_prev from the client's own model after its previous round, both frozen in evaluation
   mode (BatchNorm's running statistics): computed here by hand.
 * At first contact z_prev is z_glob: ℓ_con = log 2 with no gradient, the round is FedAvg's.
 * The client keeps its trained model (``prev.*``), through a round off too, and the client
-  store counts it: one model per client.
+  store counts it: one model per client; under ``params.freeze`` the frozen tensors are sent
+  once, kept in its cache and never move.
 * A model without a ``head`` is refused; so are μ or τ ≤ 0 and upload compression. 16-bit
   uploads, a robust mean and a server optimizer work (FedAvg's server), and so do secure
   aggregation and DP (attacked in tests/privacy/test_personal_methods.py).
@@ -27,7 +31,14 @@ from four_clusters import model as _model
 from torch import nn
 
 from fedlore.algorithms.fedavg import FedAvg
-from fedlore.algorithms.moon import PREV, Moon, contrastive_loss
+from fedlore.algorithms.moon import (
+    PREV,
+    Contrast,
+    Moon,
+    contrastive_loss,
+    frozen_copy,
+    representation,
+)
 from fedlore.config import load_config
 from fedlore.data.client_data import ClientData
 from fedlore.experiment_parts import make_algorithm
@@ -73,6 +84,97 @@ def test_the_contrastive_loss_on_a_hand_computed_example() -> None:
     assert float(same.detach()) == pytest.approx(math.log(2.0))
     same.backward()
     assert w.grad is not None and float(w.grad.abs().max()) < 1e-7
+
+
+def test_the_contrastive_loss_of_a_sequence_is_per_position() -> None:
+    """For z of shape [B, L, d] (a language model's tokens) the similarities are taken along the
+    last dimension and ℓ_con is the mean over all B·L positions: the loss of the same rows laid
+    out as [B·L, d], written out by hand too (B, L, d all different, so taking a similarity or
+    stacking along another dimension gives another value). On the ``meta`` device it stays
+    there (its targets made on the logits' device)."""
+    g = torch.Generator().manual_seed(0)
+    z, z_glob, z_prev = (torch.randn(2, 3, 5, generator=g) for _ in range(3))
+    flat = contrastive_loss(z.reshape(6, 5), z_glob.reshape(6, 5), z_prev.reshape(6, 5), 0.5)
+    got = contrastive_loss(z, z_glob, z_prev, 0.5)
+    assert got.shape == () and float(got) == pytest.approx(float(flat), rel=1e-6)
+    rows = []
+    for a, b, c in zip(z.reshape(6, 5), z_glob.reshape(6, 5), z_prev.reshape(6, 5), strict=True):
+        s_g = float(a @ b / (a.norm() * b.norm()))
+        s_p = float(a @ c / (a.norm() * c.norm()))
+        rows.append(math.log1p(math.exp((s_p - s_g) / 0.5)))
+    assert float(got) == pytest.approx(sum(rows) / 6, rel=1e-5)
+    meta = contrastive_loss(z.to("meta"), z_glob.to("meta"), z_prev.to("meta"), 0.5)
+    assert meta.device.type == "meta" and meta.shape == ()
+
+
+def test_the_frozen_copies_are_detached_evaluation_twins() -> None:
+    """``frozen_copy``: a copy in evaluation mode whose parameters neither require nor hold a
+    gradient, with the given arrays loaded (or the model's own); the model itself is left
+    training, with its gradients."""
+    model = _model("batch")
+    model.train()
+    F.cross_entropy(model(_client(0).train.x), _client(0).train.y).backward()
+    other = model_arrays(_model("batch", 3))
+    for arrays, want in ((None, model_arrays(model)), (other, other)):
+        twin = frozen_copy(model, arrays)
+        assert not twin.training and not any(m.training for m in twin.modules())
+        assert all(not p.requires_grad and p.grad is None for p in twin.parameters())
+        got = model_arrays(twin)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert model.training
+    assert all(p.requires_grad and p.grad is not None for p in model.parameters())
+
+
+class _Skips(nn.Module):
+    """A model with a ``head`` its forward pass never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_z_is_the_input_of_the_head_read_without_a_trace() -> None:
+    """``representation`` is the head's input (the MLP's body output) and leaves no hook on the
+    model; a model whose forward pass skips its head is refused, by name."""
+    model = _model("batch")
+    model.eval()
+    x = _client(0).train.x
+    torch.testing.assert_close(representation(model, x), model.body(x))
+    assert not model.head._forward_pre_hooks and not model._forward_pre_hooks
+    with pytest.raises(RuntimeError) as info:
+        representation(_Skips(), x)
+    assert str(info.value) == "moon: the model's forward pass did not call its `head`"
+    assert not _Skips().head._forward_pre_hooks
+
+
+def test_the_term_reads_the_training_forward_just_made() -> None:
+    """The term of a step needs the step's training forward pass (the model's input x and its
+    z, each recorded once): without one, with the head's input alone, or read twice, it
+    refuses; an evaluation forward (a P-local score) records nothing. ``close`` leaves the
+    model without hooks."""
+    model = _model("batch")
+    glob = frozen_copy(model)
+    term = Contrast(model, glob, None, 2.0, 0.5)
+    message = "moon: no training forward pass recorded x and z before its term"
+    x = _client(0).train.x
+    model.train()
+    model.head(torch.randn(3, 12))  # z only
+    model.eval()
+    model(x)  # an evaluation: nothing
+    for _ in range(2):
+        with pytest.raises(RuntimeError) as info:
+            term(model)
+        assert str(info.value) == message
+    model.train()
+    model(x)
+    assert float(term(model).detach()) == pytest.approx(2.0 * math.log(2.0))  # z_prev = z_glob
+    with pytest.raises(RuntimeError, match="no training forward pass"):
+        term(model)
+    term.close()
+    assert not model._forward_pre_hooks and not model.head._forward_pre_hooks
 
 
 def _reference(start: dict[str, torch.Tensor], prev: dict[str, torch.Tensor], data: ClientData,
@@ -184,21 +286,37 @@ def test_each_client_keeps_its_trained_model_and_the_store_counts_it() -> None:
 
 
 def test_a_model_without_a_head_and_bad_settings_are_refused() -> None:
-    headless = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 4))
-    with pytest.raises(
-        ValueError, match=r"moon: the model has no `head` module.*\['0', '1', '2'\]"
-    ):
+    """Each refusal whole: a model without a ``head`` (naming its first 8 modules), μ and τ not
+    above 0 (NaN included)."""
+    headless = nn.Sequential(nn.Linear(8, 12), *(nn.ReLU() for _ in range(8)), nn.Linear(12, 4))
+    message = (
+        "moon: the model has no `head` module; MOON contrasts the representation z, the input of "
+        "the model's output layer, which it finds as the module named `head` (as every fedlore "
+        "classifier names it); this model's modules: ['0', '1', '2', '3', '4', '5', '6', '7']"
+    )
+    with pytest.raises(ValueError) as info:
         _moon().init_server(headless, torch.Generator())
+    assert str(info.value) == message
     state = _moon().init_server(_model(), torch.Generator())
-    with pytest.raises(ValueError, match="moon: the model has no `head` module"):
+    with pytest.raises(ValueError) as info:
         _moon().client_update(
             Broadcast({"model." + k: v for k, v in model_arrays(headless).items()}, {"round": 0}),
             None, headless, _client(0), torch.Generator(),
         )  # fmt: skip
+    assert str(info.value) == message
     assert state.arrays
-    for bad, match in ((dict(mu=0.0), "mu must be > 0"), (dict(temperature=-1.0), "temperature")):
-        with pytest.raises(ValueError, match=match):
+    mu = "moon: mu must be > 0 (the contrastive term's weight; 0 is FedAvg), got {}"
+    tau = "moon: temperature must be > 0 (it divides the similarities), got {}"
+    for bad, want in ((dict(mu=0.0), mu.format(0.0)), (dict(mu=-1.0), mu.format(-1.0)),
+                      (dict(mu=math.nan), mu.format(math.nan)),
+                      (dict(temperature=0.0), tau.format(0.0)),
+                      (dict(temperature=-1.0), tau.format(-1.0)),
+                      (dict(temperature=math.nan), tau.format(math.nan))):  # fmt: skip
+        with pytest.raises(ValueError) as info:
             _moon(**bad)
+        assert str(info.value) == want
+    small = _moon(mu=1e-9, temperature=1e-9)
+    assert (small.mu, small.temperature) == (1e-9, 1e-9)
     for mode in ("secure_aggregation=true", "dp.clip_norm=1,dp.noise_multiplier=1.0"):
         cfg = load_config(None, ["algorithms=[moon]", *mode.split(","), "weighting=uniform"])
         assert make_algorithm("moon", cfg).train.upload_increments  # type: ignore[attr-defined]
@@ -212,3 +330,28 @@ def test_16_bit_uploads_a_robust_mean_and_a_server_optimizer_work() -> None:
     every = {n for n, _ in _model().named_parameters()}
     for settings in SERVER_SETTINGS:
         check_fedavg_server(_moon(**settings), settings, every, lambda kept: kept.arrays)
+
+
+def test_frozen_tensors_are_sent_once_and_never_move() -> None:
+    """``params.freeze`` with MOON: after first contact the broadcast leaves the frozen bias
+    out, the client fills it from its cache (kept beside its previous model), no reply carries
+    it and no model, kept or global, moves it."""
+    algo = _moon(freeze=["body.0.bias"])
+    run = Run(algo, "none", [[0, 1], [0, 1], [0, 1]], kind="features")
+    init = model_arrays(_model())
+    full = {"model." + k for k in init}
+    assert all(set(m.arrays) == full for m in run.sent[0].values())
+    for sent in run.sent[1:]:
+        assert all(set(m.arrays) == full - {"model.body.0.bias"} for m in sent.values())
+    for replies in run.got:
+        for reply in replies.values():
+            assert isinstance(reply, Reply)
+            assert set(reply.arrays) == {"update." + k for k in init} - {"update.body.0.bias"}
+    for cid in (0, 1):
+        kept = run.store.get(cid)
+        assert kept is not None
+        assert set(kept.arrays) == {PREV + k for k in init} | {"cache.body.0.bias"}
+        assert torch.equal(kept.arrays["cache.body.0.bias"], init["body.0.bias"])
+        assert torch.equal(kept.arrays[PREV + "body.0.bias"], init["body.0.bias"])
+        assert not torch.equal(kept.arrays[PREV + "body.0.weight"], init["body.0.weight"])
+    assert torch.equal(run.states[-1].arrays["model.body.0.bias"], init["body.0.bias"])

@@ -34,7 +34,9 @@ Setting the count of the other unit (``body_epochs`` under ``local_steps``, ``bo
 (``clients.partial_work``) ends its round early: the head's steps come first, so it uploads a
 body that moved less, or not at all.
 
-Each phase has a fresh local optimizer (FedAvg's, SGD by default) over the tensors it trains.
+Each phase has a fresh local optimizer (FedAvg's, SGD by default) over the tensors it trains,
+and starts by dropping the gradients of the tensors it does not train (the head's last one
+would otherwise stay beside the body's, seen by a gradient hook of the body's steps).
 The official code keeps one SGD over all the parameters; with gradients set to None between
 steps (torch 2's ``zero_grad``) that is the same optimizer, each parameter being stepped in its
 own phase only. (Under the torch 1 of the time ``zero_grad`` zeroed the frozen part's gradients
@@ -190,7 +192,10 @@ class FedRep(FedPer):
         t0 = time.perf_counter()
         for trains_head, rates in ((True, lrs[:head_steps]), (False, lrs[head_steps:])):
             for name, p in model.named_parameters():
-                p.requires_grad_((name in head) == trains_head and not self.is_frozen(name))
+                trains = (name in head) == trains_head and not self.is_frozen(name)
+                p.requires_grad_(trains)
+                if not trains:  # the head's last gradient is none of the body's steps'
+                    p.grad = None
             if not rates:
                 continue
             opt = self.make_optimizer(model)
