@@ -213,7 +213,8 @@ def make_canaries(cfg: Config, algo: Algorithm, state: State | None) -> Canaries
             audit.canaries, audit.unseen_count, per_round, pairs, start, algo.global_arrays
         )
     except ValueError as e:
-        raise ConfigError(f"dp.audit.canaries with {type(algo).__name__}: {e}") from e
+        method = getattr(algo, "name", type(algo).__name__)
+        raise ConfigError(f"dp.audit.canaries with method {method!r}: {e}") from e
     say_once(
         "DP audit (Andrew et al. 2024): %d canary clients, %d per round (rate %.3g, the real "
         "clients' %d of %d), %d unseen, in %d upload coordinates; their uploads join the sum "

@@ -37,7 +37,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
 
 EPSILON_TOL = 1e-9
 """The bisection stops when its bracket on ε is this narrow (absolute)."""
@@ -59,21 +58,29 @@ def null_std(dimension: int) -> float:
     return 1.0 / math.sqrt(dimension)
 
 
+def _log_phi(x: float) -> float:
+    """``log Φ(x)``, the standard normal's log CDF, accurate far into both tails (scipy's
+    ``log_ndtr``, imported here so that importing fedlore does not load scipy)."""
+    from scipy.special import log_ndtr
+
+    return float(log_ndtr(x))
+
+
 def _log_mass(mean: float, sd: float, lo: float, hi: float) -> float:
     """``log P(lo < X < hi)`` for ``X ~ N(mean, sd²)`` (``-inf`` for an empty interval), from
     whichever tail keeps the difference of two small numbers accurate."""
     if not lo < hi:
         return -math.inf
     a, b = (lo - mean) / sd, (hi - mean) / sd
-    if a > 0:  # both in the upper tail: P = sf(a) − sf(b)
-        la, lb = stats.norm.logsf(a), stats.norm.logsf(b)
-    elif b < 0:  # both in the lower tail: P = cdf(b) − cdf(a)
-        la, lb = stats.norm.logcdf(b), stats.norm.logcdf(a)
-    else:  # around the mean: 1 − cdf(a) − sf(b)
-        return float(np.log1p(-(stats.norm.cdf(a) + stats.norm.sf(b))))
+    if a > 0:  # both in the upper tail: P = Φ(−a) − Φ(−b)
+        la, lb = _log_phi(-a), _log_phi(-b)
+    elif b < 0:  # both in the lower tail: P = Φ(b) − Φ(a)
+        la, lb = _log_phi(b), _log_phi(a)
+    else:  # around the mean: 1 − Φ(a) − Φ(−b)
+        return math.log1p(-(math.exp(_log_phi(a)) + math.exp(_log_phi(-b))))
     if lb == -math.inf:
         return float(la)
-    return float(la + np.log1p(-math.exp(lb - la))) if la > lb else -math.inf
+    return la + math.log1p(-math.exp(lb - la)) if la > lb else -math.inf
 
 
 def _region(shift: float, sd_p: float, sd_q: float, eps: float) -> list[tuple[float, float]]:
@@ -167,8 +174,8 @@ def gdp_delta(eps: float, mu: float) -> float:
     """δ(ε) of μ-GDP: ``Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2)`` (Dong, Roth & Su 2022, Cor. 2.13)."""
     if mu <= 0:
         return 0.0
-    upper = stats.norm.logcdf(-eps / mu + mu / 2)
-    lower = eps + stats.norm.logcdf(-eps / mu - mu / 2)
+    upper = _log_phi(-eps / mu + mu / 2)
+    lower = eps + _log_phi(-eps / mu - mu / 2)
     return float(math.exp(upper) * -math.expm1(min(lower - upper, 0.0)))
 
 
