@@ -5,7 +5,8 @@ The federation: digits over N = 10 clients, FedAvg, an MLP 64-128-10 (d = 9,610 
 coordinates), T = 10 rounds, C = 1, σ = 6, δ = 1e-5; every client each round (claimed ε 5.02)
 or 5 of 10 (4.34), dp-accounting's RDP. k = 2,000 canaries and k' = 2,000 unseen directions.
 The sabotage replaces the server's noise by σ/10 or by nothing while the accountant still
-claims σ (a monkeypatched :class:`~fedlore.privacy.randomness.SecureSource`).
+claims σ (a monkeypatched :class:`~fedlore.privacy.randomness.SecureSource`), or keeps the
+noise and tells the accountant 4σ (a broken accounting rather than a broken mechanism).
 
 **Why the honest runs stay below.** A canary inserted in n of T rounds shifts its cosine by
 about ``n / (√T σ)`` null standard deviations (at most 0.527 here; 0.264 at half participation),
@@ -36,21 +37,30 @@ import pytest
 
 from fedlore.config import load_config
 from fedlore.experiment import run_one
+from fedlore.privacy import aggregation
 from fedlore.privacy.dp import epsilon_spent
 from fedlore.privacy.randomness import SecureSource
 
 SIGMA, ROUNDS, CLIENTS, DELTA = 6.0, 10, 10, 1e-5
 
 
-def _audit(tmp_path: Path, participation: float, noise_scale: float, mp: Any) -> dict[str, Any]:
-    """One audited run whose server noise is ``noise_scale`` times what the accountant is told."""
-    honest = SecureSource.gaussian
+def _audit(
+    tmp_path: Path, participation: float, noise_scale: float, mp: Any, told: float = 1.0
+) -> dict[str, Any]:
+    """One audited run whose server noise is ``noise_scale`` times σ, and whose accountant is
+    told ``told`` times σ."""
+    honest, accountant = SecureSource.gaussian, aggregation.epsilon_spent
 
     def weak(self: SecureSource, n: int, std: float, rnd: int, client: int) -> Any:
         return honest(self, n, std * noise_scale, rnd, client)
 
+    def flattering(sigma: float, *args: Any, **kwargs: Any) -> float:
+        return accountant(sigma * told, *args, **kwargs)
+
     if noise_scale != 1.0:
         mp.setattr(SecureSource, "gaussian", weak)
+    if told != 1.0:
+        mp.setattr(aggregation, "epsilon_spent", flattering)
     cfg = load_config(
         None,
         [
@@ -80,8 +90,8 @@ def _audit(tmp_path: Path, participation: float, noise_scale: float, mp: Any) ->
         summary = run_one(cfg, "fedavg", 7)
     assert summary is not None
     per_round = int(CLIENTS * participation)
-    claimed = epsilon_spent(SIGMA, DELTA, ROUNDS, CLIENTS, per_round)
-    assert summary["dp_epsilon"] == pytest.approx(claimed)  # the accountant is not told
+    claimed = epsilon_spent(SIGMA * told, DELTA, ROUNDS, CLIENTS, per_round)
+    assert summary["dp_epsilon"] == pytest.approx(claimed)  # what the accountant is told
     assert summary["dp_audit_dimension"] == 64 * 128 + 128 + 128 * 10 + 10
     return summary
 
@@ -108,3 +118,12 @@ def test_a_sabotaged_noise_is_caught_above_the_accountants_epsilon(
     s = _audit(tmp_path, participation, noise_scale, monkeypatch)
     assert s["dp_audit_epsilon"] > s["dp_epsilon"]
     assert s["dp_audit_epsilon_all_iterates"] > s["dp_epsilon"]
+
+
+def test_an_accountant_that_understates_epsilon_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mechanism is right but the accountant is told 4σ: it claims ε = 1.07 where the canary
+    alone reaches μ ≈ 0.51 (ε ≈ 2.0); even a shift 5 standard errors low (0.40) gives 1.55."""
+    s = _audit(tmp_path, 1.0, 1.0, monkeypatch, told=4.0)
+    assert s["dp_audit_epsilon"] > s["dp_epsilon"]

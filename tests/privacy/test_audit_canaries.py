@@ -34,6 +34,7 @@ from fedlore.privacy.canaries import (
     upload_model_keys,
 )
 from fedlore.privacy.empirical import null_std
+from fedlore.results.report import report
 from fedlore.types import Broadcast, Reply, State
 
 SEED = 3
@@ -293,6 +294,20 @@ def test_a_resumed_audit_keeps_its_canaries(tmp_path: Path) -> None:
     assert final.values[KEY] == killed.values[KEY]
     assert final.values["privacy.audit.rounds"] == 4
     assert summary["dp_audit_unseen"] == 6 and "dp_audit_epsilon_all_iterates" in summary
+    # the report's privacy cell: the estimate beside the accountant's ε
+    shown = report(str(tmp_path / cfg.name), write=False)
+    audit, every = summary["dp_audit_epsilon"], summary["dp_audit_epsilon_all_iterates"]
+    assert f"{summary['dp_epsilon']:.3g} (1e-05) / 0.3 / 0.5 / " in shown
+    assert f" · audit ε̂ {audit:.3g}, all iterates {every:.3g}" in shown
+
+
+def test_an_infinite_estimate_is_shown_not_dropped() -> None:
+    from fedlore.results.markdown import _dp_cell
+
+    row = {"dp_noise_multiplier_mean": 1.0, "dp_epsilon_mean": 3.0, "dp_delta": 1e-5}
+    assert _dp_cell(row) == "3 (1e-05) / 1 / – / –"
+    row["dp_audit_epsilon_mean"] = math.inf
+    assert _dp_cell(row) == "3 (1e-05) / 1 / – / – · audit ε̂ ∞"
 
 
 @pytest.mark.parametrize(
