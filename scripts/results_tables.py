@@ -8,7 +8,7 @@ difference, a span), this script writes it from the result files, beside them:
 
 * ``experiments/results/<experiment>/summary.md`` / ``summary.json``: combined tables and the
   numbers the prose quotes (FedLore tables, partial participation, sketch vs projector, DP,
-  local against central DP, upload compression, the classic baselines);
+  local against central DP, the canary audit of DP, upload compression, the classic baselines);
 * ``benchmarks/results/<benchmark>.md`` and ``benchmarks/results/summary.json``: the benchmark
   tables and their derived numbers;
 * the Meta-BayFL tables, through ``experiments/bayes_tables.py --write``.
@@ -34,6 +34,7 @@ from results_common import EXP, ROOT, bayes_tables
 from results_experiments import (
     compression,
     dp,
+    dp_audit,
     fmnist_dir01,
     fmnist_partial,
     ldp,
@@ -47,6 +48,7 @@ GENERATORS: tuple[Callable[[], dict[str, str]], ...] = (
     sketch_vs_projector,
     dp,
     ldp,
+    dp_audit,
     compression,
     baselines,
     lambda: grid_table_facts("vision_table1"),
