@@ -118,8 +118,8 @@ def directions(key: bytes, rows: int, dim: int) -> torch.Tensor:
     """``rows`` unit vectors of dimension ``dim``, uniformly distributed on the sphere, float32
     on the CPU: normalized standard Gaussians (Box-Muller in float32, from 24-bit uniforms of
     an AES-256-CTR stream keyed by ``key``); the same key gives the same rows. (A 24-bit
-    uniform truncates the Gaussian beyond 5.9 standard deviations, a mass of 4e-9: the rows
-    stay isotropic to far better than the audit can see.)"""
+    uniform caps a pair's radius at 5.9, whose tail beyond holds a mass of 2^-25 = 3e-8: the
+    rows stay isotropic to far better than the audit can see.)"""
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
     stream = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
