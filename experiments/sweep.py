@@ -6,8 +6,9 @@ the config. Reported per (setting, method): mean ± sample std over seeds of the
 final central-test accuracy, NLL and ECE, the global model's accuracy on the clients' test
 splits (G-local, ``eval.clients``), the clients' personal or last local model's accuracy and NLL
 on their own test splits (P-local) when ``eval.local`` is on, the mean local-training seconds
-per client per round, the learning rates the clients chose (Meta methods) and, with ``--bytes``,
-each run's total bytes up and down.
+per client per round, the learning rates the clients chose (Meta methods), with ``--bytes``
+each run's total bytes up and down, and with ``--fairness`` the spread of the global model's
+accuracy over the clients (mean, worst, 10th percentile, std of the per-client accuracies).
 
 Usage::
 
@@ -57,6 +58,15 @@ COLUMNS = (
 )
 BYTES = (("bytes_up_total", "MB up", 1e-6), ("bytes_down_total", "MB down", 1e-6))
 """``--bytes``: the run's total bytes up and down (setup exchange included), in 10^6 bytes."""
+FAIRNESS = (
+    ("final_client_accuracy_mean", "client mean (%)", 100.0),
+    ("final_client_accuracy_min", "worst client (%)", 100.0),
+    ("final_client_accuracy_p10", "client p10 (%)", 100.0),
+    ("final_client_accuracy_std", "client std (pts)", 100.0),
+)
+"""``--fairness``: the spread of the global model's accuracy over the clients' own test splits
+(``eval.clients``): each client's accuracy counted once, their mean, the worst, the 10th
+percentile and the sample std, in percent (points for the std)."""
 
 
 def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
@@ -149,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for every run")
     ap.add_argument("--table-only", action="store_true", help="tabulate finished runs only")
     ap.add_argument("--bytes", action="store_true", help="add each run's MB up and down")
+    ap.add_argument(
+        "--fairness",
+        action="store_true",
+        help="add the clients' accuracy mean, worst, p10 and std (needs eval.clients)",
+    )
     args = ap.parse_args(argv)
     try:
         return sweep(args)
@@ -270,7 +285,7 @@ def sweep(args: argparse.Namespace) -> int:
             raise KeyboardInterrupt
 
     records: list[dict[str, Any]] = []
-    columns = COLUMNS + BYTES if args.bytes else COLUMNS
+    columns = COLUMNS + (BYTES if args.bytes else ()) + (FAIRNESS if args.fairness else ())
     lines = [
         "| setting | method | seeds | " + " | ".join(h for _, h, _ in columns) + " | lr chosen |",
         "|---|---|---|" + "---|" * len(columns) + "---|",

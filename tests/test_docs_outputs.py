@@ -37,7 +37,7 @@ SMALL = ["rounds=2", "num_clients=4", "local_steps=2", "progress=false", "eval.m
 
 EXPERIMENTS: dict[str, list[str]] = {
     "features": [
-        "algorithms=[fedlore,local_galore,meta_bayfl,fedbe,lora_fair,fedmask,flexlora,flora,fednova]",
+        "algorithms=[fedlore,local_galore,meta_bayfl,fedbe,lora_fair,fedmask,flexlora,flora,fednova,qffl]",
         "eval.local=true",
         "eval.clients=true",
         "data.selection_fraction=0.1",

@@ -127,3 +127,25 @@ def test_an_interrupted_sweep_starts_no_further_run(
     out = ["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--jobs", "1"]
     assert sweep.main([str(config), *out]) == 130
     assert len(calls) == 1 and "interrupted" in capsys.readouterr().out
+
+
+def test_fairness_adds_the_spread_of_the_clients_accuracies(tmp_path: Path) -> None:
+    """``--fairness``: the global model's per-client accuracy mean, worst, p10 and std, each
+    run's own (from its summary), as columns of table.md and values of table.json."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        "name: tiny\nrounds: 2\nnum_clients: 4\nlocal_steps: 2\nbatch_size: 16\n"
+        "algorithms: [fedavg]\nseeds: [1]\npartition: {min_size: 10}\neval: {clients: true}\n"
+        "model: {name: mlp, kwargs: {hidden: [16]}}\n"
+    )
+    out = tmp_path / "out"
+    args = [str(config), "--runs", str(tmp_path / "runs"), "--out", str(out), "--fairness"]
+    assert _sweep().main(args) == 0
+    (row,) = json.loads((out / "table.json").read_text())
+    summary = json.loads((tmp_path / "runs/tiny-base/fedavg/seed-1/summary.json").read_text())
+    for key in ("mean", "min", "p10", "std"):
+        assert row[f"final_client_accuracy_{key}"] == [summary[f"final_client_accuracy_{key}"]]
+    assert row["final_client_accuracy_min"][0] <= row["final_client_accuracy_p10"][0]
+    assert row["final_client_accuracy_p10"][0] <= row["final_client_accuracy_mean"][0]
+    head = (out / "table.md").read_text().splitlines()[0]
+    assert "| worst client (%) | client p10 (%) | client std (pts) |" in head

@@ -84,6 +84,7 @@ TABLE: dict[str, Row] = {
     "moon":           Row(0,    F,   T,  T,     F, T,   1,   None,     F,     "own"),
     "pfedbayes":      Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
     "pfedme":         Row(0,    F,   F,  T,     F, T,   1,   None,     F,     "own"),
+    "qffl":           Row(0,    F,   T,  F,     F, T,   1,   None,     F,     "own"),
     "rolora":         Row(0,    F,   T,  F,     F, T,   1,   None,     T,     "own"),
     "scaffold":       Row(0,    F,   F,  F,     F, T,   1,   None,     F,     "own"),
 }
@@ -292,7 +293,7 @@ def test_only_the_partial_personalization_methods_keep_layers_local() -> None:
 
 def test_only_the_methods_whose_uploads_are_fedfulls_compress_them() -> None:
     """Upload compression encodes FedFull's plain dense deltas; a subclass whose server builds
-    state from each upload (SCAFFOLD, FedDyn), rescales it (FedNova), keeps layers local
+    state from each upload (SCAFFOLD, FedDyn), rescales it (FedNova, q-FFL), keeps layers local
     (FedPer, FedBN, FedRep), trains on another loss untested with it (MOON) or uploads something
     else withdraws it, and says so for its settings."""
     compressing = {
@@ -301,6 +302,6 @@ def test_only_the_methods_whose_uploads_are_fedfulls_compress_them() -> None:
         if registry.get("algorithm", n).capabilities.compress_uploads
     }
     assert compressing == {"fedfull", "fedavg", "fedprox"}
-    for name in ("scaffold", "feddyn", "fednova", "fedper", "fedbn", "fedrep", "moon"):
+    for name in ("scaffold", "feddyn", "fednova", "fedper", "fedbn", "fedrep", "moon", "qffl"):
         with pytest.raises(ValueError, match=f"method '{name}' does not offer upload compression"):
             make_algorithm(name, load_config(None, [f"method.{name}.compression=topk"]))

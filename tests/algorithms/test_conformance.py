@@ -81,6 +81,7 @@ LEARNING_OVERRIDES: dict[str, list[str]] = {
     "scaffold": ["method.scaffold.lr=0.3"],  # SGD steps, as FedAvg
     "feddyn": ["method.feddyn.lr=0.3"],  # SGD steps, as FedAvg
     "fednova": ["method.fednova.lr=0.3"],  # SGD steps, as FedAvg
+    "qffl": ["method.qffl.lr=0.3"],  # SGD steps, as FedAvg
     "fedper": ["method.fedper.lr=0.3"],
     "fedbn": ["method.fedbn.lr=0.3"],
     "fedrep": ["method.fedrep.lr=0.3"],  # FedPer's SGD, 4 steps on the head, then 1 on the body

@@ -109,6 +109,7 @@ KILLS = [
     ("scaffold", 1),  # its server c and each client's c_i come back from the checkpoint
     ("feddyn", 1),  # its server h and each client's h_k, likewise
     ("fednova", 1),  # its parameter list (server state values) comes back from the checkpoint
+    ("qffl", 1),  # likewise, and each client's loss F_k measured anew from the restored model
     ("fedper", 1),  # each client's head comes back from the checkpoint's client store
     ("fedbn", 1),  # each client's BatchNorm layers, running statistics included
     ("fedrep", 1),  # each client's head, trained before the body in every round

@@ -148,3 +148,24 @@ def test_fednova_under_local_epochs_matches_in_process(
     for a, b in zip(rows(local, "fednova"), rows(sim, "fednova"), strict=True):
         assert b["tau_eff_lr"] == pytest.approx(a["tau_eff_lr"], rel=1e-12)
         assert a["accepted"] == 3
+
+
+def test_qffl_weighs_each_client_by_the_loss_it_sent_over_flower(
+    tmp_path: Path, digits_npz: list[str]
+) -> None:
+    """q-FFL's server weighs each client's delta by ``qffl_loss``, a reply metric that crosses
+    Flower's wire; at q = 5 a loss that arrived otherwise would move the model elsewhere and
+    change the round's ``qffl_step_share`` (two rounds: the second starts from a q-step)."""
+    local, sim = (
+        sim_cfg(tmp_path, engine, 2, "qffl", digits_npz).model_copy(
+            update={"method": {"qffl": {"q": 5.0}}}
+        )
+        for engine in ("local", "sim")
+    )
+    run_one(local, "qffl", 42)
+    summary = run_simulated(sim, "qffl", 42)
+    assert_matches(local, sim, "qffl", summary)
+    for a, b in zip(rows(local, "qffl"), rows(sim, "qffl"), strict=True):
+        assert b["qffl_loss_max"] == pytest.approx(a["qffl_loss_max"], rel=1e-6)
+        assert b["qffl_step_share"] == pytest.approx(a["qffl_step_share"], rel=1e-6)
+        assert 0 < a["qffl_step_share"] < 1 and a["accepted"] == 3

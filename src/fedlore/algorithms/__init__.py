@@ -26,6 +26,7 @@ from fedlore.algorithms import (  # noqa: F401
     partial,
     pfedbayes,
     pfedme,
+    qffl,
     scaffold,
 )
 from fedlore.algorithms.base import Hyper

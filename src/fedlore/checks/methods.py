@@ -148,7 +148,8 @@ def check_method_settings(
             f"robust.aggregate={cfg.robust.aggregate}: method {name!r} offers no robust "
             "combination of its uploads (the low-rank and mask methods' servers combine factors, "
             "bases or masks; SCAFFOLD's and FedDyn's add up their control variates or gradient "
-            "states; FedNova's rescales each delta by the client's own reported ‖a_i‖₁), so a "
+            "states; FedNova's rescales each delta by the client's own reported ‖a_i‖₁, q-FFL's "
+            "by its reported loss to the power q), so a "
             "coordinate-wise median, trimmed mean or Krum is not defined for it; use "
             "robust.aggregate=mean (the norm screen, robust.norm_screen, works for every method)"
         )
@@ -202,8 +203,8 @@ def check_method_settings(
             f"server.optimizer={kind}, server.lr={lr}: method {name!r} does not add an averaged "
             "dense delta to its model (its server combines low-rank factors, bases, masks or "
             "forwarded models, or runs its own optimizer, or corrects the mean by a state of its "
-            "own: FedDyn's h), so no server optimizer applies; use server.optimizer=sgd with "
-            "server.lr=1"
+            "own: FedDyn's h, or takes a step size of its own: q-FFL's 1 / Σ h_k), so no server "
+            "optimizer applies; use server.optimizer=sgd with server.lr=1"
         )
     kind = overrides.get("compression", cfg.compression.kind)
     key = f"method.{name}.compression" if "compression" in overrides else "compression.kind"
@@ -246,8 +247,8 @@ def check_method_settings(
         raise ConfigError(
             f"transport_dtype={cfg.transport_dtype}: method {name!r} sends its tensors at the "
             "model's dtype only; 16-bit transport is implemented for fedlore, fedlore_random, "
-            "fedlore_fixed, fedlore_sketch, fedfull, fedavg, fedprox, fednova, moon, fedper, "
-            "fedbn, fedrep and the LoRA methods (use transport_dtype=fp32)"
+            "fedlore_fixed, fedlore_sketch, fedfull, fedavg, fedprox, fednova, qffl, moon, "
+            "fedper, fedbn, fedrep and the LoRA methods (use transport_dtype=fp32)"
         )
 
 
@@ -315,8 +316,8 @@ def check_wire_settings(cls: type[Declares], upload_increments: bool, transport_
         raise ValueError(
             f"{cls.__name__}: invalid transport_dtype={transport_dtype!r}: this "
             "method sends its tensors at the model's dtype only (16-bit transport: FedLore and "
-            "its variants, FedFull, FedAvg, FedProx, FedNova, MOON, FedPer, FedBN, FedRep and the "
-            "LoRA methods)"
+            "its variants, FedFull, FedAvg, FedProx, FedNova, q-FFL, MOON, FedPer, FedBN, FedRep "
+            "and the LoRA methods)"
         )
 
 
