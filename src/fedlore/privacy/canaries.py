@@ -102,7 +102,7 @@ def upload_model_keys(spec: dict[str, Any], model: Arrays) -> list[tuple[str, st
                 f"its upload {key!r} {list(shape)} is not the change of a global model tensor "
                 f"{name!r} of that shape; the canary audit compares the model's change with "
                 "each canary's upload, so it needs a method whose clients upload model deltas "
-                "(fedavg, fedfull, fedprox)"
+                "(such as fedavg, fedfull, fedprox)"
             )
         pairs.append((key, name))
     return pairs
