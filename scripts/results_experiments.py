@@ -8,6 +8,7 @@ import csv
 import importlib.util
 import math
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -407,4 +408,24 @@ def compression() -> dict[str, str]:
     return {
         "experiments/results/compression/summary.md": md,
         "experiments/results/compression/summary.json": dump_json(facts),
+    }
+
+
+# ---------------------------------------------------------------- the canary audit of DP
+def dp_audit() -> dict[str, str]:
+    """``experiments/results/dp_audit_digits/summary.*`` from its ``table.json``, by the
+    driver's own :func:`summarize` (``experiments/dp_audit_digits.py``)."""
+    path = EXP.parents[0] / "dp_audit_digits.py"
+    spec = importlib.util.spec_from_file_location("dp_audit_driver", path)
+    assert spec and spec.loader
+    driver = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))  # the driver imports dp_fmnist beside it
+    try:
+        spec.loader.exec_module(driver)
+    finally:
+        sys.path.remove(str(path.parent))
+    md, facts = driver.summarize(read(EXP / "dp_audit_digits" / "table.json"))
+    return {
+        "experiments/results/dp_audit_digits/summary.md": md,
+        "experiments/results/dp_audit_digits/summary.json": dump_json(facts),
     }

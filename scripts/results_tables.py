@@ -8,7 +8,8 @@ difference, a span), this script writes it from the result files, beside them:
 
 * ``experiments/results/<experiment>/summary.md`` / ``summary.json``: combined tables and the
   numbers the prose quotes (FedLore tables, partial participation, sketch vs projector, DP,
-  local against central DP (FedAvg; FedPer), upload compression, the classic baselines);
+  local against central DP (FedAvg; FedPer), the canary audit of DP, upload compression, the
+  classic baselines);
 * ``benchmarks/results/<benchmark>.md`` and ``benchmarks/results/summary.json``: the benchmark
   tables and their derived numbers;
 * the Meta-BayFL tables, through ``experiments/bayes_tables.py --write``.
@@ -34,6 +35,7 @@ from results_common import EXP, ROOT, bayes_tables
 from results_experiments import (
     compression,
     dp,
+    dp_audit,
     fmnist_dir01,
     fmnist_partial,
     ldp,
@@ -50,6 +52,7 @@ GENERATORS: tuple[Callable[[], dict[str, str]], ...] = (
     dp,
     ldp,
     ldp_personal,
+    dp_audit,
     compression,
     baselines,
     pfl_baselines,

@@ -5,9 +5,10 @@ server, the privacy layer, the diagnostics), so the page is written by hand and 
 few tiny experiments (digits, 4 clients, 2 rounds; a few seconds in all) cover evaluation, the
 selection split, G-local and P-local scores, diagnostics of shared and client bases, a Bayesian
 method with a learning-rate search, the methods with server metrics of their own, DP with
-adaptive clipping and client sampling, secure aggregation, regression and a source without a
-test split. Every key their ``metrics.jsonl``, ``summary.json`` and ``config.json`` hold must be
-in that file's tables on the page, and every key the page lists must be spelled in the source.
+adaptive clipping, client sampling and the canary audit, secure aggregation, regression and a
+source without a test split. Every key their ``metrics.jsonl``, ``summary.json`` and
+``config.json`` hold must be in that file's tables on the page, and every key the page lists
+must be spelled in the source.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ EXPERIMENTS: dict[str, list[str]] = {
         "dp.noise_multiplier=1.0",
         "dp.target_quantile=0.5",
         "dp.clipped_count_stddev=1.0",
+        "dp.audit.canaries=4",
     ],
     "secure": ["algorithms=[fedfull]", "secure_aggregation=true", "data.name=npz"],
     "regression": [
@@ -166,7 +168,13 @@ def test_the_runs_cover_the_conditional_keys(written: dict[str, dict[str, set[st
         "secagg_bytes_down",
     ):
         assert key in rows, f"no run wrote {key} (the experiments no longer reach it)"
-    for key in ("data_test_split", "dp_clip_norm_final", "final_client_rmse", "local_clients"):
+    for key in (
+        "data_test_split",
+        "dp_clip_norm_final",
+        "final_client_rmse",
+        "local_clients",
+        "dp_audit_epsilon_all_iterates",
+    ):
         assert key in written["summary"], f"no summary holds {key}"
 
 

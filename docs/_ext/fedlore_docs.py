@@ -90,16 +90,22 @@ def _paragraphs(text: str) -> list[str]:
 
 # ---------------------------------------------------------------- the configuration reference
 def config_sections() -> dict[str, type]:
-    """``{"": Config, "data": DataConfig, ...}`` in the order the Config declares them."""
+    """``{"": Config, "data": DataConfig, ..., "dp.audit": DPAuditConfig}`` in the order the
+    Config declares them, a section's own sections after it (dotted names)."""
     from pydantic import BaseModel
 
     from fedlore.config import Config
 
-    out: dict[str, type] = {"": Config}
-    for name, info in Config.model_fields.items():
-        kind = info.annotation
-        if isinstance(kind, type) and issubclass(kind, BaseModel):
-            out[name] = kind
+    out: dict[str, type] = {}
+
+    def add(prefix: str, model: type) -> None:
+        out[prefix] = model
+        for name, info in model.model_fields.items():  # type: ignore[attr-defined]
+            kind = info.annotation
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                add(f"{prefix}.{name}" if prefix else name, kind)
+
+    add("", Config)
     return out
 
 
@@ -111,7 +117,7 @@ def config_entries(section: str) -> list[tuple[str, str, str, str, str]]:
     rows = []
     for name, info in model.model_fields.items():
         kind = info.annotation
-        if section == "" and isinstance(kind, type) and issubclass(kind, BaseModel):
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
             continue  # a section: its own directive lists it
         key = f"{section}.{name}" if section else name
         default = info.get_default(call_default_factory=True)

@@ -23,6 +23,7 @@ from fedlore.config_model import Config
 from fedlore.config_sections import (
     DataConfig,
     DiagnosticsConfig,
+    DPAuditConfig,
     DPConfig,
     EvalConfig,
     FlowerConfig,
@@ -41,6 +42,7 @@ __all__ = [
     "CompressionConfig",
     "Config",
     "ConfigError",
+    "DPAuditConfig",
     "DPConfig",
     "DataConfig",
     "DiagnosticsConfig",

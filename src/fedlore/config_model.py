@@ -251,6 +251,28 @@ class Config(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _canary_audit(self) -> Config:
+        k = self.dp.audit.canaries
+        if not k:
+            return self
+        if self.secure_aggregation:
+            raise ValueError(
+                "dp.audit.canaries with secure_aggregation is refused: the server would add the "
+                "canaries to the unmasked sum, outside the protocol, so the audit would not "
+                "measure the mechanism that ran; audit the config without secure_aggregation "
+                "(the secure sum only hides single uploads from the server; the noised sum and "
+                "its ε are central DP's either way)"
+            )
+        m, n = self.clients_per_round(), self.num_clients
+        if k * m < n:
+            raise ValueError(
+                f"dp.audit.canaries = {k} with {m} of {n} clients per round would insert "
+                f"⌊{k} · {m} / {n}⌋ = 0 canaries per round (canaries are sampled at the real "
+                f"clients' ratio); use at least {-(-n // m)}"
+            )
+        return self
+
     @field_validator("imports")
     @classmethod
     def _import_them(cls, v: list[str]) -> list[str]:

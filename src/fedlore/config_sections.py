@@ -14,6 +14,7 @@ from fedlore.config_data import DataConfig, PartitionConfig
 from fedlore.settings import StrictModel as _Strict
 
 __all__ = [
+    "DPAuditConfig",
     "DPConfig",
     "DataConfig",
     "DiagnosticsConfig",
@@ -164,6 +165,42 @@ class RobustConfig(_Strict):
     (None: n - f)."""
 
 
+class DPAuditConfig(_Strict):
+    """The one-shot empirical privacy audit of central DP (Andrew, Kairouz, Oh, Oprea, McMahan &
+    Suriyakumar, ICLR 2024; :mod:`fedlore.privacy.canaries`): canary clients with secret random
+    directions take part in the run, and the run's summary reports the ε an adversary who sees
+    the final model (or every round's model) achieves in telling the inserted canaries from
+    unseen ones (``dp_audit_epsilon``, ``dp_audit_epsilon_all_iterates``). An estimate to set
+    beside the accountant's ε, not a bound. Off while ``canaries`` is 0."""
+
+    canaries: int = Field(0, ge=0)
+    """k, the canary clients (0: no audit). Each round ⌊k m / N⌋ of them (all k under full
+    participation) upload their direction scaled to the clip norm, into the sum before the
+    noise but not into its count; the real clients, their sample and ε are unchanged. Needs
+    ``dp.clip_norm`` (central mode), no ``secure_aggregation``, a method whose clients upload
+    model deltas (fedavg, fedfull, fedprox) and at least N / m canaries (one per round). More
+    canaries narrow the estimate; the directions take (k + k') · d · 4 bytes."""
+    unseen: int | None = Field(None, ge=0)
+    """k', directions never inserted (None: as many as ``canaries``): the null of the
+    all-iterates estimate (the per-round maximum cosine), and a check of the final-model null
+    N(0, 1/d). 0: the final-model estimate alone; otherwise at least 2."""
+
+    @model_validator(mode="after")
+    def _counts(self) -> DPAuditConfig:
+        if self.canaries == 1:
+            raise ValueError("dp.audit.canaries = 1: a Gaussian fit needs at least 2 canaries")
+        if self.unseen is not None and not self.canaries:
+            raise ValueError("dp.audit.unseen is set but dp.audit.canaries is 0 (the audit is off)")
+        if self.unseen == 1:
+            raise ValueError("dp.audit.unseen = 1: a Gaussian fit needs 0 or at least 2")
+        return self
+
+    @property
+    def unseen_count(self) -> int:
+        """k': ``unseen``, or ``canaries`` when it is None."""
+        return self.canaries if self.unseen is None else self.unseen
+
+
 class DPConfig(_Strict):
     """User-level differential privacy (DP-FedAvg, McMahan et al. 2018;
     :mod:`fedlore.privacy.dp`): every client clips its whole upload to ``clip_norm``, Gaussian
@@ -228,6 +265,26 @@ class DPConfig(_Strict):
     (None: clients per round / 20, Flower's default). It must exceed noise_multiplier / 2: the
     update is then noised with multiplier (σ⁻² − (2σ_b)⁻²)^(−1/2), so that the round costs
     what noise multiplier σ alone costs (:func:`fedlore.privacy.dp.update_noise_multiplier`)."""
+    audit: DPAuditConfig = DPAuditConfig()
+    """The empirical privacy audit with canary clients (``dp.audit.*``); off by default."""
+
+    @model_validator(mode="after")
+    def _audit_needs_central_dp(self) -> DPConfig:
+        if not self.audit.canaries:
+            return self
+        if self.clip_norm is None:
+            raise ValueError(
+                "dp.audit.canaries is set but dp.clip_norm is not: the audit measures the DP "
+                "mechanism, so DP must be on"
+            )
+        if self.mode == "local":
+            raise ValueError(
+                "dp.audit.canaries with dp.mode=local is refused: local DP's guarantee is "
+                "against a server that sees each noised upload, which a final-model canary "
+                "test does not attack, and canaries noising their own uploads would add √k "
+                "times the noise to the model; audit dp.mode=central"
+            )
+        return self
 
     @model_validator(mode="after")
     def _adaptive_clipping(self) -> DPConfig:

@@ -158,7 +158,7 @@ def build(
     eval_model = factory()
     check_params(cfg, eval_model)
     state = start_server(algo, eval_model, generator(seed, SERVER_INIT), fed, method)
-    privacy = make_privacy(cfg, algo, seed, max_weight=float(fed.client_sizes().max()))
+    privacy = make_privacy(cfg, algo, seed, float(fed.client_sizes().max()), state)
     return Experiment(
         cfg, method, seed, fed, device, fingerprint, algo, factory, eval_model, state, privacy
     )

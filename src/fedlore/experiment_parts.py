@@ -281,17 +281,17 @@ def try_method(
     cfg: Config, fed: Federation, build_model: Callable[[], nn.Module], name: str
 ) -> Algorithm:
     """Method ``name`` built, its server started on a fresh model of ``build_model`` and
-    dropped, and under secure aggregation its round checked: the preflight's trial of one
-    method (:func:`fedlore.checks.preflight`).
+    dropped, and under secure aggregation its round (under ``dp.audit``, its canaries) checked:
+    the preflight's trial of one method (:func:`fedlore.checks.preflight`).
 
     Raises:
         ValueError (ConfigError included), KeyError: the method's problem.
     """
     rng = generator(cfg.seeds[0], SERVER_INIT)
     algo = make_algorithm(name, cfg)
-    start_server(algo, build_model(), rng, fed, name)
-    if cfg.secure_aggregation:  # its round checks, before any run folder
-        make_privacy(cfg, algo, cfg.seeds[0], max_weight=float(fed.client_sizes().max()))
+    state = start_server(algo, build_model(), rng, fed, name)
+    if cfg.secure_aggregation or cfg.dp.audit.canaries:  # its round / audit checks, up front
+        make_privacy(cfg, algo, cfg.seeds[0], float(fed.client_sizes().max()), state)
     return algo
 
 

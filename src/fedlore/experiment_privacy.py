@@ -4,7 +4,8 @@
 run's :class:`~fedlore.privacy.Privacy` (solving the DP noise multiplier for ``dp.epsilon``, and
 saying once what the mechanism is); :func:`client_sampler` draws each round's clients as the
 mechanism needs; :func:`privacy_record` and :func:`privacy_summary` are what a run's
-``config.json`` and ``summary.json`` record of it.
+``config.json`` and ``summary.json`` record of it; :func:`make_canaries` the canary clients of
+the empirical privacy audit (``dp.audit``), whose estimate the summary records beside ε.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ from fedlore.engine.dp_ledger import released_after, repeated
 from fedlore.engine.sampling import sample_clients
 from fedlore.engine.unreliable import available_sampler
 from fedlore.privacy import ClipNorm, DPSettings, Privacy, noise_for_epsilon, noise_source
+from fedlore.privacy.canaries import (
+    Canaries,
+    canaries_per_round,
+    flat_model,
+    upload_model_keys,
+)
 from fedlore.privacy.dp import (
     ADJACENCY,
     default_clipped_count_stddev,
@@ -27,6 +34,7 @@ from fedlore.privacy.dp import (
 )
 from fedlore.privacy.local_dp import local_noise_for_epsilon
 from fedlore.progress import say_once, warn_once
+from fedlore.types import State
 
 NO_PRIVACY = (
     "no privacy: dp.reproducible_noise drew the DP noise and the client sample from the run seed"
@@ -44,7 +52,11 @@ def _privacy_warning(message: str) -> None:
 
 
 def make_privacy(
-    cfg: Config, algo: Algorithm, seed: int, max_weight: float | None = None
+    cfg: Config,
+    algo: Algorithm,
+    seed: int,
+    max_weight: float | None = None,
+    state: State | None = None,
 ) -> Privacy | None:
     """The run's :class:`~fedlore.privacy.Privacy` (None when neither secure aggregation nor DP
     is on). With ``dp.epsilon`` the noise multiplier is solved for the run's exchanges (its
@@ -54,10 +66,13 @@ def make_privacy(
     Args:
         max_weight: the largest client weight (training examples) under
             ``weighting: num_examples``; weights travel as p_i / max_weight in the secure sum.
+        state: the server's first state: needed by the canary audit (``dp.audit.canaries``),
+            whose canaries live in the method's upload space and whose θ_0 it holds.
 
     Raises:
         ValueError: if ``dp.epsilon`` cannot be reached; ConfigError when the secure round's
-            thresholds or fixed point cannot hold for the config.
+            thresholds or fixed point cannot hold for the config, or the canary audit cannot
+            run with the method.
     """
     if not (cfg.secure_aggregation or cfg.dp.enabled):
         return None
@@ -179,10 +194,48 @@ def make_privacy(
         noise=noise_source(cfg.dp.enabled and cfg.dp.reproducible_noise, seed),
         clip=clip,
         local=local,
+        canaries=make_canaries(cfg, algo, state) if cfg.dp.audit.canaries else None,
     )
     if cfg.secure_aggregation:
         check_secure_round(cfg, privacy)
     return privacy
+
+
+def make_canaries(cfg: Config, algo: Algorithm, state: State | None) -> Canaries:
+    """The canary clients of ``dp.audit`` (:mod:`fedlore.privacy.canaries`) in the upload space
+    of ``algo``, from its first server ``state``.
+
+    Raises:
+        ConfigError: when the method's uploads are not changes of its global model's tensors,
+            or the directions would not fit in memory.
+    """
+    if state is None:
+        raise ValueError("the canary audit needs the server's first state (make_privacy(state=))")
+    audit = cfg.dp.audit
+    model = algo.global_arrays(state)
+    try:
+        pairs = upload_model_keys(dict(algo.expected_reply(state, 0, 0)), model)
+        per_round = canaries_per_round(audit.canaries, cfg.num_clients, cfg.clients_per_round())
+        start = flat_model(model, pairs)  # θ_0
+        canaries = Canaries(
+            audit.canaries, audit.unseen_count, per_round, pairs, start, algo.global_arrays
+        )
+    except ValueError as e:
+        method = getattr(algo, "name", type(algo).__name__)
+        raise ConfigError(f"dp.audit.canaries with method {method!r}: {e}") from e
+    say_once(
+        "DP audit (Andrew et al. 2024): %d canary clients, %d per round (rate %.3g, the real "
+        "clients' %d of %d), %d unseen, in %d upload coordinates; their uploads join the sum "
+        "before the noise, not its count; the real clients and their ε are unchanged",
+        audit.canaries,
+        per_round,
+        canaries.rate,
+        cfg.clients_per_round(),
+        cfg.num_clients,
+        canaries.unseen,
+        canaries.dimension,
+    )
+    return canaries
 
 
 def client_sampler(cfg: Config, seed: int, privacy: Privacy | None) -> Callable[[int], list[int]]:
@@ -270,4 +323,6 @@ def privacy_summary(privacy: Privacy | None) -> dict[str, Any]:
         out["dp_repeated_exchanges"] = privacy.repeated
     if privacy.reproducible:
         out["privacy"] = NO_PRIVACY
+    if privacy.canaries is not None:  # the empirical estimate, beside the accountant's ε
+        out.update(privacy.canaries.summary(privacy.dp.delta))
     return out

@@ -35,13 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fedlore.privacy.client import (
-    ReplySpec,
-    flatten,
-    released_metrics,
-    spec_length,
-    unflatten,
-)
+from fedlore.privacy.canaries import Canaries
+from fedlore.privacy.client import ReplySpec, flatten, released_metrics, spec_length, unflatten
 from fedlore.privacy.dp import (
     DEFAULT_CLIP_LR,
     DPSettings,
@@ -125,6 +120,10 @@ class Privacy:
         local: ``dp.mode: local``: each client noises its own upload (needs ``dp``; no
             adaptive clipping, no colluders).
         uploads: under local DP, each client's count of exchanges.
+        canaries: the canary clients of the empirical privacy audit (``dp.audit``; central DP
+            without secure aggregation): :meth:`combine` adds them to the sum before the noise
+            (not to its count), :meth:`record` shows them each new model
+            (:mod:`fedlore.privacy.canaries`).
     """
 
     secure: bool
@@ -144,6 +143,7 @@ class Privacy:
     repeated: int = 0
     local: bool = False
     uploads: Uploads = field(default_factory=Uploads)
+    canaries: Canaries | None = None
 
     def __post_init__(self) -> None:
         if self.clip is None and self.dp is not None:
@@ -152,6 +152,8 @@ class Privacy:
             raise ValueError("local DP needs the DP mechanism (dp.clip_norm)")
         if self.local and (self.adaptive or self.colluders):
             raise ValueError("local DP takes neither adaptive clipping nor colluding clients")
+        if self.canaries is not None and (self.dp is None or self.local or self.secure):
+            raise ValueError("the canary audit needs central DP without secure aggregation")
 
     # ------------------------------------------------------------------ the round's mechanism
 
@@ -368,6 +370,8 @@ class Privacy:
         metrics: Scalars = {}
         count = None
         if self.dp is not None and not self.local:  # local DP: the uploads carry the noise
+            if self.canaries is not None:  # the audit's canaries: in the sum, not in its count
+                self.canaries.inject(total, self.clip_norm)
             std = self.update_multiplier * self.clip_norm
             total = total + self.noise.gaussian(total.numel(), std, rnd, SERVER)
             clipped = sum(int(r.metrics.get("dp_clipped", 0)) for r in ok.values())
@@ -461,22 +465,28 @@ class Privacy:
             self.uploads.add(sampled)
 
     def record(self, state: State) -> State:
-        """``state`` with the adaptive clip norm of the coming round, or local DP's counts of
-        exchanges, in its values (checkpointed with it); ``state`` itself otherwise."""
+        """``state`` with the adaptive clip norm of the coming round, local DP's counts of
+        exchanges or the canary audit's record in its values (checkpointed with it); ``state``
+        itself otherwise."""
         values: Scalars = {}
         if self.adaptive:
             values[CLIP_KEY] = self.clip_norm
         if self.local:
             values[UPLOADS_KEY] = self.uploads.encode()
+        if self.canaries is not None:  # the audit sees every model (all-iterates statistic)
+            self.canaries.observe(state)
+            values.update(self.canaries.record())
         if not values:
             return state
         return State(state.arrays, {**state.values, **values})
 
     def restore(self, state: State) -> None:
-        """Go on from a checkpoint: the adaptive clip norm or the counts of exchanges
-        :meth:`record` stored in ``state``."""
+        """Go on from a checkpoint: the adaptive clip norm, the counts of exchanges or the
+        canary audit :meth:`record` stored in ``state``."""
         if self.adaptive and CLIP_KEY in state.values:
             assert self.clip is not None
             self.clip.value = float(state.values[CLIP_KEY])
         if self.local and UPLOADS_KEY in state.values:
             self.uploads.restore(str(state.values[UPLOADS_KEY]))
+        if self.canaries is not None:
+            self.canaries.restore(state)

@@ -5,6 +5,7 @@ layouts, and the diagnostics table.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fedlore.results.tables import DIAGNOSTIC_KEYS
@@ -71,12 +72,18 @@ def _bytes(v: float | None) -> str:
     return f"{v:.0f} B"
 
 
+def _epsilon(v: float) -> str:
+    return "∞" if math.isinf(v) else f"{v:.3g}"
+
+
 def _dp_cell(row: dict[str, Any]) -> str:
     """``ε (δ) / σ / C / clipped``: the privacy spent at the run's end (mean over seeds), the
     noise multiplier, the clip norm and the clipped uploads per run (of all the uploads the
     run's clients made); "–" for a run without DP. Runs of ``dp.mode: local`` are marked
     "local DP" (ε is then the worst-off client's, against the server too), runs with
-    ``dp.reproducible_noise`` (noise from the run seed) "no privacy"."""
+    ``dp.reproducible_noise`` (noise from the run seed) "no privacy". Runs with the canary
+    audit (``dp.audit``) add its estimate after the cell, "· audit ε̂ 2.6" (final model; ", all
+    iterates 1.1" with unseen canaries): an empirical estimate to read beside ε, not a bound."""
     sigma = row.get("dp_noise_multiplier_mean")
     if sigma is None:
         return "–"
@@ -92,6 +99,11 @@ def _dp_cell(row: dict[str, Any]) -> str:
         cell = (
             "local DP: " if local == n_runs else f"local DP in {local} of {n_runs} runs: "
         ) + cell
+    audit = row.get("dp_audit_epsilon_mean")
+    if audit is not None:  # the canary audit's estimate (Andrew et al. 2024), beside ε
+        cell += f" · audit ε̂ {_epsilon(audit)}"
+        every = row.get("dp_audit_epsilon_all_iterates_mean")
+        cell += f", all iterates {_epsilon(every)}" if every is not None else ""
     if row.get("no_privacy_runs"):  # dp.reproducible_noise: the noise can be regenerated
         n = int(row["no_privacy_runs"])
         cell = f"no privacy ({n} run{'s' * (n != 1)} with seeded noise): " + cell

@@ -57,6 +57,8 @@ COLUMNS = [
     "dp_clipped_total_mean",
     "no_privacy_runs",
     "dp_local_runs",
+    "dp_audit_epsilon_mean",
+    "dp_audit_epsilon_all_iterates_mean",
 ]
 """Keys of every :func:`summary_table` row, in CSV column order (the perplexity columns are
 empty for classifiers; ECE, G-local and P-local accuracy and client training time are empty for
@@ -78,6 +80,8 @@ COSTS = frozenset(
         "dp_noise_multiplier",
         "dp_clipped_total",
         "dp_clip_norm",
+        "dp_audit_epsilon",
+        "dp_audit_epsilon_all_iterates",
     }
 )
 """Summary keys that measure what a run cost or spent, not how good its model is: a diverged
@@ -94,6 +98,16 @@ def _summary_values(records: list[RunRecord], key: str, scale: float = 1.0) -> l
         if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
             out.append(float(v) * scale)
     return out
+
+
+def _audit_mean(records: list[RunRecord], key: str) -> float | None:
+    """The mean of a canary-audit estimate over the runs that made one; ``inf`` when one run's
+    canaries were told apart with certainty (an infinite estimate is no outlier to drop)."""
+    values = [r.summary.get(key) for r in records]
+    found = [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+    if any(math.isinf(v) for v in found):
+        return math.inf
+    return _stat([v for v in found if math.isfinite(v)])[0]
 
 
 def _scored(
@@ -212,6 +226,11 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
                 ),
                 "no_privacy_runs": sum(1 for r in records if r.summary.get("privacy")),
                 "dp_local_runs": sum(1 for r in records if r.summary.get("dp_mode") == "local"),
+                # the canary audit's estimates (dp.audit), over the runs that made them
+                "dp_audit_epsilon_mean": _audit_mean(records, "dp_audit_epsilon"),
+                "dp_audit_epsilon_all_iterates_mean": _audit_mean(
+                    records, "dp_audit_epsilon_all_iterates"
+                ),
             }
         )
     return table

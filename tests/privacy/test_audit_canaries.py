@@ -1,0 +1,338 @@
+"""The canary clients of the empirical privacy audit (fedlore.privacy.canaries, ``dp.audit``).
+
+What the audit must not break, attacked: the canaries enter the noised sum and never its count,
+never reach a real client, leave the real sample, the DP noise and the accountant's ε as they
+were (a run with and without canaries under seeded noise differs by exactly C Σ c_i / n);
+their directions are isotropic unit vectors from OS entropy (not the run seed), inserted at a
+ratio never above the real clients'; the all-iterates statistic sees each round's change; a
+resumed run keeps its canaries; the settings and methods the audit cannot measure are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+import torch
+
+from fedlore.config import ConfigError, load_config
+from fedlore.engine.callbacks import Checkpointer
+from fedlore.engine.rundir import run_dir
+from fedlore.engine.transport import LocalTransport
+from fedlore.experiment import build, run_one
+from fedlore.experiment_privacy import PrivacyWarning
+from fedlore.privacy.canaries import (
+    KEY,
+    Canaries,
+    canaries_per_round,
+    directions,
+    upload_model_keys,
+)
+from fedlore.privacy.empirical import null_std
+from fedlore.results.report import report
+from fedlore.types import Broadcast, Reply, State
+
+SEED = 3
+
+
+def _cfg(out: Path, *extra: str) -> Any:
+    return load_config(
+        None,
+        [
+            "name=audit",
+            "num_clients=4",
+            "rounds=3",
+            "local_steps=2",
+            "batch_size=16",
+            "lr=1e-2",
+            "model.kwargs={hidden: [16]}",
+            "partition.min_size=10",
+            "progress=false",
+            "weighting=uniform",
+            "algorithms=[fedavg]",
+            "dp.clip_norm=0.5",
+            "dp.noise_multiplier=0.3",
+            f"output_dir={out}",
+            *extra,
+        ],
+    )
+
+
+def _canaries(count: int = 6, unseen: int = 4, dim: int = 50, per_round: int = 2) -> Canaries:
+    start = torch.zeros(dim, dtype=torch.float64)
+    pairs = [("update.w", "w")]
+    return Canaries(count, unseen, per_round, pairs, start, lambda s: s.arrays)
+
+
+def _state(vector: torch.Tensor) -> State:
+    return State(arrays={"w": vector.clone()})
+
+
+# ---------------------------------------------------------------- directions and sampling
+
+
+def test_directions_are_isotropic_unit_vectors_of_the_key() -> None:
+    """Unit rows whose cosine with a fixed vector has mean 0 and variance 1/d (the exact null
+    the final-model estimate uses: null_std), the same rows for the same key only."""
+    d, rows = 100, 6000
+    key = bytes(range(32))
+    g = directions(key, rows, d).double()
+    assert torch.allclose(g.norm(dim=1), torch.ones(rows, dtype=torch.float64), atol=1e-6)
+    fixed = torch.linspace(-1.0, 2.0, d, dtype=torch.float64)
+    cos = (g @ fixed / fixed.norm()).numpy()
+    se_var = math.sqrt(2.0 / rows) / d  # sd of the sample variance of ~N(0, 1/d) values
+    assert abs(cos.mean()) < 5 * null_std(d) / math.sqrt(rows)
+    assert abs(cos.var() - null_std(d) ** 2) < 5 * se_var
+    coords = g.numpy()
+    assert np.abs(coords.mean(axis=0)).max() < 6 * null_std(d) / math.sqrt(
+        rows
+    )  # no favourite axis
+    assert torch.equal(directions(key, 3, d), directions(key, rows, d)[:3])
+    assert not torch.equal(directions(bytes(32), 3, d), directions(key, 3, d))
+
+
+def test_each_audit_draws_its_key_from_os_entropy(tmp_path: Path) -> None:
+    """Two builds of the same seed get different canaries: nothing of them comes from the seed."""
+    cfg = _cfg(tmp_path, "dp.audit.canaries=8")
+    a, b = build(cfg, "fedavg", SEED), build(cfg, "fedavg", SEED)
+    assert a.privacy is not None and b.privacy is not None
+    ca, cb = a.privacy.canaries, b.privacy.canaries
+    assert ca is not None and cb is not None
+    assert len(ca.key) == 32 and ca.key != cb.key
+    assert not torch.equal(ca.vectors, cb.vectors)
+    assert torch.equal(ca.start, cb.start)  # θ_0 is the seed's model
+
+
+@pytest.mark.parametrize(
+    ("count", "clients", "per_round", "expected"),
+    [(200, 10, 10, 200), (200, 10, 5, 100), (7, 10, 3, 2), (10, 10, 1, 1), (9, 30, 7, 2)],
+)
+def test_canaries_are_inserted_at_most_at_the_real_clients_ratio(
+    count: int, clients: int, per_round: int, expected: int
+) -> None:
+    got = canaries_per_round(count, clients, per_round)
+    assert got == expected
+    assert got / count <= min(1.0, per_round / clients) + 1e-12
+
+
+def test_injection_adds_clip_norm_uploads_of_a_fresh_sample() -> None:
+    can = _canaries(count=6, per_round=2)
+    seen: dict[int, int] = {}
+    for _ in range(3000):
+        total = torch.zeros(can.dimension, dtype=torch.float64)
+        chosen = can.inject(total, 0.7)
+        assert len(set(chosen)) == 2
+        expected = sum(
+            0.7 * can.vectors[i].double() / can.vectors[i].double().norm() for i in chosen
+        )
+        assert torch.allclose(total, expected, atol=1e-6)  # float32 products
+        for i in chosen:
+            seen[i] = seen.get(i, 0) + 1
+    # each canary in a third of the rounds (sd of a count: sqrt(3000 · 1/3 · 2/3) ≈ 26)
+    assert sorted(seen) == list(range(6))
+    assert all(abs(n - 1000) < 6 * 26 for n in seen.values())
+    one = _canaries(count=6, per_round=1)
+    total = torch.zeros(one.dimension, dtype=torch.float64)
+    one.inject(total, 0.7)
+    assert float(total.norm()) == pytest.approx(0.7, rel=1e-6)  # the clip norm
+
+
+def test_uploads_must_be_changes_of_model_tensors() -> None:
+    model = {"w": torch.zeros(3, 2), "b": torch.zeros(2)}
+    spec = {"update.w": ((3, 2), torch.float32), "update.b": ((2,), torch.float32)}
+    assert upload_model_keys(spec, model) == [("update.b", "b"), ("update.w", "w")]
+    with pytest.raises(ValueError, match=r"'update.w' \[2, 3\].*model deltas"):
+        upload_model_keys({"update.w": ((2, 3), torch.float32)}, model)
+    with pytest.raises(ValueError, match=r"'lora\.A'"):
+        upload_model_keys({"lora.A": ((2,), torch.float32)}, model)
+
+
+# ---------------------------------------------------------------- the statistics
+
+
+def test_the_all_iterates_statistic_takes_each_rounds_change() -> None:
+    """Round 1 moves the model along canary 0, round 2 (on top) along canary 1, round 3 not at
+    all: each canary's largest per-round cosine is ~1, the unseen ones' near 0, and the
+    unmoved round is not counted. The cumulative change would give both canaries 1/√2."""
+    can = _canaries(count=3, unseen=3, dim=400)
+    g = can.vectors.double()
+    after1 = 2.0 * g[0]
+    after2 = after1 + 3.0 * g[1]
+    for vec in (after1, after2, after2):
+        can.observe(_state(vec))
+    assert can.rounds == 2
+    assert float(can.best[0]) == pytest.approx(1.0, abs=1e-6)
+    assert float(can.best[1]) == pytest.approx(1.0, abs=1e-6)
+    assert float(can.best[3:].abs().max()) < 6 * null_std(400)
+    final = can.cosines(after2)
+    assert float(final[0]) == pytest.approx(2 / math.sqrt(13), abs=0.05)
+
+
+def test_the_summary_fits_the_inserted_cosines_against_the_exact_null() -> None:
+    can = _canaries(count=20, unseen=20, dim=2000)
+    out = can.summary(1e-5)
+    assert "dp_audit_epsilon" not in out  # the model never moved: nothing to estimate
+    assert out["dp_audit_null_std"] == pytest.approx(1 / math.sqrt(2000))
+    g = can.vectors.double()
+    can.observe(_state(g[:20].sum(dim=0)))  # every canary inserted once, no noise
+    out = can.summary(1e-5)
+    assert out["dp_audit_cosine_mean"] == pytest.approx(1 / math.sqrt(20), rel=0.1)
+    assert abs(out["dp_audit_unseen_cosine_mean"]) < 5 * null_std(2000) / math.sqrt(20)
+    assert out["dp_audit_epsilon"] > 20 and out["dp_audit_epsilon_all_iterates"] > 20
+    assert (out["dp_audit_canaries"], out["dp_audit_unseen"]) == (20, 20)
+
+
+def test_the_audit_record_restores_the_same_canaries() -> None:
+    can = _canaries(count=4, unseen=2, dim=30)
+    can.observe(_state(can.vectors[0].double()))
+    state = State(arrays={"w": can.vectors[0].double()}, values=can.record())
+    again = _canaries(count=4, unseen=2, dim=30)
+    assert again.key != can.key
+    again.restore(state)
+    assert again.key == can.key and torch.equal(again.vectors, can.vectors)
+    assert torch.equal(again.best, can.best) and again.rounds == 1
+    assert torch.equal(again.previous, can.previous)
+    with pytest.raises(ValueError, match="no canary key"):
+        again.restore(State(arrays=state.arrays))
+    bad = dict(state.values)
+    bad[KEY] = "00"
+    with pytest.raises(ValueError, match="does not match"):
+        again.restore(State(arrays=state.arrays, values=bad))
+
+
+# ---------------------------------------------------------------- in a run
+
+
+class _Spy(LocalTransport):
+    """LocalTransport that records every message sent and every reply."""
+
+    log: ClassVar[list[tuple[int, dict[int, Broadcast], dict[int, Any]]]] = []
+
+    def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
+        out = super().send(rnd, messages)
+        _Spy.log.append((rnd, messages, out))
+        return out
+
+
+def _rows(cfg: Any) -> list[dict[str, Any]]:
+    path = run_dir(cfg, "fedavg", SEED) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _model(cfg: Any) -> tuple[torch.Tensor, State]:
+    _, state, _ = Checkpointer.load(run_dir(cfg, "fedavg", SEED) / "checkpoint.pt")
+    model = {k[6:]: v for k, v in state.arrays.items() if k.startswith("model.")}
+    return torch.cat([model[k].reshape(-1).double() for k in sorted(model)]), state
+
+
+def test_canaries_join_the_sum_not_its_count_and_leave_clients_noise_and_epsilon_alone(
+    tmp_path: Path,
+) -> None:
+    """Seeded noise (dp.reproducible_noise) makes the run without canaries replayable: with 8
+    canaries (all inserted: full participation) round 0 moves the model by exactly
+    C Σ c_i / n (n = 4 real clients) more. Counting the canaries (n + 8), dropping the clip norm,
+    or drawing the noise differently breaks the equality. No message goes to a canary, the
+    real clients' round-0 replies are the same, and so is every ε."""
+    seeded = ("rounds=1", "dp.reproducible_noise=true")
+    plain = _cfg(tmp_path / "plain", *seeded)
+    audit = _cfg(tmp_path / "audit", *seeded, "dp.audit.canaries=8", "dp.audit.unseen=0")
+    logs = []
+    for cfg in (plain, audit):
+        _Spy.log = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PrivacyWarning)  # seeded noise: no privacy
+            summary = run_one(cfg, "fedavg", SEED, make_transport=_Spy)
+        assert summary is not None
+        logs.append(list(_Spy.log))
+    (_, sent0, got0), (_, sent1, got1) = logs[0][0], logs[1][0]
+    assert sorted(sent1) == sorted(sent0) == [0, 1, 2, 3]  # real clients only
+    for c in sent0:
+        assert torch.equal(
+            sent0[c].arrays["model.body.0.weight"], sent1[c].arrays["model.body.0.weight"]
+        )
+        for k in got0[c].arrays:
+            assert torch.equal(got0[c].arrays[k], got1[c].arrays[k])
+    without, _ = _model(plain)
+    with_canaries, state = _model(audit)
+    keys = bytes.fromhex(str(state.values[KEY]))
+    g = directions(keys, 8, without.numel()).double()
+    g = g / g.norm(dim=1, keepdim=True)
+    expected = 0.5 * g.sum(dim=0) / 4  # C Σ c_i / n_real, in sorted upload order
+    assert torch.allclose(with_canaries - without, expected, atol=2e-6)
+    assert not torch.allclose(with_canaries - without, 0.5 * g.sum(dim=0) / 12, atol=2e-6)
+    assert [r["dp_epsilon"] for r in _rows(plain)] == [r["dp_epsilon"] for r in _rows(audit)]
+
+
+def test_canaries_leave_the_real_clients_sample_alone(tmp_path: Path) -> None:
+    """Under seeded sampling (2 of 4 clients a round) the same clients are drawn in every round
+    with and without canaries (which are drawn from OS entropy, apart)."""
+    extra = ["rounds=4", "participation=0.5", "dp.reproducible_noise=true"]
+    plain = _cfg(tmp_path / "plain", *extra)
+    audit = _cfg(tmp_path / "audit", *extra, "dp.audit.canaries=10")
+    for cfg in (plain, audit):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PrivacyWarning)
+            run_one(cfg, "fedavg", SEED)
+    picks = [[r["accepted_clients"] for r in _rows(cfg)] for cfg in (plain, audit)]
+    assert picks[0] == picks[1] and all(len(p) == 2 for p in picks[0])
+    summary = json.loads((run_dir(audit, "fedavg", SEED) / "summary.json").read_text())
+    assert summary["dp_audit_canaries_per_round"] == 5  # ⌊10 · 2 / 4⌋
+
+
+def test_a_resumed_audit_keeps_its_canaries(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "rounds=4", "dp.audit.canaries=6")
+    assert run_one(cfg, "fedavg", SEED, stop_after=1) is None  # killed after round 1
+    _, killed = _model(cfg)
+    summary = run_one(cfg, "fedavg", SEED, resume=True)
+    assert summary is not None and math.isfinite(summary["dp_audit_epsilon"])
+    _, final = _model(cfg)
+    assert final.values[KEY] == killed.values[KEY]
+    assert final.values["privacy.audit.rounds"] == 4
+    assert summary["dp_audit_unseen"] == 6 and "dp_audit_epsilon_all_iterates" in summary
+    # the report's privacy cell: the estimate beside the accountant's ε
+    shown = report(str(tmp_path / cfg.name), write=False)
+    audit, every = summary["dp_audit_epsilon"], summary["dp_audit_epsilon_all_iterates"]
+    assert f"{summary['dp_epsilon']:.3g} (1e-05) / 0.3 / 0.5 / " in shown
+    assert f" · audit ε̂ {audit:.3g}, all iterates {every:.3g}" in shown
+
+
+def test_an_infinite_estimate_is_shown_not_dropped() -> None:
+    from fedlore.results.markdown import _dp_cell
+
+    row = {"dp_noise_multiplier_mean": 1.0, "dp_epsilon_mean": 3.0, "dp_delta": 1e-5}
+    assert _dp_cell(row) == "3 (1e-05) / 1 / – / –"
+    row["dp_audit_epsilon_mean"] = math.inf
+    assert _dp_cell(row) == "3 (1e-05) / 1 / – / – · audit ε̂ ∞"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["dp.mode=local"], "dp.mode=local is refused"),
+        (["secure_aggregation=true"], "with secure_aggregation is refused"),
+        (["participation=0.25", "dp.audit.canaries=3"], "use at least 4"),
+        (["dp.audit.unseen=1"], "0 or at least 2"),
+        (["dp.clip_norm=null", "dp.noise_multiplier=null"], "DP must be on"),
+    ],
+)
+def test_what_the_audit_cannot_measure_is_refused(
+    tmp_path: Path, extra: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _cfg(tmp_path, "dp.audit.canaries=8", *extra)
+
+
+def test_a_method_whose_uploads_are_not_model_changes_is_refused_before_any_folder(
+    tmp_path: Path,
+) -> None:
+    from fedlore.experiment import run_experiment
+
+    cfg = _cfg(tmp_path / "out", "dp.audit.canaries=8", "algorithms=[fedlore_random]")
+    with pytest.raises(ConfigError, match=r"method 'fedlore_random'.*model deltas"):
+        run_experiment(cfg)
+    assert not (tmp_path / "out").exists()
