@@ -26,30 +26,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ldp_digits import MODES, launch  # experiments/ is the script's folder: on sys.path
+import ldp_digits  # experiments/ is the script's folder: on sys.path
+from ldp_digits import MODES, launch
 
 from fedlore.config import load_config
 
 
 def record(root: Path, cfg: Any, method: str, mode: str, seed: int) -> dict[str, Any]:
-    path = root / mode / cfg.name / method / f"seed-{seed}" / "summary.json"
-    s = json.loads(path.read_text())
-    return {
-        "mode": mode,
-        "seed": seed,
-        "method": method,
-        "clients_per_round": cfg.clients_per_round(),
-        "rounds": s["rounds"],
-        "local_accuracy": s["local_accuracy"],
-        "local_clients": s["local_clients"],
-        "final_accuracy": s["final_accuracy"],
-        "dp_epsilon": s.get("dp_epsilon"),
-        "dp_noise_multiplier": s.get("dp_noise_multiplier"),
-        "dp_clip_norm": s.get("dp_clip_norm"),
-        "dp_delta": s.get("dp_delta"),
-        "dp_mode": s.get("dp_mode"),
-        "dp_clipped_total": s.get("dp_clipped_total"),
-    }
+    """``ldp_digits.record``'s fields with the P-local score beside them."""
+    row = ldp_digits.record(root, cfg, method, mode, seed)
+    s = json.loads((root / mode / cfg.name / method / f"seed-{seed}" / "summary.json").read_text())
+    return {**row, "local_accuracy": s["local_accuracy"], "local_clients": s["local_clients"]}
 
 
 def main() -> None:
