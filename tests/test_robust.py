@@ -240,3 +240,39 @@ def test_configs_that_cannot_tolerate_f_are_refused() -> None:
     secure = ["robust.aggregate=multi_krum", "secure_aggregation=true", "weighting=uniform"]
     with pytest.raises(ConfigError, match="needs each client's upload"):
         make_algorithm("fedavg", load_config(None, secure))
+
+
+@pytest.mark.parametrize("method", ["qffl", "scaffold", "fednova", "feddyn", "fedlore"])
+def test_a_method_override_of_the_robust_aggregate_is_refused_like_the_run_wide_one(
+    method: str,
+) -> None:
+    """``method.<name>.robust_aggregate`` is what that method's server would use, so a method
+    without a robust combination refuses it as it refuses ``robust.aggregate`` (q-FFL's server
+    used to run with it, a median where the docs say it is refused)."""
+    from fedlore.config import ConfigError, load_config
+    from fedlore.experiment_parts import make_algorithm
+
+    cfg = load_config(None, [f"method.{method}.robust_aggregate=median"])
+    with pytest.raises(ConfigError, match=rf"method\.{method}\.robust_aggregate=median: method"):
+        make_algorithm(method, cfg)
+
+
+def test_method_overrides_of_the_robust_settings_are_checked_as_the_run_wide_ones() -> None:
+    from fedlore.config import ConfigError, load_config
+    from fedlore.experiment_parts import make_algorithm
+
+    over = ["num_clients=4", "method.fedavg.robust_aggregate=krum", "method.fedavg.num_byzantine=1"]
+    with pytest.raises(ConfigError, match=r"method\.fedavg\.num_byzantine=1 needs more"):
+        make_algorithm("fedavg", load_config(None, over))
+    # the run-wide rule with the method's own f, and the method's own rule with the run-wide f
+    mixed = ["num_clients=4", "robust.aggregate=krum", "method.fedavg.num_byzantine=1"]
+    with pytest.raises(ConfigError, match="2f \\+ 2"):
+        make_algorithm("fedavg", load_config(None, mixed))
+    bulyan = ["num_clients=10", "method.fedavg.robust_aggregate=bulyan", "robust.num_byzantine=2"]
+    with pytest.raises(ConfigError, match=r"method\.fedavg\.robust_aggregate=bulyan with robust"):
+        make_algorithm("fedavg", load_config(None, bulyan))
+    topk = ["method.fedavg.robust_aggregate=median", "method.fedavg.compression=topk"]
+    with pytest.raises(ConfigError, match="zero almost everywhere"):
+        make_algorithm("fedavg", load_config(None, topk))
+    # allowed where the method has a robust combination: fedavg with its own median runs
+    make_algorithm("fedavg", load_config(None, ["method.fedavg.robust_aggregate=median"]))

@@ -143,9 +143,14 @@ def check_method_settings(
             f"method.{name}.num_clients: set num_clients instead; it is the federation's size"
         )
     caps = cls.capabilities
-    if cfg.robust.aggregate != "mean" and not caps.robust_aggregate:
+    # the method's own robust_aggregate / num_byzantine, where given, are what its server uses
+    rule = overrides.get("robust_aggregate", cfg.robust.aggregate)
+    rule_key = (
+        f"method.{name}.robust_aggregate" if "robust_aggregate" in overrides else "robust.aggregate"
+    )
+    if rule != "mean" and not caps.robust_aggregate:
         raise ConfigError(
-            f"robust.aggregate={cfg.robust.aggregate}: method {name!r} offers no robust "
+            f"{rule_key}={rule}: method {name!r} offers no robust "
             "combination of its uploads (the low-rank and mask methods' servers combine factors, "
             "bases or masks; SCAFFOLD's and FedDyn's add up their control variates or gradient "
             "states; FedNova's rescales each delta by the client's own reported ‖a_i‖₁, q-FFL's "
@@ -153,15 +158,19 @@ def check_method_settings(
             "coordinate-wise median, trimmed mean or Krum is not defined for it; use "
             "robust.aggregate=mean (the norm screen, robust.norm_screen, works for every method)"
         )
-    rule, f, n = cfg.robust.aggregate, cfg.robust.num_byzantine, cfg.clients_per_round()
+    f = overrides.get("num_byzantine", cfg.robust.num_byzantine)
+    f_key = (
+        f"method.{name}.num_byzantine" if "num_byzantine" in overrides else "robust.num_byzantine"
+    )
+    n = cfg.clients_per_round()
     if rule == "bulyan" and n < 4 * f + 3:
         raise ConfigError(
-            f"robust.aggregate=bulyan with robust.num_byzantine={f} needs at least 4f + 3 = "
+            f"{rule_key}=bulyan with {f_key}={f} needs at least 4f + 3 = "
             f"{4 * f + 3} clients per round; this config samples {n} (El Mhamdi et al. 2018)"
         )
     if rule in ("krum", "multi_krum") and n <= 2 * f + 2:
         raise ConfigError(
-            f"robust.aggregate={rule} with robust.num_byzantine={f} needs more than 2f + 2 = "
+            f"{rule_key}={rule} with {f_key}={f} needs more than 2f + 2 = "
             f"{2 * f + 2} clients per round; this config samples {n} (Blanchard et al. 2017)"
         )
     if cfg.attack.kind in ("sign_flip", "scale", "gaussian") and not caps.robust_aggregate:
@@ -230,9 +239,9 @@ def check_method_settings(
                 "the setting would change nothing; set compression.kind=topk or qsgd (or "
                 f"method.{name}.compression), or leave it out"
             )
-    if kind == "topk" and cfg.robust.aggregate in ("median", "trimmed_mean", "bulyan"):
+    if kind == "topk" and rule in ("median", "trimmed_mean", "bulyan"):
         raise ConfigError(
-            f"robust.aggregate={cfg.robust.aggregate} with {key}=topk: each client's top-k "
+            f"{rule_key}={rule} with {key}=topk: each client's top-k "
             "keeps other coordinates, so a coordinate-wise median or trimmed mean of the sparse "
             "deltas is zero almost everywhere (a run on digits fell to 16 %); use the mean, "
             "krum or multi_krum, or compression.kind=qsgd"
