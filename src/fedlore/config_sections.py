@@ -178,8 +178,10 @@ class DPAuditConfig(_Strict):
     participation) upload their direction scaled to the clip norm, into the sum before the
     noise but not into its count; the real clients, their sample and ε are unchanged. Needs
     ``dp.clip_norm`` (central mode), no ``secure_aggregation``, a method whose clients upload
-    model deltas (fedavg, fedfull, fedprox) and at least N / m canaries (one per round). More
-    canaries narrow the estimate; the directions take (k + k') · d · 4 bytes."""
+    model deltas (fedavg, fedfull, fedprox; fedper, fedbn, fedrep, moon for their shared tensors)
+    and at least N / m canaries (one per round). More canaries narrow the estimate (hundreds are
+    a minimum: with few, a sound mechanism's estimate often lands above its ε); the directions
+    take (k + k') · d · 4 bytes."""
     unseen: int | None = Field(None, ge=0)
     """k', directions never inserted (None: as many as ``canaries``): the null of the
     all-iterates estimate (the per-round maximum cosine), and a check of the final-model null

@@ -18,8 +18,9 @@ is for an adversary who sees every round's model: its statistic is, per canary, 
 cosine between a round's model change ``θ_t − θ_{t−1}`` and ``c_i`` over the rounds, with the
 null fitted to the unseen canaries' same statistic (its distribution is no longer ``N(0, 1/d)``).
 Both are *estimates*, not bounds: a small value does not prove privacy (the adversary, the
-statistic and the Gaussian fit are particular), while a value above the accountant's ε shows
-that the mechanism or its accounting is broken.
+statistic and the Gaussian fit are particular), while a value well above the accountant's ε,
+beyond the fit's own error (large with few canaries or rounds), shows that the mechanism or its
+accounting is broken.
 
 **How the canaries join the mechanism** (in process and on Flower alike: the server's
 :meth:`~fedlore.privacy.aggregation.Privacy.combine`, DP without secure aggregation):
