@@ -5,13 +5,13 @@ files that ``experiments/sweep.py`` wrote under ``experiments/results/``.
     python experiments/bayes_tables.py [experiments/results] --write   # and write them
 
 ``--write`` writes each table beside its data as Markdown (``bayes_table2/summary.md``,
-``bayes_table3/summary.md``, ``bayes_table4/summary_cnn.md``, ``summary_cnn_steps20.md`` (the
-earlier protocol's), ``summary_resnet20.md``,
-``bayes_table5/summary.md``, ``bayes_table6/summary_fmnist.md``, ``summary_digits.md``) and, as
-``summary.json`` in each folder, the numbers the documentation quotes in its prose (means,
-differences, counts, shares of the learning-rate searches): the pages under ``docs/results/``
-include the tables and quote the numbers, never retype them. ``tests/test_docs_results.py``
-checks that the committed files are what this writes.
+``bayes_table3/summary.md``, ``summary_e10.md`` (10 local epochs),
+``bayes_table4/summary_cnn.md``, ``summary_cnn_steps20.md`` (the earlier protocol's),
+``summary_resnet20.md``, ``bayes_table5/summary.md``, ``bayes_table6/summary_fmnist.md``,
+``summary_digits.md``) and, as ``summary.json`` in each folder, the numbers the documentation
+quotes in its prose (means, differences, counts, shares of the learning-rate searches): the
+pages under ``docs/results/`` include the tables and quote the numbers, never retype them.
+``tests/test_docs_results.py`` checks that the committed files are what this writes.
 
 Cells are mean ± sample std over the seeds each sweep ran (accuracy in %, NLL in nats).
 """
@@ -25,8 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bayes_stats beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bayes_stats, bayes_lr_table beside it
 
+from bayes_lr_table import table3, table3_e10, table3_e10_facts, table3_facts
 from bayes_stats import (
     Record,
     find,
@@ -103,64 +104,6 @@ def table2_facts(root: Path) -> dict[str, Any]:
         "paired_mean_diff": statistics.mean(diffs),
         "accuracy_std": span(stds),
         "delta_by_fraction": {k: span(v) for k, v in by_fraction.items()},
-    }
-
-
-# ---------------------------------------------------------------- Table III
-def table3(root: Path, folder: str = "bayes_table3") -> list[str]:
-    bay = load(root / folder / "bayfl" / "table.json")
-    meta = load(root / folder / "meta" / "table.json")
-    before = load(root / folder / "meta_before" / "table.json")
-    lines = [
-        "| ε | method | acc. (%) | NLL | ECE | lr chosen (share of searches) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for eps in ("1e-3", "1e-2", "1e-1"):
-        for lr in ("1e-4", "1e-3", "1e-2"):
-            r = find(bay, "bayfl", **{"data.noise": eps, "lr": lr})
-            if r:
-                lines.append(
-                    f"| {eps} | BayFL, lr = {lr} | {ms(r['final_accuracy'])} | "
-                    f"{ms(r['final_loss'], 1, 3)} | {ms(r['final_ece'], 1, 3)} | – |"
-                )
-        for name, recs in (("Meta-BayFL", meta), ("Meta-BayFL, earlier protocol", before)):
-            r = find(recs, "meta_bayfl", **{"data.noise": eps})
-            if r:
-                lines.append(
-                    f"| {eps} | {name} | {ms(r['final_accuracy'])} "
-                    f"| {ms(r['final_loss'], 1, 3)} | {ms(r['final_ece'], 1, 3)} | {lr_counts(r)} |"
-                )
-    return lines
-
-
-def table3_facts(root: Path, folder: str = "bayes_table3") -> dict[str, Any]:
-    """Meta-BayFL against BayFL at each fixed rate, per input noise ε (and, where recorded,
-    Meta-BayFL under the earlier local protocol)."""
-    bay = load(root / folder / "bayfl" / "table.json")
-    meta = load(root / folder / "meta" / "table.json")
-    before = load(root / folder / "meta_before" / "table.json")
-    eps_facts: dict[str, Any] = {}
-    gains: dict[str, list[float]] = {"1e-4": [], "1e-3": [], "1e-2": []}
-    share_1e3: list[float] = []
-    for eps in ("1e-3", "1e-2", "1e-1"):
-        m = find(meta, "meta_bayfl", **{"data.noise": eps})
-        if not m:
-            continue
-        row: dict[str, Any] = {"meta_bayfl": metrics(m)}
-        for lr in gains:
-            r = find(bay, "bayfl", **{"data.noise": eps, "lr": lr})
-            if r:
-                row[f"bayfl_{lr}"] = metrics(r)
-                gains[lr].append(mean(m["final_accuracy"]) - mean(r["final_accuracy"]))
-        share_1e3.append(row["meta_bayfl"]["lr_share"].get("1e-3", 0.0))
-        b = find(before, "meta_bayfl", **{"data.noise": eps})
-        if b:
-            row["meta_bayfl_before"] = metrics(b)
-        eps_facts[eps] = row
-    return {
-        "eps": eps_facts,
-        "meta_gain_over_bayfl": {lr: span(v) for lr, v in gains.items() if v},
-        "meta_share_1e-3": span(share_1e3),
     }
 
 
@@ -341,6 +284,7 @@ def table6_facts(root: Path) -> dict[str, Any]:
 TABLES: tuple[tuple[str, str, Callable[[Path], list[str]]], ...] = (
     ("Table II", "bayes_table2/summary.md", table2),
     ("Table III", "bayes_table3/summary.md", table3),
+    ("Table III (10 local epochs)", "bayes_table3/summary_e10.md", table3_e10),
     ("Table IV (CNN)", "bayes_table4/summary_cnn.md", lambda root: table4(root, "cnn")),
     (
         "Table IV (CNN, earlier protocol: 20 local steps)",
@@ -384,7 +328,10 @@ TABLES: tuple[tuple[str, str, Callable[[Path], list[str]]], ...] = (
 )
 FACTS: tuple[tuple[str, Callable[[Path], dict[str, Any]]], ...] = (
     ("bayes_table2/summary.json", table2_facts),
-    ("bayes_table3/summary.json", table3_facts),
+    (
+        "bayes_table3/summary.json",
+        lambda root: {**table3_facts(root), "e10": table3_e10_facts(root)},
+    ),
     ("bayes_table4/summary.json", table4_facts),
     ("bayes_table5/summary.json", table5_facts),
     ("bayes_table6/summary.json", table6_facts),
