@@ -286,19 +286,21 @@ def test_the_all_iterates_interval_covers_and_narrows_as_one_over_root_k() -> No
 
 
 def test_the_false_alarm_probability_matches_a_simulation() -> None:
-    """false_alarm against 20,000 simulated fits of 100 canaries (x̄ ~ N(μ, 1/k), s² ~ χ²/(k−1),
-    ε̂ above the claim): within 4 standard errors; a mean error of 1/k or a variance of χ²_k
-    fails. The newcomer's case (ε = 2 over 2 rounds, a canary at half the accountant's exact
-    μ) gives 41 % at 100 canaries (their simulation: 39 %), under 1 % at 1,000 (0.3 %)."""
+    """false_alarm against 20,000 simulated fits of k canaries (x̄ ~ N(μ, 1/k), s² ~ χ²/(k−1),
+    ε̂ above the claim), at k = 100 and k = 3: within 4 standard errors; a mean error of 1/k or
+    a variance of χ²_k fails. The newcomer's case (ε = 2 over 2 rounds, a canary at half the
+    accountant's exact μ) gives 41 % at 100 canaries (their simulation: 39 %), under 1 % at
+    1,000 (0.3 %)."""
     rng = np.random.default_rng(11)
-    k, mu, claim, n = 100, 0.35, 2.2, 20_000
-    means = rng.normal(mu, 1.0 / math.sqrt(k), n)
-    sds = np.sqrt(rng.chisquare(k - 1, n) / (k - 1))
-    simulated = float(np.mean(epsilons(means, sds, 1.0, DELTA) > claim))
-    computed = false_alarm(mu, 1.0, k, claim, DELTA)
-    se = math.sqrt(simulated * (1 - simulated) / n)
-    assert abs(computed - simulated) < 4 * se + 1e-3
-    assert 0.2 < computed < 0.8  # a probability the test can tell apart
+    for k, mu, claim in ((100, 0.35, 2.2), (3, 0.5, 12.0)):  # χ²_{k−1}: k = 3 tells it from χ²_k
+        n = 20_000
+        means = rng.normal(mu, 1.0 / math.sqrt(k), n)
+        sds = np.sqrt(rng.chisquare(k - 1, n) / (k - 1))
+        simulated = float(np.mean(epsilons(means, sds, 1.0, DELTA) > claim))
+        computed = false_alarm(mu, 1.0, k, claim, DELTA)
+        se = math.sqrt(simulated * (1 - simulated) / n)
+        assert abs(computed - simulated) < 4 * se + 1e-3, k
+        assert 0.2 < computed < 0.8  # a probability the test can tell apart
     mu_acc = exact_gdp_epsilon_inverse(2.0)
     assert false_alarm(mu_acc / 2, 1.0, 100, 2.0, DELTA) == pytest.approx(0.41, abs=0.02)
     assert false_alarm(mu_acc / 2, 1.0, 1000, 2.0, DELTA) < 0.01
