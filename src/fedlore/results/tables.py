@@ -126,7 +126,7 @@ def _audit_max(records: list[RunRecord], key: str) -> float | None:
 def _audit_above(records: list[RunRecord], key: str) -> int:
     """The runs whose estimate's interval lies wholly above their accountant's ε: the lower end
     ``<key>_low`` above ``dp_epsilon`` (a sound mechanism's does so with probability at most
-    about (1 − level)/2; :mod:`fedlore.privacy.empirical_error`)."""
+    about (1 − level)/2, 2–4 % in simulations; :mod:`fedlore.privacy.empirical_error`)."""
     count = 0
     for r in records:
         low, eps = r.summary.get(f"{key}_low"), r.summary.get("dp_epsilon")
