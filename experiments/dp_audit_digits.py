@@ -80,9 +80,45 @@ def record(root: Path, cfg: Any, seed: int, sigma: float, scale: float) -> dict[
     }
 
 
+def intervals(run: dict[str, Any]) -> tuple[float, float, float, float]:
+    """A run's 95 % intervals, final model and all iterates (low, high, low, high): from its
+    summary (``dp_audit_epsilon_low`` ...), or, for a run recorded before the summary held
+    them, from the fits it holds (the interval needs only each fit's mean, standard deviation
+    and count: :func:`fedlore.privacy.empirical_error.epsilon_interval`)."""
+    from fedlore.privacy.empirical import Fit
+    from fedlore.privacy.empirical_error import epsilon_interval
+
+    keys = [
+        f"dp_audit_epsilon{part}_{end}" for part in ("", "_all_iterates") for end in ("low", "high")
+    ]
+    if all(k in run for k in keys):
+        low, high, low_all, high_all = (float(run[k]) for k in keys)
+        return low, high, low_all, high_all
+    k, k0, d = run["dp_audit_canaries"], run["dp_audit_unseen"], run["dp_audit_dimension"]
+    delta = run["dp_delta"]
+    final = epsilon_interval(
+        Fit(run["dp_audit_cosine_mean"], run["dp_audit_cosine_std"], k),
+        Fit(0.0, run["dp_audit_null_std"], d),
+        delta,
+        null_exact=True,
+    )
+    every = epsilon_interval(
+        Fit(run["dp_audit_max_cosine_mean"], run["dp_audit_max_cosine_std"], k),
+        Fit(run["dp_audit_unseen_max_cosine_mean"], run["dp_audit_unseen_max_cosine_std"], k0),
+        delta,
+    )
+    return final.low, final.high, every.low, every.high
+
+
+def spans(setting: dict[str, Any], at: int) -> str:
+    """Each seed's interval, "3.1–5.2, 2.9–4.8" (``at``: 0 final model, 2 all iterates)."""
+    return ", ".join(f"{b[at]:.3g}–{b[at + 1]:.3g}" for b in setting["intervals"])
+
+
 def summarize(rows: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     """The page's table (Markdown) and numbers (JSON) from ``table.json``'s rows: per setting
-    the accountant's ε, the audit's estimates and the accuracy, means over the seeds."""
+    the accountant's ε, the audit's estimates and the accuracy, means over the seeds, and each
+    run's 95 % interval (:func:`intervals`)."""
     from fedlore.privacy.empirical import gdp_epsilon
 
     settings: dict[str, Any] = {}
@@ -96,7 +132,19 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
         ratio = [r["dp_audit_cosine_std"] / r["dp_audit_null_std"] for r in runs]
         final = [r["dp_audit_epsilon"] for r in runs]
         every = [r["dp_audit_epsilon_all_iterates"] for r in runs]
+        bounds = [intervals(r) for r in runs]
         settings[key] = {
+            # each run's interval (final model; all iterates), the lowest and highest ends
+            "audit_low": min(b[0] for b in bounds),
+            "audit_high": max(b[1] for b in bounds),
+            "audit_all_iterates_low": min(b[2] for b in bounds),
+            "audit_all_iterates_high": max(b[3] for b in bounds),
+            # runs whose final-model / all-iterates interval lies wholly above the accountant's ε
+            "above": sum(b[0] > r["dp_epsilon"] for b, r in zip(bounds, runs, strict=True)),
+            "above_all_iterates": sum(
+                b[2] > r["dp_epsilon"] for b, r in zip(bounds, runs, strict=True)
+            ),
+            "intervals": [list(b) for b in bounds],
             "sigma": runs[0]["sigma"],
             "noise_scale": runs[0]["noise_scale"],
             "seeds": len(runs),
@@ -137,8 +185,9 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     }
     lines = [
         "| mechanism | σ told the accountant | accountant ε | audit ε̂, final model | "
-        "audit ε̂, all iterates | cosine shift (null sd) | test acc. (%) |",
-        "|---|---|---|---|---|---|---|",
+        "95 % intervals (per seed) | audit ε̂, all iterates | 95 % intervals (per seed) | "
+        "cosine shift (null sd) | test acc. (%) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in settings.values():
         what = (
@@ -146,7 +195,8 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
         )
         lines.append(
             f"| {what} | {s['sigma']:g} | {s['epsilon']:.3g} | {s['audit']:.3g} "
-            f"({s['audit_min']:.3g}–{s['audit_max']:.3g}) | {s['audit_all_iterates']:.3g} | "
+            f"({s['audit_min']:.3g}–{s['audit_max']:.3g}) | {spans(s, 0)} | "
+            f"{s['audit_all_iterates']:.3g} | {spans(s, 2)} | "
             f"{s['shift']:.2f} | {s['accuracy']:.1f} |"
         )
     return "\n".join(lines) + "\n", facts

@@ -256,6 +256,20 @@ class Config(_Strict):
         k = self.dp.audit.canaries
         if not k:
             return self
+        # here, not in the dp section, so that the message is not followed by the whole section
+        if self.dp.clip_norm is None:
+            raise ValueError(
+                f"dp.audit.canaries = {k} needs DP, which is off: the audit measures the DP "
+                "mechanism; set dp.clip_norm and dp.noise_multiplier (or dp.epsilon), or drop "
+                "dp.audit"
+            )
+        if self.dp.mode == "local":
+            raise ValueError(
+                "dp.audit.canaries with dp.mode=local is refused: local DP's guarantee is "
+                "against a server that sees each noised upload, which a final-model canary "
+                "test does not attack, and canaries noising their own uploads would add √k "
+                "times the noise to the model; audit dp.mode=central"
+            )
         if self.secure_aggregation:
             raise ValueError(
                 "dp.audit.canaries with secure_aggregation is refused: the server would add the "

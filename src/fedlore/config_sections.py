@@ -179,9 +179,12 @@ class DPAuditConfig(_Strict):
     noise but not into its count; the real clients, their sample and ε are unchanged. Needs
     ``dp.clip_norm`` (central mode), no ``secure_aggregation``, a method whose clients upload
     model deltas (fedavg, fedfull, fedprox; fedper, fedbn, fedrep, moon for their shared tensors)
-    and at least N / m canaries (one per round). More canaries narrow the estimate (hundreds are
-    a minimum: with few, a sound mechanism's estimate often lands above its ε); the directions
-    take (k + k') · d · 4 bytes."""
+    and at least N / m canaries (one per round). More canaries narrow the estimate and its 95 %
+    interval (``dp_audit_epsilon_low`` / ``_high``); with few, a sound mechanism's estimate
+    often lands above its ε, and the run warns at start (``AuditWarning``) when that chance,
+    computed for the run's rounds, σ and canary rate, is above 2.5 % (the interval's one-sided
+    error), naming the canaries that bring it there. The directions take (k + k') · d · 4
+    bytes."""
     unseen: int | None = Field(None, ge=0)
     """k', directions never inserted (None: as many as ``canaries``): the null of the
     all-iterates estimate (the per-round maximum cosine), and a check of the final-model null
@@ -269,24 +272,6 @@ class DPConfig(_Strict):
     what noise multiplier σ alone costs (:func:`fedlore.privacy.dp.update_noise_multiplier`)."""
     audit: DPAuditConfig = DPAuditConfig()
     """The empirical privacy audit with canary clients (``dp.audit.*``); off by default."""
-
-    @model_validator(mode="after")
-    def _audit_needs_central_dp(self) -> DPConfig:
-        if not self.audit.canaries:
-            return self
-        if self.clip_norm is None:
-            raise ValueError(
-                "dp.audit.canaries is set but dp.clip_norm is not: the audit measures the DP "
-                "mechanism, so DP must be on"
-            )
-        if self.mode == "local":
-            raise ValueError(
-                "dp.audit.canaries with dp.mode=local is refused: local DP's guarantee is "
-                "against a server that sees each noised upload, which a final-model canary "
-                "test does not attack, and canaries noising their own uploads would add √k "
-                "times the noise to the model; audit dp.mode=central"
-            )
-        return self
 
     @model_validator(mode="after")
     def _adaptive_clipping(self) -> DPConfig:

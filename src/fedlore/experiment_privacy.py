@@ -10,6 +10,8 @@ the empirical privacy audit (``dp.audit``), whose estimate the summary records b
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,15 @@ from fedlore.privacy.canaries import (
 from fedlore.privacy.dp import (
     ADJACENCY,
     default_clipped_count_stddev,
+    epsilon_spent,
     update_noise_multiplier,
+)
+from fedlore.privacy.empirical_error import (
+    LEVEL,
+    MAX_ADVISED,
+    canaries_for,
+    false_alarm,
+    sound_canary,
 )
 from fedlore.privacy.local_dp import local_noise_for_epsilon
 from fedlore.progress import say_once, warn_once
@@ -45,6 +55,11 @@ NO_PRIVACY = (
 class PrivacyWarning(UserWarning):
     """A setting that weakens or removes a run's privacy: shown whether or not progress
     messages are (``progress: false`` silences those, never these)."""
+
+
+class AuditWarning(UserWarning):
+    """A canary audit (``dp.audit``) too small to tell a sound mechanism from a broken one:
+    shown whether or not progress messages are."""
 
 
 def _privacy_warning(message: str) -> None:
@@ -198,7 +213,56 @@ def make_privacy(
     )
     if cfg.secure_aggregation:
         check_secure_round(cfg, privacy)
+    if privacy.canaries is not None and dp is not None:
+        warn_few_canaries(cfg, privacy.canaries.rate, dp.noise_multiplier, setup)
     return privacy
+
+
+@functools.lru_cache(maxsize=64)
+def _advice(
+    count: int, rounds: int, rate: float, sigma: float, claim: float, delta: float
+) -> tuple[float, int]:
+    shift, spread = sound_canary(rounds, rate, sigma)
+    chance = false_alarm(shift, spread, count, claim, delta)
+    if chance <= 0.5 * (1.0 - LEVEL):
+        return chance, count
+    return chance, canaries_for(shift, spread, claim, delta)
+
+
+def warn_few_canaries(cfg: Config, rate: float, sigma: float, setup: int) -> None:
+    """An :class:`AuditWarning` when ``dp.audit.canaries`` is too few for the run: a sound
+    mechanism's final-model estimate would land above the accountant's ε with a probability
+    above the one-sided error of the estimate's interval, ``(1 − LEVEL) / 2`` = 2.5 %
+    (:func:`~fedlore.privacy.empirical_error.false_alarm`, for the canary of a sound mechanism
+    at the run's rounds, canary rate and σ: :func:`~fedlore.privacy.empirical_error.
+    sound_canary`), naming the fewest canaries that bring it there
+    (:func:`~fedlore.privacy.empirical_error.canaries_for`)."""
+    k = cfg.dp.audit.canaries
+    if sigma <= 0:
+        return  # ε is infinite: nothing to land above (warned already)
+    claim = epsilon_spent(
+        sigma,
+        cfg.dp.delta,
+        cfg.rounds + setup,
+        cfg.num_clients,
+        cfg.clients_per_round(),
+        accountant=cfg.dp.accountant,
+    )
+    if not math.isfinite(claim):
+        return
+    chance, enough = _advice(k, cfg.rounds, rate, sigma, claim, cfg.dp.delta)
+    if enough <= k:
+        return
+    more = f"at least {enough:,}" if enough <= MAX_ADVISED else f"more than {MAX_ADVISED:,}"
+    rounds = f"{cfg.rounds} round{'s' * (cfg.rounds != 1)}"
+    warn_once(
+        f"dp.audit.canaries = {k:,} is too few for {rounds} at σ = {sigma:.4g}: a sound "
+        "mechanism's final-model ε̂ would land above the accountant's ε = "
+        f"{claim:.3g} with probability {chance:.1%}, above the {0.5 * (1 - LEVEL):.1%} its "
+        f"interval allows; use {more} canaries to read ε̂ against ε (the all-iterates "
+        "estimate errs more)",
+        AuditWarning,
+    )
 
 
 def make_canaries(cfg: Config, algo: Algorithm, state: State | None) -> Canaries:

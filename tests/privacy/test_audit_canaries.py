@@ -33,7 +33,8 @@ from fedlore.privacy.canaries import (
     directions,
     upload_model_keys,
 )
-from fedlore.privacy.empirical import null_std
+from fedlore.privacy.empirical import Fit, null_std
+from fedlore.privacy.empirical_error import epsilon_interval
 from fedlore.results.report import report
 from fedlore.types import Broadcast, Reply, State
 
@@ -184,6 +185,17 @@ def test_the_summary_fits_the_inserted_cosines_against_the_exact_null() -> None:
     assert out["dp_audit_cosine_mean"] == pytest.approx(1 / math.sqrt(20), rel=0.1)
     assert abs(out["dp_audit_unseen_cosine_mean"]) < 5 * null_std(2000) / math.sqrt(20)
     assert out["dp_audit_epsilon"] > 20 and out["dp_audit_epsilon_all_iterates"] > 20
+    for key in ("dp_audit_epsilon", "dp_audit_epsilon_all_iterates"):  # the intervals
+        assert out[f"{key}_low"] <= out[key] <= out[f"{key}_high"]
+        assert out[f"{key}_low"] < out[f"{key}_high"]
+    assert out["dp_audit_level"] == 0.95
+    exact = epsilon_interval(  # the final-model null is exact: N(0, 1/d), not fitted
+        Fit(out["dp_audit_cosine_mean"], out["dp_audit_cosine_std"], 20),
+        Fit(0.0, null_std(2000), 2000),
+        1e-5,
+        null_exact=True,
+    )
+    assert (exact.low, exact.high) == (out["dp_audit_epsilon_low"], out["dp_audit_epsilon_high"])
     assert (out["dp_audit_canaries"], out["dp_audit_unseen"]) == (20, 20)
 
 
@@ -310,6 +322,65 @@ def test_an_infinite_estimate_is_shown_not_dropped() -> None:
     assert _dp_cell(row) == "3 (1e-05) / 1 / – / – · audit ε̂ ∞"
 
 
+def _record(seed: int, eps: float, audit: float, low: float, every_low: float) -> Any:
+    from fedlore.results.store import RunRecord
+
+    summary = {
+        "dp_epsilon": eps,
+        "dp_noise_multiplier": 1.0,
+        "dp_delta": 1e-5,
+        "dp_audit_epsilon": audit,
+        "dp_audit_epsilon_low": low,
+        "dp_audit_epsilon_high": audit + 1.0,
+        "dp_audit_epsilon_all_iterates": audit - 0.5,
+        "dp_audit_epsilon_all_iterates_low": every_low,
+        "dp_audit_epsilon_all_iterates_high": audit,
+        "final_accuracy": 0.5,
+    }
+    return RunRecord(seed=seed, rows=[], summary=summary)
+
+
+def test_the_cell_shows_the_largest_seed_and_flags_an_interval_above_the_claim() -> None:
+    """Two seeds against ε = 3: the cell shows the mean and the largest estimate (the mean 2.5
+    hides the seed at 3.5), and "AUDIT ABOVE ε" with the runs whose interval's lower end is over
+    their ε (3.2 > 3, not 2.9: an estimate above ε whose interval reaches below it is no flag;
+    an equal lower end is none either)."""
+    from fedlore.results.markdown import _dp_cell
+    from fedlore.results.tables import summary_table
+
+    quiet = [_record(1, 3.0, 1.5, 0.5, 0.1), _record(2, 3.0, 3.5, 2.9, 3.0)]
+    (row,) = summary_table({"fedavg": quiet})
+    assert row["dp_audit_epsilon_max"] == 3.5 and row["dp_audit_above_runs"] == 0
+    cell = _dp_cell(row)
+    assert cell.endswith(" · audit ε̂ 2.5 (max 3.5), all iterates 2 (max 3)")
+    loud = [_record(1, 3.0, 1.5, 0.5, 0.1), _record(2, 3.0, 4.0, 3.2, 3.1)]
+    (row,) = summary_table({"fedavg": loud})
+    assert (row["dp_audit_above_runs"], row["dp_audit_all_iterates_above_runs"]) == (1, 1)
+    assert _dp_cell(row).endswith(
+        " · **AUDIT ABOVE ε** (interval's lower end over the claim): final model in 1 of 2 "
+        "runs, all iterates in 1 of 2 runs"
+    )
+
+
+def test_too_few_canaries_are_warned_of_with_the_count_that_suffices(tmp_path: Path) -> None:
+    """100 canaries over 2 rounds at σ = 6 (ε ≈ 2.4, the newcomer's setting): a sound run's
+    estimate would land above ε about a third of the time, so the build warns, naming the
+    count and the fewest canaries that bring that chance to 2.5 %; with those, it does not."""
+    from fedlore.experiment_privacy import AuditWarning
+
+    base = ("rounds=2", "dp.noise_multiplier=6", "dp.audit.unseen=0")
+    cfg = _cfg(tmp_path, *base, "dp.audit.canaries=100")
+    with pytest.warns(AuditWarning, match=r"dp.audit.canaries = 100 is too few") as got:
+        build(cfg, "fedavg", SEED)
+    (message,) = [str(w.message) for w in got if w.category is AuditWarning]
+    enough = int(message.split("use at least ")[1].split(" ")[0].replace(",", ""))
+    assert 300 < enough < 3000
+    cfg = _cfg(tmp_path, *base, f"dp.audit.canaries={enough}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AuditWarning)
+        build(cfg, "fedavg", SEED)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -317,7 +388,11 @@ def test_an_infinite_estimate_is_shown_not_dropped() -> None:
         (["secure_aggregation=true"], "with secure_aggregation is refused"),
         (["participation=0.25", "dp.audit.canaries=3"], "use at least 4"),
         (["dp.audit.unseen=1"], "0 or at least 2"),
-        (["dp.clip_norm=null", "dp.noise_multiplier=null"], "DP must be on"),
+        (
+            ["dp.clip_norm=null", "dp.noise_multiplier=null"],
+            r"config:\n  dp.audit.canaries = 8 needs DP, which is off: .*; set dp.clip_norm and "
+            r"dp.noise_multiplier \(or dp.epsilon\), or drop dp.audit$",
+        ),
     ],
 )
 def test_what_the_audit_cannot_measure_is_refused(

@@ -16,7 +16,8 @@
   :mod:`fedlore.privacy.aggregation`: the server side (:class:`Privacy`).
 * :mod:`fedlore.privacy.canaries` and :mod:`fedlore.privacy.empirical`: the canary audit of
   central DP (``dp.audit``): canary clients in the noised sum and the one-shot empirical ε of
-  Andrew et al. (ICLR 2024) from their cosines with the model's change.
+  Andrew et al. (ICLR 2024) from their cosines with the model's change;
+  :mod:`fedlore.privacy.empirical_error`: its confidence interval and false-alarm probability.
 * :mod:`fedlore.privacy.crypto`, :mod:`fedlore.privacy.topology` and
   :mod:`fedlore.privacy.parties`: the protocol's primitives, its mask graphs and thresholds, and
   the driver of its stages with the in-process clients.

@@ -19,8 +19,12 @@ cosine between a round's model change ``θ_t − θ_{t−1}`` and ``c_i`` over t
 null fitted to the unseen canaries' same statistic (its distribution is no longer ``N(0, 1/d)``).
 Both are *estimates*, not bounds: a small value does not prove privacy (the adversary, the
 statistic and the Gaussian fit are particular), while a value well above the accountant's ε,
-beyond the fit's own error (large with few canaries or rounds), shows that the mechanism or its
-accounting is broken.
+beyond the fit's own error (large with few canaries or rounds: the summary's interval,
+:mod:`fedlore.privacy.empirical_error`, lying wholly above ε), shows that the mechanism or its
+accounting is broken. The all-iterates statistic is the one of the authors' reference code
+(google-research/federated, ``one_shot_epe``: a running maximum of each round's model-delta
+cosine, for canaries and unseen canaries alike, each population fitted by a Gaussian), except
+that a round that leaves the model unchanged is skipped, not counted as a cosine of 0.
 
 **How the canaries join the mechanism** (in process and on Flower alike: the server's
 :meth:`~fedlore.privacy.aggregation.Privacy.combine`, DP without secure aggregation):
@@ -69,6 +73,7 @@ import numpy as np
 import torch
 
 from fedlore.privacy.empirical import Fit, estimate_epsilon, fit, null_std
+from fedlore.privacy.empirical_error import LEVEL, epsilon_interval
 from fedlore.types import Arrays, Scalars, State
 
 KEY = "privacy.audit.key"
@@ -288,8 +293,10 @@ class Canaries:
     def summary(self, delta: float) -> dict[str, Any]:
         """The audit's record for the run's ``summary.json`` (``dp_audit_*``): the final-model
         estimate against the exact null ``N(0, 1/d)``, the cosine statistics and, with unseen
-        canaries, their own cosines and the all-iterates estimate. No estimate when the model
-        never moved."""
+        canaries, their own cosines and the all-iterates estimate; beside each estimate its
+        confidence interval at :data:`~fedlore.privacy.empirical_error.LEVEL`
+        (``*_low``, ``*_high``: :func:`~fedlore.privacy.empirical_error.epsilon_interval`). No
+        estimate when the model never moved."""
         k = self.count
         out: dict[str, Any] = {
             "dp_audit_canaries": k,
@@ -305,6 +312,9 @@ class Canaries:
         seen = fit(cos[:k].numpy())
         null = Fit(0.0, null_std(self.dimension), self.dimension)
         out["dp_audit_epsilon"] = estimate_epsilon(seen, null, delta)
+        out["dp_audit_level"] = LEVEL
+        low, high = _interval(seen, null, delta, exact=True)
+        out["dp_audit_epsilon_low"], out["dp_audit_epsilon_high"] = low, high
         out["dp_audit_cosine_mean"] = seen.mean
         out["dp_audit_cosine_std"] = seen.std
         if self.unseen:
@@ -314,8 +324,20 @@ class Canaries:
         if self.unseen and self.rounds:
             best, best_null = fit(self.best[:k].numpy()), fit(self.best[k:].numpy())
             out["dp_audit_epsilon_all_iterates"] = estimate_epsilon(best, best_null, delta)
+            low, high = _interval(best, best_null, delta)
+            out["dp_audit_epsilon_all_iterates_low"] = low
+            out["dp_audit_epsilon_all_iterates_high"] = high
             out["dp_audit_max_cosine_mean"] = best.mean
             out["dp_audit_max_cosine_std"] = best.std
             out["dp_audit_unseen_max_cosine_mean"] = best_null.mean
             out["dp_audit_unseen_max_cosine_std"] = best_null.std
         return out
+
+
+def _interval(seen: Fit, null: Fit, delta: float, exact: bool = False) -> tuple[float, float]:
+    """The estimate's interval (both ends ``inf`` when the seen canaries' cosines do not vary:
+    every canary told apart, and the estimate is ``inf``)."""
+    if not seen.std > 0:
+        return math.inf, math.inf
+    found = epsilon_interval(seen, null, delta, null_exact=exact)
+    return found.low, found.high

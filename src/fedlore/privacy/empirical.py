@@ -27,7 +27,9 @@ Differential Privacy", JRSS-B 2022, Corollary 2.13: ``δ(ε) = Φ(−ε/μ + μ/
 This is an *estimate*, not a bound: the Gaussian fits, the sampling error of k canaries and the
 adversary's statistic (one cosine) all stand between it and the mechanism's true ε. A small
 value does not prove privacy; a value well above the accountant's ε, beyond that sampling
-error, means the mechanism or its accounting is broken.
+error, means the mechanism or its accounting is broken. The sampling error is
+:mod:`fedlore.privacy.empirical_error`'s: a confidence interval for ε̂ and the chance that a
+sound mechanism's ε̂ lands above a claim.
 """
 
 from __future__ import annotations

@@ -59,6 +59,10 @@ COLUMNS = [
     "dp_local_runs",
     "dp_audit_epsilon_mean",
     "dp_audit_epsilon_all_iterates_mean",
+    "dp_audit_epsilon_max",
+    "dp_audit_epsilon_all_iterates_max",
+    "dp_audit_above_runs",
+    "dp_audit_all_iterates_above_runs",
 ]
 """Keys of every :func:`summary_table` row, in CSV column order (the perplexity columns are
 empty for classifiers; ECE, G-local and P-local accuracy and client training time are empty for
@@ -108,6 +112,29 @@ def _audit_mean(records: list[RunRecord], key: str) -> float | None:
     if any(math.isinf(v) for v in found):
         return math.inf
     return _stat([v for v in found if math.isfinite(v)])[0]
+
+
+def _audit_max(records: list[RunRecord], key: str) -> float | None:
+    """The largest canary-audit estimate over the runs that made one (one seed over the claim
+    is what the mean can hide)."""
+    values = [r.summary.get(key) for r in records]
+    found = [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+    found = [v for v in found if not math.isnan(v)]
+    return max(found) if found else None
+
+
+def _audit_above(records: list[RunRecord], key: str) -> int:
+    """The runs whose estimate's interval lies wholly above their accountant's ε: the lower end
+    ``<key>_low`` above ``dp_epsilon`` (a sound mechanism's does so with probability at most
+    about (1 − level)/2, 2–4 % in simulations; :mod:`fedlore.privacy.empirical_error`)."""
+    count = 0
+    for r in records:
+        low, eps = r.summary.get(f"{key}_low"), r.summary.get("dp_epsilon")
+        if isinstance(low, bool) or isinstance(eps, bool):
+            continue
+        if isinstance(low, int | float) and isinstance(eps, int | float) and low > eps:
+            count += 1
+    return count
 
 
 def _scored(
@@ -229,6 +256,14 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
                 # the canary audit's estimates (dp.audit), over the runs that made them
                 "dp_audit_epsilon_mean": _audit_mean(records, "dp_audit_epsilon"),
                 "dp_audit_epsilon_all_iterates_mean": _audit_mean(
+                    records, "dp_audit_epsilon_all_iterates"
+                ),
+                "dp_audit_epsilon_max": _audit_max(records, "dp_audit_epsilon"),
+                "dp_audit_epsilon_all_iterates_max": _audit_max(
+                    records, "dp_audit_epsilon_all_iterates"
+                ),
+                "dp_audit_above_runs": _audit_above(records, "dp_audit_epsilon"),
+                "dp_audit_all_iterates_above_runs": _audit_above(
                     records, "dp_audit_epsilon_all_iterates"
                 ),
             }
