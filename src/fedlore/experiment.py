@@ -174,6 +174,8 @@ def run(
 ) -> dict[str, Any] | None:
     """Train ``exp`` in ``folder`` (holding its locks until it ends) and return its summary;
     None when stopped early by ``stop_after`` (the last round to run: a killed run, for tests).
+    A run that ``early_stopping`` ends before ``rounds`` is finished
+    (:mod:`fedlore.engine.early_stopping`).
 
     ``transport(algorithm, client_data, model_factory, seed, store)`` makes the transport
     (:class:`~fedlore.engine.transport.LocalTransport`, or the Flower ServerApp's over its

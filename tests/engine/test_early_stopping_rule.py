@@ -76,6 +76,15 @@ def test_min_delta_in_min_mode() -> None:
     es = _feed([1.0, 0.75, 0.5, 0.45, 0.3], mode="min", min_delta=0.25)
     # r1 0.75 = 1.0 - 0.25: no (wait 1); r2 0.5 < 0.75: best; r3 wait 1; r4 0.3 > 0.25: wait 2
     assert (es.stopped_round, es.best_round, es.best_value) == (4, 2, 0.5)
+    # exact binary values on the margin: r1 0.75 (= 1 - 0.25) and r3 0.375 (= 0.625 - 0.25)
+    # are no improvements, r2 0.625 and r4 0.25 are
+    edge = _feed([1.0, 0.75, 0.625, 0.375, 0.25], mode="min", min_delta=0.25)
+    assert (edge.stopped_round, edge.best_round, edge.best_value) == (None, 4, 0.25)
+
+
+def test_a_tie_is_no_improvement_in_min_mode() -> None:
+    es = _feed([1.0, 0.9, 0.9, 0.95, 0.5], mode="min")  # r2 ties: wait 1, r3 wait 2: stop
+    assert (es.stopped_round, es.best_round, es.best_value) == (3, 1, 0.9)
 
 
 def test_rounds_without_the_metric_and_non_finite_values() -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from fedlore.config import Config
 from fedlore.config_stopping import watches_test
+from fedlore.progress import say
 from fedlore.results.summary import restored_finals
 from fedlore.tensors import to_cpu
 from fedlore.types import State
@@ -94,6 +95,11 @@ class EarlyStopping:
         self.wait += 1
         if self.wait >= self.patience:
             self.stopped_round = rnd
+            say(
+                "early stopping: %s did not improve for %d evaluation(s); stopped after round %d "
+                "(best round %s: %s)",
+                self.metric, self.wait, rnd, self.best_round, self.best_value,
+            )  # fmt: skip
 
     def stopped(self) -> bool:
         """Whether the run has stopped (the round loop asks before every round)."""
