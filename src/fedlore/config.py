@@ -34,6 +34,7 @@ from fedlore.config_sections import (
     RobustConfig,
     StoreConfig,
 )
+from fedlore.config_stopping import EarlyStoppingConfig
 from fedlore.config_tracking import TrackingConfig
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "DPConfig",
     "DataConfig",
     "DiagnosticsConfig",
+    "EarlyStoppingConfig",
     "EvalConfig",
     "FlowerConfig",
     "ModelConfig",

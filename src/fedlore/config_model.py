@@ -28,6 +28,7 @@ from fedlore.config_sections import (
     RobustConfig,
     StoreConfig,
 )
+from fedlore.config_stopping import EarlyStoppingConfig
 from fedlore.config_tracking import TrackingConfig
 from fedlore.settings import StrictModel as _Strict
 from fedlore.settings import steps_or_epochs
@@ -151,6 +152,7 @@ class Config(_Strict):
     params: ParamsConfig = Field(default_factory=ParamsConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    early_stopping: EarlyStoppingConfig = Field(default_factory=EarlyStoppingConfig)
     flower: FlowerConfig = Field(default_factory=FlowerConfig)
     diagnostics: DiagnosticsConfig = Field(default_factory=DiagnosticsConfig)
     robust: RobustConfig = Field(default_factory=RobustConfig)

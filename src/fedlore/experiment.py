@@ -42,10 +42,10 @@ from fedlore.checks import (
 from fedlore.config import Config, ConfigError
 from fedlore.data.federation import Federation, build_federation
 from fedlore.device import resolve_device, training_precision, use_threads
-from fedlore.diagnostics import Diagnoser
 from fedlore.engine import overwriting
 from fedlore.engine.attack import attacked
 from fedlore.engine.callbacks import Checkpointer, MetricsWriter, ProgressBar
+from fedlore.engine.early_stopping import early_stopper
 from fedlore.engine.interrupt import Interrupted
 from fedlore.engine.lock import RunLock
 from fedlore.engine.loop import Callback, RoundLoop
@@ -78,6 +78,7 @@ from fedlore.experiment_parts import (
     describe_parameters,
     evaluator,
     make_algorithm,
+    make_diagnoser,
     model_factory,
     prepare_federation,
     start_server,
@@ -173,6 +174,8 @@ def run(
 ) -> dict[str, Any] | None:
     """Train ``exp`` in ``folder`` (holding its locks until it ends) and return its summary;
     None when stopped early by ``stop_after`` (the last round to run: a killed run, for tests).
+    A run that ``early_stopping`` ends before ``rounds`` is finished
+    (:mod:`fedlore.engine.early_stopping`).
 
     ``transport(algorithm, client_data, model_factory, seed, store)`` makes the transport
     (:class:`~fedlore.engine.transport.LocalTransport`, or the Flower ServerApp's over its
@@ -194,6 +197,7 @@ def run(
         write_json(out / "config.json", {**written, **privacy_record(exp.privacy)})
         max_bytes = None if cfg.store.max_memory_mb is None else int(cfg.store.max_memory_mb * 1e6)
         metrics = MetricsWriter(out / "metrics.jsonl")
+        stopper = early_stopper(cfg)  # early_stopping: its state comes back with the checkpoint
         last, state, store, privacy = resume_point(
             folder,
             metrics,
@@ -205,14 +209,16 @@ def run(
             method,
             seed,
             first_round=-setup_rounds(algo),
+            restore=None if stopper is None else stopper.restore,
         )
         warn_over_target(cfg, privacy, f"{method} seed {seed}")  # repeats can pass dp.epsilon
         start = -setup_rounds(algo) if last is None else last + 1
         clients = transport(algo, exp.fed.client, exp.model_factory, seed, store)
         evaluate_state = evaluator(cfg, exp.fed, algo, exp.eval_model)
-        callbacks: list[Callback] = [metrics]
-        if cfg.checkpoint:
-            callbacks.append(Checkpointer(out / "checkpoint.pt", store))
+        callbacks: list[Callback] = [metrics] if stopper is None else [metrics, stopper]
+        if cfg.checkpoint:  # after the stopper: it keeps the rule's state of the round
+            keep = None if stopper is None else stopper.checkpoint_entry
+            callbacks.append(Checkpointer(out / "checkpoint.pt", store, keep))
         callbacks.extend(extra_callbacks)
         tracking = open_tracking(cfg, method, seed, out, folder.target)  # tracking: [...]
         callbacks.append(tracking)
@@ -220,20 +226,6 @@ def run(
         if cfg.progress:
             bar = ProgressBar(f"{method} seed {seed}", 0, cfg.rounds - start, cfg.rounds)
             callbacks.append(bar)
-        diagnoser = None
-        if cfg.diagnostics.every > 0:
-            diagnoser = Diagnoser(
-                algo,
-                exp.eval_model,
-                exp.fed.client,
-                exp.fed.num_clients,
-                cfg.diagnostics.every,
-                cfg.diagnostics.batch_size,
-                cfg.diagnostics.clients,
-                seed,
-                cfg.rank,
-                uniform=cfg.weighting == "uniform",
-            )
         loop = RoundLoop(
             algo,
             clients,
@@ -241,9 +233,10 @@ def run(
             evaluate_state,
             cfg.eval.every,
             callbacks,
-            diagnoser,
+            make_diagnoser(cfg, algo, exp.eval_model, exp.fed, seed),
             norm_screen=cfg.robust.norm_screen,
             privacy=privacy,
+            stop=None if stopper is None else stopper.stopped,
         )
         end = cfg.rounds if stop_after is None else min(cfg.rounds, stop_after + 1)
         ran = False
@@ -257,11 +250,14 @@ def run(
         finally:
             if bar is not None:
                 bar.close()
-            if end < cfg.rounds or not ran:
+            finished = end == cfg.rounds or (stopper is not None and stopper.stopped())
+            if not (finished and ran):
                 tracking.abort()  # unfinished: a resume logs its rounds again
-        if end < cfg.rounds:
+        if not finished:  # stop_after: a killed run, for tests
             return None
         summary = summarize(method, seed, metrics.path, cfg.eval.metrics)
+        if stopper is not None:  # stopped_round, best_round; final_* of the best round
+            stopper.finish(summary, metrics.path, tuple(cfg.eval.metrics))
         if exp.fed.test_split is not None:  # no test split of its own: what was held out
             summary["data_test_split"] = exp.fed.test_split
         summary.update(privacy_summary(privacy))  # the mechanism, beside its ε

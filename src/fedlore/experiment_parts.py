@@ -6,8 +6,9 @@ its ``method.<name>`` overrides, after :mod:`fedlore.checks` has had its say);
 :func:`model_factory` builds the same initial model for every method of a seed;
 :func:`start_server` starts the method's server (with the server's unlabeled set where the
 method needs it); :func:`evaluator` scores a server state on the central test set, the
-selection split and the clients' test splits; :func:`describe_parameters` says at the start what
-a method projects or adapts; :func:`try_method` is the preflight's trial of a method.
+selection split and the clients' test splits, :func:`make_diagnoser` measures it
+(``diagnostics.*``); :func:`describe_parameters` says at the start what a method projects or
+adapts; :func:`try_method` is the preflight's trial of a method.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fedlore import registry
 from fedlore.algorithm import Algorithm
 from fedlore.checks import (
     adapts,
+    check_early_stopping,
     check_eval,
     check_method_settings,
     check_min_clients,
@@ -40,6 +42,7 @@ from fedlore.config import Config, ConfigError
 from fedlore.data.client_data import TensorSplit
 from fedlore.data.federation import Federation, build_federation
 from fedlore.device import resolve_device
+from fedlore.diagnostics import Diagnoser
 from fedlore.experiment_privacy import make_privacy
 from fedlore.models import build_model
 from fedlore.progress import say
@@ -130,6 +133,21 @@ def start_server(
         return algo.init_server(model, rng)
     init: Callable[..., State] = algo.init_server
     return init(model, rng, unlabeled=unlabeled)
+
+
+def make_diagnoser(
+    cfg: Config, algo: Algorithm, model: nn.Module, fed: Federation, seed: int
+) -> Diagnoser | None:
+    """The run's diagnostics (``diagnostics.*``; None when ``diagnostics.every`` is 0), on the
+    scratch ``model``."""
+    if cfg.diagnostics.every == 0:
+        return None
+    d = cfg.diagnostics
+    uniform = cfg.weighting == "uniform"
+    return Diagnoser(
+        algo, model, fed.client, fed.num_clients, d.every, d.batch_size, d.clients, seed,
+        cfg.rank, uniform=uniform,
+    )  # fmt: skip
 
 
 def evaluator(
@@ -297,7 +315,8 @@ def try_method(
 
 def prepare_federation(cfg: Config, seed: int, fed: Federation | None = None) -> Federation:
     """The federation of ``seed`` (``fed``, or built) on the config's device, checked against
-    the model: it fits the data, the tokenizer is the model's, and ``eval.clients`` can hold.
+    the model: it fits the data, the tokenizer is the model's, ``eval.clients`` can hold, and
+    so can ``early_stopping`` (:func:`~fedlore.checks.check_early_stopping`).
 
     Raises:
         ConfigError: naming the device, model or setting that does not fit.
@@ -308,6 +327,7 @@ def prepare_federation(cfg: Config, seed: int, fed: Federation | None = None) ->
     check_model_fits_data(cfg.model.name, fed)
     check_tokenizer_matches_model(cfg, fed)
     check_eval(cfg, fed)
+    check_early_stopping(cfg, fed)
     return fed
 
 

@@ -6,7 +6,9 @@ written with ``checkpoint: true``, the default). The run's model is built as the
 (the same federation, so the same input shape, classes and tokenizer: the data must be where
 the run read it), and the method's global arrays are loaded into it: for a Bayesian method the
 Bayesian model (means and scales), for a LoRA method the model with its adapters, for FedLore
-the dense weights. Evaluating it on the central test set gives the run's last evaluation again.
+the dense weights. Evaluating it on the central test set gives the run's last evaluation again;
+for a finished run with ``early_stopping.restore_best`` the model is its best round's (kept in
+the checkpoint), whose evaluation the summary's ``final_*`` values are.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 from fedlore.config import Config, ConfigError, validate
 from fedlore.data.federation import Federation
 from fedlore.engine.checkpoint_io import load_tensors
+from fedlore.engine.early_stopping import ENTRY
 from fedlore.experiment import build
 from fedlore.tensors import load_model_arrays
 from fedlore.types import State
@@ -36,7 +39,8 @@ class TrainedRun:
         model: the global model, in evaluation mode, on the device asked for.
         method: the method's registered name.
         seed: the run's seed.
-        round: the last complete round of the checkpoint (counting from 0).
+        round: the last complete round of the checkpoint (counting from 0); the best round
+            for a finished run with ``early_stopping.restore_best``.
         finished: whether the run has its ``summary.json`` (else the model is an unfinished
             run's last checkpoint).
         cfg: the run's config (its method and seed only).
@@ -80,15 +84,12 @@ def load_trained(folder: str | Path, device: str = "cpu") -> TrainedRun:
     cfg = validate({**settings, "algorithms": [method], "seeds": [seed], "device": device})
     exp = build(cfg, method, seed)
     raw = load_tensors(ckpt, exp.device)
-    state = State(dict(raw["server"]["arrays"]), dict(raw["server"]["values"]))
+    finished = (folder / "summary.json").is_file()
+    server, rnd = raw["server"], int(raw["round"])
+    best = raw.get(ENTRY, {})
+    if finished and cfg.early_stopping.restore_best and "best_state" in best:
+        server, rnd = best["best_state"], int(best["best_round"])  # the run's result
+    state = State(dict(server["arrays"]), dict(server["values"]))
     load_model_arrays(exp.eval_model, exp.algorithm.global_arrays(state))
     exp.eval_model.eval()
-    return TrainedRun(
-        exp.eval_model,
-        method,
-        seed,
-        int(raw["round"]),
-        (folder / "summary.json").is_file(),
-        cfg,
-        exp.fed,
-    )
+    return TrainedRun(exp.eval_model, method, seed, rnd, finished, cfg, exp.fed)

@@ -13,6 +13,8 @@ problem (a misspelt source or setting), not a folder in the way:
   :func:`check_min_clients`), secure
   aggregation and DP (:func:`check_privacy`, :func:`check_secure_round`), the server's
   unlabeled set and regression data (:func:`server_data`);
+* early stopping against the data and privacy: :func:`check_early_stopping`
+  (:mod:`fedlore.checks.stopping`);
 * the model against the data: :func:`check_model_fits_data`,
   :func:`check_tokenizer_matches_model`, :func:`check_eval`, :func:`check_params`, and
   :func:`check_site_data`;
@@ -60,12 +62,15 @@ from fedlore.checks.model_data import (
     preflight,
     warn_own_optimizer,
 )
+from fedlore.checks.stopping import TestSelectionWarning, check_early_stopping, recorded_metrics
 
 __all__ = [
     "NAMED",
     "Declares",
+    "TestSelectionWarning",
     "adapts",
     "check_compression",
+    "check_early_stopping",
     "check_eval",
     "check_method_settings",
     "check_min_clients",
@@ -84,6 +89,7 @@ __all__ = [
     "preflight",
     "privacy_modes",
     "projects",
+    "recorded_metrics",
     "server_data",
     "setup_rounds",
     "unused_method_problems",

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from fedlore import registry
 from fedlore.algorithm import Algorithm, Capabilities
+from fedlore.checks.stopping import check_early_stopping
 from fedlore.config import Config, ConfigError
 from fedlore.data.checks import DataWarning
 from fedlore.settings import not_applicable
@@ -264,6 +265,7 @@ def preflight(
     check_model_fits_data(cfg.model.name, fed)
     check_tokenizer_matches_model(cfg, fed)
     check_eval(cfg, fed)
+    check_early_stopping(cfg, fed)
     check_params(cfg, build())
     problems: list[str] = []
     accepted: list[tuple[str, Algorithm]] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +68,15 @@ class Checkpointer:
     leaves the last committed checkpoint and every file it names.
     """
 
-    def __init__(self, path: Path, store: ClientStore) -> None:
+    def __init__(
+        self,
+        path: Path,
+        store: ClientStore,
+        extra: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         self.path = path
         self.store = store
+        self.extra = extra  # more entries (early stopping's, engine/early_stopping.py)
 
     def on_round_end(self, rnd: int, row: dict[str, Any], state: State) -> None:
         clients = {  # CPU tensors: the checkpoint resumes on any device
@@ -82,6 +89,7 @@ class Checkpointer:
                 "round": rnd,
                 "server": {"arrays": to_cpu(state.arrays), "values": state.values},
                 "clients": clients,
+                **(self.extra() if self.extra is not None else {}),
             },
             self.path,
         )
@@ -93,6 +101,7 @@ class Checkpointer:
         max_memory_bytes: int | None = None,
         spill_dir: Path | None = None,
         device: torch.device | str = "cpu",
+        extra: Callable[[dict[str, Any]], None] | None = None,
     ) -> tuple[int, State, ClientStore]:
         """(last completed round, server state, client store) of a checkpoint, its tensors on
         ``device`` (the file holds CPU tensors; a run resumes on any device).
@@ -103,6 +112,8 @@ class Checkpointer:
             spill_dir: where the run spilled client states (needed when the checkpoint names
                 spilled states, and with a limit); spilled states stay there until read.
             device: the run's device (server and client states are moved there).
+            extra: called with the whole checkpoint (its tensors on ``device``), to restore
+                what an ``extra`` of the writer added.
 
         Raises:
             FileNotFoundError: when ``path`` does not exist.
@@ -115,6 +126,8 @@ class Checkpointer:
             server = State(dict(raw["server"]["arrays"]), dict(raw["server"]["values"]))
             last = int(raw["round"])
             clients = raw["clients"]
+            if extra is not None:
+                extra(raw)
         except FileNotFoundError:
             raise
         except Exception as e:  # a torn, truncated or foreign file: say which and what to do

@@ -68,6 +68,8 @@ class RoundLoop:
             complete within the protocol's rules is aborted (the model does not move,
             ``secagg_aborted`` is 1). DP alone: replies are screened against the clip norm and
             the method aggregates the noised mean.
+        stop: asked before every round; True ends the run there (early stopping,
+            :mod:`fedlore.engine.early_stopping`, whose callback decides after a round).
     """
 
     algorithm: Algorithm
@@ -79,6 +81,7 @@ class RoundLoop:
     diagnose: Callable[[State, int, list[int]], dict[str, float]] | None = None
     norm_screen: float | None = None
     privacy: Privacy | None = None
+    stop: Callable[[], bool] | None = None
 
     def __post_init__(self) -> None:
         """Refuse a method whose per-client metrics would overwrite a key the loop records.
@@ -256,12 +259,14 @@ class RoundLoop:
         round starts, and a round during which one arrived is discarded: its callbacks (the
         metrics row, the checkpoint) are never called, so clients lost to the interrupt are
         never recorded as failed clients. The :class:`~fedlore.engine.interrupt.Interrupted`
-        raised carries the last round recorded.
+        raised carries the last round recorded. ``stop`` ends the loop before a round too.
         """
         done = start - 1
         try:
             with interrupt.deferred():
                 for rnd in range(start, rounds):
+                    if self.stop is not None and self.stop():
+                        break  # stopped early (after the last round's callbacks, or resumed)
                     interrupt.check()  # no round starts after a signal
                     state, row = self.run_round(state, rnd, rounds - 1)
                     interrupt.check()  # a signal during the round: it is not recorded

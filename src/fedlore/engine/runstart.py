@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -123,6 +125,7 @@ def resume_point(
     method: str,
     seed: int,
     first_round: int = 0,
+    restore: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[int | None, State, ClientStore, Privacy | None]:
     """Where a run continues: ``(last, state, store, privacy)``, with ``last`` the round of the
     checkpoint in ``folder.out`` that a resumed run continues after (its server state, client
@@ -130,10 +133,11 @@ def resume_point(
     None when the run starts from its first round (``metrics.jsonl`` emptied). Under DP the
     releases a resume repeats are counted (:func:`~fedlore.engine.dp_ledger.account_repeats`)
     before their rows go. ``first_round``: the run's first round (``-setup_rounds``), from
-    which the rows must reach the checkpoint (:func:`check_rows_reach`)."""
+    which the rows must reach the checkpoint (:func:`check_rows_reach`); ``restore`` gets the
+    checkpoint's entries besides the states (:meth:`Checkpointer.load`'s ``extra``)."""
     ckpt_path = folder.out / "checkpoint.pt"
     if folder.resume and ckpt_path.exists():
-        last, state, store = Checkpointer.load(ckpt_path, max_bytes, folder.spill, device)
+        last, state, store = Checkpointer.load(ckpt_path, max_bytes, folder.spill, device, restore)
         if privacy is not None:  # the adaptive clip norm the killed run had reached
             privacy.restore(state)
         check_rows_reach(metrics.path, first_round, last)

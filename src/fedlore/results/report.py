@@ -24,6 +24,7 @@ from fedlore.results.markdown import (
 )
 from fedlore.results.paired import baseline_label, paired_table, section, unknown_baseline
 from fedlore.results.plots import plot
+from fedlore.results.stopping import early_stopping_markdown
 from fedlore.results.store import (
     SEED_DIR,
     IncompleteRunWarning,
@@ -220,6 +221,15 @@ def _report_experiment(
             "selection split, client_ the clients' pooled test splits, local_ P-local: each "
             "client's own model on its test split, weighted by test size), mean ± std over "
             "seeds.\n\n"
+        )
+    stops = early_stopping_markdown(runs)
+    if stops:
+        text += (
+            f"## Early stopping\n\n{stops}\n"
+            "Rounds count from 0; a run stops after `early_stopping.patience` evaluations "
+            "without an improvement of its metric; with `restore_best` its final values are "
+            "those of its best round. A metric marked (test set) was watched on a test set the "
+            "report shows (allow_test): those scores are optimistic.\n\n"
         )
     if diag:
         text += (

@@ -105,7 +105,26 @@ def summarize(
 ) -> dict[str, Any]:
     """The ``summary.json`` of a finished run, computed from its ``metrics.jsonl``; ``extra``
     names the run's ``eval.metrics`` (:func:`extra_values`)."""
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    return _summary(method, seed, _read(metrics_path), extra)
+
+
+def restored_finals(
+    metrics_path: Path, best_round: int, extra: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The ``final_*`` values of a run whose result is the model of round ``best_round``
+    (``early_stopping.restore_best``, :mod:`fedlore.engine.early_stopping`): those
+    :func:`summarize` gives the rows up to that round, i.e. its evaluation's."""
+    rows = [r for r in _read(metrics_path) if r["round"] <= best_round]
+    return {k: v for k, v in _summary("", 0, rows, extra).items() if k.startswith("final_")}
+
+
+def _read(metrics_path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+
+
+def _summary(
+    method: str, seed: int, rows: list[dict[str, Any]], extra: Sequence[str]
+) -> dict[str, Any]:
     train = [r for r in rows if r["round"] >= 0]
     accs = [r["accuracy"] for r in train if r.get("accuracy") is not None]
     lm = lm_summary(train)

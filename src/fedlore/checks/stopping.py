@@ -1,0 +1,126 @@
+"""The refusals of ``early_stopping`` (:class:`fedlore.config.EarlyStoppingConfig`) that span
+other settings: the watched metric must be one the run records at every evaluation
+(:func:`recorded_metrics`), not one of the test sets it reports (unless
+``early_stopping.allow_test``, which warns), and, under DP, not one read from the clients'
+data outside the mechanism.
+
+Threat model under DP (the accountant's ε covers what the clients' noised uploads reveal):
+the round the run stops at and the model it keeps are functions of the released global models
+and of data the server holds itself (the selection split, the central test set), which is
+post-processing and costs no ε. A metric read from the clients' data beside the mechanism
+(``client_*``: their test splits; ``train_loss``: their training losses, which clients do not
+release under DP or secure aggregation at all, :func:`fedlore.privacy.released_metrics`)
+would make the released model depend on data ε does not cover, so it is refused.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+from fedlore.config import Config, ConfigError
+from fedlore.config_stopping import watches_test
+
+if TYPE_CHECKING:
+    from fedlore.data.federation import Federation
+
+
+class TestSelectionWarning(UserWarning):
+    """Early stopping watches a metric of a test set the run reports
+    (``early_stopping.allow_test``): the reported scores are optimistic."""
+
+    __test__ = False  # not a pytest test class
+
+
+CLIENT_SPREAD = ("accuracy_mean", "accuracy_std", "accuracy_min", "accuracy_p10")
+
+
+def recorded_metrics(cfg: Config, fed: Federation) -> set[str]:
+    """The row keys the run records at every evaluation (and ``train_loss`` every round)
+    that early stopping may watch: what :func:`fedlore.experiment_parts.evaluator` scores on
+    the central test set, the selection split (``selection_*``, when the federation has one)
+    and, with ``eval.clients``, the clients' test splits (``client_*``), for the federation's
+    task; ``train_loss`` unless secure aggregation or DP keeps the clients' losses home."""
+    extra = set(cfg.eval.metrics)
+    if fed.task == "regression":
+        central = selection = client = {"rmse", "loss"}
+    elif fed.task == "language_modeling":
+        central = selection = {"accuracy", "loss", "perplexity"}
+        client = set()  # no local test splits
+    else:
+        central = {"accuracy", "loss", "ece"} | extra
+        selection = {"accuracy", "loss"} | extra
+        client = {"accuracy", "loss", "ece", *CLIENT_SPREAD} | extra
+    out = set(central)
+    if fed.selection is not None:
+        out |= {f"selection_{k}" for k in selection}
+    if cfg.eval.clients:
+        out |= {f"client_{k}" for k in client}
+    if not (cfg.secure_aggregation or cfg.dp.enabled):
+        out.add("train_loss")
+    return out
+
+
+def check_early_stopping(cfg: Config, fed: Federation) -> None:
+    """Refuse an ``early_stopping`` the run cannot honour; warn (:class:`TestSelectionWarning`)
+    when it selects on a test set with ``allow_test``.
+
+    Raises:
+        ConfigError: a metric the run does not record (naming why and what it records); a
+            test set's metric without ``allow_test``; a ``client_*`` metric under DP;
+            ``train_loss`` with ``eval.every`` above 1.
+    """
+    es = cfg.early_stopping
+    metric = es.metric
+    if metric is None:
+        return
+    recorded = recorded_metrics(cfg, fed)
+    if metric not in recorded:
+        raise ConfigError(f"early_stopping.metric={metric}: {_why_not(cfg, fed, metric)}; the "
+                          f"run records {', '.join(sorted(recorded))}")  # fmt: skip
+    if metric == "train_loss" and cfg.eval.every > 1:
+        raise ConfigError(
+            f"early_stopping.metric=train_loss with eval.every={cfg.eval.every}: the round it "
+            "stops at (or keeps, restore_best) may have no evaluation to report; set "
+            "eval.every=1 or watch a selection_* metric"
+        )
+    if not watches_test(metric):
+        return
+    where = "the clients' test splits" if metric.startswith("client_") else "the central test set"
+    if metric.startswith("client_") and cfg.dp.enabled:
+        raise ConfigError(
+            f"early_stopping.metric={metric} under DP: {where} are the clients' data, read "
+            "outside the mechanism; choosing the round on them would release the choice "
+            "beside ε. Watch the selection split (data.selection_fraction, "
+            f"early_stopping.metric=selection_{metric.removeprefix('client_')}), which the "
+            "server holds: post-processing, no ε"
+        )
+    alternative = f"selection_{metric.removeprefix('client_')}"
+    if not es.allow_test:
+        raise ConfigError(
+            f"early_stopping.metric={metric} is scored on {where}, which the run reports: "
+            "stopping and selecting on it inflates the reported scores. Watch the selection "
+            f"split instead (early_stopping.metric={alternative}, with data.selection_fraction "
+            "above 0, e.g. 0.1), or set early_stopping.allow_test=true to do it anyway (the "
+            "summary says so)"
+        )
+    warnings.warn(
+        f"early_stopping.metric={metric} (allow_test): the run stops and selects on {where} "
+        f"it reports, so its scores there are optimistic; {alternative} on the selection split "
+        "would not be",
+        TestSelectionWarning,
+        stacklevel=2,
+    )
+
+
+def _why_not(cfg: Config, fed: Federation, metric: str) -> str:
+    """Why the run does not record ``metric``, in words."""
+    if metric.startswith("selection_") and fed.selection is None:
+        return "the run holds out no selection split (set data.selection_fraction, e.g. 0.1)"
+    if metric.startswith("client_") and not cfg.eval.clients:
+        return "client_* scores need eval.clients=true"
+    if metric.startswith("local_"):
+        return "P-local scores are recorded in the last round only"
+    if metric == "train_loss":
+        return "clients release no training loss under secure aggregation or DP"
+    return f"not a score of this {fed.task.replace('_', ' ')} run"

@@ -1,0 +1,169 @@
+"""What ``early_stopping`` refuses (:mod:`fedlore.checks.stopping`,
+:class:`fedlore.config.EarlyStoppingConfig`): a metric the run does not record (the list agrees
+with what the evaluator scores), a test set's metric without ``allow_test`` (which warns and
+marks the summary), client data under DP, ``train_loss`` the clients do not release, and
+settings that cannot hold; and a resume with another rule."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+from fedlore.checks import TestSelectionWarning, check_early_stopping, recorded_metrics
+from fedlore.config import Config, ConfigError, load_config
+from fedlore.engine.rundir import run_dir
+from fedlore.experiment import build, run_one
+from fedlore.experiment_parts import evaluator, prepare_federation
+from fedlore.registry import register_metric
+
+TINY = [
+    "num_clients=3",
+    "rounds=3",
+    "local_steps=2",
+    "batch_size=16",
+    "model.kwargs={hidden: [16]}",
+    "partition.min_size=10",
+    "progress=false",
+    "algorithms=[fedavg]",
+]
+
+
+def _cfg(tmp: Path, *extra: str) -> Config:
+    return load_config(None, [*TINY, f"output_dir={tmp}", *extra])
+
+
+def _refusal(cfg: Config) -> str:
+    with pytest.raises(ConfigError) as e:
+        check_early_stopping(cfg, prepare_federation(cfg, 0))
+    return str(e.value)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ("data.selection_fraction=0.2", "eval.clients=true", "eval.metrics=[f1_macro, brier]"),
+        ("data.name=diabetes", "data.selection_fraction=0.2", "eval.clients=true"),
+        (),
+    ],
+    ids=["classification", "regression", "bare"],
+)
+def test_recorded_metrics_are_what_the_evaluator_scores(tmp_path: Path, extra: tuple) -> None:
+    cfg = _cfg(tmp_path, *extra)
+    exp = build(cfg, "fedavg", 0)
+    row = evaluator(cfg, exp.fed, exp.algorithm, exp.eval_model)(exp.state)
+    assert set(row) == recorded_metrics(cfg, exp.fed) - {"train_loss"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["early_stopping.metric=selection_accuracy"], "holds out no selection split"),
+        (["early_stopping.metric=client_loss", "early_stopping.allow_test=true"],
+         "client_* scores need eval.clients=true"),
+        (["early_stopping.metric=selection_rmse", "data.selection_fraction=0.2"],
+         "not a score of this classification run"),
+        (["early_stopping.metric=local_accuracy", "early_stopping.mode=max", "eval.local=true"],
+         "recorded in the last round only"),
+        (["early_stopping.metric=train_loss", "eval.every=2"], "eval.every=1"),
+        (["early_stopping.metric=train_loss", "dp.clip_norm=1", "dp.noise_multiplier=1",
+          "weighting=uniform"], "release no training loss"),
+        (["early_stopping.metric=train_loss", "secure_aggregation=true", "weighting=uniform"],
+         "release no training loss"),
+    ],
+)  # fmt: skip
+def test_a_metric_the_run_does_not_record_is_refused(
+    tmp_path: Path, extra: list[str], words: str
+) -> None:
+    text = _refusal(_cfg(tmp_path, *extra))
+    assert words in text
+    assert text.startswith(f"early_stopping.metric={extra[0].split('=')[1]}")
+
+
+@pytest.mark.parametrize("metric", ["accuracy", "loss", "client_accuracy", "f1_macro"])
+def test_a_test_sets_metric_is_refused_without_allow_test(tmp_path: Path, metric: str) -> None:
+    cfg = _cfg(tmp_path, f"early_stopping.metric={metric}", "eval.clients=true",
+               "eval.metrics=[f1_macro]")  # fmt: skip
+    text = _refusal(cfg)
+    assert "inflates the reported scores" in text
+    assert f"early_stopping.metric=selection_{metric.removeprefix('client_')}" in text
+
+
+def test_selection_metrics_and_train_loss_pass(tmp_path: Path) -> None:
+    for metric in ("selection_accuracy", "selection_loss", "train_loss"):
+        cfg = _cfg(tmp_path, f"early_stopping.metric={metric}", "data.selection_fraction=0.2")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning either
+            check_early_stopping(cfg, prepare_federation(cfg, 0))
+
+
+def test_allow_test_warns_and_the_summary_says_so(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "early_stopping.metric=accuracy", "early_stopping.allow_test=true")
+    with pytest.warns(TestSelectionWarning, match="optimistic"):
+        summary = run_one(cfg, "fedavg", 0)
+    assert summary is not None
+    assert summary["early_stopping_on_test"] is True
+    assert summary["early_stopping_metric"] == "accuracy"
+    sel = _cfg(tmp_path / "sel", "early_stopping.metric=selection_loss",
+               "data.selection_fraction=0.2")  # fmt: skip
+    summary = run_one(sel, "fedavg", 0)
+    assert summary is not None and summary["early_stopping_on_test"] is False
+
+
+DP = ["dp.clip_norm=1", "dp.noise_multiplier=1", "weighting=uniform"]
+
+
+def test_under_dp_client_data_is_refused_and_the_selection_split_is_not(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, *DP, "eval.clients=true", "early_stopping.metric=client_accuracy",
+               "early_stopping.allow_test=true")  # fmt: skip
+    text = _refusal(cfg)
+    assert "under DP" in text and "outside the mechanism" in text
+    ok = _cfg(tmp_path, *DP, "data.selection_fraction=0.2",
+              "early_stopping.metric=selection_accuracy")  # fmt: skip
+    check_early_stopping(ok, prepare_federation(ok, 0))
+
+
+def test_refused_by_a_run_before_its_folder_is_made(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "early_stopping.metric=accuracy")
+    with pytest.raises(ConfigError, match="inflates the reported scores"):
+        run_one(cfg, "fedavg", 0)
+    assert not run_dir(cfg, "fedavg", 0).exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["early_stopping.patience=5"], "early_stopping.metric is not"),
+        (["early_stopping.restore_best=true"], "early_stopping.metric is not"),
+        (["early_stopping.metric=selection_loss", "early_stopping.patience=0"], "patience"),
+        (["early_stopping.metric=selection_loss", "early_stopping.min_delta=-0.1"], "min_delta"),
+        (["early_stopping.metric=selection_loss", "early_stopping.mode=up"], "mode"),
+    ],
+)
+def test_settings_that_cannot_hold_are_refused(extra: list[str], words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        load_config(None, extra)
+
+
+def test_mode_auto_refuses_a_plugins_metric() -> None:
+    register_metric("es_test_score")(lambda log_probs, y: 0.0)
+    try:
+        with pytest.raises(ConfigError, match=r"set early_stopping\.mode to max or min"):
+            load_config(None, ["early_stopping.metric=selection_es_test_score"])
+        cfg = load_config(None, ["early_stopping.metric=selection_es_test_score",
+                                 "early_stopping.mode=max"])  # fmt: skip
+        assert cfg.early_stopping.direction() == "max"
+    finally:
+        from fedlore import registry
+
+        registry._TABLES["metric"].pop("es_test_score", None)
+
+
+def test_a_resume_with_another_rule_is_refused(tmp_path: Path) -> None:
+    es = ["early_stopping.metric=selection_loss", "data.selection_fraction=0.2"]
+    cfg = _cfg(tmp_path, *es, "rounds=4")
+    assert run_one(cfg, "fedavg", 0, stop_after=0) is None
+    other = _cfg(tmp_path, *es, "rounds=4", "early_stopping.patience=5")
+    with pytest.raises(ConfigError, match=r"early_stopping\.patience: 3 -> 5"):
+        run_one(other, "fedavg", 0, resume=True)
