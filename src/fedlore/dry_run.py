@@ -166,6 +166,9 @@ def _one(
         check_not_held(target)
         when = "run"
         if overwrite and resume:  # continuing an interrupted --overwrite (overwriting.plan)
+            when = "seed"  # the run it was training, on other data: refused at its seed
+            overwriting.check_continued(cfg, method, seed, make_algorithm, fingerprint)
+            when = "run"
             if swapped:
                 replaced = replaced | {name}
             if not finished:  # continued if it is this config's, on this data; else trained
@@ -234,7 +237,7 @@ def plan_runs(cfg: Config, resume: bool = False, overwrite: bool = False) -> lis
             method that cannot start on it (:func:`fedlore.checks.preflight`).
         ValueError: data the first seed's federation cannot be built from (as the command).
     """
-    overwriting.check_run_flags(cfg, resume, overwrite)
+    overwriting.check_run_flags(cfg, resume, overwrite, make_algorithm)
     check_config(cfg)
     check_output_dir(cfg)
     record = read_record(Path(cfg.output_dir) / cfg.name / overwriting.RECORD) or {}
