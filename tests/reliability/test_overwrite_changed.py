@@ -132,9 +132,7 @@ def test_a_changed_setting_refuses_to_continue_an_interrupted_run_in_its_own_fol
     assert json.loads((fedavg / "config.json").read_text())["lr"] == 0.02
 
 
-def test_other_data_refuses_at_the_seed(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_other_data_refuses_at_the_seed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The same config on data that changed since the run started (its recorded fingerprint
     differs): refused too, naming both fingerprints."""
     assert main(["run", *_args(tmp_path)]) == 0
