@@ -6,8 +6,9 @@ or stop the command because another config's results are in the way. :func:`plan
 that with the same rules and the same checks as :func:`fedlore.experiment.run_experiment` (the
 config's own problems, the output folder, the first seed's data and the model on it, each run
 folder's record, config, data and checkpoint), reading files only: nothing is trained, written,
-locked or moved. The data of a later seed is built (its fingerprint is checked against the runs'
-records) only when a folder of that seed holds a run.
+locked or moved (the output folder and ``store.spill_dir`` are probed as the command probes
+them, by a temporary file created and removed at once). The data of a later seed is built (its
+fingerprint is checked against the runs' records) only when a folder of that seed holds a run.
 
 One difference, said in the line: a finished ``--overwrite`` replacement whose swap a kill cut
 in two (``seed-<s>.overwrite`` holds a summary) is completed by the real command before
