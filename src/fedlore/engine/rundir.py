@@ -356,11 +356,11 @@ def config_diff(
     cfg: Config, method: str, recorded: dict[str, Any], make_algorithm: MakeAlgorithm
 ) -> str:
     """How ``cfg`` (for ``method``) differs from a run's recorded ``config.json``, as
-    ``key: before -> now`` items (the first five; empty when the same). Settings that decide no
-    result (``device``, ``name``, the data fingerprint, the record keys) are left out; a setting
-    the record lacks counts as its default; with a recorded ``hyper`` the method's resolved
-    settings are compared instead of how the config spelled them (those of
-    ``make_algorithm(method, cfg)``)."""
+    ``key: before -> now`` items (the first five, then how many more; empty when the same).
+    Settings that decide no result (``device``, ``name``, the data fingerprint, the record
+    keys) are left out; a setting the record lacks counts as its default; with a recorded
+    ``hyper`` the method's resolved settings are compared instead of how the config spelled
+    them (those of ``make_algorithm(method, cfg)``)."""
     raw = dict(recorded)
     hyper_before = raw.pop("hyper", None)
     before = _flatten(raw)
@@ -420,7 +420,11 @@ def config_diff(
             and path_of.get(k.removeprefix("hyper."), k.removeprefix("hyper.")) in diff
         )
     ]
-    return "; ".join(f"{k}: {before.get(k, defaults.get(k))!r} -> {now.get(k)!r}" for k in diff[:5])
+    more = f"; and {len(diff) - 5} more" if len(diff) > 5 else ""  # said, not left out
+    return (
+        "; ".join(f"{k}: {before.get(k, defaults.get(k))!r} -> {now.get(k)!r}" for k in diff[:5])
+        + more
+    )
 
 
 DEFAULTS_CHANGED = {
