@@ -5,6 +5,7 @@ from :mod:`fedlore.config`)."""
 from __future__ import annotations
 
 import copy
+import reprlib
 import typing
 from pathlib import Path
 from typing import Any
@@ -206,10 +207,13 @@ def validate(raw: dict[str, Any]) -> Config:
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    """``repr(value)``, cut to ``limit`` characters."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 5] + " ...>"
+def _short(value: Any) -> str:
+    """``repr(value)``, abbreviated where long but still a whole repr (``[1, 2, 3, 4, 5, 6,
+    ...]``, ``{'a': 1, ...}``, ``'abc...xyz'``), not one cut mid-way."""
+    short = reprlib.Repr()
+    short.maxstring = short.maxother = 60
+    short.maxlist = short.maxtuple = short.maxdict = short.maxset = 6
+    return short.repr(value)
 
 
 def _keys_at(where: tuple[str, ...]) -> list[str]:

@@ -76,7 +76,9 @@ class Config(_Strict):
     """Seeds of the runs; a seed fixes the partition, the initial model and the sampling, the
     same for every method. The report gives mean ± std over seeds."""
     output_dir: str = "runs"
-    """Folder the experiment's folder ``name/`` is written in."""
+    """Folder the experiment's folder ``name/`` is written in. Checked before any run trains,
+    and by ``--dry-run``: the deepest part of ``output_dir/name`` that exists must be a folder
+    that takes a new file (a temporary one is created there and removed at once)."""
     engine: Literal["local", "flower-sim"] = "local"
     """Transport: "local" (in-process, the embedded default) or "flower-sim" (Flower's
     Simulation Engine with the Ray backend; needs the ``flower`` extra)."""

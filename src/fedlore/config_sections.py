@@ -360,7 +360,10 @@ class StoreConfig(_Strict):
     """States beyond this many MB (10^6 bytes) spill to disk, least recently used first
     (None: never spill)."""
     spill_dir: str | None = None
-    """Directory of spilled states (None: ``client_states/`` inside the run's directory)."""
+    """Directory of spilled states (None: ``client_states/`` inside the run's directory).
+    Checked before any run trains, and by ``--dry-run``: it, or its nearest existing parent,
+    must take a new file (a temporary one is created there and removed at once), so a folder
+    that cannot hold files (a read-only mount, ``/proc``, even as root) is refused up front."""
 
 
 class FlowerConfig(_Strict):

@@ -6,8 +6,9 @@ or stop the command because another config's results are in the way. :func:`plan
 that with the same rules and the same checks as :func:`fedlore.experiment.run_experiment` (the
 config's own problems, the output folder, the first seed's data and the model on it, each run
 folder's record, config, data and checkpoint), reading files only: nothing is trained, written,
-locked or moved. The data of a later seed is built (its fingerprint is checked against the runs'
-records) only when a folder of that seed holds a run.
+locked or moved (the output folder and ``store.spill_dir`` are probed as the command probes
+them, by a temporary file created and removed at once). The data of a later seed is built (its
+fingerprint is checked against the runs' records) only when a folder of that seed holds a run.
 
 One difference, said in the line: a finished ``--overwrite`` replacement whose swap a kill cut
 in two (``seed-<s>.overwrite`` holds a summary) is completed by the real command before
@@ -166,6 +167,9 @@ def _one(
         check_not_held(target)
         when = "run"
         if overwrite and resume:  # continuing an interrupted --overwrite (overwriting.plan)
+            when = "seed"  # the run it was training, on other data: refused at its seed
+            overwriting.check_continued(cfg, method, seed, make_algorithm, fingerprint)
+            when = "run"
             if swapped:
                 replaced = replaced | {name}
             if not finished:  # continued if it is this config's, on this data; else trained
@@ -234,7 +238,7 @@ def plan_runs(cfg: Config, resume: bool = False, overwrite: bool = False) -> lis
             method that cannot start on it (:func:`fedlore.checks.preflight`).
         ValueError: data the first seed's federation cannot be built from (as the command).
     """
-    overwriting.check_run_flags(cfg, resume, overwrite)
+    overwriting.check_run_flags(cfg, resume, overwrite, make_algorithm)
     check_config(cfg)
     check_output_dir(cfg)
     record = read_record(Path(cfg.output_dir) / cfg.name / overwriting.RECORD) or {}

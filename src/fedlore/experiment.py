@@ -387,7 +387,7 @@ def run_experiment(
             and ``overwrite`` together with no interrupted ``--overwrite`` to continue
             (:mod:`fedlore.engine.overwriting`).
     """
-    overwriting.check_run_flags(cfg, resume, overwrite)
+    overwriting.check_run_flags(cfg, resume, overwrite, make_algorithm)
     if engine is None:
         if cfg.engine != "local":
             raise ConfigError(
@@ -480,8 +480,7 @@ def _run_all(
                         session.enter_context(engine.session())
                         in_session = True
                     again, over = flags[method]
-                    summary = engine.run(cfg, method, seed, fed=fed, resume=again, overwrite=over)
-                    if summary is not None:  # an --overwrite records what it has finished
-                        overwriting.record_finished(cfg, method, seed, overwrite)
+                    run = functools.partial(engine.run, fed=fed, resume=again, overwrite=over)
+                    summary = overwriting.run_recorded(cfg, method, seed, overwrite, run)
                 if summary is not None:
                     out[method].append(summary)

@@ -234,7 +234,7 @@ def test_output_dir_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_a_spill_dir_in_the_way_is_refused_before_any_run_trains(
-    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """``store.spill_dir`` is checked with the output folder, in the command and its dry run:
     not when the first run builds its store (after the earlier methods had trained), and not
@@ -246,19 +246,59 @@ def test_a_spill_dir_in_the_way_is_refused_before_any_run_trains(
         assert main(["run", *args, "store.max_memory_mb=1e-6", *dry]) == 2
         assert f"store.spill_dir: {f} is a file, not a folder" in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and f.read_text() == "mine"
-    # unwritable (as root every folder is writable: the check itself is made to say no)
-    import os
-
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    real = os.access
-    monkeypatch.setattr(os, "access", lambda p, m: str(p) != str(locked) and real(p, m))
     args = _args(tmp_path / "elsewhere", "algorithms=[fedavg]")
-    assert main(["run", *args, f"store.spill_dir={locked / 'spill'}", "--dry-run"]) == 2
-    assert f"({locked} is not writable; store.spill_dir=" in capsys.readouterr().err
-    monkeypatch.undo()
     # states never spill without a memory limit: the setting is not used, so not checked
     assert main(["run", *args, "store.max_memory_mb=null", f"store.spill_dir={f}"]) == 0
+
+
+@pytest.mark.parametrize("key", ["store.spill_dir", "output_dir"])
+def test_a_folder_that_cannot_hold_files_is_refused_even_as_root(
+    tmp_path: Path, capsys: pytest.CaptureFixture, key: str
+) -> None:
+    """``/proc`` takes no new files, but ``os.access`` says it is writable to root (these tests
+    run as root in CI): the up-front check creates a file to find out, so the command and its
+    dry run refuse it in one line before any run trains, not when a run builds its store."""
+    assert os.access("/proc", os.W_OK | os.X_OK) == (os.geteuid() == 0)  # the trap, as root
+    where = Path("/proc") / f"fedlore-{key.replace('.', '-')}"
+    out = where if key == "output_dir" else tmp_path / "out"
+    args = [*_args(out, "algorithms=[fedavg]", "store.max_memory_mb=1e-6"), f"{key}={where}"]
+    target = where / "safe" if key == "output_dir" else where
+    for dry in ([], ["--dry-run"]):
+        assert main(["run", *args, *dry]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith(
+            f"fedlore: error: {key}: cannot create or write {target} (/proc cannot hold files: "
+        ), err
+        assert "Traceback" not in "\n".join(err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_read_only_folder_is_refused_as_a_write_there_would_be(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A folder without write permission: refused where a file cannot be written in it (not as
+    root, who may write there anyway: then the run goes ahead), and the probe leaves no file."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        try:
+            (ro / "try").write_text("")
+            (ro / "try").unlink()
+            writable = True
+        except PermissionError:
+            writable = False
+        assert writable == (os.geteuid() == 0)
+        args = _args(tmp_path / "out", "algorithms=[fedavg]", "store.max_memory_mb=1e-6")
+        assert main(["run", *args, f"store.spill_dir={ro / 'spill'}", "--dry-run"]) == (
+            0 if writable else 2
+        )
+        err = capsys.readouterr().err
+        if not writable:
+            assert f"({ro} cannot hold files: Permission denied; store.spill_dir=" in err
+        assert list(ro.iterdir()) == [] and list((tmp_path).glob("**/.fedlore-probe-*")) == []
+    finally:
+        ro.chmod(0o700)
 
 
 # --- 4. the command line and method values ---------------------------------------------------

@@ -55,11 +55,15 @@ def test_the_sum_of_the_most_clients_at_the_bound_is_exact() -> None:
 
 
 def test_underflow_and_clipping_are_counted() -> None:
+    """Clipped entries are counted; entries that round to 0 beside large ones are within the
+    rounding every entry has (the upload keeps float32's precision), an upload that vanishes
+    is not."""
     f = FixedPoint(MIN_FRACTION_BITS, 2.0)
     x = torch.tensor([0.0, 1e-9, -1e-9, 3.0, -5.0, 1.0], dtype=torch.float64)
     ring, underflow, clipped = f.encode(x)
-    assert underflow == 2 and clipped == 2
+    assert underflow == 0 and clipped == 2
     assert f.decode(ring).tolist() == [0.0, 0.0, 0.0, 2.0, -2.0, 1.0]
+    assert f.encode(x[:3])[1:] == (2, 0)  # only the tiny entries: all of them lost
     for bad in (math.nan, math.inf, -math.inf):
         with pytest.raises(
             ValueError, match=r"^the upload vector contains NaN or Inf; it cannot be encoded$"
@@ -102,12 +106,15 @@ def test_weights_travel_normalized_and_a_large_client_encodes() -> None:
 
 
 def test_counts_travel_inside_the_sum() -> None:
-    """Without DP, each client's underflow and clipped-entry counts are summed in the ring."""
+    """Without DP, each client's underflow and clipped-entry counts are summed in the ring;
+    the weight entry (1 here) does not hide an upload that vanishes in the fixed point."""
     plan = _plan(counts=True, max_weight=1.0)
     x = torch.tensor([1e-30, 100.0, 1.0], dtype=torch.float64)
     r = plan.encode(Contribution(x, NONE, 1.0, False, {}))
+    tiny = torch.tensor([1e-18, -2e-18, 0.0], dtype=torch.float64)  # r = 2^-58 = 3.5e-18
+    lost = plan.encode(Contribution(tiny, NONE, 1.0, False, {}))
     with np.errstate(over="ignore"):
-        _, _, counts = plan.decode(r + r)
+        _, _, counts = plan.decode(r + r + lost)
     assert counts == {"secagg_underflow": 2, "secagg_clipped_entries": 2}
     no_counts = _plan(counts=False, max_weight=1.0)
     assert no_counts.length == 4 and no_counts.decode(no_counts.encode(

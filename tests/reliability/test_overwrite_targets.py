@@ -82,7 +82,11 @@ def _interrupted_overwrite(tmp_path: Path, methods: str) -> tuple[Config, Path]:
 
 def test_the_record_names_the_runs_the_overwrite_was_started_on(tmp_path: Path) -> None:
     _, record = _interrupted_overwrite(tmp_path, "algorithms=[fedavg]")
-    assert json.loads(record.read_text()) == {"finished": [], "targets": ["fedavg/seed-0"]}
+    assert json.loads(record.read_text()) == {
+        "finished": [],
+        "targets": ["fedavg/seed-0"],
+        "started": ["fedavg/seed-0"],
+    }
 
 
 def test_a_continuation_that_names_other_runs_is_refused_and_they_stay_whole(
@@ -114,7 +118,11 @@ def test_continuing_some_targets_keeps_the_record_for_the_rest(tmp_path: Path) -
     only = _cfg(tmp_path, "lr=0.01", "algorithms=[fedavg]")
     run_experiment(only, resume=True, overwrite=True)
     kept = json.loads(record.read_text())
-    assert kept == {"finished": ["fedavg/seed-0"], "targets": ["fedavg/seed-0", "fedfull/seed-0"]}
+    assert kept == {
+        "finished": ["fedavg/seed-0"],
+        "targets": ["fedavg/seed-0", "fedfull/seed-0"],
+        "started": ["fedavg/seed-0"],
+    }
     replaced = _bytes(run_dir(new, "fedavg", 0))
     run_experiment(new, resume=True, overwrite=True)  # the rest: fedavg kept, fedfull replaced
     assert _bytes(run_dir(new, "fedavg", 0)) == replaced

@@ -297,7 +297,11 @@ def test_overwrite_then_resume_continues_an_interrupted_overwrite_of_an_experime
         run_experiment(new, overwrite=True, callbacks=lambda m, s: stop.get(m, []))
     record = tmp_path / "rerun" / overwriting.RECORD
     targets = [f"{m}/seed-0" for m in ("fedavg", "fedfull", "fedprox")]
-    assert json.loads(record.read_text()) == {"finished": ["fedavg/seed-0"], "targets": targets}
+    assert json.loads(record.read_text()) == {
+        "finished": ["fedavg/seed-0"],
+        "targets": targets,
+        "started": ["fedavg/seed-0", "fedfull/seed-0"],  # fedfull: the run it was training
+    }
     replaced = _files(run_dir(new, "fedavg", 0))
     fedfull = run_dir(new, "fedfull", 0)
     partial = (staging_dir(fedfull) / "metrics.jsonl").read_text()

@@ -29,6 +29,7 @@ from fedlore.engine import interrupt
 from fedlore.engine.transport import Transport
 from fedlore.engine.validate import method_problem, validate_reply
 from fedlore.privacy import Privacy
+from fedlore.privacy.plan import WHY
 from fedlore.robust import norm_screen
 from fedlore.tensors import nbytes
 from fedlore.types import LOCAL_KEYS, LOOP_KEYS, Broadcast, Reply, State
@@ -245,7 +246,7 @@ class RoundLoop:
         for name, n in res.counts.items():
             metrics[name] = n
             if n:
-                log.warning("round %d: %s = %d", rnd, name, n)
+                log.warning("round %d: %s = %d (%s)", rnd, name, n, WHY.get(name, "a count"))
         why = {c: res.reasons.get(c, "dropped out of the secure sum") for c in ids}
         metrics["secagg_aborted"] = 0
         if res.bytes_down:  # the in-process protocol's own messages (keys, shares, lists)

@@ -19,10 +19,21 @@ with a command that names other runs too (a longer ``algorithms`` list, another 
 an override left off the second command) is refused, since those runs were never meant to be
 replaced and ``--overwrite --resume`` would replace them; a command that names only some of the
 targets continues those, and the record stays until every target has finished.
+
+Last, the record names the runs the ``--overwrite`` has started training (``started``). The
+one among them it has not finished is the one it was training when it stopped, and the
+continuation refuses to carry it on under a changed setting or on changed data, as a plain
+``--resume`` refuses an interrupted run (:func:`check_continued`): one line naming what
+differs, and the ways on (restore the config, or delete the interrupted folder to train that run
+afresh with this config). Starting it over silently would throw away its rounds for a setting
+typed differently by mistake. The runs the ``--overwrite`` had not reached are replaced, as
+before, whatever the config of an unfinished run their folder holds. A record written before
+``started`` was kept has none, and its continuation starts such a run over, as it used to.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,8 +54,9 @@ if TYPE_CHECKING:
 
 RECORD = "overwriting.json"
 """In the experiment folder while an ``--overwrite`` runs: ``{"finished": [<method>/seed-<s>,
-...], "targets": [...]}``, the runs it has finished so far and those it was started on (a record
-written before targets were kept has none, and then every run counts as one)."""
+...], "targets": [...], "started": [...]}``, the runs it has finished so far, those it was
+started on (a record written before targets were kept has none, and then every run counts as
+one) and those it has started training (none in a record written before they were kept)."""
 
 Flags = tuple[bool, bool]
 """``(resume, overwrite)`` for one run."""
@@ -70,13 +82,16 @@ def _listed(cfg: Config, key: str) -> list[str] | None:
     return [n for n in names if isinstance(n, str)] if isinstance(names, list) else None
 
 
-def check_run_flags(cfg: Config, resume: bool, overwrite: bool) -> None:
+def check_run_flags(
+    cfg: Config, resume: bool, overwrite: bool, make: MakeAlgorithm | None = None
+) -> None:
     """Refuse ``resume`` with ``overwrite`` unless an interrupted ``--overwrite`` of this
-    experiment is there to continue, and unless every run of the command is one it was started
-    on (see the module docstring).
+    experiment is there to continue, unless every run of the command is one it was started
+    on, and (with ``make``) when the run it was training when it stopped was started with
+    another config (:func:`check_continued`; see the module docstring).
 
     Raises:
-        ConfigError: saying what each flag does, or which runs the command adds.
+        ConfigError: saying what each flag does, which runs the command adds, or what differs.
     """
     if not (resume and overwrite):
         return
@@ -99,13 +114,105 @@ def check_run_flags(cfg: Config, resume: bool, overwrite: bool) -> None:
             "others as you mean to (--resume keeps their finished runs, --overwrite replaces "
             "them)"
         )
+    if make is not None:  # the data is checked seed by seed (plan), once it is built
+        for seed in cfg.seeds:
+            for method in cfg.algorithms:
+                check_continued(cfg, method, seed, make)
+
+
+def _interrupted(cfg: Config, method: str, seed: int) -> Path | None:
+    """The folder in which the ``--overwrite`` was training ``method`` and ``seed`` when it
+    stopped: its sibling folder while the run folder holds a finished run (a replacement),
+    else the run folder; None when the record does not say the ``--overwrite`` started that
+    run and left it unfinished, or when the folder holds no run (a finished replacement whose
+    swap a kill cut in two is finished)."""
+    name = _name(cfg, method, seed)
+    if name not in (_listed(cfg, "started") or []) or name in _finished(cfg):
+        return None
+    target = run_dir(cfg, method, seed)
+    staged = staging_dir(target)
+    if (staged / SUMMARY).is_file():
+        return None
+    folder = staged if (target / SUMMARY).is_file() else target
+    return folder if (folder / "config.json").is_file() else None
+
+
+def check_continued(
+    cfg: Config,
+    method: str,
+    seed: int,
+    make: MakeAlgorithm,
+    fingerprint: Callable[[], str] | None = None,
+) -> None:
+    """Refuse to go on with the run an interrupted ``--overwrite`` was training (a replacement
+    in its sibling folder, or an unfinished run in its own) when this config differs from the
+    one it was started with, or (with ``fingerprint``, this seed's data) its data changed, as
+    a plain ``--resume`` refuses an interrupted run: continuing would mix two configs in one
+    run, and starting it over would discard its rounds for a setting that may only have been
+    typed differently.
+
+    Raises:
+        ConfigError: one line naming the folder, what differs and the ways on.
+    """
+    folder = _interrupted(cfg, method, seed)
+    recorded = read_record(folder / "config.json") if folder is not None else None
+    if folder is None or recorded is None:  # unreadable: the run's own resume names the file
+        return
+    target = run_dir(cfg, method, seed)
+    replacement = folder != target
+    what = (
+        f"{folder}, the replacement of the finished run in {target} that the --overwrite was "
+        "training when it stopped,"
+        if replacement
+        else f"{folder}, the run the --overwrite was training when it stopped,"
+    )
+    details = config_diff(cfg, method, recorded, make)
+    if details:
+        raise ConfigError(
+            f"--overwrite --resume: {what} was started with a different config ({details}); "
+            f"restore the config to continue it, or delete {folder} to train "
+            f"{'the replacement' if replacement else 'it'} afresh with this config "
+            "(--overwrite without --resume trains every run of the command again)"
+        )
+    before = recorded.get("data_fingerprint")
+    if fingerprint is not None and before is not None and before != (now := fingerprint()):
+        raise ConfigError(
+            f"--overwrite --resume: {what} was started on other data (fingerprint {before} -> "
+            f"{now}: files under data.root or the tokenizer changed since); restore them to "
+            f"continue it, or delete {folder} to train it afresh on this data"
+        )
+
+
+def run_recorded(
+    cfg: Config,
+    method: str,
+    seed: int,
+    overwrite: bool,
+    train: Callable[[Config, str, int], dict[str, Any] | None],
+) -> dict[str, Any] | None:
+    """``train(cfg, method, seed)``, the run of ``method`` and ``seed``; under ``overwrite``
+    the record says it was started before, and finished after when it returns a summary
+    (:func:`record_finished`)."""
+    started = _listed(cfg, "started") or []
+    if overwrite and _name(cfg, method, seed) not in started:
+        _write(cfg, started=[*started, _name(cfg, method, seed)])
+    summary = train(cfg, method, seed)
+    if summary is not None:  # an --overwrite records what it has finished
+        record_finished(cfg, method, seed, overwrite)
+    return summary
 
 
 def begin(cfg: Config, resume: bool, overwrite: bool) -> None:
     """A new ``--overwrite`` (not continued) starts its record: no run finished, the command's
     runs as its targets."""
     if overwrite and not resume:
-        write_json(_record(cfg), {"finished": [], "targets": _names(cfg)})
+        write_json(_record(cfg), {"finished": [], "targets": _names(cfg), "started": []})
+
+
+def _write(cfg: Config, **lists: list[str]) -> None:
+    """Replace the record's lists named in ``lists`` (atomically), keeping the others it has."""
+    kept = {k: v for k in ("finished", "targets", "started") if (v := _listed(cfg, k)) is not None}
+    write_json(_record(cfg), {**kept, **lists})
 
 
 def _finished(cfg: Config) -> list[str]:
@@ -116,9 +223,7 @@ def record_finished(cfg: Config, method: str, seed: int, overwrite: bool) -> Non
     """Add a run an ``--overwrite`` has finished to its record (atomically), keeping its
     targets."""
     if overwrite:
-        record = {"finished": [*_finished(cfg), _name(cfg, method, seed)]}
-        targets = _listed(cfg, "targets")
-        write_json(_record(cfg), record if targets is None else {**record, "targets": targets})
+        _write(cfg, finished=[*_finished(cfg), _name(cfg, method, seed)])
 
 
 def end(cfg: Config, resume: bool, overwrite: bool) -> None:
@@ -160,6 +265,8 @@ def plan(
     fingerprint = fed.fingerprint()
     kept: dict[str, dict[str, Any]] = {}
     flags: dict[str, Flags] = {}
+    for m in cfg.algorithms:  # the run it was training, refused on changed data before any
+        check_continued(cfg, m, seed, make, lambda: fingerprint)
     for m in cfg.algorithms:
         target = run_dir(cfg, m, seed)
         staged = staging_dir(target)

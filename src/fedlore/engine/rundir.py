@@ -17,9 +17,11 @@ those of the method the config builds now through the ``make_algorithm`` the dri
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -67,9 +69,11 @@ def recorded_threads(out: Path) -> int | None:
 
 def check_output_dir(cfg: Config) -> None:
     """``<output_dir>/<name>`` can be a folder this process creates and writes: no part of the
-    path is a file, and the deepest part that exists is a writable folder (nothing is created).
-    So can ``store.spill_dir`` when client states may spill there (``store.max_memory_mb``
-    set), checked before any run trains instead of when a run builds its store.
+    path is a file, and the deepest part that exists is a folder that can hold files (a
+    temporary file is created in it and removed at once: :func:`_probe`; nothing else is
+    created). So can ``store.spill_dir`` when client states may spill there
+    (``store.max_memory_mb`` set), checked before any run trains instead of when a run builds
+    its store.
 
     Raises:
         ConfigError: naming ``output_dir`` (or ``name``, ``store.spill_dir``) and the part of
@@ -95,12 +99,29 @@ def _check_folder(target: Path, key: str, where: str, own_key: str | None = None
                 f"{named}: {part} is a file, not a folder ({where}); choose another {key}"
                 + (f" or {own_key}" if own_key else "")
             )
-        if not os.access(part, os.W_OK | os.X_OK):
+        problem = _probe(part)
+        if problem is not None:
             raise ConfigError(
-                f"{key}: cannot create or write {target} ({part} is not writable; {where}); "
-                f"choose another {key}"
+                f"{key}: cannot create or write {target} ({part} cannot hold files: {problem}; "
+                f"{where}); choose another {key}"
             )
         break
+
+
+def _probe(folder: Path) -> str | None:
+    """Why ``folder`` cannot hold files, or None when it can: a temporary file is created in it
+    (atomically, under a name no other file has) and removed. ``os.access`` is no answer: as
+    root it says yes to every folder, ``/proc`` and read-only mounts included, and the run would
+    fail later, when it writes there."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".fedlore-probe-", dir=folder)
+    except OSError as e:
+        if e.errno == errno.ENOENT:  # the folder is there: its file system makes no files
+            return "its file system creates no files there"
+        return e.strerror or type(e).__name__
+    os.close(fd)
+    os.unlink(name)
+    return None
 
 
 def check_run_folder(cfg: Config, method: str, seed: int) -> None:
@@ -335,11 +356,11 @@ def config_diff(
     cfg: Config, method: str, recorded: dict[str, Any], make_algorithm: MakeAlgorithm
 ) -> str:
     """How ``cfg`` (for ``method``) differs from a run's recorded ``config.json``, as
-    ``key: before -> now`` items (the first five; empty when the same). Settings that decide no
-    result (``device``, ``name``, the data fingerprint, the record keys) are left out; a setting
-    the record lacks counts as its default; with a recorded ``hyper`` the method's resolved
-    settings are compared instead of how the config spelled them (those of
-    ``make_algorithm(method, cfg)``)."""
+    ``key: before -> now`` items (the first five, then how many more; empty when the same).
+    Settings that decide no result (``device``, ``name``, the data fingerprint, the record
+    keys) are left out; a setting the record lacks counts as its default; with a recorded
+    ``hyper`` the method's resolved settings are compared instead of how the config spelled
+    them (those of ``make_algorithm(method, cfg)``)."""
     raw = dict(recorded)
     hyper_before = raw.pop("hyper", None)
     before = _flatten(raw)
@@ -399,7 +420,11 @@ def config_diff(
             and path_of.get(k.removeprefix("hyper."), k.removeprefix("hyper.")) in diff
         )
     ]
-    return "; ".join(f"{k}: {before.get(k, defaults.get(k))!r} -> {now.get(k)!r}" for k in diff[:5])
+    more = f"; and {len(diff) - 5} more" if len(diff) > 5 else ""  # said, not left out
+    return (
+        "; ".join(f"{k}: {before.get(k, defaults.get(k))!r} -> {now.get(k)!r}" for k in diff[:5])
+        + more
+    )
 
 
 DEFAULTS_CHANGED = {

@@ -30,11 +30,11 @@ def validate_reply(
         return f"num_examples must be a positive integer, got {n!r}"
     bad = sorted(k for k, v in reply.arrays.items() if not isinstance(v, torch.Tensor))
     if bad:
-        return f"arrays that are not tensors: {bad[:3]}"
+        return f"arrays that are not tensors: {_few(bad)}"
     missing = sorted(set(expected) - set(reply.arrays))
     extra = sorted(set(reply.arrays) - set(expected))
     if missing or extra:
-        return f"array keys differ: missing {missing[:3]}, unexpected {extra[:3]}"
+        return f"array keys differ: missing {_few(missing)}, unexpected {_few(extra)}"
     checked: list[str] = []  # keys that pass the metadata checks, in order
     problem = None
     for k, (shape, dtype) in expected.items():
@@ -69,3 +69,10 @@ def method_problem(
         return None
     why: str | None = check(state, rnd, client_id, reply)
     return why
+
+
+def _few(keys: list[str], shown: int = 3) -> str:
+    """The first ``shown`` keys, and how many more there are: ``['a', 'b', 'c'] and 4 more``
+    (``[]`` for none), never a list cut short without saying so."""
+    more = len(keys) - shown
+    return f"{keys[:shown]}" + (f" and {more} more" if more > 0 else "")

@@ -10,9 +10,26 @@ its quantization step from the clipping range and the number of clients (Bell et
 takes the largest ``F`` with ``m · B · 2^F ≤ 2^62`` (one bit of margin): with ``B = 1`` and
 ``m = 100``, F = 55 (resolution 2.8e-17).
 
-Nothing disappears unnoticed: an entry whose magnitude is under half the resolution encodes to 0
-and is counted (``underflow``), an entry beyond ``±B`` is clipped to it and counted
-(``clipped``); both counts travel inside the masked sum, so the server learns only their totals.
+Nothing disappears unnoticed: an entry beyond ``±B`` is clipped to it and counted (``clipped``),
+and an upload that loses precision in the encoding has its imprecise entries counted
+(``underflow``); both counts travel inside the masked sum, so the server learns only their totals.
+
+What counts as lost precision. Every entry is rounded to the nearest multiple of the resolution
+``r = 2^-F``, so each carries an error of at most ``r / 2``: the fixed point's promise, kept by
+every entry, those that round to 0 included (their error, their whole value, is under ``r / 2``
+too). An entry that rounds to 0 is therefore no loss in itself: the entries of SCAFFOLD's
+control-variate increments or of a converged layer are often far below ``r`` beside entries
+of 0.1, and the model they update (float32, whose step at 0.1 is ``7e-9``) could not hold them
+either. Precision is lost when the rounding error is large *against the upload itself*: an
+upload ``v`` whose encoding ``Q(v)`` errs by more than float32's relative precision,
+
+    ‖Q(v) − v‖₂ > ρ ‖v‖₂,   ρ = 2^-24 (:data:`RELATIVE_PRECISION`),
+
+keeps fewer significant bits in the sum than the float32 training it came from had (an entry
+bound ``B`` far above the uploads: ``secure_aggregation_range`` set too large, or a learning rate
+too small for it). In such an upload every nonzero entry whose own rounding error exceeds
+``ρ |x|`` (all those that encoded to 0 among them) is counted; an upload within the bound counts
+none. The bound is computed per upload, from its own entries, on the client, after clipping.
 """
 
 from __future__ import annotations
@@ -29,6 +46,9 @@ MARGIN_BITS = 2
 """Bits kept free at the top: the sum's magnitude stays below 2^(64 − 2) = 2^62."""
 MIN_FRACTION_BITS = 24
 """The coarsest resolution accepted (2^-24, float32's relative precision at 1)."""
+RELATIVE_PRECISION = 2.0**-24
+"""ρ, float32's unit roundoff: an upload whose encoding errs by more than ρ times its norm has
+lost precision (see the module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -81,9 +101,16 @@ class FixedPoint:
         """2^-F, the step between representable values."""
         return 2.0**-self.fraction_bits
 
-    def encode(self, vector: torch.Tensor) -> tuple[np.ndarray, int, int]:
+    def encode(
+        self, vector: torch.Tensor, measured: int | None = None
+    ) -> tuple[np.ndarray, int, int]:
         """``round(v · 2^F)`` as ring elements (uint64, two's complement), with the number of
-        nonzero entries that encoded to 0 (``underflow``) and of entries clipped to ``±B``.
+        entries that lost precision (``underflow``: when the encoding of the clipped upload errs
+        by more than :data:`RELATIVE_PRECISION` times its norm, its nonzero entries whose own
+        error exceeds that share of their size, those that encoded to 0 included; else 0) and
+        of entries clipped to ``±B``. ``measured``: how many leading entries form the upload
+        whose precision is judged (None: all; the weight entry a secure round appends is left
+        out, or it would hide any loss in a tiny upload behind its own norm).
 
         Raises:
             ValueError: if an entry is not finite.
@@ -96,8 +123,16 @@ class FixedPoint:
         if clipped:
             v = np.clip(v, -self.bound, self.bound)
         q = np.rint(v * 2.0**self.fraction_bits)
-        underflow = int(((q == 0) & (v != 0)).sum())
-        return q.astype(np.int64).view(np.uint64), underflow, clipped
+        n = len(v) if measured is None else measured
+        return q.astype(np.int64).view(np.uint64), self.imprecise(v[:n], q[:n]), clipped
+
+    def imprecise(self, v: np.ndarray, q: np.ndarray) -> int:
+        """The entries of ``v`` (float64, within ``±B``) that lost precision in their encoding
+        ``q`` (:meth:`encode`'s ``underflow``): none when ``‖q r − v‖ ≤ ρ ‖v‖``."""
+        err = np.abs(q * self.resolution - v)
+        if float(np.linalg.norm(err)) <= RELATIVE_PRECISION * float(np.linalg.norm(v)):
+            return 0  # every entry within the rounding the fixed point promises
+        return int(((err > RELATIVE_PRECISION * np.abs(v)) & (v != 0)).sum())
 
     def decode(self, ring: np.ndarray) -> torch.Tensor:
         """The float64 values of ring elements (signed two's complement) divided by 2^F."""

@@ -14,8 +14,18 @@ from fedlore.privacy.fixedpoint import FixedPoint
 from fedlore.types import Scalars
 
 COUNTS = ("secagg_underflow", "secagg_clipped_entries")
-"""Secure aggregation without DP: how many upload entries encoded to 0 although nonzero, and
-how many were clipped to ``±secure_aggregation_range`` (totals over the round's survivors)."""
+"""Secure aggregation without DP: how many upload entries lost precision in the fixed point
+(entries of uploads whose encoding errs by more than 2^-24 of their norm,
+:mod:`fedlore.privacy.fixedpoint`), and how many were clipped to ``±secure_aggregation_range``
+(totals over the round's survivors)."""
+WHY = {
+    "secagg_underflow": (
+        "upload entries that lost precision in the fixed point: uploads whose encoding errs by "
+        "more than 2^-24 of their norm; secure_aggregation_range is far above the uploads"
+    ),
+    "secagg_clipped_entries": "upload entries clipped to ±secure_aggregation_range",
+}
+"""What the round loop's warning says beside each nonzero count of :data:`COUNTS`."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +78,7 @@ class SecurePlan:
                 "weight known when the run started"
             )
         v = torch.cat([c.summed * w, torch.tensor([w], dtype=torch.float64, device="cpu")])
-        ring, underflow, clipped = self.fixed.encode(v)
+        ring, underflow, clipped = self.fixed.encode(v, measured=self.spec_len)
         if self.counts:
             ring = np.concatenate([ring, np.array([underflow, clipped], dtype=np.uint64)])
         return ring

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fedlore.results.tables import DIAGNOSTIC_KEYS
+from fedlore.results.tables import DIAGNOSTIC_KEYS, FAIRNESS
 
 
 def seeds_cell(row: dict[str, Any]) -> str:
@@ -149,11 +149,14 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
     validation loss (nats per token), the final perplexity and the next-token accuracy. Classifier
     runs that recorded an ECE add the final NLL and ECE; runs with ``eval.local`` the P-local
     accuracy, beside the G-local accuracy of runs with ``eval.clients``, so a personalized
-    method's global and personal scores stand side by side; runs with client timing the
-    local-training seconds per client and round; runs that measured it the client state (the
-    most one client keeps between rounds: control variates, personal layers, optimizer moments
-    carried to its next round); DP runs the privacy spent (ε at δ), the noise
-    multiplier σ and the clipped uploads.
+    method's global and personal scores stand side by side; runs with ``eval.clients`` that
+    recorded the clients' fairness figures (:data:`~fedlore.results.tables.FAIRNESS`) the worst
+    client's accuracy, the 10th percentile and the spread (sample std over the clients, in
+    points) after the G-local accuracy, "–" for a method whose runs did not record them; runs
+    with client timing the local-training seconds per client and round; runs that measured it
+    the client state (the most one client keeps between rounds: control variates, personal
+    layers, optimizer moments carried to its next round); DP runs the privacy spent (ε at δ),
+    the noise multiplier σ and the clipped uploads.
     """
     lm = any(row.get("language_model") for row in table)
     if not lm and any(row.get("regression") for row in table):
@@ -161,6 +164,7 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
     calib = not lm and any(row.get("final_ece_mean") is not None for row in table)
     local = any(row.get("local_accuracy_pct_mean") is not None for row in table)
     glocal = any(row.get("client_accuracy_pct_mean") is not None for row in table)
+    fair = any(row.get(f"{c}_mean") is not None for row in table for c, _ in FAIRNESS)
     timed = any(row.get("client_train_s_per_round_mean") is not None for row in table)
     peak = any(row.get("peak_memory_bytes_mean") is not None for row in table)
     kept = any(row.get("client_state_bytes_mean") is not None for row in table)
@@ -172,6 +176,7 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
     )
     quality += ["NLL", "ECE"] if calib else []
     quality += ["G-local acc. (%)"] if glocal else []
+    quality += ["worst client (%)", "client p10 (%)", "client spread (pts)"] if fair else []
     quality += ["P-local acc. (%)"] if local else []
     header = [
         "method",
@@ -210,6 +215,8 @@ def to_markdown(table: list[dict[str, Any]]) -> str:
             ]
         if glocal:
             first.append(_score(row, "client_accuracy_pct"))
+        if fair:  # "–" for a method whose runs did not record them
+            first += [_score(row, column) for column, _ in FAIRNESS]
         if local:
             first.append(_score(row, "local_accuracy_pct"))
         cells = [

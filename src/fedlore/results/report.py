@@ -38,6 +38,7 @@ from fedlore.results.store import (
 from fedlore.results.tables import (
     COLUMNS,
     DIAGNOSTIC_KEYS,
+    FAIRNESS,
     diagnostics_table,
     eval_metrics_table,
     summary_table,
@@ -77,6 +78,15 @@ PAIRED_COLUMNS = [
     "paired_nll_high",
 ]
 """The columns ``fedlore report --baseline`` adds to ``report.csv`` (:func:`paired_cells`)."""
+
+
+FAIRNESS_NOTE = (
+    " Worst client, client p10 and client spread (eval.clients): the global model's accuracy on "
+    "each client's own test split, each client counted once: the worst client's, the 10th "
+    "percentile and the sample std over the clients (points), per run, then mean ± std over "
+    "seeds; – for runs that did not record them."
+)
+"""The sentence under the table when any row has the fairness columns."""
 
 
 def paired_cells(row: dict[str, Any] | None, baseline: str) -> dict[str, Any]:
@@ -209,7 +219,12 @@ def _report_experiment(
         "(a training loss gone non-finite, or test predictions not finite or blown up) are left "
         "out of the final values. Runs of different configs under one name get a row each, "
         "named by the settings that differ."
-        "\n\n"
+        + (
+            FAIRNESS_NOTE
+            if any(r.get(f"{c}_mean") is not None for r in table for c, _ in FAIRNESS)
+            else ""
+        )
+        + "\n\n"
     )
     if baseline:
         text += section(runs, baseline)

@@ -42,6 +42,12 @@ COLUMNS = [
     "final_ece_std",
     "client_accuracy_pct_mean",
     "client_accuracy_pct_std",
+    "client_worst_pct_mean",
+    "client_worst_pct_std",
+    "client_p10_pct_mean",
+    "client_p10_pct_std",
+    "client_spread_pct_mean",
+    "client_spread_pct_std",
     "local_accuracy_pct_mean",
     "local_accuracy_pct_std",
     "client_train_s_per_round_mean",
@@ -65,8 +71,21 @@ COLUMNS = [
     "dp_audit_all_iterates_above_runs",
 ]
 """Keys of every :func:`summary_table` row, in CSV column order (the perplexity columns are
-empty for classifiers; ECE, G-local and P-local accuracy and client training time are empty for
-runs that did not record them)."""
+empty for classifiers; ECE, G-local and P-local accuracy, the clients' fairness figures and client
+training time are empty for runs that did not record them)."""
+
+
+FAIRNESS = (
+    ("client_worst_pct", "final_client_accuracy_min"),
+    ("client_p10_pct", "final_client_accuracy_p10"),
+    ("client_spread_pct", "final_client_accuracy_std"),
+)
+"""The fairness figures of ``eval.clients`` (the global model's accuracy on each client's own
+test split, each client counted once, :func:`fedlore.experiment_parts.global_local_metrics`):
+report column -> summary key, in percent: the worst client's accuracy, the 10th percentile over
+the clients, and their spread (the sample std over the clients, in points). Every method
+records them under ``eval.clients`` (q-FFL's case for existing, FedAvg's as its baseline); a
+run of an older fedlore has only the pooled G-local accuracy."""
 
 
 COSTS = frozenset(
@@ -162,13 +181,14 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
         Rows with the keys in :data:`COLUMNS` (``n_seeds``; final and best accuracy in percent
         (mean, std); final loss and perplexity (mean, std) and best perplexity (language
         models); final ECE, G-local accuracy (the global model on the clients' test splits,
-        ``eval.clients``) and P-local accuracy (each client's own, personal or last local, model
-        on its test split, ``eval.local``) in percent, and client training seconds per round
-        where the runs recorded them; mean total MB up and down per run; mean per-client
-        optimizer-state bytes; seconds per round (mean, std)). A statistic is None when no seed
-        reports it. ``counts`` (not a CSV column) holds, per score column (``final_accuracy_pct``,
-        ``final_loss``, ...), how many seeds its statistics are over: fewer than ``n_seeds``
-        when a run diverged or its summary lacks the value.
+        ``eval.clients``) with its fairness figures over the clients (:data:`FAIRNESS`: worst
+        client, 10th percentile, spread) and P-local accuracy (each client's own, personal or
+        last local, model on its test split, ``eval.local``) in percent, and client training
+        seconds per round where the runs recorded them; mean total MB up and down per run; mean
+        per-client optimizer-state bytes; seconds per round (mean, std)). A statistic is None
+        when no seed reports it. ``counts`` (not a CSV column) holds, per score column
+        (``final_accuracy_pct``, ``final_loss``, ...), how many seeds its statistics are over:
+        fewer than ``n_seeds`` when a run diverged or its summary lacks the value.
     """
     table = []
     for method, records in runs.items():
@@ -184,6 +204,9 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
         ece_m, ece_s = scored("final_ece", "final_ece")
         local_m, local_s = scored("local_accuracy_pct", "local_accuracy", 100.0)
         glocal_m, glocal_s = scored("client_accuracy_pct", "final_client_accuracy", 100.0)
+        fair = {}
+        for column, key in FAIRNESS:
+            fair[f"{column}_mean"], fair[f"{column}_std"] = scored(column, key, 100.0)
         rmse_m, rmse_s = scored("final_rmse", "final_rmse")
         table.append(
             {
@@ -220,6 +243,7 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
                 "final_ece_std": ece_s,
                 "client_accuracy_pct_mean": glocal_m,
                 "client_accuracy_pct_std": glocal_s,
+                **fair,
                 "local_accuracy_pct_mean": local_m,
                 "local_accuracy_pct_std": local_s,
                 "client_train_s_per_round_mean": train_m,

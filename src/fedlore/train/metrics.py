@@ -39,6 +39,7 @@ Register your own with :func:`fedlore.registry.register_metric` in a module the 
 from __future__ import annotations
 
 import re
+import reprlib
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -197,7 +198,8 @@ def real_number(name: str, value: object) -> float:
             return float(value.item())
         shown = f"a numpy {value.dtype} value"
     else:
-        shown = f"{type(value).__name__} {str(value)[:40]!r}"
+        # a whole repr, abbreviated where long ({'a': 1, ...}, 'abc...xyz'), not a cut one
+        shown = f"{type(value).__name__} {reprlib.repr(value)}"
     raise MetricError(f"metric {name!r} returned {shown}; a metric returns one real number")
 
 
