@@ -89,6 +89,16 @@ def _summary_stamp(out: Path, method: str, seed: int) -> str | None:
     return hashlib.sha1(path.read_bytes()).hexdigest() if path.exists() else None
 
 
+def test_a_dry_run_with_early_stopping_says_up_to(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run that may stop early trains at most its rounds, and the dry run says so."""
+    out = tmp_path / "runs"
+    stop = ("data.selection_fraction=0.2", "early_stopping.metric=selection_accuracy")
+    status, lines = _dry(out, capsys, *stop)
+    assert status == 0 and set(lines.values()) == {"train: trains up to 3 rounds"}
+
+
 def test_a_dry_run_says_what_the_command_then_does(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -4,13 +4,16 @@ metric, non-finite values, and the best state it keeps."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from fedlore.config import load_config
 from fedlore.engine.early_stopping import EarlyStopping
+from fedlore.results.summary import summarize
 from fedlore.types import State
 
 
@@ -138,3 +141,45 @@ def test_mode_auto_knows_fedlores_scores(metric: str, mode: str) -> None:
     assert cfg.early_stopping.direction() == mode
     explicit = load_config(None, [f"early_stopping.metric={metric}", "early_stopping.mode=min"])
     assert explicit.early_stopping.direction() == "min"
+
+
+def _rows(path: Path, accuracies: list[float | None]) -> Path:
+    """A ``metrics.jsonl`` with one evaluated round per accuracy (None: the predictions were not
+    finite, as a diverged model's)."""
+    lines = []
+    for rnd, acc in enumerate(accuracies):
+        row = {
+            "round": rnd, "accepted": 2, "train_loss": 1.0, "accuracy": acc,
+            "loss": None if acc is None else 1.0 - acc, "selection_accuracy": acc,
+            "bytes_up": 10, "bytes_down": 10, "optimizer_state_bytes": 0, "wall_s": 1.0,
+        }  # fmt: skip
+        lines.append(json.dumps(row))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_restore_best_judges_divergence_on_the_best_rounds_rows(tmp_path: Path) -> None:
+    """A run that diverges after its best round: its result (the best round's model) did not
+    diverge, so ``diverged`` moves to ``diverged_after_best`` and the final values stay."""
+    rows = _rows(tmp_path / "metrics.jsonl", [0.5, 0.7, None, None])
+    summary = summarize("fedfull", 0, rows)
+    assert "diverged" in summary and summary["final_accuracy"] is None
+    es = EarlyStopping("selection_accuracy", "max", 2, 0.0, restore_best=True)
+    es.best_round, es.best_value, es.stopped_round = 1, 0.7, 3
+    es.finish(summary, rows, ())
+    assert summary["final_accuracy"] == 0.7 and summary["final_loss"] == pytest.approx(0.3)
+    assert "diverged" not in summary
+    assert "not finite" in summary["diverged_after_best"]
+    # without restore_best the result is the last round's model, which diverged
+    plain = summarize("fedfull", 0, rows)
+    EarlyStopping("selection_accuracy", "max", 2, 0.0, restore_best=False).finish(plain, rows, ())
+    assert "diverged" in plain and "diverged_after_best" not in plain
+
+
+def test_restore_best_keeps_a_divergence_of_the_best_round_itself(tmp_path: Path) -> None:
+    rows = _rows(tmp_path / "metrics.jsonl", [0.5, None, None])
+    summary = summarize("fedfull", 0, rows)
+    es = EarlyStopping("selection_accuracy", "max", 2, 0.0, restore_best=True)
+    es.best_round, es.best_value = 1, 0.5  # as if the best round's predictions went non-finite
+    es.finish(summary, rows, ())
+    assert "diverged" in summary and "diverged_after_best" not in summary

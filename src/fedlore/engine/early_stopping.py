@@ -151,7 +151,10 @@ class EarlyStopping:
         set's metric, ``allow_test``: the reported scores are optimistic); with
         ``restore_best`` the ``final_*`` values become those of the best round's evaluation
         (``restored_best`` True), read from ``rows`` (``metrics.jsonl``; ``extra``:
-        ``eval.metrics``)."""
+        ``eval.metrics``), and a divergence in later rounds moves from ``diverged`` to
+        ``diverged_after_best`` (the result did not diverge). The P-local scores
+        (``local_*``) stay the last round's: the clients' own models are not the server's
+        state and are not restored."""
         summary["early_stopping_metric"] = self.metric
         summary["stopped_round"] = self.stopped_round
         summary["best_round"] = self.best_round
@@ -160,7 +163,13 @@ class EarlyStopping:
         summary["early_stopping_on_test"] = watches_test(self.metric)  # allow_test: optimistic
         if summary["restored_best"]:
             assert self.best_round is not None
-            summary.update(restored_finals(rows, self.best_round, extra))
+            # the result is the best round's model: whether it diverged is judged on the rows
+            # up to it; a divergence after it stays on record as ``diverged_after_best``
+            later = summary.pop("diverged", None)
+            restored = restored_finals(rows, self.best_round, extra)
+            summary.update(restored)
+            if later is not None and "diverged" not in restored:
+                summary["diverged_after_best"] = later
 
 
 def early_stopper(cfg: Config) -> EarlyStopping | None:

@@ -113,9 +113,11 @@ def restored_finals(
 ) -> dict[str, Any]:
     """The ``final_*`` values of a run whose result is the model of round ``best_round``
     (``early_stopping.restore_best``, :mod:`fedlore.engine.early_stopping`): those
-    :func:`summarize` gives the rows up to that round, i.e. its evaluation's."""
+    :func:`summarize` gives the rows up to that round, i.e. its evaluation's, and ``diverged``
+    when those rows tell a divergence."""
     rows = [r for r in _read(metrics_path) if r["round"] <= best_round]
-    return {k: v for k, v in _summary("", 0, rows, extra).items() if k.startswith("final_")}
+    summary = _summary("", 0, rows, extra)
+    return {k: v for k, v in summary.items() if k.startswith("final_") or k == "diverged"}
 
 
 def _read(metrics_path: Path) -> list[dict[str, Any]]:
