@@ -108,7 +108,8 @@ def _fresh(cfg: Config, folder: Path, resumable: bool = True) -> Fate:
     done, setup = _rounds_in(folder)
     if not done and not setup:
         most = "up to " if cfg.early_stopping.metric is not None else ""  # it may stop early
-        return "train", f"trains {most}{cfg.rounds} rounds"
+        unit = "round" if cfg.rounds == 1 else "rounds"
+        return "train", f"trains {most}{cfg.rounds} {unit}"
     whose = "the unfinished run" if resumable else "an unfinished run of another config or data"
     hint = " (--resume continues it)" if resumable else ""
     what = f"the {done} complete round(s)" if done else "the setup round"

@@ -97,6 +97,8 @@ def test_a_dry_run_with_early_stopping_says_up_to(
     stop = ("data.selection_fraction=0.2", "early_stopping.metric=selection_accuracy")
     status, lines = _dry(out, capsys, *stop)
     assert status == 0 and set(lines.values()) == {"train: trains up to 3 rounds"}
+    status, lines = _dry(out, capsys, *stop, "rounds=1")  # one round: singular
+    assert status == 0 and set(lines.values()) == {"train: trains up to 1 round"}
 
 
 def test_a_dry_run_says_what_the_command_then_does(
