@@ -90,6 +90,35 @@ def test_a_test_sets_metric_is_refused_without_allow_test(tmp_path: Path, metric
     assert f"early_stopping.metric=selection_{metric.removeprefix('client_')}" in text
 
 
+@pytest.mark.parametrize(
+    ("metric", "twin"),
+    [("client_accuracy_min", "selection_accuracy"), ("client_accuracy_std", "selection_accuracy"),
+     ("client_ece", "selection_loss"), ("ece", "selection_loss")],
+)  # fmt: skip
+def test_a_score_the_selection_split_lacks_points_to_one_it_has(
+    tmp_path: Path, metric: str, twin: str
+) -> None:
+    """The clients' spread and ECE have no selection twin: the refusal, the DP refusal and the
+    allow_test warning name a score the run records instead."""
+    split = ("data.selection_fraction=0.2", "eval.clients=true")
+    fed = prepare_federation(_cfg(tmp_path, *split), 0)
+    sel = (*split, f"early_stopping.metric={metric}")
+    cfg = _cfg(tmp_path, *sel)
+    assert twin in recorded_metrics(cfg, fed)
+
+    def refusal(cfg: Config) -> str:
+        with pytest.raises(ConfigError) as e:
+            check_early_stopping(cfg, fed)
+        return str(e.value)
+
+    assert f"early_stopping.metric={twin}," in refusal(cfg)
+    with pytest.warns(TestSelectionWarning, match=f"; {twin} on the selection split"):
+        check_early_stopping(_cfg(tmp_path, *sel, "early_stopping.allow_test=true"), fed)
+    if metric.startswith("client_"):
+        dp = ("weighting=uniform", "dp.clip_norm=1", "dp.noise_multiplier=1")
+        assert f"early_stopping.metric={twin})" in refusal(_cfg(tmp_path, *sel, *dp))
+
+
 def test_selection_metrics_and_train_loss_pass(tmp_path: Path) -> None:
     for metric in ("selection_accuracy", "selection_loss", "train_loss"):
         cfg = _cfg(tmp_path, f"early_stopping.metric={metric}", "data.selection_fraction=0.2")

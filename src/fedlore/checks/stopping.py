@@ -41,16 +41,7 @@ def recorded_metrics(cfg: Config, fed: Federation) -> set[str]:
     the central test set, the selection split (``selection_*``, when the federation has one)
     and, with ``eval.clients``, the clients' test splits (``client_*``), for the federation's
     task; ``train_loss`` unless secure aggregation or DP keeps the clients' losses home."""
-    extra = set(cfg.eval.metrics)
-    if fed.task == "regression":
-        central = selection = client = {"rmse", "loss"}
-    elif fed.task == "language_modeling":
-        central = selection = {"accuracy", "loss", "perplexity"}
-        client = set()  # no local test splits
-    else:
-        central = {"accuracy", "loss", "ece"} | extra
-        selection = {"accuracy", "loss"} | extra
-        client = {"accuracy", "loss", "ece", *CLIENT_SPREAD} | extra
+    central, selection, client = _scores(cfg, fed)
     out = set(central)
     if fed.selection is not None:
         out |= {f"selection_{k}" for k in selection}
@@ -59,6 +50,32 @@ def recorded_metrics(cfg: Config, fed: Federation) -> set[str]:
     if not (cfg.secure_aggregation or cfg.dp.enabled):
         out.add("train_loss")
     return out
+
+
+def _scores(cfg: Config, fed: Federation) -> tuple[set[str], set[str], set[str]]:
+    """The scores of the central test set, the selection split and the clients' test splits
+    (without their prefixes) for the federation's task."""
+    extra = set(cfg.eval.metrics)
+    if fed.task == "regression":
+        return {"rmse", "loss"}, {"rmse", "loss"}, {"rmse", "loss"}
+    if fed.task == "language_modeling":
+        scores = {"accuracy", "loss", "perplexity"}
+        return scores, set(scores), set()  # no local test splits
+    return (
+        {"accuracy", "loss", "ece"} | extra,
+        {"accuracy", "loss"} | extra,
+        {"accuracy", "loss", "ece", *CLIENT_SPREAD} | extra,
+    )
+
+
+def _selection_twin(cfg: Config, fed: Federation, metric: str) -> str:
+    """The selection split's score to watch instead of a test set's ``metric``: its namesake,
+    or, where the selection split scores none (the clients' spread, ECE), its accuracy for an
+    accuracy figure and its loss otherwise."""
+    base = metric.removeprefix("client_")
+    if base in _scores(cfg, fed)[1]:
+        return f"selection_{base}"
+    return "selection_accuracy" if base.startswith("accuracy") else "selection_loss"
 
 
 def check_early_stopping(cfg: Config, fed: Federation) -> None:
@@ -92,10 +109,10 @@ def check_early_stopping(cfg: Config, fed: Federation) -> None:
             f"early_stopping.metric={metric} under DP: {where} are the clients' data, read "
             "outside the mechanism; choosing the round on them would release the choice "
             "beside ε. Watch the selection split (data.selection_fraction, "
-            f"early_stopping.metric=selection_{metric.removeprefix('client_')}), which the "
+            f"early_stopping.metric={_selection_twin(cfg, fed, metric)}), which the "
             "server holds: post-processing, no ε"
         )
-    alternative = f"selection_{metric.removeprefix('client_')}"
+    alternative = _selection_twin(cfg, fed, metric)
     if not es.allow_test:
         raise ConfigError(
             f"early_stopping.metric={metric} is scored on {where}, which the run reports: "
