@@ -189,7 +189,7 @@ def fedlore_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any
         finally:
             clock.exclude(time.perf_counter() - wall, time.process_time() - cpu)
 
-    parts_mod.evaluate = timed_evaluate  # type: ignore[assignment]
+    parts_mod.evaluate = timed_evaluate
     original_factory = experiment_mod.model_factory  # looked up there by build()
     init: list[str] = []  # the digest of the first model run_one builds: the server's W^0
 
@@ -204,7 +204,7 @@ def fedlore_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any
 
         return built
 
-    experiment_mod.model_factory = digesting_factory  # type: ignore[assignment]
+    experiment_mod.model_factory = digesting_factory
     final: dict[str, Any] = {}
 
     class Recorder:

@@ -99,7 +99,7 @@ def test_overrides_of_shared_settings_go_into_train() -> None:
     assert make_algorithm("fedavg", cfg).train.lr == 0.01  # other methods keep the config's
     assert isinstance(full.train, LocalTraining)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        full.train = LocalTraining()  # type: ignore[misc]
+        full.train = LocalTraining()
 
 
 def test_freeze_and_exclude_stay_refused_per_method() -> None:

@@ -273,7 +273,7 @@ def test_bad_hyperparameters_are_refused() -> None:
         {"dropout": 1.0},
     ):
         with pytest.raises(ValueError, match="invalid"):
-            MetaBayFL.of(**bad)  # type: ignore[arg-type]
+            MetaBayFL.of(**bad)
 
 
 def test_run_records_chosen_lrs_and_local_and_global_metrics(tmp_path: Path) -> None:
@@ -412,7 +412,7 @@ def test_batched_trials_count_the_kl_of_frozen_layers() -> None:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
         algo = MetaBayFL(
-            trials=trials,  # type: ignore[arg-type]
+            trials=trials,
             candidate_lrs=(0.1, 0.01, 0.001),
             temp_steps=3,
             meta_score="elbo",  # the KL of the frozen rho only enters the ELBO score
@@ -434,7 +434,7 @@ def test_combine_gaussians_keeps_tiny_sigmas() -> None:
     mu = [torch.zeros(3), torch.zeros(3)]
     rho = [torch.full((3,), -200.0), torch.full((3,), -200.0)]
     for rule in ("mean", "sigma", "moment", "precision"):
-        m, r = combine_gaussians(mu, rho, [1.0, 2.0], rule)  # type: ignore[arg-type]
+        m, r = combine_gaussians(mu, rho, [1.0, 2.0], rule)
         assert torch.allclose(m, mu[0]) and torch.allclose(r, rho[0], rtol=1e-5), (rule, r)
 
 
@@ -444,7 +444,7 @@ def test_a_client_with_one_example_searches_on_it_unless_d_is_held_out() -> None
     for mode, searches in (("heldout", False), ("subset", True)):
         algo = MetaBayFL(
             train=LocalTraining(local_steps=2, batch_size=4), posterior="none", meta_split=mode
-        )  # type: ignore[arg-type]
+        )
         state = algo.init_server(model, torch.Generator())
         msg = algo.broadcast(state, 0, 0)
         reply, _ = algo.client_update(msg, None, model, one, torch.Generator().manual_seed(0))

@@ -450,7 +450,7 @@ def test_fp16_overflow_makes_the_upload_non_finite_and_rejected(transport: str) 
 
     algo = FedAvg(
         train=LocalTraining(local_steps=1, batch_size=8, lr=1e7, transport_dtype=transport)
-    )  # type: ignore[arg-type]
+    )
     store = ClientStore()
     state = algo.init_server(build(), generator(SEED, 2))
     loop = RoundLoop(

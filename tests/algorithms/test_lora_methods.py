@@ -703,9 +703,9 @@ def test_16bit_transport_keeps_caches_and_held_adapters_bit_identical(
     wire = {"fp16": torch.float16, "bf16": torch.bfloat16}[transport]
     # s p_k = 1.5 / 2: FLoRA's stacked payload is not on the 16-bit grid until the server rounds it
     kw = {"rank": 2, "lora_alpha": 3.0, "local_steps": STEPS, "lr": LR, "batch_size": BATCH}
-    algo = cls.of(transport_dtype=transport, **kw)  # type: ignore[call-arg]
+    algo = cls.of(transport_dtype=transport, **kw)
     sample = lambda rnd: [0, 1] if rnd != 1 else [1]  # noqa: E731
-    ref, _ = drive(cls.of(**kw), 3, sample)  # type: ignore[call-arg]
+    ref, _ = drive(cls.of(**kw), 3, sample)
     hist, store = drive(algo, 3, sample)
     for h, h32 in zip(hist, ref, strict=True):
         for c, msg in h.msgs.items():

@@ -107,7 +107,7 @@ def test_each_epoch_trains_at_the_rate_its_search_chose(schedule: str) -> None:
         local_steps=20,
         batch_size=10,
         temp_steps=3,
-        schedule=schedule,  # type: ignore[arg-type]
+        schedule=schedule,
         rounds=2,
         mc_samples=0,
     )
@@ -156,7 +156,7 @@ def test_a_round_searches_before_every_pass_over_the_training_split(
         temp_steps=2,
         local_steps=local_steps,
         batch_size=batch_size,
-        meta_split=meta_split,  # type: ignore[arg-type]
+        meta_split=meta_split,
         mc_samples=0,
     )
     model = nn.Sequential(nn.Linear(4, 2))
@@ -186,7 +186,7 @@ def test_per_round_searches_once_and_none_never(lr_search: str, searches: int) -
         temp_steps=2,
         local_steps=12,
         batch_size=10,
-        lr_search=lr_search,  # type: ignore[arg-type]
+        lr_search=lr_search,
         mc_samples=0,
     )
     model = nn.Sequential(nn.Linear(4, 2))
@@ -244,7 +244,7 @@ def _search_both_ways(
         model = nn.Sequential(
             nn.Linear(fit.x.shape[1], hidden), nn.ReLU(), nn.Linear(hidden, n_out)
         )
-        algo = MetaBayFL.of(batch_size=16, trials=trials, temp_steps=3, **hyper)  # type: ignore[arg-type]
+        algo = MetaBayFL.of(batch_size=16, trials=trials, temp_steps=3, **hyper)
         algo.prepare_model(model)
         opt = algo.make_optimizer(model)
         terms = [elbo_kl_term(algo.beta_kl, len(fit))] if algo.posterior == "bnn" else []
@@ -370,7 +370,7 @@ def test_batched_trials_with_decoupled_decay_a_large_eps_and_a_single_tensor() -
         model = nn.Sequential(nn.Linear(5, 3, bias=False))
         algo = MetaBayFL(
             train=LocalTraining(mc_samples=0), posterior="none", trials=trials, temp_steps=3
-        )  # type: ignore[arg-type]
+        )
         out[trials] = algo.select_lr(model, algo.make_optimizer(model), fit, meta, [], seed=1)
     _assert_same_search(out)
 

@@ -32,10 +32,10 @@ from fedlore.types import Broadcast, State
 NUM_CLIENTS = 3
 COMMON = {"local_steps": 4, "batch_size": 16, "rounds": 4}
 METHODS: dict[str, Algorithm] = {
-    "ditto": Ditto.of(lr=0.1, **COMMON),  # type: ignore[arg-type]
-    "pfedme": PFedMe.of(lr=0.05, **COMMON),  # type: ignore[arg-type]
-    "pfedbayes": PFedBayes.of(lr=1e-2, **COMMON),  # type: ignore[arg-type]
-    "fedfomo": FedFomo.of(lr=0.1, num_candidates=2, **COMMON),  # type: ignore[arg-type]
+    "ditto": Ditto.of(lr=0.1, **COMMON),
+    "pfedme": PFedMe.of(lr=0.05, **COMMON),
+    "pfedbayes": PFedBayes.of(lr=1e-2, **COMMON),
+    "fedfomo": FedFomo.of(lr=0.1, num_candidates=2, **COMMON),
 }
 
 
@@ -73,7 +73,7 @@ def _run(algo: Algorithm, schedule: list[list[int]]) -> tuple[ClientStore, list[
                     for c in store.client_ids()
                     for k, v in store.get(c).arrays.items()
                 }
-            )  # type: ignore[union-attr]
+            )
         )
     return store, snaps
 
@@ -113,8 +113,8 @@ def test_personalized_score_reads_the_personal_model_only(name: str) -> None:
     with torch.no_grad():  # the "global" model in the workspace differs wildly
         for p in scratch_b.parameters():
             p.add_(torch.randn_like(p) * 5)
-    a = algo.evaluate_personal(state, scratch_a, data)  # type: ignore[attr-defined]
-    b = algo.evaluate_personal(state, scratch_b, data)  # type: ignore[attr-defined]
+    a = algo.evaluate_personal(state, scratch_a, data)
+    b = algo.evaluate_personal(state, scratch_b, data)
     assert a == b and a["local_n"] == 24
     # a different personal model scores differently
     other = State(
@@ -128,7 +128,7 @@ def test_personalized_score_reads_the_personal_model_only(name: str) -> None:
         },
         values=state.values,
     )
-    c = algo.evaluate_personal(other, _model(), data)  # type: ignore[attr-defined]
+    c = algo.evaluate_personal(other, _model(), data)
     assert c["local_loss"] != a["local_loss"]
 
 

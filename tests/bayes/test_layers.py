@@ -248,7 +248,7 @@ def test_local_estimator_trains_sigma_and_uses_the_means_with_sampling_off() -> 
         layer.bias_rho.fill_(-200.0)  # type: ignore[union-attr]
     layer.zero_grad()
     layer(torch.zeros(2, 6)).sum().backward()
-    assert bool(torch.isfinite(layer.weight_rho.grad).all())  # type: ignore[arg-type]
+    assert bool(torch.isfinite(layer.weight_rho.grad).all())
 
 
 def test_estimator_is_set_on_every_bayesian_layer_and_checked() -> None:
