@@ -628,7 +628,7 @@ def test_batchnorm_statistics_stay_at_first_contact_unless_averaged(average: boo
         reply, _ = algo.client_update(msg, None, model, client_data(c), generator(0, CLIENT, 0, c))
         assert validate_reply(reply, algo.expected_reply(state, 0, c)) is None
         replies.append((c, reply))
-    after, _ = algo.aggregate(state, replies, 0)
+    after, _ = algo.aggregate(state, list(replies), 0)
     got = after.arrays["model.bn.running_mean"]
     if not average:  # the default: never uploaded, the global statistics do not move
         assert "dense.bn.running_mean" not in replies[0][1].arrays
