@@ -90,12 +90,12 @@ def capture(config: Path | None, overrides: list[str], rounds: int) -> list[dict
     got: list[dict[str, Any]] = []
     original = lowrank_mod.top_left_singular
 
-    def recorder(mat, rank, *args, warm=None, **kwargs):  # type: ignore[no-untyped-def]
+    def recorder(mat, rank, *args, warm=None, **kwargs):
         if warm is not None:  # a client's candidate in a training round (not the setup)
             got.append({"G": mat.detach().clone(), "P": warm.detach().clone(), "rank": rank})
         return original(mat, rank, *args, warm=warm, **kwargs)
 
-    lowrank_mod.top_left_singular = recorder  # type: ignore[assignment]
+    lowrank_mod.top_left_singular = recorder
     try:
         transport = LocalTransport(algo, fed.client, build, 0, ClientStore())
         loop = RoundLoop(
@@ -105,11 +105,11 @@ def capture(config: Path | None, overrides: list[str], rounds: int) -> list[dict
         for rnd in range(-setup_rounds(algo), rounds):
             state, _ = loop.run_round(state, rnd, rounds - 1)
     finally:
-        lowrank_mod.top_left_singular = original  # type: ignore[assignment]
+        lowrank_mod.top_left_singular = original
     return got
 
 
-def route(mat: torch.Tensor, rank: int, warm: torch.Tensor | None, r: tuple) -> torch.Tensor:  # type: ignore[type-arg]
+def route(mat: torch.Tensor, rank: int, warm: torch.Tensor | None, r: tuple) -> torch.Tensor:
     _, method, over, it, cdt = r
     return top_left_singular(
         mat,

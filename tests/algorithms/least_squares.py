@@ -35,7 +35,7 @@ def linear_model() -> nn.Module:
 def make_algo(cls: type[FedAvg], **extra: object) -> FedAvg:
     """``cls`` with lr 0.05, 20 local steps, full batches of 32 and uniform weights."""
     common = {"lr": 0.05, "local_steps": 20, "batch_size": 32, "weighting": "uniform"}
-    return cls.of(**{**common, **extra})  # type: ignore[arg-type]
+    return cls.of(**{**common, **extra})
 
 
 def train(algo: FedAvg, rounds: int, sizes: tuple[int, int] = (32, 32)) -> torch.Tensor:

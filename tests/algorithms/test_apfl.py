@@ -160,8 +160,8 @@ def test_first_contact_starts_v_at_the_received_model_and_alpha_at_alpha() -> No
 def _pair(alpha: float, adaptive: bool, **kw: object) -> tuple[APFL, FedAvg]:
     common = {"lr": 0.2, "local_steps": 3, "batch_size": 2, "rounds": 1, "local_eval": True}
     common.update(kw)
-    apfl = APFL.of(alpha=alpha, adaptive_alpha=adaptive, **common)  # type: ignore[arg-type]
-    return apfl, FedAvg.of(**common)  # type: ignore[arg-type]
+    apfl = APFL.of(alpha=alpha, adaptive_alpha=adaptive, **common)
+    return apfl, FedAvg.of(**common)
 
 
 def test_alpha_zero_makes_the_personalized_model_the_global_copy() -> None:
@@ -244,7 +244,7 @@ def test_local_epochs_equal_the_same_number_of_local_steps() -> None:
 )
 def test_bad_settings_are_refused(kw: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        APFL.of(**kw)  # type: ignore[arg-type]
+        APFL.of(**kw)
 
 
 def test_config_refusals_name_the_setting() -> None:

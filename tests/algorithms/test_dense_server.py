@@ -49,7 +49,7 @@ def test_the_step_is_the_example_weighted_mean_and_lost_replies_are_left_out() -
     w = {k: v.clone() for k, v in algo.global_arrays(state).items()}
     d = [_deltas(w, s) for s in (1, 2, 3)]
     replies = [(0, _reply(d[0], 1)), (4, None), (1, _reply(d[1], 3)), (2, _reply(d[2], 6))]
-    new, scalars = algo.aggregate(state, replies, 0)  # type: ignore[arg-type]
+    new, scalars = algo.aggregate(state, replies, 0)
     assert scalars == {"aggregated": 3}
     assert new.values == {}  # no freeze: no seen.<cid>; plain SGD at lr 1: no step count
     assert set(new.arrays) == {f"model.{k}" for k in w}  # no sopt.* moments

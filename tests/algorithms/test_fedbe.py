@@ -319,7 +319,7 @@ def test_diverged_teachers_are_left_out_and_counted(tmp_path: Path) -> None:
     assert metrics["server_skipped_steps"] == 0
     # every teacher diverged: the round keeps the FedAvg model and says so
     huge = [(c, Reply({k: v * 1e38 for k, v in r.arrays.items()}, r.metrics)) for c, r in replies]
-    new, metrics = fedbe.aggregate(state, huge, 0)  # type: ignore[arg-type]
+    new, metrics = fedbe.aggregate(state, huge, 0)
     avg_state, _ = make_algorithm("fedavg", cfg).aggregate(state, huge, 0)  # type: ignore[arg-type]
     assert metrics["server_teachers"] == 0 and metrics["server_bad_teachers"] == 14
     for k, v in fedbe.global_arrays(new).items():

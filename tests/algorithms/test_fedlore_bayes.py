@@ -51,7 +51,7 @@ def first_reply(algo: FedLoreBayes, cid: int = 0) -> tuple[Reply, dict[str, torc
         rng = generator(SEED, CLIENT, -1, c)
         reply, kept[c] = algo.client_update(msg, None, build(), client_data(c), rng)
         setup.append((c, reply))
-    state, _ = algo.aggregate(state, setup, -1)
+    state, _ = algo.aggregate(state, list(setup), -1)
     msg = algo.broadcast(state, 0, cid)
     rng = generator(SEED, CLIENT, 0, cid)
     reply, _ = algo.client_update(msg, kept[cid], build(), client_data(cid), rng)

@@ -212,7 +212,7 @@ def test_the_server_step_normalizes_each_delta_by_its_a_norm() -> None:
         torch.testing.assert_close(new.arrays["model." + k], v + step, msg=k)
     fedavg = _algo(FedAvg, weighting="num_examples")
     plain = [(c, reply(s, n, a)) for c, s, n, a in ((0, 1.0, 10, 0.1), (1, -2.0, 30, 0.5))]
-    buffers, _ = fedavg.aggregate(state, plain, 0)
+    buffers, _ = fedavg.aggregate(state, list(plain), 0)
     for k in ("running_mean", "running_var", "num_batches_tracked"):
         assert torch.equal(new.arrays["model.1." + k], buffers.arrays["model.1." + k]), k
 

@@ -120,7 +120,7 @@ def test_p_local_adapts_the_received_model_by_adapt_steps_steps_of_alpha(steps: 
     ``θ_s = θ_{s-1} - α (A θ_{s-1} - c)``; one step more or fewer scores otherwise."""
     alpha = 0.3
     common = {"lr": 0.2, "local_steps": 2, "batch_size": N, "rounds": 1, "local_eval": True}
-    algo = PerFedAvg.of(alpha=alpha, adapt_steps=steps, **common)  # type: ignore[arg-type]
+    algo = PerFedAvg.of(alpha=alpha, adapt_steps=steps, **common)
     data = _data()
     reply, _ = _round(algo, data)
     a, c = _quadratic(data.train)
@@ -137,7 +137,7 @@ def test_p_local_adapts_the_received_model_by_adapt_steps_steps_of_alpha(steps: 
     for s in (steps - 1, steps + 1):
         assert reply.metrics["local_mse"] != pytest.approx(mse(s), rel=1e-3)
     # scoring changes nothing of what the client trains and sends
-    quiet = PerFedAvg.of(alpha=alpha, adapt_steps=steps, **{**common, "local_eval": False})  # type: ignore[arg-type]
+    quiet = PerFedAvg.of(alpha=alpha, adapt_steps=steps, **{**common, "local_eval": False})
     r2, _ = _round(quiet, data)
     assert "local_mse" not in r2.metrics
     assert all(torch.equal(reply.arrays[k], r2.arrays[k]) for k in reply.arrays)
@@ -178,7 +178,7 @@ def test_local_epochs_equal_the_same_number_of_local_steps(variant: str) -> None
 )
 def test_bad_settings_are_refused(kw: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        PerFedAvg.of(**kw)  # type: ignore[arg-type]
+        PerFedAvg.of(**kw)
 
 
 def test_config_refusals_name_the_setting() -> None:

@@ -40,7 +40,7 @@ from fedlore.types import Reply, State
 
 def _algo(**extra: object) -> QFFL:
     common = {"lr": 0.1, "local_steps": 5, "batch_size": 32, "weighting": "uniform"}
-    return QFFL.of(**{**common, **extra})  # type: ignore[arg-type]
+    return QFFL.of(**{**common, **extra})
 
 
 def _two_weights() -> tuple[nn.Module, torch.Tensor]:

@@ -162,7 +162,7 @@ def test_non_finite_is_an_option_of_the_npz_source_only() -> None:
         load_source(DataConfig(name="digits", non_finite="drop"))
 
 
-def _cfg(root: Path, *more: str):  # type: ignore[no-untyped-def]
+def _cfg(root: Path, *more: str):
     return load_config(
         None,
         ["data.name=npz", f"data.root={root}", "num_clients=2", "partition.name=iid",

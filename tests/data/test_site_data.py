@@ -24,7 +24,7 @@ def _write(folder: Path, part: str, n: int, seed: int = 0, names: bool = True) -
     np.savez(folder / f"{part}.npz", x=x, y=rng.integers(0, 4, n), **extra)
 
 
-def _cfg(root: Path, *more: str):  # type: ignore[no-untyped-def]
+def _cfg(root: Path, *more: str):
     return load_config(
         None,
         ["data.name=npz", f"data.root={root}", "num_clients=3", "flower.site_data=true",

@@ -24,7 +24,7 @@ def test_randomized_server_basis_matches_exact_and_is_seeded() -> None:
     assert projector_distance(exact, shared) < 1e-5  # the common directions win
 
 
-def test_fedlore_runs_with_randomized_client_and_server_svd(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_fedlore_runs_with_randomized_client_and_server_svd(tmp_path) -> None:
     cfg = load_config(
         None,
         [

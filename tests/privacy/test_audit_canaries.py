@@ -311,7 +311,7 @@ def test_a_resumed_audit_keeps_its_canaries(tmp_path: Path) -> None:
     assert final.values["privacy.audit.rounds"] == 4
     assert summary["dp_audit_unseen"] == 6 and "dp_audit_epsilon_all_iterates" in summary
     # the report's privacy cell: the estimate beside the accountant's ε
-    shown = report(str(tmp_path / cfg.name), write=False)
+    shown = report(tmp_path / cfg.name, write=False)
     audit, every = summary["dp_audit_epsilon"], summary["dp_audit_epsilon_all_iterates"]
     assert f"{summary['dp_epsilon']:.3g} (1e-05) / 0.3 / 0.5 / " in shown
     assert f" · audit ε̂ {audit:.3g}, all iterates {every:.3g}" in shown

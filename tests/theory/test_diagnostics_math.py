@@ -94,7 +94,7 @@ def test_proposition2_certificate_bounds_the_residual(
         assert stats["eps_eig"] < 1e-5
     assert torch.allclose(
         hbar, sum(w * g.double() for g, w in zip(grads, normalized(weights), strict=False))
-    )  # type: ignore[arg-type]
+    )
     proj = server.double() @ server.double().t()
     for target in (hbar, hbar + 0.5 * torch.randn(m, n, generator=gen, dtype=torch.float64)):
         residual = float((target - proj @ target).norm())

@@ -139,7 +139,7 @@ def _registered(name: str, fn: Any) -> Iterator[None]:
         table.pop(name, None)
 
 
-def _cfg(out: Path, *extra: str):  # type: ignore[no-untyped-def]
+def _cfg(out: Path, *extra: str):
     return load_config(
         None,
         [
