@@ -21,7 +21,7 @@ from fedlore.types import Reply, State
 N, D_IN = 5, 2
 
 
-def _model() -> nn.Module:
+def _model() -> nn.Linear:
     torch.manual_seed(0)
     return nn.Linear(D_IN, 1).double()
 
@@ -238,7 +238,7 @@ def test_hf_takes_the_hessian_at_w_not_at_the_inner_step() -> None:
     y = torch.tensor([0, 1, 2, 0, 1, 2])
     data = ClientData(0, TensorSplit(x, y), TensorSplit(x[:3], y[:3]))
 
-    def net() -> nn.Module:
+    def net() -> nn.Linear:
         torch.manual_seed(0)
         return nn.Linear(D_IN, 3).double()
 
