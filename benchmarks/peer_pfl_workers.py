@@ -279,6 +279,12 @@ def pfl_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         or algo.train.freeze
     ):
         raise SystemExit(f"peer_pfl: unsupported fedlore settings for a pfl twin: {algo}")
+    if train.local_steps is None:
+        raise SystemExit(
+            "peer_pfl: the pfl twin replays K = local_steps minibatches per client and round; "
+            f"this config sets local_epochs={train.local_epochs} instead: give local_steps"
+        )
+    local_steps: int = train.local_steps  # narrowed for RoundBatches.iter below
     fed = build_federation(cfg, SEED).to(torch.device("cpu"))
     log = BatchLog()
     log.install()
@@ -320,7 +326,7 @@ def pfl_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
                 yield from super().iter(batch_size)
                 return
             rng = generator(SEED, CLIENT, self.rnd, self.client.client_id)
-            yield from self.client.batches(train.batch_size, train.local_steps, rng, self.rnd)
+            yield from self.client.batches(train.batch_size, local_steps, rng, self.rnd)
 
     made = [0] * fed.num_clients  # datasets made per user: the round of the next one
 
@@ -390,7 +396,7 @@ def pfl_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         local_num_epochs=None,
         local_learning_rate=algo.train.lr,
         local_batch_size=algo.train.batch_size,
-        local_num_steps=algo.train.local_steps,
+        local_num_steps=local_steps,
         local_max_grad_norm=algo.train.grad_clip,
     )
     algorithm_params = NNAlgorithmParams(

@@ -90,10 +90,11 @@ def capture(config: Path | None, overrides: list[str], rounds: int) -> list[dict
     got: list[dict[str, Any]] = []
     original = lowrank_mod.top_left_singular
 
-    def recorder(mat, rank, *args, warm=None, **kwargs):
+    def recorder(mat: torch.Tensor, rank: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        warm = kwargs.get("warm")  # FedLore passes it by keyword
         if warm is not None:  # a client's candidate in a training round (not the setup)
             got.append({"G": mat.detach().clone(), "P": warm.detach().clone(), "rank": rank})
-        return original(mat, rank, *args, warm=warm, **kwargs)
+        return original(mat, rank, *args, **kwargs)
 
     lowrank_mod.top_left_singular = recorder
     try:
@@ -218,7 +219,7 @@ def main() -> None:
         out["synthetic"],
     )
     if not a.skip_real:
-        runs = [("cnn_fashion_mnist", None, CNN)]
+        runs: list[tuple[str, Path | None, list[str]]] = [("cnn_fashion_mnist", None, CNN)]
         if not a.skip_llama:
             runs.append(("llama_pretrain_table3", Path("experiments/pretrain_table3.yaml"), []))
         for name, config, overrides in runs:

@@ -26,7 +26,7 @@ def regression(cid: int, n: int = 32, d: int = 3) -> ClientData:
     return ClientData(cid, TensorSplit(x, y), TensorSplit(x[:0], y[:0]))
 
 
-def linear_model() -> nn.Module:
+def linear_model() -> nn.Linear:
     """The same float64 linear model (no bias) every call."""
     torch.manual_seed(0)
     return nn.Linear(3, 1, bias=False).double()

@@ -6,6 +6,7 @@ mixed model, ``local_epochs`` and the refusals."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TypedDict
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from fedlore.types import Reply, State
 D_IN, CLASSES = 3, 2
 
 
-def _model() -> nn.Module:
+def _model() -> nn.Linear:
     torch.manual_seed(0)
     return nn.Linear(D_IN, CLASSES).double()
 
@@ -66,9 +67,17 @@ def _one_step(algo: APFL, state: State | None, data: ClientData) -> tuple[Reply,
     return algo.client_update(msg, state, _model(), data, generator(0, 3))
 
 
+class _Step(TypedDict):
+    """One step by hand: w's and v's (weight, bias) after it, α's step before the clipping."""
+
+    w: tuple[torch.Tensor, torch.Tensor]
+    v: tuple[torch.Tensor, torch.Tensor]
+    alpha_raw: float
+
+
 def _by_hand(
     v_w: torch.Tensor, v_b: torch.Tensor, a: float, lr: float, a_lr: float, data: ClientData
-) -> dict[str, object]:
+) -> _Step:
     """Algorithm 1's three updates of one step, from the step's values (whole-split batch)."""
     m = _model()
     w, b = m.weight.detach(), m.bias.detach()
@@ -101,14 +110,14 @@ def test_one_local_step_of_w_v_and_alpha_by_hand(alpha_lr: float | None) -> None
     reply, new = _one_step(algo, _state(v_w, v_b, a), data)
     want = _by_hand(v_w, v_b, a, lr, lr if alpha_lr is None else alpha_lr, data)
     m = _model()
-    (w1, b1), (v1_w, v1_b) = want["w"], want["v"]  # type: ignore[misc]
+    (w1, b1), (v1_w, v1_b) = want["w"], want["v"]
     up = select(reply.arrays, "update.")
     torch.testing.assert_close(up["weight"], w1 - m.weight.detach(), rtol=0, atol=1e-12)
     torch.testing.assert_close(up["bias"], b1 - m.bias.detach(), rtol=0, atol=1e-12)
     v = personal_arrays(new)
     torch.testing.assert_close(v["weight"], v1_w, rtol=0, atol=1e-12)
     torch.testing.assert_close(v["bias"], v1_b, rtol=0, atol=1e-12)
-    raw = float(want["alpha_raw"])  # type: ignore[arg-type]
+    raw = want["alpha_raw"]
     assert 0 < raw < 1 and abs(raw - a) > 1e-4  # the step moved α, inside [0, 1]
     assert float(new.arrays[ALPHA]) == pytest.approx(raw, abs=1e-12)
     assert reply.metrics["alpha"] == pytest.approx(raw, abs=1e-12)
@@ -125,7 +134,7 @@ def test_alpha_is_clipped_to_the_unit_interval(sign: float) -> None:
     data = _data()
     gw, gb = _grad(m.weight.detach(), m.bias.detach(), data.train)
     v_w, v_b = m.weight.detach() + sign * 0.5 * gw, m.bias.detach() + sign * 0.5 * gb
-    raw = float(_by_hand(v_w, v_b, a, lr, a_lr, data)["alpha_raw"])  # type: ignore[arg-type]
+    raw = _by_hand(v_w, v_b, a, lr, a_lr, data)["alpha_raw"]
     assert raw < 0 if sign > 0 else raw > 1  # the premise: the unclipped step leaves [0, 1]
     algo = APFL.of(lr=lr, local_steps=1, batch_size=4, rounds=2, alpha_lr=a_lr)
     _, new = _one_step(algo, _state(v_w, v_b, a), data)
@@ -140,7 +149,7 @@ def test_alpha_stays_fixed_without_adaptive_alpha_and_v_steps_with_it() -> None:
     reply, new = _one_step(algo, _state(v_w, v_b, a), data)
     assert float(new.arrays[ALPHA]) == a and reply.metrics["alpha"] == a
     want = _by_hand(v_w, v_b, a, lr, lr, data)
-    torch.testing.assert_close(personal_arrays(new)["weight"], want["v"][0], rtol=0, atol=1e-12)  # type: ignore[index]
+    torch.testing.assert_close(personal_arrays(new)["weight"], want["v"][0], rtol=0, atol=1e-12)
     # several steps, first contact: α is the configured one throughout
     algo = APFL.of(lr=lr, local_steps=5, batch_size=2, rounds=2, adaptive_alpha=False, alpha=0.25)
     _, new = _one_step(algo, None, data)
@@ -153,12 +162,12 @@ def test_first_contact_starts_v_at_the_received_model_and_alpha_at_alpha() -> No
     m = _model()
     got = _one_step(algo, None, data)
     want = _one_step(algo, _state(m.weight.detach(), m.bias.detach(), 0.25), data)
-    for a, b in zip(got, want, strict=True):
-        assert a.arrays.keys() == b.arrays.keys()
-        assert all(torch.equal(a.arrays[k], b.arrays[k]) for k in a.arrays)
+    for a, b in ((got[0].arrays, want[0].arrays), (got[1].arrays, want[1].arrays)):  # reply, state
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _pair(alpha: float, adaptive: bool, **kw: object) -> tuple[APFL, FedAvg]:
+def _pair(alpha: float, adaptive: bool, **kw: float) -> tuple[APFL, FedAvg]:
     common = {"lr": 0.2, "local_steps": 3, "batch_size": 2, "rounds": 1, "local_eval": True}
     common.update(kw)
     apfl = APFL.of(alpha=alpha, adaptive_alpha=adaptive, **common)
@@ -222,12 +231,12 @@ def test_local_epochs_equal_the_same_number_of_local_steps() -> None:
     by_steps = APFL.of(lr=0.2, local_steps=6, batch_size=2, rounds=2)
     assert by_epochs.local_steps(5) == 6
     v_w, v_b = _v0()
-    for a, b in zip(
+    (r_e, s_e), (r_s, s_s) = (
         _one_step(by_epochs, _state(v_w, v_b, 0.5), data),
         _one_step(by_steps, _state(v_w, v_b, 0.5), data),
-        strict=True,
-    ):
-        assert all(torch.equal(a.arrays[k], b.arrays[k]) for k in a.arrays)
+    )
+    for a, b in ((r_e.arrays, r_s.arrays), (s_e.arrays, s_s.arrays)):  # replies, states
+        assert all(torch.equal(a[k], b[k]) for k in a)
     fewer = APFL.of(lr=0.2, local_steps=5, batch_size=2, rounds=2)
     _, s5 = _one_step(fewer, _state(v_w, v_b, 0.5), data)
     _, s6 = _one_step(by_steps, _state(v_w, v_b, 0.5), data)
@@ -344,7 +353,7 @@ def test_a_streamed_client_steps_w_v_and_alpha_on_its_rounds_minibatch() -> None
     assert not torch.equal(x, first[0])  # the premise: round 2's batch is not round 0's
     batch = TensorSplit(x, y)
     want = _by_hand(v_w, v_b, a, lr, lr, ClientData(0, batch, batch))
-    (w1, b1), (v1_w, v1_b) = want["w"], want["v"]  # type: ignore[misc]
+    (w1, b1), (v1_w, v1_b) = want["w"], want["v"]
     m = _model()
     up = select(reply.arrays, "update.")
     torch.testing.assert_close(up["weight"], w1 - m.weight.detach(), rtol=0, atol=1e-12)
@@ -352,7 +361,7 @@ def test_a_streamed_client_steps_w_v_and_alpha_on_its_rounds_minibatch() -> None
     v = personal_arrays(new)
     torch.testing.assert_close(v["weight"], v1_w, rtol=0, atol=1e-12)
     torch.testing.assert_close(v["bias"], v1_b, rtol=0, atol=1e-12)
-    assert float(new.arrays[ALPHA]) == pytest.approx(float(want["alpha_raw"]), abs=1e-12)  # type: ignore[arg-type]
+    assert float(new.arrays[ALPHA]) == pytest.approx(float(want["alpha_raw"]), abs=1e-12)
 
 
 def _mixed_loss(v_w: torch.Tensor, v_b: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
@@ -374,8 +383,8 @@ def test_personal_loss_is_the_mean_loss_at_the_mixed_model_over_the_steps() -> N
     w, b = m.weight.detach(), m.bias.detach()
     first = _mixed_loss(v_w, v_b, w, b, a, data.train)
     step = _by_hand(v_w, v_b, a, lr, lr, data)
-    (w1, b1), (v1_w, v1_b) = step["w"], step["v"]  # type: ignore[misc]
-    second = _mixed_loss(v1_w, v1_b, w1, b1, float(step["alpha_raw"]), data.train)  # type: ignore[arg-type]
+    (w1, b1), (v1_w, v1_b) = step["w"], step["v"]
+    second = _mixed_loss(v1_w, v1_b, w1, b1, float(step["alpha_raw"]), data.train)
     assert first != pytest.approx(second, rel=1e-3)
     assert reply.metrics["personal_loss"] == pytest.approx((first + second) / 2, rel=1e-12)
 

@@ -24,7 +24,7 @@ from fedlore.types import Reply, State
 N, D_IN = 5, 2
 
 
-def _model() -> nn.Module:
+def _model() -> nn.Linear:
     torch.manual_seed(0)
     return nn.Linear(D_IN, 1).double()
 
@@ -241,7 +241,7 @@ def test_hf_takes_the_hessian_at_w_not_at_the_inner_step() -> None:
     y = torch.tensor([0, 1, 2, 0, 1, 2])
     data = ClientData(0, TensorSplit(x, y), TensorSplit(x[:3], y[:3]))
 
-    def net() -> nn.Module:
+    def net() -> nn.Linear:
         torch.manual_seed(0)
         return nn.Linear(D_IN, 3).double()
 
@@ -307,7 +307,7 @@ def test_the_adaptation_draws_its_minibatches_from_the_clients_generator() -> No
     """P-local's adaptation steps on minibatches (B < n) drawn from the client's round
     generator: the same generator gives the same score whatever torch's global one."""
     common = {"lr": 0.2, "local_steps": 1, "batch_size": 2, "rounds": 1, "local_eval": True}
-    algo = PerFedAvg.of(alpha=0.3, adapt_steps=2, **common)  # type: ignore[arg-type]
+    algo = PerFedAvg.of(alpha=0.3, adapt_steps=2, **common)
     data = _data(n=8)
     scores = []
     for global_seed in (1, 2):

@@ -121,7 +121,10 @@ def test_sum_aggregable_methods_accept_upload_increments(cls: type[Hyper]) -> No
 def test_the_subclasses_of_aggregable_methods_withdraw_the_flag() -> None:
     """RoLoRA's base LoraMethod claims nothing; Ditto, FedBE etc. subclass FedAvg and state
     ``sum_aggregable=False`` in their ``replace(FedAvg.capabilities, ...)``."""
-    assert not is_sum_aggregable(RoLoRA) and not is_sum_aggregable(LoraMethod)
+    assert not is_sum_aggregable(RoLoRA)
+    # mypy refuses an abstract class for type[Protocol] even where it is never instantiated
+    # (python/mypy#4717); is_sum_aggregable only reads the class's capabilities
+    assert not is_sum_aggregable(LoraMethod)  # type: ignore[type-abstract]
     for name in ("ditto", "fedbe", "fedfomo", "pfedme", "apfl", "perfedavg"):
         cls = registry.get("algorithm", name)
         assert issubclass(cls, FedAvg) and not is_sum_aggregable(cls)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fedlore.algorithms.fedlore import FedLore
 from fedlore.config import load_config
 from fedlore.experiment import run_one
 from fedlore.experiment_parts import make_algorithm
@@ -40,6 +41,7 @@ def test_fedlore_runs_with_randomized_client_and_server_svd(tmp_path) -> None:
         ],
     )
     algo = make_algorithm("fedlore", cfg)
+    assert isinstance(algo, FedLore)
     assert (algo.candidate_svd, algo.server_basis, algo.svd_niter) == ("randomized",) * 2 + (1,)
     a = run_one(cfg, "fedlore", 3)
     b = run_one(cfg.model_copy(update={"output_dir": str(tmp_path / "again")}), "fedlore", 3)
