@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedlore.algorithms.fedavg import FedFull
 from fedlore.config import Config, load_config
 from fedlore.data.federation import Federation, build_federation
 from fedlore.device import training_precision
@@ -104,7 +105,9 @@ class Bare:
 
     def __init__(self, cfg: Config, fed: Federation, seed: int) -> None:
         self.cfg, self.seed = cfg, seed
-        self.hyper = make_algorithm("fedfull", cfg)  # lr, betas, eps, weight decay
+        hyper = make_algorithm("fedfull", cfg)  # lr, betas, eps, weight decay
+        assert isinstance(hyper, FedFull)
+        self.hyper = hyper
         build: Callable[[], nn.Module] = model_factory(cfg, fed, seed)
         self.model = build()
         self.weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -116,6 +119,7 @@ class Bare:
     def batches(self, cid: int, rnd: int) -> Any:
         x, y = self.data[cid]
         n, bs, k = len(x), min(self.cfg.batch_size, len(x)), self.cfg.local_steps
+        assert k is not None  # measure() refuses local_epochs
         g = generator(self.seed, CLIENT, rnd, cid)
         drawn = 0
         while drawn < k:
@@ -163,13 +167,17 @@ def measure(name: str, rounds: int, repeats: int) -> dict[str, Any]:
     cfg = load_config(config, [*overrides, "algorithms=fedfull", "progress=false"])
     seed = cfg.seeds[0]
     h = make_algorithm("fedfull", cfg)
+    assert isinstance(h, FedFull)
     if (
-        h.train.schedule != "constant"
+        cfg.local_steps is None
+        or h.train.schedule != "constant"
         or h.train.grad_clip is not None
         or h.train.freeze
         or h.train.local_eval
     ):
-        raise SystemExit(f"{name}: the bare loop assumes a constant lr, no clipping, no freeze")
+        raise SystemExit(
+            f"{name}: the bare loop assumes local_steps, a constant lr, no clipping, no freeze"
+        )
     fed = build_federation(cfg, seed)
     with tempfile.TemporaryDirectory() as tmp, training_precision(cfg.precision):
         lib, bare = Library(cfg, fed, seed, Path(tmp)), Bare(cfg, fed, seed)

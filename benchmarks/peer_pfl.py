@@ -249,7 +249,7 @@ def main() -> None:
                     f"{task} repeat {rep + 1}: accuracies disagree: fedlore "
                     f"{fr['accuracy']:.4f}, pfl {pr['accuracy']:.4f} (tolerance {tol:.4f}){why}"
                 )
-        per = {
+        per: dict[str, dict[str, Any]] = {
             fw: {
                 "s_per_round": median([r["s_per_round"] for r in rs]),
                 "cpu_s_per_round": median([r["cpu_s_per_round"] for r in rs]),

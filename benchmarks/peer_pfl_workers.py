@@ -9,11 +9,14 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Only the standard library at module level: a worker chooses its own import order (see Threads).
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_CONFIG = ROOT / "experiments" / "quickstart.yaml"
@@ -93,9 +96,11 @@ class BatchLog:
         original = ClientData.batches
         seen = self.seen
 
-        def batches(self_: Any, batch_size: int, num_batches: int, rng: Any, rnd: int) -> Any:
-            entry = seen[(int(rnd), self_.client_id)] = [0, hashlib.sha256()]
-            for x, y in original(self_, batch_size, num_batches, rng, rnd):
+        def batches(
+            self: ClientData, batch_size: int, num_batches: int, rng: torch.Generator, rnd: int
+        ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            entry = seen[(int(rnd), self.client_id)] = [0, hashlib.sha256()]
+            for x, y in original(self, batch_size, num_batches, rng, rnd):
                 entry[1].update(x.detach().cpu().contiguous().numpy().tobytes())
                 entry[1].update(y.detach().cpu().contiguous().numpy().tobytes())
                 entry[0] += 1
@@ -189,7 +194,7 @@ def fedlore_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any
         finally:
             clock.exclude(time.perf_counter() - wall, time.process_time() - cpu)
 
-    parts_mod.evaluate = timed_evaluate  # type: ignore[assignment]
+    parts_mod.evaluate = timed_evaluate
     original_factory = experiment_mod.model_factory  # looked up there by build()
     init: list[str] = []  # the digest of the first model run_one builds: the server's W^0
 
@@ -204,7 +209,7 @@ def fedlore_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any
 
         return built
 
-    experiment_mod.model_factory = digesting_factory  # type: ignore[assignment]
+    experiment_mod.model_factory = digesting_factory
     final: dict[str, Any] = {}
 
     class Recorder:
@@ -259,18 +264,27 @@ def pfl_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     default_threads = torch.get_num_threads()
     wait_policy = os.environ.get("OMP_WAIT_POLICY")  # what pfl's OpenMP runtime read
 
+    from fedlore.algorithms.fedavg import FedFull
     from fedlore.data.federation import build_federation
     from fedlore.experiment_parts import make_algorithm, model_factory
     from fedlore.seeding import CLIENT, generator
 
     cfg = task_config(a.task, a.method, a.rounds, a.lr, a.workdir / "runs")
     algo = make_algorithm(a.method, cfg)  # fedlore's settings, the one source for both sides
+    assert isinstance(algo, FedFull)  # --method fedavg or fedfull
+    train = algo.train
     if (
         algo.train.schedule != "constant"
         or algo.train.weighting != "num_examples"
         or algo.train.freeze
     ):
         raise SystemExit(f"peer_pfl: unsupported fedlore settings for a pfl twin: {algo}")
+    if train.local_steps is None:
+        raise SystemExit(
+            "peer_pfl: the pfl twin replays K = local_steps minibatches per client and round; "
+            f"this config sets local_epochs={train.local_epochs} instead: give local_steps"
+        )
+    local_steps: int = train.local_steps  # narrowed for RoundBatches.iter below
     fed = build_federation(cfg, SEED).to(torch.device("cpu"))
     log = BatchLog()
     log.install()
@@ -308,11 +322,11 @@ def pfl_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
             super().__init__(raw_data=(self.client.train.x, self.client.train.y), user_id=cid)
 
         def iter(self, batch_size: int | None) -> Any:
-            if batch_size != algo.train.batch_size:  # pfl scoring the user (not done here)
+            if batch_size != train.batch_size:  # pfl scoring the user (not done here)
                 yield from super().iter(batch_size)
                 return
             rng = generator(SEED, CLIENT, self.rnd, self.client.client_id)
-            yield from self.client.batches(batch_size, algo.train.local_steps, rng, self.rnd)
+            yield from self.client.batches(train.batch_size, local_steps, rng, self.rnd)
 
     made = [0] * fed.num_clients  # datasets made per user: the round of the next one
 
@@ -336,6 +350,8 @@ def pfl_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         old one: the weighted mean ``Σ n_i Δ_i / Σ n_i`` as fedlore computes it
         (:func:`fedlore.tensors.weighted_mean`; pfl multiplies by the reciprocal)."""
 
+        weight: float
+
         def reweight(self, new_weight: float) -> None:
             for name in list(self.keys()):
                 self[name] = self[name] * float(new_weight) / float(self.weight)
@@ -358,6 +374,7 @@ def pfl_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
             return False, Metrics()
 
     net = Net(model_factory(cfg, fed, SEED)())
+    local: Callable[..., torch.optim.Optimizer]
     if algo.local_optimizer == "sgd":
         local = functools.partial(
             torch.optim.SGD, momentum=algo.momentum, weight_decay=algo.train.weight_decay
@@ -379,7 +396,7 @@ def pfl_worker(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         local_num_epochs=None,
         local_learning_rate=algo.train.lr,
         local_batch_size=algo.train.batch_size,
-        local_num_steps=algo.train.local_steps,
+        local_num_steps=local_steps,
         local_max_grad_norm=algo.train.grad_clip,
     )
     algorithm_params = NNAlgorithmParams(

@@ -55,10 +55,10 @@ FedLore with the seed's exact candidates, as in ``benchmarks/results/round_time.
 class Timer:
     """Accumulates the process's CPU seconds spent inside a wrapped function."""
 
-    def __init__(self, fn):  # type: ignore[no-untyped-def]
+    def __init__(self, fn):
         self.fn, self.seconds, self.calls = fn, 0.0, 0
 
-    def __call__(self, *a, **k):  # type: ignore[no-untyped-def]
+    def __call__(self, *a, **k):
         t = time.process_time()
         try:
             return self.fn(*a, **k)
@@ -115,7 +115,7 @@ def measure(
     1.. (round 0 is a warm-up) and the per-round rows."""
     svd = Timer(lowrank_mod.top_left_singular)  # every client-side basis (LowRankHyper.top_r)
     original = lowrank_mod.top_left_singular
-    lowrank_mod.top_left_singular = svd  # type: ignore[assignment]
+    lowrank_mod.top_left_singular = svd
     try:
         setups = {m: Setup(m, overrides, rounds, config) for m in methods}
         for s in setups.values():  # setup exchanges (FedLore's P^0), not timed
@@ -126,7 +126,7 @@ def measure(
             for m in methods[k:] + methods[:k]:
                 setups[m].rows.append(setups[m].run_round(rnd, svd))
     finally:
-        lowrank_mod.top_left_singular = original  # type: ignore[assignment]
+        lowrank_mod.top_left_singular = original
     res: dict[str, Any] = {}
     for m, s in setups.items():
         rows = s.rows[1:] if len(s.rows) > 1 else s.rows  # drop the warm-up round

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from fedlore.privacy import DPSettings, Privacy, client_contribution, parties, privatize
+from fedlore.privacy.client import ReplySpec
 from fedlore.types import Broadcast, Reply
 
 MODES = {
@@ -70,7 +71,7 @@ def one_round(mode: str, m: int, length: int, replies: list[Reply]) -> dict[str,
     secure, degree = MODES[mode]
     dp = DPSettings(clip_norm=1.0, noise_multiplier=1.0, delta=1e-5)
     privacy = Privacy(secure, dp, True, 10 * m, m, 0, 7, mask_degree=degree)
-    spec = {"update.w": ((length,), torch.float32)}
+    spec: ReplySpec = {"update.w": ((length,), torch.float32)}
     t0 = time.perf_counter()
     msgs = privacy.configure(0, {c: Broadcast({}, {"round": 0}) for c in range(m)})
     if not secure:

@@ -90,12 +90,13 @@ def capture(config: Path | None, overrides: list[str], rounds: int) -> list[dict
     got: list[dict[str, Any]] = []
     original = lowrank_mod.top_left_singular
 
-    def recorder(mat, rank, *args, warm=None, **kwargs):  # type: ignore[no-untyped-def]
+    def recorder(mat: torch.Tensor, rank: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        warm = kwargs.get("warm")  # FedLore passes it by keyword
         if warm is not None:  # a client's candidate in a training round (not the setup)
             got.append({"G": mat.detach().clone(), "P": warm.detach().clone(), "rank": rank})
-        return original(mat, rank, *args, warm=warm, **kwargs)
+        return original(mat, rank, *args, **kwargs)
 
-    lowrank_mod.top_left_singular = recorder  # type: ignore[assignment]
+    lowrank_mod.top_left_singular = recorder
     try:
         transport = LocalTransport(algo, fed.client, build, 0, ClientStore())
         loop = RoundLoop(
@@ -105,11 +106,11 @@ def capture(config: Path | None, overrides: list[str], rounds: int) -> list[dict
         for rnd in range(-setup_rounds(algo), rounds):
             state, _ = loop.run_round(state, rnd, rounds - 1)
     finally:
-        lowrank_mod.top_left_singular = original  # type: ignore[assignment]
+        lowrank_mod.top_left_singular = original
     return got
 
 
-def route(mat: torch.Tensor, rank: int, warm: torch.Tensor | None, r: tuple) -> torch.Tensor:  # type: ignore[type-arg]
+def route(mat: torch.Tensor, rank: int, warm: torch.Tensor | None, r: tuple) -> torch.Tensor:
     _, method, over, it, cdt = r
     return top_left_singular(
         mat,
@@ -218,7 +219,7 @@ def main() -> None:
         out["synthetic"],
     )
     if not a.skip_real:
-        runs = [("cnn_fashion_mnist", None, CNN)]
+        runs: list[tuple[str, Path | None, list[str]]] = [("cnn_fashion_mnist", None, CNN)]
         if not a.skip_llama:
             runs.append(("llama_pretrain_table3", Path("experiments/pretrain_table3.yaml"), []))
         for name, config, overrides in runs:

@@ -240,7 +240,8 @@ def table6(root: Path, data: str) -> list[str]:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r, tag, _ in table6_rows(root, data):
-        name = TABLE6_NAMES.get(r["method"], r["method"]) + tag
+        method: str = r["method"]
+        name = TABLE6_NAMES.get(method, method) + tag
         lines.append(
             f"| {name} | {ms(r['final_loss'], 1, 3)} | {ms(r['final_accuracy'])} "
             f"| {ms(r['final_ece'], 1, 3)} | {ms(r['final_client_accuracy'])} "

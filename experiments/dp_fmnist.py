@@ -127,7 +127,9 @@ def main() -> None:
     ref_seeds = [int(s) for s in args.reference_seeds.split(",") if s]
     first = seeds[0]
 
-    def run_all(jobs: list[tuple[str, int, str, float | None]]) -> None:
+    Job = tuple[str, int, str, float | None]  # method, seed, epsilon, clip (None: no DP)
+
+    def run_all(jobs: list[Job]) -> None:
         if args.table_only or not jobs:
             return
         with ThreadPoolExecutor(args.jobs) as pool:
@@ -135,14 +137,16 @@ def main() -> None:
             for f in futures:
                 f.result()
 
-    grid = [(m, first, e, c) for e in epsilons for m in methods for c in clips]
+    grid: list[Job] = [(m, first, e, c) for e in epsilons for m in methods for c in clips]
     run_all(grid)
     chosen: dict[tuple[str, str], float] = {}
     for m in methods:
         for e in epsilons:
             scores = {c: score(summary(root, cfg.name, m, first, e, c)) for c in clips}
             chosen[(m, e)] = max(clips, key=lambda c: (scores[c], -c))
-    rest = [(m, s, e, chosen[(m, e)]) for e in epsilons for m in methods for s in seeds[1:]]
+    rest: list[Job] = [
+        (m, s, e, chosen[(m, e)]) for e in epsilons for m in methods for s in seeds[1:]
+    ]
     rest += [(m, s, REFERENCE, None) for m in methods for s in ref_seeds]
     run_all(rest)
     write_table(args, cfg.name, root, methods, epsilons, clips, seeds, ref_seeds, chosen)

@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         losses = [float("nan") if r["final_loss"] is None else r["final_loss"] for r in runs]
         mean, std = mean_std(vals)  # over the seeds that did not diverge
         loss_mean, loss_std = mean_std(losses)
-        comm = per_round(args.runs, name, lr, method, first)
+        comm: dict[str, Any] = dict(per_round(args.runs, name, lr, method, first))
         # seconds per round: the median over the seeds (runs of one grid may have finished in
         # different sittings, on another machine or beside other work; bytes do not vary)
         walls = {s: per_round(args.runs, name, lr, method, s)["wall_s_per_round"] for s in seeds}

@@ -20,6 +20,7 @@ import statistics
 
 import torch
 
+from fedlore.algorithms.bayes import MetaBayFL
 from fedlore.algorithms.bayes_search import elbo_kl_term
 from fedlore.algorithms.meta_lr import meta_split
 from fedlore.bayes import is_bayesian, sampling
@@ -37,6 +38,8 @@ def main() -> None:
     args = parser.parse_args()
     run = load_trained(args.run)
     algo = make_algorithm(run.method, run.cfg)
+    if not isinstance(algo, MetaBayFL):
+        raise SystemExit(f"search_noise: {args.run} is a {run.method} run, not a Meta-BayFL one")
     for cid in range(run.fed.num_clients):
         data = run.fed.client(cid)
         model = algo.prepare_model(copy.deepcopy(run.model))

@@ -319,14 +319,14 @@ def transport() -> tuple[str, str, dict[str, Any]]:
         for dtype in ("fp32", "fp16", "bf16"):
             per = [runs[f"{method}/{dtype}/{s}"] for s in acc["seeds"]]
             delta = med[f"{method}/{dtype}"] - med[f"{method}/fp32"]
-            total = mb(per[0]["bytes_up_total"] + per[0]["bytes_down_total"])
+            total_mb = mb(per[0]["bytes_up_total"] + per[0]["bytes_down_total"])
             rows.append(
                 [
                     name,
                     dtype,
                     ", ".join(f"{r['final_accuracy']:.4f}" for r in per),
                     "–" if dtype == "fp32" else f"{delta:+.4f}",
-                    f"{total:.1f}",
+                    f"{total_mb:.1f}",
                 ]
             )
     seeds = ", ".join(str(s) for s in acc["seeds"])

@@ -302,9 +302,9 @@ def ldp() -> dict[str, str]:
             "seeds": len(runs),
         }
         if mode != "none":
-            eps = [r["dp_epsilon"] for r in runs]
-            assert max(eps) == min(eps), f"{mode}: ε differs between seeds: {eps}"
-            entry["epsilon"] = eps[0]
+            epsilons = [r["dp_epsilon"] for r in runs]
+            assert max(epsilons) == min(epsilons), f"{mode}: ε differs between seeds: {epsilons}"
+            entry["epsilon"] = epsilons[0]
         modes[mode] = entry
     dp_run = next(r for r in rows if r["mode"] == "local")
     m = dp_run["clients_per_round"]
@@ -354,9 +354,9 @@ def ldp_personal() -> dict[str, str]:
                                      "g_central": glob, "g_central_std": glob_std,
                                      "seeds": len(runs)}  # fmt: skip
             if mode != "none":
-                eps = {r["dp_epsilon"] for r in runs}
-                assert len(eps) == 1, f"{method} {mode}: ε differs between seeds: {eps}"
-                entry["epsilon"] = eps.pop()
+                epsilons = {r["dp_epsilon"] for r in runs}
+                assert len(epsilons) == 1, f"{method} {mode}: ε differs between seeds: {epsilons}"
+                entry["epsilon"] = epsilons.pop()
             modes[mode] = entry
         modes["none_minus_central"] = modes["none"]["p_local"] - modes["central"]["p_local"]
         modes["central_minus_local"] = modes["central"]["p_local"] - modes["local"]["p_local"]

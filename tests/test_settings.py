@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from fedlore import registry
+from fedlore.algorithms.fedavg import FedFull
 from fedlore.config import Config, load_config
 from fedlore.experiment_parts import make_algorithm
 from fedlore.settings import (
@@ -79,7 +80,7 @@ def test_yaml_text_1e_3_is_a_float() -> None:
     assert algo.train.lr == 1e-3 and isinstance(algo.train.lr, float)
     assert algo.momentum == 0.5
     via_config = make_algorithm("fedfull", load_config(None, ["method.fedfull.lr=1e-3"]))
-    assert via_config.train.lr == 1e-3
+    assert isinstance(via_config, FedFull) and via_config.train.lr == 1e-3
 
 
 def test_an_unknown_key_names_the_known_hyperparameters() -> None:
@@ -95,11 +96,13 @@ def test_an_unknown_key_names_the_known_hyperparameters() -> None:
 def test_overrides_of_shared_settings_go_into_train() -> None:
     cfg = load_config(None, ["lr=0.01", "method.fedfull.lr=0.5", "method.fedfull.grad_clip=2"])
     full = make_algorithm("fedfull", cfg)
+    assert isinstance(full, FedFull)
     assert full.train.lr == 0.5 and full.train.grad_clip == 2.0
-    assert make_algorithm("fedavg", cfg).train.lr == 0.01  # other methods keep the config's
+    avg = make_algorithm("fedavg", cfg)
+    assert isinstance(avg, FedFull) and avg.train.lr == 0.01  # other methods keep the config's
     assert isinstance(full.train, LocalTraining)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        full.train = LocalTraining()  # type: ignore[misc]
+        full.train = LocalTraining()  # type: ignore[misc]  # the frozen field is the point
 
 
 def test_freeze_and_exclude_stay_refused_per_method() -> None:

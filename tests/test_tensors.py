@@ -147,7 +147,9 @@ def test_weighted_mean_and_to_device_keep_the_tensors_device() -> None:
     out = weighted_mean(items, [1.0, 2.0])
     assert out["w"].device.type == "meta" and out["w"].dtype == torch.float32
     assert out["n"].device.type == "meta"
-    moved = to_device({"t": torch.ones(2), "i": torch.ones(1, dtype=torch.long)}, "meta")
+    moved = to_device(
+        {"t": torch.ones(2), "i": torch.ones(1, dtype=torch.long)}, torch.device("meta")
+    )
     assert {v.device.type for v in moved.values()} == {"meta"}
 
 
@@ -201,15 +203,16 @@ def test_model_arrays_round_trip_and_strict_loading() -> None:
     """``model_arrays`` copies parameters and buffers (not views of the model);
     ``load_model_arrays`` writes them back in place, refuses missing or unexpected keys under
     ``strict`` (naming the first five of each, sorted) and loads the known ones otherwise."""
-    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    first = nn.Linear(2, 2)
+    model = nn.Sequential(first, nn.BatchNorm1d(2))
     arrays = model_arrays(model)
     assert set(arrays) == set(model.state_dict())
     with torch.no_grad():
-        model[0].weight.add_(1.0)
-    assert not torch.equal(arrays["0.weight"], model[0].weight)  # a copy, not a view
-    weight = model[0].weight
+        first.weight.add_(1.0)
+    assert not torch.equal(arrays["0.weight"], first.weight)  # a copy, not a view
+    weight = first.weight
     load_model_arrays(model, arrays)
-    assert model[0].weight is weight and torch.equal(weight, arrays["0.weight"])
+    assert first.weight is weight and torch.equal(weight, arrays["0.weight"])
     missing = {k: v for k, v in arrays.items() if k != "0.bias"}
     with pytest.raises(KeyError, match=r"missing=\['0.bias'\] unexpected=\[\]"):
         load_model_arrays(model, missing)
@@ -225,7 +228,7 @@ def test_model_arrays_round_trip_and_strict_loading() -> None:
         load_model_arrays(many, {k: torch.zeros(1) for k in "abcdef"})
     new = {"0.bias": torch.tensor([5.0, 6.0]), "2.weight": torch.zeros(1)}
     load_model_arrays(model, new, strict=False)
-    assert torch.equal(model[0].bias, torch.tensor([5.0, 6.0]))
+    assert torch.equal(first.bias, torch.tensor([5.0, 6.0]))
 
 
 def test_only_running_variances_are_clamped_at_zero_and_the_rest_keeps_its_bits() -> None:

@@ -33,7 +33,7 @@ def test_auto_takes_the_free_cpus() -> None:
     assert auto_threads(cpus=4, busy=-1.0) == 4  # never more than the CPUs
 
 
-def counters(*samples: CpuSample | None):  # type: ignore[no-untyped-def]
+def counters(*samples: CpuSample | None):
     """A counter source that returns ``samples`` in turn."""
     it = iter(samples)
     return lambda: next(it)

@@ -26,7 +26,7 @@ def regression(cid: int, n: int = 32, d: int = 3) -> ClientData:
     return ClientData(cid, TensorSplit(x, y), TensorSplit(x[:0], y[:0]))
 
 
-def linear_model() -> nn.Module:
+def linear_model() -> nn.Linear:
     """The same float64 linear model (no bias) every call."""
     torch.manual_seed(0)
     return nn.Linear(3, 1, bias=False).double()
@@ -35,7 +35,7 @@ def linear_model() -> nn.Module:
 def make_algo(cls: type[FedAvg], **extra: object) -> FedAvg:
     """``cls`` with lr 0.05, 20 local steps, full batches of 32 and uniform weights."""
     common = {"lr": 0.05, "local_steps": 20, "batch_size": 32, "weighting": "uniform"}
-    return cls.of(**{**common, **extra})  # type: ignore[arg-type]
+    return cls.of(**{**common, **extra})
 
 
 def train(algo: FedAvg, rounds: int, sizes: tuple[int, int] = (32, 32)) -> torch.Tensor:

@@ -6,9 +6,11 @@ mixed model, ``local_epochs`` and the refusals."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TypedDict
 
 import pytest
 import torch
+from least_squares import frozen_bias_rounds
 from torch import nn
 
 from fedlore.algorithms.apfl import ALPHA, APFL
@@ -16,7 +18,7 @@ from fedlore.algorithms.base import local_scores
 from fedlore.algorithms.fedavg import FedAvg
 from fedlore.algorithms.personal import personal_arrays
 from fedlore.config import ConfigError, load_config
-from fedlore.data.client_data import ClientData, TensorSplit
+from fedlore.data.client_data import ClientData, TensorSplit, minibatches, stream_batches
 from fedlore.experiment_parts import make_algorithm
 from fedlore.seeding import generator
 from fedlore.tensors import select, state_bytes
@@ -25,7 +27,7 @@ from fedlore.types import Reply, State
 D_IN, CLASSES = 3, 2
 
 
-def _model() -> nn.Module:
+def _model() -> nn.Linear:
     torch.manual_seed(0)
     return nn.Linear(D_IN, CLASSES).double()
 
@@ -65,9 +67,17 @@ def _one_step(algo: APFL, state: State | None, data: ClientData) -> tuple[Reply,
     return algo.client_update(msg, state, _model(), data, generator(0, 3))
 
 
+class _Step(TypedDict):
+    """One step by hand: w's and v's (weight, bias) after it, α's step before the clipping."""
+
+    w: tuple[torch.Tensor, torch.Tensor]
+    v: tuple[torch.Tensor, torch.Tensor]
+    alpha_raw: float
+
+
 def _by_hand(
     v_w: torch.Tensor, v_b: torch.Tensor, a: float, lr: float, a_lr: float, data: ClientData
-) -> dict[str, object]:
+) -> _Step:
     """Algorithm 1's three updates of one step, from the step's values (whole-split batch)."""
     m = _model()
     w, b = m.weight.detach(), m.bias.detach()
@@ -100,14 +110,14 @@ def test_one_local_step_of_w_v_and_alpha_by_hand(alpha_lr: float | None) -> None
     reply, new = _one_step(algo, _state(v_w, v_b, a), data)
     want = _by_hand(v_w, v_b, a, lr, lr if alpha_lr is None else alpha_lr, data)
     m = _model()
-    (w1, b1), (v1_w, v1_b) = want["w"], want["v"]  # type: ignore[misc]
+    (w1, b1), (v1_w, v1_b) = want["w"], want["v"]
     up = select(reply.arrays, "update.")
     torch.testing.assert_close(up["weight"], w1 - m.weight.detach(), rtol=0, atol=1e-12)
     torch.testing.assert_close(up["bias"], b1 - m.bias.detach(), rtol=0, atol=1e-12)
     v = personal_arrays(new)
     torch.testing.assert_close(v["weight"], v1_w, rtol=0, atol=1e-12)
     torch.testing.assert_close(v["bias"], v1_b, rtol=0, atol=1e-12)
-    raw = float(want["alpha_raw"])  # type: ignore[arg-type]
+    raw = want["alpha_raw"]
     assert 0 < raw < 1 and abs(raw - a) > 1e-4  # the step moved α, inside [0, 1]
     assert float(new.arrays[ALPHA]) == pytest.approx(raw, abs=1e-12)
     assert reply.metrics["alpha"] == pytest.approx(raw, abs=1e-12)
@@ -124,7 +134,7 @@ def test_alpha_is_clipped_to_the_unit_interval(sign: float) -> None:
     data = _data()
     gw, gb = _grad(m.weight.detach(), m.bias.detach(), data.train)
     v_w, v_b = m.weight.detach() + sign * 0.5 * gw, m.bias.detach() + sign * 0.5 * gb
-    raw = float(_by_hand(v_w, v_b, a, lr, a_lr, data)["alpha_raw"])  # type: ignore[arg-type]
+    raw = _by_hand(v_w, v_b, a, lr, a_lr, data)["alpha_raw"]
     assert raw < 0 if sign > 0 else raw > 1  # the premise: the unclipped step leaves [0, 1]
     algo = APFL.of(lr=lr, local_steps=1, batch_size=4, rounds=2, alpha_lr=a_lr)
     _, new = _one_step(algo, _state(v_w, v_b, a), data)
@@ -139,7 +149,7 @@ def test_alpha_stays_fixed_without_adaptive_alpha_and_v_steps_with_it() -> None:
     reply, new = _one_step(algo, _state(v_w, v_b, a), data)
     assert float(new.arrays[ALPHA]) == a and reply.metrics["alpha"] == a
     want = _by_hand(v_w, v_b, a, lr, lr, data)
-    torch.testing.assert_close(personal_arrays(new)["weight"], want["v"][0], rtol=0, atol=1e-12)  # type: ignore[index]
+    torch.testing.assert_close(personal_arrays(new)["weight"], want["v"][0], rtol=0, atol=1e-12)
     # several steps, first contact: α is the configured one throughout
     algo = APFL.of(lr=lr, local_steps=5, batch_size=2, rounds=2, adaptive_alpha=False, alpha=0.25)
     _, new = _one_step(algo, None, data)
@@ -152,16 +162,16 @@ def test_first_contact_starts_v_at_the_received_model_and_alpha_at_alpha() -> No
     m = _model()
     got = _one_step(algo, None, data)
     want = _one_step(algo, _state(m.weight.detach(), m.bias.detach(), 0.25), data)
-    for a, b in zip(got, want, strict=True):
-        assert a.arrays.keys() == b.arrays.keys()
-        assert all(torch.equal(a.arrays[k], b.arrays[k]) for k in a.arrays)
+    for a, b in ((got[0].arrays, want[0].arrays), (got[1].arrays, want[1].arrays)):  # reply, state
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _pair(alpha: float, adaptive: bool, **kw: object) -> tuple[APFL, FedAvg]:
+def _pair(alpha: float, adaptive: bool, **kw: float) -> tuple[APFL, FedAvg]:
     common = {"lr": 0.2, "local_steps": 3, "batch_size": 2, "rounds": 1, "local_eval": True}
     common.update(kw)
-    apfl = APFL.of(alpha=alpha, adaptive_alpha=adaptive, **common)  # type: ignore[arg-type]
-    return apfl, FedAvg.of(**common)  # type: ignore[arg-type]
+    apfl = APFL.of(alpha=alpha, adaptive_alpha=adaptive, **common)
+    return apfl, FedAvg.of(**common)
 
 
 def test_alpha_zero_makes_the_personalized_model_the_global_copy() -> None:
@@ -221,12 +231,12 @@ def test_local_epochs_equal_the_same_number_of_local_steps() -> None:
     by_steps = APFL.of(lr=0.2, local_steps=6, batch_size=2, rounds=2)
     assert by_epochs.local_steps(5) == 6
     v_w, v_b = _v0()
-    for a, b in zip(
+    (r_e, s_e), (r_s, s_s) = (
         _one_step(by_epochs, _state(v_w, v_b, 0.5), data),
         _one_step(by_steps, _state(v_w, v_b, 0.5), data),
-        strict=True,
-    ):
-        assert all(torch.equal(a.arrays[k], b.arrays[k]) for k in a.arrays)
+    )
+    for a, b in ((r_e.arrays, r_s.arrays), (s_e.arrays, s_s.arrays)):  # replies, states
+        assert all(torch.equal(a[k], b[k]) for k in a)
     fewer = APFL.of(lr=0.2, local_steps=5, batch_size=2, rounds=2)
     _, s5 = _one_step(fewer, _state(v_w, v_b, 0.5), data)
     _, s6 = _one_step(by_steps, _state(v_w, v_b, 0.5), data)
@@ -244,7 +254,7 @@ def test_local_epochs_equal_the_same_number_of_local_steps() -> None:
 )
 def test_bad_settings_are_refused(kw: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        APFL.of(**kw)  # type: ignore[arg-type]
+        APFL.of(**kw)
 
 
 def test_config_refusals_name_the_setting() -> None:
@@ -311,3 +321,126 @@ def test_v_keeps_its_own_buffers() -> None:
     torch.testing.assert_close(got_w, want_w, rtol=0, atol=1e-12)
     torch.testing.assert_close(new.arrays["personal.1.running_mean"], want_v, rtol=0, atol=1e-12)
     assert int(new.arrays["personal.1.num_batches_tracked"]) == 1
+
+
+def test_frozen_tensors_are_sent_once_and_never_move() -> None:
+    """``freeze``: the frozen bias is broadcast in the first round only; the client fills it in
+    from its cache in the next rounds (the state it kept), and neither w's nor v's copy of it
+    moves, while v's weight trains."""
+    algo = APFL.of(lr=0.1, local_steps=2, batch_size=8, rounds=3, freeze=("bias",))
+    state, sent, kept = frozen_bias_rounds(algo, rounds=3)
+    assert "model.bias" in sent[0].arrays
+    assert all("model.bias" not in msg.arrays for msg in sent[1:])
+    bias = sent[0].arrays["model.bias"]
+    assert torch.equal(state.arrays["model.bias"], bias)
+    assert torch.equal(kept.arrays["cache.bias"], bias)
+    assert torch.equal(personal_arrays(kept)["bias"], bias)
+    assert not torch.equal(personal_arrays(kept)["weight"], sent[0].arrays["model.weight"])
+
+
+def test_a_streamed_client_steps_w_v_and_alpha_on_its_rounds_minibatch() -> None:
+    """A client that reads one stream over the run (``stream_seed``): in round 2 the one local
+    step of w, v and α uses batch 2 of the stream (``t·K`` with K = 1), the same for all three,
+    by hand."""
+    lr, a = 0.3, 0.4
+    algo = APFL.of(lr=lr, local_steps=1, batch_size=2, rounds=4)
+    data = dataclasses.replace(_data(n=6), stream_seed=7)
+    v_w, v_b = _v0()
+    msg = algo.broadcast(algo.init_server(_model(), generator(0, 2)), 2, 0)
+    reply, new = algo.client_update(msg, _state(v_w, v_b, a), _model(), data, generator(0, 3))
+    ((x, y),) = list(stream_batches(data.train, 2, 1, 7, start=2))
+    first = next(iter(stream_batches(data.train, 2, 1, 7, start=0)))
+    assert not torch.equal(x, first[0])  # the premise: round 2's batch is not round 0's
+    batch = TensorSplit(x, y)
+    want = _by_hand(v_w, v_b, a, lr, lr, ClientData(0, batch, batch))
+    (w1, b1), (v1_w, v1_b) = want["w"], want["v"]
+    m = _model()
+    up = select(reply.arrays, "update.")
+    torch.testing.assert_close(up["weight"], w1 - m.weight.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(up["bias"], b1 - m.bias.detach(), rtol=0, atol=1e-12)
+    v = personal_arrays(new)
+    torch.testing.assert_close(v["weight"], v1_w, rtol=0, atol=1e-12)
+    torch.testing.assert_close(v["bias"], v1_b, rtol=0, atol=1e-12)
+    assert float(new.arrays[ALPHA]) == pytest.approx(float(want["alpha_raw"]), abs=1e-12)
+
+
+def _mixed_loss(v_w: torch.Tensor, v_b: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+                a: float, split: TensorSplit) -> float:  # fmt: skip
+    """The mean cross-entropy of the mixed model ``a v + (1 - a) w`` on ``split``."""
+    z = split.x @ (a * v_w + (1 - a) * w).T + (a * v_b + (1 - a) * b)
+    return float(torch.nn.functional.cross_entropy(z, split.y))
+
+
+def test_personal_loss_is_the_mean_loss_at_the_mixed_model_over_the_steps() -> None:
+    """Two whole-split steps: ``personal_loss`` is the mean of the losses at v̄ before each
+    step, the second at the w, v and α the first step left, by hand."""
+    lr, a = 0.3, 0.4
+    algo = APFL.of(lr=lr, local_steps=2, batch_size=4, rounds=2)
+    data = _data()
+    v_w, v_b = _v0()
+    reply, _ = _one_step(algo, _state(v_w, v_b, a), data)
+    m = _model()
+    w, b = m.weight.detach(), m.bias.detach()
+    first = _mixed_loss(v_w, v_b, w, b, a, data.train)
+    step = _by_hand(v_w, v_b, a, lr, lr, data)
+    (w1, b1), (v1_w, v1_b) = step["w"], step["v"]
+    second = _mixed_loss(v1_w, v1_b, w1, b1, float(step["alpha_raw"]), data.train)
+    assert first != pytest.approx(second, rel=1e-3)
+    assert reply.metrics["personal_loss"] == pytest.approx((first + second) / 2, rel=1e-12)
+
+
+def test_a_round_whose_every_step_is_skipped_reports_no_personal_loss() -> None:
+    """Non-finite inputs: every step of w is skipped (and with it those of v and α):
+    ``personal_loss`` is NaN, v and α stay where they were."""
+    algo = APFL.of(lr=0.3, local_steps=2, batch_size=4, rounds=2)
+    data = _data()
+    bad = ClientData(0, TensorSplit(data.train.x * float("nan"), data.train.y), data.test)
+    v_w, v_b = _v0()
+    reply, new = _one_step(algo, _state(v_w, v_b, 0.4), bad)
+    assert reply.metrics["skipped_steps"] == 2
+    assert reply.metrics["personal_loss"] != reply.metrics["personal_loss"]  # NaN
+    assert torch.equal(personal_arrays(new)["weight"], v_w)
+    assert float(new.arrays[ALPHA]) == 0.4
+
+
+def test_a_local_model_whose_loss_is_not_finite_is_not_stepped_and_counts_as_skipped() -> None:
+    """v_i of NaN: every gradient at v̄ is NaN, so v and α stay (NaN and the state's α) and each
+    step counts in ``skipped_steps``, while w trains as FedAvg's (its steps are not skipped)."""
+    algo = APFL.of(lr=0.3, local_steps=3, batch_size=2, rounds=2)
+    fedavg = FedAvg.of(lr=0.3, local_steps=3, batch_size=2, rounds=2)
+    data = _data()
+    v_w, v_b = _v0()
+    reply, new = _one_step(algo, _state(v_w * float("nan"), v_b, 0.4), data)
+    msg = fedavg.broadcast(fedavg.init_server(_model(), generator(0, 2)), 0, 0)
+    plain, _ = fedavg.client_update(msg, None, _model(), data, generator(0, 3))
+    assert plain.metrics["skipped_steps"] == 0
+    assert reply.metrics["skipped_steps"] == 3
+    assert all(torch.equal(reply.arrays[k], plain.arrays[k]) for k in plain.arrays)
+    assert float(new.arrays[ALPHA]) == 0.4
+    assert torch.equal(personal_arrays(new)["bias"], v_b)
+
+
+def test_two_steps_on_two_minibatches_by_hand() -> None:
+    """Two local steps on minibatches of 2 of 4 examples: step k of w, v and α uses minibatch k
+    of the round's stream (the one w trains on), from the values step k - 1 left, by hand."""
+    lr, a = 0.3, 0.4
+    algo = APFL.of(lr=lr, local_steps=2, batch_size=2, rounds=2)
+    data = _data()
+    v_w, v_b = _v0()
+    reply, new = _one_step(algo, _state(v_w, v_b, a), data)
+    m = _model()
+    w, b = m.weight.detach(), m.bias.detach()
+    batches = [TensorSplit(x, y) for x, y in minibatches(data.train, 2, 2, generator(0, 3))]
+    assert not torch.equal(batches[0].x, batches[1].x)
+    for split in batches:
+        gw, gb = _grad(w, b, split)
+        hw, hb = _grad(a * v_w + (1 - a) * w, a * v_b + (1 - a) * b, split)
+        grad_a = float(((v_w - w) * hw).sum() + ((v_b - b) * hb).sum())
+        w, b, v_w, v_b = w - lr * gw, b - lr * gb, v_w - lr * a * hw, v_b - lr * a * hb
+        a = min(max(a - lr * grad_a, 0.0), 1.0)
+    up = select(reply.arrays, "update.")
+    torch.testing.assert_close(up["weight"], w - m.weight.detach(), rtol=0, atol=1e-12)
+    v = personal_arrays(new)
+    torch.testing.assert_close(v["weight"], v_w, rtol=0, atol=1e-12)
+    torch.testing.assert_close(v["bias"], v_b, rtol=0, atol=1e-12)
+    assert float(new.arrays[ALPHA]) == pytest.approx(a, abs=1e-12)

@@ -7,6 +7,7 @@ import copy
 import json
 import math
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -14,7 +15,14 @@ from torch import nn
 
 from fedlore.algorithms.bayes import MetaBayFL, elbo_kl_term
 from fedlore.algorithms.fedavg import FedProx
-from fedlore.algorithms.meta_lr import meta_loss, meta_nll, meta_split, pick_lowest
+from fedlore.algorithms.meta_lr import (
+    MetaScore,
+    MetaSplit,
+    meta_loss,
+    meta_nll,
+    meta_split,
+    pick_lowest,
+)
 from fedlore.bayes import bayesianize, combine_gaussians, is_bayesian, kl_divergence, sampling
 from fedlore.config import load_config
 from fedlore.data.client_data import ClientData, TensorSplit, minibatches
@@ -30,15 +38,18 @@ def _regression_case() -> tuple[nn.Module, TensorSplit, TensorSplit]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(200, 4, generator=g)
     y = (x[:, 0] > 0).long()
-    model = nn.Sequential(nn.Linear(4, 2))
+    lin = nn.Linear(4, 2)
     with torch.no_grad():
-        model[0].weight.zero_()
-        model[0].bias.zero_()
+        lin.weight.zero_()
+        lin.bias.zero_()
+    model = nn.Sequential(lin)
     return model, TensorSplit(x[:160], y[:160]), TensorSplit(x[160:], y[160:])
 
 
 @pytest.mark.parametrize("trials", ["sequential", "batched"])
-def test_learning_rate_selection_picks_the_best_candidate(trials: str) -> None:
+def test_learning_rate_selection_picks_the_best_candidate(
+    trials: Literal["sequential", "batched"],
+) -> None:
     model, fit, meta = _regression_case()
     # 1e-6 barely moves; 1e4 overshoots into a terrible (or non-finite) loss; 0.5 learns
     algo = MetaBayFL(
@@ -113,7 +124,7 @@ def test_meta_split_is_a_fixed_twenty_percent_subset_of_d() -> None:
 
 
 def _trained_bnn(
-    score: str,
+    score: MetaScore,
 ) -> tuple[MetaBayFL, nn.Module, torch.optim.Optimizer, TensorSplit, TensorSplit, list]:
     """A small BNN classifier on 20 training examples whose means were fitted first (so a large
     step hurts the fit), with the ELBO's KL/N_k large (N_k = 20): the ELBO score favours the
@@ -183,7 +194,7 @@ def _recording_case() -> tuple[nn.Module, ClientData, list[torch.Tensor]]:
 
 
 @pytest.mark.parametrize("mode", ["subset", "heldout"])
-def test_the_client_trains_on_all_of_d_unless_d_is_held_out(mode: str) -> None:
+def test_the_client_trains_on_all_of_d_unless_d_is_held_out(mode: MetaSplit) -> None:
     model, data, seen = _recording_case()
     algo = MetaBayFL(
         train=LocalTraining(local_steps=30, batch_size=8),
@@ -255,6 +266,7 @@ def test_fedprox_term_pulls_towards_the_global_model() -> None:
     assert math.isclose(
         float(loss), 0.5 * 0.5 * 4.0 * 2, rel_tol=1e-6
     )  # (mu/2) ||dW||^2, 2 entries
+    assert model.weight.grad is not None
     assert torch.allclose(model.weight.grad, torch.full((1, 2), 0.5 * 2.0))  # mu (w - w^t)
     with pytest.raises(ValueError, match="mu = 0 is FedAvg"):
         FedProx(mu=0.0)
@@ -273,7 +285,7 @@ def test_bad_hyperparameters_are_refused() -> None:
         {"dropout": 1.0},
     ):
         with pytest.raises(ValueError, match="invalid"):
-            MetaBayFL.of(**bad)  # type: ignore[arg-type]
+            MetaBayFL.of(**bad)
 
 
 def test_run_records_chosen_lrs_and_local_and_global_metrics(tmp_path: Path) -> None:
@@ -365,7 +377,11 @@ def _trial_model() -> nn.Module:
 @pytest.mark.parametrize("score", ["nll", "elbo"])
 @pytest.mark.parametrize("posterior", ["none", "bnn", "mcdropout"])
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_batched_trials_equal_sequential_trials(posterior: str, optimizer: str, score: str) -> None:
+def test_batched_trials_equal_sequential_trials(
+    posterior: Literal["none", "bnn", "mcdropout"],
+    optimizer: Literal["adamw", "sgd"],
+    score: MetaScore,
+) -> None:
     fit, meta = _trial_splits()
     out = {}
     for trials in ("sequential", "batched"):
@@ -412,7 +428,7 @@ def test_batched_trials_count_the_kl_of_frozen_layers() -> None:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
         algo = MetaBayFL(
-            trials=trials,  # type: ignore[arg-type]
+            trials=trials,
             candidate_lrs=(0.1, 0.01, 0.001),
             temp_steps=3,
             meta_score="elbo",  # the KL of the frozen rho only enters the ELBO score
@@ -434,17 +450,18 @@ def test_combine_gaussians_keeps_tiny_sigmas() -> None:
     mu = [torch.zeros(3), torch.zeros(3)]
     rho = [torch.full((3,), -200.0), torch.full((3,), -200.0)]
     for rule in ("mean", "sigma", "moment", "precision"):
-        m, r = combine_gaussians(mu, rho, [1.0, 2.0], rule)  # type: ignore[arg-type]
+        m, r = combine_gaussians(mu, rho, [1.0, 2.0], rule)
         assert torch.allclose(m, mu[0]) and torch.allclose(r, rho[0], rtol=1e-5), (rule, r)
 
 
 def test_a_client_with_one_example_searches_on_it_unless_d_is_held_out() -> None:
     model, fit, _ = _regression_case()
     one = ClientData(0, fit.subset(torch.tensor([0])), fit.subset(torch.tensor([1])))
-    for mode, searches in (("heldout", False), ("subset", True)):
+    cases: tuple[tuple[MetaSplit, bool], ...] = (("heldout", False), ("subset", True))
+    for mode, searches in cases:
         algo = MetaBayFL(
             train=LocalTraining(local_steps=2, batch_size=4), posterior="none", meta_split=mode
-        )  # type: ignore[arg-type]
+        )
         state = algo.init_server(model, torch.Generator())
         msg = algo.broadcast(state, 0, 0)
         reply, _ = algo.client_update(msg, None, model, one, torch.Generator().manual_seed(0))
@@ -453,7 +470,9 @@ def test_a_client_with_one_example_searches_on_it_unless_d_is_held_out() -> None
 
 
 @pytest.mark.parametrize("score", ["nll", "elbo"])
-def test_batched_trials_match_with_sgd_weight_decay_and_a_large_meta_split(score: str) -> None:
+def test_batched_trials_match_with_sgd_weight_decay_and_a_large_meta_split(
+    score: MetaScore,
+) -> None:
     """torch SGD adds the weight decay to the gradient, and the ELBO score draws one weight
     sample per 512 examples of d: the batched trials do the same."""
     g = torch.Generator().manual_seed(0)
@@ -482,7 +501,9 @@ def test_batched_trials_match_with_sgd_weight_decay_and_a_large_meta_split(score
 
 
 @pytest.mark.parametrize("posterior", ["bnn", "mcdropout"])
-def test_candidates_scored_in_channels_last_equal_the_reference_scores(posterior: str) -> None:
+def test_candidates_scored_in_channels_last_equal_the_reference_scores(
+    posterior: Literal["bnn", "mcdropout"],
+) -> None:
     """The search scores each trial copy in the channels-last layout (issue 19): the same
     scores, to float rounding, and the same choice as scoring it in its own layout."""
     g = torch.Generator().manual_seed(0)
@@ -517,11 +538,9 @@ def test_candidates_scored_in_channels_last_equal_the_reference_scores(posterior
     torch.testing.assert_close(torch.tensor(scores), torch.tensor(ref), rtol=1e-5, atol=0)
     assert chosen == pick_lowest(algo.candidate_lrs, ref)
     assert len(set(ref)) == 3  # the candidates differ, so the comparison means something
-    assert (
-        model[0].weight_mu.is_contiguous()
-        if posterior == "bnn"
-        else model[0].weight.is_contiguous()
-    )
+    first = model[0]
+    weight = first.weight_mu if posterior == "bnn" else first.weight
+    assert isinstance(weight, torch.Tensor) and weight.is_contiguous()
 
 
 @pytest.mark.parametrize("name", ["meta_bayfl", "bayfl", "pfedbayes"])
@@ -567,7 +586,7 @@ def test_meta_bayfl_with_the_local_estimator_trains_a_client() -> None:
     reply, _ = algo.client_update(
         algo.broadcast(state, 0, 0), None, model, data, torch.Generator().manual_seed(0)
     )
-    assert reply.metrics["skipped_steps"] == 0 and math.isfinite(reply.metrics["train_loss"])
+    assert reply.metrics["skipped_steps"] == 0 and math.isfinite(float(reply.metrics["train_loss"]))
     assert "lr_chosen" in reply.metrics
     rho = [v for k, v in reply.arrays.items() if k.endswith("weight_rho")]
     assert rho and float(rho[0].abs().sum()) > 0  # sigma is trained

@@ -22,7 +22,7 @@ FLOATS = ("0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.runni
 COUNT = "1.num_batches_tracked"
 
 
-def _model(dtype: torch.dtype = torch.float64) -> nn.Module:
+def _model(dtype: torch.dtype = torch.float64) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)).to(dtype)
 
@@ -49,7 +49,7 @@ def test_the_step_is_the_example_weighted_mean_and_lost_replies_are_left_out() -
     w = {k: v.clone() for k, v in algo.global_arrays(state).items()}
     d = [_deltas(w, s) for s in (1, 2, 3)]
     replies = [(0, _reply(d[0], 1)), (4, None), (1, _reply(d[1], 3)), (2, _reply(d[2], 6))]
-    new, scalars = algo.aggregate(state, replies, 0)  # type: ignore[arg-type]
+    new, scalars = algo.aggregate(state, replies, 0)
     assert scalars == {"aggregated": 3}
     assert new.values == {}  # no freeze: no seen.<cid>; plain SGD at lr 1: no step count
     assert set(new.arrays) == {f"model.{k}" for k in w}  # no sopt.* moments
@@ -191,7 +191,9 @@ def test_the_client_loads_the_broadcast_keeps_its_frozen_tensors_and_uploads_w_k
     assert all(torch.equal(client.state_dict()[k], w[k].float()) for k in w)  # loaded
     assert set(keep.arrays) == {"cache.0.bias"} and keep.values == {}
     assert torch.equal(keep.arrays["cache.0.bias"], w["0.bias"])
-    assert not client[0].bias.requires_grad and client[0].weight.requires_grad
+    linear = client[0]
+    assert isinstance(linear, nn.Linear)
+    assert not linear.bias.requires_grad and linear.weight.requires_grad
     # the second round: the frozen bias comes from the cache
     start2, _ = algo.dense_start(
         Broadcast(algo.broadcast(State(server.arrays, {"seen.0": 1}), 1, 0).arrays, {}),
@@ -202,11 +204,11 @@ def test_the_client_loads_the_broadcast_keeps_its_frozen_tensors_and_uploads_w_k
     _, none_kept = FedFull.of().dense_start(algo.broadcast(server, 0, 0), None, _model())
     assert none_kept.arrays == {} and none_kept.values == {}
     with torch.no_grad():
-        client[0].weight.add_(1.5)
+        linear.weight.add_(1.5)
     delta = algo.dense_delta(client, start)  # start is float64, the model float32
     assert set(delta) == set(w) - {"0.bias"}
     assert delta["0.weight"].dtype == torch.float32
-    assert torch.equal(delta["0.weight"], client[0].weight.detach() - w["0.weight"].float())
+    assert torch.equal(delta["0.weight"], linear.weight.detach() - w["0.weight"].float())
     assert torch.equal(delta["1.weight"], torch.zeros(2))
     assert all(v.is_contiguous() for v in delta.values())
     up = algo.dense_update(client, start)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from fedlore.algorithms.fedavg import FedAvg
 from fedlore.algorithms.fedbe import (  # importing it registers ``fedbe``
     SEED_KEY,
     UNLABELED_KEY,
@@ -167,7 +168,7 @@ def test_swa_schedule_keeps_fedbes_and_stretches_short_runs() -> None:
         swa_schedule(10, 5, 0, 0.3)
 
 
-def _distill_setup() -> tuple[nn.Module, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+def _distill_setup() -> tuple[nn.Sequential, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     start = model_arrays(model)
@@ -196,7 +197,9 @@ def test_student_starts_at_its_start_and_distillation_lowers_the_kl() -> None:
     still = distill(model, start, x, targets, epochs=1, lr=1e-12, generator=torch.Generator(), **kw)
     for k in start:
         torch.testing.assert_close(still.arrays[k], start[k])
-    model[0].weight.data.add_(5.0)  # garbage left in the workspace does not matter
+    first = model[0]
+    assert isinstance(first, nn.Linear)
+    first.weight.data.add_(5.0)  # garbage left in the workspace does not matter
     out = distill(model, start, x, targets, epochs=20, lr=0.05, generator=torch.Generator(), **kw)
     assert out.steps == 20 * 5 and out.swa_models == 0
     before, after = _kl(model, start, x, targets), _kl(model, out.arrays, x, targets)
@@ -264,6 +267,7 @@ def _one_round(algo_name: str, cfg: Config, **over: Any) -> tuple[Any, Any, Any]
     fed = build_federation(cfg, SEED)
     build = model_factory(cfg, fed, SEED)
     algo = make_algorithm(algo_name, cfg)
+    assert isinstance(algo, FedAvg)  # fedavg or fedbe
     if over:
         algo = dataclasses.replace(algo, **over)
     state = start_server(algo, build(), generator(SEED, SERVER_INIT), fed, algo_name)
@@ -319,7 +323,7 @@ def test_diverged_teachers_are_left_out_and_counted(tmp_path: Path) -> None:
     assert metrics["server_skipped_steps"] == 0
     # every teacher diverged: the round keeps the FedAvg model and says so
     huge = [(c, Reply({k: v * 1e38 for k, v in r.arrays.items()}, r.metrics)) for c, r in replies]
-    new, metrics = fedbe.aggregate(state, huge, 0)  # type: ignore[arg-type]
+    new, metrics = fedbe.aggregate(state, huge, 0)
     avg_state, _ = make_algorithm("fedavg", cfg).aggregate(state, huge, 0)  # type: ignore[arg-type]
     assert metrics["server_teachers"] == 0 and metrics["server_bad_teachers"] == 14
     for k, v in fedbe.global_arrays(new).items():

@@ -113,23 +113,26 @@ def test_the_server_updates_h_over_all_n_and_theta_as_worked_by_hand(case: str) 
     weighting = "num_examples" if case == "num_examples" else "uniform"
     algo = make_algo(FedDyn, alpha=0.5, num_clients=4, weighting=weighting)
     state = algo.init_server(linear_model(), torch.Generator())
-    t = {"dtype": torch.float64}
-    arrays = {"model.weight": torch.tensor(THETA0, **t), DYN + "weight": torch.tensor(H0, **t)}
+    f64 = torch.float64
+    arrays = {
+        "model.weight": torch.tensor(THETA0, dtype=f64),
+        DYN + "weight": torch.tensor(H0, dtype=f64),
+    }
     state = State(arrays={**state.arrays, **arrays})
     want_h, want_theta, shares = HAND[case]
     replies: list[tuple[int, Reply | None]] = [
         (
             cid,
             Reply(
-                arrays={"update.weight": torch.tensor(d, **t)},
+                arrays={"update.weight": torch.tensor(d, dtype=f64)},
                 metrics={"num_examples": n, "work_share": shares.get(name, 1.0)},
             ),
         )
         for cid, name, d, n in ((0, "a", DELTA_A, 10), (2, "b", DELTA_B, 30))
     ]
     new, _ = algo.aggregate(state, [*replies, (3, None)], 0)
-    torch.testing.assert_close(new.arrays[DYN + "weight"], torch.tensor([want_h], **t))
-    torch.testing.assert_close(new.arrays["model.weight"], torch.tensor([want_theta], **t))
+    torch.testing.assert_close(new.arrays[DYN + "weight"], torch.tensor([want_h], dtype=f64))
+    torch.testing.assert_close(new.arrays["model.weight"], torch.tensor([want_theta], dtype=f64))
     empty, _ = algo.aggregate(new, [(1, None)], 1)  # nobody replied: nothing moves
     assert all(torch.equal(empty.arrays[k], v) for k, v in new.arrays.items())
 

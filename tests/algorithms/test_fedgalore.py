@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fedlore.algorithms.fedgalore import FedGaLore, synchronized_second_moment
+from fedlore.algorithms.lowrank import OptState
 from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.engine.loop import validate_reply
 from fedlore.optim.joint import joint_basis, joint_part, signal_basis
@@ -189,6 +190,13 @@ def test_server_synchronizes_the_uploaded_second_moments() -> None:
     torch.testing.assert_close(kept.arrays["sync.v.weight"], want)
 
 
+def _moments(opt: OptState) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """An Adam state's ``exp_avg``, ``exp_avg_sq`` and ``step``, checked to be what they are."""
+    m, v, step = opt["exp_avg"], opt["exp_avg_sq"], opt["step"]
+    assert isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor) and isinstance(step, int)
+    return m, v, step
+
+
 def test_round_moments_adopt_the_broadcast_second_moment() -> None:
     """(G2): a returning client keeps its first moment and step count and trains from V̄; a new
     client starts from M = 0, V = V̄ and the broadcast step count; no V̄: its own state."""
@@ -201,15 +209,15 @@ def test_round_moments_adopt_the_broadcast_second_moment() -> None:
     state = State(
         {"opt.exp_avg.weight": own_m, "opt.exp_avg_sq.weight": own_v}, {"opt.step.weight": 3}
     )
-    got = algo.round_moments(msg, state, plan, like)["weight"]
-    assert torch.equal(got["exp_avg"], own_m) and torch.equal(got["exp_avg_sq"], vbar)
-    assert got["step"] == 3
-    assert got["exp_avg"] is not own_m and got["exp_avg_sq"] is not vbar  # copies
-    new = algo.round_moments(msg, None, plan, like)["weight"]
-    assert not bool(new["exp_avg"].any()) and torch.equal(new["exp_avg_sq"], vbar)
-    assert new["step"] == 7
-    alone = algo.round_moments(Broadcast({}, {"round": 1}), state, plan, like)["weight"]
-    assert torch.equal(alone["exp_avg_sq"], own_v)
+    m, v, step = _moments(algo.round_moments(msg, state, plan, like)["weight"])
+    assert torch.equal(m, own_m) and torch.equal(v, vbar)
+    assert step == 3
+    assert m is not own_m and v is not vbar  # copies
+    m, v, step = _moments(algo.round_moments(msg, None, plan, like)["weight"])
+    assert not bool(m.any()) and torch.equal(v, vbar)
+    assert step == 7
+    _, v, _ = _moments(algo.round_moments(Broadcast({}, {"round": 1}), state, plan, like)["weight"])
+    assert torch.equal(v, own_v)
     assert algo.round_moments(Broadcast({}, {"round": 0}), None, plan, like) == {}
 
 

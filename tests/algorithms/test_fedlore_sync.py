@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -139,7 +139,9 @@ def test_full_participation_caches_match_server(weight_decay: float) -> None:
     final = run.algo.global_arrays(run.state)
     assert not torch.equal(final["fc1.weight"], run.globals_at[0]["fc1.weight"])
     for cid in range(len(SIZES)):
-        stored = select(run.store.get(cid).arrays, "cache.")
+        kept = run.store.get(cid)
+        assert kept is not None, cid
+        stored = select(kept.arrays, "cache.")
         assert_bitwise(stored, run.globals_at[rounds - 1], f"stored cache of {cid}")
         msg, cache = sync_with_next_broadcast(run, rounds, cid)
         assert msg.config["mode"] == "log"
@@ -263,7 +265,7 @@ def test_fedlore_random_bytes() -> None:
 
 
 @pytest.mark.parametrize("init_basis", ["random", "gradient"])
-def test_fedlore_fixed_bytes(init_basis: str) -> None:
+def test_fedlore_fixed_bytes(init_basis: Literal["gradient", "random"]) -> None:
     plan, dense, full = plan_and_dense_bytes()
     algo = FedLoreFixed(
         train=LocalTraining(local_steps=2, batch_size=8), rank=RANK, init_basis=init_basis
@@ -450,7 +452,7 @@ def test_fp16_overflow_makes_the_upload_non_finite_and_rejected(transport: str) 
 
     algo = FedAvg(
         train=LocalTraining(local_steps=1, batch_size=8, lr=1e7, transport_dtype=transport)
-    )  # type: ignore[arg-type]
+    )
     store = ClientStore()
     state = algo.init_server(build(), generator(SEED, 2))
     loop = RoundLoop(

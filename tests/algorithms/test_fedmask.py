@@ -76,22 +76,25 @@ def test_straight_through_gradient_reaches_scores_and_w_never_changes() -> None:
     torch.manual_seed(0)
     lin = nn.Linear(6, 3)
     layer = MaskedLinear(lin, score=0.5)
+    params = dict(layer.named_parameters())
+    weight_score, bias_score = params["weight_score"], params["bias_score"]
     with torch.no_grad():
-        layer.weight_score.copy_(torch.randn(3, 6))
-        layer.bias_score.copy_(torch.randn(3))
+        weight_score.copy_(torch.randn(3, 6))
+        bias_score.copy_(torch.randn(3))
+    assert layer.bias is not None
     w0, b0 = layer.weight.clone(), layer.bias.clone()
     x = torch.randn(4, 6)
     out = layer(x)
-    m = (layer.weight_score > 0).float()
-    mb = (layer.bias_score > 0).float()
+    m = (weight_score > 0).float()
+    mb = (bias_score > 0).float()
     torch.testing.assert_close(out, x @ (w0 * m).T + b0 * mb)  # forward: the hard mask exactly
     out.pow(2).sum().backward()
     # dL/ds = dL/dW_eff * W * sigmoid'(s), with dL/dW_eff = g^T x
     g = 2 * out.detach()
-    sig = torch.sigmoid(layer.weight_score.detach())
+    sig = torch.sigmoid(weight_score.detach())
     expect = (g.T @ x) * w0 * sig * (1 - sig)
-    torch.testing.assert_close(layer.weight_score.grad, expect)
-    assert layer.bias_score.grad is not None and layer.bias_score.grad.abs().sum() > 0
+    torch.testing.assert_close(weight_score.grad, expect)
+    assert bias_score.grad is not None and bias_score.grad.abs().sum() > 0
     assert [n for n, _ in layer.named_parameters()] == ["weight_score", "bias_score"]
 
     model = maskify(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)))
@@ -106,8 +109,9 @@ def test_straight_through_gradient_reaches_scores_and_w_never_changes() -> None:
 
 
 def test_maskify_is_idempotent_and_masks_the_last_layers() -> None:
-    net = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
-    w_head = net[2].weight.detach().clone()
+    first, head = nn.Linear(4, 5), nn.Linear(5, 3)
+    net = nn.Sequential(first, nn.ReLU(), head)
+    w_head = head.weight.detach().clone()
     once = maskify(copy.deepcopy(net), weights="init")
     keys = list(once.state_dict())
     twice = maskify(once)
@@ -120,10 +124,11 @@ def test_maskify_is_idempotent_and_masks_the_last_layers() -> None:
     ]
     last = maskify(copy.deepcopy(net), last=1, weights="init")
     assert list(masked_layers(last)) == ["2"]
-    assert torch.equal(last[2].weight, w_head)
+    assert isinstance(last[2], MaskedLinear) and torch.equal(last[2].weight, w_head)
     assert isinstance(last[0], nn.Linear) and not last[0].weight.requires_grad  # fixed
     sc = maskify(copy.deepcopy(net), weights="signed_constant")
     expect = torch.sign(w_head) * math.sqrt(2 / 5)
+    assert isinstance(sc[2], MaskedLinear)
     torch.testing.assert_close(sc[2].weight, expect)
     with pytest.raises(ValueError, match="last 3"):
         maskify(copy.deepcopy(net), last=3)
@@ -201,7 +206,7 @@ def test_aggregate_stores_the_overlap_mean_of_the_uploads(fed: Federation) -> No
     new, metrics = algo.aggregate(state, [*replies, (7, None)], 0)
     assert metrics["aggregated"] == 3
     for t in shapes:
-        count = sum(m[t].double() for m in masks)
+        count = torch.stack([m[t].double() for m in masks]).sum(0)
         expect = torch.where(count >= 2, count / 3, torch.zeros_like(count)).float()
         torch.testing.assert_close(new.arrays[f"model.{t}_score"], expect)
         torch.testing.assert_close(algo.broadcast(new, 1, 0).arrays["mask." + t], expect)

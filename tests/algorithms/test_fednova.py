@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -35,7 +36,8 @@ from fedlore.config import ConfigError, load_config
 from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.experiment_parts import make_algorithm
 from fedlore.settings import STEP_BUDGET
-from fedlore.types import Reply
+from fedlore.train.local import TrainStats
+from fedlore.types import Reply, Scalar
 
 _regression = regression
 _model = linear_model
@@ -82,8 +84,9 @@ def test_momentum_a_norm_matches_the_unrolled_coefficients_on_a_quadratic(
         assert isinstance(m, nn.Linear) and m.weight.grad is not None
         grads.append(m.weight.grad.clone())
 
-    def spy(model: nn.Module, *args: object, on_grad: list[object], **kwargs: object) -> object:
-        return inner(model, *args, on_grad=[*on_grad, record], **kwargs)  # type: ignore[arg-type]
+    def spy(model: nn.Module, *args: Any, **kwargs: Any) -> TrainStats:
+        kwargs["on_grad"] = [*kwargs["on_grad"], record]
+        return inner(model, *args, **kwargs)
 
     monkeypatch.setattr(fedavg_mod, "local_train", spy)
     reply, _ = algo.client_update(algo.broadcast(state, 0, 1), None, model, data, torch.Generator())
@@ -136,8 +139,9 @@ def test_a_norm_is_the_step_of_a_constant_unit_gradient(
         loss = (model.weight * c).sum()
         return loss * float("nan") if len(calls) - 1 == skip else loss
 
-    def train(model: nn.Module, *args: object, **kwargs: object) -> object:
-        return inner(model, *args, loss_fn=linear_loss, **kwargs)  # type: ignore[arg-type]
+    def train(model: nn.Module, *args: Any, **kwargs: Any) -> TrainStats:
+        kwargs["loss_fn"] = linear_loss
+        return inner(model, *args, **kwargs)
 
     monkeypatch.setattr(fedavg_mod, "local_train", train)
     reply, _ = algo.client_update(algo.broadcast(state, 1, 0), None, model, data, torch.Generator())
@@ -212,7 +216,7 @@ def test_the_server_step_normalizes_each_delta_by_its_a_norm() -> None:
         torch.testing.assert_close(new.arrays["model." + k], v + step, msg=k)
     fedavg = _algo(FedAvg, weighting="num_examples")
     plain = [(c, reply(s, n, a)) for c, s, n, a in ((0, 1.0, 10, 0.1), (1, -2.0, 30, 0.5))]
-    buffers, _ = fedavg.aggregate(state, plain, 0)
+    buffers, _ = fedavg.aggregate(state, list(plain), 0)
     for k in ("running_mean", "running_var", "num_batches_tracked"):
         assert torch.equal(new.arrays["model.1." + k], buffers.arrays["model.1." + k]), k
 
@@ -342,7 +346,7 @@ def test_a_reply_without_a_usable_a_norm_is_left_out(caplog: pytest.LogCaptureFi
     algo = _algo(FedNova)
     state = algo.init_server(_model(), torch.Generator())
     up = {"update.weight": torch.ones(1, 3, dtype=torch.float64)}
-    bad: list[object] = [float("nan"), -1.0, float("inf"), True]
+    bad: list[Scalar] = [float("nan"), -1.0, float("inf"), True]
     replies: list[tuple[int, Reply | None]] = [
         (0, Reply(arrays=up, metrics={"num_examples": 4})),
         *(

@@ -347,7 +347,7 @@ def test_16_bit_uploads_a_robust_mean_and_a_server_optimizer_act_on_the_body() -
 
 def _p_local(algo: FedRep | FedAvg, seed: int) -> float:
     run = Run(algo, "none", [[0, 1, 2]] * 10, kind="labels", seed=seed)
-    return statistics.mean(float(r.metrics["local_accuracy"]) for r in run.got[-1].values())  # type: ignore[union-attr]
+    return statistics.mean(float(r.metrics["local_accuracy"]) for r in run.got[-1].values())
 
 
 def test_it_beats_fedavgs_p_local_where_the_clients_name_the_classes_their_own_way() -> None:

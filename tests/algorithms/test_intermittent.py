@@ -80,7 +80,8 @@ def test_returning_client_syncs_exactly_with_the_cheaper_option(gap: int, log_ro
     for rnd in range(-setup_rounds(algo), back):
         state, row = loop.run_round(state, rnd, back)
         assert row["rejected"] == 0
-    assert store.get(RETURNER).values["version"] == 0  # its cache is still W^0
+    kept = store.get(RETURNER)
+    assert kept is not None and kept.values["version"] == 0  # its cache is still W^0
 
     msg = algo.broadcast(state, back, RETURNER)
     dense_state = State(state.arrays, {k: v for k, v in state.values.items()})
@@ -100,7 +101,9 @@ def test_returning_client_syncs_exactly_with_the_cheaper_option(gap: int, log_ro
     global_before = {k: v.clone() for k, v in algo.global_arrays(state).items()}
     state, row = loop.run_round(state, back, back)
     assert row["rejected"] == 0 and RETURNER in row["accepted_clients"]
-    cache = select(store.get(RETURNER).arrays, "cache.")
+    kept = store.get(RETURNER)
+    assert kept is not None
+    cache = select(kept.arrays, "cache.")
     assert cache.keys() == global_before.keys()
     for k, v in global_before.items():
         assert torch.equal(cache[k], v), k  # bit-identical reconstruction of W^back

@@ -628,7 +628,7 @@ def test_batchnorm_statistics_stay_at_first_contact_unless_averaged(average: boo
         reply, _ = algo.client_update(msg, None, model, client_data(c), generator(0, CLIENT, 0, c))
         assert validate_reply(reply, algo.expected_reply(state, 0, c)) is None
         replies.append((c, reply))
-    after, _ = algo.aggregate(state, replies, 0)
+    after, _ = algo.aggregate(state, list(replies), 0)
     got = after.arrays["model.bn.running_mean"]
     if not average:  # the default: never uploaded, the global statistics do not move
         assert "dense.bn.running_mean" not in replies[0][1].arrays
@@ -703,9 +703,9 @@ def test_16bit_transport_keeps_caches_and_held_adapters_bit_identical(
     wire = {"fp16": torch.float16, "bf16": torch.bfloat16}[transport]
     # s p_k = 1.5 / 2: FLoRA's stacked payload is not on the 16-bit grid until the server rounds it
     kw = {"rank": 2, "lora_alpha": 3.0, "local_steps": STEPS, "lr": LR, "batch_size": BATCH}
-    algo = cls.of(transport_dtype=transport, **kw)  # type: ignore[call-arg]
+    algo = cls.of(transport_dtype=transport, **kw)
     sample = lambda rnd: [0, 1] if rnd != 1 else [1]  # noqa: E731
-    ref, _ = drive(cls.of(**kw), 3, sample)  # type: ignore[call-arg]
+    ref, _ = drive(cls.of(**kw), 3, sample)
     hist, store = drive(algo, 3, sample)
     for h, h32 in zip(hist, ref, strict=True):
         for c, msg in h.msgs.items():

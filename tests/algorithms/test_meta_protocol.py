@@ -15,6 +15,7 @@ from torch import nn
 
 from fedlore.algorithms import meta_lr
 from fedlore.algorithms.bayes import MetaBayFL
+from fedlore.algorithms.fedavg import FedAvg
 from fedlore.algorithms.meta_lr import meta_split
 from fedlore.config import ConfigError, load_config
 from fedlore.experiment_parts import make_algorithm
@@ -186,7 +187,7 @@ def test_trials_run_at_the_candidate_times_the_schedule_at_the_steps_they_stand_
         assert all(f < 1 for f in want) and want[0] > want[-1]
 
     # the trial optimizers of sequential trials take exactly those rates
-    rates: list[float] = []
+    rates: list[list[float]] = []
     real_train = meta_lr.local_train
 
     def train_spy(model: Any, batches: Any, opt: Any, lrs: Any, **kw: Any) -> Any:
@@ -251,9 +252,10 @@ def test_an_override_of_one_replaces_the_other_given_in_the_file(tmp_path: Any) 
         load_config(path, [])
     # per method: method.<name>.local_epochs replaces the run's local_steps for that method
     cfg = load_config(None, ["local_steps=20", "method.meta_bayfl.local_epochs=2"])
-    algo = make_algorithm("meta_bayfl", cfg)
+    algo, fedavg = make_algorithm("meta_bayfl", cfg), make_algorithm("fedavg", cfg)
+    assert isinstance(algo, MetaBayFL) and isinstance(fedavg, FedAvg)
     assert (algo.train.local_steps, algo.train.local_epochs) == (None, 2)
-    assert make_algorithm("fedavg", cfg).train.local_steps == 20
+    assert fedavg.train.local_steps == 20
 
 
 def test_every_method_sizes_its_round_by_epochs() -> None:
@@ -261,6 +263,7 @@ def test_every_method_sizes_its_round_by_epochs() -> None:
     weight decay (its server applies one common decay per round, Prop. 8)."""
     cfg = load_config(None, ["local_epochs=2", "batch_size=16"])
     fedavg = make_algorithm("fedavg", cfg)
+    assert isinstance(fedavg, FedAvg)
     assert fedavg.local_steps(100) == 14 and len(fedavg.round_lrs(0, 100)) == 14
     make_algorithm("fedlore", cfg)  # weight_decay 0: accepted
     with pytest.raises((ValueError, ConfigError), match="local_epochs"):

@@ -11,7 +11,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -107,7 +107,7 @@ def test_each_epoch_trains_at_the_rate_its_search_chose(schedule: str) -> None:
         local_steps=20,
         batch_size=10,
         temp_steps=3,
-        schedule=schedule,  # type: ignore[arg-type]
+        schedule=schedule,
         rounds=2,
         mc_samples=0,
     )
@@ -156,7 +156,7 @@ def test_a_round_searches_before_every_pass_over_the_training_split(
         temp_steps=2,
         local_steps=local_steps,
         batch_size=batch_size,
-        meta_split=meta_split,  # type: ignore[arg-type]
+        meta_split=meta_split,
         mc_samples=0,
     )
     model = nn.Sequential(nn.Linear(4, 2))
@@ -186,7 +186,7 @@ def test_per_round_searches_once_and_none_never(lr_search: str, searches: int) -
         temp_steps=2,
         local_steps=12,
         batch_size=10,
-        lr_search=lr_search,  # type: ignore[arg-type]
+        lr_search=lr_search,
         mc_samples=0,
     )
     model = nn.Sequential(nn.Linear(4, 2))
@@ -244,7 +244,7 @@ def _search_both_ways(
         model = nn.Sequential(
             nn.Linear(fit.x.shape[1], hidden), nn.ReLU(), nn.Linear(hidden, n_out)
         )
-        algo = MetaBayFL.of(batch_size=16, trials=trials, temp_steps=3, **hyper)  # type: ignore[arg-type]
+        algo = MetaBayFL.of(batch_size=16, trials=trials, temp_steps=3, **hyper)
         algo.prepare_model(model)
         opt = algo.make_optimizer(model)
         terms = [elbo_kl_term(algo.beta_kl, len(fit))] if algo.posterior == "bnn" else []
@@ -333,16 +333,19 @@ def test_batchable_only_without_buffers_clip_or_momentum() -> None:
     """The batched trials need a model without buffers, no gradient clip and AdamW or SGD
     without momentum (in every group); otherwise select_lr runs them sequentially, with the
     sequential scores."""
-    plain = nn.Sequential(nn.Linear(3, 2))
+    lin = nn.Linear(3, 2)
+    plain = nn.Sequential(lin)
     adamw = torch.optim.AdamW(plain.parameters())
     assert batchable(plain, adamw, None)
     assert batchable(plain, torch.optim.SGD(plain.parameters(), lr=0.1), None)
     assert not batchable(plain, adamw, 1.0)
     assert not batchable(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), None)
     assert not batchable(plain, torch.optim.Adam(plain.parameters()), None)
-    two = torch.optim.SGD(
-        [{"params": [plain[0].weight]}, {"params": [plain[0].bias], "momentum": 0.5}], lr=0.1
-    )
+    groups: list[dict[str, Any]] = [
+        {"params": [lin.weight]},
+        {"params": [lin.bias], "momentum": 0.5},
+    ]
+    two = torch.optim.SGD(groups, lr=0.1)
     assert not batchable(plain, two, None)
     normed = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
     assert not batchable(normed, torch.optim.AdamW(normed.parameters()), None)
@@ -370,7 +373,7 @@ def test_batched_trials_with_decoupled_decay_a_large_eps_and_a_single_tensor() -
         model = nn.Sequential(nn.Linear(5, 3, bias=False))
         algo = MetaBayFL(
             train=LocalTraining(mc_samples=0), posterior="none", trials=trials, temp_steps=3
-        )  # type: ignore[arg-type]
+        )
         out[trials] = algo.select_lr(model, algo.make_optimizer(model), fit, meta, [], seed=1)
     _assert_same_search(out)
 
@@ -543,7 +546,8 @@ def test_a_frozen_tensor_left_out_by_the_server_comes_from_the_clients_cache() -
     algo = MetaBayFL(
         train=LocalTraining(freeze=("0.bias",), local_steps=2), posterior="none", lr_search="none"
     )
-    model = nn.Sequential(nn.Linear(4, 2))
+    lin = nn.Linear(4, 2)
+    model = nn.Sequential(lin)
     state = algo.init_server(model, torch.Generator().manual_seed(0))
     msg = algo.broadcast(state, 0, 0)
     _, keep = algo.client_update(msg, None, model, _client(20), torch.Generator())
@@ -551,9 +555,9 @@ def test_a_frozen_tensor_left_out_by_the_server_comes_from_the_clients_cache() -
     later = dataclasses.replace(
         msg, arrays={k: v for k, v in msg.arrays.items() if k != "model.0.bias"}
     )
-    model[0].bias.data.fill_(7.0)  # whatever the client's model holds is overwritten
+    lin.bias.data.fill_(7.0)  # whatever the client's model holds is overwritten
     reply, _ = algo.client_update(later, keep, model, _client(20), torch.Generator())
-    assert torch.equal(model[0].bias, msg.arrays["model.0.bias"])
+    assert torch.equal(lin.bias, msg.arrays["model.0.bias"])
     assert "update.0.bias" not in reply.arrays and "update.0.weight" in reply.arrays
 
 
@@ -580,7 +584,12 @@ def test_grad_clip_bounds_the_local_steps_and_the_trials() -> None:
     assert max(norms[1e-3]) <= 1e-3 * (1 + 1e-5) and min(norms[None]) > 1e-2
     fit, meta = _splits(64, 24, regression=False)
     scores = {}
-    for trials, clip in (("sequential", 1e-3), ("batched", 1e-3), ("sequential", None)):
+    cases: tuple[tuple[Literal["sequential", "batched"], float | None], ...] = (
+        ("sequential", 1e-3),
+        ("batched", 1e-3),
+        ("sequential", None),
+    )
+    for trials, clip in cases:
         torch.manual_seed(1)
         model = nn.Sequential(nn.Linear(5, 3))
         algo = MetaBayFL(
@@ -630,7 +639,7 @@ def test_skipped_steps_and_train_loss_cover_every_pass() -> None:
     handle.remove()
     data.train.x[:, 0] = math.inf
     bad, _ = algo.client_update(algo.broadcast(state, 0, 0), None, model, data, torch.Generator())
-    assert bad.metrics["skipped_steps"] == 10 and math.isnan(bad.metrics["train_loss"])
+    assert bad.metrics["skipped_steps"] == 10 and math.isnan(float(bad.metrics["train_loss"]))
 
 
 def test_reply_reports_time_optimizer_bytes_and_the_posteriors_kl() -> None:
@@ -645,7 +654,8 @@ def test_reply_reports_time_optimizer_bytes_and_the_posteriors_kl() -> None:
     reply, _ = algo.client_update(
         algo.broadcast(state, 0, 0), None, model, _client(20), torch.Generator()
     )
-    assert 0 <= reply.metrics["train_s"] <= time.perf_counter() - t0
+    train_s = reply.metrics["train_s"]
+    assert isinstance(train_s, float) and 0 <= train_s <= time.perf_counter() - t0
     assert reply.metrics["optimizer_state_bytes"] == 2 * 10 * 4
     assert "kl" not in reply.metrics  # a deterministic model has no posterior
     bnn, arrays = _bnn_client(0.0)

@@ -369,7 +369,7 @@ def test_frozen_tensors_are_sent_once_beside_the_kept_ones() -> None:
     assert all(set(m.arrays) == {"model.body.0.weight"} for m in run.sent[1].values())
     assert set(algo.expected_reply(run.states[1], 1, 0)) == {"update.body.0.weight"}
     for replies in run.got:
-        assert all(set(r.arrays) == {"update.body.0.weight"} for r in replies.values())  # type: ignore[union-attr]
+        assert all(set(r.arrays) == {"update.body.0.weight"} for r in replies.values())
     kept = run.store.get(0)
     assert kept is not None and set(kept.arrays) == {
         "cache.body.0.bias",
@@ -471,7 +471,7 @@ def test_16_bit_transport_robust_means_and_server_optimizers_act_on_the_shared_p
 
 def _p_local(algo: Algorithm, norm: str, kind: str, seed: int, rounds: int) -> float:
     run = Run(algo, norm, [[0, 1, 2]] * rounds, kind=kind, seed=seed)
-    return statistics.mean(float(r.metrics["local_accuracy"]) for r in run.got[-1].values())  # type: ignore[union-attr]
+    return statistics.mean(float(r.metrics["local_accuracy"]) for r in run.got[-1].values())
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,11 @@ evaluation-time adaptation's step count, the Hessian-vector product against torc
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from least_squares import frozen_bias_rounds
 from torch import nn
 
 from fedlore.algorithms.perfedavg import PerFedAvg
@@ -21,7 +24,7 @@ from fedlore.types import Reply, State
 N, D_IN = 5, 2
 
 
-def _model() -> nn.Module:
+def _model() -> nn.Linear:
     torch.manual_seed(0)
     return nn.Linear(D_IN, 1).double()
 
@@ -120,7 +123,7 @@ def test_p_local_adapts_the_received_model_by_adapt_steps_steps_of_alpha(steps: 
     ``θ_s = θ_{s-1} - α (A θ_{s-1} - c)``; one step more or fewer scores otherwise."""
     alpha = 0.3
     common = {"lr": 0.2, "local_steps": 2, "batch_size": N, "rounds": 1, "local_eval": True}
-    algo = PerFedAvg.of(alpha=alpha, adapt_steps=steps, **common)  # type: ignore[arg-type]
+    algo = PerFedAvg.of(alpha=alpha, adapt_steps=steps, **common)
     data = _data()
     reply, _ = _round(algo, data)
     a, c = _quadratic(data.train)
@@ -137,7 +140,7 @@ def test_p_local_adapts_the_received_model_by_adapt_steps_steps_of_alpha(steps: 
     for s in (steps - 1, steps + 1):
         assert reply.metrics["local_mse"] != pytest.approx(mse(s), rel=1e-3)
     # scoring changes nothing of what the client trains and sends
-    quiet = PerFedAvg.of(alpha=alpha, adapt_steps=steps, **{**common, "local_eval": False})  # type: ignore[arg-type]
+    quiet = PerFedAvg.of(alpha=alpha, adapt_steps=steps, **{**common, "local_eval": False})
     r2, _ = _round(quiet, data)
     assert "local_mse" not in r2.metrics
     assert all(torch.equal(reply.arrays[k], r2.arrays[k]) for k in reply.arrays)
@@ -178,7 +181,7 @@ def test_local_epochs_equal_the_same_number_of_local_steps(variant: str) -> None
 )
 def test_bad_settings_are_refused(kw: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        PerFedAvg.of(**kw)  # type: ignore[arg-type]
+        PerFedAvg.of(**kw)
 
 
 def test_config_refusals_name_the_setting() -> None:
@@ -238,7 +241,7 @@ def test_hf_takes_the_hessian_at_w_not_at_the_inner_step() -> None:
     y = torch.tensor([0, 1, 2, 0, 1, 2])
     data = ClientData(0, TensorSplit(x, y), TensorSplit(x[:3], y[:3]))
 
-    def net() -> nn.Module:
+    def net() -> nn.Linear:
         torch.manual_seed(0)
         return nn.Linear(D_IN, 3).double()
 
@@ -298,3 +301,70 @@ def test_minibatch_steps_by_hand_with_a_cosine_schedule(
         want = want - beta * 0.5 * (1 + math.cos(math.pi * step / k)) * g
     assert len(seen) == k
     torch.testing.assert_close(_theta1(reply), want, rtol=0, atol=1e-12)
+
+
+def test_the_adaptation_draws_its_minibatches_from_the_clients_generator() -> None:
+    """P-local's adaptation steps on minibatches (B < n) drawn from the client's round
+    generator: the same generator gives the same score whatever torch's global one."""
+    common = {"lr": 0.2, "local_steps": 1, "batch_size": 2, "rounds": 1, "local_eval": True}
+    algo = PerFedAvg.of(alpha=0.3, adapt_steps=2, **common)
+    data = _data(n=8)
+    scores = []
+    for global_seed in (1, 2):
+        msg = algo.broadcast(algo.init_server(_model(), generator(0, 2)), 0, 0)
+        model = _model()
+        torch.manual_seed(global_seed)
+        reply, _ = algo.client_update(msg, None, model, data, generator(0, 3))
+        scores.append(reply.metrics["local_mse"])
+    assert scores[0] == scores[1]
+
+
+def test_frozen_tensors_are_sent_once_and_never_move() -> None:
+    """``freeze``: the frozen bias is broadcast in the first round only and filled in from the
+    client's cache afterwards; it never moves."""
+    algo = PerFedAvg.of(lr=0.1, local_steps=2, batch_size=8, rounds=3, freeze=("bias",))
+    state, sent, kept = frozen_bias_rounds(algo, rounds=3)
+    assert "model.bias" in sent[0].arrays
+    assert all("model.bias" not in msg.arrays for msg in sent[1:])
+    assert torch.equal(state.arrays["model.bias"], sent[0].arrays["model.bias"])
+    assert torch.equal(kept.arrays["cache.bias"], sent[0].arrays["model.bias"])
+
+
+def test_a_streamed_client_reads_its_rounds_part_of_the_stream() -> None:
+    """A client that reads one stream over the run (``stream_seed``): its inner minibatches D of
+    round t are batches t·K .. of the stream, so the same generator in rounds 0 and 1 gives
+    other uploads (D' is drawn from the generator alike in both)."""
+    algo = PerFedAvg.of(lr=0.1, local_steps=2, batch_size=2, rounds=4)
+    data = dataclasses.replace(_data(n=8), stream_seed=5)
+    ups = []
+    for rnd in (0, 1):
+        msg = algo.broadcast(algo.init_server(_model(), generator(0, 2)), rnd, 0)
+        reply, _ = algo.client_update(msg, None, _model(), data, generator(0, 3))
+        ups.append(reply.arrays["update.weight"])
+    assert not torch.equal(ups[0], ups[1])
+
+
+def test_the_reported_losses_are_the_means_over_the_steps() -> None:
+    """Two full-batch FO steps on the quadratic: ``inner_loss`` is the mean of f(w_k; D) and
+    ``train_loss`` the mean of f(w̃_k; D'), by hand; every step skipped (NaN inputs): NaN."""
+    from fedlore.train.local import task_loss
+
+    lr, alpha = 0.2, 0.15
+    algo = PerFedAvg.of(lr=lr, local_steps=2, batch_size=N, rounds=2, alpha=alpha)
+    data = _data()
+    reply, _ = _round(algo, data)
+    a, c = _quadratic(data.train)
+    z = torch.cat([data.train.x, torch.ones(N, 1, dtype=torch.float64)], dim=1)
+    theta, inner, outer = _theta0(), [], []
+    for _ in range(2):
+        tilde = theta - alpha * (a @ theta - c)
+        inner.append(float(task_loss(z @ theta, data.train.y)))
+        outer.append(float(task_loss(z @ tilde, data.train.y)))
+        theta = _by_hand(theta, a, c, alpha, lr, False)
+    assert inner[0] != pytest.approx(inner[1], rel=1e-3)
+    assert reply.metrics["inner_loss"] == pytest.approx(sum(inner) / 2, rel=1e-10)
+    assert reply.metrics["train_loss"] == pytest.approx(sum(outer) / 2, rel=1e-10)
+    bad = ClientData(0, TensorSplit(data.train.x * float("nan"), data.train.y), data.test)
+    reply, _ = _round(algo, bad)
+    assert reply.metrics["skipped_steps"] == 2
+    assert reply.metrics["train_loss"] != reply.metrics["train_loss"]  # NaN

@@ -31,15 +31,17 @@ from fedlore.types import Broadcast, State
 
 NUM_CLIENTS = 3
 COMMON = {"local_steps": 4, "batch_size": 16, "rounds": 4}
+DITTO = Ditto.of(lr=0.1, **COMMON)
+FEDFOMO = FedFomo.of(lr=0.1, num_candidates=2, **COMMON)
 METHODS: dict[str, Algorithm] = {
-    "ditto": Ditto.of(lr=0.1, **COMMON),  # type: ignore[arg-type]
-    "pfedme": PFedMe.of(lr=0.05, **COMMON),  # type: ignore[arg-type]
-    "pfedbayes": PFedBayes.of(lr=1e-2, **COMMON),  # type: ignore[arg-type]
-    "fedfomo": FedFomo.of(lr=0.1, num_candidates=2, **COMMON),  # type: ignore[arg-type]
+    "ditto": DITTO,
+    "pfedme": PFedMe.of(lr=0.05, **COMMON),
+    "pfedbayes": PFedBayes.of(lr=1e-2, **COMMON),
+    "fedfomo": FEDFOMO,
 }
 
 
-def _model() -> nn.Module:
+def _model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 3))
 
@@ -66,15 +68,12 @@ def _run(algo: Algorithm, schedule: list[list[int]]) -> tuple[ClientStore, list[
     for rnd in range(len(schedule)):
         state, row = loop.run_round(state, rnd, len(schedule) - 1)
         assert row["accepted"] == len(schedule[rnd]), row
-        snaps.append(
-            State(
-                arrays={
-                    f"{c}:{k}": v
-                    for c in store.client_ids()
-                    for k, v in store.get(c).arrays.items()
-                }
-            )  # type: ignore[union-attr]
-        )
+        arrays = {}
+        for c in store.client_ids():
+            kept = store.get(c)
+            assert kept is not None  # a stored id has a state
+            arrays.update({f"{c}:{k}": v for k, v in kept.arrays.items()})
+        snaps.append(State(arrays=arrays))
     return store, snaps
 
 
@@ -113,8 +112,8 @@ def test_personalized_score_reads_the_personal_model_only(name: str) -> None:
     with torch.no_grad():  # the "global" model in the workspace differs wildly
         for p in scratch_b.parameters():
             p.add_(torch.randn_like(p) * 5)
-    a = algo.evaluate_personal(state, scratch_a, data)  # type: ignore[attr-defined]
-    b = algo.evaluate_personal(state, scratch_b, data)  # type: ignore[attr-defined]
+    a = algo.evaluate_personal(state, scratch_a, data)
+    b = algo.evaluate_personal(state, scratch_b, data)
     assert a == b and a["local_n"] == 24
     # a different personal model scores differently
     other = State(
@@ -128,7 +127,7 @@ def test_personalized_score_reads_the_personal_model_only(name: str) -> None:
         },
         values=state.values,
     )
-    c = algo.evaluate_personal(other, _model(), data)  # type: ignore[attr-defined]
+    c = algo.evaluate_personal(other, _model(), data)
     assert c["local_loss"] != a["local_loss"]
 
 
@@ -146,8 +145,7 @@ def test_training_never_reads_the_test_split(name: str) -> None:
 
 def test_last_round_reports_the_personal_score() -> None:
     algo = dataclasses.replace(
-        METHODS["ditto"],
-        train=METHODS["ditto"].train.model_copy(update={"local_eval": True, "rounds": 1}),
+        DITTO, train=DITTO.train.model_copy(update={"local_eval": True, "rounds": 1})
     )
     reply, state = _state_after_one_round(algo)
     assert (
@@ -164,8 +162,7 @@ def test_fedfomo_scores_its_federated_model_before_local_training() -> None:
     from fedlore.algorithms.base import local_scores
 
     combined = dataclasses.replace(
-        METHODS["fedfomo"],
-        train=METHODS["fedfomo"].train.model_copy(update={"local_eval": True, "rounds": 1}),
+        FEDFOMO, train=FEDFOMO.train.model_copy(update={"local_eval": True, "rounds": 1})
     )
     assert isinstance(combined, FedFomo) and combined.plocal == "combined"
     reply, _ = _state_after_one_round(combined)
@@ -190,6 +187,7 @@ def test_prox_term_value_and_gradient() -> None:
     sq = sum(float(p.detach().pow(2).sum()) for p in model.parameters())
     assert math.isclose(float(val.detach()), 1.5 * sq, rel_tol=1e-6)
     val.backward()
+    assert model.weight.grad is not None
     assert torch.allclose(model.weight.grad, 3.0 * model.weight.detach())
 
 
@@ -211,7 +209,9 @@ def test_ditto_personal_step_is_pulled_to_the_received_model() -> None:
     loss.backward()
     grads = {n: p.grad for n, p in m.named_parameters()}
     for k in v1:
-        assert torch.allclose(v1[k], received[k] - 0.01 * grads[k], atol=1e-5), k
+        grad = grads[k]
+        assert grad is not None, k
+        assert torch.allclose(v1[k], received[k] - 0.01 * grad, atol=1e-5), k
 
 
 def test_pfedme_keeps_theta_not_w_and_mixes_with_beta() -> None:
@@ -247,10 +247,10 @@ def test_posterior_kl_matches_torch_distributions() -> None:
             q = torch.distributions.Normal(
                 getattr(ma, s + "_mu"), torch.exp(log_softplus(getattr(ma, s + "_rho")))
             )
-            p = torch.distributions.Normal(
+            prior = torch.distributions.Normal(
                 getattr(mb, s + "_mu"), torch.exp(log_softplus(getattr(mb, s + "_rho")))
             )
-            expect += float(torch.distributions.kl_divergence(q, p).sum())
+            expect += float(torch.distributions.kl_divergence(q, prior).sum())
     assert math.isclose(float(posterior_kl(a, b)), expect, rel_tol=1e-5)
     assert float(posterior_kl(a, a)) == pytest.approx(0.0, abs=1e-5)
     one = gaussian_kl_between(
@@ -273,7 +273,7 @@ def test_pfedbayes_moves_z_toward_q_and_uploads_z() -> None:
     # q left v (it fit the data) and z followed it: KL(q || z) < KL(q || v)
     assert float(posterior_kl(q, start)) > 0
     assert float(posterior_kl(q, z)) < float(posterior_kl(q, start))
-    assert math.isclose(reply.metrics["kl"], float(posterior_kl(q, z)), rel_tol=1e-4)
+    assert math.isclose(float(reply.metrics["kl"]), float(posterior_kl(q, z)), rel_tol=1e-4)
 
 
 def test_fomo_weights_on_a_hand_checked_case() -> None:
@@ -342,8 +342,10 @@ def test_diverged_scores_are_nan_not_invented() -> None:
     row = client_reports([(0, ok), (1, bad)])
     assert math.isnan(row["local_accuracy"]) and row["local_clients"] == 2
     model = _model()
+    first = model[0]
+    assert isinstance(first, nn.Linear)
     with torch.no_grad():
-        model[0].weight.fill_(float("nan"))
+        first.weight.fill_(float("nan"))
     pooled = TensorSplit.concat([_client(0).test, _client(1).test])
     out = global_local_metrics(model, pooled, [24, 24], 64, 0)
     assert math.isnan(out["client_accuracy"]) and math.isnan(out["client_accuracy_mean"])
@@ -369,7 +371,9 @@ def test_the_clients_accuracy_spread_is_computed_per_client_not_per_example() ->
     assert out["client_accuracy_min"] == 0.0
     assert out["client_accuracy_p10"] == pytest.approx(0.075)  # 0 + 0.3 * (0.25 - 0)
     model = _model()
+    first = model[0]
+    assert isinstance(first, nn.Linear)
     with torch.no_grad():
-        model[0].weight.fill_(float("nan"))
+        first.weight.fill_(float("nan"))
     nan = global_local_metrics(model, TensorSplit.concat([_client(0).test]), [24], 64, 0)
     assert all(math.isnan(nan[k]) for k in CLIENT_SPREAD)

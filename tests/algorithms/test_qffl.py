@@ -33,14 +33,15 @@ from fedlore.algorithms.fedavg import FedAvg
 from fedlore.algorithms.qffl import LOSS, QFFL, TRAINED, qffl_scales, split_loss
 from fedlore.config import ConfigError, load_config
 from fedlore.data.client_data import ClientData, TensorSplit
+from fedlore.device import training_precision
 from fedlore.experiment_parts import make_algorithm
 from fedlore.train.local import task_loss
-from fedlore.types import Reply, State
+from fedlore.types import Reply, Scalar, State
 
 
 def _algo(**extra: object) -> QFFL:
     common = {"lr": 0.1, "local_steps": 5, "batch_size": 32, "weighting": "uniform"}
-    return QFFL.of(**{**common, **extra})  # type: ignore[arg-type]
+    return QFFL.of(**{**common, **extra})
 
 
 def _two_weights() -> tuple[nn.Module, torch.Tensor]:
@@ -51,7 +52,7 @@ def _two_weights() -> tuple[nn.Module, torch.Tensor]:
     return model, model.weight.detach().clone()
 
 
-def _reply(delta: list[float], n: int, loss: float, **metrics: object) -> Reply:
+def _reply(delta: list[float], n: int, loss: float, **metrics: Scalar) -> Reply:
     update = torch.tensor([delta], dtype=torch.float64)
     return Reply(
         arrays={"update.weight": update}, metrics={"num_examples": n, LOSS: loss, **metrics}
@@ -184,6 +185,14 @@ def test_the_scales_do_not_overflow_at_a_large_q() -> None:
     assert qffl_scales([0.0, 0.0], [5.0, 1.0], [1.0, 2.0], 0.0, 10.0) == [1.0, 1.0]
 
 
+def test_the_scales_refuse_lists_of_other_lengths() -> None:
+    """One loss, one ‖ΔW‖² and one weight per client: a list of another length is refused, not
+    cut to the shortest (which would drop a client's weight from Σ p h)."""
+    for sq, weights in (([1.0], [1.0, 1.0]), ([1.0, 1.0], [1.0]), ([1.0, 1.0], [1.0, 1.0, 1.0])):
+        with pytest.raises(ValueError, match=r"zip\(\) argument 2 is (shorter|longer)"):
+            qffl_scales([2.0, 1.0], sq, weights, 1.0, 10.0)
+
+
 # ----------------------------------------------------------------------------- q = 0 and q-FedSGD
 
 
@@ -221,7 +230,9 @@ def test_q0_is_the_unweighted_mean_of_the_client_models() -> None:
         torch.testing.assert_close(
             new.arrays["model.weight"], sum(models) / 3, rtol=1e-13, atol=1e-15
         )
-        weighted = sum(n * m for n, m in zip((32, 8, 20), models, strict=True)) / 60
+        weighted = (
+            sum((n * m for n, m in zip((32, 8, 20), models, strict=True)), torch.zeros_like(w)) / 60
+        )
         assert not torch.allclose(new.arrays["model.weight"], weighted, rtol=1e-6)
 
 
@@ -320,6 +331,35 @@ def test_split_loss_is_the_mean_over_examples_or_counted_tokens() -> None:
     assert got == pytest.approx(float(want), rel=1e-13)
 
 
+def test_real_targets_count_per_example_whatever_their_value() -> None:
+    """Regression targets ([B] or [B, 2]) of value -100.0 (the ignore index of token targets)
+    are examples like any other: F_k is the mean Gaussian NLL over all examples, over batches
+    of unequal size."""
+    torch.manual_seed(0)
+    for d in (1, 2):
+        model = nn.Linear(4, d).double().requires_grad_(False)
+        x = torch.randn(5, 4, dtype=torch.float64)
+        y = torch.randn(5, d, dtype=torch.float64)
+        y[0, 0] = -100.0
+        y = y.squeeze(1) if d == 1 else y
+        got = split_loss(model, TensorSplit(x, y), batch_size=2)
+        out = model(x).squeeze(1) if d == 1 else model(x)
+        assert got == pytest.approx(float(task_loss(out, y)), rel=1e-13)
+
+
+def test_the_loss_is_taken_in_the_training_forwards_precision() -> None:
+    """Under ``precision: bf16`` the forward pass that measures F_k runs in bf16 autocast, as
+    local training's does (a float32 model: its loss differs from the full-precision one)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).requires_grad_(False)
+    x, y = torch.randn(8, 4), torch.tensor([0, 1, 2, 0, 1, 2, 2, 2])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = float(task_loss(model(x), y))
+    assert want != pytest.approx(float(task_loss(model(x), y)), rel=1e-6)
+    with training_precision("bf16"):
+        assert split_loss(model, TensorSplit(x, y)) == pytest.approx(want, rel=1e-6)
+
+
 def test_the_pass_that_measures_the_loss_counts_in_the_clients_seconds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -332,10 +372,13 @@ def test_the_pass_that_measures_the_loss_counts_in_the_clients_seconds(
     monkeypatch.setattr(qffl_mod, "split_loss", slow)
     algo = _algo(local_steps=1)
     state = algo.init_server(linear_model(), torch.Generator())
+    t0 = time.perf_counter()
     reply, _ = algo.client_update(
         algo.broadcast(state, 0, 0), None, linear_model(), regression(0), torch.Generator()
     )
-    assert reply.metrics[LOSS] == 1.0 and reply.metrics["train_s"] >= 0.2
+    wall = time.perf_counter() - t0
+    assert isinstance(reply.metrics["train_s"], float)
+    assert reply.metrics[LOSS] == 1.0 and 0.2 <= reply.metrics["train_s"] <= wall
 
 
 def test_the_local_run_draws_from_the_clients_generator() -> None:

@@ -16,6 +16,7 @@ drift correction they exist for.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ from fedlore.algorithms.scaffold import CONTROL, DCONTROL, Scaffold
 from fedlore.config import ConfigError, load_config
 from fedlore.experiment_parts import make_algorithm
 from fedlore.tensors import load_model_arrays, select, with_prefix
-from fedlore.train.local import parameter_term, task_loss
+from fedlore.train.local import TrainStats, parameter_term, task_loss
 from fedlore.types import Reply, State
 
 
@@ -149,8 +150,9 @@ def test_a_skipped_step_is_not_in_the_divisor(monkeypatch: pytest.MonkeyPatch) -
         loss = (model.weight * g).sum() + 0.0 * out.sum()
         return loss * float("nan") if len(calls) == 2 else loss  # the second step is skipped
 
-    def train(net: torch.nn.Module, *args: object, **kwargs: object) -> object:
-        return inner(net, *args, loss_fn=linear_loss, **kwargs)  # type: ignore[arg-type]
+    def train(net: torch.nn.Module, *args: Any, **kwargs: Any) -> TrainStats:
+        kwargs["loss_fn"] = linear_loss
+        return inner(net, *args, **kwargs)
 
     monkeypatch.setattr(fedavg_mod, "local_train", train)
     reply, kept = algo.client_update(
@@ -178,8 +180,9 @@ def test_a_round_without_a_step_keeps_the_control_variate(
     def nan_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return out.sum() * float("nan")
 
-    def train(net: torch.nn.Module, *args: object, **kwargs: object) -> object:
-        return inner(net, *args, loss_fn=nan_loss, **kwargs)  # type: ignore[arg-type]
+    def train(net: torch.nn.Module, *args: Any, **kwargs: Any) -> TrainStats:
+        kwargs["loss_fn"] = nan_loss
+        return inner(net, *args, **kwargs)
 
     monkeypatch.setattr(fedavg_mod, "local_train", train)
     reply, kept = algo.client_update(

@@ -121,7 +121,10 @@ def test_sum_aggregable_methods_accept_upload_increments(cls: type[Hyper]) -> No
 def test_the_subclasses_of_aggregable_methods_withdraw_the_flag() -> None:
     """RoLoRA's base LoraMethod claims nothing; Ditto, FedBE etc. subclass FedAvg and state
     ``sum_aggregable=False`` in their ``replace(FedAvg.capabilities, ...)``."""
-    assert not is_sum_aggregable(RoLoRA) and not is_sum_aggregable(LoraMethod)
+    assert not is_sum_aggregable(RoLoRA)
+    # mypy refuses an abstract class for type[Protocol] even where it is never instantiated
+    # (python/mypy#4717); is_sum_aggregable only reads the class's capabilities
+    assert not is_sum_aggregable(LoraMethod)  # type: ignore[type-abstract]
     for name in ("ditto", "fedbe", "fedfomo", "pfedme", "apfl", "perfedavg"):
         cls = registry.get("algorithm", name)
         assert issubclass(cls, FedAvg) and not is_sum_aggregable(cls)
@@ -129,9 +132,9 @@ def test_the_subclasses_of_aggregable_methods_withdraw_the_flag() -> None:
 
 @pytest.mark.parametrize("rule", ["median", "trimmed_mean"])
 def test_robust_aggregation_is_refused_with_increments(rule: str) -> None:
-    FedAvg(train=LocalTraining(robust_aggregate=rule))  # type: ignore[arg-type]
+    FedAvg(train=LocalTraining(robust_aggregate=rule))
     with pytest.raises(ValueError, match=f"robust_aggregate='{rule}'.*on its own"):
-        FedAvg(train=LocalTraining(robust_aggregate=rule, upload_increments=True))  # type: ignore[arg-type]
+        FedAvg(train=LocalTraining(robust_aggregate=rule, upload_increments=True))
 
 
 # ------------------------------------------------------- FedIT / FFA-LoRA with increments
@@ -193,8 +196,8 @@ def test_increments_reach_the_same_global_adapter_and_model_as_values(
     """3 rounds, client 2 missing round 1: the global factors and merged model with
     ``upload_increments`` equal those with values to 1e-6, and the uploads are increments."""
     kw = {"rank": 2, "lora_alpha": 4.0, "local_steps": 3, "lr": 3e-2, "batch_size": 8}
-    plain: LoraMethod = cls.of(**kw)  # type: ignore[arg-type]
-    summed: LoraMethod = cls.of(upload_increments=True, **kw)  # type: ignore[arg-type]
+    plain: LoraMethod = cls.of(**kw)
+    summed: LoraMethod = cls.of(upload_increments=True, **kw)
     values, sent_values = run(plain, 3)
     incs, sent_incs = run(summed, 3)
     for k, v in select(values.arrays, "lora.").items():

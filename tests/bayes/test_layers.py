@@ -110,7 +110,9 @@ def test_bayesianize_keeps_the_deterministic_model_as_its_mean() -> None:
     with sampling(model, False):
         assert torch.allclose(model(x), ref)
     assert bayesianize(model) is model and list(model.state_dict()) == names  # idempotent
-    sigma = torch.nn.functional.softplus(model.fc.weight_rho)  # type: ignore[union-attr]
+    fc = model.fc
+    assert isinstance(fc, BayesLinear)
+    sigma = torch.nn.functional.softplus(fc.weight_rho)
     assert torch.allclose(sigma, torch.full_like(sigma, 0.0067153), atol=1e-6)
 
 
@@ -236,7 +238,8 @@ def test_local_estimator_trains_sigma_and_uses_the_means_with_sampling_off() -> 
     torch.manual_seed(0)
     layer(x).pow(2).sum().backward()
     assert layer.weight_rho.grad is not None and float(layer.weight_rho.grad.abs().sum()) > 0
-    assert layer.bias_rho.grad is not None and float(layer.bias_rho.grad.abs().sum()) > 0
+    assert layer.bias_rho is not None and layer.bias_rho.grad is not None
+    assert float(layer.bias_rho.grad.abs().sum()) > 0
     with sampling(layer, False):
         ref = torch.nn.functional.linear(x, layer.weight_mu, layer.bias_mu)
         assert torch.equal(layer(x), ref)
@@ -245,10 +248,10 @@ def test_local_estimator_trains_sigma_and_uses_the_means_with_sampling_off() -> 
     assert not torch.allclose(twice[0], twice[1])
     with torch.no_grad():  # a variance that underflows keeps finite outputs and gradients
         layer.weight_rho.fill_(-200.0)
-        layer.bias_rho.fill_(-200.0)  # type: ignore[union-attr]
+        layer.bias_rho.fill_(-200.0)
     layer.zero_grad()
     layer(torch.zeros(2, 6)).sum().backward()
-    assert bool(torch.isfinite(layer.weight_rho.grad).all())  # type: ignore[arg-type]
+    assert bool(torch.isfinite(layer.weight_rho.grad).all())
 
 
 def test_estimator_is_set_on_every_bayesian_layer_and_checked() -> None:
@@ -264,7 +267,9 @@ def test_estimator_is_set_on_every_bayesian_layer_and_checked() -> None:
     with pytest.raises(ValueError, match="unknown BNN estimator"):
         bayesianize(_cnn(), estimator="bad")  # type: ignore[arg-type]
     # a conv keeps one weight draw per pass under "local": all examples share its noise
-    conv = model.features[0]  # type: ignore[index]
+    features = model.features
+    assert isinstance(features, nn.Sequential)
+    conv = features[0]
     x = torch.rand(1, 1, 8, 8).repeat(2, 1, 1, 1)
     out = conv(x)
     assert torch.equal(out[0], out[1])
@@ -284,6 +289,7 @@ def test_flattened_kl_equals_the_per_layer_sums() -> None:
     ref = 0.0  # torch.distributions, element by element, float64
     for m in layers:
         for mu, rho in ((m.weight_mu, m.weight_rho), (m.bias_mu, m.bias_rho)):
+            assert mu is not None and rho is not None  # the CNN's layers have biases
             q = Normal(mu.detach().double(), torch.nn.functional.softplus(rho.detach().double()))
             ref += float(torch_kl(q, Normal(m.prior.mu, m.prior.sigma)).sum())
     assert math.isclose(float(kl_divergence(model)), per_layer, rel_tol=1e-6)
@@ -311,8 +317,6 @@ def test_a_channels_last_model_draws_the_same_weights() -> None:
         out = last(x)
     assert torch.allclose(out, ref, atol=1e-6)
     conv = last.features[3]
-    assert (
-        conv.weights()[0].stride()
-        == conv.weight_mu.stride()
-        != model.features[3].weight_mu.stride()
-    )
+    features = model.features
+    assert isinstance(features, nn.Sequential) and isinstance(features[3], BayesConv2d)
+    assert conv.weights()[0].stride() == conv.weight_mu.stride() != features[3].weight_mu.stride()

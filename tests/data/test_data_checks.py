@@ -25,7 +25,9 @@ def _npz(folder: Path, part: str, n: int, seed: int = 0, **arrays: np.ndarray) -
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True, exist_ok=True)
     x = rng.random((n, 1, 4, 4)).astype(np.float32)
-    np.savez(folder / f"{part}.npz", **{"x": x, "y": rng.integers(0, 4, n), **arrays})
+    data: dict[str, np.ndarray] = {"x": x, "y": rng.integers(0, 4, n), **arrays}
+    # allow_pickle named (numpy's default): the unpacked arrays then fill only **kwds
+    np.savez(folder / f"{part}.npz", allow_pickle=True, **data)
 
 
 def test_an_empty_file_is_named() -> None:
@@ -162,7 +164,7 @@ def test_non_finite_is_an_option_of_the_npz_source_only() -> None:
         load_source(DataConfig(name="digits", non_finite="drop"))
 
 
-def _cfg(root: Path, *more: str):  # type: ignore[no-untyped-def]
+def _cfg(root: Path, *more: str):
     return load_config(
         None,
         ["data.name=npz", f"data.root={root}", "num_clients=2", "partition.name=iid",

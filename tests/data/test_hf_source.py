@@ -18,6 +18,7 @@ pytest.importorskip("datasets", reason="needs the [hf] extra: pip install -e '.[
 from ecosystem_data import digits, hf_images, write_hf_digits
 
 from fedlore.config import ConfigError, load_config
+from fedlore.data.datasource import DataSource
 from fedlore.data.federation import build_federation, load_source
 from fedlore.data.hf import load_hf
 from fedlore.data.text import load_text_csv, load_tokenizer, tokenize
@@ -37,6 +38,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_save_to_disk_folder_gives_the_images_labels_and_class_names(saved: Path) -> None:
     src = load_source(load_config(None, hf(saved)).data)
+    assert isinstance(src, DataSource)
     pix, y = digits(260)
     assert src.name == "hf" and src.input_shape == (1, 8, 8) and src.num_classes == 10
     assert src.class_names == [f"d{k}" for k in range(10)]  # the ClassLabel's names
@@ -94,6 +96,7 @@ def test_nan_inputs_are_refused_or_dropped_with_their_labels_and_ids(tmp_path: P
         load_hf(root, input_column="x")
     with pytest.warns(UserWarning, match="left out 1 of its 6 rows"):
         src = load_hf(root, input_column="x", id_column="who", non_finite="drop")
+    assert src.train_ids is not None
     assert src.train.y.tolist() == [0, 1, 0, 1, 2] and src.train_ids.tolist() == [0, 0, 1, 2, 2]
 
 
@@ -101,6 +104,7 @@ def test_a_single_dataset_has_its_test_split_held_out_with_the_ids(tmp_path: Pat
     hf_images(100, writers=4).save_to_disk(str(tmp_path / "one"))
     over = hf(tmp_path / "one", "data.id_column=writer", "num_clients=4", "partition.name=iid")
     src = load_source(load_config(None, over).data)
+    assert isinstance(src, DataSource) and src.test_ids is not None
     assert len(src.train) == 100 and len(src.test) == 0 and len(src.test_ids) == 0
     fed = build_federation(load_config(None, over), 0)
     assert len(fed.central_test) == 20  # a stratified 20 % of every class (data.missing_test)
@@ -162,6 +166,8 @@ def test_text_is_tokenized_as_the_text_csv_source_does(tmp_path: Path) -> None:
 
 def test_id_column_gives_sorted_ids_over_both_splits(saved: Path) -> None:
     src = load_source(load_config(None, hf(saved, "data.id_column=writer")).data)
+    assert isinstance(src, DataSource)
+    assert src.train_ids is not None and src.test_ids is not None
     assert src.id_names == ("w0", "w1", "w2", "w3", "w4")
     assert src.train_ids.tolist()[:6] == [0, 1, 2, 3, 4, 0]
     assert src.test_ids.tolist()[:3] == [0, 1, 2]  # row 200 is writer w0 again

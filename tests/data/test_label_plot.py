@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from matplotlib.container import BarContainer
 from matplotlib.image import AxesImage
 
 from fedlore.cli import main
@@ -36,6 +37,7 @@ def test_stacked_bars_hold_the_counts(fed: Federation) -> None:
     ax = label_figure(fed, "bars").axes[0]
     assert len(ax.containers) == 10
     for k, bars in enumerate(ax.containers):
+        assert isinstance(bars, BarContainer)
         assert bars.get_label() == names[k]
         assert [round(p.get_height()) for p in bars.patches] == counts[:, k].tolist()
         # stacked: class k starts on top of classes 0 .. k-1

@@ -13,6 +13,7 @@ import torch
 from ecosystem_data import femnist_users, shakespeare_users, write_leaf
 
 from fedlore.config import ConfigError, load_config
+from fedlore.data.datasource import DataSource
 from fedlore.data.federation import build_federation, load_source
 from fedlore.data.leaf import FEMNIST_CLASSES, LEAF_LETTERS, UNKNOWN, load_leaf
 
@@ -44,6 +45,7 @@ def test_shakespeare_layout_gives_leaf_character_ids(tmp_path: Path) -> None:
     users[first]["train"] = (["~" + x[0][1:], *x[1:]], y)  # '~' is not in LEAF's vocabulary
     write_leaf(tmp_path / "shakespeare" / "data", users)  # LEAF's own data/ layout
     src = load_source(load_config(None, leaf(tmp_path / "shakespeare")).data)
+    assert isinstance(src, DataSource) and src.train_ids is not None
     assert src.train.x.dtype == torch.int64 and src.input_shape == (80,)
     assert src.num_classes == len(LEAF_LETTERS) + 1 == 81 and src.class_names[-1] == UNKNOWN
     assert src.class_names[:3] == ["\\n", " ", "!"]
@@ -83,6 +85,7 @@ def test_fewer_clients_group_whole_users_and_more_are_refused(tmp_path: Path) ->
     users = femnist_users(num_users=6, n_train=5, n_test=2)
     write_leaf(tmp_path / "f", users)
     src = load_leaf(str(tmp_path / "f"))
+    assert src.train_ids is not None and src.test_ids is not None
     natural = leaf(tmp_path / "f", "partition.name=natural")
     fed = build_federation(load_config(None, [*natural, "num_clients=4"]), 0)
     owners = [set(src.train_ids[tr].tolist()) for tr in fed.train_indices]

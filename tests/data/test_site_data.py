@@ -21,10 +21,11 @@ def _write(folder: Path, part: str, n: int, seed: int = 0, names: bool = True) -
     folder.mkdir(parents=True, exist_ok=True)
     extra = {"class_names": NAMES} if names else {}
     x = rng.integers(0, 256, size=(n, 1, 4, 4), dtype=np.uint8)
-    np.savez(folder / f"{part}.npz", x=x, y=rng.integers(0, 4, n), **extra)
+    # allow_pickle named (numpy's default): the unpacked arrays then fill only **kwds
+    np.savez(folder / f"{part}.npz", x=x, y=rng.integers(0, 4, n), allow_pickle=True, **extra)
 
 
-def _cfg(root: Path, *more: str):  # type: ignore[no-untyped-def]
+def _cfg(root: Path, *more: str):
     return load_config(
         None,
         ["data.name=npz", f"data.root={root}", "num_clients=3", "flower.site_data=true",

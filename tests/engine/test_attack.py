@@ -57,13 +57,15 @@ def test_label_flip_poisons_only_the_attackers_training_labels() -> None:
         def __init__(self, algo: Any, data: Any, *rest: Any) -> None:
             self.data = data
 
-        def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply]:
+        def send(
+            self, rnd: int, messages: dict[int, Broadcast]
+        ) -> dict[int, Reply | BaseException]:
             for cid in messages:
                 seen[cid] = self.data(cid)
             return {}
 
     make = attacked(Fake, "label_flip", 0.5, 1.0, num_clients=4, num_classes=10)
-    make(None, _client, None, 42, None).send(0, dict.fromkeys(range(4)))  # type: ignore[arg-type]
+    make(None, _client, None, 42, None).send(0, {c: Broadcast({}, {"round": 0}) for c in range(4)})
     bad = choose_attackers(4, 0.5, 42)
     for cid, data in seen.items():
         want = torch.tensor([9, 8, 7, 0]) if cid in bad else torch.tensor([0, 1, 2, 9])

@@ -25,7 +25,7 @@ from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport
 from fedlore.experiment_parts import make_algorithm, model_factory
 from fedlore.seeding import SERVER_INIT, generator
-from fedlore.types import Broadcast, Reply, State
+from fedlore.types import Broadcast, Reply, Scalars, State
 
 SEED = 0
 VICTIM = 1
@@ -506,7 +506,7 @@ def test_combine_updates_by_hand() -> None:
 def test_validate_reply_names_the_first_problem_in_key_order() -> None:
     """The finiteness of all keys is checked at once, but the reason is the first problem in the
     spec's key order, as when each key was checked in turn."""
-    n = {"num_examples": 1}
+    n: Scalars = {"num_examples": 1}
     nan_w = torch.full((2, 3), float("nan"))
     first_nan = Reply({**_good().arrays, "update.w": nan_w, "update.b": torch.zeros(4)}, n)
     assert validate_reply(first_nan, SPEC) == "update.w: contains NaN or Inf"

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from fedlore.algorithms.local_galore import LocalGaLore
 from fedlore.config import Config, load_config
 from fedlore.data.federation import build_federation
 from fedlore.diagnostics import Diagnoser, mixture_eigenvalues, normalized
@@ -131,6 +132,7 @@ def test_local_galore_quantities_match_their_definitions(tmp_path: Path) -> None
     cfg = _cfg(tmp_path, "diagnostics.every=1")
     fed = build_federation(cfg, SEED)
     algo = make_algorithm("local_galore", cfg)
+    assert isinstance(algo, LocalGaLore)
     model = model_factory(cfg, fed, SEED)()
     state = algo.init_server(model, generator(SEED, SERVER_INIT))
     diag = Diagnoser(algo, model, fed.client, fed.num_clients, 1, 32, "all", SEED, cfg.rank)
@@ -142,13 +144,16 @@ def test_local_galore_quantities_match_their_definitions(tmp_path: Path) -> None
     v = 0.0
     for k in diag.plan:
         gs = [g[k] for g in grads]
-        g_mean = sum(w * g for g, w in zip(gs, p, strict=True))
+        zero_g = torch.zeros_like(gs[0])
+        g_mean = sum((w * g for g, w in zip(gs, p, strict=True)), zero_g)
         bases = [
             algo.diagnostic_bases(state, 0, {k: g.float()}, generator(0))[k].double() for g in gs
         ]
         projs = [q @ q.t() for q in bases]
-        a = sum(w * pr for pr, w in zip(projs, p, strict=True))
-        b = sum(w * (pr - a) @ (g - g_mean) for pr, g, w in zip(projs, gs, p, strict=True))
+        a = sum((w * pr for pr, w in zip(projs, p, strict=True)), torch.zeros_like(projs[0]))
+        b = sum(
+            (w * (pr - a) @ (g - g_mean) for pr, g, w in zip(projs, gs, p, strict=True)), zero_g
+        )
         b2 += float(b.pow(2).sum())
         inner += float((g_mean * (a @ g_mean + b)).sum())
         retained += float((g_mean * (a @ g_mean)).sum())

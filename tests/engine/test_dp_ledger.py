@@ -5,8 +5,10 @@ kept (atomically, before the rows go) and accumulates over resumes."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from fedlore.engine.callbacks import MetricsWriter
 from fedlore.privacy import DPSettings, Privacy
 
 
-def _metrics(path: Path, rows: list[dict[str, object]], torn: str = "") -> Path:
+def _metrics(path: Path, rows: Sequence[Mapping[str, object]], torn: str = "") -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + torn, "utf-8")
     return path
 
@@ -70,14 +72,14 @@ def test_account_repeats_counts_under_dp_only_and_names_the_ledger(
     Without DP (no privacy, or secure aggregation alone) nothing is recorded and the privacy
     comes back as it is."""
     m = _metrics(tmp_path / "metrics.jsonl", [{"round": r, "dp_epsilon": 1.0} for r in range(4)])
-    common = {"uniform": True, "num_clients": 4, "per_round": 4, "setup_rounds": 0, "seed": 0}
-    secure = Privacy(secure=True, dp=None, **common)
+    common = functools.partial(
+        Privacy, uniform=True, num_clients=4, per_round=4, setup_rounds=0, seed=0
+    )
+    secure = common(secure=True, dp=None)
     assert dp_ledger.account_repeats(None, tmp_path, m, 1) is None
     assert dp_ledger.account_repeats(secure, tmp_path, m, 1) is secure
     assert not (tmp_path / dp_ledger.LEDGER).exists()
-    dp = Privacy(
-        secure=False, dp=DPSettings(clip_norm=1.0, noise_multiplier=1.0, delta=1e-5), **common
-    )
+    dp = common(secure=False, dp=DPSettings(clip_norm=1.0, noise_multiplier=1.0, delta=1e-5))
     with caplog.at_level(logging.WARNING, logger="fedlore.engine.dp_ledger"):
         counted = dp_ledger.account_repeats(dp, tmp_path, m, 1)
     assert counted is not None and counted.repeated == 2 and dp.repeated == 0

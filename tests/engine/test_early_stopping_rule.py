@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from fedlore.types import State
 
 
 def _feed(
-    values: list[float | None], mode: str = "max", patience: int = 2, min_delta: float = 0.0
+    values: Sequence[float | None], mode: str = "max", patience: int = 2, min_delta: float = 0.0
 ) -> EarlyStopping:
     """The rule after one evaluation per round (round i has ``values[i]``), as the loop feeds
     it: after a stop the loop runs no further round."""
@@ -107,18 +108,19 @@ def test_rounds_without_the_metric_and_non_finite_values() -> None:
 def test_restore_best_keeps_a_copy_later_rounds_cannot_change() -> None:
     es = EarlyStopping("selection_accuracy", "max", 2, 0.0, restore_best=True)
     w = torch.zeros(3)
-    es.on_round_end(0, {"selection_accuracy": 0.5}, State({"model.w": w}, {"t": [1]}))
+    es.on_round_end(0, {"selection_accuracy": 0.5}, State({"model.w": w}, {"t": 1}))
     w += 1.0  # a method that updates its tensors in place
-    es.on_round_end(1, {"selection_accuracy": 0.4}, State({"model.w": w}, {"t": [2]}))
+    es.on_round_end(1, {"selection_accuracy": 0.4}, State({"model.w": w}, {"t": 2}))
     assert es.best_state is not None
     assert torch.equal(es.best_state.arrays["model.w"], torch.zeros(3))
-    assert es.best_state.values == {"t": [1]}
+    assert es.best_state.values == {"t": 1}
     entry = es.checkpoint_entry()["early_stopping"]
     assert entry["best_state"]["arrays"]["model.w"].device.type == "cpu"
     again = EarlyStopping("selection_accuracy", "max", 2, 0.0, restore_best=True)
     again.restore({"early_stopping": entry})
     assert (again.best_round, again.best_value, again.wait) == (0, 0.5, 1)
-    assert torch.equal(again.best_state.arrays["model.w"], torch.zeros(3))  # type: ignore[union-attr]
+    assert again.best_state is not None
+    assert torch.equal(again.best_state.arrays["model.w"], torch.zeros(3))
 
 
 @pytest.mark.parametrize(

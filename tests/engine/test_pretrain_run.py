@@ -114,7 +114,11 @@ def test_resume_refuses_changed_data(tmp_path: Path) -> None:
 def test_diverged_run_keeps_its_language_model_summary(tmp_path: Path) -> None:
     from fedlore.results.store import lm_summary
 
-    rows = [{"round": 0, "perplexity": 250.0}, {"round": 1}, {"round": 2, "perplexity": None}]
+    rows: list[dict[str, Any]] = [
+        {"round": 0, "perplexity": 250.0},
+        {"round": 1},
+        {"round": 2, "perplexity": None},
+    ]
     assert lm_summary(rows) == {"final_perplexity": None, "best_perplexity": 250.0}
     assert lm_summary([{"round": 0, "accuracy": 0.5}]) == {}
 

@@ -40,7 +40,7 @@ from fedlore.privacy.dp import epsilon_spent
 from fedlore.privacy.local_dp import UPLOADS_KEY
 from fedlore.results.report import report
 from fedlore.seeding import DP_NOISE, generator
-from fedlore.types import Broadcast, State
+from fedlore.types import Broadcast, Reply, State
 
 SEED = 5
 
@@ -237,7 +237,7 @@ def test_reproducible_noise_replays_and_says_no_privacy(tmp_path: Path) -> None:
     assert [r["accepted_clients"] for r in _rows(whole, "fedfull")] == [
         r["accepted_clients"] for r in _rows(parts, "fedfull")
     ]
-    assert "no privacy (1 run with seeded noise)" in report(str(tmp_path / "whole" / "privacy"))
+    assert "no privacy (1 run with seeded noise)" in report(tmp_path / "whole" / "privacy")
 
 
 @pytest.mark.parametrize(
@@ -553,7 +553,7 @@ def test_a_local_dp_run_reports_the_worst_off_clients_epsilon_and_resumes(tmp_pa
         assert not {"accepted_clients", "dp_clipped", "dp_epsilon_sample_known"} & r.keys()
     assert "dp_epsilon_sample_known" not in summary and "dp_clipped_total" not in summary
     # the report's privacy cell says whose ε it is: a local run's, not a central one's
-    shown = report(str(tmp_path / cfg.name))
+    shown = report(tmp_path / cfg.name)
     assert f"local DP: {summary['dp_epsilon']:.3g} (1e-05) / 1.5 / 1 / " in shown
 
 
@@ -567,7 +567,11 @@ class _Received:
         def send(transport: LocalTransport, rnd: int, messages: Any) -> Any:
             out = real(transport, rnd, messages)
             if rnd == 0:
-                self.uploads = {c: flatten(r.arrays) for c, r in out.items()}
+                uploads = {}
+                for c, r in out.items():
+                    assert isinstance(r, Reply), r  # every client of round 0 replies
+                    uploads[c] = flatten(r.arrays)
+                self.uploads = uploads
             return out
 
         monkeypatch.setattr(LocalTransport, "send", send)

@@ -11,6 +11,7 @@ from fedlore.config import ConfigError, load_config
 from fedlore.engine.rundir import _run_config, config_diff, resolved_hyper
 from fedlore.engine.validate import validate_reply
 from fedlore.experiment_parts import make_algorithm
+from fedlore.privacy.client import ReplySpec
 from fedlore.train.metrics import MetricError, real_number
 from fedlore.types import Reply
 
@@ -33,7 +34,7 @@ def test_a_metric_that_returns_no_number_shows_the_value_abbreviated(
 
 
 def test_a_reply_with_many_wrong_keys_says_how_many() -> None:
-    spec = {f"update.w{i}": ((1,), torch.float32) for i in range(6)}
+    spec: ReplySpec = {f"update.w{i}": ((1,), torch.float32) for i in range(6)}
     reply = Reply({"update.w0": torch.ones(1), "other": torch.ones(1)}, {"num_examples": 1})
     assert validate_reply(reply, spec) == (
         "array keys differ: missing ['update.w1', 'update.w2', 'update.w3'] and 2 more, "

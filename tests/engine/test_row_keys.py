@@ -43,6 +43,7 @@ def _loop(cls: type[FedAvg]) -> tuple[RoundLoop, State]:
         ["num_clients=3", "local_steps=1", "model.kwargs={hidden: [8]}", "algorithms=[fedavg]"],
     )
     base = make_algorithm("fedavg", cfg)
+    assert isinstance(base, FedAvg)
     algo = cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
     fed = build_federation(cfg, SEED)
     build = model_factory(cfg, fed, SEED)

@@ -135,7 +135,7 @@ def test_the_lock_is_released_when_a_run_fails(tmp_path: Path) -> None:
             raise Boom
 
     with pytest.raises(Boom):
-        run_one(cfg, "fedavg", SEED, extra_callbacks=(Explode(),))  # type: ignore[arg-type]
+        run_one(cfg, "fedavg", SEED, extra_callbacks=(Explode(),))
     with RunLock(out):  # free again
         pass
 

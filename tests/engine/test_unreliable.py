@@ -16,7 +16,7 @@ from fedlore.data.client_data import ClientData
 from fedlore.engine.unreliable import ClientDropped, UnreliableTransport, available_sampler
 from fedlore.experiment import run_one
 from fedlore.experiment_parts import make_algorithm
-from fedlore.types import Reply
+from fedlore.types import Broadcast, Reply
 
 SMALL = ["num_clients=6", "local_steps=4", "batch_size=16", "progress=false",
          "model.kwargs={hidden: [16]}", "algorithms=[fedavg]"]  # fmt: skip
@@ -33,12 +33,17 @@ class _Echo:
     def __init__(self, algo: Any, data: Any) -> None:
         self.algo, self.data = algo, data
 
-    def send(self, rnd: int, messages: dict[int, Any]) -> dict[int, Reply]:
-        out = {}
+    def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
+        out: dict[int, Reply | BaseException] = {}
         for cid in messages:
             steps = len(self.algo.round_lrs(rnd, self.data(cid).num_examples))
             out[cid] = Reply({}, {"num_examples": 10, "steps": steps})
         return out
+
+
+def _messages(clients: int) -> dict[int, Broadcast]:
+    """One (empty) message per client: the transports pass them on unread."""
+    return {c: Broadcast({}, {"round": 0}) for c in range(clients)}
 
 
 def _data(n: int) -> Any:
@@ -54,17 +59,16 @@ def _data(n: int) -> Any:
 def test_dropout_loses_about_p_of_the_replies_the_same_way_every_time() -> None:
     cfg = load_config(None, [*SMALL, "clients.dropout=0.3"])
     algo = FedAvg.of(local_steps=4)
-    t = UnreliableTransport(_Echo(algo, _data(40)), cfg, algo, _data(40), 42)  # type: ignore[arg-type]
+    t = UnreliableTransport(_Echo(algo, _data(40)), cfg, algo, _data(40), 42)
     lost = [
         isinstance(r, ClientDropped)
         for rnd in range(200)
-        for r in t.send(rnd, dict.fromkeys(range(6))).values()
+        for r in t.send(rnd, _messages(6)).values()
     ]
     assert sum(lost) / len(lost) == pytest.approx(0.3, abs=0.04)
-    again = UnreliableTransport(_Echo(algo, _data(40)), cfg, algo, _data(40), 42)  # type: ignore[arg-type]
-    assert [
-        isinstance(r, ClientDropped) for r in again.send(7, dict.fromkeys(range(6))).values()
-    ] == lost[42:48]
+    again = UnreliableTransport(_Echo(algo, _data(40)), cfg, algo, _data(40), 42)
+    round7 = again.send(7, _messages(6)).values()
+    assert [isinstance(r, ClientDropped) for r in round7] == lost[42:48]
 
 
 def test_stragglers_are_dropped_or_send_their_partial_work_with_its_share() -> None:
@@ -79,22 +83,24 @@ def test_stragglers_are_dropped_or_send_their_partial_work_with_its_share() -> N
         trace = Path(d) / "speeds.json"
         trace.write_text("[1.0, 0.5, 0.25]")
         drop = load_config(None, [*base, f"clients.speed_trace={trace}"])
-        t = UnreliableTransport(_Echo(algo, _data(40)), drop, algo, _data(40), 42)  # type: ignore[arg-type]
-        got = t.send(0, dict.fromkeys(range(3)))
+        t = UnreliableTransport(_Echo(algo, _data(40)), drop, algo, _data(40), 42)
+        got = t.send(0, _messages(3))
         assert isinstance(got[0], Reply) and got[0].metrics["steps"] == 8
         assert isinstance(got[1], ClientDropped) and "straggler" in str(got[1])
         part = load_config(
             None, [*base, f"clients.speed_trace={trace}", "clients.partial_work=true"]
         )
-        t = UnreliableTransport(_Echo(algo, _data(40)), part, algo, _data(40), 42)  # type: ignore[arg-type]
-        got = t.send(0, dict.fromkeys(range(3)))
-    steps = {c: r.metrics["steps"] for c, r in got.items()}  # type: ignore[union-attr]
-    shares = {c: r.metrics.get("work_share", 1.0) for c, r in got.items()}  # type: ignore[union-attr]
+        t = UnreliableTransport(_Echo(algo, _data(40)), part, algo, _data(40), 42)
+        got = t.send(0, _messages(3))
+    replies = {c: r for c, r in got.items() if isinstance(r, Reply)}
+    assert replies.keys() == got.keys()  # with partial work every client answers
+    steps = {c: r.metrics["steps"] for c, r in replies.items()}
+    shares = {c: r.metrics.get("work_share", 1.0) for c, r in replies.items()}
     assert steps == {0: 8, 1: 5, 2: 2} and shares == {0: 1.0, 1: 5 / 8, 2: 2 / 8}
     # the weights follow the work done: n_i times the share (uniform: the share)
-    replies = [got[c] for c in range(3)]
-    assert algo.weights(replies) == [10.0, 6.25, 2.5]  # type: ignore[arg-type]
-    assert FedAvg.of(weighting="uniform").weights(replies) == [1.0, 5 / 8, 2 / 8]  # type: ignore[arg-type]
+    ordered = [replies[c] for c in range(3)]
+    assert algo.weights(ordered) == [10.0, 6.25, 2.5]
+    assert FedAvg.of(weighting="uniform").weights(ordered) == [1.0, 5 / 8, 2 / 8]
     # a reply that claims more than its whole round counts as its whole round, never more
     boast = Reply({}, {"num_examples": 10, "work_share": 1e6})
     low = Reply({}, {"num_examples": 10, "work_share": -3.0})

@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("flwr", reason="needs the [flower] extra: pip install -e '.[flower]'")
 import torch
 from flwr.app import Context, Message, Metadata, RecordDict
+from flwr.app.message import make_message  # the typed way to give a Message its Metadata
 
 from fedlore.config import load_config
 from fedlore.engine.callbacks import Checkpointer
@@ -57,9 +58,7 @@ class ClientAppInProcess:
                 reply_to_message_id="", group_id=str(rnd), created_at=time.time(), ttl=3600.0,
                 message_type="train",
             )  # fmt: skip
-            reply = self.client(
-                Message(metadata=meta, content=broadcast_to_record(b)), self.ctx[cid]
-            )
+            reply = self.client(make_message(meta, broadcast_to_record(b)), self.ctx[cid])
             self.threads.append(torch.get_num_threads())
             out[cid] = record_to_reply(reply.content)
         return out

@@ -79,9 +79,9 @@ def test_bfloat16_roundtrip_bitwise_through_flower_serialization(shape: tuple[in
         back = record_to_arrays(ArrayRecord({"w": arr}))["w"]
         assert back.dtype == torch.bfloat16 and tuple(back.shape) == shape
         assert torch.equal(back.view(torch.int16), t.view(torch.int16))  # bit for bit
-    back = record_to_arrays(rec)
-    assert torch.equal(back["s"].view(torch.int16), special.view(torch.int16))
-    assert back["f"].dtype == torch.float32
+    backs = record_to_arrays(rec)
+    assert torch.equal(backs["s"].view(torch.int16), special.view(torch.int16))
+    assert backs["f"].dtype == torch.float32
     assert record_nbytes(arrays_to_record({"w": torch.zeros(1000, dtype=torch.bfloat16)})) < (
         2000 + 256
     )

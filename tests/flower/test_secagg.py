@@ -30,6 +30,7 @@ import pytest
 pytest.importorskip("flwr", reason="needs the [flower] extra: pip install -e '.[flower]'")
 import torch
 from flwr.app import Context, Error, Message, RecordDict
+from flwr.app.message import make_message  # the typed way to give a Message its Metadata
 from flwr.common.secure_aggregation.secaggplus_constants import (
     RECORD_KEY_CONFIGS,
     RECORD_KEY_STATE,
@@ -120,7 +121,7 @@ class DirectGrid(Grid):
             stage = "" if cfg is None else str(cfg.get(Key.STAGE, ""))
             node = msg.metadata.dst_node_id
             # a copy, as if serialized: the workflow sends one content object to many nodes
-            msg = Message(metadata=copy.deepcopy(msg.metadata), content=copy.deepcopy(msg.content))
+            msg = make_message(copy.deepcopy(msg.metadata), copy.deepcopy(msg.content))
             if self.fail.get(node) == stage:
                 reply = Message(Error(1, f"node {node} dropped out in {stage}"), reply_to=msg)
             else:

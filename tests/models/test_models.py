@@ -8,6 +8,8 @@ from torch import nn
 
 from fedlore import registry
 from fedlore.models import build_model, mlp
+from fedlore.models.cnn import CNN
+from fedlore.models.resnet import CifarResNet
 
 SHAPES = [(1, 8, 8), (1, 28, 28), (3, 32, 32)]
 MODELS = ["mlp", "cnn", "resnet20", "resnet32", "resnet44", "resnet56"]
@@ -56,6 +58,7 @@ def test_cnn_parameter_count_matches_mcmahan() -> None:
 
 def test_cnn_kwargs() -> None:
     m = build_model("cnn", (3, 32, 32), 10, channels=(8, 16), hidden=64, dropout=0.5)
+    assert isinstance(m, CNN)
     assert m.fc.in_features == 16 * 8 * 8 and m.fc.out_features == 64
     assert m(torch.rand(2, 3, 32, 32)).shape == (2, 10)
 
@@ -74,6 +77,7 @@ def test_mlp_batch_norm_sits_between_each_hidden_linear_and_its_relu() -> None:
     default builds the plain MLP with the tensor names it always had."""
     torch.manual_seed(0)
     m = build_model("mlp", (1, 8, 8), 10, hidden=[32, 16], norm="batch")
+    assert isinstance(m, mlp.MLP)
     kinds = [type(mod) for mod in m.body]
     assert kinds == [nn.Linear, mlp.BatchNorm1d, nn.ReLU] * 2
     assert issubclass(mlp.BatchNorm1d, nn.BatchNorm1d)  # torch's, found by type (FedBN)
@@ -82,7 +86,9 @@ def test_mlp_batch_norm_sits_between_each_hidden_linear_and_its_relu() -> None:
         m.state_dict()
     )
     assert m(torch.rand(4, 1, 8, 8)).shape == (4, 10)
-    assert not torch.equal(m.body[1].running_mean, torch.zeros(32))  # training mode: stats move
+    bn = m.body[1]
+    assert isinstance(bn, nn.BatchNorm1d) and bn.running_mean is not None
+    assert not torch.equal(bn.running_mean, torch.zeros(32))  # training mode: stats move
     plain = build_model("mlp", (1, 8, 8), 10, hidden=[32, 16])
     assert not any(isinstance(mod, nn.BatchNorm1d) for mod in plain.modules())
     assert list(plain.state_dict()) == [
@@ -100,6 +106,7 @@ def test_mlp_batch_norm_takes_a_training_batch_of_one() -> None:
     in evaluation) and leaves them unchanged, and the step still reaches every parameter."""
     torch.manual_seed(0)
     m = build_model("mlp", (6,), 3, hidden=[8], norm="batch")
+    assert isinstance(m, mlp.MLP)
     m.train()
     m(torch.randn(16, 6) * 3 + 1)  # statistics away from (0, 1)
     bn = m.body[1]
@@ -133,6 +140,7 @@ def test_resnet20_parameter_count() -> None:
 
 def test_resnet_group_norm_and_width() -> None:
     model = build_model("resnet20", (3, 32, 32), 100, norm="group", width=8, groups=4)
+    assert isinstance(model, CifarResNet)
     assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
     norms = [m for m in model.modules() if isinstance(m, nn.GroupNorm)]
     assert norms and all(m.num_groups == 4 for m in norms)
@@ -179,7 +187,7 @@ def test_the_cnns_channels_last_pool_is_torchs_pool_bit_for_bit(
     """fedlore's CPU max-pool gives nn.MaxPool2d's values without autograd (its channels-last
     route, ties included: ReLU zeros and repeated integers) and nn.MaxPool2d's values and
     gradients with it; the CNN pools with it."""
-    from fedlore.models.cnn import CNN, MaxPool2d
+    from fedlore.models.cnn import MaxPool2d
 
     gen = torch.Generator().manual_seed(0)
     ties = torch.randint(0, 3, shape, generator=gen).float()
@@ -195,6 +203,7 @@ def test_the_cnns_channels_last_pool_is_torchs_pool_bit_for_bit(
         for pool in (ours, theirs):
             xg = x.clone().requires_grad_()
             pool(xg).pow(2).sum().backward()
+            assert xg.grad is not None
             grads.append(xg.grad)
         assert torch.equal(grads[0], grads[1])
     cnn = CNN((1, 28, 28), 10, (8, 16), 64, 0.0)

@@ -82,6 +82,9 @@ def test_vit_default_size() -> None:
     model = build_model("vit", (1, 28, 28), 10)
     backbone = sum(p.numel() for n, p in model.named_parameters() if n.startswith("backbone."))
     assert backbone == 204_416  # the figure in the module docstring
+    from transformers import ViTModel
+
+    assert isinstance(model.backbone, ViTModel)
     assert model.backbone.config.patch_size == 4 and len(model.backbone.layers) == 4
 
 
@@ -99,6 +102,9 @@ def test_vit_init_follows_global_rng() -> None:
 def test_vit_pretrained_round_trip(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = build_model("vit", (1, 8, 8), 10, patch_size=2, hidden_size=32, num_layers=2)
+    from transformers import PreTrainedModel
+
+    assert isinstance(model.backbone, PreTrainedModel)
     model.backbone.save_pretrained(tmp_path)
     torch.manual_seed(1)
     loaded = build_model("vit", (1, 8, 8), 5, pretrained=str(tmp_path))
@@ -106,7 +112,7 @@ def test_vit_pretrained_round_trip(tmp_path: Path) -> None:
     backbone = [k for k in mine if k.startswith("backbone.")]
     assert backbone and set(backbone) == {k for k in theirs if k.startswith("backbone.")}
     assert all(torch.equal(mine[k], theirs[k]) for k in backbone)
-    assert loaded.head.out_features == 5
+    assert isinstance(loaded.head, nn.Linear) and loaded.head.out_features == 5
     with pytest.raises(ValueError, match="built for 1x8x8"):
         build_model("vit", (1, 28, 28), 10, pretrained=str(tmp_path))
     with pytest.raises(ValueError, match="patch_size"):
@@ -125,7 +131,9 @@ def test_vit_errors(tmp_path: Path) -> None:
 
 
 def test_minilm_loads_offline(minilm: nn.Module) -> None:
-    assert isinstance(minilm, TextClassifier)
+    from transformers import PreTrainedModel
+
+    assert isinstance(minilm, TextClassifier) and isinstance(minilm.backbone, PreTrainedModel)
     assert minilm.backbone.config.hidden_size == 384 and minilm.pad_token_id == 0
     assert minilm.head.in_features == 384 and minilm.head.out_features == 4
     assert not any("pooler" in k for k in minilm.state_dict())
@@ -143,6 +151,7 @@ def test_minilm_loads_offline(minilm: nn.Module) -> None:
 def test_minilm_padding_does_not_change_output(minilm: nn.Module) -> None:
     from fedlore.data.text import load_tokenizer, tokenize
 
+    assert isinstance(minilm, TextClassifier)
     tok = load_tokenizer(None)
     texts = ["A pot of tea solves most problems.", "Orbit is falling and missing."]
     short, long = tokenize(tok, texts, 16), tokenize(tok, texts, 32)
@@ -179,6 +188,9 @@ def test_tiny_text_init_follows_global_rng() -> None:
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not torch.equal(sa["head.weight"], sc["head.weight"])
+    from transformers import PreTrainedModel
+
+    assert isinstance(a.backbone, PreTrainedModel)
     assert a.backbone.config.vocab_size == 30522  # the folder's tokenizer still fits
 
 

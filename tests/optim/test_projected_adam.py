@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Literal
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ def grads_for(step: int, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
 # ------------------------------------------------------------------------ identity basis = AdamW
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_identity_basis_matches_adamw(side: str, weight_decay: float) -> None:
+def test_identity_basis_matches_adamw(side: Literal["left", "right"], weight_decay: float) -> None:
     out_f, in_f = 5, 7
     ref = linear(out_f, in_f)
     mine = copy.deepcopy(ref)
@@ -69,7 +70,7 @@ def test_identity_basis_matches_adamw(side: str, weight_decay: float) -> None:
 
 # ------------------------------------------------------------------------ moments and coordinates
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_moments_live_in_coordinates(side: str) -> None:
+def test_moments_live_in_coordinates(side: Literal["left", "right"]) -> None:
     lin = linear(9, 6)
     plan = projection_plan(nn.ModuleDict({"lin": lin}), 2, side=side)
     spec = plan["lin.weight"]
@@ -100,7 +101,9 @@ def test_state_bytes_adds_dense_moments() -> None:
 
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize(("weight_decay", "scale"), [(0.0, 1.0), (0.2, 1.0), (0.1, 0.25)])
-def test_coords_accumulate_to_endpoint(side: str, weight_decay: float, scale: float) -> None:
+def test_coords_accumulate_to_endpoint(
+    side: Literal["left", "right"], weight_decay: float, scale: float
+) -> None:
     lin = linear(10, 8)
     spec = projection_plan(nn.ModuleDict({"lin": lin}), 3, side=side)["lin.weight"]
     basis = random_basis(5, spec.m, spec.rank)
@@ -209,6 +212,7 @@ def test_nan_gradient_with_finite_loss_is_skipped() -> None:
     opt, _, _ = tiny_opt(model)
 
     def poison(m: nn.Module) -> torch.Tensor:
+        assert isinstance(m, Tiny)
         return 0.0 * torch.sqrt((m.fc.weight * 0.0).sum())
 
     batches = minibatches(data(), 4, 4, torch.Generator().manual_seed(0))
@@ -248,7 +252,9 @@ def test_last_gradient_is_last_finite_one() -> None:
     )
 
     def hook(_: nn.Module, step: int) -> None:
-        seen[step] = plan["fc.weight"].view(params["fc.weight"].grad).detach().clone()
+        grad = params["fc.weight"].grad
+        assert grad is not None
+        seen[step] = plan["fc.weight"].view(grad).detach().clone()
 
     batches = minibatches(split, bs, k, torch.Generator().manual_seed(seed))
     local_train(replay, batches, opt, [1e-2] * k, on_grad=[hook])
@@ -308,12 +314,12 @@ def test_cnn_trains_a_fedlore_round_with_projected_kernels() -> None:
     assert "fc.weight" in plan and not any(k.startswith("head.") for k in plan)
     state = algo.init_server(model, torch.Generator().manual_seed(0))
     clients = []
-    for c in range(2):
-        g = torch.Generator().manual_seed(c)
+    for cid in range(2):
+        g = torch.Generator().manual_seed(cid)
         x = torch.rand(16, 1, 8, 8, generator=g)
         clients.append(
             ClientData(
-                c,
+                cid,
                 TensorSplit(x, torch.randint(0, 10, (16,), generator=g)),
                 TensorSplit(x, x[:, 0, 0, 0].long()),
             )
@@ -334,7 +340,7 @@ def test_cnn_trains_a_fedlore_round_with_projected_kernels() -> None:
                 assert reply.arrays[key].dtype == dtype, key
             replies.append((c.client_id, reply))
         w_before = algo.global_arrays(state)
-        state, _ = algo.aggregate(state, replies, rnd)
+        state, _ = algo.aggregate(state, list(replies), rnd)
     assert replies[0][1].arrays["update.features.0.weight"].shape == (rank, 25)
     assert replies[0][1].arrays["cand.features.3.weight"].shape == (64, rank)
     assert all(r.metrics["skipped_steps"] == 0 for _, r in replies)
@@ -348,7 +354,9 @@ def test_cnn_trains_a_fedlore_round_with_projected_kernels() -> None:
 # ------------------------------------------------------------------------ projected SGD
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_projected_sgd_steps_along_the_projected_gradient(side: str, weight_decay: float) -> None:
+def test_projected_sgd_steps_along_the_projected_gradient(
+    side: Literal["left", "right"], weight_decay: float
+) -> None:
     """ProjectedSGD: W <- a W - lr·scale·P Pᵀ G for the projected matrix, p <- a p - lr g for
     dense ones, no moments; W_K = (Π a_k) W_0 + P Z exactly (Proposition 8)."""
     from fedlore.optim.projected_adam import ProjectedSGD

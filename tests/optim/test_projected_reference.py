@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fedlore.optim.projected_adam import ProjectedAdam, ProjectedSGD
-from fedlore.optim.subspace import MatrixSpec, random_basis
+from fedlore.optim.subspace import MatrixSpec, Side, random_basis
 
 LRS = [3e-2, 2e-2, 1e-2, 5e-3, 2.5e-2, 1e-3]
 SKIP = 3  # the step that is skipped (a non-finite loss in the loop)
@@ -34,7 +34,7 @@ def problem(dtype: torch.dtype):
             w = torch.randn(shape[::-1], dtype=dtype, generator=g).t()
         params[name] = nn.Parameter(w)
         out_d, in_d = shape[0], math.prod(shape[1:])
-        side = "right" if name == "right" else "left"
+        side: Side = "right" if name == "right" else "left"
         m, n = (out_d, in_d) if side == "left" else (in_d, out_d)
         specs[name] = MatrixSpec(name, shape, side, m, n, 3)
     assert not params["strided"].is_contiguous()
@@ -69,7 +69,8 @@ def test_in_place_step_equals_textbook_step(kind: str, dtype: torch.dtype, atol:
     # the reference, plain tensors and the textbook formulas
     ref = {k: p.detach().clone() for k, p in params.items()}
     ref_b = bias.detach().clone()
-    mom = {k: [0, 0] for k in [*params, "bias"]}  # M, V (0 until the first step)
+    # M, V (0 until the first step)
+    mom = {k: [torch.zeros((), dtype=dtype)] * 2 for k in [*params, "bias"]}
     z = {k: torch.zeros(s.rank, s.n, dtype=dtype) for k, s in specs.items()}
     k_step, a_total = 0, 1.0
     for step, lr in enumerate(LRS):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fedlore.algorithms.fedlore import FedLore
 from fedlore.config import load_config
 from fedlore.experiment import run_one
 from fedlore.experiment_parts import make_algorithm
@@ -24,7 +25,7 @@ def test_randomized_server_basis_matches_exact_and_is_seeded() -> None:
     assert projector_distance(exact, shared) < 1e-5  # the common directions win
 
 
-def test_fedlore_runs_with_randomized_client_and_server_svd(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_fedlore_runs_with_randomized_client_and_server_svd(tmp_path) -> None:
     cfg = load_config(
         None,
         [
@@ -40,6 +41,7 @@ def test_fedlore_runs_with_randomized_client_and_server_svd(tmp_path) -> None:  
         ],
     )
     algo = make_algorithm("fedlore", cfg)
+    assert isinstance(algo, FedLore)
     assert (algo.candidate_svd, algo.server_basis, algo.svd_niter) == ("randomized",) * 2 + (1,)
     a = run_one(cfg, "fedlore", 3)
     b = run_one(cfg.model_copy(update={"output_dir": str(tmp_path / "again")}), "fedlore", 3)

@@ -207,6 +207,7 @@ def test_methods_without_an_averaged_dense_step_refuse_a_server_optimizer() -> N
     with pytest.raises(ConfigError, match=r"server\.lr=0\.5"):
         make_algorithm("flora", cfg)
     algo = make_algorithm("fedavg", load_config(None, ["server.optimizer=yogi", "server.lr=0.1"]))
+    assert isinstance(algo, FedFull)
     assert (algo.train.server_optimizer, algo.train.server_eta) == ("yogi", 0.1)
     assert isinstance(algo.server_opt(), ServerOpt)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Literal
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from fedlore.config import load_config
 from fedlore.experiment_parts import make_algorithm
 from fedlore.optim.subspace import (
     MatrixSpec,
+    SvdMethod,
     average_projectors,
     captured_energy,
     projection_plan,
@@ -37,7 +39,7 @@ def rand_orth(m: int, r: int, seed: int) -> torch.Tensor:
 # ------------------------------------------------------------------------ top_left_singular
 @pytest.mark.parametrize(("m", "k", "rank"), [(8, 5, 1), (8, 5, 3), (20, 30, 4), (6, 6, 6)])
 @pytest.mark.parametrize("method", ["exact", "randomized"])
-def test_top_left_singular_orthonormal(m: int, k: int, rank: int, method: str) -> None:
+def test_top_left_singular_orthonormal(m: int, k: int, rank: int, method: SvdMethod) -> None:
     mat = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k + rank))
     p = top_left_singular(mat, rank, method, generator=torch.Generator().manual_seed(0))
     assert p.shape == (m, rank) and p.dtype == torch.float32 and p.is_contiguous()
@@ -45,7 +47,7 @@ def test_top_left_singular_orthonormal(m: int, k: int, rank: int, method: str) -
 
 
 @pytest.mark.parametrize("method", ["exact", "randomized"])
-def test_top_left_singular_recovers_planted_subspace(method: str) -> None:
+def test_top_left_singular_recovers_planted_subspace(method: SvdMethod) -> None:
     m, k, r = 40, 60, 3
     u = rand_orth(m, r, 1)
     v = rand_orth(k, r, 2)
@@ -153,7 +155,9 @@ def test_average_projectors_svd_and_gram_agree(m: int, r: int, n: int) -> None:
 
 
 @pytest.mark.parametrize("method", ["svd", "gram"])
-def test_average_projectors_invariant_to_rotating_a_candidate(method: str) -> None:
+def test_average_projectors_invariant_to_rotating_a_candidate(
+    method: Literal["svd", "randomized", "gram"],
+) -> None:
     m, r = 15, 3
     bases = candidates(m, r, 4, 40)
     rotated = list(bases)
@@ -167,7 +171,9 @@ def test_average_projectors_invariant_to_rotating_a_candidate(method: str) -> No
 
 
 @pytest.mark.parametrize("method", ["svd", "gram"])
-def test_average_projectors_identical_candidates(method: str) -> None:
+def test_average_projectors_identical_candidates(
+    method: Literal["svd", "randomized", "gram"],
+) -> None:
     p = rand_orth(20, 3, 1).float()
     out = average_projectors([p, p @ rand_orth(3, 3, 2).float(), p], [1, 1, 1], 3, method)
     assert projector_distance(out, p) < 1e-6

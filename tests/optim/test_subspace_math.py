@@ -205,11 +205,11 @@ def test_average_projectors_weights_only_matter_relative_to_each_other() -> None
     normalized); weights 3:1 between two lines at 90° pick the heavier line."""
     bases = [_orth(9, 2, s).float() for s in range(3)]
     for method in ("svd", "gram"):
-        a = average_projectors(bases, [1.0, 2.0, 3.0], 2, method)  # type: ignore[arg-type]
-        b = average_projectors(bases, [1e3, 2e3, 3e3], 2, method)  # type: ignore[arg-type]
+        a = average_projectors(bases, [1.0, 2.0, 3.0], 2, method)
+        b = average_projectors(bases, [1e3, 2e3, 3e3], 2, method)
         assert torch.allclose(a, b, atol=1e-6)
         e = torch.eye(9)
-        heavy = average_projectors([e[:, :1], e[:, 1:2]], [1.0, 3.0], 1, method)  # type: ignore[arg-type]
+        heavy = average_projectors([e[:, :1], e[:, 1:2]], [1.0, 3.0], 1, method)
         assert projector_distance(heavy, e[:, 1:2]) < 1e-6
 
 
@@ -285,7 +285,7 @@ def test_routine_defaults_are_the_methods_svd_settings() -> None:
     a, _ = _spectrum(40, 30, [1.0 - 0.03 * i for i in range(30)], 20)
     g = torch.Generator
     for method in ("randomized", "subspace"):
-        plain = top_left_singular(a, 3, method, g().manual_seed(0), dtype=torch.float64)  # type: ignore[arg-type]
+        plain = top_left_singular(a, 3, method, g().manual_seed(0), dtype=torch.float64)
         given = top_left_singular(
             a,
             3,
@@ -293,7 +293,7 @@ def test_routine_defaults_are_the_methods_svd_settings() -> None:
             g().manual_seed(0),
             over,
             niter,
-            dtype=torch.float64,  # type: ignore[arg-type]
+            dtype=torch.float64,
         )
         assert torch.equal(plain, given), method
     bases = [_orth(40, 3, s) for s in range(8)]  # 24 columns: more than r + p = 13
@@ -344,9 +344,9 @@ def test_approximate_routes_take_the_exact_one_when_the_block_covers_the_matrix(
     exact = top_left_singular(a, 2, dtype=f64)
     g = torch.Generator().manual_seed(0)
     for method in ("randomized", "subspace"):
-        at_boundary = top_left_singular(a, 2, method, g, oversample=4, niter=0, dtype=f64)  # type: ignore[arg-type]
+        at_boundary = top_left_singular(a, 2, method, g, oversample=4, niter=0, dtype=f64)
         assert torch.equal(at_boundary, exact), method
-        inside = top_left_singular(a, 2, method, g, oversample=3, niter=0, dtype=f64)  # type: ignore[arg-type]
+        inside = top_left_singular(a, 2, method, g, oversample=3, niter=0, dtype=f64)
         assert not torch.equal(inside, exact), method
 
 
@@ -358,7 +358,7 @@ def test_compute_dtypes_of_the_routes() -> None:
     a32 = _spectrum(40, 30, [float(30 - i) for i in range(30)], 14)[0].float()
     g = torch.Generator
     for method in ("exact", "randomized"):
-        out = top_left_singular(a32, 3, method, g().manual_seed(1), 5, 1, dtype=torch.float64)  # type: ignore[arg-type]
+        out = top_left_singular(a32, 3, method, g().manual_seed(1), 5, 1, dtype=torch.float64)
         assert _orthonormal(out, 1e-13), method
         as64 = top_left_singular(
             a32,
@@ -368,7 +368,7 @@ def test_compute_dtypes_of_the_routes() -> None:
             5,
             1,
             torch.float64,
-            compute_dtype=torch.float64,  # type: ignore[arg-type]
+            compute_dtype=torch.float64,
         )
         assert torch.equal(out, as64), method
     warm = _orth(40, 3, 15).float()
@@ -464,7 +464,7 @@ def test_gram_route_pads_a_rank_deficient_average() -> None:
     keeps the line and completes it with an orthonormal direction, like the svd route."""
     line = _orth(5, 1, 3)
     for method in ("gram", "svd"):
-        out = average_projectors([line, line], [1.0, 2.0], 2, method, dtype=torch.float64)  # type: ignore[arg-type]
+        out = average_projectors([line, line], [1.0, 2.0], 2, method, dtype=torch.float64)
         assert out.shape == (5, 2) and _orthonormal(out)
         assert abs(float(out[:, 0] @ line[:, 0])) == pytest.approx(1.0, abs=1e-12), method
 

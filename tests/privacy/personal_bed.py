@@ -21,6 +21,7 @@ from torch import nn
 
 import fedlore.algorithms  # noqa: F401  (registers the methods)
 from fedlore.algorithm import Algorithm
+from fedlore.algorithms.fedavg import FedAvg
 from fedlore.algorithms.fedrep import FedRep
 from fedlore.algorithms.moon import Moon
 from fedlore.algorithms.partial import FedBN, FedPer, PartialFedAvg
@@ -69,11 +70,10 @@ def client(cid: int) -> ClientData:
     return ClientData(cid, TensorSplit(x[:n], y[:n]), TensorSplit(x[n:], y[n:]))
 
 
-def make(method: str, **kw: Any) -> Algorithm:
-    cls = {"fedper": FedPer, "fedbn": FedBN, "fedrep": FedRep, "moon": Moon}[method]
+def make(method: str, **kw: Any) -> FedAvg:
+    cls: type[FedAvg] = {"fedper": FedPer, "fedbn": FedBN, "fedrep": FedRep, "moon": Moon}[method]
     settings = {"lr": 0.05, "local_steps": 4, "batch_size": 16, "rounds": 3, **kw}
-    algo: Algorithm = cls.of(**settings)  # type: ignore[attr-defined]
-    return algo
+    return cls.of(**settings)
 
 
 def kept_local(algo: Algorithm, net: nn.Module) -> set[str]:

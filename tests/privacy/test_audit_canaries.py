@@ -33,7 +33,7 @@ from fedlore.privacy.canaries import (
     directions,
     upload_model_keys,
 )
-from fedlore.privacy.empirical import Fit, null_std
+from fedlore.privacy.empirical import Fit, estimate_epsilon, fit, null_std, pair_epsilon
 from fedlore.privacy.empirical_error import epsilon_interval
 from fedlore.results.report import report
 from fedlore.types import Broadcast, Reply, State
@@ -203,6 +203,35 @@ def test_the_summary_fits_the_inserted_cosines_against_the_exact_null() -> None:
     assert (out["dp_audit_canaries"], out["dp_audit_unseen"]) == (20, 20)
 
 
+def test_the_summary_is_the_estimate_of_the_models_change_since_the_start() -> None:
+    """A model that starts away from 0 and moves by less than 1 (a small ε): every number of the
+    summary from the cosines of θ_T − θ_0 by hand: the inserted ones' fit against the exact
+    null N(0, 1/d), the unseen ones' fit, the maxima's estimate against the unseen maxima."""
+    d, k = 400, 30
+    can = Canaries(k, 30, 5, [("update.w", "w")], torch.linspace(-1, 1, d, dtype=torch.float64),
+                   lambda s: s.arrays, key=bytes(range(32)))  # fmt: skip
+    g = can.vectors.double()
+    noise = torch.randn(d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    change = 0.4 * g[:k].sum(dim=0) / math.sqrt(k) + noise
+    change = 0.5 * change / change.norm()
+    can.observe(_state(can.start + change))
+    out = can.summary(1e-5)
+    cos = (g @ change) / (g.norm(dim=1) * change.norm())
+    seen, unseen = fit(cos[:k].numpy()), fit(cos[k:].numpy())
+    eps = pair_epsilon(seen.mean, seen.std, 1 / math.sqrt(d), 1e-5)
+    assert 0 < eps < 20  # the premise: a finite estimate that a wrong null or change moves
+    assert out["dp_audit_dimension"] == d
+    assert out["dp_audit_epsilon"] == pytest.approx(eps, rel=1e-3)
+    assert out["dp_audit_cosine_mean"] == pytest.approx(seen.mean, abs=1e-5)
+    assert out["dp_audit_cosine_std"] == pytest.approx(seen.std, abs=1e-5)
+    assert out["dp_audit_unseen_cosine_mean"] == pytest.approx(unseen.mean, abs=1e-5)
+    assert out["dp_audit_unseen_cosine_std"] == pytest.approx(unseen.std, abs=1e-5)
+    best, best_null = fit(cos[:k].numpy()), fit(cos[k:].numpy())  # one round: maxima = cosines
+    assert out["dp_audit_epsilon_all_iterates"] == pytest.approx(
+        estimate_epsilon(best, best_null, 1e-5), rel=1e-3
+    )
+
+
 def test_the_audit_record_restores_the_same_canaries() -> None:
     can = _canaries(count=4, unseen=2, dim=30)
     can.observe(_state(can.vectors[0].double()))
@@ -213,11 +242,22 @@ def test_the_audit_record_restores_the_same_canaries() -> None:
     assert again.key == can.key and torch.equal(again.vectors, can.vectors)
     assert torch.equal(again.best, can.best) and again.rounds == 1
     assert torch.equal(again.previous, can.previous)
-    with pytest.raises(ValueError, match="no canary key"):
+    with pytest.raises(ValueError) as info:
         again.restore(State(arrays=state.arrays))
+    assert str(info.value) == (
+        "the checkpoint holds no canary key (dp.audit): its canaries' directions are lost, so "
+        "the audit cannot go on; start the run over without --resume"
+    )
     bad = dict(state.values)
     bad[KEY] = "00"
-    with pytest.raises(ValueError, match="does not match"):
+    with pytest.raises(ValueError) as info:
+        again.restore(State(arrays=state.arrays, values=bad))
+    assert str(info.value) == (
+        "the checkpoint's canary audit record does not match dp.audit (key of 1 bytes, 6 "
+        "canaries for 4 + 2)"
+    )
+    bad = {**state.values, KEY: "not hex"}
+    with pytest.raises(ValueError, match=r"^the checkpoint's canary audit record is damaged: "):
         again.restore(State(arrays=state.arrays, values=bad))
 
 
@@ -311,7 +351,7 @@ def test_a_resumed_audit_keeps_its_canaries(tmp_path: Path) -> None:
     assert final.values["privacy.audit.rounds"] == 4
     assert summary["dp_audit_unseen"] == 6 and "dp_audit_epsilon_all_iterates" in summary
     # the report's privacy cell: the estimate beside the accountant's ε
-    shown = report(str(tmp_path / cfg.name), write=False)
+    shown = report(tmp_path / cfg.name, write=False)
     audit, every = summary["dp_audit_epsilon"], summary["dp_audit_epsilon_all_iterates"]
     assert f"{summary['dp_epsilon']:.3g} (1e-05) / 0.3 / 0.5 / " in shown
     assert f" · audit ε̂ {audit:.3g}, all iterates {every:.3g}" in shown

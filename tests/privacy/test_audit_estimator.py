@@ -24,8 +24,10 @@ from scipy import integrate, stats
 
 from fedlore.privacy.empirical import (
     Fit,
+    _log_mass,
     estimate_epsilon,
     fit,
+    gdp_delta,
     gdp_epsilon,
     hockey_stick,
     null_std,
@@ -76,6 +78,30 @@ def test_the_curve_is_the_hockey_stick_integral_in_both_directions(
     assert privacy_curve(eps, shift, sd_p, sd_q) == pytest.approx(
         max(forward, backward), rel=1e-6, abs=1e-11
     )
+
+
+@pytest.mark.parametrize("shift,sd_p,sd_q", [*CASES, (0.0, 1.0, 1.0)])
+@pytest.mark.parametrize("eps", [-0.5, 0.0, 1.0])
+def test_each_direction_is_its_own_hockey_stick_at_any_epsilon(
+    shift: float, sd_p: float, sd_q: float, eps: float
+) -> None:
+    """Each direction alone (the reverse one has the opposite shift) against quadrature, at
+    ε < 0 too, where the region can be the whole line: for P = Q, δ(ε) = 1 − e^ε."""
+    for args in ((shift, sd_p, sd_q), (-shift, sd_q, sd_p)):
+        want = _integral(eps, *args)
+        assert hockey_stick(eps, *args) == pytest.approx(want, rel=1e-6, abs=1e-11)
+    if shift == 0.0 and sd_p == sd_q:
+        assert hockey_stick(eps, 0.0, sd_p, sd_q) == pytest.approx(max(-math.expm1(eps), 0.0))
+
+
+def test_the_log_mass_of_an_empty_or_vanishing_interval_is_minus_infinity() -> None:
+    """log P(lo < X < hi) is a log probability: -inf for an empty interval (lo >= hi) and for
+    one too narrow for its mass to be told from 0 in floating point, never above 0."""
+    assert _log_mass(0.0, 1.0, 1.0, 0.5) == -math.inf
+    assert _log_mass(0.0, 1.0, 0.5, 0.5) == -math.inf
+    assert _log_mass(0.0, 1.0, 0.5, float(np.nextafter(0.5, 1.0))) == -math.inf
+    assert _log_mass(0.0, 1.0, -1.0, 1.0) == pytest.approx(math.log(stats.norm.cdf(1) * 2 - 1))
+    assert _log_mass(0.0, 1.0, 5.0, math.inf) == pytest.approx(stats.norm.logsf(5.0), rel=1e-12)
 
 
 def test_the_reverse_direction_counts() -> None:
@@ -176,12 +202,17 @@ def test_fit_uses_the_unbiased_standard_deviation() -> None:
 def test_bad_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="at least 2"):
         fit([1.0])
-    with pytest.raises(ValueError, match="NaN"):
+    with pytest.raises(ValueError, match=r"^the cosines to fit contain NaN or Inf$"):
         fit([1.0, float("nan")])
-    with pytest.raises(ValueError, match="sd_p"):
+    with pytest.raises(ValueError, match=r"^sd_p must be a positive number, got 0\.0$"):
         pair_epsilon(1.0, 0.0, 1.0, DELTA)
-    with pytest.raises(ValueError, match="δ"):
-        pair_epsilon(1.0, 1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"^sd_q must be a positive number, got nan$"):
+        pair_epsilon(1.0, 1.0, float("nan"), DELTA)
+    with pytest.raises(ValueError, match=r"^the mean shift must be finite, got inf$"):
+        pair_epsilon(float("inf"), 1.0, 1.0, DELTA)
+    for delta in (1.0, 0.0):  # δ = 0: no finite ε separates two Gaussians of different means
+        with pytest.raises(ValueError, match=r"δ must be in \(0, 1\)"):
+            pair_epsilon(1.0, 1.0, 1.0, delta)
     with pytest.raises(ValueError, match="dimension"):
         null_std(0)
     assert estimate_epsilon(Fit(1.0, 0.0, 5), Fit(0.0, 1.0, 5), DELTA) == math.inf
@@ -349,3 +380,48 @@ def test_an_interval_needs_varying_fits() -> None:
         epsilon_interval(Fit(1.0, 1.0, 10), Fit(0.0, 1.0, 10), DELTA, level=1.0)
     with pytest.raises(ValueError, match="varying"):
         epsilon_interval(Fit(1.0, 0.0, 10), Fit(0.0, 1.0, 10), DELTA)
+
+
+def test_the_null_of_one_or_four_dimensions() -> None:
+    """A unit vector of dimension 1 is ±1: its cosine with any vector is ±1, of standard
+    deviation 1; in 4 dimensions 1/√4."""
+    assert null_std(1) == 1.0
+    assert null_std(4) == 0.5
+
+
+def test_gdp_without_a_shift_is_private_at_every_epsilon() -> None:
+    """μ = 0: the two Gaussians are the same, δ(ε) = 0 for every ε and ε = 0 at any δ."""
+    assert gdp_delta(0.0, 0.0) == 0.0
+    assert gdp_delta(1.5, 0.0) == 0.0
+    assert gdp_epsilon(0.0, DELTA) == 0.0
+
+
+@pytest.mark.parametrize("mu", [0.5, 2.0])
+def test_at_delta_equal_to_the_curve_at_zero_epsilon_is_zero(mu: float) -> None:
+    """ε is the smallest ε ≥ 0 with δ(ε) ≤ δ: at δ = δ(0) exactly that is 0 itself (not the
+    end of a bisection towards 0); just below δ(0) it is positive."""
+    at_zero = gdp_delta(0.0, mu)
+    assert 0.0 < at_zero < 1.0
+    assert gdp_epsilon(mu, at_zero) == 0.0
+    assert gdp_epsilon(mu, at_zero * (1 - 1e-6)) > 0.0
+
+
+def test_float32_values_are_fitted_in_float64() -> None:
+    """The fit of float32 cosines is that of their float64 values (a float32 mean and standard
+    deviation would round at 1e-7 of the values, the size of a cosine's signal at d = 10^14)."""
+    x = np.random.default_rng(0).normal(0.3, 0.01, 1001).astype(np.float32)
+    want = fit(x.astype(np.float64))
+    assert fit(x) == want
+    assert fit(x.reshape(7, 143)) == want  # any shape: the values
+
+
+@pytest.mark.parametrize("mu", [114.0, 128.0])
+def test_an_epsilon_below_the_cap_is_reported_not_infinite(mu: float) -> None:
+    """ε of about 7,000 (μ = 114) and 8,700 (μ = 128) lie below the cap (10^4, past which ε is
+    reported as inf): the exact value, not inf (a bracket that doubles from 1 passes 8,192 to
+    16,384 and used to report every root above 8,192 as inf)."""
+    exact = exact_gdp_epsilon(mu, DELTA)
+    assert 6_000 < exact < 1e4
+    assert gdp_epsilon(mu, DELTA) == pytest.approx(exact, rel=1e-7)
+    assert pair_epsilon(mu, 1.0, 1.0, DELTA) == pytest.approx(exact, rel=1e-7)
+    assert exact_gdp_epsilon(141.0, DELTA) > 1e4 and gdp_epsilon(141.0, DELTA) == math.inf

@@ -26,10 +26,11 @@ from fedlore.privacy import (
     privatize,
     unflatten,
 )
+from fedlore.privacy.client import ReplySpec
 from fedlore.privacy.fixedpoint import FixedPoint
 from fedlore.privacy.randomness import count_stream
 from fedlore.privacy.secagg import RoundParams
-from fedlore.types import Reply
+from fedlore.types import Reply, Scalars
 
 
 class Recording:
@@ -82,8 +83,9 @@ def test_dp_clips_adds_its_share_and_the_adaptive_bit() -> None:
     """C = 1, share 0.5, count share 0.3: the vector is clipped to norm 1 plus the share's
     draw, the bit is 0 (it was clipped) plus its own draw, each from its own stream."""
     noise = Recording(0.25)
-    config = {"privacy.secure": True, "privacy.clip_norm": 1.0, "privacy.sketch_share": 0.5,
-              "privacy.noise_share": 0.5, "privacy.count_share": 0.3}  # fmt: skip
+    config: Scalars = {"privacy.secure": True, "privacy.clip_norm": 1.0,
+                       "privacy.sketch_share": 0.5, "privacy.noise_share": 0.5,
+                       "privacy.count_share": 0.3}  # fmt: skip
     c = client_contribution(_reply(), config, 4, 9, noise)
     assert c.clipped is True
     assert (c.vector - 0.25).norm().item() == pytest.approx(1.0)
@@ -95,7 +97,7 @@ def test_dp_clips_adds_its_share_and_the_adaptive_bit() -> None:
 
 
 def test_a_share_below_one_is_still_added() -> None:
-    config = {"privacy.secure": True, "privacy.noise_share": 0.5}
+    config: Scalars = {"privacy.secure": True, "privacy.noise_share": 0.5}
     c = client_contribution(_reply(), config, 0, 0, Recording(0.125))
     assert torch.allclose(c.vector, flatten(_reply().arrays) + 0.125)
 
@@ -114,8 +116,8 @@ def test_the_client_side_stays_on_the_cpu_whatever_the_default_device() -> None:
     """Under ``torch.device('meta')`` as the default (a GPU run sets cuda) every tensor the
     client side makes is still a CPU float64 one."""
     reply = _reply()
-    config = {"privacy.secure": True, "privacy.clip_norm": 1.0, "privacy.sketch_share": 0.5,
-              "privacy.count_share": 0.1}  # fmt: skip
+    config: Scalars = {"privacy.secure": True, "privacy.clip_norm": 1.0,
+                       "privacy.sketch_share": 0.5, "privacy.count_share": 0.1}  # fmt: skip
     plan = _plan(counts=True, max_weight=2.0, extras=1)
     with torch.device("meta"):
         c = client_contribution(reply, config, 0, 0, Recording())
@@ -130,7 +132,11 @@ def test_privatize_clips_dp_alone_and_leaves_other_replies_alone() -> None:
     reply = _reply()
     assert privatize(reply, {}) is reply
     assert privatize(reply, {"privacy.secure": True}) is reply
-    config = {"privacy.secure": False, "privacy.clip_norm": 1.0, "privacy.sketch_share": 0.5}
+    config: Scalars = {
+        "privacy.secure": False,
+        "privacy.clip_norm": 1.0,
+        "privacy.sketch_share": 0.5,
+    }
     out = privatize(reply, config)
     assert out.metrics == {"train_s": 0.2, "num_examples": 1, "dp_clipped": 1}
     assert flatten(out.arrays).norm().item() == pytest.approx(1.0)
@@ -195,6 +201,6 @@ def test_a_client_draws_its_shares_from_os_entropy_unless_the_broadcast_says_rep
 def test_flatten_and_unflatten_refuse_what_does_not_fit() -> None:
     with pytest.raises(ValueError, match=r"^no upload arrays to flatten$"):
         flatten({})
-    spec = {"a": ((2,), torch.float32)}
+    spec: ReplySpec = {"a": ((2,), torch.float32)}
     with pytest.raises(ValueError, match=r"^vector has 3 entries, the reply spec needs 2$"):
         unflatten(torch.zeros(3, dtype=torch.float64), spec)

@@ -23,7 +23,7 @@ from fedlore.audit.uploads import (
 )
 from fedlore.bayes.posterior import gaussian_kl, log_softplus
 from fedlore.data.sources import load_digits
-from fedlore.models.mlp import mlp
+from fedlore.models.mlp import MLP, mlp
 
 ROOT = Path(__file__).resolve().parents[2]
 Digits = tuple[torch.Tensor, torch.Tensor]
@@ -38,7 +38,7 @@ def digits() -> Digits:
     return src.train.x[:4].float(), src.train.y[:4]
 
 
-def _model(seed: int = 0, hidden: int = 32) -> torch.nn.Module:
+def _model(seed: int = 0, hidden: int = 32) -> MLP:
     torch.manual_seed(seed)
     return mlp((1, 8, 8), 10, hidden=[hidden])
 
@@ -276,15 +276,17 @@ def test_the_committed_table_is_the_committed_results() -> None:
 class _LoRAMLP(torch.nn.Module):
     """The MLP of :func:`_model` with its hidden weight adapted as W + B A (W frozen)."""
 
-    def __init__(self, base: torch.nn.Module, a: torch.Tensor, b: torch.Tensor) -> None:
+    def __init__(self, base: MLP, a: torch.Tensor, b: torch.Tensor) -> None:
         super().__init__()
         self.base = base
         self.a = torch.nn.Parameter(a.clone())
         self.b = torch.nn.Parameter(b.clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.base.body[0].weight.detach() + self.b @ self.a
-        h = torch.relu(torch.nn.functional.linear(x.flatten(1), w, self.base.body[0].bias))
+        hidden = self.base.body[0]
+        assert isinstance(hidden, torch.nn.Linear)
+        w = hidden.weight.detach() + self.b @ self.a
+        h = torch.relu(torch.nn.functional.linear(x.flatten(1), w, hidden.bias))
         return self.base.head(h)
 
 
@@ -299,7 +301,9 @@ def test_the_lora_upload_is_the_training_torch_does(digits: Digits) -> None:
     net = _model()
     net.load_state_dict(model.state_dict())
     lora = _LoRAMLP(net, a, b)
-    trained = [lora.a, lora.b, net.body[0].bias, net.head.weight, net.head.bias]
+    hidden = net.body[0]
+    assert isinstance(hidden, torch.nn.Linear)
+    trained = [lora.a, lora.b, hidden.bias, net.head.weight, net.head.bias]
     before = [t.detach().clone() for t in trained]
     opt = torch.optim.Adam(trained, lr=1e-2)
     for _ in range(3):

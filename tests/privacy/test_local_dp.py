@@ -56,6 +56,7 @@ from fedlore.privacy import (
     noise_for_epsilon,
     privatize,
 )
+from fedlore.privacy.client import ReplySpec
 from fedlore.privacy.local_dp import UPLOADS_KEY
 from fedlore.privacy.randomness import SERVER, SERVER_COUNT
 from fedlore.seeding import DP_NOISE, generator
@@ -241,7 +242,7 @@ def test_the_server_adds_no_noise_and_averages_the_noised_uploads() -> None:
     out, metrics = privacy.combine(0, spec, list(sent.items()), torch.device("cpu"))
     assert noise.clients == []  # neither SERVER nor SERVER_COUNT: the server draws nothing
     assert SERVER not in noise.clients and SERVER_COUNT not in noise.clients
-    want = sum(flatten(r.arrays) for r in sent.values()) / 4
+    want = torch.stack([flatten(r.arrays) for r in sent.values()]).sum(0) / 4
     for _, r in out:
         assert r is not None and r.num_examples == 1
         assert torch.allclose(flatten(r.arrays), want, atol=1e-6)
@@ -329,7 +330,7 @@ def test_dp_epsilon_is_the_worst_off_clients_and_never_amplified(accountant: str
     sigma = 4.0
     dp = DPSettings(CLIP, sigma, DELTA, accountant=accountant)
     privacy = Privacy(False, dp, True, 4, 2, 0, SEED, local=True)
-    spec = {"update.w": ((3,), torch.float32)}
+    spec: ReplySpec = {"update.w": ((3,), torch.float32)}
     most = []
     for rnd, sample in enumerate(SAMPLES):
         replies = [(c, Reply({"update.w": torch.ones(3)}, {"num_examples": 1})) for c in sample]
@@ -343,7 +344,7 @@ def test_dp_epsilon_is_the_worst_off_clients_and_never_amplified(accountant: str
     assert most == [1, 2, 2, 3, 4]
     assert privacy.uploads.counts == {0: 4, 1: 3, 2: 1, 3: 2}
     worst = local_epsilon(sigma, DELTA, 5, accountant=accountant)  # a client in all 5
-    assert privacy.epsilon(4) == worst > metrics["dp_epsilon"]
+    assert privacy.epsilon(4) == worst > float(metrics["dp_epsilon"])
 
 
 def test_every_exchange_a_client_is_sent_counts() -> None:
@@ -351,7 +352,7 @@ def test_every_exchange_a_client_is_sent_counts() -> None:
     client); a setup exchange (round -1) counts; the secure round's result and an aborted
     secure round count their sampled clients; repeats after a resume count for everyone."""
     privacy = _privacy(setup=1)
-    spec = {"update.w": ((3,), torch.float32)}
+    spec: ReplySpec = {"update.w": ((3,), torch.float32)}
     ok = Reply({"update.w": torch.ones(3)}, {"num_examples": 1})
     privacy.combine(-1, spec, [(0, ok), (1, None)], torch.device("cpu"))
     assert privacy.uploads.counts == {0: 1, 1: 1}

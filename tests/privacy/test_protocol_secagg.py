@@ -309,7 +309,7 @@ def test_the_server_view_records_every_message_by_stage() -> None:
     view = [(stage, c) for stage, c, _ in res.server.received]
     stages = ("keys", "shares", "masked", "answers")
     assert view == [(stage, c) for stage in stages for c in (0, 1, 2)]
-    kinds = {stage: set() for stage in stages}
+    kinds: dict[str, set[str]] = {stage: set() for stage in stages}
     for stage, _, message in res.server.received:
         kinds[stage].add(type(message).__name__)
     assert kinds == {

@@ -19,6 +19,7 @@ from scipy import stats
 
 from fedlore.engine.sampling import sample_clients
 from fedlore.privacy import DPSettings, Privacy, SecureSource, SeededSource, flatten, privatize
+from fedlore.privacy.client import ReplySpec
 from fedlore.privacy.randomness import (
     GAUSSIAN_DRAWS,
     SERVER,
@@ -46,7 +47,7 @@ def _dp_round(privacy: Privacy, rnd: int = 3) -> tuple[torch.Tensor, torch.Tenso
                for c in (0, 1)}  # fmt: skip
     msgs = privacy.configure(rnd, {c: Broadcast({}, {"round": rnd}) for c in replies})
     sent = {c: privatize(r, msgs[c].config) for c, r in replies.items()}
-    spec = {"update.w": ((50,), torch.float32)}
+    spec: ReplySpec = {"update.w": ((50,), torch.float32)}
     out, _ = privacy.combine(rnd, spec, [(c, sent[c]) for c in (0, 1)], torch.device("cpu"))
     released = flatten(out[0][1].arrays)  # type: ignore[union-attr]
     clipped_mean = (flatten(sent[0].arrays) + flatten(sent[1].arrays)) / 2

@@ -18,10 +18,11 @@ import torch
 
 from fedlore.privacy import ClipNorm, DPSettings, Privacy, epsilon_spent
 from fedlore.privacy.aggregation import CLIP_KEY, NOISE_TAIL
+from fedlore.privacy.client import ReplySpec
 from fedlore.privacy.randomness import SERVER, SERVER_COUNT
-from fedlore.types import Broadcast, Reply, State
+from fedlore.types import Broadcast, Reply, Scalars, State
 
-SPEC = {"update.w": ((4,), torch.float64)}
+SPEC: ReplySpec = {"update.w": ((4,), torch.float64)}
 C, Z = 2.5, 1.5
 
 
@@ -195,7 +196,7 @@ def test_a_round_with_every_client_dropped_reports_epsilon_and_moves_nothing() -
 def test_from_mean_keeps_every_contributor_after_a_dropout() -> None:
     p = Privacy(True, None, True, 20, 3, 0, 7)
     mean = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    clear = {0: {"train_s": 0.1, "loss": 9.0}, 2: {"train_s": 0.3}}
+    clear: dict[int, Scalars] = {0: {"train_s": 0.1, "loss": 9.0}, 2: {"train_s": 0.3}}
     out, metrics = p.from_mean(0, SPEC, mean, clear, [0, 1, 2], torch.device("cpu"))
     assert [c for c, r in out if r is not None] == [0, 2] and out[1] == (1, None)
     assert out[0][1].metrics == {"train_s": 0.1, "num_examples": 1}  # type: ignore[union-attr]

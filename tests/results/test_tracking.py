@@ -106,7 +106,8 @@ def _wandb_records(folder: Path) -> list[Any]:
             continue
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):
-            record = pb.Record()
+            # wandb builds its protobuf classes at import (no stubs): mypy cannot see Record
+            record = pb.Record()  # type: ignore[attr-defined]
             record.ParseFromString(pending)
             records.append(record)
     return records

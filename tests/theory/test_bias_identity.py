@@ -8,12 +8,21 @@ Projectors come from fedlore's ``random_basis``; everything is checked in float6
 
 from __future__ import annotations
 
+import functools
+import operator
+from collections.abc import Iterable
+
 import pytest
 import torch
 
 from fedlore.optim.subspace import random_basis
 
 M, NCOL = 7, 5
+
+
+def tsum(xs: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``sum(xs)`` in the same order, typed: a sum of tensors is a tensor."""
+    return functools.reduce(operator.add, xs)
 
 
 def projectors(seed: int, n: int, ranks: list[int]) -> list[torch.Tensor]:
@@ -34,8 +43,8 @@ def zero_mean(seed: int, n: int) -> list[torch.Tensor]:
 
 
 def bias(projs: list[torch.Tensor], ds: list[torch.Tensor]) -> torch.Tensor:
-    a = sum(projs) / len(projs)
-    return sum((p - a) @ d for p, d in zip(projs, ds, strict=True)) / len(projs)
+    a = tsum(projs) / len(projs)
+    return tsum((p - a) @ d for p, d in zip(projs, ds, strict=True)) / len(projs)
 
 
 CASES = [(0, 2, [1]), (1, 4, [2]), (2, 5, [1, 2, 3]), (3, 8, [3, 4]), (4, 3, [6])]
@@ -46,14 +55,14 @@ def test_decomposition_13(seed: int, n: int, ranks: list[int]) -> None:
     projs = projectors(seed, n, ranks)
     ds = zero_mean(seed, n)
     g = torch.randn(M, NCOL, dtype=torch.float64, generator=torch.Generator().manual_seed(99))
-    a = sum(projs) / n
-    lhs = sum(p @ (g + d) for p, d in zip(projs, ds, strict=True)) / n
+    a = tsum(projs) / n
+    lhs = tsum(p @ (g + d) for p, d in zip(projs, ds, strict=True)) / n
     b = bias(projs, ds)
     assert torch.allclose(lhs, a @ g + b, rtol=0, atol=1e-13)
     # b is not the trivial zero for distinct projectors (else the identity says little)
     assert float(b.norm()) > 1e-3
     # b equals (1/N)Σ Π_i d_i because Σ d_i = 0
-    assert torch.allclose(b, sum(p @ d for p, d in zip(projs, ds, strict=True)) / n, atol=1e-13)
+    assert torch.allclose(b, tsum(p @ d for p, d in zip(projs, ds, strict=True)) / n, atol=1e-13)
 
 
 @pytest.mark.parametrize(("seed", "n", "ranks"), CASES)
@@ -61,8 +70,8 @@ def test_operator_identity_and_bounds_14(seed: int, n: int, ranks: list[int]) ->
     projs = projectors(seed, n, ranks)
     for p in projs:
         assert torch.allclose(p @ p, p, atol=1e-13) and torch.allclose(p, p.t(), atol=0)
-    a = sum(projs) / n
-    var = sum((p - a) @ (p - a) for p in projs) / n
+    a = tsum(projs) / n
+    var = tsum((p - a) @ (p - a) for p in projs) / n
     assert torch.allclose(var, a - a @ a, atol=1e-13)
     evals = torch.linalg.eigvalsh((a - a @ a + (a - a @ a).t()) / 2)
     assert float(evals.min()) >= -1e-13
@@ -75,7 +84,7 @@ def test_operator_identity_and_bounds_14(seed: int, n: int, ranks: list[int]) ->
 @pytest.mark.parametrize(("seed", "n", "ranks"), CASES)
 def test_bias_bound_15(seed: int, n: int, ranks: list[int]) -> None:
     projs = projectors(seed, n, ranks)
-    a = sum(projs) / n
+    a = tsum(projs) / n
     v = float(torch.linalg.matrix_norm(a - a @ a, ord=2))
     for s in range(5):
         ds = zero_mean(1000 * seed + s, n)
@@ -88,12 +97,12 @@ def test_bias_bound_15(seed: int, n: int, ranks: list[int]) -> None:
 def test_bias_bound_15_is_attained(seed: int, n: int, ranks: list[int]) -> None:
     """d_i = (Π_i - A) v eᵀ with v a top eigenvector of A - A² gives ‖b‖² = ‖A-A²‖₂ z²."""
     projs = projectors(seed, n, ranks)
-    a = sum(projs) / n
+    a = tsum(projs) / n
     evals, evecs = torch.linalg.eigh(a - a @ a)
     v = evecs[:, -1:]
     x = v @ torch.ones(1, NCOL, dtype=torch.float64) / NCOL**0.5
     ds = [(p - a) @ x for p in projs]
-    assert torch.allclose(sum(ds), torch.zeros(M, NCOL, dtype=torch.float64), atol=1e-13)
+    assert torch.allclose(tsum(ds), torch.zeros(M, NCOL, dtype=torch.float64), atol=1e-13)
     b = bias(projs, ds)
     z2 = sum(float((d * d).sum()) for d in ds) / n
     lam = float(evals[-1])
@@ -114,7 +123,7 @@ def test_bias_vanishes_for_equal_projectors(n: int, rank: int) -> None:
         )
         pi = q @ rot
         projs.append(pi @ pi.t())
-    a = sum(projs) / n
+    a = tsum(projs) / n
     assert float(torch.linalg.matrix_norm(a - a @ a, ord=2)) < 1e-13
     for s in range(3):
         b = bias(projs, zero_mean(s, n))
@@ -129,7 +138,7 @@ def test_bias_nonzero_once_one_projector_differs() -> None:
     q, _ = torch.linalg.qr(random_basis(3, M, 2).double())
     other, _ = torch.linalg.qr(random_basis(4, M, 2).double())
     projs = [q @ q.t()] * 3 + [other @ other.t()]
-    a = sum(projs) / 4
+    a = tsum(projs) / 4
     evals, evecs = torch.linalg.eigh(a - a @ a)
     assert float(evals[-1]) > 1e-3
     x = evecs[:, -1:] @ torch.ones(1, NCOL, dtype=torch.float64)

@@ -64,13 +64,13 @@ def run_round(algo: FedLore, state: State, rnd: int, clients, client_states, mod
         starts[c.client_id] = select(cstate.arrays, "cache.")
         endpoints[c.client_id] = model_arrays(model)
         replies.append((c.client_id, reply))
-    new_state, _ = algo.aggregate(state, replies, rnd)
+    new_state, _ = algo.aggregate(state, list(replies), rnd)
     return new_state, endpoints, dict(replies), starts
 
 
 def weighted_endpoint(endpoints: dict[int, dict[str, torch.Tensor]], key: str) -> torch.Tensor:
     total = float(sum(SIZES))
-    return sum(endpoints[c][key].double() * (SIZES[c] / total) for c in endpoints)
+    return torch.stack([endpoints[c][key].double() * (SIZES[c] / total) for c in endpoints]).sum(0)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

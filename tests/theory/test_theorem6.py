@@ -11,8 +11,11 @@ Proposition 4) through the library's algorithm objects and round loop.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import operator
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -24,13 +27,19 @@ from fedlore.optim.subspace import (
     top_left_singular,
 )
 
+
+def tsum(xs: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``sum(xs)`` in the same order, typed: a sum of tensors is a tensor."""
+    return functools.reduce(operator.add, xs)
+
+
 C = [
     torch.diag(torch.tensor([2.0, 1.0], dtype=torch.float64)),
     torch.diag(torch.tensor([-2.0, 1.0], dtype=torch.float64)),
     torch.diag(torch.tensor([1.0, 2.0], dtype=torch.float64)),
     torch.diag(torch.tensor([1.0, -2.0], dtype=torch.float64)),
 ]
-C_BAR = sum(C) / 4
+C_BAR = tsum(C) / 4
 W_STAR = -C_BAR  # -½ I
 I2 = torch.eye(2, dtype=torch.float64)
 
@@ -55,7 +64,9 @@ def projector(basis: torch.Tensor) -> torch.Tensor:
     return p @ p.t()
 
 
-def local_projected_sgd(w: torch.Tensor, i: int, proj: torch.Tensor, gamma: float, k: int):
+def local_projected_sgd(
+    w: torch.Tensor, i: int, proj: torch.Tensor, gamma: float, k: int
+) -> torch.Tensor:
     """K steps of ``W <- W - γ Π ∇f_i(W)`` from ``w`` with a fixed projector."""
     for _ in range(k):
         w = w - gamma * proj @ grad_i(w, i)
@@ -89,7 +100,7 @@ def test_local_svd_projections_stall_at_zero(k: int, gamma: float) -> None:
             # each local projection keeps 4/5 of its own round-start gradient energy
             assert captured_energy(basis, g) == pytest.approx(0.8, abs=1e-7)
             endpoints.append(local_projected_sgd(w, i, proj, gamma, k))
-        w = sum(endpoints) / 4
+        w = tsum(endpoints) / 4
         assert torch.equal(w, torch.zeros(2, 2, dtype=torch.float64)), w
         g = grad_global(w)
         assert float((g * g).sum()) == pytest.approx(0.5)
@@ -102,14 +113,14 @@ def test_local_svd_bias_cancels_covered_direction() -> None:
     w = torch.zeros(2, 2, dtype=torch.float64)
     bases = [top_left_singular(grad_i(w, i), 1) for i in range(4)]
     projs = [projector(b) for b in bases]
-    a = sum(projs) / 4
+    a = tsum(projs) / 4
     g = grad_global(w)
     assert torch.allclose(a, 0.5 * I2, atol=1e-7)
     assert torch.allclose(a - a @ a, 0.25 * I2, atol=1e-7)
-    b = sum((projs[i] - a) @ (grad_i(w, i) - g) for i in range(4)) / 4
+    b = tsum((projs[i] - a) @ (grad_i(w, i) - g) for i in range(4)) / 4
     assert torch.allclose(a @ g, 0.25 * I2, atol=1e-7)
     assert torch.allclose(b, -0.25 * I2, atol=1e-7)
-    agg = sum(projs[i] @ grad_i(w, i) for i in range(4)) / 4
+    agg = tsum(projs[i] @ grad_i(w, i) for i in range(4)) / 4
     assert torch.allclose(agg, a @ g + b, atol=1e-12)
     assert torch.allclose(agg, torch.zeros(2, 2, dtype=torch.float64), atol=1e-7)
     assert float((g * (a @ g)).sum()) == pytest.approx(0.5 * float((g * g).sum()), abs=1e-7)
@@ -126,7 +137,7 @@ def test_local_svd_bias_cancels_covered_direction() -> None:
 # ---------------------------------------------------------------- (b) shared global projection
 def shared_round(w: torch.Tensor, basis: torch.Tensor, gamma: float, k: int) -> torch.Tensor:
     proj = projector(basis)
-    return sum(local_projected_sgd(w, i, proj, gamma, k) for i in range(4)) / 4
+    return tsum(local_projected_sgd(w, i, proj, gamma, k) for i in range(4)) / 4
 
 
 @pytest.mark.parametrize("k", [1, 3])

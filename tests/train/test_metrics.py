@@ -123,8 +123,8 @@ def test_a_metric_gets_copies_and_must_return_one_real_number() -> None:
     boom = pytest.raises(ValueError, match="metric 'boom' failed: ZeroDivisionError")
     with _registered("boom", lambda lp, t: 1 / 0), boom:
         M.extra_metrics(log_probs, y, ["boom"])
-    for value in (0.25, np.float32(0.25), torch.tensor(0.25), np.array([0.25])):
-        with _registered("fine", lambda lp, t, v=value: v):
+    for fine in (0.25, np.float32(0.25), torch.tensor(0.25), np.array([0.25])):
+        with _registered("fine", lambda lp, t, v=fine: v):
             assert M.extra_metrics(log_probs, y, ["fine"]) == {"fine": 0.25}
 
 
@@ -139,7 +139,7 @@ def _registered(name: str, fn: Any) -> Iterator[None]:
         table.pop(name, None)
 
 
-def _cfg(out: Path, *extra: str):  # type: ignore[no-untyped-def]
+def _cfg(out: Path, *extra: str):
     return load_config(
         None,
         [
@@ -339,15 +339,16 @@ def test_a_metric_failing_on_a_clients_model_costs_neither_its_update_nor_the_ro
     assert "client 7: P-local eval.metrics not scored" in str(w[0].message)
     assert "'confident_only' failed" in str(w[0].message)
     assert np.isnan(out["local_confident_only"]) and np.isnan(out["local_brier"])
-    assert 0 <= out["local_accuracy"] <= 1 and out["local_n"] == 30
+    accuracy = out["local_accuracy"]
+    assert isinstance(accuracy, float) and 0 <= accuracy <= 1 and out["local_n"] == 30
 
 
 def test_a_diverged_clients_model_makes_the_pooled_p_local_metric_nan() -> None:
     from fedlore.engine.loop import client_reports
-    from fedlore.types import Reply
+    from fedlore.types import Reply, Scalars
 
     def reply(loss: float, brier: float) -> Reply:
-        m = {"num_examples": 9, "local_n": 5, "local_loss": loss, "local_brier": brier}
+        m: Scalars = {"num_examples": 9, "local_n": 5, "local_loss": loss, "local_brier": brier}
         return Reply(metrics=m)
 
     healthy = reply(0.5, 0.3)

@@ -11,7 +11,7 @@ and uploads these masks; its module docstring gives the choices and their source
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,9 @@ def hard_mask(score: torch.Tensor) -> torch.Tensor:
     """
     soft = torch.sigmoid(score)
     return (score > 0).to(score.dtype) + soft - soft.detach()
+
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 class MaskedLayer(nn.Module):
@@ -136,12 +139,12 @@ def masked_layers(model: nn.Module) -> dict[str, MaskedLayer]:
 
 
 def maskify(
-    model: nn.Module,
+    model: ModuleT,
     last: int = 0,
     score: float = 1.0,
     mask_bias: bool = True,
     weights: Literal["init", "signed_constant"] = "init",
-) -> nn.Module:
+) -> ModuleT:
     """Convert ``model`` in place for FedMask: its Linear/Conv2d layers (all when ``last`` is 0,
     else the last ``last`` in module order) become masked layers over their current weights, and
     every parameter but the scores is frozen (``requires_grad = False``). Idempotent: a model

@@ -106,7 +106,6 @@ TRAINED = "qffl.trained"
 q-weighted step moves; the others are buffers)."""
 
 
-@torch.no_grad()
 def split_loss(model: nn.Module, split: TensorSplit, batch_size: int = 512) -> float:
     """``F_k(w)``: the mean task loss (:func:`~fedlore.train.local.task_loss`, the loss of local
     training) of ``model`` over the whole ``split``, in eval mode (dropout off, BatchNorm's
@@ -114,18 +113,19 @@ def split_loss(model: nn.Module, split: TensorSplit, batch_size: int = 512) -> f
     bf16``, else the model's dtype), summed in float64: per example, per counted token for a
     language model. NaN when nothing counts."""
     model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=split.x.device)
-    count = 0
-    for i in range(0, len(split), batch_size):
-        x, y = split.x[i : i + batch_size], split.y[i : i + batch_size]
-        tokens = y.dim() == 2 and not y.is_floating_point()
-        n = int((y != IGNORE_INDEX).sum()) if tokens else int(y.shape[0])
-        if n == 0:
-            continue
-        with autocast(x.device):
-            loss = task_loss(model(x), y)
-        total += loss.double() * n
-        count += n
+    with torch.no_grad():  # a block, not a decorator: mutmut mutates the body
+        total = torch.zeros((), dtype=torch.float64, device=split.x.device)
+        count = 0
+        for i in range(0, len(split), batch_size):
+            x, y = split.x[i : i + batch_size], split.y[i : i + batch_size]
+            tokens = y.dim() == 2 and not y.is_floating_point()
+            n = int((y != IGNORE_INDEX).sum()) if tokens else int(y.shape[0])
+            if n == 0:
+                continue
+            with autocast(x.device):
+                loss = task_loss(model(x), y)
+            total += loss.double() * n
+            count += n
     return float(total) / count if count else float("nan")
 
 

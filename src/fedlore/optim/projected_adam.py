@@ -37,7 +37,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
 
 from fedlore.optim.subspace import MatrixSpec
 
@@ -61,8 +60,8 @@ class ProjectedAdam(torch.optim.Optimizer):
 
     def __init__(
         self,
-        dense: Iterable[nn.Parameter],
-        projected: Iterable[tuple[nn.Parameter, MatrixSpec, torch.Tensor]],
+        dense: Iterable[torch.Tensor],
+        projected: Iterable[tuple[torch.Tensor, MatrixSpec, torch.Tensor]],
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -71,9 +70,9 @@ class ProjectedAdam(torch.optim.Optimizer):
     ) -> None:
         dense = list(dense)
         proj = list(projected)
-        self.specs: dict[nn.Parameter, MatrixSpec] = {}
-        self.bases: dict[nn.Parameter, torch.Tensor] = {}
-        self.coords: dict[nn.Parameter, torch.Tensor] = {}
+        self.specs: dict[torch.Tensor, MatrixSpec] = {}
+        self.bases: dict[torch.Tensor, torch.Tensor] = {}
+        self.coords: dict[torch.Tensor, torch.Tensor] = {}
         for p, spec, basis in proj:
             if tuple(basis.shape) != (spec.m, spec.rank):
                 raise ValueError(
@@ -283,8 +282,8 @@ class ProjectedMomentum(ProjectedAdam):
 
     def __init__(
         self,
-        dense: Iterable[nn.Parameter],
-        projected: Iterable[tuple[nn.Parameter, MatrixSpec, torch.Tensor]],
+        dense: Iterable[torch.Tensor],
+        projected: Iterable[tuple[torch.Tensor, MatrixSpec, torch.Tensor]],
         lr: float = 1e-3,
         momentum: float = 0.9,
         weight_decay: float = 0.0,

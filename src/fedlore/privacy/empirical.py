@@ -143,10 +143,10 @@ def _solve(curve: Callable[[float], float], delta: float) -> float:
     if curve(0.0) <= delta:
         return 0.0
     lo, hi = 0.0, 1.0
-    while curve(hi) > delta:
-        lo, hi = hi, 2.0 * hi
-        if hi > EPSILON_CAP:
+    while curve(hi) > delta:  # double the bracket up to the cap (a root below it is kept)
+        if hi >= EPSILON_CAP:
             return math.inf
+        lo, hi = hi, min(2.0 * hi, EPSILON_CAP)
     while hi - lo > EPSILON_TOL * max(1.0, hi):
         mid = 0.5 * (lo + hi)
         if curve(mid) > delta:
