@@ -196,3 +196,14 @@ def test_a_resume_with_another_rule_is_refused(tmp_path: Path) -> None:
     other = _cfg(tmp_path, *es, "rounds=4", "early_stopping.patience=5")
     with pytest.raises(ConfigError, match=r"early_stopping\.patience: 3 -> 5"):
         run_one(other, "fedavg", 0, resume=True)
+
+
+def test_an_empty_section_on_the_command_line_switches_off_a_files_early_stopping(
+    tmp_path: Path,
+) -> None:
+    """The how-to's way to run a config that sets early stopping without it."""
+    file = tmp_path / "es.yaml"
+    file.write_text("early_stopping:\n  metric: selection_accuracy\n  patience: 2\n")
+    assert load_config(file, []).early_stopping.metric == "selection_accuracy"
+    off = load_config(file, ["early_stopping={}"]).early_stopping
+    assert off.metric is None and off.patience == 3 and not off.enabled

@@ -24,6 +24,7 @@ from fedlore.engine.sampling import sample_clients
 from fedlore.engine.unreliable import available_sampler
 from fedlore.privacy import ClipNorm, DPSettings, Privacy, noise_for_epsilon, noise_source
 from fedlore.privacy.canaries import (
+    MAX_DIRECTION_ENTRIES,
     Canaries,
     canaries_per_round,
     flat_model,
@@ -214,7 +215,8 @@ def make_privacy(
     if cfg.secure_aggregation:
         check_secure_round(cfg, privacy)
     if privacy.canaries is not None and dp is not None:
-        warn_few_canaries(cfg, privacy.canaries.rate, dp.noise_multiplier, setup)
+        c = privacy.canaries
+        warn_few_canaries(cfg, c.rate, dp.noise_multiplier, setup, c.dimension)
     return privacy
 
 
@@ -229,14 +231,19 @@ def _advice(
     return chance, canaries_for(shift, spread, claim, delta)
 
 
-def warn_few_canaries(cfg: Config, rate: float, sigma: float, setup: int) -> None:
+def warn_few_canaries(
+    cfg: Config, rate: float, sigma: float, setup: int, dimension: int | None = None
+) -> None:
     """An :class:`AuditWarning` when ``dp.audit.canaries`` is too few for the run: a sound
     mechanism's final-model estimate would land above the accountant's ε with a probability
     above the one-sided error of the estimate's interval, ``(1 − LEVEL) / 2`` = 2.5 %
     (:func:`~fedlore.privacy.empirical_error.false_alarm`, for the canary of a sound mechanism
     at the run's rounds, canary rate and σ: :func:`~fedlore.privacy.empirical_error.
     sound_canary`), naming the fewest canaries that bring it there
-    (:func:`~fedlore.privacy.empirical_error.canaries_for`)."""
+    (:func:`~fedlore.privacy.empirical_error.canaries_for`), or saying the audit cannot resolve
+    the ε when that many would not fit in memory for a model of ``dimension`` coordinates
+    (:data:`~fedlore.privacy.canaries.MAX_DIRECTION_ENTRIES`); with early stopping it says the
+    count assumes every round runs."""
     k = cfg.dp.audit.canaries
     if sigma <= 0:
         return  # ε is infinite: nothing to land above (warned already)
@@ -255,12 +262,26 @@ def warn_few_canaries(cfg: Config, rate: float, sigma: float, setup: int) -> Non
         return
     more = f"at least {enough:,}" if enough <= MAX_ADVISED else f"more than {MAX_ADVISED:,}"
     rounds = f"{cfg.rounds} round{'s' * (cfg.rounds != 1)}"
+    # the most canaries the audit keeps directions for in this model (``dimension`` entries each)
+    most = None if dimension is None else MAX_DIRECTION_ENTRIES // dimension - cfg.dp.audit.unseen
+    use = f"use {more} canaries to read ε̂ against ε"
+    if most is not None and enough > most:
+        use = (
+            f"it would need {more}, more than the {max(most, 0):,} whose directions this "
+            "model's size lets the audit hold in memory: it cannot resolve an ε this small "
+            "on this model"
+        )
+    stops = (
+        "; this assumes all its rounds run, and early stopping may stop sooner, which needs "
+        "more canaries"
+        if cfg.early_stopping.metric is not None
+        else ""
+    )
     warn_once(
         f"dp.audit.canaries = {k:,} is too few for {rounds} at σ = {sigma:.4g}: a sound "
         "mechanism's final-model ε̂ would land above the accountant's ε = "
         f"{claim:.3g} with probability {chance:.1%}, above the {0.5 * (1 - LEVEL):.1%} its "
-        f"interval allows; use {more} canaries to read ε̂ against ε (the all-iterates "
-        "estimate errs more)",
+        f"interval allows; {use} (the all-iterates estimate errs more){stops}",
         AuditWarning,
     )
 

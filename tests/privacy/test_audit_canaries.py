@@ -455,3 +455,33 @@ def test_a_method_whose_uploads_are_not_model_changes_is_refused_before_any_fold
     with pytest.raises(ConfigError, match=r"method 'fedlore_random'.*model deltas"):
         run_experiment(cfg)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_few_canaries_warning_says_when_no_count_fits_and_when_it_may_stop_early(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The advice is a count the run can hold: past the directions' memory limit for the
+    model's size the warning says the audit cannot resolve this ε instead of naming a count
+    the run then refuses; with early stopping it says the count assumes every round runs."""
+    from fedlore import progress
+    from fedlore.experiment_privacy import AuditWarning, warn_few_canaries
+    from fedlore.privacy.canaries import MAX_DIRECTION_ENTRIES
+
+    monkeypatch.setattr(progress, "_SAID", set())  # warned once per process: show each here
+    base = ("rounds=2", "dp.noise_multiplier=6", "dp.audit.unseen=0", "dp.audit.canaries=100")
+    cfg = _cfg(tmp_path, *base)
+    for dimension, fits in ((1_000, True), (MAX_DIRECTION_ENTRIES // 200, False)):
+        with pytest.warns(AuditWarning) as got:
+            warn_few_canaries(cfg, 1.0, 6.0, 0, dimension)
+        (message,) = [str(w.message) for w in got if w.category is AuditWarning]
+        assert ("use at least " in message) is fits
+        assert ("cannot resolve an ε this small on this model" in message) is not fits
+        assert (", more than the 200 whose directions" in message) is not fits
+        assert "early stopping" not in message
+    stops = cfg.model_copy(
+        update={
+            "early_stopping": cfg.early_stopping.model_copy(update={"metric": "selection_accuracy"})
+        }
+    )
+    with pytest.warns(AuditWarning, match="assumes all its rounds run, and early stopping"):
+        warn_few_canaries(stops, 1.0, 6.0, 0, 1_000)

@@ -388,10 +388,11 @@ def check_privacy(name: str, cls: type[Declares], cfg: Config) -> None:
     caps = cls.capabilities
     if not caps.sum_aggregable:
         why = caps.individual_uploads
-        able = [
+        able = [  # under DP, not those that take secure aggregation alone (``no_dp``)
             m
             for m in registry.names("algorithm")
-            if registry.get("algorithm", m).capabilities.sum_aggregable
+            if (c := registry.get("algorithm", m).capabilities).sum_aggregable
+            and not (cfg.dp.enabled and c.no_dp)
         ]
         raise ConfigError(
             f"{mode}: method {name!r} cannot run under it: {why} (methods "
