@@ -262,8 +262,12 @@ def warn_few_canaries(
         return
     more = f"at least {enough:,}" if enough <= MAX_ADVISED else f"more than {MAX_ADVISED:,}"
     rounds = f"{cfg.rounds} round{'s' * (cfg.rounds != 1)}"
-    # the most canaries the audit keeps directions for in this model (``dimension`` entries each)
-    most = None if dimension is None else MAX_DIRECTION_ENTRIES // dimension - cfg.dp.audit.unseen
+    # the most canaries the audit keeps directions for in this model (``dimension`` entries
+    # each; unseen ones as many as the canaries unless set)
+    most = None
+    if dimension is not None:
+        rows, unseen = MAX_DIRECTION_ENTRIES // dimension, cfg.dp.audit.unseen
+        most = rows // 2 if unseen is None else rows - unseen
     use = f"use {more} canaries to read ε̂ against ε"
     if most is not None and enough > most:
         use = (
