@@ -480,8 +480,8 @@ def test_the_few_canaries_warning_says_when_no_count_fits_and_when_it_may_stop_e
         assert "early stopping" not in message
     # unseen canaries as many as the canaries (the default): half the rows are theirs
     both = _cfg(tmp_path, "rounds=2", "dp.noise_multiplier=6", "dp.audit.canaries=100")
-    with pytest.warns(AuditWarning, match=", more than the 200 whose directions"):
-        warn_few_canaries(both, 1.0, 6.0, 0, MAX_DIRECTION_ENTRIES // 400)
+    with pytest.warns(AuditWarning, match=", more than the 300 whose directions"):
+        warn_few_canaries(both, 1.0, 6.0, 0, MAX_DIRECTION_ENTRIES // 600)
     stops = cfg.model_copy(
         update={
             "early_stopping": cfg.early_stopping.model_copy(update={"metric": "selection_accuracy"})
