@@ -66,6 +66,8 @@ def test_recorded_metrics_are_what_the_evaluator_scores(tmp_path: Path, extra: t
          "not a score of this classification run"),
         (["early_stopping.metric=local_accuracy", "early_stopping.mode=max", "eval.local=true"],
          "recorded in the last round only"),
+        (["early_stopping.metric=local_accuracy", "eval.local=true"],  # mode=auto: the same
+         "recorded in the last round only"),
         (["early_stopping.metric=train_loss", "eval.every=2"], "eval.every=1"),
         (["early_stopping.metric=train_loss", "dp.clip_norm=1", "dp.noise_multiplier=1",
           "weighting=uniform"], "release no training loss"),
@@ -168,6 +170,8 @@ def test_refused_by_a_run_before_its_folder_is_made(tmp_path: Path) -> None:
         (["early_stopping.metric=selection_loss", "early_stopping.patience=0"], "patience"),
         (["early_stopping.metric=selection_loss", "early_stopping.min_delta=-0.1"], "min_delta"),
         (["early_stopping.metric=selection_loss", "early_stopping.mode=up"], "mode"),
+        (["early_stopping.metric=selection_acuracy"], r"\(a typo of selection_accuracy\?\)"),
+        (["early_stopping.metric=client_los"], r"\(a typo of client_loss\?\)"),
     ],
 )
 def test_settings_that_cannot_hold_are_refused(extra: list[str], words: str) -> None:

@@ -5,6 +5,7 @@ refusals that span other sections :mod:`fedlore.checks.stopping`)."""
 
 from __future__ import annotations
 
+import difflib
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -88,10 +89,20 @@ class EarlyStoppingConfig(_Strict):
                     "the metric to watch (e.g. early_stopping.metric=selection_accuracy)"
                 )
             return self
-        if self.mode == "auto" and base_name(self.metric) not in MAXIMIZED | MINIMIZED:
+        local = self.metric.startswith("local_")  # refused by the run's check: last round only
+        if (
+            self.mode == "auto"
+            and not local
+            and base_name(self.metric) not in MAXIMIZED | MINIMIZED
+        ):
+            prefix = self.metric[: len(self.metric) - len(base_name(self.metric))]
+            known = sorted(prefix + m for m in MAXIMIZED | MINIMIZED)
+            near = difflib.get_close_matches(self.metric, known, n=1, cutoff=0.85)
+            typo = f" (a typo of {near[0]}?)" if near else ""
             raise ValueError(
-                f"early_stopping.mode=auto does not know whether {self.metric!r} is better "
-                "large or small: set early_stopping.mode to max or min"
+                f"early_stopping.mode=auto does not know whether {self.metric!r}{typo} is "
+                "better large or small: set early_stopping.mode to max or min for a plugin's "
+                "metric"
             )
         return self
 
