@@ -123,8 +123,10 @@ class Config(_Strict):
     secure_aggregation: bool = False
     """Secure aggregation (:mod:`fedlore.privacy`): the server sees only masked uploads and
     their sum (in process: pairwise masks; Flower engines: flwr's SecAgg+). Needs a
-    sum-aggregable method (FedAvg, FedFull, FedProx, FedIT, FFA-LoRA, FedLore-Sketch,
-    FedLore-Random, FedLore-fixed); the others refuse with the reason."""
+    sum-aggregable method (FedAvg, FedFull, FedProx, FedIT, FFA-LoRA, FedSLoP, FedLore-Sketch,
+    FedLore-Random, FedLore-fixed, the shared tensors of FedPer, FedBN, FedRep and MOON, and
+    SCAFFOLD, under secure aggregation alone); the others refuse with the reason (the
+    refusal lists the methods that can)."""
     secure_aggregation_degree: int = Field(0, ge=0)
     """In-process secure aggregation: how many other clients each client masks with and shares
     its secrets with. 0 (default) pairs every two sampled clients (SecAgg, Bonawitz et al. 2017:
