@@ -15,9 +15,9 @@ import json
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
+from interrupting import Interrupt, folder_bytes
 
 from fedlore.cli import main
 from fedlore.config import Config, ConfigError, load_config
@@ -26,7 +26,6 @@ from fedlore.engine.rerun import staging_dir
 from fedlore.engine.rundir import run_dir
 from fedlore.engine.runstart import StartOverWarning
 from fedlore.experiment import run_experiment
-from fedlore.types import State
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
@@ -54,29 +53,10 @@ def _cfg(out: Path, *extra: str) -> Config:
     return load_config(Path(path), overrides)
 
 
-class _Interrupt:
-    """Stops the run like Ctrl-C after round ``at`` has been written."""
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_round_end(self, rnd: int, row: dict[str, Any], state: State) -> None:
-        if rnd == self.at:
-            raise KeyboardInterrupt
-
-
-def _bytes(folder: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(folder)): p.read_bytes()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != "run.lock"
-    }
-
-
 def _overwrite_stopped_in(out: Path, method: str, *extra: str) -> Config:
     """``--overwrite`` at lr 0.01 of both methods, stopped in ``method``'s round 0."""
     new = _cfg(out, "lr=0.01", *extra)
-    stop = {method: [_Interrupt(0)]}
+    stop = {method: [Interrupt(0)]}
     with pytest.raises(KeyboardInterrupt):
         run_experiment(new, overwrite=True, callbacks=lambda m, s: stop.get(m, []))
     return new
@@ -102,12 +82,12 @@ def test_a_changed_setting_refuses_to_continue_the_interrupted_replacement(
     new = _overwrite_stopped_in(tmp_path, "fedfull")  # fedavg replaced, fedfull interrupted
     fedfull = run_dir(new, "fedfull", 0)
     staged = staging_dir(fedfull)
-    before = {d: _bytes(d) for d in (staged, fedfull, run_dir(new, "fedavg", 0))}
+    before = {d: folder_bytes(d) for d in (staged, fedfull, run_dir(new, "fedavg", 0))}
     (line, _) = _refused(tmp_path, capsys)
     assert line.startswith(f"fedlore: error: --overwrite --resume: {staged}, the replacement")
     assert "was started with a different config (lr: 0.01 -> 0.02)" in line
     assert f"restore the config to continue it, or delete {staged}" in line
-    assert {d: _bytes(d) for d in before} == before  # nothing trained, moved or deleted
+    assert {d: folder_bytes(d) for d in before} == before  # nothing trained, moved or deleted
     # the way on it names: the config it was started with continues it, not from round 0
     partial = (staged / "metrics.jsonl").read_text()
     assert main(["run", *_args(tmp_path, "lr=0.01"), "--overwrite", "--resume"]) == 0
@@ -121,11 +101,11 @@ def test_a_changed_setting_refuses_to_continue_an_interrupted_run_in_its_own_fol
     """No finished run to replace: the --overwrite trained fedavg in its own folder."""
     new = _overwrite_stopped_in(tmp_path, "fedavg")
     fedavg = run_dir(new, "fedavg", 0)
-    before = _bytes(fedavg)
+    before = folder_bytes(fedavg)
     (line, _) = _refused(tmp_path, capsys)
     assert f"--overwrite --resume: {fedavg}, the run the --overwrite was training" in line
     assert "(lr: 0.01 -> 0.02)" in line and f"or delete {fedavg} to train it afresh" in line
-    assert _bytes(fedavg) == before
+    assert folder_bytes(fedavg) == before
     # deleting the folder, as the line says, lets the changed config train it afresh
     shutil.rmtree(fedavg)
     assert main(["run", *_args(tmp_path, "lr=0.02"), "--overwrite", "--resume"]) == 0
@@ -152,7 +132,7 @@ def test_a_run_not_reached_is_replaced_whatever_its_unfinished_config(tmp_path: 
     reached (it stopped in fedavg): the continuation replaces it, with the usual warning, rather
     than taking it for the interrupted run."""
     old = _cfg(tmp_path)
-    stop = {"fedfull": [_Interrupt(0)]}
+    stop = {"fedfull": [Interrupt(0)]}
     with pytest.raises(KeyboardInterrupt):
         run_experiment(old, callbacks=lambda m, s: stop.get(m, []))  # fedavg done, fedfull not
     new = _overwrite_stopped_in(tmp_path, "fedavg")

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
+from interrupting import Interrupt, folder_bytes
 
 from fedlore.cli import main
 from fedlore.config import Config, load_config
 from fedlore.engine import overwriting
 from fedlore.engine.rundir import run_dir
 from fedlore.experiment import run_experiment
-from fedlore.types import State
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
@@ -51,32 +50,13 @@ def _cfg(out: Path, *extra: str) -> Config:
     return load_config(Path(path), overrides)
 
 
-class _Interrupt:
-    """Stops the run like Ctrl-C after round ``at`` has been written."""
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_round_end(self, rnd: int, row: dict[str, Any], state: State) -> None:
-        if rnd == self.at:
-            raise KeyboardInterrupt
-
-
-def _bytes(folder: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(folder)): p.read_bytes()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != "run.lock"
-    }
-
-
 def _interrupted_overwrite(tmp_path: Path, methods: str) -> tuple[Config, Path]:
     """Both methods finished at the old lr; then ``--overwrite`` of ``methods`` at lr 0.01,
     stopped in fedavg's round 0. The new config (both methods) and the record."""
     assert main(["run", *_args(tmp_path)]) == 0
     new = _cfg(tmp_path, "lr=0.01", methods)
     with pytest.raises(KeyboardInterrupt):
-        run_experiment(new, overwrite=True, callbacks=lambda m, s: [_Interrupt(0)])
+        run_experiment(new, overwrite=True, callbacks=lambda m, s: [Interrupt(0)])
     return _cfg(tmp_path, "lr=0.01"), tmp_path / "targets" / overwriting.RECORD
 
 
@@ -94,14 +74,14 @@ def test_a_continuation_that_names_other_runs_is_refused_and_they_stay_whole(
 ) -> None:
     new, record = _interrupted_overwrite(tmp_path, "algorithms=[fedavg]")
     fedfull = run_dir(new, "fedfull", 0)
-    before = _bytes(fedfull)
+    before = folder_bytes(fedfull)
     capsys.readouterr()
     for dry in ([], ["--dry-run"]):
         assert main(["run", *_args(tmp_path, "lr=0.01"), "--overwrite", "--resume", *dry]) == 2
         err = capsys.readouterr().err
         assert "was started on fedavg/seed-0" in err and "also names fedfull/seed-0" in err
         assert "algorithms=[fedavg] seeds=[0]" in err
-    assert _bytes(fedfull) == before and record.is_file()
+    assert folder_bytes(fedfull) == before and record.is_file()
     # another seed is another run too
     argv = _args(tmp_path, "lr=0.01", "algorithms=[fedavg]", "seeds=[0,1]")
     assert main(["run", *argv, "--overwrite", "--resume"]) == 2
@@ -110,7 +90,7 @@ def test_a_continuation_that_names_other_runs_is_refused_and_they_stay_whole(
     argv = _args(tmp_path, "lr=0.01", "algorithms=[fedavg]", "seeds=[0]")
     assert main(["run", *argv, "--overwrite", "--resume"]) == 0
     assert json.loads((run_dir(new, "fedavg", 0) / "config.json").read_text())["lr"] == 0.01
-    assert _bytes(fedfull) == before and not record.exists()
+    assert folder_bytes(fedfull) == before and not record.exists()
 
 
 def test_continuing_some_targets_keeps_the_record_for_the_rest(tmp_path: Path) -> None:
@@ -123,9 +103,9 @@ def test_continuing_some_targets_keeps_the_record_for_the_rest(tmp_path: Path) -
         "targets": ["fedavg/seed-0", "fedfull/seed-0"],
         "started": ["fedavg/seed-0"],
     }
-    replaced = _bytes(run_dir(new, "fedavg", 0))
+    replaced = folder_bytes(run_dir(new, "fedavg", 0))
     run_experiment(new, resume=True, overwrite=True)  # the rest: fedavg kept, fedfull replaced
-    assert _bytes(run_dir(new, "fedavg", 0)) == replaced
+    assert folder_bytes(run_dir(new, "fedavg", 0)) == replaced
     assert json.loads((run_dir(new, "fedfull", 0) / "config.json").read_text())["lr"] == 0.01
     assert not record.exists()
 

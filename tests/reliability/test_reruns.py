@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from interrupting import Interrupt
 
 from fedlore.cli import ENGINES, main
 from fedlore.config import Config, ConfigError, load_config
@@ -32,7 +33,6 @@ from fedlore.engine.rerun import staging_dir
 from fedlore.engine.rundir import run_dir
 from fedlore.experiment import run_experiment, run_one
 from fedlore.results.store import load_runs
-from fedlore.types import State
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
@@ -213,17 +213,6 @@ def test_a_finished_run_of_another_config_or_other_data_is_refused_and_kept(
     assert _leftovers(folder) == []
 
 
-class _Interrupt:
-    """A callback that stops the run like Ctrl-C after round ``at`` has been written."""
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_round_end(self, rnd: int, row: dict[str, Any], state: State) -> None:
-        if rnd == self.at:
-            raise KeyboardInterrupt
-
-
 def test_overwrite_keeps_the_finished_run_whole_until_the_new_one_has_finished(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -237,7 +226,7 @@ def test_overwrite_keeps_the_finished_run_whole_until_the_new_one_has_finished(
     assert _rounds(staging_dir(folder)) == [0, 1]
     assert _files(folder) == before
     with pytest.raises(KeyboardInterrupt):
-        run_one(new, "fedavg", 0, overwrite=True, extra_callbacks=(_Interrupt(2),))
+        run_one(new, "fedavg", 0, overwrite=True, extra_callbacks=(Interrupt(2),))
     assert _files(folder) == before
     runs = load_runs(folder.parents[1])  # a report sees the finished run only
     assert [r.summary["rounds"] for r in runs["fedavg"]] == [3]
@@ -292,7 +281,7 @@ def test_overwrite_then_resume_continues_an_interrupted_overwrite_of_an_experime
                                           *extra])  # fmt: skip
 
     new = config()
-    stop = {"fedfull": [_Interrupt(1)]}
+    stop = {"fedfull": [Interrupt(1)]}
     with pytest.raises(KeyboardInterrupt):
         run_experiment(new, overwrite=True, callbacks=lambda m, s: stop.get(m, []))
     record = tmp_path / "rerun" / overwriting.RECORD
@@ -337,7 +326,7 @@ def test_a_plain_resume_that_finishes_an_interrupted_overwrite_ends_its_record(
            for a in _args(tmp_path)]  # fmt: skip
     assert main(["run", *old, "progress=false"]) == 0
     new = load_config(Path(old[0]), [*old[1:], "lr=0.01", "progress=false"])
-    stop = {"fedfull": [_Interrupt(1)]}
+    stop = {"fedfull": [Interrupt(1)]}
     with pytest.raises(KeyboardInterrupt):
         run_experiment(new, overwrite=True, callbacks=lambda m, s: stop.get(m, []))
     record = tmp_path / "rerun" / overwriting.RECORD
