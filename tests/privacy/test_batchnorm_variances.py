@@ -31,7 +31,7 @@ import torch
 from personal_bed import SEED, D, N, model, privacy, run
 
 from fedlore.algorithm import Algorithm
-from fedlore.algorithms.fedlore import FedLoreFixed, FedLoreRandom, FedLoreSketch
+from fedlore.algorithms.fedlore import FedLore, FedLoreFixed, FedLoreRandom, FedLoreSketch
 from fedlore.algorithms.fedslop import FedSLoP
 from fedlore.algorithms.lora_fedit import FedIT
 from fedlore.algorithms.lora_ffa import FFALoRA
@@ -47,7 +47,7 @@ HIDDEN = [12]
 EVERY = [list(range(N))] * 3
 VAR, MEAN = "model.body.1.running_var", "model.body.1.running_mean"
 SETTINGS: dict[str, Any] = {"lr": 0.05, "local_steps": 4, "batch_size": 16, "rank": 2}
-FEDLORE = {
+FEDLORE: dict[str, tuple[type[FedLore], dict[str, Any]]] = {
     "fedlore_random": (FedLoreRandom, {}),
     "fedlore_sketch": (FedLoreSketch, {"init_basis": "random"}),  # the bed runs no setup
     "fedlore_fixed": (FedLoreFixed, {"init_basis": "random"}),
@@ -114,11 +114,11 @@ def test_fedlores_server_clamps_the_values_it_keeps_without_increments() -> None
 
 @pytest.mark.parametrize("cls", [FedIT, FFALoRA])
 def test_lora_servers_averaging_buffers_clamp_the_running_variances(
-    cls: type[Algorithm], monkeypatch: pytest.MonkeyPatch
+    cls: type[FedIT] | type[FFALoRA], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """FedIT and FFA-LoRA with ``average_buffers`` (the running statistics uploaded as
     increments under DP and averaged): the global running variances stay at or above 0."""
-    algo = cls.of(**SETTINGS, average_buffers=True, upload_increments=True)  # type: ignore[attr-defined]
+    algo = cls.of(**SETTINGS, average_buffers=True, upload_increments=True)
     _noised_run(algo, monkeypatch)
 
 
