@@ -17,6 +17,7 @@ from fedlore.tensors import (
     load_model_arrays,
     model_arrays,
     nbytes,
+    nonnegative_increments,
     nonnegative_variances,
     select,
     snap,
@@ -249,3 +250,52 @@ def test_only_running_variances_are_clamped_at_zero_and_the_rest_keeps_its_bits(
     assert float(var[0]) == -0.5  # not in place
     kept = torch.tensor([0.25, 3.0])
     assert torch.equal(nonnegative_variances({"bn.running_var": kept})["bn.running_var"], kept)
+
+
+def test_a_clamped_increment_takes_the_variance_to_exactly_zero_and_leaves_the_rest() -> None:
+    """Entries that would go below 0 get ``-value`` (value + it is exactly 0); the others, the
+    other tensors and a variance increment that takes nothing below 0 keep their bits (the same
+    objects); a tensor with no value (not in the model) is left alone."""
+    values = {
+        "bn.running_var": torch.tensor([0.3, 1.0, 2.0, 0.1]),
+        "bn.running_mean": torch.tensor([0.5]),
+        "other.running_var": torch.tensor([1.0, 1.0]),
+    }
+    incs = {
+        "bn.running_var": torch.tensor([-0.7, 0.5, -2.0, -0.1 + 1e-9]),
+        "bn.running_mean": torch.tensor([-3.0]),
+        "other.running_var": torch.tensor([-0.5, 2.0]),
+        "new.running_var": torch.tensor([-9.0]),
+    }
+    out = nonnegative_increments(values, incs)
+    got = values["bn.running_var"] + out["bn.running_var"]
+    assert torch.equal(
+        got,
+        torch.tensor(
+            [0.0, 1.5, 0.0, float(values["bn.running_var"][3] + incs["bn.running_var"][3])]
+        ),
+    )
+    assert torch.equal(out["bn.running_var"][1:2], incs["bn.running_var"][1:2])
+    assert torch.equal(out["bn.running_var"][0], -values["bn.running_var"][0])
+    for k in ("bn.running_mean", "other.running_var", "new.running_var"):
+        assert out[k] is incs[k]
+    assert float(incs["bn.running_var"][0]) == pytest.approx(-0.7)  # not in place
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_sixteen_bit_increment_is_rounded_towards_zero_where_it_cannot_hold_the_value(
+    dtype: torch.dtype,
+) -> None:
+    """At a 16-bit wire ``-value`` rounds to nearest, which can overshoot it (1 + 1.7 ulp goes
+    to -(1 + 2 ulp)): the increment takes the 16-bit number next to it towards 0, so the
+    variance lands at a small number at or above 0 on the server and every client alike; an
+    exactly representable value still lands at exactly 0."""
+    ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+    values = {"bn.running_var": torch.tensor([1.0 + 1.7 * ulp, 1.0 + ulp / 3, 0.5, 3.0])}
+    incs = {"bn.running_var": torch.full((4,), -100.0, dtype=dtype)}
+    out = nonnegative_increments(values, incs)["bn.running_var"]
+    assert out.dtype == dtype
+    got = values["bn.running_var"] + out.float()
+    assert bool((got >= 0).all()), got
+    assert float(got[2]) == float(got[3]) == 0.0  # exact in 16 bits
+    assert 0 < float(got[0]) <= 2 * ulp  # rounded past -value, then one step back

@@ -164,10 +164,41 @@ def nonnegative_variances(arrays: Arrays) -> Arrays:
     score with the square root of a negative number (NaN). Clamping is post-processing: it
     spends no privacy. A variance that is already non-negative keeps its bits.
     """
-    return {
-        k: v.clamp(min=0) if k.rsplit(".", 1)[-1] == "running_var" and v.is_floating_point() else v
-        for k, v in arrays.items()
-    }
+    return {k: v.clamp(min=0) if _is_variance(k, v) else v for k, v in arrays.items()}
+
+
+def _is_variance(name: str, value: torch.Tensor) -> bool:
+    """Whether ``name`` is a BatchNorm running variance (torch's ``running_var``, floating)."""
+    return name.rsplit(".", 1)[-1] == "running_var" and value.is_floating_point()
+
+
+def nonnegative_increments(values: Arrays, increments: Arrays) -> Arrays:
+    """``increments`` with every BatchNorm running variance's entry that would take its value
+    below 0 replaced by ``-value`` (in the increment's dtype, rounded towards 0 when it cannot
+    hold ``-value`` exactly), so ``values[k] + increments[k]`` (the increment upcast to the
+    value's dtype, as :func:`~fedlore.algorithms.lowrank.add_increment` adds it) is at least 0;
+    the other entries, and every other tensor, keep their bits (the same objects when nothing
+    is replaced).
+
+    :func:`nonnegative_variances` for a method whose clients replay the server's logged
+    increments (FedLore's servers): the server logs and applies the returned increment, so a
+    client's cache stays bit-identical to the server's model. ``-value + value`` is exactly 0
+    in IEEE arithmetic, so a clamped entry is 0 on both sides (at a 16-bit wire, a small
+    non-negative number). Post-processing of the noised increment with the public model: it
+    spends no privacy."""
+    out = dict(increments)
+    for k, inc in increments.items():
+        value = values.get(k)
+        if value is None or not _is_variance(k, inc):
+            continue
+        below = value + inc.to(value.dtype) < 0
+        if not bool(below.any()):
+            continue
+        back = (-value).to(inc.dtype)  # rounded to nearest: it may overshoot -value by half an ulp
+        over = value + back.to(value.dtype) < 0
+        back = torch.where(over, torch.nextafter(back, torch.zeros_like(back)), back)
+        out[k] = torch.where(below, back, inc)
+    return out
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:

@@ -3,8 +3,9 @@
 One SuperNode is killed while the server is in a round: the round completes after
 ``flower.round_timeout_s`` with the replies that arrived, nothing of the dead client enters the
 model, and when the node comes back (a fresh process, so its ``Context.state`` is empty) FedLore
-resynchronizes it with the dense model and it trains again. Every process started here is
-stopped by PID.
+resynchronizes it with the dense model and it trains again. A DP run audited with canaries
+(``dp.audit``) reports the in-process run's audit. Every process started here is stopped by
+PID.
 
 Every message starts a ClientApp process (Flower's SuperNode runs each in a subprocess), so the
 runs are as short as their assertions allow, and the digits come from the ``digits_npz``
@@ -16,6 +17,8 @@ from __future__ import annotations
 import json
 import re
 import time
+import types
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -289,3 +292,75 @@ def test_deployment_script_leaves_the_main_job_alone(tmp_path: Path, digits_npz:
     # the main job's run is untouched
     assert json.loads((main_job / "summary.json").read_text())["rounds"] == 30
     assert (main_job / "metrics.jsonl").read_text() == '{"round": 29}\n'
+
+
+# ------------------------------------------------------------------ the canary audit
+
+
+def test_a_deployed_audit_reports_what_the_in_process_audit_reports(
+    tmp_path: Path, digits_npz: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The canary audit (``dp.audit``) under ``flwr run``: the ServerApp process adds the
+    canaries to the noised sum (:meth:`~fedlore.privacy.aggregation.Privacy.combine`) and
+    writes the estimate into the summary, as in process. The canaries' directions come from an
+    AES key of OS entropy (two in-process runs differ as much), so the in-process twin runs
+    with the key the deployed run kept in its checkpoint; every client takes part, so every
+    canary is inserted on both sides (no canary sample to differ), and
+    ``dp.reproducible_noise`` draws the same DP noise. Then the summary's DP and audit entries
+    are the same keys with the same values (the estimates to 1e-5, relative: the deployed
+    clients' float32 training is the in-process one's). One round of two SuperNodes (a
+    ClientApp process each): what the server does across rounds is the same process's code
+    on every engine."""
+    from fedlore.config import load_config
+    from fedlore.engine.callbacks import Checkpointer
+    from fedlore.experiment import run_one
+    from fedlore.privacy import canaries
+
+    nodes = 2
+    common = [
+        f"num_clients={nodes}",
+        "rounds=1",
+        "local_steps=2",
+        "progress=false",
+        "weighting=uniform",
+        "dp.clip_norm=0.5",
+        "dp.noise_multiplier=0.3",
+        "dp.reproducible_noise=true",  # the same noise on both sides (no privacy)
+        "dp.audit.canaries=8",
+        "dp.audit.unseen=8",
+        "model.kwargs.hidden=[16]",
+        *digits_npz,
+    ]
+    out_dir = tmp_path / "runs"
+    deploy = [*common, "flower.round_timeout_s=60", "flower.wait_for_nodes_s=60"]
+    config = ROOT / "experiments" / "quickstart.yaml"
+    fed = LoopbackFederation(tmp_path / "fed", num_nodes=nodes)
+    try:
+        fed.start()
+        fed.submit(config, "fedavg", SEED, " ".join([*deploy, f"output_dir={out_dir}"]))
+        summary = out_dir / "quickstart" / "fedavg" / f"seed-{SEED}" / "summary.json"
+        deadline = time.monotonic() + 300
+        while not summary.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert summary.exists(), "the deployed run did not finish; see " + str(fed.work)
+    finally:
+        fed.close()
+    deployed = json.loads(summary.read_text())
+    _, state, _ = Checkpointer.load(summary.with_name("checkpoint.pt"))
+    key = bytes.fromhex(str(state.values[canaries.KEY]))
+    monkeypatch.setattr(canaries, "os", types.SimpleNamespace(urandom=lambda n: key[:n]))
+    local = load_config(config, [*common, f"output_dir={tmp_path / 'local'}"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # seeded noise: no privacy; few canaries
+        here = run_one(local, "fedavg", SEED)
+    assert here is not None
+    want = {k: v for k, v in here.items() if k.startswith("dp_")}
+    got = {k: v for k, v in deployed.items() if k.startswith("dp_")}
+    assert got.keys() == want.keys()
+    assert "dp_audit_epsilon" in want and "dp_audit_epsilon_all_iterates" in want
+    assert want["dp_audit_canaries_per_round"] == 8 and want["dp_audit_dimension"] > 1000
+    for k, v in want.items():
+        if isinstance(v, float):
+            assert got[k] == pytest.approx(v, rel=1e-5), k
+        else:
+            assert got[k] == v, k

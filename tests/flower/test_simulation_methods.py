@@ -8,8 +8,9 @@ module (:func:`fedlore.flower.simulation.ray_session`, as ``fedlore run`` holds 
 its runs; a simulation's actors are killed at its end, so each method starts in fresh worker
 processes): a Ray start per method cost ~10 s of CI each. The digits come from the
 ``digits_npz`` fixture (the same federation; every Ray actor would import scikit-learn for
-``data.name=digits``, ~2 s of CPU each). FedPer and MOON also run under secure aggregation
-(SecAgg+ over the actors) against fedlore's in-process protocol.
+``data.name=digits``, ~2 s of CPU each). FedPer, MOON and SCAFFOLD (its control variates
+too) also run under secure aggregation (SecAgg+ over the actors) against fedlore's in-process
+protocol.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ pytest.importorskip("flwr", reason="needs the [flower] extra: pip install -e '.[
 from sim_helpers import SMALL, assert_matches, rows, sim_cfg
 
 from fedlore import registry
+from fedlore.algorithms.scaffold import CONTROL
 from fedlore.config import load_config
 from fedlore.engine.callbacks import Checkpointer
 from fedlore.engine.rundir import run_dir
@@ -204,3 +206,35 @@ def test_secure_simulation_matches_the_in_process_secure_run(
     assert got["accepted"] == want["accepted"] == 3 and got["train_loss"] is None
     assert got["local_clients"] == want["local_clients"] == 3
     assert got["local_accuracy"] == pytest.approx(want["local_accuracy"], abs=1e-6)
+
+
+def test_scaffold_under_secure_simulation_matches_the_in_process_secure_run(
+    tmp_path: Path, digits_npz: list[str]
+) -> None:
+    """SCAFFOLD under secure aggregation: flwr's SecAgg+ over Ray actors masks each client's
+    ``[Δc_i, Δy]``, and each client's ``c_i`` lives in its node's ``Context.state`` from round
+    0 to round 1 (it corrects round 1's steps and is the base of round 1's Δc_i), against
+    fedlore's in-process protocol: after two rounds the global model x *and* the server's
+    control variate c are the in-process run's to SecAgg+'s quantization (the tolerance of the
+    methods above). With every client in every round c is the clients' weighted mean of their
+    c_i, so a ``c_i`` lost or altered between the rounds would show in c (and in x)."""
+    secure = ["secure_aggregation=true", "lr=0.1"]
+    local, sim = (
+        sim_cfg(tmp_path, engine, 2, "scaffold", [*digits_npz, *secure])
+        for engine in ("local", "sim")
+    )
+    run_one(local, "scaffold", 42)
+    run_simulated(sim, "scaffold", 42)
+    a = Checkpointer.load(run_dir(local, "scaffold", 42) / "checkpoint.pt")[1].arrays
+    b = Checkpointer.load(run_dir(sim, "scaffold", 42) / "checkpoint.pt")[1].arrays
+    controls = [k for k in a if k.startswith(CONTROL)]
+    assert controls and {k for k in a if k.startswith("model.")}
+    for k, v in a.items():
+        if k.startswith(("model.", CONTROL)) and v.is_floating_point():
+            torch.testing.assert_close(b[k], v, rtol=0, atol=1e-5, msg=k)
+    moved = max(float(a[k].abs().max()) for k in controls)  # c starts at 0
+    assert moved > 100 * 1e-5, moved  # not a comparison of two control variates left at 0
+    for want, got in zip(rows(local, "scaffold"), rows(sim, "scaffold"), strict=True):
+        assert got["accepted"] == want["accepted"] == 3
+        assert got["secagg_aborted"] == want["secagg_aborted"] == 0
+        assert got["train_loss"] is None  # nothing of a client in the clear

@@ -38,6 +38,12 @@ FedLore-fixed with a random P^0 only, FedLore refuses it): the unprojected tenso
 increments exactly as under a 16-bit wire (:attr:`FedLore.dense_increments`), at the model's
 dtype when the wire is fp32, so every upload is an increment or a linear sketch and the server
 needs only the weighted sums.
+
+A BatchNorm running variance (unprojected) that DP's noise or a server optimizer's step would
+take below 0, where BatchNorm would score with NaN, is clamped at 0 as FedAvg's server clamps
+it: in the value the server keeps and sends or, when the unprojected tensors travel as
+increments, in the increment it logs and applies (:func:`~fedlore.tensors.nonnegative_increments`),
+so a client that replays the log clamps too and its cache stays the server's model bit for bit.
 """
 
 from __future__ import annotations
@@ -76,6 +82,8 @@ from fedlore.tensors import (
     from_wire,
     model_arrays,
     nbytes,
+    nonnegative_increments,
+    nonnegative_variances,
     select,
     to_wire,
     weighted_mean,
@@ -247,10 +255,12 @@ class FedLore(FedLoreClient):
         for k, s in plan.items():
             arrays["model." + k] = apply_increment(model[k], s, basis[k], deltas[k], decay)
             logged[k] = deltas[k]
+        # a running variance the noise or a server step would take below 0 is clamped at 0:
+        # in the value sent, or in the increment logged, so the replaying clients clamp too
         if not self.dense_increments:  # unprojected tensors: the mean of the uploaded values
-            arrays.update(with_prefix(dense, "model."))
+            arrays.update(with_prefix(nonnegative_variances(dense), "model."))
         else:  # the mean of the uploaded increments (16-bit: quantized), logged and applied
-            for k, inc in to_wire(dense, wire).items():
+            for k, inc in nonnegative_increments(model, to_wire(dense, wire)).items():
                 arrays["model." + k] = add_increment(model[k], inc)
                 logged[k] = inc
         sync.record(rnd, logged, decay=decay, basis_id=cur)

@@ -15,8 +15,9 @@ Wire names (adapters fp32, other tensors the model's dtype, under the default ``
   model (clients update them locally while training and discard them), as in the LoRA papers'
   code, which trains transformers with LayerNorm only; ``average_buffers=True`` treats the
   floating-point buffers like dense parameters instead (uploaded after local training and
-  averaged with p_i, as FedFull, Local GaLore and FedLore do; integer buffers such as
-  ``num_batches_tracked`` keep their first-contact values).
+  averaged with p_i, as FedFull, Local GaLore and FedLore do; a running variance that DP's
+  noise or the server's step takes below 0 is clamped at 0, as FedAvg's server does; integer
+  buffers such as ``num_batches_tracked`` keep their first-contact values).
 * ``lora.<mod>.A`` (``r x n``) / ``lora.<mod>.B`` (``m x r``): adapter factors.
 * ``log.<s>.<mod>.*``: round s's merge payload (FLoRA, FRLoRA), from which a client rebuilds
   the merge into its cached base with the server's function, so both stay bit-identical.
@@ -93,7 +94,15 @@ from fedlore.lora import (
     zeros_b,
 )
 from fedlore.optim.server import STEPS
-from fedlore.tensors import nbytes, select, snap, to_wire, weighted_mean, with_prefix
+from fedlore.tensors import (
+    nbytes,
+    nonnegative_variances,
+    select,
+    snap,
+    to_wire,
+    weighted_mean,
+    with_prefix,
+)
 from fedlore.types import Arrays, Broadcast, Reply, Scalars, State
 
 
@@ -377,6 +386,9 @@ class LoraMethod(LoraClient, abc.ABC):
             step, moments = opt.step(change, select(arrays, "sopt.", strip=False), t)
             arrays.update(moments)
             arrays.update(snap({k: v + step[k].to(v.dtype) for k, v in before.items()}, wire))
+        # average_buffers: a running variance that DP's noise or the server's step takes below 0
+        # is clamped at 0 (post-processing; values travel, so the clients receive the clamp)
+        arrays.update(nonnegative_variances({f"model.{k}": arrays[f"model.{k}"] for k in dense}))
         log = snap(log, wire)  # merged here exactly as the clients will merge it
         for k, v in list(arrays.items()):
             if k.startswith("lora.") and state.arrays.get(k) is not v:
