@@ -142,6 +142,30 @@ def test_allow_test_warns_and_the_summary_says_so(tmp_path: Path) -> None:
     assert summary is not None and summary["early_stopping_on_test"] is False
 
 
+def test_allow_test_is_said_once_for_all_the_runs_of_a_command(tmp_path: Path) -> None:
+    """A sweep (two methods, two seeds) warns once, naming how many runs it concerns, not once
+    per run; the next command warns again."""
+    from fedlore.experiment import run_experiment
+
+    sweep = ("early_stopping.metric=accuracy", "early_stopping.allow_test=true", "rounds=1",
+             "algorithms=[fedavg, fedfull]", "seeds=[0, 1]")  # fmt: skip
+    for name in ("first", "second"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # Python's own once-per-place filter off
+            summaries = run_experiment(_cfg(tmp_path, *sweep, f"name={name}"))
+        assert sum(len(s) for s in summaries.values()) == 4
+        said = [str(w.message) for w in caught if issubclass(w.category, TestSelectionWarning)]
+        assert len(said) == 1, said
+        assert "each of the command's 4 runs stops and selects on the central test set" in said[0]
+    cfg = _cfg(tmp_path, *sweep)  # outside a command (a run of its own): said every time
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fed = prepare_federation(cfg, 0)
+        check_early_stopping(cfg, fed)
+    said = [str(w.message) for w in caught if issubclass(w.category, TestSelectionWarning)]
+    assert len(said) == 2 and all("(allow_test): the run stops" in m for m in said)
+
+
 DP = ["dp.clip_norm=1", "dp.noise_multiplier=1", "weighting=uniform"]
 
 
@@ -179,14 +203,39 @@ def test_settings_that_cannot_hold_are_refused(extra: list[str], words: str) -> 
         load_config(None, extra)
 
 
+@pytest.mark.parametrize(
+    ("metric", "mode", "fix"),
+    [("selection_loss", "max", "min"), ("client_ece", "max", "min"),
+     ("selection_accuracy", "min", "max")],
+)  # fmt: skip
+def test_a_mode_against_a_known_direction_is_refused_before_any_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], metric: str, mode: str, fix: str
+) -> None:
+    """``selection_loss`` with ``mode=max`` would keep the worst round: `fedlore run` refuses
+    it in one line naming the metric, its direction and the fix, and makes no folder."""
+    from fedlore.cli import main
+
+    capsys.readouterr()
+    args = [*TINY, f"output_dir={tmp_path / 'runs'}", "data.selection_fraction=0.2",
+            f"early_stopping.metric={metric}", f"early_stopping.mode={mode}"]  # fmt: skip
+    assert main(["run", *args]) == 2
+    err = capsys.readouterr().err
+    (line,) = [ln for ln in err.splitlines() if "contradicts" in ln]
+    how = "minimized (smaller is better)" if fix == "min" else "maximized (larger is better)"
+    assert f"early_stopping.mode={mode} contradicts early_stopping.metric={metric}" in line
+    assert f"which is {how}: set early_stopping.mode=auto (or {fix})" in line
+    assert "Traceback" not in err and not (tmp_path / "runs").exists()
+
+
 def test_mode_auto_refuses_a_plugins_metric() -> None:
     register_metric("es_test_score")(lambda log_probs, y: 0.0)
     try:
         with pytest.raises(ConfigError, match=r"set early_stopping\.mode to max or min"):
             load_config(None, ["early_stopping.metric=selection_es_test_score"])
-        cfg = load_config(None, ["early_stopping.metric=selection_es_test_score",
-                                 "early_stopping.mode=max"])  # fmt: skip
-        assert cfg.early_stopping.direction() == "max"
+        for mode in ("max", "min"):  # a direction fedlore does not know: the mode given
+            cfg = load_config(None, ["early_stopping.metric=selection_es_test_score",
+                                     f"early_stopping.mode={mode}"])  # fmt: skip
+            assert cfg.early_stopping.direction() == mode
     finally:
         from fedlore import registry
 

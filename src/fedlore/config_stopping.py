@@ -1,7 +1,8 @@
 """The ``early_stopping`` section of :class:`fedlore.config_model.Config`: stop a run once a
 per-round metric has stopped improving, and optionally keep the model of its best round
-(import it from :mod:`fedlore.config`; the rule is :mod:`fedlore.engine.early_stopping`, the
-refusals that span other sections :mod:`fedlore.checks.stopping`)."""
+(import it from :mod:`fedlore.config`; the rule is :mod:`fedlore.engine.early_stopping` over
+:mod:`fedlore.stopping_rule`, whose table of the scores' directions this section checks an
+explicit ``mode`` against; the refusals that span other sections :mod:`fedlore.checks.stopping`)."""
 
 from __future__ import annotations
 
@@ -11,31 +12,24 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from fedlore.settings import StrictModel as _Strict
-
-MAXIMIZED = frozenset(
-    {
-        "accuracy",
-        "balanced_accuracy",
-        "f1_macro",
-        "top5_accuracy",
-        "auroc_macro",
-        "accuracy_mean",
-        "accuracy_min",
-        "accuracy_p10",
-    }
+from fedlore.stopping_rule import (  # the rule's own table of directions, without pydantic
+    MAXIMIZED,
+    MINIMIZED,
+    PREFIXES,
+    base_name,
+    known_direction,
+    watches_test,
 )
-"""Scores (without their ``selection_`` / ``client_`` prefix) for which higher is better."""
-MINIMIZED = frozenset({"loss", "ece", "perplexity", "rmse", "brier", "accuracy_std", "train_loss"})
-"""Scores (without their prefix) for which lower is better."""
-PREFIXES = ("selection_", "client_")
 
-
-def base_name(metric: str) -> str:
-    """``metric`` without its split prefix (``selection_loss`` -> ``loss``)."""
-    for prefix in PREFIXES:
-        if metric.startswith(prefix):
-            return metric.removeprefix(prefix)
-    return metric
+__all__ = [
+    "MAXIMIZED",
+    "MINIMIZED",
+    "PREFIXES",
+    "EarlyStoppingConfig",
+    "base_name",
+    "known_direction",
+    "watches_test",
+]
 
 
 class EarlyStoppingConfig(_Strict):
@@ -56,7 +50,9 @@ class EarlyStoppingConfig(_Strict):
     mode: Literal["auto", "max", "min"] = "auto"
     """Whether larger (``max``) or smaller (``min``) values are better; ``auto`` knows
     fedlore's scores (accuracies, F1 and AUROC ``max``; losses, ECE, perplexity, RMSE and Brier
-    ``min``) and refuses a metric registered by a plugin."""
+    ``min``) and refuses a metric registered by a plugin. An explicit mode against a score's
+    known direction (``selection_loss`` with ``max``) is refused; a plugin's metric takes the
+    mode given."""
     patience: int = Field(3, ge=1)
     """Evaluations in a row without an improvement after which the run stops (rounds with
     ``eval.every: 1``; a metric is recorded at every ``eval.every``-th round)."""
@@ -90,6 +86,15 @@ class EarlyStoppingConfig(_Strict):
                 )
             return self
         local = self.metric.startswith("local_")  # refused by the run's check: last round only
+        way = known_direction(self.metric)  # None: a plugin's metric, whose mode is given
+        if self.mode != "auto" and way is not None and self.mode != way:
+            how = (
+                "maximized (larger is better)" if way == "max" else "minimized (smaller is better)"
+            )
+            raise ValueError(
+                f"early_stopping.mode={self.mode} contradicts early_stopping.metric="
+                f"{self.metric}, which is {how}: set early_stopping.mode=auto (or {way})"
+            )
         if (
             self.mode == "auto"
             and not local
@@ -116,13 +121,4 @@ class EarlyStoppingConfig(_Strict):
         if self.mode != "auto":
             return self.mode
         assert self.metric is not None
-        return "max" if base_name(self.metric) in MAXIMIZED else "min"
-
-
-def watches_test(metric: str) -> bool:
-    """Whether ``metric`` is scored on a test set the run reports: the central test set (an
-    unprefixed score) or the clients' test splits (``client_*``); not the selection split
-    (``selection_*``) nor the training loss."""
-    return metric.startswith("client_") or (
-        metric != "train_loss" and not metric.startswith(("selection_", "local_"))
-    )
+        return known_direction(self.metric) or "min"  # auto: a known score (the validator)

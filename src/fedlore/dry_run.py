@@ -104,18 +104,30 @@ def _same(
     return fingerprint is None or recorded.get("data_fingerprint") in (None, fingerprint())
 
 
+def _trains(cfg: Config) -> str:
+    """``trains 30 rounds``, or with early stopping, which may end it sooner, ``trains up to 30
+    rounds``."""
+    most = "up to " if cfg.early_stopping.metric is not None else ""  # it may stop early
+    return f"trains {most}{cfg.rounds} {'round' if cfg.rounds == 1 else 'rounds'}"
+
+
+def _how_far(cfg: Config, why: str) -> str:
+    """``why`` of a run that trains or continues, with early stopping followed by ``; trains up
+    to 30 rounds``: every line of such a run says how far it may go, as a fresh run's does
+    (without early stopping the line's ``of 30`` or the fresh run's ``trains 30 rounds`` does)."""
+    return f"{why}; {_trains(cfg)}" if cfg.early_stopping.metric is not None else why
+
+
 def _fresh(cfg: Config, folder: Path, resumable: bool = True) -> Fate:
     done, setup = _rounds_in(folder)
     if not done and not setup:
-        most = "up to " if cfg.early_stopping.metric is not None else ""  # it may stop early
-        unit = "round" if cfg.rounds == 1 else "rounds"
-        return "train", f"trains {most}{cfg.rounds} {unit}"
+        return "train", _trains(cfg)
     whose = "the unfinished run" if resumable else "an unfinished run of another config or data"
     hint = " (--resume continues it)" if resumable else ""
     what = f"the {done} complete round(s)" if done else "the setup round"
     if done and setup:
         what += " and the setup round"
-    return "train", f"starts over, discarding {what} of {whose} there{hint}"
+    return "train", _how_far(cfg, f"starts over, discarding {what} of {whose} there{hint}")
 
 
 def _continue(cfg: Config, method: str, folder: Path, what: str = "") -> Fate:
@@ -129,17 +141,21 @@ def _continue(cfg: Config, method: str, folder: Path, what: str = "") -> Fate:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if cfg.engine == "flower-sim":
-        return "continue", (
+        why = (
             f"{what}trains again from its first round (a new simulation does not hold the "
             "clients' states)"
         )
+        return "continue", _how_far(cfg, why)
     ckpt = folder / "checkpoint.pt"
     if not ckpt.exists():
-        return "train", f"{what}has no checkpoint: trains from its first round (as --resume does)"
+        why = f"{what}has no checkpoint: trains from its first round (as --resume does)"
+        return "train", _how_far(cfg, why)
     last = checkpoint_round(ckpt)
     check_rows_reach(folder / "metrics.jsonl", -setup_rounds(make_algorithm(method, cfg)), last)
     if last < 0:  # only the setup round (FedLore's round -1) was checkpointed
-        return "continue", f"{what}continues after its setup round (round {last})"
+        return "continue", _how_far(cfg, f"{what}continues after its setup round (round {last})")
+    if cfg.early_stopping.metric is not None:  # "of 30": it may stop before
+        return "continue", _how_far(cfg, f"{what}continues after round {last}")
     return "continue", f"{what}continues after round {last} of {cfg.rounds}"
 
 

@@ -93,7 +93,7 @@ from fedlore.experiment_privacy import (
     warn_uncounted,
 )
 from fedlore.privacy import Privacy
-from fedlore.progress import say_once
+from fedlore.progress import command, say_once
 from fedlore.results.summary import summarize
 from fedlore.seeding import SERVER_INIT, generator
 from fedlore.tracking import open_tracking
@@ -358,6 +358,7 @@ IN_PROCESS = Engine(run_one)
 """Every run in this process, over :class:`~fedlore.engine.transport.LocalTransport`."""
 
 
+@command()  # a message said once is said once for all its runs (fedlore.progress)
 def run_experiment(
     cfg: Config,
     resume: bool = False,

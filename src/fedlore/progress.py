@@ -9,9 +9,11 @@ or a progress bar on one. A library user who never configures the logger sees no
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import warnings
+from collections.abc import Iterator
 
 log = logging.getLogger("fedlore.progress")
 
@@ -22,22 +24,55 @@ def say(message: str, *args: object) -> None:
 
 
 _SAID: set[str] = set()
+_COMMANDS: list[set[str]] = []  # the messages said in the command under way (a stack of one)
+
+
+@contextlib.contextmanager
+def command() -> Iterator[None]:
+    """One command's scope (:func:`fedlore.experiment.run_experiment` is in one: ``fedlore run``
+    and every run of its sweep): within it :func:`say_once` and :func:`warn_once` say a message
+    once for the command, and the next command says it again (a notebook's second experiment
+    is told too, where Python's warning filters let a warning through twice: by default they
+    show one once per place in the code). Outside any command they say it once per process. A
+    command inside another is part of it. Usable as a decorator."""
+    if _COMMANDS:
+        yield
+        return
+    _COMMANDS.append(set())
+    try:
+        yield
+    finally:
+        _COMMANDS.pop()
+
+
+def in_command() -> bool:
+    """Whether a :func:`command` is under way (a message said once is said once for it)."""
+    return bool(_COMMANDS)
+
+
+def _said() -> set[str]:
+    """The messages said already: the command's, or the process's outside any command."""
+    return _COMMANDS[-1] if _COMMANDS else _SAID
 
 
 def say_once(message: str, *args: object) -> None:
-    """:func:`say`, once per process for a given message (a model loaded again for each of a
-    run's copies is announced the first time)."""
+    """:func:`say`, once per command (:func:`command`; once per process outside any) for a
+    given message (a model loaded again for each of a run's copies is announced the first
+    time)."""
     text = message % args if args else message
-    if text not in _SAID:
-        _SAID.add(text)
+    said = _said()
+    if text not in said:
+        said.add(text)
         log.info(text)
 
 
 def warn_once(message: str, category: type[Warning]) -> None:
     """A warning that shows whether or not progress messages do (``progress: false`` silences
-    :func:`say`, never this), once per process as :func:`say_once`."""
-    if message not in _SAID:
-        _SAID.add(message)
+    :func:`say`, never this), once per command (once per process outside any) as
+    :func:`say_once`: every run of a sweep would repeat it."""
+    said = _said()
+    if message not in said:
+        said.add(message)
         warnings.warn(message, category, stacklevel=3)
 
 

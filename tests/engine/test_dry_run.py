@@ -99,6 +99,32 @@ def test_a_dry_run_with_early_stopping_says_up_to(
     assert status == 0 and set(lines.values()) == {"train: trains up to 3 rounds"}
     status, lines = _dry(out, capsys, *stop, "rounds=1")  # one round: singular
     assert status == 0 and set(lines.values()) == {"train: trains up to 1 round"}
+    # a killed run says it too, resumed or started over, as the fresh runs beside it do
+    assert run_one(_cfg(out, *stop), "fedavg", 1, stop_after=0) is None
+    status, lines = _dry(out, capsys, *stop, "--resume")
+    assert status == 0
+    assert lines["fedavg seed 1"] == "continue: continues after round 0; trains up to 3 rounds"
+    assert lines["fedfull seed 1"] == (  # no folder yet: --resume trains it from the start
+        "train: has no checkpoint: trains from its first round (as --resume does); trains up "
+        "to 3 rounds"
+    )
+    status, lines = _dry(out, capsys, *stop)
+    assert lines["fedavg seed 1"] == (
+        "train: starts over, discarding the 1 complete round(s) of the unfinished run there "
+        "(--resume continues it); trains up to 3 rounds"
+    )
+    from fedlore.dry_run import plan_runs
+
+    fedlore = _cfg(tmp_path / "setup", *stop, "algorithms=[fedlore]", "seeds=[1]")
+    assert run_one(fedlore, "fedlore", 1, stop_after=-1) is None  # its setup round only
+    (p,) = plan_runs(fedlore, resume=True)
+    assert p.why == "continues after its setup round (round -1); trains up to 3 rounds"
+    from fedlore.dry_run import _continue
+
+    sim = _cfg(out, *stop, "engine=flower-sim")  # a new simulation starts over: as far
+    assert _continue(sim, "fedavg", tmp_path)[1].endswith(
+        "(a new simulation does not hold the clients' states); trains up to 3 rounds"
+    )
 
 
 def test_a_dry_run_says_what_the_command_then_does(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedlore.config import load_config
+from fedlore.config import ConfigError, load_config
 from fedlore.engine.early_stopping import EarlyStopping
 from fedlore.results.summary import summarize
 from fedlore.types import State
@@ -139,10 +139,21 @@ def test_restore_best_keeps_a_copy_later_rounds_cannot_change() -> None:
     ],
 )
 def test_mode_auto_knows_fedlores_scores(metric: str, mode: str) -> None:
+    """``auto`` resolves each known score; an explicit mode agreeing with it is kept, and the
+    opposite one is refused, naming the metric, its direction and the fix."""
     cfg = load_config(None, [f"early_stopping.metric={metric}"])
     assert cfg.early_stopping.direction() == mode
-    explicit = load_config(None, [f"early_stopping.metric={metric}", "early_stopping.mode=min"])
-    assert explicit.early_stopping.direction() == "min"
+    explicit = load_config(None, [f"early_stopping.metric={metric}", f"early_stopping.mode={mode}"])
+    assert explicit.early_stopping.direction() == mode
+    other = "min" if mode == "max" else "max"
+    how = "maximized" if mode == "max" else "minimized"
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"early_stopping.metric={metric}", f"early_stopping.mode={other}"])
+    assert (
+        f"early_stopping.mode={other} contradicts early_stopping.metric={metric}, which is "
+        f"{how}" in str(e.value)
+    )
+    assert f"set early_stopping.mode=auto (or {mode})" in str(e.value)
 
 
 def _rows(path: Path, accuracies: list[float | None]) -> Path:

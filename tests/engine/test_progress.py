@@ -117,3 +117,37 @@ def test_verbose_and_options_anywhere_on_the_command_line(
     captured = capsys.readouterr()
     assert "round 2/2 fedavg seed 0" in captured.err
     assert f"results in {tmp_path / 'cli'}/" in captured.out
+
+
+def test_a_message_said_once_is_said_once_per_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within a command (:func:`fedlore.progress.command`, which ``run_experiment`` and
+    ``fedlore report`` are in) a warning is given once for all its runs, and again by the next
+    command; outside any command once per process. A command within one is part of it."""
+    import warnings
+
+    monkeypatch.setattr(progress, "_SAID", set())
+
+    def said(*messages: str) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # Python's own once-per-place filter off
+            for m in messages:
+                progress.warn_once(m, UserWarning)
+        return [str(w.message) for w in caught]
+
+    for _ in range(2):  # each command: once
+        with progress.command():
+            assert progress.in_command()
+            assert said("a", "a", "b") == ["a", "b"]
+            with progress.command():  # nested: the outer command's
+                assert said("a") == []
+    assert not progress.in_command()
+    assert said("a", "a") == ["a"] and said("a") == []  # outside: once per process
+    seen: list[str] = []
+
+    @progress.command()
+    def command() -> None:
+        seen.extend(said("c", "c"))
+
+    command()
+    command()
+    assert seen == ["c", "c"]

@@ -1,8 +1,8 @@
 """The refusals of ``early_stopping`` (:class:`fedlore.config.EarlyStoppingConfig`) that span
 other settings: the watched metric must be one the run records at every evaluation
 (:func:`recorded_metrics`), not one of the test sets it reports (unless
-``early_stopping.allow_test``, which warns), and, under DP, not one read from the clients'
-data outside the mechanism.
+``early_stopping.allow_test``, which warns, once for all the runs of a command), and, under DP,
+not one read from the clients' data outside the mechanism.
 
 Threat model under DP (the accountant's ε covers what the clients' noised uploads reveal):
 the round the run stops at and the model it keeps are functions of the released global models
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from fedlore.config import Config, ConfigError
 from fedlore.config_stopping import watches_test
+from fedlore.progress import in_command, warn_once
 
 if TYPE_CHECKING:
     from fedlore.data.federation import Federation
@@ -121,13 +122,17 @@ def check_early_stopping(cfg: Config, fed: Federation) -> None:
             "above 0, e.g. 0.1), or set early_stopping.allow_test=true to do it anyway (the "
             "summary says so)"
         )
-    warnings.warn(
-        f"early_stopping.metric={metric} (allow_test): the run stops and selects on {where} "
+    runs = len(cfg.algorithms) * len(cfg.seeds)
+    which = f"each of the command's {runs} runs" if in_command() and runs > 1 else "the run"
+    message = (
+        f"early_stopping.metric={metric} (allow_test): {which} stops and selects on {where} "
         f"it reports, so its scores there are optimistic; {alternative} on the selection split "
-        "would not be",
-        TestSelectionWarning,
-        stacklevel=2,
+        "would not be"
     )
+    if in_command():  # a sweep: said once for all its runs, at the command's first check
+        warn_once(message, TestSelectionWarning)
+    else:  # one run (run_one, build): every time
+        warnings.warn(message, TestSelectionWarning, stacklevel=2)
 
 
 def _why_not(cfg: Config, fed: Federation, metric: str) -> str:

@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedlore import progress
 from fedlore.atomic import replacing, write_text
+from fedlore.results.folders import linked_folders, subfolders
 from fedlore.results.markdown import (
     diagnostics_markdown,
     eval_metrics_markdown,
@@ -24,7 +26,7 @@ from fedlore.results.markdown import (
 )
 from fedlore.results.paired import baseline_label, paired_table, section, unknown_baseline
 from fedlore.results.plots import plot
-from fedlore.results.stopping import early_stopping_markdown
+from fedlore.results.stopping import derived_note, early_stopping_markdown
 from fedlore.results.store import (
     SEED_DIR,
     IncompleteRunWarning,
@@ -132,11 +134,13 @@ def to_csv(
     for accuracy)."""
     keys, rows = metrics
     extra = [f"{key}_{stat}" for key in keys for stat in ("mean", "std", "n")]
+    # best_<metric> of each early-stopping metric a run watched (its row's runs' values)
+    best = sorted({k for r in table for k in r if k.startswith("best_") and k not in COLUMNS})
     by_method = {r["method"]: r for r in rows}
     pairs = {r["method"]: r for r in paired[1]} if paired is not None else {}
     out = []
     for r in table:
-        cells = {k: r.get(k) for k in COLUMNS}
+        cells = {k: r.get(k) for k in [*COLUMNS, *best]}
         scored = by_method.get(r["method"], {})
         for key in keys:
             mean, std, n = scored.get(key, (None, None, 0))
@@ -144,7 +148,7 @@ def to_csv(
         if paired is not None:
             cells |= paired_cells(pairs.get(r["method"]), paired[0])
         out.append({k: "" if v is None else v for k, v in cells.items()})
-    header = COLUMNS + extra + (PAIRED_COLUMNS if paired is not None else [])
+    header = COLUMNS + extra + best + (PAIRED_COLUMNS if paired is not None else [])
     with replacing(path, "w", newline="", shared=True) as f:  # a failure leaves the old file
         writer = csv.DictWriter(f, fieldnames=header)
         writer.writeheader()
@@ -215,7 +219,8 @@ def _report_experiment(
         "largest peak of one client's update; s / round without evaluation, from round 1 on; "
         "rejected client replies and skipped local steps (non-finite loss or gradient) per run. "
         "Seeds: unfinished runs (no summary yet) and runs whose summary cannot be read show their "
-        "last written round; diverged runs "
+        "last written round (with early stopping's restore_best, the best round it keeps); "
+        "diverged runs "
         "(a training loss gone non-finite, or test predictions not finite or blown up) are left "
         "out of the final values. Runs of different configs under one name get a row each, "
         "named by the settings that differ."
@@ -244,7 +249,7 @@ def _report_experiment(
             "Rounds count from 0; a run stops after `early_stopping.patience` evaluations "
             "without an improvement of its metric; with `restore_best` its final values are "
             "those of its best round. A metric marked (test set) was watched on a test set the "
-            "report shows (allow_test): those scores are optimistic.\n\n"
+            f"report shows (allow_test): those scores are optimistic.{derived_note(runs)}\n\n"
         )
     if diag:
         text += (
@@ -276,6 +281,7 @@ def _paired(
     return (label, rows) if label is not None and rows else None
 
 
+@progress.command()  # a note on a folder it cannot read: once per report
 def report(
     path: Path,
     keys: Sequence[str] | None = None,
@@ -313,14 +319,20 @@ def report(
         raise FileNotFoundError(f"report: {what}: {path} (give an experiment's output folder)")
     if is_experiment_dir(path):
         experiments = [path]
-    else:
-        experiments = sorted(d for d in path.iterdir() if is_experiment_dir(d))
+    else:  # no symbolic link below path is followed, no unreadable folder stops the search
+        experiments = [d for d in subfolders(path) if is_experiment_dir(d)]
     if not experiments:
         hint = ""
         if is_experiment_dir(path.parent) or SEED_DIR.match(path.name):  # a method's or a run's
             up = path.parent if is_experiment_dir(path.parent) else path.parent.parent
             kind = "a method's" if up == path.parent else "a run's"
             hint = f"; it is {kind} folder: report its experiment, `fedlore report {up}`"
+        elif links := linked_folders(path):  # runs elsewhere: name the links left alone
+            names = ", ".join(p.name for p in links[:4]) + (", ..." if len(links) > 4 else "")
+            hint = (
+                f"; symbolic links to folders are not followed ({names}): report the folder "
+                "a link points to"
+            )
         raise FileNotFoundError(
             f"report: no runs found in {path}: expected <experiment>/<method>/seed-<s>/ "
             f"or <method>/seed-<s>/ below it{hint}"

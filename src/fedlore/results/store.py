@@ -18,13 +18,20 @@ from __future__ import annotations
 import functools
 import json
 import math
-import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedlore.results.summary import derive_summary, lm_summary, value
+from fedlore.results.folders import (
+    SEED_DIR,
+    UnreadableFolderWarning,
+    is_experiment_dir,
+    linked_folders,
+    subfolders,
+    unreadable,
+)
+from fedlore.results.summary import derive_summary, lm_summary, replayed_stopping, value
 
 # derive_summary, lm_summary and value live in results/summary.py (the one place summaries are
 # computed); they are importable from here as before
@@ -33,6 +40,7 @@ __all__ = [
     "RECORD_KEYS",
     "IncompleteRunWarning",
     "RunRecord",
+    "UnreadableFolderWarning",
     "derive_summary",
     "is_experiment_dir",
     "lm_summary",
@@ -45,8 +53,6 @@ __all__ = [
 
 PLATFORM_KEYS = ("ran_fedlore", "ran_torch", "ran_numpy", "ran_cpu", "ran_gpu")
 """``fedlore.device.PLATFORM_KEYS``, spelled here so that reading results needs no torch."""
-
-SEED_DIR = re.compile(r"^seed-(-?\d+)$")
 
 
 class IncompleteRunWarning(UserWarning):
@@ -96,11 +102,20 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: int(r["round"]))
 
 
-def _eval_metrics(run_dir: Path) -> list[str]:
+def _recorded(run_dir: Path) -> dict[str, Any] | None:
+    """The run's ``config.json`` (None when it is missing or cannot be read)."""
+    try:
+        raw = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def _eval_metrics(recorded: dict[str, Any] | None) -> list[str]:
     """The run's ``eval.metrics``, from its ``config.json`` (none when it cannot be read)."""
     try:
-        names = json.loads((run_dir / "config.json").read_text())["eval"]["metrics"]
-    except (OSError, ValueError, KeyError, TypeError):
+        names = (recorded or {})["eval"]["metrics"]
+    except (KeyError, TypeError):
         return []
     return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
 
@@ -111,12 +126,21 @@ def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
     metrics_path, summary_path = run_dir / "metrics.jsonl", run_dir / "summary.json"
     rows = read_rows(metrics_path) if metrics_path.is_file() else []
     summary: dict[str, Any] | None = None
+    recorded = _recorded(run_dir)
     if summary_path.is_file():
         try:
             loaded = json.loads(summary_path.read_text())
-            summary = loaded if isinstance(loaded, dict) else None
+            summary = loaded if isinstance(loaded, dict) and loaded else None  # {}: no summary
         except json.JSONDecodeError:
-            summary = None
+            loaded = None
+        if loaded is not None and summary is None and recorded is None:
+            warnings.warn(  # nothing says which run or config it is: no row of its own
+                f"{run_dir}: an incomplete run, left out: its summary.json holds no summary "
+                f"({json.dumps(loaded)[:20]}) and it has no readable config.json",
+                IncompleteRunWarning,
+                stacklevel=3,
+            )
+            return None
         if summary is not None and (other := _of_another_run(summary, method, seed)) is not None:
             warnings.warn(  # its rows are the other run's too: no row of them under this name
                 f"{summary_path}: the summary of {other}, not of {method} seed {seed} (copied "
@@ -133,13 +157,22 @@ def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
                 f"{what} and no metrics rows; skipping the run", IncompleteRunWarning, stacklevel=3
             )
             return None
+        extra = _eval_metrics(recorded)
+        summary = derive_summary(method, seed, rows, extra)
+        # early stopping: its rule replayed, with restore_best the kept round's final values
+        replayed_stopping(summary, rows, (recorded or {}).get("early_stopping"), extra)
+        kept = (
+            f" (its final values those of round {summary['best_round']}, the best round its "
+            "early stopping keeps, replayed from config.json)"
+            if summary.get("restored_best")
+            else ""
+        )
         warnings.warn(
             f"{what}{'' if damaged else ' (unfinished run?)'}; deriving the run from its "
-            f"{len(rows)} metrics rows",
+            f"{len(rows)} metrics rows{kept}",
             IncompleteRunWarning,
             stacklevel=3,
         )
-        summary = derive_summary(method, seed, rows, _eval_metrics(run_dir))
         if summary_path.is_file():  # finished, perhaps, but its summary cannot be read
             summary["unreadable_summary"] = True
     elif not rows:
@@ -195,16 +228,6 @@ def _lacks_final_accuracy(summary: dict[str, Any], rows: list[dict[str, Any]]) -
     v = summary.get("final_accuracy")
     finite = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
     return bool(scored) and math.isfinite(scored[-1]) and not finite
-
-
-def is_experiment_dir(path: Path) -> bool:
-    """Whether ``path`` holds ``<method>/seed-<s>/`` run directories."""
-    return path.is_dir() and any(
-        d.is_dir() and SEED_DIR.match(d.name)
-        for m in path.iterdir()
-        if m.is_dir()
-        for d in m.iterdir()
-    )
 
 
 RECORD_KEYS = ("name", "data_fingerprint", "ran_on", "ran_threads", "hyper", *PLATFORM_KEYS)
@@ -284,6 +307,8 @@ def split_by_config(runs: dict[str, list[RunRecord]]) -> dict[str, list[RunRecor
             cfg = configs[key]
             if cfg is None:
                 label = f"{method} [config unknown]"
+            elif not differ:  # the one config beside runs of none
+                label = method
             else:
                 shown = ", ".join(f"{k}={cfg.get(k)}" for k in differ[:4])
                 label = f"{method} [{shown}{', ...' if len(differ) > 4 else ''}]"
@@ -309,17 +334,31 @@ def load_runs(exp_dir: Path) -> dict[str, list[RunRecord]]:
     if not exp_dir.is_dir():
         raise FileNotFoundError(f"experiment directory not found: {exp_dir}")
     runs: dict[str, list[RunRecord]] = {}
-    for method_dir in sorted(p for p in exp_dir.iterdir() if p.is_dir()):
+    links = linked_folders(exp_dir)
+    for method_dir in subfolders(exp_dir):  # no symbolic link is followed (results.folders)
         records = []
-        for run_dir in sorted(p for p in method_dir.iterdir() if p.is_dir()):
+        links += [p for p in linked_folders(method_dir) if SEED_DIR.match(p.name)]
+        for run_dir in subfolders(method_dir):
             m = SEED_DIR.match(run_dir.name)
             if m is None:
                 continue
-            record = _load_run(method_dir.name, int(m.group(1)), run_dir)
+            try:
+                record = _load_run(method_dir.name, int(m.group(1)), run_dir)
+            except OSError as e:  # a run folder or file this user cannot read
+                unreadable(run_dir, e)
+                continue
             if record is not None:
                 records.append(record)
         if records:
             runs[method_dir.name] = sorted(records, key=lambda r: r.seed)
+    if links:
+        shown = ", ".join(str(p.relative_to(exp_dir)) for p in links[:4])
+        warnings.warn(
+            f"{exp_dir}: {len(links)} symbolic link(s) to folders not followed ({shown}"
+            f"{', ...' if len(links) > 4 else ''}); report the folders they point to",
+            UnreadableFolderWarning,
+            stacklevel=2,
+        )
     if not runs:
         raise FileNotFoundError(
             f"no runs found in {exp_dir}: expected <method>/seed-<s>/metrics.jsonl "

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from fedlore.results.divergence import divergence
+from fedlore.stopping_rule import StoppingRule, known_direction, replay, watches_test
 
 
 def value(row: dict[str, Any], key: str) -> float | None:
@@ -105,22 +106,100 @@ def summarize(
 ) -> dict[str, Any]:
     """The ``summary.json`` of a finished run, computed from its ``metrics.jsonl``; ``extra``
     names the run's ``eval.metrics`` (:func:`extra_values`)."""
-    return _summary(method, seed, _read(metrics_path), extra)
+    return _summary(method, seed, read_metrics(metrics_path), extra)
 
 
 def restored_finals(
-    metrics_path: Path, best_round: int, extra: Sequence[str] = ()
+    rows: list[dict[str, Any]], best_round: int, extra: Sequence[str] = ()
 ) -> dict[str, Any]:
     """The ``final_*`` values of a run whose result is the model of round ``best_round``
     (``early_stopping.restore_best``, :mod:`fedlore.engine.early_stopping`): those
-    :func:`summarize` gives the rows up to that round, i.e. its evaluation's, and ``diverged``
-    when those rows tell a divergence."""
-    rows = [r for r in _read(metrics_path) if r["round"] <= best_round]
-    summary = _summary("", 0, rows, extra)
+    :func:`summarize` gives the rows (``metrics.jsonl``'s) up to that round, i.e. its
+    evaluation's, and ``diverged`` when those rows tell a divergence."""
+    kept = [r for r in rows if r["round"] <= best_round]
+    summary = _summary("", 0, kept, extra)
     return {k: v for k, v in summary.items() if k.startswith("final_") or k == "diverged"}
 
 
-def _read(metrics_path: Path) -> list[dict[str, Any]]:
+def stopping_outcome(
+    summary: dict[str, Any],
+    rule: StoppingRule,
+    restore_best: bool,
+    rows: list[dict[str, Any]],
+    extra: Sequence[str] = (),
+    finals: Callable[[list[dict[str, Any]], int, Sequence[str]], dict[str, Any]] | None = None,
+) -> None:
+    """Add an early-stopping rule's outcome to a run's ``summary`` (in place): the finished
+    run's (:meth:`fedlore.engine.early_stopping.EarlyStopping.finish`), or, replayed over
+    ``metrics.jsonl`` (:func:`fedlore.stopping_rule.replay`), that of a run whose summary is
+    missing or damaged (:mod:`fedlore.results.store`).
+
+    ``stopped_round`` (None when the run reached ``rounds``), ``best_round``,
+    ``best_<metric>``, ``early_stopping_metric`` and ``early_stopping_on_test`` (a test set's
+    metric, ``allow_test``: the reported scores are optimistic); with ``restore_best`` the
+    ``final_*`` values become those of the best round's evaluation (``restored_best`` True),
+    from ``rows`` (``extra``: ``eval.metrics``), and a divergence in later rounds moves from
+    ``diverged`` to ``diverged_after_best`` (the result did not diverge). The P-local scores
+    (``local_*``) stay the last round's: the clients' own models are not the server's state
+    and are not restored. ``finals`` computes the best round's values from ``rows`` (default
+    :func:`restored_finals`)."""
+    summary["early_stopping_metric"] = rule.metric
+    summary["stopped_round"] = rule.stopped_round
+    summary["best_round"] = rule.best_round
+    summary[f"best_{rule.metric}"] = rule.best_value
+    summary["restored_best"] = restore_best and rule.best_round is not None
+    summary["early_stopping_on_test"] = watches_test(rule.metric)  # allow_test: optimistic
+    if summary["restored_best"]:
+        assert rule.best_round is not None
+        # the result is the best round's model: whether it diverged is judged on the rows up
+        # to it; a divergence after it stays on record as ``diverged_after_best``
+        later = summary.pop("diverged", None)
+        restored = (finals or restored_finals)(rows, rule.best_round, extra)
+        summary.update(restored)
+        if later is not None and "diverged" not in restored:
+            summary["diverged_after_best"] = later
+
+
+def replayed_stopping(
+    summary: dict[str, Any],
+    rows: list[dict[str, Any]],
+    early: Any,
+    extra: Sequence[str] = (),
+) -> bool:
+    """Add to ``summary``, one derived from ``rows`` (:func:`derive_summary`: the run's
+    ``summary.json`` is missing or damaged), the outcome the run's early-stopping rule had or
+    has so far (:func:`stopping_outcome`): ``metrics.jsonl`` does not record the rule's best
+    round, so the rule of the run's ``early_stopping`` settings (``early``: its
+    ``config.json`` section) is replayed over ``rows``
+    (:func:`fedlore.stopping_rule.replay`). With ``restore_best`` the ``final_*`` values become
+    the kept round's, as the finished run's summary holds them, not the last round's;
+    ``early_stopping_derived`` marks it. Returns whether it added anything (not without a
+    metric, or with settings the rule cannot take)."""
+    if not isinstance(early, dict) or not isinstance(metric := early.get("metric"), str):
+        return False
+    mode = early.get("mode", "auto")
+    mode = known_direction(metric) if mode == "auto" else mode
+    try:
+        rule = StoppingRule(metric, str(mode), int(early.get("patience", 3)),
+                            float(early.get("min_delta", 0.0)))  # fmt: skip
+    except (TypeError, ValueError):  # an edited config.json: no rule to replay
+        return False
+    restore = bool(early.get("restore_best"))
+    stopping_outcome(summary, replay(rows, rule), restore, rows, extra, _derived_finals)
+    summary["early_stopping_derived"] = True
+    return True
+
+
+def _derived_finals(
+    rows: list[dict[str, Any]], best_round: int, extra: Sequence[str]
+) -> dict[str, Any]:
+    """:func:`restored_finals` as :func:`derive_summary` reads rows (which tolerates a row
+    without a key a finished run's rows all hold)."""
+    derived = derive_summary("", 0, [r for r in rows if r["round"] <= best_round], extra)
+    return {k: v for k, v in derived.items() if k.startswith("final_") or k == "diverged"}
+
+
+def read_metrics(metrics_path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
 
 

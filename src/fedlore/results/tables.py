@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from fedlore.results.plots import BYTES_PER_MB, mean_std
+from fedlore.results.stopping import RUN_COLUMNS, run_cells
 from fedlore.results.store import RunRecord, value
 
 COLUMNS = [
@@ -69,6 +70,7 @@ COLUMNS = [
     "dp_audit_epsilon_all_iterates_max",
     "dp_audit_above_runs",
     "dp_audit_all_iterates_above_runs",
+    *RUN_COLUMNS,
 ]
 """Keys of every :func:`summary_table` row, in CSV column order (the perplexity columns are
 empty for classifiers; ECE, G-local and P-local accuracy, the clients' fairness figures and client
@@ -290,6 +292,8 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
                 "dp_audit_all_iterates_above_runs": _audit_above(
                     records, "dp_audit_epsilon_all_iterates"
                 ),
+                # each run's early stopping and audit intervals, as they are (not a statistic)
+                **run_cells(records),
             }
         )
     return table
