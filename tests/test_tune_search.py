@@ -263,8 +263,9 @@ def test_the_command_line_prints_the_trials_and_a_command_that_runs(
 
 
 def test_errors_in_a_trial(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ``ValueError`` fails the trial and the search goes on; an ``OSError`` (a full disk)
-    leaves it running, to resume; any other error fails it and stops the search."""
+    """A ``ValueError`` fails the trial and the search goes on, as does a score that is not a
+    number; an ``OSError`` (a full disk) leaves it running, to resume; any other error fails it
+    and stops the search."""
     import fedlore.tune_study as study_module
 
     real = study_module.run_experiment
@@ -274,19 +275,22 @@ def test_errors_in_a_trial(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         number = int(cfg.name.removeprefix("trial-"))
         if number in raised:
             raise raised[number]
+        if number == 1:  # a score that is not a number
+            return {"fedavg": [{"final_selection_accuracy": float("nan")}]}
         return real(cfg, *args, **kwargs)
 
     monkeypatch.setattr(study_module, "run_experiment", failing)
     with pytest.raises(OSError, match="full"):
         search(tmp_path, "tune.trials=3", "tune.sampler=random")
     study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path}/tiny/tune/study.db")
-    assert [t.state.name for t in study.trials] == ["FAIL", "COMPLETE", "RUNNING"]
+    assert [t.state.name for t in study.trials] == ["FAIL", "FAIL", "RUNNING"]
     assert study.trials[0].user_attrs["note"] == "bad settings"
+    assert study.trials[1].user_attrs["note"] == "no final selection_accuracy"
     raised[2] = RuntimeError("a bug")
     with pytest.raises(RuntimeError, match="a bug"):
         search(tmp_path, "tune.trials=3", "tune.sampler=random")
     study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path}/tiny/tune/study.db")
-    assert [t.state.name for t in study.trials] == ["FAIL", "COMPLETE", "FAIL"]
+    assert [t.state.name for t in study.trials] == ["FAIL", "FAIL", "FAIL"]
     assert study.trials[2].user_attrs["note"] == "RuntimeError: a bug"
 
 

@@ -371,10 +371,10 @@ def _outcome(study: optuna.Study, search: Search) -> Outcome:
         state = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}.get(
             t.state.name, t.state.name.lower()
         )
-        value = t.value
-        if state == "pruned" and t.intermediate_values:
-            value = t.intermediate_values[max(t.intermediate_values)]
-        rows.append(TrialRow(t.number, state, dict(t.params), value, t.user_attrs.get("note", "")))
+        # a pruned trial's value: Optuna's, its last reported score
+        rows.append(
+            TrialRow(t.number, state, dict(t.params), t.value, t.user_attrs.get("note", ""))
+        )
     counts = {s: sum(1 for r in rows if r.state == s) for s in ("complete", "pruned", "failed")}
     done = [r for r in rows if r.state == "complete"]
     if not done:
