@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	# torch is pinned (2.13.0, the CPU build of our machines); install it first so that no
 	# later requirement pulls another (multi-GB CUDA) build.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev,flower,docs,tracking,hf]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,flower,docs,tracking,hf,tune]'
 	touch $(STAMP)
 
 install: $(STAMP)

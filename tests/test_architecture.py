@@ -51,6 +51,7 @@ BREACHES = {
         "import flwr_datasets",
     ),
     "only fedlore.tracking imports the trackers": ("results/plots.py", "import mlflow"),
+    "only fedlore.tune_study imports optuna": ("tune.py", "import optuna"),
     "no import cycles": ("atomic.py", "import fedlore.results.store"),
 }
 

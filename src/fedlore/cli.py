@@ -1,4 +1,4 @@
-"""``fedlore run | report | partition | fortunes-c4``: the command line.
+"""``fedlore run | tune | report | partition | track | fortunes-c4``: the command line.
 
 * ``fedlore run [CONFIG] [key=value ...] [--resume] [--overwrite]`` runs every method x seed of
   the config (default: ``experiments/quickstart.yaml``), prints the mean ± std table and the
@@ -7,6 +7,8 @@
 * ``fedlore partition CONFIG [key=value ...] [--plot FILE]`` prints each client's class
   histogram per seed (documents per source group for a pre-training corpus) and, with
   ``--plot``, draws it (:mod:`fedlore.data.label_plot`).
+* ``fedlore tune CONFIG [key=value ...] --space KEY=SPEC ... [--trials N] ...`` searches one
+  method's hyperparameters on the selection split (:mod:`fedlore.cli_tune`, on Optuna).
 * ``fedlore track CONFIG [key=value ...]`` sends the config's finished runs and its report to
   the trackers of its ``tracking`` section again (a tracker that failed during the run, or one
   added since), from the runs' own files.
@@ -117,13 +119,25 @@ def _show_warning(
 _PYTHON_SHOWWARNING = warnings.showwarning
 
 
+def _again(argv: list[str]) -> str:
+    """The command that continues an interrupted one: ``fedlore run ... --resume``, or the same
+    ``fedlore tune ...`` (a search always continues)."""
+    if argv[:1] == ["tune"]:
+        return shlex.join(["fedlore", *argv])
+    return shlex.join(["fedlore", *argv, *([] if "--resume" in argv else ["--resume"])])
+
+
 def _resume_hint(argv: list[str]) -> str:
-    """What continues the interrupted command: the exact ``fedlore run ... --resume`` line, or
-    words for the other commands."""
+    """What continues the interrupted command: the exact ``fedlore run ... --resume`` line, the
+    same ``fedlore tune`` line, or words for the other commands."""
+    if argv[:1] == ["tune"]:
+        return (
+            f"`{_again(argv)}` continues the search (finished trials are kept, a cut-off one "
+            "resumes from its last checkpoint)"
+        )
     if argv[:1] != ["run"] and not (argv and argv[0].endswith((".yaml", ".yml"))):
         return "nothing was left half-written"
-    again = shlex.join(["fedlore", *argv, *([] if "--resume" in argv else ["--resume"])])
-    return f"`{again}` continues unfinished runs from their last checkpoint"
+    return f"`{_again(argv)}` continues unfinished runs from their last checkpoint"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,6 +229,11 @@ def _main(argv: list[str], command: bool) -> int:
                 print(f"wrote {written} ({lines} documents)")
             return 0
         path, overrides = _split_args(ns.args)
+        if ns.command == "tune":
+            from fedlore.cli_tune import tune_command
+
+            return tune_command(ns, path if path is not None else _default_config(), overrides,
+                                ENGINES)  # fmt: skip
         cfg = load_config(path if path is not None else _default_config(), overrides)
         from fedlore import progress
 
@@ -301,8 +320,7 @@ def _main(argv: list[str], command: bool) -> int:
         print(f"fedlore: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
     except interrupt.Interrupted as e:  # before KeyboardInterrupt, which it is
-        again = shlex.join(["fedlore", *argv, *([] if "--resume" in argv else ["--resume"])])
-        print(f"fedlore: {e.describe(f'`{again}`')}", file=sys.stderr)
+        print(f"fedlore: {e.describe(f'`{_again(argv)}`')}", file=sys.stderr)
         if command:  # every file is closed: skip Python's shutdown (seconds once torch is in)
             interrupt.exit_now(e.status)
         return e.status

@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint, keep as finished, or refuse), with these flags, and exit: nothing is "
         "trained or written (exit status 2 when it would refuse)",
     )
+    _add_tune(sub)
     p_rep = sub.add_parser(
         "report",
         allow_abbrev=False,
@@ -172,3 +173,75 @@ def build_parser() -> argparse.ArgumentParser:
         "--root", default=None, help="fortunes folder (default: Debian's /usr/share/games/fortunes)"
     )
     return parser
+
+
+def _add_tune(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``fedlore tune``: its options set the config's ``tune`` section (the configuration
+    reference lists every key)."""
+    p = sub.add_parser(
+        "tune",
+        allow_abbrev=False,
+        help="search one method's hyperparameters on the selection split (Optuna)",
+        description="Search hyperparameters of CONFIG's one method (--method) for one seed, "
+        "each trial a run under output_dir/name/tune/trial-<n>/, scored by its final "
+        "selection-split metric (never a test set's); print the trials, write tune/best.json "
+        "and the `fedlore run` command that runs every seed at the best settings. The study is "
+        "tune/study.db: the same command continues an interrupted search (finished trials "
+        "kept, a cut-off one resumed from its checkpoint). Each option sets the key of the "
+        "config's tune section it names; needs the extra fedlore[tune].",
+        epilog=_EPILOG,
+    )
+    p.add_argument(
+        "args",
+        nargs="*",
+        metavar="CONFIG|key=value",
+        help="the experiment file, then overrides of its keys",
+    )
+    p.add_argument(
+        "--space",
+        action="append",
+        metavar="KEY=SPEC",
+        help="a dimension of the search (repeat for more; added to tune.space): KEY a config "
+        "key (lr, data.noise, method.fedlore.rank), SPEC log:LOW:HIGH (log-uniform float), "
+        "float:LOW:HIGH, int:LOW:HIGH (both included) or cat:A,B,...",
+    )
+    p.add_argument(
+        "--trials",
+        type=int,
+        metavar="N",
+        help="trials in all, finished ones included (tune.trials; default 20)",
+    )
+    p.add_argument(
+        "--metric",
+        metavar="NAME",
+        help="the selection-split score to optimize (tune.metric; default selection_accuracy)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("auto", "max", "min"),
+        help="maximize or minimize the metric (tune.mode; default auto: known from its name)",
+    )
+    p.add_argument(
+        "--sampler",
+        choices=("tpe", "random", "grid"),
+        help="Optuna's sampler (tune.sampler; default tpe)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        metavar="S",
+        help="the search seed: the sampler's proposals (tune.seed; default 0); not a run's seed",
+    )
+    p.add_argument("--method", metavar="NAME", help="the method to tune (tune.method)")
+    p.add_argument(
+        "--run-seed",
+        type=int,
+        metavar="S",
+        help="the seed every trial trains with (tune.run_seed; default the config's first)",
+    )
+    p.add_argument(
+        "--prune",
+        choices=("none", "median"),
+        help="median: stop a trial whose selection score falls below the median of earlier "
+        "trials' at the same round (tune.prune; default none)",
+    )

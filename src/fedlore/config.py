@@ -36,6 +36,7 @@ from fedlore.config_sections import (
 )
 from fedlore.config_stopping import EarlyStoppingConfig
 from fedlore.config_tracking import TrackingConfig
+from fedlore.config_tune import TuneConfig
 
 __all__ = [
     "AttackConfig",
@@ -58,6 +59,7 @@ __all__ = [
     "ServerConfig",
     "StoreConfig",
     "TrackingConfig",
+    "TuneConfig",
     "apply_overrides",
     "load_config",
     "read_yaml",

@@ -30,6 +30,7 @@ from fedlore.config_sections import (
 )
 from fedlore.config_stopping import EarlyStoppingConfig
 from fedlore.config_tracking import TrackingConfig
+from fedlore.config_tune import TuneConfig, key_problem
 from fedlore.settings import StrictModel as _Strict
 from fedlore.settings import steps_or_epochs
 
@@ -166,6 +167,7 @@ class Config(_Strict):
     clients: ClientsConfig = Field(default_factory=ClientsConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    tune: TuneConfig = Field(default_factory=TuneConfig)
     method: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per-method hyperparameter overrides, e.g. ``method: {fedfull: {lr: 1e-4}}``."""
     checkpoint: bool = True
@@ -291,6 +293,17 @@ class Config(_Strict):
                 f"⌊{k} · {m} / {n}⌋ = 0 canaries per round (canaries are sampled at the real "
                 f"clients' ratio); use at least {-(-n // m)}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _tune_space_keys(self) -> Config:
+        problems = [
+            f"tune.space: {key}: {why}"
+            for key in self.tune.space
+            if (why := key_problem(type(self), key)) is not None
+        ]
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     @field_validator("imports")

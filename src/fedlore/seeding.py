@@ -42,6 +42,9 @@ DP_NOISE = 9  # DP noise (fedlore.privacy)
 ATTACK = 10  # which clients attack, and their noise (fedlore.engine.attack)
 DROPOUT = 11  # which sampled clients fail to answer (fedlore.engine.unreliable)
 SPEED = 12  # the clients' compute speeds (fedlore.engine.unreliable)
+TUNE_SAMPLER = 13
+"""``fedlore tune``'s sampler for trial ``n``: ``derive_seed(search_seed, TUNE_SAMPLER, n)``, from
+the search seed (``tune.seed``), never a run's seed nor any privacy randomness."""
 
 # Data purposes: data_rng(seed, PURPOSE, ...), the steps of building a federation.
 DATA_FRACTION = 0  # the kept share |D| of the training set

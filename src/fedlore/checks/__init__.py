@@ -62,7 +62,12 @@ from fedlore.checks.model_data import (
     preflight,
     warn_own_optimizer,
 )
-from fedlore.checks.stopping import TestSelectionWarning, check_early_stopping, recorded_metrics
+from fedlore.checks.stopping import (
+    TestSelectionWarning,
+    check_early_stopping,
+    check_tune_metric,
+    recorded_metrics,
+)
 
 __all__ = [
     "NAMED",
@@ -81,6 +86,7 @@ __all__ = [
     "check_secure_round",
     "check_site_data",
     "check_tokenizer_matches_model",
+    "check_tune_metric",
     "check_wire_settings",
     "is_sum_aggregable",
     "keeps_layers_local",

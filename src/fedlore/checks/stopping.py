@@ -11,6 +11,9 @@ post-processing and costs no ε. A metric read from the clients' data beside the
 (``client_*``: their test splits; ``train_loss``: their training losses, which clients do not
 release under DP or secure aggregation at all, :func:`fedlore.privacy.released_metrics`)
 would make the released model depend on data ε does not cover, so it is refused.
+
+The metric ``fedlore tune`` optimizes (:func:`check_tune_metric`) follows the same rule, more
+strictly: only the selection split's scores.
 """
 
 from __future__ import annotations
@@ -146,3 +149,44 @@ def _why_not(cfg: Config, fed: Federation, metric: str) -> str:
     if metric == "train_loss":
         return "clients release no training loss under secure aggregation or DP"
     return f"not a score of this {fed.task.replace('_', ' ')} run"
+
+
+def check_tune_metric(cfg: Config, fed: Federation, metric: str) -> None:
+    """Refuse a ``tune.metric`` (``fedlore tune --metric``) that is not a score of the selection
+    split the run records: a score of a test set the run reports (the central test set, the
+    clients' test splits ``client_*``, their P-local ``local_*``), named with the selection
+    split's twin as :func:`check_early_stopping` names it; anything else with why the run does
+    not record it. Choosing hyperparameters on the selection split, which the server holds, is
+    post-processing under DP.
+
+    Raises:
+        ConfigError: as above; and when the run holds out no selection split.
+    """
+    if fed.selection is None:
+        raise ConfigError(
+            "fedlore tune chooses on the selection split, and the run holds none: set "
+            "data.selection_fraction above 0 (e.g. 0.1), a share of the training data held out "
+            "of every client; the test sets the run reports never choose"
+        )
+    recorded = recorded_metrics(cfg, fed)
+    if metric.startswith("selection_") and metric in recorded:
+        return
+    local = metric.startswith("local_")
+    if watches_test(metric) or local:
+        where = (
+            "the clients' test splits"
+            if metric.startswith(("client_", "local_"))
+            else "the central test set"
+        )
+        twin = _selection_twin(cfg, fed, metric.removeprefix("local_"))
+        raise ConfigError(
+            f"tune.metric={metric} is scored on {where}, which the run reports: choosing "
+            "hyperparameters on it inflates the reported scores. Tune on the selection split "
+            f"instead (--metric {twin}, with data.selection_fraction above 0, e.g. 0.1)"
+        )
+    if metric.startswith("selection_"):
+        why = _why_not(cfg, fed, metric)
+    else:
+        why = "not a score of the selection split"
+    scores = sorted(m for m in recorded if m.startswith("selection_"))
+    raise ConfigError(f"tune.metric={metric}: {why}; the run records {', '.join(scores)}")

@@ -181,11 +181,19 @@ class RunFolder:
 
 _NOT_RESULT_KEYS = (
     "progress", "algorithms", "seeds", "method", "store", "output_dir", "flower", "device",
-    "threads", "tracking",
+    "threads", "tracking", "tune",
 )  # fmt: skip
 """Config keys that do not change a run's results (or, ``method``, are compared per method;
-``tracking`` only shows them elsewhere); ``device`` and ``threads`` change them by float
-rounding only, so a run may resume on another device or with another thread count."""
+``tracking`` only shows them elsewhere; ``tune`` is read by ``fedlore tune`` alone); ``device``
+and ``threads`` change them by float rounding only, so a run may resume on another device or
+with another thread count."""
+
+
+def result_settings(cfg: Config, method: str) -> dict[str, Any]:
+    """The settings of ``cfg`` that decide the results of a run of ``method`` (what its
+    ``config.json`` records of the config: no name, folders, seeds, engine or progress; the
+    method's own ``method.<name>`` section as ``method``), JSON-ready."""
+    return _run_config(cfg, method)
 
 
 def _run_config(cfg: Config, method: str) -> dict[str, Any]:
