@@ -225,7 +225,8 @@ def _main(argv: list[str], command: bool) -> int:
             from fedlore.data.fortunes_c4 import convert_fortunes
 
             for written in convert_fortunes(ns.out_dir, ns.root):
-                lines = sum(1 for _ in written.open(encoding="utf-8"))
+                with written.open(encoding="utf-8") as f:
+                    lines = sum(1 for _ in f)
                 print(f"wrote {written} ({lines} documents)")
             return 0
         path, overrides = _split_args(ns.args)
