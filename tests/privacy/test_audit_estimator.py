@@ -20,7 +20,7 @@ import math
 import numpy as np
 import pytest
 from gdp import exact_gdp_epsilon
-from scipy import integrate, stats
+from scipy import integrate, optimize, stats
 
 from fedlore.privacy.empirical import (
     Fit,
@@ -37,12 +37,15 @@ from fedlore.privacy.empirical import (
 from fedlore.privacy.empirical_error import (
     LEVEL,
     MAX_ADVISED,
+    _curve,
+    _hockey,
     canaries_for,
     epsilon_interval,
     epsilons,
     false_alarm,
     sound_canary,
 )
+from fedlore.privacy.empirical_error import _log_mass as _vector_log_mass
 
 DELTA = 1e-5
 
@@ -233,6 +236,87 @@ def test_the_vector_epsilon_is_the_scalar_one() -> None:
     want = [pair_epsilon(s, p, q, DELTA) for s, p, q in zip(shift, sd_p, sd_q, strict=True)]
     assert got[-1] == math.inf
     assert np.allclose(got[:-1], want[:-1], rtol=1e-8, atol=1e-9)
+    # the result has the inputs' broadcast shape (a 0-d array for scalars)
+    grid = epsilons(np.array([[0.5], [1.0]]), np.array([0.8, 1.0, 1.2]), 1.0, DELTA)
+    assert grid.shape == (2, 3) and epsilons(0.5, 1.0, 1.0, DELTA).shape == ()
+    assert grid[1, 1] == pytest.approx(pair_epsilon(1.0, 1.0, 1.0, DELTA), rel=1e-8)
+    # float32 inputs are computed in float64: the result of their float64 values
+    single = np.array([0.7, 1.3, 0.9], dtype=np.float32)
+    scalar = epsilons(float(single[0]), float(single[1]), float(single[2]), DELTA)
+    assert epsilons(single[:1], single[1:2], single[2:], DELTA) == scalar
+
+
+def test_the_vector_epsilon_below_the_cap_is_reported_not_infinite() -> None:
+    """As pair_epsilon (test_an_epsilon_below_the_cap_is_reported_not_infinite): ε of about
+    7,000 and 8,700 (μ-GDP, μ = 114 and 128) are the exact values, μ = 141 (ε past the cap
+    10^4) is inf. The vector form used to double its bracket from 8,192 to 16,384 and report
+    every root above 8,192 as inf (the interval's upper end of an estimate of 8,700 was inf),
+    and to lose e^ε Q(R) where Q(R) underflows (ε above about 700: 7,000 came out 1 too
+    high)."""
+    mu = np.array([114.0, 128.0, 141.0])
+    got = epsilons(mu, 1.0, 1.0, DELTA)
+    assert got[:2] == pytest.approx([exact_gdp_epsilon(m, DELTA) for m in mu[:2]], rel=1e-9)
+    assert got[2] == math.inf
+    seen = Fit(128.0, 1.0, 10**6)
+    got_interval = epsilon_interval(seen, Fit(0.0, 1.0, 10), DELTA, null_exact=True)
+    assert 8_000 < got_interval.low < got_interval.high < 1e4
+
+
+def test_the_vector_hockey_stick_is_the_scalar_one_in_each_direction() -> None:
+    """_hockey and _curve (the vector forms the interval and the false alarm use) against
+    hockey_stick and privacy_curve, elementwise in one call that mixes every kind of region
+    (half-line, interval, outside of one, whole line, empty): the cases, equal distributions,
+    negative shifts, and ε < 0 (where P = Q gives the whole line, δ = 1 − e^ε)."""
+    cases = [*CASES, (0.0, 1.0, 1.0), (-1.5, 0.8, 1.1), (-0.7, 1.0, 1.0)]
+    rows = [
+        (eps, *args)
+        for shift, sd_p, sd_q in cases
+        for eps in (-0.5, 0.0, 0.5, 2.0)
+        for args in ((shift, sd_p, sd_q), (-shift, sd_q, sd_p))
+    ]
+    eps, shift, sd_p, sd_q = map(np.array, zip(*rows, strict=True))
+    want = [hockey_stick(*row) for row in rows]
+    assert np.allclose(_hockey(eps, shift, sd_p, sd_q), want, rtol=1e-9, atol=1e-15)
+    curve = [privacy_curve(*row) for row in rows]
+    assert np.allclose(_curve(eps, shift, sd_p, sd_q), curve, rtol=1e-9, atol=1e-15)
+    assert _hockey(np.array([-0.5]), np.zeros(1), np.ones(1), np.ones(1))[0] == pytest.approx(
+        -math.expm1(-0.5)
+    )
+
+
+def test_the_vector_log_mass_is_accurate_in_the_tails_and_minus_infinity_when_empty() -> None:
+    """_log_mass (vector) is log P(lo < X < hi): far in either tail, where the mass itself
+    underflows, to full relative precision (the difference taken from the tail, not 1 − Φ),
+    around the mean, and -inf for an empty interval; the scalar _log_mass's values."""
+    rows = [  # (mean, sd, lo, hi)
+        (0.0, 1.0, 10.0, math.inf),
+        (0.0, 1.0, -math.inf, -10.0),
+        (2.0, 3.0, 32.0, 33.5),
+        (0.0, 1.0, 40.0, math.inf),
+        (0.0, 2.0, -60.0, -50.0),
+        (0.0, 1.0, -1.0, 1.0),
+        (0.0, 1.0, -math.inf, math.inf),
+        (0.0, 1.0, 3.0, 2.0),
+        (0.0, 1.0, 0.5, 0.5),
+    ]
+    got = _vector_log_mass(*map(np.array, zip(*rows, strict=True)))
+    want = [_log_mass(*row) for row in rows]
+    assert got[:7] == pytest.approx(want[:7], rel=1e-12)
+    assert got[0] == pytest.approx(stats.norm.logsf(10.0), rel=1e-12)
+    assert got[3] == pytest.approx(stats.norm.logsf(40.0), rel=1e-12)  # the mass is 4e-350
+    assert got[6] == 0.0
+    assert got[7] == got[8] == -math.inf
+
+
+def test_the_vector_epsilon_of_a_private_pair_is_exactly_zero() -> None:
+    """As pair_epsilon: ε = 0 where δ(0) ≤ δ (equal distributions; δ exactly the curve at 0),
+    not the end of a bisection towards 0, elementwise beside pairs that need a search."""
+    shift, sd_p, sd_q = np.array([0.0, 1.0, 0.5]), np.array([1.0, 1.0, 0.7]), np.ones(3)
+    got = epsilons(shift, sd_p, sd_q, DELTA)
+    assert got[0] == 0.0 and got[1] > 0.0 and got[2] > 0.0
+    at_zero = float(_curve(np.zeros(1), np.ones(1), np.ones(1), np.ones(1))[0])
+    assert epsilons(1.0, 1.0, 1.0, at_zero)[()] == 0.0
+    assert epsilons(1.0, 1.0, 1.0, at_zero * (1 - 1e-6))[()] > 0.0
 
 
 def test_epsilon_grows_with_the_shift_at_any_fixed_standard_deviations() -> None:
@@ -258,7 +342,9 @@ def _brute_interval(seen: Fit, null_sd: float, chi2_quantile: float) -> tuple[fl
     return float(eps.min()), float(eps.max())
 
 
-@pytest.mark.parametrize(("mu", "ratio", "k"), [(0.5, 1.0, 100), (1.2, 0.9, 400), (0.1, 1.1, 60)])
+@pytest.mark.parametrize(
+    ("mu", "ratio", "k"), [(0.5, 1.0, 100), (1.2, 0.9, 400), (0.1, 1.1, 60), (0.8, 1.0, 30)]
+)
 def test_the_interval_is_the_projection_of_the_joint_confidence_region(
     mu: float, ratio: float, k: int
 ) -> None:
@@ -274,6 +360,78 @@ def test_the_interval_is_the_projection_of_the_joint_confidence_region(
     assert got.low == pytest.approx(low, rel=0.03, abs=0.02)
     assert got.high == pytest.approx(high, rel=0.03)
     assert got.low <= estimate_epsilon(seen, Fit(0.0, s0, 5000), DELTA) <= got.high
+
+
+@pytest.mark.parametrize(("mu", "ratio", "k"), [(0.5, 1.0, 100), (1.2, 0.9, 400)])
+def test_the_all_iterates_interval_projects_three_parameters(
+    mu: float, ratio: float, k: int
+) -> None:
+    """With the null fitted (3 parameters: μ − μ₀, σ, σ₀) to so many unseen canaries that its
+    own error vanishes, the interval is the projection of {D(μ, σ) ≤ χ²₃(0.95) = 7.81}: the
+    brute force with that threshold agrees; χ²₄ (9.49) or χ²₂ would not."""
+    seen = Fit(mu, ratio, k)
+    got = epsilon_interval(seen, Fit(0.0, 1.0, 10**9), DELTA)
+    low, high = _brute_interval(seen, 1.0, float(stats.chi2.ppf(0.95, 3)))
+    assert got.low == pytest.approx(low, rel=0.03, abs=0.02)
+    assert got.high == pytest.approx(high, rel=0.03)
+
+
+def _brute_fitted_interval(seen: Fit, null: Fit, chi2_quantile: float) -> tuple[float, float]:
+    """[min ε, max ε] over a grid of (μ − μ₀, σ, σ₀) whose deviance (the two fits' standard
+    deviations' parts plus the shift's, μ + μ₀ profiled out: (x̄ − x̄₀ − d)² / (σ²/k + σ₀²/k'))
+    is below the threshold; each σ over its own admissible range (found by brentq)."""
+    axes, parts = [], []
+    for f in (seen, null):
+        k, s_hat = f.count, f.std * math.sqrt((f.count - 1) / f.count)
+
+        def part(u: float, k: int = k) -> float:
+            return k * (2 * math.log(u) + 1 / u**2 - 1) - chi2_quantile
+
+        lo, hi = optimize.brentq(part, 1e-3, 1.0), optimize.brentq(part, 1.0, 1e3)
+        axes.append(s_hat * np.linspace(lo, hi, 21))
+        parts.append((k, s_hat))
+    sp, sq = np.meshgrid(*axes, indexing="ij")
+    (k, s_hat), (k0, s0_hat) = parts
+    dev = k * (2 * np.log(sp / s_hat) + s_hat**2 / sp**2 - 1)
+    dev += k0 * (2 * np.log(sq / s0_hat) + s0_hat**2 / sq**2 - 1)
+    var = sp**2 / seen.count + sq**2 / null.count
+    centre = seen.mean - null.mean
+    reach = math.sqrt(chi2_quantile * float(var.max()))
+    shift = centre + np.linspace(-reach, reach, 41)
+    inside = dev[..., None] + (centre - shift) ** 2 / var[..., None] <= chi2_quantile
+    grid = [np.broadcast_to(v, inside.shape)[inside] for v in (shift, sp[..., None], sq[..., None])]
+    eps = epsilons(grid[0], grid[1], grid[2], DELTA)
+    return float(eps.min()), float(eps.max())
+
+
+@pytest.mark.parametrize(("mu", "ratio", "k", "k0"), [(1.0, 1.0, 200, 6), (1.0, 1.2, 30, 3000)])
+def test_the_all_iterates_interval_is_the_projection_of_both_fits_errors(
+    mu: float, ratio: float, k: int, k0: int
+) -> None:
+    """With the null fitted to few unseen canaries (its spread's error dominates) or to many
+    (the seen ones' does), at the scale of real cosines and a null mean away from 0: the
+    interval holds every ε of the brute-force region of (μ − μ₀, σ, σ₀) and its upper end is
+    that region's (to the grid's resolution)."""
+    s0 = null_std(5000)
+    seen, null = Fit((mu + 0.3) * s0, ratio * s0, k), Fit(0.3 * s0, s0, k0)
+    got = epsilon_interval(seen, null, DELTA)
+    low, high = _brute_fitted_interval(seen, null, float(stats.chi2.ppf(0.95, 3)))
+    assert got.low <= low * (1 + 1e-6)
+    assert high * (1 - 5e-3) <= got.high <= high * 1.03
+
+
+def test_the_interval_depends_on_the_distance_of_the_means_only() -> None:
+    """Moving both fits, or swapping which mean is larger, leaves the interval as it is (ε
+    depends on |μ − μ₀|)."""
+    want = epsilon_interval(Fit(0.8, 1.0, 400), Fit(0.0, 1.1, 300), DELTA)
+    for seen, null in (
+        (Fit(1.8, 1.0, 400), Fit(1.0, 1.1, 300)),
+        (Fit(-0.8, 1.0, 400), Fit(0.0, 1.1, 300)),
+    ):
+        got = epsilon_interval(seen, null, DELTA)
+        assert (got.low, got.high) == pytest.approx((want.low, want.high), rel=1e-9)
+    exact = epsilon_interval(Fit(-0.8, 1.0, 400), Fit(0.0, 1.0, 10), DELTA, null_exact=True)
+    assert exact == epsilon_interval(Fit(0.8, 1.0, 400), Fit(0.0, 1.0, 10), DELTA, null_exact=True)
 
 
 def _coverage(trials: int, k: int, mu: float, fitted_null: bool) -> tuple[float, float]:
@@ -323,12 +481,14 @@ def test_the_false_alarm_probability_matches_a_simulation() -> None:
     accountant's exact μ) gives 41 % at 100 canaries (their simulation: 39 %), under 1 % at
     1,000 (0.3 %)."""
     rng = np.random.default_rng(11)
-    for k, mu, claim in ((100, 0.35, 2.2), (3, 0.5, 12.0)):  # χ²_{k−1}: k = 3 tells it from χ²_k
+    cases = ((100, 0.35, 2.2), (3, 0.5, 12.0), (30, 0.0, 3.0))  # k = 3 tells χ²_{k−1} from χ²_k
+    for k, mu, claim in cases:
         n = 20_000
         means = rng.normal(mu, 1.0 / math.sqrt(k), n)
         sds = np.sqrt(rng.chisquare(k - 1, n) / (k - 1))
         simulated = float(np.mean(epsilons(means, sds, 1.0, DELTA) > claim))
         computed = false_alarm(mu, 1.0, k, claim, DELTA)
+        assert false_alarm(-mu, 1.0, k, claim, DELTA) == pytest.approx(computed, rel=1e-12)
         se = math.sqrt(simulated * (1 - simulated) / n)
         assert abs(computed - simulated) < 4 * se + 1e-3, k
         assert 0.2 < computed < 0.8  # a probability the test can tell apart
@@ -355,6 +515,14 @@ def test_the_advised_canaries_are_the_fewest_with_a_small_false_alarm() -> None:
     assert canaries_for(1.0, 1.0, exact_gdp_epsilon(1.0, DELTA), DELTA) == MAX_ADVISED + 1
 
 
+def test_few_advised_canaries_are_counted_exactly() -> None:
+    """Below 100 canaries the search is exact: the advice is the fewest k whose false alarm is
+    at most (1 − level)/2, k − 1 is above it."""
+    k = canaries_for(0.0, 1.0, 6.0, DELTA)
+    assert k == 45 and type(k) is int
+    assert false_alarm(0.0, 1.0, k, 6.0, DELTA) <= 0.025 < false_alarm(0.0, 1.0, k - 1, 6.0, DELTA)
+
+
 def test_the_sound_canary_is_the_noise_only_cosine() -> None:
     """A canary of a Gaussian mechanism in T = 4 rounds at rate q = 1/2 and σ = 2, simulated in
     d = 4,000 coordinates: its cosine with the sum of the rounds' noised insertions, in null
@@ -376,10 +544,24 @@ def test_the_sound_canary_is_the_noise_only_cosine() -> None:
 
 
 def test_an_interval_needs_varying_fits() -> None:
-    with pytest.raises(ValueError, match="level"):
-        epsilon_interval(Fit(1.0, 1.0, 10), Fit(0.0, 1.0, 10), DELTA, level=1.0)
-    with pytest.raises(ValueError, match="varying"):
+    for level in (1.0, 0.0):
+        with pytest.raises(
+            ValueError, match=rf"^the interval's level must be in \(0, 1\), got {level}$"
+        ):
+            epsilon_interval(Fit(1.0, 1.0, 10), Fit(0.0, 1.0, 10), DELTA, level=level)
+    message = r"^an interval needs a fit of at least 2 varying values, got "
+    with pytest.raises(ValueError, match=message + r"Fit\(mean=1\.0, std=0\.0, count=10\)$"):
         epsilon_interval(Fit(1.0, 0.0, 10), Fit(0.0, 1.0, 10), DELTA)
+    with pytest.raises(
+        ValueError, match="varying values, got Fit\\(mean=0\\.0, std=1\\.0, count=1\\)"
+    ):
+        epsilon_interval(Fit(1.0, 1.0, 10), Fit(0.0, 1.0, 1), DELTA)  # a fitted null of 1 value
+    # an exact null is not a fit: its count is not read; two observed values are enough
+    got = epsilon_interval(Fit(1.0, 1.0, 2), Fit(0.0, 1.0, 1), DELTA, null_exact=True)
+    assert 0.0 <= got.low <= got.high
+    # two values in each fit: σ and σ₀ may lie more than e² from their fits (χ²₃ = 7.81)
+    got = epsilon_interval(Fit(1.0, 1.0, 2), Fit(0.0, 1.0, 2), DELTA)
+    assert got.low == 0.0 and 1000 < got.high < math.inf
 
 
 def test_the_null_of_one_or_four_dimensions() -> None:

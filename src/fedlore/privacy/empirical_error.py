@@ -75,13 +75,24 @@ def _ndtr(x: np.ndarray) -> np.ndarray:
     return np.asarray(ndtr(x), dtype=np.float64)
 
 
-def _mass(mean: np.ndarray, sd: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """``P(lo < X < hi)`` for ``X ~ N(mean, sd²)``, elementwise, from the tail that keeps the
-    difference accurate (both ends above the mean: upper tails)."""
+def _log_ndtr(x: np.ndarray) -> np.ndarray:
+    from scipy.special import log_ndtr
+
+    return np.asarray(log_ndtr(x), dtype=np.float64)
+
+
+def _log_mass(mean: np.ndarray, sd: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``log P(lo < X < hi)`` for ``X ~ N(mean, sd²)``, elementwise (``-inf`` for an empty
+    interval), from the tail that keeps the difference accurate (both ends above the mean:
+    upper tails), in log space: a mass far in a tail (e^ε Q(R) at ε of hundreds) does not
+    underflow to 0 (:func:`fedlore.privacy.empirical._log_mass`)."""
     a, b = (lo - mean) / sd, (hi - mean) / sd
     upper = a > 0
-    out = np.where(upper, _ndtr(-a) - _ndtr(-b), _ndtr(b) - _ndtr(a))
-    return np.maximum(out, 0.0)
+    big = np.where(upper, _log_ndtr(-a), _log_ndtr(b))  # log of the larger of the two terms
+    small = np.where(upper, _log_ndtr(-b), _log_ndtr(a))
+    with np.errstate(divide="ignore", invalid="ignore"):  # log1p(-1) = -inf: no mass
+        out = big + np.log1p(-np.exp(small - big))
+    return np.where(big > small, out, -np.inf)
 
 
 def _hockey(eps: np.ndarray, shift: np.ndarray, sp: np.ndarray, sq: np.ndarray) -> np.ndarray:
@@ -114,10 +125,12 @@ def _hockey(eps: np.ndarray, shift: np.ndarray, sp: np.ndarray, sq: np.ndarray) 
     hi1 = np.where(whole, inf, np.where(empty, zero, hi1))
     lo2 = np.where(whole | empty, zero, lo2)
     hi2 = np.where(whole | empty, zero, hi2)
-    p = _mass(shift, sp, lo1, hi1) + _mass(shift, sp, lo2, hi2)
-    q = _mass(zero, sq, lo1, hi1) + _mass(zero, sq, lo2, hi2)
-    with np.errstate(divide="ignore"):  # log 0 = -inf: no mass, nothing to subtract
-        scaled_q = np.exp(np.minimum(eps + np.log(q), 700.0))
+    p = np.exp(_log_mass(shift, sp, lo1, hi1)) + np.exp(_log_mass(shift, sp, lo2, hi2))
+    # e^ε Q(R) from log Q(R): Q(R) itself underflows where ε passes about 700
+    scaled_q = sum(
+        np.exp(np.minimum(eps + _log_mass(zero, sq, lo, hi), 700.0))
+        for lo, hi in ((lo1, hi1), (lo2, hi2))
+    )
     return np.maximum(p - scaled_q, 0.0)
 
 
@@ -138,13 +151,14 @@ def epsilons(
     done = _curve(lo, s, p, q) <= delta
     hi[done] = 0.0
     todo = ~done
-    while todo.any():
+    infinite = np.zeros_like(done)
+    while todo.any():  # double the bracket up to the cap (a root below it is kept)
         above = np.zeros_like(todo)
         above[todo] = _curve(hi[todo], s[todo], p[todo], q[todo]) > delta
-        lo[above] = hi[above]
-        hi[above] *= 2.0
-        todo = above & (hi <= EPSILON_CAP)
-    infinite = hi > EPSILON_CAP
+        infinite |= above & (hi >= EPSILON_CAP)
+        todo = above & ~infinite
+        lo[todo] = hi[todo]
+        hi[todo] = np.minimum(2.0 * hi[todo], EPSILON_CAP)
     for _ in range(_BISECTIONS):
         mid = 0.5 * (lo + hi)
         over = _curve(mid, s, p, q) > delta
