@@ -124,6 +124,13 @@ def test_a_malformed_range_is_refused(spec: str, words: str) -> None:
         ("data.selection_fraction", "the objective is scored on that split"),
         ("method.fedlore", "method.<name>.<setting>"),
         ("method", "not searched"),
+        # the privacy level is the user's decision: a search by accuracy picks the least
+        ("dp.noise_multiplier", "a search scored by accuracy picks the least privacy"),
+        ("dp.epsilon", "picks the least privacy"),
+        ("dp.delta", "picks the least privacy"),
+        ("dp.mode", "picks the weaker guarantee"),
+        ("dp.audit.canaries", "the audit measures a run"),
+        ("dp.clip_norm", None),  # a hyperparameter at a fixed privacy level
     ],
 )
 def test_the_keys_a_search_may_vary(key: str, words: str | None) -> None:
@@ -149,6 +156,15 @@ def test_the_yaml_section_is_checked_when_the_config_loads() -> None:
         "max"
     )
     assert load_config(None, ["tune.metric=selection_loss"]).tune.direction() == "min"
+    # a mode against a score's known direction would keep the worst trial (newcomer finding)
+    for metric, mode, way in [
+        ("selection_accuracy", "min", "max"),
+        ("selection_loss", "max", "min"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"tune\.mode={mode} contradicts .*\(or {way}\)"):
+            load_config(None, [f"tune.metric={metric}", f"tune.mode={mode}"])
+        agreed = load_config(None, [f"tune.metric={metric}", f"tune.mode={way}"])
+        assert agreed.tune.direction() == way
     assert load_config(None, ["tune.metric=selection_accuracy"]).tune.direction() == "max"
 
 
@@ -189,6 +205,11 @@ REFUSED = [
     ([*LR, "--metric", "accuracy"], "tune.metric=accuracy is scored on the central test set"),
     ([*LR, "data.selection_fraction=0"], "set data.selection_fraction above 0"),
     ([*LR, "--metric", "train_loss"], "not a score of the selection split"),
+    # a misspelt name is not a test-set score (was: "scored on the central test set")
+    (
+        [*LR, "--metric", "bogus", "--mode", "max"],
+        "tune.metric=bogus: not a score of the selection split; the run records selection_",
+    ),
     # one method, a sampler that fits the space, pruning in process
     ([*LR, "algorithms=[fedavg,fedfull]"], "name one with --method"),
     ([*LR, "--sampler", "grid"], "the grid sampler needs finite dimensions"),

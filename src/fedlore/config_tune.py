@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
-from fedlore.config_stopping import MAXIMIZED, MINIMIZED, base_name
+from fedlore.config_stopping import MAXIMIZED, MINIMIZED, base_name, known_direction
 from fedlore.registry import did_you_mean
 from fedlore.settings import StrictModel as _Strict
 
@@ -46,6 +46,14 @@ NOT_SEARCHED = {
     "checkpoint": "a trial must be resumable",
     "engine": "it does not change a result",
     "data.selection_fraction": "the objective is scored on that split",
+    "dp.noise_multiplier": "a search scored by accuracy picks the least privacy; fix the privacy "
+    "level in the config",
+    "dp.epsilon": "a search scored by accuracy picks the least privacy; fix the privacy level "
+    "in the config",
+    "dp.delta": "a search scored by accuracy picks the least privacy; fix the privacy level in "
+    "the config",
+    "dp.mode": "a search scored by accuracy picks the weaker guarantee; fix it in the config",
+    "dp.audit": "the audit measures a run, it does not train one",
 }
 """Config keys a search may not vary, and why."""
 
@@ -171,6 +179,8 @@ def key_problem(model: type[BaseModel], key: str) -> str | None:
     parts = key.split(".")
     if key in NOT_SEARCHED or parts[0] in ("tune", "imports"):
         return f"not searched: {NOT_SEARCHED.get(key) or NOT_SEARCHED[parts[0]]}"
+    if parts[:2] == ["dp", "audit"]:
+        return f"not searched: {NOT_SEARCHED['dp.audit']}"
     if parts[0] == "method":
         if len(parts) != 3 or not all(parts):
             return "a method's setting is written method.<name>.<setting>"
@@ -261,6 +271,15 @@ class TuneConfig(_Strict):
                     f"tune.{given[0]} is set but tune.prune is none: set tune.prune=median "
                     "(--prune median)"
                 )
+        way = known_direction(self.metric.removeprefix("local_"))
+        if self.mode != "auto" and way is not None and self.mode != way:
+            how = (
+                "maximized (larger is better)" if way == "max" else "minimized (smaller is better)"
+            )
+            raise ValueError(
+                f"tune.mode={self.mode} contradicts tune.metric={self.metric}, which is {how}: "
+                f"the search would keep the worst trial; set tune.mode=auto (or {way})"
+            )
         if self.mode == "auto" and _score(self.metric) not in MAXIMIZED | MINIMIZED:
             raise ValueError(
                 f"tune.mode=auto does not know whether {self.metric!r} is better large or "

@@ -182,8 +182,8 @@ def _method(cfg: Config) -> str:
 
 
 SEARCH_PRIVACY = (
-    "dp is on: each trial's dp_epsilon covers that trial alone, not the search. The {trials} "
-    "trials train on the same clients' data and choosing the best of them releases more "
+    "dp is on: each trial's dp_epsilon covers that trial alone, not the search. The search's "
+    "trials ({trials}) train on the same clients' data and choosing the best of them releases more "
     "(Papernot & Steinke 2022, 'Hyperparameter tuning with Renyi differential privacy'), so "
     "the chosen model's ε is larger than any trial's. Tune on data whose privacy is not at "
     "stake, or account for the search, and set tune.search_privacy_accounted=true to say so"

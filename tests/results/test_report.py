@@ -161,6 +161,23 @@ def test_missing_summary_is_derived_with_warning(tmp_path: Path) -> None:
     assert s["optimizer_state_bytes"] == 500 and s["wall_s_per_round"] == 0.5
 
 
+def test_bytes_that_are_not_utf8_are_a_damaged_file_not_a_failed_report(tmp_path: Path) -> None:
+    """A summary.json or metrics line of raw bytes (a disk error, a binary copied over it) is
+    unreadable like torn JSON: the run is derived from its rows, the bad line skipped; before,
+    one such file ended the whole report with a UnicodeDecodeError naming no file."""
+    run = write_run(tmp_path, "m", 3, rows_for([0.5, 0.9, 0.7], 100, 200), None)
+    (run / "summary.json").write_bytes(b"\xff\xfe\x00garbage")
+    with (run / "metrics.jsonl").open("ab") as f:
+        f.write(b"\xff\xfe not utf-8\n")
+    with pytest.warns(IncompleteRunWarning) as caught:
+        runs = load_runs(tmp_path)
+    messages = " ".join(str(w.message) for w in caught)
+    assert f"{run / 'summary.json'}: unreadable" in messages
+    assert "metrics.jsonl:4: skipping unreadable line" in messages
+    (record,) = runs["m"]
+    assert record.summary["derived"] is True and record.summary["final_accuracy"] == 0.7
+
+
 def test_empty_run_dir_is_skipped(exp: Path) -> None:
     (exp / "fedavg" / "seed-9").mkdir()
     (exp / "fedavg" / "notes").mkdir()  # not a seed directory: ignored silently

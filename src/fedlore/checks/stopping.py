@@ -22,7 +22,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from fedlore.config import Config, ConfigError
-from fedlore.config_stopping import watches_test
+from fedlore.config_stopping import known_direction, watches_test
 from fedlore.progress import in_command, warn_once
 
 if TYPE_CHECKING:
@@ -172,7 +172,8 @@ def check_tune_metric(cfg: Config, fed: Federation, metric: str) -> None:
     if metric.startswith("selection_") and metric in recorded:
         return
     local = metric.startswith("local_")
-    if watches_test(metric) or local:
+    a_score = metric in recorded or known_direction(metric.removeprefix("local_")) is not None
+    if (watches_test(metric) or local) and a_score:  # a misspelt name is no test-set score
         where = (
             "the clients' test splits"
             if metric.startswith(("client_", "local_"))

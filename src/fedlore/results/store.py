@@ -81,12 +81,12 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     """Read a ``metrics.jsonl`` file; unreadable lines (e.g. a truncated last line) are skipped
     with an :class:`IncompleteRunWarning`. Rows are returned sorted by ``round``."""
     rows: list[dict[str, Any]] = []
-    for i, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
+    for i, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        if not raw.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
+        try:  # a line of bytes that are not UTF-8 (a damaged file) is as unreadable as bad JSON
+            row = json.loads(raw.decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             warnings.warn(
                 f"{path}:{i}: skipping unreadable line ({e})", IncompleteRunWarning, stacklevel=2
             )
@@ -131,7 +131,7 @@ def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
         try:
             loaded = json.loads(summary_path.read_text())
             summary = loaded if isinstance(loaded, dict) and loaded else None  # {}: no summary
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):  # torn, or bytes that are not UTF-8
             loaded = None
         if loaded is not None and summary is None and recorded is None:
             warnings.warn(  # nothing says which run or config it is: no row of its own
