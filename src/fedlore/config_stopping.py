@@ -18,6 +18,7 @@ from fedlore.stopping_rule import (  # the rule's own table of directions, witho
     PREFIXES,
     base_name,
     known_direction,
+    mode_contradiction,
     watches_test,
 )
 
@@ -28,6 +29,7 @@ __all__ = [
     "EarlyStoppingConfig",
     "base_name",
     "known_direction",
+    "mode_contradiction",
     "watches_test",
 ]
 
@@ -86,15 +88,8 @@ class EarlyStoppingConfig(_Strict):
                 )
             return self
         local = self.metric.startswith("local_")  # refused by the run's check: last round only
-        way = known_direction(self.metric)  # None: a plugin's metric, whose mode is given
-        if self.mode != "auto" and way is not None and self.mode != way:
-            how = (
-                "maximized (larger is better)" if way == "max" else "minimized (smaller is better)"
-            )
-            raise ValueError(
-                f"early_stopping.mode={self.mode} contradicts early_stopping.metric="
-                f"{self.metric}, which is {how}: set early_stopping.mode=auto (or {way})"
-            )
+        if wrong := mode_contradiction("early_stopping", self.metric, self.mode):
+            raise ValueError(wrong)
         if (
             self.mode == "auto"
             and not local

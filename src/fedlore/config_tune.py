@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
-from fedlore.config_stopping import MAXIMIZED, MINIMIZED, base_name, known_direction
+from fedlore.config_stopping import MAXIMIZED, MINIMIZED, base_name, mode_contradiction
 from fedlore.registry import did_you_mean
 from fedlore.settings import StrictModel as _Strict
 
@@ -271,15 +271,8 @@ class TuneConfig(_Strict):
                     f"tune.{given[0]} is set but tune.prune is none: set tune.prune=median "
                     "(--prune median)"
                 )
-        way = known_direction(self.metric.removeprefix("local_"))
-        if self.mode != "auto" and way is not None and self.mode != way:
-            how = (
-                "maximized (larger is better)" if way == "max" else "minimized (smaller is better)"
-            )
-            raise ValueError(
-                f"tune.mode={self.mode} contradicts tune.metric={self.metric}, which is {how}: "
-                f"the search would keep the worst trial; set tune.mode=auto (or {way})"
-            )
+        if wrong := mode_contradiction("tune", self.metric, self.mode):
+            raise ValueError(f"{wrong} (the search would keep the worst trial)")
         if self.mode == "auto" and _score(self.metric) not in MAXIMIZED | MINIMIZED:
             raise ValueError(
                 f"tune.mode=auto does not know whether {self.metric!r} is better large or "

@@ -54,6 +54,21 @@ def known_direction(metric: str) -> Literal["max", "min"] | None:
     return None
 
 
+def mode_contradiction(section: str, metric: str, mode: str) -> str | None:
+    """What is wrong when ``mode`` (``max``/``min``, or ``auto``) goes against the known direction
+    of ``metric`` (``section`` names the keys: ``early_stopping``, ``tune``): a rule that keeps
+    the worst value; None when they agree, the mode is ``auto`` or the metric's direction is
+    unknown (a plugin's, whose mode is given)."""
+    way = known_direction(metric.removeprefix("local_"))
+    if mode == "auto" or way is None or mode == way:
+        return None
+    how = "maximized (larger is better)" if way == "max" else "minimized (smaller is better)"
+    return (
+        f"{section}.mode={mode} contradicts {section}.metric={metric}, which is {how}: set "
+        f"{section}.mode=auto (or {way})"
+    )
+
+
 def watches_test(metric: str) -> bool:
     """Whether ``metric`` is scored on a test set the run reports: the central test set (an
     unprefixed score) or the clients' test splits (``client_*``); not the selection split
