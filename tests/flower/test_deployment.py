@@ -46,6 +46,31 @@ def federation(tmp_path: Path) -> Iterator[LoopbackFederation]:
         fed.close()
 
 
+def _deployed(
+    work: Path,
+    nodes: int,
+    method: str,
+    overrides: list[str],
+    out_dir: Path,
+    data_roots: list[Path] | None = None,
+) -> Path:
+    """``flwr run`` of METHOD (seed SEED) on ``experiments/quickstart.yaml`` with OVERRIDES, on a
+    loopback federation of NODES SuperNodes in WORK (stopped after); the finished run's
+    ``summary.json`` under OUT_DIR (the test fails if it is not written within 5 minutes)."""
+    fed = LoopbackFederation(work, num_nodes=nodes, data_roots=data_roots)
+    try:
+        fed.start()
+        fed.submit(ROOT / "experiments" / "quickstart.yaml", method, SEED, " ".join(overrides))
+        summary = out_dir / "quickstart" / method / f"seed-{SEED}" / "summary.json"
+        deadline = time.monotonic() + 300
+        while not summary.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert summary.exists(), "the deployed run did not finish; see " + str(fed.work)
+    finally:
+        fed.close()
+    return summary
+
+
 def _rows(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -182,18 +207,8 @@ def test_site_local_deployment_each_node_reads_only_its_own_folder(tmp_path: Pat
         f"output_dir={out_dir}",
         "model.kwargs.hidden=[32]",
     ]
-    fed = LoopbackFederation(tmp_path / "fed", num_nodes=SITES, data_roots=sites)
-    try:
-        fed.start()
-        config = ROOT / "experiments" / "quickstart.yaml"
-        fed.submit(config, "fedfull", SEED, " ".join(overrides))
-        summary = out_dir / "quickstart" / "fedfull" / f"seed-{SEED}" / "summary.json"
-        deadline = time.monotonic() + 300
-        while not summary.exists() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert summary.exists(), "the deployed run did not finish; see " + str(fed.work)
-    finally:
-        fed.close()
+    config = ROOT / "experiments" / "quickstart.yaml"
+    summary = _deployed(tmp_path / "fed", SITES, "fedfull", overrides, out_dir, data_roots=sites)
     result = json.loads(summary.read_text())
     rows = _rows(summary.with_name("metrics.jsonl"))
     assert all(r["accepted"] == SITES and r["rejected"] == 0 for r in rows)
@@ -334,17 +349,9 @@ def test_a_deployed_audit_reports_what_the_in_process_audit_reports(
     out_dir = tmp_path / "runs"
     deploy = [*common, "flower.round_timeout_s=60", "flower.wait_for_nodes_s=60"]
     config = ROOT / "experiments" / "quickstart.yaml"
-    fed = LoopbackFederation(tmp_path / "fed", num_nodes=nodes)
-    try:
-        fed.start()
-        fed.submit(config, "fedavg", SEED, " ".join([*deploy, f"output_dir={out_dir}"]))
-        summary = out_dir / "quickstart" / "fedavg" / f"seed-{SEED}" / "summary.json"
-        deadline = time.monotonic() + 300
-        while not summary.exists() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert summary.exists(), "the deployed run did not finish; see " + str(fed.work)
-    finally:
-        fed.close()
+    summary = _deployed(
+        tmp_path / "fed", nodes, "fedavg", [*deploy, f"output_dir={out_dir}"], out_dir
+    )
     deployed = json.loads(summary.read_text())
     _, state, _ = Checkpointer.load(summary.with_name("checkpoint.pt"))
     key = bytes.fromhex(str(state.values[canaries.KEY]))
