@@ -29,7 +29,13 @@ from fedlore.engine import overwriting
 from fedlore.engine.callbacks import checkpoint_round
 from fedlore.engine.dp_ledger import repeated
 from fedlore.engine.lock import check_not_held
-from fedlore.engine.rerun import SUMMARY, finished_record, read_record, staging_dir
+from fedlore.engine.rerun import (
+    SUMMARY,
+    finished_record,
+    pending_replacement,
+    read_record,
+    staging_dir,
+)
 from fedlore.engine.rundir import (
     check_output_dir,
     check_run_folder,
@@ -173,8 +179,9 @@ def _one(
     (:data:`WHEN`) a refusal comes."""
     target = run_dir(cfg, method, seed)
     staged = staging_dir(target)
-    swapped = (staged / SUMMARY).is_file()  # the real command swaps it in first
-    view = staged if swapped else target
+    pending = pending_replacement(target)  # the real command swaps it in first
+    swapped = pending is not None
+    view = pending or target
     note = " (its finished replacement in the .overwrite folder is swapped in first)"
     finished = (view / SUMMARY).is_file()
     name = target.relative_to(Path(cfg.output_dir) / cfg.name).as_posix()

@@ -50,10 +50,9 @@ from fedlore.engine.interrupt import Interrupted
 from fedlore.engine.lock import RunLock
 from fedlore.engine.loop import Callback, RoundLoop
 from fedlore.engine.rerun import (
-    SUMMARY,
     check_no_finished_run_of_another_config,
     finished_run,
-    staging_dir,
+    pending_replacement,
     swap_in,
     write_dir,
 )
@@ -416,8 +415,7 @@ def run_experiment(
                 # what the folder holds once a finished replacement whose swap a kill cut in two
                 # is swapped in (the first thing a run of it does): that run is judged, not the
                 # one it replaces
-                staged = staging_dir(target)
-                judged = staged if (staged / SUMMARY).is_file() else target
+                judged = pending_replacement(target) or target
                 check_no_finished_run_of_another_config(cfg, method, judged, make_algorithm)
     first = build_federation(cfg, cfg.seeds[0])
     # every check runs before a run folder is created or touched

@@ -28,6 +28,7 @@ from interrupting import Interrupt
 
 from fedlore.cli import ENGINES, main
 from fedlore.config import Config, ConfigError, load_config
+from fedlore.dry_run import plan_runs
 from fedlore.engine import rerun
 from fedlore.engine.rerun import staging_dir
 from fedlore.engine.rundir import run_dir
@@ -467,3 +468,59 @@ def test_a_swap_whose_cleanup_is_cut_short_is_never_undone(
     assert _rounds(folder) == [0, 1]
     again = run_experiment(new)  # the next plain run keeps the new run
     assert again["fedavg"][0]["rounds"] == 2 and _rounds(folder) == [0, 1]
+
+
+def _killed_after(what: Any) -> Any:
+    """``what`` (a function of the swap) run for real and then a kill, like Ctrl-C."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        what(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    return call
+
+
+def test_a_swap_killed_right_after_its_exchange_keeps_the_new_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the atomic exchange and the next rename the sibling folder holds the replaced
+    run, summary and all: a kill there left what looked like a finished replacement, which the
+    next run swapped back in, deleting the new run. The journal tells the two apart."""
+    folder = run_dir(_cfg(tmp_path), "fedavg", 0)
+    run_one(_cfg(tmp_path), "fedavg", 0)
+    if not rerun._exchange(folder, folder):
+        pytest.skip("this system or file system has no renameat2(RENAME_EXCHANGE)")
+    new = _cfg(tmp_path, "rounds=2")
+    monkeypatch.setattr(rerun, "_exchange", _killed_after(rerun._exchange))
+    with pytest.raises(KeyboardInterrupt):
+        run_one(new, "fedavg", 0, overwrite=True)
+    monkeypatch.undo()
+    assert _rounds(folder) == [0, 1]  # the new run is in place ...
+    assert _rounds(staging_dir(folder)) == [0, 1, 2]  # ... the replaced one beside it
+    assert rerun.pending_replacement(folder) is None
+    assert plan_runs(new)[0].action == "keep"  # the dry run says what the run does
+    again = run_experiment(new)  # the next plain run keeps the new run
+    assert again["fedavg"][0]["rounds"] == 2 and _rounds(folder) == [0, 1]
+    assert _leftovers(folder) == []
+
+
+def test_a_swap_killed_before_its_exchange_is_completed_by_the_next_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kill once the journal is written but before the exchange: the sibling holds the
+    finished replacement, which the next run swaps in (and a journal left by an earlier swap
+    cut short, naming other folders, does not stop it)."""
+    folder = run_dir(_cfg(tmp_path), "fedavg", 0)
+    run_one(_cfg(tmp_path), "fedavg", 0)
+    new = _cfg(tmp_path, "rounds=2")
+    monkeypatch.setattr(rerun, "_exchange", _killed_after(lambda a, b: None))
+    with pytest.raises(KeyboardInterrupt):
+        run_one(new, "fedavg", 0, overwrite=True)
+    monkeypatch.undo()
+    assert _rounds(folder) == [0, 1, 2] and rerun.pending_replacement(folder) is not None
+    stale = {"replacement": rerun._identity(folder), "replaced": rerun._identity(tmp_path)}
+    (folder.parent / (folder.name + rerun.JOURNAL)).write_text(json.dumps(stale))
+    assert rerun.pending_replacement(folder) == staging_dir(folder)
+    again = run_experiment(new)
+    assert again["fedavg"][0]["rounds"] == 2 and _rounds(folder) == [0, 1]
+    assert _leftovers(folder) == []

@@ -41,11 +41,12 @@ from fedlore.atomic import write_json
 from fedlore.config import Config, ConfigError
 from fedlore.engine.rerun import (
     SUMMARY,
+    complete_swap,
     finished_run,
     finished_runs,
+    pending_replacement,
     read_record,
     staging_dir,
-    swap_in,
 )
 from fedlore.engine.rundir import MakeAlgorithm, config_diff, run_dir
 
@@ -130,9 +131,9 @@ def _interrupted(cfg: Config, method: str, seed: int) -> Path | None:
     if name not in (_listed(cfg, "started") or []) or name in _finished(cfg):
         return None
     target = run_dir(cfg, method, seed)
-    staged = staging_dir(target)
-    if (staged / SUMMARY).is_file():
+    if pending_replacement(target) is not None:
         return None
+    staged = staging_dir(target)
     folder = staged if (target / SUMMARY).is_file() else target
     return folder if (folder / "config.json").is_file() else None
 
@@ -270,8 +271,7 @@ def plan(
     for m in cfg.algorithms:
         target = run_dir(cfg, m, seed)
         staged = staging_dir(target)
-        if (staged / SUMMARY).is_file():  # a replacement whose swap a kill cut in two
-            swap_in(staged, target)
+        if complete_swap(target):  # a replacement whose swap a kill cut short
             replaced.add(_name(cfg, m, seed))
         if not (target / SUMMARY).is_file():  # unfinished: continued if it is this config's
             other = not _same(cfg, m, target, make, fingerprint)

@@ -22,8 +22,12 @@ folder then holds the finished run at every moment until its replacement is comp
 report, plain rerun or ``--resume`` ever finds a half-trained replacement in its place, and
 nothing has to know about a backup in order to restore it. The swap exchanges the two folders in
 one step (Linux ``renameat2`` with ``RENAME_EXCHANGE``); on a system or file system that cannot,
-it takes two renames through ``seed-<s>.replaced``, and the next run of the folder completes a
-swap that a kill cut in two. ``fedlore report`` reads only ``seed-<s>`` folders.
+it takes two renames through ``seed-<s>.replaced``. Right after the exchange the sibling folder
+holds the replaced run, summary and all, like a finished replacement: a journal
+(``seed-<s>.swap.json``, :data:`JOURNAL`) names the two folders for the duration of the swap,
+and the next run of the folder completes a swap that a kill cut short
+(:func:`complete_swap`): it swaps a finished replacement in, or deletes the replaced run left
+beside the new one. ``fedlore report`` reads only ``seed-<s>`` folders.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedlore.atomic import WriteError
+from fedlore.atomic import WriteError, write_json
 from fedlore.config import ConfigError
 from fedlore.engine.rundir import MakeAlgorithm, config_diff, run_dir
 from fedlore.engine.runstart import rows_problem
@@ -53,6 +57,12 @@ STAGING = ".overwrite"
 REPLACED = ".replaced"
 """Suffix the finished run's folder takes for the instant between the two renames of a swap on a
 file system that cannot exchange two folders."""
+
+JOURNAL = ".swap.json"
+"""Suffix of the file beside a run folder that names, for the instant of a swap, the folders of
+the replacement and of the run it replaces (device and inode, which a rename keeps): right after
+the exchange the sibling folder holds the replaced run, summary and all, and only the journal
+tells it from a finished replacement still to be swapped in (:func:`pending_replacement`)."""
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -197,10 +207,8 @@ def finished_runs(
     method whose folder holds an interrupted replacement of this config (``--overwrite``, then
     killed) is left out: ``--resume`` continues the replacement."""
     methods = list(cfg.algorithms)
-    for m in methods:  # a replacement whose swap a kill cut in two is completed first
-        target = run_dir(cfg, m, seed)
-        if (staging_dir(target) / SUMMARY).is_file():
-            swap_in(staging_dir(target), target)
+    for m in methods:  # a swap a kill cut short is completed first
+        complete_swap(run_dir(cfg, m, seed))
     if resume:
         methods = [m for m in methods if not _continues_replacement(cfg, m, seed, make_algorithm)]
     if not any((run_dir(cfg, m, seed) / SUMMARY).is_file() for m in methods):
@@ -231,8 +239,7 @@ def write_dir(
     this config. A replacement that finished but whose swap a kill interrupted is swapped in
     first."""
     staged = staging_dir(target)
-    if (staged / SUMMARY).is_file():
-        swap_in(staged, target)
+    complete_swap(target)
     if not (target / SUMMARY).is_file():
         return target
     if resume:
@@ -252,9 +259,73 @@ def write_dir(
     return staged
 
 
+def _identity(path: Path) -> list[int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino]
+
+
+def _journal(target: Path) -> Path:
+    return target.with_name(target.name + JOURNAL)
+
+
+def _exchanged(target: Path) -> bool:
+    """Whether a swap into ``target`` was cut right after its exchange: the journal names
+    ``target``'s folder as the replacement and the sibling folder as the run it replaced."""
+    try:
+        named = json.loads(_journal(target).read_text("utf-8"))
+        return bool(
+            named["replacement"] == _identity(target)
+            and named["replaced"] == _identity(staging_dir(target))
+        )
+    except (OSError, ValueError, KeyError, TypeError):  # no journal (or not one)
+        return False
+
+
+def pending_replacement(target: Path) -> Path | None:
+    """The sibling folder (:func:`staging_dir`) when it holds a finished replacement whose swap
+    a kill cut short, which the next run of ``target`` swaps in first (:func:`complete_swap`);
+    None otherwise, and when it holds the finished run that a swap cut after its exchange has
+    already replaced (the new run is in ``target``)."""
+    staged = staging_dir(target)
+    if (staged / SUMMARY).is_file() and not _exchanged(target):
+        return staged
+    return None
+
+
+def complete_swap(target: Path) -> bool:
+    """Finish a swap into ``target`` that a kill cut short: swap a finished replacement in
+    (:func:`pending_replacement`; True), or delete the replaced run a swap cut after its
+    exchange left in the sibling folder; a journal left behind goes.
+
+    Raises:
+        WriteError: as :func:`swap_in`.
+    """
+    staged = staging_dir(target)
+    if pending_replacement(target) is not None:
+        swap_in(staged, target)
+        return True
+    replaced = target.with_name(target.name + REPLACED)
+    try:
+        if (staged / SUMMARY).is_file():  # the run replaced: out of the way, then deleted
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.rename(staged, replaced)
+            say("deleted the run that a swap cut short had replaced, beside %s", target)
+        _journal(target).unlink(missing_ok=True)
+    except OSError as e:
+        raise WriteError(target, e) from None
+    shutil.rmtree(replaced, ignore_errors=True)
+    return False
+
+
 def swap_in(staged: Path, target: Path) -> None:
     """Put the finished run in ``staged`` in the place of ``target`` and delete the run it
-    replaces (nothing when ``staged`` is ``target``).
+    replaces (nothing when ``staged`` is ``target``). A journal beside ``target``
+    (:data:`JOURNAL`) names the two folders until the replaced one is out of the way, so that a
+    kill at any point leaves the new run in place or still to be swapped in
+    (:func:`complete_swap`), never the replaced run.
 
     Raises:
         WriteError: when a rename fails (e.g. no permission on the folder).
@@ -263,6 +334,9 @@ def swap_in(staged: Path, target: Path) -> None:
         return
     replaced = target.with_name(target.name + REPLACED)
     try:
+        if target.exists():
+            journal = {"replacement": _identity(staged), "replaced": _identity(target)}
+            write_json(_journal(target), journal)
         if target.exists() and _exchange(staged, target):
             # ``staged`` now holds the run replaced, summary and all: renamed out of the way
             # at once, so that a kill or a failed removal never leaves it looking like a
@@ -274,6 +348,7 @@ def swap_in(staged: Path, target: Path) -> None:
             if target.exists():
                 os.rename(target, replaced)
             os.rename(staged, target)
+        _journal(target).unlink(missing_ok=True)
     except OSError as e:
         raise WriteError(target, e) from None
     shutil.rmtree(replaced, ignore_errors=True)  # also what a swap cut in two left there
