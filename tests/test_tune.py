@@ -300,7 +300,7 @@ def test_a_search_under_dp_warns_that_epsilon_covers_one_trial(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(progress, "_SAID", set())  # warn_once: once per process
-    with pytest.warns(PrivacyWarning, match="each trial's dp_epsilon covers that trial alone"):
+    with pytest.warns(PrivacyWarning, match="its ε is the composition of every DP exchange"):
         plan(tmp_path, *DP, "tune.trials=3")
     monkeypatch.setattr(progress, "_SAID", set())
     with warnings.catch_warnings():

@@ -307,7 +307,7 @@ def test_a_search_under_dp_records_the_epsilon_of_one_trial(
     config.write_text(yaml.safe_dump(apply_overrides({}, [*TINY, *dp, f"output_dir={tmp_path}"])))
     assert cli.main(["tune", str(config), "--space", "lr=log:1e-3:0.3", "--trials", "1"]) == 0
     err = capsys.readouterr().err
-    assert "fedlore: warning: dp is on: each trial's dp_epsilon covers that trial alone" in err
+    assert "fedlore: warning: dp is on: the search's trials train on the same clients" in err
     best = json.loads((tmp_path / "tiny/tune/best.json").read_text())
     assert best["dp_epsilon_of_one_trial"] == summary(tmp_path, 0)["dp_epsilon"] > 0
     assert best["search_privacy_accounted"] is False

@@ -108,6 +108,8 @@ def tune_command(
         outcome = run_search(search, engine)
     print(table(outcome, search.metric), flush=True)
     print()
+    if outcome.privacy is not None:  # every trial's exchanges, composed (fedlore.tune_privacy)
+        print(outcome.privacy.line())
     if outcome.best is None:
         print(
             f"no trial completed ({outcome.counts.get('pruned', 0)} pruned, "

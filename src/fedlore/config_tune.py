@@ -253,10 +253,12 @@ class TuneConfig(_Strict):
     prune_warmup_rounds: int = Field(0, ge=0)
     """Rounds of a trial before it may be pruned (Optuna's ``n_warmup_steps``)."""
     search_privacy_accounted: bool = False
-    """Under DP, each trial's ``dp_epsilon`` covers that trial only: the search, and the
-    choice of its best trial, spend more (Papernot & Steinke 2022). ``fedlore tune`` warns
-    (a ``PrivacyWarning``) unless this is true: set it when you account for the search yourself
-    (or tune on data whose privacy is not at stake)."""
+    """Under DP, each trial's ``dp_epsilon`` covers that trial only: the search spends the
+    composition of every trial's exchanges, which ``fedlore tune`` computes and records in
+    ``best.json`` (``dp_epsilon_of_search``) and warns of before it starts (a
+    ``PrivacyWarning``, with the ε of ``trials`` trials of the config's exchanges) unless this
+    is true: set it when you have accounted for the search's privacy yourself (or tune on data
+    whose privacy is not at stake). The ε is computed and recorded either way."""
 
     @model_validator(mode="after")
     def _consistent(self) -> TuneConfig:

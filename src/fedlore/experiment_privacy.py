@@ -67,6 +67,30 @@ def _privacy_warning(message: str) -> None:
     warn_once(message, PrivacyWarning)  # each run of an experiment would repeat it
 
 
+def dp_noise_multiplier(cfg: Config, setup: int) -> float:
+    """σ of a DP run of ``cfg`` whose method runs ``setup`` setup exchanges:
+    ``dp.noise_multiplier``, or solved from ``dp.epsilon`` for the run's exchanges and sampling
+    (under ``dp.mode: local`` for a client in every exchange, without sampling:
+    :mod:`fedlore.privacy.local_dp`). The accountant is fed this σ (the total z under adaptive
+    clipping).
+
+    Raises:
+        ValueError: if ``dp.epsilon`` cannot be reached.
+    """
+    if cfg.dp.noise_multiplier is not None:
+        return cfg.dp.noise_multiplier
+    assert cfg.dp.epsilon is not None
+    exchanges, accountant = cfg.rounds + setup, cfg.dp.accountant
+    if cfg.dp.mode == "local":  # the worst case: a client in every exchange
+        return local_noise_for_epsilon(
+            cfg.dp.epsilon, cfg.dp.delta, exchanges, accountant=accountant
+        )
+    return noise_for_epsilon(
+        cfg.dp.epsilon, cfg.dp.delta, exchanges, cfg.num_clients, cfg.clients_per_round(),
+        accountant=accountant,
+    )  # fmt: skip
+
+
 def make_privacy(
     cfg: Config,
     algo: Algorithm,
@@ -98,22 +122,7 @@ def make_privacy(
     dp = None
     if cfg.dp.enabled:
         assert cfg.dp.clip_norm is not None
-        sigma = cfg.dp.noise_multiplier
-        if sigma is None and local:  # the worst case: a client in every exchange
-            assert cfg.dp.epsilon is not None
-            sigma = local_noise_for_epsilon(
-                cfg.dp.epsilon, cfg.dp.delta, cfg.rounds + setup, accountant=cfg.dp.accountant
-            )
-        if sigma is None:
-            assert cfg.dp.epsilon is not None
-            sigma = noise_for_epsilon(
-                cfg.dp.epsilon,
-                cfg.dp.delta,
-                cfg.rounds + setup,
-                cfg.num_clients,
-                per_round,
-                accountant=cfg.dp.accountant,
-            )
+        sigma = dp_noise_multiplier(cfg, setup)
         dp = DPSettings(
             cfg.dp.clip_norm, sigma, cfg.dp.delta, cfg.dp.sketch_share, cfg.dp.accountant
         )

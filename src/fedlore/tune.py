@@ -35,6 +35,7 @@ from fedlore.engine.rundir import result_settings
 from fedlore.experiment_parts import check_config, make_algorithm
 from fedlore.experiment_privacy import PrivacyWarning
 from fedlore.progress import warn_once
+from fedlore.tune_privacy import planned
 
 TUNE_DIR = "tune"
 """The search's folder under ``output_dir/name``."""
@@ -182,13 +183,41 @@ def _method(cfg: Config) -> str:
 
 
 SEARCH_PRIVACY = (
-    "dp is on: each trial's dp_epsilon covers that trial alone, not the search. The search's "
-    "trials ({trials}) train on the same clients' data and choosing the best of them releases more "
-    "(Papernot & Steinke 2022, 'Hyperparameter tuning with Renyi differential privacy'), so "
-    "the chosen model's ε is larger than any trial's. Tune on data whose privacy is not at "
-    "stake, or account for the search, and set tune.search_privacy_accounted=true to say so"
+    "dp is on: the search's trials train on the same clients' data, so its ε is the "
+    "composition of every DP exchange of every trial it runs (finished, pruned, failed, "
+    "resumed), larger than any one trial's dp_epsilon. {trials} trial(s) of {exchanges} "
+    "exchange(s) each at this config's settings spend ε = {epsilon:.4g} at δ = {delta:g}{known}; "
+    "best.json records the search's measured ε (dp_epsilon_of_search). Tune on data whose "
+    "privacy is not at stake, or, having accounted for it, set "
+    "tune.search_privacy_accounted=true to silence this warning"
 )
-"""The :class:`~fedlore.experiment_privacy.PrivacyWarning` of a search under DP."""
+"""The :class:`~fedlore.experiment_privacy.PrivacyWarning` of a search under DP: the ε that
+:func:`fedlore.tune_privacy.planned` composes for ``tune.trials`` trials of the config's
+exchanges."""
+
+
+def search_privacy_warning(one: Config, method: str, trials: int) -> str:
+    """:data:`SEARCH_PRIVACY` for ``trials`` trials of the config ``one`` (its one method).
+
+    Raises:
+        ConfigError: ``dp.epsilon`` cannot be reached (every trial would fail).
+    """
+    try:
+        plan = planned(one, method, trials)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    known = ""
+    if plan.sample_known is not None:
+        known = f" ({plan.sample_known:.4g} against a party that knows each round's sample)"
+    if plan.local:
+        known = " for a client in every exchange (local DP)"
+    return SEARCH_PRIVACY.format(
+        trials=trials,
+        exchanges=plan.exchanges // max(trials, 1),
+        epsilon=plan.epsilon,
+        delta=plan.delta,
+        known=known,
+    )
 
 
 def plan_search(
@@ -247,10 +276,11 @@ def plan_search(
             f"rounds end, in this process; engine {cfg.engine} reports only finished trials"
         )
     check_tune_metric(one, build_federation(one, run_seed), tune.metric)
-    if cfg.dp.enabled and not tune.search_privacy_accounted:
-        warn_once(SEARCH_PRIVACY.format(trials=tune.trials), PrivacyWarning)
     folder = Path(cfg.output_dir) / cfg.name / TUNE_DIR
-    return Search(cfg, base, config, tuple(overrides), method, run_seed, dims, folder)
+    search = Search(cfg, base, config, tuple(overrides), method, run_seed, dims, folder)
+    if cfg.dp.enabled and not tune.search_privacy_accounted:
+        warn_once(search_privacy_warning(one, method, search.trials), PrivacyWarning)
+    return search
 
 
 def trial_config(search: Search, number: int, params: dict[str, Any]) -> Config:

@@ -10,7 +10,8 @@ Layout, under ``output_dir/name/tune/``:
   ``summary.json``, ``metrics.jsonl`` and ``checkpoint.pt``) and ``trial.json``, its parameters
   and how it ended (``complete``, ``pruned`` after a round, ``failed`` and why);
 * ``best.json``: the best trial, its parameters and value, and the ``fedlore run`` command for
-  every seed (written atomically after every trial).
+  every seed, and under DP the ε of the whole search (every trial's exchanges composed:
+  :mod:`fedlore.tune_privacy`), written atomically when the search ends.
 
 **Resuming.** The folder is locked while a search runs (:class:`~fedlore.engine.lock.RunLock`),
 so a trial the study records as running was cut off (a kill, Ctrl-C, a full disk). The same
@@ -45,6 +46,7 @@ from fedlore.experiment import Engine, run_experiment
 from fedlore.progress import say
 from fedlore.seeding import TUNE_SAMPLER, derive_seed
 from fedlore.tune import Search, override, record_diff, run_command, search_record, trial_config
+from fedlore.tune_privacy import SearchPrivacy, search_privacy, trial_spend
 from fedlore.types import State
 
 if TYPE_CHECKING:
@@ -93,13 +95,14 @@ class TrialRow:
 @dataclass(frozen=True)
 class Outcome:
     """A search's trials and, when one completed, the best (``best`` is its row and ``command``
-    runs every seed at its parameters)."""
+    runs every seed at its parameters); under DP the ε of the whole search (``privacy``)."""
 
     rows: list[TrialRow]
     best: TrialRow | None = None
     command: str | None = None
     best_file: Path | None = None
     counts: dict[str, int] = field(default_factory=dict)
+    privacy: SearchPrivacy | None = None
 
 
 class _Reporter:
@@ -376,20 +379,38 @@ def _outcome(study: optuna.Study, search: Search) -> Outcome:
             TrialRow(t.number, state, dict(t.params), t.value, t.user_attrs.get("note", ""))
         )
     counts = {s: sum(1 for r in rows if r.state == s) for s in ("complete", "pruned", "failed")}
+    privacy = _privacy(search, rows) if search.cfg.dp.enabled else None
     done = [r for r in rows if r.state == "complete"]
     if not done:
-        return Outcome(rows, counts=counts)
+        return Outcome(rows, counts=counts, privacy=privacy)
     best = next(r for r in rows if r.number == study.best_trial.number)
     command = run_command(search, best.params)
     path = search.folder / BEST
-    write_json(path, best_record(search, best, command, counts))
-    return Outcome(rows, best, command, path, counts)
+    write_json(path, best_record(search, best, command, counts, privacy))
+    return Outcome(rows, best, command, path, counts, privacy)
+
+
+def _privacy(search: Search, rows: Sequence[TrialRow]) -> SearchPrivacy:
+    """The ε of the whole search: every trial of the study, from its run folder
+    (:mod:`fedlore.tune_privacy`)."""
+    spends = []
+    for r in rows:
+        try:
+            cfg = trial_config(search, r.number, r.params)
+        except ConfigError:  # refused before it ran (recorded as failed)
+            cfg = None
+        spends.append(trial_spend(r.number, r.state, r.note, cfg, search.method, search.run_seed))
+    return search_privacy(search.cfg, spends)
 
 
 def best_record(
-    search: Search, best: TrialRow, command: str, counts: dict[str, int]
+    search: Search,
+    best: TrialRow,
+    command: str,
+    counts: dict[str, int],
+    privacy: SearchPrivacy | None = None,
 ) -> dict[str, Any]:
-    """``best.json``: the best trial and what to run next."""
+    """``best.json``: the best trial and what to run next; under DP the ε of the search."""
     record: dict[str, Any] = {
         "metric": search.metric,
         "direction": search.direction,
@@ -411,4 +432,6 @@ def best_record(
         eps = json.loads(summary.read_text()).get("dp_epsilon") if summary.is_file() else None
         record["dp_epsilon_of_one_trial"] = eps
         record["search_privacy_accounted"] = search.cfg.tune.search_privacy_accounted
+        if privacy is not None:
+            record.update(privacy.record())
     return record

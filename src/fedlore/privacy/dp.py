@@ -91,7 +91,7 @@ class DPSettings:
             raise ValueError(f"dp.delta must be in (0, 1), got {self.delta!r}")
         if not 0 < self.sketch_share < 1:
             raise ValueError(f"dp.sketch_share must be in (0, 1), got {self.sketch_share!r}")
-        _check_accountant(self.accountant)
+        check_accountant(self.accountant)
 
     @property
     def noise_std(self) -> float:
@@ -144,7 +144,7 @@ ACCOUNTANTS = ("rdp", "pld")
 """The accountants :func:`epsilon_spent` offers (config ``dp.accountant``; ``rdp`` by default)."""
 
 
-def _check_accountant(accountant: str) -> None:
+def check_accountant(accountant: str) -> None:
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"dp.accountant must be one of {list(ACCOUNTANTS)}, got {accountant!r}")
 
@@ -285,7 +285,7 @@ def epsilon_spent(
     Raises:
         ValueError: for an unknown ``accountant``.
     """
-    _check_accountant(accountant)
+    check_accountant(accountant)
     if rounds <= 0:
         return 0.0
     if noise_multiplier <= 0:
@@ -332,7 +332,7 @@ def noise_for_epsilon(
         ValueError: if ``epsilon`` is not positive, ``accountant`` is unknown, or the σ it needs
             exceeds :data:`MAX_NOISE_MULTIPLIER`.
     """
-    _check_accountant(accountant)
+    check_accountant(accountant)
     if not epsilon > 0:
         raise ValueError(f"dp.epsilon must be positive, got {epsilon!r}")
     if rounds <= 0:
