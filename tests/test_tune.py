@@ -150,7 +150,7 @@ def test_the_yaml_section_is_checked_when_the_config_loads() -> None:
         load_config(None, ["tune.trails=3"])
     with pytest.raises(ConfigError, match=r"tune\.prune_startup_trials is set but tune\.prune"):
         load_config(None, ["tune.prune_startup_trials=2"])
-    with pytest.raises(ConfigError, match=r"tune\.mode=auto does not know"):
+    with pytest.raises(ConfigError, match=r"tune\.metric=selection_mine is not a known score"):
         load_config(None, ["tune.metric=selection_mine"])
     assert load_config(None, ["tune.metric=selection_mine", "tune.mode=max"]).tune.direction() == (
         "max"
@@ -360,3 +360,9 @@ def test_only_a_search_imports_optuna() -> None:
     )
     src = str(Path(__file__).resolve().parents[1] / "src")
     subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": src}, check=True)
+
+
+def test_an_optional_score_not_in_eval_metrics_names_the_exact_fix(tmp_path: Path) -> None:
+    """As early stopping words it (checks.stopping._why_not, one rule)."""
+    with pytest.raises(ConfigError, match=r"set eval\.metrics=\[balanced_accuracy\]; the run"):
+        plan(tmp_path, "tune.metric=selection_balanced_accuracy")

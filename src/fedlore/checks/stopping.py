@@ -21,9 +21,11 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
+from fedlore import registry
 from fedlore.config import Config, ConfigError
 from fedlore.config_stopping import known_direction, watches_test
 from fedlore.progress import in_command, warn_once
+from fedlore.stopping_rule import OPTIONAL
 
 if TYPE_CHECKING:
     from fedlore.data.federation import Federation
@@ -148,7 +150,22 @@ def _why_not(cfg: Config, fed: Federation, metric: str) -> str:
         return "P-local scores are recorded in the last round only"
     if metric == "train_loss":
         return "clients release no training loss under secure aggregation or DP"
+    if (listed := _unlisted(cfg, fed, metric)) is not None:
+        return listed
     return f"not a score of this {fed.task.replace('_', ' ')} run"
+
+
+def _unlisted(cfg: Config, fed: Federation, metric: str) -> str | None:
+    """The exact fix when ``metric`` names a classifier's optional score (fedlore's
+    :data:`~fedlore.stopping_rule.OPTIONAL` or a plugin's) that ``eval.metrics`` does not list:
+    the run records it only when listed. None otherwise (another task, another name)."""
+    base = metric.removeprefix("selection_").removeprefix("client_")
+    if fed.task != "classification" or base in cfg.eval.metrics:
+        return None
+    if base not in OPTIONAL and base not in registry.names("metric"):
+        return None
+    fix = ", ".join([*cfg.eval.metrics, base])
+    return f"{base} is recorded only when eval.metrics lists it: set eval.metrics=[{fix}]"
 
 
 def check_tune_metric(cfg: Config, fed: Federation, metric: str) -> None:
