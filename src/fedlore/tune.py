@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from fedlore.checks import check_overrides, check_tune_metric
-from fedlore.config import Config, ConfigError, apply_overrides, validate
+from fedlore.config import Config, ConfigError, apply_overrides, effective_overrides, validate
 from fedlore.config_tune import Dim
 from fedlore.data.federation import build_federation
 from fedlore.engine.rundir import result_settings
@@ -268,7 +268,8 @@ def trial_config(search: Search, number: int, params: dict[str, Any]) -> Config:
 
 def run_command(search: Search, params: dict[str, Any]) -> str:
     """The ``fedlore run`` command that runs every seed of the config at ``params`` (the
-    command line's overrides but the search's own, then the method, then ``params``)."""
+    command line's overrides but the search's own, then the method, then ``params``), each key
+    once (:func:`~fedlore.config.effective_overrides`)."""
     args = ["fedlore", "run"]
     if search.config is not None:
         args.append(search.config)
@@ -276,7 +277,7 @@ def run_command(search: Search, params: dict[str, Any]) -> str:
     if list(search.cfg.algorithms) != [search.method]:
         args.append(f"algorithms={search.method}")
     args += [override(k, v) for k, v in params.items()]
-    return shlex.join(args)
+    return shlex.join(effective_overrides(args))  # each key once, with the value it takes
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
