@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -319,3 +320,66 @@ def test_a_plugins_metric_not_in_eval_metrics_names_the_fix_too(tmp_path: Path) 
         from fedlore import registry
 
         registry._TABLES["metric"].pop("es_listed_score", None)
+
+
+def test_the_allow_test_warning_counts_what_the_command_does(tmp_path: Path) -> None:
+    """Runs it trains against finished runs it keeps, the same in a dry run as in the command:
+    a dry run of four runs said "the run", a rerun of four finished ones "4 runs"."""
+    from fedlore.dry_run import plan_runs
+    from fedlore.experiment import run_experiment
+
+    cfg = _cfg(tmp_path, "early_stopping.metric=accuracy", "early_stopping.allow_test=true",
+               "rounds=1", "algorithms=[fedavg, fedfull]", "seeds=[0, 1]")  # fmt: skip
+
+    def said(call: Any) -> str:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        (one,) = [str(w.message) for w in caught if issubclass(w.category, TestSelectionWarning)]
+        return one
+
+    four = "each of the command's 4 runs stops and selects on the central test set it reports"
+    assert four in said(lambda: plan_runs(cfg))
+    assert four in said(lambda: run_experiment(cfg))
+    kept = "the 4 finished runs the command keeps (it trains none) stopped and selected on"
+    assert kept in said(lambda: plan_runs(cfg)) and kept in said(lambda: run_experiment(cfg))
+    assert "so their scores there are optimistic" in said(lambda: plan_runs(cfg))
+    (run_dir(cfg, "fedfull", 1) / "summary.json").unlink()  # unfinished: trained again
+    one = "the one run the command trains (as the 3 finished runs it keeps did) stops and "
+    assert one in said(lambda: plan_runs(cfg)) and one in said(lambda: run_experiment(cfg))
+    again = "each of the command's 4 runs"  # --overwrite trains every one
+    assert again in said(lambda: plan_runs(cfg, overwrite=True))
+    assert again in said(lambda: run_experiment(cfg, overwrite=True))
+
+
+def test_the_allow_test_warning_counts_an_interrupted_overwrites_replaced_runs(
+    tmp_path: Path,
+) -> None:
+    """``--overwrite --resume`` keeps the runs the interrupted --overwrite replaced already and
+    trains the others; a new --overwrite trains every run whatever an old record says."""
+    import json
+
+    from fedlore.dry_run import plan_runs
+    from fedlore.engine.overwriting import RECORD
+    from fedlore.experiment import run_experiment
+
+    cfg = _cfg(tmp_path, "early_stopping.metric=accuracy", "early_stopping.allow_test=true",
+               "rounds=1", "algorithms=[fedavg, fedfull]", "seeds=[0, 1]")  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TestSelectionWarning)
+        run_experiment(cfg)
+    names = ["fedavg/seed-0", "fedfull/seed-0", "fedavg/seed-1", "fedfull/seed-1"]
+    record = Path(cfg.output_dir) / cfg.name / RECORD
+
+    def said(call: Any) -> str:
+        record.write_text(json.dumps({"finished": names[:2], "targets": names, "started": names}))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        (one,) = [str(w.message) for w in caught if issubclass(w.category, TestSelectionWarning)]
+        return one
+
+    half = "each of the 2 runs the command trains (as the 2 finished runs it keeps did)"
+    assert half in said(lambda: plan_runs(cfg, resume=True, overwrite=True))
+    assert half in said(lambda: run_experiment(cfg, resume=True, overwrite=True))
+    assert "each of the command's 4 runs" in said(lambda: run_experiment(cfg, overwrite=True))

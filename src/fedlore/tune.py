@@ -280,6 +280,25 @@ def run_command(search: Search, params: dict[str, Any]) -> str:
     return shlex.join(effective_overrides(args))  # each key once, with the value it takes
 
 
+def seeds_note(search: Search) -> str:
+    """How the search's seed (``tune.run_seed``, ``--run-seed``) stands to the seeds of the
+    config, which :func:`run_command` runs, in words for ``best.json`` and the command's last
+    lines. A seed the config does not list is accepted: the trials' folders are the search's
+    own (``tune/trial-<n>/``, one experiment each), never runs of the experiment, so no report
+    of it pools a trial with its runs; its runs are then of seeds the choice never saw."""
+    seeds = ", ".join(str(s) for s in search.cfg.seeds)
+    if search.run_seed in search.cfg.seeds:
+        return (
+            f"the trials trained seed {search.run_seed}, one of the config's seeds ({seeds}): "
+            "its run is of the seed the settings were chosen on"
+        )
+    return (
+        f"the trials trained seed {search.run_seed}, which the config's seeds ({seeds}) leave "
+        "out: the command's runs are of seeds the choice never saw, and the trials stay in "
+        f"{search.folder}/, out of the experiment's report"
+    )
+
+
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in tree.items():
