@@ -86,7 +86,7 @@ def distrust(
     (:func:`mistyped`) by the one derived from the run's ``rows`` (``metrics.jsonl``'s, as
     :func:`fedlore.results.summary.derive_summary` derives a missing summary, with the
     early-stopping rule of ``recorded`` (its ``config.json``) replayed), the folder's method and
-    seed, or None (missing) where nothing derives it. Returns what was done, as words for the
+    seed, or left out (missing) where nothing derives it. Returns what was done, as words for the
     run's note (None when every value has its type)."""
     bad = mistyped(summary)
     if not bad:
@@ -106,7 +106,7 @@ def distrust(
             if key in WHOLE_OR_NONE or key in ("restored_best", "early_stopping_on_test"):
                 source = "metrics.jsonl and config.json"
             said.append(f"{key} ({shown}, not {expected(key)}: derived from {source})")
-        else:
-            summary[key] = None
+        else:  # missing, as in a summary that never had it (None would say "not finite")
+            del summary[key]
             said.append(f"{key} ({shown}, not {expected(key)}: left missing)")
     return "values of the wrong type not trusted: " + "; ".join(said)
