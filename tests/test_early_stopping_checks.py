@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -260,3 +261,125 @@ def test_an_empty_section_on_the_command_line_switches_off_a_files_early_stoppin
     assert load_config(file, []).early_stopping.metric == "selection_accuracy"
     off = load_config(file, ["early_stopping={}"]).early_stopping
     assert off.metric is None and off.patience == 3 and not off.enabled
+
+
+@pytest.mark.parametrize(
+    ("metric", "split", "listed"),
+    [("selection_xyzzy", "the selection split", "selection_accuracy, selection_auroc_macro"),
+     ("client_zz", "the clients' test splits", "client_accuracy, client_accuracy_mean"),
+     ("wibble", "the central test set", "accuracy, auroc_macro, balanced_accuracy")],
+)  # fmt: skip
+def test_mode_auto_calls_a_far_typo_a_typo_first(metric: str, split: str, listed: str) -> None:
+    """A name far from every known score is most likely a typo: the refusal names it, says it is
+    not a known score of its split, lists the split's scores, and mentions a plugin's metric only
+    as the other possibility, in the words fedlore tune uses (stopping_rule.unknown_score)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"early_stopping.metric={metric}"])
+    text = str(e.value)
+    assert f"early_stopping.metric={metric} is not a known score of {split}; fedlore's are " in text
+    assert listed in text
+    assert "; if it is a plugin's metric, set early_stopping.mode to max or min" in text
+    with pytest.raises(ConfigError) as t:
+        load_config(None, [f"tune.metric={metric}"])
+    said = str(t.value)
+    assert f"tune.metric={metric} is not a known score of {split}; fedlore's are " in said
+    assert "; if it is a plugin's metric, set tune.mode (--mode) to max or min" in said
+
+
+@pytest.mark.parametrize(
+    ("extra", "fix"),
+    [([], "eval.metrics=[balanced_accuracy]"),
+     (["eval.metrics=[f1_macro]"], "eval.metrics=[f1_macro, balanced_accuracy]"),
+     (["early_stopping.restore_best=true"], "eval.metrics=[balanced_accuracy]")],
+)  # fmt: skip
+def test_an_optional_score_not_in_eval_metrics_names_the_exact_fix(
+    tmp_path: Path, extra: list[str], fix: str
+) -> None:
+    cfg = _cfg(tmp_path, "data.selection_fraction=0.2",
+               "early_stopping.metric=selection_balanced_accuracy", *extra)  # fmt: skip
+    text = _refusal(cfg)
+    assert (
+        "early_stopping.metric=selection_balanced_accuracy: balanced_accuracy is recorded only "
+        f"when eval.metrics lists it: set {fix}; the run records"
+    ) in text
+    listed = _cfg(tmp_path, "data.selection_fraction=0.2", "eval.metrics=[balanced_accuracy]",
+                  "early_stopping.metric=selection_balanced_accuracy")  # fmt: skip
+    check_early_stopping(listed, prepare_federation(listed, 0))  # listed: accepted
+    regression = _cfg(tmp_path, "data.name=diabetes", "data.selection_fraction=0.2",
+                      "early_stopping.metric=selection_brier")  # fmt: skip
+    assert "not a score of this regression run" in _refusal(regression)  # no fix to name
+
+
+def test_a_plugins_metric_not_in_eval_metrics_names_the_fix_too(tmp_path: Path) -> None:
+    register_metric("es_listed_score")(lambda log_probs, y: 0.0)
+    try:
+        cfg = _cfg(tmp_path, "data.selection_fraction=0.2", "early_stopping.mode=max",
+                   "early_stopping.metric=selection_es_listed_score")  # fmt: skip
+        assert "set eval.metrics=[es_listed_score]" in _refusal(cfg)
+    finally:
+        from fedlore import registry
+
+        registry._TABLES["metric"].pop("es_listed_score", None)
+
+
+def test_the_allow_test_warning_counts_what_the_command_does(tmp_path: Path) -> None:
+    """Runs it trains against finished runs it keeps, the same in a dry run as in the command:
+    a dry run of four runs said "the run", a rerun of four finished ones "4 runs"."""
+    from fedlore.dry_run import plan_runs
+    from fedlore.experiment import run_experiment
+
+    cfg = _cfg(tmp_path, "early_stopping.metric=accuracy", "early_stopping.allow_test=true",
+               "rounds=1", "algorithms=[fedavg, fedfull]", "seeds=[0, 1]")  # fmt: skip
+
+    def said(call: Any) -> str:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        (one,) = [str(w.message) for w in caught if issubclass(w.category, TestSelectionWarning)]
+        return one
+
+    four = "each of the command's 4 runs stops and selects on the central test set it reports"
+    assert four in said(lambda: plan_runs(cfg))
+    assert four in said(lambda: run_experiment(cfg))
+    kept = "the 4 finished runs the command keeps (it trains none) stopped and selected on"
+    assert kept in said(lambda: plan_runs(cfg)) and kept in said(lambda: run_experiment(cfg))
+    assert "so their scores there are optimistic" in said(lambda: plan_runs(cfg))
+    (run_dir(cfg, "fedfull", 1) / "summary.json").unlink()  # unfinished: trained again
+    one = "the one run the command trains (as the 3 finished runs it keeps did) stops and "
+    assert one in said(lambda: plan_runs(cfg)) and one in said(lambda: run_experiment(cfg))
+    again = "each of the command's 4 runs"  # --overwrite trains every one
+    assert again in said(lambda: plan_runs(cfg, overwrite=True))
+    assert again in said(lambda: run_experiment(cfg, overwrite=True))
+
+
+def test_the_allow_test_warning_counts_an_interrupted_overwrites_replaced_runs(
+    tmp_path: Path,
+) -> None:
+    """``--overwrite --resume`` keeps the runs the interrupted --overwrite replaced already and
+    trains the others; a new --overwrite trains every run whatever an old record says."""
+    import json
+
+    from fedlore.dry_run import plan_runs
+    from fedlore.engine.overwriting import RECORD
+    from fedlore.experiment import run_experiment
+
+    cfg = _cfg(tmp_path, "early_stopping.metric=accuracy", "early_stopping.allow_test=true",
+               "rounds=1", "algorithms=[fedavg, fedfull]", "seeds=[0, 1]")  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TestSelectionWarning)
+        run_experiment(cfg)
+    names = ["fedavg/seed-0", "fedfull/seed-0", "fedavg/seed-1", "fedfull/seed-1"]
+    record = Path(cfg.output_dir) / cfg.name / RECORD
+
+    def said(call: Any) -> str:
+        record.write_text(json.dumps({"finished": names[:2], "targets": names, "started": names}))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        (one,) = [str(w.message) for w in caught if issubclass(w.category, TestSelectionWarning)]
+        return one
+
+    half = "each of the 2 runs the command trains (as the 2 finished runs it keeps did)"
+    assert half in said(lambda: plan_runs(cfg, resume=True, overwrite=True))
+    assert half in said(lambda: run_experiment(cfg, resume=True, overwrite=True))
+    assert "each of the command's 4 runs" in said(lambda: run_experiment(cfg, overwrite=True))

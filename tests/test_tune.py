@@ -150,7 +150,7 @@ def test_the_yaml_section_is_checked_when_the_config_loads() -> None:
         load_config(None, ["tune.trails=3"])
     with pytest.raises(ConfigError, match=r"tune\.prune_startup_trials is set but tune\.prune"):
         load_config(None, ["tune.prune_startup_trials=2"])
-    with pytest.raises(ConfigError, match=r"tune\.mode=auto does not know"):
+    with pytest.raises(ConfigError, match=r"tune\.metric=selection_mine is not a known score"):
         load_config(None, ["tune.metric=selection_mine"])
     assert load_config(None, ["tune.metric=selection_mine", "tune.mode=max"]).tune.direction() == (
         "max"
@@ -325,7 +325,9 @@ def test_an_override_reads_back_as_the_same_value(value: Any) -> None:
 def test_the_command_runs_every_seed_at_the_best_settings(tmp_path: Path) -> None:
     search = plan(tmp_path, "lr=0.5", "tune.trials=3")
     command = run_command(search, {"lr": 1e-05, "local_steps": 3})
-    assert command == "fedlore run tiny.yaml lr=0.5 lr=1.0e-05 local_steps=3"
+    assert command == "fedlore run tiny.yaml lr=1.0e-05 local_steps=3"  # each key once
+    steps = plan(tmp_path, "local_steps=4", "lr=0.5")
+    assert run_command(steps, {"local_epochs": 2}) == "fedlore run tiny.yaml lr=0.5 local_epochs=2"
     several = plan(tmp_path, "algorithms=[fedavg, fedfull]", "tune.method=fedfull")
     argv = shlex.split(run_command(several, {"method.fedfull.lr": 0.01}))
     assert argv[-2:] == ["algorithms=fedfull", "method.fedfull.lr=0.01"]
@@ -347,6 +349,8 @@ def test_an_interrupted_search_names_the_same_command() -> None:
     assert cli._again(argv) == "fedlore tune tiny.yaml --space lr=log:1e-3:1 --trials 3"
     assert "continues the search" in cli._resume_hint(argv)
     assert cli._again(["run", "a.yaml"]) == "fedlore run a.yaml --resume"
+    repeated = ["run", "a.yaml", "lr=0.1", "rounds=3", "lr=0.2", "--overwrite"]
+    assert cli._again(repeated) == "fedlore run a.yaml rounds=3 lr=0.2 --overwrite --resume"
 
 
 def test_only_a_search_imports_optuna() -> None:
@@ -360,3 +364,35 @@ def test_only_a_search_imports_optuna() -> None:
     )
     src = str(Path(__file__).resolve().parents[1] / "src")
     subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": src}, check=True)
+
+
+def test_an_optional_score_not_in_eval_metrics_names_the_exact_fix(tmp_path: Path) -> None:
+    """As early stopping words it (checks.stopping._why_not, one rule)."""
+    with pytest.raises(ConfigError, match=r"set eval\.metrics=\[balanced_accuracy\]; the run"):
+        plan(tmp_path, "tune.metric=selection_balanced_accuracy")
+
+
+@pytest.mark.parametrize(
+    ("items", "kept"),
+    [(["lr=0.1", "rounds=3", "lr=0.2"], ["rounds=3", "lr=0.2"]),
+     (["model.kwargs={hidden: [8]}", "model={name: mlp}"], ["model={name: mlp}"]),
+     (["model={name: mlp}", "model.kwargs={hidden: [8]}"],
+      ["model={name: mlp}", "model.kwargs={hidden: [8]}"]),
+     (["tracking={mlflow_uri: x}", "tracking=[mlflow]", "tracking=[wandb]"],
+      ["tracking={mlflow_uri: x}", "tracking=[wandb]"]),
+     (["local_steps=2", "local_epochs=3"], ["local_epochs=3"]),
+     (["local_epochs=3", "local_steps=null"], ["local_epochs=3", "local_steps=null"]),
+     (["a.yaml", "--resume", "x=1"], ["a.yaml", "--resume", "x=1"])],
+)  # fmt: skip
+def test_a_printed_command_names_each_key_once_with_the_value_it_takes(
+    items: list[str], kept: list[str]
+) -> None:
+    """The repeated key of a command line (the last one wins) is printed once: what it sets is
+    unchanged."""
+    from fedlore.config import effective_overrides
+
+    assert effective_overrides(items) == kept
+    overrides = [i for i in items if "=" in i and not i.startswith("-")]
+    kept = [i for i in kept if i in overrides]
+    if not ("local_steps=2" in items and "local_epochs=3" in items):  # refused as given
+        assert apply_overrides({}, overrides) == apply_overrides({}, kept)

@@ -20,7 +20,7 @@ import pytest
 
 from fedlore import cli
 from fedlore.config import ConfigError, apply_overrides, validate
-from fedlore.tune import Search, plan_search
+from fedlore.tune import Search, plan_search, seeds_note
 from fedlore.tune_study import Outcome, _Reporter, run_search
 from fedlore.types import State
 
@@ -253,6 +253,7 @@ def test_the_command_line_prints_the_trials_and_a_command_that_runs(
     command = next(line for line in out.splitlines() if line.startswith("every seed at"))
     argv = shlex.split(command.partition(": ")[2])
     assert argv[:3] == ["fedlore", "run", str(config)] and argv[3].startswith("lr=")
+    assert "(the trials trained seed 1, one of the config's seeds (1, 2): its run is" in out
     assert cli.main(argv[1:]) == 0  # every seed of the config at the best lr
     capsys.readouterr()
     for seed in (1, 2):
@@ -375,3 +376,34 @@ def test_options_and_the_files_tune_section(tmp_path: Path) -> None:
         "method.fedavg.lr": "log:1e-3:1e-2",
     }
     assert (cfg.tune.trials, cfg.tune.sampler, cfg.tune.seed) == (3, "random", 4)
+
+
+def test_a_run_seed_the_config_does_not_list_is_recorded_and_kept_out_of_its_report(
+    tmp_path: Path,
+) -> None:
+    """--run-seed 7 with seeds [1, 2]: accepted (the search's seed need not be a reported one)
+    and said in best.json and the printed lines; the trials' seed-7 folders are the search's,
+    under tune/, and a report of the experiment holds only its own runs' seeds."""
+    from fedlore.results.store import load_runs
+
+    out = search(tmp_path, "tune.trials=1", "tune.run_seed=7")
+    assert out.best is not None
+    best = json.loads((tmp_path / "tiny/tune/best.json").read_text())
+    assert (best["run_seed"], best["seeds"], best["run_seed_in_seeds"]) == (7, [1, 2], False)
+    assert best["seeds_note"].startswith(
+        "the trials trained seed 7, which the config's seeds (1, 2) leave out: the command's "
+        "runs are of seeds the choice never saw, and the trials stay in "
+    )
+    assert (tmp_path / f"tiny/tune/trial-{out.best.number}/fedavg/seed-7/summary.json").is_file()
+    run = tmp_path / "tiny" / "fedavg" / "seed-1"  # a run of the experiment itself
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"round": 0, "accuracy": 0.5}) + "\n")
+    with pytest.warns(UserWarning):  # no summary: derived
+        runs = load_runs(tmp_path / "tiny")
+    assert list(runs) == ["fedavg"] and [r.seed for r in runs["fedavg"]] == [1]
+    listed = plan(tmp_path / "b", "tune.run_seed=2")
+    note = json.loads(json.dumps(seeds_note(listed)))
+    assert note == (
+        "the trials trained seed 2, one of the config's seeds (1, 2): its run is of the seed the "
+        "settings were chosen on"
+    )

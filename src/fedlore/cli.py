@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedlore.atomic import WriteError, explain
 from fedlore.cli_parser import build_parser
-from fedlore.config import Config, ConfigError, load_config
+from fedlore.config import Config, ConfigError, effective_overrides, load_config
 from fedlore.engine import interrupt
 from fedlore.engine.store import StoreError
 
@@ -124,7 +124,8 @@ def _again(argv: list[str]) -> str:
     ``fedlore tune ...`` (a search always continues)."""
     if argv[:1] == ["tune"]:
         return shlex.join(["fedlore", *argv])
-    return shlex.join(["fedlore", *argv, *([] if "--resume" in argv else ["--resume"])])
+    run = effective_overrides(argv)  # each key once, with the value it takes
+    return shlex.join(["fedlore", *run, *([] if "--resume" in argv else ["--resume"])])
 
 
 def _resume_hint(argv: list[str]) -> str:

@@ -237,7 +237,8 @@ def _add_tune(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--run-seed",
         type=int,
         metavar="S",
-        help="the seed every trial trains with (tune.run_seed; default the config's first)",
+        help="the seed every trial trains with (tune.run_seed; default the config's first; one "
+        "the config's seeds leave out is accepted, and best.json says so)",
     )
     p.add_argument(
         "--prune",

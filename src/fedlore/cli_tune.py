@@ -96,7 +96,7 @@ def tune_command(
 ) -> int:
     """Run ``fedlore tune``; returns the exit status (1 when no trial completed)."""
     from fedlore import progress
-    from fedlore.tune import plan_search
+    from fedlore.tune import plan_search, seeds_note
     from fedlore.tune_study import import_optuna, run_search
 
     import_optuna()  # the missing extra is the first thing to say
@@ -119,5 +119,6 @@ def tune_command(
     best = outcome.best
     print(f"best: trial {best.number}, {search.metric} {best.value:.4g}")
     print(f"every seed at its settings: {outcome.command}")
+    print(f"({seeds_note(search)})")
     print(f"search in {search.folder}/ (study.db, best.json; one folder per trial)")
     return 0

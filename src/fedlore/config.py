@@ -18,7 +18,14 @@ from fedlore.config_federation import (
     CompressionConfig,
     ServerConfig,
 )
-from fedlore.config_load import ConfigError, apply_overrides, load_config, read_yaml, validate
+from fedlore.config_load import (
+    ConfigError,
+    apply_overrides,
+    effective_overrides,
+    load_config,
+    read_yaml,
+    validate,
+)
 from fedlore.config_model import Config
 from fedlore.config_sections import (
     DataConfig,
@@ -61,6 +68,7 @@ __all__ = [
     "TrackingConfig",
     "TuneConfig",
     "apply_overrides",
+    "effective_overrides",
     "load_config",
     "read_yaml",
     "validate",

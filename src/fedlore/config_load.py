@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import reprlib
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,50 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         node[last] = value
         given.add(tuple(parts))
     return out
+
+
+def effective_overrides(items: Sequence[str]) -> list[str]:
+    """``items`` (a command line's words) with every ``key=value`` override that a later one
+    replaces left out: one that sets the same key again, or a section holding it (the later
+    value replaces the earlier whole, :func:`apply_overrides`), so a printed command names each
+    key once, with the value it takes. The order of what stays, and every word that is no
+    override (the config file, a flag), are kept. A later :data:`LIST_SHORTHANDS` list
+    (``tracking=[mlflow]``) keeps the section's other keys, so only an earlier list of it goes;
+    ``local_epochs`` replaces an earlier ``local_steps`` (:data:`~fedlore.settings.STEP_PAIR`)."""
+    out: list[str] = []
+    for i, item in enumerate(items):
+        key, eq, text = item.partition("=")
+        if not eq or item.startswith("-"):
+            out.append(item)
+            continue
+        parts = key.strip().split(".")
+        if not any(_replaces(later, parts, text) for later in items[i + 1 :]):
+            out.append(item)
+    return out
+
+
+def _replaces(later: str, parts: list[str], text: str) -> bool:
+    """Whether the override ``later`` replaces one of the key ``parts`` (value ``text``)."""
+    key, eq, value = later.partition("=")
+    if not eq or later.startswith("-"):
+        return False
+    over = key.strip().split(".")
+    pair = parts[-1] in STEP_PAIR and over == [*parts[:-1], STEP_PAIR[parts[-1]]]
+    if pair:  # local_epochs=E replaces local_steps (and the two together are refused)
+        return value.strip() not in ("", "null", "~", "None")
+    if over != parts[: len(over)]:
+        return False
+    if over[-1] in LIST_SHORTHANDS and _is_list(value):  # merged into the section: a list goes
+        return over == parts and _is_list(text)
+    return True
+
+
+def _is_list(text: str) -> bool:
+    """Whether an override's value is a list or one name (a :data:`LIST_SHORTHANDS` form)."""
+    try:
+        return isinstance(yaml.safe_load(text), list | str)
+    except yaml.YAMLError:
+        return False
 
 
 def validate(raw: dict[str, Any]) -> Config:

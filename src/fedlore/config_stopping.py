@@ -6,7 +6,6 @@ explicit ``mode`` against; the refusals that span other sections :mod:`fedlore.c
 
 from __future__ import annotations
 
-import difflib
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -19,6 +18,7 @@ from fedlore.stopping_rule import (  # the rule's own table of directions, witho
     base_name,
     known_direction,
     mode_contradiction,
+    unknown_score,
     watches_test,
 )
 
@@ -30,6 +30,7 @@ __all__ = [
     "base_name",
     "known_direction",
     "mode_contradiction",
+    "unknown_score",
     "watches_test",
 ]
 
@@ -90,20 +91,12 @@ class EarlyStoppingConfig(_Strict):
         local = self.metric.startswith("local_")  # refused by the run's check: last round only
         if wrong := mode_contradiction("early_stopping", self.metric, self.mode):
             raise ValueError(wrong)
-        if (
+        if (  # a typo, or a plugin's metric: tune's wording (stopping_rule.unknown_score)
             self.mode == "auto"
             and not local
-            and base_name(self.metric) not in MAXIMIZED | MINIMIZED
+            and (wrong := unknown_score("early_stopping", self.metric, "early_stopping.mode"))
         ):
-            prefix = self.metric[: len(self.metric) - len(base_name(self.metric))]
-            known = sorted(prefix + m for m in MAXIMIZED | MINIMIZED)
-            near = difflib.get_close_matches(self.metric, known, n=1, cutoff=0.85)
-            typo = f" (a typo of {near[0]}?)" if near else ""
-            raise ValueError(
-                f"early_stopping.mode=auto does not know whether {self.metric!r}{typo} is "
-                "better large or small: set early_stopping.mode to max or min for a plugin's "
-                "metric"
-            )
+            raise ValueError(wrong)
         return self
 
     @property

@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
-from fedlore.config_stopping import MAXIMIZED, MINIMIZED, base_name, mode_contradiction
+from fedlore.config_stopping import MAXIMIZED, base_name, mode_contradiction, unknown_score
 from fedlore.registry import did_you_mean
 from fedlore.settings import StrictModel as _Strict
 
@@ -275,11 +275,10 @@ class TuneConfig(_Strict):
                 )
         if wrong := mode_contradiction("tune", self.metric, self.mode):
             raise ValueError(f"{wrong} (the search would keep the worst trial)")
-        if self.mode == "auto" and _score(self.metric) not in MAXIMIZED | MINIMIZED:
-            raise ValueError(
-                f"tune.mode=auto does not know whether {self.metric!r} is better large or "
-                "small: set tune.mode (--mode) to max or min for a plugin's metric"
-            )
+        if self.mode == "auto" and (
+            wrong := unknown_score("tune", self.metric, "tune.mode (--mode)")
+        ):
+            raise ValueError(wrong)  # a typo, or a plugin's metric: early stopping's wording
         return self
 
     def dims(self) -> tuple[Dim, ...]:

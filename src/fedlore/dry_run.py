@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fedlore.checks import setup_rounds
+from fedlore.checks import setup_rounds, warn_test_selection
 from fedlore.config import Config, ConfigError
 from fedlore.engine import overwriting
 from fedlore.engine.callbacks import checkpoint_round
@@ -46,6 +46,7 @@ from fedlore.engine.rundir import (
 )
 from fedlore.engine.runstart import check_rows_reach
 from fedlore.experiment_parts import check_config, make_algorithm
+from fedlore.progress import command
 
 if TYPE_CHECKING:
     from fedlore.data.federation import Federation
@@ -252,6 +253,7 @@ def _check_finished_data(folder: Path, fingerprint: Callable[[], str]) -> None:
         )
 
 
+@command()  # one command, as the real one: the allow_test warning counts its runs
 def plan_runs(cfg: Config, resume: bool = False, overwrite: bool = False) -> list[Planned]:
     """What ``fedlore run`` with this config and these flags would do with each run, in the
     order it runs them (seed by seed, methods in config order). Reads files only.
@@ -293,6 +295,9 @@ def plan_runs(cfg: Config, resume: bool = False, overwrite: bool = False) -> lis
             planned.append(Planned(method, seed, *fate))
     if not any(p.action == "refuse" and p.when == "start" for p in planned):
         _preflight(cfg, first_federation())  # what the command checks next, before any run
+        trains = sum(1 for p in planned if p.action in ("train", "continue"))
+        kept = sum(1 for p in planned if p.action == "keep")
+        warn_test_selection(cfg, first_federation(), trains, kept)  # as the command says it
     return planned
 
 

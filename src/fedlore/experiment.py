@@ -38,6 +38,7 @@ from fedlore.checks import (
     preflight,
     setup_rounds,
     warn_own_optimizer,
+    warn_test_selection,
 )
 from fedlore.config import Config, ConfigError
 from fedlore.data.federation import Federation, build_federation
@@ -424,6 +425,8 @@ def run_experiment(
     for name, algo in preflight(cfg, first, build_model, start):
         describe_parameters(name, algo, build_model())
         warn_own_optimizer(cfg, name, algo)
+    kept = overwriting.kept_runs(cfg, resume, overwrite)  # allow_test: said once, counted
+    warn_test_selection(cfg, first, len(cfg.algorithms) * len(cfg.seeds) - kept, kept)
     make_output_dir(cfg)
     with contextlib.ExitStack() as held:
         # every folder this experiment will write is its own from the start: a second process

@@ -12,6 +12,7 @@ damaged, to find the round the rule kept.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -66,6 +67,40 @@ def mode_contradiction(section: str, metric: str, mode: str) -> str | None:
     return (
         f"{section}.mode={mode} contradicts {section}.metric={metric}, which is {how}: set "
         f"{section}.mode=auto (or {way})"
+    )
+
+
+OPTIONAL = frozenset({"balanced_accuracy", "f1_macro", "top5_accuracy", "auroc_macro", "brier"})
+"""fedlore's scores that a run records only when ``eval.metrics`` lists them."""
+CLIENT_SPREAD = {"accuracy_mean", "accuracy_std", "accuracy_min", "accuracy_p10"}
+SPLITS = {
+    "selection_": ("the selection split", {"accuracy", "loss", "perplexity", "rmse"}),
+    "client_": ("the clients' test splits", {"accuracy", "loss", "ece", "rmse", *CLIENT_SPREAD}),
+    "local_": ("the clients' own models (P-local)", {"accuracy", "loss", "ece", "rmse"}),
+    "": ("the central test set", {"accuracy", "loss", "ece", "perplexity", "rmse", "train_loss"}),
+}
+"""Split prefix -> (the split in words, fedlore's scores of it but the :data:`OPTIONAL` ones)."""
+
+
+def unknown_score(section: str, metric: str, mode_key: str) -> str | None:
+    """What is wrong when ``mode: auto`` meets a ``metric`` whose direction fedlore does not
+    know (``section`` names the keys: ``early_stopping``, ``tune``; ``mode_key`` how to set the
+    mode): most often a typo, so the message names the metric, says it is not a known score of
+    its split, suggests the nearest known name or lists them, and only then mentions the other
+    possibility, a plugin's metric (:func:`fedlore.registry.register_metric`), whose direction
+    ``mode_key`` must give. None when the direction is known. The one wording of
+    :class:`fedlore.config.EarlyStoppingConfig` and :class:`fedlore.config_tune.TuneConfig`."""
+    if known_direction(metric.removeprefix("local_")) is not None:
+        return None
+    prefix = next((p for p in SPLITS if p and metric.startswith(p)), "")
+    split, scores = SPLITS[prefix]
+    known = sorted(prefix + m for m in scores | OPTIONAL)
+    near = difflib.get_close_matches(metric, known, n=1, cutoff=0.85)
+    said = f" (a typo of {near[0]}?)" if near else f"; fedlore's are {', '.join(known)}"
+    return (
+        f"{section}.metric={metric} is not a known score of {split}{said}; if it is a "
+        f"plugin's metric, set {mode_key} to max or min (mode=auto cannot tell whether it is "
+        "better large or small)"
     )
 
 

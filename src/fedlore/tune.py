@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from fedlore.checks import check_overrides, check_tune_metric
-from fedlore.config import Config, ConfigError, apply_overrides, validate
+from fedlore.config import Config, ConfigError, apply_overrides, effective_overrides, validate
 from fedlore.config_tune import Dim
 from fedlore.data.federation import build_federation
 from fedlore.engine.rundir import result_settings
@@ -298,7 +298,8 @@ def trial_config(search: Search, number: int, params: dict[str, Any]) -> Config:
 
 def run_command(search: Search, params: dict[str, Any]) -> str:
     """The ``fedlore run`` command that runs every seed of the config at ``params`` (the
-    command line's overrides but the search's own, then the method, then ``params``)."""
+    command line's overrides but the search's own, then the method, then ``params``), each key
+    once (:func:`~fedlore.config.effective_overrides`)."""
     args = ["fedlore", "run"]
     if search.config is not None:
         args.append(search.config)
@@ -306,7 +307,26 @@ def run_command(search: Search, params: dict[str, Any]) -> str:
     if list(search.cfg.algorithms) != [search.method]:
         args.append(f"algorithms={search.method}")
     args += [override(k, v) for k, v in params.items()]
-    return shlex.join(args)
+    return shlex.join(effective_overrides(args))  # each key once, with the value it takes
+
+
+def seeds_note(search: Search) -> str:
+    """How the search's seed (``tune.run_seed``, ``--run-seed``) stands to the seeds of the
+    config, which :func:`run_command` runs, in words for ``best.json`` and the command's last
+    lines. A seed the config does not list is accepted: the trials' folders are the search's
+    own (``tune/trial-<n>/``, one experiment each), never runs of the experiment, so no report
+    of it pools a trial with its runs; its runs are then of seeds the choice never saw."""
+    seeds = ", ".join(str(s) for s in search.cfg.seeds)
+    if search.run_seed in search.cfg.seeds:
+        return (
+            f"the trials trained seed {search.run_seed}, one of the config's seeds ({seeds}): "
+            "its run is of the seed the settings were chosen on"
+        )
+    return (
+        f"the trials trained seed {search.run_seed}, which the config's seeds ({seeds}) leave "
+        "out: the command's runs are of seeds the choice never saw, and the trials stay in "
+        f"{search.folder}/, out of the experiment's report"
+    )
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

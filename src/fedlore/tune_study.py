@@ -45,7 +45,15 @@ from fedlore.engine.rundir import run_dir
 from fedlore.experiment import Engine, run_experiment
 from fedlore.progress import say
 from fedlore.seeding import TUNE_SAMPLER, derive_seed
-from fedlore.tune import Search, override, record_diff, run_command, search_record, trial_config
+from fedlore.tune import (
+    Search,
+    override,
+    record_diff,
+    run_command,
+    search_record,
+    seeds_note,
+    trial_config,
+)
 from fedlore.tune_privacy import SearchPrivacy, search_privacy, trial_spend
 from fedlore.types import State
 
@@ -422,6 +430,9 @@ def best_record(
         "command": command,
         "method": search.method,
         "run_seed": search.run_seed,
+        "seeds": list(search.cfg.seeds),  # what the command runs
+        "run_seed_in_seeds": search.run_seed in search.cfg.seeds,
+        "seeds_note": seeds_note(search),
         "search_seed": search.cfg.tune.seed,
         "sampler": search.cfg.tune.sampler,
         "trials": counts,

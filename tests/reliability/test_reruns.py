@@ -27,7 +27,7 @@ import pytest
 from interrupting import Interrupt
 
 from fedlore.cli import ENGINES, main
-from fedlore.config import Config, ConfigError, load_config
+from fedlore.config import Config, ConfigError, effective_overrides, load_config
 from fedlore.dry_run import plan_runs
 from fedlore.engine import rerun
 from fedlore.engine.rerun import staging_dir
@@ -299,7 +299,8 @@ def test_overwrite_then_resume_continues_an_interrupted_overwrite_of_an_experime
     with pytest.raises(ConfigError, match="holds a finished run of another config"):
         run_experiment(new, resume=True)
     hint = _resume_hint(["run", *argv])
-    assert hint.startswith(f"`fedlore run {shlex.join(argv)} --resume`")
+    once = shlex.join(effective_overrides(argv))  # rounds=3 ... rounds=4: said once, as 4
+    assert hint.startswith(f"`fedlore run {once} --resume`") and "rounds=3" not in hint
     capsys.readouterr()
     assert main(["run", *argv, "--resume"]) == 0
     assert "fedavg seed 0: finished already" in capsys.readouterr().err

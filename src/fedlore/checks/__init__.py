@@ -67,6 +67,7 @@ from fedlore.checks.stopping import (
     check_early_stopping,
     check_tune_metric,
     recorded_metrics,
+    warn_test_selection,
 )
 
 __all__ = [
@@ -100,4 +101,5 @@ __all__ = [
     "setup_rounds",
     "unused_method_problems",
     "warn_own_optimizer",
+    "warn_test_selection",
 ]

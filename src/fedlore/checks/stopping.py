@@ -21,9 +21,11 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
+from fedlore import registry
 from fedlore.config import Config, ConfigError
 from fedlore.config_stopping import known_direction, watches_test
 from fedlore.progress import in_command, warn_once
+from fedlore.stopping_rule import OPTIONAL
 
 if TYPE_CHECKING:
     from fedlore.data.federation import Federation
@@ -116,8 +118,8 @@ def check_early_stopping(cfg: Config, fed: Federation) -> None:
             f"early_stopping.metric={_selection_twin(cfg, fed, metric)}), which the "
             "server holds: post-processing, no ε"
         )
-    alternative = _selection_twin(cfg, fed, metric)
     if not es.allow_test:
+        alternative = _selection_twin(cfg, fed, metric)
         raise ConfigError(
             f"early_stopping.metric={metric} is scored on {where}, which the run reports: "
             "stopping and selecting on it inflates the reported scores. Watch the selection "
@@ -125,17 +127,50 @@ def check_early_stopping(cfg: Config, fed: Federation) -> None:
             "above 0, e.g. 0.1), or set early_stopping.allow_test=true to do it anyway (the "
             "summary says so)"
         )
-    runs = len(cfg.algorithms) * len(cfg.seeds)
-    which = f"each of the command's {runs} runs" if in_command() and runs > 1 else "the run"
-    message = (
-        f"early_stopping.metric={metric} (allow_test): {which} stops and selects on {where} "
-        f"it reports, so its scores there are optimistic; {alternative} on the selection split "
-        "would not be"
+    if not in_command():  # one run (run_one, build): every time
+        warnings.warn(_test_selection(cfg, fed), TestSelectionWarning, stacklevel=2)
+    # in a command (fedlore run, its dry run) the command says it once, counting the runs it
+    # trains and keeps (warn_test_selection)
+
+
+def warn_test_selection(cfg: Config, fed: Federation, trains: int, kept: int) -> None:
+    """The command's one :class:`TestSelectionWarning` (``early_stopping.allow_test`` on a test
+    set's metric; nothing otherwise), said once (:func:`fedlore.progress.warn_once`) before its
+    first run, counting what the command does: the ``trains`` runs it trains (or continues)
+    and the ``kept`` finished runs it keeps, which stopped and selected on it when they ran.
+    :func:`fedlore.experiment.run_experiment` and ``fedlore run --dry-run`` call it."""
+    es = cfg.early_stopping
+    if es.metric is None or not es.allow_test or not watches_test(es.metric):
+        return
+    warn_once(_test_selection(cfg, fed, trains, kept, command=True), TestSelectionWarning)
+
+
+def _test_selection(
+    cfg: Config, fed: Federation, trains: int = 1, kept: int = 0, command: bool = False
+) -> str:
+    """The ``allow_test`` warning's words for a command that trains ``trains`` runs and keeps
+    ``kept`` finished ones (``command`` False: one run of its own)."""
+    metric = cfg.early_stopping.metric
+    assert metric is not None
+    where = "the clients' test splits" if metric.startswith("client_") else "the central test set"
+    finished = "the finished run" if kept == 1 else f"the {kept} finished runs"
+    whose = "its" if kept == 0 or trains + kept == 1 else "their"
+    if trains == 0:
+        said = f"{finished} the command keeps (it trains none) stopped and selected"
+    else:
+        if not command or (trains == 1 and kept == 0):
+            runs = "the run"
+        elif kept == 0:
+            runs = f"each of the command's {trains} runs"
+        else:
+            runs = "the one run" if trains == 1 else f"each of the {trains} runs"
+            runs += f" the command trains (as {finished} it keeps did)"
+        said = f"{runs} stops and selects"
+    return (
+        f"early_stopping.metric={metric} (allow_test): {said} on {where} it reports, so "
+        f"{whose} scores there are optimistic; {_selection_twin(cfg, fed, metric)} on the "
+        "selection split would not be"
     )
-    if in_command():  # a sweep: said once for all its runs, at the command's first check
-        warn_once(message, TestSelectionWarning)
-    else:  # one run (run_one, build): every time
-        warnings.warn(message, TestSelectionWarning, stacklevel=2)
 
 
 def _why_not(cfg: Config, fed: Federation, metric: str) -> str:
@@ -148,7 +183,22 @@ def _why_not(cfg: Config, fed: Federation, metric: str) -> str:
         return "P-local scores are recorded in the last round only"
     if metric == "train_loss":
         return "clients release no training loss under secure aggregation or DP"
+    if (listed := _unlisted(cfg, fed, metric)) is not None:
+        return listed
     return f"not a score of this {fed.task.replace('_', ' ')} run"
+
+
+def _unlisted(cfg: Config, fed: Federation, metric: str) -> str | None:
+    """The exact fix when ``metric`` names a classifier's optional score (fedlore's
+    :data:`~fedlore.stopping_rule.OPTIONAL` or a plugin's) that ``eval.metrics`` does not list:
+    the run records it only when listed. None otherwise (another task, another name)."""
+    base = metric.removeprefix("selection_").removeprefix("client_")
+    if fed.task != "classification" or base in cfg.eval.metrics:
+        return None
+    if base not in OPTIONAL and base not in registry.names("metric"):
+        return None
+    fix = ", ".join([*cfg.eval.metrics, base])
+    return f"{base} is recorded only when eval.metrics lists it: set eval.metrics=[{fix}]"
 
 
 def check_tune_metric(cfg: Config, fed: Federation, metric: str) -> None:

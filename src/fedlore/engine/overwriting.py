@@ -286,3 +286,24 @@ def plan(
         else:  # not reached yet: replaced
             flags[m] = (False, True)
     return kept, flags
+
+
+def kept_runs(cfg: Config, resume: bool, overwrite: bool) -> int:
+    """How many of the command's runs it keeps as finished rather than trains, read from the
+    folders before it starts (for words said before the first run: the ``allow_test``
+    warning): a finished run (its folder's, or a replacement's whose swap a kill cut in two)
+    unless ``--overwrite``; under ``--overwrite --resume`` one the interrupted ``--overwrite``
+    replaced already. Reads files only; the checks that may refuse such a run come later."""
+    if overwrite and not resume:
+        return 0
+    replaced = set(_finished(cfg))
+    kept = 0
+    for seed in cfg.seeds:
+        for method in cfg.algorithms:
+            target = run_dir(cfg, method, seed)
+            staged = staging_dir(target)
+            swapped = (staged / SUMMARY).is_file()
+            if not (swapped or (target / SUMMARY).is_file()):
+                continue
+            kept += not overwrite or swapped or _name(cfg, method, seed) in replaced
+    return kept

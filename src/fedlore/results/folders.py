@@ -8,6 +8,7 @@ per report), never an exception."""
 from __future__ import annotations
 
 import re
+import stat
 from pathlib import Path
 
 from fedlore import progress
@@ -42,6 +43,26 @@ def subfolders(path: Path) -> list[Path]:
         except OSError as e:  # a folder whose kind cannot be told
             unreadable(entry, e)
     return out
+
+
+def regular_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file itself: not a symbolic link (to ``/proc/self/mem``,
+    to a file elsewhere) nor a special file (a FIFO, a device), which the report never reads
+    (reading one may fail, block or never end); False when it is missing or cannot be told."""
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
+
+
+def special_file(path: Path) -> bool:
+    """Whether something is at ``path`` that :func:`regular_file` refuses (a symbolic link,
+    even a broken one, or a special file)."""
+    try:
+        path.lstat()
+    except OSError:
+        return False
+    return not regular_file(path)
 
 
 def linked_folders(path: Path) -> list[Path]:

@@ -28,10 +28,13 @@ from fedlore.results.folders import (
     UnreadableFolderWarning,
     is_experiment_dir,
     linked_folders,
+    regular_file,
+    special_file,
     subfolders,
     unreadable,
 )
 from fedlore.results.summary import derive_summary, lm_summary, replayed_stopping, value
+from fedlore.results.typed import distrust
 
 # derive_summary, lm_summary and value live in results/summary.py (the one place summaries are
 # computed); they are importable from here as before
@@ -103,7 +106,10 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def _recorded(run_dir: Path) -> dict[str, Any] | None:
-    """The run's ``config.json`` (None when it is missing or cannot be read)."""
+    """The run's ``config.json`` (None when it is missing, cannot be read or is no regular
+    file: :func:`fedlore.results.folders.regular_file`)."""
+    if not regular_file(run_dir / "config.json"):
+        return None
     try:
         raw = json.loads((run_dir / "config.json").read_text())
     except (OSError, ValueError):
@@ -124,10 +130,16 @@ def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
     if {p.name for p in run_dir.iterdir()} == {"run.lock"}:  # a folder a run reserved only
         return None
     metrics_path, summary_path = run_dir / "metrics.jsonl", run_dir / "summary.json"
-    rows = read_rows(metrics_path) if metrics_path.is_file() else []
+    if special_file(metrics_path):  # a link (to /proc/self/mem, ...) or a FIFO: never read
+        warnings.warn(
+            f"{metrics_path}: {NOT_REGULAR}, not read; the run has no metrics rows",
+            IncompleteRunWarning,
+            stacklevel=3,
+        )
+    rows = read_rows(metrics_path) if regular_file(metrics_path) else []
     summary: dict[str, Any] | None = None
     recorded = _recorded(run_dir)
-    if summary_path.is_file():
+    if regular_file(summary_path):
         try:
             loaded = json.loads(summary_path.read_text())
             summary = loaded if isinstance(loaded, dict) and loaded else None  # {}: no summary
@@ -141,6 +153,9 @@ def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
                 stacklevel=3,
             )
             return None
+        if summary is not None and (wrong := distrust(summary, method, seed, rows, recorded,
+                                                      _eval_metrics(recorded))):  # fmt: skip
+            warnings.warn(f"{summary_path}: {wrong}", IncompleteRunWarning, stacklevel=3)
         if summary is not None and (other := _of_another_run(summary, method, seed)) is not None:
             warnings.warn(  # its rows are the other run's too: no row of them under this name
                 f"{summary_path}: the summary of {other}, not of {method} seed {seed} (copied "
@@ -150,8 +165,11 @@ def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
             )
             return None
     if summary is None:  # one warning says what is wrong and what the report does instead
-        damaged = summary_path.is_file()
+        special = special_file(summary_path)
+        damaged = summary_path.is_file() or special
         what = f"{summary_path}: unreadable" if damaged else f"{run_dir}: no summary.json"
+        if special:  # counted as damaged: never read
+            what = f"{summary_path}: {NOT_REGULAR}, not read"
         if not rows:
             warnings.warn(
                 f"{what} and no metrics rows; skipping the run", IncompleteRunWarning, stacklevel=3
@@ -173,7 +191,7 @@ def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
             IncompleteRunWarning,
             stacklevel=3,
         )
-        if summary_path.is_file():  # finished, perhaps, but its summary cannot be read
+        if damaged:  # finished, perhaps, but its summary cannot be read
             summary["unreadable_summary"] = True
     elif not rows:
         warnings.warn(
@@ -196,6 +214,10 @@ def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
             stacklevel=3,
         )
     return RunRecord(seed=seed, rows=rows, summary=summary, path=run_dir)
+
+
+NOT_REGULAR = "a symbolic link or special file, not a regular file"
+"""What a run's file that :func:`fedlore.results.folders.regular_file` refuses is called."""
 
 
 def _of_another_run(summary: dict[str, Any], method: str, seed: int) -> str | None:
@@ -270,6 +292,8 @@ def run_config(record: RunRecord) -> dict[str, Any] | None:
     flattened to dotted keys, a setting it lacks at its default), or None when it has none or
     it cannot be read."""
     path = record.path / "config.json"
+    if not regular_file(path):
+        return None
     try:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
