@@ -35,6 +35,15 @@ def _cfg(tmp: Path, *extra: str) -> Config:
     return load_config(None, [*TINY, f"output_dir={tmp}", *extra])
 
 
+def _test_selection_warning(call: Any) -> str:
+    """The one ``TestSelectionWarning`` that ``call()`` gives."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    (one,) = [str(w.message) for w in caught if issubclass(w.category, TestSelectionWarning)]
+    return one
+
+
 def _refusal(cfg: Config) -> str:
     with pytest.raises(ConfigError) as e:
         check_early_stopping(cfg, prepare_federation(cfg, 0))
@@ -332,11 +341,7 @@ def test_the_allow_test_warning_counts_what_the_command_does(tmp_path: Path) -> 
                "rounds=1", "algorithms=[fedavg, fedfull]", "seeds=[0, 1]")  # fmt: skip
 
     def said(call: Any) -> str:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            call()
-        (one,) = [str(w.message) for w in caught if issubclass(w.category, TestSelectionWarning)]
-        return one
+        return _test_selection_warning(call)
 
     four = "each of the command's 4 runs stops and selects on the central test set it reports"
     assert four in said(lambda: plan_runs(cfg))
@@ -373,11 +378,7 @@ def test_the_allow_test_warning_counts_an_interrupted_overwrites_replaced_runs(
 
     def said(call: Any) -> str:
         record.write_text(json.dumps({"finished": names[:2], "targets": names, "started": names}))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            call()
-        (one,) = [str(w.message) for w in caught if issubclass(w.category, TestSelectionWarning)]
-        return one
+        return _test_selection_warning(call)
 
     half = "each of the 2 runs the command trains (as the 2 finished runs it keeps did)"
     assert half in said(lambda: plan_runs(cfg, resume=True, overwrite=True))
