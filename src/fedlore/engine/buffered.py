@@ -15,6 +15,12 @@ which with ``weighting: uniform`` (p_i = 1) is the paper's ``η_g · (1/K) Σ w(
 version then increments and the buffer empties. One fedlore round is one server step, so rows,
 evaluation, checkpoints and early stopping keep their meaning.
 
+A round's row (``metrics.jsonl``) records the simulated clock at the step (``sim_time_s``),
+the aggregated clients in arrival order (``accepted_clients``, a client may appear twice) with
+their staleness (``staleness``, ``staleness_mean``, ``staleness_max``), the clients in flight
+after it (``in_flight``), ``bytes_up`` of the replies that arrived during it and ``bytes_down``
+of the broadcasts to the clients that started from its version (as a synchronous round's).
+
 Each finished client is replaced at once by a client drawn uniformly from the available ones
 (``clients.availability`` at the current version; all otherwise) that are not training, so C
 stay in flight. Clients that finish at the same simulated time are taken in the order they
@@ -106,6 +112,7 @@ class AsyncState:
     draws: int = 0
     started: set[int] = field(default_factory=set)  # clients started from ``version``
     flights: list[Flight] = field(default_factory=list)
+    down: int = 0  # bytes of the broadcasts to the clients started after the last step
 
     def checkpoint_entry(self) -> dict[str, Any]:
         """The state as plain values and CPU tensors (loadable with ``weights_only``)."""
@@ -116,6 +123,7 @@ class AsyncState:
                 "seq": self.seq,
                 "draws": self.draws,
                 "started": sorted(self.started),
+                "down": self.down,
                 "flights": [
                     {
                         "cid": f.cid,
@@ -144,6 +152,7 @@ class AsyncState:
         self.version, self.clock = int(a["version"]), float(a["clock"])
         self.seq, self.draws = int(a["seq"]), int(a["draws"])
         self.started = {int(c) for c in a["started"]}
+        self.down = int(a["down"])
         self.flights = [
             Flight(
                 int(f["cid"]),
@@ -247,7 +256,7 @@ class BufferedLoop:
         p = self.progress
         if rnd != p.version:
             raise RuntimeError(f"round {rnd} is not the server's version {p.version}")
-        self._down = 0
+        self._down, p.down = p.down, 0  # a row counts the broadcasts of its version's starts
         if not p.flights:
             self._top_up(state)
         buffer: list[Buffered] = []
@@ -286,7 +295,9 @@ class BufferedLoop:
         state, agg = self.algorithm.aggregate(state, accepted, rnd)
         p.version += 1
         p.started = set()
+        down, self._down = self._down, 0
         self._top_up(state)  # the replacements of this step's clients, from the new model
+        p.down, self._down = self._down, down  # counted in the next row, as a round's are
         row = self._row(rnd, kept, accepted, rejected, bytes_up, agg)
         row["wall_s"] = time.perf_counter() - t0
         if self.evaluate is not None and ((rnd + 1) % self.eval_every == 0 or rnd == last_round):
