@@ -22,7 +22,8 @@ class ClientsConfig(_Strict):
     client); its reply is lost like a dead node's (reason ``dropped out``)."""
     speed: Literal["equal", "lognormal", "uniform"] = "equal"
     """The clients' relative compute speeds: all 1, lognormal (median 1, σ = ``speed_spread``)
-    or uniform on [1 - ``speed_spread``, 1 + ``speed_spread``], one per client for the run."""
+    or uniform on [1 - ``speed_spread``, 1 + ``speed_spread``], one per client for the run; they
+    set the round deadline's stragglers and FedBuff's simulated clock (``asynchronous``)."""
     speed_spread: float = Field(0.5, ge=0.0)
     """σ of ``lognormal`` speeds; the half-width of ``uniform`` ones (below 1)."""
     speed_trace: str | None = None
