@@ -242,6 +242,7 @@ def test_the_norm_screen_screens_the_buffer() -> None:
     loop.norm_screen = 1000.0
     state, rows = _rounds(loop, algo, 1)
     assert rows[0]["accepted_clients"] == [0, 1] and rows[0]["rejected"] == 1
+    assert (2, None) in algo.seen[0]  # the method hears of it as a rejected client
     assert float(state.arrays["model.w"]) == 1.0
 
 
@@ -285,3 +286,52 @@ def test_a_client_needs_its_steps_times_step_s_over_its_speed(tmp_path: Path) ->
 
     d = durations(cfg, Algo(), lambda c: Data(10 * (c + 1)), 0)
     assert [d(c) for c in range(3)] == pytest.approx([10 * 0.05, 20 * 0.05 / 2, 30 * 0.05 / 0.5])
+
+
+def test_an_update_exactly_max_staleness_stale_is_kept() -> None:
+    algo = Scalar()
+    loop, _ = _loop(algo, {0: 1.0, 1: 3.5}, buffer=1, concurrency=2, max_staleness=3)
+    _, rows = _rounds(loop, algo, 4)
+    assert rows[3]["accepted_clients"] == [1] and rows[3]["staleness"] == [3]
+
+
+def test_the_loop_resumes_from_its_checkpoint_entry_to_the_same_steps(tmp_path: Path) -> None:
+    # a fast client restarts from the same version all the time (its generator then differs),
+    # so the resumed loop must know who started from the current version
+    times = {0: 1.0, 1: 2.5, 2: 2.7, 3: 0.6}
+
+    def rand(cid: int, rng: torch.Generator) -> float:
+        return float(torch.rand(1, generator=rng))
+
+    algo = Scalar(rand)
+    loop, clients = _loop(algo, times, buffer=3, concurrency=3, seed=5)
+    state, rows = _rounds(loop, algo, 8)
+    assert any(rnd >= REPEAT for _, rnd in clients.starts[10:])
+    algo2 = Scalar(rand)
+    cut, _ = _loop(algo2, times, buffer=3, concurrency=3, seed=5)
+    half, first = _rounds(cut, algo2, 3)
+    torch.save(cut.progress.checkpoint_entry(), tmp_path / "ckpt.pt")
+    progress = AsyncState()
+    progress.restore(torch.load(tmp_path / "ckpt.pt", weights_only=True))
+    algo3 = Scalar(rand)
+    resumed, _ = _loop(algo3, times, buffer=3, concurrency=3, seed=5)
+    resumed.progress = progress
+    resumed.transport = Clients(algo3, 5, progress)
+    for r in range(3, 8):
+        half, row = resumed.run_round(half, r, 7)
+        first.append(row)
+    strip = [{k: v for k, v in r.items() if k != "wall_s"} for r in first]
+    assert strip == [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]
+    assert torch.equal(half.arrays["model.w"], state.arrays["model.w"])
+
+
+def test_the_availability_trace_gives_each_version_its_clients(tmp_path: Path) -> None:
+    from fedlore.config import load_config
+    from fedlore.engine.buffered import pools
+
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps([[0, 1, 2], [3, 4]]))
+    cfg = load_config(None, ["num_clients=5", f"clients.availability={trace}"])
+    pool = pools(cfg)
+    assert [pool(v) for v in range(3)] == [[0, 1, 2], [3, 4], [0, 1, 2]]
+    assert pools(load_config(None, ["num_clients=3"]))(7) == [0, 1, 2]

@@ -247,3 +247,9 @@ def test_a_flower_deployment_is_refused(tmp_path: Path) -> None:
         check_in_process(cfg, deployed=True)
     check_in_process(cfg, deployed=False)
     check_in_process(_cfg(tmp_path), deployed=True)
+
+
+def test_run_one_refuses_it_over_a_deployments_transport(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "asynchronous.buffer=2")
+    with pytest.raises(ConfigError, match="runs in process only"):
+        run_one(cfg, "fedavg", SEED, make_transport=LocalTransport)
