@@ -307,22 +307,23 @@ def test_the_loop_resumes_from_its_checkpoint_entry_to_the_same_steps(tmp_path: 
     loop, clients = _loop(algo, times, buffer=3, concurrency=3, seed=5)
     state, rows = _rounds(loop, algo, 8)
     assert any(rnd >= REPEAT for _, rnd in clients.starts[10:])
-    algo2 = Scalar(rand)
-    cut, _ = _loop(algo2, times, buffer=3, concurrency=3, seed=5)
-    half, first = _rounds(cut, algo2, 3)
-    torch.save(cut.progress.checkpoint_entry(), tmp_path / "ckpt.pt")
-    progress = AsyncState()
-    progress.restore(torch.load(tmp_path / "ckpt.pt", weights_only=True))
-    algo3 = Scalar(rand)
-    resumed, _ = _loop(algo3, times, buffer=3, concurrency=3, seed=5)
-    resumed.progress = progress
-    resumed.transport = Clients(algo3, 5, progress)
-    for r in range(3, 8):
-        half, row = resumed.run_round(half, r, 7)
-        first.append(row)
-    strip = [{k: v for k, v in r.items() if k != "wall_s"} for r in first]
-    assert strip == [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]
-    assert torch.equal(half.arrays["model.w"], state.arrays["model.w"])
+    for at in range(1, 8):  # cut after every round
+        algo2 = Scalar(rand)
+        cut, _ = _loop(algo2, times, buffer=3, concurrency=3, seed=5)
+        half, first = _rounds(cut, algo2, at)
+        torch.save(cut.progress.checkpoint_entry(), tmp_path / "ckpt.pt")
+        progress = AsyncState()
+        progress.restore(torch.load(tmp_path / "ckpt.pt", weights_only=True))
+        algo3 = Scalar(rand)
+        resumed, _ = _loop(algo3, times, buffer=3, concurrency=3, seed=5)
+        resumed.progress = progress
+        resumed.transport = Clients(algo3, 5, progress)
+        for r in range(at, 8):
+            half, row = resumed.run_round(half, r, 7)
+            first.append(row)
+        strip = [{k: v for k, v in r.items() if k != "wall_s"} for r in first]
+        assert strip == [{k: v for k, v in r.items() if k != "wall_s"} for r in rows], at
+        assert torch.equal(half.arrays["model.w"], state.arrays["model.w"])
 
 
 def test_the_availability_trace_gives_each_version_its_clients(tmp_path: Path) -> None:
