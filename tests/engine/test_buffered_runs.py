@@ -258,9 +258,11 @@ def test_run_one_refuses_it_over_a_deployments_transport(tmp_path: Path) -> None
 def test_early_stopping_keeps_its_meaning_and_resumes_with_the_clients_in_flight(
     tmp_path: Path,
 ) -> None:
-    extra = ["clients.speed=lognormal", "asynchronous.buffer=2", "asynchronous.concurrency=4",
-             "rounds=12", "data.selection_fraction=0.2", "early_stopping.patience=2", "lr=0.1",
-             "early_stopping.metric=selection_accuracy", "early_stopping.restore_best=true"]  # fmt: skip
+    extra = [
+        "clients.speed=lognormal", "asynchronous.buffer=2", "asynchronous.concurrency=4",
+        "rounds=12", "data.selection_fraction=0.2", "early_stopping.patience=2", "lr=0.1",
+        "early_stopping.metric=selection_accuracy", "early_stopping.restore_best=true",
+    ]  # fmt: skip
     whole = _cfg(tmp_path / "whole", *extra)
     want = run_one(whole, "fedavg", SEED)
     assert want is not None and 2 < want["stopped_round"] < 11  # two server steps without a gain
