@@ -135,6 +135,10 @@ class Capabilities:
             initialization: the global model's scores (G-central, G-local) are of a model no
             client uses, and the method's result is each client's model, scored P-local
             (``eval.local``; a run without it is warned).
+        synchronous_only: why the method refuses buffered asynchronous aggregation
+            (``asynchronous.buffer``, FedBuff: :mod:`fedlore.engine.buffered`), which adds a
+            staleness-weighted mean of deltas computed from older global models; empty: it
+            runs under it (FedFull, FedAvg, FedProx).
     """
 
     setup_rounds: int = 0
@@ -153,6 +157,17 @@ class Capabilities:
     projects: Literal["shared", "client"] | None = None
     adapts: bool = False
     keeps_layers_local: bool = False
+    synchronous_only: str = (
+        "its server does not step by a weighted mean of plain model deltas, which is all that "
+        "buffered asynchronous aggregation (FedBuff) combines"
+    )
+
+
+ASYNC_UNTESTED = (
+    "buffered asynchronous aggregation (FedBuff) is implemented and tested for fedfull, fedavg "
+    "and fedprox only"
+)
+"""The ``synchronous_only`` of FedAvg's subclasses with no deeper reason of their own."""
 
 
 @runtime_checkable

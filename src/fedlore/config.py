@@ -13,6 +13,7 @@ settings every method shares are :class:`fedlore.settings.LocalTraining`. Import
 from __future__ import annotations
 
 from fedlore.config_federation import (
+    AsynchronousConfig,
     AttackConfig,
     ClientsConfig,
     CompressionConfig,
@@ -46,6 +47,7 @@ from fedlore.config_tracking import TrackingConfig
 from fedlore.config_tune import TuneConfig
 
 __all__ = [
+    "AsynchronousConfig",
     "AttackConfig",
     "ClientsConfig",
     "CompressionConfig",

@@ -22,7 +22,8 @@ class ClientsConfig(_Strict):
     client); its reply is lost like a dead node's (reason ``dropped out``)."""
     speed: Literal["equal", "lognormal", "uniform"] = "equal"
     """The clients' relative compute speeds: all 1, lognormal (median 1, σ = ``speed_spread``)
-    or uniform on [1 - ``speed_spread``, 1 + ``speed_spread``], one per client for the run."""
+    or uniform on [1 - ``speed_spread``, 1 + ``speed_spread``], one per client for the run; they
+    set the round deadline's stragglers and FedBuff's simulated clock (``asynchronous``)."""
     speed_spread: float = Field(0.5, ge=0.0)
     """σ of ``lognormal`` speeds; the half-width of ``uniform`` ones (below 1)."""
     speed_trace: str | None = None
@@ -109,3 +110,30 @@ class CompressionConfig(_Strict):
     """Each client keeps what its upload left out (``Δ + e - decoded``) in its client state and
     adds it to its next delta (Karimireddy et al. 2019); None: on for ``topk``, off for
     ``qsgd`` (unbiased already)."""
+
+
+class AsynchronousConfig(_Strict):
+    """Buffered asynchronous aggregation, FedBuff (Nguyen et al., AISTATS 2022;
+    :mod:`fedlore.engine.buffered`): ``concurrency`` clients train at once, each from the global
+    model version it downloaded, at the simulated speeds of ``clients.*``; every finished update
+    goes into a buffer weighted by its staleness, and the server steps (``server.*``) each time
+    the buffer holds ``buffer`` updates. One round is one server step. Off while ``buffer`` is
+    None; in-process engine only, for fedfull, fedavg and fedprox."""
+
+    buffer: int | None = Field(None, ge=1)
+    """K: the server steps once K updates are buffered; None: synchronous rounds (off)."""
+    concurrency: int | None = Field(None, ge=1)
+    """C: clients training at once (K <= C <= num_clients); None: ``clients_per_round``."""
+    staleness: Literal["sqrt", "constant", "polynomial"] = "sqrt"
+    """w(s) of an update s server steps stale: ``sqrt`` 1/sqrt(1+s) (the paper's), ``constant``
+    1, ``polynomial`` (1+s)^-a with a = ``staleness_exponent``."""
+    staleness_exponent: float = Field(0.5, gt=0.0)
+    """a of ``polynomial`` staleness weights (0.5 is ``sqrt``)."""
+    max_staleness: int | None = Field(None, ge=0)
+    """Updates more than this many server steps stale are dropped (recorded, not buffered);
+    None: every update is kept."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run aggregates asynchronously (``buffer`` is set)."""
+        return self.buffer is not None

@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from fedlore import plugins
 from fedlore.config_federation import (
+    AsynchronousConfig,
     AttackConfig,
     ClientsConfig,
     CompressionConfig,
@@ -165,6 +166,7 @@ class Config(_Strict):
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     attack: AttackConfig = Field(default_factory=AttackConfig)
     clients: ClientsConfig = Field(default_factory=ClientsConfig)
+    asynchronous: AsynchronousConfig = Field(default_factory=AsynchronousConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     tune: TuneConfig = Field(default_factory=TuneConfig)
@@ -294,6 +296,35 @@ class Config(_Strict):
                 f"clients' ratio); use at least {-(-n // m)}"
             )
         return self
+
+    @model_validator(mode="after")
+    def _asynchronous(self) -> Config:
+        a = self.asynchronous
+        if a.buffer is None:
+            if a.model_fields_set - {"buffer"}:
+                raise ValueError(
+                    f"asynchronous.{sorted(a.model_fields_set - {'buffer'})[0]} is set but "
+                    "asynchronous.buffer is not (buffered aggregation is off)"
+                )
+            return self
+        c, n = self.async_concurrency(), self.num_clients
+        if not a.buffer <= c <= n:
+            raise ValueError(
+                f"asynchronous: buffer K={a.buffer}, concurrency C={c} and num_clients N={n} "
+                "must hold K <= C <= N (the buffer fills from the C clients in flight, drawn "
+                "from the N clients)"
+            )
+        if self.engine != "local":
+            raise ValueError(
+                f"asynchronous.buffer with engine={self.engine}: buffered asynchronous "
+                "aggregation runs in process only (engine: local)"
+            )
+        return self
+
+    def async_concurrency(self) -> int:
+        """C, the clients in flight under ``asynchronous`` (``clients_per_round`` when unset)."""
+        c = self.asynchronous.concurrency
+        return self.clients_per_round() if c is None else c
 
     @model_validator(mode="after")
     def _tune_space_keys(self) -> Config:

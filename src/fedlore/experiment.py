@@ -33,6 +33,7 @@ from torch import nn
 from fedlore.algorithm import Algorithm
 from fedlore.atomic import write_json
 from fedlore.checks import (
+    check_in_process,
     check_params,
     check_site_data,
     preflight,
@@ -45,6 +46,7 @@ from fedlore.data.federation import Federation, build_federation
 from fedlore.device import resolve_device, training_precision, use_threads
 from fedlore.engine import overwriting
 from fedlore.engine.attack import attacked
+from fedlore.engine.buffered import AsyncState, BufferedLoop, buffered_loop, hooks
 from fedlore.engine.callbacks import Checkpointer, MetricsWriter, ProgressBar
 from fedlore.engine.early_stopping import early_stopper
 from fedlore.engine.interrupt import Interrupted
@@ -198,6 +200,8 @@ def run(
         max_bytes = None if cfg.store.max_memory_mb is None else int(cfg.store.max_memory_mb * 1e6)
         metrics = MetricsWriter(out / "metrics.jsonl")
         stopper = early_stopper(cfg)  # early_stopping: its state comes back with the checkpoint
+        progress = AsyncState() if cfg.asynchronous.enabled else None  # FedBuff's clients
+        keep, restore = hooks(progress, stopper)  # the checkpoint's entries besides the states
         last, state, store, privacy = resume_point(
             folder,
             metrics,
@@ -209,7 +213,7 @@ def run(
             method,
             seed,
             first_round=-setup_rounds(algo),
-            restore=None if stopper is None else stopper.restore,
+            restore=restore,
         )
         warn_over_target(cfg, privacy, f"{method} seed {seed}")  # repeats can pass dp.epsilon
         start = -setup_rounds(algo) if last is None else last + 1
@@ -217,7 +221,6 @@ def run(
         evaluate_state = evaluator(cfg, exp.fed, algo, exp.eval_model)
         callbacks: list[Callback] = [metrics] if stopper is None else [metrics, stopper]
         if cfg.checkpoint:  # after the stopper: it keeps the rule's state of the round
-            keep = None if stopper is None else stopper.checkpoint_entry
             callbacks.append(Checkpointer(out / "checkpoint.pt", store, keep))
         callbacks.extend(extra_callbacks)
         tracking = open_tracking(cfg, method, seed, out, folder.target)  # tracking: [...]
@@ -226,7 +229,7 @@ def run(
         if cfg.progress:
             bar = ProgressBar(f"{method} seed {seed}", 0, cfg.rounds - start, cfg.rounds)
             callbacks.append(bar)
-        loop = RoundLoop(
+        loop: RoundLoop | BufferedLoop = RoundLoop(
             algo,
             clients,
             client_sampler(cfg, seed, privacy),
@@ -238,6 +241,11 @@ def run(
             privacy=privacy,
             stop=None if stopper is None else stopper.stopped,
         )
+        if progress is not None:  # asynchronous.buffer: one round is one server step
+            loop = buffered_loop(cfg, algo, clients, exp.fed.client, seed, progress,
+                                 evaluate=evaluate_state, eval_every=cfg.eval.every,
+                                 callbacks=callbacks, norm_screen=cfg.robust.norm_screen,
+                                 stop=loop.stop)  # fmt: skip
         end = cfg.rounds if stop_after is None else min(cfg.rounds, stop_after + 1)
         ran = False
         try:
@@ -294,6 +302,7 @@ def run_one(
     ``make_transport(algorithm, client_data, model_factory, seed, store)`` replaces the
     in-process transport (the Flower ServerApp passes one over its Grid)."""
     check_site_data(cfg, deployed=make_transport is not None)
+    check_in_process(cfg, deployed=make_transport is not None)  # asynchronous: in process only
     target = run_dir(cfg, method, seed)
     # a sibling replaces a finished run
     out = write_dir(cfg, method, target, resume, overwrite, make_algorithm)

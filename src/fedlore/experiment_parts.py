@@ -25,6 +25,7 @@ from fedlore import registry
 from fedlore.algorithm import Algorithm
 from fedlore.checks import (
     adapts,
+    check_asynchronous,
     check_early_stopping,
     check_eval,
     check_method_settings,
@@ -92,6 +93,7 @@ def make_algorithm(name: str, cfg: Config) -> Algorithm:
             f"{privacy_modes(cfg)} (every upload becomes an increment, upload_increments=True): {e}"
         ) from e
     check_min_clients(name, algo, cfg)
+    check_asynchronous(name, algo, cfg)  # asynchronous.buffer: FedBuff's methods and settings
     return algo
 
 

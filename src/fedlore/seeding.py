@@ -45,6 +45,9 @@ SPEED = 12  # the clients' compute speeds (fedlore.engine.unreliable)
 TUNE_SAMPLER = 13
 """``fedlore tune``'s sampler for trial ``n``: ``derive_seed(search_seed, TUNE_SAMPLER, n)``, from
 the search seed (``tune.seed``), never a run's seed nor any privacy randomness."""
+ASYNC_SAMPLING = 14
+"""FedBuff's replacement clients (:mod:`fedlore.engine.buffered`): draw ``n`` of the run,
+``derive_seed(seed, ASYNC_SAMPLING, n)``."""
 
 # Data purposes: data_rng(seed, PURPOSE, ...), the steps of building a federation.
 DATA_FRACTION = 0  # the kept share |D| of the training set

@@ -74,6 +74,11 @@ LOCAL_KEYS = ("local_accuracy", "local_loss", "local_ece", "local_mse")
 LOOP_KEYS = frozenset(
     {
         "round",
+        "sim_time_s",
+        "staleness_mean",
+        "staleness_max",
+        "staleness",
+        "in_flight",
         "clients",
         "accepted",
         "rejected",

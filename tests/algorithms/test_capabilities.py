@@ -159,6 +159,10 @@ def test_the_defaults() -> None:
         "projects": None,
         "adapts": False,
         "keeps_layers_local": False,
+        "synchronous_only": (
+            "its server does not step by a weighted mean of plain model deltas, which is all "
+            "that buffered asynchronous aggregation (FedBuff) combines"
+        ),
     }
     assert Hyper.per_client_metrics == ()
     assert registry.get("algorithm", "meta_bayfl").per_client_metrics == ("lr_chosen", "lr_picks")
@@ -331,3 +335,18 @@ def test_only_the_methods_whose_uploads_are_fedfulls_compress_them() -> None:
     for name in ("scaffold", "feddyn", "fednova", "fedper", "fedbn", "fedrep", "moon", "qffl"):
         with pytest.raises(ValueError, match=f"method '{name}' does not offer upload compression"):
             make_algorithm(name, load_config(None, [f"method.{name}.compression=topk"]))
+
+
+def test_only_fedfull_fedavg_and_fedprox_run_buffered_asynchronous_aggregation() -> None:
+    """FedBuff (``asynchronous.buffer``) needs a server that adds a weighted mean of plain deltas;
+    every other method names why not (FedLore's shared basis, SCAFFOLD's control variates, ...)."""
+    got = {
+        name
+        for name in registry.names("algorithm")
+        if not registry.get("algorithm", name).capabilities.synchronous_only
+    }
+    assert got == {"fedfull", "fedavg", "fedprox"}
+    caps = {n: registry.get("algorithm", n).capabilities for n in registry.names("algorithm")}
+    assert "shared basis" in caps["fedlore"].synchronous_only
+    assert "shared basis" in caps["fedlore_random"].synchronous_only
+    assert "control variates" in caps["scaffold"].synchronous_only

@@ -50,6 +50,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from fedlore.algorithm import ASYNC_UNTESTED
 from fedlore.algorithms.base import local_eval_due, local_eval_metrics
 from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
 from fedlore.algorithms.personal import personal_arrays
@@ -96,6 +97,7 @@ class APFL(FedAvg):
     name: ClassVar[str] = "apfl"
     capabilities = replace(
         FedAvg.capabilities,
+        synchronous_only=ASYNC_UNTESTED,
         compress_uploads=False,
         sum_aggregable=False,
         transport_16bit=False,

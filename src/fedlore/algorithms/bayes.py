@@ -113,6 +113,10 @@ class MetaBayFL(BayesSearch, FedFull):
     name: ClassVar[str] = "meta_bayfl"
     capabilities = replace(
         FedFull.capabilities,
+        synchronous_only=(
+            "the Meta-BayFL family's server (Gaussian posteriors in its Bayesian variants) is "
+            "not tested under FedBuff, which is for fedfull, fedavg and fedprox only"
+        ),
         compress_uploads=False,
         sum_aggregable=False,
         transport_16bit=False,

@@ -31,6 +31,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from fedlore.algorithm import ASYNC_UNTESTED
 from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
 from fedlore.algorithms.personal import Personalized, keep_personal, personal_arrays, prox_term
 from fedlore.data.client_data import ClientData
@@ -59,6 +60,7 @@ class Ditto(Personalized, FedAvg):
     name: ClassVar[str] = "ditto"
     capabilities = replace(
         FedAvg.capabilities,
+        synchronous_only=ASYNC_UNTESTED,
         compress_uploads=False,
         sum_aggregable=False,
         transport_16bit=False,

@@ -129,6 +129,7 @@ class FedFull(DenseServer, Hyper):
         robust_aggregate=True,
         server_optimizer=True,
         compress_uploads=True,
+        synchronous_only="",  # FedBuff adds staleness-weighted deltas (engine/buffered.py)
     )
     # the settings read only at some values of another (fedlore.engine.rundir.read_only_with)
     read_only_with: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {

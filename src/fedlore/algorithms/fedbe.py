@@ -195,6 +195,10 @@ class FedBE(FedAvg):
     # regression=False: the pseudo-labels are class probabilities
     capabilities = replace(
         FedAvg.capabilities,
+        synchronous_only=(
+            "its server distils the round's client models into the current global "
+            "model, not a mean of deltas"
+        ),
         compress_uploads=False,
         sum_aggregable=False,
         transport_16bit=False,

@@ -107,6 +107,9 @@ class FedDyn(FedAvg):
     name: ClassVar[str] = "feddyn"
     capabilities = replace(
         FedAvg.capabilities,
+        synchronous_only=(
+            "its server's gradient state h assumes every delta is of the current round's model"
+        ),
         compress_uploads=False,
         sum_aggregable=False,
         transport_16bit=False,

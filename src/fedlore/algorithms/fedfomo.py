@@ -148,6 +148,9 @@ class FedFomo(Personalized, FedAvg):
     name: ClassVar[str] = "fedfomo"
     capabilities = replace(
         FedAvg.capabilities,
+        synchronous_only=(
+            "its server weighs each client model by its loss against the current round's models"
+        ),
         compress_uploads=False,
         sum_aggregable=False,
         transport_16bit=False,

@@ -111,6 +111,10 @@ class FedLore(FedLoreClient):
     name: ClassVar[str] = "fedlore"
     capabilities = replace(
         FedLoreClient.capabilities,
+        synchronous_only=(
+            "its clients train in the round's shared basis P^t, which a client that "
+            "started from an older version no longer shares with the server"
+        ),
         transport_16bit=True,
         individual_uploads=(
             "its P^{t+1} is the SVD of the stack [sqrt(p_1) P_1, ..., sqrt(p_N) P_N] of the "

@@ -112,6 +112,7 @@ class FedNova(FedAvg):
     name: ClassVar[str] = "fednova"
     capabilities = replace(
         FedAvg.capabilities,
+        synchronous_only="it normalizes each delta by the step counts of one synchronous round",
         compress_uploads=False,
         sum_aggregable=False,
         robust_aggregate=False,

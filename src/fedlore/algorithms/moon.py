@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from fedlore.algorithm import ASYNC_UNTESTED
 from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
 from fedlore.data.client_data import ClientData
 from fedlore.registry import register_algorithm
@@ -187,7 +188,11 @@ class Moon(FedAvg):
     name: ClassVar[str] = "moon"
     # sum_aggregable (FedAvg's): its uploads are FedAvg's increments and its server FedAvg's;
     # the previous model (z_prev's source) stays in the client state, never uploaded
-    capabilities = replace(FedAvg.capabilities, compress_uploads=False)
+    capabilities = replace(
+        FedAvg.capabilities,
+        compress_uploads=False,
+        synchronous_only=ASYNC_UNTESTED,
+    )
     not_applicable: ClassVar[dict[str, str]] = UNCOMPRESSED
     mu: float = 1.0
     temperature: float = 0.5

@@ -69,6 +69,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from fedlore.algorithm import ASYNC_UNTESTED
 from fedlore.algorithms.base import ReplySpec
 from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
 from fedlore.algorithms.personal import PERSONAL, personal_arrays
@@ -117,7 +118,12 @@ class PartialFedAvg(FedAvg):
     # sum_aggregable (FedAvg's): the uploads are the shared tensors' increments W_K - W^t and
     # the server adds their weighted mean; L is in no upload, so secure aggregation, DP's clip
     # and noise act on the shared tensors only (module docstring)
-    capabilities = replace(FedAvg.capabilities, compress_uploads=False, keeps_layers_local=True)
+    capabilities = replace(
+        FedAvg.capabilities,
+        compress_uploads=False,
+        keeps_layers_local=True,
+        synchronous_only=ASYNC_UNTESTED,
+    )
     not_applicable: ClassVar[dict[str, str]] = UNCOMPRESSED
     default_rule: ClassVar[str] = ""
     """What the method keeps when ``personal_layers`` is None, for messages."""

@@ -50,6 +50,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
+from fedlore.algorithm import ASYNC_UNTESTED
 from fedlore.algorithms.base import local_eval_due, local_eval_metrics, reply_metrics
 from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg, optimizer_state_bytes
 from fedlore.algorithms.weight_grads import (
@@ -87,6 +88,7 @@ class PerFedAvg(FedAvg):
     name: ClassVar[str] = "perfedavg"
     capabilities = replace(
         FedAvg.capabilities,
+        synchronous_only=ASYNC_UNTESTED,
         compress_uploads=False,
         sum_aggregable=False,
         transport_16bit=False,

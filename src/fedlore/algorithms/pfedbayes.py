@@ -38,6 +38,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
+from fedlore.algorithm import ASYNC_UNTESTED
 from fedlore.algorithms.base import reply_metrics
 from fedlore.algorithms.fedavg import UNCOMPRESSED, FedFull, optimizer_state_bytes
 from fedlore.algorithms.personal import BetaMixing, Personalized, keep_personal, personal_arrays
@@ -81,6 +82,7 @@ class PFedBayes(BetaMixing, Personalized, FedFull):
     name: ClassVar[str] = "pfedbayes"
     capabilities = replace(
         FedFull.capabilities,
+        synchronous_only=ASYNC_UNTESTED,
         compress_uploads=False,
         sum_aggregable=False,
         transport_16bit=False,

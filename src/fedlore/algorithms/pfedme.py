@@ -36,6 +36,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from fedlore.algorithm import ASYNC_UNTESTED
 from fedlore.algorithms.base import reply_metrics
 from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
 from fedlore.algorithms.personal import BetaMixing, Personalized, keep_personal, prox_term
@@ -67,6 +68,7 @@ class PFedMe(BetaMixing, Personalized, FedAvg):
     name: ClassVar[str] = "pfedme"
     capabilities = replace(
         FedAvg.capabilities,
+        synchronous_only=ASYNC_UNTESTED,
         compress_uploads=False,
         sum_aggregable=False,
         transport_16bit=False,

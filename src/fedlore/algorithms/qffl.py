@@ -188,6 +188,9 @@ class QFFL(FedAvg):
     name: ClassVar[str] = "qffl"
     capabilities = replace(
         FedAvg.capabilities,
+        synchronous_only=(
+            "its server rescales each delta by the client's loss at the current round's model"
+        ),
         compress_uploads=False,
         sum_aggregable=False,
         robust_aggregate=False,

@@ -88,6 +88,10 @@ class Scaffold(FedAvg):
     # increments (module docstring); no_dp: c keeps every round's mean Δc_i for good
     capabilities = replace(
         FedAvg.capabilities,
+        synchronous_only=(
+            "its control variates assume synchronous rounds: every client's update "
+            "is of the current round's model"
+        ),
         compress_uploads=False,
         transport_16bit=False,
         robust_aggregate=False,

@@ -32,6 +32,11 @@ above, the construction-time refusals of :func:`check_wire_settings` and
 Whether a method has an ``optimizer`` setting is read here too (:func:`warn_own_optimizer`).
 """
 
+from fedlore.checks.asynchronous import (
+    asynchronous_problems,
+    check_asynchronous,
+    check_in_process,
+)
 from fedlore.checks.methods import (
     NAMED,
     Declares,
@@ -75,9 +80,12 @@ __all__ = [
     "Declares",
     "TestSelectionWarning",
     "adapts",
+    "asynchronous_problems",
+    "check_asynchronous",
     "check_compression",
     "check_early_stopping",
     "check_eval",
+    "check_in_process",
     "check_method_settings",
     "check_min_clients",
     "check_model_fits_data",

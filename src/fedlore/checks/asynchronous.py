@@ -1,0 +1,110 @@
+"""What buffered asynchronous aggregation (``asynchronous.buffer``, FedBuff;
+:mod:`fedlore.engine.buffered`) refuses, each in one line with its reason.
+
+The config's own section checks K <= C <= N and the engine (:class:`fedlore.config.Config`);
+here is what depends on the method and on the other sections:
+
+* the method: only one whose :attr:`~fedlore.algorithm.Capabilities.synchronous_only` is empty
+  (FedFull, FedAvg, FedProx: the server adds a weighted mean of plain deltas, and a delta
+  computed from an older global model is still a delta);
+* secure aggregation and DP: a buffer mixes updates computed from different global models and
+  fills at times set by the clients' speeds, so neither the in-process masking rounds nor the
+  accountant's rounds (one Poisson or fixed-size sample per round) describe it (the paper's
+  secure aggregation needs a trusted enclave holding the buffer);
+* what is defined only for synchronous rounds: dropouts and a round deadline
+  (``clients.dropout``, ``clients.round_deadline_s``: a client simply finishes later), malicious
+  clients (``attack``), upload compression and robust aggregates (the server scales each delta
+  by its staleness weight, which an encoded upload or a coordinate-wise rank does not allow),
+  diagnostics (measured at a round's sampled clients), P-local scores (``eval.local``: the
+  clients of the last round), a minibatch ``stream`` (its window is indexed by round, so a
+  client that starts twice from one version would read it twice).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedlore.config import Config, ConfigError
+
+
+def asynchronous_problems(cfg: Config) -> list[str]:
+    """The run-wide settings buffered aggregation refuses (empty when it is off)."""
+    if not cfg.asynchronous.enabled:
+        return []
+    why = "asynchronous.buffer (FedBuff) with "
+    out = []
+    if cfg.secure_aggregation:
+        out.append(
+            why + "secure_aggregation: a buffer of updates from different global models, "
+            "filled at the clients' pace, is no masking round (the paper puts it in a trusted "
+            "enclave); not implemented"
+        )
+    if cfg.dp.enabled:
+        out.append(
+            why + "dp: the accountant counts synchronous rounds of sampled clients, and a "
+            "buffer's members are chosen by their speeds; central DP over the buffer is not "
+            "implemented"
+        )
+    if cfg.clients.dropout > 0 or cfg.clients.round_deadline_s is not None:
+        out.append(
+            why + "clients.dropout or clients.round_deadline_s: rounds have no deadline under "
+            "FedBuff (a slow client arrives later, weighted by its staleness)"
+        )
+    if cfg.attack.kind != "none" and cfg.attack.fraction > 0:
+        out.append(why + "attack: the malicious clients are simulated in synchronous rounds only")
+    if cfg.diagnostics.every:
+        out.append(why + "diagnostics.every: the diagnostics measure a synchronous round's clients")
+    if cfg.eval.local:
+        out.append(
+            why + "eval.local: P-local scores come from the clients of a synchronous last round"
+        )
+    if cfg.data.sampling == "stream":
+        out.append(
+            why + "data.sampling=stream: the stream's window is indexed by round, so a client "
+            "that starts twice from one version would read the same batches twice"
+        )
+    return out
+
+
+def check_asynchronous(name: str, algo: Any, cfg: Config) -> None:
+    """Refuse buffered aggregation for method ``name`` (built as ``algo``) when it cannot run it.
+
+    Raises:
+        ConfigError: one line naming the setting and the reason.
+    """
+    if not cfg.asynchronous.enabled:
+        return
+    caps = algo.caps()
+    if caps.synchronous_only:
+        raise ConfigError(
+            f"asynchronous.buffer (FedBuff) with method {name!r}: {caps.synchronous_only}"
+        )
+    compression = getattr(algo, "compression", "none")
+    if compression != "none":
+        raise ConfigError(
+            f"asynchronous.buffer (FedBuff) with {name}'s compression={compression}: the server "
+            "scales each delta by its staleness weight, which an encoded upload does not allow"
+        )
+    rule = algo.train.robust_aggregate
+    if rule != "mean":
+        raise ConfigError(
+            f"asynchronous.buffer (FedBuff) with {name}'s robust_aggregate={rule}: a robust "
+            "combination of staleness-scaled deltas is not defined; use mean (the norm screen, "
+            "robust.norm_screen, screens the buffer)"
+        )
+    problems = asynchronous_problems(cfg)
+    if problems:
+        raise ConfigError(problems[0])
+
+
+def check_in_process(cfg: Config, deployed: bool) -> None:
+    """Refuse buffered aggregation on a Flower deployment (``deployed``: the ServerApp's run).
+
+    Raises:
+        ConfigError: naming the engine.
+    """
+    if deployed and cfg.asynchronous.enabled:
+        raise ConfigError(
+            "asynchronous.buffer (FedBuff) on a Flower deployment: buffered asynchronous "
+            "aggregation runs in process only (engine: local)"
+        )
