@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -147,6 +148,21 @@ def test_pairs_beyond_the_range_of_log_phi_give_delta_zero_or_one(eps: float, sd
     for args in ((1e150, sd_p, 1.0), (-1e150, sd_p, 1.0), (1e150, 1.0, sd_p)):
         assert hockey_stick(eps, *args) == pytest.approx(1.0, rel=1e-12)
         assert _hockey(*(np.array([v]) for v in (eps, *args)))[0] == pytest.approx(1.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("shift,sd_p,sd_q", [(2.0, 1.3, 1.0), (-0.5, 2.0, 1.0)])
+def test_where_p_is_above_e_eps_q_everywhere_the_region_is_the_whole_line(
+    shift: float, sd_p: float, sd_q: float
+) -> None:
+    """A wider P at ε = −4, where the log-ratio's quadratic has no real root (p > e^ε q on the
+    whole line, a shifted pair): δ(ε) = ∫ (p − e^ε q) = 1 − e^ε exactly, scalar and vector, and
+    the quadrature agrees."""
+    eps = -4.0
+    want = -math.expm1(eps)
+    assert _integral(eps, shift, sd_p, sd_q) == pytest.approx(want, rel=1e-6)
+    assert hockey_stick(eps, shift, sd_p, sd_q) == pytest.approx(want, rel=1e-12)
+    got = _hockey(*(np.array([v]) for v in (eps, shift, sd_p, sd_q)))
+    assert got[0] == pytest.approx(want, rel=1e-12)
 
 
 def test_the_log_mass_of_an_empty_or_vanishing_interval_is_minus_infinity() -> None:
@@ -339,7 +355,8 @@ def test_the_vector_hockey_stick_is_the_scalar_one_in_each_direction() -> None:
 def test_the_vector_log_mass_is_accurate_in_the_tails_and_minus_infinity_when_empty() -> None:
     """_log_mass (vector) is log P(lo < X < hi): far in either tail, where the mass itself
     underflows, to full relative precision (the difference taken from the tail, not 1 − Φ),
-    around the mean, and -inf for an empty interval; the scalar _log_mass's values."""
+    around the mean, and -inf for an empty interval (quietly: no RuntimeWarning of log1p(-1) or
+    of -inf - -inf); the scalar _log_mass's values."""
     rows = [  # (mean, sd, lo, hi)
         (0.0, 1.0, 10.0, math.inf),
         (0.0, 1.0, -math.inf, -10.0),
@@ -350,14 +367,18 @@ def test_the_vector_log_mass_is_accurate_in_the_tails_and_minus_infinity_when_em
         (0.0, 1.0, -math.inf, math.inf),
         (0.0, 1.0, 3.0, 2.0),
         (0.0, 1.0, 0.5, 0.5),
+        (0.0, 1.0, math.inf, math.inf),
+        (0.0, 1.0, -math.inf, -math.inf),
     ]
-    got = _vector_log_mass(*map(np.array, zip(*rows, strict=True)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _vector_log_mass(*map(np.array, zip(*rows, strict=True)))
     want = [_log_mass(*row) for row in rows]
     assert got[:7] == pytest.approx(want[:7], rel=1e-12)
     assert got[0] == pytest.approx(stats.norm.logsf(10.0), rel=1e-12)
     assert got[3] == pytest.approx(stats.norm.logsf(40.0), rel=1e-12)  # the mass is 4e-350
     assert got[6] == 0.0
-    assert got[7] == got[8] == -math.inf
+    assert got[7] == got[8] == got[9] == got[10] == -math.inf
 
 
 def test_the_vector_epsilon_of_a_private_pair_is_exactly_zero() -> None:
