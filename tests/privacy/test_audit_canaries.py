@@ -232,6 +232,25 @@ def test_the_summary_is_the_estimate_of_the_models_change_since_the_start() -> N
     assert out["dp_audit_epsilon_all_iterates"] == pytest.approx(
         estimate_epsilon(best, best_null, 1e-5), rel=1e-3
     )
+    assert out["dp_audit_max_cosine_mean"] == pytest.approx(best.mean, abs=1e-5)
+    assert out["dp_audit_max_cosine_std"] == pytest.approx(best.std, abs=1e-5)
+    assert out["dp_audit_unseen_max_cosine_mean"] == pytest.approx(best_null.mean, abs=1e-5)
+    assert out["dp_audit_unseen_max_cosine_std"] == pytest.approx(best_null.std, abs=1e-5)
+    counts = ("dp_audit_canaries", "dp_audit_unseen", "dp_audit_canaries_per_round")
+    assert tuple(out[key] for key in counts) == (k, 30, 5)
+
+
+def test_without_unseen_canaries_the_summary_has_the_final_model_estimate_only() -> None:
+    """No unseen canaries (dp.audit.unseen = 0): the final-model estimate against the exact
+    null, and no all-iterates estimate (it needs the unseen canaries' maxima for its null) nor
+    unseen cosines, after rounds that moved the model."""
+    can = _canaries(count=20, unseen=0, dim=2000)
+    g = can.vectors.double()
+    can.observe(_state(g[:20].sum(dim=0)))
+    assert can.rounds == 1
+    out = can.summary(1e-5)
+    assert out["dp_audit_epsilon"] > 20 and out["dp_audit_unseen"] == 0
+    assert not [key for key in out if "unseen_" in key or "all_iterates" in key or "max_" in key]
 
 
 def test_the_audit_record_restores_the_same_canaries() -> None:

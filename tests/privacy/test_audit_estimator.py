@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -95,6 +96,73 @@ def test_each_direction_is_its_own_hockey_stick_at_any_epsilon(
         assert hockey_stick(eps, *args) == pytest.approx(want, rel=1e-6, abs=1e-11)
     if shift == 0.0 and sd_p == sd_q:
         assert hockey_stick(eps, 0.0, sd_p, sd_q) == pytest.approx(max(-math.expm1(eps), 0.0))
+
+
+@pytest.mark.parametrize("scale", [1e-12, 1e12])
+def test_the_curve_depends_on_the_spreads_in_units_of_the_shift_only(scale: float) -> None:
+    """δ(ε) of N(s, σ_p²) against N(0, σ_q²) is that of N(t s, (t σ_p)²) against N(0, (t σ_q)²)
+    (the change of variable x -> t x): the scalar and vector forms of pairs scaled by t = 1e±12
+    against the quadrature of the unscaled pair. A cutoff of "equal variances" not in units of
+    1/σ² (σ_q² for 1/σ_q², 1/σ_q³, 2/σ_q) takes the scaled pair's unequal variances for equal."""
+    rows = []
+    for shift, sd_p, sd_q in [(2.0, 1.3, 1.0), (0.5, 0.7, 1.0), (3.0, 0.5, 1.2)]:
+        for args in ((shift, sd_p, sd_q), (-shift, sd_q, sd_p)):
+            for eps in (0.0, 1.0):
+                want = _integral(eps, *args)
+                scaled = tuple(scale * v for v in args)
+                assert hockey_stick(eps, *scaled) == pytest.approx(want, rel=1e-6, abs=1e-11)
+                rows.append((eps, *scaled, want))
+    eps_, shift_, sd_p_, sd_q_, want_ = map(np.array, zip(*rows, strict=True))
+    assert np.allclose(_hockey(eps_, shift_, sd_p_, sd_q_), want_, rtol=1e-6, atol=1e-11)
+
+
+@pytest.mark.parametrize("shift", [-1.0, 1.0])
+def test_a_region_that_ends_at_the_nulls_mean(shift: float) -> None:
+    """At ε = log(σ_q/σ_p) − s²/(2 σ_p²), the log-ratio at x = 0, the region's inner end is 0
+    exactly (the quadratic's constant term vanishes: roots 0 and −B/A; here the root formula's
+    q is ±1 exactly): each direction, scalar and vector, against quadrature."""
+    sd_p, sd_q = 1.0, 2.0
+    eps = math.log(sd_q / sd_p) - 0.5 * shift**2 / sd_p**2
+    want = _integral(eps, shift, sd_p, sd_q)
+    assert want > 1e-3  # the premise: a region of real mass
+    assert hockey_stick(eps, shift, sd_p, sd_q) == pytest.approx(want, rel=1e-6, abs=1e-11)
+    got = _hockey(*(np.array([v]) for v in (eps, shift, sd_p, sd_q)))
+    assert got[0] == pytest.approx(want, rel=1e-6, abs=1e-11)
+
+
+@pytest.mark.parametrize("sd_p", [1.0, 1.0 + 1e-11])
+@pytest.mark.parametrize("eps", [0.5, 3.0])
+def test_pairs_beyond_the_range_of_log_phi_give_delta_zero_or_one(eps: float, sd_p: float) -> None:
+    """Pairs whose regions hold a mass whose log is -inf in floating point, against μ-GDP's closed
+    form (Dong, Roth & Su): a shift of 1e-200 standard deviations (equal variances) has δ = 0
+    at ε > 0, not NaN (its region x > ε/μ lies 1e200 standard deviations out: no mass under P
+    or Q); a shift of 1e150 has δ = 1 at any ε, with equal variances and with variances 2e-11
+    apart (the log-ratio's far root then lies 1e160 standard deviations out: the region's first
+    interval holds no mass, its second all of P)."""
+    if sd_p == 1.0:
+        assert gdp_delta(eps, 1e-200) == 0.0
+        for args in ((1e-200, 1.0, 1.0), (-1e-200, 1.0, 1.0)):
+            assert hockey_stick(eps, *args) == 0.0
+            assert _hockey(*(np.array([v]) for v in (eps, *args)))[0] == 0.0
+    assert gdp_delta(eps, 1e150) == 1.0
+    for args in ((1e150, sd_p, 1.0), (-1e150, sd_p, 1.0), (1e150, 1.0, sd_p)):
+        assert hockey_stick(eps, *args) == pytest.approx(1.0, rel=1e-12)
+        assert _hockey(*(np.array([v]) for v in (eps, *args)))[0] == pytest.approx(1.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("shift,sd_p,sd_q", [(2.0, 1.3, 1.0), (-0.5, 2.0, 1.0)])
+def test_where_p_is_above_e_eps_q_everywhere_the_region_is_the_whole_line(
+    shift: float, sd_p: float, sd_q: float
+) -> None:
+    """A wider P at ε = −4, where the log-ratio's quadratic has no real root (p > e^ε q on the
+    whole line, a shifted pair): δ(ε) = ∫ (p − e^ε q) = 1 − e^ε exactly, scalar and vector, and
+    the quadrature agrees."""
+    eps = -4.0
+    want = -math.expm1(eps)
+    assert _integral(eps, shift, sd_p, sd_q) == pytest.approx(want, rel=1e-6)
+    assert hockey_stick(eps, shift, sd_p, sd_q) == pytest.approx(want, rel=1e-12)
+    got = _hockey(*(np.array([v]) for v in (eps, shift, sd_p, sd_q)))
+    assert got[0] == pytest.approx(want, rel=1e-12)
 
 
 def test_the_log_mass_of_an_empty_or_vanishing_interval_is_minus_infinity() -> None:
@@ -287,7 +355,8 @@ def test_the_vector_hockey_stick_is_the_scalar_one_in_each_direction() -> None:
 def test_the_vector_log_mass_is_accurate_in_the_tails_and_minus_infinity_when_empty() -> None:
     """_log_mass (vector) is log P(lo < X < hi): far in either tail, where the mass itself
     underflows, to full relative precision (the difference taken from the tail, not 1 − Φ),
-    around the mean, and -inf for an empty interval; the scalar _log_mass's values."""
+    around the mean, and -inf for an empty interval (quietly: no RuntimeWarning of log1p(-1) or
+    of -inf - -inf); the scalar _log_mass's values."""
     rows = [  # (mean, sd, lo, hi)
         (0.0, 1.0, 10.0, math.inf),
         (0.0, 1.0, -math.inf, -10.0),
@@ -298,14 +367,18 @@ def test_the_vector_log_mass_is_accurate_in_the_tails_and_minus_infinity_when_em
         (0.0, 1.0, -math.inf, math.inf),
         (0.0, 1.0, 3.0, 2.0),
         (0.0, 1.0, 0.5, 0.5),
+        (0.0, 1.0, math.inf, math.inf),
+        (0.0, 1.0, -math.inf, -math.inf),
     ]
-    got = _vector_log_mass(*map(np.array, zip(*rows, strict=True)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _vector_log_mass(*map(np.array, zip(*rows, strict=True)))
     want = [_log_mass(*row) for row in rows]
     assert got[:7] == pytest.approx(want[:7], rel=1e-12)
     assert got[0] == pytest.approx(stats.norm.logsf(10.0), rel=1e-12)
     assert got[3] == pytest.approx(stats.norm.logsf(40.0), rel=1e-12)  # the mass is 4e-350
     assert got[6] == 0.0
-    assert got[7] == got[8] == -math.inf
+    assert got[7] == got[8] == got[9] == got[10] == -math.inf
 
 
 def test_the_vector_epsilon_of_a_private_pair_is_exactly_zero() -> None:

@@ -177,6 +177,8 @@ def gdp_delta(eps: float, mu: float) -> float:
     if mu <= 0:
         return 0.0
     upper = _log_phi(-eps / mu + mu / 2)
+    if upper == -math.inf:  # ε/μ past log Φ's range: both terms are 0 (not −inf − −inf, NaN)
+        return 0.0
     lower = eps + _log_phi(-eps / mu - mu / 2)
     return float(math.exp(upper) * -math.expm1(min(lower - upper, 0.0)))
 
