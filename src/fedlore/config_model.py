@@ -300,11 +300,14 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _asynchronous(self) -> Config:
         a = self.asynchronous
-        if a.buffer is None:
-            if a.model_fields_set - {"buffer"}:
+        if a.buffer is None:  # set to other than its default: a config recorded with its
+            # defaults (config.json, the config a Flower engine passes on) sets every field
+            changed = [k for k, f in type(a).model_fields.items()
+                       if k != "buffer" and getattr(a, k) != f.default]  # fmt: skip
+            if changed:
                 raise ValueError(
-                    f"asynchronous.{sorted(a.model_fields_set - {'buffer'})[0]} is set but "
-                    "asynchronous.buffer is not (buffered aggregation is off)"
+                    f"asynchronous.{changed[0]} is set but asynchronous.buffer is not "
+                    "(buffered aggregation is off)"
                 )
             return self
         c, n = self.async_concurrency(), self.num_clients

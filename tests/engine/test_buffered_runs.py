@@ -211,6 +211,18 @@ def test_the_section_validates(tmp_path: Path, extra: list[str], message: str) -
         _cfg(tmp_path, *extra)
 
 
+@pytest.mark.parametrize("extra", [[], ["asynchronous.buffer=2"]], ids=["off", "on"])
+def test_a_config_recorded_with_its_defaults_validates_again(
+    tmp_path: Path, extra: list[str]
+) -> None:
+    """A Flower engine passes the config on, and config.json records it, with every default
+    written out: the section's defaults are not settings "set without a buffer"."""
+    from fedlore.config import validate
+
+    cfg = _cfg(tmp_path, *extra)
+    assert validate(json.loads(cfg.model_dump_json())) == cfg
+
+
 @pytest.mark.parametrize(
     ("method", "extra", "message"),
     [
