@@ -241,7 +241,7 @@ def run(
             norm_screen=cfg.robust.norm_screen,
             privacy=privacy,
             stop=None if stopper is None else stopper.stopped,
-            clock=sim_clock(cfg, algo, exp.fed.client, seed, metrics.path, last),
+            clock=sim_clock(cfg, algo, exp.fed.client, seed, metrics.path, last, privacy),
         )
         if progress is not None:  # asynchronous.buffer: one round is one server step
             loop = buffered_loop(cfg, algo, clients, exp.fed.client, seed, progress,

@@ -18,6 +18,7 @@ from fedlore.engine.rundir import run_dir
 from fedlore.engine.simclock import SimClock, simulates_time
 from fedlore.engine.unreliable import ClientDropped, client_plan, client_speeds
 from fedlore.experiment import run_one
+from fedlore.experiment_privacy import PrivacyWarning
 
 SMALL = ["num_clients=6", "local_steps=3", "batch_size=16", "progress=false", "lr=0.05",
          "model.kwargs={hidden: [16]}", "algorithms=[fedavg]", "rounds=4"]  # fmt: skip
@@ -97,8 +98,8 @@ def _cfg(out: Path, *extra: str) -> Config:
     return load_config(None, [*SMALL, f"output_dir={out}", *extra])
 
 
-def _rows(cfg: Config) -> list[dict[str, Any]]:
-    path = run_dir(cfg, "fedavg", SEED) / "metrics.jsonl"
+def _rows(cfg: Config, method: str = "fedavg") -> list[dict[str, Any]]:
+    path = run_dir(cfg, method, SEED) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -139,6 +140,20 @@ def test_runs_without_simulated_compute_record_no_clock(tmp_path: Path) -> None:
     dropping = _cfg(tmp_path / "drop", "rounds=1", "clients.dropout=0.1")
     run_one(dropping, "fedavg", SEED)
     assert {"sim_round_s", "sim_time_s"} <= _rows(dropping)[0].keys()
+
+
+def test_a_dp_run_whose_sample_is_secret_records_no_clock(tmp_path: Path) -> None:
+    """The slowest sampled client's time would name it: under DP with secure noise the rows keep
+    no clock; with reproducible noise (no privacy, nothing to hide) they do."""
+    dp = ["rounds=1", "algorithms=[fedfull]", "weighting=uniform", "dp.clip_norm=1",
+          "dp.noise_multiplier=1", "participation=0.5", "clients.speed=lognormal"]  # fmt: skip
+    secret = _cfg(tmp_path / "secret", *dp)
+    run_one(secret, "fedfull", SEED)
+    assert not {"sim_round_s", "sim_time_s"} & _rows(secret, "fedfull")[0].keys()
+    seeded = _cfg(tmp_path / "seeded", *dp, "dp.reproducible_noise=true")
+    with pytest.warns(PrivacyWarning, match="NO PRIVACY"):
+        run_one(seeded, "fedfull", SEED)
+    assert {"sim_round_s", "sim_time_s"} <= _rows(seeded, "fedfull")[0].keys()
 
 
 def test_with_all_clients_as_buffer_and_equal_speeds_fedbuff_reads_the_same_clock(

@@ -12,7 +12,9 @@ nothing: the round lasts as long as the slowest client that answered (0 when non
 real server would wait for a timeout. ``sim_time_s`` is the clock at the round's end, the sum of
 the rounds' durations: the meaning of FedBuff's ``sim_time_s``
 (:mod:`fedlore.engine.buffered`), which with C = K = N and equal speeds reads the same, bit for
-bit. Setup exchanges (negative rounds) train no steps and carry neither key.
+bit. Setup exchanges (negative rounds) train no steps and carry neither key, nor do the rows
+of a run under DP with secure noise, whose sample stays secret
+(:attr:`fedlore.privacy.Privacy.hides_sample`): the slowest client's time would name it.
 
 The clock is derived from the rows: a resumed run reads it from the row of its checkpoint's
 round (:func:`sim_clock`), which JSON keeps exactly, so it continues bit for bit.
@@ -27,6 +29,7 @@ from typing import Any
 
 from fedlore.config import Config, ConfigError
 from fedlore.engine.unreliable import ClientDropped, client_plan, client_speeds
+from fedlore.privacy import Privacy
 
 
 def simulates_time(cfg: Config) -> bool:
@@ -89,14 +92,16 @@ def sim_clock(
     seed: int,
     rows: Path,
     last: int | None,
+    privacy: Privacy | None = None,
 ) -> SimClock | None:
-    """The run's clock (None when it records none, :func:`simulates_time`), started at 0, or,
-    resuming after round ``last``, at the ``sim_time_s`` of its row in ``rows``.
+    """The run's clock (None when it records none, :func:`simulates_time`, or when ``privacy``
+    hides the sample), started at 0, or, resuming after round ``last``, at the ``sim_time_s``
+    of its row in ``rows``.
 
     Raises:
         ConfigError: when that row lacks ``sim_time_s`` (written by an older fedlore).
     """
-    if not simulates_time(cfg):
+    if not simulates_time(cfg) or (privacy is not None and privacy.hides_sample):
         return None
     start = 0.0
     if last is not None and last >= 0:
