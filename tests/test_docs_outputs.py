@@ -68,6 +68,7 @@ EXPERIMENTS: dict[str, list[str]] = {
         "eval.local=true",
         "eval.clients=true",
         "data.selection_fraction=0.1",
+        "clients.speed=lognormal",
     ],
 }
 """Experiment name -> its overrides of ``experiments/quickstart.yaml`` (besides :data:`SMALL`)."""
@@ -171,6 +172,8 @@ def test_the_runs_cover_the_conditional_keys(written: dict[str, dict[str, set[st
         "dp_clipped",
         "secagg_underflow",
         "secagg_bytes_down",
+        "sim_round_s",
+        "sim_time_s",
     ):
         assert key in rows, f"no run wrote {key} (the experiments no longer reach it)"
     for key in (

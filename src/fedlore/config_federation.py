@@ -23,7 +23,8 @@ class ClientsConfig(_Strict):
     speed: Literal["equal", "lognormal", "uniform"] = "equal"
     """The clients' relative compute speeds: all 1, lognormal (median 1, σ = ``speed_spread``)
     or uniform on [1 - ``speed_spread``, 1 + ``speed_spread``], one per client for the run; they
-    set the round deadline's stragglers and FedBuff's simulated clock (``asynchronous``)."""
+    set the round deadline's stragglers and the simulated clock: ``sim_round_s`` and ``sim_time_s``
+    of synchronous rounds (:mod:`fedlore.engine.simclock`), FedBuff's (``asynchronous``)."""
     speed_spread: float = Field(0.5, ge=0.0)
     """σ of ``lognormal`` speeds; the half-width of ``uniform`` ones (below 1)."""
     speed_trace: str | None = None

@@ -72,6 +72,7 @@ from fedlore.engine.rundir import (
     spill_dir,
 )
 from fedlore.engine.runstart import resume_point, start_fresh
+from fedlore.engine.simclock import sim_clock
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport, Transport
 from fedlore.engine.unreliable import unreliable
@@ -240,6 +241,7 @@ def run(
             norm_screen=cfg.robust.norm_screen,
             privacy=privacy,
             stop=None if stopper is None else stopper.stopped,
+            clock=sim_clock(cfg, algo, exp.fed.client, seed, metrics.path, last, privacy),
         )
         if progress is not None:  # asynchronous.buffer: one round is one server step
             loop = buffered_loop(cfg, algo, clients, exp.fed.client, seed, progress,

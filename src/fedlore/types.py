@@ -75,6 +75,7 @@ LOOP_KEYS = frozenset(
     {
         "round",
         "sim_time_s",
+        "sim_round_s",
         "staleness_mean",
         "staleness_max",
         "staleness",

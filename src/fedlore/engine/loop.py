@@ -71,6 +71,8 @@ class RoundLoop:
             the method aggregates the noised mean.
         stop: asked before every round; True ends the run there (early stopping,
             :mod:`fedlore.engine.early_stopping`, whose callback decides after a round).
+        clock: ``(round, sampled ids) -> {"sim_round_s", "sim_time_s"}``, the simulated clock
+            (:class:`fedlore.engine.simclock.SimClock`), recorded in rounds >= 0; None: none.
     """
 
     algorithm: Algorithm
@@ -83,6 +85,7 @@ class RoundLoop:
     norm_screen: float | None = None
     privacy: Privacy | None = None
     stop: Callable[[], bool] | None = None
+    clock: Callable[[int, list[int]], dict[str, float]] | None = None
 
     def __post_init__(self) -> None:
         """Refuse a method whose per-client metrics would overwrite a key the loop records.
@@ -189,6 +192,8 @@ class RoundLoop:
                 "which the round loop records itself; give them another name"
             )
         row.update(agg)
+        if self.clock is not None and rnd >= 0:
+            row.update(self.clock(rnd, ids))
         row["wall_s"] = time.perf_counter() - t0 - diag_s
         if diag:
             row.update(diag)

@@ -72,6 +72,30 @@ def client_speeds(cfg: Config, seed: int) -> np.ndarray:
     return np.ones(n)
 
 
+def client_plan(
+    cfg: Config, speeds: np.ndarray, seed: int, rnd: int, cid: int, steps: int
+) -> ClientDropped | int | None:
+    """What client ``cid``, whose round is ``steps`` local steps, does in round ``rnd``: drops
+    out (the exception to report), trains a budget of steps (a straggler's partial work), or
+    trains its whole round (None)."""
+    c = cfg.clients
+    if c.dropout > 0:
+        u = float(torch.rand(1, generator=generator(seed, DROPOUT, rnd, cid)))
+        if u < c.dropout:
+            return ClientDropped(f"dropped out (clients.dropout={c.dropout:g})")
+    if c.round_deadline_s is None:
+        return None
+    need = steps * c.step_s / float(speeds[cid])
+    if need <= c.round_deadline_s:
+        return None
+    if not c.partial_work:
+        return ClientDropped(
+            f"straggler: {need:.3g} s for {steps} steps > clients.round_deadline_s "
+            f"{c.round_deadline_s:g}"
+        )
+    return max(1, math.floor(c.round_deadline_s * float(speeds[cid]) / c.step_s))
+
+
 class UnreliableTransport:
     """Wraps a transport with dropouts and deadlines (module docstring)."""
 
@@ -87,25 +111,9 @@ class UnreliableTransport:
         self.speeds = client_speeds(cfg, seed)
 
     def plan(self, rnd: int, cid: int) -> ClientDropped | int | None:
-        """What client ``cid`` does in round ``rnd``: drops out (the exception to report), trains
-        a budget of steps (a straggler's partial work), or trains its whole round (None)."""
-        c = self.cfg.clients
-        if c.dropout > 0:
-            u = float(torch.rand(1, generator=generator(self.seed, DROPOUT, rnd, cid)))
-            if u < c.dropout:
-                return ClientDropped(f"dropped out (clients.dropout={c.dropout:g})")
-        if c.round_deadline_s is None:
-            return None
+        """What client ``cid`` does in round ``rnd`` (:func:`client_plan`)."""
         steps = self.algo.local_steps(self.data(cid).num_examples)
-        need = steps * c.step_s / float(self.speeds[cid])
-        if need <= c.round_deadline_s:
-            return None
-        if not c.partial_work:
-            return ClientDropped(
-                f"straggler: {need:.3g} s for {steps} steps > clients.round_deadline_s "
-                f"{c.round_deadline_s:g}"
-            )
-        return max(1, math.floor(c.round_deadline_s * float(self.speeds[cid]) / c.step_s))
+        return client_plan(self.cfg, self.speeds, self.seed, rnd, cid, steps)
 
     def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
         out: dict[int, Reply | BaseException] = {}
