@@ -56,7 +56,6 @@ from fedlore.engine.rerun import (
     check_no_finished_run_of_another_config,
     finished_run,
     pending_replacement,
-    swap_in,
     write_dir,
 )
 from fedlore.engine.rundir import (
@@ -278,7 +277,7 @@ def run(
         tracking.finish(summary, out)  # before the folder moves (a tracker may write in it)
         # a finished run is never resumed: its spilled client states are no longer needed
         shutil.rmtree(folder.spill, ignore_errors=True)
-        swap_in(out, folder.target)  # a replacement takes the finished run's place now
+        overwriting.swap_finished(cfg, method, seed, out, folder.target)  # a replacement: now
         return summary
 
 

@@ -525,3 +525,29 @@ def test_a_swap_killed_before_its_exchange_is_completed_by_the_next_run(
     again = run_experiment(new)
     assert again["fedavg"][0]["rounds"] == 2 and _rounds(folder) == [0, 1]
     assert _leftovers(folder) == []
+
+
+def test_an_overwrite_killed_right_after_a_swap_keeps_that_replacement_on_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kill after a replacement took its place but before the --overwrite recorded it as
+    finished made --overwrite --resume train it again, discarding a finished result (a
+    newcomer's finding: under DP, releases no ε counts). It is recorded before the swap."""
+    from fedlore.engine import overwriting
+
+    old = _cfg(tmp_path, "algorithms=[fedavg,fedfull]")
+    run_experiment(old)
+    new = _cfg(tmp_path, "algorithms=[fedavg,fedfull]", "lr=0.01")
+    real = rerun.swap_in
+    monkeypatch.setattr(overwriting, "swap_in", _killed_after(real), raising=False)
+    monkeypatch.setattr("fedlore.experiment.swap_in", _killed_after(real), raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(new, overwrite=True)
+    monkeypatch.undo()
+    first = run_dir(new, "fedavg", 0)
+    assert json.loads((first / "config.json").read_text())["lr"] == 0.01  # swapped in
+    replaced = _files(first)
+    assert plan_runs(new, resume=True, overwrite=True)[0].action == "keep"
+    run_experiment(new, resume=True, overwrite=True)
+    assert _files(first) == replaced  # kept, not trained again
+    assert json.loads((run_dir(new, "fedfull", 0) / "config.json").read_text())["lr"] == 0.01

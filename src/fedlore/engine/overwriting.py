@@ -47,6 +47,7 @@ from fedlore.engine.rerun import (
     pending_replacement,
     read_record,
     staging_dir,
+    swap_in,
 )
 from fedlore.engine.rundir import MakeAlgorithm, config_diff, run_dir
 
@@ -221,10 +222,22 @@ def _finished(cfg: Config) -> list[str]:
 
 
 def record_finished(cfg: Config, method: str, seed: int, overwrite: bool) -> None:
-    """Add a run an ``--overwrite`` has finished to its record (atomically), keeping its
+    """Add a run an ``--overwrite`` has finished to its record (atomically; once), keeping its
     targets."""
-    if overwrite:
+    if overwrite and _name(cfg, method, seed) not in _finished(cfg):
         _write(cfg, finished=[*_finished(cfg), _name(cfg, method, seed)])
+
+
+def swap_finished(cfg: Config, method: str, seed: int, staged: Path, target: Path) -> None:
+    """Put a finished run in its place (:func:`~fedlore.engine.rerun.swap_in`; nothing when it
+    trained there). A replacement trained while an ``--overwrite``'s record exists is recorded
+    finished first: a kill after the swap but before the command's own bookkeeping then never
+    has ``--overwrite --resume`` train it again (discarding a finished result, and under DP
+    releases that no ε counts), and a kill before the swap leaves a finished replacement that
+    the next run of it swaps in (:func:`~fedlore.engine.rerun.complete_swap`)."""
+    if staged != target and _record(cfg).is_file():
+        record_finished(cfg, method, seed, overwrite=True)
+    swap_in(staged, target)
 
 
 def end(cfg: Config, resume: bool, overwrite: bool) -> None:
