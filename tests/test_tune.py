@@ -289,6 +289,18 @@ def test_a_test_sets_metric_is_refused_naming_its_selection_twin(
     assert not tmp_path.joinpath("tiny").exists()
 
 
+@pytest.mark.parametrize("metric", ["Selection_Accuracy", "selection_acc", "SELECTION_ACCURACY"])
+def test_a_capitalised_or_truncated_metric_is_refused_naming_the_score_it_means(
+    tmp_path: Path, metric: str
+) -> None:
+    with pytest.raises(ConfigError) as e:
+        plan(tmp_path, f"tune.metric={metric}")
+    assert (
+        f"tune.metric={metric} is not a known score of the selection split (did you mean "
+        "selection_accuracy?)"
+    ) in str(e.value)
+
+
 def test_a_selection_score_the_run_does_not_record_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="the run records selection_accuracy, selection_loss"):
         plan(tmp_path, "tune.metric=selection_f1_macro")
