@@ -204,8 +204,21 @@ def test_refused_by_a_run_before_its_folder_is_made(tmp_path: Path) -> None:
         (["early_stopping.metric=selection_loss", "early_stopping.patience=0"], "patience"),
         (["early_stopping.metric=selection_loss", "early_stopping.min_delta=-0.1"], "min_delta"),
         (["early_stopping.metric=selection_loss", "early_stopping.mode=up"], "mode"),
-        (["early_stopping.metric=selection_acuracy"], r"\(a typo of selection_accuracy\?\)"),
-        (["early_stopping.metric=client_los"], r"\(a typo of client_loss\?\)"),
+        (["early_stopping.metric=selection_acuracy"], r"\(did you mean selection_accuracy\?\)"),
+        (["early_stopping.metric=client_los"], r"\(did you mean client_loss\?\)"),
+        # the wrong case stays an error, on the split its prefix names, with the right name
+        (
+            ["early_stopping.metric=Selection_Accuracy"],
+            r"Selection_Accuracy is not a known score of the selection split "
+            r"\(did you mean selection_accuracy\?\)",
+        ),
+        (["early_stopping.metric=CLIENT_ECE"], r"clients' test splits \(did you mean client_ece\?"),
+        # a truncated name: the shortest it begins
+        (["early_stopping.metric=Client_Acc"], r"\(did you mean client_accuracy\?\)"),
+        (["early_stopping.metric=selection_acc"], r"\(did you mean selection_accuracy\?\)"),
+        (["early_stopping.metric=Selection_Bal"], r"\(did you mean selection_balanced_accuracy\?"),
+        # too short to tell: the list
+        (["early_stopping.metric=lo"], r"central test set; fedlore's are accuracy, "),
     ],
 )
 def test_settings_that_cannot_hold_are_refused(extra: list[str], words: str) -> None:

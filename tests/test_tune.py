@@ -201,6 +201,26 @@ REFUSED = [
     # the method's own settings: the searched method's, each one it has
     (["--space", "method.fedlore.rank=cat:4,8"], "the search tunes fedavg: write method.fedavg."),
     (["--space", "method.fedavg.rnk=int:1:3"], "FedAvg has no hyperparameter(s) ['rnk']"),
+    # a key the searched method's own section overrides: every trial would train the same
+    (
+        ["--space", "rank=cat:4,8", "algorithms=[fedlore]", "method.fedlore.rank=8"],
+        "search space rank=cat:4,8: method.fedlore.rank=8 in the config overrides rank for "
+        "fedlore, so every trial would train with it: search method.fedlore.rank instead, or "
+        "drop method.fedlore.rank from the config",
+    ),
+    (
+        ["--space", "lr=log:1e-3:1e-1", "method.fedavg.lr=0.1"],
+        "method.fedavg.lr=0.1 in the config overrides lr for fedavg",
+    ),
+    (  # a method's local_epochs replaces the run's local_steps
+        ["--space", "local_steps=int:1:3", "method.fedavg.local_epochs=1"],
+        "method.fedavg.local_epochs=1 in the config overrides local_steps for fedavg, so every "
+        "trial would train with it: search method.fedavg.local_steps instead",
+    ),
+    (
+        ["--space", "optim.eps=log:1e-8:1e-6", "method.fedavg.eps=1e-7"],
+        "method.fedavg.eps=1e-7 in the config overrides optim.eps for fedavg",
+    ),
     # the objective
     ([*LR, "--metric", "accuracy"], "tune.metric=accuracy is scored on the central test set"),
     ([*LR, "data.selection_fraction=0"], "set data.selection_fraction above 0"),
@@ -225,6 +245,15 @@ def test_bad_input_is_refused_in_one_line_before_any_folder(
     config: Path, capsys: pytest.CaptureFixture[str], args: list[str], words: str
 ) -> None:
     assert words in refusal(config, capsys, *args)
+
+
+def test_a_key_another_methods_section_overrides_is_searched(tmp_path: Path) -> None:
+    """Only the searched method's section decides: fedfull's rank does not touch fedlore's."""
+    extra = ["algorithms=[fedlore, fedfull]", "tune.method=fedlore", "method.fedfull.lr=0.1"]
+    space = "tune.space={rank: 'cat:4,8', lr: 'log:1e-3:1e-1'}"
+    raw = apply_overrides({}, [*TINY, f"output_dir={tmp_path}", space, *extra])
+    search = plan_search(validate(raw), raw, "tiny.yaml")
+    assert [d.key for d in search.dims] == ["rank", "lr"]
 
 
 def test_an_option_out_of_range_is_refused_as_the_config_refuses_it(
@@ -258,6 +287,18 @@ def test_a_test_sets_metric_is_refused_naming_its_selection_twin(
     assert f"tune.metric={metric} is scored on {where}, which the run reports" in text
     assert f"--metric {twin}, with data.selection_fraction above 0" in text
     assert not tmp_path.joinpath("tiny").exists()
+
+
+@pytest.mark.parametrize("metric", ["Selection_Accuracy", "selection_acc", "SELECTION_ACCURACY"])
+def test_a_capitalised_or_truncated_metric_is_refused_naming_the_score_it_means(
+    tmp_path: Path, metric: str
+) -> None:
+    with pytest.raises(ConfigError) as e:
+        plan(tmp_path, f"tune.metric={metric}")
+    assert (
+        f"tune.metric={metric} is not a known score of the selection split (did you mean "
+        "selection_accuracy?)"
+    ) in str(e.value)
 
 
 def test_a_selection_score_the_run_does_not_record_is_refused(tmp_path: Path) -> None:

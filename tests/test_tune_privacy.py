@@ -124,6 +124,38 @@ def test_a_resumed_trials_repeated_releases_are_counted(tmp_path: Path) -> None:
     assert s.exchanges == 5 and "dp_ledger.json cannot be read" in s.overcounted
 
 
+@pytest.mark.parametrize("lost", ["summary", "summary_count"])
+def test_a_lost_ledger_is_counted_at_the_epsilon_the_trial_recorded(
+    tmp_path: Path, lost: str
+) -> None:
+    """A resumed trial (4 releases run again) whose ledger is lost: its own recorded ε proves
+    it made 7 + 4 exchanges, so it is never counted at its configured 7."""
+    cfg = config(tmp_path, "rounds=7")
+    true = 11
+    recorded = epsilon_spent(SIGMA, DELTA, true, 3, 3)
+    run = rows(cfg, list(range(7)), eps=recorded)
+    if lost == "summary_count":  # summary kept, but its count of repeats zeroed
+        (run / "summary.json").write_text(
+            json.dumps({"dp_epsilon": recorded, "dp_repeated_exchanges": 0})
+        )
+    s = spend(cfg)
+    assert s.exchanges == true and s.overcounted
+    assert epsilon_spent(SIGMA, DELTA, s.exchanges, 3, 3) >= recorded
+    above = recorded * (1 + 1e-12)  # float noise above the true count's ε: not one more
+    rows(cfg, list(range(7)), eps=above)
+    assert spend(cfg).exchanges == true
+
+
+def test_a_lost_local_ledger_is_counted_at_the_busiest_clients_recorded_epsilon(
+    tmp_path: Path,
+) -> None:
+    cfg = config(tmp_path, "rounds=3", "dp.mode=local", "participation=0.34")  # 1 of 3
+    sigma = spend(cfg).sigma  # sampling does not amplify local DP: ε of 6 uploads, not rounds
+    rows(cfg, [0, 1, 2], eps=local_epsilon(sigma, DELTA, 6))
+    s = spend(cfg)
+    assert s.exchanges == 6 and s.overcounted
+
+
 def test_a_damaged_folder_is_over_counted_and_named(tmp_path: Path) -> None:
     cfg = config(tmp_path, "rounds=4")
     missing = spend(cfg, "failed")  # no run folder: it may have run before it was lost

@@ -131,6 +131,17 @@ def test_the_grid_runs_each_combination_once(tmp_path: Path) -> None:
     assert sorted(combos) == [(1, 0.01), (1, 0.1), (2, 0.01), (2, 0.1)]
 
 
+def test_a_methods_own_setting_is_searched_in_its_section(tmp_path: Path) -> None:
+    """``method.fedlore.rank`` is what each trial trains (its config.json's hyper)."""
+    out = search(tmp_path, "algorithms=[fedlore]", "rounds=1", "tune.sampler=grid",
+                 space="{method.fedlore.rank: 'cat:4,8'}")  # fmt: skip
+    ranks = {}
+    for row in out.rows:
+        path = tmp_path / "tiny/tune" / f"trial-{row.number}/fedlore/seed-1/config.json"
+        ranks[row.params["method.fedlore.rank"]] = json.loads(path.read_text())["hyper"]["rank"]
+    assert ranks == {4: 4, 8: 8}
+
+
 PRUNED = ["rounds=3", "tune.sampler=grid", "tune.seed=1", "tune.trials=3"]
 GOOD_THEN_BAD = "{lr: 'cat:0.3,1e-5,2e-5'}"  # seed 1 runs 0.3 first
 

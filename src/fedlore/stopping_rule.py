@@ -92,16 +92,29 @@ def unknown_score(section: str, metric: str, mode_key: str) -> str | None:
     :class:`fedlore.config.EarlyStoppingConfig` and :class:`fedlore.config_tune.TuneConfig`."""
     if known_direction(metric.removeprefix("local_")) is not None:
         return None
-    prefix = next((p for p in SPLITS if p and metric.startswith(p)), "")
+    lower = metric.lower()  # the split and the suggestion, whatever the case: still refused
+    prefix = next((p for p in SPLITS if p and lower.startswith(p)), "")
     split, scores = SPLITS[prefix]
     known = sorted(prefix + m for m in scores | OPTIONAL)
-    near = difflib.get_close_matches(metric, known, n=1, cutoff=0.85)
-    said = f" (a typo of {near[0]}?)" if near else f"; fedlore's are {', '.join(known)}"
+    near = nearest_score(lower, known)
+    said = f" (did you mean {near}?)" if near else f"; fedlore's are {', '.join(known)}"
     return (
         f"{section}.metric={metric} is not a known score of {split}{said}; if it is a "
         f"plugin's metric, set {mode_key} to max or min (mode=auto cannot tell whether it is "
         "better large or small)"
     )
+
+
+def nearest_score(lower: str, known: list[str]) -> str | None:
+    """The name of ``known`` that the lowercased ``lower`` most likely means: the shortest
+    that it begins (itself when only the case differs; a truncated name, ``selection_acc``),
+    else the closest by :func:`difflib.get_close_matches`; None when none is near."""
+    if len(base_name(lower)) >= 3:
+        begun = [k for k in known if k.startswith(lower)]
+        if begun:
+            return min(begun, key=len)
+    near = difflib.get_close_matches(lower, known, n=1, cutoff=0.85)
+    return near[0] if near else None
 
 
 def watches_test(metric: str) -> bool:

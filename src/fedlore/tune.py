@@ -18,6 +18,7 @@ method, the sampler against the space. Nothing here imports Optuna.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import shlex
@@ -27,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from fedlore import registry
 from fedlore.checks import check_overrides, check_tune_metric
 from fedlore.config import Config, ConfigError, apply_overrides, effective_overrides, validate
 from fedlore.config_tune import Dim
@@ -35,6 +37,7 @@ from fedlore.engine.rundir import result_settings
 from fedlore.experiment_parts import check_config, make_algorithm
 from fedlore.experiment_privacy import PrivacyWarning
 from fedlore.progress import warn_once
+from fedlore.settings import STEP_PAIR, LocalTraining, config_paths
 from fedlore.tune_privacy import planned
 
 TUNE_DIR = "tune"
@@ -138,15 +141,48 @@ def _only_problem(e: Exception, key: str) -> str:
     return (named or lines or [type(e).__name__])[0]
 
 
+def overriding_key(
+    cls: type, name: str, section: dict[str, Any], path: str
+) -> tuple[str, str] | None:
+    """(the key of ``section``, method class ``cls``'s ``method.<name>`` settings, that
+    :func:`~fedlore.settings.build_hyper` lays over the setting it reads from config ``path``,
+    that setting): the method never sees ``path``'s value (``local_epochs`` also replaces
+    ``local_steps`` and the reverse); None when no key does."""
+    holds_train = any(f.name == "train" for f in dataclasses.fields(cls))
+    paths = (config_paths(LocalTraining) if holds_train else {}) | config_paths(cls)
+    for setting, where in paths.items():
+        if where != path:
+            continue
+        if setting in section:
+            return setting, setting
+        pair = STEP_PAIR.get(setting) if holds_train else None
+        if pair is not None and pair in section:
+            return pair, setting
+    return None
+
+
 def dimension_problem(base: dict[str, Any], method: str, dim: Dim) -> str | None:
     """Why the config ``base`` (raw, one method) cannot take every value of ``dim``: a
-    ``method.<name>.*`` key of another method, or a bound, a choice or (for a float range) a
-    value inside the range that the config's validation or the method's refuses; None when
-    it can. Only these values are tried: settings whose valid values are not one range may
-    still fail in a trial (recorded as failed)."""
+    ``method.<name>.*`` key of another method, a key the method's own ``method.<name>``
+    section overrides (:func:`overriding_key`: every trial would train the same), or a
+    bound, a choice or (for a float range) a value inside the range that the config's
+    validation or the method's refuses; None when it can. Only these values are tried:
+    settings whose valid values are not one range may still fail in a trial (recorded as
+    failed)."""
     parts = dim.key.split(".")
     if parts[0] == "method" and parts[1] != method:
         return f"the search tunes {method}: write method.{method}.{parts[2]}"
+    sections = base.get("method")
+    section = sections.get(method) if isinstance(sections, dict) else None
+    if parts[0] != "method" and isinstance(section, dict):
+        found = overriding_key(registry.get("algorithm", method), method, section, dim.key)
+        if found is not None:
+            by, setting = found
+            return (
+                f"method.{method}.{by}={scalar(section[by])} in the config overrides "
+                f"{dim.key} for {method}, so every trial would train with it: search "
+                f"method.{method}.{setting} instead, or drop method.{method}.{by} from the config"
+            )
     values = list(dim.extremes())
     if dim.kind in ("log", "float"):
         assert isinstance(dim.low, float) and isinstance(dim.high, float)

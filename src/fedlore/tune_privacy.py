@@ -17,7 +17,9 @@ A trial's exchanges are counted from its rows (the last round released, plus the
 exchanges, and at least the number of rows), plus its ledger. A folder that contradicts how the
 trial ended (a finished trial without its summary, rows missing before the last, a summary or
 checkpoint ahead of the rows, a ledger that cannot be read) is counted at its configured
-exchanges, never fewer than it shows, and named (:attr:`SearchPrivacy.overcounted`).
+exchanges, never fewer than it shows, and named (:attr:`SearchPrivacy.overcounted`). What it
+shows includes the ε it recorded (its rows' and summary's ``dp_epsilon``): a folder whose
+ledger was lost is counted at no fewer exchanges than that ε proves (:func:`_proven`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from fedlore.engine.rundir import run_dir
 from fedlore.experiment_parts import make_algorithm
 from fedlore.experiment_privacy import dp_noise_multiplier
 from fedlore.privacy.composition import Exchanges, composed_epsilon
-from fedlore.privacy.local_dp import UPLOADS_KEY, Uploads
+from fedlore.privacy.dp import epsilon_spent
+from fedlore.privacy.local_dp import UPLOADS_KEY, Uploads, local_epsilon
 
 RTOL = 1e-9
 """A recorded ε above the ε of the exchanges counted by more than this (relative) means rows
@@ -240,12 +243,49 @@ def trial_spend(
     if recorded and max(recorded) > mine * (1 + RTOL):
         problems.append(f"it recorded ε = {max(recorded):.6g}, more than its rows account for")
     if problems:
-        total = max(total, cfg.rounds + setup + repeats)
+        total = max(total, cfg.rounds + setup + repeats, _proven(recorded, sigma, cfg, local))
         clients = None
     return TrialSpend(
         number, sigma, cfg.num_clients, cfg.clients_per_round(), total, clients, identity,
         "; ".join(problems),
     )  # fmt: skip
+
+
+def _proven(recorded: list[float], sigma: float, cfg: Config, local: bool) -> int:
+    """The fewest exchanges whose ε (the trial's σ, N, m, δ and accountant, as the run
+    records it: :func:`~fedlore.privacy.dp.epsilon_spent`, or
+    :func:`~fedlore.privacy.local_dp.local_epsilon` for the busiest client under local DP)
+    reaches the largest ε the trial recorded (within :data:`RTOL`): what its own records
+    prove it spent, whatever else of its folder is lost."""
+    target = max((e for e in recorded if math.isfinite(e) and e > 0), default=0.0)
+    if target <= 0:
+        return 0
+    dp = cfg.dp
+
+    def eps(n: int) -> float:
+        if local:
+            return local_epsilon(sigma, dp.delta, n, accountant=dp.accountant)
+        return epsilon_spent(
+            sigma, dp.delta, n, cfg.num_clients, cfg.clients_per_round(), accountant=dp.accountant
+        )
+
+    def reaches(n: int) -> bool:
+        return eps(n) >= target * (1 - RTOL)
+
+    high = 1
+    while not reaches(high):
+        if high >= _MOST_PROVEN:  # a recorded ε no count reaches: the most searched
+            return high
+        high *= 2
+    low = high // 2  # does not reach (0 never does: ε of no exchange is 0 < target)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if reaches(mid) else (mid, high)
+    return high
+
+
+_MOST_PROVEN = 1 << 20
+"""The largest count :func:`_proven` searches."""
 
 
 def _real(v: Any) -> bool:
