@@ -57,7 +57,7 @@ import torch
 from fedlore.algorithm import Algorithm
 from fedlore.config import AsynchronousConfig, Config
 from fedlore.engine import interrupt
-from fedlore.engine.loop import Callback, Row, client_reports
+from fedlore.engine.loop import Callback, Row, add_scores, client_reports
 from fedlore.engine.transport import Transport
 from fedlore.engine.unreliable import availability_trace, client_speeds
 from fedlore.engine.validate import method_problem, validate_reply
@@ -301,16 +301,7 @@ class BufferedLoop:
         row = self._row(rnd, kept, accepted, rejected, bytes_up, agg)
         row["wall_s"] = time.perf_counter() - t0
         if self.evaluate is not None and ((rnd + 1) % self.eval_every == 0 or rnd == last_round):
-            t1 = time.perf_counter()
-            scores = self.evaluate(state)
-            clash = sorted(scores.keys() & (row.keys() | {"eval_s"}))
-            if clash:
-                raise ValueError(
-                    f"the evaluation's score(s) {clash} have the name of a key the round's row "
-                    "holds already; rename the metric"
-                )
-            row.update(scores)
-            row["eval_s"] = time.perf_counter() - t1
+            add_scores(row, self.evaluate, state)
         return state, row
 
     def _row(

@@ -206,16 +206,7 @@ class RoundLoop:
             and self.evaluate is not None
             and ((rnd + 1) % self.eval_every == 0 or rnd == last_round)
         ):
-            t1 = time.perf_counter()
-            scores = self.evaluate(state)
-            clash = sorted(scores.keys() & (row.keys() | {"eval_s"}))
-            if clash:  # a metric of eval.metrics, or a method's metric, of the same name
-                raise ValueError(
-                    f"the evaluation's score(s) {clash} have the name of a key the round's row "
-                    "holds already; rename the metric"
-                )
-            row.update(scores)
-            row["eval_s"] = time.perf_counter() - t1
+            add_scores(row, self.evaluate, state)
         return state, row
 
     def _secure_round(
@@ -295,6 +286,25 @@ def hide_client_ids(row: Row, per_client: Sequence[str] = ()) -> None:
         row.pop(key, None)
     if "rejected_reasons" in row:
         row["rejected_reasons"] = sorted(r.split(": ", 1)[-1] for r in row["rejected_reasons"])
+
+
+def add_scores(row: Row, evaluate: Callable[[State], dict[str, Any]], state: State) -> None:
+    """Add the evaluation of ``state`` and its time (``eval_s``) to a round's ``row``.
+
+    Raises:
+        ValueError: when a score has the name of a key the row holds already (a metric of
+            ``eval.metrics``, or a method's metric, of the same name).
+    """
+    t1 = time.perf_counter()
+    scores = evaluate(state)
+    clash = sorted(scores.keys() & (row.keys() | {"eval_s"}))
+    if clash:
+        raise ValueError(
+            f"the evaluation's score(s) {clash} have the name of a key the round's row "
+            "holds already; rename the metric"
+        )
+    row.update(scores)
+    row["eval_s"] = time.perf_counter() - t1
 
 
 def client_reports(accepted: list[tuple[int, Reply | None]], per_client: Sequence[str] = ()) -> Row:
