@@ -146,3 +146,31 @@ def test_unreliable_clients_are_refused_where_they_cannot_hold() -> None:
         partial = ["clients.round_deadline_s=1", "clients.partial_work=true"]
         secure = ["secure_aggregation=true", "weighting=uniform"]
         make_algorithm("fedavg", load_config(None, [*partial, *secure]))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["clients.dropout=0.2"], ["clients.speed=lognormal", "clients.round_deadline_s=0.358"]],
+    ids=["dropout", "deadline"],
+)
+def test_secure_aggregation_loses_the_same_clients_as_the_clear_rounds(
+    tmp_path: Path, extra: list[str]
+) -> None:
+    """Under in-process secure aggregation dropouts and deadlines were not applied (every
+    sampled client answered): the clients they drop now leave the secure round after sharing
+    their keys, and the survivors' sum is unmasked: each round keeps the clients the clear
+    round keeps, or none where they are fewer than the protocol's threshold (it aborts)."""
+    runs = {}
+    for name, secure in (("clear", []), ("secure", ["secure_aggregation=true"])):
+        cfg = load_config(None, [*SMALL, "rounds=4", "weighting=uniform", "lr=0.3", *extra,
+                                 *secure, f"name={name}", f"output_dir={tmp_path}"])  # fmt: skip
+        assert run_one(cfg, "fedavg", 42) is not None
+        runs[name] = [r for r in _rows(tmp_path, name=name) if r["round"] >= 0]
+    kept = [sorted(r["accepted_clients"]) for r in runs["clear"]]
+    got = [sorted(r["accepted_clients"]) for r in runs["secure"]]
+    aborted = [bool(r.get("secagg_aborted")) for r in runs["secure"]]
+    assert all(g == k or (a and not g) for g, k, a in zip(got, kept, aborted, strict=True))
+    assert any(g == k and 0 < len(k) < 6 for g, k in zip(got, kept, strict=True))
+    if got == kept:  # no round aborted: the same model, to the fixed-point encoding
+        assert runs["secure"][-1]["accuracy"] == pytest.approx(runs["clear"][-1]["accuracy"],
+                                                               abs=0.02)  # fmt: skip

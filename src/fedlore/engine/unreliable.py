@@ -140,6 +140,32 @@ class UnreliableTransport:
             out.update(self.inner.send(rnd, whole))
         return out
 
+    def send_secure(self, rnd: int, messages: dict[int, Broadcast], spec: Any, privacy: Any) -> Any:
+        """A round under in-process secure aggregation with the same dropouts and deadlines: a
+        client that drops out or misses the deadline leaves the protocol after it has shared
+        its keys (SecAgg+'s dropout case: the survivors' sum is unmasked without it, or the
+        round aborts below the threshold). ``partial_work`` is refused with secure
+        aggregation (:mod:`fedlore.checks.methods`); a budget would still apply here."""
+        inner_train = self.inner._train  # type: ignore[attr-defined]
+
+        def train(r: int, cid: int, msg: Broadcast) -> Reply:
+            what = self.plan(r, cid)
+            if isinstance(what, ClientDropped):
+                raise what  # its upload fails: it leaves the secure round
+            if what is None:
+                return inner_train(r, cid, msg)
+            token = STEP_BUDGET.set(what)
+            try:
+                return inner_train(r, cid, msg)
+            finally:
+                STEP_BUDGET.reset(token)
+
+        self.inner._train = train  # type: ignore[attr-defined]
+        try:
+            return self.inner.send_secure(rnd, messages, spec, privacy)  # type: ignore[attr-defined]
+        finally:
+            del self.inner._train  # type: ignore[attr-defined]
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
