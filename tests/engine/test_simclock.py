@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from fedlore import progress
 from fedlore.algorithms.fedavg import FedAvg
 from fedlore.config import Config, load_config
 from fedlore.data.client_data import ClientData, TensorSplit
@@ -151,8 +152,8 @@ def test_a_dp_run_whose_sample_is_secret_records_no_clock(tmp_path: Path) -> Non
     run_one(secret, "fedfull", SEED)
     assert not {"sim_round_s", "sim_time_s"} & _rows(secret, "fedfull")[0].keys()
     seeded = _cfg(tmp_path / "seeded", *dp, "dp.reproducible_noise=true")
-    with pytest.warns(PrivacyWarning, match="NO PRIVACY"):
-        run_one(seeded, "fedfull", SEED)
+    with progress.command(), pytest.warns(PrivacyWarning, match="NO PRIVACY"):
+        run_one(seeded, "fedfull", SEED)  # a command of its own: said once per command
     assert {"sim_round_s", "sim_time_s"} <= _rows(seeded, "fedfull")[0].keys()
 
 
