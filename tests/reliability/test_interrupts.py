@@ -295,15 +295,21 @@ QUICK = ["rounds=4", "local_steps=10"]
 
 class _SignalInRound:
     """The in-process transport; in round ``at`` SIGINT arrives after the first client
-    trained (the next ones are lost to the interrupt)."""
+    trained (the next ones are lost to the interrupt), or with ``last`` after every client
+    answered (only the round loop's own check then discards the round)."""
 
-    def __init__(self, at: int, *args: Any) -> None:
+    def __init__(self, at: int, *args: Any, last: bool = False) -> None:
         self.at = at
+        self.last = last
         self.inner = LocalTransport(*args)
 
     def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Any]:
         if rnd != self.at:
             return self.inner.send(rnd, messages)
+        if self.last:
+            replies = self.inner.send(rnd, messages)
+            os.kill(os.getpid(), signal.SIGINT)
+            return replies
         first = min(messages)
         out = dict(self.inner.send(rnd, {first: messages[first]}))
         os.kill(os.getpid(), signal.SIGINT)
@@ -311,10 +317,11 @@ class _SignalInRound:
         return out
 
 
-def test_a_round_in_progress_is_discarded_and_resume_repeats_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("last", [False, True], ids=["mid-round", "after-every-reply"])
+def test_a_round_in_progress_is_discarded_and_resume_repeats_it(tmp_path: Path, last: bool) -> None:
     cfg = load_config(QUICKSTART, [*TINY, *QUICK, f"output_dir={tmp_path / 'run'}"])
     with interrupt.handling(), pytest.raises(Interrupted) as stop:
-        run_one(cfg, METHOD, SEED, make_transport=lambda *a: _SignalInRound(2, *a))
+        run_one(cfg, METHOD, SEED, make_transport=lambda *a: _SignalInRound(2, *a, last=last))
     e = stop.value
     assert (e.signum, e.status, e.last_round, e.run) == (signal.SIGINT, 130, 1, "fedfull seed 42")
     assert "stopped after 2 complete rounds" in e.describe("`fedlore run ... --resume`")

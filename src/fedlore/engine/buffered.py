@@ -57,7 +57,7 @@ import torch
 from fedlore.algorithm import Algorithm
 from fedlore.config import AsynchronousConfig, Config
 from fedlore.engine import interrupt
-from fedlore.engine.loop import Callback, Row, add_scores, client_reports
+from fedlore.engine.loop import Callback, Row, add_scores, client_reports, drive
 from fedlore.engine.transport import Transport
 from fedlore.engine.unreliable import availability_trace, client_speeds
 from fedlore.engine.validate import method_problem, validate_reply
@@ -358,22 +358,7 @@ class BufferedLoop:
     def run(self, state: State, start: int, rounds: int) -> State:
         """Server steps ``start .. rounds-1``; a signal stops it as
         :meth:`fedlore.engine.loop.RoundLoop.run` does (the interrupted step is not recorded)."""
-        done = start - 1
-        try:
-            with interrupt.deferred():
-                for rnd in range(start, rounds):
-                    if self.stop is not None and self.stop():
-                        break
-                    interrupt.check()
-                    state, row = self.run_round(state, rnd, rounds - 1)
-                    interrupt.check()
-                    for cb in self.callbacks:
-                        cb.on_round_end(rnd, row, state)
-                    done = rnd
-        except interrupt.Interrupted as e:
-            e.last_round = done
-            raise
-        return state
+        return drive(self.run_round, self.callbacks, self.stop, state, start, rounds)
 
 
 def weighted(reply: Reply, w: float, dtypes: dict[str, torch.dtype]) -> Reply:

@@ -250,30 +250,45 @@ class RoundLoop:
         return out, metrics, int(res.bytes_up), why
 
     def run(self, state: State, start: int, rounds: int) -> State:
-        """Rounds ``start .. rounds-1`` (start may be negative for setup exchanges).
+        """Rounds ``start .. rounds-1`` (start may be negative for setup exchanges), driven by
+        :func:`drive` (signals, ``stop`` and callbacks)."""
+        return drive(self.run_round, self.callbacks, self.stop, state, start, rounds)
 
-        A SIGINT or SIGTERM (:mod:`fedlore.engine.interrupt`) stops the loop before another
-        round starts, and a round during which one arrived is discarded: its callbacks (the
-        metrics row, the checkpoint) are never called, so clients lost to the interrupt are
-        never recorded as failed clients. The :class:`~fedlore.engine.interrupt.Interrupted`
-        raised carries the last round recorded. ``stop`` ends the loop before a round too.
-        """
-        done = start - 1
-        try:
-            with interrupt.deferred():
-                for rnd in range(start, rounds):
-                    if self.stop is not None and self.stop():
-                        break  # stopped early (after the last round's callbacks, or resumed)
-                    interrupt.check()  # no round starts after a signal
-                    state, row = self.run_round(state, rnd, rounds - 1)
-                    interrupt.check()  # a signal during the round: it is not recorded
-                    for cb in self.callbacks:
-                        cb.on_round_end(rnd, row, state)
-                    done = rnd
-        except interrupt.Interrupted as e:
-            e.last_round = done
-            raise
-        return state
+
+def drive(
+    run_round: Callable[[State, int, int], tuple[State, Row]],
+    callbacks: Sequence[Callback],
+    stop: Callable[[], bool] | None,
+    state: State,
+    start: int,
+    rounds: int,
+) -> State:
+    """Call ``run_round(state, rnd, rounds - 1)`` for ``rnd`` in ``start .. rounds-1``, then
+    every callback's ``on_round_end`` with the round's row.
+
+    A SIGINT or SIGTERM (:mod:`fedlore.engine.interrupt`) stops the loop before another
+    round starts, and a round during which one arrived is discarded: its callbacks (the
+    metrics row, the checkpoint) are never called, so clients lost to the interrupt are
+    never recorded as failed clients. The :class:`~fedlore.engine.interrupt.Interrupted`
+    raised carries the last round recorded. ``stop`` ends the loop before a round too.
+    Both the synchronous :class:`RoundLoop` and the buffered (FedBuff) loop run through it.
+    """
+    done = start - 1
+    try:
+        with interrupt.deferred():
+            for rnd in range(start, rounds):
+                if stop is not None and stop():
+                    break  # stopped early (after the last round's callbacks, or resumed)
+                interrupt.check()  # no round starts after a signal
+                state, row = run_round(state, rnd, rounds - 1)
+                interrupt.check()  # a signal during the round: it is not recorded
+                for cb in callbacks:
+                    cb.on_round_end(rnd, row, state)
+                done = rnd
+    except interrupt.Interrupted as e:
+        e.last_round = done
+        raise
+    return state
 
 
 def hide_client_ids(row: Row, per_client: Sequence[str] = ()) -> None:
