@@ -192,8 +192,11 @@ def test_replacements_are_uniform_over_idle_clients_and_never_one_in_flight() ->
     times = {c: 1.0 + 0.37 * c for c in range(6)}
     algo = Scalar()
     loop, clients = _loop(algo, times, buffer=2, concurrency=5, seed=3)
-    _rounds(loop, algo, 30)  # Clients.send asserts the started client is not in flight
-    assert len({f.cid for f in loop.progress.flights}) == len(loop.progress.flights) == 5
+    _, rows = _rounds(loop, algo, 30)  # Clients.send asserts the started client is not in flight
+    # after the last step the clients of the group that filled the buffer are not replaced
+    # (nothing would use them): 1 or 2 of them with K = 2 (here 1)
+    assert len({f.cid for f in loop.progress.flights}) == len(loop.progress.flights) == 4
+    assert rows[-1]["in_flight"] == 5  # as many as the next step would start
     started = [c for c, _ in clients.starts]
     assert set(started) == set(range(6))  # every client gets drawn
     # uniform among the idle: with C = N = 4 everyone is always in flight, so each start is
@@ -201,7 +204,8 @@ def test_replacements_are_uniform_over_idle_clients_and_never_one_in_flight() ->
     algo2 = Scalar()
     loop2, clients2 = _loop(algo2, {c: 1.0 + 0.5 * c for c in range(4)}, 1, 4)
     _, rows = _rounds(loop2, algo2, 10)
-    assert [c for c, _ in clients2.starts[4:]] == [r["accepted_clients"][0] for r in rows]
+    # (the last step's client is not replaced: the run ends)
+    assert [c for c, _ in clients2.starts[4:]] == [r["accepted_clients"][0] for r in rows[:-1]]
 
 
 def test_a_group_arriving_together_is_replaced_after_the_server_step_from_the_new_model() -> None:
@@ -212,7 +216,8 @@ def test_a_group_arriving_together_is_replaced_after_the_server_step_from_the_ne
     _, rows = _rounds(loop, algo, 4)
     assert all(r["staleness"] == [0, 0, 0] for r in rows)
     assert [r["sim_time_s"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
-    assert [rnd for _, rnd in clients.starts] == [v for v in range(5) for _ in range(3)]
+    # the replacements of the last step (version 4) never start: nothing would use them
+    assert [rnd for _, rnd in clients.starts] == [v for v in range(4) for _ in range(3)]
 
 
 def test_a_group_larger_than_the_buffer_is_buffered_over_two_steps() -> None:
@@ -336,3 +341,21 @@ def test_the_availability_trace_gives_each_version_its_clients(tmp_path: Path) -
     pool = pools(cfg)
     assert [pool(v) for v in range(3)] == [[0, 1, 2], [3, 4], [0, 1, 2]]
     assert pools(load_config(None, ["num_clients=3"]))(7) == [0, 1, 2]
+
+
+def test_a_run_that_ends_trains_no_client_whose_update_no_step_uses() -> None:
+    # the replacements of a step's clients start when the next step begins: after a run's last
+    # step no client has started from its final version, every start either arrived in a step
+    # or is still in flight, and a further step starts the replacements from the last model
+    for n in (1, 2, 5):
+        algo = Scalar()
+        loop, clients = _loop(algo, {c: 1.0 + 0.3 * c for c in range(6)}, 2, concurrency=3)
+        state, rows = _rounds(loop, algo, n)
+        p = loop.progress
+        assert p.version == n and all(f.version < n for f in p.flights), n
+        assert len(clients.starts) == sum(r["clients"] for r in rows) + len(p.flights)
+        assert len(p.flights) < 3 and [r["in_flight"] for r in rows] == [3] * n
+        before = len(clients.starts)
+        loop.run_round(state, n, n)
+        assert [v for _, v in clients.starts[before : before + 3 - len(p.flights)]] != []
+        assert clients.starts[before][1] == n  # from the model of the last step

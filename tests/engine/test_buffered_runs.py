@@ -156,7 +156,9 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(tmp_path: Path) -> Non
     cut = _cfg(tmp_path / "cut", *extra)
     assert run_one(cut, "fedavg", SEED, stop_after=2) is None
     raw = torch.load(run_dir(cut, "fedavg", SEED) / "checkpoint.pt", weights_only=True)
-    assert len(raw["asynchronous"]["flights"]) == 4  # in flight with their replies
+    # in flight with their replies: the 4 less the clients of the group that filled the
+    # buffer, whose replacements start when the next step begins (here 1)
+    assert len(raw["asynchronous"]["flights"]) == 3
     assert any(f["version"] < 3 for f in raw["asynchronous"]["flights"])
     run_one(cut, "fedavg", SEED, resume=True)
     assert [_plain(r) for r in _rows(cut)] == [_plain(r) for r in _rows(whole)]

@@ -27,7 +27,10 @@ stay in flight. Clients that finish at the same simulated time are taken in the 
 started, and their replacements start after all of them have arrived (or at the server step one
 of them triggers), downloading the newest model. So with C = K, equal speeds and equal local
 steps, every client of a version arrives together, the server steps, and K new clients start
-from the new model: synchronous FedAvg on the same clients.
+from the new model: synchronous FedAvg on the same clients. The replacements of a step's
+clients are started (and trained) when the next step begins, at the simulated time of the step
+and from its model, which is the same as starting them at the step; a run that ends, at its last
+round or by early stopping, so never trains clients whose updates no step would use.
 
 A client trains, in simulation, when it starts (from the broadcast of its start version, its
 generator ``generator(seed, CLIENT, v, i)`` as a synchronous round's); its reply waits until its
@@ -37,10 +40,11 @@ start's sequence number, so its update is not a copy of its first. Replacements 
 ``derive_seed(seed, ASYNC_SAMPLING, d)`` for the run's d-th draw.
 
 Resuming: the checkpoint (written after each round, i.e. right after a server step, when the
-buffer is empty) holds the version, the simulated clock, the counters of starts and draws, the
-clients that started from the current version, and every client in flight with its start
-version, start and finish times and its reply; with the client states and the server state this
-is everything the rest of the run depends on, so a resumed run is bit-identical.
+buffer is empty and the step's replacements have not started) holds the version, the simulated
+clock, the counters of starts and draws, the clients that started from the current version, and
+every client in flight with its start version, start and finish times and its reply; with the
+client states and the server state this is everything the rest of the run depends on, so a
+resumed run is bit-identical.
 """
 
 from __future__ import annotations
@@ -112,7 +116,7 @@ class AsyncState:
     draws: int = 0
     started: set[int] = field(default_factory=set)  # clients started from ``version``
     flights: list[Flight] = field(default_factory=list)
-    down: int = 0  # bytes of the broadcasts to the clients started after the last step
+    down: int = 0  # broadcast bytes of clients started after the last step (older checkpoints)
 
     def checkpoint_entry(self) -> dict[str, Any]:
         """The state as plain values and CPU tensors (loadable with ``weights_only``)."""
@@ -206,12 +210,17 @@ class BufferedLoop:
     stop: Callable[[], bool] | None = None
     _down: int = 0
 
+    def _startable(self) -> list[int]:
+        """The clients that may start now: available at the current version, not in flight."""
+        p = self.progress
+        busy = {f.cid for f in p.flights}
+        return [c for c in self.pool(p.version) if c not in busy]
+
     def _top_up(self, state: State) -> None:
         """Start clients until C are in flight: drawn uniformly from the available clients not
         in flight, trained from the current version's broadcast."""
         p = self.progress
-        busy = {f.cid for f in p.flights}
-        eligible = [c for c in self.pool(p.version) if c not in busy]
+        eligible = self._startable()
         take = min(self.concurrency - len(p.flights), len(eligible))
         if take <= 0:
             return
@@ -257,8 +266,11 @@ class BufferedLoop:
         if rnd != p.version:
             raise RuntimeError(f"round {rnd} is not the server's version {p.version}")
         self._down, p.down = p.down, 0  # a row counts the broadcasts of its version's starts
-        if not p.flights:
-            self._top_up(state)
+        # the replacements of the last step's clients start now, from this version's model at
+        # the clock of the last step: as if started when the step was taken, but a run that
+        # ends (its last round, or early stopping) never trains clients whose updates no step
+        # would use
+        self._top_up(state)
         buffer: list[Buffered] = []
         rejected: list[str] = []
         accepted: list[tuple[int, Reply | None]] = []
@@ -295,9 +307,6 @@ class BufferedLoop:
         state, agg = self.algorithm.aggregate(state, accepted, rnd)
         p.version += 1
         p.started = set()
-        down, self._down = self._down, 0
-        self._top_up(state)  # the replacements of this step's clients, from the new model
-        p.down, self._down = self._down, down  # counted in the next row, as a round's are
         row = self._row(rnd, kept, accepted, rejected, bytes_up, agg)
         row["wall_s"] = time.perf_counter() - t0
         if self.evaluate is not None and ((rnd + 1) % self.eval_every == 0 or rnd == last_round):
@@ -337,7 +346,9 @@ class BufferedLoop:
             "sim_time_s": self.progress.clock,
             "staleness_mean": sum(stale) / len(stale) if stale else None,
             "staleness_max": max(stale) if stale else None,
-            "in_flight": len(self.progress.flights),
+            # the clients in flight once the next step's replacements start (at its beginning)
+            "in_flight": len(self.progress.flights)
+            + min(self.concurrency - len(self.progress.flights), len(self._startable())),
         }
         for key in ("peak_memory_bytes", "client_state_bytes"):
             values = [int(r.metrics[key]) for r in ok if key in r.metrics]
