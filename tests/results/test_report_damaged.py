@@ -133,8 +133,9 @@ def test_null_and_nan_values_are_noted_and_told_apart_from_missing_ones(tmp_path
     run = write_run(e, "fedavg", 1, rows_for([0.5, 0.8], 1, 1), summ(0.8, 0.8, 1, 1, 1, 0.5))
     summary = json.loads((run / "summary.json").read_text())
     summary.update(final_accuracy=None, final_loss=float("nan"), bytes_up_total=float("inf"),
-                   final_ece=None, local_accuracy=None, dp_epsilon=None,
-                   dp_audit_epsilon=float("inf"))  # fmt: skip
+                   final_ece=None, local_accuracy=None, dp_epsilon=None, best_perplexity=None,
+                   dp_audit_epsilon=float("inf"),  # an ε the report shows as ∞: no note
+                   final_client_accuracy_min=float("-inf"))  # fmt: skip
     (run / "summary.json").write_text(json.dumps(summary))
     with pytest.warns(IncompleteRunWarning) as caught:
         text = report(e)
@@ -142,6 +143,7 @@ def test_null_and_nan_values_are_noted_and_told_apart_from_missing_ones(tmp_path
     assert f"{run / 'summary.json'}: values that are not finite numbers" in said
     assert "final_accuracy (null: not finite)" in said
     assert "final_loss (NaN)" in said and "bytes_up_total (Infinity)" in said
+    assert "final_client_accuracy_min (-Infinity)" in said
     for silent in ("final_ece", "local_accuracy", "dp_epsilon", "dp_audit_epsilon", "best_"):
         assert silent not in said
     assert "| fedavg | 1 | – | 80.00 |" in text  # the table's format is as before

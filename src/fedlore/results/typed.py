@@ -121,19 +121,20 @@ def distrust(
 
 def _row_key(key: str) -> str | None:
     """The ``metrics.jsonl`` key whose value the summary's ``key`` holds (``final_accuracy``,
-    ``best_accuracy``: ``accuracy``; ``local_accuracy`` itself), None for a total or a cost."""
+    ``best_accuracy``: ``accuracy``; :data:`~fedlore.results.summary.SUMMARY_LAST`'s: ``local_*``,
+    ``dp_epsilon``), None for a total or a cost."""
     if key in SUMMARY_LAST:
         return SUMMARY_LAST[key]
     for prefix in ("final_", "best_"):
         if key.startswith(prefix):
             return key.removeprefix(prefix)
-    return key if key.startswith("local_") else None
+    return None
 
 
 def not_finite(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str | None:
     """The numbers of ``summary`` (keys :func:`expected` asks a number or null of) that no
-    statistic can use, as words for the run's note (None when there are none): ``NaN`` (or an
-    infinity, but in a ``dp_`` key, where it is an ε), and ``null``, which a summary writes for a
+    statistic can use, as words for the run's note (None when there are none): ``NaN`` or an
+    infinity (a summary edited, or of another writer), and ``null``, which a summary writes for a
     value that was not finite, unless no row of ``rows`` (the run's ``metrics.jsonl``) records
     its key: then the run never measured it (a regression's accuracy), as a key it lacks."""
     said = []
@@ -145,10 +146,8 @@ def not_finite(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str | Non
             if source is not None and rows and not any(source in r for r in rows):
                 continue  # never recorded: missing, as a key the summary lacks
             said.append(f"{key} (null: not finite)")
-        elif isinstance(v, float) and math.isnan(v):
-            said.append(f"{key} (NaN)")
-        elif isinstance(v, float) and math.isinf(v) and not key.startswith("dp_"):
-            said.append(f"{key} ({json.dumps(v)})")
+        elif isinstance(v, float) and not math.isfinite(v):
+            said.append(f"{key} ({json.dumps(v)})")  # NaN, Infinity or -Infinity
     if not said:
         return None
     return (
