@@ -6,7 +6,9 @@ reports, plots, converted corpora) goes through here. :func:`replacing` writes `
 the file's own folder, flushes it to disk (``fsync``) and renames it over ``<name>``
 (``os.replace``, atomic on a POSIX file system), so a kill, a full disk or a lost permission at any
 moment leaves the old file as it was. ``metrics.jsonl`` grows by whole lines instead
-(:func:`append_text`): an append that fails is cut back to the line before.
+(:func:`append_text`): an append that fails is cut back to the line before. A ``<name>.tmp``
+that a kill left is never read as ``<name>``; the next run of its folder deletes it
+(:func:`remove_temps`).
 
 Any ``OSError`` on the way (no space left, a quota, no permission, a read-only file system) removes
 the temporary file and is raised as :class:`WriteError`; ``torch.save``, which reports a failed
@@ -22,7 +24,7 @@ import gzip
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -59,6 +61,21 @@ def temp_path(path: Path, shared: bool = False) -> Path:
     if shared:
         return path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
     return path.with_name(path.name + TMP_SUFFIX)
+
+
+def remove_temps(folder: Path, names: Iterable[str]) -> list[str]:
+    """Delete the temporary file (:func:`temp_path`, ``<name>.tmp``) of each of ``names`` in
+    ``folder`` that a write cut short by a kill left behind, and return the names of those
+    deleted. Nothing else goes: not a file of another name, nor a ``shared`` write's. Call it
+    only while no other process can be writing them (a run holds its folder's lock)."""
+    removed = []
+    for name in names:
+        tmp = temp_path(Path(folder) / name)
+        with contextlib.suppress(FileNotFoundError):
+            if tmp.is_file() and not tmp.is_symlink():
+                tmp.unlink()
+                removed.append(tmp.name)
+    return removed
 
 
 def _os_error(e: BaseException) -> OSError | None:

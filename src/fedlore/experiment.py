@@ -70,7 +70,7 @@ from fedlore.engine.rundir import (
     run_record,
     spill_dir,
 )
-from fedlore.engine.runstart import resume_point, start_fresh
+from fedlore.engine.runstart import remove_stale_temps, resume_point, start_fresh
 from fedlore.engine.simclock import sim_clock
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport, Transport
@@ -188,7 +188,8 @@ def run(
     threads = use_threads(cfg.threads, recorded_threads(out) if folder.resume else None)
     if exp.device.type == "cpu":
         say_once("%d CPU thread%s (threads=%s)", threads, "" if threads == 1 else "s", cfg.threads)
-    with RunLock(folder.target), RunLock(out):  # the folders are this run's until it ends
+    with RunLock(folder.target), RunLock(out, moves_to=folder.target):  # ours until it ends
+        remove_stale_temps(out, folder.spill)  # a killed write's: never read, and now gone
         if not folder.resume:  # a fresh run: nothing of an earlier run in this folder may survive
             warn_uncounted(exp.privacy, out)  # an unfinished DP run's releases
             start_fresh(out, folder.spill, method, seed)
@@ -442,9 +443,9 @@ def run_experiment(
         # every folder this experiment will write is its own from the start: a second process
         # running the same experiment is refused now, not when it reaches a busy folder (after
         # having redone and rewritten the finished ones)
-        for seed in cfg.seeds:
-            for method in cfg.algorithms:
-                held.enter_context(RunLock(run_dir(cfg, method, seed)))
+        for target in (run_dir(cfg, m, s) for s in cfg.seeds for m in cfg.algorithms):
+            held.enter_context(RunLock(target))
+            remove_stale_temps(target)  # what a killed write left (also in a finished run)
         overwriting.begin(cfg, resume, overwrite)  # once the runs are ours, not a refused twin's
         _run_all(cfg, first, resume, overwrite, engine, out)
     overwriting.end(cfg, resume, overwrite)

@@ -260,6 +260,62 @@ def test_torn_temp_checkpoint_and_torn_metrics_line(
     assert not (out / "checkpoint.pt.tmp").exists()  # replaced by the next atomic save
 
 
+@pytest.mark.parametrize("committed", [True, False])
+def test_a_stale_temporary_file_is_never_read_and_the_resume_deletes_it(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, committed: bool
+) -> None:
+    """A kill inside an atomic write leaves ``<name>.tmp``, here whole (a later round's
+    checkpoint, killed before its rename): the resume continues from ``checkpoint.pt``, or from
+    the first round when the kill fell on the first checkpoint (``committed`` False), never from
+    the temporary file, and deletes every such file of its own; a user's files stay."""
+    want_summary, want = _reference("fedfull", tmp_path_factory)
+    cfg = _cfg(tmp_path)
+    out = run_dir(cfg, "fedfull", SEED)
+    run_one(cfg, "fedfull", SEED, stop_after=1)
+    later = torch.load(out / "checkpoint.pt", weights_only=True)
+    torch.save({**later, "round": 2}, out / "checkpoint.pt.tmp")
+    if not committed:
+        (out / "checkpoint.pt").unlink()
+    for name in ("summary.json", "config.json", "metrics.jsonl", "dp_ledger.json"):
+        (out / f"{name}.tmp").write_text('{"torn": ')
+    mine = ["notes.tmp", "checkpoint.pt.tmp.bak", "checkpoint.tmp", "summary.json.old.tmp"]
+    for name in mine:
+        (out / name).write_text("the user's")
+    assert run_one(cfg, "fedfull", SEED, resume=True, stop_after=2) is None  # killed again
+    assert [r["round"] for r in _rows(out / "metrics.jsonl")] == [0, 1, 2]
+    assert sorted(p.name for p in out.iterdir() if "tmp" in p.name) == sorted(mine)
+    got = run_one(cfg, "fedfull", SEED, resume=True)
+    assert got is not None
+    _assert_same_run(out, want, got, want_summary)
+    assert all((out / name).read_text() == "the user's" for name in mine)
+
+
+def test_stale_temporary_files_of_spilled_states_and_of_finished_runs_go(tmp_path: Path) -> None:
+    """A spilled client state's ``<client>.<generation>.pt.tmp`` goes (no checkpoint names
+    one), and a plain rerun of a finished run clears what a kill left in its folder."""
+    from fedlore.engine.runstart import remove_stale_temps
+    from fedlore.experiment import run_experiment
+
+    spill = tmp_path / "client_states"
+    spill.mkdir()
+    for name in ("3.7.pt.tmp", "3.7.pt", "notes.pt.tmp", "3.pt.tmp", "x.tmp"):
+        (spill / name).write_text("x")
+    remove_stale_temps(tmp_path / "run", spill)
+    assert sorted(p.name for p in spill.iterdir()) == [
+        "3.7.pt",
+        "3.pt.tmp",
+        "notes.pt.tmp",
+        "x.tmp",
+    ]
+    cfg = _cfg(tmp_path, "algorithms=[fedfull]", f"seeds=[{SEED}]")
+    run_experiment(cfg)
+    out = run_dir(cfg, "fedfull", SEED)
+    (out / "summary.json.tmp").write_text('{"torn": ')
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.name != "summary.json.tmp"}
+    run_experiment(cfg)  # reports the finished run
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 @pytest.mark.parametrize(
     ("method", "cut", "said"),
     [

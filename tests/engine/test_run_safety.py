@@ -136,8 +136,103 @@ def test_the_lock_is_released_when_a_run_fails(tmp_path: Path) -> None:
 
     with pytest.raises(Boom):
         run_one(cfg, "fedavg", SEED, extra_callbacks=(Explode(),))
+    assert not (out / "run.lock").exists()  # removed on the way out, as by a finished run
     with RunLock(out):  # free again
         pass
+
+
+def test_a_finished_run_folder_has_no_lock_and_a_second_run_after_it_works(
+    tmp_path: Path,
+) -> None:
+    """A finished run folder kept ``run.lock`` (a newcomer's finding): the lock file goes when
+    the run ends, and the next run of the folder takes and removes it again."""
+    cfg = _cfg(tmp_path, "algorithms=[fedavg]")
+    out = run_dir(cfg, "fedavg", SEED)
+    first = run_experiment(cfg)["fedavg"][0]
+    assert (out / "summary.json").is_file() and not (out / "run.lock").exists()
+    assert run_experiment(cfg)["fedavg"][0] == first  # reported, locked and released again
+    assert not (out / "run.lock").exists()
+    replaced = run_one(_cfg(tmp_path, "rounds=2"), "fedavg", SEED, overwrite=True)
+    assert replaced is not None and replaced["rounds"] == 2  # swapped in, with the lock it held
+    assert not (out / "run.lock").exists()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["seed-0"]
+    with RunLock(out):  # the folder is free, and still held against a second process
+        assert subprocess.run([sys.executable, "-c", _TRY.format(folder=str(out))],
+                              capture_output=True, text=True).stdout == "in use"  # fmt: skip
+    assert not (out / "run.lock").exists()
+
+
+_TRY = """
+from pathlib import Path
+from fedlore.engine.lock import RunLock, RunLocked
+try:
+    RunLock(Path({folder!r})).__enter__()
+except RunLocked:
+    print("in use", end="")
+"""
+
+
+def test_a_lock_file_removed_between_its_open_and_its_lock_is_opened_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that opened ``run.lock`` just before its holder removed it (on release) and
+    locked it after must not hold the folder: the file it locked is no longer the folder's
+    ``run.lock``, which a third process may create and lock. It opens the path again."""
+    import fcntl
+
+    import fedlore.engine.lock as lock
+
+    folder = tmp_path / "a"
+    folder.mkdir()
+    real, opened = os.open, list[Path]()
+
+    def open_then_removed(path: Path, *args: int) -> int:
+        fd = real(path, *args)
+        if not opened:  # the holder's release, right after this open
+            opened.append(path)
+            os.unlink(path)
+        return fd
+
+    monkeypatch.setattr(lock.os, "open", open_then_removed)
+    with RunLock(folder):
+        monkeypatch.undo()
+        assert opened  # opened once, removed, opened again
+        other = os.open(folder / "run.lock", os.O_RDWR)  # what a third process finds there
+        try:
+            with pytest.raises(BlockingIOError):  # held
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(other)
+
+
+def test_a_folder_the_lock_made_goes_when_nothing_was_written_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run refused after it took its folders' locks left empty folders (before, holding only
+    ``run.lock``, which the report skips): a folder the lock created goes with the lock when
+    it is empty; one that was there stays, and one removed under a process about to lock it
+    is made again."""
+    import fedlore.engine.lock as lock
+
+    with RunLock(tmp_path / "new" / "seed-0"):
+        pass
+    assert not (tmp_path / "new" / "seed-0").exists()
+    (tmp_path / "kept").mkdir()
+    with RunLock(tmp_path / "kept"):
+        pass
+    assert (tmp_path / "kept").is_dir() and not list((tmp_path / "kept").iterdir())
+    real, removed = os.open, list[Path]()
+
+    def folder_removed(path: Path, *args: int) -> int:
+        if not removed:  # its last holder removed the empty folder after this mkdir
+            removed.append(path)
+            os.rmdir(Path(path).parent)
+        return real(path, *args)
+
+    monkeypatch.setattr(lock.os, "open", folder_removed)
+    with RunLock(tmp_path / "kept"):
+        monkeypatch.undo()
+        assert removed and (tmp_path / "kept" / "run.lock").is_file()
 
 
 # --- 2. nothing is overwritten unasked --------------------------------------------------------

@@ -551,3 +551,44 @@ def test_an_overwrite_killed_right_after_a_swap_keeps_that_replacement_on_resume
     run_experiment(new, resume=True, overwrite=True)
     assert _files(first) == replaced  # kept, not trained again
     assert json.loads((run_dir(new, "fedfull", 0) / "config.json").read_text())["lr"] == 0.01
+
+
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_a_plain_run_that_completes_an_overwrites_swap_ends_it_as_if_uninterrupted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An --overwrite killed inside its last swap: the next plain run completes the swap, and
+    left ``overwriting.json`` behind, which said the --overwrite was still going (a newcomer's
+    finding). Every target finished, it goes: the experiment folder holds what an uninterrupted
+    --overwrite leaves. A plain run replaces nothing, so a record of an --overwrite with a run
+    still to replace (or an older one, naming no targets) stays for --overwrite --resume."""
+    from fedlore.engine import overwriting
+
+    run_experiment(_cfg(tmp_path))
+    new = _cfg(tmp_path, "rounds=2")
+    folder = run_dir(new, "fedavg", 0)
+    record = tmp_path / "rerun" / overwriting.RECORD
+    monkeypatch.setattr(rerun, "_exchange", _killed_after(lambda a, b: None))  # before it
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(new, overwrite=True)
+    monkeypatch.undo()
+    assert record.is_file() and rerun.pending_replacement(folder) is not None
+    assert run_experiment(new)["fedavg"][0]["rounds"] == 2  # the swap completed, kept
+    assert _rounds(folder) == [0, 1] and not record.exists()
+    reference = tmp_path / "reference"
+    run_experiment(_cfg(reference))
+    run_experiment(_cfg(reference, "rounds=2"), overwrite=True)
+    assert _tree(tmp_path / "rerun") == _tree(reference / "rerun")
+    # interrupted while it trains: a plain run keeps the finished run and the record
+    stop = [Interrupt(0)]
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(_cfg(tmp_path, "rounds=3"), overwrite=True, callbacks=lambda m, s: stop)
+    assert run_experiment(new)["fedavg"][0]["rounds"] == 2 and record.is_file()
+    assert run_experiment(_cfg(tmp_path, "rounds=3"), resume=True, overwrite=True)
+    assert _rounds(folder) == [0, 1, 2] and not record.exists()
+    record.write_text(json.dumps({"finished": ["fedavg/seed-0"]}))  # an older record
+    run_experiment(_cfg(tmp_path, "rounds=3"))
+    assert record.is_file()

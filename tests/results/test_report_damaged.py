@@ -122,3 +122,32 @@ def test_a_wrongly_typed_count_without_rows_is_left_missing_not_a_failed_report(
         text = report(e)
     assert 'rounds ("3", not an int: left missing)' in _said(caught)
     assert "| fedavg |" in text
+
+
+def test_null_and_nan_values_are_noted_and_told_apart_from_missing_ones(tmp_path: Path) -> None:
+    """A null or NaN in a summary showed as "–", as a value the run never recorded, with no
+    note (a newcomer's finding): now one note names each, NaN apart from null (a value that
+    was not finite when last measured: a diverged run's), while a value the rows never recorded
+    (a regression's accuracy, an ε without DP) stays as silent as a key the summary lacks."""
+    e = tmp_path / "exp"
+    run = write_run(e, "fedavg", 1, rows_for([0.5, 0.8], 1, 1), summ(0.8, 0.8, 1, 1, 1, 0.5))
+    summary = json.loads((run / "summary.json").read_text())
+    summary.update(final_accuracy=None, final_loss=float("nan"), bytes_up_total=float("inf"),
+                   final_ece=None, local_accuracy=None, dp_epsilon=None, best_perplexity=None,
+                   dp_audit_epsilon=float("inf"),  # an ε the report shows as ∞: no note
+                   final_client_accuracy_min=float("-inf"))  # fmt: skip
+    (run / "summary.json").write_text(json.dumps(summary))
+    with pytest.warns(IncompleteRunWarning) as caught:
+        text = report(e)
+    said = _said(caught)
+    assert f"{run / 'summary.json'}: values that are not finite numbers" in said
+    assert "final_accuracy (null: not finite)" in said
+    assert "final_loss (NaN)" in said and "bytes_up_total (Infinity)" in said
+    assert "final_client_accuracy_min (-Infinity)" in said
+    for silent in ("final_ece", "local_accuracy", "dp_epsilon", "dp_audit_epsilon", "best_"):
+        assert silent not in said
+    assert "| fedavg | 1 | – | 80.00 |" in text  # the table's format is as before
+    bare = write_run(e, "fedprox", 1, [], {**summ(0.8, 0.8, 1, 1, 1, 0.5), "final_loss": None})
+    with pytest.warns(IncompleteRunWarning) as caught:
+        load_runs(e)
+    assert f"{bare / 'summary.json'}: values that are not finite numbers" in _said(caught)

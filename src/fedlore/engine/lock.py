@@ -8,10 +8,19 @@ releases the lock when its process exits, however it exits (normally, by an exce
 so a lock file left behind by a dead process is stale and the next run takes it over; only a
 live process holds the folder. (``flock`` locks are per machine: two machines writing one folder
 on a network file system are not detected.)
+
+A run that ends (finished, failed with an error, or stopped by Ctrl-C) removes its lock file, so
+a finished run folder holds only its results (and a folder the lock created, in which nothing
+was written, goes too: a run refused before it started leaves no empty folder). The file is
+removed while still locked, and a process that locks a file only keeps it when the file is
+still the one at ``run.lock`` (else it opens the path again): one that opened the file before
+its removal and locked it after cannot hold the folder beside one that created a new
+``run.lock``. Only a killed process (``SIGKILL``, a power loss) leaves a stale lock file behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -34,45 +43,80 @@ class RunLocked(ConfigError):
     """The run folder is held by another live fedlore process."""
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` names the file open as ``fd`` (False when it names none)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
 class RunLock:
     """``with RunLock(folder): ...`` holds ``folder/run.lock`` exclusively for the block (the
-    folder is created if needed).
+    folder is created if needed) and removes it when the block ends, however it ends.
+
+    Args:
+        folder: the run folder.
+        moves_to: the folder ``folder`` may be renamed to while it is held (a replacement,
+            ``seed-<s>.overwrite``, swapped into its run folder): its lock file is removed
+            there then.
 
     Raises:
         RunLocked: on entry, when another live process holds it; the message names its PID,
             host and start time (read from the lock file).
     """
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, moves_to: Path | None = None) -> None:
         self.path = Path(folder) / LOCK_FILE
+        self._moved = None if moves_to is None else Path(moves_to) / LOCK_FILE
         self._fd: int | None = None
         self._nested = False
+        self._created = False
 
     def __enter__(self) -> RunLock:
+        self._created = not self.path.parent.is_dir()  # removed again if left empty
         self.path.parent.mkdir(parents=True, exist_ok=True)
         key = self.path.resolve()
         if key in _HELD:  # this process holds it already: re-entered, released by the outer
             _HELD[key] += 1
             self._nested = True
             return self
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 512).decode(errors="replace").strip() or "an unknown process"
-            os.close(fd)
-            raise _in_use(self.path.parent, holder) from None
+        fd = self._take()
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         try:
             os.ftruncate(fd, 0)
             os.write(fd, f"PID {os.getpid()} on {socket.gethostname()} since {stamp}\n".encode())
         except OSError as e:  # a full disk: one line naming the file, not a bare strerror
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+            self._release(fd)
             raise WriteError(self.path, e) from e
         self._fd = fd
         _HELD[key] = 1
         return self
+
+    def _take(self) -> int:
+        """The lock file open and locked; opened again when the file locked is no longer the
+        one at its path (its holder removed it on release: :meth:`__exit__`).
+
+        Raises:
+            RunLocked: when another live process holds it.
+        """
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:  # the folder, left empty, removed by its last holder
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 512).decode(errors="replace").strip() or "an unknown process"
+                os.close(fd)
+                raise _in_use(self.path.parent, holder) from None
+            if _same_file(fd, self.path):
+                return fd
+            os.close(fd)  # a released file, removed: not the folder's lock any more
 
     def __exit__(
         self,
@@ -87,12 +131,25 @@ class RunLock:
         if self._fd is None:
             return
         _HELD.pop(self.path.resolve(), None)
+        fd, self._fd = self._fd, None
+        self._release(fd)
+
+    def _release(self, fd: int) -> None:
+        """Remove the lock file while it is still locked (where the folder went, with
+        ``moves_to``), unlock and close it; then remove the folder, if this lock created it and
+        nothing was written there."""
         try:
-            os.ftruncate(self._fd, 0)  # no stale holder text for the next reader
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            with contextlib.suppress(OSError):  # a read-only folder: the file stays, unlocked
+                os.ftruncate(fd, 0)  # no stale holder text for the next reader
+                for path in (self.path, self._moved):  # removed while held (the module doc)
+                    if path is not None and _same_file(fd, path):
+                        path.unlink()
+            fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
-            os.close(self._fd)
-            self._fd = None
+            os.close(fd)
+        if self._created:
+            with contextlib.suppress(OSError):  # not empty (a run's files), or gone: kept
+                self.path.parent.rmdir()
 
 
 def _in_use(folder: Path, holder: str) -> RunLocked:

@@ -246,11 +246,20 @@ def end(cfg: Config, resume: bool, overwrite: bool) -> None:
     So it does after a plain ``--resume`` that finished an interrupted ``--overwrite`` (it
     refuses the runs of another config, so once it has finished every run is of this one):
     left there, the record would let a later ``--overwrite --resume`` train again the runs it
-    names as not yet replaced."""
-    if not (overwrite or resume):
+    names as not yet replaced. After a plain run (neither flag) it goes when it says that every
+    target is finished: an ``--overwrite`` killed after its last replacement but before its
+    record went (most often inside a swap, which that run completed:
+    :func:`~fedlore.engine.rerun.complete_swap`) is then as an uninterrupted one ends. A plain
+    run replaces nothing, so a record with a target still to replace stays for
+    ``--overwrite --resume`` (as does an older record, which names no targets)."""
+    targets = _listed(cfg, "targets")
+    if overwrite or resume:
+        done, targets = {*_finished(cfg), *_names(cfg)}, targets or []
+    elif targets is None:  # no record, or one that does not say what it was to replace
         return
-    done = {*_finished(cfg), *_names(cfg)}
-    if not [n for n in _listed(cfg, "targets") or [] if n not in done]:
+    else:
+        done = set(_finished(cfg))
+    if all(n in done for n in targets):
         _record(cfg).unlink(missing_ok=True)
 
 

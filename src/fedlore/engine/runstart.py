@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from fedlore.atomic import write_text
+from fedlore.atomic import remove_temps, write_text
 from fedlore.config import ConfigError
 from fedlore.engine.callbacks import Checkpointer, MetricsWriter
 from fedlore.engine.dp_ledger import LEDGER, account_repeats
 from fedlore.engine.rundir import RunFolder
-from fedlore.engine.store import ClientStore
+from fedlore.engine.store import ClientStore, remove_spill_temps
 from fedlore.privacy import Privacy
 from fedlore.progress import say
 from fedlore.types import State
@@ -28,6 +28,26 @@ from fedlore.types import State
 class StartOverWarning(UserWarning):
     """A fresh run discards the rounds of an unfinished run in its folder (shown whether or not
     progress messages are)."""
+
+
+OWN_FILES = ("checkpoint.pt", "config.json", "summary.json", "metrics.jsonl", LEDGER)
+"""The files of a run folder that a run replaces atomically (:mod:`fedlore.atomic`), each through
+``<name>.tmp``."""
+
+
+def remove_stale_temps(out: Path, spill: Path | None = None) -> None:
+    """Delete what a write cut short by a kill left in the run folder ``out`` (held by this
+    process's :class:`~fedlore.engine.lock.RunLock`, so no other run is writing there): the
+    ``<name>.tmp`` of each of :data:`OWN_FILES`, and in the spill folder ``spill`` the
+    ``<client>.<generation>.pt.tmp`` of a spilled client state
+    (:func:`~fedlore.engine.store.remove_spill_temps`). Never read as the files they were to
+    replace, they would otherwise stay beside the results; a file of any other name (a
+    user's) is left alone."""
+    gone = remove_temps(out, OWN_FILES)
+    if spill is not None:
+        gone += remove_spill_temps(spill)
+    if gone:
+        say("removed what a killed write left in %s: %s", out, ", ".join(sorted(gone)))
 
 
 def start_fresh(out: Path, spill: Path, method: str, seed: int, keep_ledger: bool = False) -> None:
@@ -52,7 +72,6 @@ def start_fresh(out: Path, spill: Path, method: str, seed: int, keep_ledger: boo
     for stale in (
         "summary.json",
         "checkpoint.pt",
-        "checkpoint.pt.tmp",
         "config.json",
         *(() if keep_ledger else (LEDGER,)),
     ):

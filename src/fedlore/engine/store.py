@@ -26,13 +26,23 @@ from typing import Any
 
 import torch
 
-from fedlore.atomic import TMP_SUFFIX, WriteError, save_tensors
+from fedlore.atomic import TMP_SUFFIX, WriteError, remove_temps, save_tensors
 from fedlore.engine.checkpoint_io import damage_reason, load_tensors
 from fedlore.tensors import to_cpu, to_device
 from fedlore.types import Arrays, State
 
 _SPILL_FILE = re.compile(r"^(\d+)\.(\d+)\.pt$")
 """``<client>.<generation>.pt``: the only files :meth:`ClientStore.collect_garbage` deletes."""
+
+
+def remove_spill_temps(spill_dir: Path) -> list[str]:
+    """Delete the ``<client>.<generation>.pt.tmp`` files in ``spill_dir`` (a spilled state's write
+    that a kill cut short; no checkpoint names one) and return their names. The run that owns
+    the folder calls it while it holds the folder's lock."""
+    if not spill_dir.is_dir():
+        return []
+    named = [p.name.removesuffix(TMP_SUFFIX) for p in spill_dir.iterdir()]
+    return remove_temps(spill_dir, [n for n in named if _SPILL_FILE.match(n)])
 
 
 def _state_bytes(state: State) -> int:

@@ -34,7 +34,7 @@ from fedlore.results.folders import (
     unreadable,
 )
 from fedlore.results.summary import derive_summary, lm_summary, replayed_stopping, value
-from fedlore.results.typed import distrust
+from fedlore.results.typed import distrust, not_finite
 
 # derive_summary, lm_summary and value live in results/summary.py (the one place summaries are
 # computed); they are importable from here as before
@@ -156,6 +156,8 @@ def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
         if summary is not None and (wrong := distrust(summary, method, seed, rows, recorded,
                                                       _eval_metrics(recorded))):  # fmt: skip
             warnings.warn(f"{summary_path}: {wrong}", IncompleteRunWarning, stacklevel=3)
+        if summary is not None and (nan := not_finite(summary, rows)):  # a "–" that says why
+            warnings.warn(f"{summary_path}: {nan}", IncompleteRunWarning, stacklevel=3)
         if summary is not None and (other := _of_another_run(summary, method, seed)) is not None:
             warnings.warn(  # its rows are the other run's too: no row of them under this name
                 f"{summary_path}: the summary of {other}, not of {method} seed {seed} (copied "

@@ -6,15 +6,22 @@ end the report in a table's arithmetic. :func:`mistyped` names the values of the
 :mod:`fedlore.results.store` then treats each as it treats a damaged summary: not trusted,
 derived from ``metrics.jsonl`` (and ``config.json``: the early-stopping rule replayed) where the
 report can, otherwise left missing, and said in one note naming the file and the keys.
+
+A number that is ``null`` or ``NaN`` (a diverged run's score: ``metrics.jsonl`` and
+``summary.json`` write a value that was not finite as ``null``) is of its type, but no
+statistic can use it: the table shows "–" for it, as for a value the run never recorded.
+:func:`not_finite` names such values, so that the report notes them in the same way: a "–"
+without a note is a value the run did not record.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
-from fedlore.results.summary import derive_summary, replayed_stopping
+from fedlore.results.summary import SUMMARY_LAST, derive_summary, replayed_stopping
 
 TEXT = frozenset({"method", "early_stopping_metric", "data_test_split"})
 """Keys whose value is a string."""
@@ -110,3 +117,40 @@ def distrust(
             del summary[key]
             said.append(f"{key} ({shown}, not {expected(key)}: left missing)")
     return "values of the wrong type not trusted: " + "; ".join(said)
+
+
+def _row_key(key: str) -> str | None:
+    """The ``metrics.jsonl`` key whose value the summary's ``key`` holds (``final_accuracy``,
+    ``best_accuracy``: ``accuracy``; :data:`~fedlore.results.summary.SUMMARY_LAST`'s: ``local_*``,
+    ``dp_epsilon``), None for a total or a cost."""
+    if key in SUMMARY_LAST:
+        return SUMMARY_LAST[key]
+    for prefix in ("final_", "best_"):
+        if key.startswith(prefix):
+            return key.removeprefix(prefix)
+    return None
+
+
+def not_finite(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str | None:
+    """The numbers of ``summary`` (keys :func:`expected` asks a number or null of) that no
+    statistic can use, as words for the run's note (None when there are none): ``NaN`` or an
+    infinity (a summary edited, or of another writer), and ``null``, which a summary writes for a
+    value that was not finite, unless no row of ``rows`` (the run's ``metrics.jsonl``) records
+    its key: then the run never measured it (a regression's accuracy), as a key it lacks."""
+    said = []
+    for key, v in summary.items():
+        if expected(key) != "a number or null":
+            continue
+        if v is None:
+            source = _row_key(key)
+            if source is not None and rows and not any(source in r for r in rows):
+                continue  # never recorded: missing, as a key the summary lacks
+            said.append(f"{key} (null: not finite)")
+        elif isinstance(v, float) and not math.isfinite(v):
+            said.append(f"{key} ({json.dumps(v)})")  # NaN, Infinity or -Infinity
+    if not said:
+        return None
+    return (
+        "values that are not finite numbers, left out of the statistics (a – in the "
+        "table where no seed has one): " + "; ".join(said)
+    )
