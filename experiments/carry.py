@@ -65,10 +65,11 @@ def unfinished(root: Path) -> list[Path]:
 
 def training(folder: Path) -> bool:
     """Whether a process holds the run's ``run.lock`` (:class:`fedlore.engine.lock.RunLock`)."""
-    lock = folder / "run.lock"
-    if not lock.exists():
+    try:  # never created here: a run removes its lock file when it ends
+        fd = open(folder / "run.lock", "rb")  # noqa: SIM115 (closed below)
+    except FileNotFoundError:
         return False
-    with open(lock, "a") as fd:
+    with fd:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -255,3 +255,16 @@ def test_unpack_keeps_count_of_the_dp_releases_made_here(tmp_path: Path) -> None
     (run / "dp_ledger.json").write_text('{"repeated_exchanges": 1}')
     assert carry.unpack(tmp_path) == 1
     assert json.loads((run / "dp_ledger.json").read_text()) == {"repeated_exchanges": 1}
+
+
+def test_training_asks_the_lock_without_making_one(tmp_path: Path) -> None:
+    # a run removes its run.lock when it ends: asking must not leave an empty one behind
+    carry = _carry()
+    assert carry.training(tmp_path) is False
+    assert not (tmp_path / "run.lock").exists()
+    lock = tmp_path / "run.lock"
+    lock.touch()
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert carry.training(tmp_path) is True
+    assert carry.training(tmp_path) is False
