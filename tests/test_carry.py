@@ -257,10 +257,17 @@ def test_unpack_keeps_count_of_the_dp_releases_made_here(tmp_path: Path) -> None
     assert json.loads((run / "dp_ledger.json").read_text()) == {"repeated_exchanges": 1}
 
 
-def test_training_asks_the_lock_without_making_one(tmp_path: Path) -> None:
-    # a run removes its run.lock when it ends: asking must not leave an empty one behind
+def test_training_asks_the_lock_without_making_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a run removes its run.lock when it ends: asking must not leave an empty one behind, even
+    # when the run ends between a look at the folder and the open (played by a look that says
+    # the lock is there)
     carry = _carry()
     assert carry.training(tmp_path) is False
+    with monkeypatch.context() as m:
+        m.setattr(Path, "exists", lambda self: True)
+        assert carry.training(tmp_path) is False
     assert not (tmp_path / "run.lock").exists()
     lock = tmp_path / "run.lock"
     lock.touch()
