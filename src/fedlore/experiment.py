@@ -1,7 +1,8 @@
 """Run an experiment: every method of the config for every seed, side by side.
 
-One run is one method for one seed: :func:`build` makes its :class:`Experiment` (the federation
-on the run's device, the method, the model factory, the server's first state, the privacy) and
+One run is one method for one seed: :func:`build` makes its
+:class:`~fedlore.experiment_parts.Experiment` (the federation on the run's device, the method,
+the model factory, the server's first state, the privacy) and
 :func:`run` trains it over a transport into its run folder; :func:`run_one` does both, with the
 run folder's rules (:mod:`fedlore.engine.rundir`, :mod:`fedlore.engine.rerun`).
 :func:`run_experiment` runs every method x seed through an :class:`Engine`: in process by
@@ -27,10 +28,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
-from torch import nn
-
-from fedlore.algorithm import Algorithm
 from fedlore.atomic import write_json
 from fedlore.checks import (
     check_in_process,
@@ -46,12 +43,12 @@ from fedlore.data.federation import Federation, build_federation
 from fedlore.device import resolve_device, training_precision, use_threads
 from fedlore.engine import overwriting
 from fedlore.engine.attack import attacked
-from fedlore.engine.buffered import AsyncState, BufferedLoop, buffered_loop, hooks
+from fedlore.engine.buffered import AsyncState, hooks
 from fedlore.engine.callbacks import Checkpointer, MetricsWriter, ProgressBar
 from fedlore.engine.early_stopping import early_stopper
 from fedlore.engine.interrupt import Interrupted
 from fedlore.engine.lock import RunLock
-from fedlore.engine.loop import Callback, RoundLoop
+from fedlore.engine.loop import Callback
 from fedlore.engine.rerun import (
     check_no_finished_run_of_another_config,
     finished_run,
@@ -71,67 +68,30 @@ from fedlore.engine.rundir import (
     spill_dir,
 )
 from fedlore.engine.runstart import remove_stale_temps, resume_point, start_fresh
-from fedlore.engine.simclock import sim_clock
 from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport, Transport
 from fedlore.engine.unreliable import unreliable
+from fedlore.experiment_loop import final_summary, make_loop
 from fedlore.experiment_parts import (
+    Experiment,
     check_config,
     describe_parameters,
     evaluator,
     make_algorithm,
-    make_diagnoser,
     model_factory,
     prepare_federation,
     start_server,
     try_method,
 )
 from fedlore.experiment_privacy import (
-    client_sampler,
     make_privacy,
     privacy_record,
-    privacy_summary,
     warn_over_target,
     warn_uncounted,
 )
-from fedlore.privacy import Privacy
 from fedlore.progress import command, say_once
-from fedlore.results.summary import summarize
 from fedlore.seeding import SERVER_INIT, generator
 from fedlore.tracking import open_tracking
-from fedlore.types import State
-
-
-@dataclass(frozen=True)
-class Experiment:
-    """One method for one seed, built and checked, with nothing written yet (:func:`build`).
-
-    Attributes:
-        cfg: the config.
-        method: the registered name of the method.
-        seed: the run's seed.
-        fed: the seed's federation, on ``device`` (checked against the model).
-        device: where the run trains.
-        fingerprint: ``fed.fingerprint()``, recorded in ``config.json``.
-        algorithm: the method (:func:`~fedlore.experiment_parts.make_algorithm`).
-        model_factory: builds the seed's initial model (the same for every method).
-        eval_model: the model server states are evaluated on.
-        state: the server's first state (a resumed run continues from its checkpoint instead).
-        privacy: secure aggregation and DP (None without either); its clip norm and ledger
-            total are updated as the run resumes and trains.
-    """
-
-    cfg: Config
-    method: str
-    seed: int
-    fed: Federation
-    device: torch.device
-    fingerprint: str
-    algorithm: Algorithm
-    model_factory: Callable[[], nn.Module]
-    eval_model: nn.Module
-    state: State
-    privacy: Privacy | None
 
 
 def build(
@@ -230,24 +190,9 @@ def run(
         if cfg.progress:
             bar = ProgressBar(f"{method} seed {seed}", 0, cfg.rounds - start, cfg.rounds)
             callbacks.append(bar)
-        loop: RoundLoop | BufferedLoop = RoundLoop(
-            algo,
-            clients,
-            client_sampler(cfg, seed, privacy),
-            evaluate_state,
-            cfg.eval.every,
-            callbacks,
-            make_diagnoser(cfg, algo, exp.eval_model, exp.fed, seed),
-            norm_screen=cfg.robust.norm_screen,
-            privacy=privacy,
-            stop=None if stopper is None else stopper.stopped,
-            clock=sim_clock(cfg, algo, exp.fed.client, seed, metrics.path, last, privacy),
+        loop = make_loop(
+            exp, clients, privacy, evaluate_state, callbacks, stopper, progress, metrics.path, last
         )
-        if progress is not None:  # asynchronous.buffer: one round is one server step
-            loop = buffered_loop(cfg, algo, clients, exp.fed.client, seed, progress,
-                                 evaluate=evaluate_state, eval_every=cfg.eval.every,
-                                 callbacks=callbacks, norm_screen=cfg.robust.norm_screen,
-                                 stop=loop.stop)  # fmt: skip
         end = cfg.rounds if stop_after is None else min(cfg.rounds, stop_after + 1)
         ran = False
         try:
@@ -265,15 +210,7 @@ def run(
                 tracking.abort()  # unfinished: a resume logs its rounds again
         if not finished:  # stop_after: a killed run, for tests
             return None
-        summary = summarize(method, seed, metrics.path, cfg.eval.metrics)
-        if stopper is not None:  # stopped_round, best_round; final_* of the best round
-            stopper.finish(summary, metrics.path, tuple(cfg.eval.metrics))
-        if exp.fed.test_split is not None:  # no test split of its own: what was held out
-            summary["data_test_split"] = exp.fed.test_split
-        summary.update(privacy_summary(privacy))  # the mechanism, beside its ε
-        measured = getattr(clients, "summary_fields", None)  # a transport's own (Flower's bytes)
-        if measured is not None:
-            summary.update(measured())
+        summary = final_summary(exp, metrics.path, stopper, privacy, clients)
         write_json(out / "summary.json", summary)
         tracking.finish(summary, out)  # before the folder moves (a tracker may write in it)
         # a finished run is never resumed: its spilled client states are no longer needed

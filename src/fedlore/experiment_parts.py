@@ -8,7 +8,8 @@ its ``method.<name>`` overrides, after :mod:`fedlore.checks` has had its say);
 method needs it); :func:`evaluator` scores a server state on the central test set, the
 selection split and the clients' test splits, :func:`make_diagnoser` measures it
 (``diagnostics.*``); :func:`describe_parameters` says at the start what a method projects or
-adapts; :func:`try_method` is the preflight's trial of a method.
+adapts; :func:`try_method` is the preflight's trial of a method. :class:`Experiment` holds
+them for one method and one seed (:func:`fedlore.experiment.build` makes it).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -46,6 +48,7 @@ from fedlore.device import resolve_device
 from fedlore.diagnostics import Diagnoser
 from fedlore.experiment_privacy import make_privacy
 from fedlore.models import build_model
+from fedlore.privacy import Privacy
 from fedlore.progress import say
 from fedlore.seeding import MODEL_INIT, SERVER_INIT, derive_seed, generator
 from fedlore.settings import build_hyper
@@ -66,6 +69,39 @@ if TYPE_CHECKING:
     from fedlore.algorithms.lowrank import LowRankHyper
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One method for one seed, built and checked, with nothing written yet
+    (:func:`fedlore.experiment.build`).
+
+    Attributes:
+        cfg: the config.
+        method: the registered name of the method.
+        seed: the run's seed.
+        fed: the seed's federation, on ``device`` (checked against the model).
+        device: where the run trains.
+        fingerprint: ``fed.fingerprint()``, recorded in ``config.json``.
+        algorithm: the method (:func:`~fedlore.experiment_parts.make_algorithm`).
+        model_factory: builds the seed's initial model (the same for every method).
+        eval_model: the model server states are evaluated on.
+        state: the server's first state (a resumed run continues from its checkpoint instead).
+        privacy: secure aggregation and DP (None without either); its clip norm and ledger
+            total are updated as the run resumes and trains.
+    """
+
+    cfg: Config
+    method: str
+    seed: int
+    fed: Federation
+    device: torch.device
+    fingerprint: str
+    algorithm: Algorithm
+    model_factory: Callable[[], nn.Module]
+    eval_model: nn.Module
+    state: State
+    privacy: Privacy | None
 
 
 def make_algorithm(name: str, cfg: Config) -> Algorithm:

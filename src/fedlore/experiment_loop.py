@@ -1,0 +1,91 @@
+"""How one run's rounds are driven, and what its summary says once they are done.
+
+:func:`make_loop` builds the loop of a run (:func:`fedlore.experiment.run`): the synchronous
+:class:`~fedlore.engine.loop.RoundLoop`, or FedBuff's
+:class:`~fedlore.engine.buffered.BufferedLoop` under ``asynchronous.buffer`` (one round is one
+server step), with the same callbacks, evaluation and early stopping. :func:`final_summary` is
+the finished run's ``summary.json``: the rows' summary, early stopping's rounds, the held-out
+test split, the privacy mechanism beside its ε, and a transport's own measurements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from fedlore.config import Config
+from fedlore.engine.buffered import AsyncState, BufferedLoop, buffered_loop
+from fedlore.engine.early_stopping import EarlyStopping
+from fedlore.engine.loop import Callback, RoundLoop
+from fedlore.engine.simclock import sim_clock
+from fedlore.engine.transport import Transport
+from fedlore.experiment_parts import Experiment, make_diagnoser
+from fedlore.experiment_privacy import client_sampler, privacy_summary
+from fedlore.privacy import Privacy
+from fedlore.results.summary import summarize
+from fedlore.types import State
+
+
+def make_loop(
+    exp: Experiment,
+    clients: Transport,
+    privacy: Privacy | None,
+    evaluate: Callable[[State], dict[str, float]],
+    callbacks: Sequence[Callback],
+    stopper: EarlyStopping | None,
+    progress: AsyncState | None,
+    metrics: Path,
+    last: int | None,
+) -> RoundLoop | BufferedLoop:
+    """The loop of ``exp`` over ``clients``: synchronous, or buffered when ``progress`` (the
+    FedBuff state a checkpoint restores) is given.
+
+    Args:
+        privacy: the run's privacy as resumed (its ledger and clip norm carried on).
+        evaluate: scores a server state (every ``eval.every`` rounds and after the last).
+        callbacks: called after every round, in order.
+        stopper: early stopping, whose ``stopped`` ends the loop before a round.
+        metrics: the run's ``metrics.jsonl`` (the simulated clock resumes from its rows).
+        last: the last round recorded (None for a fresh run).
+    """
+    cfg, algo, seed = exp.cfg, exp.algorithm, exp.seed
+    stop = None if stopper is None else stopper.stopped
+    if progress is not None:  # asynchronous.buffer: one round is one server step
+        return buffered_loop(cfg, algo, clients, exp.fed.client, seed, progress,
+                             evaluate=evaluate, eval_every=cfg.eval.every, callbacks=callbacks,
+                             norm_screen=cfg.robust.norm_screen, stop=stop)  # fmt: skip
+    return RoundLoop(
+        algo,
+        clients,
+        client_sampler(cfg, seed, privacy),
+        evaluate,
+        cfg.eval.every,
+        callbacks,
+        make_diagnoser(cfg, algo, exp.eval_model, exp.fed, seed),
+        norm_screen=cfg.robust.norm_screen,
+        privacy=privacy,
+        stop=stop,
+        clock=sim_clock(cfg, algo, exp.fed.client, seed, metrics, last, privacy),
+    )
+
+
+def final_summary(
+    exp: Experiment,
+    metrics: Path,
+    stopper: EarlyStopping | None,
+    privacy: Privacy | None,
+    clients: Transport,
+) -> dict[str, Any]:
+    """The finished run's summary (module docstring): what ``summary.json`` holds."""
+    cfg: Config = exp.cfg
+    summary = summarize(exp.method, exp.seed, metrics, cfg.eval.metrics)
+    if stopper is not None:  # stopped_round, best_round; final_* of the best round
+        stopper.finish(summary, metrics, tuple(cfg.eval.metrics))
+    if exp.fed.test_split is not None:  # no test split of its own: what was held out
+        summary["data_test_split"] = exp.fed.test_split
+    summary.update(privacy_summary(privacy))  # the mechanism, beside its ε
+    measured = getattr(clients, "summary_fields", None)  # a transport's own (Flower's bytes)
+    if measured is not None:
+        summary.update(measured())
+    return summary
