@@ -6,6 +6,7 @@ mixed model, ``local_epochs`` and the refusals."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TypedDict
 
 import pytest
@@ -444,3 +445,85 @@ def test_two_steps_on_two_minibatches_by_hand() -> None:
     torch.testing.assert_close(v["weight"], v_w, rtol=0, atol=1e-12)
     torch.testing.assert_close(v["bias"], v_b, rtol=0, atol=1e-12)
     assert float(new.arrays[ALPHA]) == pytest.approx(a, abs=1e-12)
+
+
+def test_v_and_alpha_step_at_the_scheduled_rate_of_their_step() -> None:
+    """A cosine schedule over one round of K = 3 whole-split steps: step k moves w, v and α at
+    ``η_k = η (1 + cos(π k / K)) / 2`` (η, 3η/4, η/4), from the values step k - 1 left, by hand
+    (under a constant rate a hook that read another step's rate passed)."""
+    import math
+
+    lr, a, k = 0.4, 0.4, 3
+    algo = APFL.of(lr=lr, local_steps=k, batch_size=4, rounds=1, schedule="cosine")
+    assert algo.round_lrs(0, 4) == pytest.approx([lr, 0.75 * lr, 0.25 * lr])
+    data = _data()
+    v_w, v_b = _v0()
+    reply, new = _one_step(algo, _state(v_w, v_b, a), data)
+    m = _model()
+    w, b = m.weight.detach(), m.bias.detach()
+    for step in range(k):
+        eta = lr * 0.5 * (1 + math.cos(math.pi * step / k))
+        gw, gb = _grad(w, b, data.train)
+        hw, hb = _grad(a * v_w + (1 - a) * w, a * v_b + (1 - a) * b, data.train)
+        grad_a = float(((v_w - w) * hw).sum() + ((v_b - b) * hb).sum())
+        w, b, v_w, v_b = w - eta * gw, b - eta * gb, v_w - eta * a * hw, v_b - eta * a * hb
+        a = min(max(a - eta * grad_a, 0.0), 1.0)
+    up = select(reply.arrays, "update.")
+    torch.testing.assert_close(up["weight"], w - m.weight.detach(), rtol=0, atol=1e-12)
+    v = personal_arrays(new)
+    torch.testing.assert_close(v["weight"], v_w, rtol=0, atol=1e-12)
+    torch.testing.assert_close(v["bias"], v_b, rtol=0, atol=1e-12)
+    assert float(new.arrays[ALPHA]) == pytest.approx(a, abs=1e-12)
+
+
+class _Root(nn.Module):
+    """A linear classifier plus ``√c`` on its logits: finite at ``c = 0``, whose gradient in
+    ``c`` is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(D_IN, CLASSES)
+        self.c = nn.Parameter(torch.ones(CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.c.sqrt()
+
+
+@pytest.mark.parametrize("case", ["infinite_loss", "infinite_gradient"])
+def test_a_step_whose_loss_or_gradient_at_the_mixed_model_is_not_finite_leaves_v(
+    case: str,
+) -> None:
+    """α = 1 (v̄ = v) and a v at which only one of the two is not finite: a logit of -inf on a
+    target class (the loss is inf, its gradient finite: softmax gives that class 0), or
+    ``c = 0`` under ``√c`` (the loss is finite, its gradient in c infinite). Either way v's two
+    steps are skipped and counted, v stays, and w trains as FedAvg's."""
+    algo = APFL.of(lr=0.3, local_steps=2, batch_size=4, rounds=2, alpha=1.0, adaptive_alpha=False)
+    fedavg = FedAvg.of(lr=0.3, local_steps=2, batch_size=4, rounds=2)
+    data = _data()
+
+    def net() -> nn.Module:
+        return (_model() if case == "infinite_loss" else _Root()).double()
+
+    v = {k: t.detach().clone() for k, t in net().state_dict().items()}
+    if case == "infinite_loss":
+        v["bias"][0] = -math.inf
+        assert (data.train.y == 0).any()  # the premise: the -inf logit is some example's target
+    else:
+        v["c"].zero_()
+    state = State(
+        arrays={
+            **{f"personal.{k}": t for k, t in v.items()},
+            ALPHA: torch.tensor(1.0, dtype=torch.float64),
+        }
+    )
+    msg = algo.broadcast(algo.init_server(net(), generator(0, 2)), 0, 0)
+    reply, new = algo.client_update(msg, state, net(), data, generator(0, 3))
+    msg = fedavg.broadcast(fedavg.init_server(net(), generator(0, 2)), 0, 0)
+    plain, _ = fedavg.client_update(msg, None, net(), data, generator(0, 3))
+    assert plain.metrics["skipped_steps"] == 0
+    assert all(torch.equal(reply.arrays[k], plain.arrays[k]) for k in plain.arrays)
+    assert reply.metrics["skipped_steps"] == 2
+    assert reply.metrics["personal_loss"] != reply.metrics["personal_loss"]  # NaN: no step
+    kept = personal_arrays(new)
+    assert all(torch.equal(kept[k], v[k]) for k in v)

@@ -6,6 +6,8 @@ evaluation-time adaptation's step count, the Hessian-vector product against torc
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from torch import nn
 from fedlore.algorithms.perfedavg import PerFedAvg
 from fedlore.algorithms.weight_grads import hessian_vector
 from fedlore.config import ConfigError, load_config
-from fedlore.data.client_data import ClientData, TensorSplit
+from fedlore.data.client_data import ClientData, TensorSplit, stream_batches
 from fedlore.experiment_parts import make_algorithm
 from fedlore.seeding import generator
 from fedlore.tensors import select
@@ -224,6 +226,7 @@ def test_each_step_draws_independent_minibatches(
     algo = PerFedAvg.of(lr=0.1, local_steps=4, batch_size=2, rounds=2, variant=variant)
     _round(algo, _data(n=8))
     assert len(seen) == 4 and all(len(b) == (3 if variant == "hf" else 2) for b in seen)
+    assert all(len(x) == 2 for b in seen for x, _ in b)  # D, D' and D'' all of B examples
     assert len(drawn) == 4 and all(
         torch.equal(b[0][0], d) for b, d in zip(seen, drawn, strict=True)
     )
@@ -332,16 +335,27 @@ def test_frozen_tensors_are_sent_once_and_never_move() -> None:
 
 def test_a_streamed_client_reads_its_rounds_part_of_the_stream() -> None:
     """A client that reads one stream over the run (``stream_seed``): its inner minibatches D of
-    round t are batches t·K .. of the stream, so the same generator in rounds 0 and 1 gives
-    other uploads (D' is drawn from the generator alike in both)."""
+    round t are batches t·K .. t·K + K - 1 of the stream, so the same generator in rounds 0 and
+    1 gives other uploads (D' is drawn from the generator alike in both)."""
+    seen: list[torch.Tensor] = []
+    real = PerFedAvg.meta_gradient
+
+    def spy(self: PerFedAvg, model: nn.Module, params: object, batches: object) -> object:
+        seen.append(batches[0][0])  # type: ignore[index]
+        return real(self, model, params, batches)  # type: ignore[arg-type]
+
     algo = PerFedAvg.of(lr=0.1, local_steps=2, batch_size=2, rounds=4)
     data = dataclasses.replace(_data(n=8), stream_seed=5)
     ups = []
-    for rnd in (0, 1):
-        msg = algo.broadcast(algo.init_server(_model(), generator(0, 2)), rnd, 0)
-        reply, _ = algo.client_update(msg, None, _model(), data, generator(0, 3))
-        ups.append(reply.arrays["update.weight"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(PerFedAvg, "meta_gradient", spy)
+        for rnd in (0, 1):
+            msg = algo.broadcast(algo.init_server(_model(), generator(0, 2)), rnd, 0)
+            reply, _ = algo.client_update(msg, None, _model(), data, generator(0, 3))
+            ups.append(reply.arrays["update.weight"])
     assert not torch.equal(ups[0], ups[1])
+    want = [x for x, _ in stream_batches(data.train, 2, 4, 5, start=0)]  # rounds 0 and 1
+    assert len(seen) == 4 and all(torch.equal(a, b) for a, b in zip(seen, want, strict=True))
 
 
 def test_the_reported_losses_are_the_means_over_the_steps() -> None:
@@ -368,3 +382,170 @@ def test_the_reported_losses_are_the_means_over_the_steps() -> None:
     reply, _ = _round(algo, bad)
     assert reply.metrics["skipped_steps"] == 2
     assert reply.metrics["train_loss"] != reply.metrics["train_loss"]  # NaN
+    assert all(bool((u == 0).all()) for u in reply.arrays.values())  # no step taken
+
+
+@pytest.mark.parametrize("variant", ["fo", "hf"])
+def test_the_outer_direction_is_clipped_and_the_inner_step_is_not(variant: str) -> None:
+    """``optim.grad_clip`` scales the outer direction (``∇f(w̃)``, or HF's ``(I - α A) ∇f(w̃)``)
+    to the clip norm before β's step, with ``clip_grad_norm_``'s coefficient
+    ``c / (‖g‖ + 1e-6)``; the inner step that defines ``w̃`` is taken unclipped. Two
+    full-batch steps on the quadratic, by hand."""
+    lr, alpha, clip = 0.2, 0.15, 1e-2
+    algo = PerFedAvg.of(lr=lr, local_steps=2, batch_size=N, rounds=2, alpha=alpha,
+                        grad_clip=clip, variant=variant)  # fmt: skip
+    data = _data()
+    reply, _ = _round(algo, data)
+    a, c = _quadratic(data.train)
+    theta = _theta0()
+    for _ in range(2):
+        g_in = a @ theta - c
+        assert float(g_in.norm()) > 10 * clip  # the premise: clipping the inner step would act
+        g = a @ (theta - alpha * g_in) - c
+        if variant == "hf":
+            g = g - alpha * (a @ g)
+        norm = float(g.norm())
+        assert norm > 10 * clip  # the premise: the clip acts on the outer direction
+        theta = theta - lr * (clip / (norm + 1e-6)) * g
+    torch.testing.assert_close(_theta1(reply), theta, rtol=0, atol=1e-12)
+
+
+def test_momentum_carries_over_the_outer_steps_and_its_buffer_is_counted() -> None:
+    """SGD momentum μ on the outer step: ``b_k = μ b_{k-1} + g_k``, ``w <- w - β b_k`` over
+    three full-batch FO steps (one optimizer for the round), by hand; ``optimizer_state_bytes``
+    is the buffer (one float64 per parameter) and ``train_s`` lies within the call's time."""
+    lr, alpha, mu = 0.2, 0.15, 0.9
+    algo = PerFedAvg.of(lr=lr, local_steps=3, batch_size=N, rounds=2, alpha=alpha,
+                        local_optimizer="sgd", momentum=mu)  # fmt: skip
+    data = _data()
+    t0 = time.perf_counter()
+    reply, _ = _round(algo, data)
+    wall = time.perf_counter() - t0
+    a, c = _quadratic(data.train)
+    theta, buf = _theta0(), torch.zeros(D_IN + 1, dtype=torch.float64)
+    for _ in range(3):
+        g = a @ (theta - alpha * (a @ theta - c)) - c
+        buf = mu * buf + g
+        theta = theta - lr * buf
+    torch.testing.assert_close(_theta1(reply), theta, rtol=0, atol=1e-12)
+    assert reply.metrics["optimizer_state_bytes"] == (D_IN + 1) * 8
+    train_s = reply.metrics["train_s"]
+    assert isinstance(train_s, float) and 0 < train_s <= wall
+
+
+@pytest.mark.parametrize("variant", ["fo", "hf"])
+def test_every_minibatch_stream_is_drawn_from_the_clients_generator(variant: str) -> None:
+    """D, D' and D'' (B < n) all come from the client's round generator: the same generator
+    gives the same upload whatever torch's global one (a stream drawn from the global one
+    would differ)."""
+    algo = PerFedAvg.of(lr=0.1, local_steps=3, batch_size=2, rounds=2, variant=variant)
+    data = _data(n=8)
+    ups = []
+    for global_seed in (1, 2):
+        msg = algo.broadcast(algo.init_server(_model(), generator(0, 2)), 0, 0)
+        model = _model()
+        torch.manual_seed(global_seed)
+        reply, _ = algo.client_update(msg, None, model, data, generator(0, 3))
+        ups.append(reply.arrays["update.weight"])
+    assert torch.equal(ups[0], ups[1])
+
+
+class _Masked(nn.Module):
+    """A linear classifier whose class-0 logit is -inf (a buffer): the loss of a class-0
+    example is inf while every gradient stays finite (softmax gives class 0 exactly 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(D_IN, 2)
+        self.register_buffer("mask", torch.tensor([-math.inf, 0.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.mask
+
+
+class _Pow(nn.Module):
+    """A linear regression plus ``|c|^1.5`` at ``c = 0``: finite loss and gradient (0 in c),
+    but its second derivative in c is not finite (HF's Hessian-vector product is NaN)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(D_IN, 1)
+        self.c = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.c.abs().pow(1.5)
+
+
+@pytest.mark.parametrize("case", ["infinite_loss", "infinite_hessian"])
+def test_a_step_whose_loss_or_direction_is_not_finite_is_skipped(case: str) -> None:
+    """Two full-batch steps, each either skipped whole (counted, the model unmoved) or taken:
+    an inf loss with finite gradients (``_Masked``: skipped by FO), or finite losses with a
+    non-finite HF direction (``_Pow``: skipped by HF, while FO, whose direction is finite,
+    steps)."""
+    net: type[nn.Module]
+    if case == "infinite_loss":
+        g = torch.Generator().manual_seed(4)
+        x = torch.randn(6, D_IN, generator=g, dtype=torch.float64)
+        y = torch.tensor([0, 1, 0, 1, 0, 1])
+        data = ClientData(0, TensorSplit(x[:4], y[:4]), TensorSplit(x[4:], y[4:]))
+        variants, net = {"fo": True, "hf": True}, _Masked
+    else:
+        data, variants, net = _data(), {"fo": False, "hf": True}, _Pow
+    for variant, skips in variants.items():
+        algo = PerFedAvg.of(lr=0.2, local_steps=2, batch_size=len(data.train), rounds=2,
+                            variant=variant)  # fmt: skip
+        msg = algo.broadcast(algo.init_server(net().double(), generator(0, 2)), 0, 0)
+        reply, _ = algo.client_update(msg, None, net().double(), data, generator(0, 3))
+        assert reply.metrics["skipped_steps"] == (2 if skips else 0), variant
+        moved = reply.arrays["update.lin.weight"]
+        assert torch.isfinite(moved).all()
+        assert bool((moved == 0).all()) == skips, variant
+
+
+def test_a_model_handed_over_in_eval_mode_trains_in_train_mode() -> None:
+    """The client puts the model in training mode: with BatchNorm, a model handed over in eval
+    mode (as after an evaluation) trains and uploads exactly as one in training mode (batch
+    statistics, running averages updated)."""
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(D_IN, 3), nn.BatchNorm1d(3), nn.Linear(3, 1)).double()
+
+    algo = PerFedAvg.of(lr=0.1, local_steps=2, batch_size=N, rounds=2)
+    data = _data()
+    ups = []
+    for model in (net(), net().eval()):
+        msg = algo.broadcast(algo.init_server(net(), generator(0, 2)), 0, 0)
+        reply, _ = algo.client_update(msg, None, model, data, generator(0, 3))
+        ups.append(reply.arrays)
+    assert float(ups[0]["update.1.running_mean"].abs().max()) > 0  # the premise: stats moved
+    assert all(torch.equal(ups[0][k], ups[1][k]) for k in ups[0])
+
+
+def test_a_step_whose_outer_loss_alone_is_not_finite_is_skipped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``_Masked`` on one example of each class, B = 1: a step is skipped exactly when D or D'
+    holds the class-0 example (an inf loss at w or at w̃; every gradient stays finite), also
+    when D' alone does."""
+    seen: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]] = []
+    real = PerFedAvg.meta_gradient
+
+    def spy(self: PerFedAvg, model: nn.Module, params: object, batches: object) -> object:
+        seen.append(batches)  # type: ignore[arg-type]
+        return real(self, model, params, batches)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PerFedAvg, "meta_gradient", spy)
+    x = torch.tensor([[0.5, -1.0], [1.5, 0.25], [0.0, 1.0]], dtype=torch.float64)
+    y = torch.tensor([1, 0, 1])
+    data = ClientData(0, TensorSplit(x[:2], y[:2]), TensorSplit(x[2:], y[2:]))
+    algo = PerFedAvg.of(lr=0.2, local_steps=8, batch_size=1, rounds=2)
+    msg = algo.broadcast(algo.init_server(_Masked().double(), generator(0, 2)), 0, 0)
+    reply, _ = algo.client_update(msg, None, _Masked().double(), data, generator(0, 3))
+    inner_zero = [bool((b[0][1] == 0).any()) for b in seen]
+    outer_zero = [bool((b[1][1] == 0).any()) for b in seen]
+    assert any(o and not i for i, o in zip(inner_zero, outer_zero, strict=True))  # the premise
+    want = sum(i or o for i, o in zip(inner_zero, outer_zero, strict=True))
+    assert 0 < want < 8 and reply.metrics["skipped_steps"] == want

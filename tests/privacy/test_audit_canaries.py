@@ -31,6 +31,7 @@ from fedlore.privacy.canaries import (
     Canaries,
     canaries_per_round,
     directions,
+    flat_model,
     upload_model_keys,
 )
 from fedlore.privacy.empirical import Fit, estimate_epsilon, fit, null_std, pair_epsilon
@@ -115,7 +116,15 @@ def test_each_audit_draws_its_key_from_os_entropy(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("count", "clients", "per_round", "expected"),
-    [(200, 10, 10, 200), (200, 10, 5, 100), (7, 10, 3, 2), (10, 10, 1, 1), (9, 30, 7, 2)],
+    [
+        (200, 10, 10, 200),
+        (200, 10, 5, 100),
+        (7, 10, 3, 2),
+        (10, 10, 1, 1),
+        (9, 30, 7, 2),
+        (7, 10, 5, 3),  # 3.5 rounds down, never up
+        (2, 10, 1, 0),  # none: the audit refuses it (fewer than 1 per round), never 1
+    ],
 )
 def test_canaries_are_inserted_at_most_at_the_real_clients_ratio(
     count: int, clients: int, per_round: int, expected: int
@@ -155,6 +164,38 @@ def test_uploads_must_be_changes_of_model_tensors() -> None:
         upload_model_keys({"update.w": ((2, 3), torch.float32)}, model)
     with pytest.raises(ValueError, match=r"'lora\.A'"):
         upload_model_keys({"lora.A": ((2,), torch.float32)}, model)
+
+
+def test_the_model_is_laid_out_in_upload_order_in_float64() -> None:
+    """``flat_model``: the global tensors named by ``pairs``, each flattened row-major, in the
+    pairs' order (the uploads' sorted keys), float64; tensors no upload names are left out."""
+    w = torch.arange(6, dtype=torch.float32).reshape(3, 2) / 3
+    model = {"w": w, "b": torch.tensor([-1.5, 2.25], dtype=torch.float32), "other": torch.ones(4)}
+    spec = {"update.w": ((3, 2), torch.float32), "update.b": ((2,), torch.float32)}
+    flat = flat_model(model, upload_model_keys(spec, model))
+    want = [-1.5, 2.25, *[float(x) for x in w.double().flatten()]]
+    assert flat.dtype == torch.float64 and flat.tolist() == want
+    flat = flat_model(model, [("update.w", "w"), ("update.b", "b")])
+    assert flat.tolist() == [*want[2:], *want[:2]]
+
+
+def test_cosines_and_uploads_divide_by_each_directions_own_norm() -> None:
+    """The float32 rows are unit vectors only up to rounding, so the cosines and the uploads
+    use each row's own norm: with rows of norms 0.5 to 3, the cosines are still
+    ``⟨c_i, v⟩ / (‖c_i‖ ‖v‖)`` and each inserted canary adds ``C c_i / ‖c_i‖`` (norm C), by
+    hand."""
+    can = _canaries(count=4, unseen=2, dim=50, per_round=4)
+    scale = torch.tensor([0.5, 1.0, 2.0, 3.0, 0.75, 1.5], dtype=torch.float32)
+    can.vectors = can.vectors * scale[:, None]
+    can.inverse_norms = 1.0 / can.vectors.double().norm(dim=1)
+    g = can.vectors.double()
+    v = torch.randn(50, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want = (g @ v) / (g.norm(dim=1) * v.norm())
+    torch.testing.assert_close(can.cosines(3.0 * v), want, rtol=0, atol=1e-6)
+    total = torch.zeros(50, dtype=torch.float64)
+    assert can.inject(total, 0.7) == [0, 1, 2, 3]  # every canary: per_round = count
+    torch.testing.assert_close(total, (0.7 * g[:4] / g[:4].norm(dim=1)[:, None]).sum(0),
+                               rtol=0, atol=1e-6)  # fmt: skip
 
 
 # ---------------------------------------------------------------- the statistics
