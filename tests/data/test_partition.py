@@ -252,3 +252,30 @@ def test_a_registered_partition_must_return_one_integer_array_per_client() -> No
         assert len(partition_labels(cfg, 42, LABELS)) == 3
     finally:
         registry._TABLES["partition"].pop("_test_odd_parts")
+
+
+def test_a_partitioner_without_settings_gets_only_the_keys_it_names() -> None:
+    """`def f(labels, num_clients, rng)` (no ``**settings``) was called with alpha, min_size,
+    ... and failed with a TypeError traceback; it now gets the partition keys it names."""
+    from fedlore.config import load_config
+    from fedlore.data.partition import partition_labels
+
+    seen: dict[str, float] = {}
+
+    def bare(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
+        return np.array_split(np.arange(len(labels)), num_clients)
+
+    def alpha_only(
+        labels: np.ndarray, num_clients: int, rng: np.random.Generator, alpha: float = 0.0
+    ) -> list[np.ndarray]:
+        seen["alpha"] = alpha
+        return bare(labels, num_clients, rng)
+
+    for name, fn in [("_test_bare", bare), ("_test_alpha_only", alpha_only)]:
+        registry.register_partition(name)(fn)
+        try:
+            cfg = load_config(None, ["num_clients=4", f"partition.name={name}"])
+            assert len(partition_labels(cfg, 42, LABELS)) == 4
+        finally:
+            registry._TABLES["partition"].pop(name)
+    assert seen == {"alpha": load_config(None, []).partition.alpha}

@@ -480,12 +480,11 @@ def partition_labels(
     extra = {k: v for k, v in given.items() if k in params}
     if "kwargs" not in params:
         extra.update(_declared_kwargs(partition, cfg))
+    settings = cfg.partition.model_dump(exclude={"name", "kwargs"})
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):  # no **settings: what it names
+        settings = {k: v for k, v in settings.items() if k in params}
     parts: list[np.ndarray] = partition(
-        labels,
-        cfg.num_clients,
-        data_rng(seed, DATA_PARTITION),
-        **cfg.partition.model_dump(exclude={"name", "kwargs"}),
-        **extra,
+        labels, cfg.num_clients, data_rng(seed, DATA_PARTITION), **settings, **extra
     )
     _check_cover(parts, len(labels), name, cfg.num_clients, getattr(partition, "covers", True))
     return parts
