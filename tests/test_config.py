@@ -647,3 +647,11 @@ def test_an_override_with_an_unquoted_yaml_mark_says_how_to_quote_it() -> None:
     assert "\n" not in msg and "value is not valid YAML (while scanning an alias" in msg
     assert "quote text holding YAML's marks inside the value" in msg
     assert "\"method.fedper.personal_layers=['*']\" (a list)" in msg
+
+
+@pytest.mark.parametrize("item", ["=3", ".rounds=3", "data..root=x", "rounds.=3"])
+def test_an_override_whose_key_has_an_empty_part_is_named(item: str) -> None:
+    """'=3' and '.rounds=3' were 'unknown key' errors of the key '' listing every key."""
+    with pytest.raises(ConfigError, match="has an empty part"):
+        apply_overrides({}, [item])
+    assert apply_overrides({}, [" rounds=3"]) == {"rounds": 3}  # spaces around are stripped

@@ -89,6 +89,33 @@ def test_bad_imports_are_one_line_config_errors(tmp_path: Path) -> None:
         load_config(None, ["imports=[no_such_module_here]"])
 
 
+def test_a_class_that_is_no_method_is_refused_when_registered(tmp_path: Path) -> None:
+    """A class without the Algorithm parts (no Hyper base, or Hyper without the four methods)
+    is a one-line error at registration, not a traceback when the first run starts."""
+    half = tmp_path / "half.py"
+    half.write_text(
+        "from dataclasses import dataclass\n"
+        "from fedlore.algorithms.base import Hyper\n"
+        "from fedlore.registry import register_algorithm\n"
+        "@register_algorithm('plugin_no_parts')\n"
+        "@dataclass(frozen=True)\n"
+        "class NoParts(Hyper):\n"
+        "    pass\n"
+    )
+    try:
+        with pytest.raises(ConfigError, match=r"'plugin_no_parts': 'NoParts' lacks \['init_se"):
+            load_config(None, [f"imports=[{half}]"])
+        assert "plugin_no_parts" not in registry._TABLES["algorithm"]
+        for part in registry.ALGORITHM_PARTS:  # each part is asked for
+            bare = type("Bare", (), {p: None for p in registry.ALGORITHM_PARTS if p != part})
+            with pytest.raises(TypeError, match=rf"lacks \['{part}'\]"):
+                registry.register_algorithm("plugin_bare")(bare)
+    finally:
+        registry._TABLES["algorithm"].pop("plugin_no_parts", None)
+        registry._TABLES["algorithm"].pop("plugin_bare", None)
+        sys.modules.pop(plugins.module_name(str(half.resolve())), None)
+
+
 @pytest.mark.flower
 def test_a_method_from_a_file_runs_on_the_simulation_workers(
     plugin: Path, tmp_path: Path, digits_npz: list[str]

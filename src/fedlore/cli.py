@@ -243,6 +243,12 @@ def _main(argv: list[str], command: bool) -> int:
         if ns.command == "partition":
             from fedlore.data.federation import build_federation
 
+            if cfg.flower.site_data:  # each site's folder is its data: nothing is partitioned
+                raise ConfigError(
+                    "flower.site_data=true: each SuperNode reads its own data-root, so there is "
+                    "no partition to show; check a site's folder with "
+                    "fedlore.flower.sites.site_federation (docs: how-to/site-local-data)"
+                )
             if ns.plot is not None:
                 _check_plot_path(ns.plot)
             for seed in cfg.seeds:

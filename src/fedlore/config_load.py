@@ -131,7 +131,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     """Apply ``key=value`` overrides (dotted keys, YAML-parsed values) to a raw config dict.
 
     Raises:
-        ConfigError: when an override has no ``=`` or descends into a non-mapping.
+        ConfigError: when an override has no ``=``, a key with an empty part (``=3``,
+            ``data..root=x``) or descends into a non-mapping.
     """
     out = copy.deepcopy(raw)
     given: set[tuple[str, ...]] = set()
@@ -154,6 +155,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             ) from None
         node = out
         parts = key.strip().split(".")
+        if "" in parts:  # '=3', '.rounds=3', 'data..root=x': the key names nothing
+            raise ConfigError(f"override {item!r}: the key {key!r} has an empty part")
         for p in parts[:-1]:
             nxt = node.setdefault(p, {})
             if p in LIST_SHORTHANDS and isinstance(nxt, list | str):  # tracking=[...] before

@@ -353,6 +353,7 @@ def run_experiment(
         engine = Engine(functools.partial(_run_with_callbacks, callbacks), engine.session)
     out: dict[str, list[dict[str, Any]]] = {m: [] for m in cfg.algorithms}
     check_config(cfg)
+    check_site_data(cfg, deployed=False)  # before the data: a server's folder has no training set
     check_output_dir(cfg)
     for seed in cfg.seeds:  # before any folder or lock is made
         for method in cfg.algorithms:

@@ -49,9 +49,35 @@ def _register(kind: str, name: str) -> Callable[[F], F]:
     return deco
 
 
+# What :class:`fedlore.algorithm.Algorithm` asks of a method class (named here: the registry
+# imports no method code).
+ALGORITHM_PARTS = (
+    "capabilities", "caps", "init_server", "broadcast", "client_update", "aggregate",
+    "global_arrays", "expected_reply",
+)  # fmt: skip
+
+
 def register_algorithm(name: str) -> Callable[[F], F]:
-    """Register an algorithm class (a frozen hyperparameter dataclass) under ``name``."""
-    return _register("algorithm", name)
+    """Register an algorithm class (a frozen hyperparameter dataclass) under ``name``.
+
+    Raises:
+        TypeError: for a class that lacks a part of :class:`fedlore.algorithm.Algorithm` (a
+            method of one's own that subclasses neither ``Hyper`` nor a built-in method would
+            otherwise fail with a traceback when the first run starts).
+    """
+    deco = _register("algorithm", name)
+
+    def checked(cls: F) -> F:
+        missing = [part for part in ALGORITHM_PARTS if not hasattr(cls, part)]
+        if missing:
+            raise TypeError(
+                f"algorithm {name!r}: {getattr(cls, '__name__', cls)!r} lacks {missing}; "
+                "subclass fedlore.algorithms.base.Hyper (or a built-in method) and define "
+                "the four methods of docs/how-to/add-method"
+            )
+        return deco(cls)
+
+    return checked
 
 
 def register_model(name: str) -> Callable[[F], F]:

@@ -95,3 +95,17 @@ def test_split_local_edge_cases() -> None:
     assert tr.tolist() == [7] and te.size == 0
     tr, te = split_local(np.array([3, 5]), 0.9, rng)
     assert len(tr) == 1 and len(te) == 1
+
+
+def test_a_loader_that_returns_no_data_source_is_named() -> None:
+    """A registered loader returning something else (a dict) failed deep inside with
+    AttributeError: 'dict' object has no attribute 'name'; the source is named instead."""
+    from fedlore import registry
+
+    registry.register_source("_test_dict_source")(lambda root=None: {"x": 1})
+    try:
+        cfg = load_config(None, ["data.name=_test_dict_source"])
+        with pytest.raises(ValueError, match="'_test_dict_source': its loader returned a dict"):
+            build_federation(cfg, 42)
+    finally:
+        registry._TABLES["source"].pop("_test_dict_source")

@@ -224,3 +224,58 @@ def test_a_partition_setting_the_partitioner_never_reads_is_named() -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", DataWarning)
                 partition_labels(c, 0, LABELS)
+
+
+def test_a_registered_partition_must_return_one_integer_array_per_client() -> None:
+    """A partitioner of one's own that returns fewer parts than clients (the run would train
+    with the missing clients rejected every round, and exit 0) or float indices is refused with
+    one line naming it."""
+    from fedlore.config import load_config
+    from fedlore.data.partition import partition_labels
+
+    cfg = load_config(None, ["num_clients=3", "partition.name=_test_odd_parts"])
+    for parts, says in [
+        ([np.arange(len(LABELS))], "returned 1 parts for num_clients=3"),
+        (None, "returned NoneType for num_clients=3"),
+        (np.array_split(np.arange(len(LABELS), dtype=float), 3), "dtype ['float64']"),
+    ]:
+        registry.register_partition("_test_odd_parts")(lambda *a, _p=parts, **k: _p)
+        try:
+            with pytest.raises(ValueError, match=r"partition '_test_odd_parts' .*") as e:
+                partition_labels(cfg, 42, LABELS)
+            assert says in str(e.value)
+        finally:
+            registry._TABLES["partition"].pop("_test_odd_parts")
+    empty = [np.arange(len(LABELS)), np.array([]), np.array([], dtype=np.int64)]  # empty: any dtype
+    registry.register_partition("_test_odd_parts")(lambda *a, **k: empty)
+    try:
+        assert len(partition_labels(cfg, 42, LABELS)) == 3
+    finally:
+        registry._TABLES["partition"].pop("_test_odd_parts")
+
+
+def test_a_partitioner_without_settings_gets_only_the_keys_it_names() -> None:
+    """`def f(labels, num_clients, rng)` (no ``**settings``) was called with alpha, min_size,
+    ... and failed with a TypeError traceback; it now gets the partition keys it names."""
+    from fedlore.config import load_config
+    from fedlore.data.partition import partition_labels
+
+    seen: dict[str, float] = {}
+
+    def bare(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
+        return np.array_split(np.arange(len(labels)), num_clients)
+
+    def alpha_only(
+        labels: np.ndarray, num_clients: int, rng: np.random.Generator, alpha: float = 0.0
+    ) -> list[np.ndarray]:
+        seen["alpha"] = alpha
+        return bare(labels, num_clients, rng)
+
+    for name, fn in [("_test_bare", bare), ("_test_alpha_only", alpha_only)]:
+        registry.register_partition(name)(fn)
+        try:
+            cfg = load_config(None, ["num_clients=4", f"partition.name={name}"])
+            assert len(partition_labels(cfg, 42, LABELS)) == 4
+        finally:
+            registry._TABLES["partition"].pop(name)
+    assert seen == {"alpha": load_config(None, []).partition.alpha}

@@ -86,3 +86,22 @@ def test_site_mode_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     _write(empty, "train", 10)
     with pytest.raises(ConfigError, match="holds no test examples"):
         server_federation(_cfg(empty), 42)
+
+
+def test_run_and_partition_refuse_site_mode_before_reading_the_data(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`fedlore run` / `fedlore partition` of a site-local config (the server's folder holds
+    only test.npz) say that the mode needs a deployment, not that a client got no data from
+    the Dirichlet partition (what building the federation first said)."""
+    from fedlore.cli import main
+    from fedlore.experiment import run_experiment
+
+    _write(tmp_path / "server", "test", 30)
+    cfg = _cfg(tmp_path / "server", f"output_dir={tmp_path / 'runs'}")
+    with pytest.raises(ConfigError, match="needs a `flwr run` deployment"):
+        run_experiment(cfg)
+    args = ["data.name=npz", f"data.root={tmp_path / 'server'}", "flower.site_data=true"]
+    assert main(["partition", *args]) == 2
+    assert "no partition to show" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

@@ -208,3 +208,22 @@ def test_the_cnns_channels_last_pool_is_torchs_pool_bit_for_bit(
         assert torch.equal(grads[0], grads[1])
     cnn = CNN((1, 28, 28), 10, (8, 16), 64, 0.0)
     assert sum(isinstance(m, MaxPool2d) for m in cnn.modules()) == 2
+
+
+def test_a_head_of_another_width_than_the_classes_is_refused() -> None:
+    """A registered model whose head ignores ``num_classes`` failed in the first loss with a
+    traceback (IndexError: Target 4 is out of bounds); it is refused when built."""
+    from fedlore import registry
+
+    @registry.register_model("_test_three_outputs")
+    def three(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+        model = nn.Module()
+        model.head = nn.Linear(4, 3)
+        return model
+
+    try:
+        build_model("_test_three_outputs", (4,), 3)  # as many outputs as classes: fine
+        with pytest.raises(ValueError, match="its head gives 3 outputs, but the data have 10"):
+            build_model("_test_three_outputs", (4,), 10)
+    finally:
+        registry._TABLES["model"].pop("_test_three_outputs")

@@ -318,7 +318,9 @@ def test_track_sends_nothing_of_another_config_and_says_when_nothing_was_sent(
     `not finished` of a folder that did not exist, and sent a 2-round run as this config's."""
     args = _args(tmp_path, "algorithms=[fedavg]")
     assert main(["track", *args, "tracking=[tensorboard]"]) == 1
-    assert "nothing sent: no finished run of this config" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert "nothing sent: no finished run of this config" in err
+    assert "not finished" not in out and f"fedavg seed {SEED}: no run (" in out
     assert main(["run", *args]) == 0
     longer = [*args, f"rounds={ROUNDS + 1}", "tracking=[tensorboard]"]
     capsys.readouterr()

@@ -49,7 +49,8 @@ def load_source(data: DataConfig) -> DataSource | Corpus:
     Raises:
         KeyError: for an unknown source.
         ValueError: when an option of :data:`SOURCE_OPTIONS` is set for a source that does not
-            take it, or input noise is asked of a source whose inputs are token ids.
+            take it, input noise is asked of a source whose inputs are token ids, or the loader
+            returns neither a DataSource nor a Corpus.
     """
     loader = registry.get("source", data.name)
     accepted = inspect.signature(loader).parameters
@@ -63,6 +64,11 @@ def load_source(data: DataConfig) -> DataSource | Corpus:
     source: DataSource | Corpus = loader(data.root, **options)
     if isinstance(source, Corpus):
         return source
+    if not isinstance(source, DataSource):  # a loader of one's own: said here, not deep inside
+        raise ValueError(
+            f"source {data.name!r}: its loader returned a {type(source).__name__}, not a "
+            "fedlore.data.sources.DataSource (docs: how-to/add-model-data)"
+        )
     if data.noise > 0 and not source.train.x.is_floating_point():
         raise ValueError(
             f"data.noise={data.noise} adds pixel noise, but source {data.name!r} gives "

@@ -395,9 +395,20 @@ def partition_natural(
     ]
 
 
-def _check_cover(parts: list[np.ndarray], n: int, name: str, complete: bool = True) -> None:
-    """Every index in ``[0, n)`` in exactly one part (``complete``), or in at most one (a
-    partitioner that may leave examples out: the count left out is said)."""
+def _check_cover(
+    parts: list[np.ndarray], n: int, name: str, clients: int, complete: bool = True
+) -> None:
+    """One integer index array per client, and every index in ``[0, n)`` in exactly one part
+    (``complete``), or in at most one (a partitioner that may leave examples out: the count left
+    out is said)."""
+    if not isinstance(parts, (list, tuple)) or len(parts) != clients:
+        got = f"{len(parts)} parts" if isinstance(parts, (list, tuple)) else type(parts).__name__
+        raise ValueError(f"partition {name!r} returned {got} for num_clients={clients}; it "
+                         "must return one index array per client")  # fmt: skip
+    kinds = {np.asarray(p).dtype for p in parts if np.asarray(p).size}
+    if any(k.kind not in "iu" for k in kinds):
+        raise ValueError(f"partition {name!r} returned indices of dtype {sorted(map(str, kinds))}"
+                         "; index arrays must be integers")  # fmt: skip
     flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     if complete:
         if len(flat) != n or not np.array_equal(np.sort(flat), np.arange(n)):
@@ -469,12 +480,11 @@ def partition_labels(
     extra = {k: v for k, v in given.items() if k in params}
     if "kwargs" not in params:
         extra.update(_declared_kwargs(partition, cfg))
+    settings = cfg.partition.model_dump(exclude={"name", "kwargs"})
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):  # no **settings: what it names
+        settings = {k: v for k, v in settings.items() if k in params}
     parts: list[np.ndarray] = partition(
-        labels,
-        cfg.num_clients,
-        data_rng(seed, DATA_PARTITION),
-        **cfg.partition.model_dump(exclude={"name", "kwargs"}),
-        **extra,
+        labels, cfg.num_clients, data_rng(seed, DATA_PARTITION), **settings, **extra
     )
-    _check_cover(parts, len(labels), name, complete=getattr(partition, "covers", True))
+    _check_cover(parts, len(labels), name, cfg.num_clients, getattr(partition, "covers", True))
     return parts

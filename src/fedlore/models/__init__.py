@@ -44,7 +44,8 @@ def build_model(
     Raises:
         KeyError: if ``name`` is not registered (the message lists the registered names).
         ValueError: on a malformed or unsupported input shape, a bad class count, an unknown
-            keyword argument, or a bad keyword value, naming the model and the offending value.
+            keyword argument, a bad keyword value, or a ``head`` with another number of outputs
+            than ``num_classes``, naming the model and the offending value.
     """
     factory = registry.get("model", name)
     shape = check_shape(name, input_shape)
@@ -63,4 +64,9 @@ def build_model(
         ) from e
     if not isinstance(getattr(model, "head", None), nn.Linear):
         raise ValueError(f"model {name!r} does not name its classifier Linear 'head'")
+    if model.head.out_features != num_classes:  # else a run fails in its first loss
+        raise ValueError(
+            f"model {name!r}: its head gives {model.head.out_features} outputs, but the data "
+            f"have {num_classes} classes; build head = nn.Linear(..., num_classes)"
+        )
     return model

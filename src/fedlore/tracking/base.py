@@ -203,6 +203,9 @@ def track_finished(cfg: Config, runs: Iterable[tuple[str, int, Path]]) -> list[s
     working: list[str] = list(cfg.tracking.backends)  # a tracker that failed: not tried again
     for method, seed, folder in runs:
         summary = folder / "summary.json"
+        if not folder.is_dir():  # never run under this name (a typo in name=, another output_dir)
+            lines.append(f"{method} seed {seed}: no run ({folder} does not exist)")
+            continue
         if not summary.exists():
             lines.append(f"{method} seed {seed}: not finished ({folder} has no summary.json)")
             continue
