@@ -71,6 +71,7 @@ TABLE: dict[str, Row] = {
     "fedlore_random": Row(0,    T,   T,  F,     F, T,   1,   "shared", F,     "fedlore"),
     "fedlore_sketch": Row(1,    T,   T,  F,     F, T,   1,   "shared", F,     "fedlore"),
     "fedmask":        Row(0,    F,   F,  F,     F, T,   2,   None,     F,     "own"),
+    "heterofl":       Row(0,    F,   F,  F,     F, T,   1,   None,     F,     "own"),
     "fednova":        Row(0,    F,   T,  F,     F, T,   1,   None,     F,     "own"),
     "fedper":         Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),
     "fedprox":        Row(0,    T,   T,  T,     F, T,   1,   None,     F,     "default"),

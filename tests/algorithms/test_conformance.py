@@ -83,6 +83,7 @@ LEARNING_OVERRIDES: dict[str, list[str]] = {
     "scaffold": ["method.scaffold.lr=0.3"],  # SGD steps, as FedAvg
     "feddyn": ["method.feddyn.lr=0.3"],  # SGD steps, as FedAvg
     "fednova": ["method.fednova.lr=0.3"],  # SGD steps, as FedAvg
+    "heterofl": ["method.heterofl.lr=0.3"],  # SGD steps, as FedAvg
     "qffl": ["method.qffl.lr=0.3"],  # SGD steps, as FedAvg
     "fedper": ["method.fedper.lr=0.3"],
     "fedbn": ["method.fedbn.lr=0.3"],

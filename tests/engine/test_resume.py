@@ -116,9 +116,16 @@ KILLS = [
     ("moon", 1),  # each client's previous model (prev.*), the negative of its contrastive term
     ("apfl", 1),  # each client's v_i and alpha_i (personal.*, apfl.alpha)
     ("perfedavg", 1),  # no client state: its D' and D'' streams come from the round generator
+    ("heterofl", 1),  # its rate salt and width plan (server state values); rolling windows
 ]
-MODEL: dict[str, tuple[str, ...]] = {"fedbn": ("model.kwargs={hidden: [32], norm: batch}",)}
-"""A method's own model (FedBN refuses one without BatchNorm)."""
+MODEL: dict[str, tuple[str, ...]] = {
+    "fedbn": ("model.kwargs={hidden: [32], norm: batch}",),
+    # sub-models of three widths whose windows move with the round (so the round counter
+    # matters after the resume)
+    "heterofl": ("method.heterofl.rates=[1.0, 0.5, 0.25]", "method.heterofl.extraction=rolling"),
+}
+"""A method's own settings (FedBN refuses a model without BatchNorm; HeteroFL's rolling
+extraction)."""
 
 
 @pytest.mark.parametrize(("method", "kill_after"), KILLS)

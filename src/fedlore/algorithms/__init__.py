@@ -15,6 +15,7 @@ from fedlore.algorithms import (  # noqa: F401
     fednova,
     fedrep,
     fedslop,
+    heterofl,
     local_galore,
     lora_fair,
     lora_fedit,
