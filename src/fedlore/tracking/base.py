@@ -184,7 +184,7 @@ def open_tracking(cfg: Config, method: str, seed: int, out: Path, target: Path) 
 
         _attempt(backend, begin)  # a tracker that cannot start: warned, off for this run
     if replay and tracking:
-        say("%s seed %d: %d tracked rounds logged again", method, seed, len(replay))
+        say("%s seed %d: its %d recorded rounds sent to the trackers", method, seed, len(replay))
     return tracking
 
 
