@@ -229,7 +229,10 @@ def trial_spend(
     if local and checkpoint is not None and not problems:
         last, uploads = checkpoint
         after = (max(rows) - last) if rows else 0  # rows a cut-off attempt wrote after it
-        clients = {c: n + after + repeats for c, n in uploads.counts.items()}
+        # a client the counts leave out took part in no exchange before the checkpoint, but
+        # may have in every one after it and in every repeat
+        everyone = set(range(cfg.num_clients)) | set(uploads.counts)
+        clients = {c: uploads.counts.get(c, 0) + after + repeats for c in everyone}
     most = total if clients is None else max(clients.values(), default=0)
     mine = (
         composed_epsilon([Exchanges(sigma, 1, 1, most)], cfg.dp.delta, accountant=cfg.dp.accountant)
@@ -326,13 +329,14 @@ def _summary(path: Path) -> dict[str, Any]:
 
 def _checkpoint(path: Path) -> tuple[int, Uploads] | None:
     """(its last round, local DP's counts of exchanges) of the checkpoint; None when there is
-    none or it cannot be read."""
+    none, it cannot be read or it holds no counts."""
     if not path.is_file():
         return None
     try:
         raw = load_tensors(path, "cpu")
         uploads = Uploads()
-        uploads.restore(str(raw["server"]["values"].get(UPLOADS_KEY, "")))
+        # a local DP run always checkpoints its counts: a file without them is foreign
+        uploads.restore(str(raw["server"]["values"][UPLOADS_KEY]))
         return int(raw["round"]), uploads
     except Exception:  # a torn or foreign file: counted without it
         return None
