@@ -32,6 +32,7 @@ from fedlore.config_sections import (
 from fedlore.config_stopping import EarlyStoppingConfig
 from fedlore.config_tracking import TrackingConfig
 from fedlore.config_tune import TuneConfig, key_problem
+from fedlore.config_unset import clients_per_round
 from fedlore.settings import StrictModel as _Strict
 from fedlore.settings import steps_or_epochs
 
@@ -356,7 +357,7 @@ class Config(_Strict):
 
     def clients_per_round(self) -> int:
         """Number of clients sampled each round: max(1, floor(C * num_clients))."""
-        return max(1, int(self.participation * self.num_clients + 1e-9))
+        return clients_per_round(self.participation, self.num_clients)
 
 
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")

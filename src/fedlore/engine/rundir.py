@@ -32,6 +32,7 @@ from pydantic import BaseModel
 from fedlore import registry
 from fedlore.algorithm import Algorithm
 from fedlore.config import Config, ConfigError
+from fedlore.config_unset import resolve_unset, unset_rules
 from fedlore.device import PLATFORM_KEYS, platform_record
 from fedlore.settings import RUN_WIDE, LocalTraining, config_paths, not_applicable
 
@@ -368,7 +369,10 @@ def config_diff(
     Settings that decide no result (``device``, ``name``, the data fingerprint, the record
     keys) are left out; a setting the record lacks counts as its default; with a recorded
     ``hyper`` the method's resolved settings are compared instead of how the config spelled
-    them (those of ``make_algorithm(method, cfg)``)."""
+    them (those of ``make_algorithm(method, cfg)``). A setting whose unset value stands for one
+    the other settings decide (:data:`fedlore.config_unset.UNSET_MEANS`) is compared, and
+    shown, at that value: ``asynchronous.concurrency`` unset and spelled out as
+    ``clients_per_round`` are the same run."""
     raw = dict(recorded)
     hyper_before = raw.pop("hyper", None)
     before = _flatten(raw)
@@ -381,6 +385,8 @@ def config_diff(
     now = _flatten(_run_config(cfg, method))
     for record in (before, now):  # the folder's name, not a setting: a renamed copy is the same
         record.pop("name", None)
+    cls = registry.get("algorithm", method)
+    defaults = _defaults(cls, method)
     if hyper_before is not None:  # the method's settings as resolved (types and defaults)
         before.pop("method", None)
         now.pop("method", None)
@@ -390,7 +396,12 @@ def config_diff(
         now.update(
             {f"hyper.{k}": v for k, v in resolved_hyper(make_algorithm(method, cfg)).items()}
         )
-        cls = registry.get("algorithm", method)
+    # an unset setting that stands for a value the others decide is that value: spelling it
+    # out is no difference (asynchronous.concurrency unset is clients_per_round)
+    rules = unset_rules({**config_paths(LocalTraining), **config_paths(cls)})
+    resolve_unset(before, rules, defaults, set(now))
+    resolve_unset(now, rules, defaults)
+    if hyper_before is not None:
         unread = _unread_method_settings(method, before, now)
         unread |= {k for k in set(before) | set(now) if k.startswith(METHOD_ONLY)}
         unread |= unread_given(cls, before) & unread_given(cls, now)
@@ -401,16 +412,6 @@ def config_diff(
             now.pop(key, None)
     # a setting added to fedlore after the run started is no difference while it keeps its
     # default (the run was made with that behaviour)
-    defaults = _flatten(_run_config(Config(), method))
-    cls = registry.get("algorithm", method)
-    fields = dataclasses.fields(cls)
-    given = [(f.name, f.default) for f in fields if f.default is not dataclasses.MISSING]
-    given += [
-        (f.name, f.default_factory())
-        for f in fields
-        if f.default_factory is not dataclasses.MISSING
-    ]
-    defaults.update({f"hyper.{k}": v for k, v in _flat_hyper(given).items()})
     diff = sorted(
         k
         for k in set(before) | set(now)
@@ -433,6 +434,21 @@ def config_diff(
         "; ".join(f"{k}: {before.get(k, defaults.get(k))!r} -> {now.get(k)!r}" for k in diff[:5])
         + more
     )
+
+
+def _defaults(cls: type, method: str) -> dict[str, Any]:
+    """The default of every setting :func:`config_diff` compares for ``method`` (of class
+    ``cls``): the config's at their paths, the method's fields' as ``hyper.*``."""
+    defaults = _flatten(_run_config(Config(), method))
+    fields = dataclasses.fields(cls)
+    given = [(f.name, f.default) for f in fields if f.default is not dataclasses.MISSING]
+    given += [
+        (f.name, f.default_factory())
+        for f in fields
+        if f.default_factory is not dataclasses.MISSING
+    ]
+    defaults.update({f"hyper.{k}": v for k, v in _flat_hyper(given).items()})
+    return defaults
 
 
 DEFAULTS_CHANGED = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from fedlore.results.stopping import derived_note, early_stopping_markdown
 from fedlore.results.store import (
     SEED_DIR,
     IncompleteRunWarning,
+    NoFedloreRunError,
     RunRecord,
     is_experiment_dir,
     load_runs,
@@ -339,7 +341,8 @@ def report(
         )
     if out is not None:
         _check_out(Path(out), path, experiments)
-    runs = {d: split_by_config(load_runs(d)) for d in experiments}
+    runs = _fedlore_experiments(path, experiments)
+    experiments = list(runs)
     if baseline is not None:  # refused when no experiment has it (each says why it lacks it)
         problems, found = [], False
         for r in runs.values():
@@ -357,6 +360,40 @@ def report(
         _report_experiment(d, keys, write, baseline, runs[d], _out_of(d, path, out))
         for d in experiments
     )
+
+
+def _fedlore_experiments(
+    path: Path, experiments: list[Path]
+) -> dict[Path, dict[str, list[RunRecord]]]:
+    """The runs of each of ``experiments`` (:func:`load_runs`, split by config); below a folder
+    of experiments, one that holds no fedlore run (another tool's folder) is left out with a
+    note.
+
+    Raises:
+        NoFedloreRunError: when no experiment holds a fedlore run: one line naming ``path``.
+    """
+    if experiments == [path]:  # an experiment's own folder: its error is the one line
+        return {path: split_by_config(load_runs(path))}
+    runs, others = {}, []
+    for d in experiments:
+        try:
+            runs[d] = split_by_config(load_runs(d))
+        except NoFedloreRunError:
+            others.append(d.name)
+    if not runs:
+        raise NoFedloreRunError(
+            f"report: {path} holds no fedlore run: the summary.json files of its folders "
+            f"({', '.join(others[:4])}{', ...' if len(others) > 4 else ''}) hold none of the "
+            "keys fedlore writes; give a folder fedlore wrote (output_dir or output_dir/<name>)"
+        )
+    for name in others:
+        warnings.warn(
+            f"{path / name}: not a fedlore experiment, left out: the summary.json of each of its "
+            "run folders holds none of the keys fedlore writes",
+            IncompleteRunWarning,
+            stacklevel=3,
+        )
+    return runs
 
 
 def _check_out(out: Path, path: Path, experiments: list[Path]) -> None:

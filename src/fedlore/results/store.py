@@ -34,7 +34,7 @@ from fedlore.results.folders import (
     unreadable,
 )
 from fedlore.results.summary import derive_summary, lm_summary, replayed_stopping, value
-from fedlore.results.typed import distrust, not_finite
+from fedlore.results.typed import distrust, not_finite, written_by_fedlore
 
 # derive_summary, lm_summary and value live in results/summary.py (the one place summaries are
 # computed); they are importable from here as before
@@ -42,6 +42,7 @@ __all__ = [
     "PLATFORM_KEYS",
     "RECORD_KEYS",
     "IncompleteRunWarning",
+    "NoFedloreRunError",
     "RunRecord",
     "UnreadableFolderWarning",
     "derive_summary",
@@ -60,6 +61,20 @@ PLATFORM_KEYS = ("ran_fedlore", "ran_torch", "ran_numpy", "ran_cpu", "ran_gpu")
 
 class IncompleteRunWarning(UserWarning):
     """A run directory is incomplete (missing or unreadable files) and was skipped or repaired."""
+
+
+class NoFedloreRunError(FileNotFoundError):
+    """An experiment folder whose run folders all hold another tool's ``summary.json``
+    (:func:`load_runs`): no fedlore run to report."""
+
+
+class _NotFedlore(Exception):
+    """A run folder whose ``summary.json`` holds none of the keys fedlore writes
+    (:func:`fedlore.results.typed.written_by_fedlore`)."""
+
+    def __init__(self, path: Path, note: str) -> None:
+        super().__init__(note)
+        self.path, self.note = path, note
 
 
 @dataclass(frozen=True)
@@ -130,6 +145,7 @@ def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
     if {p.name for p in run_dir.iterdir()} == {"run.lock"}:  # a folder a run reserved only
         return None
     metrics_path, summary_path = run_dir / "metrics.jsonl", run_dir / "summary.json"
+    _check_fedlore(summary_path, metrics_path)  # before anything is said of the folder
     if special_file(metrics_path):  # a link (to /proc/self/mem, ...) or a FIFO: never read
         warnings.warn(
             f"{metrics_path}: {NOT_REGULAR}, not read; the run has no metrics rows",
@@ -216,6 +232,29 @@ def _load_run(method: str, seed: int, run_dir: Path) -> RunRecord | None:
             stacklevel=3,
         )
     return RunRecord(seed=seed, rows=rows, summary=summary, path=run_dir)
+
+
+def _check_fedlore(summary_path: Path, metrics_path: Path) -> None:
+    """Raise :class:`_NotFedlore` when ``summary_path`` holds a JSON object with keys, none of
+    them one fedlore writes (another tool's ``{"acc": 0.9}``); an unreadable or empty summary is
+    a fedlore run's damage, said by :func:`_load_run`."""
+    if not regular_file(summary_path):
+        return
+    try:
+        summary = json.loads(summary_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return
+    if not isinstance(summary, dict) or not summary:
+        return
+    if any(written_by_fedlore(k) for k in summary):
+        return
+    keys = ", ".join(sorted(summary)[:4]) + (", ..." if len(summary) > 4 else "")
+    raise _NotFedlore(
+        summary_path,
+        f"{summary_path}: not a fedlore run, left out: its summary holds none of the keys "
+        f"fedlore writes ({keys})"
+        + ("; remove it to derive the run from its metrics rows" if metrics_path.is_file() else ""),
+    )
 
 
 NOT_REGULAR = "a symbolic link or special file, not a regular file"
@@ -351,15 +390,19 @@ def load_runs(exp_dir: Path) -> dict[str, list[RunRecord]]:
     Returns:
         method name (the directory name) -> runs sorted by seed; methods sorted by name.
         Incomplete runs are repaired (summary derived from metrics) or skipped, each with an
-        :class:`IncompleteRunWarning`.
+        :class:`IncompleteRunWarning`, and so are run folders of another tool (a
+        ``summary.json`` without any key fedlore writes).
 
     Raises:
+        NoFedloreRunError: if every run folder of ``exp_dir`` is another tool's (then nothing
+            is said of each).
         FileNotFoundError: if ``exp_dir`` does not exist or holds no readable run.
     """
     exp_dir = Path(exp_dir)
     if not exp_dir.is_dir():
         raise FileNotFoundError(f"experiment directory not found: {exp_dir}")
     runs: dict[str, list[RunRecord]] = {}
+    foreign: list[tuple[Path, str]] = []
     links = linked_folders(exp_dir)
     for method_dir in subfolders(exp_dir):  # no symbolic link is followed (results.folders)
         records = []
@@ -373,6 +416,9 @@ def load_runs(exp_dir: Path) -> dict[str, list[RunRecord]]:
             except OSError as e:  # a run folder or file this user cannot read
                 unreadable(run_dir, e)
                 continue
+            except _NotFedlore as e:  # said below, once it is known whether any run is fedlore's
+                foreign.append((e.path, e.note))
+                continue
             if record is not None:
                 records.append(record)
         if records:
@@ -385,6 +431,15 @@ def load_runs(exp_dir: Path) -> dict[str, list[RunRecord]]:
             UnreadableFolderWarning,
             stacklevel=2,
         )
+    if not runs and foreign:
+        raise NoFedloreRunError(
+            f"report: {exp_dir} holds no fedlore run: the summary.json of its "
+            f"{len(foreign)} run folder(s) holds none of the keys fedlore writes (method, seed, "
+            f"final_accuracy, ...), e.g. {foreign[0][0]}; give a folder fedlore "
+            "wrote (output_dir/<name>)"
+        )
+    for _, note in foreign:
+        warnings.warn(note, IncompleteRunWarning, stacklevel=2)
     if not runs:
         raise FileNotFoundError(
             f"no runs found in {exp_dir}: expected <method>/seed-<s>/metrics.jsonl "

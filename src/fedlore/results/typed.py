@@ -55,6 +55,24 @@ def expected(key: str) -> str | None:
     return None
 
 
+OWN_KEYS = frozenset(
+    {"diverged", "diverged_after_best", "privacy", "client_num_examples", *SUMMARY_LAST}
+)
+"""Keys of a fedlore summary that :func:`expected` reads no number from (the divergence mark,
+the no-privacy mark, the clients' sizes Flower records) or that are optional last values."""
+OWN_PREFIXES = ("dp_",)
+"""Prefixes of the summary keys of the DP mechanism and its audit
+(:func:`fedlore.experiment_privacy.privacy_summary`)."""
+
+
+def written_by_fedlore(key: str) -> bool:
+    """Whether fedlore writes ``key`` in a run's ``summary.json``: ``method``, ``seed``, the
+    keys :func:`expected` knows (``rounds``, ``final_*``, ``best_*``, ``local_*``, ``*_total``,
+    ``*_bytes``, ``*_per_round``, the early-stopping keys, ...), :data:`OWN_KEYS` and
+    :data:`OWN_PREFIXES`. A summary without any (``{"acc": 0.9}``) is another tool's."""
+    return key in OWN_KEYS or key.startswith(OWN_PREFIXES) or expected(key) is not None
+
+
 def fits(key: str, v: Any) -> bool:
     """Whether ``v`` has the type :func:`expected` asks of ``key`` (any value for a key it
     does not know)."""
