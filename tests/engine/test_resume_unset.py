@@ -197,3 +197,12 @@ def test_a_finished_fedbuff_run_is_this_configs_run_with_the_value_spelled_out(
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
     with pytest.raises(ConfigError, match=r"asynchronous\.concurrency: 3 -> 2"):
         run_one(_cfg(tmp_path, "rounds=2", "asynchronous.concurrency=2"), "fedavg", SEED)
+
+
+@pytest.mark.parametrize("hyper", [True, False])
+def test_unset_on_both_sides_is_no_difference_whatever_it_stands_for(hyper: bool) -> None:
+    # participation changes what an unset concurrency (FedBuff) or count stddev (DP) stands
+    # for; the change is participation's, named once
+    for run in (FEDBUFF, ["num_clients=3", *DP]):
+        diff = _diff(run, [*run, "participation=0.7"], hyper=hyper)
+        assert diff.count(" -> ") == 1 and "participation: 1.0 -> 0.7" in diff, diff

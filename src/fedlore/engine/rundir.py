@@ -372,7 +372,9 @@ def config_diff(
     them (those of ``make_algorithm(method, cfg)``). A setting whose unset value stands for one
     the other settings decide (:data:`fedlore.config_unset.UNSET_MEANS`) is compared, and
     shown, at that value: ``asynchronous.concurrency`` unset and spelled out as
-    ``clients_per_round`` are the same run."""
+    ``clients_per_round`` are the same run. Unset on both sides it is no difference, whatever
+    it stands for: that follows settings compared themselves (``participation`` changes
+    ``dp.clipped_count_stddev``'s value, and only ``participation`` is named)."""
     raw = dict(recorded)
     hyper_before = raw.pop("hyper", None)
     before = _flatten(raw)
@@ -399,8 +401,11 @@ def config_diff(
     # an unset setting that stands for a value the others decide is that value: spelling it
     # out is no difference (asynchronous.concurrency unset is clients_per_round)
     rules = unset_rules({**config_paths(LocalTraining), **config_paths(cls)})
+    unset = {k for k in rules if all(r.get(k, defaults.get(k)) is None for r in (before, now))}
     resolve_unset(before, rules, defaults, set(now))
     resolve_unset(now, rules, defaults)
+    for record in (before, now):  # unset in both: what they stand for follows settings that
+        record.update({k: None for k in unset if k in record})  # are compared themselves
     if hyper_before is not None:
         unread = _unread_method_settings(method, before, now)
         unread |= {k for k in set(before) | set(now) if k.startswith(METHOD_ONLY)}
