@@ -5,6 +5,7 @@ entries, plus a ``.dat``, a ``.u8`` and an ``off/`` folder that must be skipped)
 
 from __future__ import annotations
 
+import codecs
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -149,6 +150,27 @@ def test_text_file_errors(tmp_path: Path) -> None:
     not_json.write_text('{"text": "a", "label": "x"}\n{oops\n')
     with pytest.raises(ValueError, match=r"broken.jsonl:2: not valid JSON"):
         load_text_jsonl(str(not_json))
+
+
+def test_text_file_encoding_and_line_numbers(tmp_path: Path) -> None:
+    """Bytes that are not UTF-8 are named by file and line (not a bare codec error); a row's
+    line counts the blank lines before it; a spreadsheet's byte-order mark is no header."""
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes(b"text,label\nhello,a\n\ncaf\xe9,b\n")
+    with pytest.raises(ValueError, match=r"latin.csv:4: not UTF-8 text \(.*0xe9"):
+        load_text_csv(str(latin))
+    latin_jsonl = tmp_path / "latin.jsonl"
+    latin_jsonl.write_bytes(b'{"text": "a", "label": "x"}\n\n{"text": "caf\xe9", "label": "y"}\n')
+    with pytest.raises(ValueError, match=r"latin.jsonl:3: not UTF-8 text"):
+        load_text_jsonl(str(latin_jsonl))
+    gap = tmp_path / "gap.csv"
+    gap.write_text("text,label\nhello,a\n\n\nworld,\n")
+    with pytest.raises(ValueError, match=r"gap.csv:5: needs fields 'text' and 'label'"):
+        load_text_csv(str(gap))
+    bom = tmp_path / "bom.csv"
+    rows = "".join(f"entry {i},{'ab'[i % 2]}\n" for i in range(10))
+    bom.write_bytes(codecs.BOM_UTF8 + ("text,label\n" + rows).encode())
+    assert load_text_csv(str(bom), max_length=8).class_names == ["a", "b"]
 
 
 def test_tokenize_truncates_and_pads() -> None:

@@ -287,3 +287,30 @@ def test_a_transports_measurements_are_in_the_summary_as_first_written(
     assert len(writes) == 1 and writes[0]["client_num_examples"] == {"0": 7}
     on_disk = json.loads((run_dir(app, "fedfull", 42) / "summary.json").read_text())
     assert on_disk["wire_bytes_up_total"] == 123
+
+
+@pytest.mark.parametrize(
+    ("run_config", "says"),
+    [
+        ({"method": "fedlorex"}, r"run config method='fedlorex': unknown algorithm 'fedlorex' "
+                                 r"\(did you mean 'fedlore'\?\)"),
+        ({"method": "fedlore", "seed": "abc"}, r"run config seed='abc': a seed is an integer"),
+        ({"method": "fedlore", "seed": 4.5}, r"run config seed=4.5: a seed is an integer"),
+    ],
+)  # fmt: skip
+def test_a_wrong_run_config_is_a_value_error_the_server_app_reports_in_one_line(
+    run_config: dict[str, Any], says: str
+) -> None:
+    """`flwr run --run-config` with a method typo or a seed that is no integer: a ValueError,
+    which the deployed ServerApp logs as one `fedlore: error:` line (not a traceback)."""
+    from fedlore.flower.app import _from_run_config
+
+    config = str(Path(__file__).resolve().parents[2] / "experiments" / "quickstart.yaml")
+    ctx = Context(
+        run_id=1, node_id=0, node_config={}, state=RecordDict(),
+        run_config={"config": config, **run_config},
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=says):
+        _from_run_config(ctx)
+    ctx.run_config.update(method="fedfull", seed=43)
+    assert _from_run_config(ctx)[1:] == ("fedfull", 43)

@@ -25,7 +25,9 @@ Sources:
 
 from __future__ import annotations
 
+import codecs
 import csv
+import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -273,24 +275,38 @@ def load_fortunes(
     return _text_source("fortunes", texts, y, names, stratified_split(y), tokenizer, max_length)
 
 
+def _read_text(path: Path) -> str:
+    """The file's text as UTF-8 (a leading byte-order mark, as spreadsheets write, is dropped);
+    bytes that are not UTF-8 are an error naming the file and line."""
+    data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text ({e}); save the file as UTF-8") from None
+
+
 def _read_rows(path: Path, kind: str) -> list[dict[str, Any]]:
-    """Rows of a CSV (header line) or JSONL (one object per line) file, as dicts."""
+    """Rows of a CSV (header line) or JSONL (one object per line) file, as dicts.
+
+    Each row keeps its line number in ``_line``, blank lines counted (a CSV row whose quoted
+    field spans several lines: its last line).
+    """
+    text = _read_text(path)
     if kind == "csv":
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            return [dict(row, _line=i) for i, row in enumerate(reader, start=2)]
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        return [dict(row, _line=reader.line_num) for row in reader]
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not valid JSON ({e})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{i}: expected a JSON object, got {type(obj).__name__}")
-            rows.append(dict(obj, _line=i))
+    for i, line in enumerate(io.StringIO(text, newline=None), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: not valid JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}:{i}: expected a JSON object, got {type(obj).__name__}")
+        rows.append(dict(obj, _line=i))
     return rows
 
 

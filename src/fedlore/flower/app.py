@@ -43,6 +43,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from torch import nn
 
+from fedlore import registry
 from fedlore.algorithm import Algorithm
 from fedlore.atomic import WriteError, explain
 from fedlore.config import Config, load_config, validate
@@ -409,7 +410,15 @@ def _from_run_config(context: Context) -> tuple[Config, str, int]:
     overrides = shlex.split(str(rc.get("overrides", "")))  # quotes keep spaces in a value
     cfg = load_config(path, overrides)
     method = str(rc.get("method", cfg.algorithms[0]))
-    seed = int(rc.get("seed", cfg.seeds[0]))
+    try:  # a typo is one line naming the registered methods, not a KeyError's traceback
+        registry.get("algorithm", method)
+    except KeyError as e:
+        raise ValueError(f"run config method={method!r}: {e.args[0]}") from None
+    raw_seed = rc.get("seed", cfg.seeds[0])
+    try:
+        seed = int(str(raw_seed))
+    except ValueError:
+        raise ValueError(f"run config seed={raw_seed!r}: a seed is an integer") from None
     return cfg, method, seed
 
 
