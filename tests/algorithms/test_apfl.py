@@ -433,14 +433,28 @@ def test_two_steps_on_two_minibatches_by_hand() -> None:
     w, b = m.weight.detach(), m.bias.detach()
     batches = [TensorSplit(x, y) for x, y in minibatches(data.train, 2, 2, generator(0, 3))]
     assert not torch.equal(batches[0].x, batches[1].x)
-    for split in batches:
+    _matches_by_hand(reply, new, (w, b, v_w, v_b, a), [(lr, split) for split in batches])
+
+
+def _matches_by_hand(
+    reply: Reply,
+    new: State,
+    start: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
+    steps: list[tuple[float, TensorSplit]],
+) -> None:
+    """``reply`` and ``new`` are APFL's round from ``start`` = (w, b, v_w, v_b, α) over
+    ``steps`` = (η_k, minibatch k), computed here by hand: w steps on its loss, v on the mixed
+    model's, α on the mixed model's derivative in α, clipped to [0, 1]."""
+    w0, b0, v_w, v_b, a = start
+    w, b = w0, b0
+    for eta, split in steps:
         gw, gb = _grad(w, b, split)
         hw, hb = _grad(a * v_w + (1 - a) * w, a * v_b + (1 - a) * b, split)
         grad_a = float(((v_w - w) * hw).sum() + ((v_b - b) * hb).sum())
-        w, b, v_w, v_b = w - lr * gw, b - lr * gb, v_w - lr * a * hw, v_b - lr * a * hb
-        a = min(max(a - lr * grad_a, 0.0), 1.0)
+        w, b, v_w, v_b = w - eta * gw, b - eta * gb, v_w - eta * a * hw, v_b - eta * a * hb
+        a = min(max(a - eta * grad_a, 0.0), 1.0)
     up = select(reply.arrays, "update.")
-    torch.testing.assert_close(up["weight"], w - m.weight.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(up["weight"], w - w0, rtol=0, atol=1e-12)
     v = personal_arrays(new)
     torch.testing.assert_close(v["weight"], v_w, rtol=0, atol=1e-12)
     torch.testing.assert_close(v["bias"], v_b, rtol=0, atol=1e-12)
@@ -461,19 +475,8 @@ def test_v_and_alpha_step_at_the_scheduled_rate_of_their_step() -> None:
     reply, new = _one_step(algo, _state(v_w, v_b, a), data)
     m = _model()
     w, b = m.weight.detach(), m.bias.detach()
-    for step in range(k):
-        eta = lr * 0.5 * (1 + math.cos(math.pi * step / k))
-        gw, gb = _grad(w, b, data.train)
-        hw, hb = _grad(a * v_w + (1 - a) * w, a * v_b + (1 - a) * b, data.train)
-        grad_a = float(((v_w - w) * hw).sum() + ((v_b - b) * hb).sum())
-        w, b, v_w, v_b = w - eta * gw, b - eta * gb, v_w - eta * a * hw, v_b - eta * a * hb
-        a = min(max(a - eta * grad_a, 0.0), 1.0)
-    up = select(reply.arrays, "update.")
-    torch.testing.assert_close(up["weight"], w - m.weight.detach(), rtol=0, atol=1e-12)
-    v = personal_arrays(new)
-    torch.testing.assert_close(v["weight"], v_w, rtol=0, atol=1e-12)
-    torch.testing.assert_close(v["bias"], v_b, rtol=0, atol=1e-12)
-    assert float(new.arrays[ALPHA]) == pytest.approx(a, abs=1e-12)
+    etas = [lr * 0.5 * (1 + math.cos(math.pi * step / k)) for step in range(k)]
+    _matches_by_hand(reply, new, (w, b, v_w, v_b, a), [(eta, data.train) for eta in etas])
 
 
 class _Root(nn.Module):
