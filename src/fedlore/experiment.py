@@ -179,6 +179,9 @@ def run(
         warn_over_target(cfg, privacy, f"{method} seed {seed}")  # repeats can pass dp.epsilon
         start = -setup_rounds(algo) if last is None else last + 1
         clients = transport(algo, exp.fed.client, exp.model_factory, seed, store)
+        restarted = getattr(algo, "clients_restarted", None)
+        if last is not None and restarted and not getattr(clients, "keeps_client_states", True):
+            state = restarted(state)  # a deployment's new run: its nodes hold nothing of ours
         evaluate_state = evaluator(cfg, exp.fed, algo, exp.eval_model)
         callbacks: list[Callback] = [metrics] if stopper is None else [metrics, stopper]
         if cfg.checkpoint:  # after the stopper: it keeps the rule's state of the round

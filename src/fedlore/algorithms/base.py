@@ -18,6 +18,7 @@ from pydantic import ConfigDict
 from torch import nn
 
 from fedlore.algorithm import Capabilities
+from fedlore.algorithms.sync import LogFormat, clients_restarted
 from fedlore.checks import check_wire_settings
 from fedlore.data.client_data import ClientData, TensorSplit, minibatches
 from fedlore.device import autocast
@@ -51,9 +52,20 @@ class Hyper:
     per_client_metrics: ClassVar[tuple[str, ...]] = ()
     """Reply metrics the round loop records per client in each round's row (none here)."""
 
+    sync_log: ClassVar[LogFormat | None] = None
+    """The format of the server's record of its clients' model caches
+    (:mod:`fedlore.algorithms.sync`; None: the method keeps none)."""
+
     __pydantic_config__ = ConfigDict(allow_inf_nan=False)  # method.<name>.* (build_hyper)
 
     train: LocalTraining = field(default_factory=LocalTraining)
+
+    def clients_restarted(self, state: State) -> State:
+        """``state`` once every client has lost what it held (a deployment resumed by a new
+        ``flwr run``): no client is recorded as holding a cache or the first-contact tensors,
+        so each gets the dense model at its next contact
+        (:func:`fedlore.algorithms.sync.clients_restarted`)."""
+        return clients_restarted(state, self.sync_log)
 
     def __post_init__(self) -> None:
         if not isinstance(self.train, LocalTraining):

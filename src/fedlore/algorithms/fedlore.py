@@ -74,7 +74,15 @@ from fedlore.algorithms.lowrank import (
     plan_from_state,
     plan_values,
 )
-from fedlore.algorithms.sync import FEDLORE_LOG, Frames, Offer, SyncState, cheaper, upcast
+from fedlore.algorithms.sync import (
+    FEDLORE_LOG,
+    Frames,
+    LogFormat,
+    Offer,
+    SyncState,
+    cheaper,
+    upcast,
+)
 from fedlore.optim.server import STEPS, ServerOpt, rotate_first_moments
 from fedlore.optim.subspace import MatrixSpec
 from fedlore.registry import register_algorithm
@@ -109,6 +117,7 @@ class FedLore(FedLoreClient):
     """
 
     name: ClassVar[str] = "fedlore"
+    sync_log: ClassVar[LogFormat | None] = FEDLORE_LOG
     capabilities = replace(
         FedLoreClient.capabilities,
         synchronous_only=(

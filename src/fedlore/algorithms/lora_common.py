@@ -77,6 +77,7 @@ from fedlore.algorithms.base import ReplySpec
 from fedlore.algorithms.lora_client import LoraClient, received
 from fedlore.algorithms.sync import (
     LORA_LOG,
+    LogFormat,
     Offer,
     SyncState,
     cheaper,
@@ -139,6 +140,7 @@ class LoraMethod(LoraClient, abc.ABC):
     capabilities = replace(LoraClient.capabilities, adapts=True)
     merges: ClassVar[bool] = False
     """Whether the server merges a payload into the base every round (FLoRA, FRLoRA)."""
+    sync_log: ClassVar[LogFormat | None] = LORA_LOG
 
     def __post_init__(self) -> None:
         super().__post_init__()

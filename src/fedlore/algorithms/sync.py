@@ -310,6 +310,22 @@ def cheaper(replay: Offer | None, dense: Offer, slack: int = 0) -> Offer:
 
 
 # ---------------------------------------------------------------------- client
+def clients_restarted(state: State, fmt: LogFormat | None = None) -> State:
+    """``state`` with no client holding anything: every ``seen.<cid>`` record (a client that
+    holds the tensors sent at first contact) dropped and, with the method's log format ``fmt``,
+    every client's cache record (:meth:`SyncState.forget`), so each client gets the dense model
+    at its next contact. For a server resumed over clients that start without their states (a
+    new ``flwr run`` of a deployment)."""
+    values = {k: v for k, v in state.values.items() if not k.startswith("seen.")}
+    arrays = dict(state.arrays)
+    if fmt is not None:
+        sync = SyncState.decode(state, fmt)
+        for cid in list(sync.clients):
+            sync.forget(cid)
+        sync.encode(arrays, values)
+    return State(arrays=arrays, values=values)
+
+
 def replay_steps(
     msg: Broadcast, state: State | None, rnd: int, listed: Container[int] | None = None
 ) -> tuple[Arrays, list[tuple[int, Arrays]]]:

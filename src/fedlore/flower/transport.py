@@ -126,6 +126,10 @@ class FlowerTransport:
             ``max_weight`` 1 and ``round_timeout`` per stage).
     """
 
+    keeps_client_states = False
+    """A resumed run's ``flwr run`` is a new Flower run: its nodes start without the clients'
+    states (:meth:`fedlore.algorithms.base.Hyper.clients_restarted`)."""
+
     def __init__(
         self,
         grid: Grid,
