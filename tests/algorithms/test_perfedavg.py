@@ -311,15 +311,20 @@ def test_the_adaptation_draws_its_minibatches_from_the_clients_generator() -> No
     generator: the same generator gives the same score whatever torch's global one."""
     common = {"lr": 0.2, "local_steps": 1, "batch_size": 2, "rounds": 1, "local_eval": True}
     algo = PerFedAvg.of(alpha=0.3, adapt_steps=2, **common)
-    data = _data(n=8)
-    scores = []
+    first, second = _under_two_global_seeds(algo, _data(n=8))
+    assert first.metrics["local_mse"] == second.metrics["local_mse"]
+
+
+def _under_two_global_seeds(algo: PerFedAvg, data: ClientData) -> list[Reply]:
+    """One client round from the same server state and client generator, with torch's global
+    generator seeded 1, then 2."""
+    replies = []
     for global_seed in (1, 2):
         msg = algo.broadcast(algo.init_server(_model(), generator(0, 2)), 0, 0)
-        model = _model()
         torch.manual_seed(global_seed)
-        reply, _ = algo.client_update(msg, None, model, data, generator(0, 3))
-        scores.append(reply.metrics["local_mse"])
-    assert scores[0] == scores[1]
+        reply, _ = algo.client_update(msg, None, _model(), data, generator(0, 3))
+        replies.append(reply)
+    return replies
 
 
 def test_frozen_tensors_are_sent_once_and_never_move() -> None:
@@ -439,15 +444,8 @@ def test_every_minibatch_stream_is_drawn_from_the_clients_generator(variant: str
     gives the same upload whatever torch's global one (a stream drawn from the global one
     would differ)."""
     algo = PerFedAvg.of(lr=0.1, local_steps=3, batch_size=2, rounds=2, variant=variant)
-    data = _data(n=8)
-    ups = []
-    for global_seed in (1, 2):
-        msg = algo.broadcast(algo.init_server(_model(), generator(0, 2)), 0, 0)
-        model = _model()
-        torch.manual_seed(global_seed)
-        reply, _ = algo.client_update(msg, None, model, data, generator(0, 3))
-        ups.append(reply.arrays["update.weight"])
-    assert torch.equal(ups[0], ups[1])
+    first, second = _under_two_global_seeds(algo, _data(n=8))
+    assert torch.equal(first.arrays["update.weight"], second.arrays["update.weight"])
 
 
 class _Masked(nn.Module):
