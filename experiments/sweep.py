@@ -46,7 +46,7 @@ from typing import Any
 import fedlore.algorithms  # noqa: F401  (registers the methods)
 from fedlore import registry
 from fedlore.config import ConfigError, load_config
-from fedlore.engine.rundir import config_diff
+from fedlore.engine.run_record import config_diff
 from fedlore.experiment_parts import make_algorithm
 
 COLUMNS = (

@@ -519,7 +519,7 @@ def test_a_setting_the_method_never_reads_is_no_difference_between_its_runs() ->
     """``rank`` feeds FedLore's and the LoRA methods' settings, not FedAvg's: a finished FedAvg
     run is this config's run at any rank (its results are the same), unless the subspace
     diagnostics, which run at ``rank``, are on; for FedLore the rank is a difference."""
-    from fedlore.engine.rundir import _run_config, config_diff, resolved_hyper
+    from fedlore.engine.run_record import _run_config, config_diff, resolved_hyper
 
     def record(cfg: Config, method: str) -> dict[str, object]:
         return {**_run_config(cfg, method), "hyper": resolved_hyper(make_algorithm(method, cfg))}
@@ -549,7 +549,7 @@ def test_compression_is_compared_as_the_method_used_it() -> None:
     ``compression.*`` (or ``transport_dtype``) that ``method.<name>.*`` overrides, and a
     setting of another kind (top-k's fraction under QSGD, QSGD's levels under top-k, either
     under none), are no difference; what the method reads is, named once."""
-    from fedlore.engine.rundir import _run_config, config_diff, resolved_hyper, unread_given
+    from fedlore.engine.run_record import _run_config, config_diff, resolved_hyper, unread_given
 
     def record(over: list[str]) -> dict[str, object]:
         cfg = load_config(None, over)
@@ -603,7 +603,7 @@ def test_compression_is_compared_as_the_method_used_it() -> None:
 
 
 def test_transport_dtype_reaches_the_methods_that_honour_it_and_is_refused_elsewhere() -> None:
-    from fedlore.engine.rundir import _run_config, config_diff
+    from fedlore.engine.run_record import _run_config, config_diff
 
     honouring = sorted(
         n

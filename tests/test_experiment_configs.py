@@ -61,7 +61,8 @@ def test_the_subspace_rivals_run_on_the_table_analogues(rivals: str, table: str)
     42-44, uniform weights and a selection split (for experiments/lr_grid.py). Every setting
     that decides a run's results is the table's, so a shared method's run is the table's own
     run (the same folder, reported rather than trained again)."""
-    from fedlore.engine.rundir import _run_config, run_dir
+    from fedlore.engine.run_record import _run_config
+    from fedlore.engine.rundir import run_dir
 
     cfg = load_config(EXPERIMENTS / rivals)
     base = load_config(EXPERIMENTS / table)
@@ -89,7 +90,7 @@ def test_apfl_and_perfedavg_run_on_the_table_6_digits_setting() -> None:
     setting (bayes_table6.yaml with data.name=digits, data.fraction=1.0): every setting that
     decides FedAvg's and Ditto's runs is that table's, the run's name aside, and the two new
     methods train by plain SGD at the table's SGD rate."""
-    from fedlore.engine.rundir import _run_config
+    from fedlore.engine.run_record import _run_config
 
     cfg = load_config(EXPERIMENTS / "pfl_baselines.yaml")
     base = load_config(EXPERIMENTS / "bayes_table6.yaml", ["data.name=digits", "data.fraction=1.0"])

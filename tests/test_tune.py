@@ -17,7 +17,7 @@ import yaml
 from fedlore import cli, progress
 from fedlore.config import Config, ConfigError, apply_overrides, load_config, validate
 from fedlore.config_tune import key_problem, parse_dim
-from fedlore.engine.rundir import result_settings
+from fedlore.engine.run_record import result_settings
 from fedlore.experiment_privacy import PrivacyWarning
 from fedlore.tune import Search, plan_search, run_command, scalar
 

@@ -57,7 +57,7 @@ def recorded_differs(cfg: Config, method: str, folder: Path) -> str:
     """``"another config (key: before -> now, ...)"`` when ``folder`` holds a finished run made
     with settings ``cfg`` does not have, ``"an unreadable config.json"`` when its record cannot
     be read; empty otherwise (the same config, or no finished run)."""
-    from fedlore.engine.rundir import config_diff
+    from fedlore.engine.run_record import config_diff
     from fedlore.experiment_parts import make_algorithm
 
     if not (folder / "summary.json").is_file():

@@ -2,7 +2,7 @@
 
 ``asynchronous.concurrency`` unset is ``clients_per_round``; ``server.v0`` unset is
 ``server.tau`` squared. A run that spells such a value out is the run that left it unset, so
-``--resume`` and the check of a finished run (:func:`fedlore.engine.rundir.config_diff`) compare
+``--resume`` and the check of a finished run (:func:`fedlore.engine.run_record.config_diff`) compare
 these settings at their effective value: :data:`UNSET_MEANS` says what each unset value is, as a
 function of the config paths it depends on, the value the run uses
 (:meth:`fedlore.config_model.Config.async_concurrency`, the server optimizer's ``v0``,

@@ -36,14 +36,8 @@ from fedlore.engine.rerun import (
     read_record,
     staging_dir,
 )
-from fedlore.engine.rundir import (
-    check_output_dir,
-    check_run_folder,
-    check_same_config,
-    check_same_data,
-    config_diff,
-    run_dir,
-)
+from fedlore.engine.run_record import check_same_config, check_same_data, config_diff
+from fedlore.engine.rundir import check_output_dir, check_run_folder, run_dir
 from fedlore.engine.runstart import check_rows_reach
 from fedlore.experiment_parts import check_config, make_algorithm
 from fedlore.progress import command

@@ -55,16 +55,14 @@ from fedlore.engine.rerun import (
     pending_replacement,
     write_dir,
 )
+from fedlore.engine.run_record import check_same_config, check_same_data, run_record
 from fedlore.engine.rundir import (
     RunFolder,
     check_output_dir,
     check_run_folder,
-    check_same_config,
-    check_same_data,
     make_output_dir,
     recorded_threads,
     run_dir,
-    run_record,
     spill_dir,
 )
 from fedlore.engine.runstart import remove_stale_temps, resume_point, start_fresh

@@ -33,7 +33,7 @@ from fedlore.checks import check_overrides, check_tune_metric
 from fedlore.config import Config, ConfigError, apply_overrides, effective_overrides, validate
 from fedlore.config_tune import Dim
 from fedlore.data.federation import build_federation
-from fedlore.engine.rundir import result_settings
+from fedlore.engine.run_record import result_settings
 from fedlore.experiment_parts import check_config, make_algorithm
 from fedlore.experiment_privacy import PrivacyWarning
 from fedlore.progress import warn_once

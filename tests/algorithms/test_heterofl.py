@@ -407,7 +407,7 @@ def test_settings_that_bypass_the_config_are_checked_by_the_method(
 
 
 def test_roll_by_is_read_only_under_rolling_extraction() -> None:
-    from fedlore.engine.rundir import unread_given
+    from fedlore.engine.run_record import unread_given
 
     assert unread_given(HeteroFL, {"hyper.extraction": "static"}) == {"hyper.roll_by"}
     assert unread_given(HeteroFL, {"hyper.extraction": "rolling"}) == set()

@@ -187,6 +187,23 @@ def test_fortunes_c4_records_one_host_per_category() -> None:
         fortunes_c4_records(FORTUNES, ["animals", "nope"])
 
 
+def test_fortunes_errors_name_the_setting_of_where_they_are_raised(tmp_path: Path) -> None:
+    """``fedlore fortunes-c4`` takes ``--root``; a run's config takes ``data.root`` and
+    ``data.categories``: each error names the one its user can change."""
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError) as err:
+        fortunes_c4_records(missing)
+    assert "point data.root=... at" in str(err.value) and "--root" not in str(err.value)
+    with pytest.raises(FileNotFoundError, match=r"data\.categories=\[") as err:
+        fortunes_c4_records(FORTUNES, ["animals", "nope"])
+    assert main(["fortunes-c4", str(tmp_path / "out"), "--root", str(missing)]) == 2
+    from fedlore.data.fortunes_c4 import convert_fortunes
+
+    with pytest.raises(FileNotFoundError) as err:
+        convert_fortunes(tmp_path / "out", missing)
+    assert "point --root FOLDER at" in str(err.value) and "data.root" not in str(err.value)
+
+
 def test_fortunes_c4_cli_writes_files_the_c4_loader_reads(tmp_path: Path) -> None:
     assert main(["fortunes-c4", str(tmp_path), "--root", str(FORTUNES)]) == 0
     rows = [json.loads(x) for x in (tmp_path / "c4-train.jsonl").read_text().splitlines()]

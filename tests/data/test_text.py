@@ -88,8 +88,10 @@ def test_fortunes_errors(tmp_path: Path) -> None:
         load_fortunes(str(missing))
     assert str(missing) in str(err.value)
     assert "apt-get install fortunes fortunes-min" in str(err.value)
-    with pytest.raises(FileNotFoundError, match=r"(?s)pets.*\['animals', 'space', 'tea'\]"):
+    assert "point data.root=... at" in str(err.value)
+    with pytest.raises(FileNotFoundError, match=r"(?s)pets.*\['animals', 'space', 'tea'\]") as err:
         load_fortunes(str(FORTUNES), categories=["animals", "pets"])
+    assert "data.categories=[" in str(err.value)  # how to choose the classes that are there
     (tmp_path / "empty").write_text("%\n%\n")
     with pytest.raises(ValueError, match="no entries"):
         load_fortunes(str(tmp_path), categories=["empty"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedlore.config import ConfigError, load_config
-from fedlore.engine.rundir import _run_config, config_diff, resolved_hyper
+from fedlore.engine.run_record import _run_config, config_diff, resolved_hyper
 from fedlore.engine.validate import validate_reply
 from fedlore.experiment_parts import make_algorithm
 from fedlore.privacy.client import ReplySpec

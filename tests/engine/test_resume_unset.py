@@ -14,7 +14,8 @@ import torch
 
 from fedlore.config import Config, ConfigError, load_config
 from fedlore.config_unset import UNSET_MEANS, clients_per_round, resolve_unset, unset_rules
-from fedlore.engine.rundir import _run_config, config_diff, resolved_hyper, run_dir
+from fedlore.engine.run_record import _run_config, config_diff, resolved_hyper
+from fedlore.engine.rundir import run_dir
 from fedlore.experiment import run_one
 from fedlore.experiment_parts import make_algorithm
 from fedlore.optim.server import ServerOpt

@@ -137,7 +137,7 @@ class FedFull(DenseServer, Hyper):
         "compression_levels": ("compression", ("qsgd",)),
         "error_feedback": ("compression", ("topk", "qsgd")),
     }
-    # None standing for a value another setting decides (rundir.resolve_none)
+    # None standing for a value another setting decides (run_record.resolve_none)
     none_means: ClassVar[dict[str, tuple[str, dict[str, bool]]]] = {
         "error_feedback": ("compression", {"topk": True, "qsgd": False})
     }

@@ -30,7 +30,9 @@ VALIDATION_SEED = 0
 
 
 def fortunes_c4_records(
-    root: str | Path | None = None, categories: Sequence[str] | None = None
+    root: str | Path | None = None,
+    categories: Sequence[str] | None = None,
+    option: str = "data.root=...",
 ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """The Debian fortunes corpus as C4-format records, one source per category file.
 
@@ -44,6 +46,7 @@ def fortunes_c4_records(
         root: fortunes folder (None: ``/usr/share/games/fortunes``).
         categories: category files to convert (None: every category except
             :data:`FORTUNES_C4_EXCLUDED`).
+        option: the setting an error tells the user to point at another folder.
 
     Returns:
         ``(train, validation)`` lists of ``{"text", "url"}`` dicts.
@@ -53,14 +56,15 @@ def fortunes_c4_records(
         ValueError: when no category has entries.
     """
     from fedlore.data.text import (
-        FORTUNES_HINT,
+        CATEGORIES_HINT,
         FORTUNES_ROOT,
         fortune_categories,
+        fortunes_hint,
         read_fortune_file,
     )
 
     folder = Path(root) if root is not None else Path(FORTUNES_ROOT)
-    present = fortune_categories(folder)
+    present = fortune_categories(folder, option)
     jsonl = [c for c in present if c.endswith(C4_SUFFIXES)]
     if jsonl:
         raise ValueError(
@@ -74,8 +78,8 @@ def fortunes_c4_records(
         missing = [c for c in names if c not in present]
         if missing:
             raise FileNotFoundError(
-                f"fortunes: no category file {missing} in {folder}; present: {present}. "
-                f"{FORTUNES_HINT}"
+                f"fortunes: no category file {missing} in {folder}; present: {present}; "
+                f"{CATEGORIES_HINT}. {fortunes_hint(option)}"
             )
     rng = np.random.default_rng(VALIDATION_SEED)
     train: list[dict[str, str]] = []
@@ -118,7 +122,7 @@ def convert_fortunes(out_dir: str | Path, root: str | Path | None = None) -> tup
             f"fortunes-c4: {out} already holds other JSON files {others[:5]}, which data.name=c4 "
             "would read together with the converted corpus; choose an empty folder"
         )
-    train, validation = fortunes_c4_records(root)
+    train, validation = fortunes_c4_records(root, option="--root FOLDER")
     write_c4_jsonl(train, paths[0])
     write_c4_jsonl(validation, paths[1])
     return paths

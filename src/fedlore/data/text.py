@@ -61,10 +61,18 @@ in Debian's fortunes 1:1.99.1). Left out: ``ethnic`` and ``men-women`` (stereoty
 ``cookie``, ``definitions``, ``miscellaneous``, ``platitudes``, ``wisdom``, ``people``, ...),
 and those with fewer than 150 entries (``goedel``, ``magic``, ``pratchett``, ...)."""
 
-FORTUNES_HINT = (
-    "Install the corpus with `apt-get install fortunes fortunes-min` (one file per category in "
-    f"{FORTUNES_ROOT}) or point data.root=... at a folder of fortune files."
-)
+
+def fortunes_hint(option: str = "data.root=...") -> str:
+    """Where to get the corpus, pointing at the setting that names another folder: ``option`` is
+    ``data.root=...`` for a run's config, ``--root FOLDER`` for ``fedlore fortunes-c4``."""
+    return (
+        "Install the corpus with `apt-get install fortunes fortunes-min` (one file per category "
+        f"in {FORTUNES_ROOT}) or point {option} at a folder of fortune files."
+    )
+
+
+FORTUNES_HINT = fortunes_hint()
+CATEGORIES_HINT = "choose the classes with data.categories=[name, ...]"
 
 TEXT_TEST_FRACTION = 0.2
 """Share of each class held out as the official test split of a text source."""
@@ -104,18 +112,19 @@ def read_fortune_file(path: str | Path) -> list[str]:
     return [e for e in entries if e]
 
 
-def fortune_categories(root: str | Path) -> list[str]:
+def fortune_categories(root: str | Path, option: str = "data.root=...") -> list[str]:
     """Category names in a fortunes folder: its plain files, sorted.
 
     Symbolic links (Debian's ``*.u8``), ``.dat`` indexes, hidden files and subfolders (the
     offensive ``off/``) are not categories.
 
     Raises:
-        FileNotFoundError: when ``root`` is not a folder.
+        FileNotFoundError: when ``root`` is not a folder (the hint names ``option``, the setting
+            that points at another folder).
     """
     folder = Path(root)
     if not folder.is_dir():
-        raise FileNotFoundError(f"fortunes folder {folder} does not exist. {FORTUNES_HINT}")
+        raise FileNotFoundError(f"fortunes folder {folder} does not exist. {fortunes_hint(option)}")
     return sorted(
         p.name
         for p in folder.iterdir()
@@ -261,7 +270,8 @@ def load_fortunes(
     if missing:
         raise FileNotFoundError(
             f"fortunes: no category file {', '.join(str(folder / c) for c in missing)}; "
-            f"categories in {folder}: {fortune_categories(folder)}. {FORTUNES_HINT}"
+            f"categories in {folder}: {fortune_categories(folder)}; {CATEGORIES_HINT}. "
+            f"{FORTUNES_HINT}"
         )
     texts: list[str] = []
     labels: list[int] = []

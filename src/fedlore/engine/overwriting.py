@@ -49,7 +49,8 @@ from fedlore.engine.rerun import (
     staging_dir,
     swap_in,
 )
-from fedlore.engine.rundir import MakeAlgorithm, config_diff, run_dir
+from fedlore.engine.run_record import MakeAlgorithm, config_diff
+from fedlore.engine.rundir import run_dir
 
 if TYPE_CHECKING:
     from fedlore.data.federation import Federation

@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 from fedlore.atomic import WriteError, write_json
 from fedlore.config import ConfigError
-from fedlore.engine.rundir import MakeAlgorithm, config_diff, run_dir
+from fedlore.engine.run_record import MakeAlgorithm, config_diff
+from fedlore.engine.rundir import run_dir
 from fedlore.engine.runstart import rows_problem
 from fedlore.progress import say, say_once
 
@@ -87,7 +88,7 @@ def finished_record(
 ) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """``(summary, config.json)`` of the finished run of ``cfg`` in the folder ``out``; None when
     ``out`` holds no finished run (no ``summary.json``). ``make_algorithm`` builds the method as
-    the config does (:data:`~fedlore.engine.rundir.MakeAlgorithm`), for the settings comparison.
+    the config does (:data:`~fedlore.engine.run_record.MakeAlgorithm`), for the settings comparison.
 
     Raises:
         ConfigError: when the finished run is another config's (naming the keys that differ), or

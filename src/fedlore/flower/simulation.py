@@ -49,7 +49,8 @@ from fedlore.config import Config
 from fedlore.engine import interrupt
 from fedlore.engine.interrupt import Interrupted, Process
 from fedlore.engine.rerun import finished_record, stamp, write_dir
-from fedlore.engine.rundir import check_same_config, run_dir
+from fedlore.engine.run_record import check_same_config
+from fedlore.engine.rundir import run_dir
 from fedlore.experiment_parts import make_algorithm
 from fedlore.flower.app import make_apps
 
