@@ -24,6 +24,8 @@ from fedlore.privacy.composition import Exchanges, composed_epsilon
 from fedlore.privacy.dp import epsilon_spent, update_noise_multiplier
 from fedlore.privacy.local_dp import UPLOADS_KEY, local_epsilon
 from fedlore.tune import plan_search, trial_config
+from fedlore.tune_outcome import TrialRow
+from fedlore.tune_outcome import search_privacy_of as study_privacy
 from fedlore.tune_privacy import (
     RTOL,
     SearchPrivacy,
@@ -32,8 +34,7 @@ from fedlore.tune_privacy import (
     search_privacy,
     trial_spend,
 )
-from fedlore.tune_study import TrialRow, run_search
-from fedlore.tune_study import _privacy as study_privacy
+from fedlore.tune_study import run_search
 
 TINY = [
     "name=tiny",

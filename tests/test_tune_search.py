@@ -378,9 +378,10 @@ def test_options_and_the_files_tune_section(tmp_path: Path) -> None:
     ns = argparse.Namespace(
         space=["lr=log:1e-4:1e-2", "method.fedavg.lr=log:1e-3:1e-2"],
         trials=3, metric=None, mode=None, sampler="random", seed=None, method=None,
-        run_seed=None, prune=None,
+        run_seed=None, prune=None, workers=2,
     )  # fmt: skip
     cfg, _ = tune_config(ns, config, ["tune.seed=4"])
+    assert cfg.tune.workers == 2  # --workers
     assert cfg.tune.space == {
         "lr": "log:1e-4:1e-2",  # --space replaces the file's range
         "local_steps": "int:1:4",  # and keeps its other ones

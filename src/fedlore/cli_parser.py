@@ -246,3 +246,10 @@ def _add_tune(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="median: stop a trial whose selection score falls below the median of earlier "
         "trials' at the same round (tune.prune; default none)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        metavar="W",
+        help="train W trials at once, each in a process of its own, proposed together from the "
+        "trials finished before them (tune.workers; default 1)",
+    )

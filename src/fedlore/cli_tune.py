@@ -16,9 +16,9 @@ from fedlore.engine import interrupt
 
 if TYPE_CHECKING:
     from fedlore.experiment import Engine
-    from fedlore.tune_study import Outcome
+    from fedlore.tune_outcome import Outcome
 
-FLAGS = ("trials", "metric", "mode", "sampler", "seed", "method", "run_seed", "prune")
+FLAGS = ("trials", "metric", "mode", "sampler", "seed", "method", "run_seed", "prune", "workers")
 """The options that set the ``tune`` key of their name."""
 
 

@@ -252,6 +252,13 @@ class TuneConfig(_Strict):
     """Trials that finish before any is pruned (Optuna's ``n_startup_trials``)."""
     prune_warmup_rounds: int = Field(0, ge=0)
     """Rounds of a trial before it may be pruned (Optuna's ``n_warmup_steps``)."""
+    workers: int = Field(1, ge=1)
+    """Trials trained at once, each in a process of its own (in process only, ``engine:
+    local``). The sampler proposes them together, before any of them trains, from the trials
+    finished before them (TPE counts the ones proposed beside them as running); a trial is
+    pruned by comparison with those earlier trials alone. So a search gives the same trials
+    for the same ``workers`` however fast each trial runs, and one (the default) is the
+    sequential search. Each process takes an equal share of the CPUs under ``threads: auto``."""
     search_privacy_accounted: bool = False
     """Under DP, each trial's ``dp_epsilon`` covers that trial only: the search spends the
     composition of every trial's exchanges, which ``fedlore tune`` computes and records in

@@ -270,7 +270,8 @@ def plan_search(
     Raises:
         ConfigError: no search space; no selection split; several methods and no
             ``tune.method``; a dimension the config or the method refuses (one line each);
-            a continuous dimension under the grid sampler; pruning off the in-process engine;
+            a continuous dimension under the grid sampler; pruning or several workers off the
+            in-process engine;
             the config's own problems (:func:`~fedlore.experiment_parts.check_config`); a
             metric that is not a selection-split score the run records.
     """
@@ -310,6 +311,12 @@ def plan_search(
         raise ConfigError(
             f"--prune {tune.prune} (tune.prune) needs engine: local: a trial is pruned as its "
             f"rounds end, in this process; engine {cfg.engine} reports only finished trials"
+        )
+    if tune.workers > 1 and cfg.engine != "local":
+        raise ConfigError(
+            f"--workers {tune.workers} (tune.workers) needs engine: local: each trial trains in "
+            f"a process of its own; engine {cfg.engine} runs its clients on Flower's engines "
+            "already"
         )
     check_tune_metric(one, build_federation(one, run_seed), tune.metric)
     folder = Path(cfg.output_dir) / cfg.name / TUNE_DIR

@@ -22,6 +22,12 @@ again. The sampler of trial ``n`` is seeded with ``derive_seed(tune.seed, TUNE_S
 and sees only finished trials, so a search interrupted and continued proposes, prunes and ends
 as an uninterrupted one (the trials' runs are deterministic).
 
+**Batches.** With ``tune.workers`` W above 1 the trials are proposed W at a time, all of a batch
+before any of it trains (each records its batch, :data:`BATCH`), and trained at once, each in a
+process of its own (:mod:`fedlore.tune_parallel`); the next batch is proposed once the batch has
+ended. A trial is pruned by comparison with the trials before its batch. A search cut off
+between two proposals of a batch proposes the rest of it first, as the uninterrupted search did.
+
 **Failures.** A trial whose settings the config or the method refuses, or that raises a
 ``ValueError`` while it trains, is recorded as failed and the search goes on; one that
 diverges (no final score) too. Any other error fails the trial and stops the search; an
@@ -33,12 +39,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedlore.atomic import write_json
 from fedlore.config import ConfigError
+from fedlore.engine import interrupt
 from fedlore.engine.lock import RunLock
 from fedlore.engine.loop import Callback
 from fedlore.engine.rundir import run_dir
@@ -49,22 +55,22 @@ from fedlore.tune import (
     Search,
     override,
     record_diff,
-    run_command,
     search_record,
-    seeds_note,
     trial_config,
 )
-from fedlore.tune_privacy import SearchPrivacy, search_privacy, trial_spend
+from fedlore.tune_outcome import Outcome, outcome
 from fedlore.types import State
 
 if TYPE_CHECKING:
     import optuna
 
 STUDY = "study.db"
-BEST = "best.json"
 TRIAL = "trial.json"
 RECORD = "fedlore"
 """The study's user attribute holding the search's record."""
+BATCH = "batch"
+"""A trial's user attribute ``[first, size]``: the trials proposed together with it
+(``tune.workers`` above 1); a trial without it was proposed alone."""
 
 MISSING = "fedlore tune needs Optuna, the extra fedlore[tune]: pip install 'fedlore[tune]'"
 
@@ -85,32 +91,6 @@ def import_optuna() -> Any:
         raise MissingExtra(MISSING) from None
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     return optuna
-
-
-@dataclass(frozen=True)
-class TrialRow:
-    """One trial of a search, for the table: its number, state (``complete``, ``pruned``,
-    ``failed``, ``running``), parameters, objective value (a pruned trial's last reported
-    score) and a note (the round it was pruned after, why it failed)."""
-
-    number: int
-    state: str
-    params: dict[str, Any]
-    value: float | None
-    note: str = ""
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """A search's trials and, when one completed, the best (``best`` is its row and ``command``
-    runs every seed at its parameters); under DP the ε of the whole search (``privacy``)."""
-
-    rows: list[TrialRow]
-    best: TrialRow | None = None
-    command: str | None = None
-    best_file: Path | None = None
-    counts: dict[str, int] = field(default_factory=dict)
-    privacy: SearchPrivacy | None = None
 
 
 class _Reporter:
@@ -180,14 +160,38 @@ def _sampler(search: Search, number: int) -> optuna.samplers.BaseSampler:
 
 
 def _pruner(search: Search) -> optuna.pruners.BasePruner:
+    """Optuna's median pruner (or none) comparing a trial with the trials before its batch only
+    (:data:`BATCH`; a trial proposed alone: every trial before it), so siblings that finish
+    first do not decide whether it is pruned."""
     import optuna
 
     tune = search.cfg.tune
-    if tune.prune == "median":
-        return optuna.pruners.MedianPruner(
-            n_startup_trials=tune.prune_startup_trials, n_warmup_steps=tune.prune_warmup_rounds
-        )
-    return optuna.pruners.NopPruner()
+    if tune.prune != "median":
+        return optuna.pruners.NopPruner()
+    median = optuna.pruners.MedianPruner(
+        n_startup_trials=tune.prune_startup_trials, n_warmup_steps=tune.prune_warmup_rounds
+    )
+
+    class BeforeItsBatch(optuna.pruners.BasePruner):
+        def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+            first = trial.user_attrs.get(BATCH, [trial.number])[0]
+            return median.prune(_Before(study, first), trial)  # type: ignore[arg-type]
+
+    return BeforeItsBatch()
+
+
+class _Before:
+    """A study whose trials are those numbered below ``limit`` (what a pruner may compare)."""
+
+    def __init__(self, study: optuna.Study, limit: int) -> None:
+        self._study, self._limit = study, limit
+
+    def get_trials(self, deepcopy: bool = True, states: Any = None) -> list[Any]:
+        every = self._study.get_trials(deepcopy=deepcopy, states=states)
+        return [t for t in every if t.number < self._limit]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._study, name)
 
 
 def _study(storage: optuna.storages.BaseStorage, search: Search) -> optuna.Study:
@@ -336,113 +340,132 @@ def run_search(
     callbacks: Callable[[int], Sequence[Callback]] | None = None,
 ) -> Outcome:
     """Run (or continue) ``search`` until ``search.trials`` trials have finished; write
-    ``best.json``.
+    ``best.json``. With ``tune.workers`` W above 1, trials are proposed W at a time (a batch)
+    and trained at once, each in a process of its own (:mod:`fedlore.tune_parallel`).
 
     Args:
         engine: carries out the trials' runs (:func:`fedlore.experiment.run_experiment`'s;
-            None: in process).
+            None: in process). Unused by trials trained in processes of their own.
         callbacks: ``trial number -> round callbacks`` added to that trial's run (in process),
-            called before the round is reported to the study.
+            called before the round is reported to the study; ``tune.workers`` 1 only.
 
     Raises:
         MissingExtra: Optuna is not installed.
         ConfigError: another search holds the folder (its settings differ, or a live process
-            runs it).
+            runs it); ``callbacks`` with several workers.
+        RuntimeError: a trial trained in a process of its own failed with an unexpected error
+            (recorded as failed) or its process ended without a word (it stays running).
     """
-    optuna = import_optuna()
+    import_optuna()
+    workers = search.cfg.tune.workers
+    if callbacks is not None and workers > 1:
+        raise ConfigError(
+            "run_search(callbacks=...) calls them in this process: it needs tune.workers=1"
+        )
     folder = search.folder
     folder.mkdir(parents=True, exist_ok=True)
     with RunLock(folder):  # a running trial in the study is a cut-off one
-        storage = optuna.storages.RDBStorage(f"sqlite:///{(folder / STUDY).resolve()}")
+        storage = _storage(folder)
         try:
             study = _study(storage, search)
-            running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-            for frozen in running:
-                study.sampler = _sampler(search, frozen.number)
-                trial = optuna.trial.Trial(study, frozen._trial_id)
-                say("trial %d was cut off: resumed", frozen.number)
-                _run_trial(
-                    study, trial, search, engine, callbacks(frozen.number) if callbacks else ()
-                )
-            while _finished(study) < search.trials:
-                number = len(study.get_trials(deepcopy=False))
-                study.sampler = _sampler(search, number)
-                trial = study.ask()
-                _run_trial(study, trial, search, engine, callbacks(number) if callbacks else ())
-            outcome = _outcome(study, search)
+            batch = _open_batch(study, search)  # a cut-off batch, proposed in full first
+            while batch or _finished(study) < search.trials:
+                if not batch:
+                    size = min(workers, search.trials - _finished(study))
+                    first = len(study.get_trials(deepcopy=False))
+                    batch = [_ask(study, search, first, size) for _ in range(size)]
+                _run_batch(study, search, batch, engine, callbacks)
+                batch = []
+            result = outcome(study, search)
         finally:
             storage.engine.dispose()
-    return outcome
+    return result
 
 
-def _outcome(study: optuna.Study, search: Search) -> Outcome:
-    """The table's rows, the best trial and ``best.json`` (written when a trial completed)."""
-    rows = []
-    for t in study.get_trials(deepcopy=False):
-        state = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}.get(
-            t.state.name, t.state.name.lower()
-        )
-        # a pruned trial's value: Optuna's, its last reported score
-        rows.append(
-            TrialRow(t.number, state, dict(t.params), t.value, t.user_attrs.get("note", ""))
-        )
-    counts = {s: sum(1 for r in rows if r.state == s) for s in ("complete", "pruned", "failed")}
-    privacy = _privacy(search, rows) if search.cfg.dp.enabled else None
-    done = [r for r in rows if r.state == "complete"]
-    if not done:
-        return Outcome(rows, counts=counts, privacy=privacy)
-    best = next(r for r in rows if r.number == study.best_trial.number)
-    command = run_command(search, best.params)
-    path = search.folder / BEST
-    write_json(path, best_record(search, best, command, counts, privacy))
-    return Outcome(rows, best, command, path, counts, privacy)
+def _storage(folder: Path) -> optuna.storages.RDBStorage:
+    """The study's database; a writer waits up to a minute for another process's write."""
+    import optuna
+
+    url = f"sqlite:///{(folder / STUDY).resolve()}"
+    return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
 
 
-def _privacy(search: Search, rows: Sequence[TrialRow]) -> SearchPrivacy:
-    """The ε of the whole search: every trial of the study, from its run folder
-    (:mod:`fedlore.tune_privacy`)."""
-    spends = []
-    for r in rows:
-        try:
-            cfg = trial_config(search, r.number, r.params)
-        except ConfigError:  # refused before it ran (recorded as failed)
-            cfg = None
-        spends.append(trial_spend(r.number, r.state, r.note, cfg, search.method, search.run_seed))
-    return search_privacy(search.cfg, spends)
+def _ask(study: optuna.Study, search: Search, first: int, size: int) -> optuna.Trial:
+    """Propose the next trial, one of the ``size`` proposed together from trial ``first``."""
+    number = len(study.get_trials(deepcopy=False))
+    study.sampler = _sampler(search, number)
+    trial = study.ask()
+    if size > 1:
+        trial.set_user_attr(BATCH, [first, size])
+    _suggest(trial, search)  # now, before any trial of the batch trains
+    return trial
 
 
-def best_record(
+def _open_batch(study: optuna.Study, search: Search) -> list[optuna.Trial]:
+    """The trials a cut-off search left running: their batch, its missing proposals made as the
+    uninterrupted search made them (before any of it trained), then every running trial."""
+    import optuna
+
+    running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+    if not running:
+        return []
+    first, size = running[0].user_attrs.get(BATCH, [running[0].number, 1])
+    while len(study.get_trials(deepcopy=False)) < first + size:
+        _ask(study, search, first, size)
+    running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+    for t in running:
+        say("trial %d was cut off: resumed", t.number)
+    return [optuna.trial.Trial(study, t._trial_id) for t in running]
+
+
+def _run_batch(
+    study: optuna.Study,
     search: Search,
-    best: TrialRow,
-    command: str,
-    counts: dict[str, int],
-    privacy: SearchPrivacy | None = None,
-) -> dict[str, Any]:
-    """``best.json``: the best trial and what to run next; under DP the ε of the search."""
-    record: dict[str, Any] = {
-        "metric": search.metric,
-        "direction": search.direction,
-        "value": best.value,
-        "trial": best.number,
-        "trial_folder": f"trial-{best.number}",
-        "params": best.params,
-        "overrides": [override(k, v) for k, v in best.params.items()],
-        "command": command,
-        "method": search.method,
-        "run_seed": search.run_seed,
-        "seeds": list(search.cfg.seeds),  # what the command runs
-        "run_seed_in_seeds": search.run_seed in search.cfg.seeds,
-        "seeds_note": seeds_note(search),
-        "search_seed": search.cfg.tune.seed,
-        "sampler": search.cfg.tune.sampler,
-        "trials": counts,
-    }
-    if search.cfg.dp.enabled:
-        summary = run_dir(trial_config(search, best.number, best.params), search.method,
-                          search.run_seed) / "summary.json"  # fmt: skip
-        eps = json.loads(summary.read_text()).get("dp_epsilon") if summary.is_file() else None
-        record["dp_epsilon_of_one_trial"] = eps
-        record["search_privacy_accounted"] = search.cfg.tune.search_privacy_accounted
-        if privacy is not None:
-            record.update(privacy.record())
-    return record
+    batch: list[optuna.Trial],
+    engine: Engine | None,
+    callbacks: Callable[[int], Sequence[Callback]] | None,
+) -> None:
+    """Train the trials of a batch: here one after the other (one worker), or each in a process
+    of its own; an interrupt, a full disk or an unexpected error is raised once all ended."""
+    workers = search.cfg.tune.workers
+    if workers == 1:
+        for trial in batch:
+            study.sampler = _sampler(search, trial.number)
+            extra = callbacks(trial.number) if callbacks else ()
+            _run_trial(study, trial, search, engine, extra)
+        return
+    from fedlore.tune_parallel import run_jobs
+
+    numbers = ", ".join(str(t.number) for t in batch)
+    say("trials %s of %d: %d at once", numbers, search.trials, min(workers, len(batch)))
+    jobs = [(f"trial {t.number}", (search, t._trial_id, t.number)) for t in batch]
+    ended = run_jobs(_trial_process, jobs, workers)
+    interrupt.check()
+    for kind in ("interrupted", "oserror", "error", "died"):
+        for e in ended:
+            if e.kind != kind:
+                continue
+            if kind == "interrupted":
+                raise interrupt.Interrupted(int(e.message))
+            if kind == "oserror":
+                raise OSError(f"{e.label}: {e.message}")
+            if kind == "error":
+                raise RuntimeError(f"{e.label} failed: {e.message}; the search stops")
+            raise RuntimeError(
+                f"{e.label}: its process ended without a word ({e.message}); it stays "
+                "running: run the same command to resume it"
+            )
+
+
+def _trial_process(search: Search, trial_id: int, number: int) -> None:
+    """Train one trial of a batch in a process of its own (:mod:`fedlore.tune_parallel`)."""
+    optuna = import_optuna()
+    storage = _storage(search.folder)
+    try:
+        study = optuna.load_study(
+            study_name=search.cfg.name, storage=storage, pruner=_pruner(search)
+        )
+        study.sampler = _sampler(search, number)  # its parameters are given: nothing is drawn
+        _run_trial(study, optuna.trial.Trial(study, trial_id), search, None, ())
+    finally:
+        storage.engine.dispose()
