@@ -190,3 +190,42 @@ def test_the_cap_without_a_buffer_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="dp.max_contributions is set but asynchronous"):
         make_algorithm("fedavg", cfg)
     make_algorithm("fedavg", _cfg(tmp_path))  # DP-FedBuff itself runs
+
+
+def test_a_client_that_skips_clipping_is_rejected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A broken client 0 sends its upload unclipped, 100 times larger: the server refuses it
+    (its norm above C), so it never enters a step's sum."""
+    from fedlore.engine import transport
+    from fedlore.types import Reply
+
+    honest = transport.privatize
+
+    def broken(reply: Reply, config: Any, noise: Any, rnd: int, cid: int) -> Reply:
+        out = honest(reply, config, noise, rnd, cid)
+        if cid != 0:
+            return out
+        return Reply({k: 100 * v for k, v in reply.arrays.items()}, out.metrics)
+
+    monkeypatch.setattr(transport, "privatize", broken)
+    cfg = _cfg(tmp_path)
+    run_one(cfg, "fedavg", SEED)
+    rows = _rows(cfg)
+    assert all(0 not in r["accepted_clients"] for r in rows)
+    reasons = [x for r in rows for x in r.get("rejected_reasons", [])]
+    assert reasons and all(x.startswith("0: upload norm") for x in reasons)
+    assert all("exceeds the clip norm 0.5" in x for x in reasons)
+
+
+def test_a_cap_that_runs_out_of_clients_stops_with_a_reason(tmp_path: Path) -> None:
+    """3 clients, K = 2, cap 2, 3 steps: the 6 places fit (3 x 2), but client 2 is 100 times
+    slower, so clients 0 and 1 fill steps 1 and 2 and reach the cap; step 3 gets client 2
+    alone, and the run says why it stops."""
+    trace = tmp_path / "speeds.json"
+    trace.write_text(json.dumps([1.0, 1.0, 0.01]))
+    cfg = _cfg(tmp_path, "num_clients=3", "asynchronous.concurrency=3", "rounds=3",
+               "dp.max_contributions=2", f"clients.speed_trace={trace}")  # fmt: skip
+    with pytest.raises(RuntimeError, match="dp.max_contributions are not started"):
+        run_one(cfg, "fedavg", SEED)
+    assert [r["accepted_clients"] for r in _rows(cfg)] == [[0, 1], [0, 1]]

@@ -297,7 +297,8 @@ class BufferedLoop:
             if not p.flights:
                 raise RuntimeError(
                     f"version {p.version}: no client is in flight and none is available to "
-                    "start (clients.availability)"
+                    "start (clients.availability; under DP, clients in the buffer wait for the "
+                    "step and those at dp.max_contributions are not started)"
                 )
             p.clock = min(f.finish for f in p.flights)
             group = sorted((f for f in p.flights if f.finish == p.clock), key=lambda f: f.seq)
