@@ -187,7 +187,7 @@ def test_what_dp_fedbuff_refuses(tmp_path: Path, extra: list[str], message: str)
 def test_the_cap_without_a_buffer_is_refused(tmp_path: Path) -> None:
     cfg = load_config(None, [*SMALL[:9], f"output_dir={tmp_path}", "dp.clip_norm=1",
                              "dp.noise_multiplier=1", "dp.max_contributions=2"])  # fmt: skip
-    with pytest.raises(ConfigError, match="dp.max_contributions is set but asynchronous"):
+    with pytest.raises(ConfigError, match=r"dp\.max_contributions is set but asynchronous"):
         make_algorithm("fedavg", cfg)
     make_algorithm("fedavg", _cfg(tmp_path))  # DP-FedBuff itself runs
 
@@ -201,8 +201,10 @@ def test_a_client_that_skips_clipping_is_rejected(
     from fedlore.types import Reply
 
     honest = transport.privatize
+    clips: list[Any] = []
 
     def broken(reply: Reply, config: Any, noise: Any, rnd: int, cid: int) -> Reply:
+        clips.append(config.get("privacy.clip_norm"))
         out = honest(reply, config, noise, rnd, cid)
         if cid != 0:
             return out
@@ -216,6 +218,7 @@ def test_a_client_that_skips_clipping_is_rejected(
     reasons = [x for r in rows for x in r.get("rejected_reasons", [])]
     assert reasons and all(x.startswith("0: upload norm") for x in reasons)
     assert all("exceeds the clip norm 0.5" in x for x in reasons)
+    assert clips and set(clips) == {0.5}  # every broadcast carried the clip
 
 
 def test_a_cap_that_runs_out_of_clients_stops_with_a_reason(tmp_path: Path) -> None:
@@ -226,6 +229,22 @@ def test_a_cap_that_runs_out_of_clients_stops_with_a_reason(tmp_path: Path) -> N
     trace.write_text(json.dumps([1.0, 1.0, 0.01]))
     cfg = _cfg(tmp_path, "num_clients=3", "asynchronous.concurrency=3", "rounds=3",
                "dp.max_contributions=2", f"clients.speed_trace={trace}")  # fmt: skip
-    with pytest.raises(RuntimeError, match="dp.max_contributions are not started"):
+    with pytest.raises(RuntimeError, match=r"dp\.max_contributions are not started"):
         run_one(cfg, "fedavg", SEED)
     assert [r["accepted_clients"] for r in _rows(cfg)] == [[0, 1], [0, 1]]
+
+
+def test_releases_a_resume_repeats_count_for_every_client(tmp_path: Path) -> None:
+    """Without checkpoints a resume runs every released step again with fresh noise: the DP
+    ledger counts the 3 discarded rows, for every client (who was in them is not assumed)."""
+    cfg = _cfg(tmp_path, "checkpoint=false")
+    assert run_one(cfg, "fedavg", SEED, stop_after=2) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PrivacyWarning)
+        summary = run_one(cfg, "fedavg", SEED, resume=True)
+    assert summary is not None and summary["dp_repeated_exchanges"] == 3
+    rows = _rows(cfg)
+    assert len(rows) == 6
+    for i, r in enumerate(rows):
+        most = max(_counts(rows[: i + 1]).values())
+        assert r["dp_epsilon"] == pytest.approx(contribution_epsilon(1.0, 1e-5, most + 3))

@@ -17,10 +17,11 @@ from fedlore.privacy.buffer_dp import (
     check_weight,
     contribution_epsilon,
 )
+from fedlore.privacy.client import ReplySpec
 from fedlore.privacy.randomness import SERVER
 from fedlore.types import Reply, State
 
-SPEC = {"update.a": ((3,), torch.float32), "update.b": ((2,), torch.float32)}
+SPEC: ReplySpec = {"update.a": ((3,), torch.float32), "update.b": ((2,), torch.float32)}
 CPU = torch.device("cpu")
 
 
@@ -80,7 +81,7 @@ def test_the_step_is_the_weighted_sum_plus_noise_divided_by_k() -> None:
 
 def test_the_noise_has_std_sigma_c_on_the_sum() -> None:
     """With OS noise, K x (mean) - Σ w x over 200,000 coordinates: std σC within 1 %."""
-    spec = {"update.a": ((200_000,), torch.float32)}
+    spec: ReplySpec = {"update.a": ((200_000,), torch.float32)}
     dp = BufferDP(_privacy(sigma=3.0, clip=0.5))
     zero = Reply({"update.a": torch.zeros(200_000)}, {"num_examples": 1})
     buffer = [(c, zero, 1.0) for c in range(4)]
