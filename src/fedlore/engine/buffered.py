@@ -220,7 +220,8 @@ class BufferedLoop:
     _buffered: set[int] = field(default_factory=set)  # clients whose update waits in the buffer
 
     def _startable(self) -> list[int]:
-        """The clients that may start now: available at the current version, not in flight."""
+        """The clients that may start now: available at the current version, not in flight
+        (under DP: nor waiting in the buffer, nor at ``dp.max_contributions``)."""
         p = self.progress
         busy = {f.cid for f in p.flights}
         dp, held = self.privacy, self._buffered
