@@ -272,6 +272,11 @@ class DPConfig(_Strict):
     what noise multiplier σ alone costs (:func:`fedlore.privacy.dp.update_noise_multiplier`)."""
     audit: DPAuditConfig = DPAuditConfig()
     """The empirical privacy audit with canary clients (``dp.audit.*``); off by default."""
+    max_contributions: int | None = Field(None, ge=1)
+    """Under ``asynchronous.buffer`` (DP-FedBuff, :mod:`fedlore.privacy.buffer_dp`): the most
+    server steps one client may contribute to; a client at the cap is not started again, so
+    every client's ε is at most that of the cap's steps, known before the run (None: no cap;
+    the fastest client may be in every step). Only with ``asynchronous.buffer``."""
 
     @model_validator(mode="after")
     def _adaptive_clipping(self) -> DPConfig:

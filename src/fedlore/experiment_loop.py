@@ -23,6 +23,7 @@ from fedlore.engine.transport import Transport
 from fedlore.experiment_parts import Experiment, make_diagnoser
 from fedlore.experiment_privacy import client_sampler, privacy_summary
 from fedlore.privacy import Privacy
+from fedlore.privacy.buffer_dp import BufferDP
 from fedlore.results.summary import summarize
 from fedlore.types import State
 
@@ -52,9 +53,13 @@ def make_loop(
     cfg, algo, seed = exp.cfg, exp.algorithm, exp.seed
     stop = None if stopper is None else stopper.stopped
     if progress is not None:  # asynchronous.buffer: one round is one server step
+        dp = None
+        if privacy is not None and privacy.dp is not None:  # DP-FedBuff
+            dp = BufferDP(privacy, cfg.dp.max_contributions)
         return buffered_loop(cfg, algo, clients, exp.fed.client, seed, progress,
                              evaluate=evaluate, eval_every=cfg.eval.every, callbacks=callbacks,
-                             norm_screen=cfg.robust.norm_screen, stop=stop)  # fmt: skip
+                             norm_screen=cfg.robust.norm_screen, stop=stop,
+                             privacy=dp)  # fmt: skip
     return RoundLoop(
         algo,
         clients,
@@ -85,6 +90,10 @@ def final_summary(
     if exp.fed.test_split is not None:  # no test split of its own: what was held out
         summary["data_test_split"] = exp.fed.test_split
     summary.update(privacy_summary(privacy))  # the mechanism, beside its ε
+    if cfg.asynchronous.enabled and "dp_mode" in summary:  # DP-FedBuff's accounting
+        summary["dp_accounting"] = "per-client steps, no amplification (max over clients)"
+        if cfg.dp.max_contributions is not None:
+            summary["dp_max_contributions"] = cfg.dp.max_contributions
     measured = getattr(clients, "summary_fields", None)  # a transport's own (Flower's bytes)
     if measured is not None:
         summary.update(measured())

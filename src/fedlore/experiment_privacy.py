@@ -81,7 +81,10 @@ def dp_noise_multiplier(cfg: Config, setup: int) -> float:
         return cfg.dp.noise_multiplier
     assert cfg.dp.epsilon is not None
     exchanges, accountant = cfg.rounds + setup, cfg.dp.accountant
-    if cfg.dp.mode == "local":  # the worst case: a client in every exchange
+    if cfg.asynchronous.enabled:  # DP-FedBuff: a client in every step, or in the cap's steps
+        cap = cfg.dp.max_contributions
+        exchanges = setup + (cfg.rounds if cap is None else min(cap, cfg.rounds))
+    if cfg.dp.mode == "local" or cfg.asynchronous.enabled:  # a client in every exchange
         return local_noise_for_epsilon(
             cfg.dp.epsilon, cfg.dp.delta, exchanges, accountant=accountant
         )
@@ -118,6 +121,8 @@ def make_privacy(
         return None
     setup = setup_rounds(algo)
     per_round = cfg.clients_per_round()
+    if cfg.asynchronous.enabled:  # DP-FedBuff: no sampling to amplify by (buffer_dp)
+        per_round = cfg.num_clients
     local = cfg.dp.enabled and cfg.dp.mode == "local"
     dp = None
     if cfg.dp.enabled:
@@ -148,6 +153,16 @@ def make_privacy(
                 if cfg.secure_aggregation
                 else "",
             )
+        if cfg.asynchronous.enabled:
+            say_once(
+                "DP-FedBuff: each buffer of %d clipped, staleness-weighted uploads gets noise "
+                "σC on its sum; a client is in a step at most once, and its ε composes the "
+                "steps it is in, without amplification by sampling (dp_epsilon: the largest "
+                "over the clients%s)",
+                cfg.asynchronous.buffer,
+                "" if cfg.dp.max_contributions is None
+                else f"; at most {cfg.dp.max_contributions} steps a client",
+            )  # fmt: skip
         if sigma == 0:
             _privacy_warning(
                 "DP: dp.noise_multiplier = 0 adds no noise: ε is infinite (clipping only)"
@@ -313,7 +328,10 @@ def make_canaries(cfg: Config, algo: Algorithm, state: State | None) -> Canaries
     model = algo.global_arrays(state)
     try:
         pairs = upload_model_keys(dict(algo.expected_reply(state, 0, 0)), model)
-        per_round = canaries_per_round(audit.canaries, cfg.num_clients, cfg.clients_per_round())
+        real = cfg.clients_per_round()
+        if cfg.asynchronous.enabled:  # DP-FedBuff: K of N clients a step
+            real = int(cfg.asynchronous.buffer or 1)
+        per_round = canaries_per_round(audit.canaries, cfg.num_clients, real)
         start = flat_model(model, pairs)  # θ_0
         canaries = Canaries(
             audit.canaries, audit.unseen_count, per_round, pairs, start, algo.global_arrays

@@ -233,7 +233,11 @@ def test_a_config_recorded_with_its_defaults_validates_again(
         ("fedit", [], "weighted mean of plain model deltas"),
         ("moon", [], "fedfull, fedavg and fedprox only"),
         ("fedavg", ["secure_aggregation=true"], "secure_aggregation: "),
-        ("fedavg", ["dp.clip_norm=1", "dp.noise_multiplier=1", "weighting=uniform"], "dp: the "),
+        (
+            "fedavg",
+            ["dp.clip_norm=1", "dp.noise_multiplier=1", "weighting=uniform", "dp.mode=local"],
+            "dp.mode=local: ",
+        ),  # central DP runs: DP-FedBuff
         ("fedavg", ["compression.kind=topk"], "compression=topk"),
         ("fedavg", ["robust.aggregate=median"], "robust_aggregate=median"),
         ("fedavg", ["clients.dropout=0.1"], "clients.dropout or clients.round_deadline_s"),

@@ -7,10 +7,12 @@ here is what depends on the method and on the other sections:
 * the method: only one whose :attr:`~fedlore.algorithm.Capabilities.synchronous_only` is empty
   (FedFull, FedAvg, FedProx: the server adds a weighted mean of plain deltas, and a delta
   computed from an older global model is still a delta);
-* secure aggregation and DP: a buffer mixes updates computed from different global models and
-  fills at times set by the clients' speeds, so neither the in-process masking rounds nor the
-  accountant's rounds (one Poisson or fixed-size sample per round) describe it (the paper's
-  secure aggregation needs a trusted enclave holding the buffer);
+* secure aggregation: a buffer mixes updates computed from different global models and fills
+  at times set by the clients' speeds, so the in-process masking rounds do not describe it (the
+  paper's secure aggregation needs a trusted enclave holding the buffer);
+* DP other than central DP with a fixed clip (DP-FedBuff, :mod:`fedlore.privacy.buffer_dp`):
+  ``dp.mode: local`` and adaptive clipping (``dp.target_quantile``) are defined per synchronous
+  round; ``dp.max_contributions`` is FedBuff's alone;
 * what is defined only for synchronous rounds: dropouts and a round deadline
   (``clients.dropout``, ``clients.round_deadline_s``: a client simply finishes later), malicious
   clients (``attack``), upload compression and robust aggregates (the server scales each delta
@@ -39,11 +41,24 @@ def asynchronous_problems(cfg: Config) -> list[str]:
             "filled at the clients' pace, is no masking round (the paper puts it in a trusted "
             "enclave); not implemented"
         )
-    if cfg.dp.enabled:
+    if cfg.dp.enabled and cfg.dp.mode == "local":
         out.append(
-            why + "dp: the accountant counts synchronous rounds of sampled clients, and a "
-            "buffer's members are chosen by their speeds; central DP over the buffer is not "
-            "implemented"
+            why + "dp.mode=local: DP-FedBuff is central DP (the server noises the buffer's "
+            "sum); local DP over the buffer is not implemented"
+        )
+    if cfg.dp.enabled and cfg.dp.target_quantile is not None:
+        out.append(
+            why + "dp.target_quantile: adaptive clipping moves the clip once per synchronous "
+            "round; DP-FedBuff clips at a fixed dp.clip_norm"
+        )
+    cap = cfg.dp.max_contributions
+    if cap is not None and not cfg.dp.enabled:
+        out.append(why + "dp.max_contributions but no dp.clip_norm: the cap is DP-FedBuff's")
+    elif cap is not None and cap * cfg.num_clients < cfg.rounds * int(cfg.asynchronous.buffer or 0):
+        out.append(
+            why + f"dp.max_contributions={cap}: {cfg.num_clients} clients can fill at most "
+            f"{cap * cfg.num_clients} buffer places, and {cfg.rounds} steps of "
+            f"{cfg.asynchronous.buffer} need more; raise the cap or lower the rounds"
         )
     if cfg.clients.dropout > 0 or cfg.clients.round_deadline_s is not None:
         out.append(
@@ -73,6 +88,12 @@ def check_asynchronous(name: str, algo: Any, cfg: Config) -> None:
         ConfigError: one line naming the setting and the reason.
     """
     if not cfg.asynchronous.enabled:
+        if cfg.dp.max_contributions is not None:
+            raise ConfigError(
+                "dp.max_contributions is set but asynchronous.buffer is not: it caps a "
+                "client's server steps under DP-FedBuff (a synchronous run's accountant counts "
+                "its rounds)"
+            )
         return
     caps = algo.caps()
     if caps.synchronous_only:

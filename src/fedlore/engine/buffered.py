@@ -45,6 +45,12 @@ clock, the counters of starts and draws, the clients that started from the curre
 every client in flight with its start version, start and finish times and its reply; with the
 client states and the server state this is everything the rest of the run depends on, so a
 resumed run is bit-identical.
+
+Under central DP (``dp.clip_norm``; ``privacy``: :class:`~fedlore.privacy.buffer_dp.BufferDP`)
+the broadcasts carry the clip, an upload above it is rejected, a client whose update waits in
+the buffer is not started again before the step (one contribution per client and step) nor one
+at ``dp.max_contributions``, and the step's staleness-weighted uploads are summed, noised and
+divided by K there (no norm screen, as in a synchronous DP round).
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ from fedlore.engine.loop import Callback, Row, add_scores, client_reports, drive
 from fedlore.engine.transport import Transport
 from fedlore.engine.unreliable import availability_trace, client_speeds
 from fedlore.engine.validate import method_problem, validate_reply
+from fedlore.privacy.buffer_dp import BufferDP
 from fedlore.robust import norm_screen
 from fedlore.seeding import ASYNC_SAMPLING, derive_seed
 from fedlore.tensors import nbytes
@@ -208,13 +215,21 @@ class BufferedLoop:
     callbacks: Sequence[Callback] = ()
     norm_screen: float | None = None
     stop: Callable[[], bool] | None = None
+    privacy: BufferDP | None = None
     _down: int = 0
+    _buffered: set[int] = field(default_factory=set)  # clients whose update waits in the buffer
 
     def _startable(self) -> list[int]:
-        """The clients that may start now: available at the current version, not in flight."""
+        """The clients that may start now: available at the current version, not in flight
+        (under DP: nor waiting in the buffer, nor at ``dp.max_contributions``)."""
         p = self.progress
         busy = {f.cid for f in p.flights}
-        return [c for c in self.pool(p.version) if c not in busy]
+        dp, held = self.privacy, self._buffered
+        return [
+            c
+            for c in self.pool(p.version)
+            if c not in busy and (dp is None or dp.startable(c, held))
+        ]
 
     def _top_up(self, state: State) -> None:
         """Start clients until C are in flight: drawn uniformly from the available clients not
@@ -229,6 +244,8 @@ class BufferedLoop:
         chosen = sorted(eligible[int(i)] for i in rng.choice(len(eligible), take, replace=False))
         for cid in chosen:
             msg = self.algorithm.broadcast(state, p.version, cid)
+            if self.privacy is not None:  # the clip the client applies
+                msg = self.privacy.configure(p.version, {cid: msg})[cid]
             self._down += nbytes(msg.arrays)
             key = p.version if cid not in p.started else REPEAT + p.seq
             p.started.add(cid)
@@ -249,6 +266,8 @@ class BufferedLoop:
         why = validate_reply(f.reply, self.algorithm.expected_reply(state, rnd, f.cid))
         if why is None:
             why = method_problem(self.algorithm, state, rnd, f.cid, f.reply)
+        if why is None and self.privacy is not None:
+            why = self.privacy.screen(f.reply)
         s = p.version - f.version
         cap = self.settings.max_staleness
         if why is None and cap is not None and s > cap:
@@ -279,7 +298,8 @@ class BufferedLoop:
             if not p.flights:
                 raise RuntimeError(
                     f"version {p.version}: no client is in flight and none is available to "
-                    "start (clients.availability)"
+                    "start (clients.availability; under DP, clients in the buffer wait for the "
+                    "step and those at dp.max_contributions are not started)"
                 )
             p.clock = min(f.finish for f in p.flights)
             group = sorted((f for f in p.flights if f.finish == p.clock), key=lambda f: f.seq)
@@ -293,18 +313,32 @@ class BufferedLoop:
                     accepted.append((f.cid, None))
                 else:
                     buffer.append(item)
+                    self._buffered.add(item.cid)
                 if len(buffer) == self.settings.buffer:
                     break
             else:
                 self._top_up(state)  # the group has arrived: its replacements start
-        screened = norm_screen(dict(enumerate(b.reply for b in buffer)), self.norm_screen)
+        self._buffered = set()
+        screen = None if self.privacy is not None else self.norm_screen  # as a DP round's
+        screened = norm_screen(dict(enumerate(b.reply for b in buffer)), screen)
         kept = [b for i, b in enumerate(buffer) if i not in screened]
         for i, why in sorted(screened.items()):
             rejected.append(f"{buffer[i].cid}: {why}")
             accepted.append((buffer[i].cid, None))
         dtypes = {k: v.dtype for k, v in self.algorithm.global_arrays(state).items()}
-        accepted.extend((b.cid, weighted(b.reply, b.weight, dtypes)) for b in kept)
+        private: dict[str, Any] = {}
+        if self.privacy is None:
+            accepted.extend((b.cid, weighted(b.reply, b.weight, dtypes)) for b in kept)
+        elif kept:  # the weights scale the clipped uploads in the sum that is noised
+            spec = self.algorithm.expected_reply(state, rnd, kept[0].cid)
+            device = next(iter(self.algorithm.global_arrays(state).values())).device
+            step = [(b.cid, b.reply, b.weight) for b in kept]
+            noised, private = self.privacy.combine(rnd, spec, step, device)
+            accepted.extend(noised)
         state, agg = self.algorithm.aggregate(state, accepted, rnd)
+        if self.privacy is not None:  # the clients' counts (and the audit's record)
+            state = self.privacy.record(state)
+        agg = {**agg, **private}
         p.version += 1
         p.started = set()
         row = self._row(rnd, kept, accepted, rejected, bytes_up, agg)
@@ -369,6 +403,8 @@ class BufferedLoop:
     def run(self, state: State, start: int, rounds: int) -> State:
         """Server steps ``start .. rounds-1``; a signal stops it as
         :meth:`fedlore.engine.loop.RoundLoop.run` does (the interrupted step is not recorded)."""
+        if self.privacy is not None:  # DP-FedBuff's counts, from a resumed run's state
+            self.privacy.restore(state)
         return drive(self.run_round, self.callbacks, self.stop, state, start, rounds)
 
 

@@ -11,6 +11,8 @@
   dp-accounting accountants (ε per round, σ from a target ε).
 * :mod:`fedlore.privacy.local_dp`: local DP (``dp.mode: local``): each client noises its own
   upload; each client's ε over the exchanges it took part in.
+* :mod:`fedlore.privacy.buffer_dp`: central DP over FedBuff's buffer (DP-FedBuff): the noised
+  buffer mean, one contribution per client and step, each client's ε over its own steps.
 * :mod:`fedlore.privacy.client`: the client side of a round (:func:`client_contribution`,
   :func:`privatize`); :mod:`fedlore.privacy.plan`: what a secure round sums and returns;
   :mod:`fedlore.privacy.aggregation`: the server side (:class:`Privacy`).
