@@ -61,6 +61,7 @@ from torch import nn
 
 from fedlore.algorithms.base import ReplySpec
 from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
+from fedlore.algorithms.heterofl_bn import QUERY, absorb, query_stats, route_shortcuts, static_bn
 from fedlore.algorithms.heterofl_plan import (
     WidthPlan,
     add_scaler,
@@ -176,13 +177,21 @@ class HeteroFL(FedAvg):
     def client_rate(self, state: State, client_id: int) -> float:
         return self.rate_of(int(state.values[SALT]), client_id)
 
+    def units(self, plan: WidthPlan, rnd: int, rate: float) -> list[torch.Tensor]:
+        """Per group of ``plan``, the global units a sub-model of ``rate`` holds in ``rnd``."""
+        return [unit_index(n, rate, rnd, self.extraction, self.roll_by) for n in plan.widths]
+
     def positions(self, state: State, rnd: int, rate: float) -> dict[str, torch.Tensor | None]:
-        """Per global tensor, the flat positions of the sub-model's entries (None: all, in
-        order) for a client of ``rate`` in round ``rnd``."""
+        """Per global tensor a client trains (every one but BatchNorm's running statistics),
+        the flat positions of the sub-model's entries (None: all, in order) for a client of
+        ``rate`` in round ``rnd``."""
         plan = WidthPlan.from_json(str(state.values[PLAN]))
-        units = [unit_index(n, rate, rnd, self.extraction, self.roll_by) for n in plan.widths]
+        units = self.units(plan, rnd, rate)
+        skip = plan.buffers()
         model = select(state.arrays, "model.")
-        return {k: flat_index(v.shape, plan.dims[k], units) for k, v in model.items()}
+        return {
+            k: flat_index(v.shape, plan.dims[k], units) for k, v in model.items() if k not in skip
+        }
 
     # ------------------------------------------------------------------ the protocol
 
@@ -199,8 +208,26 @@ class HeteroFL(FedAvg):
         rate = self.client_rate(state, client_id)
         model = select(state.arrays, "model.")
         where = self.positions(state, rnd, rate)
-        arrays = {"model." + k: extract(v, where[k]) for k, v in model.items()}
+        arrays = {"model." + k: extract(model[k], pos) for k, pos in where.items()}
         return Broadcast(arrays=arrays, config={"round": rnd, "rate": rate})
+
+    def query(self, state: State, rnd: int, client_id: int) -> Broadcast | None:
+        """The static batch norm's statistics query (:mod:`~fedlore.algorithms.heterofl_bn`),
+        sent by the round loop after aggregation to the round's clients when the global model
+        is evaluated: the full-width model's trained tensors; None for a model without
+        BatchNorm (no query)."""
+        plan = WidthPlan.from_json(str(state.values[PLAN]))
+        if not plan.norms:
+            return None
+        skip = plan.buffers()
+        arrays = {k: v for k, v in select(state.arrays, "model.").items() if k not in skip}
+        return Broadcast(arrays=with_prefix(arrays, "model."), config={"round": rnd, QUERY: True})
+
+    def absorb_query(
+        self, state: State, replies: list[tuple[int, Reply | None]], rnd: int
+    ) -> tuple[State, Scalars]:
+        """The global model's running statistics pooled from the query's replies."""
+        return absorb(state, WidthPlan.from_json(str(state.values[PLAN])), replies, rnd)
 
     def client_update(
         self,
@@ -210,13 +237,23 @@ class HeteroFL(FedAvg):
         data: ClientData,
         rng: torch.Generator,
     ) -> tuple[Reply, State]:
-        """Train the received sub-model (the scaler on below rate 1); upload its delta."""
-        rate = float(msg.config["rate"])
+        """Train the received sub-model (the scaler on below rate 1; BatchNorm static); upload
+        its delta. A query message (:meth:`query`): the statistics of the client's data."""
         start = select(msg.arrays, "model.")
-        if rate != 1.0:  # a smaller copy: the full model is never trained or allocated twice
+        plan = width_plan(model)
+        if msg.config.get(QUERY):
             model = sub_model(model, {k: v.shape for k, v in start.items()})
-            if self.scaler:
-                add_scaler(model, width_plan(model), rate)
+            static_bn(model)
+            load_model_arrays(model, start)
+            stats = query_stats(model, plan.norms, data.train.x, self.train.batch_size)
+            return Reply(stats, {"num_examples": data.num_examples}), State()
+        rate = float(msg.config["rate"])
+        if rate != 1.0 or plan.norms:  # a copy: the full model is never trained twice
+            model = sub_model(model, {k: v.shape for k, v in start.items()})
+            static_bn(model)
+            route_shortcuts(model, plan, self.units(plan, int(msg.config["round"]), rate))
+            if self.scaler and rate != 1.0:
+                add_scaler(model, plan, rate)
         load_model_arrays(model, start)
         reply, _ = self.train_locally(msg, start, model, data, rng, self.loss_terms(start))
         return Reply(reply.arrays, {**reply.metrics, RATE: rate}), State()
@@ -232,7 +269,8 @@ class HeteroFL(FedAvg):
         if not ok:
             return State(arrays=dict(state.arrays), values=values), {"aggregated": 0}
         weights = self.weights([r for _, r in ok])
-        model = select(state.arrays, "model.")
+        skip = WidthPlan.from_json(str(values[PLAN])).buffers()  # the running statistics stay
+        model = {k: v for k, v in select(state.arrays, "model.").items() if k not in skip}
         wide = torch.float64
         num = {k: torch.zeros(v.numel(), dtype=wide, device=v.device) for k, v in model.items()}
         den = {k: torch.zeros(v.numel(), dtype=wide, device=v.device) for k, v in model.items()}
@@ -274,8 +312,9 @@ class HeteroFL(FedAvg):
         else:
             rate = self.client_rate(state, client_id)
         where = self.positions(state, rnd, rate)
+        model = select(state.arrays, "model.")
         spec: ReplySpec = {}
-        for k, v in select(state.arrays, "model.").items():
-            pos = where[k]
+        for k, pos in where.items():
+            v = model[k]
             spec["update." + k] = (tuple(v.shape if pos is None else pos.shape), v.dtype)
         return spec
