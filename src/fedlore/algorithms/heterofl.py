@@ -249,14 +249,28 @@ class HeteroFL(FedAvg):
             return Reply(stats, {"num_examples": data.num_examples}), State()
         rate = float(msg.config["rate"])
         if rate != 1.0 or plan.norms:  # a copy: the full model is never trained twice
-            model = sub_model(model, {k: v.shape for k, v in start.items()})
-            static_bn(model)
-            route_shortcuts(model, plan, self.units(plan, int(msg.config["round"]), rate))
-            if self.scaler and rate != 1.0:
-                add_scaler(model, plan, rate)
+            model = self.client_model(model, plan, start, rate, int(msg.config["round"]))
         load_model_arrays(model, start)
         reply, _ = self.train_locally(msg, start, model, data, rng, self.loss_terms(start))
         return Reply(reply.arrays, {**reply.metrics, RATE: rate}), State()
+
+    def client_model(
+        self,
+        model: nn.Module,
+        plan: WidthPlan,
+        start: dict[str, torch.Tensor],
+        rate: float,
+        rnd: int,
+    ) -> nn.Module:
+        """The sub-model a client of ``rate`` trains in round ``rnd`` (not loaded yet): a copy
+        of ``model`` of ``start``'s shapes, its BatchNorms static, its shortcuts routed as the
+        global model's (:mod:`~fedlore.algorithms.heterofl_bn`) and, below rate 1, the scaler."""
+        sub = sub_model(model, {k: v.shape for k, v in start.items()})
+        static_bn(sub)
+        route_shortcuts(sub, plan, self.units(plan, rnd, rate))
+        if self.scaler and rate != 1.0:
+            add_scaler(sub, plan, rate)
+        return sub
 
     def aggregate(
         self, state: State, replies: list[tuple[int, Reply | None]], rnd: int

@@ -105,8 +105,9 @@ def query_stats(
     was = model.training
     model.eval()  # dropout off; a static BatchNorm still normalizes with the batch
     try:
+        device = next(model.parameters()).device
         for chunk in x.split(_batches(len(x), batch_size)):
-            model(chunk)
+            model(chunk.to(device))
     finally:
         model.train(was)
         for h in hooks:
