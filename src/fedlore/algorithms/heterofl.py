@@ -22,7 +22,8 @@ Round t:
   ``W^{t+1}[e] = W^t[e] + Σ_{k ∋ e} p_k Δ_k[e] / Σ_{k ∋ e} p_k`` (equal to the average of the
   held values ``W_k[e]``), with fedlore's weights ``p_k`` (``n_k``, or 1 under
   ``weighting: uniform``, the authors' code's plain count); an entry no client of the round
-  holds keeps its value. With every rate 1 this is FedAvg, bit for bit.
+  holds keeps its value. With every rate 1 this is FedAvg, bit for bit (with BatchNorm: FedAvg's
+  trained tensors bit for bit, the running statistics the pooled ones of the query).
 
 Which units a sub-model holds (``extraction``): ``static``, the first ``ceil(r · n)`` of every
 layer (HeteroFL: the small sub-models are nested in the large ones); ``rolling``, a window of
@@ -40,10 +41,15 @@ a seed, whatever the number of clients), and every full block has the levels in 
 of ``shares``: 10 clients at rates 1, 1/2, 1/4 are 3 + 3 + 3 and one drawn. The rate reaches the
 round's row as the per-client metric ``width_rate``.
 
-Supported models: ``mlp`` (without BatchNorm) and ``cnn``. Refused with a one-line reason:
-``mlp`` with ``norm: batch`` (the paper's static batch norm, whose statistics the server
-queries after training, is not implemented), ``resnet`` (BatchNorm too), ``vit``,
-``text_encoder`` and ``llama`` (no width plan for attention heads, embeddings, residual streams).
+Supported models: ``mlp`` (with or without BatchNorm), ``cnn`` and the CIFAR ResNets
+(``resnet20``/32/44/56 with BatchNorm: every conv and BatchNorm sliced along its stage's or
+block's channels, the option-A shortcuts routed as in the global model). BatchNorm is the
+paper's *static batch norm* (:mod:`fedlore.algorithms.heterofl_bn`): no running statistics in
+training; after aggregation, on the rounds that evaluate, the server queries the round's clients
+for per-channel sums of their data through the full-width model and sets the pooled mean and
+variance (:meth:`HeteroFL.query`, counted in the round's bytes). Refused with a one-line reason:
+``resnet`` with ``norm: group``, ``vit``, ``text_encoder`` and ``llama`` (no width plan for
+attention heads, embeddings, residual streams).
 Not offered: ``params.freeze``, secure aggregation and DP (the uploads have per-client shapes),
 16-bit transport, robust aggregation, the server optimizers, upload compression and FedBuff.
 
