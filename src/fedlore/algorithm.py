@@ -35,6 +35,14 @@ clients' data whether or not it uses U: U is held out of the clients' data for a
 Setup exchanges (``setup_rounds`` > 0) run before round 0, numbered -setup_rounds .. -1
 (FedLore's gradient-based P^0); they are counted in the byte totals.
 
+A method may add a *query exchange* after aggregation (HeteroFL's static batch norm): an
+optional ``query(state, round, client id) -> Broadcast | None`` and ``absorb_query(state,
+[(client id, Reply or None)], round) -> (State, metrics)``. On the rounds that evaluate the
+global model (and the last), the round loop sends each of the round's clients its query (None:
+none) over the transport, whose ``client_update`` answers it, and hands the replies to
+``absorb_query``; its bytes are counted in the round's ``bytes_up`` / ``bytes_down`` and alone
+in ``query_bytes_up`` / ``query_bytes_down``.
+
 Besides its capabilities a method declares ``per_client_metrics`` (default none): reply metrics
 the round loop records per client (``{client id: value}``) in each round's row, e.g.
 Meta-BayFL's chosen learning rate.

@@ -84,6 +84,8 @@ LOOP_KEYS = frozenset(
         "accepted",
         "rejected",
         "accepted_clients",
+        "query_bytes_up",
+        "query_bytes_down",
         "rejected_reasons",
         "bytes_up",
         "bytes_down",

@@ -364,7 +364,7 @@ def test_bad_settings_are_refused(override: str, match: str) -> None:
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
-        (["model.kwargs={hidden: [32], norm: batch}"], "mlp with norm=batch is not supported"),
+        (["model.name=resnet20", "model.kwargs={norm: group}"], "resnet with norm=group is not"),
         (["secure_aggregation=true"], "per-client shapes"),
         (["asynchronous.buffer=2"], "entry over the clients of one round"),
         (["transport_dtype=bf16"], "transport"),

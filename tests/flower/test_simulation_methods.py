@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -238,3 +239,32 @@ def test_scaffold_under_secure_simulation_matches_the_in_process_secure_run(
         assert got["accepted"] == want["accepted"] == 3
         assert got["secagg_aborted"] == want["secagg_aborted"] == 0
         assert got["train_loss"] is None  # nothing of a client in the clear
+
+
+def test_heterofl_static_batch_norm_query_over_flower_matches_in_process(
+    tmp_path: Path, digits_npz: list[str]
+) -> None:
+    """HeteroFL on the BatchNorm MLP at three widths: the statistics query after each round
+    travels as a second exchange of the round over Flower and ends with the in-process run's
+    global model (running statistics included), bytes and query bytes."""
+
+    def cfg(engine: str) -> Any:
+        return load_config(
+            None,
+            [
+                *SMALL,
+                *digits_npz,
+                "model.kwargs={hidden: [16], norm: batch}",
+                "method.heterofl.rates=[1.0, 0.5, 0.25]",
+                "rounds=2",
+                "algorithms=[heterofl]",
+                f"output_dir={tmp_path / engine}",
+            ],
+        )
+
+    local, sim = cfg("local"), cfg("sim")
+    run_one(local, "heterofl", 42)
+    summary = run_simulated(sim, "heterofl", 42)
+    assert_matches(local, sim, "heterofl", summary)
+    for a, b in zip(rows(local, "heterofl"), rows(sim, "heterofl"), strict=True):
+        assert a["query_bytes_up"] == b["query_bytes_up"] > 0 and b["sbn_clients"] == 3

@@ -22,7 +22,8 @@ Round t:
   ``W^{t+1}[e] = W^t[e] + Σ_{k ∋ e} p_k Δ_k[e] / Σ_{k ∋ e} p_k`` (equal to the average of the
   held values ``W_k[e]``), with fedlore's weights ``p_k`` (``n_k``, or 1 under
   ``weighting: uniform``, the authors' code's plain count); an entry no client of the round
-  holds keeps its value. With every rate 1 this is FedAvg, bit for bit.
+  holds keeps its value. With every rate 1 this is FedAvg, bit for bit (with BatchNorm: FedAvg's
+  trained tensors bit for bit, the running statistics the pooled ones of the query).
 
 Which units a sub-model holds (``extraction``): ``static``, the first ``ceil(r · n)`` of every
 layer (HeteroFL: the small sub-models are nested in the large ones); ``rolling``, a window of
@@ -40,10 +41,15 @@ a seed, whatever the number of clients), and every full block has the levels in 
 of ``shares``: 10 clients at rates 1, 1/2, 1/4 are 3 + 3 + 3 and one drawn. The rate reaches the
 round's row as the per-client metric ``width_rate``.
 
-Supported models: ``mlp`` (without BatchNorm) and ``cnn``. Refused with a one-line reason:
-``mlp`` with ``norm: batch`` (the paper's static batch norm, whose statistics the server
-queries after training, is not implemented), ``resnet`` (BatchNorm too), ``vit``,
-``text_encoder`` and ``llama`` (no width plan for attention heads, embeddings, residual streams).
+Supported models: ``mlp`` (with or without BatchNorm), ``cnn`` and the CIFAR ResNets
+(``resnet20``/32/44/56 with BatchNorm: every conv and BatchNorm sliced along its stage's or
+block's channels, the option-A shortcuts routed as in the global model). BatchNorm is the
+paper's *static batch norm* (:mod:`fedlore.algorithms.heterofl_bn`): no running statistics in
+training; after aggregation, on the rounds that evaluate, the server queries the round's clients
+for per-channel sums of their data through the full-width model and sets the pooled mean and
+variance (:meth:`HeteroFL.query`, counted in the round's bytes). Refused with a one-line reason:
+``resnet`` with ``norm: group``, ``vit``, ``text_encoder`` and ``llama`` (no width plan for
+attention heads, embeddings, residual streams).
 Not offered: ``params.freeze``, secure aggregation and DP (the uploads have per-client shapes),
 16-bit transport, robust aggregation, the server optimizers, upload compression and FedBuff.
 
@@ -61,6 +67,7 @@ from torch import nn
 
 from fedlore.algorithms.base import ReplySpec
 from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
+from fedlore.algorithms.heterofl_bn import QUERY, absorb, query_stats, route_shortcuts, static_bn
 from fedlore.algorithms.heterofl_plan import (
     WidthPlan,
     add_scaler,
@@ -176,13 +183,21 @@ class HeteroFL(FedAvg):
     def client_rate(self, state: State, client_id: int) -> float:
         return self.rate_of(int(state.values[SALT]), client_id)
 
+    def units(self, plan: WidthPlan, rnd: int, rate: float) -> list[torch.Tensor]:
+        """Per group of ``plan``, the global units a sub-model of ``rate`` holds in ``rnd``."""
+        return [unit_index(n, rate, rnd, self.extraction, self.roll_by) for n in plan.widths]
+
     def positions(self, state: State, rnd: int, rate: float) -> dict[str, torch.Tensor | None]:
-        """Per global tensor, the flat positions of the sub-model's entries (None: all, in
-        order) for a client of ``rate`` in round ``rnd``."""
+        """Per global tensor a client trains (every one but BatchNorm's running statistics),
+        the flat positions of the sub-model's entries (None: all, in order) for a client of
+        ``rate`` in round ``rnd``."""
         plan = WidthPlan.from_json(str(state.values[PLAN]))
-        units = [unit_index(n, rate, rnd, self.extraction, self.roll_by) for n in plan.widths]
+        units = self.units(plan, rnd, rate)
+        skip = plan.buffers()
         model = select(state.arrays, "model.")
-        return {k: flat_index(v.shape, plan.dims[k], units) for k, v in model.items()}
+        return {
+            k: flat_index(v.shape, plan.dims[k], units) for k, v in model.items() if k not in skip
+        }
 
     # ------------------------------------------------------------------ the protocol
 
@@ -199,8 +214,26 @@ class HeteroFL(FedAvg):
         rate = self.client_rate(state, client_id)
         model = select(state.arrays, "model.")
         where = self.positions(state, rnd, rate)
-        arrays = {"model." + k: extract(v, where[k]) for k, v in model.items()}
+        arrays = {"model." + k: extract(model[k], pos) for k, pos in where.items()}
         return Broadcast(arrays=arrays, config={"round": rnd, "rate": rate})
+
+    def query(self, state: State, rnd: int, client_id: int) -> Broadcast | None:
+        """The static batch norm's statistics query (:mod:`~fedlore.algorithms.heterofl_bn`),
+        sent by the round loop after aggregation to the round's clients when the global model
+        is evaluated: the full-width model's trained tensors; None for a model without
+        BatchNorm (no query)."""
+        plan = WidthPlan.from_json(str(state.values[PLAN]))
+        if not plan.norms:
+            return None
+        skip = plan.buffers()
+        arrays = {k: v for k, v in select(state.arrays, "model.").items() if k not in skip}
+        return Broadcast(arrays=with_prefix(arrays, "model."), config={"round": rnd, QUERY: True})
+
+    def absorb_query(
+        self, state: State, replies: list[tuple[int, Reply | None]], rnd: int
+    ) -> tuple[State, Scalars]:
+        """The global model's running statistics pooled from the query's replies."""
+        return absorb(state, WidthPlan.from_json(str(state.values[PLAN])), replies, rnd)
 
     def client_update(
         self,
@@ -210,16 +243,40 @@ class HeteroFL(FedAvg):
         data: ClientData,
         rng: torch.Generator,
     ) -> tuple[Reply, State]:
-        """Train the received sub-model (the scaler on below rate 1); upload its delta."""
-        rate = float(msg.config["rate"])
+        """Train the received sub-model (the scaler on below rate 1; BatchNorm static); upload
+        its delta. A query message (:meth:`query`): the statistics of the client's data."""
         start = select(msg.arrays, "model.")
-        if rate != 1.0:  # a smaller copy: the full model is never trained or allocated twice
+        plan = width_plan(model)
+        if msg.config.get(QUERY):
             model = sub_model(model, {k: v.shape for k, v in start.items()})
-            if self.scaler:
-                add_scaler(model, width_plan(model), rate)
+            static_bn(model)
+            load_model_arrays(model, start)
+            stats = query_stats(model, plan.norms, data.train.x, self.train.batch_size)
+            return Reply(stats, {"num_examples": data.num_examples}), State()
+        rate = float(msg.config["rate"])
+        if rate != 1.0 or plan.norms:  # a copy: the full model is never trained twice
+            model = self.client_model(model, plan, start, rate, int(msg.config["round"]))
         load_model_arrays(model, start)
         reply, _ = self.train_locally(msg, start, model, data, rng, self.loss_terms(start))
         return Reply(reply.arrays, {**reply.metrics, RATE: rate}), State()
+
+    def client_model(
+        self,
+        model: nn.Module,
+        plan: WidthPlan,
+        start: dict[str, torch.Tensor],
+        rate: float,
+        rnd: int,
+    ) -> nn.Module:
+        """The sub-model a client of ``rate`` trains in round ``rnd`` (not loaded yet): a copy
+        of ``model`` of ``start``'s shapes, its BatchNorms static, its shortcuts routed as the
+        global model's (:mod:`~fedlore.algorithms.heterofl_bn`) and, below rate 1, the scaler."""
+        sub = sub_model(model, {k: v.shape for k, v in start.items()})
+        static_bn(sub)
+        route_shortcuts(sub, plan, self.units(plan, rnd, rate))
+        if self.scaler and rate != 1.0:
+            add_scaler(sub, plan, rate)
+        return sub
 
     def aggregate(
         self, state: State, replies: list[tuple[int, Reply | None]], rnd: int
@@ -232,7 +289,8 @@ class HeteroFL(FedAvg):
         if not ok:
             return State(arrays=dict(state.arrays), values=values), {"aggregated": 0}
         weights = self.weights([r for _, r in ok])
-        model = select(state.arrays, "model.")
+        skip = WidthPlan.from_json(str(values[PLAN])).buffers()  # the running statistics stay
+        model = {k: v for k, v in select(state.arrays, "model.").items() if k not in skip}
         wide = torch.float64
         num = {k: torch.zeros(v.numel(), dtype=wide, device=v.device) for k, v in model.items()}
         den = {k: torch.zeros(v.numel(), dtype=wide, device=v.device) for k, v in model.items()}
@@ -274,8 +332,9 @@ class HeteroFL(FedAvg):
         else:
             rate = self.client_rate(state, client_id)
         where = self.positions(state, rnd, rate)
+        model = select(state.arrays, "model.")
         spec: ReplySpec = {}
-        for k, v in select(state.arrays, "model.").items():
-            pos = where[k]
+        for k, pos in where.items():
+            v = model[k]
             spec["update." + k] = (tuple(v.shape if pos is None else pos.shape), v.dtype)
         return spec

@@ -13,8 +13,9 @@ that rolls with the round: FedRolex). Every tensor's entries are then the produc
 dimensions' index sets (:func:`flat_index`), so one rule serves the cut (:func:`extract`) and the
 server's scatter-add (``index_add_`` on the flattened tensor).
 
-Plans exist for the ``mlp`` (without BatchNorm) and ``cnn`` models only; :func:`width_plan`
-refuses every other model with a one-line :class:`~fedlore.config.ConfigError` naming why.
+Plans exist for the ``mlp`` (with or without BatchNorm), the ``cnn`` and the CIFAR ResNets
+with BatchNorm (:func:`resnet_plan`); :func:`width_plan` refuses every other model with a
+one-line :class:`~fedlore.config.ConfigError` naming why.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from torch import nn
 from fedlore.config import ConfigError
 from fedlore.models.cnn import CNN
 from fedlore.models.mlp import MLP
+from fedlore.models.resnet import BasicBlock, CifarResNet
+
+_BatchNorm = nn.modules.batchnorm._BatchNorm
 
 FULL = -1
 """The group of a dimension that every sub-model holds whole (inputs, classes, kernels)."""
@@ -48,27 +52,91 @@ class WidthPlan:
         dims: per ``state_dict`` name, one :data:`Dim` per dimension.
         scaled: the modules whose output HeteroFL's scaler divides by r in training (every
             layer that produces a hidden group; never the head).
+        norms: the BatchNorm modules (static batch norm, :mod:`~fedlore.algorithms.heterofl_bn`:
+            their running statistics are never trained, sent or uploaded, only queried).
+        routes: per parameter-free option-A shortcut that pads channels (a ResNet's stage
+            change): (block, input group, output group, offset): global input channel i feeds
+            output channel ``offset + i``.
     """
 
     widths: tuple[int, ...]
     dims: dict[str, tuple[Dim, ...]]
     scaled: tuple[str, ...]
+    norms: tuple[str, ...] = ()
+    routes: tuple[tuple[str, int, int, int], ...] = ()
 
     def to_json(self) -> str:
-        """The plan as JSON (a server state value)."""
-        return json.dumps(
-            {"widths": self.widths, "dims": self.dims, "scaled": self.scaled}, sort_keys=True
-        )
+        """The plan as JSON (a server state value; ``norms``/``routes`` only when present)."""
+        raw: dict[str, object] = {"widths": self.widths, "dims": self.dims, "scaled": self.scaled}
+        if self.norms:
+            raw |= {"norms": self.norms, "routes": self.routes}
+        return json.dumps(raw, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> WidthPlan:
         raw = json.loads(text)
         dims = {k: tuple((int(g), int(b)) for g, b in v) for k, v in raw["dims"].items()}
-        return cls(tuple(raw["widths"]), dims, tuple(raw["scaled"]))
+        routes = tuple((str(b), int(i), int(o), int(s)) for b, i, o, s in raw.get("routes", ()))
+        norms = tuple(raw.get("norms", ()))
+        return cls(tuple(raw["widths"]), dims, tuple(raw["scaled"]), norms, routes)
+
+    def buffers(self) -> set[str]:
+        """The ``state_dict`` names of the BatchNorm buffers (running statistics, count)."""
+        kinds = ("running_mean", "running_var", "num_batches_tracked")
+        return {f"{n}.{k}" for n in self.norms for k in kinds}
 
 
 def _linear(name: str, out: int, inp: Dim) -> dict[str, tuple[Dim, ...]]:
     return {f"{name}.weight": ((out, 1), inp), f"{name}.bias": ((out, 1),)}
+
+
+def norm_dims(name: str, group: int) -> dict[str, tuple[Dim, ...]]:
+    """A BatchNorm's tensors: affine weight and bias and running statistics over ``group``,
+    the batch counter whole."""
+    per_unit = ("weight", "bias", "running_mean", "running_var")
+    return {f"{name}.{k}": ((group, 1),) for k in per_unit} | {f"{name}.num_batches_tracked": ()}
+
+
+def _conv(out: int, inp: int) -> tuple[Dim, ...]:
+    return ((out, 1), (inp, 1), (FULL, 1), (FULL, 1))
+
+
+def resnet_plan(model: CifarResNet) -> WidthPlan:
+    """A CIFAR ResNet's plan: one group per stage's residual stream (the stem's and every
+    block's output channels: the identity shortcuts add them), one per block's inner channels
+    (``conv1``/``norm1``); every conv and BatchNorm sliced along them, the image channels and
+    the head's classes whole; the shortcuts of the stage changes are routes (option A has no
+    parameters: a sub-model keeps the global model's channel offsets).
+
+    Raises:
+        ConfigError: on GroupNorm (its groups would not be sub-groups of the global model's).
+    """
+    if not isinstance(model.stem_norm, _BatchNorm):
+        raise ConfigError(
+            "heterofl: resnet with norm=group is not supported: a width slice of a GroupNorm "
+            "layer regroups its channels; use model.kwargs.norm=batch (static batch norm)"
+        )
+    widths = [model.stem.out_channels]
+    dims = {"stem.weight": _conv(0, FULL), **norm_dims("stem_norm", 0)}
+    scaled, norms, routes = ["stem"], ["stem_norm"], []
+    stream = 0
+    for b, block in enumerate(model.blocks):
+        assert isinstance(block, BasicBlock)
+        name = f"blocks.{b}"
+        inner = len(widths)
+        widths.append(block.conv1.out_channels)
+        out = stream
+        if block.conv2.out_channels != widths[stream]:  # a stage change: a new stream
+            out = len(widths)
+            widths.append(block.conv2.out_channels)
+            routes.append((name, stream, out, block.extra_ch // 2))
+        dims |= {f"{name}.conv1.weight": _conv(inner, stream), **norm_dims(f"{name}.norm1", inner)}
+        dims |= {f"{name}.conv2.weight": _conv(out, inner), **norm_dims(f"{name}.norm2", out)}
+        scaled += [f"{name}.conv1", f"{name}.conv2"]
+        norms += [f"{name}.norm1", f"{name}.norm2"]
+        stream = out
+    dims |= _linear("head", FULL, (stream, 1))
+    return WidthPlan(tuple(widths), dims, tuple(scaled), tuple(norms), tuple(routes))
 
 
 def width_plan(model: nn.Module) -> WidthPlan:
@@ -79,22 +147,24 @@ def width_plan(model: nn.Module) -> WidthPlan:
             ``cnn``; an ``mlp`` with BatchNorm).
     """
     if isinstance(model, MLP):
-        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-            raise ConfigError(
-                "heterofl: the mlp with norm=batch is not supported: HeteroFL's static batch "
-                "norm (no running statistics, query-based statistics for evaluation) is not "
-                "implemented; use model.kwargs.norm=none"
-            )
         hidden = [(i, m) for i, m in enumerate(model.body) if isinstance(m, nn.Linear)]
         dims: dict[str, tuple[Dim, ...]] = {}
         prev: Dim = (FULL, 1)
+        norms = [f"body.{i}" for i, m in enumerate(model.body) if isinstance(m, _BatchNorm)]
         for g, (i, _) in enumerate(hidden):
             dims |= _linear(f"body.{i}", g, prev)
+            if f"body.{i + 1}" in norms:  # the mlp's BatchNorm1d right after its Linear
+                dims |= norm_dims(f"body.{i + 1}", g)
             prev = (g, 1)
         dims |= _linear("head", FULL, prev)
         plan = WidthPlan(
-            tuple(m.out_features for _, m in hidden), dims, tuple(f"body.{i}" for i, _ in hidden)
+            tuple(m.out_features for _, m in hidden),
+            dims,
+            tuple(f"body.{i}" for i, _ in hidden),
+            tuple(norms),
         )
+    elif isinstance(model, CifarResNet):
+        plan = resnet_plan(model)
     elif isinstance(model, CNN):
         c1, c2 = model.features[0], model.features[3]
         assert isinstance(c1, nn.Conv2d) and isinstance(c2, nn.Conv2d)
@@ -112,9 +182,9 @@ def width_plan(model: nn.Module) -> WidthPlan:
     else:
         raise ConfigError(
             f"heterofl: model {type(model).__name__} is not supported: HeteroFL's width slicing "
-            "and scaler are implemented for the mlp and cnn models only (resnet needs static "
-            "batch norm; vit, text_encoder and llama have no width plan for attention heads, "
-            "embeddings and residual streams)"
+            "and scaler are implemented for the mlp and cnn models and the resnets only (vit, "
+            "text_encoder and llama have no width plan for attention heads, embeddings and "
+            "residual streams)"
         )
     names = set(model.state_dict())
     if names != set(plan.dims):  # a subclass with tensors of its own: nothing to guess
@@ -203,6 +273,8 @@ def sub_model(model: nn.Module, shapes: dict[str, torch.Size]) -> nn.Module:
             module.out_features, module.in_features = shape[0], shape[1]
         if isinstance(module, nn.Conv2d) and leaf == "weight":
             module.out_channels, module.in_channels = shape[0], shape[1]
+        if isinstance(module, _BatchNorm) and leaf == "weight":
+            module.num_features = shape[0]
     return sub
 
 

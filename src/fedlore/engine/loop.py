@@ -162,6 +162,8 @@ class RoundLoop:
         if privacy is not None:  # the adaptive clip norm of the next round, checkpointed
             state = privacy.record(state)
         agg = {**agg, **private}
+        due = (rnd + 1) % self.eval_every == 0 or rnd == last_round
+        state, asked = self._query(state, rnd, ids) if rnd >= 0 and due else (state, {})
         ok = [r for _, r in accepted if r is not None]
         row: Row = {
             "round": rnd,
@@ -169,9 +171,10 @@ class RoundLoop:
             "accepted": len(ok),
             "rejected": len(rejected),
             "accepted_clients": [c for c, r in accepted if r is not None],
-            "bytes_up": bytes_up,
+            "bytes_up": bytes_up + int(asked.get("query_bytes_up", 0)),
             "bytes_down": sum(nbytes(m.arrays) for m in messages.values())
-            + int(private.get("secagg_bytes_down", 0)),
+            + int(private.get("secagg_bytes_down", 0))
+            + int(asked.get("query_bytes_down", 0)),
             "train_loss": _mean([r.metrics.get("train_loss") for r in ok]),
             "optimizer_state_bytes": max(
                 (int(r.metrics.get("optimizer_state_bytes", 0)) for r in ok), default=0
@@ -192,6 +195,7 @@ class RoundLoop:
                 "which the round loop records itself; give them another name"
             )
         row.update(agg)
+        row.update(asked)
         if self.clock is not None and rnd >= 0:
             row.update(self.clock(rnd, ids))
         row["wall_s"] = time.perf_counter() - t0 - diag_s
@@ -208,6 +212,28 @@ class RoundLoop:
         ):
             add_scores(row, self.evaluate, state)
         return state, row
+
+    def _query(self, state: State, rnd: int, ids: list[int]) -> tuple[State, Row]:
+        """A method's query exchange after aggregation, on the rounds that evaluate (and the
+        last): ``query(state, rnd, cid)`` -> the message to each of the round's clients (None:
+        none), sent over the transport, the replies (or None) to ``absorb_query``. Its bytes
+        go to ``bytes_up`` / ``bytes_down`` and alone to ``query_bytes_up`` /
+        ``query_bytes_down`` (HeteroFL's static batch norm statistics)."""
+        ask = getattr(self.algorithm, "query", None)
+        messages = {} if ask is None else {c: ask(state, rnd, c) for c in ids}
+        messages = {c: m for c, m in messages.items() if m is not None}
+        if not messages:
+            return state, {}
+        results = self.transport.send(rnd, messages)
+        replies = [(c, r if isinstance(r, Reply) else None) for c, r in sorted(results.items())]
+        tensors = [{k: v for k, v in r.arrays.items() if isinstance(v, torch.Tensor)}
+                   for _, r in replies if r is not None]  # fmt: skip
+        state, metrics = self.algorithm.absorb_query(state, replies, rnd)  # type: ignore[attr-defined]
+        return state, {
+            **metrics,
+            "query_bytes_up": sum(nbytes(t) for t in tensors),
+            "query_bytes_down": sum(nbytes(m.arrays) for m in messages.values()),
+        }
 
     def _secure_round(
         self, state: State, rnd: int, ids: list[int], messages: dict[int, Broadcast]

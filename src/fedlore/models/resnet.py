@@ -52,11 +52,20 @@ class BasicBlock(nn.Module):
         self.norm2 = make_norm(out_ch)
         self.stride = stride
         self.extra_ch = out_ch - in_ch
+        self.route: tuple[torch.Tensor, torch.Tensor] | None = None
+        """Set on a width slice of the block (HeteroFL): (input, output) channel positions the
+        shortcut connects, the others of the ``conv2.out_channels`` outputs zero."""
 
     def shortcut(self, x: torch.Tensor) -> torch.Tensor:
-        """Option A: subsample ``[B, c, H, W]`` by the stride and zero-pad the new channels."""
+        """Option A: subsample ``[B, c, H, W]`` by the stride and zero-pad the new channels
+        (``route`` set: the routed channels)."""
         if self.stride != 1:
             x = x[:, :, :: self.stride, :: self.stride]
+        if self.route is not None:
+            src, dst = self.route
+            out = x.new_zeros(x.shape[0], self.conv2.out_channels, *x.shape[2:])
+            out[:, dst.to(x.device)] = x[:, src.to(x.device)]
+            return out
         if self.extra_ch:
             lo = self.extra_ch // 2
             x = F.pad(x, (0, 0, 0, 0, lo, self.extra_ch - lo))
