@@ -29,6 +29,7 @@ from fedlore.experiment_privacy import PrivacyWarning
 from fedlore.privacy.canaries import (
     KEY,
     Canaries,
+    _interval,
     canaries_per_round,
     directions,
     flat_model,
@@ -100,6 +101,77 @@ def test_directions_are_isotropic_unit_vectors_of_the_key() -> None:
     )  # no favourite axis
     assert torch.equal(directions(key, 3, d), directions(key, rows, d)[:3])
     assert not torch.equal(directions(bytes(32), 3, d), directions(key, 3, d))
+
+
+def _reference_directions(key: bytes, rows: int, dim: int) -> np.ndarray:
+    """The directions by hand, in float64, from the definition: the AES-256-CTR stream of
+    ``key`` (counter block 0) read as one run of little-endian 32-bit words, ``2·⌈d/2⌉`` a row;
+    the top 24 bits ``k`` of a word give the uniform ``(k + 1/2) 2⁻²⁴``; a row's first
+    ``⌈d/2⌉`` uniforms are the radii ``√(−2 ln u)``, the next the angles ``2π u``, its
+    coordinates ``r cos θ`` then ``r sin θ`` (the last one dropped for an odd d), normalized."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    half = (dim + 1) // 2
+    stream = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
+    raw = stream.update(bytes(4 * 2 * half * rows)) + stream.finalize()
+    words = np.array(
+        [int.from_bytes(raw[i : i + 4], "little") for i in range(0, len(raw), 4)], dtype=np.int64
+    ).reshape(rows, 2 * half)
+    u = ((words // 256).astype(np.float64) + 0.5) / 2.0**24
+    radius, angle = np.sqrt(-2.0 * np.log(u[:, :half])), 2.0 * math.pi * u[:, half:]
+    z = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)], axis=1)[:, :dim]
+    return z / np.linalg.norm(z, axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize(("rows", "dim"), [(600, 7), (3, 8), (1, 1)])
+def test_directions_are_the_normalized_box_muller_gaussians_of_the_keys_stream(
+    rows: int, dim: int
+) -> None:
+    """Every row against :func:`_reference_directions` (float64, from the stream by hand):
+    across blocks of 256 rows and a last partial one (600 rows), an odd dimension (a pair's
+    sine dropped), an even one and d = 1 (±1). float32 rows of norm 1 to rounding, on the CPU;
+    the global generators' state does not enter (the run seed cannot reach the directions), nor
+    torch's default dtype and device."""
+    key = bytes(range(100, 132))
+    torch.manual_seed(0)
+    np.random.seed(0)
+    got = directions(key, rows, dim)
+    assert got.dtype == torch.float32 and got.device.type == "cpu"
+    assert tuple(got.shape) == (rows, dim)
+    want = _reference_directions(key, rows, dim)
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=5e-6)
+    np.testing.assert_allclose(got.double().norm(dim=1).numpy(), 1.0, rtol=0, atol=1e-6)
+    torch.manual_seed(12345)
+    np.random.seed(12345)
+    torch.randn(10)  # a run seeded otherwise, its generators moved
+    assert torch.equal(directions(key, rows, dim), got)
+    if dim == 1:
+        assert set(got.flatten().tolist()) <= {-1.0, 1.0}
+    # float32 on the CPU whatever torch's defaults (the memory limit counts 4-byte entries)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.device("meta"):
+            again = directions(key, rows, dim)
+    finally:
+        torch.set_default_dtype(default)
+    assert again.dtype == torch.float32 and again.device.type == "cpu"
+    assert torch.equal(again, got)
+
+
+def test_the_directions_are_a_function_of_the_key_alone() -> None:
+    """The same key gives the same rows (a prefix for fewer rows, whatever the row count's
+    split into blocks); each of the 32 key bytes matters, and another key's rows are
+    unrelated to these (cosines of order 1/√d)."""
+    key = bytes(range(32))
+    rows = directions(key, 300, 64)
+    assert torch.equal(directions(key, 300, 64), rows)
+    assert torch.equal(directions(key, 257, 64), rows[:257])
+    for at in (0, 15, 31):
+        other = bytearray(key)
+        other[at] ^= 1
+        moved = directions(bytes(other), 300, 64).double()
+        assert float((moved * rows.double()).sum(dim=1).abs().max()) < 6 / math.sqrt(64)
 
 
 def test_each_audit_draws_its_key_from_os_entropy(tmp_path: Path) -> None:
@@ -292,6 +364,74 @@ def test_without_unseen_canaries_the_summary_has_the_final_model_estimate_only()
     out = can.summary(1e-5)
     assert out["dp_audit_epsilon"] > 20 and out["dp_audit_unseen"] == 0
     assert not [key for key in out if "unseen_" in key or "all_iterates" in key or "max_" in key]
+
+
+def test_the_interval_is_the_fits_projection_or_infinite_when_the_cosines_do_not_vary() -> None:
+    """``_interval``: the interval of :func:`epsilon_interval` with the null exact only when
+    asked (the final-model null ``N(0, 1/d)``; the all-iterates null is fitted by default),
+    low end first; both ends inf when the seen cosines do not vary (std 0, or NaN: the estimate
+    is inf, every canary told apart)."""
+    seen, null = Fit(0.3, 0.05, 20), Fit(0.0, 0.05, 20)  # at δ = 1e-4, not the runs' 1e-5
+    fitted = epsilon_interval(seen, null, 1e-4)
+    exact = epsilon_interval(seen, null, 1e-4, null_exact=True)
+    assert fitted.low < exact.low <= exact.high < fitted.high  # the premise: they differ
+    assert _interval(seen, null, 1e-4) == (fitted.low, fitted.high)
+    assert _interval(seen, null, 1e-4, exact=True) == (exact.low, exact.high)
+    # spreads of 5e-8 vary all the same: the pair scaled by 1e-6, the same interval (it depends
+    # on the spreads in units of the shift only), not the shortcut's
+    small = _interval(Fit(3e-7, 5e-8, 20), Fit(0.0, 5e-8, 20), 1e-4, exact=True)
+    assert small == pytest.approx((exact.low, exact.high), rel=1e-9)
+    for flat in (0.0, math.nan):
+        for exact_null in (False, True):
+            got = _interval(Fit(0.3, flat, 20), null, 1e-4, exact=exact_null)
+            assert got == (math.inf, math.inf)
+
+
+def test_the_canaries_refuse_counts_they_cannot_audit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Canaries`` itself (the config checks come first in a run): at least 2 canaries, 0 or at
+    least 2 unseen, 1 to k per round, at most MAX_DIRECTION_ENTRIES direction entries (k + k')
+    d; each bound accepted, one past it refused with its whole message. A built audit has its
+    k + k' unit directions, no round seen, θ_0 as the last model (a copy) and maxima of −inf."""
+    import fedlore.privacy.canaries as module
+
+    def make(count: int, unseen: int, per_round: int, dim: int = 5) -> Canaries:
+        start = torch.zeros(dim, dtype=torch.float64, device="cpu")
+        return Canaries(count, unseen, per_round, [("update.w", "w")], start, lambda s: s.arrays)
+
+    def refused(count: int, unseen: int, per_round: int, dim: int = 5) -> str:
+        with pytest.raises(ValueError) as info:
+            make(count, unseen, per_round, dim)
+        return str(info.value)
+
+    assert refused(1, 0, 1) == "the audit needs at least 2 canaries, got 1"
+    assert refused(1, 0, 1) == refused(1, 4, 1)  # the count is checked first
+    assert refused(2, 1, 1) == "unseen canaries: 0, or at least 2 for a fit; got 1"
+    assert refused(2, -1, 1) == "unseen canaries: 0, or at least 2 for a fit; got -1"
+    assert refused(3, 0, 0) == "0 canaries per round of 3: need 1 to 3"
+    assert refused(3, 0, 4) == "4 canaries per round of 3: need 1 to 3"
+    for count, unseen, per_round in ((2, 0, 1), (2, 2, 2), (3, 5, 3), (3, 0, 1)):
+        can = make(count, unseen, per_round)
+        assert tuple(can.vectors.shape) == (count + unseen, 5)
+        assert can.rounds == 0 and tuple(can.best.shape) == (count + unseen,)
+        assert can.best.dtype == torch.float64 and bool((can.best == -math.inf).all())
+        assert torch.equal(can.previous, can.start) and can.previous is not can.start
+        torch.testing.assert_close(can.inverse_norms, 1 / can.vectors.double().norm(dim=1))
+    with torch.device("meta"):  # the audit's state stays on the CPU whatever torch's default
+        can = make(3, 2, 1)
+    assert {x.device.type for x in (can.vectors, can.inverse_norms, can.best, can.previous)} == {
+        "cpu"
+    }
+    monkeypatch.setattr(module, "MAX_DIRECTION_ENTRIES", 40)
+    assert make(3, 5, 1, dim=5).dimension == 5  # 40 entries: the limit itself
+    assert refused(3, 5, 1, dim=6) == (
+        "3 + 5 canaries of dimension 6 are 48 direction entries, above the 40 (1 GiB) kept in "
+        "memory; use fewer canaries or unseen canaries"
+    )
+    monkeypatch.setattr(module, "MAX_DIRECTION_ENTRIES", 3999)  # thousands separated
+    assert refused(2000, 2000, 1, dim=1) == (
+        "2000 + 2000 canaries of dimension 1 are 4,000 direction entries, above the 3,999 (1 GiB) "
+        "kept in memory; use fewer canaries or unseen canaries"
+    )
 
 
 def test_the_audit_record_restores_the_same_canaries() -> None:

@@ -165,6 +165,26 @@ def test_where_p_is_above_e_eps_q_everywhere_the_region_is_the_whole_line(
     assert got[0] == pytest.approx(want, rel=1e-12)
 
 
+@pytest.mark.parametrize("eps", [300.0, 1000.0])
+def test_where_p_is_below_e_eps_q_everywhere_the_region_is_empty_and_quiet(eps: float) -> None:
+    """A narrower P far from Q's mean at a large ε (what the vector ε's bracket evaluates): the
+    log-ratio's quadratic has no real root and lies below ε, so p ≤ e^ε q on the whole line and
+    δ(ε) = 0 exactly, scalar and vector, for either sign of the shift, and quietly: the empty
+    region is (0, 0), not a reversed interval between the stand-in roots far out, whose mass
+    is 0 too but overflows its tail ratio on the way (a RuntimeWarning)."""
+    rows = [(eps, shift, 0.9, 1.0) for shift in (10.0, -10.0)]
+    for row in rows:
+        _, shift, sd_p, sd_q = row
+        a, b = 0.5 * (1 / sd_q**2 - 1 / sd_p**2), shift / sd_p**2
+        c = math.log(sd_q / sd_p) - 0.5 * shift**2 / sd_p**2 - eps
+        assert a < 0 and b * b - 4 * a * c < 0  # the premise: no real root, p below e^ε q
+        assert hockey_stick(*row) == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _hockey(*map(np.array, zip(*rows, strict=True)))
+    assert got.tolist() == [0.0, 0.0]
+
+
 def test_the_log_mass_of_an_empty_or_vanishing_interval_is_minus_infinity() -> None:
     """log P(lo < X < hi) is a log probability: -inf for an empty interval (lo >= hi) and for
     one too narrow for its mass to be told from 0 in floating point, never above 0."""
