@@ -235,10 +235,11 @@ def wait_for_signal(path: str) -> None:
 
 
 def test_a_worker_reports_how_it_ended_with_its_share_of_threads_and_prefixed_lines(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from fedlore import progress
 
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # this process's; each worker gets its share
     progress.enable(True)
     try:
         jobs = [("trial 7", (str(tmp_path / "a"),)), ("trial 8", (str(tmp_path / "b"),))]
@@ -342,3 +343,31 @@ def test_a_search_killed_with_its_workers_resumes_to_the_same_end(tmp_path: Path
     cut = [m.read_text().count("\n") for m in metrics]
     assert all(0 < n < 150 for n in cut)  # cut off inside the 150 rounds
     assert table(run_search(plan(out, *extra))) == table(whole)
+
+
+SCRIPT = """
+from fedlore.config import apply_overrides, validate
+from fedlore.tune import plan_search
+from fedlore.tune_study import run_search
+
+raw = apply_overrides({}, ARGS)
+outcome = run_search(plan_search(validate(raw), raw, "tiny.yaml"))
+print([r.state for r in outcome.rows])
+"""
+
+
+def test_a_script_without_a_main_guard_runs_workers(tmp_path: Path) -> None:
+    """A user's script that calls the search at its top level (no ``if __name__ ==
+    "__main__"``): the workers are fresh interpreters that never import it again (with
+    ``multiprocessing``'s spawn each would, and fail)."""
+    import subprocess
+    import sys
+
+    args = [*TINY, f"output_dir={tmp_path}", "tune.trials=2", "tune.workers=2"]
+    script = tmp_path / "search.py"
+    script.write_text(SCRIPT.replace("ARGS", repr(args)))
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "['complete', 'complete']"

@@ -1,6 +1,10 @@
 """Processes for ``fedlore tune --workers W`` (:mod:`fedlore.tune_study`): each trial of a batch
-trains in a process of its own, started with ``spawn`` (a fresh interpreter: no torch threads
-or open database connection inherited from this one).
+trains in a process of its own, a fresh interpreter running ``python -m fedlore.tune_parallel``
+(no torch threads or open database connection inherited from this one, and, unlike
+``multiprocessing``'s ``spawn``, no second import of the caller's script: a script that calls
+:func:`fedlore.tune_study.run_search` needs no ``if __name__ == "__main__"`` guard). The job
+(a module-level function and its arguments) goes to it pickled on its standard input, with this
+process's ``sys.path``; its report comes back as one JSON line on a pipe of its own.
 
 * **CPUs.** Each process sets its torch threads (and ``OMP_NUM_THREADS``) to its share of the
   CPUs, so ``threads: auto`` in a trial takes that share instead of every CPU; a trial's
@@ -24,9 +28,12 @@ or open database connection inherited from this one).
 
 from __future__ import annotations
 
-import multiprocessing
+import importlib
+import json
 import os
+import pickle
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -99,12 +106,11 @@ def _child(
     label: str,
     threads: int,
     show: bool,
-    conn: Any,
     parent: int,
-) -> None:
+) -> tuple[str, str]:
     """A job's process: bound to ``parent``'s life, its own process group, its share of
-    threads, prefixed progress lines, fedlore's signal handling; reports how ``target(*args)``
-    ended through ``conn``."""
+    threads, prefixed progress lines, fedlore's signal handling; returns how ``target(*args)``
+    ended: ``(kind, message)``."""
     _die_with(parent)
     os.setpgrp()
     os.environ[THREADS_ENV] = str(threads)
@@ -118,15 +124,26 @@ def _child(
     try:
         with interrupt.handling():
             target(*args)
-        conn.send(("done", ""))
     except interrupt.Interrupted as e:
-        conn.send(("interrupted", str(e.signum)))
+        return ("interrupted", str(e.signum))
     except OSError as e:
-        conn.send(("oserror", str(e)))
+        return ("oserror", str(e))
     except BaseException as e:  # reported, then this process ends
-        conn.send(("error", f"{type(e).__name__}: {e}"))
-    finally:
-        conn.close()
+        return ("error", f"{type(e).__name__}: {e}")
+    return ("done", "")
+
+
+def _main() -> None:
+    """``python -m fedlore.tune_parallel``: run the job pickled on standard input, write how it
+    ended to the file descriptor it names."""
+    ref, args, label, threads, show, parent, fd = pickle.load(sys.stdin.buffer)
+    module, _, name = ref.partition(":")
+    target: Any = importlib.import_module(module)
+    for part in name.split("."):
+        target = getattr(target, part)
+    kind, message = _child(target, args, label, threads, show, parent)
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps([kind, message]) + "\n")
 
 
 def _prefixed(label: str) -> Any:
@@ -147,7 +164,6 @@ def run_jobs(
     Returns:
         How each job that started ended, in the order of ``jobs``.
     """
-    ctx = multiprocessing.get_context("spawn")
     threads = threads_each(min(workers, len(jobs)))
     show = progress.enabled()
     ended: list[Ended] = []
@@ -155,65 +171,61 @@ def run_jobs(
     with interrupt.deferred():  # a first signal sets the flag: passed on, then raised
         while queue and interrupt.received() is None:
             chunk, queue = queue[:workers], queue[workers:]
-            ended += _run_chunk(ctx, target, chunk, threads, show)
+            ended += _run_chunk(target, chunk, threads, show)
     return ended
 
 
 def _run_chunk(
-    ctx: Any,
     target: Callable[..., None],
     chunk: Sequence[tuple[str, tuple[Any, ...]]],
     threads: int,
     show: bool,
 ) -> list[Ended]:
+    ref = f"{target.__module__}:{target.__qualname__}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     started = []
     for label, args in chunk:
-        mine, theirs = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
-            target=_child,
-            args=(target, args, label, threads, show, theirs, os.getpid()),
-            daemon=False,
+        theirs, mine = os.pipe()  # read end here, write end there
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fedlore.tune_parallel"],
+            stdin=subprocess.PIPE,
+            env=env,
+            pass_fds=(mine,),
         )
-        proc.start()
-        theirs.close()
-        started.append((label, proc, mine))
-    reports: dict[str, tuple[str, str] | None] = {}  # None: its pipe closed without one
+        os.close(mine)
+        assert proc.stdin is not None
+        with proc.stdin:
+            pickle.dump((ref, args, label, threads, show, os.getpid(), mine), proc.stdin)
+        started.append((label, proc, theirs))
     try:
         passed_on = False
-        while any(p.is_alive() for _, p, _ in started):
-            for label, proc, conn in started:
-                if label not in reports and conn.poll():
-                    reports[label] = _receive(conn)
-                proc.join(POLL_S / len(started))
+        while any(p.poll() is None for _, p, _ in started):
+            time.sleep(POLL_S)
             if interrupt.received() is not None and not passed_on:
                 passed_on = True
                 _signal(started, signal.SIGTERM)
     except BaseException:  # this process stops here (no fedlore handling): so do they
         _signal(started, signal.SIGTERM)
         for _, proc, _ in started:
-            proc.join()
+            proc.wait()
         raise
     out = []
-    for label, proc, conn in started:
-        if label not in reports and conn.poll():
-            reports[label] = _receive(conn)
-        conn.close()
-        report = reports.get(label)
-        kind, message = report or ("died", f"exit status {proc.exitcode}")
-        out.append(Ended(label, kind, message))
+    for label, proc, fd in started:
+        with os.fdopen(fd) as report:
+            text = report.read()
+        try:
+            kind, message = json.loads(text)
+        except ValueError:  # no report: it was killed, or its interpreter failed
+            kind, message = "died", f"exit status {proc.returncode}"
+        out.append(Ended(label, str(kind), str(message)))
     return out
 
 
 def _signal(started: Sequence[tuple[str, Any, Any]], sig: int) -> None:
     for _, proc, _ in started:
-        if proc.is_alive() and proc.pid is not None:
-            os.kill(proc.pid, sig)
+        if proc.poll() is None:
+            proc.send_signal(sig)
 
 
-def _receive(conn: Any) -> tuple[str, str] | None:
-    """A process's report, or None when its pipe closed without one."""
-    try:
-        kind, message = conn.recv()
-    except (EOFError, OSError):
-        return None
-    return (str(kind), str(message))
+if __name__ == "__main__":
+    _main()
