@@ -1,8 +1,9 @@
 """What buffered asynchronous aggregation (``asynchronous.buffer``, FedBuff;
 :mod:`fedlore.engine.buffered`) refuses, each in one line with its reason.
 
-The config's own section checks K <= C <= N and the engine (:class:`fedlore.config.Config`);
-here is what depends on the method and on the other sections:
+The config's own section checks K <= C <= N (:class:`fedlore.config.Config`); here is what
+depends on the method and on the other sections, and on the engine (:func:`check_in_process`:
+``clock: wall`` needs Flower's):
 
 * the method: only one whose :attr:`~fedlore.algorithm.Capabilities.synchronous_only` is empty
   (FedFull, FedAvg, FedProx: the server adds a weighted mean of plain deltas, and a delta
@@ -98,13 +99,16 @@ def check_asynchronous(name: str, algo: Any, cfg: Config) -> None:
 
 
 def check_in_process(cfg: Config, deployed: bool) -> None:
-    """Refuse buffered aggregation on a Flower deployment (``deployed``: the ServerApp's run).
+    """Refuse ``asynchronous.clock: wall`` in process (``deployed`` False: not over a Flower
+    transport): there the clients train one after the other and no reply arrives on a real
+    clock. The simulated clock runs on every engine.
 
     Raises:
-        ConfigError: naming the engine.
+        ConfigError: naming the setting and the engines that run it.
     """
-    if deployed and cfg.asynchronous.enabled:
+    if cfg.asynchronous.enabled and cfg.asynchronous.clock == "wall" and not deployed:
         raise ConfigError(
-            "asynchronous.buffer (FedBuff) on a Flower deployment: buffered asynchronous "
-            "aggregation runs in process only (engine: local)"
+            "asynchronous.clock=wall in process (engine: local): there is no real clock to "
+            "order the buffer (clients train one after another); use engine: flower-sim or a "
+            "flwr run deployment, or asynchronous.clock=simulated"
         )

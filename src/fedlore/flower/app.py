@@ -68,7 +68,7 @@ from fedlore.flower.secure_client import (
     secagg_mod,
 )
 from fedlore.flower.sites import server_federation, site_federation
-from fedlore.flower.transport import FlowerTransport
+from fedlore.flower.transport import TRAIN_ROUND, FlowerTransport
 from fedlore.progress import say_once
 from fedlore.seeding import CLIENT, generator
 from fedlore.tensors import state_bytes, to_device
@@ -192,7 +192,7 @@ def client_train(
     state = record_to_state(context.state)
     if state is not None:
         state = State(to_device(state.arrays, device), state.values)
-    rnd = int(bcast.config["round"])
+    rnd = int(bcast.config.get(TRAIN_ROUND, bcast.config["round"]))  # FedBuff's repeats
     secure = bool(bcast.config.get(SECURE_KEY, False))
     if secure != is_secagg_stage(msg):
         raise ValueError(

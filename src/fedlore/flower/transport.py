@@ -38,6 +38,10 @@ from fedlore.types import Broadcast, Reply
 log = logging.getLogger(__name__)
 
 
+TRAIN_ROUND = "fedlore.train_round"
+"""Broadcast config key: the round whose generator the client trains with, when it is not the
+broadcast's ``round`` (:meth:`FlowerTransport.outgoing`)."""
+
 FIRST_POLL_S = 0.002
 """Seconds :func:`send_and_receive` waits before its second pull; the wait doubles each pull."""
 LAST_POLL_S = 1.0
@@ -278,6 +282,16 @@ class FlowerTransport:
             bytes_up=up,
         )
 
+    def outgoing(self, rnd: int, msg: Broadcast) -> Broadcast:
+        """``msg`` as sent for round ``rnd``: with :attr:`extra_config`, and with
+        :data:`TRAIN_ROUND` when ``rnd`` is not its ``round`` (FedBuff's repeated start of a
+        client from one version, :data:`fedlore.engine.buffered.REPEAT`: the client draws from
+        ``generator(seed, CLIENT, rnd, cid)``, as in process)."""
+        extra = dict(self.extra_config)
+        if msg.config.get("round") != rnd:
+            extra[TRAIN_ROUND] = rnd
+        return Broadcast(msg.arrays, {**msg.config, **extra}) if extra else msg
+
     def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
         """Deliver one round's broadcasts; see the module docstring for failures."""
         if any(c not in self.node_of for c in messages):
@@ -291,8 +305,7 @@ class FlowerTransport:
             if node is None:
                 out[cid] = LookupError(f"no connected SuperNode holds client {cid}")
                 continue
-            if self.extra_config:
-                msg = Broadcast(msg.arrays, {**msg.config, **self.extra_config})
+            msg = self.outgoing(rnd, msg)
             content = broadcast_to_record(msg)
             self.wire_bytes_down += record_nbytes(content.array_records["arrays"])
             outgoing.append(Message(content, node, "train", group_id=str(rnd)))
