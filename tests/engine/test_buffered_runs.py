@@ -276,6 +276,15 @@ def test_the_simulated_clock_runs_on_flower_engines_and_the_wall_clock_only_ther
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("speed", ["clients.speed=lognormal", "clients.speed_trace=t.json"])
+def test_the_wall_clock_refuses_simulated_speeds(tmp_path: Path, speed: str) -> None:
+    cfg = _cfg(tmp_path, "asynchronous.buffer=2", "asynchronous.clock=wall", speed)
+    with pytest.raises(ConfigError, match=r"clock=wall and clients\.speed or clients\.speed_trace"):
+        make_algorithm("fedavg", cfg)
+    simulated = _cfg(tmp_path, "asynchronous.buffer=2", "clients.speed=lognormal")
+    make_algorithm("fedavg", simulated)
+
+
 def test_run_one_refuses_the_wall_clock_in_process(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, "asynchronous.buffer=2", "asynchronous.clock=wall")
     with pytest.raises(ConfigError, match="no real clock"):

@@ -111,3 +111,27 @@ def test_a_killed_fedbuff_simulation_resumed_gives_the_uninterrupted_rows(
     run_one(local, "fedavg", 42)
     want, got = rows(local, "fedavg"), rows(sim, "fedavg")
     assert [_plain(r) for r in got] == [_plain(r) for r in want]
+
+
+def test_fedbuff_on_the_wall_clock_fills_the_buffer_as_replies_arrive(
+    tmp_path: Path, digits_npz: list[str]
+) -> None:
+    """``clock: wall`` over Ray's actors: every step buffers K real arrivals, the clock in the
+    rows is the real elapsed time, staleness is counted from each client's start version."""
+    _, sim = _pair(tmp_path, "fedavg", digits_npz)
+    wall = sim.model_copy(
+        update={
+            "asynchronous": sim.asynchronous.model_copy(update={"clock": "wall"}),
+            "clients": sim.clients.model_copy(update={"speed": "equal"}),  # real speeds
+        }
+    )
+    run_simulated(wall, "fedavg", 42)
+    got = rows(wall, "fedavg")
+    assert [r["round"] for r in got] == [0, 1, 2, 3]
+    assert all(r["accepted"] == 2 and r["rejected"] == 0 for r in got)
+    assert all("sim_time_s" not in r for r in got)
+    clock = [r["elapsed_s"] for r in got]
+    assert clock == sorted(clock) and clock[0] > 0
+    assert all(len(r["staleness"]) == 2 and min(r["staleness"]) >= 0 for r in got)
+    assert all(r["in_flight"] == 3 for r in got)
+    assert got[-1]["accuracy"] > 0

@@ -59,6 +59,12 @@ def asynchronous_problems(cfg: Config) -> list[str]:
         out.append(
             why + "eval.local: P-local scores come from the clients of a synchronous last round"
         )
+    c = cfg.clients
+    if cfg.asynchronous.clock == "wall" and (c.speed != "equal" or c.speed_trace is not None):
+        out.append(
+            why + "asynchronous.clock=wall and clients.speed or clients.speed_trace: the clients "
+            "arrive when they really finish, so simulated speeds would be ignored"
+        )
     if cfg.data.sampling == "stream":
         out.append(
             why + "data.sampling=stream: the stream's window is indexed by round, so a client "

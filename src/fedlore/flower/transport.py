@@ -292,6 +292,22 @@ class FlowerTransport:
             extra[TRAIN_ROUND] = rnd
         return Broadcast(msg.arrays, {**msg.config, **extra}) if extra else msg
 
+    def train_message(self, rnd: int, cid: int, msg: Broadcast) -> Message | LookupError:
+        """The ``train`` message of ``msg`` to client ``cid``'s SuperNode for round ``rnd``
+        (its arrays counted in :attr:`wire_bytes_down`), or the LookupError of a client no
+        known node holds.
+
+        Raises:
+            MessageTooLarge: when ``msg`` is over the size limit (:func:`check_size`).
+        """
+        check_size(cid, msg, self.max_message_bytes)
+        node = self.node_of.get(cid)
+        if node is None:
+            return LookupError(f"no connected SuperNode holds client {cid}")
+        content = broadcast_to_record(self.outgoing(rnd, msg))
+        self.wire_bytes_down += record_nbytes(content.array_records["arrays"])
+        return Message(content, node, "train", group_id=str(rnd))
+
     def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
         """Deliver one round's broadcasts; see the module docstring for failures."""
         if any(c not in self.node_of for c in messages):
@@ -300,30 +316,16 @@ class FlowerTransport:
         outgoing: list[Message] = []
         client_of: dict[int, int] = {}
         for cid, msg in messages.items():
-            check_size(cid, msg, self.max_message_bytes)
-            node = self.node_of.get(cid)
-            if node is None:
-                out[cid] = LookupError(f"no connected SuperNode holds client {cid}")
+            message = self.train_message(rnd, cid, msg)
+            if isinstance(message, LookupError):
+                out[cid] = message
                 continue
-            msg = self.outgoing(rnd, msg)
-            content = broadcast_to_record(msg)
-            self.wire_bytes_down += record_nbytes(content.array_records["arrays"])
-            outgoing.append(Message(content, node, "train", group_id=str(rnd)))
-            client_of[node] = cid
+            outgoing.append(message)
+            client_of[message.metadata.dst_node_id] = cid
         for reply in send_and_receive(self.grid, outgoing, self.round_timeout):
             sender = client_of.get(reply.metadata.src_node_id)
-            if sender is None:
-                continue
-            cid = sender
-            if reply.has_error():
-                out[cid] = RuntimeError(f"client {cid}: {reply.error.reason}")
-                continue
-            self.wire_bytes_up += record_nbytes(reply.content.array_records["arrays"])
-            got = record_to_reply(reply.content)
-            out[cid] = Reply(to_device(got.arrays, self.device), got.metrics)
-            n = got.metrics.get("num_examples")
-            if isinstance(n, int | float) and not isinstance(n, bool):
-                self.num_examples[cid] = int(n)
+            if sender is not None:
+                out[sender] = self.decode(sender, reply)
         missing = sorted(set(client_of.values()) - set(out))
         if missing:
             log.warning("round %d: no reply in time from clients %s", rnd, missing)
@@ -331,3 +333,16 @@ class FlowerTransport:
             for cid in missing:
                 self.node_of.pop(cid, None)
         return out
+
+    def decode(self, cid: int, reply: Message) -> Reply | BaseException:
+        """Client ``cid``'s reply message as a :class:`Reply` on the server's device (its
+        arrays counted in :attr:`wire_bytes_up`, its ``num_examples`` kept), or the error it
+        carries."""
+        if reply.has_error():
+            return RuntimeError(f"client {cid}: {reply.error.reason}")
+        self.wire_bytes_up += record_nbytes(reply.content.array_records["arrays"])
+        got = record_to_reply(reply.content)
+        n = got.metrics.get("num_examples")
+        if isinstance(n, int | float) and not isinstance(n, bool):
+            self.num_examples[cid] = int(n)
+        return Reply(to_device(got.arrays, self.device), got.metrics)
