@@ -1,0 +1,150 @@
+"""FedBuff on the wall clock (``asynchronous.clock: wall``, :mod:`fedlore.flower.wallclock`) over
+a grid whose SuperNodes answer in an order the test sets: fedlore's ClientApp handlers in this
+process, a reply available only after a node's ``lag`` pulls, a dead node that never answers.
+No Ray: the Simulation Engine's run is ``test_simulation_fedbuff.py``'s."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("flwr", reason="needs the [flower] extra: pip install -e '.[flower]'")
+from flwr.app import Context, Message, RecordDict
+
+from fedlore.config import Config, load_config
+from fedlore.engine.rundir import run_dir
+from fedlore.experiment import run_one
+from fedlore.flower.app import client_query, client_train
+from fedlore.flower.codec import record_to_broadcast
+from fedlore.flower.transport import TRAIN_ROUND
+from fedlore.flower.wallclock import WallClockTransport
+
+pytestmark = pytest.mark.flower
+
+BASE = ["num_clients=3", "local_steps=2", "batch_size=16", "progress=false", "lr=0.05",
+        "model.kwargs={hidden: [16]}", "algorithms=[fedavg]", "asynchronous.buffer=2",
+        "asynchronous.clock=wall"]  # fmt: skip
+MAX_PULLS = 3000
+"""A run that stalls (a flight nothing ends) fails the test instead of hanging it."""
+
+
+class _Grid:
+    """SuperNodes 100 + i holding client i: a ``train`` reply is computed by fedlore's ClientApp
+    handler when pushed and handed out once the node's ``lag`` pulls have passed; ``dead`` nodes
+    answer queries (they were alive when asked) but no ``train`` message."""
+
+    pull_interval = 0.005
+
+    def __init__(self, cfg: Config, lag: dict[int, int], dead: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        self.cfg, self.lag, self.dead = cfg, lag, set(dead)
+        self.contexts = {
+            100 + c: Context(
+                run_id=1,
+                node_id=100 + c,
+                node_config={"partition-id": c},
+                state=RecordDict(),
+                run_config={},
+            )  # fmt: skip
+            for c in range(cfg.num_clients)
+        }
+        self.waiting: dict[str, tuple[int, Message]] = {}  # message id -> (pulls left, reply)
+        self.pushed: list[tuple[int, int, int]] = []  # (client, broadcast round, train round)
+        self.delivered: list[tuple[int, int]] = []  # (client, broadcast round), in order
+        self.pulls = 0
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = mid = str(uuid.uuid4())
+            node = msg.metadata.dst_node_id
+            ids.append(mid)
+            ctx = self.contexts[node]
+            if msg.metadata.message_type == "query":
+                self.waiting[mid] = (0, client_query(msg, ctx))
+                continue
+            if node - 100 in self.dead:
+                continue
+            config = record_to_broadcast(msg.content).config
+            rnd = int(config["round"])
+            self.pushed.append((node - 100, rnd, int(config.get(TRAIN_ROUND, rnd))))
+            reply = client_train(msg, ctx, self.cfg, "fedavg", 42, threads=1)
+            reply.metadata.__dict__["_fedlore_round"] = rnd
+            self.waiting[mid] = (self.lag.get(node - 100, 0), reply)
+        return ids
+
+    def pull_messages(self, ids: Iterable[str]) -> list[Message]:
+        self.pulls += 1
+        assert self.pulls < MAX_PULLS, "the run stalled"
+        out = []
+        for mid in list(ids):
+            if mid not in self.waiting:
+                continue
+            left, reply = self.waiting[mid]
+            if left > 0:
+                self.waiting[mid] = (left - 1, reply)
+                continue
+            del self.waiting[mid]
+            out.append(reply)
+            if reply.metadata.message_type == "train":
+                src = reply.metadata.src_node_id - 100
+                self.delivered.append((src, reply.metadata.__dict__["_fedlore_round"]))
+        return out
+
+
+def _run(tmp: Path, grid_of: Any, *extra: str) -> tuple[_Grid, list[dict[str, Any]]]:
+    import json
+
+    cfg = load_config(None, [*BASE, f"output_dir={tmp}", *extra])
+    grid = grid_of(cfg)
+
+    def transport(*_: Any) -> WallClockTransport:
+        return WallClockTransport(grid, round_timeout=0.5, expected_nodes=0, wait_for_nodes=0)
+
+    run_one(cfg, "fedavg", 42, make_transport=transport)
+    path = run_dir(cfg, "fedavg", 42) / "metrics.jsonl"
+    return grid, [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_arrivals_fill_the_buffer_in_order_stale_from_their_start_version(
+    tmp_path: Path, task_identity: None
+) -> None:
+    """Client 2 answers after four pulls, 0 and 1 at once: the buffer takes replies as they
+    come, each weighted by the steps taken since the version it started from (read from the
+    broadcast it received), and replacements start from the version current when they start."""
+    grid, rows = _run(tmp_path, lambda cfg: _Grid(cfg, lag={2: 4}), "rounds=5")
+    assert [r["round"] for r in rows] == [0, 1, 2, 3, 4]
+    arrived = [(c, s, r["round"]) for r in rows for c, s in zip(r["accepted_clients"], r["staleness"], strict=True)]  # fmt: skip
+    assert [c for c, _, _ in arrived] == [c for c, _ in grid.delivered[: len(arrived)]]
+    for (cid, stale, step), (_, started) in zip(arrived, grid.delivered, strict=False):
+        assert stale == step - started, (cid, stale, step, started)
+    assert any(c == 2 and s > 0 for c, s, _ in arrived)  # the slow client's update was stale
+    versions = [rnd for _, rnd, _ in grid.pushed]
+    assert versions == sorted(versions) and versions[-1] == 4  # started from the newest model
+    repeats = [(c, rnd, t) for c, rnd, t in grid.pushed if t != rnd]
+    assert repeats  # a client started twice from one version draws another generator
+    clock = [r["elapsed_s"] for r in rows]
+    assert clock == sorted(clock) and all("sim_time_s" not in r for r in rows)
+
+
+def test_a_dead_supernode_frees_its_slot_after_the_flight_timeout(
+    tmp_path: Path, task_identity: None
+) -> None:
+    """Client 2's SuperNode never answers: its flight ends after ``flight_timeout_s``, the row
+    says why, and the run goes on with the clients that answer."""
+    grid, rows = _run(
+        tmp_path, lambda cfg: _Grid(cfg, lag={}, dead={2}), "rounds=6",
+        "asynchronous.flight_timeout_s=0.05",
+    )  # fmt: skip
+    assert [r["round"] for r in rows] == list(range(6))
+    reasons = [why for r in rows for why in r.get("rejected_reasons", [])]
+    assert reasons and all(
+        why == "2: no reply within asynchronous.flight_timeout_s=0.05" for why in reasons
+    )
+    assert all(r["accepted"] == 2 and set(r["accepted_clients"]) <= {0, 1} for r in rows)
