@@ -48,7 +48,7 @@ class _Grid:
                 node_config={"partition-id": c},
                 state=RecordDict(),
                 run_config={},
-            )  # fmt: skip
+            )
             for c in range(cfg.num_clients)
         }
         self.waiting: dict[str, tuple[int, Message]] = {}  # message id -> (pulls left, reply)
@@ -120,7 +120,11 @@ def test_arrivals_fill_the_buffer_in_order_stale_from_their_start_version(
     broadcast it received), and replacements start from the version current when they start."""
     grid, rows = _run(tmp_path, lambda cfg: _Grid(cfg, lag={2: 4}), "rounds=5")
     assert [r["round"] for r in rows] == [0, 1, 2, 3, 4]
-    arrived = [(c, s, r["round"]) for r in rows for c, s in zip(r["accepted_clients"], r["staleness"], strict=True)]  # fmt: skip
+    arrived = [
+        (c, s, r["round"])
+        for r in rows
+        for c, s in zip(r["accepted_clients"], r["staleness"], strict=True)
+    ]
     assert [c for c, _, _ in arrived] == [c for c, _ in grid.delivered[: len(arrived)]]
     for (cid, stale, step), (_, started) in zip(arrived, grid.delivered, strict=False):
         assert stale == step - started, (cid, stale, step, started)
@@ -138,7 +142,7 @@ def test_a_dead_supernode_frees_its_slot_after_the_flight_timeout(
 ) -> None:
     """Client 2's SuperNode never answers: its flight ends after ``flight_timeout_s``, the row
     says why, and the run goes on with the clients that answer."""
-    grid, rows = _run(
+    _, rows = _run(
         tmp_path, lambda cfg: _Grid(cfg, lag={}, dead={2}), "rounds=6",
         "asynchronous.flight_timeout_s=0.05",
     )  # fmt: skip
