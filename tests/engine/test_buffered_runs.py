@@ -290,6 +290,8 @@ def test_run_one_refuses_the_wall_clock_in_process(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no real clock"):
         run_one(cfg, "fedavg", SEED)
     assert not run_dir(cfg, "fedavg", SEED).exists()  # refused before the run folder
+    with pytest.raises(ConfigError, match="LocalTransport has no real clock"):
+        run_one(cfg, "fedavg", SEED, make_transport=LocalTransport)  # a transport without one
 
 
 def test_early_stopping_keeps_its_meaning_and_resumes_with_the_clients_in_flight(

@@ -69,11 +69,11 @@ class _Grid:
             if msg.metadata.message_type == "query":
                 self.waiting[mid] = (0, client_query(msg, ctx))
                 continue
-            if node - 100 in self.dead:
-                continue
             config = record_to_broadcast(msg.content).config
             rnd = int(config["round"])
             self.pushed.append((node - 100, rnd, int(config.get(TRAIN_ROUND, rnd))))
+            if node - 100 in self.dead:
+                continue
             reply = client_train(msg, ctx, self.cfg, "fedavg", 42, threads=1)
             reply.metadata.__dict__["_fedlore_round"] = rnd
             self.waiting[mid] = (self.lag.get(node - 100, 0), reply)
@@ -142,7 +142,7 @@ def test_a_dead_supernode_frees_its_slot_after_the_flight_timeout(
 ) -> None:
     """Client 2's SuperNode never answers: its flight ends after ``flight_timeout_s``, the row
     says why, and the run goes on with the clients that answer."""
-    _, rows = _run(
+    grid, rows = _run(
         tmp_path, lambda cfg: _Grid(cfg, lag={}, dead={2}), "rounds=6",
         "asynchronous.flight_timeout_s=0.05",
     )  # fmt: skip
@@ -152,3 +152,5 @@ def test_a_dead_supernode_frees_its_slot_after_the_flight_timeout(
         why == "2: no reply within asynchronous.flight_timeout_s=0.05" for why in reasons
     )
     assert all(r["accepted"] == 2 and set(r["accepted_clients"]) <= {0, 1} for r in rows)
+    # unmapped after its timeout, client 2 is mapped again when its node answers a query
+    assert sum(c == 2 for c, _, _ in grid.pushed) > 1
