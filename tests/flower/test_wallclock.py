@@ -58,6 +58,8 @@ class _Grid:
         self.pulls = 0
         self.asked: list[int] = []  # the clients whose node was queried
         self.revives = True  # a dead node answers queries (else only the first)
+        self.query_lag = 0  # pulls before a query after the first is answered
+        self.lose_first: set[int] = set()  # clients whose first train message gets no reply
 
     def get_node_ids(self) -> list[int]:
         return list(self.contexts)
@@ -71,13 +73,18 @@ class _Grid:
             ctx = self.contexts[node]
             if msg.metadata.message_type == "query":
                 self.asked.append(node - 100)
-                if node - 100 not in self.dead or self.revives or self.asked.count(node - 100) == 1:
-                    self.waiting[mid] = (0, client_query(msg, ctx))
+                first = self.asked.count(node - 100) == 1
+                if node - 100 not in self.dead or self.revives or first:
+                    lag = 0 if first else self.query_lag
+                    self.waiting[mid] = (lag, client_query(msg, ctx))
                 continue
             config = record_to_broadcast(msg.content).config
             rnd = int(config["round"])
             self.pushed.append((node - 100, rnd, int(config.get(TRAIN_ROUND, rnd))))
             if node - 100 in self.dead:
+                continue
+            if node - 100 in self.lose_first:
+                self.lose_first.discard(node - 100)
                 continue
             reply = client_train(msg, ctx, self.cfg, "fedavg", 42, threads=1)
             reply.metadata.__dict__["_fedlore_round"] = rnd
@@ -165,3 +172,23 @@ def test_a_dead_supernode_frees_its_slot_after_the_flight_timeout(
     assert all(r["accepted"] == 2 and set(r["accepted_clients"]) <= {0, 1} for r in rows)
     starts = sum(c == 2 for c, _, _ in grid.pushed)
     assert starts > 1 if revives else starts == 1
+
+
+def test_a_run_whose_every_flight_timed_out_waits_for_its_nodes_to_answer_again(
+    tmp_path: Path, task_identity: None
+) -> None:
+    """No reply comes to any client's first start (every node was slow, or restarting): every
+    flight times out and every client is unmapped; with no client in flight the server asks
+    the nodes who they hold, waits for the answers (which take a few pulls) and goes on."""
+
+    def grid_of(cfg: Config) -> _Grid:
+        grid = _Grid(cfg, lag={})
+        grid.lose_first, grid.query_lag = {0, 1, 2}, 5
+        return grid
+
+    grid, rows = _run(tmp_path, grid_of, "rounds=2", "asynchronous.flight_timeout_s=0.05")
+    assert [r["round"] for r in rows] == [0, 1]
+    reasons = rows[0]["rejected_reasons"]
+    assert sorted(why.split(":")[0] for why in reasons) == ["0", "1", "2"]
+    assert rows[0]["accepted"] == rows[1]["accepted"] == 2
+    assert sorted(grid.asked[3:6]) == [0, 1, 2]  # asked again once all had timed out

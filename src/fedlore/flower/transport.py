@@ -91,6 +91,11 @@ def send_and_receive(
     return out
 
 
+def query_message(node: int) -> Message:
+    """The ``query`` asking SuperNode ``node`` for its ``partition-id`` (its fedlore client)."""
+    return Message(RecordDict({"q": ConfigRecord({"ask": "partition-id"})}), node, "query")
+
+
 class MessageTooLarge(ValueError):
     """A broadcast exceeds the configured size limit (raised before anything is sent)."""
 
@@ -185,23 +190,27 @@ class FlowerTransport:
         ids = [n for n in (node_ids or self.grid.get_node_ids()) if n not in known]
         if not ids:
             return
-        msgs = [
-            Message(RecordDict({"q": ConfigRecord({"ask": "partition-id"})}), n, "query")
-            for n in ids
-        ]
+        msgs = [query_message(n) for n in ids]
         wanted = set(need)
 
         def map_replies(replies: list[Message]) -> bool:
             for reply in replies:
-                if reply.has_error():
-                    continue
-                pid = reply.content.config_records["identity"]["partition-id"]
-                if isinstance(pid, int):
-                    self.node_of[pid] = reply.metadata.src_node_id
+                self.map_node(reply)
             return bool(wanted) and wanted <= self.node_of.keys()
 
         map_replies(send_and_receive(self.grid, msgs, self.round_timeout, map_replies))
         log.info("flower transport: %d clients mapped to nodes", len(self.node_of))
+
+    def map_node(self, reply: Message) -> bool:
+        """Map the client a node's reply to :func:`query_message` names to that node; whether
+        it named one."""
+        if reply.has_error():
+            return False
+        pid = reply.content.config_records["identity"]["partition-id"]
+        if not isinstance(pid, int):
+            return False
+        self.node_of[pid] = reply.metadata.src_node_id
+        return True
 
     def send_secure(
         self,

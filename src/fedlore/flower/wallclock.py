@@ -16,9 +16,12 @@ the next step's first arrivals (staleness counted then).
 A client whose reply has not come ``asynchronous.flight_timeout_s`` seconds after it started
 (a SuperNode that died, or a very slow one) is dropped: its slot goes to a replacement, the row
 lists it among ``rejected_reasons``, its client is unmapped (its node may be gone) and a late
-reply is ignored. At each server step the nodes the server does not know yet (a SuperNode that
-joined or came back) are asked for their ``partition-id``, waiting at most
-:data:`REMAP_S` seconds.
+reply is ignored. While a client of the available ones has no known node, each server step
+(and a moment when no client is in flight) asks the nodes the server does not know yet (a
+SuperNode that joined or came back) for their ``partition-id``, without waiting: the replies are
+pulled with the clients' (a node unanswered for ``flight_timeout_s`` is asked again later), and
+a client whose node answered starts at the next arrival or step. With no client in flight the
+server waits for such an answer.
 
 Rows are those of the simulated clock but for the clock: ``elapsed_s``, the real seconds since
 the run began (continued by a resumed run) at the server step, instead of ``sim_time_s``. The
@@ -40,13 +43,10 @@ from typing import Any
 from fedlore.engine import interrupt
 from fedlore.engine.buffered import Buffered, BufferedLoop, Flight
 from fedlore.engine.loop import Row
-from fedlore.flower.transport import FIRST_POLL_S, LAST_POLL_S, FlowerTransport
+from fedlore.flower.transport import FIRST_POLL_S, LAST_POLL_S, FlowerTransport, query_message
 from fedlore.types import Broadcast, Reply, State
 
 log = logging.getLogger(__name__)
-
-REMAP_S = 2.0
-"""Seconds a server step waits for unknown nodes to say which client they hold."""
 
 
 @dataclass
@@ -56,6 +56,7 @@ class WallClockLoop(BufferedLoop):
 
     _pending: dict[str, Flight] = field(default_factory=dict)  # message id -> its flight
     _landed: list[Flight] = field(default_factory=list)  # arrived, not yet taken
+    _queries: dict[str, tuple[int, float]] = field(default_factory=dict)  # id -> node, deadline
     _t0: float = 0.0
 
     @property
@@ -95,37 +96,47 @@ class WallClockLoop(BufferedLoop):
         return flight
 
     def _wait(self) -> list[Flight]:
-        """Pull until a reply arrives or a flight's deadline passes; returns those flights
-        (replies in the order pulled, then the timed out)."""
+        """Pull until a reply arrives, a flight's deadline passes or a node says which client it
+        holds; returns the flights that ended (replies in the order pulled, then the timed
+        out; none when only a node answered)."""
         grid = self.link.grid
         cap = min(LAST_POLL_S, float(getattr(grid, "pull_interval", LAST_POLL_S)))
         wait = min(FIRST_POLL_S, cap)
-        while self._pending:
+        limit = self.settings.flight_timeout_s
+        while self._pending or self._queries:
             interrupt.check()
-            got = list(grid.pull_messages(list(self._pending)))
+            got = list(grid.pull_messages([*self._pending, *self._queries]))
             now = self._now()
             out = []
+            mapped = False
             for m in got:
-                f = self._pending.pop(m.metadata.reply_to_message_id, None)
+                mid = m.metadata.reply_to_message_id
+                if self._queries.pop(mid, None) is not None:
+                    mapped = self.link.map_node(m) or mapped
+                    continue
+                f = self._pending.pop(mid, None)
                 if f is None:
                     continue  # a reply after its flight's deadline
                 res = self.link.decode(f.cid, m)
                 f.reply, f.error = (res, "") if isinstance(res, Reply) else (None, str(res))
                 f.finish = now
                 out.append(f)
+            for mid, (_, deadline) in list(self._queries.items()):
+                if deadline <= now:
+                    del self._queries[mid]  # asked again at a later step
             for mid, f in list(self._pending.items()):
                 if f.finish <= now:
                     del self._pending[mid]
-                    limit = self.settings.flight_timeout_s
                     f.error = f"no reply within asynchronous.flight_timeout_s={limit:g}"
                     f.finish = now
                     self.link.node_of.pop(f.cid, None)  # its node may be gone
                     log.warning("client %d: %s; its slot goes to another client", f.cid, f.error)
                     out.append(f)
-            if out:
+            if out or mapped:
                 return out
-            deadline = min(f.finish for f in self._pending.values())
-            time.sleep(max(0.0, min(wait, deadline - now)))
+            ends = [f.finish for f in self._pending.values()]
+            ends += [d for _, d in self._queries.values()]
+            time.sleep(max(0.0, min(wait, min(ends, default=now) - now)))
             wait = min(2 * wait, cap)
         return []
 
@@ -142,12 +153,17 @@ class WallClockLoop(BufferedLoop):
         k = int(self.settings.buffer or 0)
         while len(buffer) < k:
             if not self._landed:
-                if not p.flights:
+                if not p.flights and not self._queries:
+                    self._remap()  # no client in flight: ask the nodes not known who they hold
+                if not p.flights and not self._queries:
                     raise RuntimeError(
                         f"version {p.version}: no client is in flight and none is available "
                         "to start (clients.availability, or no connected SuperNode holds one)"
                     )
                 self._landed = self._wait()
+                if not self._landed:  # a node said which client it holds: it may start
+                    self._top_up(state)
+                    continue
             while self._landed and len(buffer) < k:
                 f = self._landed.pop(0)
                 p.flights = [x for x in p.flights if x is not f]
@@ -164,24 +180,25 @@ class WallClockLoop(BufferedLoop):
         return buffer, rejected, accepted, bytes_up
 
     def run_round(self, state: State, rnd: int, last_round: int) -> tuple[State, Row]:
-        """Ask unknown nodes who they hold, then as :meth:`BufferedLoop.run_round`."""
+        """Ask the nodes not known who they hold, then as :meth:`BufferedLoop.run_round`."""
         self._remap()
         return super().run_round(state, rnd, last_round)
 
     def _remap(self) -> None:
+        """Ask the nodes not known and not asked already which client they hold, when a client
+        that may start has no known node (the replies come with :meth:`_wait`'s pulls)."""
         link = self.link
         if all(c in link.node_of for c in self.pool(self.progress.version)):
             return
-        known = set(link.node_of.values())
+        known = set(link.node_of.values()) | {n for n, _ in self._queries.values()}
         fresh = [n for n in link.grid.get_node_ids() if n not in known]
         if not fresh:
             return
-        saved = link.round_timeout
-        link.round_timeout = min(self.settings.flight_timeout_s, REMAP_S)
-        try:
-            link.refresh_nodes(fresh)
-        finally:
-            link.round_timeout = saved
+        deadline = self._now() + self.settings.flight_timeout_s
+        ids = link.grid.push_messages([query_message(n) for n in fresh])
+        for node, mid in zip(fresh, ids, strict=False):
+            if mid:
+                self._queries[mid] = (node, deadline)
 
     def _row(self, *args: Any) -> Row:
         row = super()._row(*args)
