@@ -119,7 +119,7 @@ class AsynchronousConfig(_Strict):
     model version it downloaded, at the simulated speeds of ``clients.*``; every finished update
     goes into a buffer weighted by its staleness, and the server steps (``server.*``) each time
     the buffer holds ``buffer`` updates. One round is one server step. Off while ``buffer`` is
-    None; in-process engine only, for fedfull, fedavg and fedprox."""
+    None; for fedfull, fedavg and fedprox, in process and on Flower's engines (``clock``)."""
 
     buffer: int | None = Field(None, ge=1)
     """K: the server steps once K updates are buffered; None: synchronous rounds (off)."""
@@ -133,6 +133,15 @@ class AsynchronousConfig(_Strict):
     max_staleness: int | None = Field(None, ge=0)
     """Updates more than this many server steps stale are dropped (recorded, not buffered);
     None: every update is kept."""
+    clock: Literal["simulated", "wall"] = "simulated"
+    """Whose clock orders the buffer: ``simulated``, the clients' configured speeds (every
+    engine; ``engine: flower-sim`` and a deployment then only carry each client's training and
+    give the in-process run's rows), or ``wall``, the real arrival order of Flower's replies
+    (Flower engines only: in process there is no real clock; not bit-reproducible;
+    :mod:`fedlore.flower.wallclock`)."""
+    flight_timeout_s: float = Field(600.0, gt=0.0)
+    """``clock: wall``: seconds a client in flight may take before its slot is freed and a
+    replacement starts (a SuperNode that died never answers)."""
 
     @property
     def enabled(self) -> bool:

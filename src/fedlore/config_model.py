@@ -318,10 +318,11 @@ class Config(_Strict):
                 "must hold K <= C <= N (the buffer fills from the C clients in flight, drawn "
                 "from the N clients)"
             )
-        if self.engine != "local":
+        timeout = type(a).model_fields["flight_timeout_s"].default
+        if a.clock == "simulated" and a.flight_timeout_s != timeout:
             raise ValueError(
-                f"asynchronous.buffer with engine={self.engine}: buffered asynchronous "
-                "aggregation runs in process only (engine: local)"
+                "asynchronous.flight_timeout_s is set but asynchronous.clock is simulated "
+                "(a simulated client always arrives; the timeout is clock=wall's)"
             )
         return self
 

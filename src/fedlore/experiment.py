@@ -242,7 +242,7 @@ def run_one(
     ``make_transport(algorithm, client_data, model_factory, seed, store)`` replaces the
     in-process transport (the Flower ServerApp passes one over its Grid)."""
     check_site_data(cfg, deployed=make_transport is not None)
-    check_in_process(cfg, deployed=make_transport is not None)  # asynchronous: in process only
+    check_in_process(cfg, deployed=make_transport is not None)  # FedBuff clock=wall: Flower only
     target = run_dir(cfg, method, seed)
     # a sibling replaces a finished run
     out = write_dir(cfg, method, target, resume, overwrite, make_algorithm)

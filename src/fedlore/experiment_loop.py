@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedlore.config import Config
+from fedlore.config import Config, ConfigError
 from fedlore.engine.buffered import AsyncState, BufferedLoop, buffered_loop
 from fedlore.engine.early_stopping import EarlyStopping
 from fedlore.engine.loop import Callback, RoundLoop
@@ -56,10 +56,11 @@ def make_loop(
         dp = None
         if privacy is not None and privacy.dp is not None:  # DP-FedBuff
             dp = BufferDP(privacy, cfg.dp.max_contributions)
-        return buffered_loop(cfg, algo, clients, exp.fed.client, seed, progress,
+        loop = buffered_loop(cfg, algo, clients, exp.fed.client, seed, progress,
                              evaluate=evaluate, eval_every=cfg.eval.every, callbacks=callbacks,
                              norm_screen=cfg.robust.norm_screen, stop=stop,
                              privacy=dp)  # fmt: skip
+        return loop if cfg.asynchronous.clock == "simulated" else wall_clock(clients, loop)
     return RoundLoop(
         algo,
         clients,
@@ -73,6 +74,23 @@ def make_loop(
         stop=stop,
         clock=sim_clock(cfg, algo, exp.fed.client, seed, metrics, last, privacy),
     )
+
+
+def wall_clock(clients: Transport, loop: BufferedLoop) -> BufferedLoop:
+    """``loop`` on the wall clock (``asynchronous.clock: wall``): the Flower transport's own
+    (:class:`fedlore.flower.wallclock.WallClockTransport`).
+
+    Raises:
+        ConfigError: for a transport without a real clock (in process).
+    """
+    make = getattr(clients, "wall_clock_loop", None)
+    if make is None:
+        raise ConfigError(
+            f"asynchronous.clock=wall: the transport {type(clients).__name__} has no real "
+            "clock to order the buffer (a Flower engine's has); use asynchronous.clock=simulated"
+        )
+    wall: BufferedLoop = make(loop)
+    return wall
 
 
 def final_summary(

@@ -175,6 +175,7 @@ def test_with_os_noise_a_resume_keeps_the_schedule_and_the_epsilon(tmp_path: Pat
         (["dp.max_contributions=1"], "dp.max_contributions=1: 6 clients"),
         (["dp.clip_norm=null", "dp.noise_multiplier=null", "dp.max_contributions=3"],
          "dp.max_contributions but no dp.clip_norm"),
+        (["engine=flower-sim"], "dp on engine flower-sim: DP-FedBuff's once-per-step rule"),
     ],
 )  # fmt: skip
 def test_what_dp_fedbuff_refuses(tmp_path: Path, extra: list[str], message: str) -> None:

@@ -202,7 +202,13 @@ def test_concurrency_defaults_to_the_clients_per_round(tmp_path: Path) -> None:
         (["asynchronous.buffer=4", "participation=0.5"], "K <= C <= N"),
         (["asynchronous.buffer=0"], "greater than or equal to 1"),
         (["asynchronous.concurrency=3"], "asynchronous.buffer is not"),
-        (["asynchronous.buffer=2", "engine=flower-sim"], "runs in process only"),
+        (["asynchronous.buffer=2", "asynchronous.clock=sundial"], "clock"),
+        (["asynchronous.buffer=2", "asynchronous.flight_timeout_s=5"], "clock is simulated"),
+        (
+            ["asynchronous.buffer=2", "asynchronous.clock=wall", "asynchronous.flight_timeout_s=0"],
+            "greater than 0",
+        ),
+        (["asynchronous.clock=wall"], "asynchronous.buffer is not"),
         (["asynchronous.buffer=2", "asynchronous.staleness=linear"], "staleness"),
         (["asynchronous.buffer=2", "asynchronous.max_staleness=-1"], "max_staleness"),
         (["asynchronous.buffer=2", "asynchronous.wait=1"], "wait"),
@@ -259,18 +265,37 @@ def test_what_fedbuff_refuses(tmp_path: Path, method: str, extra: list[str], mes
         make_algorithm(method, off)  # the same settings run synchronously
 
 
-def test_a_flower_deployment_is_refused(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, "asynchronous.buffer=2")
-    with pytest.raises(ConfigError, match="runs in process only"):
-        check_in_process(cfg, deployed=True)
-    check_in_process(cfg, deployed=False)
-    check_in_process(_cfg(tmp_path), deployed=True)
+def test_the_simulated_clock_runs_on_flower_engines_and_the_wall_clock_only_there(
+    tmp_path: Path,
+) -> None:
+    _cfg(tmp_path, "asynchronous.buffer=2", "engine=flower-sim")  # validates
+    _cfg(tmp_path, "asynchronous.buffer=2", "asynchronous.clock=wall", "engine=flower-sim")
+    simulated = _cfg(tmp_path, "asynchronous.buffer=2")
+    check_in_process(simulated, deployed=True)
+    check_in_process(simulated, deployed=False)
+    wall = _cfg(tmp_path, "asynchronous.buffer=2", "asynchronous.clock=wall")
+    check_in_process(wall, deployed=True)
+    with pytest.raises(ConfigError, match=r"asynchronous\.clock=wall in process") as e:
+        check_in_process(wall, deployed=False)
+    assert "\n" not in str(e.value)
 
 
-def test_run_one_refuses_it_over_a_deployments_transport(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, "asynchronous.buffer=2")
-    with pytest.raises(ConfigError, match="runs in process only"):
-        run_one(cfg, "fedavg", SEED, make_transport=LocalTransport)
+@pytest.mark.parametrize("speed", ["clients.speed=lognormal", "clients.speed_trace=t.json"])
+def test_the_wall_clock_refuses_simulated_speeds(tmp_path: Path, speed: str) -> None:
+    cfg = _cfg(tmp_path, "asynchronous.buffer=2", "asynchronous.clock=wall", speed)
+    with pytest.raises(ConfigError, match=r"clock=wall and clients\.speed or clients\.speed_trace"):
+        make_algorithm("fedavg", cfg)
+    simulated = _cfg(tmp_path, "asynchronous.buffer=2", "clients.speed=lognormal")
+    make_algorithm("fedavg", simulated)
+
+
+def test_run_one_refuses_the_wall_clock_in_process(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "asynchronous.buffer=2", "asynchronous.clock=wall")
+    with pytest.raises(ConfigError, match="no real clock"):
+        run_one(cfg, "fedavg", SEED)
+    assert not run_dir(cfg, "fedavg", SEED).exists()  # refused before the run folder
+    with pytest.raises(ConfigError, match="LocalTransport has no real clock"):
+        run_one(cfg, "fedavg", SEED, make_transport=LocalTransport)  # a transport without one
 
 
 def test_early_stopping_keeps_its_meaning_and_resumes_with_the_clients_in_flight(

@@ -1,8 +1,9 @@
 """What buffered asynchronous aggregation (``asynchronous.buffer``, FedBuff;
 :mod:`fedlore.engine.buffered`) refuses, each in one line with its reason.
 
-The config's own section checks K <= C <= N and the engine (:class:`fedlore.config.Config`);
-here is what depends on the method and on the other sections:
+The config's own section checks K <= C <= N (:class:`fedlore.config.Config`); here is what
+depends on the method and on the other sections, and on the engine (:func:`check_in_process`:
+``clock: wall`` needs Flower's):
 
 * the method: only one whose :attr:`~fedlore.algorithm.Capabilities.synchronous_only` is empty
   (FedFull, FedAvg, FedProx: the server adds a weighted mean of plain deltas, and a delta
@@ -12,7 +13,8 @@ here is what depends on the method and on the other sections:
   paper's secure aggregation needs a trusted enclave holding the buffer);
 * DP other than central DP with a fixed clip (DP-FedBuff, :mod:`fedlore.privacy.buffer_dp`):
   ``dp.mode: local`` and adaptive clipping (``dp.target_quantile``) are defined per synchronous
-  round; ``dp.max_contributions`` is FedBuff's alone;
+  round; ``dp.max_contributions`` is FedBuff's alone; DP-FedBuff off the in-process engine
+  (tested in process only);
 * what is defined only for synchronous rounds: dropouts and a round deadline
   (``clients.dropout``, ``clients.round_deadline_s``: a client simply finishes later), malicious
   clients (``attack``), upload compression and robust aggregates (the server scales each delta
@@ -46,6 +48,11 @@ def asynchronous_problems(cfg: Config) -> list[str]:
             why + "dp.mode=local: DP-FedBuff is central DP (the server noises the buffer's "
             "sum); local DP over the buffer is not implemented"
         )
+    if cfg.dp.enabled and cfg.engine != "local":
+        out.append(
+            why + f"dp on engine {cfg.engine}: DP-FedBuff's once-per-step rule and accounting "
+            "are tested in process only (engine: local); not yet on Flower's engines"
+        )
     if cfg.dp.enabled and cfg.dp.target_quantile is not None:
         out.append(
             why + "dp.target_quantile: adaptive clipping moves the clip once per synchronous "
@@ -72,6 +79,12 @@ def asynchronous_problems(cfg: Config) -> list[str]:
     if cfg.eval.local:
         out.append(
             why + "eval.local: P-local scores come from the clients of a synchronous last round"
+        )
+    c = cfg.clients
+    if cfg.asynchronous.clock == "wall" and (c.speed != "equal" or c.speed_trace is not None):
+        out.append(
+            why + "asynchronous.clock=wall and clients.speed or clients.speed_trace: the clients "
+            "arrive when they really finish, so simulated speeds would be ignored"
         )
     if cfg.data.sampling == "stream":
         out.append(
@@ -119,13 +132,16 @@ def check_asynchronous(name: str, algo: Any, cfg: Config) -> None:
 
 
 def check_in_process(cfg: Config, deployed: bool) -> None:
-    """Refuse buffered aggregation on a Flower deployment (``deployed``: the ServerApp's run).
+    """Refuse ``asynchronous.clock: wall`` in process (``deployed`` False: not over a Flower
+    transport): there the clients train one after the other and no reply arrives on a real
+    clock. The simulated clock runs on every engine.
 
     Raises:
-        ConfigError: naming the engine.
+        ConfigError: naming the setting and the engines that run it.
     """
-    if deployed and cfg.asynchronous.enabled:
+    if cfg.asynchronous.enabled and cfg.asynchronous.clock == "wall" and not deployed:
         raise ConfigError(
-            "asynchronous.buffer (FedBuff) on a Flower deployment: buffered asynchronous "
-            "aggregation runs in process only (engine: local)"
+            "asynchronous.clock=wall in process (engine: local): there is no real clock to "
+            "order the buffer (clients train one after another); use engine: flower-sim or a "
+            "flwr run deployment, or asynchronous.clock=simulated"
         )

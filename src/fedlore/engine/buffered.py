@@ -75,7 +75,7 @@ from fedlore.privacy.buffer_dp import BufferDP
 from fedlore.robust import norm_screen
 from fedlore.seeding import ASYNC_SAMPLING, derive_seed
 from fedlore.tensors import nbytes
-from fedlore.types import Reply, State
+from fedlore.types import Broadcast, Reply, State
 
 REPEAT = 2**31
 """The client generator's round of a repeated start: ``REPEAT + sequence number``."""
@@ -249,12 +249,18 @@ class BufferedLoop:
             self._down += nbytes(msg.arrays)
             key = p.version if cid not in p.started else REPEAT + p.seq
             p.started.add(cid)
-            res = self.transport.send(key, {cid: msg}).get(cid)
-            reply = res if isinstance(res, Reply) else None
-            error = "" if reply is not None else ("no reply" if res is None else f"{res}")
-            finish = p.clock + self.duration(cid)
-            p.flights.append(Flight(cid, p.version, p.clock, finish, p.seq, reply, error))
+            p.flights.append(self._launch(key, cid, msg))
             p.seq += 1
+
+    def _launch(self, key: int, cid: int, msg: Broadcast) -> Flight:
+        """Client ``cid`` starts from ``msg`` (its generator's round ``key``): in simulation it
+        trains now, and its reply waits until its finish time."""
+        p = self.progress
+        res = self.transport.send(key, {cid: msg}).get(cid)
+        reply = res if isinstance(res, Reply) else None
+        error = "" if reply is not None else ("no reply" if res is None else f"{res}")
+        finish = p.clock + self.duration(cid)
+        return Flight(cid, p.version, p.clock, finish, p.seq, reply, error)
 
     def _arrive(self, f: Flight, state: State, rnd: int) -> tuple[Buffered | None, str, int]:
         """A finished client: its buffered update (None when rejected), the reason it was
@@ -277,19 +283,13 @@ class BufferedLoop:
         w = staleness_weight(s, self.settings.staleness, self.settings.staleness_exponent)
         return Buffered(f.cid, f.reply, s, w), "", sent
 
-    def run_round(self, state: State, rnd: int, last_round: int) -> tuple[State, Row]:
-        """Clients arrive until the buffer holds K updates; the server steps; returns
-        (state, row)."""
-        t0 = time.perf_counter()
+    def _collect(
+        self, state: State, rnd: int
+    ) -> tuple[list[Buffered], list[str], list[tuple[int, Reply | None]], int]:
+        """Clients arrive, in the order of their finish times, until the buffer holds K
+        updates: (the buffer, the rejections, the rejected clients as ``(cid, None)``, the
+        arrivals' upload bytes)."""
         p = self.progress
-        if rnd != p.version:
-            raise RuntimeError(f"round {rnd} is not the server's version {p.version}")
-        self._down, p.down = p.down, 0  # a row counts the broadcasts of its version's starts
-        # the replacements of the last step's clients start now, from this version's model at
-        # the clock of the last step: as if started when the step was taken, but a run that
-        # ends (its last round, or early stopping) never trains clients whose updates no step
-        # would use
-        self._top_up(state)
         buffer: list[Buffered] = []
         rejected: list[str] = []
         accepted: list[tuple[int, Reply | None]] = []
@@ -318,7 +318,21 @@ class BufferedLoop:
                     break
             else:
                 self._top_up(state)  # the group has arrived: its replacements start
-        self._buffered = set()
+        return buffer, rejected, accepted, bytes_up
+
+    def run_round(self, state: State, rnd: int, last_round: int) -> tuple[State, Row]:
+        """Clients arrive until the buffer holds K updates; the server steps; returns
+        (state, row)."""
+        t0 = time.perf_counter()
+        p = self.progress
+        if rnd != p.version:
+            raise RuntimeError(f"round {rnd} is not the server's version {p.version}")
+        self._down, p.down = p.down, 0  # a row counts the broadcasts of its version's starts
+        # the last step's replacements start now (its clock, this version's model): a run that
+        # ends after the step never trains clients whose updates no step would use
+        self._top_up(state)
+        buffer, rejected, accepted, bytes_up = self._collect(state, rnd)
+        self._buffered = set()  # the step is taken: its clients may start again
         screen = None if self.privacy is not None else self.norm_screen  # as a DP round's
         screened = norm_screen(dict(enumerate(b.reply for b in buffer)), screen)
         kept = [b for i, b in enumerate(buffer) if i not in screened]

@@ -68,7 +68,8 @@ from fedlore.flower.secure_client import (
     secagg_mod,
 )
 from fedlore.flower.sites import server_federation, site_federation
-from fedlore.flower.transport import FlowerTransport
+from fedlore.flower.transport import TRAIN_ROUND, FlowerTransport
+from fedlore.flower.wallclock import WallClockTransport
 from fedlore.progress import say_once
 from fedlore.seeding import CLIENT, generator
 from fedlore.tensors import state_bytes, to_device
@@ -192,7 +193,7 @@ def client_train(
     state = record_to_state(context.state)
     if state is not None:
         state = State(to_device(state.arrays, device), state.values)
-    rnd = int(bcast.config["round"])
+    rnd = int(bcast.config.get(TRAIN_ROUND, bcast.config["round"]))  # FedBuff's repeats
     secure = bool(bcast.config.get(SECURE_KEY, False))
     if secure != is_secagg_stage(msg):
         raise ValueError(
@@ -279,8 +280,10 @@ def server_main(
     ``from_start`` as for :func:`fedlore.experiment.run_one`); returns the run summary."""
     fed = server_federation(cfg, seed) if cfg.flower.site_data else None
 
+    wall = cfg.asynchronous.enabled and cfg.asynchronous.clock == "wall"  # FedBuff's real clock
+
     def make_transport(_algo: Any, *args: Any) -> FlowerTransport:
-        return FlowerTransport(
+        return (WallClockTransport if wall else FlowerTransport)(
             grid,
             round_timeout=cfg.flower.round_timeout_s,
             max_message_bytes=(

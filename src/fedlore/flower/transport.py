@@ -38,6 +38,10 @@ from fedlore.types import Broadcast, Reply
 log = logging.getLogger(__name__)
 
 
+TRAIN_ROUND = "fedlore.train_round"
+"""Broadcast config key: the round whose generator the client trains with, when it is not the
+broadcast's ``round`` (:meth:`FlowerTransport.outgoing`)."""
+
 FIRST_POLL_S = 0.002
 """Seconds :func:`send_and_receive` waits before its second pull; the wait doubles each pull."""
 LAST_POLL_S = 1.0
@@ -85,6 +89,11 @@ def send_and_receive(
         time.sleep(wait if left is None else min(wait, left))
         wait = min(2 * wait, cap)
     return out
+
+
+def query_message(node: int) -> Message:
+    """The ``query`` asking SuperNode ``node`` for its ``partition-id`` (its fedlore client)."""
+    return Message(RecordDict({"q": ConfigRecord({"ask": "partition-id"})}), node, "query")
 
 
 class MessageTooLarge(ValueError):
@@ -181,23 +190,27 @@ class FlowerTransport:
         ids = [n for n in (node_ids or self.grid.get_node_ids()) if n not in known]
         if not ids:
             return
-        msgs = [
-            Message(RecordDict({"q": ConfigRecord({"ask": "partition-id"})}), n, "query")
-            for n in ids
-        ]
+        msgs = [query_message(n) for n in ids]
         wanted = set(need)
 
         def map_replies(replies: list[Message]) -> bool:
             for reply in replies:
-                if reply.has_error():
-                    continue
-                pid = reply.content.config_records["identity"]["partition-id"]
-                if isinstance(pid, int):
-                    self.node_of[pid] = reply.metadata.src_node_id
+                self.map_node(reply)
             return bool(wanted) and wanted <= self.node_of.keys()
 
         map_replies(send_and_receive(self.grid, msgs, self.round_timeout, map_replies))
         log.info("flower transport: %d clients mapped to nodes", len(self.node_of))
+
+    def map_node(self, reply: Message) -> bool:
+        """Map the client a node's reply to :func:`query_message` names to that node; whether
+        it named one."""
+        if reply.has_error():
+            return False
+        pid = reply.content.config_records["identity"]["partition-id"]
+        if not isinstance(pid, int):
+            return False
+        self.node_of[pid] = reply.metadata.src_node_id
+        return True
 
     def send_secure(
         self,
@@ -278,6 +291,32 @@ class FlowerTransport:
             bytes_up=up,
         )
 
+    def outgoing(self, rnd: int, msg: Broadcast) -> Broadcast:
+        """``msg`` as sent for round ``rnd``: with :attr:`extra_config`, and with
+        :data:`TRAIN_ROUND` when ``rnd`` is not its ``round`` (FedBuff's repeated start of a
+        client from one version, :data:`fedlore.engine.buffered.REPEAT`: the client draws from
+        ``generator(seed, CLIENT, rnd, cid)``, as in process)."""
+        extra = dict(self.extra_config)
+        if msg.config.get("round") != rnd:
+            extra[TRAIN_ROUND] = rnd
+        return Broadcast(msg.arrays, {**msg.config, **extra}) if extra else msg
+
+    def train_message(self, rnd: int, cid: int, msg: Broadcast) -> Message | LookupError:
+        """The ``train`` message of ``msg`` to client ``cid``'s SuperNode for round ``rnd``
+        (its arrays counted in :attr:`wire_bytes_down`), or the LookupError of a client no
+        known node holds.
+
+        Raises:
+            MessageTooLarge: when ``msg`` is over the size limit (:func:`check_size`).
+        """
+        check_size(cid, msg, self.max_message_bytes)
+        node = self.node_of.get(cid)
+        if node is None:
+            return LookupError(f"no connected SuperNode holds client {cid}")
+        content = broadcast_to_record(self.outgoing(rnd, msg))
+        self.wire_bytes_down += record_nbytes(content.array_records["arrays"])
+        return Message(content, node, "train", group_id=str(rnd))
+
     def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
         """Deliver one round's broadcasts; see the module docstring for failures."""
         if any(c not in self.node_of for c in messages):
@@ -286,31 +325,16 @@ class FlowerTransport:
         outgoing: list[Message] = []
         client_of: dict[int, int] = {}
         for cid, msg in messages.items():
-            check_size(cid, msg, self.max_message_bytes)
-            node = self.node_of.get(cid)
-            if node is None:
-                out[cid] = LookupError(f"no connected SuperNode holds client {cid}")
+            message = self.train_message(rnd, cid, msg)
+            if isinstance(message, LookupError):
+                out[cid] = message
                 continue
-            if self.extra_config:
-                msg = Broadcast(msg.arrays, {**msg.config, **self.extra_config})
-            content = broadcast_to_record(msg)
-            self.wire_bytes_down += record_nbytes(content.array_records["arrays"])
-            outgoing.append(Message(content, node, "train", group_id=str(rnd)))
-            client_of[node] = cid
+            outgoing.append(message)
+            client_of[message.metadata.dst_node_id] = cid
         for reply in send_and_receive(self.grid, outgoing, self.round_timeout):
             sender = client_of.get(reply.metadata.src_node_id)
-            if sender is None:
-                continue
-            cid = sender
-            if reply.has_error():
-                out[cid] = RuntimeError(f"client {cid}: {reply.error.reason}")
-                continue
-            self.wire_bytes_up += record_nbytes(reply.content.array_records["arrays"])
-            got = record_to_reply(reply.content)
-            out[cid] = Reply(to_device(got.arrays, self.device), got.metrics)
-            n = got.metrics.get("num_examples")
-            if isinstance(n, int | float) and not isinstance(n, bool):
-                self.num_examples[cid] = int(n)
+            if sender is not None:
+                out[sender] = self.decode(sender, reply)
         missing = sorted(set(client_of.values()) - set(out))
         if missing:
             log.warning("round %d: no reply in time from clients %s", rnd, missing)
@@ -318,3 +342,16 @@ class FlowerTransport:
             for cid in missing:
                 self.node_of.pop(cid, None)
         return out
+
+    def decode(self, cid: int, reply: Message) -> Reply | BaseException:
+        """Client ``cid``'s reply message as a :class:`Reply` on the server's device (its
+        arrays counted in :attr:`wire_bytes_up`, its ``num_examples`` kept), or the error it
+        carries."""
+        if reply.has_error():
+            return RuntimeError(f"client {cid}: {reply.error.reason}")
+        self.wire_bytes_up += record_nbytes(reply.content.array_records["arrays"])
+        got = record_to_reply(reply.content)
+        n = got.metrics.get("num_examples")
+        if isinstance(n, int | float) and not isinstance(n, bool):
+            self.num_examples[cid] = int(n)
+        return Reply(to_device(got.arrays, self.device), got.metrics)
