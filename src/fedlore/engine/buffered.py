@@ -277,6 +277,20 @@ class BufferedLoop:
         w = staleness_weight(s, self.settings.staleness, self.settings.staleness_exponent)
         return Buffered(f.cid, f.reply, s, w), "", sent
 
+    def _starved(self, rnd: int, held: int) -> str:
+        cap = None if self.privacy is None else self.privacy.max_contributions
+        why = (
+            f"every other client is in the buffer or at dp.max_contributions={cap}; raise the "
+            "cap or lower rounds"
+            if cap is not None
+            else "clients.availability leaves none; make more clients available"
+        )
+        return (
+            f"asynchronous.buffer={self.settings.buffer}: round {rnd} (counting from 0) holds "
+            f"{held} update(s) and no client is in flight or can start: {why} (the rounds "
+            "before it are saved)"
+        )
+
     def run_round(self, state: State, rnd: int, last_round: int) -> tuple[State, Row]:
         """Clients arrive until the buffer holds K updates; the server steps; returns
         (state, row)."""
@@ -295,12 +309,8 @@ class BufferedLoop:
         accepted: list[tuple[int, Reply | None]] = []
         bytes_up = 0
         while len(buffer) < int(self.settings.buffer or 0):
-            if not p.flights:
-                raise RuntimeError(
-                    f"version {p.version}: no client is in flight and none is available to "
-                    "start (clients.availability; under DP, clients in the buffer wait for the "
-                    "step and those at dp.max_contributions are not started)"
-                )
+            if not p.flights:  # settings the run cannot meet: the command's one-line error
+                raise ValueError(self._starved(rnd, len(buffer)))
             p.clock = min(f.finish for f in p.flights)
             group = sorted((f for f in p.flights if f.finish == p.clock), key=lambda f: f.seq)
             for f in group:
