@@ -81,6 +81,8 @@ def fortunes_c4_records(
                 f"fortunes: no category file {missing} in {folder}; present: {present}; "
                 f"{CATEGORIES_HINT}. {fortunes_hint(option)}"
             )
+    if not names:
+        raise FileNotFoundError(f"fortunes: no category file in {folder}. {fortunes_hint(option)}")
     rng = np.random.default_rng(VALIDATION_SEED)
     train: list[dict[str, str]] = []
     validation: list[dict[str, str]] = []
