@@ -55,7 +55,9 @@ def build_model(
     has_var_kw = any(s.kind is inspect.Parameter.VAR_KEYWORD for s in params.values())
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown and not has_var_kw:
-        raise ValueError(f"model {name!r}: unknown kwargs {unknown}; accepted: {accepted}")
+        glued = [k for k in unknown if ":" in str(k)]  # YAML reads {norm:batch} as one key
+        hint = f" (YAML reads {{{glued[0]}}} as one key: put a space after the colon)" if glued else ""
+        raise ValueError(f"model {name!r}: unknown kwargs {unknown}; accepted: {accepted}{hint}")
     try:
         model = factory(shape, num_classes, **kwargs)
     except TypeError as e:  # a kwarg of the wrong type (e.g. an int where a list is needed)
