@@ -56,7 +56,9 @@ def build_model(
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown and not has_var_kw:
         glued = [k for k in unknown if ":" in str(k)]  # YAML reads {norm:batch} as one key
-        hint = f" (YAML reads {{{glued[0]}}} as one key: put a space after the colon)" if glued else ""
+        hint = ""
+        if glued:
+            hint = f" (YAML reads {{{glued[0]}}} as one key: put a space after the colon)"
         raise ValueError(f"model {name!r}: unknown kwargs {unknown}; accepted: {accepted}{hint}")
     try:
         model = factory(shape, num_classes, **kwargs)
