@@ -111,13 +111,14 @@ def test_a_static_batchnorm_takes_a_batch_of_one_in_training_and_in_the_query() 
     without running statistics; the MLP's BatchNorm normalizes it by its own (the bias)."""
     model = mlp((8,), 3, hidden=[4], norm="batch")
     static_bn(model)
-    norm = model.get_submodule("body.1")
+    norm, linear = model.body[1], model.body[0]
+    assert isinstance(norm, nn.BatchNorm1d) and isinstance(linear, nn.Linear)
     with torch.no_grad():
         norm.bias.copy_(torch.arange(4.0))
     x = torch.randn(1, 8)
     for training in (True, False):
         model.train(training)
-        assert torch.equal(norm(model.get_submodule("body.0")(x)), torch.arange(4.0)[None])
+        assert torch.equal(norm(linear(x)), torch.arange(4.0)[None])
         assert model(x).shape == (1, 3)
     stats = query_stats(model, ("body.1",), torch.randn(1, 8), batch_size=16)
     assert float(stats["stats.body.1.count"]) == 1.0

@@ -105,15 +105,15 @@ def test_fortunes_errors_name_what_is_wrong(tmp_path: Path) -> None:
         load_fortunes(str(FORTUNES / "tea"))
     assert f"fortunes folder {FORTUNES / 'tea'} is a file" in str(err.value)
     for index in ("tea.dat", "tea.u8"):
-        with pytest.raises(ValueError) as err:
+        with pytest.raises(ValueError) as bad:
             load_fortunes(str(FORTUNES), categories=["space", index])
-        assert str(err.value) == (
+        assert str(bad.value) == (
             f"data.categories: ['{index}'] are strfile indexes or UTF-8 links (.dat, .u8), not "
             f"categories; categories in {FORTUNES}: ['animals', 'space', 'tea']"
         )
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError) as bad:
         load_fortunes(str(FORTUNES), categories=["tea"])
-    assert str(err.value) == (
+    assert str(bad.value) == (
         "data.categories: ['tea'] is one class; a classifier needs at least two (categories in "
         f"{FORTUNES}: ['animals', 'space', 'tea'])"
     )
