@@ -220,6 +220,11 @@ def test_fortunes_c4_with_a_file_or_a_folder_without_categories_says_so(
     err = capsys.readouterr().err
     assert err.startswith(f"fedlore: error: fortunes: no category file in {tmp_path}. Install")
     assert "point --root FOLDER at" in err and err.count("\n") == 1
+    (tmp_path / "config.yaml").write_text("rounds: 3\n")  # a folder of other files
+    assert main(["fortunes-c4", str(tmp_path / "out"), "--root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fedlore: error: fortunes: no category of {tmp_path} holds two entries")
+    assert "is it a fortunes folder?" in err and not (tmp_path / "out").exists()
 
 
 def test_fortunes_c4_cli_writes_files_the_c4_loader_reads(tmp_path: Path) -> None:

@@ -97,6 +97,11 @@ def fortunes_c4_records(
             (validation if k in held else train).append(rec)
     if not train:
         raise ValueError(f"fortunes: no entries in the categories {names} of {folder}")
+    if not validation:  # files without a % line: not a fortunes folder
+        raise ValueError(
+            f"fortunes: no category of {folder} holds two entries (lines of % between them), so "
+            f"none is held out for validation; is it a fortunes folder? {fortunes_hint(option)}"
+        )
     return train, validation
 
 
