@@ -229,9 +229,10 @@ def fail(kind: str) -> None:
 def wait_for_signal(path: str) -> None:
     """A job that runs rounds of 50 ms until a signal stops it, as a trial would."""
     Path(path).write_text("started")
-    for _ in range(1200):  # a minute at most: a signal that never comes fails the test
-        time.sleep(0.05)
-        interrupt.check()
+    with interrupt.deferred():  # as a trial's round loop: the signal is said, then raised
+        for _ in range(1200):  # a minute at most: a signal that never comes fails the test
+            time.sleep(0.05)
+            interrupt.check()
 
 
 def test_a_worker_reports_how_it_ended_with_its_share_of_threads_and_prefixed_lines(
@@ -260,9 +261,13 @@ def test_a_worker_reports_how_it_ended_with_its_share_of_threads_and_prefixed_li
     assert threads_each(3, cpus=8) == 2 and threads_each(16, cpus=8) == 1
 
 
-def test_a_signal_is_passed_on_once_and_no_other_job_starts(tmp_path: Path) -> None:
+def test_a_signal_is_passed_on_once_and_no_other_job_starts(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """SIGTERM to this process while two jobs run: each gets it once (a second would kill it at
-    once) and stops as a trial stops between rounds; the third job never starts."""
+    once) and stops as a trial stops between rounds, saying so in a line named by its job
+    (without the SIGTERM it was passed or a Ctrl-C hint that would not reach it); the third job
+    never starts."""
     jobs = [(f"job {i}", (str(tmp_path / f"j{i}"),)) for i in range(3)]
 
     def send_when_started() -> None:
@@ -284,6 +289,13 @@ def test_a_signal_is_passed_on_once_and_no_other_job_starts(tmp_path: Path) -> N
         Ended("job 1", "interrupted", str(int(signal.SIGTERM))),
     ]
     assert not (tmp_path / "j2").exists()
+    lines = capfd.readouterr().err.splitlines()
+    for job in ("job 0", "job 1"):
+        mine = [x for x in lines if x.startswith(f"fedlore: {job}: ")]
+        assert mine == [f"fedlore: {job}: stopping before the next round (a round in progress "
+                        "is discarded)"]  # fmt: skip
+    assert sum("Ctrl-C again" in x for x in lines) == 1  # this process's own line
+    assert sum("SIGTERM" in x for x in lines) == 1
 
 
 def test_a_worker_on_a_terminal_writes_lines_not_bars(tmp_path: Path) -> None:

@@ -62,7 +62,8 @@ class DataConfig(_Strict):
     """Text sources: tokens per example L; longer texts are truncated, shorter ones padded with
     the tokenizer's pad id."""
     categories: list[str] | None = None
-    """fortunes: category files used as classes, label = position in sorted order (None:
+    """fortunes: category files used as classes (at least two; not a ``.dat`` index or ``.u8``
+    link), label = position in sorted order (None:
     ``fedlore.data.text.FORTUNES_CATEGORIES``); fortunes_c4: the category files converted (None:
     all but ``fedlore.data.fortunes_c4.FORTUNES_C4_EXCLUDED``)."""
     vocab_size: int = Field(4096, ge=258)

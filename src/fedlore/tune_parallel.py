@@ -118,6 +118,7 @@ def _child(
 
     torch.set_num_threads(threads)
     sys.stderr = _Lines(sys.stderr)
+    interrupt.speak_as(label)
     progress.enable(show)
     for handler in progress.log.handlers:
         handler.setFormatter(_prefixed(label))

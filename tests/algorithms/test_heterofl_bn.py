@@ -106,6 +106,31 @@ def test_a_last_minibatch_of_one_joins_the_one_before() -> None:
     assert _batches(1, 16) == [1]
 
 
+def test_a_static_batchnorm_takes_a_batch_of_one_in_training_and_in_the_query() -> None:
+    """A client whose size is 1 mod batch_size ends a pass on one example: torch refuses it
+    without running statistics; the MLP's BatchNorm normalizes it by its own (the bias)."""
+    model = mlp((8,), 3, hidden=[4], norm="batch")
+    static_bn(model)
+    norm, linear = model.body[1], model.body[0]
+    assert isinstance(norm, nn.BatchNorm1d) and isinstance(linear, nn.Linear)
+    with torch.no_grad():
+        norm.bias.copy_(torch.arange(4.0))
+    x = torch.randn(1, 8)
+    for training in (True, False):
+        model.train(training)
+        assert torch.equal(norm(linear(x)), torch.arange(4.0)[None])
+        assert model(x).shape == (1, 3)
+    stats = query_stats(model, ("body.1",), torch.randn(1, 8), batch_size=16)
+    assert float(stats["stats.body.1.count"]) == 1.0
+
+
+def test_heterofl_with_batchnorm_trains_every_client_at_batch_size_one(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "rounds=1", "batch_size=1", "algorithms=[heterofl]")
+    assert run_one(cfg, "heterofl", SEED) is not None
+    (row,) = _rows(run_dir(cfg, "heterofl", SEED) / "metrics.jsonl")
+    assert row["rejected"] == 0 and row["sbn_clients"] == 3
+
+
 # ------------------------------------------------------------------ FedAvg at rate 1
 
 

@@ -204,6 +204,29 @@ def test_fortunes_errors_name_the_setting_of_where_they_are_raised(tmp_path: Pat
     assert "point --root FOLDER at" in str(err.value) and "data.root" not in str(err.value)
 
 
+def test_fortunes_c4_with_a_file_or_a_folder_without_categories_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--root`` at a file, or at a folder holding only subfolders (``/usr/share/games``):
+    one line each that says which, never "does not exist" or an empty list of categories."""
+    (tmp_path / "fortunes").mkdir()
+    note = tmp_path / "notes.txt"
+    note.write_text("x\n")
+    assert main(["fortunes-c4", str(tmp_path / "out"), "--root", str(note)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fedlore: error: fortunes folder {note} is a file, not a folder. ")
+    note.unlink()
+    assert main(["fortunes-c4", str(tmp_path / "out"), "--root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fedlore: error: fortunes: no category file in {tmp_path}. Install")
+    assert "point --root FOLDER at" in err and err.count("\n") == 1
+    (tmp_path / "config.yaml").write_text("rounds: 3\n")  # a folder of other files
+    assert main(["fortunes-c4", str(tmp_path / "out"), "--root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fedlore: error: fortunes: no category of {tmp_path} holds two entries")
+    assert "is it a fortunes folder?" in err and not (tmp_path / "out").exists()
+
+
 def test_fortunes_c4_cli_writes_files_the_c4_loader_reads(tmp_path: Path) -> None:
     assert main(["fortunes-c4", str(tmp_path), "--root", str(FORTUNES)]) == 0
     rows = [json.loads(x) for x in (tmp_path / "c4-train.jsonl").read_text().splitlines()]

@@ -93,8 +93,37 @@ def test_fortunes_errors(tmp_path: Path) -> None:
         load_fortunes(str(FORTUNES), categories=["animals", "pets"])
     assert "data.categories=[" in str(err.value)  # how to choose the classes that are there
     (tmp_path / "empty").write_text("%\n%\n")
+    (tmp_path / "full").write_text("one\n%\ntwo\n")
     with pytest.raises(ValueError, match="no entries"):
-        load_fortunes(str(tmp_path), categories=["empty"])
+        load_fortunes(str(tmp_path), categories=["empty", "full"])
+
+
+def test_fortunes_errors_name_what_is_wrong(tmp_path: Path) -> None:
+    """A file given as the folder, an index or link named as a category, one class, and a
+    wrong folder of many files (its listing cut): each one line that says so."""
+    with pytest.raises(FileNotFoundError, match=r"is a file, not a folder\. Install") as err:
+        load_fortunes(str(FORTUNES / "tea"))
+    assert f"fortunes folder {FORTUNES / 'tea'} is a file" in str(err.value)
+    for index in ("tea.dat", "tea.u8"):
+        with pytest.raises(ValueError) as bad:
+            load_fortunes(str(FORTUNES), categories=["space", index])
+        assert str(bad.value) == (
+            f"data.categories: ['{index}'] are strfile indexes or UTF-8 links (.dat, .u8), not "
+            f"categories; categories in {FORTUNES}: ['animals', 'space', 'tea']"
+        )
+    with pytest.raises(ValueError) as bad:
+        load_fortunes(str(FORTUNES), categories=["tea"])
+    assert str(bad.value) == (
+        "data.categories: ['tea'] is one class; a classifier needs at least two (categories in "
+        f"{FORTUNES}: ['animals', 'space', 'tea'])"
+    )
+    for k in range(32):
+        (tmp_path / f"f{k:02d}").write_text("x\n")
+    with pytest.raises(FileNotFoundError) as err:
+        load_fortunes(str(tmp_path), categories=["tea", "space"])
+    assert "'f29'] and 2 more; choose the classes" in str(err.value)
+    assert "f30" not in str(err.value)
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.skipif(

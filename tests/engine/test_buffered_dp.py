@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from fedlore.config import Config, ConfigError, load_config
+from fedlore.cli import main
+from fedlore.config import AsynchronousConfig, Config, ConfigError, load_config
+from fedlore.engine.buffered import BufferedLoop
 from fedlore.engine.callbacks import Checkpointer
 from fedlore.engine.rundir import run_dir
 from fedlore.experiment import run_one
@@ -222,17 +224,40 @@ def test_a_client_that_skips_clipping_is_rejected(
     assert clips and set(clips) == {0.5}  # every broadcast carried the clip
 
 
-def test_a_cap_that_runs_out_of_clients_stops_with_a_reason(tmp_path: Path) -> None:
+def test_a_cap_that_runs_out_of_clients_stops_with_a_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """3 clients, K = 2, cap 2, 3 steps: the 6 places fit (3 x 2), but client 2 is 100 times
     slower, so clients 0 and 1 fill steps 1 and 2 and reach the cap; step 3 gets client 2
-    alone, and the run says why it stops."""
+    alone, and the run says why it stops, in one line of the command (no traceback), with the
+    two rounds it ran saved."""
     trace = tmp_path / "speeds.json"
     trace.write_text(json.dumps([1.0, 1.0, 0.01]))
-    cfg = _cfg(tmp_path, "num_clients=3", "asynchronous.concurrency=3", "rounds=3",
-               "dp.max_contributions=2", f"clients.speed_trace={trace}")  # fmt: skip
-    with pytest.raises(RuntimeError, match=r"dp\.max_contributions are not started"):
+    extra = ["num_clients=3", "asynchronous.concurrency=3", "rounds=3", "dp.max_contributions=2",
+             f"clients.speed_trace={trace}", "seeds=[42]"]  # fmt: skip
+    cfg = _cfg(tmp_path, *extra)
+    why = (
+        "asynchronous.buffer=2: round 2 (counting from 0) holds 1 update(s) and no client is in "
+        "flight or can start: every other client is in the buffer or at dp.max_contributions=2; "
+        "raise the cap or lower rounds (the rounds before it are saved)"
+    )
+    with pytest.raises(ValueError) as e:
         run_one(cfg, "fedavg", SEED)
+    assert str(e.value) == why
     assert [r["accepted_clients"] for r in _rows(cfg)] == [[0, 1], [0, 1]]
+    args = ["run", *SMALL, f"output_dir={tmp_path}", *extra, "name=cli"]
+    assert main(args) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"fedlore: error: {why}"
+
+
+def test_clients_availability_that_leaves_none_to_start_names_it() -> None:
+    loop = object.__new__(BufferedLoop)
+    loop.privacy, loop.settings = None, AsynchronousConfig(buffer=3)
+    assert loop._starved(4, 1) == (
+        "asynchronous.buffer=3: round 4 (counting from 0) holds 1 update(s) and no client is in "
+        "flight or can start: clients.availability leaves none; make more clients available (the "
+        "rounds before it are saved)"
+    )
 
 
 def test_releases_a_resume_repeats_count_for_every_client(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from fedlore import registry
+from fedlore.config import load_config
 from fedlore.models import build_model, mlp
 from fedlore.models.cnn import CNN
 from fedlore.models.resnet import CifarResNet
@@ -167,8 +168,20 @@ def test_bad_input_shape(name: str, shape: tuple[int, ...], match: str) -> None:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(ValueError, match=r"unknown kwargs \['depth'\]"):
+    with pytest.raises(ValueError, match=r"unknown kwargs \['depth'\]") as err:
         build_model("cnn", (1, 28, 28), 10, depth=3)
+    assert "YAML" not in str(err.value)
+
+
+def test_a_key_glued_to_its_value_names_the_missing_space() -> None:
+    """`model.kwargs={norm:batch}` is YAML's one key 'norm:batch' (null value), not norm."""
+    cfg = load_config(None, ["model.kwargs={norm:batch}"])
+    with pytest.raises(ValueError) as err:
+        build_model("mlp", (1, 8, 8), 10, **cfg.model.kwargs)
+    assert str(err.value) == (
+        "model 'mlp': unknown kwargs ['norm:batch']; accepted: ['hidden', 'dropout', 'norm'] "
+        "(YAML reads {norm:batch} as one key: put a space after the colon)"
+    )
     with pytest.raises(ValueError, match="num_classes"):
         build_model("mlp", (1, 8, 8), 0)
     with pytest.raises(ValueError, match="norm must be"):

@@ -386,6 +386,18 @@ def test_the_counts_go_into_the_checkpoint_and_come_back() -> None:
     assert empty.counts == {4: 0} and empty.most() == 0
 
 
+def test_an_unreachable_target_names_a_client_in_every_exchange_not_one_of_one() -> None:
+    """Local DP and DP-FedBuff solve σ for one client in every exchange: the refusal says so
+    (it said "of 1 of 1 clients" of a 20-client run); central DP's names its sampling."""
+    with pytest.raises(ValueError) as err:
+        local_noise_for_epsilon(0.001, DELTA, 10)
+    assert " over 10 exchanges with one client in every one (the worst case): noise " in str(
+        err.value
+    )
+    with pytest.raises(ValueError, match=r" over 10 exchanges of 10 of 20 clients: noise "):
+        noise_for_epsilon(0.001, DELTA, 10, 20, 10)
+
+
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
 @pytest.mark.parametrize(("target", "exchanges"), [(2.0, 10), (8.0, 51)])
 def test_sigma_solved_from_a_target_reaches_it_and_no_smaller_sigma_does(

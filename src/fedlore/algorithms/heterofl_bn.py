@@ -93,7 +93,7 @@ def query_stats(
             z = inputs[0].to(wide)
             dims = [0, *range(2, z.dim())]
             part = [
-                torch.tensor(z.numel() / z.shape[1], dtype=wide),
+                torch.tensor(z.numel() / z.shape[1], dtype=wide, device=z.device),
                 z.sum(dims),
                 z.square().sum(dims),
             ]

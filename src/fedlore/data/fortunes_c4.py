@@ -81,6 +81,8 @@ def fortunes_c4_records(
                 f"fortunes: no category file {missing} in {folder}; present: {present}; "
                 f"{CATEGORIES_HINT}. {fortunes_hint(option)}"
             )
+    if not names:
+        raise FileNotFoundError(f"fortunes: no category file in {folder}. {fortunes_hint(option)}")
     rng = np.random.default_rng(VALIDATION_SEED)
     train: list[dict[str, str]] = []
     validation: list[dict[str, str]] = []
@@ -95,6 +97,11 @@ def fortunes_c4_records(
             (validation if k in held else train).append(rec)
     if not train:
         raise ValueError(f"fortunes: no entries in the categories {names} of {folder}")
+    if not validation:  # files without a % line: not a fortunes folder
+        raise ValueError(
+            f"fortunes: no category of {folder} holds two entries (lines of % between them), so "
+            f"none is held out for validation; is it a fortunes folder? {fortunes_hint(option)}"
+        )
     return train, validation
 
 

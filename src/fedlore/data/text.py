@@ -83,6 +83,12 @@ TEXT_SPLIT_SEED = 0
 _SKIPPED_SUFFIXES = (".dat", ".u8")  # strfile indexes and the UTF-8 links to the same files
 
 
+def _some(names: list[str], most: int = 30) -> str:
+    """``names`` as a list, cut after ``most`` (a wrong folder may hold thousands of files)."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return f"{names[:most]}{more}"
+
+
 def read_fortune_file(path: str | Path) -> list[str]:
     """The entries of one fortune file.
 
@@ -124,7 +130,8 @@ def fortune_categories(root: str | Path, option: str = "data.root=...") -> list[
     """
     folder = Path(root)
     if not folder.is_dir():
-        raise FileNotFoundError(f"fortunes folder {folder} does not exist. {fortunes_hint(option)}")
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise FileNotFoundError(f"fortunes folder {folder} {what}. {fortunes_hint(option)}")
     return sorted(
         p.name
         for p in folder.iterdir()
@@ -263,15 +270,24 @@ def load_fortunes(
         ValueError: when a category has no entries or the tokenizer is unusable.
     """
     folder = Path(root) if root is not None else Path(FORTUNES_ROOT)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"fortunes folder {folder} does not exist. {FORTUNES_HINT}")
+    present = fortune_categories(folder)
     names = sorted(categories if categories is not None else FORTUNES_CATEGORIES)
     missing = [c for c in names if not (folder / c).is_file()]
     if missing:
         raise FileNotFoundError(
             f"fortunes: no category file {', '.join(str(folder / c) for c in missing)}; "
-            f"categories in {folder}: {fortune_categories(folder)}; {CATEGORIES_HINT}. "
-            f"{FORTUNES_HINT}"
+            f"categories in {folder}: {_some(present)}; {CATEGORIES_HINT}. {FORTUNES_HINT}"
+        )
+    index = [c for c in names if Path(c).suffix in _SKIPPED_SUFFIXES]
+    if index:
+        raise ValueError(
+            f"data.categories: {index} are strfile indexes or UTF-8 links (.dat, .u8), not "
+            f"categories; categories in {folder}: {_some(present)}"
+        )
+    if len(names) < 2:
+        raise ValueError(
+            f"data.categories: {names} is one class; a classifier needs at least two "
+            f"(categories in {folder}: {_some(present)})"
         )
     texts: list[str] = []
     labels: list[int] = []

@@ -67,9 +67,9 @@ import torch
 from fedlore.algorithm import Algorithm
 from fedlore.config import AsynchronousConfig, Config
 from fedlore.engine import interrupt
+from fedlore.engine.async_clients import durations, pools
 from fedlore.engine.loop import Callback, Row, add_scores, client_reports, drive
 from fedlore.engine.transport import Transport
-from fedlore.engine.unreliable import availability_trace, client_speeds
 from fedlore.engine.validate import method_problem, validate_reply
 from fedlore.privacy.buffer_dp import BufferDP
 from fedlore.robust import norm_screen
@@ -283,6 +283,20 @@ class BufferedLoop:
         w = staleness_weight(s, self.settings.staleness, self.settings.staleness_exponent)
         return Buffered(f.cid, f.reply, s, w), "", sent
 
+    def _starved(self, rnd: int, held: int) -> str:
+        cap = None if self.privacy is None else self.privacy.max_contributions
+        why = (
+            f"every other client is in the buffer or at dp.max_contributions={cap}; raise the "
+            "cap or lower rounds"
+            if cap is not None
+            else "clients.availability leaves none; make more clients available"
+        )
+        return (
+            f"asynchronous.buffer={self.settings.buffer}: round {rnd} (counting from 0) holds "
+            f"{held} update(s) and no client is in flight or can start: {why} (the rounds "
+            "before it are saved)"
+        )
+
     def _collect(
         self, state: State, rnd: int
     ) -> tuple[list[Buffered], list[str], list[tuple[int, Reply | None]], int]:
@@ -295,12 +309,8 @@ class BufferedLoop:
         accepted: list[tuple[int, Reply | None]] = []
         bytes_up = 0
         while len(buffer) < int(self.settings.buffer or 0):
-            if not p.flights:
-                raise RuntimeError(
-                    f"version {p.version}: no client is in flight and none is available to "
-                    "start (clients.availability; under DP, clients in the buffer wait for the "
-                    "step and those at dp.max_contributions are not started)"
-                )
+            if not p.flights:  # settings the run cannot meet: the command's one-line error
+                raise ValueError(self._starved(rnd, len(buffer)))
             p.clock = min(f.finish for f in p.flights)
             group = sorted((f for f in p.flights if f.finish == p.clock), key=lambda f: f.seq)
             for f in group:
@@ -432,29 +442,6 @@ def weighted(reply: Reply, w: float, dtypes: dict[str, torch.dtype]) -> Reply:
         for k, v in reply.arrays.items()
     }
     return Reply(arrays, dict(reply.metrics))
-
-
-def durations(cfg: Config, algo: Any, client_data: Callable[[int], Any], seed: int) -> Any:
-    """Client id -> its simulated seconds per participation, ``K_i · step_s / s_i`` (cached)."""
-    speeds = client_speeds(cfg, seed)
-    cache: dict[int, float] = {}
-
-    def duration(cid: int) -> float:
-        if cid not in cache:
-            steps = algo.local_steps(client_data(cid).num_examples)
-            cache[cid] = steps * cfg.clients.step_s / float(speeds[cid])
-        return cache[cid]
-
-    return duration
-
-
-def pools(cfg: Config) -> Callable[[int], list[int]]:
-    """Version -> the clients that may start then (``clients.availability``, else all)."""
-    trace = availability_trace(cfg)
-    everyone = list(range(cfg.num_clients))
-    if trace is None:
-        return lambda v: everyone
-    return lambda v: trace[v % len(trace)]
 
 
 def buffered_loop(

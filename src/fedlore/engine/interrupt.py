@@ -112,6 +112,19 @@ _count = 0
 handler; never reset)."""
 
 
+_label: str | None = None
+"""Set in a process that trains one job of another's (``fedlore tune --workers``,
+:func:`speak_as`): its lines name the job, and a signal reaches it from that process."""
+
+
+def speak_as(label: str) -> None:
+    """Prefix this process's signal lines with ``label`` (``fedlore: trial 3: ...``), without
+    the signal's name or the Ctrl-C hint: the signal was passed on by the process the terminal
+    reaches, which said both."""
+    global _label
+    _label = label
+
+
 def received() -> int | None:
     """The signal that asked the run to stop, or None."""
     return _received
@@ -141,8 +154,9 @@ def _main_thread() -> bool:
 def _say(text: str) -> None:
     """A line on standard error written with ``os.write``: safe in a signal handler (no
     buffer, no lock of a progress display)."""
+    head = "\nfedlore: " if _label is None else f"fedlore: {_label}: "  # a job's: lines, no bar
     with contextlib.suppress(OSError):
-        os.write(2, f"\nfedlore: {text}\n".encode())
+        os.write(2, f"{head}{text}\n".encode())
 
 
 def startup_handler(signum: int, frame: FrameType | None) -> None:
@@ -160,10 +174,10 @@ def _handler(signum: int, frame: FrameType | None) -> None:
         force_exit(signum)
     _received = signum
     if _deferred:
-        _say(
-            f"{signal.Signals(signum).name}: stopping before the next round (a round in "
-            "progress is discarded); press Ctrl-C again to quit at once"
-        )
+        stop = "stopping before the next round (a round in progress is discarded)"
+        if _label is None:
+            stop = f"{signal.Signals(signum).name}: {stop}; press Ctrl-C again to quit at once"
+        _say(stop)
         return
     raise Interrupted(signum)
 

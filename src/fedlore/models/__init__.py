@@ -55,7 +55,11 @@ def build_model(
     has_var_kw = any(s.kind is inspect.Parameter.VAR_KEYWORD for s in params.values())
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown and not has_var_kw:
-        raise ValueError(f"model {name!r}: unknown kwargs {unknown}; accepted: {accepted}")
+        glued = [k for k in unknown if ":" in str(k)]  # YAML reads {norm:batch} as one key
+        hint = ""
+        if glued:
+            hint = f" (YAML reads {{{glued[0]}}} as one key: put a space after the colon)"
+        raise ValueError(f"model {name!r}: unknown kwargs {unknown}; accepted: {accepted}{hint}")
     try:
         model = factory(shape, num_classes, **kwargs)
     except TypeError as e:  # a kwarg of the wrong type (e.g. an int where a list is needed)

@@ -8,7 +8,9 @@ keeps partly local, :mod:`fedlore.algorithms.partial`); the default ``"none"`` b
 MLP, with the same tensor names as before the option existed. A client whose training-set size
 is ``1 mod batch_size`` ends each pass over its data on a batch of one example, which torch's
 BatchNorm refuses in training mode (the batch has no variance): :class:`BatchNorm1d` normalizes
-such a batch by its running statistics, as in evaluation, and leaves them unchanged.
+such a batch by its running statistics, as in evaluation, and leaves them unchanged; without
+running statistics (HeteroFL's static batch norm, :mod:`fedlore.algorithms.heterofl_bn`) by the
+batch's own, as every other batch: each value minus itself, so the layer outputs its bias.
 """
 
 from __future__ import annotations
@@ -29,10 +31,16 @@ class BatchNorm1d(nn.BatchNorm1d):
     """``nn.BatchNorm1d`` that also takes a training batch of one example: torch refuses it (one
     value per channel has no batch variance); here it is normalized by the running statistics,
     as in evaluation, without updating them (the affine weight and bias still get gradients).
-    Every other batch is torch's BatchNorm1d."""
+    Without running statistics (static batch norm, which normalizes every batch by its own
+    statistics, in training and evaluation) a batch of one is too, as torch would if it allowed
+    it: the output is the bias. Every other batch is torch's
+    BatchNorm1d."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training and x.shape[0] == 1 and self.running_mean is not None:
+        if x.shape[0] == 1 and self.running_mean is None:  # static: training or not
+            two = x.expand(2, *x.shape[1:])  # the same mean, variance 0
+            return F.batch_norm(two, None, None, self.weight, self.bias, True, 0.0, self.eps)[:1]
+        if self.training and x.shape[0] == 1:
             return F.batch_norm(
                 x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
             )

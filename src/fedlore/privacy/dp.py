@@ -315,10 +315,13 @@ def noise_for_epsilon(
     per_round: int,
     *,
     accountant: str = "rdp",
+    whom: str | None = None,
 ) -> float:
     """The smallest σ whose ε (:func:`epsilon_spent` with this ``accountant``) after ``rounds``
     exchanges is at most ``epsilon`` at ``delta``, within a relative
     :data:`SIGMA_SEARCH_RTOL` (the σ returned always meets ``epsilon``); ``0`` for no exchange.
+    ``whom`` says who takes part in the exchanges in the error (default: ``per_round`` of
+    ``num_clients`` clients).
 
     ε decreases in σ: a bracket is widened by doubling from σ = 1 until it holds the target,
     then narrowed by regula falsi on (log σ, log ε), where ε is close to a power of σ, with the
@@ -347,8 +350,9 @@ def noise_for_epsilon(
         if hi >= MAX_NOISE_MULTIPLIER:
             raise ValueError(
                 f"dp.epsilon={epsilon} at dp.delta={delta} needs a noise multiplier above "
-                f"{MAX_NOISE_MULTIPLIER:g} over {rounds} exchanges of {per_round} of "
-                f"{num_clients} clients: noise that many times the clip norm on every "
+                f"{MAX_NOISE_MULTIPLIER:g} over {rounds} exchanges "
+                f"{whom or f'of {per_round} of {num_clients} clients'}: noise that many times "
+                "the clip norm on every "
                 f"coordinate leaves no signal; raise dp.epsilon, or use fewer rounds"
             )
         lo, hi = hi, min(2.0 * hi, MAX_NOISE_MULTIPLIER)

@@ -77,7 +77,8 @@ def local_noise_for_epsilon(
     Raises:
         ValueError: as :func:`~fedlore.privacy.dp.noise_for_epsilon`.
     """
-    return noise_for_epsilon(epsilon, delta, exchanges, 1, 1, accountant=accountant)
+    every = "with one client in every one (the worst case)"
+    return noise_for_epsilon(epsilon, delta, exchanges, 1, 1, accountant=accountant, whom=every)
 
 
 def add_local_noise(
