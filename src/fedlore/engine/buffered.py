@@ -297,6 +297,26 @@ class BufferedLoop:
             "before it are saved)"
         )
 
+    def _take(
+        self,
+        f: Flight,
+        state: State,
+        rnd: int,
+        buffer: list[Buffered],
+        rejected: list[str],
+        accepted: list[tuple[int, Reply | None]],
+    ) -> int:
+        """Client ``f`` arrives: its update joins ``buffer``, or it is rejected (its reason in
+        ``rejected``, ``(cid, None)`` in ``accepted``); returns its reply's bytes."""
+        item, why, sent = self._arrive(f, state, rnd)
+        if item is None:
+            rejected.append(f"{f.cid}: {why}")
+            accepted.append((f.cid, None))
+        else:
+            buffer.append(item)
+            self._buffered.add(item.cid)  # under DP: not started again before the step
+        return sent
+
     def _collect(
         self, state: State, rnd: int
     ) -> tuple[list[Buffered], list[str], list[tuple[int, Reply | None]], int]:
@@ -316,14 +336,7 @@ class BufferedLoop:
             for f in group:
                 interrupt.check()
                 p.flights.remove(f)
-                item, why, sent = self._arrive(f, state, rnd)
-                bytes_up += sent
-                if item is None:
-                    rejected.append(f"{f.cid}: {why}")
-                    accepted.append((f.cid, None))
-                else:
-                    buffer.append(item)
-                    self._buffered.add(item.cid)
+                bytes_up += self._take(f, state, rnd, buffer, rejected, accepted)
                 if len(buffer) == self.settings.buffer:
                     break
             else:

@@ -168,13 +168,7 @@ class WallClockLoop(BufferedLoop):
                 f = self._landed.pop(0)
                 p.flights = [x for x in p.flights if x is not f]
                 p.clock = max(p.clock, f.finish)
-                item, why, sent = self._arrive(f, state, rnd)
-                bytes_up += sent
-                if item is None:
-                    rejected.append(f"{f.cid}: {why}")
-                    accepted.append((f.cid, None))
-                else:
-                    buffer.append(item)
+                bytes_up += self._take(f, state, rnd, buffer, rejected, accepted)
                 if len(buffer) < k:
                     self._top_up(state)  # its replacement starts from this version
         return buffer, rejected, accepted, bytes_up
