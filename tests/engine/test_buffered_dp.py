@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from fedlore.cli import main
-from fedlore.config import AsynchronousConfig, Config, ConfigError, load_config
-from fedlore.engine.buffered import BufferedLoop
+from fedlore.config import Config, ConfigError, load_config
 from fedlore.engine.callbacks import Checkpointer
 from fedlore.engine.rundir import run_dir
 from fedlore.experiment import run_one
@@ -224,6 +223,34 @@ def test_a_client_that_skips_clipping_is_rejected(
     assert clips and set(clips) == {0.5}  # every broadcast carried the clip
 
 
+def test_a_step_whose_every_upload_is_rejected_ends_the_run_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every client sends its upload unclipped: no step could ever fill (the loop ran forever).
+    After 10 rejections per client in flight, none accepted between, the run ends with one line
+    naming the last reason; an honest run with its clipped uploads never comes near it."""
+    from fedlore.engine import transport
+    from fedlore.engine.buffered import REJECTED_IN_A_ROW
+    from fedlore.types import Reply
+
+    honest = transport.privatize
+
+    def broken(reply: Reply, config: Any, noise: Any, rnd: int, cid: int) -> Reply:
+        out = honest(reply, config, noise, rnd, cid)
+        return Reply({k: 100 * v for k, v in reply.arrays.items()}, out.metrics)
+
+    monkeypatch.setattr(transport, "privatize", broken)
+    cfg = _cfg(tmp_path)
+    with pytest.raises(ValueError) as e:
+        run_one(cfg, "fedavg", SEED)
+    limit = REJECTED_IN_A_ROW * 4  # asynchronous.concurrency=4
+    assert str(e.value).startswith(
+        f"asynchronous.buffer={cfg.asynchronous.buffer}: round 0 (counting from 0) rejected "
+        f"{limit} uploads in a row without filling its buffer (the last, "
+    )
+    assert "exceeds the clip norm 0.5): the clients' uploads cannot be used" in str(e.value)
+
+
 def test_a_cap_that_runs_out_of_clients_stops_with_a_reason(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -251,9 +278,9 @@ def test_a_cap_that_runs_out_of_clients_stops_with_a_reason(
 
 
 def test_clients_availability_that_leaves_none_to_start_names_it() -> None:
-    loop = object.__new__(BufferedLoop)
-    loop.privacy, loop.settings = None, AsynchronousConfig(buffer=3)
-    assert loop._starved(4, 1) == (
+    from fedlore.engine.async_clients import starved
+
+    assert starved(3, 4, 1, None) == (
         "asynchronous.buffer=3: round 4 (counting from 0) holds 1 update(s) and no client is in "
         "flight or can start: clients.availability leaves none; make more clients available (the "
         "rounds before it are saved)"
@@ -274,3 +301,54 @@ def test_releases_a_resume_repeats_count_for_every_client(tmp_path: Path) -> Non
     for i, r in enumerate(rows):
         most = max(_counts(rows[: i + 1]).values())
         assert r["dp_epsilon"] == pytest.approx(contribution_epsilon(1.0, 1e-5, most + 3))
+
+
+def test_rejections_count_in_a_row_and_an_accepted_upload_starts_the_count_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One client in flight (limit 10 rejections): 9 rejected, 1 accepted, 9 rejected, 1
+    accepted fill a buffer of 2 (18 rejections in the step, never 10 in a row); 10 in a row end
+    the run."""
+    from fedlore.config import AsynchronousConfig
+    from fedlore.engine.buffered import (
+        REJECTED_IN_A_ROW,
+        AsyncState,
+        Buffered,
+        BufferedLoop,
+        Flight,
+    )
+    from fedlore.types import Reply
+
+    def collect(script: str) -> int:
+        arrivals = iter(script)
+        loop = BufferedLoop(
+            algorithm=None,  # type: ignore[arg-type]
+            transport=None,  # type: ignore[arg-type]
+            settings=AsynchronousConfig(buffer=2),
+            concurrency=1,
+            duration=lambda c: 1.0,
+            pool=lambda v: [0],
+            seed=0,
+            progress=AsyncState(),
+        )
+        reply = Reply({}, {})
+
+        def top_up(state: Any) -> None:
+            p = loop.progress
+            p.flights.append(Flight(0, p.version, p.clock, p.clock + 1.0, p.seq, reply))
+            p.seq += 1
+
+        def arrive(f: Flight, state: Any, rnd: int) -> tuple[Buffered | None, str, int]:
+            ok = next(arrivals) == "A"
+            return (Buffered(0, reply, 0, 1.0), "", 0) if ok else (None, "bad", 0)
+
+        monkeypatch.setattr(loop, "_top_up", top_up)
+        monkeypatch.setattr(loop, "_arrive", arrive)
+        top_up(None)
+        _, rejected, _, _ = loop._collect(None, 0)  # type: ignore[arg-type]
+        return len(rejected)
+
+    assert REJECTED_IN_A_ROW == 10
+    assert collect("R" * 9 + "A" + "R" * 9 + "A") == 18
+    with pytest.raises(ValueError, match="rejected 10 uploads in a row"):
+        collect("R" * 10 + "A")

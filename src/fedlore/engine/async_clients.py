@@ -1,5 +1,6 @@
 """The clients of FedBuff's simulated schedule (:mod:`fedlore.engine.buffered`): how long each
-takes per participation, and which may start at a server version.
+takes per participation, which may start at a server version, and the one-line errors of a
+step no client can fill.
 """
 
 from __future__ import annotations
@@ -32,3 +33,27 @@ def pools(cfg: Config) -> Callable[[int], list[int]]:
     if trace is None:
         return lambda v: everyone
     return lambda v: trace[v % len(trace)]
+
+
+def starved(k: int, rnd: int, held: int, cap: int | None) -> str:
+    """Round ``rnd`` holds ``held`` of its ``k`` updates and no client is in flight or can start
+    (``cap``: ``dp.max_contributions``, or None)."""
+    why = (
+        f"every other client is in the buffer or at dp.max_contributions={cap}; raise the "
+        "cap or lower rounds"
+        if cap is not None
+        else "clients.availability leaves none; make more clients available"
+    )
+    return (
+        f"asynchronous.buffer={k}: round {rnd} (counting from 0) holds {held} update(s) and no "
+        f"client is in flight or can start: {why} (the rounds before it are saved)"
+    )
+
+
+def unusable(k: int, rnd: int, streak: int, last: str) -> str:
+    """Round ``rnd`` rejected ``streak`` uploads in a row, the ``last`` one for its reason."""
+    return (
+        f"asynchronous.buffer={k}: round {rnd} (counting from 0) rejected {streak} uploads in a "
+        f"row without filling its buffer (the last, {last}): the clients' uploads cannot be "
+        "used (the rounds before it are saved)"
+    )

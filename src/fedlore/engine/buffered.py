@@ -67,7 +67,7 @@ import torch
 from fedlore.algorithm import Algorithm
 from fedlore.config import AsynchronousConfig, Config
 from fedlore.engine import interrupt
-from fedlore.engine.async_clients import durations, pools
+from fedlore.engine.async_clients import durations, pools, starved, unusable
 from fedlore.engine.loop import Callback, Row, add_scores, client_reports, drive
 from fedlore.engine.transport import Transport
 from fedlore.engine.validate import method_problem, validate_reply
@@ -79,6 +79,9 @@ from fedlore.types import Broadcast, Reply, State
 
 REPEAT = 2**31
 """The client generator's round of a repeated start: ``REPEAT + sequence number``."""
+REJECTED_IN_A_ROW = 10
+"""A step that rejects this many uploads per client in flight, none accepted between, ends the
+run with its reason (every upload broken: a step would never fill)."""
 
 
 def staleness_weight(s: int, kind: str, exponent: float = 0.5) -> float:
@@ -283,20 +286,6 @@ class BufferedLoop:
         w = staleness_weight(s, self.settings.staleness, self.settings.staleness_exponent)
         return Buffered(f.cid, f.reply, s, w), "", sent
 
-    def _starved(self, rnd: int, held: int) -> str:
-        cap = None if self.privacy is None else self.privacy.max_contributions
-        why = (
-            f"every other client is in the buffer or at dp.max_contributions={cap}; raise the "
-            "cap or lower rounds"
-            if cap is not None
-            else "clients.availability leaves none; make more clients available"
-        )
-        return (
-            f"asynchronous.buffer={self.settings.buffer}: round {rnd} (counting from 0) holds "
-            f"{held} update(s) and no client is in flight or can start: {why} (the rounds "
-            "before it are saved)"
-        )
-
     def _take(
         self,
         f: Flight,
@@ -327,17 +316,22 @@ class BufferedLoop:
         buffer: list[Buffered] = []
         rejected: list[str] = []
         accepted: list[tuple[int, Reply | None]] = []
-        bytes_up = 0
-        while len(buffer) < int(self.settings.buffer or 0):
+        bytes_up, streak, k = 0, 0, int(self.settings.buffer or 0)
+        while len(buffer) < k:
             if not p.flights:  # settings the run cannot meet: the command's one-line error
-                raise ValueError(self._starved(rnd, len(buffer)))
+                cap = None if self.privacy is None else self.privacy.max_contributions
+                raise ValueError(starved(k, rnd, len(buffer), cap))
             p.clock = min(f.finish for f in p.flights)
             group = sorted((f for f in p.flights if f.finish == p.clock), key=lambda f: f.seq)
             for f in group:
                 interrupt.check()
                 p.flights.remove(f)
+                held = len(buffer)
                 bytes_up += self._take(f, state, rnd, buffer, rejected, accepted)
-                if len(buffer) == self.settings.buffer:
+                streak = 0 if len(buffer) > held else streak + 1
+                if streak >= REJECTED_IN_A_ROW * self.concurrency:  # every upload broken
+                    raise ValueError(unusable(k, rnd, streak, rejected[-1]))
+                if len(buffer) == k:
                     break
             else:
                 self._top_up(state)  # the group has arrived: its replacements start
