@@ -220,3 +220,38 @@ def test_a_run_whose_every_flight_timed_out_waits_for_its_nodes_to_answer_again(
     assert sorted(why.split(":")[0] for why in reasons) == ["0", "1", "2"]
     assert rows[0]["accepted"] == rows[1]["accepted"] == 2
     assert sorted(grid.asked[3:6]) == [0, 1, 2]  # asked again once all had timed out
+
+
+def _client_two_always_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every upload of client 2 is rejected (as an update the server's checks refuse would be)."""
+    from fedlore.flower.wallclock import WallClockLoop
+
+    honest = WallClockLoop._arrive
+
+    def arrive(self: WallClockLoop, f: Any, state: Any, rnd: int) -> Any:
+        item, why, sent = honest(self, f, state, rnd)
+        return (None, "refused by the test", sent) if f.cid == 2 else (item, why, sent)
+
+    monkeypatch.setattr(WallClockLoop, "_arrive", arrive)
+
+
+def test_rejections_in_a_row_end_a_wall_clock_run_and_an_accepted_upload_resets_them(
+    tmp_path: Path, task_identity: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Client 2 answers at once and is always rejected; clients 0 and 1 answer after a lag of
+    pulls. With lags of 20 and 40 pulls, about 20 rejections come between accepted uploads: more
+    than the limit of 10 per client in flight (30) in the step, never 30 in a row, and the step
+    fills. With both lagging 60 pulls, 30 rejections come in a row and the run ends in one line
+    naming the last reason (it looped until the grid's pull limit before)."""
+    from fedlore.engine.buffered import REJECTED_IN_A_ROW
+
+    _client_two_always_rejected(monkeypatch)
+    limit = REJECTED_IN_A_ROW * 3  # asynchronous.concurrency = num_clients = 3
+    _, rows = _run(tmp_path / "fills", lambda cfg: _Grid(cfg, lag={0: 20, 1: 40}), "rounds=1")
+    assert rows[0]["accepted"] == 2 and rows[0]["rejected"] > limit
+    with pytest.raises(ValueError) as e:
+        _run(tmp_path / "ends", lambda cfg: _Grid(cfg, lag={0: 60, 1: 60}), "rounds=1")
+    assert str(e.value).startswith(
+        f"asynchronous.buffer=2: round 0 (counting from 0) rejected {limit} uploads in a row "
+        "without filling its buffer (the last, 2: refused by the test)"
+    )

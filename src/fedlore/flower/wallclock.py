@@ -16,7 +16,11 @@ the next step's first arrivals (staleness counted then).
 A client whose reply has not come ``asynchronous.flight_timeout_s`` seconds after it started
 (a SuperNode that died, or a very slow one) is dropped: its slot goes to a replacement, the row
 lists it among ``rejected_reasons``, its client is unmapped (its node may be gone) and a late
-reply is ignored. While a client of the available ones has no known node, each server step
+reply is ignored. As under the simulated clock, a step that rejects (or times out)
+``REJECTED_IN_A_ROW`` uploads per client in flight in a row, none accepted between, ends the
+run in one line naming the last reason, the earlier rounds kept.
+
+While a client of the available ones has no known node, each server step
 (and a moment when no client is in flight) asks the nodes the server does not know yet (a
 SuperNode that joined or came back) for their ``partition-id``, without waiting: the replies are
 pulled with the clients' (a node unanswered for ``flight_timeout_s`` is asked again later), and
@@ -41,7 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedlore.engine import interrupt
-from fedlore.engine.buffered import Buffered, BufferedLoop, Flight
+from fedlore.engine.async_clients import unusable
+from fedlore.engine.buffered import REJECTED_IN_A_ROW, Buffered, BufferedLoop, Flight
 from fedlore.engine.loop import Row
 from fedlore.flower.transport import FIRST_POLL_S, LAST_POLL_S, FlowerTransport, query_message
 from fedlore.types import Broadcast, Reply, State
@@ -149,8 +154,7 @@ class WallClockLoop(BufferedLoop):
         buffer: list[Buffered] = []
         rejected: list[str] = []
         accepted: list[tuple[int, Reply | None]] = []
-        bytes_up = 0
-        k = int(self.settings.buffer or 0)
+        bytes_up, streak, k = 0, 0, int(self.settings.buffer or 0)
         while len(buffer) < k:
             if not self._landed:
                 if not p.flights and not self._queries:
@@ -168,7 +172,11 @@ class WallClockLoop(BufferedLoop):
                 f = self._landed.pop(0)
                 p.flights = [x for x in p.flights if x is not f]
                 p.clock = max(p.clock, f.finish)
+                held = len(buffer)
                 bytes_up += self._take(f, state, rnd, buffer, rejected, accepted)
+                streak = 0 if len(buffer) > held else streak + 1
+                if streak >= REJECTED_IN_A_ROW * self.concurrency:  # as the simulated clock
+                    raise ValueError(unusable(k, rnd, streak, rejected[-1]))
                 if len(buffer) < k:
                     self._top_up(state)  # its replacement starts from this version
         return buffer, rejected, accepted, bytes_up
