@@ -46,6 +46,23 @@ EPSILON_TOL = 1e-9
 EPSILON_CAP = 1e4
 """ε above this is reported as ``inf`` (the two Gaussians are told apart with certainty)."""
 
+SPREAD_RATIO = 1e-100
+"""Standard deviations whose ratio r is below this (or above its inverse) give ε = ``inf``:
+outside ``√r`` wider-scale units of the narrower Gaussian's mean, the narrower one has mass
+below ``e^{-1/(2r)}`` and the wider all its own but ``√r`` = 1e-50, so δ(ε) rounds to 1 at
+every ε up to :data:`EPSILON_CAP`. (The curve's coefficients, ``1/sd²``, overflow below about
+1e-154, where a finite ε came out, 0 past 1e-160, for a pair told apart with certainty.)"""
+
+
+def standardized(shift: float, sd_p: float, sd_q: float) -> tuple[float, float] | None:
+    """``(shift, sd_p)`` in units of ``sd_q`` (ε is unchanged by rescaling x), or None when
+    the pair's ε is ``inf`` at every δ < 1: a shift of more than a float's range of ``sd_q``
+    or spreads :data:`SPREAD_RATIO` apart."""
+    shift, ratio = shift / sd_q, sd_p / sd_q
+    if not (math.isfinite(shift) and SPREAD_RATIO <= ratio <= 1.0 / SPREAD_RATIO):
+        return None
+    return shift, ratio
+
 
 def null_std(dimension: int) -> float:
     """``1/√d``: the standard deviation of the cosine between a uniformly random unit vector of
@@ -135,11 +152,15 @@ def privacy_curve(eps: float, shift: float, sd_p: float, sd_q: float) -> float:
     return max(hockey_stick(eps, shift, sd_p, sd_q), hockey_stick(eps, -shift, sd_q, sd_p))
 
 
+def _check_delta(delta: float) -> None:
+    if not 0.0 < delta < 1.0:
+        raise ValueError(f"δ must be in (0, 1), got {delta!r}")
+
+
 def _solve(curve: Callable[[float], float], delta: float) -> float:
     """The smallest ε ≥ 0 with ``curve(ε) ≤ δ`` for a non-increasing ``curve``, by bisection
     (``inf`` past :data:`EPSILON_CAP`)."""
-    if not 0.0 < delta < 1.0:
-        raise ValueError(f"δ must be in (0, 1), got {delta!r}")
+    _check_delta(delta)
     if curve(0.0) <= delta:
         return 0.0
     lo, hi = 0.0, 1.0
@@ -169,7 +190,12 @@ def pair_epsilon(shift: float, sd_p: float, sd_q: float, delta: float) -> float:
             raise ValueError(f"{name} must be a positive number, got {sd!r}")
     if not math.isfinite(shift):
         raise ValueError(f"the mean shift must be finite, got {shift!r}")
-    return _solve(lambda e: privacy_curve(e, shift, sd_p, sd_q), delta)
+    scaled = standardized(shift, sd_p, sd_q)
+    if scaled is None:
+        _check_delta(delta)
+        return math.inf
+    mu, ratio = scaled
+    return _solve(lambda e: privacy_curve(e, mu, ratio, 1.0), delta)
 
 
 def gdp_delta(eps: float, mu: float) -> float:

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedlore.privacy.empirical import EPSILON_CAP, Fit, estimate_epsilon
+from fedlore.privacy.empirical import EPSILON_CAP, SPREAD_RATIO, Fit, estimate_epsilon
 
 LEVEL = 0.95
 """The confidence level of the audit's intervals (``dp_audit_*_low`` / ``_high``)."""
@@ -146,12 +146,16 @@ def epsilons(
     smallest ε ≥ 0 with δ(ε) ≤ ``delta``, by a doubling bracket and :data:`_BISECTIONS`
     halvings; ``inf`` past :data:`~fedlore.privacy.empirical.EPSILON_CAP`."""
     s, p, q = np.broadcast_arrays(*(np.asarray(v, dtype=np.float64) for v in (shift, sd_p, sd_q)))
-    s, p, q = s.ravel(), p.ravel(), q.ravel()
+    with np.errstate(over="ignore", under="ignore"):  # in sd_q's units (standardized)
+        s, p = s.ravel() / q.ravel(), p.ravel() / q.ravel()
+    apart = ~(np.isfinite(s) & (p >= SPREAD_RATIO) & (p <= 1.0 / SPREAD_RATIO))
+    # a pair told apart with certainty stands in as N(0, 1) against itself: done at once, inf
+    s, p, q = np.where(apart, 0.0, s), np.where(apart, 1.0, p), np.ones_like(s)
     lo, hi = np.zeros_like(s), np.ones_like(s)
     done = _curve(lo, s, p, q) <= delta
     hi[done] = 0.0
     todo = ~done
-    infinite = np.zeros_like(done)
+    infinite = apart.copy()
     while todo.any():  # double the bracket up to the cap (a root below it is kept)
         above = np.zeros_like(todo)
         above[todo] = _curve(hi[todo], s[todo], p[todo], q[todo]) > delta
