@@ -3,6 +3,7 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+TORCH_PIP_ARGS ?=
 STAMP  := $(VENV)/.installed
 
 export HF_HUB_OFFLINE := 1
@@ -21,8 +22,10 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch is pinned (2.13.0, the CPU build of our machines); install it first so that no
-	# later requirement pulls another (multi-GB CUDA) build.
-	$(BIN)/python -m pip install --quiet torch==2.13.0
+	# later requirement pulls another build. TORCH_PIP_ARGS picks where it comes from: PyPI's
+	# Linux wheel is the CUDA build (several GB more); TORCH_PIP_ARGS="--index-url
+	# https://download.pytorch.org/whl/cpu" gets the CPU one. Empty: pip's own configuration.
+	$(BIN)/python -m pip install --quiet $(TORCH_PIP_ARGS) torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev,flower,docs,tracking,hf,tune]'
 	touch $(STAMP)
 
