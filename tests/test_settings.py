@@ -118,3 +118,23 @@ def test_local_training_refuses_bad_values() -> None:
         LocalTraining(bogus=1)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="boolean"):
         LocalTraining(local_steps=True)
+
+
+def test_a_bad_list_item_is_named_by_its_index() -> None:
+    """Two bad items of one list are two places (``shares[0]``, ``shares[2]``), in the run's
+    config and in a method's hyperparameters (before, both read ``shares`` and looked like one
+    problem said twice)."""
+    from fedlore.config import ConfigError
+    from fedlore.settings import loc_path
+
+    assert loc_path(["method", "shares", 1, "x"]) == ".method.shares[1].x"
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["seeds=[1,b]"])
+    assert "\n  seeds[1]: Input should be a valid integer" in str(e.value)
+    cfg = load_config(None, ["method.heterofl.shares=[a,1,c]"])
+    with pytest.raises(ValueError) as e:
+        make_algorithm("heterofl", cfg)
+    said = str(e.value)
+    assert "method.heterofl.shares[0]: Input should be a valid integer" in said
+    assert "method.heterofl.shares[2]: Input should be a valid integer" in said
+    assert "shares[1]" not in said

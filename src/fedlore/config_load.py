@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from fedlore.config_model import Config
 from fedlore.registry import did_you_mean
-from fedlore.settings import STEP_PAIR
+from fedlore.settings import STEP_PAIR, loc_path
 
 
 class ConfigError(ValueError):
@@ -251,7 +251,8 @@ def validate(raw: dict[str, Any]) -> Config:
             if not where:  # a rule over several keys: its message names them
                 lines.append(msg)
                 continue
-            lines.append(f"{'.'.join(where)}: {msg} (got {_short(err.get('input'))}){after}")
+            at = loc_path(err["loc"]).removeprefix(".")
+            lines.append(f"{at}: {msg} (got {_short(err.get('input'))}){after}")
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 

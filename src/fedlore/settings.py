@@ -472,18 +472,25 @@ def build_hyper(cls: type, name: str, cfg: Any, overrides: dict[str, Any], **fix
         hyper = _adapter(cls).validate_python(kw)
     except ValidationError as e:
         for err in e.errors():
-            loc = [str(p) for p in err["loc"]]
-            if loc[:1] == ["train"]:
-                loc = loc[1:]
+            parts = list(err["loc"])
+            if parts[:1] == ["train"]:
+                parts = parts[1:]
+            loc = [str(p) for p in parts]
             msg = err["msg"].removeprefix("Value error, ")
             if not loc:  # a check across settings (the method's __post_init__)
                 for who in (name, *(k.__name__ for k in cls.__mro__)):
                     msg = msg.removeprefix(f"{who}: ")  # named once, by the section
                 problems.append(f"method.{name}: {msg}")
                 continue
-            where = source.get(loc[0], f"method.{name}.{loc[0]}")
+            where = source.get(loc[0], f"method.{name}.{loc[0]}") + loc_path(parts[1:])
             problems.append(f"{where}: {msg} (got {err.get('input')!r})")
     else:
         if not problems:
             return hyper
     raise ValueError("; ".join(problems))
+
+
+def loc_path(loc: typing.Sequence[int | str]) -> str:
+    """A validation error's location as the key a user writes: ``.name`` per field,
+    ``[i]`` per list item (``method.heterofl.shares[1]``), so two bad items are two places."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
