@@ -166,7 +166,7 @@ def test_no_client_is_sent_a_tensor_wider_than_its_level(eval_levels: bool) -> N
             assert msg is None
             continue
         assert msg is not None
-        want = {}
+        want: dict[str, tuple[int, ...]] = {}
         for j in levels:
             m = len(_units(RATES[j], 3, "static"))
             want |= {

@@ -225,7 +225,7 @@ class RoundLoop:
             return state, {}
         messages = {c: m for c in ids if (m := ask(state, rnd, c)) is not None}
         if not messages:  # nobody to ask: the method still decides (keep, or refuse)
-            return self.algorithm.absorb_query(state, [], rnd)  # type: ignore[attr-defined,no-any-return]
+            return self.algorithm.absorb_query(state, [], rnd)  # type: ignore[attr-defined]
         results = self.transport.send(rnd, messages)
         replies = [(c, r if isinstance(r, Reply) else None) for c, r in sorted(results.items())]
         tensors = [{k: v for k, v in r.arrays.items() if isinstance(v, torch.Tensor)}
