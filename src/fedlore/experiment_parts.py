@@ -215,9 +215,28 @@ def evaluator(
                     row[f"selection_{k}"] = sel[k]
         if cfg.eval.clients:
             row.update(global_local_metrics(model, pooled_tests, test_sizes, bs, mc, extra))
+        levels = level_scores(algo, s, model, fed, bs, mc)
+        if levels:
+            row["levels"] = levels  # type: ignore[assignment]
         return row
 
     return evaluate_state
+
+
+def level_scores(
+    algo: Algorithm, state: State, model: nn.Module, fed: Federation, bs: int, mc: int
+) -> dict[str, dict[str, float | None]]:
+    """A method's per-level evaluation (HeteroFL's ``eval_levels``): for each sub-model of its
+    optional ``level_models(state, model, num_clients)`` the central test set's ``accuracy``
+    and ``loss`` with the level's ``share``, ``clients`` and ``params``, keyed by the level's
+    rate (a score that is not finite: None); empty for a method without levels."""
+    levels = getattr(algo, "level_models", None)
+    out: dict[str, dict[str, float | None]] = {}
+    for rate, sub, info in [] if levels is None else levels(state, model, fed.num_clients):
+        res = evaluate(sub, fed.central_test, bs, mc)
+        scores = {k: float(res[k]) for k in ("accuracy", "loss")}
+        out[str(rate)] = {k: v if math.isfinite(v) else None for k, v in scores.items()} | info
+    return out
 
 
 def global_local_metrics(

@@ -19,7 +19,6 @@ from torch import nn
 from fedlore.algorithms.heterofl import HeteroFL
 from fedlore.algorithms.heterofl_bn import (
     _batches,
-    absorb,
     pooled,
     query_stats,
     static_bn,
@@ -37,6 +36,7 @@ from fedlore.types import Reply, State
 
 SEED = 1
 F64 = torch.float64
+RATES = ("method.heterofl.rates=[1.0, 0.5, 0.25]",)
 
 
 def _cfg(out: Path, *extra: str) -> Config:
@@ -125,10 +125,10 @@ def test_a_static_batchnorm_takes_a_batch_of_one_in_training_and_in_the_query() 
 
 
 def test_heterofl_with_batchnorm_trains_every_client_at_batch_size_one(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, "rounds=1", "batch_size=1", "algorithms=[heterofl]")
+    cfg = _cfg(tmp_path, "rounds=1", "batch_size=1", "algorithms=[heterofl]", *RATES)
     assert run_one(cfg, "heterofl", SEED) is not None
     (row,) = _rows(run_dir(cfg, "heterofl", SEED) / "metrics.jsonl")
-    assert row["rejected"] == 0 and row["sbn_clients"] == 3
+    assert row["rejected"] == 0 and row["sbn_clients"] == 1  # the one client of rate 1
 
 
 # ------------------------------------------------------------------ FedAvg at rate 1
@@ -180,7 +180,7 @@ def test_every_rate_one_with_batchnorm_is_fedavgs_parameters_with_pooled_statist
 
 
 def test_the_query_runs_on_the_rounds_that_evaluate_and_the_last(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, "rounds=3", "eval.every=2", "algorithms=[heterofl]")
+    cfg = _cfg(tmp_path, "rounds=3", "eval.every=2", "algorithms=[heterofl]", *RATES)
     assert run_one(cfg, "heterofl", SEED) is not None
     rows = _rows(run_dir(cfg, "heterofl", SEED) / "metrics.jsonl")
     assert ["sbn_clients" in r for r in rows] == [False, True, True]
@@ -369,12 +369,13 @@ def test_a_resnet_runs_on_digits(tmp_path: Path) -> None:
     rows = _rows(run_dir(cfg, "heterofl", SEED) / "metrics.jsonl")
     per_rate = {1.0: 269_434, 0.5: 67_906, 0.25: 17_254}
     for r in rows:
-        assert r["sbn_clients"] == 3 and r["rejected"] == 0
+        assert r["sbn_clients"] == 1 and r["rejected"] == 0  # the client of rate 1 only
         assert sorted(r["width_rate"].values()) == [0.25, 0.5, 1.0]
         train_up = 4 * sum(per_rate[x] for x in r["width_rate"].values())
         assert r["bytes_up"] == train_up + r["query_bytes_up"]
-        # 19 BatchNorms: a count and 2 x channels sums per client, fp64
-        assert r["query_bytes_up"] == 3 * (19 * 8 + 16 * (16 + 6 * 16 + 6 * 32 + 6 * 64))
+        # 19 BatchNorms: a count and 2 x channels sums, fp64, from the full-width client
+        assert r["query_bytes_up"] == 19 * 8 + 16 * (16 + 6 * 16 + 6 * 32 + 6 * 64)
+        assert r["query_bytes_down"] == 4 * per_rate[1.0]
     state = Checkpointer.load(run_dir(cfg, "heterofl", SEED) / "checkpoint.pt")[1]
     assert float(state.arrays["model.stem_norm.running_var"].min()) > 0
 
@@ -386,22 +387,22 @@ def test_unusable_query_replies_are_left_out_of_the_pooled_statistics() -> None:
     model = mlp((3,), 2, hidden=[4], norm="batch")
     algo = HeteroFL.of(rates=(1.0,))
     state = algo.init_server(model, torch.Generator().manual_seed(0))
-    plan = width_plan(model)
     good = {
-        "stats.body.1.count": torch.tensor(4.0, dtype=F64),
-        "stats.body.1.sum": torch.tensor([4.0, 8.0, 0.0, 4.0], dtype=F64),
-        "stats.body.1.sumsq": torch.tensor([6.0, 18.0, 4.0, 4.0], dtype=F64),
+        "stats.0.body.1.count": torch.tensor(4.0, dtype=F64),
+        "stats.0.body.1.sum": torch.tensor([4.0, 8.0, 0.0, 4.0], dtype=F64),
+        "stats.0.body.1.sumsq": torch.tensor([6.0, 18.0, 4.0, 4.0], dtype=F64),
     }
     bad = [
-        {**good, "stats.body.1.sum": torch.zeros(3, dtype=F64)},
-        {**good, "stats.body.1.sum": torch.zeros(4)},
-        {**good, "stats.body.1.count": torch.tensor(0.0, dtype=F64)},
-        {**good, "stats.body.1.sumsq": torch.full((4,), math.nan, dtype=F64)},
-        {k: v for k, v in good.items() if k != "stats.body.1.sumsq"},
+        {**good, "stats.0.body.1.sum": torch.zeros(3, dtype=F64)},
+        {**good, "stats.0.body.1.sum": torch.zeros(4)},
+        {**good, "stats.0.body.1.count": torch.tensor(0.0, dtype=F64)},
+        {**good, "stats.0.body.1.sumsq": torch.full((4,), math.nan, dtype=F64)},
+        {k: v for k, v in good.items() if k != "stats.0.body.1.sumsq"},
+        {**good, "stats.1.body.1.count": torch.tensor(4.0, dtype=F64)},  # a level not sent
     ]
     replies: list[tuple[int, Reply | None]] = [(0, Reply(good, {})), (1, None)]
     replies += [(2 + i, Reply(b, {})) for i, b in enumerate(bad)]
-    new, metrics = absorb(state, plan, replies, 0)
+    new, metrics = algo.absorb_query(state, replies, 0)
     assert metrics == {"sbn_clients": 1}
     torch.testing.assert_close(
         new.arrays["model.body.1.running_mean"], torch.tensor([1.0, 2.0, 0.0, 1.0])
@@ -409,12 +410,14 @@ def test_unusable_query_replies_are_left_out_of_the_pooled_statistics() -> None:
     torch.testing.assert_close(
         new.arrays["model.body.1.running_var"], torch.tensor([2 / 3, 2 / 3, 4 / 3, 0.0])
     )
-    none, metrics = absorb(state, plan, [(1, None)], 0)
+    none, metrics = algo.absorb_query(new, [(1, None)], 1)  # set before: they stay
     assert metrics == {"sbn_clients": 0}
     assert torch.equal(
-        none.arrays["model.body.1.running_var"], state.arrays["model.body.1.running_var"]
+        none.arrays["model.body.1.running_var"], new.arrays["model.body.1.running_var"]
     )
     assert isinstance(none, State)
+    with pytest.raises(ConfigError, match=r"round 0: no client of the round could run .* 1\.0"):
+        algo.absorb_query(state, [(1, None)], 0)  # never set: refused
 
 
 def _no_timing(row: dict[str, Any]) -> dict[str, Any]:

@@ -42,12 +42,14 @@ of ``shares``: 10 clients at rates 1, 1/2, 1/4 are 3 + 3 + 3 and one drawn. The 
 round's row as the per-client metric ``width_rate``.
 
 Supported models: ``mlp`` (with or without BatchNorm), ``cnn`` and the CIFAR ResNets
-(``resnet20``/32/44/56 with BatchNorm: every conv and BatchNorm sliced along its stage's or
-block's channels, the option-A shortcuts routed as in the global model). BatchNorm is the
-paper's *static batch norm* (:mod:`fedlore.algorithms.heterofl_bn`): no running statistics in
-training; after aggregation, on the rounds that evaluate, the server queries the round's clients
-for per-channel sums of their data through the full-width model and sets the pooled mean and
-variance (:meth:`HeteroFL.query`, counted in the round's bytes). Refused with a one-line reason:
+(``resnet20``/32/44/56 with BatchNorm: every conv and BatchNorm sliced along its stage's or block's
+channels, the option-A shortcuts routed as in the global model). BatchNorm is the paper's *static
+batch norm* (:mod:`fedlore.algorithms.heterofl_bn`): no running statistics in training; after
+aggregation, on the rounds that evaluate, the server queries the round's clients for per-channel
+sums of their data and sets the pooled mean and variance, each client queried only with the
+sub-models its rate can run, so the full-width model's statistics come from the clients of rate 1
+alone (:mod:`fedlore.algorithms.heterofl_levels`, counted in the round's bytes). ``eval_levels``
+also evaluates every level's sub-model with statistics of its own. Refused with a one-line reason:
 ``resnet`` with ``norm: group``, ``vit``, ``text_encoder`` and ``llama`` (no width plan for
 attention heads, embeddings, residual streams).
 Not offered: ``params.freeze``, secure aggregation and DP (the uploads have per-client shapes),
@@ -65,9 +67,10 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
+from fedlore.algorithms import heterofl_levels as levels
 from fedlore.algorithms.base import ReplySpec
 from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
-from fedlore.algorithms.heterofl_bn import QUERY, absorb, query_stats, route_shortcuts, static_bn
+from fedlore.algorithms.heterofl_bn import QUERY, route_shortcuts, static_bn
 from fedlore.algorithms.heterofl_plan import (
     WidthPlan,
     add_scaler,
@@ -112,6 +115,9 @@ class HeteroFL(FedAvg):
             rounds); read only under ``extraction: rolling``.
         scaler: divide each hidden layer's output by r while training (the paper's scaler;
             off: the ablation without it).
+        eval_levels: on the rounds that evaluate (and the last), also evaluate every level's
+            sub-model (the slice its clients train, with its own static batch norm statistics)
+            on the test set: the row's ``levels`` (:mod:`~fedlore.algorithms.heterofl_levels`).
         local_optimizer: FedAvg's (``"sgd"``; ``"adamw"``), on the sub-model.
     """
 
@@ -142,6 +148,7 @@ class HeteroFL(FedAvg):
     extraction: Literal["static", "rolling"] = "static"
     roll_by: Literal["unit", "window"] = "unit"
     scaler: bool = True
+    eval_levels: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -205,10 +212,8 @@ class HeteroFL(FedAvg):
         """``W^0``, the model's width plan (refusing a model without one) and the rate salt."""
         plan = width_plan(model)
         salt = int(torch.randint(0, 2**31 - 1, (), generator=rng))
-        return State(
-            arrays=with_prefix(model_arrays(model), "model."),
-            values={PLAN: plan.to_json(), SALT: salt},
-        )
+        arrays = with_prefix(model_arrays(model), "model.") | levels.init_levels(self, model, plan)
+        return State(arrays=arrays, values={PLAN: plan.to_json(), SALT: salt})
 
     def broadcast(self, state: State, rnd: int, client_id: int) -> Broadcast:
         rate = self.client_rate(state, client_id)
@@ -220,20 +225,24 @@ class HeteroFL(FedAvg):
     def query(self, state: State, rnd: int, client_id: int) -> Broadcast | None:
         """The static batch norm's statistics query (:mod:`~fedlore.algorithms.heterofl_bn`),
         sent by the round loop after aggregation to the round's clients when the global model
-        is evaluated: the full-width model's trained tensors; None for a model without
-        BatchNorm (no query)."""
-        plan = WidthPlan.from_json(str(state.values[PLAN]))
-        if not plan.norms:
-            return None
-        skip = plan.buffers()
-        arrays = {k: v for k, v in select(state.arrays, "model.").items() if k not in skip}
-        return Broadcast(arrays=with_prefix(arrays, "model."), config={"round": rnd, QUERY: True})
+        is evaluated: the sub-model of every queried level the client's rate can run
+        (:func:`~fedlore.algorithms.heterofl_levels.query`); None for a model without
+        BatchNorm or a client below every queried level (no query)."""
+        return levels.query(self, state, rnd, client_id)
 
     def absorb_query(
         self, state: State, replies: list[tuple[int, Reply | None]], rnd: int
-    ) -> tuple[State, Scalars]:
-        """The global model's running statistics pooled from the query's replies."""
-        return absorb(state, WidthPlan.from_json(str(state.values[PLAN])), replies, rnd)
+    ) -> tuple[State, dict[str, object]]:
+        """Each queried level's running statistics pooled from the replies of the clients
+        that could run it (:func:`~fedlore.algorithms.heterofl_levels.absorb`)."""
+        return levels.absorb(self, state, replies, rnd)
+
+    def level_models(
+        self, state: State, model: nn.Module, num_clients: int
+    ) -> list[tuple[float, nn.Module, dict[str, float]]]:
+        """With ``eval_levels``, every level's sub-model to evaluate, with its share, clients
+        and parameters (:func:`~fedlore.algorithms.heterofl_levels.level_models`)."""
+        return levels.level_models(self, state, model, num_clients)
 
     def client_update(
         self,
@@ -245,14 +254,10 @@ class HeteroFL(FedAvg):
     ) -> tuple[Reply, State]:
         """Train the received sub-model (the scaler on below rate 1; BatchNorm static); upload
         its delta. A query message (:meth:`query`): the statistics of the client's data."""
+        if msg.config.get(QUERY):
+            return levels.answer(self, msg, model, data), State()
         start = select(msg.arrays, "model.")
         plan = width_plan(model)
-        if msg.config.get(QUERY):
-            model = sub_model(model, {k: v.shape for k, v in start.items()})
-            static_bn(model)
-            load_model_arrays(model, start)
-            stats = query_stats(model, plan.norms, data.train.x, self.train.batch_size)
-            return Reply(stats, {"num_examples": data.num_examples}), State()
         rate = float(msg.config["rate"])
         if rate != 1.0 or plan.norms:  # a copy: the full model is never trained twice
             model = self.client_model(model, plan, start, rate, int(msg.config["round"]))
@@ -286,6 +291,8 @@ class HeteroFL(FedAvg):
         Metrics: ``aggregated`` and ``covered`` (the share of the model's entries updated)."""
         ok = [(c, r) for c, r in replies if r is not None]
         values = dict(state.values)
+        if self.eval_levels:  # the rolling windows the levels are evaluated in
+            values[levels.ROUND] = rnd
         if not ok:
             return State(arrays=dict(state.arrays), values=values), {"aggregated": 0}
         weights = self.weights([r for _, r in ok])

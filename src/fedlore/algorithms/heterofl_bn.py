@@ -6,19 +6,20 @@ normalizes with the statistics of the batch, in training as in any other pass
 (:func:`static_bn`); its affine weight and bias are sliced, trained and averaged like every
 other width-sliced parameter. The running statistics are never sent, trained or uploaded.
 
-**The query.** After the round's aggregation, whenever the global model is evaluated (and after
-the last round), the server sends every client of the round the full-width global model (its
-parameters) and the client passes its training data through it, without gradient and in
-minibatches of the run's ``batch_size`` (in order; a last minibatch of one example joins the one
-before), every BatchNorm normalizing with the minibatch's own statistics as in training and
-dropout off; per BatchNorm it uploads the number of values per channel ``N_k`` (a float64
-scalar), their per-channel sum ``S_k`` and sum of squares ``Q_k`` (float64) of the layer's
-input (:func:`query_stats`). The server pools them (:func:`pooled`): ``N = Σ N_k``, mean
-``S / N`` and variance ``(Q - N mean²) / (N - 1)``, exactly the mean and unbiased variance
-(torch's convention for ``running_var``) of the union of the values all clients saw, and sets
-them as the global model's running statistics, which evaluation uses. The query's bytes are
-counted in the round's ``bytes_up`` / ``bytes_down`` and recorded alone as ``query_bytes_up`` /
-``query_bytes_down``.
+**The query.** After the round's aggregation, whenever the global model is evaluated (and after the
+last round), the server sends each client of the round the (sub-)models whose statistics it needs
+and the client can run (its own width or narrower: the full-width model to the clients of rate 1
+only, :mod:`fedlore.algorithms.heterofl_levels`), and the client passes its training data through
+each, without gradient and in minibatches of the run's ``batch_size`` (in order; a last minibatch of
+one example joins the one before), every BatchNorm normalizing with the minibatch's own statistics
+as in training and dropout off; per BatchNorm it uploads the number of values per channel ``N_k`` (a
+float64 scalar), their per-channel sum ``S_k`` and sum of squares ``Q_k`` (float64) of the layer's
+input (:func:`query_stats`). The server pools them per sub-model over the clients that ran it
+(:func:`pooled`): ``N = Σ N_k``, mean ``S / N`` and variance ``(Q - N mean²) / (N - 1)``, exactly
+the mean and unbiased variance (torch's convention for ``running_var``) of the union of the values
+those clients saw, and sets them as that model's running statistics, which evaluation uses. The
+query's bytes are counted in the round's ``bytes_up`` / ``bytes_down`` and recorded alone as
+``query_bytes_up`` / ``query_bytes_down``.
 
 **Shortcuts.** A CIFAR ResNet's option-A shortcut (:mod:`fedlore.models.resnet`) has no
 parameters: at a stage change it feeds global input channel i to output channel ``offset + i``.
@@ -29,16 +30,12 @@ zero: the sub-model is the global model with the other channels removed.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
 from fedlore.algorithms.heterofl_plan import WidthPlan
 from fedlore.models.resnet import BasicBlock
-from fedlore.types import Reply, Scalars, State
-
-log = logging.getLogger(__name__)
+from fedlore.types import Reply
 
 QUERY = "query"
 """Broadcast config flag: the message is the sBN statistics query, not a training round."""
@@ -145,27 +142,3 @@ def stats_problem(reply: Reply, plan: WidthPlan, widths: dict[str, int]) -> str 
         if float(reply.arrays[f"{STATS}{n}.count"]) < 1:
             return f"{STATS}{n}.count is below 1"
     return None
-
-
-def absorb(
-    state: State, plan: WidthPlan, replies: list[tuple[int, Reply | None]], rnd: int
-) -> tuple[State, Scalars]:
-    """Server side of the query: the global model's running statistics pooled over the usable
-    replies (the others logged and left out); none usable: the statistics stay. Metric
-    ``sbn_clients``: the clients pooled."""
-    arrays = dict(state.arrays)
-    widths = {n: int(arrays[f"model.{n}.running_mean"].numel()) for n in plan.norms}
-    ok = []
-    for cid, reply in replies:
-        why = "no reply" if reply is None else stats_problem(reply, plan, widths)
-        if why is None and reply is not None:
-            ok.append(reply)
-        else:
-            log.warning("round %d: sBN statistics of client %d left out: %s", rnd, cid, why)
-    for n in plan.norms if ok else ():
-        parts = [sum(r.arrays[f"{STATS}{n}.{p}"] for r in ok) for p in PARTS]
-        mean, var = pooled(*parts)  # type: ignore[arg-type]
-        old = arrays[f"model.{n}.running_mean"]
-        arrays[f"model.{n}.running_mean"] = mean.to(old.dtype).to(old.device)
-        arrays[f"model.{n}.running_var"] = var.to(old.dtype).to(old.device)
-    return State(arrays=arrays, values=dict(state.values)), {"sbn_clients": len(ok)}

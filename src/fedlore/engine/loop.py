@@ -216,14 +216,16 @@ class RoundLoop:
     def _query(self, state: State, rnd: int, ids: list[int]) -> tuple[State, Row]:
         """A method's query exchange after aggregation, on the rounds that evaluate (and the
         last): ``query(state, rnd, cid)`` -> the message to each of the round's clients (None:
-        none), sent over the transport, the replies (or None) to ``absorb_query``. Its bytes
+        none), sent over the transport, the replies (or None) to ``absorb_query`` (called with
+        no replies when no client was asked). Its bytes
         go to ``bytes_up`` / ``bytes_down`` and alone to ``query_bytes_up`` /
         ``query_bytes_down`` (HeteroFL's static batch norm statistics)."""
         ask = getattr(self.algorithm, "query", None)
-        messages = {} if ask is None else {c: ask(state, rnd, c) for c in ids}
-        messages = {c: m for c, m in messages.items() if m is not None}
-        if not messages:
+        if ask is None:
             return state, {}
+        messages = {c: m for c in ids if (m := ask(state, rnd, c)) is not None}
+        if not messages:  # nobody to ask: the method still decides (keep, or refuse)
+            return self.algorithm.absorb_query(state, [], rnd)  # type: ignore[attr-defined]
         results = self.transport.send(rnd, messages)
         replies = [(c, r if isinstance(r, Reply) else None) for c, r in sorted(results.items())]
         tensors = [{k: v for k, v in r.arrays.items() if isinstance(v, torch.Tensor)}

@@ -290,7 +290,8 @@ def final_value(rows: list[dict[str, Any]], key: str) -> Any:
 def _last_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The summary's optional metrics: each :data:`SUMMARY_LAST` key that any row recorded,
     with its value in the last row that recorded it (None when not finite, see
-    :func:`final_value`), ``final_selection_perplexity`` likewise, and
+    :func:`final_value`), ``final_selection_perplexity`` and ``levels`` (HeteroFL's
+    per-level scores) likewise, and
     ``client_train_s_per_round`` (mean seconds of local training per client per round, from
     round 1 on as :func:`per_round_wall`)."""
     out: dict[str, Any] = {}
@@ -299,6 +300,8 @@ def _last_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
             out[key] = final_value(rows, src)
     if any("selection_perplexity" in r for r in rows):
         out["final_selection_perplexity"] = final_value(rows, "selection_perplexity")
+    if any("levels" in r for r in rows):  # HeteroFL's eval_levels: each level's last scores
+        out["levels"] = final_value(rows, "levels")
     timed = [
         (int(r["round"]), r["client_train_s"])
         for r in rows
