@@ -416,7 +416,7 @@ def test_yaml_numbers_without_a_dot_are_numbers() -> None:
     assert algo.candidate_lrs == (1e-2, 1e-3) and algo.beta_kl == 0.1
     bad = load_config(None, ["method.meta_bayfl.candidate_lrs=[fast]"])
     with pytest.raises(
-        ValueError, match=r"method\.meta_bayfl\.candidate_lrs: Input should be a valid number"
+        ValueError, match=r"method\.meta_bayfl\.candidate_lrs\[0\]: Input should be a valid number"
     ):
         make_algorithm("meta_bayfl", bad)
 

@@ -241,12 +241,15 @@ def test_scaffold_under_secure_simulation_matches_the_in_process_secure_run(
         assert got["train_loss"] is None  # nothing of a client in the clear
 
 
+@pytest.mark.parametrize("levels", [False, True], ids=["global", "eval_levels"])
 def test_heterofl_static_batch_norm_query_over_flower_matches_in_process(
-    tmp_path: Path, digits_npz: list[str]
+    tmp_path: Path, digits_npz: list[str], levels: bool
 ) -> None:
     """HeteroFL on the BatchNorm MLP at three widths: the statistics query after each round
     travels as a second exchange of the round over Flower and ends with the in-process run's
-    global model (running statistics included), bytes and query bytes."""
+    global model (running statistics included), bytes and query bytes; only the one client of
+    rate 1 can run the full model, so it alone is pooled into it. With ``eval_levels`` each
+    client is sent every level it can run, and every level's scores are the in-process ones."""
 
     def cfg(engine: str) -> Any:
         return load_config(
@@ -256,6 +259,7 @@ def test_heterofl_static_batch_norm_query_over_flower_matches_in_process(
                 *digits_npz,
                 "model.kwargs={hidden: [16], norm: batch}",
                 "method.heterofl.rates=[1.0, 0.5, 0.25]",
+                f"method.heterofl.eval_levels={str(levels).lower()}",
                 "rounds=2",
                 "algorithms=[heterofl]",
                 f"output_dir={tmp_path / engine}",
@@ -267,4 +271,13 @@ def test_heterofl_static_batch_norm_query_over_flower_matches_in_process(
     summary = run_simulated(sim, "heterofl", 42)
     assert_matches(local, sim, "heterofl", summary)
     for a, b in zip(rows(local, "heterofl"), rows(sim, "heterofl"), strict=True):
-        assert a["query_bytes_up"] == b["query_bytes_up"] > 0 and b["sbn_clients"] == 3
+        assert a["query_bytes_up"] == b["query_bytes_up"] > 0 and b["sbn_clients"] == 1
+        assert a["query_bytes_down"] == b["query_bytes_down"]
+        if levels:
+            assert set(b["levels"]) == {"1.0", "0.5", "0.25"}
+            for rate, want in a["levels"].items():
+                got = b["levels"][rate]
+                assert got["accuracy"] == pytest.approx(want["accuracy"], abs=1e-6), rate
+                assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), rate
+        else:
+            assert "levels" not in b
