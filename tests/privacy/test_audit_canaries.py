@@ -238,6 +238,30 @@ def test_uploads_must_be_changes_of_model_tensors() -> None:
         upload_model_keys({"lora.A": ((2,), torch.float32)}, model)
 
 
+def test_an_upload_names_its_model_tensor_after_the_first_dot() -> None:
+    """``<role>.<name>``: the name is everything after the role, dots included (every real
+    model's tensors are dotted, ``body.0.weight``), not the last part nor the last two; a key
+    without a role is refused as not a model change, with the whole message."""
+    model = {
+        "body.0.weight": torch.zeros(2, 2), "body.0.bias": torch.zeros(2),
+        "weight": torch.zeros(2, 2), "0.weight": torch.zeros(2, 2), "bias": torch.zeros(2),
+    }  # fmt: skip
+    spec = {
+        "update.body.0.weight": ((2, 2), torch.float32),
+        "update.body.0.bias": ((2,), torch.float32),
+    }
+    assert upload_model_keys(spec, model) == [
+        ("update.body.0.bias", "body.0.bias"), ("update.body.0.weight", "body.0.weight"),
+    ]  # fmt: skip
+    with pytest.raises(ValueError) as info:
+        upload_model_keys({"w": ((3,), torch.float32)}, model)
+    assert str(info.value) == (
+        "its upload 'w' [3] is not the change of a global model tensor 'w' of that shape; the "
+        "canary audit compares the model's change with each canary's upload, so it needs a "
+        "method whose clients upload model deltas (such as fedavg, fedfull, fedprox)"
+    )
+
+
 def test_the_model_is_laid_out_in_upload_order_in_float64() -> None:
     """``flat_model``: the global tensors named by ``pairs``, each flattened row-major, in the
     pairs' order (the uploads' sorted keys), float64; tensors no upload names are left out."""
@@ -415,7 +439,17 @@ def test_the_canaries_refuse_counts_they_cannot_audit(monkeypatch: pytest.Monkey
         assert can.rounds == 0 and tuple(can.best.shape) == (count + unseen,)
         assert can.best.dtype == torch.float64 and bool((can.best == -math.inf).all())
         assert torch.equal(can.previous, can.start) and can.previous is not can.start
-        torch.testing.assert_close(can.inverse_norms, 1 / can.vectors.double().norm(dim=1))
+        torch.testing.assert_close(
+            can.inverse_norms, 1 / can.vectors.double().norm(dim=1), rtol=1e-15, atol=0
+        )
+    # the float32 rows are unit vectors only up to rounding: their inverse norms scale them to
+    # norm 1 in float64 (a fixed key whose rows are not all of norm exactly 1)
+    can = Canaries(4, 2, 1, [("update.w", "w")], torch.zeros(50, dtype=torch.float64),
+                   lambda s: s.arrays, key=bytes(range(32)))  # fmt: skip
+    norms = can.vectors.double().norm(dim=1)
+    assert bool((norms != 1).any())
+    scaled = (can.vectors.double() * can.inverse_norms[:, None]).norm(dim=1)
+    torch.testing.assert_close(scaled, torch.ones(6, dtype=torch.float64), rtol=0, atol=1e-15)
     with torch.device("meta"):  # the audit's state stays on the CPU whatever torch's default
         can = make(3, 2, 1)
     assert {x.device.type for x in (can.vectors, can.inverse_norms, can.best, can.previous)} == {

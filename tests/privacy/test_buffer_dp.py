@@ -25,9 +25,16 @@ SPEC: ReplySpec = {"update.a": ((3,), torch.float32), "update.b": ((2,), torch.f
 CPU = torch.device("cpu")
 
 
-def _privacy(sigma: float = 2.0, clip: float = 1.0, noise: Any = None, **kw: Any) -> Privacy:
+def _privacy(
+    sigma: float = 2.0,
+    clip: float = 1.0,
+    noise: Any = None,
+    setup: int = 0,
+    accountant: str = "rdp",
+    **kw: Any,
+) -> Privacy:
     return Privacy(
-        False, DPSettings(clip, sigma, 1e-5), True, 6, 6, 0, 42,
+        False, DPSettings(clip, sigma, 1e-5, accountant=accountant), True, 6, 6, setup, 42,
         noise=noise if noise is not None else SecureSource(), **kw,
     )  # fmt: skip
 
@@ -77,6 +84,61 @@ def test_the_step_is_the_weighted_sum_plus_noise_divided_by_k() -> None:
     for _, r in out:  # every contributor: the same noised mean, weight 1, no training loss
         assert r is not None and r.metrics["num_examples"] == 1 and "train_loss" not in r.metrics
     assert metrics["dp_clipped"] == 1 and metrics["dp_clip_norm"] == 1.5
+
+
+def test_a_float64_model_is_summed_and_averaged_in_float64() -> None:
+    """The sum of the weighted uploads is taken in float64: a float64 model's step keeps
+    values that float32 cannot hold (0.1, 1/3, 1 + 1e-12), exactly as summed by hand."""
+    spec: ReplySpec = {"update.a": ((3,), torch.float64)}
+    x = torch.tensor([0.1, 1 / 3, 1 + 1e-12], dtype=torch.float64)
+    y = torch.tensor([1e-9, -0.2, 2.0**-40], dtype=torch.float64)
+    dp = BufferDP(_privacy(noise=Recorded(0.0)))
+    buffer = [(0, Reply({"update.a": x}, {}), 1.0), (1, Reply({"update.a": y}, {}), 0.7)]
+    out, metrics = dp.combine(0, spec, buffer, CPU)
+    r = out[0][1]
+    assert r is not None and r.arrays["update.a"].dtype == torch.float64
+    torch.testing.assert_close(r.arrays["update.a"], (x + 0.7 * y) / 2, rtol=0, atol=1e-16)
+    # replies without the clip count (none here) count as not clipped, as in a synchronous round
+    _, sync = _privacy(noise=Recorded(0.0)).combine(0, spec, [(0, buffer[0][1])], CPU)
+    assert metrics["dp_clipped"] == sync["dp_clipped"] == 0
+
+
+def test_the_mean_is_placed_on_the_models_device() -> None:
+    """The noised mean is computed on the CPU and handed to the method on the global model's
+    device (``meta`` here: the mutation runs are CPU-only)."""
+    x = _reply([0.3, 0.0, 0.4], [0.0, 0.0])
+    out, _ = BufferDP(_privacy()).combine(0, SPEC, [(0, x, 1.0)], torch.device("meta"))
+    r = out[0][1]
+    assert r is not None
+    assert {v.device.type for v in r.arrays.values()} == {"meta"}
+
+
+def test_a_step_without_contributions_releases_no_mean() -> None:
+    """An empty buffer (the engine steps only with contributions, but ``combine`` takes one)
+    reads nothing: no reply, no noise, no clip count, ε 0 and a busiest client of 0 steps."""
+    noise = Recorded(0.5)
+    out, metrics = BufferDP(_privacy(clip=1.5, noise=noise)).combine(0, SPEC, [], CPU)
+    assert out == [] and noise.calls == []
+    assert metrics == {"dp_clip_norm": 1.5, "dp_epsilon": 0.0, "dp_contributions_max": 0}
+
+
+def test_canaries_join_the_buffers_sum_not_its_count() -> None:
+    """Under the canary audit every inserted canary adds ``C c_i / ‖c_i‖`` to the sum before
+    the noise, and the sum is still divided by the K real contributions (by hand)."""
+    from fedlore.privacy.canaries import Canaries
+
+    can = Canaries(3, 0, 3, [("update.a", "a"), ("update.b", "b")],
+                   torch.zeros(5, dtype=torch.float64), lambda s: s.arrays)  # fmt: skip
+    noise = Recorded(0.25)
+    dp = BufferDP(_privacy(clip=1.5, noise=noise, canaries=can))
+    x = _reply([0.3, 0.0, 0.4], [0.0, 0.0])
+    y = _reply([0.0, 0.6, 0.0], [0.8, 0.0])
+    out, _ = dp.combine(2, SPEC, [(3, x, 1.0), (5, y, 0.5)], CPU)
+    g = can.vectors.double()
+    uploads = torch.tensor([0.3, 0.3, 0.4, 0.4, 0.0], dtype=torch.float64)  # x + y / 2
+    want = (uploads + (1.5 * g / g.norm(dim=1, keepdim=True)).sum(0) + 0.25) / 2
+    torch.testing.assert_close(_mean(out), want, rtol=0, atol=1e-6)
+    assert noise.calls == [(5, 1.5 * 2.0, 2, SERVER)]
 
 
 def test_the_noise_has_std_sigma_c_on_the_sum() -> None:
@@ -135,6 +197,16 @@ def test_a_client_twice_in_one_buffer_is_refused() -> None:
         dp.combine(0, SPEC, [(1, r, 1.0), (2, r, 1.0), (1, r, 0.5)], CPU)
 
 
+def test_a_cap_of_one_step_lets_every_client_in_once() -> None:
+    """``dp.max_contributions: 1``: a client not yet in any step may start (its count is 0),
+    and once it has contributed it never starts again."""
+    dp = BufferDP(_privacy(), max_contributions=1)
+    assert all(dp.startable(c, set()) for c in range(6))
+    dp.combine(0, SPEC, [(2, _reply([0.1, 0, 0], [0, 0]), 1.0)], CPU)
+    assert not dp.startable(2, set())
+    assert all(dp.startable(c, set()) for c in (0, 1, 3, 4, 5))
+
+
 def test_a_client_in_the_buffer_or_at_the_cap_is_not_started() -> None:
     dp = BufferDP(_privacy(), max_contributions=2)
     assert dp.startable(0, set()) and not dp.startable(0, {0}) and dp.startable(1, {0})
@@ -188,6 +260,44 @@ def test_repeats_and_setup_exchanges_count_for_every_client() -> None:
     _, metrics = dp.combine(0, SPEC, [(0, _reply([0.1, 0, 0], [0, 0]), 1.0)], CPU)
     assert metrics["dp_epsilon"] == pytest.approx(_gaussian_rdp_epsilon(2.0, 3, 1e-5))
     assert dp.spent(0) == 3 and dp.spent(9) == 2
+    # one setup exchange (read every client's data before step 0) on top of the two repeats
+    dp = BufferDP(_privacy(sigma=2.0, setup=1, repeated=2))
+    _, metrics = dp.combine(0, SPEC, [(0, _reply([0.1, 0, 0], [0, 0]), 1.0)], CPU)
+    assert dp.spent(0) == 4 and dp.spent(9) == 3
+    assert metrics["dp_epsilon"] == pytest.approx(_gaussian_rdp_epsilon(2.0, 4, 1e-5))
+
+
+def _gaussian_dp_epsilon(sigma: float, steps: int, delta: float) -> float:
+    """The exact ε at ``delta`` of ``steps`` Gaussians of sensitivity 2C and noise σC: μ-GDP
+    with μ = 2√steps/σ (Dong, Roth & Su 2022), whose δ(ε) = Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2)
+    is solved for ε by bisection, by hand (no dp-accounting)."""
+    mu = 2 * math.sqrt(steps) / sigma
+
+    def phi(x: float) -> float:
+        return 0.5 * math.erfc(-x / math.sqrt(2))
+
+    def gap(eps: float) -> float:
+        return phi(-eps / mu + mu / 2) - math.exp(eps) * phi(-eps / mu - mu / 2) - delta
+
+    low, high = 0.0, 100.0
+    for _ in range(200):
+        mid = (low + high) / 2
+        low, high = (mid, high) if gap(mid) > 0 else (low, mid)
+    return high
+
+
+def test_the_run_epsilon_is_composed_by_the_configured_accountant() -> None:
+    """Under ``dp.accountant: pld`` the run's ε is the PLD's: the exact Gaussian-DP ε of the
+    busiest client's steps up to the PLD's discretization (pessimistic, under 1e-3 relative),
+    well below the RDP bound of the same steps."""
+    dp = BufferDP(_privacy(sigma=2.0, accountant="pld"))
+    r = _reply([0.1, 0, 0], [0, 0])
+    for v, ids in enumerate([[0, 1], [0], [0, 2]]):
+        _, metrics = dp.combine(v, SPEC, [(c, r, 1.0) for c in ids], CPU)
+    eps, exact = float(metrics["dp_epsilon"]), _gaussian_dp_epsilon(2.0, 3, 1e-5)
+    assert exact <= eps <= exact * (1 + 1e-3)
+    assert eps < 0.95 * _gaussian_rdp_epsilon(2.0, 3, 1e-5)
+    assert dp.epsilon() == eps
 
 
 def test_no_noise_is_infinite_epsilon() -> None:
@@ -220,5 +330,8 @@ def test_only_central_dp_without_secure_aggregation(kw: dict[str, Any]) -> None:
         "per_round": 6, "setup_rounds": 0, "seed": 0,
     }  # fmt: skip
     args.update(kw)
-    with pytest.raises(ValueError, match="central DP without secure aggregation"):
+    with pytest.raises(ValueError) as info:
         BufferDP(Privacy(**args))
+    assert str(info.value) == (
+        "DP-FedBuff is central DP without secure aggregation, fixed clip, server noise"
+    )
