@@ -55,6 +55,7 @@ from fedlore.engine.rerun import (
     pending_replacement,
     write_dir,
 )
+from fedlore.engine.resume_changes import record_changes, resumed_record
 from fedlore.engine.run_record import check_same_config, check_same_data, run_record
 from fedlore.engine.rundir import (
     RunFolder,
@@ -154,6 +155,7 @@ def run(
         elif folder.from_start:  # from round 0 again: the DP ledger and the rows stay to count
             start_fresh(out, folder.spill, method, seed, keep_ledger=True)
         out.mkdir(parents=True, exist_ok=True)
+        prior = resumed_record(out) if folder.resume else None  # its resume_changes go on
         written = run_record(cfg, method, exp.fingerprint, algo, exp.device, threads)
         write_json(out / "config.json", {**written, **privacy_record(exp.privacy)})
         max_bytes = None if cfg.store.max_memory_mb is None else int(cfg.store.max_memory_mb * 1e6)
@@ -176,6 +178,7 @@ def run(
         )
         warn_over_target(cfg, privacy, f"{method} seed {seed}")  # repeats can pass dp.epsilon
         start = -setup_rounds(algo) if last is None else last + 1
+        record_changes(out / "config.json", prior, cfg, start)  # DP-FedBuff's cap, rounds
         clients = transport(algo, exp.fed.client, exp.model_factory, seed, store)
         restarted = getattr(algo, "clients_restarted", None)
         if last is not None and restarted and not getattr(clients, "keeps_client_states", True):

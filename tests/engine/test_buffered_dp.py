@@ -270,7 +270,8 @@ def test_a_cap_that_runs_out_of_clients_stops_with_a_reason(
     why = (
         "asynchronous.buffer=2: round 2 (counting from 0) holds 1 update(s) and no client is in "
         "flight or can start: every other client is in the buffer or at dp.max_contributions=2; "
-        "raise the cap or lower rounds (the rounds before it are saved)"
+        "finish it with --resume and a raised dp.max_contributions or fewer rounds (the rounds "
+        "before it are saved)"
     )
     with pytest.raises(ValueError) as e:
         run_one(cfg, "fedavg", SEED)

@@ -161,11 +161,32 @@ def check_cap(s: Schedule, rules: Rules, end: int) -> None:
 
 def check_loop(loop: Any, end: int) -> None:
     """:func:`check_cap` of a :class:`~fedlore.engine.buffered.BufferedLoop` under DP-FedBuff
-    with a cap, from where it stands (a resumed run: its checkpoint's flights and counts)."""
-    dp = loop.privacy
-    if dp is None or dp.max_contributions is None:
+    with a cap, from where it stands (a resumed run: its checkpoint's flights and counts), after
+    refusing what a resume may not change (:mod:`fedlore.engine.resume_changes`): fewer
+    ``rounds`` than the steps taken, a cap below a client's steps so far.
+
+    Raises:
+        ValueError: one line (the command's error).
+    """
+    dp, p = loop.privacy, loop.progress
+    if dp is None:
         return
-    p = loop.progress
+    if p.version > end:
+        raise ValueError(
+            f"rounds={end}: this run has taken {p.version} steps already; resume it with "
+            f"rounds of at least {p.version}"
+        )
+    cap, counts = dp.max_contributions, dp.counts.counts
+    if cap is None:
+        return
+    most = max(counts.values(), default=0)
+    if most > cap:
+        who = sorted(c for c, n in counts.items() if n == most)
+        raise ValueError(
+            f"dp.max_contributions={cap}: client(s) {who} have been in {most} steps of this run "
+            f"already, more than the cap, which could no longer bound their ε; resume with "
+            f"dp.max_contributions of at least {most}"
+        )
     flights = [(f.cid, f.version, f.finish, f.seq, f.reply is None) for f in p.flights]
     s = Schedule(p.version, p.clock, p.seq, p.draws, flights, dict(dp.counts.counts))
     settings = loop.settings
