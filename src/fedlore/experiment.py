@@ -149,13 +149,13 @@ def run(
         say_once("%d CPU thread%s (threads=%s)", threads, "" if threads == 1 else "s", cfg.threads)
     with RunLock(folder.target), RunLock(out, moves_to=folder.target):  # ours until it ends
         remove_stale_temps(out, folder.spill)  # a killed write's: never read, and now gone
+        prior = resumed_record(out) if folder.resume else None  # its resume_changes go on
         if not folder.resume:  # a fresh run: nothing of an earlier run in this folder may survive
             warn_uncounted(exp.privacy, out)  # an unfinished DP run's releases
             start_fresh(out, folder.spill, method, seed)
         elif folder.from_start:  # from round 0 again: the DP ledger and the rows stay to count
             start_fresh(out, folder.spill, method, seed, keep_ledger=True)
         out.mkdir(parents=True, exist_ok=True)
-        prior = resumed_record(out) if folder.resume else None  # its resume_changes go on
         written = run_record(cfg, method, exp.fingerprint, algo, exp.device, threads)
         write_json(out / "config.json", {**written, **privacy_record(exp.privacy)})
         max_bytes = None if cfg.store.max_memory_mb is None else int(cfg.store.max_memory_mb * 1e6)

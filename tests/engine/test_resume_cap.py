@@ -60,7 +60,7 @@ def _starved(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Config:
     cfg = _cfg(tmp, "dp.max_contributions=3")
     with monkeypatch.context() as m:
         m.setattr("fedlore.engine.cap_schedule.check_cap", lambda *a: None)
-        with pytest.raises(ValueError, match="round 5 .* finish it with --resume and a raised"):
+        with pytest.raises(ValueError, match=r"round 5 .* finish it with --resume and a raised"):
             _run(cfg)
     assert len(_rows(cfg)) == 5
     return cfg
@@ -134,8 +134,8 @@ def test_a_cap_below_a_clients_steps_so_far_is_refused(tmp_path: Path) -> None:
     assert _run(free, stop_after=4) is None
     most = max(_counts(_rows(free)).values())
     assert most > 3
-    with pytest.raises(ValueError, match=rf"dp.max_contributions=3: client\(s\) \[\d.*\] have "
-                       rf"been in {most} steps of this run already, more than the cap"):  # fmt: skip
+    why = rf"dp.max_contributions=3: client\(s\) \[\d.*\] have been in {most} steps of this run"
+    with pytest.raises(ValueError, match=why + " already, more than the cap"):
         _run(_cfg(tmp_path, "dp.max_contributions=3"), resume=True)
     assert len(_rows(free)) == 5  # nothing trained
 
@@ -166,3 +166,18 @@ def test_other_changes_stay_refused(tmp_path: Path, extra: list[str]) -> None:
         changed = _cfg(tmp_path, "dp.max_contributions=5", "lr=0.2")
     with pytest.raises(ConfigError, match="was started with a different config"):
         _run(changed, resume=True)
+
+
+def test_a_resume_from_the_first_round_records_the_change_from_round_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As Flower's simulation resumes (its clients' states are gone: from round 0 again, the
+    DP ledger counting the rows released before): the raised cap applies from round 0, and ε
+    counts the 5 repeated steps for every client."""
+    _starved(tmp_path, monkeypatch)
+    raised = _cfg(tmp_path, "dp.max_contributions=4")
+    summary = _run(raised, resume=True, from_start=True)
+    assert summary is not None and summary["dp_repeated_exchanges"] == 5
+    assert _record(raised)["resume_changes"] == [{"round": 0, "dp.max_contributions": [3, 4]}]
+    most = max(_counts(_rows(raised)).values())
+    assert summary["dp_epsilon"] == pytest.approx(contribution_epsilon(1.0, 1e-5, most + 5))

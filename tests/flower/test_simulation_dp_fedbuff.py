@@ -7,6 +7,7 @@ resume released again (the DP ledger). One Ray serves the module."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,7 +163,8 @@ def test_a_killed_dp_fedbuff_simulation_resumed_gives_the_uninterrupted_rows(
 
 
 class _Context:
-    run_config: dict[str, str] = {}
+    def __init__(self) -> None:
+        self.run_config: dict[str, str] = {}
 
 
 def test_a_deployment_refuses_dp_fedbuff_before_it_trains(
@@ -186,3 +188,40 @@ def test_a_deployment_refuses_dp_fedbuff_before_it_trains(
         "asynchronous.buffer (FedBuff) with dp on a flwr run deployment: DP-FedBuff is tested"
     )
     assert len(trained) == 1 and not trained[0].dp.enabled
+
+
+def test_a_killed_simulation_resumed_with_a_raised_cap_records_it_from_round_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, digits_npz: list[str]
+) -> None:
+    """Cap 3, SIGINT during step 1, ``--resume`` with cap 4: the simulation runs again from
+    round 0 under the new cap, so its rows are the in-process run's at cap 4 (ε also counting
+    the step released before), and ``config.json`` records the change from round 0."""
+    local, _ = _pair(tmp_path, digits_npz, REPRODUCIBLE, "dp.max_contributions=4")
+    _, sim3 = _pair(tmp_path, digits_npz, REPRODUCIBLE, "dp.max_contributions=3")
+    sim4 = sim3.model_copy(update={"dp": sim3.dp.model_copy(update={"max_contributions": 4})})
+    step = buffered.BufferedLoop.run_round
+
+    def signal_in_step_1(self: Any, state: Any, rnd: int, last: int) -> Any:
+        out = step(self, state, rnd, last)
+        if rnd == 1:
+            monkeypatch.setattr(interrupt, "_received", 2)
+        return out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PrivacyWarning)
+        monkeypatch.setattr(buffered.BufferedLoop, "run_round", signal_in_step_1)
+        with pytest.raises(Interrupted):
+            run_simulated(sim3, "fedavg", 42)
+        monkeypatch.setattr(interrupt, "_received", None)
+        monkeypatch.setattr(buffered.BufferedLoop, "run_round", step)
+        summary = run_simulated(sim4, "fedavg", 42, resume=True)
+        run_one(local, "fedavg", 42)
+    assert summary["dp_repeated_exchanges"] == 1 and summary["dp_max_contributions"] == 4
+    record = json.loads((run_dir(sim4, "fedavg", 42) / "config.json").read_text())
+    assert record["resume_changes"] == [{"round": 0, "dp.max_contributions": [3, 4]}]
+    plain = [
+        {k: v for k, v in _plain(r).items() if k != "dp_epsilon"} for r in rows(sim4, "fedavg")
+    ]
+    assert plain == [
+        {k: v for k, v in _plain(r).items() if k != "dp_epsilon"} for r in rows(local, "fedavg")
+    ]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
 
 import pytest
 
@@ -67,9 +66,7 @@ def test_the_advice_names_the_canaries_the_fedbuff_claim_needs() -> None:
 
 def test_too_few_canaries_for_a_step_of_k_clients_are_refused() -> None:
     """k·K < N would insert no canary a step: refused naming K, not the synchronous round."""
-    with pytest.raises(ConfigError, match=r"with 2 of 10 clients a step \(asynchronous.buffer\) "
-                       r"would insert ⌊4 · 2 / 10⌋ = 0 canaries per round.*use at least 5"):  # fmt: skip
+    why = r"with 2 of 10 clients a step \(asynchronous.buffer\) would insert ⌊4 · 2 / 10⌋ = 0"
+    with pytest.raises(ConfigError, match=why + r" canaries per round.*use at least 5"):
         _cfg("dp.audit.canaries=4", "asynchronous.buffer=2")
     _cfg("dp.audit.canaries=5", "asynchronous.buffer=2")
-
-
