@@ -66,9 +66,11 @@ class Clients:
     def __init__(self, algo: Scalar, seed: int = 0, flights: AsyncState | None = None) -> None:
         self.algo, self.seed, self.flights = algo, seed, flights
         self.starts: list[tuple[int, int]] = []  # (client, generator round)
+        self.sends: list[tuple[int, list[int]]] = []  # (generator round, clients) per exchange
 
     def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
         out: dict[int, Reply | BaseException] = {}
+        self.sends.append((rnd, list(messages)))
         for cid, msg in messages.items():
             if self.flights is not None:  # a client is never started while in flight
                 assert cid not in {f.cid for f in self.flights.flights}
@@ -359,3 +361,44 @@ def test_a_run_that_ends_trains_no_client_whose_update_no_step_uses() -> None:
         loop.run_round(state, n, n)
         assert [v for _, v in clients.starts[before : before + 3 - len(p.flights)]] != []
         assert clients.starts[before][1] == n  # from the model of the last step
+
+
+def test_clients_starting_from_one_version_go_out_in_one_exchange() -> None:
+    """Equal times, C = K = 4: each step's four replacements are first starts from one version,
+    sent to the transport in one exchange (Flower's engines train them at once), not four."""
+    algo = Scalar()
+    loop, clients = _loop(algo, {c: 1.0 for c in range(4)}, buffer=4, concurrency=4)
+    _rounds(loop, algo, 3)
+    assert clients.sends == [(v, [0, 1, 2, 3]) for v in range(3)]
+
+
+def test_grouped_starts_keep_each_clients_key_and_place() -> None:
+    """Starts are grouped by key for the transport, but each flight keeps its place: its
+    sequence number in the order the clients were drawn, its finish time, and, for a repeat
+    (a client started again from one version), the generator round ``REPEAT + seq``. Checked
+    at every top-up of a run with repeats and groups (3 clients of one speed, C = 2, K = 4: a
+    step takes two pairs, and a pair drawn again from one version is two repeats)."""
+    times = {c: 1.0 for c in range(3)}
+    algo = Scalar(lambda cid, rng: float(torch.rand(1, generator=rng)))
+    loop, clients = _loop(algo, times, buffer=4, concurrency=2, seed=1)
+    launch, tops = loop._launch, []
+
+    def checked(starts: list[tuple[int, int, Broadcast]]) -> None:
+        before = len(loop.progress.flights)
+        seq = loop.progress.seq
+        launch(starts)
+        new = loop.progress.flights[before:]
+        assert [f.cid for f in new] == [c for _, c, _ in starts]
+        assert [f.seq for f in new] == list(range(seq, seq + len(starts)))
+        for (key, cid, _), f in zip(starts, new, strict=True):
+            assert key == (f.version if key < REPEAT else REPEAT + f.seq), (key, f)
+            assert f.finish == f.start + times[cid]
+        tops.append([(key, cid) for key, cid, _ in starts])
+
+    loop._launch = checked  # type: ignore[method-assign]
+    _rounds(loop, algo, 12)
+    assert any(sum(k >= REPEAT for k, _ in top) >= 2 for top in tops)  # two repeats at once
+    assert any(len(c) > 1 for _, c in clients.sends)  # and a group in one exchange
+    assert all(len(c) == 1 for k, c in clients.sends if k >= REPEAT)
+    # each client trained with its own key (its generator's round)
+    assert sorted(clients.starts) == sorted((c, k) for top in tops for k, c in top)

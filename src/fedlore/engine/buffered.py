@@ -70,6 +70,7 @@ from fedlore.engine import interrupt
 from fedlore.engine.async_clients import durations, pools, starved, unusable
 from fedlore.engine.cap_schedule import check_loop
 from fedlore.engine.loop import Callback, Row, add_scores, client_reports, drive
+from fedlore.engine.staleness import staleness_weight, weighted
 from fedlore.engine.transport import Transport
 from fedlore.engine.validate import method_problem, validate_reply
 from fedlore.privacy.buffer_dp import BufferDP
@@ -83,24 +84,6 @@ REPEAT = 2**31
 REJECTED_IN_A_ROW = 10
 """A step that rejects this many uploads per client in flight, none accepted between, ends the
 run with its reason (every upload broken: a step would never fill)."""
-
-
-def staleness_weight(s: int, kind: str, exponent: float = 0.5) -> float:
-    """w(s) of an update ``s`` server steps stale: ``sqrt`` 1/sqrt(1+s), ``constant`` 1,
-    ``polynomial`` (1+s)^-exponent.
-
-    Raises:
-        ValueError: for a negative staleness or an unknown kind.
-    """
-    if s < 0:
-        raise ValueError(f"staleness must be >= 0, got {s}")
-    if kind == "sqrt":
-        return 1.0 / math.sqrt(1.0 + s)
-    if kind == "constant":
-        return 1.0
-    if kind == "polynomial":
-        return float((1.0 + s) ** -exponent)
-    raise ValueError(f"unknown staleness weighting {kind!r}")
 
 
 @dataclass
@@ -246,25 +229,32 @@ class BufferedLoop:
         rng = np.random.default_rng(derive_seed(self.seed, ASYNC_SAMPLING, p.draws))
         p.draws += 1
         chosen = sorted(eligible[int(i)] for i in rng.choice(len(eligible), take, replace=False))
-        for cid in chosen:
+        starts = []
+        for i, cid in enumerate(chosen):
             msg = self.algorithm.broadcast(state, p.version, cid)
             if self.privacy is not None:  # the clip the client applies
                 msg = self.privacy.configure(p.version, {cid: msg})[cid]
             self._down += nbytes(msg.arrays)
-            key = p.version if cid not in p.started else REPEAT + p.seq
+            starts.append((p.version if cid not in p.started else REPEAT + p.seq + i, cid, msg))
             p.started.add(cid)
-            p.flights.append(self._launch(key, cid, msg))
-            p.seq += 1
+        self._launch(starts)
 
-    def _launch(self, key: int, cid: int, msg: Broadcast) -> Flight:
-        """Client ``cid`` starts from ``msg`` (its generator's round ``key``): in simulation it
-        trains now, and its reply waits until its finish time."""
+    def _launch(self, starts: list[tuple[int, int, Broadcast]]) -> None:
+        """Clients ``(key, cid, msg)`` start, in this order, each from ``msg`` (its generator's
+        round ``key``): in simulation they train now, those of one key in one exchange (at
+        once, where the transport runs clients in parallel: Flower's engines), and each reply
+        waits until its client's finish time."""
         p = self.progress
-        res = self.transport.send(key, {cid: msg}).get(cid)
-        reply = res if isinstance(res, Reply) else None
-        error = "" if reply is not None else ("no reply" if res is None else f"{res}")
-        finish = p.clock + self.duration(cid)
-        return Flight(cid, p.version, p.clock, finish, p.seq, reply, error)
+        got: dict[int, Reply | BaseException] = {}
+        for key in dict.fromkeys(k for k, _, _ in starts):  # first starts share the version
+            got.update(self.transport.send(key, {c: m for k, c, m in starts if k == key}))
+        for _, cid, _ in starts:
+            res = got.get(cid)
+            reply = res if isinstance(res, Reply) else None
+            error = "" if reply is not None else ("no reply" if res is None else f"{res}")
+            finish = p.clock + self.duration(cid)
+            p.flights.append(Flight(cid, p.version, p.clock, finish, p.seq, reply, error))
+            p.seq += 1
 
     def _arrive(self, f: Flight, state: State, rnd: int) -> tuple[Buffered | None, str, int]:
         """A finished client: its buffered update (None when rejected), the reason it was
@@ -439,18 +429,6 @@ class BufferedLoop:
             self.privacy.restore(state)
             check_loop(self, rounds)  # a cap whose schedule starves: refused before training
         return drive(self.run_round, self.callbacks, self.stop, state, start, rounds)
-
-
-def weighted(reply: Reply, w: float, dtypes: dict[str, torch.dtype]) -> Reply:
-    """``reply`` with each ``update.<k>`` scaled by ``w`` at the global tensor's dtype (unchanged
-    when w is 1, so a constant weighting changes no bit)."""
-    if w == 1.0:
-        return reply
-    arrays = {
-        k: v.to(dtypes[k[7:]]) * w if k.startswith("update.") and k[7:] in dtypes else v
-        for k, v in reply.arrays.items()
-    }
-    return Reply(arrays, dict(reply.metrics))
 
 
 def buffered_loop(

@@ -83,7 +83,14 @@ class WallClockLoop(BufferedLoop):
         """The clients that may start: as under the simulated clock, and held by a known node."""
         return [c for c in super()._startable() if c in self.link.node_of]
 
-    def _launch(self, key: int, cid: int, msg: Broadcast) -> Flight:
+    def _launch(self, starts: list[tuple[int, int, Broadcast]]) -> None:
+        """Push each client's ``train`` message, in order (:meth:`_push`): nothing waits."""
+        p = self.progress
+        for key, cid, msg in starts:
+            p.flights.append(self._push(key, cid, msg))
+            p.seq += 1
+
+    def _push(self, key: int, cid: int, msg: Broadcast) -> Flight:
         """Push client ``cid``'s ``train`` message; its flight ends with its reply or at its
         deadline (``finish`` until then: start + ``flight_timeout_s``)."""
         p = self.progress
