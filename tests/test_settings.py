@@ -132,9 +132,9 @@ def test_a_bad_list_item_is_named_by_its_index() -> None:
         load_config(None, ["seeds=[1,b]"])
     assert "\n  seeds[1]: Input should be a valid integer" in str(e.value)
     cfg = load_config(None, ["method.heterofl.shares=[a,1,c]"])
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError) as bad:
         make_algorithm("heterofl", cfg)
-    said = str(e.value)
+    said = str(bad.value)
     assert "method.heterofl.shares[0]: Input should be a valid integer" in said
     assert "method.heterofl.shares[2]: Input should be a valid integer" in said
     assert "shares[1]" not in said

@@ -290,9 +290,12 @@ class Config(_Strict):
                 "its ε are central DP's either way)"
             )
         m, n = self.clients_per_round(), self.num_clients
+        per = "clients per round"
+        if self.asynchronous.buffer is not None:  # DP-FedBuff: K of N contribute to a step
+            m, per = int(self.asynchronous.buffer), "clients a step (asynchronous.buffer)"
         if k * m < n:
             raise ValueError(
-                f"dp.audit.canaries = {k} with {m} of {n} clients per round would insert "
+                f"dp.audit.canaries = {k} with {m} of {n} {per} would insert "
                 f"⌊{k} · {m} / {n}⌋ = 0 canaries per round (canaries are sampled at the real "
                 f"clients' ratio); use at least {-(-n // m)}"
             )

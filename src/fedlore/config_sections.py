@@ -276,7 +276,11 @@ class DPConfig(_Strict):
     """Under ``asynchronous.buffer`` (DP-FedBuff, :mod:`fedlore.privacy.buffer_dp`): the most
     server steps one client may contribute to; a client at the cap is not started again, so
     every client's ε is at most that of the cap's steps, known before the run (None: no cap;
-    the fastest client may be in every step). Only with ``asynchronous.buffer``."""
+    the fastest client may be in every step). Only with ``asynchronous.buffer``. A cap whose
+    schedule starves the run (too few clients below it late in the run) is refused before
+    training (:mod:`fedlore.engine.cap_schedule`); ``--resume`` may raise it (not below a
+    client's steps so far) under a fixed ``dp.noise_multiplier``
+    (:mod:`fedlore.engine.resume_changes`)."""
 
     @model_validator(mode="after")
     def _adaptive_clipping(self) -> DPConfig:

@@ -55,6 +55,7 @@ from fedlore.engine.rerun import (
     pending_replacement,
     write_dir,
 )
+from fedlore.engine.resume_changes import record_changes, resumed_record
 from fedlore.engine.run_record import check_same_config, check_same_data, run_record
 from fedlore.engine.rundir import (
     RunFolder,
@@ -148,6 +149,7 @@ def run(
         say_once("%d CPU thread%s (threads=%s)", threads, "" if threads == 1 else "s", cfg.threads)
     with RunLock(folder.target), RunLock(out, moves_to=folder.target):  # ours until it ends
         remove_stale_temps(out, folder.spill)  # a killed write's: never read, and now gone
+        prior = resumed_record(out) if folder.resume else None  # its resume_changes go on
         if not folder.resume:  # a fresh run: nothing of an earlier run in this folder may survive
             warn_uncounted(exp.privacy, out)  # an unfinished DP run's releases
             start_fresh(out, folder.spill, method, seed)
@@ -176,6 +178,7 @@ def run(
         )
         warn_over_target(cfg, privacy, f"{method} seed {seed}")  # repeats can pass dp.epsilon
         start = -setup_rounds(algo) if last is None else last + 1
+        record_changes(out / "config.json", prior, cfg, start)  # DP-FedBuff's cap, rounds
         clients = transport(algo, exp.fed.client, exp.model_factory, seed, store)
         restarted = getattr(algo, "clients_restarted", None)
         if last is not None and restarted and not getattr(clients, "keeps_client_states", True):

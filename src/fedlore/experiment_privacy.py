@@ -279,6 +279,8 @@ def warn_few_canaries(
         cfg.clients_per_round(),
         accountant=cfg.dp.accountant,
     )
+    if cfg.asynchronous.enabled:  # DP-FedBuff: the least ε the run can report (fedbuff_claim)
+        claim = fedbuff_claim(cfg, sigma, setup)
     if not math.isfinite(claim):
         return
     chance, enough = _advice(k, cfg.rounds, rate, sigma, claim, cfg.dp.delta)
@@ -305,13 +307,28 @@ def warn_few_canaries(
         if cfg.early_stopping.metric is not None
         else ""
     )
+    accountant = "the accountant's ε"
+    if cfg.asynchronous.enabled:
+        accountant = "the least dp_epsilon this DP-FedBuff run can report"
     warn_once(
         f"dp.audit.canaries = {k:,} is too few for {rounds} at σ = {sigma:.4g}: a sound "
-        "mechanism's final-model ε̂ would land above the accountant's ε = "
+        f"mechanism's final-model ε̂ would land above {accountant} = "
         f"{claim:.3g} with probability {chance:.1%}, above the {0.5 * (1 - LEVEL):.1%} its "
         f"interval allows; {use} (the all-iterates estimate errs more){stops}",
         AuditWarning,
     )
+
+
+def fedbuff_claim(cfg: Config, sigma: float, setup: int) -> float:
+    """The smallest ``dp_epsilon`` a DP-FedBuff run of ``cfg`` can end with, the claim the
+    few-canaries advice of :func:`warn_few_canaries` reads the estimate against: no sampling
+    amplifies it (a buffer fills by speed), and it is the most-counted client's, who is in at
+    least ⌈T·K / N⌉ of the T steps (T·K places over N clients; a cap allows that many).
+    The canaries themselves are drawn per step from OS entropy, ⌊k·K / N⌋ of k, independent of
+    the speeds (:func:`make_canaries`), which is the rate the advice's canary has."""
+    k, n = int(cfg.asynchronous.buffer or 1), cfg.num_clients
+    steps = -(-cfg.rounds * k // n)  # at most the cap: the config holds N·cap ≥ T·K
+    return epsilon_spent(sigma, cfg.dp.delta, steps + setup, 1, 1, accountant=cfg.dp.accountant)
 
 
 def make_canaries(cfg: Config, algo: Algorithm, state: State | None) -> Canaries:
@@ -346,7 +363,7 @@ def make_canaries(cfg: Config, algo: Algorithm, state: State | None) -> Canaries
         audit.canaries,
         per_round,
         canaries.rate,
-        cfg.clients_per_round(),
+        real,
         cfg.num_clients,
         canaries.unseen,
         canaries.dimension,

@@ -1,43 +1,54 @@
-"""Processes for ``fedlore tune --workers W`` (:mod:`fedlore.tune_study`): each trial of a batch
-trains in a process of its own, a fresh interpreter running ``python -m fedlore.tune_parallel``
-(no torch threads or open database connection inherited from this one, and, unlike
-``multiprocessing``'s ``spawn``, no second import of the caller's script: a script that calls
-:func:`fedlore.tune_study.run_search` needs no ``if __name__ == "__main__"`` guard). The job
-(a module-level function and its arguments) goes to it pickled on its standard input, with this
-process's ``sys.path``; its report comes back as one JSON line on a pipe of its own.
+"""Processes for ``fedlore tune --workers W`` (:mod:`fedlore.tune_study`): W worker processes,
+kept for the whole search (:func:`kept`), each taking one trial after another. A worker is a
+fresh interpreter running ``python -m fedlore.tune_parallel`` (no torch threads or open
+database connection inherited from this one, and, unlike ``multiprocessing``'s ``spawn``, no
+second import of the caller's script: a script that calls
+:func:`fedlore.tune_study.run_search` needs no ``if __name__ == "__main__"`` guard). Its jobs
+(a module-level function and its arguments) come pickled on its standard input, after this
+process's ``sys.path``; each job's report comes back as one JSON line on a pipe of its own.
 
-* **CPUs.** Each process sets its torch threads (and ``OMP_NUM_THREADS``) to its share of the
+* **Kept.** A worker imports once and keeps the last federation it built
+  (:func:`fedlore.data.federation.keep_built`): a trial of the same data settings and seed gets
+  a copy of it instead of loading and partitioning the data again. Nothing of one job reaches
+  the next: each gets its own copy of the federation and the torch generator a fresh process
+  starts with, and a worker whose job did not end ``done`` (an interrupt, an error) ends.
+* **Replaced.** A worker that ended (killed, out of memory, after such a job) is replaced by a
+  new one when a job needs it; a job it was running is reported as ``died``.
+* **CPUs.** Each job sets its torch threads (and ``OMP_NUM_THREADS``) to its share of the
   CPUs, so ``threads: auto`` in a trial takes that share instead of every CPU; a trial's
   explicit ``threads`` still wins.
-* **Output.** A process's progress messages are prefixed with its trial (``fedlore: trial 3:
+* **Output.** A job's progress messages are prefixed with its trial (``fedlore: trial 3:
   ...``) and shown as lines, never as a progress bar (several bars on one terminal overwrite
   each other).
-* **Signals.** Each process runs in a process group of its own, so Ctrl-C on the terminal
+* **Signals.** Each worker runs in a process group of its own, so Ctrl-C on the terminal
   reaches this process only; the first SIGINT or SIGTERM here (inside
-  :func:`fedlore.engine.interrupt.handling`) is passed on to every process once, as SIGTERM,
-  and each stops its trial between two rounds, as ``fedlore run`` does: the trials stay
-  running in the study, for the same command to resume. A second signal here kills them all.
-* **Never orphaned.** A process ends at once when this one dies (SIGKILL, a crash): on Linux
+  :func:`fedlore.engine.interrupt.handling`) is passed on to every worker with a job once, as
+  SIGTERM, and each stops its trial between two rounds, as ``fedlore run`` does: the trials
+  stay running in the study, for the same command to resume; no other job starts. A second
+  signal here kills them all.
+* **Never orphaned.** A worker ends at once when this process dies (SIGKILL, a crash): on Linux
   the kernel sends it SIGKILL (``PR_SET_PDEATHSIG``), elsewhere it looks for its parent every
   :data:`POLL_S` seconds. A killed search then leaves what a killed ``fedlore run`` leaves (each
   trial at its last checkpoint, running in the study), never a trial still training that the
   next command would find locked.
-* **Outcome.** Each process reports how its job ended: done, interrupted, an ``OSError`` (a
-  full disk: its trial stays running) or another error (its trial is recorded as failed).
+* **Outcome.** Each job reports how it ended: done, interrupted, an ``OSError`` (a full disk:
+  its trial stays running) or another error (its trial is recorded as failed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import pickle
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +58,10 @@ from fedlore.engine import interrupt
 
 POLL_S = 0.2
 """Seconds between two looks at the processes and at this process's signal flag."""
+
+CLOSE_S = 60.0
+"""Seconds a closed pool waits for its workers to end (each ends its job first) before
+killing them."""
 
 
 @dataclass(frozen=True)
@@ -100,24 +115,22 @@ def _die_with(parent: int) -> None:
         threading.Thread(target=watch, daemon=True, name="fedlore-parent-watch").start()
 
 
-def _child(
+def _job(
     target: Callable[..., None],
     args: tuple[Any, ...],
     label: str,
     threads: int,
     show: bool,
-    parent: int,
+    fresh: Any,
 ) -> tuple[str, str]:
-    """A job's process: bound to ``parent``'s life, its own process group, its share of
-    threads, prefixed progress lines, fedlore's signal handling; returns how ``target(*args)``
-    ended: ``(kind, message)``."""
-    _die_with(parent)
-    os.setpgrp()
-    os.environ[THREADS_ENV] = str(threads)
+    """One job in a worker: its share of threads, prefixed progress lines, fedlore's signal
+    handling, the torch generator as a fresh process has it (``fresh``); returns how
+    ``target(*args)`` ended: ``(kind, message)``."""
     import torch
 
+    os.environ[THREADS_ENV] = str(threads)
     torch.set_num_threads(threads)
-    sys.stderr = _Lines(sys.stderr)
+    torch.random.set_rng_state(fresh)  # as in a fresh process: nothing drawn by an earlier job
     interrupt.speak_as(label)
     progress.enable(show)
     for handler in progress.log.handlers:
@@ -135,16 +148,40 @@ def _child(
 
 
 def _main() -> None:
-    """``python -m fedlore.tune_parallel``: run the job pickled on standard input, write how it
-    ended to the file descriptor it names."""
-    ref, args, label, threads, show, parent, fd = pickle.load(sys.stdin.buffer)
-    module, _, name = ref.partition(":")
-    target: Any = importlib.import_module(module)
-    for part in name.split("."):
-        target = getattr(target, part)
-    kind, message = _child(target, args, label, threads, show, parent)
+    """``python -m fedlore.tune_parallel``: a worker. Standard input brings, pickled, the
+    parent's PID and the file descriptor to report on, then one job after another
+    ``(target, args, label, threads, show)``; after each, one JSON line ``[kind, message]`` on
+    that descriptor. It ends at the end of its input, or once a job did not end ``done`` (an
+    interrupt, an error: nothing of it may reach a later job)."""
+    stdin = sys.stdin.buffer
+    parent, fd = pickle.load(stdin)
+    _die_with(parent)
+    os.setpgrp()
+    import torch
+
+    from fedlore.data.federation import keep_built
+
+    fresh = torch.random.get_rng_state()
+    sys.stderr = _Lines(sys.stderr)
+    keep_built()  # one federation for every trial of the same data (each gets a copy)
     with os.fdopen(fd, "w") as out:
-        out.write(json.dumps([kind, message]) + "\n")
+        while True:
+            try:
+                ref, args, label, threads, show = pickle.load(stdin)
+            except EOFError:  # the pool is closed
+                break
+            module, _, name = ref.partition(":")
+            target: Any = importlib.import_module(module)
+            for part in name.split("."):
+                target = getattr(target, part)
+            kind, message = _job(target, args, label, threads, show, fresh)
+            out.write(json.dumps([kind, message]) + "\n")
+            out.flush()
+            if kind != "done":
+                break
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # every file of its jobs is closed: no interpreter shutdown (seconds with torch)
 
 
 def _prefixed(label: str) -> Any:
@@ -158,35 +195,65 @@ def run_jobs(
     jobs: Sequence[tuple[str, tuple[Any, ...]]],
     workers: int,
 ) -> list[Ended]:
-    """Run ``target(*args)`` for each ``(label, args)`` of ``jobs``, ``workers`` processes at a
-    time (``target`` and ``args`` must pickle: a module-level function and plain data); wait for
-    all of them. A signal received here stops the jobs running, and no other starts.
+    """Run ``target(*args)`` for each ``(label, args)`` of ``jobs``, on at most ``workers``
+    processes at once (``target`` and ``args`` must pickle: a module-level function and plain
+    data); wait for all of them. A signal received here stops the jobs running, and no other
+    starts. Inside :func:`kept` of the same ``workers``, its processes; else processes started
+    for this call and ended before it returns.
 
     Returns:
         How each job that started ended, in the order of ``jobs``.
     """
-    threads = threads_each(min(workers, len(jobs)))
-    show = progress.enabled()
-    ended: list[Ended] = []
-    queue = list(jobs)
-    with interrupt.deferred():  # a first signal sets the flag: passed on, then raised
-        while queue and interrupt.received() is None:
-            chunk, queue = queue[:workers], queue[workers:]
-            ended += _run_chunk(target, chunk, threads, show)
-    return ended
+    if _open is not None and _open.size == workers:
+        return _open.run(target, jobs)
+    pool = Pool(workers)
+    try:
+        return pool.run(target, jobs)
+    finally:
+        pool.close()
 
 
-def _run_chunk(
-    target: Callable[..., None],
-    chunk: Sequence[tuple[str, tuple[Any, ...]]],
-    threads: int,
-    show: bool,
-) -> list[Ended]:
-    ref = f"{target.__module__}:{target.__qualname__}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    started = []
-    for label, args in chunk:
-        theirs, mine = os.pipe()  # read end here, write end there
+_open: Pool | None = None
+"""The pool of :func:`kept` (None: outside it)."""
+
+
+@contextlib.contextmanager
+def kept(workers: int) -> Iterator[None]:
+    """Inside, :func:`run_jobs` at ``workers`` keeps its processes from one call to the next
+    (a search's batches): each imports once and keeps its federation; they end when it ends."""
+    global _open
+    outer, _open = _open, Pool(workers)
+    try:
+        yield
+    finally:
+        pool, _open = _open, outer
+        pool.close()
+
+
+@dataclass
+class _Worker:
+    """One worker process: its input, the read end of its reports, and its job (an index of
+    the jobs of :meth:`Pool.run`; None: idle)."""
+
+    proc: subprocess.Popen[bytes]
+    reports: int
+    job: int | None = None
+    pending: bytes = b""
+
+
+class Pool:
+    """At most ``size`` worker processes, started when a job needs one and kept for the next;
+    one that ended (killed, or after a job that did not end ``done``) is replaced by a new one
+    when a job needs it."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._workers: list[_Worker] = []
+        self._ended: list[_Worker] = []
+
+    def _start(self) -> _Worker:
+        reports, mine = os.pipe()  # read end here, write end there
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         proc = subprocess.Popen(
             [sys.executable, "-m", "fedlore.tune_parallel"],
             stdin=subprocess.PIPE,
@@ -194,38 +261,126 @@ def _run_chunk(
             pass_fds=(mine,),
         )
         os.close(mine)
-        assert proc.stdin is not None
-        with proc.stdin:
-            pickle.dump((ref, args, label, threads, show, os.getpid(), mine), proc.stdin)
-        started.append((label, proc, theirs))
-    try:
-        passed_on = False
-        while any(p.poll() is None for _, p, _ in started):
-            time.sleep(POLL_S)
-            if interrupt.received() is not None and not passed_on:
-                passed_on = True
-                _signal(started, signal.SIGTERM)
-    except BaseException:  # this process stops here (no fedlore handling): so do they
-        _signal(started, signal.SIGTERM)
-        for _, proc, _ in started:
-            proc.wait()
-        raise
-    out = []
-    for label, proc, fd in started:
-        with os.fdopen(fd) as report:
-            text = report.read()
+        worker = _Worker(proc, reports)
+        self._workers.append(worker)
+        self._send(worker, (os.getpid(), mine))
+        return worker
+
+    @staticmethod
+    def _send(worker: _Worker, message: object) -> bool:
+        """Whether ``message`` reached the worker's input (not: it has ended)."""
+        assert worker.proc.stdin is not None
         try:
-            kind, message = json.loads(text)
-        except ValueError:  # no report: it was killed, or its interpreter failed
-            kind, message = "died", f"exit status {proc.returncode}"
-        out.append(Ended(label, str(kind), str(message)))
-    return out
+            pickle.dump(message, worker.proc.stdin)
+            worker.proc.stdin.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            return False
+        return True
+
+    def _retire(self, worker: _Worker) -> None:
+        if worker in self._workers:
+            self._workers.remove(worker)
+            self._ended.append(worker)
+
+    def _idle(self) -> _Worker | None:
+        """A worker without a job (one that ended refuses the job: :meth:`run`), else a new
+        one when fewer than ``size`` are kept."""
+        idle = next((w for w in self._workers if w.job is None), None)
+        if idle is None and len(self._workers) < self.size:
+            idle = self._start()
+        return idle
+
+    def run(
+        self, target: Callable[..., None], jobs: Sequence[tuple[str, tuple[Any, ...]]]
+    ) -> list[Ended]:
+        """:func:`run_jobs` on this pool's processes."""
+        ref = f"{target.__module__}:{target.__qualname__}"
+        threads = threads_each(min(self.size, len(jobs)))
+        show = progress.enabled()
+        ended: dict[int, Ended] = {}
+        todo = list(enumerate(jobs))
+        with interrupt.deferred():  # a first signal sets the flag: passed on, then raised
+            try:
+                passed_on = False
+                while True:
+                    while todo and interrupt.received() is None:
+                        worker = self._idle()
+                        if worker is None:
+                            break
+                        i, (label, args) = todo[0]
+                        if self._send(worker, (ref, args, label, threads, show)):
+                            worker.job = i
+                            todo.pop(0)
+                        else:  # it ended (killed while idle, after a job): replaced
+                            self._retire(worker)
+                    busy = [w for w in self._workers if w.job is not None]
+                    if not busy:
+                        break
+                    if interrupt.received() is not None and not passed_on:
+                        passed_on = True
+                        _signal(busy, signal.SIGTERM)
+                    self._collect(busy, jobs, ended)
+            except BaseException:  # this process stops here (no fedlore handling): so do they
+                busy = [w for w in self._workers if w.job is not None]
+                _signal(busy, signal.SIGTERM)
+                for w in busy:
+                    w.proc.wait()
+                raise
+        return [ended[i] for i in sorted(ended)]
+
+    def _collect(
+        self,
+        busy: Sequence[_Worker],
+        jobs: Sequence[tuple[str, tuple[Any, ...]]],
+        ended: dict[int, Ended],
+    ) -> None:
+        """Wait up to :data:`POLL_S` for reports; record each job that ended."""
+        ready, _, _ = select.select([w.reports for w in busy], [], [], POLL_S)
+        for w in busy:
+            if w.reports not in ready or w.job is None:
+                continue
+            data = os.read(w.reports, 1 << 16)
+            w.pending += data
+            label = jobs[w.job][0]
+            if b"\n" in w.pending:
+                line, _, w.pending = w.pending.partition(b"\n")
+                try:
+                    kind, message = json.loads(line)
+                except ValueError:  # not a report: the job's own output on it
+                    kind, message = "error", f"unreadable report {line[:200]!r}"
+                ended[w.job] = Ended(label, str(kind), str(message))
+                w.job = None
+                if kind != "done":  # it ends after such a job
+                    self._retire(w)
+            elif not data:  # no report, and it ended: killed, or its interpreter failed
+                ended[w.job] = Ended(label, "died", f"exit status {w.proc.wait()}")
+                w.job = None  # ended: its input refuses the next job, and it is replaced
+
+    def close(self) -> None:
+        """End every worker: its input closed (it ends after its job), then waited for; one
+        still alive after :data:`CLOSE_S` seconds is killed."""
+        for w in self._workers:
+            assert w.proc.stdin is not None
+            with contextlib.suppress(OSError):
+                w.proc.stdin.close()
+        every, self._workers, self._ended = [*self._workers, *self._ended], [], []
+        deadline = time.monotonic() + CLOSE_S
+        for w in every:
+            try:
+                w.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+            if w.proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    w.proc.stdin.close()
+            os.close(w.reports)
 
 
-def _signal(started: Sequence[tuple[str, Any, Any]], sig: int) -> None:
-    for _, proc, _ in started:
-        if proc.poll() is None:
-            proc.send_signal(sig)
+def _signal(workers: Sequence[_Worker], sig: int) -> None:
+    for w in workers:
+        if w.proc.poll() is None:
+            w.proc.send_signal(sig)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,10 @@ as an uninterrupted one (the trials' runs are deterministic).
 **Batches.** With ``tune.workers`` W above 1 the trials are proposed W at a time, all of a batch
 before any of it trains (each records its batch, :data:`BATCH`), and trained at once, each in a
 process of its own (:mod:`fedlore.tune_parallel`); the next batch is proposed once the batch has
-ended. A trial is pruned by comparison with the trials before its batch. A search cut off
-between two proposals of a batch proposes the rest of it first, as the uninterrupted search did.
+ended. The W processes are kept for the whole search: each imports once, keeps the federation
+it built, and takes one trial after another. A trial is pruned by comparison with the trials
+before its batch. A search cut off between two proposals of a batch proposes the rest of it
+first, as the uninterrupted search did.
 
 **Failures.** A trial whose settings the config or the method refuses, or that raises a
 ``ValueError`` while it trains, is recorded as failed and the search goes on; one that
@@ -36,6 +38,7 @@ interrupt or an ``OSError`` (a full disk) leaves it running, for the next comman
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -341,7 +344,7 @@ def run_search(
 ) -> Outcome:
     """Run (or continue) ``search`` until ``search.trials`` trials have finished; write
     ``best.json``. With ``tune.workers`` W above 1, trials are proposed W at a time (a batch)
-    and trained at once, each in a process of its own (:mod:`fedlore.tune_parallel`).
+    and trained at once on W worker processes kept for the search (:mod:`fedlore.tune_parallel`).
 
     Args:
         engine: carries out the trials' runs (:func:`fedlore.experiment.run_experiment`'s;
@@ -364,7 +367,7 @@ def run_search(
         )
     folder = search.folder
     folder.mkdir(parents=True, exist_ok=True)
-    with RunLock(folder):  # a running trial in the study is a cut-off one
+    with RunLock(folder), _workers(workers):  # a running trial in the study is a cut-off one
         storage = _storage(folder)
         try:
             study = _study(storage, search)
@@ -380,6 +383,15 @@ def run_search(
         finally:
             storage.engine.dispose()
     return result
+
+
+def _workers(workers: int) -> contextlib.AbstractContextManager[None]:
+    """The search's worker processes, kept from one batch to the next (several workers)."""
+    if workers == 1:
+        return contextlib.nullcontext()
+    from fedlore.tune_parallel import kept
+
+    return kept(workers)
 
 
 def _storage(folder: Path) -> optuna.storages.RDBStorage:
@@ -425,8 +437,9 @@ def _run_batch(
     engine: Engine | None,
     callbacks: Callable[[int], Sequence[Callback]] | None,
 ) -> None:
-    """Train the trials of a batch: here one after the other (one worker), or each in a process
-    of its own; an interrupt, a full disk or an unexpected error is raised once all ended."""
+    """Train the trials of a batch: here one after the other (one worker), or each on a worker
+    process of the search's; an interrupt, a full disk or an unexpected error is raised once
+    all ended."""
     workers = search.cfg.tune.workers
     if workers == 1:
         for trial in batch:
@@ -458,7 +471,7 @@ def _run_batch(
 
 
 def _trial_process(search: Search, trial_id: int, number: int) -> None:
-    """Train one trial of a batch in a process of its own (:mod:`fedlore.tune_parallel`)."""
+    """Train one trial of a batch in a worker process (:mod:`fedlore.tune_parallel`)."""
     optuna = import_optuna()
     storage = _storage(search.folder)
     try:

@@ -28,7 +28,7 @@ level's own running statistics, unscaled, as the evaluator scores it on the test
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -46,11 +46,28 @@ from fedlore.algorithms.heterofl_bn import (
 from fedlore.algorithms.heterofl_plan import WidthPlan, extract, sub_model, width_plan
 from fedlore.config import ConfigError
 from fedlore.data.client_data import ClientData
+from fedlore.settings import LocalTraining
 from fedlore.tensors import load_model_arrays, select
 from fedlore.types import Broadcast, Reply, State
 
-if TYPE_CHECKING:
-    from fedlore.algorithms.heterofl import HeteroFL
+
+class HasLevels(Protocol):
+    """What this module reads of :class:`fedlore.algorithms.heterofl.HeteroFL` (a protocol:
+    the method imports this module, so this module does not import it)."""
+
+    @property
+    def rates(self) -> tuple[float, ...]: ...
+    @property
+    def shares(self) -> tuple[int, ...]: ...
+    @property
+    def eval_levels(self) -> bool: ...
+    @property
+    def train(self) -> LocalTraining: ...
+    def rate_of(self, salt: int, client_id: int) -> float: ...
+    def client_rate(self, state: State, client_id: int) -> float: ...
+    def units(self, plan: WidthPlan, rnd: int, rate: float) -> list[torch.Tensor]: ...
+    def positions(self, state: State, rnd: int, rate: float) -> dict[str, torch.Tensor | None]: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +85,7 @@ def plan_of(state: State) -> WidthPlan:
     return WidthPlan.from_json(str(state.values["heterofl.plan"]))
 
 
-def queried(algo: HeteroFL, plan: WidthPlan) -> list[int]:
+def queried(algo: HasLevels, plan: WidthPlan) -> list[int]:
     """The levels (indices into ``rates``) whose statistics the query sets: none without
     BatchNorm; the full model's (rate 1); with ``eval_levels`` every level's."""
     if not plan.norms:
@@ -76,7 +93,7 @@ def queried(algo: HeteroFL, plan: WidthPlan) -> list[int]:
     return [j for j, r in enumerate(algo.rates) if algo.eval_levels or r == 1.0]
 
 
-def check_full(algo: HeteroFL, plan: WidthPlan) -> None:
+def check_full(algo: HasLevels, plan: WidthPlan) -> None:
     """Refuse a model with BatchNorm when no level can run the full-width model.
 
     Raises:
@@ -90,7 +107,7 @@ def check_full(algo: HeteroFL, plan: WidthPlan) -> None:
         )
 
 
-def init_levels(algo: HeteroFL, model: nn.Module, plan: WidthPlan) -> dict[str, torch.Tensor]:
+def init_levels(algo: HasLevels, model: nn.Module, plan: WidthPlan) -> dict[str, torch.Tensor]:
     """With ``eval_levels`` on a model with BatchNorm, every level below rate 1 starts with
     torch's initial running statistics (mean 0, variance 1) of its sub-model's widths."""
     out: dict[str, torch.Tensor] = {}
@@ -106,14 +123,14 @@ def init_levels(algo: HeteroFL, model: nn.Module, plan: WidthPlan) -> dict[str, 
     return out
 
 
-def level_arrays(algo: HeteroFL, state: State, rnd: int, j: int) -> dict[str, torch.Tensor]:
+def level_arrays(algo: HasLevels, state: State, rnd: int, j: int) -> dict[str, torch.Tensor]:
     """Level j's sub-model of round ``rnd`` (the trained tensors a client of its rate holds)."""
     model = select(state.arrays, "model.")
     where = algo.positions(state, rnd, algo.rates[j])
     return {k: extract(model[k], pos) for k, pos in where.items()}
 
 
-def query(algo: HeteroFL, state: State, rnd: int, client_id: int) -> Broadcast | None:
+def query(algo: HasLevels, state: State, rnd: int, client_id: int) -> Broadcast | None:
     """The query to ``client_id``: the sub-model of every queried level its rate can run."""
     plan = plan_of(state)
     check_full(algo, plan)
@@ -127,7 +144,7 @@ def query(algo: HeteroFL, state: State, rnd: int, client_id: int) -> Broadcast |
     return Broadcast(arrays=arrays, config={"round": rnd, QUERY: True})
 
 
-def answer(algo: HeteroFL, msg: Broadcast, model: nn.Module, data: ClientData) -> Reply:
+def answer(algo: HasLevels, msg: Broadcast, model: nn.Module, data: ClientData) -> Reply:
     """Client side: per level sent, the statistics of the client's training data through that
     sub-model (static BatchNorm, shortcuts routed as the global model's, no scaler)."""
     plan = width_plan(model)
@@ -152,7 +169,7 @@ def _split(reply: Reply, j: int) -> Reply:
 
 
 def absorb(
-    algo: HeteroFL, state: State, replies: list[tuple[int, Reply | None]], rnd: int
+    algo: HasLevels, state: State, replies: list[tuple[int, Reply | None]], rnd: int
 ) -> tuple[State, dict[str, object]]:
     """Server side: each queried level's running statistics pooled over the usable replies of
     the clients that could run it (a reply must hold exactly the levels its client was sent;
@@ -210,7 +227,7 @@ def absorb(
 
 
 def level_models(
-    algo: HeteroFL, state: State, model: nn.Module, num_clients: int
+    algo: HasLevels, state: State, model: nn.Module, num_clients: int
 ) -> list[tuple[float, nn.Module, dict[str, float]]]:
     """With ``eval_levels``: per level (largest rate first), (rate, its sub-model ready to
     evaluate, ``{"share", "clients", "params"}``): the level's configured share of the clients,

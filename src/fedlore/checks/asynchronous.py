@@ -13,8 +13,9 @@ depends on the method and on the other sections, and on the engine (:func:`check
   paper's secure aggregation needs a trusted enclave holding the buffer);
 * DP other than central DP with a fixed clip (DP-FedBuff, :mod:`fedlore.privacy.buffer_dp`):
   ``dp.mode: local`` and adaptive clipping (``dp.target_quantile``) are defined per synchronous
-  round; ``dp.max_contributions`` is FedBuff's alone; DP-FedBuff off the in-process engine
-  (tested in process only);
+  round; ``dp.max_contributions`` is FedBuff's alone; DP-FedBuff on the wall clock and on a
+  ``flwr run`` deployment (:func:`check_deployed`; tested in process and on ``engine:
+  flower-sim`` under the simulated clock only);
 * what is defined only for synchronous rounds: dropouts and a round deadline
   (``clients.dropout``, ``clients.round_deadline_s``: a client simply finishes later), malicious
   clients (``attack``), upload compression and robust aggregates (the server scales each delta
@@ -48,10 +49,12 @@ def asynchronous_problems(cfg: Config) -> list[str]:
             why + "dp.mode=local: DP-FedBuff is central DP (the server noises the buffer's "
             "sum); local DP over the buffer is not implemented"
         )
-    if cfg.dp.enabled and cfg.engine != "local":
+    if cfg.dp.enabled and cfg.asynchronous.clock == "wall":
         out.append(
-            why + f"dp on engine {cfg.engine}: DP-FedBuff's once-per-step rule and accounting "
-            "are tested in process only (engine: local); not yet on Flower's engines"
+            why + "dp and asynchronous.clock=wall: DP-FedBuff is tested on the simulated clock "
+            "only (in process and engine: flower-sim, whose rows are the in-process run's); on "
+            "the wall clock the buffer fills from real arrivals and dropped flights, where its "
+            "once-per-step rule and per-client counts are not tested"
         )
     if cfg.dp.enabled and cfg.dp.target_quantile is not None:
         out.append(
@@ -144,4 +147,22 @@ def check_in_process(cfg: Config, deployed: bool) -> None:
             "asynchronous.clock=wall in process (engine: local): there is no real clock to "
             "order the buffer (clients train one after another); use engine: flower-sim or a "
             "flwr run deployment, or asynchronous.clock=simulated"
+        )
+
+
+def check_deployed(cfg: Config) -> None:
+    """Refuse DP-FedBuff on a ``flwr run`` deployment (the deployed ServerApp calls this before
+    it trains): it is tested in process and on the Simulation Engine, whose rows are the
+    in-process run's; a deployment's float32 training in other processes, its resume (a new
+    process whose clients cannot answer) and its flights are not.
+
+    Raises:
+        ConfigError: one line naming the setting and why.
+    """
+    if cfg.asynchronous.enabled and cfg.dp.enabled:
+        raise ConfigError(
+            "asynchronous.buffer (FedBuff) with dp on a flwr run deployment: DP-FedBuff is "
+            "tested in process (engine: local) and on engine: flower-sim only, whose rows equal "
+            "the in-process run's; a deployment's resume and client processes are not tested "
+            "with it; run it with engine: flower-sim or in process"
         )

@@ -5,12 +5,16 @@ loads the configured source (:func:`load_source`) and hands it to its builder (a
 precision. The :class:`~fedlore.data.container.Federation` it returns is importable from here.
 
 Every random step of a builder draws from its own stream (:func:`fedlore.seeding.data_rng`), so
-the same seed gives the same federation for every method and every call.
+the same seed gives the same federation for every method and every call. A process that runs
+many experiments of the same data (a worker of ``fedlore tune --workers``) may keep the last
+federation built (:func:`keep_built`): each call then gets a copy of its own.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
+import json
 from typing import Any
 
 from fedlore import registry
@@ -22,7 +26,21 @@ from fedlore.data.datasource import DataSource
 from fedlore.data.labelled_federation import labelled_federation
 from fedlore.progress import say
 
-__all__ = ["SOURCE_OPTIONS", "Federation", "build_federation", "load_source"]
+__all__ = [
+    "FEDERATION_FIELDS",
+    "SOURCE_OPTIONS",
+    "Federation",
+    "build_federation",
+    "keep_built",
+    "load_source",
+]
+
+FEDERATION_FIELDS = ("data", "partition", "num_clients", "precision", "flower")
+"""The config's settings a federation is built from, with the seed: every one a builder reads
+(a test holds the builders to it). Two configs equal in these share a kept federation."""
+
+_kept: dict[str, Federation] | None = None
+"""The last federation built, by :func:`_key` (None: none is kept, the default)."""
 
 # DataConfig fields that only some sources take (the text sources, npz, hf, leaf): passed as
 # keyword arguments to a loader that declares them; set to a non-default value for any other
@@ -93,18 +111,45 @@ def build_federation(cfg: Config, seed: int) -> Federation:
             builder (a partition that is not a cover, a client left with no training data).
         ConfigError: from the builder, for a setting the source cannot honour.
     """
-    say(
-        "building the federation: %s, %d clients, %s partition (seed %d)",
-        cfg.data.name,
-        cfg.num_clients,
-        cfg.partition.name,
-        seed,
-    )
+    what = (cfg.data.name, cfg.num_clients, cfg.partition.name, seed)
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
+    key = None if _kept is None else _key(cfg, seed)
+    if _kept is not None and key in _kept:
+        say("the federation as built for the last run: %s, %d clients, %s partition (seed %d)",
+            *what)  # fmt: skip
+        return copy.deepcopy(_kept[key])  # its own: nothing a run changes reaches the next
+    say("building the federation: %s, %d clients, %s partition (seed %d)", *what)
     source = load_source(cfg.data)
     if isinstance(source, Corpus):
         fed = corpus_federation(cfg, seed, source)
     else:
         fed = labelled_federation(cfg, seed, source)
-    return with_precision(fed, cfg.precision)
+    fed = with_precision(fed, cfg.precision)
+    if _kept is not None and key is not None:
+        _kept.clear()  # the last one only: a search over data settings keeps one at a time
+        _kept[key] = fed
+        return copy.deepcopy(fed)
+    return fed
+
+
+def keep_built() -> None:
+    """From now on, in this process, :func:`build_federation` keeps the last federation it
+    built and answers a later call of the same :data:`FEDERATION_FIELDS` and seed with a copy
+    of it, instead of loading and partitioning the data again (a ``fedlore tune --workers``
+    worker, whose trials differ in training settings only). Every call gets a deep copy of its
+    own, so a run that changes its federation's tensors in place leaves the kept one as built:
+    each run gets what a fresh process would build. Memory: the kept federation besides the
+    running one's."""
+    global _kept
+    if _kept is None:
+        _kept = {}
+
+
+def _key(cfg: Config, seed: int) -> str:
+    """The settings of :data:`FEDERATION_FIELDS` and ``seed``, as one string."""
+    parts: dict[str, Any] = {}
+    for name in FEDERATION_FIELDS:
+        value = getattr(cfg, name)
+        parts[name] = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+    return json.dumps([seed, parts], sort_keys=True, default=str)

@@ -39,8 +39,8 @@ def starved(k: int, rnd: int, held: int, cap: int | None) -> str:
     """Round ``rnd`` holds ``held`` of its ``k`` updates and no client is in flight or can start
     (``cap``: ``dp.max_contributions``, or None)."""
     why = (
-        f"every other client is in the buffer or at dp.max_contributions={cap}; raise the "
-        "cap or lower rounds"
+        f"every other client is in the buffer or at dp.max_contributions={cap}; finish it "
+        "with --resume and a raised dp.max_contributions or fewer rounds"
         if cap is not None
         else "clients.availability leaves none; make more clients available"
     )

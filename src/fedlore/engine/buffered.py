@@ -68,6 +68,7 @@ from fedlore.algorithm import Algorithm
 from fedlore.config import AsynchronousConfig, Config
 from fedlore.engine import interrupt
 from fedlore.engine.async_clients import durations, pools, starved, unusable
+from fedlore.engine.cap_schedule import check_loop
 from fedlore.engine.loop import Callback, Row, add_scores, client_reports, drive
 from fedlore.engine.transport import Transport
 from fedlore.engine.validate import method_problem, validate_reply
@@ -436,6 +437,7 @@ class BufferedLoop:
         :meth:`fedlore.engine.loop.RoundLoop.run` does (the interrupted step is not recorded)."""
         if self.privacy is not None:  # DP-FedBuff's counts, from a resumed run's state
             self.privacy.restore(state)
+            check_loop(self, rounds)  # a cap whose schedule starves: refused before training
         return drive(self.run_round, self.callbacks, self.stop, state, start, rounds)
 
 

@@ -28,6 +28,7 @@ from fedlore.algorithm import Algorithm
 from fedlore.config import Config, ConfigError
 from fedlore.config_unset import resolve_unset, unset_rules
 from fedlore.device import PLATFORM_KEYS, platform_record
+from fedlore.engine.resume_changes import CHANGES, tolerated
 from fedlore.settings import RUN_WIDE, LocalTraining, config_paths, not_applicable
 
 MakeAlgorithm = Callable[[str, Config], Algorithm]
@@ -153,7 +154,8 @@ def check_same_config(cfg: Config, method: str, out: Path, make_algorithm: MakeA
             f"differently by default ({DEFAULTS_CHANGED[method]}); resuming would mix the two "
             "in one run. Run without --resume to start over"
         )
-    details = config_diff(cfg, method, raw, make_algorithm)
+    # a DP-FedBuff run may be resumed with another dp.max_contributions or rounds
+    details = config_diff(cfg, method, tolerated(cfg, raw), make_algorithm)
     if details:
         raise ConfigError(
             f"--resume: {out} was started with a different config ({details}); run without "
@@ -235,6 +237,7 @@ def config_diff(
     hyper_before = raw.pop("hyper", None)
     before = _flatten(raw)
     before.pop("data_fingerprint", None)  # compared by check_same_data
+    before.pop(CHANGES, None)  # a record of what resumes changed (engine.resume_changes)
     before.pop("ran_on", None)  # a record: a run may resume on another device
     for key in ("ran_threads", *PLATFORM_KEYS):
         before.pop(key, None)

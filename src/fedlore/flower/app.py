@@ -46,6 +46,7 @@ from torch import nn
 from fedlore import registry
 from fedlore.algorithm import Algorithm
 from fedlore.atomic import WriteError, explain
+from fedlore.checks.asynchronous import check_deployed
 from fedlore.config import Config, load_config, validate
 from fedlore.data.client_data import ClientData
 from fedlore.data.federation import Federation, build_federation
@@ -438,6 +439,7 @@ client_app = ClientApp()
 def _deployed_main(grid: Grid, context: Context) -> None:
     try:
         cfg, method, seed = _from_run_config(context)
+        check_deployed(cfg)  # DP-FedBuff: tested in process and on the Simulation Engine only
         # SIGINT / SIGTERM to this process stop the round loop between rounds, not mid-write
         with interrupt.handling():
             server_main(

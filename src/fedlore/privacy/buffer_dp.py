@@ -35,7 +35,10 @@ PLD as ``dp.accountant`` says). A step the client is not in does not read its da
 ε (``dp_epsilon`` of a row) is the largest over the clients of their ε at ``dp.delta``
 (:meth:`BufferDP.epsilon`); releases that a resume repeats (the DP ledger) and setup exchanges
 are counted for every client. ``dp.max_contributions`` caps the steps a client may be in: a
-client at the cap is not started again, so ε is bounded in advance by the cap's ε.
+client at the cap is not started again, so ε is bounded in advance by the cap's ε. A cap whose
+replayed schedule starves the run is refused before training
+(:mod:`fedlore.engine.cap_schedule`), and ``--resume`` may raise it
+(:mod:`fedlore.engine.resume_changes`): ε stays each client's over its counted steps.
 
 **Threat model.** A trusted server (it sees the clipped uploads, adds the noise and keeps it
 secret); the adversary sees every released global version (every row's model), the run's
