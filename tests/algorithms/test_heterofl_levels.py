@@ -1,6 +1,6 @@
 """HeteroFL's complexity levels (``eval_levels``) and the capacity-aware static batch norm query
 (:mod:`fedlore.algorithms.heterofl_levels`): each level's accuracy against the sub-model sliced
-by hand (static and rolling, with and without BatchNorm), each level's statistics the fp64 mean
+by hand (static and rolling, each with and without BatchNorm), each level's statistics the fp64 mean
 and unbiased variance of the data of the clients able to run it, no client sent a tensor wider
 than its level, the query's bytes the sum of the sub-models sent, the default rows unchanged,
 the refusals and a reply missing a level its client was sent left out of every level."""
@@ -90,7 +90,8 @@ def _by_hand(w: dict[str, torch.Tensor], x: torch.Tensor, u: torch.Tensor, j: in
 
 
 @pytest.mark.parametrize(
-    ("extraction", "norm"), [("static", False), ("rolling", False), ("static", True)]
+    ("extraction", "norm"),
+    [("static", False), ("rolling", False), ("static", True), ("rolling", True)],
 )
 def test_each_levels_accuracy_is_its_sub_model_sliced_by_hand(
     tmp_path: Path, extraction: str, norm: bool
