@@ -1,9 +1,9 @@
 """HeteroFL's complexity levels (``eval_levels``) and the capacity-aware static batch norm query
 (:mod:`fedlore.algorithms.heterofl_levels`): each level's accuracy against the sub-model sliced
-by hand (static and rolling, with and without BatchNorm), each level's statistics the fp64 mean
+by hand (static and rolling, each with and without BatchNorm), each level's statistics the fp64 mean
 and unbiased variance of the data of the clients able to run it, no client sent a tensor wider
-than its level, the query's bytes the sum of the sub-models sent, the default rows unchanged and
-the refusals."""
+than its level, the query's bytes the sum of the sub-models sent, the default rows unchanged,
+the refusals and a reply missing a level its client was sent left out of every level."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from fedlore.engine.callbacks import Checkpointer
 from fedlore.engine.rundir import run_dir
 from fedlore.experiment import run_one
 from fedlore.models.mlp import mlp
-from fedlore.types import State
+from fedlore.types import Reply, State
 
 SEED = 1
 F64 = torch.float64
@@ -90,7 +90,8 @@ def _by_hand(w: dict[str, torch.Tensor], x: torch.Tensor, u: torch.Tensor, j: in
 
 
 @pytest.mark.parametrize(
-    ("extraction", "norm"), [("static", False), ("rolling", False), ("static", True)]
+    ("extraction", "norm"),
+    [("static", False), ("rolling", False), ("static", True), ("rolling", True)],
 )
 def test_each_levels_accuracy_is_its_sub_model_sliced_by_hand(
     tmp_path: Path, extraction: str, norm: bool
@@ -225,3 +226,28 @@ def test_a_level_no_client_of_the_first_queried_round_can_run_is_refused(tmp_pat
     )
     with pytest.raises(ConfigError, match=r"round 0: no client of the round could run .* 1\.0"):
         run_one(cfg, "heterofl", SEED)
+
+
+def test_a_reply_missing_a_level_its_client_was_sent_is_left_out_of_every_level() -> None:
+    """A full-width client sent levels 1 and 1/2 that answers for level 1 only is left out of
+    both, its usable level-1 statistics included (a reply must hold exactly the levels sent);
+    the other full-width client's reply sets both levels alone."""
+    model = mlp((3,), 2, hidden=[4], norm="batch")
+    algo = HeteroFL.of(rates=(1.0, 0.5), eval_levels=True)
+    state = algo.init_server(model, torch.Generator().manual_seed(0))
+    full = [c for c in range(20) if algo.client_rate(state, c) == 1.0][:2]
+    assert len(full) == 2
+
+    def stats(j: int, width: int, scale: float) -> dict[str, torch.Tensor]:
+        return {
+            f"stats.{j}.body.1.count": torch.tensor(4.0, dtype=F64),
+            f"stats.{j}.body.1.sum": torch.full((width,), 4.0 * scale, dtype=F64),
+            f"stats.{j}.body.1.sumsq": torch.full((width,), 8.0 * scale**2, dtype=F64),
+        }
+
+    good = Reply(stats(0, 4, 1.0) | stats(1, 2, 1.0), {})
+    partial = Reply(stats(0, 4, 3.0), {})  # level 1/2 missing
+    new, metrics = algo.absorb_query(state, [(full[0], good), (full[1], partial)], 0)
+    assert metrics == {"sbn_clients": 1, "level_sbn_clients": {"1.0": 1, "0.5": 1}}
+    torch.testing.assert_close(new.arrays["model.body.1.running_mean"], torch.ones(4))
+    torch.testing.assert_close(new.arrays["levels.1.body.1.running_mean"], torch.ones(2))
