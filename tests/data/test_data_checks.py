@@ -133,6 +133,34 @@ def test_the_npz_loader_names_labels_no_model_can_use(tmp_path: Path) -> None:
         load_npz(str(tmp_path))
 
 
+def test_a_label_far_past_the_classes_is_refused_not_allocated(tmp_path: Path) -> None:
+    """Without class_names the model gets the largest label + 1 outputs: a sentinel label
+    (10**9) made the loader list 10**9 class names and the run was killed for memory after a
+    warning. Labels no example has may be as many as the examples (a warning), not more."""
+    y = np.arange(12) % 2
+    _npz(tmp_path, "test", 4, y=np.array([0, 1, 1, 0]))
+    _npz(tmp_path, "train", 12, y=np.where(np.arange(12) == 5, 19, y))  # 17 absent > 16
+    with pytest.raises(ValueError, match="outputs, 17 of them for labels no example has"):
+        load_npz(str(tmp_path))  # first: without the check, 10**9 below would fill the memory
+    _npz(tmp_path, "train", 12, y=np.where(np.arange(12) == 5, 10**9, y))
+    with pytest.raises(ValueError) as e:
+        load_npz(str(tmp_path))
+    assert str(e.value) == (
+        f"npz in {tmp_path}: the largest label is 1000000000, so the model would get 1000000001 "
+        "outputs, 999999998 of them for labels no example has (more than the 16 examples): "
+        "number the 3 classes 0 to 2, or store class_names, the full list of classes"
+    )
+    _npz(tmp_path, "train", 12, y=np.where(np.arange(12) == 5, 18, y))  # 16 absent: a warning
+    with pytest.warns(DataWarning, match=r"label\(s\) 2, 3, 4, 5, 6 \.\.\. have no example"):
+        assert load_npz(str(tmp_path)).num_classes == 19
+    names = np.array([str(c) for c in range(40)])  # class_names says the classes are meant
+    _npz(tmp_path, "train", 12, y=np.where(np.arange(12) == 5, 39, y), class_names=names)
+    _npz(tmp_path, "test", 4, y=np.array([0, 1, 1, 0]), class_names=names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_npz(str(tmp_path)).num_classes == 40
+
+
 def test_the_npz_loader_refuses_files_that_disagree_or_cannot_be_read(tmp_path: Path) -> None:
     """What a careless copy gives, each named in one line: class_names that differ between the
     two files (label k would mean one class in training and another in the test: the accuracy

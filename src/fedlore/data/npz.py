@@ -125,7 +125,8 @@ def load_npz(root: str | None = None, *, non_finite: str = "error") -> DataSourc
         ValueError: naming the file when an array is missing, x and y disagree in length,
             labels are not non-negative integers one per example, inputs are 1-D or differ
             in shape between the two files, the files' ``class_names`` differ, a label reaches
-            past ``class_names``, there is one class only, a
+            past ``class_names``, there is one class only, labels absent from both files
+            outnumber their examples (without ``class_names``: a sentinel such as 65535), a
             file holds no rows, or (``non_finite="error"``) an input is NaN or infinite
             (naming the array and the index).
 
@@ -169,6 +170,14 @@ def load_npz(root: str | None = None, *, non_finite: str = "error") -> DataSourc
             f"npz in {folder}: every label is {int(present[0])}, so there is 1 class; a "
             "classifier needs 2 or more (a site that holds one class of a federation's data "
             "gives class_names, the federation's list, in its file)"
+        )
+    examples = sum(len(y) for _, y, _ in read.values())
+    if names is None and top - len(present) > examples:  # a sentinel or a typo, not classes
+        raise ValueError(
+            f"npz in {folder}: the largest label is {top - 1}, so the model would get {top} "
+            f"outputs, {top - len(present)} of them for labels no example has (more than the "
+            f"{examples} examples): number the {len(present)} classes 0 to {len(present) - 1}, "
+            "or store class_names, the full list of classes"
         )
     if names is None and len(present) < top:
         _warn_absent_labels(folder, present, top)
