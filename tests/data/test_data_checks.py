@@ -161,6 +161,30 @@ def test_a_label_far_past_the_classes_is_refused_not_allocated(tmp_path: Path) -
         assert load_npz(str(tmp_path)).num_classes == 40
 
 
+def test_uint8_inputs_of_only_0_and_1_are_said_to_be_scaled(tmp_path: Path) -> None:
+    """uint8 inputs are read as 0-255 images and divided by 255, whatever their shape: a table
+    of 0/1 columns stored as uint8 (one-hot, a binarized image) silently became 0 and 1/255."""
+    onehot = np.eye(3, dtype=np.uint8)[np.arange(12) % 3]
+    _npz(tmp_path, "train", 12, x=onehot, y=np.arange(12) % 3)
+    _npz(tmp_path, "test", 3, x=onehot[:3] * 200, y=np.arange(3))  # grey levels: no warning
+    with pytest.warns(DataWarning) as caught:
+        src = load_npz(str(tmp_path))
+    assert [str(w.message) for w in caught] == [
+        f"{tmp_path / 'train.npz'}: x is uint8 and holds only 0 and 1, but uint8 inputs are read "
+        "as 0-255 images and divided by 255 (1 becomes 0.0039); store x as float32 or bool to "
+        "keep 0 and 1"
+    ]
+    assert src.train.x.max().item() == pytest.approx(1 / 255)  # the warning says what happens
+    _npz(tmp_path, "train", 12, x=onehot.astype(bool), y=np.arange(12) % 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # bool and float 0/1 stay 0 and 1, silently
+        assert load_npz(str(tmp_path)).train.x.max().item() == 1.0
+        _npz(tmp_path, "train", 12, x=onehot.astype(np.float32), y=np.arange(12) % 3)
+        assert load_npz(str(tmp_path)).train.x.max().item() == 1.0
+        _npz(tmp_path, "train", 12, x=onehot * 2, y=np.arange(12) % 3)  # a 2: grey levels
+        load_npz(str(tmp_path))
+
+
 def test_the_npz_loader_refuses_files_that_disagree_or_cannot_be_read(tmp_path: Path) -> None:
     """What a careless copy gives, each named in one line: class_names that differ between the
     two files (label k would mean one class in training and another in the test: the accuracy
