@@ -254,7 +254,8 @@ def test_a_report_pools_runs_of_one_data_folder_spelled_two_ways(tmp_path: Path)
     for seed, root in ((1, "good"), (2, "good/"), (3, "./good"), (4, "other")):
         run = tmp_path / "fedavg" / f"seed-{seed}"
         run.mkdir(parents=True)
-        (run / "config.json").write_text(json.dumps({**base, "data": {**base["data"], "root": root}}))
+        config = {**base, "data": {**base["data"], "root": root}}
+        (run / "config.json").write_text(json.dumps(config))
         (run / "metrics.jsonl").write_text(json.dumps({"round": 0, "accuracy": 0.5}) + "\n")
         summary = {"method": "fedavg", "seed": seed, "rounds": 1, "final_accuracy": 0.5}
         (run / "summary.json").write_text(json.dumps(summary))
