@@ -185,6 +185,12 @@ def test_uint8_inputs_of_only_0_and_1_are_said_to_be_scaled(tmp_path: Path) -> N
         load_npz(str(tmp_path))
 
 
+def _labelled(data: DataConfig) -> DataSource:
+    source = load_source(data)
+    assert isinstance(source, DataSource)
+    return source
+
+
 def test_input_noise_is_refused_for_inputs_outside_0_1(tmp_path: Path) -> None:
     """data.noise adds Gaussian noise and clips to [0, 1] (pixels): on standardized features
     the clip silently turned every value into 0 or 1 (76 % -> 61 % at eps = 0.1 on a
@@ -194,7 +200,7 @@ def test_input_noise_is_refused_for_inputs_outside_0_1(tmp_path: Path) -> None:
     edges[0, 0, 0, 0] = 1.0  # exactly [0, 1]: images, accepted
     _npz(tmp_path, "train", 12, x=edges, y=np.arange(12) % 3)
     _npz(tmp_path, "test", 4, y=np.arange(4) % 3)
-    assert len(load_source(noisy).train) == 12
+    assert len(_labelled(noisy).train) == 12
     for part, value, span in (("train", -0.5, "[-0.5, 1]"), ("test", 1.25, "[0, 1.25]")):
         x = edges.copy() if part == "train" else np.zeros((4, 1, 4, 4), np.float32)
         x[-1, 0, 1, 1] = value
@@ -207,7 +213,7 @@ def test_input_noise_is_refused_for_inputs_outside_0_1(tmp_path: Path) -> None:
             "(standardized features become 0 or 1); scale the inputs to [0, 1] first, or "
             "leave data.noise at 0"
         )
-        assert len(load_source(DataConfig(name="npz", root=str(tmp_path))).train) == 12
+        assert len(_labelled(DataConfig(name="npz", root=str(tmp_path))).train) == 12
         _npz(tmp_path, part, len(x), x=np.clip(x, 0, 1), y=np.arange(len(x)) % 3)
 
 
