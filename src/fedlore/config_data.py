@@ -35,7 +35,9 @@ class DataConfig(_Strict):
     """Share of the training set kept (stratified) before partitioning: the data size of the
     small-data protocols."""
     noise: float = Field(0.0, ge=0.0)
-    """Gaussian input noise level eps: x <- clip(x + eps * N(0, 1), 0, 1)."""
+    """Gaussian input noise level eps: x <- clip(x + eps * N(0, 1), 0, 1), for inputs in
+    [0, 1] (images' pixels; a source whose inputs lie outside [0, 1], such as standardized
+    features, is refused: scale them to [0, 1] first)."""
     label_flip: float = Field(0.0, ge=0.0, le=1.0)
     """Share of training labels replaced by a uniformly drawn other class."""
     server_fraction: float = Field(0.0, ge=0.0, lt=1.0)

@@ -18,6 +18,7 @@ the config models can use it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import PurePosixPath
 from typing import Any
 
 
@@ -115,3 +116,19 @@ def resolve_unset(
             continue
         if (value := means(*args)) is not None:
             record[key] = value
+
+
+FOLDER_KEYS = ("data.root", "data.tokenizer")
+"""Config paths that name a file or folder whose contents the run's data fingerprint holds:
+spellings of one path (``good``, ``good/``, ``./good``) are one setting."""
+
+
+def same_folder_spelling(record: dict[str, Any]) -> None:
+    """Write, in place, each path of :data:`FOLDER_KEYS` in ``record`` (flat dotted keys) in one
+    spelling: without a trailing ``/``, ``./`` segments or doubled ``/`` (``good/`` and
+    ``./good`` are ``good``; ``..`` and symbolic links are left alone, and so is a URL). A shell's
+    completion adds the slash, and a finished run would otherwise be another config's."""
+    for key in FOLDER_KEYS:
+        value = record.get(key)
+        if isinstance(value, str) and value and "://" not in value:
+            record[key] = str(PurePosixPath(value))

@@ -133,6 +133,90 @@ def test_the_npz_loader_names_labels_no_model_can_use(tmp_path: Path) -> None:
         load_npz(str(tmp_path))
 
 
+def test_a_label_far_past_the_classes_is_refused_not_allocated(tmp_path: Path) -> None:
+    """Without class_names the model gets the largest label + 1 outputs: a sentinel label
+    (10**9) made the loader list 10**9 class names and the run was killed for memory after a
+    warning. Labels no example has may be as many as the examples (a warning), not more."""
+    y = np.arange(12) % 2
+    _npz(tmp_path, "test", 4, y=np.array([0, 1, 1, 0]))
+    _npz(tmp_path, "train", 12, y=np.where(np.arange(12) == 5, 19, y))  # 17 absent > 16
+    with pytest.raises(ValueError, match="outputs, 17 of them for labels no example has"):
+        load_npz(str(tmp_path))  # first: without the check, 10**9 below would fill the memory
+    _npz(tmp_path, "train", 12, y=np.where(np.arange(12) == 5, 10**9, y))
+    with pytest.raises(ValueError) as e:
+        load_npz(str(tmp_path))
+    assert str(e.value) == (
+        f"npz in {tmp_path}: the largest label is 1000000000, so the model would get 1000000001 "
+        "outputs, 999999998 of them for labels no example has (more than the 16 examples): "
+        "number the 3 classes 0 to 2, or store class_names, the full list of classes"
+    )
+    _npz(tmp_path, "train", 12, y=np.where(np.arange(12) == 5, 18, y))  # 16 absent: a warning
+    with pytest.warns(DataWarning, match=r"label\(s\) 2, 3, 4, 5, 6 \.\.\. have no example"):
+        assert load_npz(str(tmp_path)).num_classes == 19
+    names = np.array([str(c) for c in range(40)])  # class_names says the classes are meant
+    _npz(tmp_path, "train", 12, y=np.where(np.arange(12) == 5, 39, y), class_names=names)
+    _npz(tmp_path, "test", 4, y=np.array([0, 1, 1, 0]), class_names=names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_npz(str(tmp_path)).num_classes == 40
+
+
+def test_uint8_inputs_of_only_0_and_1_are_said_to_be_scaled(tmp_path: Path) -> None:
+    """uint8 inputs are read as 0-255 images and divided by 255, whatever their shape: a table
+    of 0/1 columns stored as uint8 (one-hot, a binarized image) silently became 0 and 1/255."""
+    onehot = np.eye(3, dtype=np.uint8)[np.arange(12) % 3]
+    _npz(tmp_path, "train", 12, x=onehot, y=np.arange(12) % 3)
+    _npz(tmp_path, "test", 3, x=onehot[:3] * 200, y=np.arange(3))  # grey levels: no warning
+    with pytest.warns(DataWarning) as caught:
+        src = load_npz(str(tmp_path))
+    assert [str(w.message) for w in caught] == [
+        f"{tmp_path / 'train.npz'}: x is uint8 and holds only 0 and 1, but uint8 inputs are read "
+        "as 0-255 images and divided by 255 (1 becomes 0.0039); store x as float32 or bool to "
+        "keep 0 and 1"
+    ]
+    assert src.train.x.max().item() == pytest.approx(1 / 255)  # the warning says what happens
+    _npz(tmp_path, "train", 12, x=onehot.astype(bool), y=np.arange(12) % 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # bool and float 0/1 stay 0 and 1, silently
+        assert load_npz(str(tmp_path)).train.x.max().item() == 1.0
+        _npz(tmp_path, "train", 12, x=onehot.astype(np.float32), y=np.arange(12) % 3)
+        assert load_npz(str(tmp_path)).train.x.max().item() == 1.0
+        _npz(tmp_path, "train", 12, x=onehot * 2, y=np.arange(12) % 3)  # a 2: grey levels
+        load_npz(str(tmp_path))
+
+
+def _labelled(data: DataConfig) -> DataSource:
+    source = load_source(data)
+    assert isinstance(source, DataSource)
+    return source
+
+
+def test_input_noise_is_refused_for_inputs_outside_0_1(tmp_path: Path) -> None:
+    """data.noise adds Gaussian noise and clips to [0, 1] (pixels): on standardized features
+    the clip silently turned every value into 0 or 1 (76 % -> 61 % at eps = 0.1 on a
+    3-class table)."""
+    noisy = DataConfig(name="npz", root=str(tmp_path), noise=0.1)
+    edges = np.zeros((12, 1, 4, 4), np.float32)
+    edges[0, 0, 0, 0] = 1.0  # exactly [0, 1]: images, accepted
+    _npz(tmp_path, "train", 12, x=edges, y=np.arange(12) % 3)
+    _npz(tmp_path, "test", 4, y=np.arange(4) % 3)
+    assert len(_labelled(noisy).train) == 12
+    for part, value, span in (("train", -0.5, "[-0.5, 1]"), ("test", 1.25, "[0, 1.25]")):
+        x = edges.copy() if part == "train" else np.zeros((4, 1, 4, 4), np.float32)
+        x[-1, 0, 1, 1] = value
+        _npz(tmp_path, part, len(x), x=x, y=np.arange(len(x)) % 3)
+        with pytest.raises(ValueError) as e:
+            load_source(noisy)
+        assert str(e.value) == (
+            "data.noise=0.1 adds pixel noise and clips every input to [0, 1], but the inputs "
+            f"of source 'npz' span {span}: the clip would replace every value outside [0, 1] "
+            "(standardized features become 0 or 1); scale the inputs to [0, 1] first, or "
+            "leave data.noise at 0"
+        )
+        assert len(_labelled(DataConfig(name="npz", root=str(tmp_path))).train) == 12
+        _npz(tmp_path, part, len(x), x=np.clip(x, 0, 1), y=np.arange(len(x)) % 3)
+
+
 def test_the_npz_loader_refuses_files_that_disagree_or_cannot_be_read(tmp_path: Path) -> None:
     """What a careless copy gives, each named in one line: class_names that differ between the
     two files (label k would mean one class in training and another in the test: the accuracy

@@ -196,8 +196,24 @@ def test_text_file_encoding_and_line_numbers(tmp_path: Path) -> None:
         load_text_jsonl(str(latin_jsonl))
     gap = tmp_path / "gap.csv"
     gap.write_text("text,label\nhello,a\n\n\nworld,\n")
-    with pytest.raises(ValueError, match=r"gap.csv:5: needs fields 'text' and 'label'"):
+    with pytest.raises(ValueError) as e:
         load_text_csv(str(gap))
+    assert str(e.value) == (  # it said "needs fields 'text' and 'label', got ['label', 'text']"
+        f"{gap}:5: the row's 'label' is empty; every row needs a text and a label (in a CSV "
+        "file, a row cut short or a quote left open above it leaves its last fields empty)"
+    )
+    short = tmp_path / "short.csv"  # a row cut short: csv gives its missing fields as None
+    short.write_text("label,text\na,hello\nb\n")
+    with pytest.raises(ValueError, match=r"short.csv:3: the row's 'text' is empty"):
+        load_text_csv(str(short))
+    quote = tmp_path / "quote.csv"  # the open quote swallows the rest of the file
+    quote.write_text('text,label\n"unclosed,a\nbye,b\n')
+    with pytest.raises(ValueError, match=r"quote.csv:\d: the row's 'label' is empty"):
+        load_text_csv(str(quote))
+    null = tmp_path / "null.jsonl"
+    null.write_text('{"text": "a", "label": "x"}\n{"text": "b", "label": null}\n')
+    with pytest.raises(ValueError, match=r"null.jsonl:2: the row's 'label' is empty"):
+        load_text_jsonl(str(null))
     bom = tmp_path / "bom.csv"
     rows = "".join(f"entry {i},{'ab'[i % 2]}\n" for i in range(10))
     bom.write_bytes(codecs.BOM_UTF8 + ("text,label\n" + rows).encode())

@@ -67,8 +67,9 @@ def load_source(data: DataConfig) -> DataSource | Corpus:
     Raises:
         KeyError: for an unknown source.
         ValueError: when an option of :data:`SOURCE_OPTIONS` is set for a source that does not
-            take it, input noise is asked of a source whose inputs are token ids, or the loader
-            returns neither a DataSource nor a Corpus.
+            take it, input noise is asked of a source whose inputs are token ids or lie
+            outside [0, 1] (the noise is clipped to [0, 1]), or the loader returns neither a
+            DataSource nor a Corpus.
     """
     loader = registry.get("source", data.name)
     accepted = inspect.signature(loader).parameters
@@ -92,6 +93,17 @@ def load_source(data: DataConfig) -> DataSource | Corpus:
             f"data.noise={data.noise} adds pixel noise, but source {data.name!r} gives "
             f"{source.train.x.dtype} inputs (token ids); use data.label_flip for label noise"
         )
+    inputs = [split.x for split in (source.train, source.test) if split.x.numel()]
+    # the noise is clipped to [0, 1], images' pixel range (regression: refused when built)
+    if data.noise > 0 and inputs and source.task == "classification":
+        lo, hi = min(float(x.min()) for x in inputs), max(float(x.max()) for x in inputs)
+        if lo < 0 or hi > 1:
+            raise ValueError(
+                f"data.noise={data.noise} adds pixel noise and clips every input to [0, 1], but "
+                f"the inputs of source {data.name!r} span [{lo:.4g}, {hi:.4g}]: the clip would "
+                "replace every value outside [0, 1] (standardized features become 0 or 1); "
+                "scale the inputs to [0, 1] first, or leave data.noise at 0"
+            )
     return source
 
 

@@ -53,6 +53,14 @@ def _read_npz(path: Path, non_finite: str) -> Read:
     if len(y) and y.min() < 0:
         raise ValueError(f"{path}: negative label {int(y.min())}")
     x, y = check_rows(path, x, y, non_finite)  # not empty; NaN/inf refused or dropped
+    if x.dtype == np.uint8 and int(x.max()) <= 1:  # 0/1 columns or pixels, not 0-255 grey levels
+        warnings.warn(
+            f"{path}: x is uint8 and holds only 0 and 1, but uint8 inputs are read as 0-255 "
+            "images and divided by 255 (1 becomes 0.0039); store x as float32 or bool to keep "
+            "0 and 1",
+            DataWarning,
+            stacklevel=4,
+        )
     return x, y, names
 
 
@@ -100,8 +108,9 @@ def _warn_unseen_test_labels(folder: Path, read: dict[str, Read]) -> None:
 @register_source("npz")
 def load_npz(root: str | None = None, *, non_finite: str = "error") -> DataSource:
     """A labelled data set from ``root/train.npz`` and ``root/test.npz``, NumPy archives with
-    arrays ``x`` (inputs ``[B, ...]``: uint8 images are scaled to [0, 1], other inputs are cast
-    to float32; images as ``[B, C, H, W]``, tabular data as ``[B, F]``), ``y`` (int labels
+    arrays ``x`` (inputs ``[B, ...]``: uint8 inputs, of any shape, are read as 0-255 images and
+    scaled to [0, 1], other inputs are cast to float32; images as ``[B, C, H, W]``, tabular data
+    as ``[B, F]``), ``y`` (int labels
     ``[B]``) and, optionally, ``class_names`` (strings, index = label).
 
     Either file may be missing (an empty split), not both: a deployed site
@@ -125,13 +134,15 @@ def load_npz(root: str | None = None, *, non_finite: str = "error") -> DataSourc
         ValueError: naming the file when an array is missing, x and y disagree in length,
             labels are not non-negative integers one per example, inputs are 1-D or differ
             in shape between the two files, the files' ``class_names`` differ, a label reaches
-            past ``class_names``, there is one class only, a
+            past ``class_names``, there is one class only, labels absent from both files
+            outnumber their examples (without ``class_names``: a sentinel such as 65535), a
             file holds no rows, or (``non_finite="error"``) an input is NaN or infinite
             (naming the array and the index).
 
     Warns:
-        DataWarning: when ``test.npz`` holds labels no example of ``train.npz`` has; and,
-            without ``class_names``, when labels below the largest have no example at all.
+        DataWarning: when ``test.npz`` holds labels no example of ``train.npz`` has; without
+            ``class_names``, when labels below the largest have no example at all; and when a
+            uint8 ``x`` holds only 0 and 1 (scaled as 0-255 images, 1 becomes 1/255).
     """
     if root is None:
         raise FileNotFoundError(
@@ -169,6 +180,14 @@ def load_npz(root: str | None = None, *, non_finite: str = "error") -> DataSourc
             f"npz in {folder}: every label is {int(present[0])}, so there is 1 class; a "
             "classifier needs 2 or more (a site that holds one class of a federation's data "
             "gives class_names, the federation's list, in its file)"
+        )
+    examples = sum(len(y) for _, y, _ in read.values())
+    if names is None and top - len(present) > examples:  # a sentinel or a typo, not classes
+        raise ValueError(
+            f"npz in {folder}: the largest label is {top - 1}, so the model would get {top} "
+            f"outputs, {top - len(present)} of them for labels no example has (more than the "
+            f"{examples} examples): number the {len(present)} classes 0 to {len(present) - 1}, "
+            "or store class_names, the full list of classes"
         )
     if names is None and len(present) < top:
         _warn_absent_labels(folder, present, top)

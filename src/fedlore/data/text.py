@@ -389,6 +389,13 @@ def load_text_file(
         text, label = row.get("text"), row.get("label")
         if text is None or label is None or label == "":
             fields = sorted(k for k in row if k != "_line")
+            if "text" in fields and "label" in fields:  # there, but without a value
+                empty = "text" if text is None else "label"
+                raise ValueError(
+                    f"{where}: the row's '{empty}' is empty; every row needs a text and a label "
+                    "(in a CSV file, a row cut short or a quote left open above it leaves its "
+                    "last fields empty)"
+                )
             raise ValueError(f"{where}: needs fields 'text' and 'label', got {fields}")
         texts.append(str(text))
         raw_labels.append(str(label))

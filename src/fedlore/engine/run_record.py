@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from fedlore import registry
 from fedlore.algorithm import Algorithm
 from fedlore.config import Config, ConfigError
-from fedlore.config_unset import resolve_unset, unset_rules
+from fedlore.config_unset import resolve_unset, same_folder_spelling, unset_rules
 from fedlore.device import PLATFORM_KEYS, platform_record
 from fedlore.engine.resume_changes import CHANGES, tolerated
 from fedlore.settings import RUN_WIDE, LocalTraining, config_paths, not_applicable
@@ -246,6 +246,7 @@ def config_diff(
     now = _flatten(_run_config(cfg, method))
     for record in (before, now):  # the folder's name, not a setting: a renamed copy is the same
         record.pop("name", None)
+        same_folder_spelling(record)  # data.root=good/ is data.root=good
     cls = registry.get("algorithm", method)
     defaults = _defaults(cls, method)
     if hyper_before is not None:  # the method's settings as resolved (types and defaults)

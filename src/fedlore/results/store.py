@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedlore.config_unset import same_folder_spelling
 from fedlore.results.folders import (
     SEED_DIR,
     UnreadableFolderWarning,
@@ -341,7 +342,9 @@ def run_config(record: RunRecord) -> dict[str, Any] | None:
         return None
     if not isinstance(raw, dict):
         return None
-    return {**_defaults(), **_flat({k: v for k, v in raw.items() if k not in RECORD_KEYS})}
+    out = {**_defaults(), **_flat({k: v for k, v in raw.items() if k not in RECORD_KEYS})}
+    same_folder_spelling(out)  # data.root=good/ and data.root=good are one config
+    return out
 
 
 def split_by_config(runs: dict[str, list[RunRecord]]) -> dict[str, list[RunRecord]]:
