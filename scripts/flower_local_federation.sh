@@ -74,7 +74,14 @@ LINK=127.0.0.1:$BASE_PORT   # Flower 1.42 serves Fleet, Control and ServerAppIo 
   > "$WORK/superlink.log" 2>&1 &
 PIDS+=($!)
 echo "SuperLink pid $! (logs in $WORK, removed once the run has finished)"
-sleep 3
+# wait until it accepts connections (a fixed sleep was too short on a loaded machine: flwr run
+# then failed on the connection)
+for _ in $(seq 1200); do
+  (exec 3<>"/dev/tcp/127.0.0.1/$BASE_PORT") 2>/dev/null && break
+  kill -0 "${PIDS[0]}" 2>/dev/null || { echo "fedlore: the SuperLink exited; see $WORK/superlink.log" >&2; exit 1; }
+  sleep 0.1
+done
+(exec 3<>"/dev/tcp/127.0.0.1/$BASE_PORT") 2>/dev/null || { echo "fedlore: the SuperLink did not open port $BASE_PORT in 120 s; see $WORK/superlink.log" >&2; exit 1; }
 for i in $(seq 0 $((N - 1))); do
   NODE_CONFIG="partition-id=$i num-partitions=$N"
   if [ -n "$SITE_FLAG" ]; then
