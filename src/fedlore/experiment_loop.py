@@ -10,6 +10,7 @@ test split, the privacy mechanism beside its ε, and a transport's own measureme
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from fedlore.experiment_parts import Experiment, make_diagnoser
 from fedlore.experiment_privacy import client_sampler, privacy_summary
 from fedlore.privacy import Privacy
 from fedlore.privacy.buffer_dp import BufferDP
-from fedlore.results.summary import summarize
+from fedlore.results.summary import read_metrics, summarize
 from fedlore.types import State
 
 
@@ -103,6 +104,7 @@ def final_summary(
     """The finished run's summary (module docstring): what ``summary.json`` holds."""
     cfg: Config = exp.cfg
     summary = summarize(exp.method, exp.seed, metrics, cfg.eval.metrics)
+    warn_no_update(exp, read_metrics(metrics))
     if stopper is not None:  # stopped_round, best_round; final_* of the best round
         stopper.finish(summary, metrics, tuple(cfg.eval.metrics))
     if exp.fed.test_split is not None:  # no test split of its own: what was held out
@@ -116,3 +118,24 @@ def final_summary(
     if measured is not None:
         summary.update(measured())
     return summary
+
+
+class NoUpdateWarning(UserWarning):
+    """A finished run none of whose rounds aggregated a client's update."""
+
+
+def warn_no_update(exp: Experiment, rows: list[dict[str, Any]]) -> None:
+    """Warn when no round of a finished run aggregated an update (every reply lost or
+    rejected: a round deadline nobody meets, uploads the checks refuse): its model is the
+    initial one, which its scores alone do not say. Names the first round's first reason."""
+    train = [r for r in rows if isinstance(r.get("round"), int) and r["round"] >= 0]
+    if not train or any(r.get("accepted", 1) for r in train):
+        return
+    reasons = [why for r in train for why in r.get("rejected_reasons", [])]
+    first = f" (the first: {reasons[0]})" if reasons else ""
+    warnings.warn(
+        f"{exp.method} seed {exp.seed}: no round of {len(train)} aggregated a client update: "
+        f"every reply was lost or rejected{first}; the model is the initial one",
+        NoUpdateWarning,
+        stacklevel=2,
+    )
