@@ -103,6 +103,16 @@ def test_the_round_s_level_is_the_one_broadcast_expected_and_queried() -> None:
         assert algo.expected_reply(state, t, 0)["update.body.0.weight"][0] == (hidden, 3)
         query = algo.query(state, t, 0)  # only a client of rate 1 can run the full model
         assert (query is not None) == (rate == 1.0)
+    # the server pools a query reply by the client's level of the round it was queried in
+    c = next(c for c in range(50) if algo.client_rate(state, c, 0) == 0.5)
+    t = next(t for t in range(1, 50) if algo.client_rate(state, c, t) == 1.0)
+    query = algo.query(state, t, c)
+    assert query is not None
+    data = _data(torch.randn(8, 3), torch.tensor([0, 1] * 4))
+    reply, _ = algo.client_update(query, None, model, data, torch.Generator().manual_seed(0))
+    new, metrics = algo.absorb_query(state, [(c, reply)], t)
+    assert metrics["sbn_clients"] == 1
+    assert not torch.equal(new.arrays["model.body.1.running_mean"], torch.zeros(4))
 
 
 def _no_timing(row: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +138,7 @@ def test_a_dynamic_run_resumed_after_a_kill_equals_an_uninterrupted_one(tmp_path
 
 def test_a_bad_assignment_is_refused() -> None:
     with pytest.raises(ValueError, match="assignment"):
-        HeteroFL.of(assignment="sometimes")  # type: ignore[arg-type]
+        HeteroFL.of(assignment="sometimes")
 
 
 # ------------------------------------------------------------------ label-split masking
