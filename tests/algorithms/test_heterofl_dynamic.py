@@ -21,7 +21,7 @@ from fedlore.engine.rundir import run_dir
 from fedlore.experiment import run_one
 from fedlore.models.mlp import mlp
 from fedlore.tensors import select
-from fedlore.types import Reply
+from fedlore.types import Reply, State
 
 SEED = 1
 
@@ -113,6 +113,20 @@ def test_the_round_s_level_is_the_one_broadcast_expected_and_queried() -> None:
     new, metrics = algo.absorb_query(state, [(c, reply)], t)
     assert metrics["sbn_clients"] == 1
     assert not torch.equal(new.arrays["model.body.1.running_mean"], torch.zeros(4))
+
+
+def test_eval_levels_count_each_levels_clients_of_the_last_aggregated_round() -> None:
+    algo = HeteroFL.of(rates=(1.0, 0.5), assignment="dynamic", eval_levels=True)
+    model = mlp((3,), 2, hidden=[4])
+    state = algo.init_server(model, torch.Generator().manual_seed(0))
+    seen = set()
+    for t in range(6):
+        at = State(state.arrays, {**state.values, "heterofl.round": t})
+        got = {rate: info["clients"] for rate, _, info in algo.level_models(at, model, 20)}
+        want = {r: float(sum(algo.client_rate(state, c, t) == r for c in range(20))) for r in got}
+        assert got == want
+        seen.add(got[1.0])
+    assert len(seen) > 1
 
 
 def _no_timing(row: dict[str, Any]) -> dict[str, Any]:
