@@ -66,7 +66,7 @@ def _tiny(hidden: int = 4) -> nn.Module:
 
 
 def _client_with(algo: HeteroFL, state: State, rate: float) -> int:
-    return next(c for c in range(200) if algo.client_rate(state, c) == rate)
+    return next(c for c in range(200) if algo.client_rate(state, c, 0) == rate)
 
 
 def _reply(delta: dict[str, torch.Tensor], n: int) -> Reply:

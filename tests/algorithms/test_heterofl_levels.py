@@ -160,7 +160,7 @@ def test_no_client_is_sent_a_tensor_wider_than_its_level(eval_levels: bool) -> N
     state = algo.init_server(model, torch.Generator().manual_seed(0))
     full = {k: v.shape for k, v in model.state_dict().items()}
     for cid in range(6):
-        rate = algo.client_rate(state, cid)
+        rate = algo.client_rate(state, cid, 3)
         msg = algo.query(state, 3, cid)
         levels = [j for j, r in enumerate(RATES) if r <= rate and (eval_levels or r == 1.0)]
         if not levels:
@@ -235,7 +235,7 @@ def test_a_reply_missing_a_level_its_client_was_sent_is_left_out_of_every_level(
     model = mlp((3,), 2, hidden=[4], norm="batch")
     algo = HeteroFL.of(rates=(1.0, 0.5), eval_levels=True)
     state = algo.init_server(model, torch.Generator().manual_seed(0))
-    full = [c for c in range(20) if algo.client_rate(state, c) == 1.0][:2]
+    full = [c for c in range(20) if algo.client_rate(state, c, 0) == 1.0][:2]
     assert len(full) == 2
 
     def stats(j: int, width: int, scale: float) -> dict[str, torch.Tensor]:

@@ -281,3 +281,37 @@ def test_heterofl_static_batch_norm_query_over_flower_matches_in_process(
                 assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), rate
         else:
             assert "levels" not in b
+
+
+def test_heterofl_dynamic_levels_and_label_masks_over_flower_match_in_process(
+    tmp_path: Path, digits_npz: list[str]
+) -> None:
+    """HeteroFL's dynamic assignment and label masking on the BatchNorm MLP: each round's level
+    reaches the ClientApp in the broadcast's ``rate`` (and its query in the sub-models sent), the
+    label set comes back as the reply's ``labels``; the run ends with the in-process run's model,
+    bytes and every round's per-client levels."""
+
+    def cfg(engine: str) -> Any:
+        return load_config(
+            None,
+            [
+                *SMALL,
+                *digits_npz,
+                "model.kwargs={hidden: [16], norm: batch}",
+                "method.heterofl.rates=[1.0, 0.5]",
+                "method.heterofl.shares=[3, 1]",
+                "method.heterofl.assignment=dynamic",
+                "method.heterofl.mask_labels=true",
+                "rounds=3",
+                "algorithms=[heterofl]",
+                f"output_dir={tmp_path / engine}",
+            ],
+        )
+
+    local, sim = cfg("local"), cfg("sim")
+    run_one(local, "heterofl", 42)
+    summary = run_simulated(sim, "heterofl", 42)
+    assert_matches(local, sim, "heterofl", summary)
+    levels = [r["width_rate"] for r in rows(local, "heterofl")]
+    assert levels == [r["width_rate"] for r in rows(sim, "heterofl")]
+    assert len({tuple(sorted(x.items())) for x in levels}) > 1  # the levels moved

@@ -32,14 +32,21 @@ the same size starting at ``t mod n`` (FedRolex, ``roll_by: unit``) or ``t · m 
 trained every unit after ``2^j`` rounds), wrapping around, so every unit is trained by every
 capacity level over the rounds.
 
-Rates (the paper's ``fix`` mode, each client's level fixed over the rounds, the levels in exact
-proportions): the clients come in blocks of ``S = Σ shares`` consecutive ids, each block holding
-every rate ``shares`` times (``shares`` empty: once) in an order drawn from the run's seed (a
-salt drawn in ``init_server`` from the server generator, kept in the server state) and the block.
+Rates, ``assignment: fixed`` (the paper's ``fix`` mode, each client's level fixed over the rounds,
+the levels in exact proportions): the clients come in blocks of ``S = Σ shares`` consecutive ids,
+each block holding every rate ``shares`` times (``shares`` empty: once) in an order drawn from the
+run's seed (a salt drawn in ``init_server`` from the server generator, kept in the server state)
+and the block.
 So a client's level depends only on the seed and its id (the same in every method and resume of
 a seed, whatever the number of clients), and every full block has the levels in the proportions
-of ``shares``: 10 clients at rates 1, 1/2, 1/4 are 3 + 3 + 3 and one drawn. The rate reaches the
-round's row as the per-client metric ``width_rate``.
+of ``shares``: 10 clients at rates 1, 1/2, 1/4 are 3 + 3 + 3 and one drawn. ``assignment:
+dynamic`` (the paper's ``dynamic`` mode): every round each client's level is drawn afresh, with
+probabilities proportional to ``shares``, from the generator seeded with (salt, round, client), so
+a run and its resumption draw the same levels; a client's level in a round is the one it trains,
+uploads and is queried with (static batch norm) in that round. The rate reaches the client in the
+broadcast's ``config["rate"]`` and the round's row as the per-client metric ``width_rate``.
+``mask_labels``: the paper's masked cross-entropy for label-skewed data
+(:mod:`fedlore.algorithms.heterofl_labels`; each client uploads its label set).
 
 Supported models: ``mlp`` (with or without BatchNorm), ``cnn`` and the CIFAR ResNets
 (``resnet20``/32/44/56 with BatchNorm: every conv and BatchNorm sliced along its stage's or block's
@@ -67,6 +74,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
+from fedlore.algorithms import heterofl_labels as labels
 from fedlore.algorithms import heterofl_levels as levels
 from fedlore.algorithms.base import ReplySpec
 from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
@@ -90,6 +98,8 @@ PLAN = "heterofl.plan"
 """Server state value: the model's :class:`~fedlore.algorithms.heterofl_plan.WidthPlan` (JSON)."""
 SALT = "heterofl.salt"
 """Server state value: the seed salt of the clients' rate draws."""
+DYNAMIC = 0x64796E
+"""Seed part of the dynamic assignment's draws (apart from the fixed blocks' streams)."""
 RATE = "width_rate"
 """Reply metric (recorded per client): the client's capacity rate r_k."""
 
@@ -118,6 +128,13 @@ class HeteroFL(FedAvg):
         eval_levels: on the rounds that evaluate (and the last), also evaluate every level's
             sub-model (the slice its clients train, with its own static batch norm statistics)
             on the test set: the row's ``levels`` (:mod:`~fedlore.algorithms.heterofl_levels`).
+        assignment: ``"fixed"`` (each client keeps the level of its block's draw) or
+            ``"dynamic"`` (every round each client's level is drawn afresh, with probabilities
+            proportional to ``shares``, from (the run's seed, the round, the client)).
+        mask_labels: the masked cross-entropy of label-skewed data: each client's logits of the
+            classes absent from its training data are masked out of its loss, and each row of
+            the output layer is averaged over the clients whose data holds that class
+            (:mod:`~fedlore.algorithms.heterofl_labels`; the client uploads its label set).
         local_optimizer: FedAvg's (``"sgd"``; ``"adamw"``), on the sub-model.
     """
 
@@ -149,6 +166,8 @@ class HeteroFL(FedAvg):
     roll_by: Literal["unit", "window"] = "unit"
     scaler: bool = True
     eval_levels: bool = False
+    assignment: Literal["fixed", "dynamic"] = "fixed"
+    mask_labels: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -169,6 +188,8 @@ class HeteroFL(FedAvg):
             raise ValueError(f"heterofl: invalid extraction={self.extraction!r}")
         if self.roll_by not in ("unit", "window"):
             raise ValueError(f"heterofl: invalid roll_by={self.roll_by!r}")
+        if self.assignment not in ("fixed", "dynamic"):
+            raise ValueError(f"heterofl: invalid assignment={self.assignment!r}")
         if self.train.freeze:
             raise ValueError(
                 f"heterofl: params.freeze={list(self.train.freeze)} is not implemented (every "
@@ -177,18 +198,25 @@ class HeteroFL(FedAvg):
 
     # ------------------------------------------------------------------ rates and indices
 
-    def rate_of(self, salt: int, client_id: int) -> float:
-        """Client ``client_id``'s capacity rate. The clients come in blocks of ``S = Σ shares``
-        consecutive ids (``client_id // S``); a block holds each rate ``shares`` times, in an
-        order drawn by the generator seeded with (``salt``, block), and the client takes its
-        place's rate (``client_id mod S``)."""
+    def rate_of(self, salt: int, client_id: int, rnd: int = 0) -> float:
+        """Client ``client_id``'s capacity rate in round ``rnd``. Fixed: the clients come in
+        blocks of ``S = Σ shares`` consecutive ids (``client_id // S``); a block holds each rate
+        ``shares`` times, in an order drawn by the generator seeded with (``salt``, block), and
+        the client takes its place's rate (``client_id mod S``); ``rnd`` is not read. Dynamic:
+        one draw with probabilities ``shares / S`` from the generator seeded with (``salt``,
+        ``rnd``, ``client_id``)."""
         counts = self.shares or (1,) * len(self.rates)
+        if self.assignment == "dynamic":
+            g = generator(salt, DYNAMIC, rnd, client_id)
+            weights = torch.tensor(counts, dtype=torch.float64)
+            return self.rates[int(torch.multinomial(weights, 1, generator=g))]
         block = [r for r, n in zip(self.rates, counts, strict=True) for _ in range(n)]
         order = torch.randperm(len(block), generator=generator(salt, client_id // len(block)))
         return block[int(order[client_id % len(block)])]
 
-    def client_rate(self, state: State, client_id: int) -> float:
-        return self.rate_of(int(state.values[SALT]), client_id)
+    def client_rate(self, state: State, client_id: int, rnd: int) -> float:
+        """Client ``client_id``'s rate in round ``rnd`` (:meth:`rate_of` with the run's salt)."""
+        return self.rate_of(int(state.values[SALT]), client_id, rnd)
 
     def units(self, plan: WidthPlan, rnd: int, rate: float) -> list[torch.Tensor]:
         """Per group of ``plan``, the global units a sub-model of ``rate`` holds in ``rnd``."""
@@ -216,7 +244,7 @@ class HeteroFL(FedAvg):
         return State(arrays=arrays, values={PLAN: plan.to_json(), SALT: salt})
 
     def broadcast(self, state: State, rnd: int, client_id: int) -> Broadcast:
-        rate = self.client_rate(state, client_id)
+        rate = self.client_rate(state, client_id, rnd)
         model = select(state.arrays, "model.")
         where = self.positions(state, rnd, rate)
         arrays = {"model." + k: extract(model[k], pos) for k, pos in where.items()}
@@ -253,7 +281,8 @@ class HeteroFL(FedAvg):
         rng: torch.Generator,
     ) -> tuple[Reply, State]:
         """Train the received sub-model (the scaler on below rate 1; BatchNorm static); upload
-        its delta. A query message (:meth:`query`): the statistics of the client's data."""
+        its delta (and with ``mask_labels`` its label set, the absent classes' logits masked in
+        training). A query message (:meth:`query`): the statistics of the client's data."""
         if msg.config.get(QUERY):
             return levels.answer(self, msg, model, data), State()
         start = select(msg.arrays, "model.")
@@ -262,8 +291,17 @@ class HeteroFL(FedAvg):
         if rate != 1.0 or plan.norms:  # a copy: the full model is never trained twice
             model = self.client_model(model, plan, start, rate, int(msg.config["round"]))
         load_model_arrays(model, start)
-        reply, _ = self.train_locally(msg, start, model, data, rng, self.loss_terms(start))
-        return Reply(reply.arrays, {**reply.metrics, RATE: rate}), State()
+        extra: dict[str, torch.Tensor] = {}
+        hook = None
+        if self.mask_labels:
+            extra[labels.LABELS] = labels.label_set(data, start[labels.HEAD + ".bias"].numel())
+            hook = labels.mask_logits(model, extra[labels.LABELS])
+        try:
+            reply, _ = self.train_locally(msg, start, model, data, rng, self.loss_terms(start))
+        finally:
+            if hook is not None:
+                hook.remove()  # the full model may be the caller's own
+        return Reply({**reply.arrays, **extra}, {**reply.metrics, RATE: rate}), State()
 
     def client_model(
         self,
@@ -287,7 +325,8 @@ class HeteroFL(FedAvg):
         self, state: State, replies: list[tuple[int, Reply | None]], rnd: int
     ) -> tuple[State, Scalars]:
         """Each entry: ``W + Σ_{k ∋ e} p_k Δ_k / Σ_{k ∋ e} p_k`` over the accepted clients
-        holding it (in float64, as FedAvg's mean); entries nobody holds keep their value.
+        holding it (in float64, as FedAvg's mean); entries nobody holds keep their value. With
+        ``mask_labels`` a client holds only the output layer's rows of its label set.
         Metrics: ``aggregated`` and ``covered`` (the share of the model's entries updated)."""
         ok = [(c, r) for c, r in replies if r is not None]
         values = dict(state.values)
@@ -302,8 +341,9 @@ class HeteroFL(FedAvg):
         num = {k: torch.zeros(v.numel(), dtype=wide, device=v.device) for k, v in model.items()}
         den = {k: torch.zeros(v.numel(), dtype=wide, device=v.device) for k, v in model.items()}
         for (c, r), w in zip(ok, weights, strict=True):
-            where = self.positions(state, rnd, self.client_rate(state, c))
+            where = self.positions(state, rnd, self.client_rate(state, c, rnd))
             delta = select(r.arrays, "update.")
+            present = r.arrays[labels.LABELS] if self.mask_labels else None
             for k, v in model.items():
                 pos = where[k]
                 flat = (
@@ -311,7 +351,8 @@ class HeteroFL(FedAvg):
                     if pos is None
                     else pos.reshape(-1).to(v.device)
                 )
-                num[k].index_add_(0, flat, float(w) * delta[k].to(wide).reshape(-1))
+                flat, d = labels.kept_rows(k, flat, delta[k], present)
+                num[k].index_add_(0, flat, float(w) * d.to(wide))
                 den[k].index_add_(0, flat, torch.full(flat.shape, float(w), dtype=wide))
         new, held, total = {}, 0, 0
         for k, v in model.items():
@@ -337,11 +378,13 @@ class HeteroFL(FedAvg):
                 )
             rate = self.rates[0]
         else:
-            rate = self.client_rate(state, client_id)
+            rate = self.client_rate(state, client_id, rnd)
         where = self.positions(state, rnd, rate)
         model = select(state.arrays, "model.")
         spec: ReplySpec = {}
         for k, pos in where.items():
             v = model[k]
             spec["update." + k] = (tuple(v.shape if pos is None else pos.shape), v.dtype)
+        if self.mask_labels:
+            spec[labels.LABELS] = ((model[labels.HEAD + ".bias"].numel(),), torch.bool)
         return spec

@@ -2,7 +2,8 @@
 client's capacity, and the evaluation of every level's sub-model
 (:mod:`fedlore.algorithms.heterofl`, :mod:`fedlore.algorithms.heterofl_bn`).
 
-**Which sub-models a client is queried with.** The query's *levels* are the full-width model
+**Which sub-models a client is queried with** (its rate: the one of the round it is queried
+after, also under dynamic assignment). The query's *levels* are the full-width model
 (rate 1: the global model that is always evaluated) and, with ``eval_levels``, every rate of
 ``rates``. A client of rate ``r_k`` is sent the sub-model of every queried level of rate
 ``<= r_k`` (its own width or narrower), each cut as a client of that level trains it in the
@@ -63,8 +64,7 @@ class HasLevels(Protocol):
     def eval_levels(self) -> bool: ...
     @property
     def train(self) -> LocalTraining: ...
-    def rate_of(self, salt: int, client_id: int) -> float: ...
-    def client_rate(self, state: State, client_id: int) -> float: ...
+    def client_rate(self, state: State, client_id: int, rnd: int) -> float: ...
     def units(self, plan: WidthPlan, rnd: int, rate: float) -> list[torch.Tensor]: ...
     def positions(self, state: State, rnd: int, rate: float) -> dict[str, torch.Tensor | None]: ...
 
@@ -134,7 +134,7 @@ def query(algo: HasLevels, state: State, rnd: int, client_id: int) -> Broadcast 
     """The query to ``client_id``: the sub-model of every queried level its rate can run."""
     plan = plan_of(state)
     check_full(algo, plan)
-    rate = algo.client_rate(state, client_id)
+    rate = algo.client_rate(state, client_id, rnd)
     levels = [j for j in queried(algo, plan) if algo.rates[j] <= rate]
     if not levels:
         return None
@@ -183,7 +183,7 @@ def absorb(
         return state, {}
     bad = {}  # a reply must hold the levels its client was sent, no more
     for cid, reply in replies:
-        sent = {str(j) for j in levels if algo.rates[j] <= algo.client_rate(state, cid)}
+        sent = {str(j) for j in levels if algo.rates[j] <= algo.client_rate(state, cid, rnd)}
         got = {k[len(STATS) :].split(".", 1)[0] for k in (reply.arrays if reply else ())}
         if reply is not None and got != sent:
             bad[cid] = f"levels {sorted(got)} in the reply, {sorted(sent)} sent"
@@ -194,7 +194,7 @@ def absorb(
         widths = {n: int(arrays[f"{where}{n}.running_mean"].numel()) for n in plan.norms}
         ok = []
         for cid, reply in replies:
-            if algo.client_rate(state, cid) < rate:
+            if algo.client_rate(state, cid, rnd) < rate:
                 continue  # never sent this level
             part = None if reply is None else _split(reply, j)
             why = "no reply" if part is None else bad.get(cid) or stats_problem(part, plan, widths)
@@ -231,7 +231,8 @@ def level_models(
 ) -> list[tuple[float, nn.Module, dict[str, float]]]:
     """With ``eval_levels``: per level (largest rate first), (rate, its sub-model ready to
     evaluate, ``{"share", "clients", "params"}``): the level's configured share of the clients,
-    how many of the ``num_clients`` have it, and its trained parameters. The sub-model is the
+    how many of the ``num_clients`` have it (in the last aggregated round, under dynamic
+    assignment), and its trained parameters. The sub-model is the
     one a client of the level holds after the last aggregated round, its BatchNorms with the
     level's running statistics; empty without ``eval_levels``."""
     if not algo.eval_levels:
@@ -239,8 +240,7 @@ def level_models(
     plan = plan_of(state)
     rnd = int(state.values.get(ROUND, 0))
     counts = algo.shares or (1,) * len(algo.rates)
-    salt = int(state.values["heterofl.salt"])
-    rates = [algo.rate_of(salt, c) for c in range(num_clients)]
+    rates = [algo.client_rate(state, c, rnd) for c in range(num_clients)]
     out = []
     for j in sorted(range(len(algo.rates)), key=lambda i: -algo.rates[i]):
         rate = algo.rates[j]
