@@ -25,13 +25,13 @@ def read_grid(path: Path) -> dict[str, Any]:
     """An ``experiments/lr_grid.py`` ``table.json`` in either of its forms: a diverged point's
     score (and a mean over no finite seed) is ``null`` since the table became strict JSON, and
     was ``NaN`` before; both read as NaN here, so a generator treats old and new tables alike.
-    Its other nulls (``chosen_at_grid_edge``) and the ``diverged_*`` reasons stay as they are."""
+    Its other nulls (``chosen_at_grid_edge``: not at an edge) stay as they are."""
     table: dict[str, Any] = read(path)
     for row in table["methods"].values():
         for key, value in row.items():
             if key in ("mean", "std", "loss_mean", "loss_std") and value is None:
                 row[key] = math.nan
-            elif isinstance(value, dict) and not key.startswith("diverged"):
+            elif isinstance(value, dict):  # scores by seed or rate (``diverged_*``: reasons)
                 row[key] = {k: math.nan if v is None else v for k, v in value.items()}
     return table
 

@@ -129,3 +129,21 @@ def test_the_generators_read_old_and_strict_lr_grid_tables_alike(
         json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} is not strict JSON"))
     pretrain = json.loads(generated["experiments/results/pretrain_rivals/summary.json"])
     assert pretrain["fedslop_selection_seed42"]["3"] is None  # the rate that diverged
+
+
+def test_a_strict_lr_grid_table_reads_as_the_older_form(tmp_path: Path) -> None:
+    """results_common.read_grid: a mean over no finite seed and a diverged point, null in a
+    strict table, read as NaN as they were written before; an edge that is none stays None."""
+    import results_common
+
+    row = {
+        "mean": None, "std": None, "loss_mean": None, "loss_std": None, "lr": 0.1,
+        "final_accuracy": {"42": None}, "selection_grid_seed42": {"0.1": None, "1": 50.0},
+        "chosen_at_grid_edge": None, "diverged_by_seed": {"42": "blew up"},
+    }  # fmt: skip
+    (tmp_path / "table.json").write_text(json.dumps({"methods": {"m": row}}))
+    got = results_common.read_grid(tmp_path / "table.json")["methods"]["m"]
+    assert all(got[k] != got[k] for k in ("mean", "std", "loss_mean", "loss_std"))
+    assert got["final_accuracy"]["42"] != got["final_accuracy"]["42"]
+    assert got["selection_grid_seed42"]["1"] == 50.0 and got["lr"] == 0.1
+    assert got["chosen_at_grid_edge"] is None and got["diverged_by_seed"] == {"42": "blew up"}
