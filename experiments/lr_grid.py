@@ -19,7 +19,9 @@ Usage::
 
 Each run is ``fedlore run CONFIG algorithms=<m> seeds=<s> lr=<lr> output_dir=<runs>/lr-<lr>
 [--set overrides] --resume`` in its own process (a killed driver resumes where it stopped;
-``<runs>`` defaults to the config's ``output_dir``; its output goes to
+``<runs>`` defaults to the config's ``output_dir``; a ``--set`` of ``algorithms``, ``seeds``,
+``name`` or ``output_dir`` chooses the methods, seeds, runs' name and that default, as in
+``sweep.py``, and ``--set lr=...`` is refused; its output goes to
 ``<out>/logs/<method>-<seed>-lr<lr>.log``, appended to on a rerun, so resuming a finished grid
 keeps every run's training log). Writes ``<out>/table.md``,
 ``<out>/table.json`` and the curves of the chosen runs (``<out>/*_vs_round.png``,
@@ -53,6 +55,21 @@ from fedlore.config import load_config
 from fedlore.results.plots import plot
 from fedlore.results.store import load_runs
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # lr_select beside it
+
+from lr_select import (  # lr_grid.score and the rest, as before the split
+    NO_SCORE,
+    NO_SELECTION,
+    cell,
+    diverged,
+    edge_warning,
+    grid_edge,
+    mean_cell,
+    mean_std,
+    score,
+    strict,
+)
+
 TABLE_ONLY = False
 EXTRA: list[str] = []  # --set overrides passed to every run
 NAME: list[str] = [""]  # the config's name (its runs' folder under <runs>/lr-<lr>/)
@@ -68,6 +85,18 @@ def parse_grid(items: list[str]) -> dict[str, list[float]]:
         for m in methods.split(","):
             out[m.strip()] = sorted(float(r) for r in rates.split(","))
     return out
+
+
+OWN_KEYS = ("algorithms", "seeds", "lr", "output_dir", "progress")
+"""Keys the grid sets in every run itself. A ``--set`` of ``algorithms``, ``seeds`` or
+``output_dir`` chooses the methods, the seeds and the default ``--runs`` root (read from the
+config with every ``--set``, as ``sweep.py`` reads them); ``lr`` is refused."""
+
+
+def passed_on(sets: list[str]) -> list[str]:
+    """The ``--set`` overrides given to every run: all but those of :data:`OWN_KEYS` (each run
+    gets its own method, seed, rate and folder, never a ``--set``'s)."""
+    return [kv for kv in sets if kv.partition("=")[0].strip() not in OWN_KEYS]
 
 
 def run_dir(root: str, name: str, lr: float, method: str, seed: int) -> Path:
@@ -95,7 +124,7 @@ def launch(config: str, root: str, method: str, seed: int, lr: float, log_dir: P
         f"lr={lr:g}",
         f"output_dir={root}/lr-{lr:g}",
         "progress=false",
-        *EXTRA,
+        *passed_on(EXTRA),
     ]
     log = log_dir / f"{method}-{seed}-lr{lr:g}.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -145,71 +174,10 @@ SEED_GRID = (1e-4, 3e-4, 5e-4, 8e-4, 1e-3, 3e-3, 5e-3)
 """Seed 000's learning-rate grid (Section 5 "Hyperparameter Settings", Appendices A and B)."""
 
 
-def score(result: dict[str, Any]) -> float:
-    """The selection score of a finished run (higher is better): the final accuracy on the
-    selection split, minus the final selection perplexity for a language model, minus the final
-    selection RMSE for regression; ``-inf`` for a run that diverged.
-
-    Raises:
-        SystemExit: when the run has no selection-split score (``data.selection_fraction`` 0):
-            the reported test set must not choose the rate.
-    """
-    if "final_perplexity" in result:
-        if "final_selection_perplexity" not in result:
-            raise SystemExit(NO_SELECTION)
-        ppl = result["final_selection_perplexity"]
-        return -float("inf") if ppl is None else -float(ppl)
-    if "final_rmse" in result:  # regression: the lowest selection RMSE
-        if "final_selection_rmse" not in result:
-            raise SystemExit(NO_SELECTION)
-        rmse = result["final_selection_rmse"]
-        return -float("inf") if rmse is None or rmse != rmse else -float(rmse)
-    if "final_selection_accuracy" not in result and result.get("final_accuracy") is not None:
-        raise SystemExit(NO_SELECTION)
-    acc = result.get("final_selection_accuracy")
-    return -float("inf") if acc is None or acc != acc else float(acc)
-
-
 INTERRUPTED = (
     "lr_grid: interrupted; no run starts after it, and finished runs are kept: the same command "
     "resumes the grid"
 )
-
-NO_SELECTION = (
-    "lr_grid: the runs have no selection-split score; set data.selection_fraction (e.g. 0.1) "
-    "so that the rate is chosen on held-out training data, not on the reported test set"
-)
-
-
-def grid_edge(rates: list[float], best: float) -> str | None:
-    """``"top"`` or ``"bottom"`` when ``best`` is the largest or smallest of a grid of at least
-    two rates (the best rate may lie beyond it), else None."""
-    if len(rates) < 2:
-        return None
-    return "top" if best == max(rates) else "bottom" if best == min(rates) else None
-
-
-def edge_warning(method: str, rates: list[float], best: float) -> str | None:
-    """The line that says a chosen rate sits at an edge of its grid, and how to widen it."""
-    edge = grid_edge(rates, best)
-    if edge is None:
-        return None
-    ordered = sorted(rates)
-    step = ordered[-1] / ordered[-2] if edge == "top" else ordered[0] / ordered[1]
-    beyond = best * step
-    return (
-        f"warning: {method} chose lr {best:g}, the {edge} of its grid "
-        f"{','.join(f'{r:g}' for r in ordered)}: a better rate may lie beyond it; widen the "
-        f"grid (e.g. --grid {method}={beyond:.2g},...) before trusting the choice"
-    )
-
-
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample std of the finite values (NaN, NaN when none; std 0 with one)."""
-    xs = [v for v in values if math.isfinite(v)]
-    if not xs:
-        return float("nan"), float("nan")
-    return statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
 def per_round(root: str, name: str, lr: float, method: str, seed: int) -> dict[str, float]:
@@ -249,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     global TABLE_ONLY
     TABLE_ONLY = args.table_only
     EXTRA[:] = args.set
-    cfg = load_config(args.config, list(args.set))
+    if "lr" in [kv.partition("=")[0].strip() for kv in args.set]:
+        raise SystemExit("lr_grid: --set lr=...: the grid sets each run's lr; give rates in --grid")
+    cfg = load_config(args.config, list(args.set))  # methods, seeds, name: --set's if given
     if cfg.data.selection_fraction == 0:
         raise SystemExit(NO_SELECTION)
     name, methods, seeds = cfg.name, list(cfg.algorithms), list(cfg.seeds)
@@ -362,14 +332,15 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
 
     def number(result: dict[str, Any], k: str) -> float:
+        """The run's ``k`` in the table's unit; NaN (null in table.json) when it diverged."""
         v = result.get(k)
-        return float("nan") if v is None else scale * float(v)
+        return float("nan") if v is None or diverged(result) else scale * float(v)
 
     for method in methods:
         lr = chosen[method]
         runs = [summary(args.runs, name, lr, method, s) for s in seeds]
         vals = [number(r, key) for r in runs]
-        losses = [float("nan") if r["final_loss"] is None else r["final_loss"] for r in runs]
+        losses = [number(r, "final_loss") / scale for r in runs]
         mean, std = mean_std(vals)  # over the seeds that did not diverge
         loss_mean, loss_std = mean_std(losses)
         comm: dict[str, Any] = dict(per_round(args.runs, name, lr, method, first))
@@ -385,6 +356,12 @@ def main(argv: list[str] | None = None) -> int:
             "mean": mean,
             "std": std,
             "diverged_seeds": sum(1 for v in vals if not math.isfinite(v)),
+            # why each diverged run did (its summary's reason, or no finite final score)
+            "diverged_by_seed": {
+                str(s): diverged(r) or NO_SCORE
+                for s, r, v in zip(seeds, runs, vals, strict=True)
+                if not math.isfinite(v)
+            },
             "loss_mean": loss_mean,
             "loss_std": loss_std,
             # what chose the rate: the selection split of the first seed
@@ -393,10 +370,16 @@ def main(argv: list[str] | None = None) -> int:
             },
             # for the record only (never used to choose): the test metric over the grid
             f"test_grid_seed{first}": {f"{g:g}": number(r, key) for g, r in grid_runs.items()},
+            # the grid's points that diverged (null in both grids above), and why
+            f"diverged_grid_seed{first}": {
+                f"{g:g}": diverged(r) or NO_SCORE
+                for g, r in grid_runs.items()
+                if not math.isfinite(number(r, sel_key))
+            },
             "chosen_at_grid_edge": grid_edge(grid[method], lr),  # "top", "bottom" or None
             **comm,
         }
-    (out / "table.json").write_text(json.dumps(table, indent=2))
+    (out / "table.json").write_text(json.dumps(strict(table), indent=2, allow_nan=False))
     lines = [
         f"| method | lr | {'val loss | ' if lm else ''}{label} (mean ± std) | per seed "
         f"| seed-{first} selection-split grid | MB up / client / round "
@@ -404,11 +387,14 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---|---|---|---|---|---|---|" + ("---|" if lm else ""),
     ]
     for method, row in table["methods"].items():
-        per_seed = ", ".join(f"{v:.1f}" for v in row[key].values())
-        grid_s = ", ".join(f"{k}: {v:.1f}" for k, v in row[f"selection_grid_seed{first}"].items())
-        loss = f"{row['loss_mean']:.3f} ± {row['loss_std']:.3f} | " if lm else ""
+        per_seed = ", ".join(cell(v, ".1f") for v in row[key].values())
+        grid_s = ", ".join(
+            f"{k}: {cell(v, '.1f')}" for k, v in row[f"selection_grid_seed{first}"].items()
+        )
+        loss = f"{mean_cell(row['loss_mean'], row['loss_std'], '.3f', 0)} | " if lm else ""
+        score_s = mean_cell(row["mean"], row["std"], ".2f", row["diverged_seeds"])
         lines.append(
-            f"| {method} | {row['lr']:g} | {loss}{row['mean']:.2f} ± {row['std']:.2f} | "
+            f"| {method} | {row['lr']:g} | {loss}{score_s} | "
             f"{per_seed} | {grid_s} | {row['up_per_client'] / 1e6:.3f} | "
             f"{row['down_per_client'] / 1e6:.3f} | {row['optimizer_state_bytes'] / 1e6:.3f} | "
             f"{row['wall_s_per_round']:.1f} |"

@@ -18,7 +18,10 @@ Usage::
 
 Each run is ``fedlore run CONFIG name=<name>-<setting> algorithms=<m> seeds=<s> <k=v ...>
 output_dir=<runs> [--set overrides] --resume`` in its own process, so a killed sweep resumes
-where it stopped. Writes ``<out>/table.md`` and ``<out>/table.json`` (per row each column's
+where it stopped. A ``--set`` of a key the sweep sets itself (``algorithms``, ``seeds``,
+``name``, ``output_dir``) chooses what the sweep runs, as in ``lr_grid.py``: the methods (else
+``--methods``, not both), the seeds, the runs' names and the default ``--runs`` root.
+Writes ``<out>/table.md`` and ``<out>/table.json`` (per row each column's
 values over the finished seeds, ``by_seed``: each seed's, to compare methods seed by seed, and
 for a method with per-client metrics of its own, such as APFL's ``alpha``, ``final_per_client``:
 their last-round values per seed).
@@ -83,23 +86,33 @@ def parse_vary(items: list[str]) -> list[tuple[str, list[str]]]:
 
 
 OWN_KEYS = ("name", "algorithms", "seeds", "output_dir", "progress")
-"""Keys the sweep sets in every run itself (``--methods``, the config's seeds, ``--runs``)."""
+"""Keys the sweep sets in every run itself. A ``--set`` of one is read as ``lr_grid.py`` reads
+it: the config with every ``--set`` gives the sweep its methods (``algorithms``, unless
+``--methods``), seeds, run names (``name``) and default ``--runs`` root (``output_dir``), and
+each run gets its own value, never the ``--set`` text (:func:`passed_on`)."""
 
 
-def refuse_clashes(vary: list[tuple[str, list[str]]], sets: list[str], methods: list[str]) -> None:
+def passed_on(sets: list[str]) -> list[str]:
+    """The ``--set`` overrides given to every run: all but those of :data:`OWN_KEYS`, which
+    the sweep has read from the config and sets in each run itself."""
+    return [kv for kv in sets if kv.partition("=")[0].strip() not in OWN_KEYS]
+
+
+def refuse_clashes(
+    vary: list[tuple[str, list[str]]], sets: list[str], methods: list[str], by_option: bool = False
+) -> None:
     """Refuse a sweep whose table would be labelled with values its runs do not have: a
-    ``--set`` of a key the sweep sets itself or of a ``--vary`` key (also as a method's own
-    ``method.<name>.<key>``), or a value or method named twice.
+    ``--set`` of a ``--vary`` key (also as a method's own ``method.<name>.<key>``), methods
+    given both by ``--methods`` (``by_option``) and ``--set algorithms=...``, or a value or
+    method named twice.
 
     Raises:
         ConfigError: naming the keys.
     """
     set_keys = [kv.partition("=")[0].strip() for kv in sets]
-    own = sorted(k for k in set_keys if k in OWN_KEYS)
-    if own:
+    if by_option and "algorithms" in set_keys:
         raise ConfigError(
-            f"--set {own}: the sweep sets these itself (--methods, the config's seeds, --runs); "
-            "change them there"
+            "--methods and --set algorithms=...: give the methods once (either selects them)"
         )
     varied = {k for k, _ in vary}
     leaves = {k.rsplit(".", 1)[-1] for k in varied}
@@ -214,11 +227,11 @@ def sweep(args: argparse.Namespace) -> int:
             value or method named twice, a method that is not registered or whose settings
             some run would refuse, or an ``--out`` that is a file.
     """
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, list(args.set))  # methods, seeds, name: --set's if given
     methods = args.methods.split(",") if args.methods else list(cfg.algorithms)
     root = args.runs or cfg.output_dir
     vary = parse_vary(args.vary)
-    refuse_clashes(vary, args.set, methods)
+    refuse_clashes(vary, args.set, methods, by_option=bool(args.methods))
     known = registry.names("algorithm")
     unknown = [m for m in methods if m not in known]
     if unknown:
@@ -229,7 +242,7 @@ def sweep(args: argparse.Namespace) -> int:
     ]
     for setting in settings:  # every run's config and method settings, before any run
         for method in methods:
-            given = [*[f"{k}={v}" for k, v in setting], *args.set, f"algorithms=[{method}]"]
+            given = [*args.set, *[f"{k}={v}" for k, v in setting], f"algorithms=[{method}]"]
             try:
                 make_algorithm(method, load_config(args.config, given))
             except (KeyError, ValueError) as e:
@@ -248,7 +261,7 @@ def sweep(args: argparse.Namespace) -> int:
         name = f"{cfg.name}-{label(setting)}"
         return [
             f"name={name}", f"algorithms={method}", f"seeds={seed}", f"output_dir={root}",
-            "progress=false", *[f"{k}={v}" for k, v in setting], *args.set,
+            "progress=false", *[f"{k}={v}" for k, v in setting], *passed_on(args.set),
         ]  # fmt: skip
 
     def other_config(setting: tuple[tuple[str, str], ...], method: str, seed: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -20,9 +21,41 @@ def read(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def read_grid(path: Path) -> dict[str, Any]:
+    """An ``experiments/lr_grid.py`` ``table.json`` in either of its forms: a diverged point's
+    score (and a mean over no finite seed) is ``null`` since the table became strict JSON, and
+    was ``NaN`` before; both read as NaN here, so a generator treats old and new tables alike.
+    Its other nulls (``chosen_at_grid_edge``: not at an edge) stay as they are."""
+    table: dict[str, Any] = read(path)
+    for row in table["methods"].values():
+        for key, value in row.items():
+            if key in ("mean", "std", "loss_mean", "loss_std") and value is None:
+                row[key] = math.nan
+            elif isinstance(value, dict):  # scores by seed or rate (``diverged_*``: reasons)
+                row[key] = {k: math.nan if v is None else v for k, v in value.items()}
+    return table
+
+
+def finite_or_none(data: Any) -> Any:
+    """``data`` with each non-finite float as None (``null``: ``NaN`` is not JSON)."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return None
+    if isinstance(data, dict):
+        return {k: finite_or_none(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [finite_or_none(v) for v in data]
+    return data
+
+
 def dump_json(data: Any) -> str:
-    """The committed form of a generated JSON file (sorted keys, floats as Python writes them)."""
-    return json.dumps(data, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+    """The committed form of a generated JSON file (sorted keys, floats as Python writes them,
+    strict JSON: a non-finite number, a diverged run's, is ``null``)."""
+    return (
+        json.dumps(
+            finite_or_none(data), indent=1, sort_keys=True, ensure_ascii=False, allow_nan=False
+        )
+        + "\n"
+    )
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from results_common import EXP, dump_json, mb, rate, read, span, table
+from results_common import EXP, dump_json, mb, rate, read, read_grid, span, table
 
 
 # ---------------------------------------------------------------- fedlore report folders
@@ -124,7 +124,7 @@ SKETCH_SETTINGS = (
 
 
 def sketch_setting(folder: str) -> dict[str, Any]:
-    tab = read(SKETCH / folder / "table.json")
+    tab = read_grid(SKETCH / folder / "table.json")
     energy = {e["method"]: e for e in read(SKETCH / folder / "energy.json")}
     out: dict[str, Any] = {}
     for m in SKETCH_METHODS:

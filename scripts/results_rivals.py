@@ -8,13 +8,13 @@ import math
 import statistics
 from typing import Any
 
-from results_common import EXP, LORA, dump_json, mb, rate, read, span
+from results_common import EXP, LORA, dump_json, mb, rate, read, read_grid, span
 
 
 # ---------------------------------------------------------------- Tables 1 and 2 (lr_grid)
 def grid_table_facts(folder: str) -> dict[str, str]:
     """The ratios and differences the Table 1 / Table 2 reading quotes."""
-    tab = read(EXP / folder / "table.json")
+    tab = read_grid(EXP / folder / "table.json")
     m = tab["methods"]
     fl = m["fedlore"]
     lora = [x for x in LORA if x in m]
@@ -69,7 +69,7 @@ def grid_table_facts(folder: str) -> dict[str, str]:
 
 # ---------------------------------------------------------------- Tables 3 and 4 (pre-training)
 def pretrain() -> dict[str, str]:
-    t3 = read(EXP / "pretrain_table3" / "table.json")["methods"]
+    t3 = read_grid(EXP / "pretrain_table3" / "table.json")["methods"]
     fl, ff = t3["fedlore"], t3["fedfull"]
 
     def sel(method: str) -> dict[str, float]:
@@ -99,10 +99,12 @@ def pretrain() -> dict[str, str]:
     abl = EXP / "pretrain_ablation"
     ranks = {"8": "rank-8", "16": "rank-16", "32": ".", "48": "rank-48"}
     rank_ppl = {
-        r: read(abl / d / "table.json")["methods"]["fedlore"]["mean"] for r, d in ranks.items()
+        r: read_grid(abl / d / "table.json")["methods"]["fedlore"]["mean"] for r, d in ranks.items()
     }
-    am = read(abl / "table.json")["methods"]
-    rank_seeds = {r: read(abl / d / "table.json")["methods"]["fedlore"] for r, d in ranks.items()}
+    am = read_grid(abl / "table.json")["methods"]
+    rank_seeds = {
+        r: read_grid(abl / d / "table.json")["methods"]["fedlore"] for r, d in ranks.items()
+    }
     facts_abl = {
         "methods": {k: {"ppl": v["mean"], "ppl_std": v["std"]} for k, v in am.items()},
         "seeds": len(am["fedlore"]["final_perplexity"]),
@@ -144,7 +146,7 @@ def subspace_rivals() -> dict[str, str]:
         folder = EXP / name
         if not (folder / "table.json").exists():
             continue
-        methods = read(folder / "table.json")["methods"]
+        methods = read_grid(folder / "table.json")["methods"]
         fl = methods["fedlore"]
         facts: dict[str, Any] = {
             "fedlore_ahead_paired": {
@@ -166,7 +168,7 @@ def subspace_rivals() -> dict[str, str]:
         }
         if (folder / "fedslop_grid" / "table.json").exists():  # FedSLoP's grid, extended
             grids = [methods["fedslop"]]
-            grids.append(read(folder / "fedslop_grid" / "table.json")["methods"]["fedslop"])
+            grids.append(read_grid(folder / "fedslop_grid" / "table.json")["methods"]["fedslop"])
             selection = {
                 rate(float(lr)): score
                 for g in grids

@@ -90,3 +90,60 @@ def test_pages_do_not_retype_numbers_in_the_generated_tables() -> None:
     for page in PAGES:
         pasted = rows & set(page.read_text(encoding="utf-8").splitlines())
         assert not pasted, f"{page.name} retypes rows of a generated table: {sorted(pasted)[:2]}"
+
+
+def _strict(value: Any) -> Any:
+    """``value`` as lr_grid.py writes it since table.json became strict JSON: NaN as null."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    return [_strict(v) for v in value] if isinstance(value, list) else value
+
+
+def test_the_generators_read_old_and_strict_lr_grid_tables_alike(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lr_grid.py's table.json held NaN for a diverged point (text_rivals, FedSLoP's pre-training
+    grid); it now holds null and names the point under ``diverged_grid_seed42``. The committed
+    tables keep the old form: rewritten in the new one, they give the same generated files, and
+    those are strict JSON (a diverged rate's score null, never NaN)."""
+    import results_rivals  # on sys.path: load_script() put scripts/ there
+
+    results = ROOT / "experiments" / "results"
+    names = ["subspace_rivals", "text_rivals", "pretrain_rivals"]
+    for name in [*names, *(f"{n}/fedslop_grid" for n in names)]:
+        if not (results / name / "table.json").exists():
+            continue
+        table = json.loads((results / name / "table.json").read_text())
+        for row in table["methods"].values():
+            grid = row["selection_grid_seed42"]
+            row["diverged_grid_seed42"] = {k: "blew up" for k, v in grid.items() if v != v}
+        (tmp_path / name).mkdir(parents=True)
+        (tmp_path / name / "table.json").write_text(json.dumps(_strict(table), allow_nan=False))
+    assert "null" in (tmp_path / "text_rivals" / "table.json").read_text()  # a diverged point
+    monkeypatch.setattr(results_rivals, "EXP", tmp_path)
+    generated = results_rivals.subspace_rivals()
+    assert generated == {k: v for k, v in OUTPUTS.items() if k in generated} and generated
+    for text in generated.values():
+        json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} is not strict JSON"))
+    pretrain = json.loads(generated["experiments/results/pretrain_rivals/summary.json"])
+    assert pretrain["fedslop_selection_seed42"]["3"] is None  # the rate that diverged
+
+
+def test_a_strict_lr_grid_table_reads_as_the_older_form(tmp_path: Path) -> None:
+    """results_common.read_grid: a mean over no finite seed and a diverged point, null in a
+    strict table, read as NaN as they were written before; an edge that is none stays None."""
+    import results_common
+
+    row = {
+        "mean": None, "std": None, "loss_mean": None, "loss_std": None, "lr": 0.1,
+        "final_accuracy": {"42": None}, "selection_grid_seed42": {"0.1": None, "1": 50.0},
+        "chosen_at_grid_edge": None, "diverged_by_seed": {"42": "blew up"},
+    }  # fmt: skip
+    (tmp_path / "table.json").write_text(json.dumps({"methods": {"m": row}}))
+    got = results_common.read_grid(tmp_path / "table.json")["methods"]["m"]
+    assert all(got[k] != got[k] for k in ("mean", "std", "loss_mean", "loss_std"))
+    assert got["final_accuracy"]["42"] != got["final_accuracy"]["42"]
+    assert got["selection_grid_seed42"]["1"] == 50.0 and got["lr"] == 0.1
+    assert got["chosen_at_grid_edge"] is None and got["diverged_by_seed"] == {"42": "blew up"}

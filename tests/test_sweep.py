@@ -67,8 +67,7 @@ def test_bad_sweeps_are_refused_before_any_run(
     assert sweep.main([str(tmp_path / "missing.yaml"), *out]) == 2
     assert "missing.yaml" in capsys.readouterr().err
     refused = {
-        ("--set", "seeds=[1,2]"): "the sweep sets these itself",
-        ("--set", "output_dir=elsewhere"): "the sweep sets these itself",
+        ("--methods", "fedavg", "--set", "algorithms=[fedprox]"): "give the methods once",
         ("--vary", "rank=2,4", "--set", "method.fedavg.rank=3"): "would override the --vary",
         ("--vary", "lr=0.1,0.2", "--set", "lr =0.3"): "would override the --vary",
         ("--vary", "lr=0.1,0.1"): r"--vary lr: \['0.1'\] named twice",
@@ -149,3 +148,38 @@ def test_fairness_adds_the_spread_of_the_clients_accuracies(tmp_path: Path) -> N
     assert row["final_client_accuracy_p10"][0] <= row["final_client_accuracy_mean"][0]
     head = (out / "table.md").read_text().splitlines()[0]
     assert "| worst client (%) | client p10 (%) | client std (pts) |" in head
+
+
+def test_a_set_of_the_sweeps_own_keys_chooses_what_it_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--set algorithms=... seeds=... name=... output_dir=...`` choose the methods, seeds,
+    run names and runs root, as in lr_grid.py (the sweep refused them once); each run gets its
+    own method, seed, name and folder, and never the --set text, which came after them and
+    overrode them in every run."""
+    sweep = _sweep()
+    calls: list[list[str]] = []
+
+    class Done:
+        returncode = 0
+
+    def fake_run(cmd: list[str], **_: object) -> Done:
+        calls.append(cmd)
+        return Done()
+
+    monkeypatch.setattr(sweep.subprocess, "run", fake_run)
+    config = tmp_path / "tiny.yaml"
+    config.write_text("name: tiny\nrounds: 1\nalgorithms: [fedavg]\nseeds: [1, 2, 3]\n")
+    own = ["algorithms=[fedprox,fedavg]", "seeds=[2,3]", "name=other"]
+    sets = [a for kv in [*own, f"output_dir={tmp_path / 'runs'}", "lr=0.5"] for a in ("--set", kv)]
+    args = [str(config), "--vary", "rank=2", *sets, "--out", str(tmp_path / "out"), "--jobs", "1"]
+    assert sweep.main(args) == 0
+    picked = sorted(tuple(a for a in c if a.startswith(("algorithms=", "seeds="))) for c in calls)
+    assert picked == [
+        (f"algorithms={m}", f"seeds={s}") for m in ("fedavg", "fedprox") for s in (2, 3)
+    ]
+    for cmd in calls:
+        for kv in own:  # each own key once, the run's own value; other --set values passed on
+            assert kv not in cmd and sum(a.startswith(kv.split("=")[0] + "=") for a in cmd) == 1
+        assert "name=other-rank-2" in cmd and f"output_dir={tmp_path / 'runs'}" in cmd
+        assert "lr=0.5" in cmd

@@ -157,6 +157,17 @@ def test_a_run_that_diverges_at_the_end_never_reports_an_earlier_score(tmp_path:
     assert summary["final_selection_accuracy"] is None and summary["final_selection_rmse"] is None
     grid = _lr_grid()
     assert grid.score(summary) == -float("inf")
+    # a run its summary calls diverged, whatever its (finite, blown-up) final score
+    finite = (
+        {"final_selection_accuracy": 0.9},
+        {"final_perplexity": 9e9, "final_selection_perplexity": 9e9},
+        {"final_rmse": 1e9, "final_selection_rmse": 1e9},
+    )
+    for done in finite:
+        assert grid.score(done) > -float("inf")
+        assert grid.score({**done, "diverged": "blew up"}) == -float("inf")
+    lm_nan = {"final_perplexity": 1.0, "final_selection_perplexity": float("nan")}
+    assert grid.score(lm_nan) == -float("inf")  # -NaN once: never the best, never the worst
     mean, std = grid.mean_std([0.5, float("nan"), 0.7])
     assert mean == pytest.approx(0.6) and std == pytest.approx(0.1414, abs=1e-3)
     assert all(math.isnan(v) for v in grid.mean_std([float("nan")]))
@@ -299,6 +310,112 @@ def test_a_rate_chosen_at_an_edge_of_its_grid_is_flagged() -> None:
     line = grid.edge_warning("fedlore", [1e-2, 3e-3], 1e-2)
     assert line is not None and "the top of its grid 0.003,0.01" in line
     assert "--grid fedlore=0.033," in line  # one more step of the grid's own ratio upward
-    low = grid.edge_warning("fedfull", [1e-4, 1e-3], 1e-4)
+    low = grid.edge_warning("fedfull", [1e-4, 1e-3], 1e-4)  # a decade: still the grid's step
     assert low is not None and "bottom" in low and "fedfull=1e-05," in low
     assert grid.edge_warning("fedlore", [1e-3, 3e-3, 1e-2], 3e-3) is None
+
+
+def test_a_grid_too_coarse_to_extend_is_filled_in_a_decade_at_a_time() -> None:
+    """``--grid fedavg=1e-2,1e6`` chose 1e-2 (1e6 diverged): extending the grid by its own
+    factor of 1e8 advised 1e-10; the advice is now a decade either side of the chosen rate."""
+    grid = _lr_grid()
+    low = grid.edge_warning("fedavg", [1e-2, 1e6], 1e-2)
+    assert low is not None and "1e-10" not in low and "too coarse" in low
+    assert "--grid fedavg=0.001,0.01,0.1)" in low and "a factor of 1e+08" in low
+    top = grid.edge_warning("fedavg", [1e-5, 1e-3, 1.0], 1.0)  # 1e-3 to 1: a factor of 1000
+    assert top is not None and "--grid fedavg=0.1,1,10)" in top
+    # just above a decade: filled in; at a decade and below: one more step of the grid's own
+    assert "too coarse" in (grid.edge_warning("m", [1e-3, 1.1e-2], 1.1e-2) or "")
+    assert "m=0.1,..." in (grid.edge_warning("m", [1e-3, 1e-2], 1e-2) or "")
+
+
+def _grid_run(
+    grid: ModuleType, runs: Path, lr: float, method: str, seed: int, **result: Any
+) -> None:
+    folder = grid.run_dir(str(runs), "tiny", lr, method, seed)
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps({"final_loss": 1.0, **result}))
+    rows = [
+        {"round": r, "wall_s": 1.0, "bytes_up": 1, "bytes_down": 2, "clients": 2} for r in (0, 1)
+    ]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_diverged_grid_point_is_null_in_table_json_and_said_in_table_md(tmp_path: Path) -> None:
+    """table.json is strict JSON (it held NaN for a diverged point): null, and the point named
+    with its reason under ``diverged_grid_seed<s>`` / ``diverged_by_seed``; table.md says
+    ``diverged`` (it said ``nan``). A run its summary calls diverged never wins, even with a
+    finite (blown-up) selection score, and its scores are not reported."""
+    grid = _lr_grid()
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        "name: tiny\nalgorithms: [fedavg, fedprox]\nseeds: [42, 43]\n"
+        "data: {selection_fraction: 0.1}\n"
+    )
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    ok = {"final_accuracy": 0.5, "final_selection_accuracy": 0.5}
+    blew = "the final test loss is 1e5 nats per example"
+    gone = {"final_accuracy": None, "final_selection_accuracy": None, "final_loss": None}
+    _grid_run(grid, runs, 1e-3, "fedavg", 42, **ok)
+    _grid_run(grid, runs, 1e-3, "fedavg", 43, **gone)
+    _grid_run(
+        grid, runs, 1e-2, "fedavg", 42, **{**ok, "final_selection_accuracy": 0.9}, diverged=blew
+    )
+    _grid_run(grid, runs, 1e6, "fedavg", 42, **gone)
+    for seed in (42, 43):  # every seed of fedprox diverged
+        _grid_run(grid, runs, 1e-3, "fedprox", seed, **gone, diverged="non-finite loss")
+    args = [str(config), "--grid", "fedavg=1e-3,1e-2,1e6", "--grid", "fedprox=1e-3"]
+    assert grid.main([*args, "--table-only", "--runs", str(runs), "--out", str(out)]) == 0
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not strict JSON: {constant}")
+
+    table = json.loads((out / "table.json").read_text(), parse_constant=refuse)
+    assert table["chosen"] == {"fedavg": 1e-3, "fedprox": 1e-3}  # 1e-2 diverged: never chosen
+    avg, prox = table["methods"]["fedavg"], table["methods"]["fedprox"]
+    assert avg["selection_grid_seed42"] == {"0.001": 50.0, "0.01": None, "1e+06": None}
+    assert avg["test_grid_seed42"] == {"0.001": 50.0, "0.01": None, "1e+06": None}
+    assert avg["diverged_grid_seed42"] == {"0.01": blew, "1e+06": "no finite final score"}
+    assert avg["final_accuracy"] == {"42": 50.0, "43": None} and avg["mean"] == 50.0
+    assert avg["diverged_seeds"] == 1 and avg["diverged_by_seed"] == {"43": "no finite final score"}
+    assert prox["mean"] is None and prox["std"] is None and prox["loss_mean"] is None
+    assert prox["diverged_by_seed"] == {"42": "non-finite loss", "43": "non-finite loss"}
+    md = (out / "table.md").read_text()
+    assert "nan" not in md.lower()
+    assert "| fedavg | 0.001 | 50.00 ± 0.00 (1 diverged) | 50.0, diverged |" in md
+    assert "| 0.001: 50.0, 0.01: diverged, 1e+06: diverged |" in md
+    assert "| fedprox | 0.001 | diverged | diverged, diverged | 0.001: diverged |" in md
+
+
+def test_a_set_of_the_grids_own_keys_chooses_what_it_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--set algorithms=...`` / ``seeds=...`` choose the grid's methods and seeds (read from
+    the config with the --set, as sweep.py reads them); every run gets its own method, seed,
+    rate and folder once: the --set text came after them and overrode them in each run (a
+    grid's every run trained all the --set's methods and seeds). ``--set lr=`` is refused."""
+    grid = _lr_grid()
+    calls: list[list[str]] = []
+
+    def fake_call(cmd: list[str], stdout: Any, **_: Any) -> int:
+        calls.append(cmd)
+        return 1  # failed: the grid stops after its first seed
+
+    monkeypatch.setattr(grid.subprocess, "call", fake_call)
+    config = tmp_path / "tiny.yaml"
+    config.write_text("name: tiny\nalgorithms: [fedavg]\ndata: {selection_fraction: 0.1}\n")
+    own = ["algorithms=[fedprox,fedavg]", "seeds=[7,8]", f"output_dir={tmp_path / 'r'}"]
+    sets = [a for kv in [*own, "progress=true", "rank=3"] for a in ("--set", kv)]
+    out = ["--out", str(tmp_path / "o"), "--jobs", "1"]
+    assert grid.main([str(config), *sets, "--grid", "fedavg,fedprox=1e-3,1e-2", *out]) == 1
+    assert len(calls) == 4  # both methods, both rates, the first seed (7) of the --set's
+    for cmd in calls:
+        for key in ("algorithms", "seeds", "lr", "output_dir", "progress"):
+            assert sum(a.startswith(f"{key}=") for a in cmd) == 1, (key, cmd)
+        assert "seeds=7" in cmd and "rank=3" in cmd and "progress=false" in cmd
+        assert any(a.startswith(f"output_dir={tmp_path / 'r'}/lr-") for a in cmd)
+    assert {a for c in calls for a in c if a.startswith("algorithms=")} == {
+        "algorithms=fedavg", "algorithms=fedprox",
+    }  # fmt: skip
+    with pytest.raises(SystemExit, match=r"--set lr=\.\.\.: the grid sets each run's lr"):
+        grid.main([str(config), "--set", "lr=0.1", "--grid", "fedavg=1e-3", *out])

@@ -15,7 +15,7 @@ from scipy import stats
 from test_report import rows_for, summ, write_run
 
 from fedlore.cli import main
-from fedlore.results.paired import paired_stats, paired_table
+from fedlore.results.paired import NoBaselineWarning, paired_stats, paired_table
 from fedlore.results.report import report
 from fedlore.results.store import load_runs, split_by_config
 
@@ -144,12 +144,37 @@ def test_a_folder_of_experiments_says_why_one_has_no_comparison(tmp_path: Path) 
         _run(root / "c", "fedavg", seed, 0.5)  # fedavg alone
         split = {**base, "lr": base["lr"] * seed}  # fedavg's runs split by config in d
         (_run(root / "d", "fedavg", seed, 0.5) / "config.json").write_text(json.dumps(split))
-    text = report(root, write=False, baseline="fedavg")  # a has it: no refusal
+    with pytest.warns(NoBaselineWarning) as said:  # a has it: no refusal
+        text = report(root, write=False, baseline="fedavg")
     a, b, c, d = text.split("## Paired against fedavg")[1:]
     assert "| mine | 2 | +10.00 |" in a
     assert "No row fedavg here (rows: mine)." in b
     assert "fedavg is the only row here: nothing to compare with it." in c
     assert "Its runs differ in config here (fedavg [lr=" in d and "name one of these rows" in d
+    # and one line beside the reports names the experiments without the baseline (b only)
+    line = "--baseline fedavg: no runs of it in 1 of the 4 experiments, so their reports compare "
+    assert [str(w.message) for w in said] == [line + "nothing with it: b"]
+
+
+def test_a_report_names_the_experiments_without_the_baseline_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fedlore report runs --baseline fedavg`` over experiments of which some have no fedavg
+    said so only inside each one's report.md: it prints one line naming them, and none when
+    every experiment has the baseline."""
+    root = tmp_path / "runs"
+    for seed in (1, 2):
+        for exp in ("a", "b", "c"):
+            _run(root / exp, "mine", seed, 0.6)
+        _run(root / "a", "fedavg", seed, 0.5)
+    assert main(["report", str(root), "--baseline", "fedavg", "--print-only"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "fedlore: warning: --baseline fedavg: no runs of it in 2 of the 3 experiments, so their "
+        "reports compare nothing with it: b, c"
+    ]
+    assert main(["report", str(root), "--baseline", "mine", "--print-only"]) == 0
+    assert "--baseline" not in capsys.readouterr().err
 
 
 def test_report_csv_carries_the_paired_columns_with_a_baseline(tmp_path: Path) -> None:

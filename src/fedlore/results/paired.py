@@ -238,3 +238,16 @@ def unknown_baseline(baseline: str, labels: list[str]) -> str:
         f"the methods here: {', '.join(methods)}"
         + (f"; rows of split configs: {', '.join(rows)}" if rows else "")
     )
+
+
+class NoBaselineWarning(UserWarning):
+    """``fedlore report --baseline M`` over several experiments, some without runs of ``M``:
+    their reports have no paired table (:func:`missing_baseline` names them)."""
+
+
+def missing_baseline(baseline: str, lacking: list[str], experiments: int) -> str:
+    """The one line naming the experiments (of ``experiments``) with no runs of ``baseline``."""
+    return (
+        f"--baseline {baseline}: no runs of it in {len(lacking)} of the {experiments} "
+        f"experiments, so their reports compare nothing with it: {', '.join(lacking)}"
+    )

@@ -25,7 +25,14 @@ from fedlore.results.markdown import (
     seeds_cell,
     to_markdown,
 )
-from fedlore.results.paired import baseline_label, paired_table, section, unknown_baseline
+from fedlore.results.paired import (
+    NoBaselineWarning,
+    baseline_label,
+    missing_baseline,
+    paired_table,
+    section,
+    unknown_baseline,
+)
 from fedlore.results.plots import plot
 from fedlore.results.stopping import derived_note, early_stopping_markdown
 from fedlore.results.store import (
@@ -344,18 +351,24 @@ def report(
     runs = _fedlore_experiments(path, experiments)
     experiments = list(runs)
     if baseline is not None:  # refused when no experiment has it (each says why it lacks it)
-        problems, found = [], False
-        for r in runs.values():
+        problems, found, lacking = [], False, []
+        for d, r in runs.items():
             try:
-                found = found or baseline_label(r, baseline) is not None
+                label = baseline_label(r, baseline)
             except ValueError as e:  # its runs split by config there: name a row
                 problems.append(str(e))
+                continue
+            found = found or label is not None
+            if label is None:
+                lacking.append(d.name)
         if not found:
             raise ValueError(
                 problems[0]
                 if problems
                 else unknown_baseline(baseline, [k for r in runs.values() for k in r])
             )
+        if lacking:  # one line, beside the reports, not only in each one's section
+            warnings.warn(missing_baseline(baseline, lacking, len(runs)), NoBaselineWarning, 2)
     return "\n".join(
         _report_experiment(d, keys, write, baseline, runs[d], _out_of(d, path, out))
         for d in experiments
