@@ -6,6 +6,7 @@ statistics, scored on the central test set against the row's ``levels``."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -197,3 +198,52 @@ def test_each_resnet_levels_statistics_are_of_the_evaluated_window(rolling: Run)
                     w[f"{hand.stats}{name}.running_var"].to(F64), var, rtol=1e-4, atol=1e-5
                 )
                 assert close == same or (rate == 1.0 and close), (rate, rnd, name)
+
+
+def _script() -> Any:
+    path = Path(__file__).resolve().parents[2] / "scripts" / "heterofl_windows.py"
+    spec = importlib.util.spec_from_file_location("heterofl_windows", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def _requeried(
+    cfg: Config, rows: list[dict[str, Any]], w: dict[str, torch.Tensor], j: int, rnd: int
+) -> float:
+    """Level j's accuracy (%) in round ``rnd``'s window with statistics re-queried by hand."""
+    fed = build_federation(cfg, SEED)
+    rates = {int(c): r for c, r in rows[-1]["width_rate"].items()}
+    xs = [fed.client(c).train.x for c, r in sorted(rates.items()) if r >= RATES[j]]
+    hand = ByHand(dict(w), j, rnd)
+    for name, (mean, var) in query_pass(hand, xs, 16).items():
+        hand.w[f"{hand.stats}{name}.running_mean"] = mean
+        hand.w[f"{hand.stats}{name}.running_var"] = var
+    test = fed.central_test
+    return 100 * float((hand.logits(test.x).argmax(1) == test.y).double().mean())
+
+
+def test_the_window_script_scores_each_level_in_another_rounds_window(
+    rolling: Run, tmp_path: Path
+) -> None:
+    """``scripts/heterofl_windows.py`` (the docs' windows of other rounds): in the last round's
+    window the row's accuracy; in the round before's, the sub-model rebuilt by hand with its
+    statistics re-queried by hand; on a static run, round s's rolling window (the static one
+    shifted by s units)."""
+    script = _script()
+    cfg, rows, w = rolling
+    got = script.windows(run_dir(cfg, "heterofl", SEED), [ROUNDS - 1, ROUNDS - 2])
+    assert set(got) == {"0.5", "0.25"}
+    for j, rate in enumerate(RATES[1:], 1):
+        scores = got[str(rate)]
+        assert scores["row"] == pytest.approx(100 * rows[-1]["levels"][str(rate)]["accuracy"])
+        assert scores[str(ROUNDS - 1)] == pytest.approx(scores["row"], abs=1e-4), rate
+        want = _requeried(cfg, rows, w, j, ROUNDS - 2)
+        assert scores[str(ROUNDS - 2)] == pytest.approx(want, abs=1e-4), rate
+    static = _cfg(tmp_path, "rounds=1")
+    rows, w = _run(static)
+    got = script.windows(run_dir(static, "heterofl", SEED), [0, 1])
+    for j, rate in enumerate(RATES[1:], 1):
+        assert got[str(rate)]["0"] == pytest.approx(got[str(rate)]["row"], abs=1e-4), rate
+        assert got[str(rate)]["1"] == pytest.approx(_requeried(static, rows, w, j, 1), abs=1e-4)
