@@ -36,23 +36,16 @@ def read_grid(path: Path) -> dict[str, Any]:
     return table
 
 
-def finite_or_none(data: Any) -> Any:
-    """``data`` with each non-finite float as None (``null``: ``NaN`` is not JSON)."""
-    if isinstance(data, float) and not math.isfinite(data):
-        return None
-    if isinstance(data, dict):
-        return {k: finite_or_none(v) for k, v in data.items()}
-    if isinstance(data, list | tuple):
-        return [finite_or_none(v) for v in data]
-    return data
-
-
 def dump_json(data: Any) -> str:
     """The committed form of a generated JSON file (sorted keys, floats as Python writes them,
     strict JSON: a non-finite number, a diverged run's, is ``null``)."""
     return (
         json.dumps(
-            finite_or_none(data), indent=1, sort_keys=True, ensure_ascii=False, allow_nan=False
+            experiment_module("lr_select").strict(data),
+            indent=1,
+            sort_keys=True,
+            ensure_ascii=False,
+            allow_nan=False,
         )
         + "\n"
     )
@@ -80,10 +73,15 @@ def mb(x: float) -> float:
     return x / 1e6
 
 
-def bayes_tables() -> ModuleType:
-    path = ROOT / "experiments" / "bayes_tables.py"
-    spec = importlib.util.spec_from_file_location("bayes_tables", path)
+def experiment_module(name: str) -> ModuleType:
+    """``experiments/<name>.py`` as a module (the experiments folder is not a package)."""
+    path = ROOT / "experiments" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def bayes_tables() -> ModuleType:
+    return experiment_module("bayes_tables")
