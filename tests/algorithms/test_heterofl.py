@@ -352,6 +352,7 @@ def test_a_reply_of_another_rates_shapes_is_rejected() -> None:
         ("method.heterofl.shares=[1, 0.5, 1, 1, 1]", "shares"),
         ("method.heterofl.extraction=random", "extraction"),
         ("method.heterofl.roll_by=half", "roll_by"),
+        ("method.heterofl.mask_fill=-inf", "mask_fill"),
         ("params.freeze=[head.bias]", "params.freeze"),
         ("method.heterofl.compression=topk", "does not offer upload compression"),
     ],
@@ -396,6 +397,7 @@ def test_models_without_a_width_plan_are_refused_in_one_line() -> None:
         ({"shares": (2, 0)}, "shares must be empty or one integer"),
         ({"extraction": "random"}, "invalid extraction"),
         ({"roll_by": "half"}, "invalid roll_by"),
+        ({"mask_fill": "inf"}, "invalid mask_fill"),
     ],
 )
 def test_settings_that_bypass_the_config_are_checked_by_the_method(
@@ -409,5 +411,14 @@ def test_settings_that_bypass_the_config_are_checked_by_the_method(
 def test_roll_by_is_read_only_under_rolling_extraction() -> None:
     from fedlore.engine.run_record import unread_given
 
-    assert unread_given(HeteroFL, {"hyper.extraction": "static"}) == {"hyper.roll_by"}
-    assert unread_given(HeteroFL, {"hyper.extraction": "rolling"}) == set()
+    masked = {"hyper.mask_labels": True}
+    assert unread_given(HeteroFL, {"hyper.extraction": "static", **masked}) == {"hyper.roll_by"}
+    assert unread_given(HeteroFL, {"hyper.extraction": "rolling", **masked}) == set()
+
+
+def test_mask_fill_is_read_only_with_mask_labels() -> None:
+    from fedlore.engine.run_record import unread_given
+
+    plain = {"hyper.extraction": "rolling", "hyper.mask_labels": False}
+    assert unread_given(HeteroFL, plain) == {"hyper.mask_fill"}
+    assert unread_given(HeteroFL, {**plain, "hyper.mask_labels": True}) == set()

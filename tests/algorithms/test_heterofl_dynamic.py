@@ -162,14 +162,16 @@ def _data(x: torch.Tensor, y: torch.Tensor) -> ClientData:
     return ClientData(0, TensorSplit(x, y), TensorSplit(x[:1], y[:1]))
 
 
-@pytest.mark.parametrize("masked", [True, False])
-def test_the_masked_loss_step_equals_a_hand_computation(masked: bool) -> None:
+@pytest.mark.parametrize(("masked", "fill"), [(True, "exclude"), (True, "zero"), (False, "")])
+def test_the_masked_loss_step_equals_a_hand_computation(masked: bool, fill: str) -> None:
     """One full-batch SGD step of a client holding classes 0 and 2 of 4: the update is
-    ``-lr ∇`` of the cross-entropy over its own classes' logits (all four unmasked)."""
+    ``-lr ∇`` of the cross-entropy over its own classes' logits (all four unmasked); with
+    ``mask_fill: zero`` (the authors' code) over all four, the absent two fixed at 0."""
     torch.manual_seed(0)
     model = mlp((3,), 4, hidden=[5])
     x, y = torch.randn(6, 3), torch.tensor([0, 2, 2, 0, 2, 0])
-    algo = HeteroFL.of(rates=(1.0,), mask_labels=masked, local_steps=1, batch_size=6, lr=0.5)
+    kw = {"mask_fill": fill} if fill else {}
+    algo = HeteroFL.of(rates=(1.0,), mask_labels=masked, local_steps=1, batch_size=6, lr=0.5, **kw)
     state = algo.init_server(model, torch.Generator().manual_seed(0))
     reply, _ = algo.client_update(
         algo.broadcast(state, 0, 0), None, model, _data(x, y), torch.Generator().manual_seed(1)
@@ -177,7 +179,9 @@ def test_the_masked_loss_step_equals_a_hand_computation(masked: bool) -> None:
     w = {k: v.double().requires_grad_() for k, v in select(state.arrays, "model.").items()}
     h = torch.relu(x.double() @ w["body.0.weight"].T + w["body.0.bias"])
     logits = h @ w["head.weight"].T + w["head.bias"]
-    keep = [0, 2] if masked else [0, 1, 2, 3]
+    keep = [0, 2] if masked and fill == "exclude" else [0, 1, 2, 3]
+    if fill == "zero":  # the absent classes' logits are a constant 0, not a function of w
+        logits = logits * torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=logits.dtype)
     target = torch.tensor([keep.index(int(c)) for c in y])
     loss = -torch.log_softmax(logits[:, keep], 1)[torch.arange(6), target].mean()
     grads = dict(zip(w, torch.autograd.grad(loss, list(w.values())), strict=True))

@@ -131,8 +131,8 @@ class FedFull(DenseServer, Hyper):
         compress_uploads=True,
         synchronous_only="",  # FedBuff adds staleness-weighted deltas (engine/buffered.py)
     )
-    # the settings read only at some values of another (fedlore.engine.rundir.read_only_with)
-    read_only_with: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {
+    # the settings read only at some values of another (run_record.unread_given)
+    read_only_with: ClassVar[dict[str, tuple[str, tuple[object, ...]]]] = {
         "compression_fraction": ("compression", ("topk",)),
         "compression_levels": ("compression", ("qsgd",)),
         "error_feedback": ("compression", ("topk", "qsgd")),

@@ -135,6 +135,10 @@ class HeteroFL(FedAvg):
             classes absent from its training data are masked out of its loss, and each row of
             the output layer is averaged over the clients whose data holds that class
             (:mod:`~fedlore.algorithms.heterofl_labels`; the client uploads its label set).
+        mask_fill: what the absent classes' logits become under ``mask_labels``: ``"exclude"``
+            (``-inf``: they leave the softmax, the loss is the cross-entropy over the client's
+            classes) or ``"zero"`` (0, as the authors' code: they stay in the normaliser with
+            weight ``exp(0)`` and get no gradient); read only with ``mask_labels``.
         local_optimizer: FedAvg's (``"sgd"``; ``"adamw"``), on the sub-model.
     """
 
@@ -157,8 +161,9 @@ class HeteroFL(FedAvg):
     )
     not_applicable: ClassVar[dict[str, str]] = UNCOMPRESSED
     per_client_metrics: ClassVar[tuple[str, ...]] = (RATE,)
-    read_only_with: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {
-        "roll_by": ("extraction", ("rolling",))
+    read_only_with: ClassVar[dict[str, tuple[str, tuple[object, ...]]]] = {
+        "roll_by": ("extraction", ("rolling",)),
+        "mask_fill": ("mask_labels", (True,)),
     }
     rates: tuple[float, ...] = (1.0, 0.5, 0.25, 0.125, 0.0625)
     shares: tuple[int, ...] = ()
@@ -168,6 +173,7 @@ class HeteroFL(FedAvg):
     eval_levels: bool = False
     assignment: Literal["fixed", "dynamic"] = "fixed"
     mask_labels: bool = False
+    mask_fill: Literal["exclude", "zero"] = "exclude"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -190,6 +196,8 @@ class HeteroFL(FedAvg):
             raise ValueError(f"heterofl: invalid roll_by={self.roll_by!r}")
         if self.assignment not in ("fixed", "dynamic"):
             raise ValueError(f"heterofl: invalid assignment={self.assignment!r}")
+        if self.mask_fill not in ("exclude", "zero"):
+            raise ValueError(f"heterofl: invalid mask_fill={self.mask_fill!r}")
         if self.train.freeze:
             raise ValueError(
                 f"heterofl: params.freeze={list(self.train.freeze)} is not implemented (every "
@@ -295,7 +303,7 @@ class HeteroFL(FedAvg):
         hook = None
         if self.mask_labels:
             extra[labels.LABELS] = labels.label_set(data, start[labels.HEAD + ".bias"].numel())
-            hook = labels.mask_logits(model, extra[labels.LABELS])
+            hook = labels.mask_logits(model, extra[labels.LABELS], self.mask_fill)
         try:
             reply, _ = self.train_locally(msg, start, model, data, rng, self.loss_terms(start))
         finally:

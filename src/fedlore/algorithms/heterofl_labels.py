@@ -16,8 +16,10 @@ renormalised over them, :func:`kept_rows`); a row no client of the round holds k
 value, as every entry no client holds.
 
 The authors' code sets the absent logits to 0 instead of ``-inf`` (they stay in the softmax's
-normaliser with weight ``exp(0)``); here they leave it, as the name "masked out of the loss"
-says, so the loss is exactly the cross-entropy over the client's classes.
+normaliser with weight ``exp(0)``, ``-log(exp(z_y) / (Σ_{c ∈ L_k} exp(z_c) + C - |L_k|))`` over
+C classes, and still get no gradient); by default here they leave it (``mask_fill: exclude``),
+as the name "masked out of the loss" says, so the loss is exactly the cross-entropy over the
+client's classes; ``mask_fill: zero`` is the authors' variant.
 """
 
 from __future__ import annotations
@@ -48,14 +50,20 @@ def label_set(data: ClientData, num_classes: int) -> torch.Tensor:
     return present
 
 
-def mask_logits(model: nn.Module, present: torch.Tensor) -> RemovableHandle:
-    """Set the output layer's logits of the classes outside ``present`` to ``-inf`` while the
-    model trains; returns the hook's handle (remove it when the local training ends)."""
+FILL = {"exclude": float("-inf"), "zero": 0.0}
+"""``mask_fill``'s value for the absent classes' logits."""
+
+
+def mask_logits(model: nn.Module, present: torch.Tensor, fill: str = "exclude") -> RemovableHandle:
+    """Set the output layer's logits of the classes outside ``present`` to ``FILL[fill]``
+    (``-inf``, or 0 as the authors' code) while the model trains; returns the hook's handle
+    (remove it when the local training ends)."""
+    value = FILL[fill]
 
     def hook(module: nn.Module, _inputs: object, out: torch.Tensor) -> torch.Tensor:
         if not module.training:
             return out
-        return out.masked_fill(~present.to(out.device), float("-inf"))
+        return out.masked_fill(~present.to(out.device), value)
 
     return model.get_submodule(HEAD).register_forward_hook(hook)
 
