@@ -264,7 +264,8 @@ def run_one(
 
     ``from_start`` (with ``resume``): continue an unfinished run from its first round instead
     of its checkpoint (:attr:`~fedlore.engine.rundir.RunFolder.from_start`; Flower's
-    simulation, whose clients' states a new simulation does not have).
+    simulation of a run whose clients keep no states to resume from,
+    :func:`fedlore.engine.node_states.kept_by_clients`).
 
     ``make_transport(algorithm, client_data, model_factory, seed, store)`` replaces the
     in-process transport (the Flower ServerApp passes one over its Grid)."""

@@ -27,6 +27,7 @@ from fedlore.experiment import run_one
 from fedlore.flower.app import make_apps
 from fedlore.flower.codec import broadcast_to_record, record_to_reply
 from fedlore.flower.simulation import restore_clients
+from fedlore.flower.transport import TRAIN_ROUND
 from fedlore.types import Broadcast, Reply, State
 
 pytestmark = pytest.mark.flower
@@ -52,6 +53,7 @@ class Nodes:
 
     def __init__(self, client: Any, num_clients: int) -> None:
         self.client = client
+        self.keys: list[int] = []  # the rounds (FedBuff: start keys) sent
         self.ctx = {
             c: Context(
                 run_id=1, node_id=c + 1, node_config={"partition-id": c}, state=RecordDict(),
@@ -62,7 +64,10 @@ class Nodes:
 
     def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
         out: dict[int, Reply | BaseException] = {}
+        self.keys.append(rnd)
         for cid, b in messages.items():
+            if b.config["round"] != rnd:  # FedBuff's repeated start, as FlowerTransport sends it
+                b = Broadcast(b.arrays, {**b.config, TRAIN_ROUND: rnd})
             meta = Metadata(
                 run_id=1, message_id=f"{rnd}.{cid}", src_node_id=0, dst_node_id=cid + 1,
                 reply_to_message_id="", group_id=str(rnd), created_at=time.time(), ttl=3600.0,
@@ -125,3 +130,53 @@ def test_a_resumed_client_app_reads_its_state_as_of_the_checkpoint(
     with pytest.warns(StartOverWarning):  # ...are gone when a fresh run starts over there
         _run(cfgs["d"], method)
     assert _same(cfgs["a"], cfgs["d"], method)
+
+
+def test_a_fedbuff_clients_state_is_named_by_the_version_it_started_from(tmp_path: Path) -> None:
+    """A client that starts twice from one version trains with the generator of a repeat key
+    (2**31 + n), but its state is that version's round: the rounds after a checkpoint, and only
+    those, are what a resume deletes."""
+    from fedlore.engine.buffered import REPEAT
+
+    fedbuff = ["asynchronous.buffer=2", "clients.speed=lognormal", "clients.speed_spread=1.0"]
+    cfg = load_config(
+        None, [*TINY, *fedbuff, "participation=1.0", "eval.local=false", f"output_dir={tmp_path}"]
+    )
+    folder = run_dir(cfg, "fedavg", 42)
+    states = folder / node_states.FOLDER
+    _, client = make_apps(cfg, "fedavg", 42, state_dir=states)
+    nodes = Nodes(client, cfg.num_clients)
+    run_one(cfg, "fedavg", 42, make_transport=lambda *_: nodes, stop_after=2)
+    assert any(k >= REPEAT for k in nodes.keys)  # a repeated start happened
+    tags = [int(p.name.split(".")[1]) for p in states.rglob("state.*.pt")]
+    assert tags and max(tags) <= 2
+
+
+def test_a_resume_leaves_the_client_states_of_a_run_another_process_holds(
+    tmp_path: Path,
+) -> None:
+    """``--resume`` of a simulated run that another process is running is refused before a
+    client state is deleted (its clients may be writing the states of its round)."""
+    import subprocess
+    import sys
+
+    from fedlore.engine.lock import RunLocked
+    from fedlore.flower.simulation import run_simulated
+
+    cfg = load_config(None, [*TINY, "engine=flower-sim", f"output_dir={tmp_path}"])
+    states = _run(cfg, "ditto", stop_after=1)
+    folder = run_dir(cfg, "ditto", 42)
+    node_states.save(states, 0, 2, State({}, {}), "ditto", 42)  # the other process's round
+    hold = (
+        "import sys, time\nfrom fedlore.engine.lock import RunLock\n"
+        f"with RunLock({str(folder)!r}):\n    print('held', flush=True)\n    time.sleep(60)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunLocked):
+            run_simulated(cfg, "ditto", 42, resume=True)
+        assert (states / "0" / "state.2.pt").exists()
+    finally:
+        holder.kill()
+        holder.wait()

@@ -62,6 +62,7 @@ from fedlore.config import Config
 from fedlore.engine import interrupt, node_states
 from fedlore.engine.callbacks import checkpoint_round
 from fedlore.engine.interrupt import Interrupted, Process
+from fedlore.engine.lock import RunLock
 from fedlore.engine.rerun import finished_record, stamp, write_dir
 from fedlore.engine.run_record import check_same_config
 from fedlore.engine.rundir import run_dir
@@ -97,11 +98,12 @@ def run_simulated(
     if record is not None:  # finished: reported once its record is whole and this config's
         return record[0]
     keep = node_states.kept_by_clients(cfg)
-    states = folder / node_states.FOLDER
+    states = (folder / node_states.FOLDER).resolve()  # Ray's workers may run elsewhere
     if resume:
         check_same_config(cfg, method, folder, make_algorithm)
         if keep:
-            restore_clients(folder, states, method, seed)
+            with RunLock(folder):  # not under a process that runs it
+                restore_clients(folder, states, method, seed)
     before = stamp(summary_path)  # a replaced finished run's summary is not this run's
     interrupt.check()  # a signal between two runs: no simulation starts
     ended: dict[str, Any] = {}
