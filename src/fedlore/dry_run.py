@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from fedlore.checks import setup_rounds, warn_test_selection
 from fedlore.config import Config, ConfigError
-from fedlore.engine import overwriting
+from fedlore.engine import node_states, overwriting
 from fedlore.engine.callbacks import checkpoint_round
 from fedlore.engine.dp_ledger import repeated
 from fedlore.engine.lock import check_not_held
@@ -141,10 +141,10 @@ def _continue(cfg: Config, method: str, folder: Path, what: str = "") -> Fate:
             repeated(folder)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if cfg.engine == "flower-sim":
+    if cfg.engine == "flower-sim" and not node_states.kept_by_clients(cfg):
         why = (
-            f"{what}trains again from its first round (a new simulation does not hold the "
-            "clients' states)"
+            f"{what}trains again from its first round (its clients keep no states to resume "
+            "from: checkpoint: false, or FedBuff on the wall clock)"
         )
         return "continue", _how_far(cfg, why)
     ckpt = folder / "checkpoint.pt"

@@ -41,7 +41,7 @@ from fedlore.checks import (
 from fedlore.config import Config, ConfigError
 from fedlore.data.federation import Federation, build_federation
 from fedlore.device import resolve_device, training_precision, use_threads
-from fedlore.engine import overwriting
+from fedlore.engine import node_states, overwriting
 from fedlore.engine.attack import attacked
 from fedlore.engine.buffered import AsyncState, hooks
 from fedlore.engine.callbacks import Checkpointer, MetricsWriter, ProgressBar
@@ -163,6 +163,13 @@ def run(
         stopper = early_stopper(cfg)  # early_stopping: its state comes back with the checkpoint
         progress = AsyncState() if cfg.asynchronous.enabled else None  # FedBuff's clients
         keep, restore = hooks(progress, stopper)  # the checkpoint's entries besides the states
+        entries: dict[str, Any] = {}  # the checkpoint's, for the transport's own entry
+
+        def restore_all(raw: dict[str, Any]) -> None:
+            entries.update(raw)
+            if restore is not None:
+                restore(raw)
+
         last, state, store, privacy = resume_point(
             folder,
             metrics,
@@ -174,12 +181,14 @@ def run(
             method,
             seed,
             first_round=-setup_rounds(algo),
-            restore=restore,
+            restore=restore_all,
         )
         warn_over_target(cfg, privacy, f"{method} seed {seed}")  # repeats can pass dp.epsilon
         start = -setup_rounds(algo) if last is None else last + 1
         record_changes(out / "config.json", prior, cfg, start)  # DP-FedBuff's cap, rounds
         clients = transport(algo, exp.fed.client, exp.model_factory, seed, store)
+        keep = with_transport(clients, keep, entries)  # Flower's wire bytes go on
+        entries.clear()
         restarted = getattr(algo, "clients_restarted", None)
         if last is not None and restarted and not getattr(clients, "keeps_client_states", True):
             state = restarted(state)  # a deployment's new run: its nodes hold nothing of ours
@@ -219,8 +228,23 @@ def run(
         tracking.finish(summary, out)  # before the folder moves (a tracker may write in it)
         # a finished run is never resumed: its spilled client states are no longer needed
         shutil.rmtree(folder.spill, ignore_errors=True)
+        shutil.rmtree(out / node_states.FOLDER, ignore_errors=True)  # its clients' own states
         overwriting.swap_finished(cfg, method, seed, out, folder.target)  # a replacement: now
         return summary
+
+
+def with_transport(
+    clients: Transport, keep: Callable[[], dict[str, Any]] | None, raw: dict[str, Any]
+) -> Callable[[], dict[str, Any]] | None:
+    """``keep`` (the checkpoint's extra entries) with the transport's own, after restoring it
+    from a resumed checkpoint's entries ``raw`` (empty: a fresh run), when the transport has
+    ``checkpoint_entry`` (:class:`~fedlore.engine.transport.Transport`)."""
+    own = getattr(clients, "checkpoint_entry", None)
+    if own is None:
+        return keep
+    if raw:
+        clients.restore_checkpoint(raw)  # type: ignore[attr-defined]
+    return lambda: {**(keep() if keep is not None else {}), **own()}
 
 
 def run_one(
@@ -240,7 +264,8 @@ def run_one(
 
     ``from_start`` (with ``resume``): continue an unfinished run from its first round instead
     of its checkpoint (:attr:`~fedlore.engine.rundir.RunFolder.from_start`; Flower's
-    simulation, whose clients' states a new simulation does not have).
+    simulation of a run whose clients keep no states to resume from,
+    :func:`fedlore.engine.node_states.kept_by_clients`).
 
     ``make_transport(algorithm, client_data, model_factory, seed, store)`` replaces the
     in-process transport (the Flower ServerApp passes one over its Grid)."""

@@ -121,9 +121,12 @@ def test_a_dry_run_with_early_stopping_says_up_to(
     assert p.why == "continues after its setup round (round -1); trains up to 3 rounds"
     from fedlore.dry_run import _continue
 
-    sim = _cfg(out, *stop, "engine=flower-sim")  # a new simulation starts over: as far
+    # FedBuff on the wall clock: a new simulation starts over, as far
+    wall = ["asynchronous.buffer=2", "asynchronous.clock=wall", "engine=flower-sim"]
+    sim = _cfg(out, *stop, *wall)
     assert _continue(sim, "fedavg", tmp_path)[1].endswith(
-        "(a new simulation does not hold the clients' states); trains up to 3 rounds"
+        "(its clients keep no states to resume from: checkpoint: false, or FedBuff on the wall "
+        "clock); trains up to 3 rounds"
     )
 
 
@@ -263,10 +266,8 @@ def test_a_dry_run_reports_a_cut_swap_and_a_simulation_as_the_command_leaves_the
     cfg = _cfg(tmp_path / "sim", "engine=flower-sim")
     assert run_one(cfg, "fedavg", 1, stop_after=0) is None
     (p,) = [p for p in plan_runs(cfg, resume=True) if (p.method, p.seed) == ("fedavg", 1)]
-    assert (p.action, p.why) == (
-        "continue",
-        "trains again from its first round (a new simulation does not hold the clients' states)",
-    )
+    # its clients keep their states in the run folder: continued from the checkpoint
+    assert (p.action, p.why) == ("continue", "continues after round 0 of 3")
 
 
 def test_overwrite_resume_judges_kept_and_continued_runs_by_their_data_and_record(

@@ -446,8 +446,8 @@ def test_a_resume_without_a_checkpoint_counts_every_earlier_release(tmp_path: Pa
 def test_a_resume_from_the_first_round_counts_every_earlier_release(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Flower's simulation cannot restore its clients' states, so its --resume runs an
-    unfinished run again from round 0 (``from_start``) even with a checkpoint there: every
+    """A simulated run whose clients keep no states to resume from (FedBuff on the wall clock)
+    runs again from round 0 on --resume (``from_start``) even with a checkpoint there: every
     round the killed attempt released is released again, and ε counts them (it restarted from
     0 before: a resumed simulation under-reported ε). The simulation asks for exactly this."""
     extra = ("weighting=uniform", "dp.clip_norm=1", "dp.noise_multiplier=1.5")

@@ -2,8 +2,8 @@
 under the simulated clock: the rows (accuracy, ε, clients, staleness, bytes), the model and the
 clients' contribution counts are the in-process run's under ``dp.reproducible_noise``; with OS
 noise the server draws the same noise calls from the privacy randomness as in process; a killed
-simulation resumed gives the uninterrupted rows and counts, its ε also counting the steps the
-resume released again (the DP ledger). One Ray serves the module."""
+simulation resumed from its checkpoint gives the uninterrupted rows, counts and ε (the DP ledger
+counts no step: none was recorded after the checkpoint). One Ray serves the module."""
 
 from __future__ import annotations
 
@@ -124,10 +124,10 @@ def _differs(a: Config, b: Config) -> bool:
 def test_a_killed_dp_fedbuff_simulation_resumed_gives_the_uninterrupted_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, digits_npz: list[str]
 ) -> None:
-    """SIGINT during step 2: two rows are kept; ``--resume`` runs the simulation again from
-    round 0 (its clients' states lived in it), so its rows, model and contribution counts are
-    the uninterrupted in-process run's, and ε also counts, for every client, the 2 steps
-    released before the kill and released again (``dp_ledger.json``)."""
+    """SIGINT during step 2: two rows are kept; ``--resume`` continues the simulation from its
+    checkpoint (the clients keep their states in the run folder), so its rows, ε included,
+    model and contribution counts are the uninterrupted in-process run's: the step the kill
+    discarded was never recorded, and the ledger counts no repeat."""
     local, sim = _pair(tmp_path, digits_npz, REPRODUCIBLE)
     step = buffered.BufferedLoop.run_round
 
@@ -147,15 +147,12 @@ def test_a_killed_dp_fedbuff_simulation_resumed_gives_the_uninterrupted_rows(
         assert [r["round"] for r in rows(sim, "fedavg")] == [0, 1]
         summary = run_simulated(sim, "fedavg", 42, resume=True)
         run_one(local, "fedavg", 42)
-    assert summary["dp_repeated_exchanges"] == 2
+    assert summary.get("dp_repeated_exchanges", 0) == 0
     want, got = rows(local, "fedavg"), rows(sim, "fedavg")
-    ledger = {"dp_epsilon"}
-    assert [{k: v for k, v in _plain(r).items() if k not in ledger} for r in got] == [
-        {k: v for k, v in _plain(r).items() if k not in ledger} for r in want
-    ]
-    for r in got:  # the most-counted client's steps, and the 2 repeated ones
+    assert [_plain(r) for r in got] == [_plain(r) for r in want]  # ε included
+    for r in got:  # the most-counted client's steps, and no repeated one
         most = r["dp_contributions_max"]
-        assert r["dp_epsilon"] == pytest.approx(contribution_epsilon(1.0, 1e-5, most + 2))
+        assert r["dp_epsilon"] == pytest.approx(contribution_epsilon(1.0, 1e-5, most))
     a, b = _state(local), _state(sim)
     assert a.values["privacy.contributions"] == b.values["privacy.contributions"]
     keys = [k for k in a.arrays if k.startswith("model.")]
@@ -190,15 +187,15 @@ def test_a_deployment_refuses_dp_fedbuff_before_it_trains(
     assert len(trained) == 1 and not trained[0].dp.enabled
 
 
-def test_a_killed_simulation_resumed_with_a_raised_cap_records_it_from_round_0(
+def test_a_killed_simulation_resumed_with_a_raised_cap_records_it_from_its_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, digits_npz: list[str]
 ) -> None:
-    """Cap 3, SIGINT during step 1, ``--resume`` with cap 4: the simulation runs again from
-    round 0 under the new cap, so its rows are the in-process run's at cap 4 (ε also counting
-    the step released before), and ``config.json`` records the change from round 0."""
-    local, _ = _pair(tmp_path, digits_npz, REPRODUCIBLE, "dp.max_contributions=4")
-    _, sim3 = _pair(tmp_path, digits_npz, REPRODUCIBLE, "dp.max_contributions=3")
+    """Cap 3, SIGINT during step 1, ``--resume`` with cap 4: the simulation continues after
+    step 0 under the new cap, so its rows are those of the in-process run stopped after step 0
+    at cap 3 and resumed at cap 4, and ``config.json`` records the change from round 1."""
+    local3, sim3 = _pair(tmp_path, digits_npz, REPRODUCIBLE, "dp.max_contributions=3")
     sim4 = sim3.model_copy(update={"dp": sim3.dp.model_copy(update={"max_contributions": 4})})
+    local4 = local3.model_copy(update={"dp": sim4.dp})
     step = buffered.BufferedLoop.run_round
 
     def signal_in_step_1(self: Any, state: Any, rnd: int, last: int) -> Any:
@@ -215,13 +212,9 @@ def test_a_killed_simulation_resumed_with_a_raised_cap_records_it_from_round_0(
         monkeypatch.setattr(interrupt, "_received", None)
         monkeypatch.setattr(buffered.BufferedLoop, "run_round", step)
         summary = run_simulated(sim4, "fedavg", 42, resume=True)
-        run_one(local, "fedavg", 42)
-    assert summary["dp_repeated_exchanges"] == 1 and summary["dp_max_contributions"] == 4
+        assert run_one(local3, "fedavg", 42, stop_after=0) is None
+        run_one(local4, "fedavg", 42, resume=True)
+    assert summary.get("dp_repeated_exchanges", 0) == 0 and summary["dp_max_contributions"] == 4
     record = json.loads((run_dir(sim4, "fedavg", 42) / "config.json").read_text())
-    assert record["resume_changes"] == [{"round": 0, "dp.max_contributions": [3, 4]}]
-    plain = [
-        {k: v for k, v in _plain(r).items() if k != "dp_epsilon"} for r in rows(sim4, "fedavg")
-    ]
-    assert plain == [
-        {k: v for k, v in _plain(r).items() if k != "dp_epsilon"} for r in rows(local, "fedavg")
-    ]
+    assert record["resume_changes"] == [{"round": 1, "dp.max_contributions": [3, 4]}]
+    assert [_plain(r) for r in rows(sim4, "fedavg")] == [_plain(r) for r in rows(local4, "fedavg")]

@@ -90,8 +90,8 @@ def test_a_killed_fedbuff_simulation_resumed_gives_the_uninterrupted_rows(
 ) -> None:
     """SIGINT during server step 2 (the flag a signal sets): the simulation stops with two rows
     (the interrupted step is discarded);
-    ``--resume`` runs it again from round 0 (the clients' states lived in the simulation), and
-    its rows are those of the uninterrupted in-process run."""
+    ``--resume`` continues it from its checkpoint, and its rows are those of the uninterrupted
+    in-process run."""
     local, sim = _pair(tmp_path, "fedavg", digits_npz)
     step = buffered.BufferedLoop.run_round
 

@@ -5,11 +5,12 @@ Ctrl-C or ``kill -- -PGID`` would: the run stops before starting another round, 
 progress is discarded (``metrics.jsonl`` and the checkpoint hold only complete rounds, equal to
 an uninterrupted run's first rounds, with no client lost to the interrupt), the exit status is
 130 for SIGINT and 143 for SIGTERM, one line says where the run stopped and how to resume,
-``--resume`` continues it (in process: exactly where it stopped; on the simulation: from round
-0, the same rounds again), and no process of the run survives it (Ray's agents and workers
-included). A second signal ends the run at once, Ray included. In process, with the signal
-placed mid-round: the round is discarded and resuming repeats it; on a Flower transport the wait
-for replies stops and a deployed ServerApp hands the signal on to Flower's own handler.
+``--resume`` continues it (in process and on the simulation: exactly where it stopped, the
+simulated clients reading their states from the run folder), and no process of the run
+survives it (Ray's agents and workers included). A second signal ends the run at once, Ray
+included. In process, with the signal placed mid-round: the round is discarded and resuming
+repeats it; on a Flower transport the wait for replies stops and a deployed ServerApp hands the
+signal on to Flower's own handler.
 """
 
 from __future__ import annotations
@@ -276,10 +277,11 @@ def test_flower_sim_interrupts_are_clean_and_leave_no_ray_process(
     assert _ray(started), started  # Ray's processes were up, and none survives
     _assert_nothing_left(proc.pid, started)
     rows = _check_stopped(out, err, rc, 130, 3)
-    assert "again from round 0" in err.read_text()  # a simulated run starts over
-    # --resume runs it again from round 0 (the client states lived in the simulation): the
-    # same rounds. SIGTERM, then SIGINT while Ray shuts down: fedlore's SIGTERM handler (not
-    # the one ray.init installs) began a clean stop, the SIGINT ends it at once, Ray included
+    assert "continues from there" in err.read_text()  # from its checkpoint, as in process
+    # --resume continues after the checkpoint (the clients keep their states in the run
+    # folder): the same rounds. SIGTERM, then SIGINT while Ray shuts down: fedlore's SIGTERM
+    # handler (not the one ray.init installs) began a clean stop, the SIGINT ends it at once,
+    # Ray included
     proc, err = _start(out, sim, "--resume", *digits_npz)
     _wait_for_rows(proc, _metrics(out), len(rows) + 1, err)
     again = _rows(_metrics(out))

@@ -49,8 +49,9 @@ class Interrupted(KeyboardInterrupt):
             ``metrics.jsonl`` and its checkpoint); None: none was going, or unknown.
         run: which run was going (``"fedfull seed 42"``); None: none.
         folder: that run's folder.
-        starts_over: the run resumes from round 0 (a simulated run: its client states are not
-            checkpointed).
+        starts_over: the run resumes from round 0 (a simulated run whose clients keep no
+            states to resume from: FedBuff on the wall clock,
+            :func:`fedlore.engine.node_states.kept_by_clients`).
     """
 
     def __init__(self, signum: int, last_round: int | None = None) -> None:
@@ -92,7 +93,7 @@ class Interrupted(KeyboardInterrupt):
         if self.starts_over:
             then = (
                 f"{resume} keeps the finished runs and runs this one again from round 0 "
-                "(a simulated run's client states are not checkpointed)"
+                "(a simulated run whose clients keep no states to resume from)"
             )
         else:
             then = f"{resume} continues from there"

@@ -18,6 +18,7 @@ from fedlore.atomic import remove_temps, write_text
 from fedlore.config import ConfigError
 from fedlore.engine.callbacks import Checkpointer, MetricsWriter
 from fedlore.engine.dp_ledger import LEDGER, account_repeats
+from fedlore.engine.node_states import FOLDER as NODE_STATES
 from fedlore.engine.rundir import RunFolder
 from fedlore.engine.store import ClientStore, remove_spill_temps
 from fedlore.privacy import Privacy
@@ -54,8 +55,9 @@ def start_fresh(out: Path, spill: Path, method: str, seed: int, keep_ledger: boo
     """Clear what an earlier run left in ``out`` for a fresh run (nothing of it may survive;
     ``keep_ledger``: its DP ledger does, and its rows, for a resume from the first round to
     count them, :attr:`RunFolder.from_start`):
-    its summary, checkpoint, config record and DP ledger, and its spilled client states (in
-    ``spill``, and in ``out/client_states`` when ``spill`` is elsewhere); a
+    its summary, checkpoint, config record and DP ledger, its spilled client states (in
+    ``spill``, and in ``out/client_states`` when ``spill`` is elsewhere) and the states its
+    clients kept themselves (``out/clients``, :mod:`fedlore.engine.node_states`); a
     :class:`StartOverWarning` when the folder held an unfinished run's rounds (``--resume``
     continues one of the same config)."""
     rows = out / "metrics.jsonl"
@@ -80,6 +82,8 @@ def start_fresh(out: Path, spill: Path, method: str, seed: int, keep_ledger: boo
     # an earlier run's own spill folder, when this one spills elsewhere (store.spill_dir): its
     # files bear the names this run's store will give, and would be taken for this run's
     shutil.rmtree(out / "client_states", ignore_errors=True)
+    # the states a simulated run's clients kept themselves (fedlore.engine.node_states)
+    shutil.rmtree(out / NODE_STATES, ignore_errors=True)
 
 
 def rows_problem(path: Path, first: int, last: int, torn_ok: bool = True) -> str | None:

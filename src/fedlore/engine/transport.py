@@ -37,9 +37,11 @@ log = logging.getLogger(__name__)
 class Transport(Protocol):
     """Sends one message per sampled client; returns each client's reply or the error it raised.
 
-    Two methods are optional: ``send_secure`` (rounds under secure aggregation, see
-    :class:`LocalTransport`) and ``summary_fields() -> dict`` (what the transport measured, added
-    to the run's ``summary.json`` as it is written; the Flower transport's wire bytes)."""
+    Optional: ``send_secure`` (rounds under secure aggregation, see :class:`LocalTransport`),
+    ``summary_fields() -> dict`` (what the transport measured, added to the run's
+    ``summary.json`` as it is written; the Flower transport's wire bytes), and
+    ``checkpoint_entry() -> dict`` with ``restore_checkpoint(raw)`` (what of it the checkpoint
+    keeps, so that a resumed run's measurements go on from the checkpoint's: the wire bytes)."""
 
     def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
         """Deliver ``messages`` (client id -> Broadcast) for round ``rnd``."""

@@ -5,7 +5,9 @@
 * ClientApp (``train``): decodes the broadcast, loads the client's state from ``Context.state``,
   calls the same ``client_update`` with the same seeded generator as the in-process transport
   (``generator(seed, CLIENT, round, client)``), stores the new state and replies. ``query``
-  answers with the node's ``partition-id`` (its fedlore client id).
+  answers with the node's ``partition-id`` (its fedlore client id). On the Simulation Engine
+  each client also writes its state to the run folder, round by round, and a resumed
+  simulation's client reads it from there (:mod:`fedlore.engine.node_states`).
 
 Site-local data (``flower.site_data: true``, deployments only): every SuperNode reads its own
 data from ``--node-config 'partition-id=<i> data-root="<folder>"'`` (a quoted string) with the
@@ -51,7 +53,7 @@ from fedlore.config import Config, load_config, validate
 from fedlore.data.client_data import ClientData
 from fedlore.data.federation import Federation, build_federation
 from fedlore.device import PeakMemory, resolve_device, training_precision
-from fedlore.engine import interrupt
+from fedlore.engine import interrupt, node_states
 from fedlore.engine.interrupt import Interrupted
 from fedlore.experiment import run_one
 from fedlore.experiment_parts import make_algorithm, model_factory
@@ -175,8 +177,14 @@ def client_train(
     method: str,
     seed: int,
     threads: int | None = None,
+    state_dir: Path | None = None,
 ) -> Message:
     """One ``client_update`` for the node's client; state kept in ``context.state``.
+
+    ``state_dir``: the folder where the client also keeps its state round by round (a simulated
+    run's ``<run folder>/clients``, :mod:`fedlore.engine.node_states`): read when
+    ``context.state`` holds none (the first message of a resumed simulation), written after
+    every training. None: ``context.state`` only.
 
     ``threads``: torch's intra-op threads for this process (:func:`set_threads`); None: the
     run's ``threads`` setting. The method, the config's validation and the scratch model are
@@ -192,6 +200,8 @@ def client_train(
     bcast = Broadcast(to_device(got.arrays, device), got.config)
     fed, data = client_data(cfg, context, seed, device, bcast)
     state = record_to_state(context.state)
+    if state is None and state_dir is not None:  # a new simulation: the state as of the resume
+        state = node_states.load(state_dir, cid, method, seed)
     if state is not None:
         state = State(to_device(state.arrays, device), state.values)
     rnd = int(bcast.config.get(TRAIN_ROUND, bcast.config["round"]))  # FedBuff's repeats
@@ -219,6 +229,8 @@ def client_train(
             del context.state[key]
     for key, rec in state_to_record(new_state).items():
         context.state[key] = rec
+    if state_dir is not None:  # versioned by the broadcast's round (not FedBuff's repeat key)
+        node_states.save(state_dir, cid, int(bcast.config["round"]), new_state, method, seed)
     if secure:
         from fedlore.privacy import client_contribution, client_noise
 
@@ -276,9 +288,13 @@ def server_main(
     resume: bool = False,
     overwrite: bool = False,
     from_start: bool = False,
+    keeps_client_states: bool = False,
 ) -> dict[str, Any] | None:
     """Run one method x seed of ``cfg`` over ``grid`` (``resume`` / ``overwrite`` /
-    ``from_start`` as for :func:`fedlore.experiment.run_one`); returns the run summary."""
+    ``from_start`` as for :func:`fedlore.experiment.run_one`); returns the run summary.
+    ``keeps_client_states``: the clients restore their own states on a resume (a simulation's,
+    :mod:`fedlore.engine.node_states`), so the server keeps its record of what they hold
+    (:attr:`FlowerTransport.keeps_client_states`)."""
     fed = server_federation(cfg, seed) if cfg.flower.site_data else None
 
     wall = cfg.asynchronous.enabled and cfg.asynchronous.clock == "wall"  # FedBuff's real clock
@@ -295,6 +311,7 @@ def server_main(
             device=resolve_device(cfg.device),
             extra_config=None if fed is None else {SITE_SHAPE: data_shape(fed)},
             secagg=secagg_settings(cfg, method, None if fed is not None else args[0]),
+            keeps_client_states=keeps_client_states,
         )
 
     # the bytes measured on the wire and each site's example count go into the run's summary
@@ -353,14 +370,16 @@ def make_apps(
     overwrite: bool = False,
     failed: list[WriteError] | None = None,
     restart: bool = False,
+    state_dir: Path | None = None,
 ) -> tuple[ServerApp, ClientApp]:
     """A ServerApp/ClientApp pair bound to a validated config, one method and one seed
     (``overwrite``: replace a finished run, as :func:`server_main`; ``restart``: a ``--resume``
-    of an unfinished simulated run, which runs again from its first round with its DP ledger
-    counting the rows it repeats, :func:`fedlore.experiment.run_one`'s ``from_start``). A file
-    the ServerApp cannot
-    write (a full disk) is appended to ``failed`` when given (for the caller to report in one
-    line), else raised.
+    of an unfinished simulated run). ``state_dir``: where the clients keep their states round
+    by round (:mod:`fedlore.engine.node_states`), so that ``restart`` continues from the
+    checkpoint; None: a ``restart`` runs again from the first round, its DP ledger counting the
+    rows it repeats (:func:`fedlore.experiment.run_one`'s ``from_start``). A file the ServerApp
+    cannot write (a full disk) is appended to ``failed`` when given (for the caller to report
+    in one line), else raised.
 
     ``on_end`` is called in the ServerApp's thread as its run ends (however it ends), with the
     :class:`~fedlore.engine.interrupt.Interrupted` that stopped the round loop or None; the
@@ -381,7 +400,8 @@ def make_apps(
                 seed,
                 resume=restart,
                 overwrite=overwrite,
-                from_start=restart,
+                from_start=restart and state_dir is None,
+                keeps_client_states=state_dir is not None,
             )
         except WriteError as e:
             if failed is None:
@@ -399,7 +419,7 @@ def make_apps(
 
     @client.train(mods=[secagg_mod])  # SecAgg+ stages; other messages pass through
     def _train(msg: Message, context: Context) -> Message:
-        return client_train(msg, context, _config(cfg_json), method, seed, threads)
+        return client_train(msg, context, _config(cfg_json), method, seed, threads, state_dir)
 
     @client.query()
     def _query(msg: Message, context: Context) -> Message:

@@ -22,11 +22,24 @@ run in sessions of their own (:func:`start_ray`), so a signal to the terminal's 
 reaches this process alone, not the workers of a round in progress. A second signal kills them
 all and exits at once.
 
-A simulated run is not resumed from its checkpoint: its client states live in Flower's
-``Context.state`` of the virtual SuperNodes, which a new simulation does not have, so
-``--resume`` returns a finished run's summary and runs an unfinished one again from its first
-round: as a resume (same config and data, or refused), with its DP ledger counting every row
-the earlier attempt released (:func:`fedlore.experiment.run_one`'s ``from_start``).
+A killed simulated run resumes from its checkpoint to the result of the uninterrupted run, as
+an in-process run does. Its clients' states live in Flower's ``Context.state`` of the virtual
+SuperNodes, which a new simulation does not have; so each client also writes its state to
+``<run folder>/clients/<client id>/``, versioned by round (:mod:`fedlore.engine.node_states`,
+what a device's local storage is to a deployed client). Before a resumed simulation starts,
+:func:`run_simulated` deletes the states of rounds after the checkpoint's (a discarded round's
+clients may have written theirs) and checks the rest can be read; each client then reads its
+newest state on its first message, and the server keeps its record of what the clients hold
+(no :meth:`~fedlore.algorithms.base.Hyper.clients_restarted`). Under DP the ledger counts, as
+in process, the rows after the checkpoint that the resume runs again. A finished run's
+``clients/`` folder is removed.
+
+Two kinds of run are still run again from their first round by ``--resume`` (as a resume: same
+config and data, or refused; the DP ledger counts every row the earlier attempt released,
+:func:`fedlore.experiment.run_one`'s ``from_start``): one with ``checkpoint: false`` (nothing to
+resume from) and FedBuff on the wall clock (``asynchronous.clock: wall``), whose clients in
+flight at the kill may have trained from a version the checkpoint holds without their replies
+(:func:`fedlore.engine.node_states.kept_by_clients`).
 """
 
 from __future__ import annotations
@@ -46,13 +59,16 @@ from typing import Any, TextIO
 
 from fedlore.atomic import WriteError
 from fedlore.config import Config
-from fedlore.engine import interrupt
+from fedlore.engine import interrupt, node_states
+from fedlore.engine.callbacks import checkpoint_round
 from fedlore.engine.interrupt import Interrupted, Process
+from fedlore.engine.lock import RunLock
 from fedlore.engine.rerun import finished_record, stamp, write_dir
 from fedlore.engine.run_record import check_same_config
 from fedlore.engine.rundir import run_dir
 from fedlore.experiment_parts import make_algorithm
 from fedlore.flower.app import make_apps
+from fedlore.progress import say
 
 log = logging.getLogger(__name__)
 
@@ -62,25 +78,32 @@ def run_simulated(
 ) -> dict[str, Any]:
     """Run ``method`` for ``seed`` on the Simulation Engine; returns the run summary. With
     ``overwrite`` a finished run is replaced as by :func:`fedlore.experiment.run_one` (the new run
-    trains beside it and takes its place once finished, :mod:`fedlore.engine.rerun`).
+    trains beside it and takes its place once finished, :mod:`fedlore.engine.rerun`); with
+    ``resume`` an unfinished run continues from its checkpoint (the module docstring).
 
     Raises:
         RuntimeError: if the simulation ended without writing a summary (its log says why).
+        NodeStateError: on a resume, when a client's state file is damaged or another run's
+            (:func:`fedlore.engine.node_states.restore_point`).
     """
     from flwr.simulation import run_simulation
 
     target = run_dir(cfg, method, seed)
     summary_path = target / "summary.json"
     # where it trains: the run folder, or beside a finished run its replacement (new under
-    # --overwrite; under --resume an interrupted one of this config, which a simulation, unable
-    # to restore its clients, runs again from round 0)
+    # --overwrite; under --resume an interrupted one of this config, continued)
     folder = write_dir(cfg, method, target, resume, overwrite, make_algorithm)
     finished = resume and folder == target
     record = finished_record(cfg, method, target, make_algorithm) if finished else None
     if record is not None:  # finished: reported once its record is whole and this config's
         return record[0]
+    keep = node_states.kept_by_clients(cfg)
+    states = (folder / node_states.FOLDER).resolve()  # Ray's workers may run elsewhere
     if resume:
         check_same_config(cfg, method, folder, make_algorithm)
+        if keep:
+            with RunLock(folder):  # not under a process that runs it
+                restore_clients(folder, states, method, seed)
     before = stamp(summary_path)  # a replaced finished run's summary is not this run's
     interrupt.check()  # a signal between two runs: no simulation starts
     ended: dict[str, Any] = {}
@@ -89,7 +112,16 @@ def run_simulated(
         ended["stopped"], ended["ray"] = stopped, ray_processes()
 
     failed: list[WriteError] = []  # a file the ServerApp could not write: one line, not a trace
-    server, client = make_apps(cfg, method, seed, on_end, overwrite, failed, restart=resume)
+    server, client = make_apps(
+        cfg,
+        method,
+        seed,
+        on_end,
+        overwrite,
+        failed,
+        restart=resume,
+        state_dir=states if keep else None,
+    )
     with ray_session() as session, interrupt.handling(), interrupt.deferred():
         try:
             with flower_output_to(folder / "flower.log"), prompt_delivery(), keep_ray():
@@ -104,7 +136,7 @@ def run_simulated(
             session.after(ended.get("ray", []))
     stopped: Interrupted | None = ended.get("stopped")
     if stopped is not None:
-        stopped.starts_over = True  # --resume runs it again from round 0 (see the docstring)
+        stopped.starts_over = not keep  # --resume runs it again from round 0 (the docstring)
         raise stopped
     if failed:
         raise failed[0]
@@ -112,6 +144,26 @@ def run_simulated(
         raise RuntimeError(f"the Flower simulation of {method} (seed {seed}) wrote no summary")
     result: dict[str, Any] = json.loads(summary_path.read_text())
     return result
+
+
+def restore_clients(folder: Path, states: Path, method: str, seed: int) -> None:
+    """Before a resumed simulation of the run in ``folder``: its clients' states in ``states``
+    as of its checkpoint (:func:`fedlore.engine.node_states.restore_point`; all of them gone
+    when it has no checkpoint yet), with a progress line naming what was deleted."""
+    ckpt = folder / "checkpoint.pt"
+    last = checkpoint_round(ckpt) if ckpt.exists() else None
+    gone = node_states.restore_point(states, last, method, seed)
+    if gone:
+        which = "(no checkpoint yet)" if last is None else f"of the rounds after round {last}"
+        listed = ", ".join(gone[:5]) + (" ..." if len(gone) > 5 else "")
+        say(
+            "%s seed %d: deleted %d client state file(s) %s: %s",
+            method,
+            seed,
+            len(gone),
+            which,
+            listed,
+        )
 
 
 class RaySession:

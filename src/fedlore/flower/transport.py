@@ -133,11 +133,15 @@ class FlowerTransport:
             site of a site-local deployment must match); not counted as payload bytes.
         secagg: the SecAgg+ parameters of :meth:`send_secure` (None: the defaults with
             ``max_weight`` 1 and ``round_timeout`` per stage).
+        keeps_client_states: :attr:`keeps_client_states`.
     """
 
     keeps_client_states = False
-    """A resumed run's ``flwr run`` is a new Flower run: its nodes start without the clients'
-    states (:meth:`fedlore.algorithms.base.Hyper.clients_restarted`)."""
+    """Whether the clients of a resumed run hold their states as of its checkpoint. False for a
+    deployment: a resumed run's ``flwr run`` is a new Flower run, its nodes start without the
+    clients' states (:meth:`fedlore.algorithms.base.Hyper.clients_restarted`). True for a
+    simulation whose clients keep their states in the run folder
+    (:mod:`fedlore.engine.node_states`)."""
 
     def __init__(
         self,
@@ -149,8 +153,10 @@ class FlowerTransport:
         device: torch.device | str = "cpu",
         extra_config: dict[str, int | float | str | bool] | None = None,
         secagg: SecAggSettings | None = None,
+        keeps_client_states: bool = False,
     ) -> None:
         self.grid = grid
+        self.keeps_client_states = keeps_client_states
         self.secagg = secagg if secagg is not None else SecAggSettings(timeout=round_timeout)
         self.extra_config = dict(extra_config or {})
         self.device = torch.device(device)  # where decoded replies go: the server's device
@@ -176,6 +182,28 @@ class FlowerTransport:
             "wire_bytes_down_total": self.wire_bytes_down,
             "client_num_examples": {str(c): n for c, n in sorted(self.num_examples.items())},
         }
+
+    def checkpoint_entry(self) -> dict[str, Any]:
+        """What the checkpoint keeps of this transport (:meth:`restore_checkpoint`): the wire
+        bytes so far and each client's ``num_examples``, so that a resumed run's
+        :meth:`summary_fields` count the whole run, not only the rounds after the resume."""
+        return {
+            "transport": {
+                "wire_bytes_up": self.wire_bytes_up,
+                "wire_bytes_down": self.wire_bytes_down,
+                "num_examples": {str(c): n for c, n in self.num_examples.items()},
+            }
+        }
+
+    def restore_checkpoint(self, raw: dict[str, Any]) -> None:
+        """Go on from the checkpoint's entry of :meth:`checkpoint_entry` (none in a checkpoint
+        written before it was kept: the counts start at 0, as they did)."""
+        own = raw.get("transport")
+        if own is None:
+            return
+        self.wire_bytes_up = int(own["wire_bytes_up"])
+        self.wire_bytes_down = int(own["wire_bytes_down"])
+        self.num_examples = {int(c): int(n) for c, n in own["num_examples"].items()}
 
     def refresh_nodes(
         self, node_ids: Iterable[int] | None = None, need: Iterable[int] = ()
