@@ -10,11 +10,12 @@ above float rounding, about 1e-17), but the functions are public.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
 
-from fedlore.privacy.empirical import SPREAD_RATIO, Fit, pair_epsilon, privacy_curve
+from fedlore.privacy.empirical import SPREAD_RATIO, Fit, _log_mass, pair_epsilon, privacy_curve
 from fedlore.privacy.empirical_error import epsilon_interval, epsilons
 
 TINY = [1e-101, 1e-130, 1e-152, 1e-154, 1e-160, 1e-200, 1e-300, 5e-324]
@@ -43,6 +44,45 @@ def test_the_cutoff_changes_no_answer_the_old_curve_gave_right() -> None:
             assert privacy_curve(1e4, shift, ratio, 1.0) >= 1 - 1e-16
     assert SPREAD_RATIO == 1e-100
     assert pair_epsilon(0.5, 2e-100, 1.0, 1e-5) == math.inf
+
+
+MIDDLE = [1e-17, 3e-17, 1e-20, 1e-40, 1e-77, 1e-78, 1e-99, 1e-100]
+
+
+@pytest.mark.parametrize("ratio", MIDDLE)
+def test_spreads_apart_but_inside_the_cutoff_are_computed_without_error(ratio: float) -> None:
+    """Between float rounding and the cutoff the region around the narrow Gaussian's mean is
+    below 1e-16 of the wide one's spread: its mass is the difference of two tails that round to
+    1, so ``log1p(-1)`` raised (a math domain error) at shift 0. Now computed, inf at every δ,
+    the same as the vector form (which warned about an overflow) for both orders."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for shift in (0.0, 1e-30, 1.0, -3.0):
+            for delta in (1e-9, 1e-5, 0.5, 0.9):
+                assert pair_epsilon(shift, ratio, 1.0, delta) == math.inf
+                assert pair_epsilon(shift, 1.0, ratio, delta) == math.inf
+                pair = (np.array([shift, shift]), np.array([ratio, 1.0]), np.array([1.0, ratio]))
+                assert np.all(epsilons(*pair, delta) == np.inf)
+
+
+def test_the_mass_of_an_interval_narrower_than_float_rounding_is_its_width_times_the_density() -> (
+    None
+):
+    """``log P(−w < X < w)`` for X ~ N(0, 1) and w far below 1e-16 is ``log(2 w φ(0))`` (it was
+    a math domain error; at w = 1e-9 the old subtraction kept 7 digits)."""
+    for w in (1e-9, 1e-20, 1e-200):
+        want = math.log(2 * w / math.sqrt(2 * math.pi))
+        assert _log_mass(0.0, 1.0, -w, w) == pytest.approx(want, rel=1e-14, abs=0)
+        assert _log_mass(0.0, 2.0, -2 * w, 6 * w) == pytest.approx(
+            math.log(4 * w / math.sqrt(2 * math.pi)), rel=1e-14, abs=0
+        )
+    # a wide interval keeps its tails: log(1 − 2 Φ(−9)) ≈ −2 Φ(−9) = −2.26e-19, not log(1.0)
+    assert _log_mass(0.0, 1.0, -9.0, 9.0) == pytest.approx(
+        -math.erfc(9 / math.sqrt(2)), rel=1e-12, abs=0
+    )
+    assert _log_mass(0.0, 1.0, -1.0, 2.0) == pytest.approx(
+        math.log(0.5 * (math.erf(2 / math.sqrt(2)) + math.erf(1 / math.sqrt(2)))), rel=1e-15
+    )
 
 
 @pytest.mark.parametrize("scale", [1e-200, 1e-150, 1e150, 1e200])

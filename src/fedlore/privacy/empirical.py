@@ -95,8 +95,14 @@ def _log_mass(mean: float, sd: float, lo: float, hi: float) -> float:
         la, lb = _log_phi(-a), _log_phi(-b)
     elif b < 0:  # both in the lower tail: P = Φ(b) − Φ(a)
         la, lb = _log_phi(b), _log_phi(a)
-    else:  # around the mean: 1 − Φ(a) − Φ(−b)
-        return math.log1p(-(math.exp(_log_phi(a)) + math.exp(_log_phi(-b))))
+    else:  # around the mean (a ≤ 0 ≤ b): 1 − Φ(a) − Φ(−b) while the tails hold under half
+        tails = math.exp(_log_phi(a)) + math.exp(_log_phi(-b))
+        if tails < 0.5:
+            return math.log1p(-tails)
+        # a narrow interval: ½ (erf(b/√2) + erf(−a/√2)), two terms ≥ 0 (no cancellation; the
+        # tails' sum rounds to 1 for an interval below 1e-16 of sd, and log1p(-1) raises)
+        mass = 0.5 * (math.erf(b / math.sqrt(2.0)) + math.erf(-a / math.sqrt(2.0)))
+        return math.log(mass) if mass > 0.0 else -math.inf
     if lb == -math.inf:
         return float(la)
     return la + math.log1p(-math.exp(lb - la)) if la > lb else -math.inf

@@ -103,7 +103,9 @@ def _hockey(eps: np.ndarray, shift: np.ndarray, sp: np.ndarray, sq: np.ndarray) 
     b = shift / sp**2
     c = np.log(sq / sp) - 0.5 * shift**2 / sp**2 - eps
     linear = np.abs(a) <= 1e-12 * np.maximum(1.0 / sq**2, 1.0 / sp**2)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    # b² overflows for spreads below about 1e-77 of each other: the roots go to ±inf and 0,
+    # and the pair's ε is inf from the other direction whatever this one's region
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         root = np.where(b != 0, -c / np.where(b != 0, b, 1.0), 0.0)
         disc = b * b - 4.0 * a * c
         sq_disc = np.sqrt(np.maximum(disc, 0.0))
