@@ -104,13 +104,19 @@ insecure = true
 TOML
 sleep 3
 touch "$WORK/started"
+# a failing `flwr run` (the SuperLink lost mid-run) must still reach the check below, which
+# says where the logs are: without `|| ...`, set -e would end the script on Flower's own error
+FLWR_STATUS=0
 "$BIN/flwr" run . fedlore-local --stream \
-  --run-config "config='$CONFIG' method='$METHOD' seed=$SEED resume=$RESUME overwrite=$OVERWRITE overrides='$OVERRIDES'"
+  --run-config "config='$CONFIG' method='$METHOD' seed=$SEED resume=$RESUME overwrite=$OVERWRITE overrides='$OVERRIDES'" \
+  || FLWR_STATUS=$?
 SUMMARY="$OUT_DIR/$NAME/$METHOD/seed-$SEED/summary.json"
 if [ -f "$SUMMARY" ] && { [ "$SUMMARY" -nt "$WORK/started" ] || [ "$RESUME" = true ]; }; then
   echo "results in $OUT_DIR/$NAME/$METHOD/ (fedlore report $OUT_DIR/$NAME)"
   KEEP_WORK=0
 else
-  echo "fedlore: the deployed run did not finish (its error is above; logs in $WORK)" >&2
+  WHY="its error is above"
+  [ "$FLWR_STATUS" = 0 ] || WHY="flwr run exited with status $FLWR_STATUS; its error is above"
+  echo "fedlore: the deployed run did not finish ($WHY; logs in $WORK)" >&2
   exit 1
 fi

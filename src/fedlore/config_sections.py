@@ -384,6 +384,12 @@ class FlowerConfig(_Strict):
     """Refuse to send a broadcast whose arrays exceed this many MB (10^6 bytes)."""
     wait_for_nodes_s: float = Field(60.0, ge=0.0)
     """Seconds the server waits at start for ``num_clients`` SuperNodes to connect."""
+    superlink_timeout_s: float | None = Field(120.0, gt=0.0)
+    """Deployments (``flwr run``): seconds the ServerApp keeps retrying a SuperLink that does
+    not answer before it stops the run with one error line (the finished rounds and the
+    checkpoint stay; ``resume=true`` continues once the SuperLink is back). None: retry for
+    ever, Flower's own behaviour, which leaves a ServerApp whose SuperLink was killed running
+    and holding its run folder."""
     num_cpus: int = Field(2, ge=1)
     """Simulation: CPUs given to the Ray backend."""
     client_cpus: float = Field(1.0, gt=0.0)

@@ -88,6 +88,7 @@ from fedlore.experiment_privacy import (
     warn_over_target,
     warn_uncounted,
 )
+from fedlore.experiment_releases import warn_many_releases
 from fedlore.progress import command, say_once
 from fedlore.seeding import SERVER_INIT, generator
 from fedlore.tracking import open_tracking
@@ -400,9 +401,12 @@ def run_experiment(
     # every check runs before a run folder is created or touched
     build_model = model_factory(cfg, first, cfg.seeds[0])
     start = functools.partial(try_method, cfg, first, build_model)
+    algos = {}
     for name, algo in preflight(cfg, first, build_model, start):
         describe_parameters(name, algo, build_model())
         warn_own_optimizer(cfg, name, algo)
+        algos[name] = algo
+    warn_many_releases(cfg, algos)  # DP: the runs' releases compose
     kept = overwriting.kept_runs(cfg, resume, overwrite)  # allow_test: said once, counted
     warn_test_selection(cfg, first, len(cfg.algorithms) * len(cfg.seeds) - kept, kept)
     make_output_dir(cfg)

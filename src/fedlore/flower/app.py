@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -71,7 +72,7 @@ from fedlore.flower.secure_client import (
     secagg_mod,
 )
 from fedlore.flower.sites import server_federation, site_federation
-from fedlore.flower.transport import TRAIN_ROUND, FlowerTransport
+from fedlore.flower.transport import TRAIN_ROUND, FlowerTransport, bound_superlink_wait
 from fedlore.flower.wallclock import WallClockTransport
 from fedlore.progress import say_once
 from fedlore.seeding import CLIENT, generator
@@ -457,9 +458,12 @@ client_app = ClientApp()
 
 @server_app.main()
 def _deployed_main(grid: Grid, context: Context) -> None:
+    link_s = None
     try:
         cfg, method, seed = _from_run_config(context)
         check_deployed(cfg)  # DP-FedBuff: tested in process and on the Simulation Engine only
+        link_s = cfg.flower.superlink_timeout_s
+        bound_superlink_wait(grid, link_s)  # a killed SuperLink stops the run, freeing its folder
         # SIGINT / SIGTERM to this process stop the round loop between rounds, not mid-write
         with interrupt.handling():
             server_main(
@@ -470,6 +474,13 @@ def _deployed_main(grid: Grid, context: Context) -> None:
                 resume=_flag(context, "resume"),
                 overwrite=_flag(context, "overwrite"),
             )
+    except httpx.TransportError as e:  # the SuperLink is gone: the rounds so far are kept
+        logging.getLogger("flwr").error(
+            "fedlore: error: the SuperLink did not answer for flower.superlink_timeout_s = %s s "
+            "(%s: %s); the finished rounds are kept: start it again and `flwr run` with "
+            "--run-config 'resume=true'",
+            link_s, type(e).__name__, e,
+        )  # fmt: skip
     except ValueError as e:  # ConfigError included: say what to do, without a traceback
         # flwr streams what its own logger records to `flwr run --stream`; the run then ends
         # without a summary, which scripts/flower_local_federation.sh reports as a failure

@@ -91,6 +91,18 @@ def send_and_receive(
     return out
 
 
+def bound_superlink_wait(grid: Grid, seconds: float | None) -> None:
+    """Make ``grid`` give up on a SuperLink that does not answer for ``seconds`` (None: leave
+    it as it is). flwr 1.42's deployed grid retries every call with no limit (its retry
+    invoker's ``max_tries`` and ``max_time`` are None), so a ServerApp whose SuperLink was
+    killed runs on for ever, holding its run folder against ``resume=true``; with a bound the
+    call raises the last transport error once ``seconds`` have passed. Grids without a retry
+    invoker (the simulation's in-memory grid) are left alone, and so is a bound already set."""
+    invoker = getattr(grid, "_retry_invoker", None)
+    if invoker is not None and getattr(invoker, "max_time", 0) is None:  # None stays None
+        invoker.max_time = seconds
+
+
 def query_message(node: int) -> Message:
     """The ``query`` asking SuperNode ``node`` for its ``partition-id`` (its fedlore client)."""
     return Message(RecordDict({"q": ConfigRecord({"ask": "partition-id"})}), node, "query")
