@@ -1,5 +1,5 @@
 """``run_experiment(callbacks=...)``: a user's round callbacks, made per run, see every round of
-every run that trains (after its row is written), in process; another engine is refused."""
+every run that trains (after its row is written), in process; another engine's runs get them."""
 
 from __future__ import annotations
 
@@ -7,9 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from fedlore.config import ConfigError, load_config
+from fedlore.config import load_config
 from fedlore.experiment import Engine, run_experiment, run_one
 from fedlore.types import State
 
@@ -49,8 +47,18 @@ def test_callbacks_see_every_round_of_every_run_that_trains(tmp_path: Path) -> N
     assert json.loads((tmp_path / "experiment" / "fedlore" / "seed-2" / "summary.json").read_text())
 
 
-def test_callbacks_on_another_engine_are_refused(tmp_path: Path) -> None:
+def test_callbacks_reach_another_engines_runs(tmp_path: Path) -> None:
+    """An engine's ``run`` gets the callbacks as ``extra_callbacks`` (flower-sim's passes them
+    to its ServerApp: tests/flower/test_simulation_callbacks.py)."""
     cfg = load_config(None, [*TINY, f"output_dir={tmp_path}"])
-    other = Engine(lambda *a, **k: run_one(*a, **k))
-    with pytest.raises(ConfigError, match="in-process engine only"):
-        run_experiment(cfg, engine=other, callbacks=lambda m, s: [])
+    given: list[tuple[object, ...]] = []
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        given.append(kwargs["extra_callbacks"])
+        return run_one(*args, **kwargs)
+
+    log: list[tuple[Any, ...]] = []
+    watch = {(m, s): Seen(m, s, log) for m in cfg.algorithms for s in cfg.seeds}
+    run_experiment(cfg, engine=Engine(run), callbacks=lambda m, s: [watch[m, s]])
+    assert sorted(map(id, (c for cs in given for c in cs))) == sorted(map(id, watch.values()))
+    assert {(m, s) for m, s, *_ in log} == set(watch)

@@ -230,10 +230,9 @@ REFUSED = [
         [*LR, "--metric", "bogus", "--mode", "max"],
         "tune.metric=bogus: not a score of the selection split; the run records selection_",
     ),
-    # one method, a sampler that fits the space, pruning in process
+    # one method, a sampler that fits the space
     ([*LR, "algorithms=[fedavg,fedfull]"], "name one with --method"),
     ([*LR, "--sampler", "grid"], "the grid sampler needs finite dimensions"),
-    ([*LR, "--prune", "median", "engine=flower-sim"], "needs engine: local"),
     # a command-line setting of a method the search leaves out
     ([*LR, "method.fedfull.lr=0.1"], "method 'fedfull' is not in algorithms [fedavg]"),
     ([], "no search space: give --space KEY=SPEC"),

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
     from fedlore.data.federation import Federation
+    from fedlore.engine.loop import Callback
     from fedlore.experiment import Engine
 
 DEFAULT_CONFIG = "experiments/quickstart.yaml"
@@ -53,11 +54,18 @@ def _flower_sim() -> Engine:
     from fedlore.experiment import Engine
 
     def simulate(
-        cfg: Config, method: str, seed: int, *, fed: Federation, resume: bool, overwrite: bool
+        cfg: Config,
+        method: str,
+        seed: int,
+        *,
+        fed: Federation,
+        resume: bool,
+        overwrite: bool,
+        extra_callbacks: tuple[Callback, ...] = (),
     ) -> dict[str, Any] | None:
         from fedlore.flower.simulation import run_simulated  # when a run trains, not before
 
-        return run_simulated(cfg, method, seed, resume=resume, overwrite=overwrite)
+        return run_simulated(cfg, method, seed, resume, overwrite, extra_callbacks)
 
     def ray_session() -> AbstractContextManager[object]:
         from fedlore.flower.simulation import ray_session

@@ -6,6 +6,7 @@ sets the key of the config's ``tune`` section it names, over the file's; ``--spa
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -104,7 +105,10 @@ def tune_command(
     progress.enable(cfg.progress)
     search = plan_search(cfg, raw, None if path is None else str(path), tuple(overrides))
     engine = engines[cfg.engine]()
-    with interrupt.handling():  # SIGINT / SIGTERM stop between rounds; the search resumes
+    # one Ray for every trial of a search on flower-sim (each trial's experiment would start
+    # and stop its own); SIGINT / SIGTERM stop between rounds; the search resumes
+    session = engine.session() if engine.session is not None else contextlib.nullcontext()
+    with interrupt.handling(), session:
         outcome = run_search(search, engine)
     print(table(outcome, search.metric), flush=True)
     print()

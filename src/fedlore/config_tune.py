@@ -247,7 +247,8 @@ class TuneConfig(_Strict):
     prune: Literal["none", "median"] = "none"
     """``median``: stop a trial after an evaluation whose ``metric`` is worse than the median of
     the earlier trials' at the same round (Optuna's ``MedianPruner``); the trial is recorded as
-    pruned, its folder keeping its rows and checkpoint. In process only (``engine: local``)."""
+    pruned, its folder keeping its rows and checkpoint. On ``engine: local`` and ``flower-sim``
+    (whose ServerApp reports each round from this process)."""
     prune_startup_trials: int = Field(5, ge=0)
     """Trials that finish before any is pruned (Optuna's ``n_startup_trials``)."""
     prune_warmup_rounds: int = Field(0, ge=0)

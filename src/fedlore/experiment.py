@@ -315,6 +315,7 @@ class RunOne(Protocol):
         fed: Federation,
         resume: bool,
         overwrite: bool,
+        extra_callbacks: tuple[Callback, ...] = (),
     ) -> dict[str, Any] | None: ...
 
 
@@ -359,10 +360,12 @@ def run_experiment(
         callbacks: ``(method, seed) -> callbacks`` for each run that trains: objects with
             ``on_round_end(rnd, row, state)`` (:class:`~fedlore.engine.loop.Callback`), called
             after every round with its ``metrics.jsonl`` row and the new server state, after
-            the run's own (the row is written, the checkpoint saved). In process only.
+            the run's own (the row is written, the checkpoint saved), in this process (on
+            ``engine: flower-sim`` in the ServerApp's thread). An exception one raises stops
+            the run after that round and propagates (``fedlore tune``'s pruning).
 
     Raises:
-        ConfigError: as above, naming each problem; ``callbacks`` with another engine; ``resume``
+        ConfigError: as above, naming each problem; ``resume``
             and ``overwrite`` together with no interrupted ``--overwrite`` to continue
             (:mod:`fedlore.engine.overwriting`).
     """
@@ -375,12 +378,9 @@ def run_experiment(
             )
         engine = IN_PROCESS
     if callbacks is not None:
-        if engine.run is not run_one:
-            raise ConfigError(
-                "run_experiment(callbacks=...) calls them in this process, on the in-process "
-                f"engine only (engine: local); this config runs on {cfg.engine}"
-            )
-        engine = Engine(functools.partial(_run_with_callbacks, callbacks), engine.session)
+        engine = Engine(
+            functools.partial(_run_with_callbacks, engine.run, callbacks), engine.session
+        )
     out: dict[str, list[dict[str, Any]]] = {m: [] for m in cfg.algorithms}
     check_config(cfg)
     check_site_data(cfg, deployed=False)  # before the data: a server's folder has no training set
@@ -424,6 +424,7 @@ def run_experiment(
 
 
 def _run_with_callbacks(
+    run: RunOne,
     callbacks: Callable[[str, int], Sequence[Callback]],
     cfg: Config,
     method: str,
@@ -432,11 +433,12 @@ def _run_with_callbacks(
     fed: Federation,
     resume: bool,
     overwrite: bool,
+    extra_callbacks: tuple[Callback, ...] = (),
 ) -> dict[str, Any] | None:
-    """:func:`run_one` with the user's callbacks for this method and seed."""
-    extra = tuple(callbacks(method, seed))
-    return run_one(
-        cfg, method, seed, fed, resume=resume, overwrite=overwrite, extra_callbacks=extra
+    """The engine's ``run`` with the user's callbacks for this method and seed."""
+    extra = (*extra_callbacks, *callbacks(method, seed))
+    return run(
+        cfg, method, seed, fed=fed, resume=resume, overwrite=overwrite, extra_callbacks=extra
     )
 
 

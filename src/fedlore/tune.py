@@ -92,12 +92,6 @@ class Search:
         grid = self.grid()
         return n if grid is None else min(n, math.prod(len(v) for v in grid.values()))
 
-    @property
-    def in_process(self) -> bool:
-        """Whether the trials train in this process (``engine: local``): only then are their
-        rounds reported to the study as they end (and pruned)."""
-        return self.cfg.engine == "local"
-
     def grid(self) -> dict[str, list[Any]] | None:
         """The grid sampler's space (None under another sampler)."""
         if self.cfg.tune.sampler != "grid":
@@ -307,11 +301,6 @@ def plan_search(
                 f"the grid sampler needs finite dimensions (int: or cat:), not "
                 f"{', '.join(continuous)}: e.g. lr=cat:1e-3,3e-3,1e-2, or --sampler tpe"
             )
-    if tune.prune != "none" and cfg.engine != "local":
-        raise ConfigError(
-            f"--prune {tune.prune} (tune.prune) needs engine: local: a trial is pruned as its "
-            f"rounds end, in this process; engine {cfg.engine} reports only finished trials"
-        )
     if tune.workers > 1 and cfg.engine != "local":
         raise ConfigError(
             f"--workers {tune.workers} (tune.workers) needs engine: local: each trial trains in "

@@ -305,9 +305,8 @@ def _run_trial(
     if reporter.pruned_at is not None:  # cut off after a round that pruned it
         _end(study, trial, search, params, "pruned", note=f"after round {reporter.pruned_at}")
         return
-    callbacks = None
-    if search.in_process:
-        callbacks = lambda method, seed: [*extra, reporter]  # noqa: E731
+    # called after every round, in this process (on flower-sim in the ServerApp's thread)
+    callbacks = lambda method, seed: [*extra, reporter]  # noqa: E731
     try:
         summaries = run_experiment(cfg, resume=True, engine=engine, callbacks=callbacks)
     except optuna.TrialPruned:

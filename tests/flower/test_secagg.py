@@ -43,9 +43,9 @@ from fedlore.config import Config, load_config
 from fedlore.engine.loop import RoundLoop
 from fedlore.experiment_parts import make_algorithm, model_factory, start_server
 from fedlore.experiment_privacy import make_privacy
-from fedlore.flower.app import _federation, make_apps, secagg_settings
+from fedlore.flower.app import _federation, make_apps
 from fedlore.flower.loopback import LoopbackFederation
-from fedlore.flower.secure import DROP_ROUND_KEY, SecAggSettings, _Workflow
+from fedlore.flower.secure import DROP_ROUND_KEY, SecAggSettings, _Workflow, secagg_settings
 from fedlore.flower.transport import FlowerTransport
 from fedlore.privacy import (
     CLEAR_METRICS,
@@ -598,7 +598,7 @@ def test_the_clipping_warning_is_said_only_when_it_holds(
 ) -> None:
     said: list[str] = []
     monkeypatch.setattr(
-        "fedlore.flower.app.say_once", lambda msg, *a: said.append(msg % a if a else msg)
+        "fedlore.flower.secure.say_once", lambda msg, *a: said.append(msg % a if a else msg)
     )
     settings = secagg_settings(load_config(None, [*SMALL, *extra]), "fedavg")
     assert any("clipped to [-1, 1]" in s for s in said) is warned

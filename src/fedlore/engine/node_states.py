@@ -31,7 +31,9 @@ from pathlib import Path
 
 from fedlore.atomic import TMP_SUFFIX, save_tensors
 from fedlore.config import Config, ConfigError
+from fedlore.engine.callbacks import checkpoint_round
 from fedlore.engine.checkpoint_io import damage_reason, load_tensors
+from fedlore.progress import say
 from fedlore.types import State
 
 FOLDER = "clients"
@@ -179,3 +181,23 @@ __all__ = [
     "restore_point",
     "save",
 ]
+
+
+def restore_clients(folder: Path, states: Path, method: str, seed: int) -> None:
+    """Before a resumed simulation of the run in ``folder``: its clients' states in ``states``
+    as of its checkpoint (:func:`restore_point`; all of them gone
+    when it has no checkpoint yet), with a progress line naming what was deleted."""
+    ckpt = folder / "checkpoint.pt"
+    last = checkpoint_round(ckpt) if ckpt.exists() else None
+    gone = restore_point(states, last, method, seed)
+    if gone:
+        which = "(no checkpoint yet)" if last is None else f"of the rounds after round {last}"
+        listed = ", ".join(gone[:5]) + (" ..." if len(gone) > 5 else "")
+        say(
+            "%s seed %d: deleted %d client state file(s) %s: %s",
+            method,
+            seed,
+            len(gone),
+            which,
+            listed,
+        )

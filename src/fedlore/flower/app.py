@@ -56,6 +56,7 @@ from fedlore.data.federation import Federation, build_federation
 from fedlore.device import PeakMemory, resolve_device, training_precision
 from fedlore.engine import interrupt, node_states
 from fedlore.engine.interrupt import Interrupted
+from fedlore.engine.loop import Callback, Row
 from fedlore.experiment import run_one
 from fedlore.experiment_parts import make_algorithm, model_factory
 from fedlore.flower.codec import (
@@ -64,7 +65,7 @@ from fedlore.flower.codec import (
     reply_to_record,
     state_to_record,
 )
-from fedlore.flower.secure import SECURE_KEY, SecAggSettings
+from fedlore.flower.secure import SECURE_KEY, secagg_settings
 from fedlore.flower.secure_client import (
     contribution_record,
     drop_out_now,
@@ -74,7 +75,6 @@ from fedlore.flower.secure_client import (
 from fedlore.flower.sites import server_federation, site_federation
 from fedlore.flower.transport import TRAIN_ROUND, FlowerTransport, bound_superlink_wait
 from fedlore.flower.wallclock import WallClockTransport
-from fedlore.progress import say_once
 from fedlore.seeding import CLIENT, generator
 from fedlore.tensors import state_bytes, to_device
 from fedlore.types import Broadcast, Reply, State
@@ -290,12 +290,13 @@ def server_main(
     overwrite: bool = False,
     from_start: bool = False,
     keeps_client_states: bool = False,
+    extra_callbacks: tuple[Callback, ...] = (),
 ) -> dict[str, Any] | None:
     """Run one method x seed of ``cfg`` over ``grid`` (``resume`` / ``overwrite`` /
     ``from_start`` as for :func:`fedlore.experiment.run_one`); returns the run summary.
     ``keeps_client_states``: the clients restore their own states on a resume (a simulation's,
     :mod:`fedlore.engine.node_states`), so the server keeps its record of what they hold
-    (:attr:`FlowerTransport.keeps_client_states`)."""
+    (:attr:`FlowerTransport.keeps_client_states`). ``extra_callbacks``: as ``run_one``'s."""
     fed = server_federation(cfg, seed) if cfg.flower.site_data else None
 
     wall = cfg.asynchronous.enabled and cfg.asynchronous.clock == "wall"  # FedBuff's real clock
@@ -326,41 +327,30 @@ def server_main(
         overwrite=overwrite,
         make_transport=make_transport,
         from_start=from_start,
+        extra_callbacks=extra_callbacks,
     )
 
 
-def secagg_settings(cfg: Config, method: str, client_data: Any = None) -> SecAggSettings:
-    """The SecAgg+ parameters of a run of ``method`` (``flower.secagg_*``; each stage waits
-    ``flower.round_timeout_s``; ``clipping_range`` unset: see the setting). ``max_weight``
-    unset: 1 under ``weighting: uniform``, else the largest ``num_examples`` of the clients of
-    ``client_data`` (client id -> ClientData, the central federation); None there (site-local
-    data) leaves 1, which a client of more examples refuses with the setting's name."""
-    f = cfg.flower
-    clip = f.secagg_clipping_range
-    if cfg.secure_aggregation and clip is None and not cfg.dp.enabled:  # else nothing clips
-        say_once(
-            "SecAgg+: every upload entry is clipped to [-1, 1] before quantization "
-            "(flower.secagg_clipping_range unset, no DP clip bounds the uploads); an update with "
-            "larger entries changes silently: set flower.secagg_clipping_range to bound them"
-        )
-    follow = clip is None and cfg.dp.enabled  # C_t + the noise shares' tail, every round
-    if clip is None:
-        clip = 1.0
-    max_weight = f.secagg_max_weight
-    if max_weight is None:
-        max_weight = 1.0
-        if cfg.weighting != "uniform" and client_data is not None:
-            max_weight = float(max(client_data(c).num_examples for c in range(cfg.num_clients)))
-    return SecAggSettings(
-        num_shares=f.secagg_num_shares,
-        reconstruction_threshold=f.secagg_reconstruction_threshold,
-        clipping_range=clip,
-        quantization_range=f.secagg_quantization_range,
-        modulus_range=f.secagg_modulus_range,
-        max_weight=max_weight,
-        timeout=f.round_timeout_s,
-        follow_privacy=follow,
-    )
+class _CallbackRaised(Exception):
+    """What a caller's callback raised, carried out of Flower's ServerApp thread."""
+
+    def __init__(self, carried: Exception) -> None:
+        super().__init__(str(carried))
+        self.carried = carried
+
+
+@dataclasses.dataclass
+class _Carried:
+    """A caller's callback whose exception is wrapped in :class:`_CallbackRaised` (so the
+    ServerApp tells it from its own errors, which Flower logs)."""
+
+    callback: Callback
+
+    def on_round_end(self, rnd: int, row: Row, state: State) -> None:
+        try:
+            self.callback.on_round_end(rnd, row, state)
+        except Exception as e:
+            raise _CallbackRaised(e) from e
 
 
 def make_apps(
@@ -369,9 +359,10 @@ def make_apps(
     seed: int,
     on_end: Callable[[Interrupted | None], None] | None = None,
     overwrite: bool = False,
-    failed: list[WriteError] | None = None,
+    failed: list[Exception] | None = None,
     restart: bool = False,
     state_dir: Path | None = None,
+    callbacks: tuple[Callback, ...] = (),
 ) -> tuple[ServerApp, ClientApp]:
     """A ServerApp/ClientApp pair bound to a validated config, one method and one seed
     (``overwrite``: replace a finished run, as :func:`server_main`; ``restart``: a ``--resume``
@@ -380,7 +371,9 @@ def make_apps(
     checkpoint; None: a ``restart`` runs again from the first round, its DP ledger counting the
     rows it repeats (:func:`fedlore.experiment.run_one`'s ``from_start``). A file the ServerApp
     cannot write (a full disk) is appended to ``failed`` when given (for the caller to report
-    in one line), else raised.
+    in one line), else raised; so is an exception one of ``callbacks`` raises (called after
+    every round, after the run's own, :func:`fedlore.experiment.run_one`'s ``extra_callbacks``:
+    ``fedlore tune``'s pruning raises ``TrialPruned``).
 
     ``on_end`` is called in the ServerApp's thread as its run ends (however it ends), with the
     :class:`~fedlore.engine.interrupt.Interrupted` that stopped the round loop or None; the
@@ -403,11 +396,12 @@ def make_apps(
                 overwrite=overwrite,
                 from_start=restart and state_dir is None,
                 keeps_client_states=state_dir is not None,
+                extra_callbacks=tuple(_Carried(c) for c in callbacks),
             )
-        except WriteError as e:
+        except (WriteError, _CallbackRaised) as e:
             if failed is None:
-                raise
-            failed.append(e)
+                raise e.carried if isinstance(e, _CallbackRaised) else e from None
+            failed.append(e.carried if isinstance(e, _CallbackRaised) else e)
         except Interrupted as e:
             if on_end is None:
                 raise

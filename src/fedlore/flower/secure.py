@@ -61,9 +61,11 @@ from flwr.server.workflow.secure_aggregation.secaggplus_workflow import (
 )
 from flwr.serverapp import Grid
 
+from fedlore.config import Config
 from fedlore.privacy.aggregation import DEFAULT_THRESHOLD
 from fedlore.privacy.crypto import prg
 from fedlore.privacy.topology import threshold_count
+from fedlore.progress import say_once
 from fedlore.types import Scalars
 
 log = logging.getLogger(__name__)
@@ -450,3 +452,37 @@ def secure_round(
             k: v for k, v in res.metrics.items() if isinstance(v, int | float | str | bool)
         }
     return np.asarray(arrays[0], dtype=np.float64), metrics, set(metrics)
+
+
+def secagg_settings(cfg: Config, method: str, client_data: Any = None) -> SecAggSettings:
+    """The SecAgg+ parameters of a run of ``method`` (``flower.secagg_*``; each stage waits
+    ``flower.round_timeout_s``; ``clipping_range`` unset: see the setting). ``max_weight``
+    unset: 1 under ``weighting: uniform``, else the largest ``num_examples`` of the clients of
+    ``client_data`` (client id -> ClientData, the central federation); None there (site-local
+    data) leaves 1, which a client of more examples refuses with the setting's name."""
+    f = cfg.flower
+    clip = f.secagg_clipping_range
+    if cfg.secure_aggregation and clip is None and not cfg.dp.enabled:  # else nothing clips
+        say_once(
+            "SecAgg+: every upload entry is clipped to [-1, 1] before quantization "
+            "(flower.secagg_clipping_range unset, no DP clip bounds the uploads); an update with "
+            "larger entries changes silently: set flower.secagg_clipping_range to bound them"
+        )
+    follow = clip is None and cfg.dp.enabled  # C_t + the noise shares' tail, every round
+    if clip is None:
+        clip = 1.0
+    max_weight = f.secagg_max_weight
+    if max_weight is None:
+        max_weight = 1.0
+        if cfg.weighting != "uniform" and client_data is not None:
+            max_weight = float(max(client_data(c).num_examples for c in range(cfg.num_clients)))
+    return SecAggSettings(
+        num_shares=f.secagg_num_shares,
+        reconstruction_threshold=f.secagg_reconstruction_threshold,
+        clipping_range=clip,
+        quantization_range=f.secagg_quantization_range,
+        modulus_range=f.secagg_modulus_range,
+        max_weight=max_weight,
+        timeout=f.round_timeout_s,
+        follow_privacy=follow,
+    )

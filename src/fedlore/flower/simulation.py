@@ -57,29 +57,36 @@ from pathlib import Path
 from queue import Queue
 from typing import Any, TextIO
 
-from fedlore.atomic import WriteError
 from fedlore.config import Config
 from fedlore.engine import interrupt, node_states
-from fedlore.engine.callbacks import checkpoint_round
 from fedlore.engine.interrupt import Interrupted, Process
 from fedlore.engine.lock import RunLock
+from fedlore.engine.loop import Callback
+from fedlore.engine.node_states import restore_clients
 from fedlore.engine.rerun import finished_record, stamp, write_dir
 from fedlore.engine.run_record import check_same_config
 from fedlore.engine.rundir import run_dir
 from fedlore.experiment_parts import make_algorithm
 from fedlore.flower.app import make_apps
-from fedlore.progress import say
 
 log = logging.getLogger(__name__)
 
 
 def run_simulated(
-    cfg: Config, method: str, seed: int, resume: bool = False, overwrite: bool = False
+    cfg: Config,
+    method: str,
+    seed: int,
+    resume: bool = False,
+    overwrite: bool = False,
+    extra_callbacks: tuple[Callback, ...] = (),
 ) -> dict[str, Any]:
     """Run ``method`` for ``seed`` on the Simulation Engine; returns the run summary. With
     ``overwrite`` a finished run is replaced as by :func:`fedlore.experiment.run_one` (the new run
     trains beside it and takes its place once finished, :mod:`fedlore.engine.rerun`); with
     ``resume`` an unfinished run continues from its checkpoint (the module docstring).
+    ``extra_callbacks`` are called after every round in the ServerApp's thread, after the run's
+    own (as :func:`fedlore.experiment.run_one`'s); an exception one raises stops the run and is
+    raised here once the simulation has ended (``fedlore tune``'s pruning).
 
     Raises:
         RuntimeError: if the simulation ended without writing a summary (its log says why).
@@ -111,7 +118,8 @@ def run_simulated(
     def on_end(stopped: Interrupted | None) -> None:  # the ServerApp's thread; Ray still runs
         ended["stopped"], ended["ray"] = stopped, ray_processes()
 
-    failed: list[WriteError] = []  # a file the ServerApp could not write: one line, not a trace
+    # a file the ServerApp could not write (one line, not a trace), a callback's exception
+    failed: list[Exception] = []
     server, client = make_apps(
         cfg,
         method,
@@ -121,6 +129,7 @@ def run_simulated(
         failed,
         restart=resume,
         state_dir=states if keep else None,
+        callbacks=extra_callbacks,
     )
     with ray_session() as session, interrupt.handling(), interrupt.deferred():
         try:
@@ -144,26 +153,6 @@ def run_simulated(
         raise RuntimeError(f"the Flower simulation of {method} (seed {seed}) wrote no summary")
     result: dict[str, Any] = json.loads(summary_path.read_text())
     return result
-
-
-def restore_clients(folder: Path, states: Path, method: str, seed: int) -> None:
-    """Before a resumed simulation of the run in ``folder``: its clients' states in ``states``
-    as of its checkpoint (:func:`fedlore.engine.node_states.restore_point`; all of them gone
-    when it has no checkpoint yet), with a progress line naming what was deleted."""
-    ckpt = folder / "checkpoint.pt"
-    last = checkpoint_round(ckpt) if ckpt.exists() else None
-    gone = node_states.restore_point(states, last, method, seed)
-    if gone:
-        which = "(no checkpoint yet)" if last is None else f"of the rounds after round {last}"
-        listed = ", ".join(gone[:5]) + (" ..." if len(gone) > 5 else "")
-        say(
-            "%s seed %d: deleted %d client state file(s) %s: %s",
-            method,
-            seed,
-            len(gone),
-            which,
-            listed,
-        )
 
 
 class RaySession:
