@@ -335,7 +335,7 @@ def _csv_rows(path: Path, text: str) -> list[dict[str, Any]]:
         opened, at = next(starts, done + 1), reader.reader.line_num
         eof = str(e) == "unexpected end of data"
         if opened >= at and not eof:  # on one line: text after a closing quote, or too long
-            hint = '; a field that starts with a quote must end with it, and a quote inside it '
+            hint = "; a field that starts with a quote must end with it, and a quote inside it "
             hint += 'is written twice ("")'
             hint = hint if '"' in str(e) else ""
             raise ValueError(f"{path}:{at}: not valid CSV ({e}){hint}") from None
