@@ -134,21 +134,29 @@ def _local(value: Any) -> bool:
     return isinstance(value, str) and bool(value) and "://" not in value
 
 
+def _named(path: str) -> str:
+    """The file or folder ``path`` names from the working folder: ``..`` and symbolic links
+    resolved, relative to the working folder when inside it (a project moved to another
+    folder or machine keeps its runs), else absolute."""
+    folder, here = Path(path).resolve(), Path.cwd().resolve()
+    return str(folder.relative_to(here)) if folder.is_relative_to(here) else str(folder)
+
+
 def resolved_folders(record: Mapping[str, Any]) -> dict[str, str]:
     """Each path of :data:`FOLDER_KEYS` in ``record`` (flat dotted keys) that names a local file
-    or folder, as the one it names from the working folder now: absolute, ``..`` and symbolic
-    links resolved (:meth:`pathlib.Path.resolve`)."""
+    or folder, as the one it names from the working folder now (``good/``, ``./good``,
+    ``/home/me/good`` from ``/home/me`` and a link to it are ``good``; ``../data`` is
+    ``/home/data``)."""
     paths = {k: record.get(k) for k in FOLDER_KEYS}
-    return {k: str(Path(v).resolve()) for k, v in paths.items() if isinstance(v, str) and _local(v)}
+    return {k: _named(v) for k, v in paths.items() if isinstance(v, str) and _local(v)}
 
 
 def same_folder(record: dict[str, Any], recorded: Any = None) -> None:
     """Write, in place, each path of :data:`FOLDER_KEYS` in ``record`` (flat dotted keys) as the
     file or folder it names, so that two spellings of one folder compare equal: ``recorded``'s
-    value for the path where it has one (a run's :data:`FOLDERS_RECORD`, resolved where the run
-    was made), else the path resolved from the working folder now (:func:`resolved_folders`:
-    a config about to run, or a run recorded before fedlore 2026-12-06, whose relative path is
-    taken as meant from here). A URL is left alone."""
+    value for the path where it has one (a run's :data:`FOLDERS_RECORD`, as named where the run
+    was made), else as named from the working folder now (:func:`resolved_folders`: a config
+    about to run, or a run recorded before fedlore 2026-12-06). A URL is left alone."""
     given = recorded if isinstance(recorded, Mapping) else {}
     now = resolved_folders(record)
     for key, path in now.items():

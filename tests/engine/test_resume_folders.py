@@ -2,8 +2,9 @@
 ``good``, ``good/``, ``./good``, ``/home/me/good`` (from ``/home/me``) and a symbolic link to it
 are one setting for ``--resume``, a finished run's check, a report's rows and a search's study.
 A run records the folder it read (``data_folders`` of its ``config.json``) beside the path as
-the config wrote it, so the same relative path from another working folder is another folder;
-a record without it (before fedlore 2026-12-06) has its relative path taken from here."""
+the config wrote it: relative to the working folder when inside it, so a project moved to
+another folder or machine keeps its runs; absolute otherwise. A record without it (before
+fedlore 2026-12-06) is named from the working folder now."""
 
 from __future__ import annotations
 
@@ -62,11 +63,10 @@ def test_spellings_of_one_data_folder_are_one_config(
         spelled = [*NPZ, f"data.root={same}"]
         assert _diff([*NPZ, "data.root=good"], spelled, hyper, folders) == "", same
         assert _diff(spelled, [*NPZ, "data.root=good"], hyper, folders) == "", same
-    good, other = work / "good", work / "other"
     assert _diff([*NPZ, "data.root=good/"], [*NPZ, "data.root=other/"], hyper, folders) == (
-        f"data.root: {str(good)!r} -> {str(other)!r}"
+        "data.root: 'good' -> 'other'"
     )
-    assert f"data.root: {str(good)!r} -> {str(tmp_path / 'good')!r}" in _diff(
+    assert f"data.root: 'good' -> {str(tmp_path / 'good')!r}" in _diff(
         [*NPZ, "data.root=good"], [*NPZ, "data.root=../good"], hyper, folders
     )
     tok = ["data.name=text_csv", "data.root=t.csv"]
@@ -77,32 +77,35 @@ def test_spellings_of_one_data_folder_are_one_config(
 
 
 @pytest.mark.parametrize("hyper", [True, False])
-def test_a_relative_path_from_another_working_folder_is_another_folder(
+def test_a_folder_is_named_relative_to_the_working_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hyper: bool
 ) -> None:
-    """A run records the folder it read: data.root=good run from a/ read a/good, so the same
-    words from b/ are another folder, and b's absolute path to a/good is the run's folder. A
-    record of an older fedlore, which lacks the folders, takes its path from here."""
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    """A run records the folder it read relative to its working folder (when inside it): the
+    project moved to b/ (another machine, a clone) keeps its runs under the same words; a
+    folder outside it is named absolutely, from anywhere. Whether the files are the same is the
+    data fingerprint's to say."""
+    for d in ("a", "b", "data"):
+        (tmp_path / d).mkdir()
     monkeypatch.chdir(tmp_path / "a")
-    recorded = _record([*NPZ, "data.root=good"], hyper, folders=True)
-    old = _record([*NPZ, "data.root=good"], hyper, folders=False)
-    assert recorded["data"]["root"] == "good"  # as the config wrote it
-    assert recorded[FOLDERS_RECORD] == {"data.root": str(tmp_path / "a" / "good")}
+    recorded = _record([*NPZ, "data.root=./good/"], hyper, folders=True)
+    outside = _record([*NPZ, "data.root=../data"], hyper, folders=True)
+    assert recorded["data"]["root"] == "./good/"  # as the config wrote it
+    assert recorded[FOLDERS_RECORD] == {"data.root": "good"}
+    assert outside[FOLDERS_RECORD] == {"data.root": str(tmp_path / "data")}
     monkeypatch.chdir(tmp_path / "b")
 
     def diff(record: dict[str, Any], root: str) -> str:
         cfg = load_config(None, [*NPZ, f"data.root={root}"])
         return config_diff(cfg, "fedavg", record, make_algorithm)
 
-    assert diff(recorded, "good") == (
-        f"data.root: {str(tmp_path / 'a/good')!r} -> {str(tmp_path / 'b/good')!r}"
+    assert diff(recorded, "good") == ""
+    assert diff(recorded, str(tmp_path / "b" / "good")) == ""
+    assert diff(recorded, str(tmp_path / "a" / "good")) == (
+        f"data.root: 'good' -> {str(tmp_path / 'a/good')!r}"
     )
-    assert diff(recorded, str(tmp_path / "a" / "good")) == ""
-    assert diff(recorded, "../a/good/") == ""
-    assert diff(old, "good") == ""  # unknown: from here
-    assert diff(old, str(tmp_path / "a" / "good"))
+    assert diff(outside, "../data") == diff(outside, str(tmp_path / "data")) == ""
+    old = _record([*NPZ, f"data.root={tmp_path / 'b' / 'good'}"], hyper, folders=False)
+    assert diff(old, "good/") == ""  # a record of an older fedlore: named from here
 
 
 def test_same_folder_leaves_what_names_no_local_folder_alone(
@@ -111,16 +114,19 @@ def test_same_folder_leaves_what_names_no_local_folder_alone(
     monkeypatch.chdir(tmp_path)
     record: dict[str, Any] = {"data.root": "a/../b/", "data.tokenizer": "s3://bucket/tok/"}
     same_folder(record)
-    assert record == {"data.root": str(tmp_path / "b"), "data.tokenizer": "s3://bucket/tok/"}
+    assert record == {"data.root": "b", "data.tokenizer": "s3://bucket/tok/"}
     record = {"data.root": None, "data.tokenizer": "", "lr": "x/"}
     same_folder(record, {"data.root": "/elsewhere", "lr": "/y"})
     assert record == {"data.root": None, "data.tokenizer": "", "lr": "x/"}
     record = {"data.root": "good", "data.tokenizer": "tok"}
     same_folder(record, {"data.root": "/there/good", "data.tokenizer": None})
-    assert record == {"data.root": "/there/good", "data.tokenizer": str(tmp_path / "tok")}
-    record = {"data.root": "good"}
-    same_folder(record, "not a mapping")  # a damaged record: taken from here
-    assert record == {"data.root": str(tmp_path / "good")}
+    assert record == {"data.root": "/there/good", "data.tokenizer": "tok"}
+    record = {"data.root": str(tmp_path / "good")}
+    same_folder(record, "not a mapping")  # a damaged record: named from here
+    assert record == {"data.root": "good"}
+    record = {"data.root": str(tmp_path)}
+    same_folder(record)
+    assert record == {"data.root": "."}
 
 
 def _report_run(
@@ -148,20 +154,22 @@ def test_a_report_pools_runs_of_one_data_folder_spelled_two_ways(
     monkeypatch.chdir(tmp_path)
     good = str(tmp_path / "good")
     base = _record([*NPZ, "data.root=good"], hyper=False, folders=False)
+    named = {"data.root": "good"}
     exp = tmp_path / "exp"
     for seed, root, folders in (
         (1, "good", None),
         (2, "good/", None),
-        (3, "./good", {"data.root": good}),
+        (3, "./good", named),
         (4, "other", None),
-        (5, good, {"data.root": good}),
+        (5, good, named),
+        (7, good, None),
         (6, "good", {"data.root": "/elsewhere/good"}),
     ):
         _report_run(exp, seed, base, root, folders)
     groups = split_by_config(load_runs(exp))
     assert {k: [r.seed for r in v] for k, v in groups.items()} == {
-        f"fedavg [data.root={good}]": [1, 2, 3, 5],
-        f"fedavg [data.root={tmp_path / 'other'}]": [4],
+        "fedavg [data.root=good]": [1, 2, 3, 5, 7],
+        "fedavg [data.root=other]": [4],
         "fedavg [data.root=/elsewhere/good]": [6],
     }
 
@@ -183,13 +191,11 @@ def test_a_search_continues_with_its_data_folder_spelled_another_way(
     old = {k: v for k, v in made.items() if k != FOLDERS_RECORD}  # a study of an older fedlore
     assert record_diff(old, record(str(tmp_path / "a" / "good"))) == ""
     assert record_diff(made, record("../good")) == (
-        f"settings.data.root: {str(tmp_path / 'a/good')!r} -> {str(tmp_path / 'good')!r}"
+        f"settings.data.root: 'good' -> {str(tmp_path / 'good')!r}"
     )
-    monkeypatch.chdir(tmp_path)
-    assert record_diff(made, record("good")) == (
-        f"settings.data.root: {str(tmp_path / 'a/good')!r} -> {str(tmp_path / 'good')!r}"
-    )
-    assert record_diff(made, record("a/good")) == ""
+    monkeypatch.chdir(tmp_path)  # the project moved: the same words name its folder
+    assert record_diff(made, record("good")) == ""
+    assert record_diff(made, record("a/good")) == "settings.data.root: 'good' -> 'a/good'"
 
 
 def test_a_run_resumes_and_is_found_finished_with_its_folder_spelled_another_way(
@@ -224,7 +230,7 @@ def test_a_run_resumes_and_is_found_finished_with_its_folder_spelled_another_way
     copy.mkdir()
     for f in folder.iterdir():
         (copy / f.name).write_bytes(f.read_bytes())
-    with pytest.raises(ConfigError, match=rf"data\.root: '{folder}' -> '{copy}'"):
+    with pytest.raises(ConfigError, match=rf"data\.root: '{folder}' -> 'copy'"):
         run_one(cfg("copy"), "fedavg", 0, resume=True)
 
 

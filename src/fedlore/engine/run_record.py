@@ -77,9 +77,9 @@ def run_record(
 ) -> dict[str, Any]:
     """A run's ``config.json`` (without the DP record the driver adds): the settings that decide
     its results, the data fingerprint, the data folders it read (:data:`FOLDERS_RECORD`: each
-    path of ``data.root`` and ``data.tokenizer`` resolved from the working folder, the path as
-    the config wrote it staying in its place), the method's resolved hyperparameters, and where
-    and with how many threads it ran."""
+    path of ``data.root`` and ``data.tokenizer`` as named from the working folder,
+    :func:`~fedlore.config_unset.resolved_folders`; the path as the config wrote it stays in its
+    place), the method's resolved hyperparameters, and where and with how many threads it ran."""
     settings = _run_config(cfg, method)
     return {
         **settings,
