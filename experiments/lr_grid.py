@@ -17,16 +17,18 @@ Usage::
         --grid ffa_lora,...=5e-4,1e-3,3e-3,5e-3 --jobs 2 --runs experiments/runs/vision \\
         --out experiments/results/vision_table1
 
-Each run is ``fedlore run CONFIG algorithms=<m> seeds=<s> lr=<lr> output_dir=<runs>/lr-<lr>
-[--set overrides] --resume`` in its own process (a killed driver resumes where it stopped;
-``<runs>`` defaults to the config's ``output_dir``; a ``--set`` of ``algorithms``, ``seeds``,
-``name`` or ``output_dir`` chooses the methods, seeds, runs' name and that default, as in
-``sweep.py``, and ``--set lr=...`` is refused; its output goes to
-``<out>/logs/<method>-<seed>-lr<lr>.log``, appended to on a rerun, so resuming a finished grid
-keeps every run's training log). Writes ``<out>/table.md``,
-``<out>/table.json`` and the curves of the chosen runs (``<out>/*_vs_round.png``,
-``*_vs_bytes.png``). Bytes per client per round count every byte of the run, FedLore's setup
-exchange (round -1) included, divided by the client contacts of the training rounds.
+Each run is ``fedlore run CONFIG algorithms=<m> seeds=<s> output_dir=<runs>/lr-<lr>
+[--set overrides] lr=<lr> --resume`` in its own process (a killed driver resumes where it
+stopped; ``<runs>`` defaults to the config's ``output_dir``; a ``--set`` of ``algorithms``,
+``seeds``, ``name`` or ``output_dir`` chooses the methods, seeds, runs' name and that default, as
+in ``sweep.py``, and ``--set lr=...`` or ``--set method.<m>.lr=...`` is refused). A config whose
+``method.<m>`` section sets ``lr`` (which outranks ``lr``: every rate of the grid trained at it)
+gets ``method.<m>.lr=<lr>`` in each run too, with a note on standard error. A run's output goes
+to ``<out>/logs/<method>-<seed>-lr<lr>.log``, appended to on a rerun, so resuming a finished grid
+keeps every run's training log. Writes ``<out>/table.md``, ``<out>/table.json`` and the curves
+of the chosen runs (``<out>/*_vs_round.png``, ``*_vs_bytes.png``). Bytes per client per round
+count every byte of the run, FedLore's setup exchange (round -1) included, divided by the client
+contacts of the training rounds.
 
 The seed tables' grids outlast one sitting (Table 2's 92 runs take about four hours on two
 cores), so their commands pass ``--runs experiments/runs/<table>``: a finished run's
@@ -99,6 +101,23 @@ def passed_on(sets: list[str]) -> list[str]:
     return [kv for kv in sets if kv.partition("=")[0].strip() not in OWN_KEYS]
 
 
+OWN_RATE: set[str] = set()
+"""Methods whose ``method.<name>`` section in the config sets ``lr``: that rate takes precedence
+over the run-wide ``lr`` the grid sets (every point of the grid trained at it), so each of their
+runs gets ``method.<name>.lr=<rate>`` too."""
+
+
+def own_rate(cfg: Any, methods: list[str]) -> list[str]:
+    """The methods of ``methods`` whose ``method.<name>`` section of ``cfg`` sets ``lr``."""
+    return [m for m in methods if "lr" in (cfg.method.get(m) or {})]
+
+
+def rate_overrides(method: str, lr: float) -> list[str]:
+    """The overrides that make ``lr`` the rate a run of ``method`` trains at."""
+    own = [f"method.{method}.lr={lr:g}"] if method in OWN_RATE else []
+    return [f"lr={lr:g}", *own]
+
+
 def run_dir(root: str, name: str, lr: float, method: str, seed: int) -> Path:
     return Path(root) / f"lr-{lr:g}" / name / method / f"seed-{seed}"
 
@@ -121,10 +140,10 @@ def launch(config: str, root: str, method: str, seed: int, lr: float, log_dir: P
         config,
         f"algorithms={method}",
         f"seeds={seed}",
-        f"lr={lr:g}",
         f"output_dir={root}/lr-{lr:g}",
         "progress=false",
         *passed_on(EXTRA),
+        *rate_overrides(method, lr),  # the grid's rate, the method's own lr too if set
     ]
     log = log_dir / f"{method}-{seed}-lr{lr:g}.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -217,8 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     global TABLE_ONLY
     TABLE_ONLY = args.table_only
     EXTRA[:] = args.set
-    if "lr" in [kv.partition("=")[0].strip() for kv in args.set]:
-        raise SystemExit("lr_grid: --set lr=...: the grid sets each run's lr; give rates in --grid")
+    for key in [kv.partition("=")[0].strip() for kv in args.set]:
+        if key == "lr" or (key.startswith("method.") and key.endswith(".lr")):
+            raise SystemExit(
+                f"lr_grid: --set {key}=...: the grid sets each run's lr; give rates in --grid"
+            )
     cfg = load_config(args.config, list(args.set))  # methods, seeds, name: --set's if given
     if cfg.data.selection_fraction == 0:
         raise SystemExit(NO_SELECTION)
@@ -229,6 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     missing = [m for m in methods if m not in grid]
     if missing:
         raise SystemExit(f"no --grid for {missing}")
+    OWN_RATE.clear()
+    OWN_RATE.update(own_rate(cfg, methods))
+    for m in sorted(OWN_RATE):  # it outranks lr: each run overrides it with its grid's rate
+        print(
+            f"lr_grid: note: the config's method.{m}.lr={cfg.method[m]['lr']} is replaced by "
+            "each rate of the grid in every run",
+            file=sys.stderr,
+        )
     out = Path(args.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)

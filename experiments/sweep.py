@@ -51,6 +51,7 @@ from fedlore import registry
 from fedlore.config import ConfigError, load_config
 from fedlore.engine.run_record import config_diff
 from fedlore.experiment_parts import make_algorithm
+from fedlore.settings import LocalTraining, config_paths
 
 COLUMNS = (
     ("final_accuracy", "acc. (%)", 100.0),
@@ -129,6 +130,26 @@ def refuse_clashes(
         twice = sorted({v for v in values if values.count(v) > 1})
         if twice:
             raise ConfigError(f"{what}: {twice} named twice")
+
+
+def refuse_outranked(vary: list[tuple[str, list[str]]], own: dict[str, Any], method: str) -> None:
+    """Refuse a ``--vary`` of a config path that the method's own section of the config
+    (``own``: ``method.<name>``) sets for ``method``: ``method.fedlore.lr`` outranks ``lr``, so
+    every run of fedlore trained at one rate under the ``--vary lr`` values' labels.
+
+    Raises:
+        ConfigError: naming the varied path and the method's setting.
+    """
+    cls = registry.get("algorithm", method)
+    paths = {**config_paths(LocalTraining), **config_paths(cls)}
+    varied = {k for k, _ in vary}
+    for key in own:
+        if (path := paths.get(key)) in varied:
+            raise ConfigError(
+                f"--vary {path}: the config sets method.{method}.{key}, which outranks {path} in "
+                f"{method}'s runs (each would run at its one value under the --vary labels); "
+                f"remove it from the config, or --vary method.{method}.{key}"
+            )
 
 
 def label(setting: tuple[tuple[str, str], ...]) -> str:
@@ -224,8 +245,9 @@ def sweep(args: argparse.Namespace) -> int:
     Raises:
         ConfigError, FileNotFoundError: before any run, for the config, a ``--set`` that the
             sweep sets itself or that overrides a ``--vary`` key (:func:`refuse_clashes`), a
-            value or method named twice, a method that is not registered or whose settings
-            some run would refuse, or an ``--out`` that is a file.
+            ``--vary`` key a method's own section of the config outranks
+            (:func:`refuse_outranked`), a value or method named twice, a method that is not
+            registered or whose settings some run would refuse, or an ``--out`` that is a file.
     """
     cfg = load_config(args.config, list(args.set))  # methods, seeds, name: --set's if given
     methods = args.methods.split(",") if args.methods else list(cfg.algorithms)
@@ -236,6 +258,8 @@ def sweep(args: argparse.Namespace) -> int:
     unknown = [m for m in methods if m not in known]
     if unknown:
         raise ConfigError(f"--methods: {unknown} not registered; the methods: {known}")
+    for method in methods:
+        refuse_outranked(vary, cfg.method.get(method) or {}, method)
     settings = [
         tuple(zip([k for k, _ in vary], combo, strict=True))
         for combo in itertools.product(*[vs for _, vs in vary])

@@ -3,6 +3,7 @@ are, how a generated file is written, and the number formats the pages use."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -73,8 +74,10 @@ def mb(x: float) -> float:
     return x / 1e6
 
 
+@functools.cache
 def experiment_module(name: str) -> ModuleType:
-    """``experiments/<name>.py`` as a module (the experiments folder is not a package)."""
+    """``experiments/<name>.py`` as a module (the experiments folder is not a package), loaded
+    once per process: :func:`dump_json` loaded ``lr_select`` again for every file it wrote."""
     path = ROOT / "experiments" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec and spec.loader

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 from pathlib import Path
 from types import ModuleType
@@ -147,3 +148,22 @@ def test_a_strict_lr_grid_table_reads_as_the_older_form(tmp_path: Path) -> None:
     assert got["final_accuracy"]["42"] != got["final_accuracy"]["42"]
     assert got["selection_grid_seed42"]["1"] == 50.0 and got["lr"] == 0.1
     assert got["chosen_at_grid_edge"] is None and got["diverged_by_seed"] == {"42": "blew up"}
+
+
+def test_dump_json_loads_lr_select_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every generated summary.json went through dump_json, which loaded (and ran) the
+    experiments' lr_select.py again for each file; once per process now."""
+    import results_common
+
+    loads: list[str] = []
+    real = importlib.util.spec_from_file_location
+
+    def counted(name: str, *args: Any, **kwargs: Any) -> Any:
+        loads.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "spec_from_file_location", counted)
+    getattr(results_common.experiment_module, "cache_clear", lambda: None)()  # a fresh start
+    texts = [results_common.dump_json({"a": [1.0, math.nan], "b": i}) for i in range(3)]
+    assert texts[0] == '{\n "a": [\n  1.0,\n  null\n ],\n "b": 0\n}\n'
+    assert loads == ["lr_select"]

@@ -11,6 +11,8 @@ from types import ModuleType
 
 import pytest
 
+from fedlore.config import ConfigError
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -183,3 +185,31 @@ def test_a_set_of_the_sweeps_own_keys_chooses_what_it_runs(
             assert kv not in cmd and sum(a.startswith(kv.split("=")[0] + "=") for a in cmd) == 1
         assert "name=other-rank-2" in cmd and f"output_dir={tmp_path / 'runs'}" in cmd
         assert "lr=0.5" in cmd
+
+
+def test_a_vary_that_a_methods_own_setting_outranks_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config with ``method.fedavg.lr`` (as the lr-sweep how-to's chosen.yaml) ran every
+    fedavg run of ``--vary lr=...`` at its own rate, under the --vary values' labels: refused
+    before any run, in one line; a method without its own rate, or another key, still sweeps."""
+    config = tmp_path / "chosen.yaml"
+    config.write_text(
+        "name: tiny\nalgorithms: [fedavg, fedprox]\nseeds: [1]\n"
+        "method: {fedavg: {lr: 0.05, local_steps: 3}}\n"
+    )
+    sweep = _sweep()
+    out = ["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]
+    for key, own in (("lr", "lr"), ("local_steps", "local_steps")):
+        assert sweep.main([str(config), "--vary", f"{key}=1,2", *out]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].endswith(
+            f"--vary {key}: the config sets method.fedavg.{own}, which outranks {key} in fedavg's "
+            f"runs (each would run at its one value under the --vary labels); remove it from the "
+            f"config, or --vary method.fedavg.{own}"
+        ), err
+    assert not (tmp_path / "runs").exists()  # nothing ran
+    sweep.refuse_outranked([("lr", ["0.1"])], {}, "fedprox")  # no own rate: it sweeps
+    sweep.refuse_outranked([("rank", ["2"])], {"lr": 0.05}, "fedavg")
+    with pytest.raises(ConfigError, match=r"--vary server\.lr: the config sets method\.fedavg\."):
+        sweep.refuse_outranked([("server.lr", ["0.1"])], {"server_eta": 0.5}, "fedavg")

@@ -17,8 +17,8 @@ the config models can use it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import PurePosixPath
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 
@@ -119,16 +119,46 @@ def resolve_unset(
 
 
 FOLDER_KEYS = ("data.root", "data.tokenizer")
-"""Config paths that name a file or folder whose contents the run's data fingerprint holds:
-spellings of one path (``good``, ``good/``, ``./good``) are one setting."""
+"""Config paths that name a file or folder whose contents the run's data fingerprint holds: two
+runs whose paths name one folder (``good``, ``good/``, ``./good``, ``/home/me/good`` run from
+``/home/me``) are of one setting."""
+
+FOLDERS_RECORD = "data_folders"
+"""The key of a run's ``config.json`` that records, beside each path of :data:`FOLDER_KEYS` as
+the config wrote it, the file or folder it named where the run was made
+(:func:`resolved_folders`)."""
 
 
-def same_folder_spelling(record: dict[str, Any]) -> None:
-    """Write, in place, each path of :data:`FOLDER_KEYS` in ``record`` (flat dotted keys) in one
-    spelling: without a trailing ``/``, ``./`` segments or doubled ``/`` (``good/`` and
-    ``./good`` are ``good``; ``..`` and symbolic links are left alone, and so is a URL). A shell's
-    completion adds the slash, and a finished run would otherwise be another config's."""
-    for key in FOLDER_KEYS:
-        value = record.get(key)
-        if isinstance(value, str) and value and "://" not in value:
-            record[key] = str(PurePosixPath(value))
+def _local(value: Any) -> bool:
+    """Whether ``value`` is a path of a local file or folder (not unset, empty or a URL)."""
+    return isinstance(value, str) and bool(value) and "://" not in value
+
+
+def _named(path: str) -> str:
+    """The file or folder ``path`` names from the working folder: ``..`` and symbolic links
+    resolved, relative to the working folder when inside it (a project moved to another
+    folder or machine keeps its runs), else absolute."""
+    folder, here = Path(path).resolve(), Path.cwd().resolve()
+    return str(folder.relative_to(here)) if folder.is_relative_to(here) else str(folder)
+
+
+def resolved_folders(record: Mapping[str, Any]) -> dict[str, str]:
+    """Each path of :data:`FOLDER_KEYS` in ``record`` (flat dotted keys) that names a local file
+    or folder, as the one it names from the working folder now (``good/``, ``./good``,
+    ``/home/me/good`` from ``/home/me`` and a link to it are ``good``; ``../data`` is
+    ``/home/data``)."""
+    paths = {k: record.get(k) for k in FOLDER_KEYS}
+    return {k: _named(v) for k, v in paths.items() if isinstance(v, str) and _local(v)}
+
+
+def same_folder(record: dict[str, Any], recorded: Any = None) -> None:
+    """Write, in place, each path of :data:`FOLDER_KEYS` in ``record`` (flat dotted keys) as the
+    file or folder it names, so that two spellings of one folder compare equal: ``recorded``'s
+    value for the path where it has one (a run's :data:`FOLDERS_RECORD`, as named where the run
+    was made), else as named from the working folder now (:func:`resolved_folders`: a config
+    about to run, or a run recorded before fedlore 2026-12-06). A URL is left alone."""
+    given = recorded if isinstance(recorded, Mapping) else {}
+    now = resolved_folders(record)
+    for key, path in now.items():
+        was = given.get(key)
+        record[key] = was if isinstance(was, str) and was else path

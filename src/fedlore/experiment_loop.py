@@ -103,10 +103,11 @@ def final_summary(
 ) -> dict[str, Any]:
     """The finished run's summary (module docstring): what ``summary.json`` holds."""
     cfg: Config = exp.cfg
-    summary = summarize(exp.method, exp.seed, metrics, cfg.eval.metrics)
-    warn_no_update(exp, read_metrics(metrics))
+    rows = read_metrics(metrics)  # once: the summary, the warning and the stopping rule's
+    summary = summarize(exp.method, exp.seed, rows, cfg.eval.metrics)
+    warn_no_update(exp, rows)
     if stopper is not None:  # stopped_round, best_round; final_* of the best round
-        stopper.finish(summary, metrics, tuple(cfg.eval.metrics))
+        stopper.finish(summary, rows, tuple(cfg.eval.metrics))
     if exp.fed.test_split is not None:  # no test split of its own: what was held out
         summary["data_test_split"] = exp.fed.test_split
     summary.update(privacy_summary(privacy))  # the mechanism, beside its ε

@@ -32,6 +32,7 @@ from fedlore import registry
 from fedlore.checks import check_overrides, check_tune_metric
 from fedlore.config import Config, ConfigError, apply_overrides, effective_overrides, validate
 from fedlore.config_tune import Dim
+from fedlore.config_unset import FOLDERS_RECORD, resolved_folders, same_folder
 from fedlore.data.federation import build_federation
 from fedlore.engine.run_record import result_settings
 from fedlore.experiment_parts import check_config, make_algorithm
@@ -371,10 +372,20 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _folders_resolved(record: dict[str, Any]) -> dict[str, Any]:
+    """A search record with its settings' data folders in the place of their paths."""
+    out = {k: v for k, v in record.items() if k != FOLDERS_RECORD}
+    if isinstance(settings := out.get("settings"), dict):
+        out["settings"] = settings = dict(settings)
+        same_folder(settings, record.get(FOLDERS_RECORD))
+    return out
+
+
 def search_record(search: Search) -> dict[str, Any]:
     """What a search is, as its study keeps it (``study.db``): the settings that decide the
-    trials' results but the searched ones, and the search's own. A search continues only
-    under the same record; ``tune.trials`` may change."""
+    trials' results but the searched ones (with the data folders they name,
+    :data:`~fedlore.config_unset.FOLDERS_RECORD`), and the search's own. A search continues
+    only under the same record (:func:`record_diff`); ``tune.trials`` may change."""
     tune = search.cfg.tune
     settings = _flat(result_settings(validate(search.base), search.method))
     searched = [
@@ -390,6 +401,7 @@ def search_record(search: Search) -> dict[str, Any]:
     }
     record = {
         "settings": settings,
+        FOLDERS_RECORD: resolved_folders(settings),
         "space": {d.key: d.spec for d in search.dims},
         "metric": tune.metric,
         "direction": search.direction,
@@ -406,8 +418,10 @@ def search_record(search: Search) -> dict[str, Any]:
 
 def record_diff(before: dict[str, Any], now: dict[str, Any]) -> str:
     """``key: before -> now`` for the first five keys whose values differ (and how many
-    more); empty when none does."""
-    a, b = _flat(before), _flat(now)
+    more); empty when none does. ``data.root`` and ``data.tokenizer`` are compared as the
+    folders they name (:func:`~fedlore.config_unset.same_folder`; a study recorded before
+    fedlore 2026-12-06 has its relative paths taken from the working folder now)."""
+    a, b = (_flat(_folders_resolved(r)) for r in (before, now))
     keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     items = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys[:5]]
     if len(keys) > 5:

@@ -26,8 +26,9 @@ as an uninterrupted one (the trials' runs are deterministic).
 before any of it trains (each records its batch, :data:`BATCH`), and trained at once, each in a
 process of its own (:mod:`fedlore.tune_parallel`); the next batch is proposed once the batch has
 ended. The W processes are kept for the whole search: each imports once, keeps the federation
-it built, and takes one trial after another. A trial is pruned by comparison with the trials
-before its batch. A search cut off between two proposals of a batch proposes the rest of it
+it built, and takes one trial after another. One worker (the default) is this process, which
+keeps the federation it built for the search likewise. A trial is pruned by comparison with the
+trials before its batch. A search cut off between two proposals of a batch proposes the rest of it
 first, as the uninterrupted search did.
 
 **Failures.** A trial whose settings the config or the method refuses, or that raises a
@@ -385,9 +386,13 @@ def run_search(
 
 
 def _workers(workers: int) -> contextlib.AbstractContextManager[None]:
-    """The search's worker processes, kept from one batch to the next (several workers)."""
+    """The search's worker processes, kept from one batch to the next (several workers); one
+    worker (this process) keeps the last federation built for the search, as each of several
+    does (:func:`~fedlore.data.federation.keeping_built`: every trial gets a deep copy)."""
     if workers == 1:
-        return contextlib.nullcontext()
+        from fedlore.data.federation import keeping_built
+
+        return keeping_built()
     from fedlore.tune_parallel import kept
 
     return kept(workers)

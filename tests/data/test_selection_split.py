@@ -419,3 +419,45 @@ def test_a_set_of_the_grids_own_keys_chooses_what_it_runs(
     }  # fmt: skip
     with pytest.raises(SystemExit, match=r"--set lr=\.\.\.: the grid sets each run's lr"):
         grid.main([str(config), "--set", "lr=0.1", "--grid", "fedavg=1e-3", *out])
+
+
+def test_the_grids_rate_is_the_one_that_runs_over_a_methods_own_lr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config with ``method.fedavg.lr`` (as the how-to's chosen.yaml writes the chosen rates)
+    outranks the run-wide ``lr=`` the grid set: every point of fedavg's grid trained at 0.05.
+    Each run's overrides now build the method at the grid's rate (fedprox, without its own
+    lr, as before), with a note; ``--set method.<m>.lr=`` is refused as ``--set lr=`` is."""
+    from fedlore.config import load_config
+    from fedlore.engine.run_record import resolved_hyper
+    from fedlore.experiment_parts import make_algorithm
+
+    grid = _lr_grid()
+    calls: list[list[str]] = []
+
+    def fake_call(cmd: list[str], stdout: Any, **_: Any) -> int:
+        calls.append(cmd)
+        return 1  # failed: the grid stops after its first seed
+
+    monkeypatch.setattr(grid.subprocess, "call", fake_call)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        "name: tiny\nalgorithms: [fedavg, fedprox]\nlr: 0.2\ndata: {selection_fraction: 0.1}\n"
+        "method: {fedavg: {lr: 0.05}}\n"
+    )
+    out = ["--out", str(tmp_path / "o"), "--jobs", "1", "--runs", str(tmp_path / "r")]
+    assert grid.main([str(config), "--grid", "fedavg,fedprox=1e-3,1e-2", *out]) == 1
+    assert len(calls) == 4
+    for cmd in calls:
+        overrides = cmd[cmd.index(str(config)) + 1 :]
+        method = next(a for a in overrides if a.startswith("algorithms=")).partition("=")[2]
+        rate = float(next(a for a in overrides if a.startswith("lr=")).partition("=")[2])
+        built = make_algorithm(method, load_config(str(config), overrides))
+        trained = resolved_hyper(built)["lr"]  # what its config.json records as hyper.lr
+        assert trained == rate, (method, rate, trained)  # it was 0.05 for fedavg
+    err = capsys.readouterr().err
+    assert err.count("lr_grid: note: the config's method.fedavg.lr=0.05 is replaced by") == 1
+    assert "fedprox" not in err.split("lr_grid: note:")[1].splitlines()[0]
+    for key in ("method.fedavg.lr", "method.fedprox.lr"):
+        with pytest.raises(SystemExit, match=rf"--set {key}=\.\.\.: the grid sets each run's lr"):
+            grid.main([str(config), "--set", f"{key}=0.1", "--grid", "fedavg,fedprox=1e-3", *out])

@@ -200,16 +200,12 @@ def test_text_file_encoding_and_line_numbers(tmp_path: Path) -> None:
         load_text_csv(str(gap))
     assert str(e.value) == (  # it said "needs fields 'text' and 'label', got ['label', 'text']"
         f"{gap}:5: the row's 'label' is empty; every row needs a text and a label (in a CSV "
-        "file, a row cut short or a quote left open above it leaves its last fields empty)"
+        "file, a row cut short leaves its last fields empty)"
     )
     short = tmp_path / "short.csv"  # a row cut short: csv gives its missing fields as None
     short.write_text("label,text\na,hello\nb\n")
     with pytest.raises(ValueError, match=r"short.csv:3: the row's 'text' is empty"):
         load_text_csv(str(short))
-    quote = tmp_path / "quote.csv"  # the open quote swallows the rest of the file
-    quote.write_text('text,label\n"unclosed,a\nbye,b\n')
-    with pytest.raises(ValueError, match=r"quote.csv:\d: the row's 'label' is empty"):
-        load_text_csv(str(quote))
     null = tmp_path / "null.jsonl"
     null.write_text('{"text": "a", "label": "x"}\n{"text": "b", "label": null}\n')
     with pytest.raises(ValueError, match=r"null.jsonl:2: the row's 'label' is empty"):
@@ -218,6 +214,79 @@ def test_text_file_encoding_and_line_numbers(tmp_path: Path) -> None:
     rows = "".join(f"entry {i},{'ab'[i % 2]}\n" for i in range(10))
     bom.write_bytes(codecs.BOM_UTF8 + ("text,label\n" + rows).encode())
     assert load_text_csv(str(bom), max_length=8).class_names == ["a", "b"]
+
+
+QUOTE_FIX = 'close it where its field ends, or write a quote inside a quoted field twice ("")'
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        # the open quote swallowed the rest of the file: "bad.csv:6: the row's 'label' is empty"
+        ('text,label\nhello,a\n"oops,b\nfine,c\n\nmore,a\n',
+         "3: the quote opened on line 3 runs on past its line, to the end of the file (line 6)"),
+        # a later quote closed it: rows 3-5 were one row, labelled a, and no error
+        ('text,label\nhello,a\n"oops,b\nfine,c\n"ok",a\nlast,b\n',
+         "3: the quote opened on line 3 runs on past its line, to line 5 (',' expected after "
+         "'\"')"),
+        # in the label: the label was the rest of the file, and no error
+        ('text,label\nx,"a\nfoo,b\n',
+         "2: the quote opened on line 2 runs on past its line, to the end of the file (line 3)"),
+        # after a row whose quoted field spans lines, blank lines and a spaces-only row
+        ('text,label\n"two\nlines",a\n\n\r\n  \n"three,b\n"x",b\n',
+         "7: the quote opened on line 7 runs on past its line, to line 8 (',' expected after "
+         "'\"')"),
+        ('text,label\r\nhello,a\r\n\r\n\n"oops,b\r\nx,c\r\n',  # blank lines before it
+         "5: the quote opened on line 5 runs on past its line, to the end of the file (line 6)"),
+        ('text,label\nhello,a\n"oops,b', "3: the quote opened on line 3 runs on past its "
+         "line, to the end of the file"),
+        ('"text,label\nx,a\n',
+         "1: the quote opened on line 1 runs on past its line, to the end of the file (line 2)"),
+    ],
+)  # fmt: skip
+def test_a_csv_quote_left_open_names_the_line_it_opened_on(
+    tmp_path: Path, content: str, message: str
+) -> None:
+    """The open quote's line, not the line where the csv module gave up (the file's last):
+    one line that says what to do."""
+    path = tmp_path / "quote.csv"
+    path.write_bytes(content.encode())
+    with pytest.raises(ValueError) as e:
+        load_text_csv(str(path))
+    assert str(e.value) == f"{path}:{message}; {QUOTE_FIX}"
+
+
+def test_a_csv_row_on_one_line_that_breaks_quoting_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "after.csv"
+    path.write_text('text,label\nhello,a\n"quoted" then,b\n')
+    with pytest.raises(ValueError) as e:
+        load_text_csv(str(path))
+    assert str(e.value) == (  # it was read as 'quoted then'
+        f"{path}:3: not valid CSV (',' expected after '\"'); a field that starts with a quote "
+        'must end with it, and a quote inside it is written twice ("")'
+    )
+    path.write_text("text,label\n" + "x" * 140_000 + ",a\n")  # one line, no quote in it
+    with pytest.raises(ValueError) as e:
+        load_text_csv(str(path))
+    assert str(e.value) == f"{path}:2: not valid CSV (field larger than field limit (131072))"
+
+
+def test_csv_quoting_that_is_valid_still_reads(tmp_path: Path) -> None:
+    """Quoted fields over several lines, doubled quotes and a quote inside an unquoted field;
+    a row's line is its last."""
+    path = tmp_path / "ok.csv"
+    path.write_text(
+        'text,label\n"two\nlines, one row",a\n\n"say ""hi""",b\nsay "hi" now,a\nlast,b\n'
+    )
+    from fedlore.data.text import _read_rows
+
+    rows = _read_rows(path, "csv")
+    assert [(r["text"], r["label"], r["_line"]) for r in rows] == [
+        ("two\nlines, one row", "a", 3),
+        ('say "hi"', "b", 5),
+        ('say "hi" now', "a", 6),
+        ("last", "b", 7),
+    ]
 
 
 def test_tokenize_truncates_and_pads() -> None:

@@ -55,3 +55,29 @@ def test_one_round_with_an_update_is_enough_to_say_nothing() -> None:
         warn_no_update(run, [{"round": -1, "accepted": 0}])  # a setup row is not a round
     with pytest.warns(NoUpdateWarning, match="m seed 0: no round of 2 aggregated"):
         warn_no_update(run, [{"round": 0, "accepted": 0}, {"round": 1, "accepted": 0}])
+
+
+def test_a_finished_run_reads_its_metrics_once_for_the_summary_the_warning_and_the_rule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The summary, this warning and the early-stopping rule's outcome each read the whole
+    ``metrics.jsonl`` again at the end of a run (three reads of a file that grows with the
+    rounds); they now share one read."""
+    from fedlore import experiment_loop
+    from fedlore.engine import early_stopping
+    from fedlore.results import summary
+
+    reads: list[Path] = []
+    real = summary.read_metrics
+
+    def counted(path: Path) -> list[dict[str, Any]]:
+        reads.append(path)
+        return real(path)
+
+    for module in (summary, experiment_loop, early_stopping):
+        monkeypatch.setattr(module, "read_metrics", counted)
+    extra = ["early_stopping.metric=selection_accuracy", "data.selection_fraction=0.2"]
+    cfg = load_config(None, [*COMMON, f"output_dir={tmp_path}", *extra])
+    done = run_one(cfg, "fedavg", 1)
+    assert done is not None and done["best_round"] is not None
+    assert [p.name for p in reads].count("metrics.jsonl") == 1, reads

@@ -17,7 +17,6 @@ from fedlore.config_unset import (
     UNSET_MEANS,
     clients_per_round,
     resolve_unset,
-    same_folder_spelling,
     unset_rules,
 )
 from fedlore.engine.run_record import _run_config, config_diff, resolved_hyper
@@ -213,54 +212,3 @@ def test_unset_on_both_sides_is_no_difference_whatever_it_stands_for(hyper: bool
     for run in (FEDBUFF, ["num_clients=3", *DP]):
         diff = _diff(run, [*run, "participation=0.7"], hyper=hyper)
         assert diff.count(" -> ") == 1 and "participation: 1.0 -> 0.7" in diff, diff
-
-
-NPZ = ["data.name=npz"]
-
-
-@pytest.mark.parametrize("hyper", [True, False])
-def test_spellings_of_one_data_folder_are_one_config(hyper: bool) -> None:
-    """data.root=good/ (a shell's completion adds the slash) and data.root=./good name the
-    folder data.root=good names: --resume and a finished run's check took them for another
-    config and refused the run (`data.root: 'good' -> 'good/'`); another folder still differs."""
-    for same in ("good/", "./good", "good//", "./good/."):
-        assert _diff([*NPZ, "data.root=good"], [*NPZ, f"data.root={same}"], hyper=hyper) == ""
-        assert _diff([*NPZ, f"data.root={same}"], [*NPZ, "data.root=good"], hyper=hyper) == ""
-    assert _diff([*NPZ, "data.root=good/"], [*NPZ, "data.root=other/"], hyper=hyper) == (
-        "data.root: 'good' -> 'other'"
-    )
-    assert "data.root: 'good' -> '../good'" in _diff(
-        [*NPZ, "data.root=good"], [*NPZ, "data.root=../good"], hyper=hyper
-    )
-    tok = ["data.name=text_csv", "data.root=t.csv"]
-    assert _diff([*tok, "data.tokenizer=tok/"], [*tok, "data.tokenizer=tok"], hyper=hyper) == ""
-
-
-def test_same_folder_spelling_leaves_what_is_not_a_spelling_alone() -> None:
-    record: dict[str, Any] = {"data.root": "a/../b/", "data.tokenizer": "s3://bucket/tok/"}
-    same_folder_spelling(record)
-    assert record == {"data.root": "a/../b", "data.tokenizer": "s3://bucket/tok/"}
-    record = {"data.root": None, "data.tokenizer": "", "lr": "x/"}
-    same_folder_spelling(record)
-    assert record == {"data.root": None, "data.tokenizer": "", "lr": "x/"}
-
-
-def test_a_report_pools_runs_of_one_data_folder_spelled_two_ways(tmp_path: Path) -> None:
-    """A report groups runs by their config.json: seed 2 run with data.root=good/ beside seed 1
-    with data.root=good got a row of its own, `fedavg [data.root=good/]`."""
-    from fedlore.results.store import load_runs, split_by_config
-
-    base = _record([*NPZ, "data.root=good"], hyper=False)
-    for seed, root in ((1, "good"), (2, "good/"), (3, "./good"), (4, "other")):
-        run = tmp_path / "fedavg" / f"seed-{seed}"
-        run.mkdir(parents=True)
-        config = {**base, "data": {**base["data"], "root": root}}
-        (run / "config.json").write_text(json.dumps(config))
-        (run / "metrics.jsonl").write_text(json.dumps({"round": 0, "accuracy": 0.5}) + "\n")
-        summary = {"method": "fedavg", "seed": seed, "rounds": 1, "final_accuracy": 0.5}
-        (run / "summary.json").write_text(json.dumps(summary))
-    groups = split_by_config(load_runs(tmp_path))
-    assert {k: [r.seed for r in v] for k, v in groups.items()} == {
-        "fedavg [data.root=good]": [1, 2, 3],
-        "fedavg [data.root=other]": [4],
-    }

@@ -6,15 +6,18 @@ precision. The :class:`~fedlore.data.container.Federation` it returns is importa
 
 Every random step of a builder draws from its own stream (:func:`fedlore.seeding.data_rng`), so
 the same seed gives the same federation for every method and every call. A process that runs
-many experiments of the same data (a worker of ``fedlore tune --workers``) may keep the last
-federation built (:func:`keep_built`): each call then gets a copy of its own.
+many experiments of the same data (a ``fedlore tune`` search, sequential or on workers) may keep
+the last federation built (:func:`keep_built`, :func:`keeping_built`): each call then gets a copy
+of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import json
+from collections.abc import Iterator
 from typing import Any
 
 from fedlore import registry
@@ -32,6 +35,7 @@ __all__ = [
     "Federation",
     "build_federation",
     "keep_built",
+    "keeping_built",
     "load_source",
 ]
 
@@ -156,6 +160,20 @@ def keep_built() -> None:
     global _kept
     if _kept is None:
         _kept = {}
+
+
+@contextlib.contextmanager
+def keeping_built() -> Iterator[None]:
+    """:func:`keep_built` for the duration of the ``with`` block (the sequential trials of a
+    ``fedlore tune`` search): then the process forgets the kept federation, freeing its
+    memory, unless it kept built federations before the block (a worker)."""
+    global _kept
+    before = _kept
+    keep_built()
+    try:
+        yield
+    finally:
+        _kept = before
 
 
 def _key(cfg: Config, seed: int) -> str:

@@ -112,12 +112,15 @@ class EarlyStopping(StoppingRule):
         if kept is not None:
             self.best_state = State(dict(kept["arrays"]), dict(kept["values"]))
 
-    def finish(self, summary: dict[str, Any], rows: Path, extra: tuple[str, ...]) -> None:
+    def finish(
+        self, summary: dict[str, Any], rows: Path | list[dict[str, Any]], extra: tuple[str, ...]
+    ) -> None:
         """Add the rule's outcome to a finished run's ``summary`` (in place), from its
-        ``metrics.jsonl`` ``rows`` (``extra``: ``eval.metrics``):
+        ``metrics.jsonl`` ``rows`` (the file, or its rows as read; ``extra``: ``eval.metrics``):
         :func:`fedlore.results.summary.stopping_outcome` (``stopped_round``, ``best_round``,
         ``best_<metric>``; with ``restore_best`` the best round's ``final_*``)."""
-        stopping_outcome(summary, self, self.restore_best, read_metrics(rows), extra)
+        read = read_metrics(rows) if isinstance(rows, Path) else rows
+        stopping_outcome(summary, self, self.restore_best, read, extra)
 
 
 def early_stopper(cfg: Config) -> EarlyStopping | None:

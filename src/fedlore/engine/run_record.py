@@ -26,7 +26,13 @@ from pydantic import BaseModel
 from fedlore import registry
 from fedlore.algorithm import Algorithm
 from fedlore.config import Config, ConfigError
-from fedlore.config_unset import resolve_unset, same_folder_spelling, unset_rules
+from fedlore.config_unset import (
+    FOLDERS_RECORD,
+    resolve_unset,
+    resolved_folders,
+    same_folder,
+    unset_rules,
+)
 from fedlore.device import PLATFORM_KEYS, platform_record
 from fedlore.engine.resume_changes import CHANGES, tolerated
 from fedlore.settings import RUN_WIDE, LocalTraining, config_paths, not_applicable
@@ -70,11 +76,15 @@ def run_record(
     threads: int,
 ) -> dict[str, Any]:
     """A run's ``config.json`` (without the DP record the driver adds): the settings that decide
-    its results, the data fingerprint, the method's resolved hyperparameters, and where and with
-    how many threads it ran."""
+    its results, the data fingerprint, the data folders it read (:data:`FOLDERS_RECORD`: each
+    path of ``data.root`` and ``data.tokenizer`` as named from the working folder,
+    :func:`~fedlore.config_unset.resolved_folders`; the path as the config wrote it stays in its
+    place), the method's resolved hyperparameters, and where and with how many threads it ran."""
+    settings = _run_config(cfg, method)
     return {
-        **_run_config(cfg, method),
+        **settings,
         "data_fingerprint": fingerprint,
+        FOLDERS_RECORD: resolved_folders(_flatten(settings)),
         "hyper": resolved_hyper(algo),
         "ran_on": str(device),
         "ran_threads": threads,
@@ -232,9 +242,13 @@ def config_diff(
     shown, at that value: ``asynchronous.concurrency`` unset and spelled out as
     ``clients_per_round`` are the same run. Unset on both sides it is no difference, whatever
     it stands for: that follows settings compared themselves (``participation`` changes
-    ``dp.clipped_count_stddev``'s value, and only ``participation`` is named)."""
+    ``dp.clipped_count_stddev``'s value, and only ``participation`` is named). ``data.root``
+    and ``data.tokenizer`` are compared, and shown, as the folders they name
+    (:func:`fedlore.config_unset.same_folder`): the run's as it recorded them, the config's from
+    the working folder now."""
     raw = dict(recorded)
     hyper_before = raw.pop("hyper", None)
+    folders = raw.pop(FOLDERS_RECORD, None)
     before = _flatten(raw)
     before.pop("data_fingerprint", None)  # compared by check_same_data
     before.pop(CHANGES, None)  # a record of what resumes changed (engine.resume_changes)
@@ -246,7 +260,8 @@ def config_diff(
     now = _flatten(_run_config(cfg, method))
     for record in (before, now):  # the folder's name, not a setting: a renamed copy is the same
         record.pop("name", None)
-        same_folder_spelling(record)  # data.root=good/ is data.root=good
+    same_folder(before, folders)  # data.root=good/, ./good and /home/me/good are one folder
+    same_folder(now)
     cls = registry.get("algorithm", method)
     defaults = _defaults(cls, method)
     if hyper_before is not None:  # the method's settings as resolved (types and defaults)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedlore.config_unset import same_folder_spelling
+from fedlore.config_unset import FOLDERS_RECORD, same_folder
 from fedlore.results.folders import (
     SEED_DIR,
     UnreadableFolderWarning,
@@ -294,10 +294,14 @@ def _lacks_final_accuracy(summary: dict[str, Any], rows: list[dict[str, Any]]) -
     return bool(scored) and math.isfinite(scored[-1]) and not finite
 
 
-RECORD_KEYS = ("name", "data_fingerprint", "ran_on", "ran_threads", "hyper", *PLATFORM_KEYS)
+RECORD_KEYS = (
+    "name", "data_fingerprint", FOLDERS_RECORD, "ran_on", "ran_threads", "hyper", *PLATFORM_KEYS,
+)  # fmt: skip
 """``config.json`` keys that record a run rather than set it (``name``: the folder's, which a
 copy under another name keeps; the data fingerprint differs from seed to seed; ``hyper``
-repeats the method's settings; ``ran_*``: where and how it ran)."""
+repeats the method's settings; ``data_folders`` names the folders of ``data.root`` and
+``data.tokenizer``, which :func:`run_config` holds in their place; ``ran_*``: where and how it
+ran)."""
 
 
 def _flat(tree: dict[str, Any]) -> dict[str, Any]:
@@ -331,8 +335,9 @@ only in them are one group of :func:`split_by_config`."""
 
 def run_config(record: RunRecord) -> dict[str, Any] | None:
     """The settings a run was made with (its ``config.json`` without :data:`RECORD_KEYS`,
-    flattened to dotted keys, a setting it lacks at its default), or None when it has none or
-    it cannot be read."""
+    flattened to dotted keys, a setting it lacks at its default; ``data.root`` and
+    ``data.tokenizer`` as the folders they name, :func:`fedlore.config_unset.same_folder`), or
+    None when it has none or it cannot be read."""
     path = record.path / "config.json"
     if not regular_file(path):
         return None
@@ -343,7 +348,7 @@ def run_config(record: RunRecord) -> dict[str, Any] | None:
     if not isinstance(raw, dict):
         return None
     out = {**_defaults(), **_flat({k: v for k, v in raw.items() if k not in RECORD_KEYS})}
-    same_folder_spelling(out)  # data.root=good/ and data.root=good are one config
+    same_folder(out, raw.get(FOLDERS_RECORD))  # data.root=good/, /home/me/good: one folder
     return out
 
 

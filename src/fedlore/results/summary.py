@@ -102,11 +102,13 @@ def derive_summary(
 
 
 def summarize(
-    method: str, seed: int, metrics_path: Path, extra: Sequence[str] = ()
+    method: str, seed: int, metrics: Path | list[dict[str, Any]], extra: Sequence[str] = ()
 ) -> dict[str, Any]:
-    """The ``summary.json`` of a finished run, computed from its ``metrics.jsonl``; ``extra``
-    names the run's ``eval.metrics`` (:func:`extra_values`)."""
-    return _summary(method, seed, read_metrics(metrics_path), extra)
+    """The ``summary.json`` of a finished run, computed from its ``metrics.jsonl`` (the file,
+    or its rows as :func:`read_metrics` read them); ``extra`` names the run's ``eval.metrics``
+    (:func:`extra_values`)."""
+    rows = read_metrics(metrics) if isinstance(metrics, Path) else metrics
+    return _summary(method, seed, rows, extra)
 
 
 def restored_finals(
