@@ -101,8 +101,35 @@ def test_a_pair_scaled_to_the_ends_of_float64_keeps_its_epsilon(scale: float) ->
 
 
 def test_a_shift_past_floats_range_of_the_spread_is_certain() -> None:
-    assert pair_epsilon(1e200, 1e-200, 1e-200, 1e-5) == math.inf
-    assert epsilons(1e200, 1e-200, 1e-200, 1e-5) == np.inf
+    """Without a warning: the shift in sd_q's units overflows to inf on purpose."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pair_epsilon(1e200, 1e-200, 1e-200, 1e-5) == math.inf
+        assert epsilons(1e200, 1e-200, 1e-200, 1e-5) == np.inf
+
+
+def test_a_batch_of_certain_capped_and_finite_pairs_gives_each_its_own_epsilon() -> None:
+    """The vector form over a mixed batch equals the scalar pair by pair: a pair cut off as
+    certain, one whose bracket reaches the cap (inf) or stops short of it (7887 at δ = 0.9),
+    finite ones, a shift past float's range. A pair found inf early keeps it while the others'
+    brackets go on doubling (the flag accumulates), without a warning."""
+    pairs = [
+        (0.5, 1e-200, 1.0),
+        (0.0, 1e-3, 1.0),
+        (2.0, 1.3, 1.0),
+        (1e200, 1e-200, 1e-200),
+        (3.0, 0.5, 1.2),
+        (0.0, 1.0, 1e-120),
+    ]
+    shift, sd_p, sd_q = (np.array(v) for v in zip(*pairs, strict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for delta in (1e-5, 0.9):
+            want = [pair_epsilon(*pair, delta) for pair in pairs]
+            got = epsilons(shift, sd_p, sd_q, delta)
+            assert [w == math.inf for w in want] == list(np.isinf(got)), (delta, got)
+            assert np.allclose(got, want, rtol=1e-7), (delta, got)
+    assert math.isinf(want[0]) and 1e3 < want[1] < 1e4 and 0 < want[4] < 10  # δ = 0.9
 
 
 def test_the_interval_of_a_degenerate_fit_is_infinite() -> None:
