@@ -41,10 +41,11 @@ from fedlore.checks import (
 from fedlore.config import Config, ConfigError
 from fedlore.data.federation import Federation, build_federation
 from fedlore.device import resolve_device, training_precision, use_threads
-from fedlore.engine import node_states, overwriting
+from fedlore.engine import client_holder, node_states, overwriting
 from fedlore.engine.attack import attacked
 from fedlore.engine.buffered import AsyncState, hooks
 from fedlore.engine.callbacks import Checkpointer, MetricsWriter, ProgressBar
+from fedlore.engine.dp_ledger import say_repeats
 from fedlore.engine.early_stopping import early_stopper
 from fedlore.engine.interrupt import Interrupted
 from fedlore.engine.lock import RunLock
@@ -184,15 +185,21 @@ def run(
             first_round=-setup_rounds(algo),
             restore=restore_all,
         )
-        warn_over_target(cfg, privacy, f"{method} seed {seed}")  # repeats can pass dp.epsilon
+        if not warn_over_target(cfg, privacy, f"{method} seed {seed}"):  # past dp.epsilon?
+            say_repeats(privacy, out)  # else the ledger's count, in one line either way
         start = -setup_rounds(algo) if last is None else last + 1
         record_changes(out / "config.json", prior, cfg, start)  # DP-FedBuff's cap, rounds
         clients = transport(algo, exp.fed.client, exp.model_factory, seed, store)
-        keep = with_transport(clients, keep, entries)  # Flower's wire bytes go on
+        keep = client_holder.with_holder(clients, with_transport(clients, keep, entries))
+        # who kept the clients' states: a deployment's new run, another engine, holds none
+        before, now = (
+            client_holder.recorded(entries, out / node_states.FOLDER),
+            client_holder.holder(clients),
+        )
         entries.clear()
         restarted = getattr(algo, "clients_restarted", None)
-        if last is not None and restarted and not getattr(clients, "keeps_client_states", True):
-            state = restarted(state)  # a deployment's new run: its nodes hold nothing of ours
+        if last is not None and restarted and client_holder.restarts(before, now):
+            state = client_holder.restart_clients(restarted, state, store, before, now)
         evaluate_state = evaluator(cfg, exp.fed, algo, exp.eval_model)
         callbacks: list[Callback] = [metrics] if stopper is None else [metrics, stopper]
         if cfg.checkpoint:  # after the stopper: it keeps the rule's state of the round

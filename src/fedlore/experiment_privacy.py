@@ -415,15 +415,17 @@ def warn_uncounted(privacy: Privacy | None, out: Path) -> None:
         )
 
 
-def warn_over_target(cfg: Config, privacy: Privacy | None, run: str = "") -> None:
+def warn_over_target(cfg: Config, privacy: Privacy | None, run: str = "") -> bool:
     """A :class:`PrivacyWarning` when a resumed run will end above its ``dp.epsilon``: σ was
     solved for the run's exchanges, and the releases an interrupted attempt made and this
     resume runs again (the DP ledger, :attr:`~fedlore.privacy.aggregation.Privacy.repeated`)
     add to them. The run goes on (its rows and summary report the ε it reaches); the warning
-    names that ε before any further release, so the user can stop it."""
+    names that ε before any further release, so the user can stop it. Returns whether it
+    warned (the ledger's count is then said: :func:`fedlore.engine.dp_ledger.say_repeats` is
+    not called)."""
     target = cfg.dp.epsilon
     if privacy is None or privacy.dp is None or target is None or not privacy.repeated:
-        return
+        return False
     final = privacy.epsilon(cfg.rounds - 1)
     if final > target:
         _privacy_warning(
@@ -432,6 +434,8 @@ def warn_over_target(cfg: Config, privacy: Privacy | None, run: str = "") -> Non
             f"above its target dp.epsilon = {target:g} (σ was solved for the exchanges without "
             "repeats)"
         )
+        return True
+    return False
 
 
 def privacy_summary(privacy: Privacy | None) -> dict[str, Any]:

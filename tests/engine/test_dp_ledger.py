@@ -82,6 +82,12 @@ def test_account_repeats_counts_under_dp_only_and_names_the_ledger(
     dp = common(secure=False, dp=DPSettings(clip_norm=1.0, noise_multiplier=1.0, delta=1e-5))
     with caplog.at_level(logging.WARNING, logger="fedlore.engine.dp_ledger"):
         counted = dp_ledger.account_repeats(dp, tmp_path, m, 1)
+        assert not caplog.records  # said once, by the caller (say_repeats or the ε warning)
+        for nothing in (None, secure, dp):  # no DP, or no repeats: nothing to say
+            dp_ledger.say_repeats(nothing, tmp_path)
+        assert not caplog.records
+        assert counted is not None
+        dp_ledger.say_repeats(counted, tmp_path)
     assert counted is not None and counted.repeated == 2 and dp.repeated == 0
     assert dataclasses.replace(counted, repeated=0) == dp
     assert dp_ledger.repeated(tmp_path) == 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import re
 import warnings
@@ -342,12 +343,16 @@ def test_rounds_run_again_after_a_resume_are_counted_in_epsilon(tmp_path: Path) 
     assert _rows(cfg, "fedfull")[-1]["dp_epsilon"] == pytest.approx(_eps(4))
 
 
-def test_a_resume_whose_repeats_pass_the_epsilon_target_warns(tmp_path: Path) -> None:
+def test_a_resume_whose_repeats_pass_the_epsilon_target_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """σ solved for ``dp.epsilon`` over 4 rounds; a kill between round 2's row and its
     checkpoint makes the resume release round 2 twice, so the run must end above its target:
     it says so (a PrivacyWarning naming the ε it will reach) before training on, and its
-    summary records the repeats. A resume that repeats nothing stays within the target and
-    does not warn."""
+    summary records the repeats; the ledger's count is not said a second time (one line, not a
+    log line besides the warning). A resume that repeats nothing stays within the target and
+    does not warn; a repeat without a target (``dp.noise_multiplier``) says the ledger's count
+    in one log line."""
     extra = ("weighting=uniform", "dp.clip_norm=1", "dp.epsilon=8", "rounds=4")
     cfg = _cfg(tmp_path, *extra)
     out = run_dir(cfg, "fedfull", SEED)
@@ -358,11 +363,30 @@ def test_a_resume_whose_repeats_pass_the_epsilon_target_warns(tmp_path: Path) ->
         assert run_one(cfg, "fedfull", SEED, resume=True, stop_after=2) is None
     assert not [w for w in seen if issubclass(w.category, PrivacyWarning)]
     (out / "checkpoint.pt").write_bytes(round1)
-    with pytest.warns(PrivacyWarning, match=r"end at ε = [\d.]+, above its target") as caught:
+    ledger_said = "ε counts them too"
+    with (
+        caplog.at_level(logging.WARNING),
+        pytest.warns(PrivacyWarning, match=r"end at ε = [\d.]+, above its target") as caught,
+    ):
         summary = run_one(cfg, "fedfull", SEED, resume=True)
+    assert len([w for w in caught if issubclass(w.category, PrivacyWarning)]) == 1
+    assert not [r for r in caplog.records if ledger_said in r.getMessage()]
     assert summary is not None and summary["dp_repeated_exchanges"] == 1
     said = float(re.search(r"ε = ([\d.]+)", str(caught[0].message)).group(1))  # type: ignore[union-attr]
     assert 8 < summary["dp_epsilon"] == pytest.approx(said, rel=1e-3)
+    free = _cfg(tmp_path / "free", "weighting=uniform", "dp.clip_norm=1", "dp.noise_multiplier=1")
+    free_out = run_dir(free, "fedfull", SEED)
+    assert run_one(free, "fedfull", SEED, stop_after=0) is None
+    round0 = (free_out / "checkpoint.pt").read_bytes()
+    assert run_one(free, "fedfull", SEED, resume=True, stop_after=1) is None
+    (free_out / "checkpoint.pt").write_bytes(round0)  # round 1 is released again
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        run_one(free, "fedfull", SEED, resume=True, stop_after=1)
+    lines = [r.getMessage() for r in caplog.records if ledger_said in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("1 DP exchange(s)"), lines
+    assert not [w for w in seen if issubclass(w.category, PrivacyWarning)]
 
 
 def test_starting_a_dp_run_over_an_unfinished_one_warns_of_its_uncounted_releases(

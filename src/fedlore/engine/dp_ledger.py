@@ -87,15 +87,22 @@ def account_repeats(
 ) -> Privacy | None:
     """``privacy`` with the ledger's total as :attr:`~fedlore.privacy.aggregation.Privacy.
     repeated`, after recording the releases this resume discards (rows after ``last``; all of
-    them when there is no checkpoint). Without DP, ``privacy`` as it is."""
+    them when there is no checkpoint). Without DP, ``privacy`` as it is. Says nothing: the
+    caller says it once (:func:`say_repeats`)."""
     if privacy is None or privacy.dp is None:
         return privacy
     total = record_repeats(folder, metrics, last)
-    if total:
+    return dataclasses.replace(privacy, repeated=total)
+
+
+def say_repeats(privacy: Privacy | None, folder: Path) -> None:
+    """Log, once per resume, that ε counts the ledger's releases (none without repeats); not
+    when :func:`fedlore.experiment_privacy.warn_over_target` has said it with the ε the run
+    will end at (one fact, one line)."""
+    if privacy is not None and privacy.dp is not None and privacy.repeated:
         log.warning(
             "%d DP exchange(s) released before this resume run again with fresh noise: "
             "ε counts them too (%s)",
-            total,
+            privacy.repeated,
             folder / LEDGER,
         )
-    return dataclasses.replace(privacy, repeated=total)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from fedlore.atomic import TMP_SUFFIX, save_tensors
 from fedlore.config import Config, ConfigError
+from fedlore.engine import client_holder
 from fedlore.engine.callbacks import checkpoint_round
 from fedlore.engine.checkpoint_io import damage_reason, load_tensors
 from fedlore.progress import say
@@ -186,12 +187,24 @@ __all__ = [
 def restore_clients(folder: Path, states: Path, method: str, seed: int) -> None:
     """Before a resumed simulation of the run in ``folder``: its clients' states in ``states``
     as of its checkpoint (:func:`restore_point`; all of them gone
-    when it has no checkpoint yet), with a progress line naming what was deleted."""
+    when it has no checkpoint yet, or when its checkpoint's clients kept their states elsewhere:
+    :mod:`fedlore.engine.client_holder`), with a progress line naming what was deleted."""
     ckpt = folder / "checkpoint.pt"
     last = checkpoint_round(ckpt) if ckpt.exists() else None
-    gone = restore_point(states, last, method, seed)
+    # a checkpoint of another engine's attempt: its clients restart (fedlore.engine.client_holder)
+    # and the states here are an older simulated attempt's, not theirs as of the checkpoint
+    elsewhere = (
+        last is not None and client_holder.recorded_in(ckpt, states) != client_holder.NODE_FILES
+    )
+    gone = restore_point(states, None if elsewhere else last, method, seed)
     if gone:
-        which = "(no checkpoint yet)" if last is None else f"of the rounds after round {last}"
+        which = (
+            "(no checkpoint yet)"
+            if last is None
+            else f"(the checkpoint of round {last} is not this engine's)"
+            if elsewhere
+            else f"of the rounds after round {last}"
+        )
         listed = ", ".join(gone[:5]) + (" ..." if len(gone) > 5 else "")
         say(
             "%s seed %d: deleted %d client state file(s) %s: %s",

@@ -30,7 +30,9 @@ what a device's local storage is to a deployed client). Before a resumed simulat
 :func:`run_simulated` deletes the states of rounds after the checkpoint's (a discarded round's
 clients may have written theirs) and checks the rest can be read; each client then reads its
 newest state on its first message, and the server keeps its record of what the clients hold
-(no :meth:`~fedlore.algorithms.base.Hyper.clients_restarted`). Under DP the ledger counts, as
+(no :meth:`~fedlore.algorithms.base.Hyper.clients_restarted`), unless the checkpoint is
+another engine's (in process, a deployment): then the files are deleted and every client
+restarts (:mod:`fedlore.engine.client_holder`). Under DP the ledger counts, as
 in process, the rows after the checkpoint that the resume runs again. A finished run's
 ``clients/`` folder is removed.
 

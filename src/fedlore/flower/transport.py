@@ -153,7 +153,8 @@ class FlowerTransport:
     deployment: a resumed run's ``flwr run`` is a new Flower run, its nodes start without the
     clients' states (:meth:`fedlore.algorithms.base.Hyper.clients_restarted`). True for a
     simulation whose clients keep their states in the run folder
-    (:mod:`fedlore.engine.node_states`)."""
+    (:mod:`fedlore.engine.node_states`). The checkpoint records it
+    (:mod:`fedlore.engine.client_holder`), so that a resume on another engine knows."""
 
     def __init__(
         self,

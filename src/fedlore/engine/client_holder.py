@@ -1,0 +1,127 @@
+"""Where a run's clients kept their states, recorded in its checkpoint, so that a resume on
+another engine than the attempt it continues knows what its clients still hold.
+
+A client's state (a model cache that a log replay needs, SCAFFOLD's control variates, a personal
+model) is kept in one of three places, by the transport that ran the rounds (:func:`holder`):
+
+* :data:`CHECKPOINT`: in process (``engine: local``), the server's
+  :class:`~fedlore.engine.store.ClientStore`, saved in the checkpoint;
+* :data:`NODES`: a Flower deployment (``flwr run``, whose config also reads ``engine: local``):
+  each node's ``Context.state``, gone with that Flower run
+  (:attr:`fedlore.flower.transport.FlowerTransport.keeps_client_states` False);
+* :data:`NODE_FILES`: a Flower simulation, its clients' files in ``<run folder>/clients/``
+  (:mod:`fedlore.engine.node_states`).
+
+Every checkpoint names its holder (:data:`KEY`). A resume whose transport cannot restore the
+states from where the checkpoint says they are (another holder, or a deployment's new run)
+gives every client the dense model at its next contact
+(:meth:`fedlore.algorithms.base.Hyper.clients_restarted`) and starts every client without its
+state (:func:`restart_clients`): the run a deployment resumed over new nodes would give, with no
+round lost to log replays the clients must reject. A change of holder says so in one line
+(:class:`ClientsRestartedWarning`). The DP ledger is not touched: the rows the resume runs
+again are counted as on any resume (:mod:`fedlore.engine.dp_ledger`).
+
+A checkpoint written before the holder was recorded names none (:func:`recorded`): one with a
+Flower transport's entry was a simulation's when its ``clients/`` folder holds states, else a
+deployment's; any other, an in-process run's.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedlore.engine.checkpoint_io import load_tensors
+from fedlore.engine.store import ClientStore
+from fedlore.types import State
+
+KEY = "client_states"
+"""The checkpoint's entry naming where the clients kept their states."""
+
+CHECKPOINT = "checkpoint"
+NODES = "nodes"
+NODE_FILES = "node-files"
+
+_WHERE = {
+    CHECKPOINT: "in its checkpoint (in process)",
+    NODES: "on a Flower deployment's nodes",
+    NODE_FILES: "in the Flower simulation's clients/ folder",
+}
+_RESUME = {
+    CHECKPOINT: "an in-process resume",
+    NODES: "a deployment's new run",
+    NODE_FILES: "a Flower simulation",
+}
+
+
+class ClientsRestartedWarning(UserWarning):
+    """A resume whose clients start without the states the attempt it continues left elsewhere."""
+
+
+def holder(clients: Any) -> str:
+    """Where the transport ``clients`` keeps its clients' states: a transport without
+    ``keeps_client_states`` runs them in process (:data:`CHECKPOINT`); a Flower transport on
+    its nodes (:data:`NODES`) or, when they keep them in the run folder, :data:`NODE_FILES`."""
+    keeps = getattr(clients, "keeps_client_states", None)
+    if keeps is None:
+        return CHECKPOINT
+    return NODE_FILES if keeps else NODES
+
+
+def recorded(raw: dict[str, Any], states: Path) -> str:
+    """The holder the checkpoint ``raw`` (its whole dict) names; one written before it was
+    recorded: :data:`NODE_FILES` when it has a Flower transport's entry and ``states`` (the run
+    folder's ``clients/``) holds files, :data:`NODES` with that entry and no files, else
+    :data:`CHECKPOINT`."""
+    named = raw.get(KEY)
+    if isinstance(named, str) and named in _WHERE:
+        return named
+    if "transport" not in raw:
+        return CHECKPOINT
+    has_files = states.is_dir() and any(p.is_file() for p in states.rglob("*"))
+    return NODE_FILES if has_files else NODES
+
+
+def recorded_in(path: Path, states: Path) -> str:
+    """:func:`recorded` of the checkpoint file ``path`` (read on the CPU)."""
+    return recorded(load_tensors(path, torch.device("cpu")), states)
+
+
+def restarts(before: str, now: str) -> bool:
+    """Whether a resume over ``now``'s transport from a checkpoint whose clients were kept by
+    ``before`` must restart its clients: a deployment's new run never has them; any other
+    holder has them only where the attempt left them."""
+    return now == NODES or before != now
+
+
+def with_holder(
+    clients: Any, keep: Callable[[], dict[str, Any]] | None
+) -> Callable[[], dict[str, Any]]:
+    """``keep`` (the checkpoint's extra entries) with :data:`KEY` naming ``clients``' holder."""
+    entry = {KEY: holder(clients)}
+    return lambda: {**(keep() if keep is not None else {}), **entry}
+
+
+def restart_clients(
+    restarted: Callable[[State], State], state: State, store: ClientStore, before: str, now: str
+) -> State:
+    """The server ``state`` with every client restarted (``restarted``: the method's
+    ``clients_restarted``) and ``store`` emptied (states a checkpoint holds of an earlier
+    in-process attempt are not the clients' as of this checkpoint when another holder came
+    between), warning in one line when the holder changed."""
+    for cid in store.client_ids():
+        store.put(cid, None)
+    if before != now:
+        warnings.warn(
+            f"--resume: the attempt this run continues kept its clients' states "
+            f"{_WHERE[before]}, where {_RESUME[now]} cannot restore them from: every client "
+            "restarts, without its state, from the dense model at its next round (the run "
+            "differs from an uninterrupted one from here on)",
+            ClientsRestartedWarning,
+            stacklevel=2,
+        )
+    return restarted(state)
