@@ -24,6 +24,7 @@ import torch
 
 from fedlore.algorithms import heterofl_levels as levels
 from fedlore.algorithms.heterofl import HeteroFL
+from fedlore.config import Config
 from fedlore.config_load import validate
 from fedlore.data.federation import build_federation
 from fedlore.engine.callbacks import Checkpointer
@@ -35,8 +36,8 @@ from fedlore.types import Reply, State
 def windows(folder: Path, rounds: list[int]) -> dict[str, dict[str, float]]:
     """Per level below rate 1 (as text), ``{"row": the last row's accuracy, "<s>": ...}`` (%)."""
     raw = json.loads((folder / "config.json").read_text())  # the run's record: its config,
-    derived = ("data_fingerprint", "hyper")  # what it derived and where it ran
-    raw = {k: v for k, v in raw.items() if k not in derived and not k.startswith("ran_")}
+    # without what it derived and where it ran (fingerprint, hyper, data_folders, ran_*)
+    raw = {k: v for k, v in raw.items() if k in Config.model_fields}
     cfg = validate(raw | {"method": {"heterofl": raw["method"]}})
     algo = make_algorithm("heterofl", cfg)
     assert isinstance(algo, HeteroFL) and algo.eval_levels

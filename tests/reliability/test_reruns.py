@@ -401,8 +401,8 @@ def test_a_simulated_resume_continues_an_interrupted_replacement(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: tuple[str, ...]
 ) -> None:
     """On flower-sim, --resume (and so --overwrite --resume) with an interrupted replacement of
-    this config beside the finished run simulates that replacement again (from round 0, as a
-    resumed simulation does): it returned the finished run it was to replace (same config, so
+    this config beside the finished run simulates that replacement again (from its checkpoint,
+    as a resumed simulation does): it returned the finished run it was to replace (same config, so
     the record of the --overwrite went and the replacement was left behind) or refused it as
     another config's (the config changed)."""
     from fedlore.flower import simulation
@@ -420,7 +420,9 @@ def test_a_simulated_resume_continues_an_interrupted_replacement(
     monkeypatch.setattr(simulation, "make_apps", capture)
     with pytest.raises(RuntimeError, match="captured"):  # it simulates, not reports the old run
         simulation.run_simulated(new, "fedavg", 0, resume=True)
-    assert asked == {"restart": True, "overwrite": False}
+    assert (asked["restart"], asked["overwrite"]) == (True, False)
+    # its clients' states beside it: the replacement continues from its checkpoint
+    assert asked["state_dir"] == staging_dir(run_dir(new, "fedavg", 0)).resolve() / "clients"
 
 
 def test_a_refused_second_overwrite_leaves_the_running_ones_record(tmp_path: Path) -> None:
