@@ -199,7 +199,9 @@ def run(
         entries.clear()
         restarted = getattr(algo, "clients_restarted", None)
         if last is not None and restarted and client_holder.restarts(before, now):
-            state = client_holder.restart_clients(restarted, state, store, before, now)
+            state = client_holder.restart_clients(
+                restarted, state, store, before, now, metrics.path
+            )
         evaluate_state = evaluator(cfg, exp.fed, algo, exp.eval_model)
         callbacks: list[Callback] = [metrics] if stopper is None else [metrics, stopper]
         if cfg.checkpoint:  # after the stopper: it keeps the rule's state of the round

@@ -285,3 +285,77 @@ def test_a_checkpoint_written_before_the_holder_was_recorded(tmp_path: Path) -> 
     assert client_holder.restarts(client_holder.NODES, client_holder.NODES)
     assert not client_holder.restarts(client_holder.NODE_FILES, client_holder.NODE_FILES)
     assert not client_holder.restarts(client_holder.CHECKPOINT, client_holder.CHECKPOINT)
+
+
+FEDBUFF = ("asynchronous.buffer=2", "clients.speed=lognormal", "clients.speed_spread=1.0")
+
+
+@pytest.mark.parametrize("buffered", [False, True], ids=["sync", "fedbuff"])
+@pytest.mark.parametrize(
+    ("method", "first", "then"),
+    [
+        ("fedavg", "deploy", "local"),
+        ("fedprox", "sim", "local"),
+        ("fedfull", "local", "sim"),
+        ("fedavg", "local", "deploy"),
+    ],
+)
+def test_clients_that_keep_nothing_resume_anywhere_silently_and_exactly(
+    tmp_path: Path, method: str, first: str, then: str, buffered: bool
+) -> None:
+    """Methods whose clients keep no state (every row's ``client_state_bytes`` 0, no server
+    record of what they hold): a resume on another engine, synchronous or under FedBuff on the
+    simulated clock (its in-flight clients in the checkpoint), loses nothing, so it says
+    nothing and gives the uninterrupted in-process run's rows and model, bit for bit."""
+    extra = ("participation=1.0", *(FEDBUFF if buffered else ()))
+    cfg = _cfg(tmp_path / "a", *extra)
+    assert _run(cfg, method, first, stop_after=2) is None
+    assert all(r["client_state_bytes"] == 0 for r in _rows(cfg, method))
+    assert _resume(cfg, method, then) == []
+    assert all(r.get("rejected", 0) == 0 for r in _rows(cfg, method))
+    whole = _cfg(tmp_path / "whole", *extra)
+    assert _run(whole, method, "local") is not None
+    assert _same(cfg, whole, method)
+
+
+def test_restarted_clients_that_kept_a_state_are_still_named(tmp_path: Path) -> None:
+    """The line stays where the restart loses something the server cannot see: FedProx (no
+    server record of its clients) whose rows report a client state (a row of another run's
+    making here, ``client_state_bytes`` 8), or whose rows lack the count (as under secure
+    aggregation or DP)."""
+    method = "fedprox"
+    key = "client_state_bytes"
+    edits = [lambda r: {**r, key: 8}, lambda r: {k: v for k, v in r.items() if k != key}]
+    for n, edit in enumerate(edits):
+        cfg = _cfg(tmp_path / str(n), "participation=1.0")
+        assert _run(cfg, method, "deploy", stop_after=1) is None
+        path = run_dir(cfg, method, SEED) / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps(r) + "\n" for r in [edit(rows[0]), *rows[1:]]))
+        assert len(_resume(cfg, method, "local")) == 1
+
+
+def test_held_nothing_reads_the_rows_and_the_server_record(tmp_path: Path) -> None:
+    """:func:`~fedlore.engine.client_holder.held_nothing`: all rows 0 and an unchanged server
+    record; a positive count, a missing count, a torn line, no rows or no file, or a server
+    record the restart changes (a value, an array's key or its contents): not."""
+    from fedlore.types import State
+
+    rows = tmp_path / "metrics.jsonl"
+    a = State({"w": torch.zeros(2)}, {"v": 1})
+    held = client_holder.held_nothing
+    assert not held(rows, a, a)  # no file
+    for text, want in [
+        ('{"client_state_bytes": 0}\n{"client_state_bytes": 0}\n', True),
+        ('{"client_state_bytes": 0}\n{"client_state_bytes": 4}\n', False),
+        ('{"client_state_bytes": 0}\n{"round": 1}\n', False),
+        ('{"client_state_bytes": 0}\n{"client_st', False),
+        ("", False),
+    ]:
+        rows.write_text(text)
+        assert held(rows, a, a) is want, text
+    rows.write_text('{"client_state_bytes": 0}\n')
+    assert not held(rows, a, State({"w": torch.zeros(2)}, {}))
+    assert not held(rows, a, State({"x": torch.zeros(2)}, {"v": 1}))
+    assert not held(rows, a, State({"w": torch.ones(2)}, {"v": 1}))
+    assert held(rows, a, State({"w": torch.zeros(2)}, {"v": 1}))

@@ -18,7 +18,9 @@ gives every client the dense model at its next contact
 (:meth:`fedlore.algorithms.base.Hyper.clients_restarted`) and starts every client without its
 state (:func:`restart_clients`): the run a deployment resumed over new nodes would give, with no
 round lost to log replays the clients must reject. A change of holder says so in one line
-(:class:`ClientsRestartedWarning`). The DP ledger is not touched: the rows the resume runs
+(:class:`ClientsRestartedWarning`), unless the restart loses nothing (:func:`held_nothing`: a
+FedAvg-like method whose clients keep no state, whose run goes on as the uninterrupted one
+would). The DP ledger is not touched: the rows the resume runs
 again are counted as on any resume (:mod:`fedlore.engine.dp_ledger`).
 
 A checkpoint written before the holder was recorded names none (:func:`recorded`): one with a
@@ -28,6 +30,7 @@ deployment's; any other, an in-process run's.
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -106,16 +109,42 @@ def with_holder(
     return lambda: {**(keep() if keep is not None else {}), **entry}
 
 
+def held_nothing(rows: Path, state: State, restarted: State) -> bool:
+    """Whether restarting the clients loses nothing: every row of ``rows`` (the run's
+    ``metrics.jsonl`` up to its checkpoint) reports that no client kept a state
+    (``client_state_bytes`` 0, which the round loop records as the largest over the round's
+    clients) and the server's ``state`` records nothing about what they hold (``restarted``,
+    its restarted form, equals it). A row without the count (under secure aggregation or DP,
+    which send it not; a torn line) or no row at all: not known, so False."""
+    try:
+        lines = rows.read_text().splitlines()
+        counts = [json.loads(line).get("client_state_bytes") for line in lines if line.strip()]
+    except (OSError, ValueError):
+        return False
+    if not counts or any(c != 0 for c in counts):
+        return False
+    if state.values != restarted.values or state.arrays.keys() != restarted.arrays.keys():
+        return False
+    return all(torch.equal(v, restarted.arrays[k]) for k, v in state.arrays.items())
+
+
 def restart_clients(
-    restarted: Callable[[State], State], state: State, store: ClientStore, before: str, now: str
+    restarted: Callable[[State], State],
+    state: State,
+    store: ClientStore,
+    before: str,
+    now: str,
+    rows: Path,
 ) -> State:
     """The server ``state`` with every client restarted (``restarted``: the method's
     ``clients_restarted``) and ``store`` emptied (states a checkpoint holds of an earlier
     in-process attempt are not the clients' as of this checkpoint when another holder came
-    between), warning in one line when the holder changed."""
+    between), warning in one line when the holder changed and the restart loses something
+    (:func:`held_nothing` of ``rows``, the run's ``metrics.jsonl``)."""
     for cid in store.client_ids():
         store.put(cid, None)
-    if before != now:
+    new = restarted(state)
+    if before != now and not held_nothing(rows, state, new):
         warnings.warn(
             f"--resume: the attempt this run continues kept its clients' states "
             f"{_WHERE[before]}, where {_RESUME[now]} cannot restore them from: every client "
@@ -124,4 +153,4 @@ def restart_clients(
             ClientsRestartedWarning,
             stacklevel=2,
         )
-    return restarted(state)
+    return new
