@@ -304,3 +304,32 @@ def test_hold_out_of_a_regression_source_and_too_few_examples() -> None:
     assert note is not None and note.startswith("held out 20 % of the training data")
     with pytest.raises(ConfigError, match="too few training examples"):
         central_splits(_source(torch.tensor([0, 1, 2])), DataConfig(name="mine"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "remedy"),
+    [
+        (["partition.min_size=0"], "set partition.min_size >= 1 or use fewer clients"),
+        # step never reads min_size: raising it (here 10 already) would change nothing
+        (["partition.name=step", "partition.min_size=10"], "use fewer clients (num_clients) or"),
+    ],
+)
+def test_an_empty_client_is_told_a_remedy_its_partition_reads(
+    tmp_path: Path, overrides: list[str], remedy: str
+) -> None:
+    """A client left without training data is named with the settings its partitioner reads
+    and a remedy that applies to it: ``partition.min_size`` only where it is read and below 1
+    (the step partition was told to set a min_size it never reads, already 10)."""
+    _npz(tmp_path, "train", 40)
+    _npz(tmp_path, "test", 8, seed=1)
+    cfg = load_config(None, ["data.name=npz", f"data.root={tmp_path}", "num_clients=39",
+                             "partition.alpha=0.05", *overrides])  # fmt: skip
+    with pytest.raises(ValueError) as e, warnings.catch_warnings():
+        warnings.simplefilter("ignore", DataWarning)  # step: min_size=10 is not used
+        build_federation(cfg, 42)
+    message = str(e.value)
+    assert message.startswith("client ") and "received no training data" in message
+    assert message.endswith(remedy + ("" if "min_size" in remedy else " a partition that gives "
+                                      "every client data"))  # fmt: skip
+    assert "\n" not in message
+    assert ("alpha" in message) == ("step" not in overrides[0])  # only the keys it reads

@@ -15,10 +15,13 @@ the noise level) leaves the others (e.g. the partition) unchanged.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
+from fedlore import registry
 from fedlore.config import Config, ConfigError
-from fedlore.data.checks import central_splits
+from fedlore.data.checks import central_splits, empty_client_message
 from fedlore.data.client_data import TensorSplit
 from fedlore.data.container import Federation
 from fedlore.data.corruption import add_gaussian_noise, flip_labels, subsample_stratified
@@ -126,11 +129,8 @@ def labelled_federation(cfg: Config, seed: int, source: DataSource) -> Federatio
         else:
             tr, te = split_local(part, cfg.data.test_fraction, data_rng(seed, DATA_SPLIT, i))
         if len(tr) == 0:
-            raise ValueError(
-                f"client {i} received no training data from partition {cfg.partition.name!r} "
-                f"({cfg.partition.model_dump(exclude={'name'})}, {len(client_idx)} examples, "
-                f"{cfg.num_clients} clients); set partition.min_size >= 1 or use fewer clients"
-            )
+            params = inspect.signature(registry.get("partition", cfg.partition.name)).parameters
+            raise ValueError(empty_client_message(cfg, i, len(client_idx), params))
         train_idx.append(tr)
         test_idx.append(te)
 

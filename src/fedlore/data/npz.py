@@ -51,7 +51,14 @@ def _read_npz(path: Path, non_finite: str) -> Read:
     if y.dtype.kind not in "iu":
         raise ValueError(f"{path}: labels y must be integers, got {y.dtype}")
     if len(y) and y.min() < 0:
-        raise ValueError(f"{path}: negative label {int(y.min())}")
+        i = int(np.argmax(y < 0))
+        raise ValueError(f"{path}: y[{i}] is {int(y[i])}; labels must be non-negative integers")
+    if names is not None and len(y) and int(y.max()) >= len(names):  # a row of this file
+        i = int(np.argmax(y >= len(names)))
+        raise ValueError(
+            f"{path}: y[{i}] is {int(y[i])}, but its class_names has {len(names)} entries "
+            f"(labels 0 to {len(names) - 1})"
+        )
     x, y = check_rows(path, x, y, non_finite)  # not empty; NaN/inf refused or dropped
     if x.dtype == np.uint8 and int(x.max()) <= 1:  # 0/1 columns or pixels, not 0-255 grey levels
         warnings.warn(
