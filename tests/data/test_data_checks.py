@@ -333,3 +333,41 @@ def test_an_empty_client_is_told_a_remedy_its_partition_reads(
                                       "every client data"))  # fmt: skip
     assert "\n" not in message
     assert ("alpha" in message) == ("step" not in overrides[0])  # only the keys it reads
+
+
+def test_a_partition_refusal_says_where_the_rest_of_the_data_went(tmp_path: Path) -> None:
+    """A partition counts only the examples the clients share: "for 4 examples" of a file of
+    450 left the user to guess that data.fraction had kept 4; the refusal names the keys that
+    shrank the pool, and says nothing more when nothing did."""
+    _npz(tmp_path, "train", 200)
+    _npz(tmp_path, "test", 8, seed=1)
+    base = ["data.name=npz", f"data.root={tmp_path}", "num_clients=5", "partition.min_size=10"]
+    with pytest.raises(ValueError) as e:
+        build_federation(load_config(None, [*base, "data.fraction=0.1"]), 42)
+    assert str(e.value).endswith(
+        " for 21 examples (min_size * num_clients > number of examples) (the clients share 21 "
+        "of the 200 training examples: data.fraction=0.1)"
+    )
+    with pytest.raises(ValueError) as e:  # an empty client, after a selection split
+        over = ["data.selection_fraction=0.5", "num_clients=150", "partition.min_size=0"]
+        build_federation(load_config(None, [*base, *over]), 42)
+    assert str(e.value).endswith(
+        "(the clients share 100 of the 200 training examples: data.selection_fraction=0.5)"
+    )
+    with pytest.raises(ValueError) as e:  # the whole file shared: nothing to add
+        build_federation(load_config(None, [*base, "num_clients=30"]), 42)
+    assert str(e.value).endswith("(min_size * num_clients > number of examples)")
+
+
+def test_loose_npy_arrays_are_told_how_to_become_an_archive(tmp_path: Path) -> None:
+    np.save(tmp_path / "x.npy", np.zeros((3, 2), np.float32))
+    np.save(tmp_path / "y.npy", np.zeros(3, np.int64))
+    with pytest.raises(FileNotFoundError) as e:
+        load_npz(str(tmp_path))
+    assert str(e.value).endswith(
+        '; it holds x.npy, y.npy: pack each split\'s arrays into one archive, np.savez("train.npz",'
+        " x=x, y=y)"
+    )
+    with pytest.raises(FileNotFoundError) as e:  # nothing there: no hint
+        load_npz(str(tmp_path / "none"))
+    assert str(e.value).endswith("(arrays x, y and optionally class_names)")

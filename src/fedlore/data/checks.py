@@ -219,3 +219,19 @@ def empty_client_message(cfg: Config, client: int, num_examples: int, params: An
         f"client {client} received no training data from partition {name!r} ({read}, "
         f"{num_examples} examples, {cfg.num_clients} clients); {remedy}"
     )
+
+
+def shared_pool(cfg: Config, shared: int, total: int) -> str:
+    """Where the training examples the clients do not share went, for a partition's refusal
+    (which counts only the ``shared`` ones): ``" (the clients share 4 of the 450 training
+    examples: data.fraction=0.01)"``; empty when they share all ``total``."""
+    if shared == total:
+        return ""
+    keys = ("fraction", "server_fraction", "selection_fraction")
+    fields = type(cfg.data).model_fields
+    said = [
+        f"data.{k}={getattr(cfg.data, k)}"
+        for k in keys
+        if getattr(cfg.data, k) != fields[k].default
+    ]
+    return f" (the clients share {shared} of the {total} training examples: {', '.join(said)})"

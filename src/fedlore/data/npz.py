@@ -160,9 +160,16 @@ def load_npz(root: str | None = None, *, non_finite: str = "error") -> DataSourc
     paths = {part: folder / f"{part}.npz" for part in ("train", "test")}
     found = {part: p for part, p in paths.items() if p.is_file()}
     if not found:
+        npy = sorted(p.name for p in folder.glob("*.npy")) if folder.is_dir() else []
+        hint = (  # loose arrays: the archive is one np.savez away
+            f"; it holds {', '.join(npy[:4])}{' ...' if len(npy) > 4 else ''}: pack each "
+            'split\'s arrays into one archive, np.savez("train.npz", x=x, y=y)'
+            if npy
+            else ""
+        )
         raise FileNotFoundError(
             f"npz: neither {paths['train']} nor {paths['test']} exists; data.root must name a "
-            "folder with train.npz and/or test.npz (arrays x, y and optionally class_names)"
+            "folder with train.npz and/or test.npz (arrays x, y and optionally class_names)" + hint
         )
     read = {part: _read_npz(p, non_finite) for part, p in found.items()}
     shapes = {part: x.shape[1:] for part, (x, _, _) in read.items()}
