@@ -126,3 +126,80 @@ def test_a_method_from_a_file_runs_on_the_simulation_workers(
     args += [f"imports=[{plugin}]", f"algorithms=[{NAME}]", "engine=flower-sim"]
     assert main(["run", str(QUICKSTART), *args, f"output_dir={tmp_path / 'sim'}"]) == 0
     assert (tmp_path / "sim" / "quickstart" / NAME / "seed-42" / "summary.json").is_file()
+
+
+BUGGY = "plugin_buggy"
+BUG = f'''
+from dataclasses import dataclass
+from typing import ClassVar
+
+from fedlore.algorithms.fedavg import FedAvg
+from fedlore.registry import register_algorithm
+
+
+@register_algorithm("{BUGGY}")
+@dataclass(frozen=True)
+class Buggy(FedAvg):
+    """FedAvg whose server fails in round 1, as a user's own code may."""
+
+    name: ClassVar[str] = "{BUGGY}"
+
+    def aggregate(self, state, replies, rnd):
+        if rnd == 1:
+            raise {{EXC}}("model.nope")
+        return super().aggregate(state, replies, rnd)
+'''
+
+
+@pytest.fixture(params=["KeyError", "ValueError", "RuntimeError", "TypeError"])
+def buggy(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
+    path = tmp_path / "buggy.py"
+    bug = BUG.replace("{EXC}", request.param)
+    if request.param == "TypeError":  # raised inside fedlore's code, by a wrong call of the method
+        bug = bug.replace('raise TypeError("model.nope")', "weighted_mean(5, 5)")
+        bug = bug.replace(
+            "from fedlore.registry",
+            "from fedlore.tensors import weighted_mean\nfrom fedlore.registry",
+        )
+    path.write_text(bug)
+    yield path
+    registry._TABLES["algorithm"].pop(BUGGY, None)
+    sys.modules.pop(plugins.module_name(str(path.resolve())), None)
+
+
+def test_an_error_in_a_method_names_the_run_the_round_and_what_is_kept(
+    buggy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A KeyError or ValueError of a method's own code was printed as a refusal of the
+    config: "fedlore: error: 'model.nope'", naming no run, no round, no file, with no way to
+    see the traceback. It is one line naming the run, the round, the error's type, the folder
+    that keeps the rounds before it and the command that resumes; -v adds the traceback. Any
+    other error (a RuntimeError) prints its traceback, then that line, and exits 1.
+    (fedlore's own refusals mid-run, which word what they need, stay as they are:
+    tests/engine/test_buffered_dp.py.)"""
+    text = buggy.read_text()
+    kind = next((k for k in ("KeyError", "ValueError", "RuntimeError") if k in text), "TypeError")
+    said = "object of type 'int' has no len()" if kind == "TypeError" else "model.nope"
+    out = tmp_path / "runs"
+    args = ["run", str(QUICKSTART), *TINY, "rounds=3", f"imports=[{buggy}]",
+            f"algorithms=[{BUGGY}]", f"output_dir={out}"]  # fmt: skip
+    unforeseen = kind in ("RuntimeError", "TypeError")
+    assert main(args) == (1 if unforeseen else 2)
+    err = capsys.readouterr().err.strip().splitlines()
+    folder = out / "quickstart" / BUGGY / "seed-42"
+    assert (len(err) > 1) == unforeseen
+    assert err[-1].startswith(
+        f"fedlore: error: {BUGGY} seed 42, round 1: {kind}: {said} ({folder} keeps the "
+        "rounds before it; after a fix, `fedlore run "
+    )
+    traced = " --resume` resumes)" if unforeseen else " --resume` resumes; -v shows the traceback)"
+    assert err[-1].endswith(traced)
+    rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0] and (folder / "checkpoint.pt").exists()
+    assert main([*args, "--resume", "-v"]) == (1 if unforeseen else 2)
+    verbose = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in verbose and f"{kind}: {said}" in verbose
+    assert "-v shows the traceback" not in verbose
+    assert main([*args, "algorithms=[nope]"]) == 2  # before any run trained: as it was
+    early = capsys.readouterr().err
+    assert early.startswith("fedlore: error: invalid config:") and "round" not in early

@@ -23,6 +23,7 @@ import logging
 import os
 import shlex
 import sys
+import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -320,7 +321,10 @@ def _main(argv: list[str], command: bool) -> int:
         return 0
     except (ConfigError, FileNotFoundError, KeyError, ValueError, StoreError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"fedlore: error: {msg}", file=sys.stderr)
+        lead, tail = _failed_in(e, argv, ns.verbose)
+        print(f"fedlore: error: {lead}{msg}{tail}", file=sys.stderr)
+        if ns.verbose and getattr(e, "fedlore_run", None) is not None:
+            traceback.print_exc()
         return 2
     except WriteError as e:  # a full disk, a quota, no permission: one line and what to do
         print(f"fedlore: error: {explain(e)}", file=sys.stderr)
@@ -335,6 +339,13 @@ def _main(argv: list[str], command: bool) -> int:
         where = f": {e.filename}" if e.filename else ""
         print(f"fedlore: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
+    except Exception as e:  # unforeseen: while a run trained, its traceback and where it was
+        if getattr(e, "fedlore_run", None) is None:
+            raise
+        traceback.print_exc()
+        lead, tail = _failed_in(e, argv, verbose=True, always=True)
+        print(f"fedlore: error: {lead}{e}{tail}", file=sys.stderr)
+        return 1
     except interrupt.Interrupted as e:  # before KeyboardInterrupt, which it is
         print(f"fedlore: {e.describe(f'`{_again(argv)}`')}", file=sys.stderr)
         if command:  # every file is closed: skip Python's shutdown (seconds once torch is in)
@@ -345,6 +356,33 @@ def _main(argv: list[str], command: bool) -> int:
         if command:  # Python's shutdown after a Ctrl-C could end the process by SIGINT (-2)
             interrupt.exit_now(130)
         return 130
+
+
+def _failed_in(
+    e: BaseException, argv: list[str], verbose: bool, always: bool = False
+) -> tuple[str, str]:
+    """For an error raised while a run trained, what goes before and after its message: the
+    run and the round; what is kept and how to go on (a method's own ``ValueError`` or
+    ``KeyError`` read "fedlore: error: 'model.x'" and nothing else). Empty for an error before
+    any run trained, and for a refusal fedlore raised itself unless ``always``."""
+    run = getattr(e, "fedlore_run", None)
+    if run is None or (_raised_by_fedlore(e) and not always):
+        return "", ""  # fedlore's own refusals mid-run name what they need
+    name, folder = run
+    rnd = getattr(e, "fedlore_round", None)
+    at = "" if rnd is None else f", round {rnd}"
+    kind = "" if isinstance(e, (ConfigError, StoreError)) else f"{type(e).__name__}: "
+    kept = f"{folder} keeps the rounds before it" if rnd else f"{folder} holds no round of it"
+    trace = "" if verbose else "; -v shows the traceback"
+    return f"{name}{at}: {kind}", f" ({kept}; after a fix, `{_again(argv)}` resumes{trace})"
+
+
+def _raised_by_fedlore(e: BaseException) -> bool:
+    """Whether the innermost frame of ``e`` is fedlore's own code (a refusal it words itself),
+    not a method's of the user's, a library's or Python's."""
+    frames = traceback.extract_tb(e.__traceback__)
+    package = Path(__file__).resolve().parent
+    return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(package)
 
 
 def _stdout_closed() -> bool:

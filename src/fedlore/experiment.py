@@ -225,6 +225,10 @@ def run(
         except Interrupted as e:  # a signal (fedlore.engine.interrupt): name the run and folder
             e.stopped_in(f"{method} seed {seed}", out)
             raise
+        except Exception as e:  # an error while training: the command names the run and folder
+            if getattr(e, "fedlore_run", None) is None:
+                e.fedlore_run = (f"{method} seed {seed}", out)  # type: ignore[attr-defined]
+            raise
         finally:
             if bar is not None:
                 bar.close()

@@ -304,3 +304,70 @@ def test_hold_out_of_a_regression_source_and_too_few_examples() -> None:
     assert note is not None and note.startswith("held out 20 % of the training data")
     with pytest.raises(ConfigError, match="too few training examples"):
         central_splits(_source(torch.tensor([0, 1, 2])), DataConfig(name="mine"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "remedy"),
+    [
+        (["partition.min_size=0"], "set partition.min_size >= 1 or use fewer clients"),
+        # step never reads min_size: raising it (here 10 already) would change nothing
+        (["partition.name=step", "partition.min_size=10"], "use fewer clients (num_clients) or"),
+    ],
+)
+def test_an_empty_client_is_told_a_remedy_its_partition_reads(
+    tmp_path: Path, overrides: list[str], remedy: str
+) -> None:
+    """A client left without training data is named with the settings its partitioner reads
+    and a remedy that applies to it: ``partition.min_size`` only where it is read and below 1
+    (the step partition was told to set a min_size it never reads, already 10)."""
+    _npz(tmp_path, "train", 40)
+    _npz(tmp_path, "test", 8, seed=1)
+    cfg = load_config(None, ["data.name=npz", f"data.root={tmp_path}", "num_clients=39",
+                             "partition.alpha=0.05", *overrides])  # fmt: skip
+    with pytest.raises(ValueError) as e, warnings.catch_warnings():
+        warnings.simplefilter("ignore", DataWarning)  # step: min_size=10 is not used
+        build_federation(cfg, 42)
+    message = str(e.value)
+    assert message.startswith("client ") and "received no training data" in message
+    assert message.endswith(remedy + ("" if "min_size" in remedy else " a partition that gives "
+                                      "every client data"))  # fmt: skip
+    assert "\n" not in message
+    assert ("alpha" in message) == ("step" not in overrides[0])  # only the keys it reads
+
+
+def test_a_partition_refusal_says_where_the_rest_of_the_data_went(tmp_path: Path) -> None:
+    """A partition counts only the examples the clients share: "for 4 examples" of a file of
+    450 left the user to guess that data.fraction had kept 4; the refusal names the keys that
+    shrank the pool, and says nothing more when nothing did."""
+    _npz(tmp_path, "train", 200)
+    _npz(tmp_path, "test", 8, seed=1)
+    base = ["data.name=npz", f"data.root={tmp_path}", "num_clients=5", "partition.min_size=10"]
+    with pytest.raises(ValueError) as e:
+        build_federation(load_config(None, [*base, "data.fraction=0.1"]), 42)
+    assert str(e.value).endswith(
+        " for 21 examples (min_size * num_clients > number of examples) (the clients share 21 "
+        "of the 200 training examples: data.fraction=0.1)"
+    )
+    with pytest.raises(ValueError) as e:  # an empty client, after a selection split
+        over = ["data.selection_fraction=0.5", "num_clients=150", "partition.min_size=0"]
+        build_federation(load_config(None, [*base, *over]), 42)
+    assert str(e.value).endswith(
+        "(the clients share 100 of the 200 training examples: data.selection_fraction=0.5)"
+    )
+    with pytest.raises(ValueError) as e:  # the whole file shared: nothing to add
+        build_federation(load_config(None, [*base, "num_clients=30"]), 42)
+    assert str(e.value).endswith("(min_size * num_clients > number of examples)")
+
+
+def test_loose_npy_arrays_are_told_how_to_become_an_archive(tmp_path: Path) -> None:
+    np.save(tmp_path / "x.npy", np.zeros((3, 2), np.float32))
+    np.save(tmp_path / "y.npy", np.zeros(3, np.int64))
+    with pytest.raises(FileNotFoundError) as e:
+        load_npz(str(tmp_path))
+    assert str(e.value).endswith(
+        '; it holds x.npy, y.npy: pack each split\'s arrays into one archive, np.savez("train.npz",'
+        " x=x, y=y)"
+    )
+    with pytest.raises(FileNotFoundError) as e:  # nothing there: no hint
+        load_npz(str(tmp_path / "none"))
+    assert str(e.value).endswith("(arrays x, y and optionally class_names)")

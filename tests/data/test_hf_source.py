@@ -199,6 +199,38 @@ def test_missing_paths_and_columns_are_named(saved: Path, tmp_path: Path) -> Non
         load_hf(str(tmp_path / "broken.parquet"))
 
 
+def test_a_csv_that_is_not_utf8_is_named_with_its_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """datasets says only "An error occurred while generating the dataset" (and logs an ERROR
+    line of its own): the refusal names the file, the line of the first byte that is not UTF-8
+    and what to do, in one line; the file alone or in a folder. Another error says its cause."""
+    rows = "x,label\n1.0,a\n2.0,b\n3.0,caf\xe9\n4.0,a\n".encode("latin-1")
+    (tmp_path / "one.csv").write_bytes(rows)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "train.csv").write_bytes(rows)
+    for root, name in ((tmp_path / "one.csv", "one.csv"), (tmp_path / "folder", "train.csv")):
+        with pytest.raises(ValueError) as e:
+            load_hf(str(root), input_column="x", label_column="label")
+        assert str(e.value).startswith(
+            f"hf: {root if name == 'one.csv' else root / name}:4: not UTF-8 text"
+        )
+        assert str(e.value).endswith("; save the file as UTF-8") and "\n" not in str(e.value)
+    assert not [r for r in caplog.records if r.name.startswith("datasets")]  # not said twice
+    from datasets import Dataset
+
+    whole = tmp_path / "whole.parquet"  # a cut parquet file is binary, not text: said as it is
+    Dataset.from_dict({"x": [float(i) for i in range(500)], "label": ["a", "b"] * 250}).to_parquet(
+        str(whole)
+    )
+    (tmp_path / "cut.parquet").write_bytes(whole.read_bytes()[:-50])
+    with pytest.raises(ValueError, match=r"datasets cannot read .*cut\.parquet \("):
+        load_hf(str(tmp_path / "cut.parquet"), input_column="x", label_column="label")
+    (tmp_path / "bad.json").write_text('{"x": 1.0, "label": "a"}\n{"x": ')
+    with pytest.raises(ValueError, match=r"datasets cannot read .*bad\.json \(.*; caused by "):
+        load_hf(str(tmp_path / "bad.json"), input_column="x", label_column="label")
+
+
 def test_labels_it_cannot_read_are_refused(tmp_path: Path) -> None:
     from datasets import Dataset
 

@@ -48,9 +48,24 @@ def test_npz_source_reads_either_file(tmp_path: Path) -> None:
         load_npz(None)
     bad = tmp_path / "c"
     bad.mkdir()
-    np.savez(bad / "train.npz", x=np.zeros((3, 2)), y=np.array([0, 5, 1]), class_names=NAMES)
+    np.savez(bad / "train.npz", x=np.zeros((3, 2)), y=np.array([0, 4, 5]), class_names=NAMES)
+    with pytest.raises(ValueError) as e:  # the file and the first row of such a label are named
+        load_npz(str(bad))
+    assert str(e.value) == (
+        f"{bad / 'train.npz'}: y[1] is 4, but its class_names has 4 entries (labels 0 to 3)"
+    )
+    np.savez(bad / "train.npz", x=np.zeros((3, 2)), y=np.array([0, 1, 4]), class_names=NAMES)
+    with pytest.raises(ValueError, match=r"train\.npz: y\[2\] is 4, but its class_names has 4 "):
+        load_npz(str(bad))  # 4 is one past the last of 4 names
+    np.savez(bad / "train.npz", x=np.zeros((3, 2)), y=np.array([0, 1, -2]), class_names=NAMES)
+    with pytest.raises(ValueError) as e:
+        load_npz(str(bad))
+    assert str(e.value) == f"{bad / 'train.npz'}: y[2] is -2; labels must be non-negative integers"
+    np.savez(bad / "train.npz", x=np.zeros((3, 2)), y=np.array([0, 5, 1]))  # names in test only
+    np.savez(bad / "test.npz", x=np.zeros((2, 2)), y=np.array([0, 1]), class_names=NAMES)
     with pytest.raises(ValueError, match="label 5 but class_names has 4 entries"):
         load_npz(str(bad))
+    (bad / "test.npz").unlink()
     np.savez(bad / "train.npz", x=np.zeros((3, 2)))
     with pytest.raises(ValueError, match=r"needs arrays 'x' \(inputs\) and 'y'"):
         load_npz(str(bad))

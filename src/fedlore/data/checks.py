@@ -198,3 +198,40 @@ def warn_unread_partition_keys(cfg: Config, name: str, params: Any) -> None:
     if text not in _WARNED:
         _WARNED.add(text)
         warnings.warn(text, DataWarning, stacklevel=3)
+
+
+def empty_client_message(cfg: Config, client: int, num_examples: int, params: Any) -> str:
+    """The one-line refusal of a partition that leaves ``client`` without training data.
+
+    It names the partitioner, the settings it reads (``params``: its signature's parameters)
+    and a remedy that applies to it: ``partition.min_size >= 1`` only for a partitioner that
+    reads ``min_size`` and has it below 1 (``dirichlet``); otherwise fewer clients, because
+    raising a key the partitioner never reads (``step``, ``iid``) would change nothing."""
+    name = cfg.partition.name
+    read = {k: getattr(cfg.partition, k) for k in _OWN_KEYS if k in params}
+    if cfg.partition.kwargs:
+        read["kwargs"] = dict(cfg.partition.kwargs)
+    if "min_size" in params and cfg.partition.min_size < 1:
+        remedy = "set partition.min_size >= 1 or use fewer clients"
+    else:
+        remedy = "use fewer clients (num_clients) or a partition that gives every client data"
+    return (
+        f"client {client} received no training data from partition {name!r} ({read}, "
+        f"{num_examples} examples, {cfg.num_clients} clients); {remedy}"
+    )
+
+
+def shared_pool(cfg: Config, shared: int, total: int) -> str:
+    """Where the training examples the clients do not share went, for a partition's refusal
+    (which counts only the ``shared`` ones): ``" (the clients share 4 of the 450 training
+    examples: data.fraction=0.01)"``; empty when they share all ``total``."""
+    if shared == total:
+        return ""
+    keys = ("fraction", "server_fraction", "selection_fraction")
+    fields = type(cfg.data).model_fields
+    said = [
+        f"data.{k}={getattr(cfg.data, k)}"
+        for k in keys
+        if getattr(cfg.data, k) != fields[k].default
+    ]
+    return f" (the clients share {shared} of the {total} training examples: {', '.join(said)})"

@@ -68,7 +68,7 @@ def _quiet() -> Iterator[None]:
     bars = datasets.are_progress_bars_disabled()
     level = datasets.logging.get_verbosity()
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # errors: said by fedlore
     try:
         yield
     finally:
@@ -109,6 +109,31 @@ def _split_files(folder: Path, splits: tuple[str, str]) -> tuple[dict[str, list[
     return files, kinds.pop()
 
 
+def _unreadable(root: str, error: BaseException, files: Any) -> str:
+    """Why ``datasets`` could not read ``root``, in one line. Its own error says only "An error
+    occurred while generating the dataset": a text file (CSV, JSON) with a byte that is not
+    UTF-8 is named with its line, else the innermost error it wraps is said."""
+    paths = files if isinstance(files, list) else [f for fs in files.values() for f in fs]
+    for f in paths:
+        if Path(f).suffix == ".parquet":
+            continue
+        data = Path(f).read_bytes()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            line = data.count(b"\n", 0, bad.start) + 1
+            return (
+                f"hf: {f}:{line}: not UTF-8 text ({bad.reason}, byte {bad.start}: "
+                f"{data[bad.start : bad.start + 1]!r}); save the file as UTF-8"
+            )
+    cause, said = error, f"{type(error).__name__}: {error}"
+    while cause.__cause__ is not None or cause.__context__ is not None:
+        cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
+    if cause is not error:
+        said += f"; caused by {type(cause).__name__}: {cause}"
+    return f"hf: datasets cannot read {root} ({said})"
+
+
 def read_splits(root: str | None, train_split: str, test_split: str) -> dict[str, Any]:
     """The ``datasets.Dataset`` of each split present of ``root`` (the training split always).
 
@@ -144,7 +169,7 @@ def read_splits(root: str | None, train_split: str, test_split: str) -> dict[str
             else:
                 loaded = datasets.load_dataset(builder, data_files=files)
         except Exception as e:  # pyarrow's, json's and datasets' own errors on a corrupt file
-            raise ValueError(f"hf: datasets cannot read {root} ({type(e).__name__}: {e})") from e
+            raise ValueError(_unreadable(root, e, [path] if path.is_file() else files)) from e
     if train_split not in loaded:
         raise FileNotFoundError(
             f"hf: {root} has no split {train_split!r} (data.train_split); its splits: "

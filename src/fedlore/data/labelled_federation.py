@@ -15,10 +15,13 @@ the noise level) leaves the others (e.g. the partition) unchanged.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
+from fedlore import registry
 from fedlore.config import Config, ConfigError
-from fedlore.data.checks import central_splits
+from fedlore.data.checks import central_splits, empty_client_message, shared_pool
 from fedlore.data.client_data import TensorSplit
 from fedlore.data.container import Federation
 from fedlore.data.corruption import add_gaussian_noise, flip_labels, subsample_stratified
@@ -107,12 +110,13 @@ def labelled_federation(cfg: Config, seed: int, source: DataSource) -> Federatio
     ids = None if source.train_ids is None else source.train_ids[keep]  # natural ids, if any
     # without U and a selection split, client_idx is arange(n): the partition is exactly the
     # one without these steps
-    parts = [
-        client_idx[p]
-        for p in partition_labels(
+    try:
+        split = partition_labels(
             cfg, seed, labels[client_idx], None if ids is None else ids[client_idx]
         )
-    ]
+    except ValueError as e:  # "for 4 examples": say where the rest of the data went
+        raise ValueError(f"{e}{shared_pool(cfg, len(client_idx), len(source.train))}") from e
+    parts = [client_idx[p] for p in split]
     by_id = local_test_mode(cfg.data.local_test, cfg.partition.name, source.test_ids) == "by_id"
     if by_id:  # each client tests on the test examples of its own ids, appended to the pool
         assert ids is not None and source.test_ids is not None
@@ -126,11 +130,9 @@ def labelled_federation(cfg: Config, seed: int, source: DataSource) -> Federatio
         else:
             tr, te = split_local(part, cfg.data.test_fraction, data_rng(seed, DATA_SPLIT, i))
         if len(tr) == 0:
-            raise ValueError(
-                f"client {i} received no training data from partition {cfg.partition.name!r} "
-                f"({cfg.partition.model_dump(exclude={'name'})}, {len(client_idx)} examples, "
-                f"{cfg.num_clients} clients); set partition.min_size >= 1 or use fewer clients"
-            )
+            params = inspect.signature(registry.get("partition", cfg.partition.name)).parameters
+            message = empty_client_message(cfg, i, len(client_idx), params)
+            raise ValueError(message + shared_pool(cfg, len(client_idx), len(source.train)))
         train_idx.append(tr)
         test_idx.append(te)
 

@@ -51,7 +51,14 @@ def _read_npz(path: Path, non_finite: str) -> Read:
     if y.dtype.kind not in "iu":
         raise ValueError(f"{path}: labels y must be integers, got {y.dtype}")
     if len(y) and y.min() < 0:
-        raise ValueError(f"{path}: negative label {int(y.min())}")
+        i = int(np.argmax(y < 0))
+        raise ValueError(f"{path}: y[{i}] is {int(y[i])}; labels must be non-negative integers")
+    if names is not None and len(y) and int(y.max()) >= len(names):  # a row of this file
+        i = int(np.argmax(y >= len(names)))
+        raise ValueError(
+            f"{path}: y[{i}] is {int(y[i])}, but its class_names has {len(names)} entries "
+            f"(labels 0 to {len(names) - 1})"
+        )
     x, y = check_rows(path, x, y, non_finite)  # not empty; NaN/inf refused or dropped
     if x.dtype == np.uint8 and int(x.max()) <= 1:  # 0/1 columns or pixels, not 0-255 grey levels
         warnings.warn(
@@ -153,9 +160,16 @@ def load_npz(root: str | None = None, *, non_finite: str = "error") -> DataSourc
     paths = {part: folder / f"{part}.npz" for part in ("train", "test")}
     found = {part: p for part, p in paths.items() if p.is_file()}
     if not found:
+        npy = sorted(p.name for p in folder.glob("*.npy")) if folder.is_dir() else []
+        hint = (  # loose arrays: the archive is one np.savez away
+            f"; it holds {', '.join(npy[:4])}{' ...' if len(npy) > 4 else ''}: pack each "
+            'split\'s arrays into one archive, np.savez("train.npz", x=x, y=y)'
+            if npy
+            else ""
+        )
         raise FileNotFoundError(
             f"npz: neither {paths['train']} nor {paths['test']} exists; data.root must name a "
-            "folder with train.npz and/or test.npz (arrays x, y and optionally class_names)"
+            "folder with train.npz and/or test.npz (arrays x, y and optionally class_names)" + hint
         )
     read = {part: _read_npz(p, non_finite) for part, p in found.items()}
     shapes = {part: x.shape[1:] for part, (x, _, _) in read.items()}

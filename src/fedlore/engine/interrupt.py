@@ -177,7 +177,9 @@ def _handler(signum: int, frame: FrameType | None) -> None:
     if _deferred:
         stop = "stopping before the next round (a round in progress is discarded)"
         if _label is None:
-            stop = f"{signal.Signals(signum).name}: {stop}; press Ctrl-C again to quit at once"
+            name = signal.Signals(signum).name  # a SIGTERM comes from kill, not a terminal
+            again = "press Ctrl-C" if signum == signal.SIGINT else f"send {name}"
+            stop = f"{name}: {stop}; {again} again to quit at once"
         _say(stop)
         return
     raise Interrupted(signum)

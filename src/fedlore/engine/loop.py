@@ -316,6 +316,10 @@ def drive(
     except interrupt.Interrupted as e:
         e.last_round = done
         raise
+    except Exception as e:  # a method's own code, a transport: the command names the round
+        if getattr(e, "fedlore_round", None) is None:
+            e.fedlore_round = done + 1  # type: ignore[attr-defined]
+        raise
     return state
 
 
