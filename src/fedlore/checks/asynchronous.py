@@ -159,6 +159,13 @@ def check_deployed(cfg: Config) -> None:
     Raises:
         ConfigError: one line naming the setting and why.
     """
+    if cfg.flower.node_states and cfg.asynchronous.enabled and cfg.asynchronous.clock == "wall":
+        raise ConfigError(
+            "flower.node_states with asynchronous.clock: wall: a wall-clock FedBuff's clients "
+            "in flight at a kill trained from a version whose replies its checkpoint lacks, so "
+            "their nodes' states cannot be rolled back to it; use asynchronous.clock: "
+            "simulated, or flower.node_states: false (a resume restarts every client)"
+        )
     if cfg.asynchronous.enabled and cfg.dp.enabled:
         raise ConfigError(
             "asynchronous.buffer (FedBuff) with dp on a flwr run deployment: DP-FedBuff is "
