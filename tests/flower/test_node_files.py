@@ -98,10 +98,15 @@ def _cfg(out: Path, *extra: str) -> Config:
     return load_config(None, [*TINY, f"output_dir={out}", "flower.node_states=true", *extra])
 
 
-def _run(cfg: Config, method: str, disks: Path | None, **kwargs: Any) -> _Deployed:
-    """One attempt (a new ``flwr run``) of ``method``; its transport."""
+def _run(
+    cfg: Config, method: str, disks: Path | None, same: _Deployed | None = None, **kwargs: Any
+) -> _Deployed:
+    """One attempt (a new ``flwr run``) of ``method``; its transport. ``same``: an earlier
+    attempt whose nodes' ``Context`` objects this one keeps (a node that held on to them)."""
     _, client = make_apps(cfg, method, SEED)
     transport = _Deployed(client, cfg, disks)
+    if same is not None:
+        transport.ctx = same.ctx
     run_one(cfg, method, SEED, make_transport=lambda *_: transport, **kwargs)
     return transport
 
@@ -123,14 +128,26 @@ def _same(a: Config, b: Config, method: str) -> bool:
     return _rows(a, method) == _rows(b, method) and all(torch.equal(ma[k], mb[k]) for k in ma)
 
 
-def _killed_during(cfg: Config, method: str, disks: Path, k: int, extra: int) -> None:
-    """Resume from the checkpoint of round ``k`` and run ``extra`` more rounds, then put that
-    checkpoint back: an attempt killed before its first checkpoint, whose nodes wrote states
-    of the rounds after ``k``."""
+class _Keep:
+    """Keeps the checkpoint's bytes as of round ``rnd`` (called after the run's Checkpointer)."""
+
+    def __init__(self, path: Path, rnd: int) -> None:
+        self.path, self.rnd, self.kept = path, rnd, path.read_bytes()
+
+    def on_round_end(self, rnd: int, row: Any, state: State) -> None:
+        if rnd == self.rnd:
+            self.kept = self.path.read_bytes()
+
+
+def _killed_during(cfg: Config, method: str, disks: Path, r: int, **kwargs: Any) -> _Deployed:
+    """Resume and run through round ``r``, then put back the checkpoint of round ``r - 1``: an
+    attempt killed during round ``r`` (its nodes wrote that round's states; the attempt left
+    no checkpoint of its own when it resumed from round ``r - 1``); its transport."""
     ckpt = run_dir(cfg, method, SEED) / "checkpoint.pt"
-    kept = ckpt.read_bytes()
-    _run(cfg, method, disks, resume=True, stop_after=k + extra)
-    ckpt.write_bytes(kept)
+    keep = _Keep(ckpt, r - 1)
+    got = _run(cfg, method, disks, resume=True, stop_after=r, extra_callbacks=(keep,), **kwargs)
+    ckpt.write_bytes(keep.kept)
+    return got
 
 
 def _files(disks: Path) -> list[Path]:
@@ -139,18 +156,22 @@ def _files(disks: Path) -> list[Path]:
 
 @pytest.mark.parametrize("method", ["fedlore", "scaffold", "ditto"])
 def test_a_killed_deployment_resumes_bit_for_bit(tmp_path: Path, method: str) -> None:
-    """Killed during round 3 (its nodes wrote round 3's states), resumed as a deployment with
-    node_states: no line, no rejected client, and the uninterrupted deployment's rows and
-    final model, bit for bit (all clients each round: every node's state matters)."""
+    """Four attempts: to round 1; killed during round 3 (round 2 kept); killed during round 4
+    (round 3 kept); to the end. Each kill came after the nodes wrote the round's states.
+    Resumed as a deployment with node_states: no line, no rejected client, and the
+    uninterrupted deployment's rows and final model, bit for bit (3 of 4 clients a round: a
+    client's state may be from any earlier attempt)."""
     extra = ("participation=0.75",)
     whole = _cfg(tmp_path / "whole", *extra)
     _run(whole, method, tmp_path / "disks-whole")
     cfg = _cfg(tmp_path / "a", *extra)
     disks = tmp_path / "disks"
-    assert _run(cfg, method, disks, stop_after=2) is not None
+    _run(cfg, method, disks, stop_after=1)
     ckpt = run_dir(cfg, method, SEED) / "checkpoint.pt"
     assert client_holder.recorded_in(ckpt, tmp_path) == client_holder.NODE_DISKS
-    _killed_during(cfg, method, disks, 2, 1)
+    _killed_during(cfg, method, disks, 3)
+    _killed_during(cfg, method, disks, 4)
+    assert len(torch.load(ckpt, weights_only=True)["transport"]["node_files"]["attempts"]) == 3
     with warnings.catch_warnings():
         warnings.simplefilter("error", ClientsRestartedWarning)
         last = _run(cfg, method, disks, resume=True)
@@ -164,7 +185,8 @@ def test_a_killed_deployment_resumes_bit_for_bit(tmp_path: Path, method: str) ->
 
 def test_an_attempt_killed_before_its_first_checkpoint_is_ignored(tmp_path: Path) -> None:
     """The trap: attempt 2 resumes from round 1 and trains rounds 2-4 on some clients, then
-    dies before any checkpoint of its own is kept; attempt 3 resumes from round 1 again. A
+    dies before any checkpoint of its own is kept (played by putting round 1's back); attempt
+    3 resumes from round 1 again. A
     client attempt 2 trained in round 3 or 4 and attempt 3 has not contacted since holds
     attempt 2's files, newer than its state as of round 1: it must read the older one. The
     result is the uninterrupted run's, bit for bit (SCAFFOLD: the control variates count)."""
@@ -175,12 +197,17 @@ def test_an_attempt_killed_before_its_first_checkpoint_is_ignored(tmp_path: Path
     cfg = _cfg(tmp_path / "a", *extra)
     disks = tmp_path / "disks"
     first = _run(cfg, method, disks, stop_after=1)
-    _killed_during(cfg, method, disks, 1, 3)
-    second = {p.name.split(".")[2] for p in _files(disks)} - {first.attempts.token}
-    assert len(second) == 1  # attempt 2's files are there, of rounds after 1
-    stale = {p for p in _files(disks) if p.name.split(".")[2] in second}
+    ckpt = run_dir(cfg, method, SEED) / "checkpoint.pt"
+    kept = ckpt.read_bytes()
+    second = _run(cfg, method, disks, resume=True, stop_after=4)
+    ckpt.write_bytes(kept)  # killed during round 5, its checkpoints lost (another disk)
+    tokens = {p.name.split(".")[2] for p in _files(disks)}
+    assert tokens == {first.attempts.token, second.attempts.token}
+    stale = {p for p in _files(disks) if p.name.split(".")[2] == second.attempts.token}
     assert any(int(p.name.split(".")[1]) >= 3 for p in stale)
-    _run(cfg, method, disks, resume=True)
+    # its nodes kept their Context objects: attempt 2's states there are not read either
+    last = _run(cfg, method, disks, same=second, resume=True)
+    assert not last.raised, last.raised
     assert _same(cfg, whole, method)
 
 
@@ -200,9 +227,10 @@ def test_each_rule_on_its_own(tmp_path: Path) -> None:
     att.config(2, {"round": 5})
     assert att.entry() == {"attempts": [["a", 3], [att.token, 5]], "held": [1]}
     assert json.loads(att.config(1, {"round": 6})[node_files.HISTORY])[-1] == [att.token, None]
-    assert att.config(1, {"round": 6})[node_files.HELD] and not att.config(0, {"round": 6})[
-        node_files.HELD
-    ]
+    assert (
+        att.config(1, {"round": 6})[node_files.HELD]
+        and not att.config(0, {"round": 6})[node_files.HELD]
+    )
     att.restore(None)
     assert att.entry()["attempts"] == [[att.token, 6]] and att.entry()["held"] == []
     # pruning on a node
@@ -231,7 +259,8 @@ def test_a_wiped_node_and_a_damaged_file_say_so(tmp_path: Path) -> None:
     _run(cfg, method, disks, stop_after=1)
     for p in (disks / "node1").rglob("state.*.pt"):
         p.unlink()
-    (next((disks / "node2").rglob("state.*.pt"))).write_bytes(b"torn")
+    newest = max((disks / "node2").rglob("state.*.pt"), key=lambda p: int(p.name.split(".")[1]))
+    newest.write_bytes(b"torn")
     last = _run(cfg, method, disks, resume=True, stop_after=2)
     assert set(last.raised) == {1, 2}, last.raised
     wiped, torn = (str(last.raised[c]) for c in (1, 2))
@@ -281,7 +310,9 @@ def test_the_holder_of_a_deployment_with_node_states() -> None:
         client_holder.NODES, client_holder.NODE_FILES, client_holder.CHECKPOINT
     ]  # fmt: skip
     assert not client_holder.restarts(disks, disks)
-    assert all(client_holder.restarts(disks, o) and client_holder.restarts(o, disks) for o in others)
+    assert all(
+        client_holder.restarts(disks, o) and client_holder.restarts(o, disks) for o in others
+    )
     assert client_holder.recorded({client_holder.KEY: disks}, Path("/nonexistent")) == disks
 
 
@@ -308,8 +339,64 @@ def test_fedbuff_on_the_simulated_clock_resumes_bit_for_bit(tmp_path: Path) -> N
     cfg = _cfg(tmp_path / "a", *extra)
     disks = tmp_path / "disks"
     _run(cfg, method, disks, stop_after=2)
-    _killed_during(cfg, method, disks, 2, 1)
+    _killed_during(cfg, method, disks, 3)
     assert _files(disks)
     last = _run(cfg, method, disks, resume=True)
     assert not last.raised, last.raised
     assert _same(cfg, whole, method)
+
+
+def test_secure_aggregation_resumes_with_the_nodes_states(
+    tmp_path: Path, task_identity: None
+) -> None:
+    """SCAFFOLD under SecAgg+ (flwr's workflow on a Grid that calls the ClientApps here, the
+    real transport's secure rounds): the broadcasts of the collect stage carry the attempts,
+    the nodes keep their control variates on disk, and a run killed during round 2 and
+    resumed ends where the uninterrupted one ends, within SecAgg+'s quantization (its
+    stochastic rounding differs from run to run); the same resume over restarted clients
+    (node_states off) ends elsewhere."""
+    from test_secagg import DirectGrid
+
+    from fedlore.flower.secure import secagg_settings
+
+    method = "scaffold"
+    extra = ("secure_aggregation=true", "num_clients=3", "rounds=4", "lr=0.1",
+             "model.kwargs={hidden: [8]}")  # fmt: skip
+
+    def run(cfg: Config, disks: Path, **kwargs: Any) -> list[str]:
+        _, client = make_apps(cfg, method, SEED)
+        grid = DirectGrid(client, cfg.num_clients)
+        for node, ctx in grid.ctx.items():
+            ctx.node_config[node_files.NODE_KEY] = str(disks / f"node{node}")
+
+        def make(_algo: Any, data: Any, *_: Any) -> FlowerTransport:
+            return FlowerTransport(grid, wait_for_nodes=0.0, expected_nodes=0,
+                                   secagg=secagg_settings(cfg, method, data),
+                                   node_files=cfg.flower.node_states)  # fmt: skip
+
+        run_one(cfg, method, SEED, make_transport=make, **kwargs)
+        return [m.error.reason for _, m in grid.seen if m.has_error()]
+
+    whole = _cfg(tmp_path / "whole", *extra)
+    assert run(whole, tmp_path / "dw") == []
+    finals = {}
+    for name, on in [("on", "true"), ("off", "false")]:
+        cfg = _cfg(tmp_path / name, *extra, f"flower.node_states={on}")
+        disks = tmp_path / f"d{name}"
+        assert run(cfg, disks, stop_after=1) == []
+        ckpt = run_dir(cfg, method, SEED) / "checkpoint.pt"
+        kept = ckpt.read_bytes()
+        assert run(cfg, disks, resume=True, stop_after=2) == []
+        ckpt.write_bytes(kept)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ClientsRestartedWarning)
+            assert run(cfg, disks, resume=True) == []
+        assert all(r["accepted"] == 3 and r["secagg_aborted"] == 0 for r in _rows(cfg, method))
+        assert bool(_files(disks)) == (on == "true")
+        if on == "true":  # the clients whose masked vectors arrived kept a state
+            entry = torch.load(run_dir(cfg, method, SEED) / "checkpoint.pt", weights_only=True)
+            assert entry["transport"]["node_files"]["held"] == [0, 1, 2]
+        finals[name] = _final(cfg, method)
+    want = _final(whole, method)
+    gap = {n: max(float((f[k] - want[k]).abs().max()) for k in want) for n, f in finals.items()}
+    assert gap["on"] <= 1e-5 < 100 * gap["on"] <= gap["off"], gap

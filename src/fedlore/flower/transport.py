@@ -26,7 +26,7 @@ import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from fedlore.engine import client_holder, interrupt
+from fedlore.engine import interrupt
 from fedlore.flower.codec import broadcast_to_record, record_nbytes, record_to_reply
 from fedlore.flower.node_files import Attempts
 from fedlore.flower.secure import SecAggSettings, secure_round
@@ -224,8 +224,8 @@ class FlowerTransport:
         """Go on from the checkpoint's entry of :meth:`checkpoint_entry` (none in a checkpoint
         written before it was kept: the counts start at 0, as they did)."""
         own = raw.get("transport")
-        kept = raw.get(client_holder.KEY) == client_holder.NODE_DISKS  # else: clients restart
-        self.attempts.restore(own.get("node_files") if kept and own is not None else None)
+        # the run's attempts; none kept (a checkpoint of another holder): the clients restart
+        self.attempts.restore(None if own is None else own.get("node_files"))
         if own is None:
             return
         self.wire_bytes_up = int(own["wire_bytes_up"])
