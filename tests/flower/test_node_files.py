@@ -69,7 +69,7 @@ class _Deployed(FlowerTransport):
         super().__init__(_NoGrid(), wait_for_nodes=0.0, node_files=cfg.flower.node_states)
         self.client = client
         self.raised: dict[int, BaseException] = {}
-        self.ctx = {}
+        self.ctx: dict[int, Context] = {}
         for c in range(cfg.num_clients):
             conf: dict[str, Any] = {"partition-id": c}
             if disks is not None:
@@ -267,6 +267,14 @@ def test_a_wiped_node_and_a_damaged_file_say_so(tmp_path: Path) -> None:
     assert isinstance(last.raised[1], NodeStateError) and "\n" not in wiped
     assert "holds none of this run's" in wiped and str(disks / "node1") in wiped
     assert "is damaged" in torn and str(disks / "node2") in torn and "\n" not in torn
+    # another client's file where client 0's newest lies (copied from another node's disk)
+    theirs = sorted((disks / "node3").rglob("state.*.pt"))
+    ours = max((disks / "node0").rglob("state.*.pt"), key=lambda p: int(p.name.split(".")[1]))
+    assert ours.name == theirs[-1].name  # both trained in round 2 of attempt 2
+    ours.write_bytes(theirs[-1].read_bytes())
+    last = _run(cfg, method, disks, resume=True, stop_after=3)
+    foreign = str(last.raised[0])
+    assert "is not this run's" in foreign and "client 3" in foreign and "\n" not in foreign
 
 
 def test_a_node_without_state_dir_refuses_in_one_line(tmp_path: Path) -> None:
@@ -400,3 +408,18 @@ def test_secure_aggregation_resumes_with_the_nodes_states(
     want = _final(whole, method)
     gap = {n: max(float((f[k] - want[k]).abs().max()) for k in want) for n, f in finals.items()}
     assert gap["on"] <= 1e-5 < 100 * gap["on"] <= gap["off"], gap
+
+
+def test_the_deployed_server_app_passes_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``flwr run``'s ServerApp gives its transport ``flower.node_states``."""
+    from flwr.app import RecordDict as Records
+
+    from fedlore.flower import app
+
+    seen: list[bool] = []
+    monkeypatch.setattr(app, "server_main", lambda *_, **kw: seen.append(kw["node_files"]))
+    for on in ("true", "false"):
+        conf = {"overrides": f"flower.node_states={on} progress=false"}
+        ctx = Context(run_id=1, node_id=0, node_config={}, state=Records(), run_config=conf)
+        app._deployed_main(object(), ctx)  # type: ignore[arg-type]
+    assert seen == [True, False]

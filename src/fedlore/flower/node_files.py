@@ -151,10 +151,11 @@ def _files(where: Path) -> dict[tuple[int, str], Path]:
 
 
 def _newest(files: dict[tuple[int, str], Path], history: History) -> tuple[int, str] | None:
-    """The newest valid (round, token) of ``files``: the highest round, a later attempt first."""
-    order = {t: i for i, (t, _) in enumerate(history)}
+    """The newest valid (round, token) of ``files``: the highest round (two valid files never
+    share one: an attempt resumed from the checkpoint of round c sends rounds after c, and an
+    earlier attempt's files are valid up to at most c)."""
     ok = [k for k in files if valid(k[1], k[0], history)]
-    return max(ok, key=lambda k: (k[0], order[k[1]])) if ok else None
+    return max(ok) if ok else None
 
 
 def _read(path: Path, cid: int, rnd: int, token: str, method: str, seed: int) -> State:
@@ -166,8 +167,8 @@ def _read(path: Path, cid: int, rnd: int, token: str, method: str, seed: int) ->
     """
     try:
         raw = load_tensors(path, "cpu")
-        head = (raw["format"], raw["client"], raw["round"], raw["token"], raw["method"])
-        head = (*head, raw["seed"])
+        keys = ("format", "client", "round", "token", "method", "seed")
+        head = tuple(raw[k] for k in keys)
         state = State(dict(raw["arrays"]), dict(raw["values"]))
     except Exception as e:  # torn, truncated, foreign
         raise NodeStateError(
