@@ -36,7 +36,7 @@ from fedlore.flower import node_files
 from fedlore.flower.app import make_apps
 from fedlore.flower.codec import broadcast_to_record
 from fedlore.flower.transport import FlowerTransport
-from fedlore.types import Broadcast, Reply, State
+from fedlore.types import Broadcast, Reply, Scalar, State
 
 pytestmark = pytest.mark.flower
 
@@ -66,7 +66,8 @@ class _Deployed(FlowerTransport):
     ``decode``."""
 
     def __init__(self, client: Any, cfg: Config, disks: Path | None) -> None:
-        super().__init__(_NoGrid(), wait_for_nodes=0.0, node_files=cfg.flower.node_states)
+        grid: Any = _NoGrid()
+        super().__init__(grid, wait_for_nodes=0.0, node_files=cfg.flower.node_states)
         self.client = client
         self.raised: dict[int, BaseException] = {}
         self.ctx: dict[int, Context] = {}
@@ -226,7 +227,7 @@ def test_each_rule_on_its_own(tmp_path: Path) -> None:
     att.config(0, {"round": 4})
     att.config(2, {"round": 5})
     assert att.entry() == {"attempts": [["a", 3], [att.token, 5]], "held": [1]}
-    assert json.loads(att.config(1, {"round": 6})[node_files.HISTORY])[-1] == [att.token, None]
+    assert json.loads(str(att.config(1, {"round": 6})[node_files.HISTORY]))[-1] == [att.token, None]
     assert (
         att.config(1, {"round": 6})[node_files.HELD]
         and not att.config(0, {"round": 6})[node_files.HELD]
@@ -383,7 +384,7 @@ def test_secure_aggregation_resumes_with_the_nodes_states(
                                    node_files=cfg.flower.node_states)  # fmt: skip
 
         run_one(cfg, method, SEED, make_transport=make, **kwargs)
-        return [m.error.reason for _, m in grid.seen if m.has_error()]
+        return [str(m.error.reason) for _, m in grid.seen if m.has_error()]
 
     whole = _cfg(tmp_path / "whole", *extra)
     assert run(whole, tmp_path / "dw") == []
@@ -419,7 +420,7 @@ def test_the_deployed_server_app_passes_the_setting(monkeypatch: pytest.MonkeyPa
     seen: list[bool] = []
     monkeypatch.setattr(app, "server_main", lambda *_, **kw: seen.append(kw["node_files"]))
     for on in ("true", "false"):
-        conf = {"overrides": f"flower.node_states={on} progress=false"}
+        conf: dict[str, Scalar] = {"overrides": f"flower.node_states={on} progress=false"}
         ctx = Context(run_id=1, node_id=0, node_config={}, state=Records(), run_config=conf)
         app._deployed_main(object(), ctx)  # type: ignore[arg-type]
     assert seen == [True, False]

@@ -273,8 +273,8 @@ def keep_state(
     # checkpoint of its own is kept: then its files are never valid again)
     before = _newest({k: p for k, p in files.items() if k[0] < rnd}, history)
     resumed = _newest(files, history[:-1])
-    for key, path in files.items():
-        if key not in ((rnd, token), before, resumed):
+    for at, path in files.items():
+        if at not in ((rnd, token), before, resumed):
             path.unlink(missing_ok=True)
 
 
