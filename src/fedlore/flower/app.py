@@ -7,7 +7,8 @@
   (``generator(seed, CLIENT, round, client)``), stores the new state and replies. ``query``
   answers with the node's ``partition-id`` (its fedlore client id). On the Simulation Engine
   each client also writes its state to the run folder, round by round, and a resumed
-  simulation's client reads it from there (:mod:`fedlore.engine.node_states`).
+  simulation's client reads it from there (:mod:`fedlore.engine.node_states`); a deployment's
+  node with ``flower.node_states`` on its own disk (:mod:`fedlore.flower.node_files`).
 
 Site-local data (``flower.site_data: true``, deployments only): every SuperNode reads its own
 data from ``--node-config 'partition-id=<i> data-root="<folder>"'`` (a quoted string) with the
