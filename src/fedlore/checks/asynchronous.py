@@ -154,7 +154,9 @@ def check_deployed(cfg: Config) -> None:
     """Refuse DP-FedBuff on a ``flwr run`` deployment (the deployed ServerApp calls this before
     it trains): it is tested in process and on the Simulation Engine, whose rows are the
     in-process run's; a deployment's float32 training in other processes, its resume (a new
-    process whose clients cannot answer) and its flights are not.
+    process whose clients cannot answer) and its flights are not. Refuse also
+    ``flower.node_states`` with FedBuff on the wall clock (its clients in flight at a kill
+    trained from a version whose replies the checkpoint lacks: their nodes cannot roll back).
 
     Raises:
         ConfigError: one line naming the setting and why.

@@ -19,7 +19,7 @@ On the node (:func:`load_state`, :func:`keep_state`), client ``c``'s states lie 
 file is valid when its token is in the history and it is the current attempt's or its round
 is at most that attempt's last kept round (:func:`valid`). A client reads its ``Context.state``
 when it holds this attempt's state, else its newest valid file; after training on round t's
-broadcast it writes ``state.<t>.<token>.pt`` and deletes every file but that one and the newest
+broadcast it writes ``state.<t>.<token>.pt`` and deletes every file but that one, the newest
 valid one of an earlier round (the state as of the checkpoint of round t - 1, which a kill
 during round t resumes from) and the newest one of the earlier attempts (the state as of the
 checkpoint this attempt resumed from, which a kill before this attempt's first checkpoint
