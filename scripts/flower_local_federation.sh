@@ -16,6 +16,10 @@
 # flower.site_data=true; the server then reads only the test split of data.root:
 #   SITES="s0 s1 s2" scripts/flower_local_federation.sh 3 data.name=npz data.root=server/
 #
+# Client states on the nodes' disks: NODE_STATES=<folder> gives SuperNode i the node config
+# state-dir="<folder>/node-<i>" and sets flower.node_states=true, so that --resume of a killed
+# run keeps every client's state (docs/how-to/resume.md); give the same folder to the resume.
+#
 # TLS and node authentication: start flower-superlink with --ssl-ca-certfile/--ssl-certfile/
 # --ssl-keyfile (and --enable-supernode-auth --auth-list-public-keys), the SuperNodes with
 # --root-certificates (and --auth-supernode-private-key/--auth-supernode-public-key), and set
@@ -46,7 +50,12 @@ if [ ${#SITE_DIRS[@]} -gt 0 ]; then
   [ ${#SITE_DIRS[@]} -eq "$N" ] || { echo "SITES names ${#SITE_DIRS[@]} folders for $N SuperNodes" >&2; exit 2; }
   SITE_FLAG="flower.site_data=true"
 fi
-OVERRIDES="num_clients=$N progress=false name=$NAME output_dir=$OUT_DIR $SITE_FLAG $*"
+STATES_FLAG=""
+if [ -n "${NODE_STATES:-}" ]; then
+  NODE_STATES=$(cd "$CALLER" && realpath -m "$NODE_STATES")
+  STATES_FLAG="flower.node_states=true"
+fi
+OVERRIDES="num_clients=$N progress=false name=$NAME output_dir=$OUT_DIR $SITE_FLAG $STATES_FLAG $*"
 BIN=$(realpath "${BIN:-.venv/bin}")
 export PATH="$BIN:$PATH"   # the SuperLink and SuperNodes spawn flower-superexec, flwr-serverapp, flwr-clientapp
 BASE_PORT=${BASE_PORT:-19090}
@@ -87,6 +96,9 @@ for i in $(seq 0 $((N - 1))); do
   if [ -n "$SITE_FLAG" ]; then
     SITE=$(cd "$CALLER" && realpath -e "${SITE_DIRS[$i]}") || { echo "SITES: ${SITE_DIRS[$i]} not found (relative to $CALLER)" >&2; exit 2; }
     NODE_CONFIG="$NODE_CONFIG data-root=\"$SITE\""
+  fi
+  if [ -n "$STATES_FLAG" ]; then
+    NODE_CONFIG="$NODE_CONFIG state-dir=\"$NODE_STATES/node-$i\""
   fi
   "$BIN/flower-supernode" --insecure --superlink "$LINK" \
     --host 127.0.0.1 --port $((BASE_PORT + 10 + i)) \

@@ -399,6 +399,15 @@ class FlowerConfig(_Strict):
     ``data-root=<folder or file>`` in the format of ``data.name`` (e.g. ``npz``: train.npz of
     that site), and the server holds only the test split of its ``data.root``. False (default):
     every node rebuilds the central federation and takes its partition ``partition-id``."""
+    node_states: bool = False
+    """Deployments (``flwr run``): every SuperNode keeps its client's state on its own disk,
+    in the folder its node config names (``--node-config 'partition-id=<i>
+    state-dir="<folder>"'``), so that a run killed mid-run and resumed with ``resume=true``
+    (and this setting) continues as the uninterrupted run, clients' states included
+    (:doc:`/how-to/resume`). A node without ``state-dir`` refuses the run's messages in one
+    line. False (default): a resumed deployment restarts every client without its state.
+    Simulations and in-process runs keep their clients' states anyway; it changes nothing
+    there. Not with FedBuff on the wall clock (``asynchronous.clock: wall``)."""
     client_gpus: float = Field(0.0, ge=0.0)
     """Simulation: share of a GPU each virtual client reserves (0.25: four clients share one
     GPU; 0: none, clients run on the CPU). Needs CUDA when > 0; the clients then compute on

@@ -154,11 +154,20 @@ def check_deployed(cfg: Config) -> None:
     """Refuse DP-FedBuff on a ``flwr run`` deployment (the deployed ServerApp calls this before
     it trains): it is tested in process and on the Simulation Engine, whose rows are the
     in-process run's; a deployment's float32 training in other processes, its resume (a new
-    process whose clients cannot answer) and its flights are not.
+    process whose clients cannot answer) and its flights are not. Refuse also
+    ``flower.node_states`` with FedBuff on the wall clock (its clients in flight at a kill
+    trained from a version whose replies the checkpoint lacks: their nodes cannot roll back).
 
     Raises:
         ConfigError: one line naming the setting and why.
     """
+    if cfg.flower.node_states and cfg.asynchronous.enabled and cfg.asynchronous.clock == "wall":
+        raise ConfigError(
+            "flower.node_states with asynchronous.clock: wall: a wall-clock FedBuff's clients "
+            "in flight at a kill trained from a version whose replies its checkpoint lacks, so "
+            "their nodes' states cannot be rolled back to it; use asynchronous.clock: "
+            "simulated, or flower.node_states: false (a resume restarts every client)"
+        )
     if cfg.asynchronous.enabled and cfg.dp.enabled:
         raise ConfigError(
             "asynchronous.buffer (FedBuff) with dp on a flwr run deployment: DP-FedBuff is "

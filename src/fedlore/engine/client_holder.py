@@ -2,7 +2,7 @@
 another engine than the attempt it continues knows what its clients still hold.
 
 A client's state (a model cache that a log replay needs, SCAFFOLD's control variates, a personal
-model) is kept in one of three places, by the transport that ran the rounds (:func:`holder`):
+model) is kept in one of four places, by the transport that ran the rounds (:func:`holder`):
 
 * :data:`CHECKPOINT`: in process (``engine: local``), the server's
   :class:`~fedlore.engine.store.ClientStore`, saved in the checkpoint;
@@ -10,7 +10,10 @@ model) is kept in one of three places, by the transport that ran the rounds (:fu
   each node's ``Context.state``, gone with that Flower run
   (:attr:`fedlore.flower.transport.FlowerTransport.keeps_client_states` False);
 * :data:`NODE_FILES`: a Flower simulation, its clients' files in ``<run folder>/clients/``
-  (:mod:`fedlore.engine.node_states`).
+  (:mod:`fedlore.engine.node_states`);
+* :data:`NODE_DISKS`: a Flower deployment with ``flower.node_states``, each node's files on its
+  own disk (:mod:`fedlore.flower.node_files`), which a deployment's resume with the same
+  setting reads (the only resume of a deployment that keeps the clients' states).
 
 Every checkpoint names its holder (:data:`KEY`). A resume whose transport cannot restore the
 states from where the checkpoint says they are (another holder, or a deployment's new run)
@@ -48,16 +51,19 @@ KEY = "client_states"
 CHECKPOINT = "checkpoint"
 NODES = "nodes"
 NODE_FILES = "node-files"
+NODE_DISKS = "node-disks"
 
 _WHERE = {
     CHECKPOINT: "in its checkpoint (in process)",
     NODES: "on a Flower deployment's nodes",
     NODE_FILES: "in the Flower simulation's clients/ folder",
+    NODE_DISKS: "on a Flower deployment's nodes' disks (flower.node_states)",
 }
 _RESUME = {
     CHECKPOINT: "an in-process resume",
     NODES: "a deployment's new run",
     NODE_FILES: "a Flower simulation",
+    NODE_DISKS: "a deployment with flower.node_states",
 }
 
 
@@ -68,10 +74,13 @@ class ClientsRestartedWarning(UserWarning):
 def holder(clients: Any) -> str:
     """Where the transport ``clients`` keeps its clients' states: a transport without
     ``keeps_client_states`` runs them in process (:data:`CHECKPOINT`); a Flower transport on
-    its nodes (:data:`NODES`) or, when they keep them in the run folder, :data:`NODE_FILES`."""
+    its nodes (:data:`NODES`), on their disks (``node_files``: :data:`NODE_DISKS`) or, when
+    they keep them in the run folder, :data:`NODE_FILES`."""
     keeps = getattr(clients, "keeps_client_states", None)
     if keeps is None:
         return CHECKPOINT
+    if getattr(clients, "node_files", False):
+        return NODE_DISKS
     return NODE_FILES if keeps else NODES
 
 
@@ -96,8 +105,9 @@ def recorded_in(path: Path, states: Path) -> str:
 
 def restarts(before: str, now: str) -> bool:
     """Whether a resume over ``now``'s transport from a checkpoint whose clients were kept by
-    ``before`` must restart its clients: a deployment's new run never has them; any other
-    holder has them only where the attempt left them."""
+    ``before`` must restart its clients: a deployment's new run never has them (unless its
+    nodes keep them on their disks, :data:`NODE_DISKS`); any other holder has them only where
+    the attempt left them."""
     return now == NODES or before != now
 
 

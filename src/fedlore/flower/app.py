@@ -7,7 +7,8 @@
   (``generator(seed, CLIENT, round, client)``), stores the new state and replies. ``query``
   answers with the node's ``partition-id`` (its fedlore client id). On the Simulation Engine
   each client also writes its state to the run folder, round by round, and a resumed
-  simulation's client reads it from there (:mod:`fedlore.engine.node_states`).
+  simulation's client reads it from there (:mod:`fedlore.engine.node_states`); a deployment's
+  node with ``flower.node_states`` on its own disk (:mod:`fedlore.flower.node_files`).
 
 Site-local data (``flower.site_data: true``, deployments only): every SuperNode reads its own
 data from ``--node-config 'partition-id=<i> data-root="<folder>"'`` (a quoted string) with the
@@ -54,17 +55,13 @@ from fedlore.config import Config, load_config, validate
 from fedlore.data.client_data import ClientData
 from fedlore.data.federation import Federation, build_federation
 from fedlore.device import PeakMemory, resolve_device, training_precision
-from fedlore.engine import interrupt, node_states
+from fedlore.engine import interrupt
 from fedlore.engine.interrupt import Interrupted
 from fedlore.engine.loop import Callback, Row
 from fedlore.experiment import run_one
 from fedlore.experiment_parts import make_algorithm, model_factory
-from fedlore.flower.codec import (
-    record_to_broadcast,
-    record_to_state,
-    reply_to_record,
-    state_to_record,
-)
+from fedlore.flower.codec import record_to_broadcast, reply_to_record
+from fedlore.flower.node_files import keep_state, load_state
 from fedlore.flower.secure import SECURE_KEY, secagg_settings
 from fedlore.flower.secure_client import (
     contribution_record,
@@ -80,9 +77,6 @@ from fedlore.tensors import state_bytes, to_device
 from fedlore.types import Broadcast, Reply, State
 
 log = logging.getLogger(__name__)
-
-SECAGG_STATE = "secaggplus"
-"""The ``Context.state`` record of flwr's ``secaggplus_mod`` (its protocol state)."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -185,7 +179,8 @@ def client_train(
     ``state_dir``: the folder where the client also keeps its state round by round (a simulated
     run's ``<run folder>/clients``, :mod:`fedlore.engine.node_states`): read when
     ``context.state`` holds none (the first message of a resumed simulation), written after
-    every training. None: ``context.state`` only.
+    every training. None: ``context.state`` only, or a deployed node's own folder under
+    ``flower.node_states`` (:mod:`fedlore.flower.node_files`).
 
     ``threads``: torch's intra-op threads for this process (:func:`set_threads`); None: the
     run's ``threads`` setting. The method, the config's validation and the scratch model are
@@ -200,9 +195,7 @@ def client_train(
     got = record_to_broadcast(msg.content)
     bcast = Broadcast(to_device(got.arrays, device), got.config)
     fed, data = client_data(cfg, context, seed, device, bcast)
-    state = record_to_state(context.state)
-    if state is None and state_dir is not None:  # a new simulation: the state as of the resume
-        state = node_states.load(state_dir, cid, method, seed)
+    state = load_state(context, bcast.config, cid, method, seed, state_dir)  # node_files.py
     if state is not None:
         state = State(to_device(state.arrays, device), state.values)
     rnd = int(bcast.config.get(TRAIN_ROUND, bcast.config["round"]))  # FedBuff's repeats
@@ -224,14 +217,7 @@ def client_train(
     if peak.bytes is not None:
         measured["peak_memory_bytes"] = peak.bytes
     reply = Reply(reply.arrays, {**reply.metrics, **measured})
-    # the client's state is replaced; SecAgg+'s own record (flwr's mod) is kept
-    for key in list(context.state.keys()):
-        if key != SECAGG_STATE:
-            del context.state[key]
-    for key, rec in state_to_record(new_state).items():
-        context.state[key] = rec
-    if state_dir is not None:  # versioned by the broadcast's round (not FedBuff's repeat key)
-        node_states.save(state_dir, cid, int(bcast.config["round"]), new_state, method, seed)
+    keep_state(context, bcast.config, cid, new_state, method, seed, state_dir)
     if secure:
         from fedlore.privacy import client_contribution, client_noise
 
@@ -291,12 +277,15 @@ def server_main(
     from_start: bool = False,
     keeps_client_states: bool = False,
     extra_callbacks: tuple[Callback, ...] = (),
+    node_files: bool = False,
 ) -> dict[str, Any] | None:
     """Run one method x seed of ``cfg`` over ``grid`` (``resume`` / ``overwrite`` /
     ``from_start`` as for :func:`fedlore.experiment.run_one`); returns the run summary.
     ``keeps_client_states``: the clients restore their own states on a resume (a simulation's,
     :mod:`fedlore.engine.node_states`), so the server keeps its record of what they hold
-    (:attr:`FlowerTransport.keeps_client_states`). ``extra_callbacks``: as ``run_one``'s."""
+    (:attr:`FlowerTransport.keeps_client_states`). ``extra_callbacks``: as ``run_one``'s.
+    ``node_files``: a deployment's nodes keep them on their disks (``flower.node_states``,
+    :attr:`FlowerTransport.node_files`)."""
     fed = server_federation(cfg, seed) if cfg.flower.site_data else None
 
     wall = cfg.asynchronous.enabled and cfg.asynchronous.clock == "wall"  # FedBuff's real clock
@@ -314,6 +303,7 @@ def server_main(
             extra_config=None if fed is None else {SITE_SHAPE: data_shape(fed)},
             secagg=secagg_settings(cfg, method, None if fed is not None else args[0]),
             keeps_client_states=keeps_client_states,
+            node_files=node_files,
         )
 
     # the bytes measured on the wire and each site's example count go into the run's summary
@@ -467,6 +457,7 @@ def _deployed_main(grid: Grid, context: Context) -> None:
                 seed,
                 resume=_flag(context, "resume"),
                 overwrite=_flag(context, "overwrite"),
+                node_files=cfg.flower.node_states,
             )
     except httpx.TransportError as e:  # the SuperLink is gone: the rounds so far are kept
         logging.getLogger("flwr").error(

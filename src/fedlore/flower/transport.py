@@ -28,6 +28,7 @@ from flwr.serverapp import Grid
 
 from fedlore.engine import interrupt
 from fedlore.flower.codec import broadcast_to_record, record_nbytes, record_to_reply
+from fedlore.flower.node_files import Attempts
 from fedlore.flower.secure import SecAggSettings, secure_round
 from fedlore.privacy import SecureSum, spec_length
 from fedlore.privacy.aggregation import DEFAULT_THRESHOLD
@@ -146,6 +147,7 @@ class FlowerTransport:
         secagg: the SecAgg+ parameters of :meth:`send_secure` (None: the defaults with
             ``max_weight`` 1 and ``round_timeout`` per stage).
         keeps_client_states: :attr:`keeps_client_states`.
+        node_files: :attr:`node_files`.
     """
 
     keeps_client_states = False
@@ -155,6 +157,12 @@ class FlowerTransport:
     simulation whose clients keep their states in the run folder
     (:mod:`fedlore.engine.node_states`). The checkpoint records it
     (:mod:`fedlore.engine.client_holder`), so that a resume on another engine knows."""
+
+    node_files = False
+    """Whether a deployment's nodes keep their clients' states on their own disks
+    (``flower.node_states``, :mod:`fedlore.flower.node_files`): every broadcast carries the
+    run's attempts (:attr:`attempts`), which the checkpoint keeps, and a resume of such a
+    checkpoint with it keeps the clients' states."""
 
     def __init__(
         self,
@@ -167,9 +175,12 @@ class FlowerTransport:
         extra_config: dict[str, int | float | str | bool] | None = None,
         secagg: SecAggSettings | None = None,
         keeps_client_states: bool = False,
+        node_files: bool = False,
     ) -> None:
         self.grid = grid
         self.keeps_client_states = keeps_client_states
+        self.node_files = node_files
+        self.attempts = Attempts()
         self.secagg = secagg if secagg is not None else SecAggSettings(timeout=round_timeout)
         self.extra_config = dict(extra_config or {})
         self.device = torch.device(device)  # where decoded replies go: the server's device
@@ -200,18 +211,21 @@ class FlowerTransport:
         """What the checkpoint keeps of this transport (:meth:`restore_checkpoint`): the wire
         bytes so far and each client's ``num_examples``, so that a resumed run's
         :meth:`summary_fields` count the whole run, not only the rounds after the resume."""
-        return {
-            "transport": {
-                "wire_bytes_up": self.wire_bytes_up,
-                "wire_bytes_down": self.wire_bytes_down,
-                "num_examples": {str(c): n for c, n in self.num_examples.items()},
-            }
+        own = {
+            "wire_bytes_up": self.wire_bytes_up,
+            "wire_bytes_down": self.wire_bytes_down,
+            "num_examples": {str(c): n for c, n in self.num_examples.items()},
         }
+        if self.node_files:  # the run's attempts (fedlore.flower.node_files)
+            own["node_files"] = self.attempts.entry()
+        return {"transport": own}
 
     def restore_checkpoint(self, raw: dict[str, Any]) -> None:
         """Go on from the checkpoint's entry of :meth:`checkpoint_entry` (none in a checkpoint
         written before it was kept: the counts start at 0, as they did)."""
         own = raw.get("transport")
+        # the run's attempts; none kept (a checkpoint of another holder): the clients restart
+        self.attempts.restore(None if own is None else own.get("node_files"))
         if own is None:
             return
         self.wire_bytes_up = int(own["wire_bytes_up"])
@@ -306,8 +320,7 @@ class FlowerTransport:
             if node is None:
                 missing.append(cid)
                 continue
-            if self.extra_config:
-                msg = Broadcast(msg.arrays, {**msg.config, **self.extra_config})
+            msg = self.outgoing(int(msg.config.get("round", rnd)), msg, cid)
             content = broadcast_to_record(msg)
             self.wire_bytes_down += record_nbytes(content.array_records["arrays"])
             contents[node] = content
@@ -325,6 +338,7 @@ class FlowerTransport:
         for node in set(client_of) - nodes:  # a node that dropped out may be gone
             self.node_of.pop(client_of[node], None)
         clients = sorted(client_of[n] for n in nodes)
+        self.attempts.held.update(clients)  # they trained and kept their states
         return SecureSum(
             mean=torch.from_numpy(mean),
             clients=clients,
@@ -332,14 +346,17 @@ class FlowerTransport:
             bytes_up=up,
         )
 
-    def outgoing(self, rnd: int, msg: Broadcast) -> Broadcast:
-        """``msg`` as sent for round ``rnd``: with :attr:`extra_config`, and with
-        :data:`TRAIN_ROUND` when ``rnd`` is not its ``round`` (FedBuff's repeated start of a
-        client from one version, :data:`fedlore.engine.buffered.REPEAT`: the client draws from
-        ``generator(seed, CLIENT, rnd, cid)``, as in process)."""
+    def outgoing(self, rnd: int, msg: Broadcast, cid: int | None = None) -> Broadcast:
+        """``msg`` as sent for round ``rnd`` to client ``cid``: with :attr:`extra_config`,
+        with :data:`TRAIN_ROUND` when ``rnd`` is not its ``round`` (FedBuff's repeated start of
+        a client from one version, :data:`fedlore.engine.buffered.REPEAT`: the client draws
+        from ``generator(seed, CLIENT, rnd, cid)``, as in process), and with the run's attempts
+        under :attr:`node_files`."""
         extra = dict(self.extra_config)
         if msg.config.get("round") != rnd:
             extra[TRAIN_ROUND] = rnd
+        if self.node_files and cid is not None:
+            extra.update(self.attempts.config(cid, msg.config))
         return Broadcast(msg.arrays, {**msg.config, **extra}) if extra else msg
 
     def train_message(self, rnd: int, cid: int, msg: Broadcast) -> Message | LookupError:
@@ -354,7 +371,7 @@ class FlowerTransport:
         node = self.node_of.get(cid)
         if node is None:
             return LookupError(f"no connected SuperNode holds client {cid}")
-        content = broadcast_to_record(self.outgoing(rnd, msg))
+        content = broadcast_to_record(self.outgoing(rnd, msg, cid))
         self.wire_bytes_down += record_nbytes(content.array_records["arrays"])
         return Message(content, node, "train", group_id=str(rnd))
 
@@ -395,4 +412,5 @@ class FlowerTransport:
         n = got.metrics.get("num_examples")
         if isinstance(n, int | float) and not isinstance(n, bool):
             self.num_examples[cid] = int(n)
+        self.attempts.held.add(cid)  # it trained and kept its state
         return Reply(to_device(got.arrays, self.device), got.metrics)
