@@ -191,6 +191,10 @@ def test_the_log_mass_of_an_empty_or_vanishing_interval_is_minus_infinity() -> N
     assert _log_mass(0.0, 1.0, 1.0, 0.5) == -math.inf
     assert _log_mass(0.0, 1.0, 0.5, 0.5) == -math.inf
     assert _log_mass(0.0, 1.0, 0.5, float(np.nextafter(0.5, 1.0))) == -math.inf
+    # around the mean (the narrow-interval erf form): ends that round to the mean in sd's units
+    # (a = b = 0) leave a mass of 0, whose log is -inf, not a math domain error
+    assert _log_mass(0.0, 10.0, -5e-324, 5e-324) == -math.inf
+    assert _log_mass(1.0, 1e308, 1.0, float(np.nextafter(1.0, 2.0))) == -math.inf
     assert _log_mass(0.0, 1.0, -1.0, 1.0) == pytest.approx(math.log(stats.norm.cdf(1) * 2 - 1))
     assert _log_mass(0.0, 1.0, 5.0, math.inf) == pytest.approx(stats.norm.logsf(5.0), rel=1e-12)
 
