@@ -28,6 +28,7 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 from fedlore.atomic import TMP_SUFFIX, save_tensors
 from fedlore.config import Config, ConfigError
@@ -71,6 +72,17 @@ def _versions(folder: Path) -> dict[int, Path]:
     return out
 
 
+def payload(
+    fmt: int, cid: int, rnd: int, state: State, method: str, seed: int, **extra: str
+) -> dict[str, Any]:
+    """What a client's state file holds: its header (layout version ``fmt``, client, round,
+    method, seed and ``extra``, e.g. a deployment's attempt token) and ``state`` as CPU
+    tensors."""
+    head = {"format": fmt, "client": cid, "round": rnd, **extra, "method": method, "seed": seed}
+    arrays = {k: v.detach().cpu() for k, v in state.arrays.items()}
+    return {**head, "arrays": arrays, "values": dict(state.values)}
+
+
 def save(root: Path, cid: int, rnd: int, state: State, method: str, seed: int) -> None:
     """Write client ``cid``'s ``state`` after its training on round ``rnd``'s broadcast to
     ``root/<cid>/state.<rnd>.pt`` (atomically, CPU tensors), then delete the client's states
@@ -78,16 +90,7 @@ def save(root: Path, cid: int, rnd: int, state: State, method: str, seed: int) -
     round ``rnd - 1`` needs)."""
     folder = root / str(cid)
     folder.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "format": FORMAT,
-        "client": cid,
-        "round": rnd,
-        "method": method,
-        "seed": seed,
-        "arrays": {k: v.detach().cpu() for k, v in state.arrays.items()},
-        "values": dict(state.values),
-    }
-    save_tensors(payload, folder / f"state.{rnd}.pt")
+    save_tensors(payload(FORMAT, cid, rnd, state, method, seed), folder / f"state.{rnd}.pt")
     older = sorted(r for r in _versions(folder) if r < rnd)
     for r in older[:-1]:
         (folder / f"state.{r}.pt").unlink(missing_ok=True)
@@ -179,6 +182,7 @@ __all__ = [
     "kept_by_clients",
     "load",
     "newest_round",
+    "payload",
     "restore_point",
     "save",
 ]

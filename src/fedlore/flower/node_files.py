@@ -254,16 +254,7 @@ def keep_state(
     context.state[TOKEN] = ConfigRecord({"token": token})
     where = folder(context, history, cid)
     where.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "format": FORMAT,
-        "client": cid,
-        "round": rnd,
-        "token": token,
-        "method": method,
-        "seed": seed,
-        "arrays": {k: v.detach().cpu() for k, v in state.arrays.items()},
-        "values": dict(state.values),
-    }
+    payload = node_states.payload(FORMAT, cid, rnd, state, method, seed, token=token)
     save_tensors(payload, where / f"state.{rnd}.{token}.pt")
     for tmp in where.glob(f"*{TMP_SUFFIX}"):  # a killed write's
         tmp.unlink(missing_ok=True)
