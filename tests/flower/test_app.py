@@ -17,15 +17,15 @@ import pytest
 
 pytest.importorskip("flwr", reason="needs the [flower] extra: pip install -e '.[flower]'")
 import torch
-from flwr.app import Context, Message, Metadata, RecordDict
-from flwr.app.message import make_message  # the typed way to give a Message its Metadata
+from app_helpers import node_contexts, train_message
+from flwr.app import Context, Message, RecordDict
 
 from fedlore.config import load_config
 from fedlore.engine.callbacks import Checkpointer
 from fedlore.engine.rundir import run_dir
 from fedlore.experiment import run_one
 from fedlore.flower.app import client_query, client_threads, make_apps
-from fedlore.flower.codec import broadcast_to_record, record_to_reply
+from fedlore.flower.codec import record_to_reply
 from fedlore.flower.simulation import deliver_when_stored, prompt_delivery
 from fedlore.flower.transport import FlowerTransport, send_and_receive
 from fedlore.types import Broadcast, Reply
@@ -42,23 +42,12 @@ class ClientAppInProcess:
     def __init__(self, client: Any, num_clients: int) -> None:
         self.client = client
         self.threads: list[int] = []
-        self.ctx = {
-            c: Context(
-                run_id=1, node_id=c + 1, node_config={"partition-id": c}, state=RecordDict(),
-                run_config={},
-            )
-            for c in range(num_clients)
-        }  # fmt: skip
+        self.ctx = node_contexts(num_clients)
 
     def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
         out: dict[int, Reply | BaseException] = {}
         for cid, b in messages.items():
-            meta = Metadata(
-                run_id=1, message_id=f"{rnd}.{cid}", src_node_id=0, dst_node_id=cid + 1,
-                reply_to_message_id="", group_id=str(rnd), created_at=time.time(), ttl=3600.0,
-                message_type="train",
-            )  # fmt: skip
-            reply = self.client(make_message(meta, broadcast_to_record(b)), self.ctx[cid])
+            reply = self.client(train_message(rnd, cid, b), self.ctx[cid])
             self.threads.append(torch.get_num_threads())
             out[cid] = record_to_reply(reply.content)
         return out

@@ -7,7 +7,6 @@ over Ray, killed mid-round: ``test_simulation_resume.py``."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,7 @@ import pytest
 
 pytest.importorskip("flwr", reason="needs the [flower] extra: pip install -e '.[flower]'")
 import torch
-from flwr.app import Context, Metadata, RecordDict
-from flwr.app.message import make_message
+from app_helpers import node_contexts, train_message
 
 from fedlore.config import Config, load_config
 from fedlore.engine import node_states
@@ -25,7 +23,7 @@ from fedlore.engine.rundir import run_dir
 from fedlore.engine.runstart import StartOverWarning
 from fedlore.experiment import run_one
 from fedlore.flower.app import make_apps
-from fedlore.flower.codec import broadcast_to_record, record_to_reply
+from fedlore.flower.codec import record_to_reply
 from fedlore.flower.simulation import restore_clients
 from fedlore.flower.transport import TRAIN_ROUND
 from fedlore.types import Broadcast, Reply, State
@@ -54,13 +52,7 @@ class Nodes:
     def __init__(self, client: Any, num_clients: int) -> None:
         self.client = client
         self.keys: list[int] = []  # the rounds (FedBuff: start keys) sent
-        self.ctx = {
-            c: Context(
-                run_id=1, node_id=c + 1, node_config={"partition-id": c}, state=RecordDict(),
-                run_config={},
-            )
-            for c in range(num_clients)
-        }  # fmt: skip
+        self.ctx = node_contexts(num_clients)
 
     def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
         out: dict[int, Reply | BaseException] = {}
@@ -68,13 +60,9 @@ class Nodes:
         for cid, b in messages.items():
             if b.config["round"] != rnd:  # FedBuff's repeated start, as FlowerTransport sends it
                 b = Broadcast(b.arrays, {**b.config, TRAIN_ROUND: rnd})
-            meta = Metadata(
-                run_id=1, message_id=f"{rnd}.{cid}", src_node_id=0, dst_node_id=cid + 1,
-                reply_to_message_id="", group_id=str(rnd), created_at=time.time(), ttl=3600.0,
-                message_type="train",
-            )  # fmt: skip
-            out[cid] = record_to_reply(self.client(make_message(meta, broadcast_to_record(b)),
-                                                   self.ctx[cid]).content)  # fmt: skip
+            out[cid] = record_to_reply(
+                self.client(train_message(rnd, cid, b), self.ctx[cid]).content
+            )
         return out
 
 

@@ -13,7 +13,6 @@ the resume discards, and the attempt that wrote them left no checkpoint of its o
 from __future__ import annotations
 
 import json
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,8 @@ import pytest
 
 pytest.importorskip("flwr", reason="needs the [flower] extra: pip install -e '.[flower]'")
 import torch
-from flwr.app import Context, Metadata, RecordDict
-from flwr.app.message import make_message
+from app_helpers import node_context, train_message
+from flwr.app import Context
 
 from fedlore.config import Config, ConfigError, load_config
 from fedlore.engine import client_holder
@@ -34,7 +33,6 @@ from fedlore.engine.rundir import run_dir
 from fedlore.experiment import run_one
 from fedlore.flower import node_files
 from fedlore.flower.app import make_apps
-from fedlore.flower.codec import broadcast_to_record
 from fedlore.flower.transport import FlowerTransport
 from fedlore.types import Broadcast, Reply, Scalar, State
 
@@ -72,21 +70,15 @@ class _Deployed(FlowerTransport):
         self.raised: dict[int, BaseException] = {}
         self.ctx: dict[int, Context] = {}
         for c in range(cfg.num_clients):
-            conf: dict[str, Any] = {"partition-id": c}
+            conf: dict[str, Any] = {}
             if disks is not None:
                 conf[node_files.NODE_KEY] = str(disks / f"node{c}")
-            self.ctx[c] = Context(run_id=1, node_id=c + 1, node_config=conf,
-                                  state=RecordDict(), run_config={})  # fmt: skip
+            self.ctx[c] = node_context(c, **conf)
 
     def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
         out: dict[int, Reply | BaseException] = {}
         for cid, b in messages.items():
-            meta = Metadata(
-                run_id=1, message_id=f"{rnd}.{cid}", src_node_id=0, dst_node_id=cid + 1,
-                reply_to_message_id="", group_id=str(rnd), created_at=time.time(), ttl=3600.0,
-                message_type="train",
-            )  # fmt: skip
-            msg = make_message(meta, broadcast_to_record(self.outgoing(rnd, b, cid)))
+            msg = train_message(rnd, cid, self.outgoing(rnd, b, cid))
             try:
                 out[cid] = self.decode(cid, self.client(msg, self.ctx[cid]))
             except Exception as e:  # a client's refusal comes back as its error, as on Flower
@@ -235,8 +227,7 @@ def test_each_rule_on_its_own(tmp_path: Path) -> None:
     att.restore(None)
     assert att.entry()["attempts"] == [[att.token, 6]] and att.entry()["held"] == []
     # pruning on a node
-    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "state-dir": str(tmp_path)},
-                  state=RecordDict(), run_config={})  # fmt: skip
+    ctx = node_context(0, **{node_files.NODE_KEY: str(tmp_path)})
     where = tmp_path / "a" / "0"
     where.mkdir(parents=True)
     for name in ["state.2.a.pt", "state.3.a.pt", "state.4.a.pt", "state.4.b.pt", "state.6.b.pt",

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 import warnings
 from pathlib import Path
 from typing import Any, ClassVar
@@ -26,8 +25,7 @@ import pytest
 
 pytest.importorskip("flwr", reason="needs the [flower] extra: pip install -e '.[flower]'")
 import torch
-from flwr.app import Context, Metadata, RecordDict
-from flwr.app.message import make_message
+from app_helpers import node_contexts, train_message
 
 from fedlore.config import Config, load_config
 from fedlore.engine import client_holder, node_states
@@ -38,7 +36,7 @@ from fedlore.engine.store import ClientStore
 from fedlore.engine.transport import LocalTransport
 from fedlore.experiment import run_one
 from fedlore.flower.app import make_apps
-from fedlore.flower.codec import broadcast_to_record, record_to_reply
+from fedlore.flower.codec import record_to_reply
 from fedlore.flower.transport import TRAIN_ROUND
 from fedlore.types import Broadcast, Reply
 
@@ -63,23 +61,14 @@ class _Nodes:
     def __init__(self, client: Any, num_clients: int, keeps: bool) -> None:
         self.client = client
         self.keeps_client_states = keeps
-        self.ctx = {
-            c: Context(run_id=1, node_id=c + 1, node_config={"partition-id": c},
-                       state=RecordDict(), run_config={})
-            for c in range(num_clients)
-        }  # fmt: skip
+        self.ctx = node_contexts(num_clients)
 
     def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
         out: dict[int, Reply | BaseException] = {}
         for cid, b in messages.items():
             if b.config["round"] != rnd:
                 b = Broadcast(b.arrays, {**b.config, TRAIN_ROUND: rnd})
-            meta = Metadata(
-                run_id=1, message_id=f"{rnd}.{cid}", src_node_id=0, dst_node_id=cid + 1,
-                reply_to_message_id="", group_id=str(rnd), created_at=time.time(), ttl=3600.0,
-                message_type="train",
-            )  # fmt: skip
-            msg = make_message(meta, broadcast_to_record(b))
+            msg = train_message(rnd, cid, b)
             try:
                 out[cid] = record_to_reply(self.client(msg, self.ctx[cid]).content)
             except Exception as e:  # a client's refusal comes back as its error, as on Flower
