@@ -169,16 +169,19 @@ class LoopbackFederation:
             shutil.copy(ROOT / "pyproject.toml", app / "pyproject.toml")
         return app
 
-    def submit(self, config: Path, method: str, seed: int, overrides: str) -> None:
+    def submit(
+        self, config: Path, method: str, seed: int, overrides: str, resume: bool = False
+    ) -> None:
         """``flwr run`` of fedlore's app (:meth:`app_dir`) with this config (returns once the
-        run is submitted).
+        run is submitted); ``resume``: the run config's ``resume=true``, continuing the run's
+        folder from its checkpoint.
 
         Raises:
             RuntimeError: with flwr's output when the submission fails.
         """
         run_config = (
             f"config='{Path(config).resolve()}' method='{method}' seed={seed} "
-            f"overrides='{overrides}'"
+            f"overrides='{overrides}'" + (" resume=true" if resume else "")
         )
         res = subprocess.run(
             [str(BIN / "flwr"), "run", str(self.app_dir()), "local", "--run-config", run_config],
