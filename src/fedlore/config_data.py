@@ -21,8 +21,8 @@ class DataConfig(_Strict):
     ``class_names``), ``diabetes`` (embedded regression data), ``fortunes``, ``text_csv``,
     ``text_jsonl`` (text classification), ``c4``, ``fortunes_c4`` (pre-training corpora),
     ``hf`` (a Hugging Face dataset on disk: a ``save_to_disk`` folder, parquet, CSV or JSON
-    files), ``leaf`` (a LEAF folder: FEMNIST, Shakespeare), or one registered with
-    :func:`fedlore.registry.register_source`."""
+    files, or a folder of images as ``train/<class>/<image>``), ``leaf`` (a LEAF folder:
+    FEMNIST, Shakespeare), or one registered with :func:`fedlore.registry.register_source`."""
     root: str | None = None
     """Where the source's files are (None: the source's default, e.g. Debian's
     ``/usr/share/datasets/fashion-mnist/`` or ``/usr/share/games/fortunes/``; the file itself

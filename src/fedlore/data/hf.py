@@ -10,10 +10,17 @@ library's own readers (nothing is downloaded).
 * a folder of such files (in subfolders too, e.g. ``data/`` of the Hub's layout; hidden ones
   such as ``.cache/`` are skipped): a file belongs to a split when its name starts with the
   split's name (``train.csv``, ``data/test-00000-of-00001.parquet``) or it lies in a folder
-  named after it (``train/0.jsonl``).
+  named after it (``train/0.jsonl``);
+* a folder of images (:data:`fedlore.data.hf_images.IMAGES`: PNG, JPEG, BMP, GIF, WebP,
+  TIFF) in the layout of torchvision's ``ImageFolder`` and of the Hub's ``imagefolder``,
+  ``train/<class>/<image>`` and ``test/<class>/<image>``: an image's folder names its class
+  (column ``image``, a ``ClassLabel`` ``label`` over both splits), and its split folder alone
+  its split (``train/cat/test_3.png`` is a training image); a folder of class folders alone
+  (``<class>/<image>``) is the training split.
 
-Files are read with ``datasets.load_dataset("parquet" | "csv" | "json", data_files=...)``,
-which caches them as Arrow files in the ``datasets`` cache (``HF_DATASETS_CACHE``).
+Files are read with ``datasets.load_dataset("parquet" | "csv" | "json" | "imagefolder",
+data_files=...)``, which caches them as Arrow files in the ``datasets`` cache
+(``HF_DATASETS_CACHE``).
 
 The splits are ``data.train_split`` and ``data.test_split`` (default ``train`` / ``test``); a
 dataset without the test split is tested on a held-out share of its training split
@@ -47,6 +54,7 @@ import torch
 from fedlore.data.checks import check_rows
 from fedlore.data.client_data import TensorSplit
 from fedlore.data.datasource import DataSource
+from fedlore.data.hf_images import IMAGES, check_class_folders, decoded, pixels
 from fedlore.data.text import label_order, load_tokenizer, tokenize
 from fedlore.registry import register_source
 
@@ -57,7 +65,15 @@ BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "js
 """File suffix -> the ``datasets`` builder that reads it."""
 
 _SAVED = ("dataset_dict.json", "state.json")  # what save_to_disk writes at the top of a folder
-_FORMATS = "a save_to_disk folder, or a .parquet / .csv / .json / .jsonl file or folder of them"
+_FORMATS = (
+    "a save_to_disk folder, a .parquet / .csv / .json / .jsonl file or folder of them, or a "
+    "folder of images as train/<class>/<image> (and test/<class>/<image>)"
+)
+
+
+def _builder(path: Path) -> str | None:
+    """The ``datasets`` builder of a data file (None: not one)."""
+    return "imagefolder" if path.suffix.lower() in IMAGES else BUILDERS.get(path.suffix)
 
 
 @contextlib.contextmanager
@@ -83,7 +99,7 @@ def _split_files(folder: Path, splits: tuple[str, str]) -> tuple[dict[str, list[
         p
         for p in folder.rglob("*")
         if p.is_file()
-        and p.suffix in BUILDERS
+        and _builder(p) is not None
         and not any(part.startswith(".") for part in p.relative_to(folder).parts)
     )
     files: dict[str, list[str]] = {}
@@ -91,22 +107,28 @@ def _split_files(folder: Path, splits: tuple[str, str]) -> tuple[dict[str, list[
         mine = [
             p
             for p in found
-            if p.name.startswith(split) or split in p.relative_to(folder).parts[:-1]
+            if split in p.relative_to(folder).parts[:-1]
+            or (p.name.startswith(split) and _builder(p) != "imagefolder")  # images: by folder
         ]
         if mine:
             files[split] = [str(p) for p in mine]
+    kinds = {_builder(p) for p in found}
+    if kinds == {"imagefolder"} and not files:  # <class>/<image>: the training split
+        files[splits[0]] = [str(p) for p in found]
     if splits[0] not in files:
         shown = [str(p.relative_to(folder)) for p in found[:10]]
         raise FileNotFoundError(
             f"hf: no data file for the training split {splits[0]!r} in {folder} (looked for "
             f"{', '.join('*' + s for s in BUILDERS)} files named {splits[0]}* or in a folder "
-            f"{splits[0]}/, in subfolders too; found {shown or 'none'}). data.root must be "
-            f"{_FORMATS}; data.train_split names the split"
+            f"{splits[0]}/, and images in a folder {splits[0]}/, in subfolders too; found "
+            f"{shown or 'none'}). data.root must be {_FORMATS}; data.train_split names the split"
         )
-    kinds = {BUILDERS[Path(f).suffix] for fs in files.values() for f in fs}
+    kinds = {_builder(Path(f)) for fs in files.values() for f in fs}
     if len(kinds) > 1:
-        raise ValueError(f"hf: {folder} mixes file formats {sorted(kinds)}; keep one")
-    return files, kinds.pop()
+        raise ValueError(f"hf: {folder} mixes file formats {sorted(map(str, kinds))}; keep one")
+    if kinds == {"imagefolder"}:
+        check_class_folders(folder, files)
+    return files, str(kinds.pop())
 
 
 def _unreadable(root: str, error: BaseException, files: Any) -> str:
@@ -115,7 +137,7 @@ def _unreadable(root: str, error: BaseException, files: Any) -> str:
     UTF-8 is named with its line, else the innermost error it wraps is said."""
     paths = files if isinstance(files, list) else [f for fs in files.values() for f in fs]
     for f in paths:
-        if Path(f).suffix == ".parquet":
+        if Path(f).suffix == ".parquet" or _builder(Path(f)) == "imagefolder":  # not text
             continue
         data = Path(f).read_bytes()
         try:
@@ -185,22 +207,6 @@ def _column(ds: Any, column: str, key: str, where: str) -> Any:
             f"hf: {where} has no column {column!r} (data.{key}); its columns: {ds.column_names}"
         )
     return ds.features[column]
-
-
-def _images(images: list[Any], column: str, where: str) -> np.ndarray:
-    """PIL images -> uint8 ``[B, C, H, W]``: one channel when all are greyscale, else RGB."""
-    mode = "L" if all(im.mode in ("L", "1") for im in images) else "RGB"
-    arrays = [np.asarray(im.convert(mode), dtype=np.uint8) for im in images]
-    for k, a in enumerate(arrays):
-        if a.shape != arrays[0].shape:
-            raise ValueError(
-                f"hf: {where}: the images of column {column!r} differ in size ({arrays[0].shape} "
-                f"at row 0, {a.shape} at row {k}); resize them to one size first"
-            )
-    if not arrays:
-        return np.zeros((0, 1, 1, 1), dtype=np.uint8)
-    x = np.stack(arrays)
-    return x[:, None] if mode == "L" else x.transpose(0, 3, 1, 2)
 
 
 def _values(ds: Any, column: str) -> list[Any]:
@@ -373,7 +379,7 @@ def load_hf(
             _missing(owner, id_column, where)
             owners[split] = [str(v) for v in owner]
         if isinstance(feature, datasets.Image):
-            inputs[split] = _images(_values(ds, input_column), input_column, where)
+            inputs[split] = pixels(decoded(ds, input_column, where), input_column, where)
         elif getattr(feature, "dtype", None) in ("string", "large_string"):
             texts = _values(ds, input_column)
             _missing(texts, input_column, where)
