@@ -7,6 +7,9 @@
   certificate bounds the residual every measured round after the first;
 * Local GaLore: ``b``, ``⟨G, A G + b⟩`` and the spectrum of ``A`` equal their dense definitions
   rebuilt from the same per-client gradients, and Theorem 3's ``‖b‖² ≤ v Σ p_i ‖G_i − G‖²``;
+* FedLore's retained energy, residual, ``‖G‖²`` and heterogeneity recomputed by hand, outside
+  :class:`Diagnoser`, from a saved run (its checkpoint's model and basis, every client's whole
+  training split as the diagnostic batch, weights ``n_i / Σ n_j``), as the docs define them;
 * a run killed mid-way resumes to the same diagnostics; ``fedlore report`` tables and plots
   them.
 """
@@ -30,6 +33,7 @@ from fedlore.experiment import run_one
 from fedlore.experiment_parts import make_algorithm, model_factory
 from fedlore.results.report import report
 from fedlore.seeding import SERVER_INIT, generator
+from fedlore.trained import load_trained
 
 SEED = 5
 ROUNDS = 4
@@ -174,6 +178,50 @@ def test_local_galore_quantities_match_their_definitions(tmp_path: Path) -> None
     assert got["diag.trace"] == pytest.approx(tr, abs=1e-5)
     assert 0 < got["diag.b_norm2"] <= got["diag.v"] * got["diag.heterogeneity"]  # Theorem 3
     assert 0 < got["diag.v"] <= 0.25 + 1e-9
+
+
+def test_fedlore_diagnostics_recomputed_from_a_saved_run(tmp_path: Path) -> None:
+    """docs/explanation/methods/diagnostics.md by hand: a run of one round saves W^1 and the
+    basis P^1 round 1 trains in; with a diagnostic batch larger than every client, G_i is the
+    gradient of the client's mean loss over its whole training split, G = Σ n_i G_i / Σ n_j, and
+    round 1 of the same run with two rounds reports ‖P^1ᵀ G‖² / ‖G‖², ‖G‖² − ‖P^1ᵀ G‖², ‖G‖² and
+    Σ p_i ‖G_i − G‖² over the projected matrices."""
+    extra = ("diagnostics.every=1", "diagnostics.batch_size=100000")
+    one = _cfg(tmp_path / "one", *extra, "rounds=1")
+    two = _cfg(tmp_path / "two", *extra, "rounds=2")
+    run_one(one, "fedlore", SEED)
+    run_one(two, "fedlore", SEED)
+    row = _rows(run_dir(two, "fedlore", SEED) / "metrics.jsonl")[-1]
+    assert row["round"] == 1
+    saved = load_trained(run_dir(one, "fedlore", SEED))
+    _, state, _ = Checkpointer.load(run_dir(one, "fedlore", SEED) / "checkpoint.pt")
+    basis_id = int(state.values["basis_id"])
+    prefix = f"bank.{basis_id}."
+    plan = {k[len(prefix) :] for k in state.arrays if k.startswith(prefix)}
+    assert plan and basis_id == 1
+    model = saved.model.double().train()
+    params = dict(model.named_parameters())
+    sizes: list[int] = []
+    grads: list[dict[str, torch.Tensor]] = []
+    for cid in range(saved.fed.num_clients):
+        data = saved.fed.client(cid).train
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(data.x.double()), data.y).backward()
+        sizes.append(len(data.y))
+        grads.append({k: torch.as_tensor(params[k].grad).detach().clone() for k in plan})
+    p = [n / sum(sizes) for n in sizes]
+    g = {k: torch.stack([w * gi[k] for w, gi in zip(p, grads, strict=True)]).sum(0) for k in plan}
+    g2 = sum(float(v.pow(2).sum()) for v in g.values())
+    kept = sum(float((state.arrays[prefix + k].double().t() @ g[k]).pow(2).sum()) for k in plan)
+    het = sum(
+        w * sum(float((gi[k] - g[k]).pow(2).sum()) for k in plan)
+        for w, gi in zip(p, grads, strict=True)
+    )
+    assert row["diag.grad_norm2"] == pytest.approx(g2, rel=1e-5)
+    assert row["diag.heterogeneity"] == pytest.approx(het, rel=1e-5)
+    assert row["diag.retained_energy"] == pytest.approx(kept / g2, rel=1e-5)
+    assert row["diag.rho2"] == pytest.approx(g2 - kept, rel=1e-5)
+    assert 0.05 < kept / g2 < 0.95  # a measurement, not a degenerate case
 
 
 def test_resume_reproduces_diagnostics(tmp_path: Path) -> None:
