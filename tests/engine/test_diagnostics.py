@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,44 @@ def test_fedlore_certificate_bounds_residual_every_round(tmp_path: Path) -> None
         assert r["diag.inner"] == pytest.approx(
             r["diag.grad_norm2"] * r["diag.retained_energy"], rel=1e-9
         )
+
+
+def test_certificate2_sums_each_matrix_bound_squared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs (diagnostics, outputs): ``diag.certificate2`` is Σ_k R_k² over the projected
+    matrices, each R_k = ε_loc,k + M_k √(d_r,k + ε_eig,k) + δ_k from that matrix's own terms,
+    while the row's ``eps_loc2``, ``d_r`` and ``delta2`` are sums over matrices and ``M`` the
+    largest: the bound with the row's values plugged in is another, looser number."""
+    import fedlore.diagnostics as diagnostics
+
+    seen: list[tuple[dict[str, float], float]] = []
+    original = diagnostics.certificate_bound
+
+    def spy(stats: dict[str, float], delta: float) -> float:
+        seen.append((dict(stats), delta))
+        return original(stats, delta)
+
+    monkeypatch.setattr(diagnostics, "certificate_bound", spy)
+    cfg = _cfg(tmp_path, "diagnostics.every=1", "rounds=2")
+    run_one(cfg, "fedlore", SEED)
+    row = _rows(run_dir(cfg, "fedlore", SEED) / "metrics.jsonl")[-1]
+    assert row["round"] == 1 and len(seen) == 2  # one call per projected matrix, round 1 only
+    per_matrix = [
+        (math.sqrt(s["eps_loc2"]) + s["M"] * math.sqrt(s["d_r"] + s["eps_eig"]) + d) ** 2
+        for s, d in seen
+    ]
+    assert row["diag.certificate2"] == pytest.approx(sum(per_matrix), rel=1e-12)
+    assert row["diag.eps_loc2"] == pytest.approx(sum(s["eps_loc2"] for s, _ in seen), rel=1e-12)
+    assert row["diag.d_r"] == pytest.approx(sum(s["d_r"] for s, _ in seen), rel=1e-12)
+    assert row["diag.M"] == max(s["M"] for s, _ in seen)
+    assert row["diag.delta2"] == pytest.approx(sum(d * d for _, d in seen), rel=1e-12)
+    plugged = (
+        math.sqrt(row["diag.eps_loc2"])
+        + row["diag.M"] * math.sqrt(row["diag.d_r"] + sum(s["eps_eig"] for s, _ in seen))
+        + math.sqrt(row["diag.delta2"])
+    ) ** 2
+    assert row["diag.rho2"] <= row["diag.certificate2"] < plugged
 
 
 def test_every_d_rounds_and_sampled_clients(tmp_path: Path) -> None:
