@@ -670,3 +670,26 @@ def test_pick_lowest_refuses_scores_that_do_not_match_the_candidates() -> None:
         pick_lowest((1e-2,), [])
     with pytest.raises(ValueError, match=r"^0 candidates but 0 scores$"):
         pick_lowest((), [])
+
+
+@pytest.mark.parametrize("lr_search", ["per_epoch", "per_round"])
+def test_optimizer_bytes_leave_out_the_search_copies(
+    lr_search: Literal["per_epoch", "per_round"],
+) -> None:
+    """docs/reference/outputs.md: ``optimizer_state_bytes`` is the training optimizer's moments;
+    the learning-rate search's temporary copies (a model and optimizer state per candidate,
+    discarded after each search) are not counted, so a searching client reports what the same
+    client without a search reports: AdamW's two float32 moments of the 10 weights (80 bytes)."""
+    algo = MetaBayFL(
+        train=LocalTraining(local_steps=6, batch_size=5),
+        posterior="none",
+        lr_search=lr_search,
+        temp_steps=2,
+    )
+    model = nn.Sequential(nn.Linear(4, 2))
+    state = algo.init_server(model, torch.Generator().manual_seed(0))
+    reply, _ = algo.client_update(
+        algo.broadcast(state, 0, 0), None, model, _client(20), torch.Generator()
+    )
+    assert int(reply.metrics["lr_searches"]) >= 1  # the search ran
+    assert reply.metrics["optimizer_state_bytes"] == 2 * 10 * 4

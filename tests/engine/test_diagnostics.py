@@ -7,6 +7,9 @@
   certificate bounds the residual every measured round after the first;
 * Local GaLore: ``b``, ``⟨G, A G + b⟩`` and the spectrum of ``A`` equal their dense definitions
   rebuilt from the same per-client gradients, and Theorem 3's ``‖b‖² ≤ v Σ p_i ‖G_i − G‖²``;
+* FedLore's retained energy, residual, ``‖G‖²`` and heterogeneity recomputed by hand, outside
+  :class:`Diagnoser`, from a saved run (its checkpoint's model and basis, every client's whole
+  training split as the diagnostic batch, weights ``n_i / Σ n_j``), as the docs define them;
 * a run killed mid-way resumes to the same diagnostics; ``fedlore report`` tables and plots
   them.
 """
@@ -14,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,7 @@ from fedlore.experiment import run_one
 from fedlore.experiment_parts import make_algorithm, model_factory
 from fedlore.results.report import report
 from fedlore.seeding import SERVER_INIT, generator
+from fedlore.trained import load_trained
 
 SEED = 5
 ROUNDS = 4
@@ -110,6 +115,44 @@ def test_fedlore_certificate_bounds_residual_every_round(tmp_path: Path) -> None
         )
 
 
+def test_certificate2_sums_each_matrix_bound_squared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs (diagnostics, outputs): ``diag.certificate2`` is Σ_k R_k² over the projected
+    matrices, each R_k = ε_loc,k + M_k √(d_r,k + ε_eig,k) + δ_k from that matrix's own terms,
+    while the row's ``eps_loc2``, ``d_r`` and ``delta2`` are sums over matrices and ``M`` the
+    largest: the bound with the row's values plugged in is another, looser number."""
+    import fedlore.diagnostics as diagnostics
+
+    seen: list[tuple[dict[str, float], float]] = []
+    original = diagnostics.certificate_bound
+
+    def spy(stats: dict[str, float], delta: float) -> float:
+        seen.append((dict(stats), delta))
+        return original(stats, delta)
+
+    monkeypatch.setattr(diagnostics, "certificate_bound", spy)
+    cfg = _cfg(tmp_path, "diagnostics.every=1", "rounds=2")
+    run_one(cfg, "fedlore", SEED)
+    row = _rows(run_dir(cfg, "fedlore", SEED) / "metrics.jsonl")[-1]
+    assert row["round"] == 1 and len(seen) == 2  # one call per projected matrix, round 1 only
+    per_matrix = [
+        (math.sqrt(s["eps_loc2"]) + s["M"] * math.sqrt(s["d_r"] + s["eps_eig"]) + d) ** 2
+        for s, d in seen
+    ]
+    assert row["diag.certificate2"] == pytest.approx(sum(per_matrix), rel=1e-12)
+    assert row["diag.eps_loc2"] == pytest.approx(sum(s["eps_loc2"] for s, _ in seen), rel=1e-12)
+    assert row["diag.d_r"] == pytest.approx(sum(s["d_r"] for s, _ in seen), rel=1e-12)
+    assert row["diag.M"] == max(s["M"] for s, _ in seen)
+    assert row["diag.delta2"] == pytest.approx(sum(d * d for _, d in seen), rel=1e-12)
+    plugged = (
+        math.sqrt(row["diag.eps_loc2"])
+        + row["diag.M"] * math.sqrt(row["diag.d_r"] + sum(s["eps_eig"] for s, _ in seen))
+        + math.sqrt(row["diag.delta2"])
+    ) ** 2
+    assert row["diag.rho2"] <= row["diag.certificate2"] < plugged
+
+
 def test_every_d_rounds_and_sampled_clients(tmp_path: Path) -> None:
     cfg = _cfg(
         tmp_path,
@@ -174,6 +217,50 @@ def test_local_galore_quantities_match_their_definitions(tmp_path: Path) -> None
     assert got["diag.trace"] == pytest.approx(tr, abs=1e-5)
     assert 0 < got["diag.b_norm2"] <= got["diag.v"] * got["diag.heterogeneity"]  # Theorem 3
     assert 0 < got["diag.v"] <= 0.25 + 1e-9
+
+
+def test_fedlore_diagnostics_recomputed_from_a_saved_run(tmp_path: Path) -> None:
+    """docs/explanation/methods/diagnostics.md by hand: a run of one round saves W^1 and the
+    basis P^1 round 1 trains in; with a diagnostic batch larger than every client, G_i is the
+    gradient of the client's mean loss over its whole training split, G = Σ n_i G_i / Σ n_j, and
+    round 1 of the same run with two rounds reports ‖P^1ᵀ G‖² / ‖G‖², ‖G‖² − ‖P^1ᵀ G‖², ‖G‖² and
+    Σ p_i ‖G_i − G‖² over the projected matrices."""
+    extra = ("diagnostics.every=1", "diagnostics.batch_size=100000")
+    one = _cfg(tmp_path / "one", *extra, "rounds=1")
+    two = _cfg(tmp_path / "two", *extra, "rounds=2")
+    run_one(one, "fedlore", SEED)
+    run_one(two, "fedlore", SEED)
+    row = _rows(run_dir(two, "fedlore", SEED) / "metrics.jsonl")[-1]
+    assert row["round"] == 1
+    saved = load_trained(run_dir(one, "fedlore", SEED))
+    _, state, _ = Checkpointer.load(run_dir(one, "fedlore", SEED) / "checkpoint.pt")
+    basis_id = int(state.values["basis_id"])
+    prefix = f"bank.{basis_id}."
+    plan = {k[len(prefix) :] for k in state.arrays if k.startswith(prefix)}
+    assert plan and basis_id == 1
+    model = saved.model.double().train()
+    params = dict(model.named_parameters())
+    sizes: list[int] = []
+    grads: list[dict[str, torch.Tensor]] = []
+    for cid in range(saved.fed.num_clients):
+        data = saved.fed.client(cid).train
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(data.x.double()), data.y).backward()
+        sizes.append(len(data.y))
+        grads.append({k: torch.as_tensor(params[k].grad).detach().clone() for k in plan})
+    p = [n / sum(sizes) for n in sizes]
+    g = {k: torch.stack([w * gi[k] for w, gi in zip(p, grads, strict=True)]).sum(0) for k in plan}
+    g2 = sum(float(v.pow(2).sum()) for v in g.values())
+    kept = sum(float((state.arrays[prefix + k].double().t() @ g[k]).pow(2).sum()) for k in plan)
+    het = sum(
+        w * sum(float((gi[k] - g[k]).pow(2).sum()) for k in plan)
+        for w, gi in zip(p, grads, strict=True)
+    )
+    assert row["diag.grad_norm2"] == pytest.approx(g2, rel=1e-5)
+    assert row["diag.heterogeneity"] == pytest.approx(het, rel=1e-5)
+    assert row["diag.retained_energy"] == pytest.approx(kept / g2, rel=1e-5)
+    assert row["diag.rho2"] == pytest.approx(g2 - kept, rel=1e-5)
+    assert 0.05 < kept / g2 < 0.95  # a measurement, not a degenerate case
 
 
 def test_resume_reproduces_diagnostics(tmp_path: Path) -> None:

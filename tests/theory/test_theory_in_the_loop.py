@@ -163,3 +163,47 @@ def test_proposition4_agreeing_projectors_cover_nothing_and_fedlore_stays_at_zer
         g = global_gradient(w, PROP4)
         torch.testing.assert_close(g, torch.diag(torch.tensor([0.0, 1.0], dtype=F64)))
         assert captured_energy(basis, g) == 0.0
+
+
+def _fedlore_sgd(local_steps: int, rounds: int) -> FedLore:
+    return FedLore(
+        train=LocalTraining(
+            lr=1.0, local_steps=local_steps, batch_size=2, rounds=rounds, weighting="uniform"
+        ),
+        rank=1,
+        optimizer="sgd",
+        exclude=(),
+    )
+
+
+def _gap(w: torch.Tensor, cs: list[torch.Tensor]) -> float:
+    """``f(W) - f(W*)`` of the mean objective ``½||W||² + <C̄, W>``: ``½||W + C̄||²``."""
+    return 0.5 * float(((w + sum(cs) / len(cs)) ** 2).sum())
+
+
+def test_theorem6_fedlore_needs_two_local_steps() -> None:
+    """The docs' condition on Theorem 6 (2): with K = 1 the candidates are the round-start
+    gradients, whose projector average is the tie ½I again, the basis stays p and FedLore
+    stalls at W = -½ppᵀ (gap 1/8); with K = 2 it reaches W* (the test above)."""
+    history = run(_fedlore_sgd(1, 4), THEOREM6, 4)
+    p = shared_basis(history[0][0])
+    for state, w in history[1:]:
+        torch.testing.assert_close(w, -0.5 * p @ p.t(), rtol=0, atol=1e-14)
+        assert _gap(w, THEOREM6) == pytest.approx(0.125)
+        assert projector_distance(shared_basis(state), p) < 1e-12
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_proposition4_stall_needs_one_local_step(k: int) -> None:
+    """The docs' condition on Proposition 4: with K >= 2 each client's last local gradient is
+    (I - e_1e_1ᵀ)C_i = e_2e_2ᵀ, so round 0's candidates turn the basis to e_2 and round 1 lands
+    on W* = -diag(0, 1)."""
+    history = run(_fedlore_sgd(k, 3), PROP4, 3)
+    (_, w_setup), (s0, w0), (_, w1), (_, w2) = history
+    e2 = torch.tensor([[0.0], [1.0]], dtype=F64)
+    torch.testing.assert_close(w0, torch.zeros(2, 2, dtype=F64), rtol=0, atol=1e-14)
+    assert projector_distance(shared_basis(s0), e2) < 1e-12
+    for w in (w1, w2):
+        torch.testing.assert_close(w, -torch.diag(torch.tensor([0.0, 1.0], dtype=F64)))
+        assert _gap(w, PROP4) < 1e-26
+    assert _gap(w_setup, PROP4) == pytest.approx(0.5)
