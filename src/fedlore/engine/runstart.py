@@ -22,7 +22,7 @@ from fedlore.engine.node_states import FOLDER as NODE_STATES
 from fedlore.engine.rundir import RunFolder
 from fedlore.engine.store import ClientStore, remove_spill_temps
 from fedlore.privacy import Privacy
-from fedlore.progress import say
+from fedlore.progress import say, tell
 from fedlore.types import State
 
 
@@ -166,7 +166,7 @@ def resume_point(
         check_rows_reach(metrics.path, first_round, last)
         privacy = account_repeats(privacy, folder.out, metrics.path, last)  # before the rows go
         metrics.truncate_after(last)
-        say(
+        tell(
             "%s seed %d: resuming after round %d (its checkpoint; rounds count from 0)",
             method,
             seed,
@@ -174,7 +174,7 @@ def resume_point(
         )
         return last, state, store, privacy
     if folder.resume:
-        say(
+        tell(
             "%s seed %d: %s; starting from the first round",
             method,
             seed,
