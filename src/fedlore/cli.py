@@ -78,11 +78,11 @@ def _flower_sim() -> Engine:
 
 
 ENGINES: dict[str, Callable[[], Engine]] = {"local": _in_process, "flower-sim": _flower_sim}
-"""The config's ``engine`` -> the :class:`~fedlore.experiment.Engine` that carries out its runs:
-``local`` trains every run in this process (:func:`fedlore.experiment.run_one`); ``flower-sim``
-on Flower's Simulation Engine (:func:`fedlore.flower.simulation.run_simulated`, one Ray for
-the whole experiment). Flower is imported only once a simulated run trains, so finished runs
-are reported without it. A ``flwr run`` deployment runs the ServerApp instead
+"""The config's ``engine`` -> the :class:`~fedlore.experiment_sweep.Engine` that carries out its
+runs: ``local`` trains every run in this process (:func:`fedlore.experiment.run_one`);
+``flower-sim`` on Flower's Simulation Engine (:func:`fedlore.flower.simulation.run_simulated`,
+one Ray for the whole experiment). Flower is imported only once a simulated run trains, so
+finished runs are reported without it. A ``flwr run`` deployment runs the ServerApp instead
 (:mod:`fedlore.flower.app`)."""
 
 

@@ -34,7 +34,7 @@ def run_command(
     command: bool,
 ) -> int:
     """Run the experiment of ``cfg`` with the flags of ``ns`` on ``engine`` (an
-    :class:`~fedlore.experiment.Engine`; None only for ``--dry-run``) and print its table;
+    :class:`~fedlore.experiment_sweep.Engine`; None only for ``--dry-run``) and print its table;
     returns the exit status.
 
     Args:

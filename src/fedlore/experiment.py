@@ -5,9 +5,10 @@ One run is one method for one seed: :func:`build` makes its
 the model factory, the server's first state, the privacy) and
 :func:`run` trains it over a transport into its run folder; :func:`run_one` does both, with the
 run folder's rules (:mod:`fedlore.engine.rundir`, :mod:`fedlore.engine.rerun`).
-:func:`run_experiment` runs every method x seed through an :class:`Engine`: in process by
-default; the CLI's table (:data:`fedlore.cli.ENGINES`) names the others. Nothing here imports
-Flower.
+:func:`run_experiment` runs every method x seed through an
+:class:`~fedlore.experiment_sweep.Engine` (:mod:`fedlore.experiment_sweep`: the order, and
+``keep_going``'s failed runs): in process by default; the CLI's table
+(:data:`fedlore.cli.ENGINES`) names the others. Nothing here imports Flower.
 
 Output: ``<output_dir>/<name>/<method>/seed-<s>/metrics.jsonl`` (one object per round),
 ``summary.json`` and ``checkpoint.pt`` beside it. A run whose ``summary.json`` exists is complete;

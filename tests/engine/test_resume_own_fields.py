@@ -144,4 +144,11 @@ def test_users_fields_are_those_declared_outside_fedlore() -> None:
         extra: LocalTraining = field(default_factory=LocalTraining)
 
     assert "hyper.lr" in users_fields(OwnTraining)
+
+    @dataclass(frozen=True)
+    class FromFile(FedAvg):
+        tempo: float = 1.0
+
+    FromFile.__module__ = "fedlore_imports.my_methods_1a2b3c4d"  # imports: [my_methods.py]
+    assert users_fields(FromFile) == {"hyper.tempo"}
     assert users_fields(int) == set()

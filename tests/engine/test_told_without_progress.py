@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from fedlore.cli import main
+from fedlore.config import Config, load_config
 from fedlore.engine.rerun import staging_dir
 from fedlore.engine.rundir import run_dir
 from fedlore.experiment import run_one
@@ -39,9 +40,7 @@ def _args(out: Path, *extra: str) -> list[str]:
     ]
 
 
-def _cfg(out: Path):  # type: ignore[no-untyped-def]
-    from fedlore.config import load_config
-
+def _cfg(out: Path) -> Config:
     _, path, *overrides = _args(out, "progress=false")
     return load_config(Path(path), overrides)
 
@@ -91,6 +90,10 @@ def test_a_resume_without_a_checkpoint_is_told(
     err = capsys.readouterr().err
     assert "fedlore: fedavg seed 0: no checkpoint in" in err
     assert "starting from the first round" in err
+    # a run that never started has no rounds to train again: nothing to tell (fedlore tune
+    # resumes every trial's run)
+    assert main([*_args(tmp_path, "progress=false", "seeds=[1]"), "--resume"]) == 0
+    assert "no checkpoint" not in capsys.readouterr().err
 
 
 def test_early_stopping_is_told(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -105,3 +108,20 @@ def test_early_stopping_is_told(tmp_path: Path, capsys: pytest.CaptureFixture[st
     )
     assert main(args) == 0
     assert "fedlore: early stopping: accuracy did not improve" in capsys.readouterr().err
+
+
+def test_a_line_told_once_is_told_once_per_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from fedlore import progress
+
+    progress.enable(False)
+    with progress.command():
+        progress.tell_once("replacing %s", "x")
+        progress.tell_once("replacing %s", "x")
+        progress.tell_once("replacing %s", "y")
+    with progress.command():  # the next command tells it again
+        progress.tell_once("replacing %s", "x")
+    assert capsys.readouterr().err.splitlines() == [
+        "fedlore: replacing x",
+        "fedlore: replacing y",
+        "fedlore: replacing x",
+    ]

@@ -26,7 +26,7 @@ import pytest
 
 from fedlore import plugins, registry
 from fedlore.cli import main
-from fedlore.config import load_config
+from fedlore.config import Config, load_config
 from fedlore.engine import failed
 from fedlore.engine.rundir import run_dir
 from fedlore.experiment import RunsFailed, run_experiment
@@ -94,7 +94,7 @@ def _args(out: Path, plugin: Path, *extra: str) -> list[str]:
     ]
 
 
-def _cfg(out: Path, plugin: Path):  # type: ignore[no-untyped-def]
+def _cfg(out: Path, plugin: Path) -> Config:
     _, path, *overrides = _args(out, plugin)
     return load_config(Path(path), overrides)
 
@@ -244,3 +244,44 @@ def test_report_names_each_failed_run_and_leaves_it_out(tmp_path: Path, plugin: 
     every = "every run failed \\(boom seed 42, boom seed 43"
     with pytest.raises(FileNotFoundError, match=every), pytest.warns(IncompleteRunWarning):
         report(out / "kg", write=False)
+
+
+def test_a_failure_before_the_run_folder_of_a_replacement_is_recorded_beside_it(
+    tmp_path: Path, plugin: Path
+) -> None:
+    """An error raised before the run named its folder (while a replacement was built): the
+    record goes to the replacement's folder, never into the finished run's."""
+    from fedlore.experiment_sweep import _failed
+
+    cfg = _cfg(tmp_path / "runs", plugin)
+    target = run_dir(cfg, "boom", 42)
+    target.mkdir(parents=True)
+    (target / "summary.json").write_text("{}")
+    got = _failed(cfg, "boom", 42, ValueError("while building"))
+    assert got.record == target.with_name("seed-42.overwrite") / failed.FAILED
+    assert not (target / failed.FAILED).exists()
+
+
+def test_a_record_beside_a_finished_run_is_not_a_failure(tmp_path: Path) -> None:
+    from fedlore.results.failed_runs import failed_runs, read_failure
+
+    folder = tmp_path / "exp" / "m" / "seed-1"
+    folder.mkdir(parents=True)
+    (folder / failed.FAILED).write_text('{"error": "ValueError", "round": 2}')
+    assert failed_runs(tmp_path / "exp") == [("m", 1, {"error": "ValueError", "round": 2})]
+    (folder / "summary.json").write_text("{}")  # finished since (a copied folder)
+    assert read_failure(folder) is None and failed_runs(tmp_path / "exp") == []
+
+
+def test_dry_run_says_which_run_it_retries(
+    tmp_path: Path, plugin: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "runs"
+    assert main([*_args(out, plugin), "seeds=[42]", "--keep-going"]) == 1
+    capsys.readouterr()
+    assert main([*_args(out, plugin), "seeds=[42]", "--resume", "--dry-run"]) == 0
+    lines = capsys.readouterr().out
+    assert (
+        "continue: the run that failed at round 1 (ValueError: boom at round 1) continues after "
+        "round 0 of 3" in lines
+    )

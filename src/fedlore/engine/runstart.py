@@ -173,8 +173,9 @@ def resume_point(
             last,
         )
         return last, state, store, privacy
-    if folder.resume:
-        tell(
+    if folder.resume:  # told when rounds of the run are trained again, else a progress line
+        rows = metrics.path.is_file() and metrics.path.stat().st_size > 0
+        (tell if rows or folder.from_start else say)(
             "%s seed %d: %s; starting from the first round",
             method,
             seed,
