@@ -1,8 +1,9 @@
 """``fedlore run | tune | report | partition | track | fortunes-c4``: the command line.
 
-* ``fedlore run [CONFIG] [key=value ...] [--resume] [--overwrite]`` runs every method x seed of
-  the config (default: ``experiments/quickstart.yaml``), prints the mean ± std table and the
-  folder the results are in; options may come anywhere on the line.
+* ``fedlore run [CONFIG] [key=value ...] [--resume] [--overwrite] [--keep-going]`` runs every
+  method x seed of the config (default: ``experiments/quickstart.yaml``), prints the mean ± std
+  table and the folder the results are in; options may come anywhere on the line
+  (:mod:`fedlore.cli_run`).
 * ``fedlore report RUN_DIR`` writes ``report.md``, ``report.csv`` and plots and prints the table.
 * ``fedlore partition CONFIG [key=value ...] [--plot FILE]`` prints each client's class
   histogram per seed (documents per source group for a pre-training corpus) and, with
@@ -77,11 +78,11 @@ def _flower_sim() -> Engine:
 
 
 ENGINES: dict[str, Callable[[], Engine]] = {"local": _in_process, "flower-sim": _flower_sim}
-"""The config's ``engine`` -> the :class:`~fedlore.experiment.Engine` that carries out its runs:
-``local`` trains every run in this process (:func:`fedlore.experiment.run_one`); ``flower-sim``
-on Flower's Simulation Engine (:func:`fedlore.flower.simulation.run_simulated`, one Ray for
-the whole experiment). Flower is imported only once a simulated run trains, so finished runs
-are reported without it. A ``flwr run`` deployment runs the ServerApp instead
+"""The config's ``engine`` -> the :class:`~fedlore.experiment_sweep.Engine` that carries out its
+runs: ``local`` trains every run in this process (:func:`fedlore.experiment.run_one`);
+``flower-sim`` on Flower's Simulation Engine (:func:`fedlore.flower.simulation.run_simulated`,
+one Ray for the whole experiment). Flower is imported only once a simulated run trains, so
+finished runs are reported without it. A ``flwr run`` deployment runs the ServerApp instead
 (:mod:`fedlore.flower.app`)."""
 
 
@@ -276,49 +277,10 @@ def _main(argv: list[str], command: bool) -> int:
             from fedlore.cli_track import track_command
 
             return track_command(cfg)
-        from fedlore.checks import check_overrides
-        from fedlore.experiment import run_experiment
-        from fedlore.results.report import report
+        from fedlore.cli_run import run_command
 
-        check_overrides(cfg, overrides)  # a setting of a method the run leaves out
-        if ns.dry_run:
-            from fedlore.dry_run import describe, plan_runs
-
-            planned = plan_runs(cfg, ns.resume, ns.overwrite)
-            print(describe(cfg, planned))
-            return 2 if any(p.action == "refuse" for p in planned) else 0
-        engine = ENGINES[cfg.engine]()
-        with interrupt.handling():  # SIGINT / SIGTERM stop between rounds, exit 130 / 143
-            summaries = run_experiment(cfg, ns.resume, ns.overwrite, engine)
-        folder = Path(cfg.output_dir) / cfg.name
-        try:
-            print(report(folder), flush=True)  # the table before any warning about it
-            if cfg.tracking.backends:
-                from fedlore.tracking import track_report
-
-                track_report(cfg, folder)  # the table and plots to each tracker (tracking: [...])
-        except KeyboardInterrupt:  # every run has finished: only the report is left to write
-            again = shlex.join(["fedlore", "report", str(folder)])
-            print(
-                f"fedlore: interrupted while writing the report; every run had finished (in "
-                f"{folder}/), and `{again}` writes the report",
-                file=sys.stderr,
-            )
-            if command:
-                interrupt.exit_now(130)
-            return 130
-        for method, runs in summaries.items():
-            for summary in runs:
-                if summary.get("diverged"):
-                    print(
-                        f"fedlore: warning: {method} seed {summary['seed']} diverged "
-                        f"({summary['diverged']})",
-                        file=sys.stderr,
-                    )
-        print(
-            f"results in {folder}/ (report.md, report.csv, plots; one folder per method and seed)"
-        )
-        return 0
+        engine = ENGINES[cfg.engine]() if not ns.dry_run else None
+        return run_command(ns, cfg, overrides, engine, _again(argv), command)
     except (ConfigError, FileNotFoundError, KeyError, ValueError, StoreError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         lead, tail = _failed_in(e, argv, ns.verbose)

@@ -81,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
         "continue an interrupted --overwrite",
     )
     p_run.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="when a run raises, record it as failed in its folder (failed.json: the error, "
+        "its round and traceback) and go on with the other runs; at the end name each failed "
+        "run and exit with status 1 (--resume retries them). Ctrl-C and SIGTERM still stop "
+        "everything",
+    )
+    p_run.add_argument(
         "--dry-run",
         action="store_true",
         help="say what the command would do with each run (train, continue from its "

@@ -177,7 +177,10 @@ class Config(_Strict):
     """Write a checkpoint after every round (atomically), from which ``--resume`` continues a
     killed run to the same result; false: an interrupted run starts over."""
     progress: bool = True
-    """Progress messages and a bar per run on standard error (``fedlore: ...``)."""
+    """Progress messages and a bar per run on standard error (``fedlore: ...``); false turns
+    them off, not the lines that say what happened to the results (a finished run kept instead
+    of trained, replaced by ``--overwrite`` or resumed from its checkpoint, early stopping's
+    end of a run, a run failed under ``--keep-going``): those are printed either way."""
 
     @field_validator("method", mode="before")
     @classmethod

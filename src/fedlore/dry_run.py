@@ -41,6 +41,8 @@ from fedlore.engine.rundir import check_output_dir, check_run_folder, run_dir
 from fedlore.engine.runstart import check_rows_reach
 from fedlore.experiment_parts import check_config, make_algorithm
 from fedlore.progress import command
+from fedlore.results.failed_runs import describe as describe_failure
+from fedlore.results.failed_runs import read_failure
 
 if TYPE_CHECKING:
     from fedlore.data.federation import Federation
@@ -229,7 +231,9 @@ def _one(
         if resume:
             check_same_config(cfg, method, view, make_algorithm)
             check_same_data(view, fingerprint())
-            return _continue(cfg, method, view)
+            failure = read_failure(view)  # --keep-going's: retried
+            what = "" if failure is None else f"the run that {describe_failure(failure)} "
+            return _continue(cfg, method, view, what)
         return _fresh(cfg, view)
     except ConfigError as e:
         return "refuse", str(e), when

@@ -5,9 +5,10 @@ One run is one method for one seed: :func:`build` makes its
 the model factory, the server's first state, the privacy) and
 :func:`run` trains it over a transport into its run folder; :func:`run_one` does both, with the
 run folder's rules (:mod:`fedlore.engine.rundir`, :mod:`fedlore.engine.rerun`).
-:func:`run_experiment` runs every method x seed through an :class:`Engine`: in process by
-default; the CLI's table (:data:`fedlore.cli.ENGINES`) names the others. Nothing here imports
-Flower.
+:func:`run_experiment` runs every method x seed through an
+:class:`~fedlore.experiment_sweep.Engine` (:mod:`fedlore.experiment_sweep`: the order, and
+``keep_going``'s failed runs): in process by default; the CLI's table
+(:data:`fedlore.cli.ENGINES`) names the others. Nothing here imports Flower.
 
 Output: ``<output_dir>/<name>/<method>/seed-<s>/metrics.jsonl`` (one object per round),
 ``summary.json`` and ``checkpoint.pt`` beside it. A run whose ``summary.json`` exists is complete;
@@ -24,9 +25,7 @@ import contextlib
 import functools
 import shutil
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from fedlore.atomic import write_json
 from fedlore.checks import (
@@ -41,7 +40,7 @@ from fedlore.checks import (
 from fedlore.config import Config, ConfigError
 from fedlore.data.federation import Federation, build_federation
 from fedlore.device import resolve_device, training_precision, use_threads
-from fedlore.engine import client_holder, node_states, overwriting
+from fedlore.engine import client_holder, failed, node_states, overwriting
 from fedlore.engine.attack import attacked
 from fedlore.engine.buffered import AsyncState, hooks
 from fedlore.engine.callbacks import Checkpointer, MetricsWriter, ProgressBar
@@ -90,6 +89,7 @@ from fedlore.experiment_privacy import (
     warn_uncounted,
 )
 from fedlore.experiment_releases import warn_many_releases
+from fedlore.experiment_sweep import Engine, RunsFailed, run_all, with_callbacks
 from fedlore.progress import command, say_once
 from fedlore.seeding import SERVER_INIT, generator
 from fedlore.tracking import open_tracking
@@ -151,6 +151,7 @@ def run(
         say_once("%d CPU thread%s (threads=%s)", threads, "" if threads == 1 else "s", cfg.threads)
     with RunLock(folder.target), RunLock(out, moves_to=folder.target):  # ours until it ends
         remove_stale_temps(out, folder.spill)  # a killed write's: never read, and now gone
+        failed.clear(out)  # trained again: an earlier --keep-going failure is not its state
         prior = resumed_record(out) if folder.resume else None  # its resume_changes go on
         if not folder.resume:  # a fresh run: nothing of an earlier run in this folder may survive
             warn_uncounted(exp.privacy, out)  # an unfinished DP run's releases
@@ -316,36 +317,6 @@ def run_one(
     return run(exp, factory, folder, stop_after, extra_callbacks)
 
 
-class RunOne(Protocol):
-    """Trains one method for one seed and returns its summary (:func:`run_one`'s keywords)."""
-
-    def __call__(
-        self,
-        cfg: Config,
-        method: str,
-        seed: int,
-        *,
-        fed: Federation,
-        resume: bool,
-        overwrite: bool,
-        extra_callbacks: tuple[Callback, ...] = (),
-    ) -> dict[str, Any] | None: ...
-
-
-@dataclass(frozen=True)
-class Engine:
-    """How :func:`run_experiment` carries out each run that trains.
-
-    Attributes:
-        run: trains one method for one seed.
-        session: when given, entered once before the first run that trains and left when the
-            experiment ends, fails or is interrupted (the Simulation Engine's one Ray).
-    """
-
-    run: RunOne
-    session: Callable[[], AbstractContextManager[object]] | None = None
-
-
 IN_PROCESS = Engine(run_one)
 """Every run in this process, over :class:`~fedlore.engine.transport.LocalTransport`."""
 
@@ -357,6 +328,7 @@ def run_experiment(
     overwrite: bool = False,
     engine: Engine | None = None,
     callbacks: Callable[[str, int], Sequence[Callback]] | None = None,
+    keep_going: bool = False,
 ) -> dict[str, list[dict[str, Any]]]:
     """Every method x seed of ``cfg``; the federation of a seed is built once and shared, so all
     methods see identical client data. Returns method -> summaries.
@@ -376,8 +348,13 @@ def run_experiment(
             the run's own (the row is written, the checkpoint saved), in this process (on
             ``engine: flower-sim`` in the ServerApp's thread). An exception one raises stops
             the run after that round and propagates (``fedlore tune``'s pruning).
+        keep_going: a run that raises is recorded as failed in its folder and the other runs
+            go on (``fedlore run --keep-going``, :mod:`fedlore.experiment_sweep`); without it
+            the first error stops the experiment. An interrupt stops it either way.
 
     Raises:
+        RunsFailed: under ``keep_going``, once every run has been tried, when any failed
+            (its ``summaries`` are the finished runs'; ``--resume`` retries the failed ones).
         ConfigError: as above, naming each problem; ``resume``
             and ``overwrite`` together with no interrupted ``--overwrite`` to continue
             (:mod:`fedlore.engine.overwriting`).
@@ -391,9 +368,7 @@ def run_experiment(
             )
         engine = IN_PROCESS
     if callbacks is not None:
-        engine = Engine(
-            functools.partial(_run_with_callbacks, engine.run, callbacks), engine.session
-        )
+        engine = Engine(functools.partial(with_callbacks, engine.run, callbacks), engine.session)
     out: dict[str, list[dict[str, Any]]] = {m: [] for m in cfg.algorithms}
     check_config(cfg)
     check_site_data(cfg, deployed=False)  # before the data: a server's folder has no training set
@@ -431,55 +406,8 @@ def run_experiment(
             held.enter_context(RunLock(target))
             remove_stale_temps(target)  # what a killed write left (also in a finished run)
         overwriting.begin(cfg, resume, overwrite)  # once the runs are ours, not a refused twin's
-        _run_all(cfg, first, resume, overwrite, engine, out)
+        failures = run_all(cfg, first, resume, overwrite, engine, out, keep_going)
+    if failures:  # an --overwrite's record stays: its failed runs are still to replace
+        raise RunsFailed(failures, out, len(cfg.algorithms) * len(cfg.seeds))
     overwriting.end(cfg, resume, overwrite)
     return out
-
-
-def _run_with_callbacks(
-    run: RunOne,
-    callbacks: Callable[[str, int], Sequence[Callback]],
-    cfg: Config,
-    method: str,
-    seed: int,
-    *,
-    fed: Federation,
-    resume: bool,
-    overwrite: bool,
-    extra_callbacks: tuple[Callback, ...] = (),
-) -> dict[str, Any] | None:
-    """The engine's ``run`` with the user's callbacks for this method and seed."""
-    extra = (*extra_callbacks, *callbacks(method, seed))
-    return run(
-        cfg, method, seed, fed=fed, resume=resume, overwrite=overwrite, extra_callbacks=extra
-    )
-
-
-def _run_all(
-    cfg: Config,
-    first: Federation,
-    resume: bool,
-    overwrite: bool,
-    engine: Engine,
-    out: dict[str, list[dict[str, Any]]],
-) -> None:
-    # the engine's session (flower-sim: one Ray for every run) is entered by the first run that
-    # trains and left when the last ends, fails or is interrupted
-    in_session = False
-    with contextlib.ExitStack() as session:
-        for seed in cfg.seeds:
-            fed = first if seed == cfg.seeds[0] else build_federation(cfg, seed)
-            # finished runs are reported after the checks of a rerun, under --resume too (a run
-            # folder copied from another machine is held to the same rules)
-            done, flags = overwriting.plan(cfg, seed, fed, resume, overwrite, make_algorithm)
-            for method in cfg.algorithms:
-                summary: dict[str, Any] | None = done.get(method)  # finished: said, kept
-                if summary is None:
-                    if engine.session is not None and not in_session:
-                        session.enter_context(engine.session())
-                        in_session = True
-                    again, over = flags[method]
-                    run = functools.partial(engine.run, fed=fed, resume=again, overwrite=over)
-                    summary = overwriting.run_recorded(cfg, method, seed, overwrite, run)
-                if summary is not None:
-                    out[method].append(summary)

@@ -5,6 +5,12 @@ command line switches on with ``progress: true`` (the default): long startup ste
 do (building the federation, partition redraws, tokenizer training, loading a model), and a run
 prints one line per round off a terminal (round, method, seed, accuracy or perplexity, seconds)
 or a progress bar on one. A library user who never configures the logger sees nothing.
+
+What a command says about the user's results (a finished run kept instead of trained, replaced,
+continued from its checkpoint, a run that failed under ``--keep-going``) goes through
+:func:`tell` instead, to the logger ``fedlore.notice``: the command line prints it whether or
+not ``progress`` is on, in the same ``fedlore: ...`` form (``progress: false`` turns off the
+bar and the step-by-step lines, not what happened to the results).
 """
 
 from __future__ import annotations
@@ -16,11 +22,31 @@ import warnings
 from collections.abc import Iterator
 
 log = logging.getLogger("fedlore.progress")
+notice = logging.getLogger("fedlore.notice")
+"""Lines about the user's results (:func:`tell`): shown whatever ``progress`` says."""
 
 
 def say(message: str, *args: object) -> None:
     """Tell the person following the run what happens now (a startup step, a redraw)."""
     log.info(message, *args)
+
+
+def tell(message: str, *args: object) -> None:
+    """Tell the user what happened to their results (a finished run kept or replaced, a run
+    resumed or failed): one plain line, printed by the command line whether or not progress
+    messages are (``progress: false`` silences :func:`say`, never this)."""
+    notice.info(message, *args)
+
+
+def tell_once(message: str, *args: object) -> None:
+    """:func:`tell`, once per command (:func:`command`) for a given message, as
+    :func:`say_once`."""
+    text = message % args if args else message
+    said = _said()
+    key = f"\0tell {text}"  # apart from say_once's: a message may be said and told
+    if key not in said:
+        said.add(key)
+        notice.info(text)
 
 
 _SAID: set[str] = set()
@@ -92,9 +118,16 @@ class _Stderr(logging.StreamHandler):
 
 
 def enable(on: bool) -> None:
-    """Print progress messages to standard error (``on``) or drop them (the default)."""
-    for handler in list(log.handlers):
-        log.removeHandler(handler)
+    """Print progress messages to standard error (``on``) or drop them (the default); the lines
+    of :func:`tell` are printed either way (once this is called: the command line does)."""
+    for logger in (log, notice):
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+    told = _Stderr()
+    told.setFormatter(logging.Formatter("fedlore: %(message)s"))
+    notice.addHandler(told)
+    notice.propagate = False
+    notice.setLevel(logging.INFO)
     log.propagate = False
     if on:
         handler = _Stderr()

@@ -53,7 +53,7 @@ from fedlore.engine.lock import RunLock
 from fedlore.engine.loop import Callback
 from fedlore.engine.rundir import run_dir
 from fedlore.experiment import Engine, run_experiment
-from fedlore.progress import say
+from fedlore.progress import say, tell
 from fedlore.seeding import TUNE_SAMPLER, derive_seed
 from fedlore.tune import (
     Search,
@@ -430,7 +430,7 @@ def _open_batch(study: optuna.Study, search: Search) -> list[optuna.Trial]:
         _ask(study, search, first, size)
     running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
     for t in running:
-        say("trial %d was cut off: resumed", t.number)
+        tell("trial %d was cut off: resumed", t.number)  # its rounds are kept
     return [optuna.trial.Trial(study, t._trial_id) for t in running]
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 from interrupting import Interrupt
 
+from fedlore import progress
 from fedlore.cli import ENGINES, main
 from fedlore.config import Config, ConfigError, effective_overrides, load_config
 from fedlore.dry_run import plan_runs
@@ -484,7 +485,7 @@ def _killed_after(what: Any) -> Any:
 
 
 def test_a_swap_killed_right_after_its_exchange_keeps_the_new_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Between the atomic exchange and the next rename the sibling folder holds the replaced
     run, summary and all: a kill there left what looked like a finished replacement, which the
@@ -502,9 +503,13 @@ def test_a_swap_killed_right_after_its_exchange_keeps_the_new_run(
     assert _rounds(staging_dir(folder)) == [0, 1, 2]  # ... the replaced one beside it
     assert rerun.pending_replacement(folder) is None
     assert plan_runs(new)[0].action == "keep"  # the dry run says what the run does
+    progress.enable(False)  # the deletion is told with progress: false too
+    capsys.readouterr()
     again = run_experiment(new)  # the next plain run keeps the new run
     assert again["fedavg"][0]["rounds"] == 2 and _rounds(folder) == [0, 1]
     assert _leftovers(folder) == []
+    told = f"fedlore: deleted the run that a swap cut short had replaced, beside {folder}"
+    assert told in capsys.readouterr().err
 
 
 def test_a_swap_killed_before_its_exchange_is_completed_by_the_next_run(

@@ -14,6 +14,7 @@ import optuna
 import pytest
 from interrupting import Interrupt, folder_bytes
 
+from fedlore import progress
 from fedlore.config import apply_overrides, validate
 from fedlore.tune import Search, plan_search
 from fedlore.tune_study import Outcome, run_search
@@ -60,7 +61,7 @@ def table(outcome: Outcome) -> list[tuple[int, str, dict[str, object], float | N
 
 @pytest.mark.parametrize(("name", "cut"), [("tpe", 1), ("pruned grid", 0), ("pruned grid", 1)])
 def test_a_search_cut_off_in_a_trial_continues_to_the_same_best(
-    tmp_path: Path, name: str, cut: int
+    tmp_path: Path, name: str, cut: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``cut``: the trial interrupted after its round 0 (of 3) was written, before the round was
     reported to the study (the window a kill can hit): the search's second trial; pruned, its
@@ -80,7 +81,10 @@ def test_a_search_cut_off_in_a_trial_continues_to_the_same_best(
     first_row = (run / "metrics.jsonl").read_text()
     assert len(first_row.splitlines()) == 1 and (run / "checkpoint.pt").is_file()
     finished = {n: folder_bytes(folder / f"trial-{n}") for n in range(cut)}
+    progress.enable(False)  # as `fedlore tune` with progress: false
+    capsys.readouterr()
     again = run_search(plan(out, name))
+    assert f"fedlore: trial {cut} was cut off: resumed" in capsys.readouterr().err  # told
     assert table(again) == table(whole)  # the same trials, values and best
     assert again.best is not None and whole.best is not None
     assert again.best.number == whole.best.number

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlore.config import Config
-from fedlore.progress import say
+from fedlore.progress import tell
 from fedlore.results.summary import read_metrics, stopping_outcome
 from fedlore.stopping_rule import StoppingRule
 from fedlore.tensors import to_cpu
@@ -67,7 +67,7 @@ class EarlyStopping(StoppingRule):
             if self.restore_best:
                 self.best_state = _clone(state)
         elif self.stopped_round == rnd:
-            say(
+            tell(
                 "early stopping: %s did not improve for %d evaluation(s); stopped after round %d "
                 "(best round %s: %s)",
                 self.metric, self.wait, rnd, self.best_round, self.best_value,

@@ -46,7 +46,7 @@ from fedlore.config import ConfigError
 from fedlore.engine.run_record import MakeAlgorithm, config_diff
 from fedlore.engine.rundir import run_dir
 from fedlore.engine.runstart import rows_problem
-from fedlore.progress import say, say_once
+from fedlore.progress import tell, tell_once
 
 if TYPE_CHECKING:
     from fedlore.config import Config
@@ -183,14 +183,14 @@ def finished_run(
             "a fresh run would delete it. Pass --overwrite to replace it, or give this run "
             "another name=... to keep both"
         )
-    say(
+    tell(
         "%s seed %d: finished already; results in %s (--overwrite trains it again)",
         method,
         seed,
         out,
     )
     if staging_dir(out).is_dir():
-        say(
+        tell(
             "%s seed %d: %s holds an interrupted --overwrite of it: --resume continues it (with "
             "its config), --overwrite starts it over",
             method,
@@ -247,11 +247,11 @@ def write_dir(
         recorded = read_record(staged / "config.json")
         if recorded is None or config_diff(cfg, method, recorded, make_algorithm):
             return target
-        say_once("continuing the replacement of the finished run in %s (in %s)", target, staged)
+        tell_once("continuing the replacement of the finished run in %s (in %s)", target, staged)
         return staged
     if not overwrite:
         return target
-    say_once(
+    tell_once(
         "replacing the finished run in %s: the new run trains in %s and takes its place when it "
         "has finished (until then the finished run stays as it is)",
         target,
@@ -313,7 +313,7 @@ def complete_swap(target: Path) -> bool:
         if (staged / SUMMARY).is_file():  # the run replaced: out of the way, then deleted
             shutil.rmtree(replaced, ignore_errors=True)
             os.rename(staged, replaced)
-            say("deleted the run that a swap cut short had replaced, beside %s", target)
+            tell("deleted the run that a swap cut short had replaced, beside %s", target)
         _journal(target).unlink(missing_ok=True)
     except OSError as e:
         raise WriteError(target, e) from None
@@ -353,7 +353,7 @@ def swap_in(staged: Path, target: Path) -> None:
     except OSError as e:
         raise WriteError(target, e) from None
     shutil.rmtree(replaced, ignore_errors=True)  # also what a swap cut in two left there
-    say("the new run took the place of the finished one in %s", target)
+    tell("the new run took the place of the finished one in %s", target)
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -273,6 +273,10 @@ def config_diff(
         now.update(
             {f"hyper.{k}": v for k, v in resolved_hyper(make_algorithm(method, cfg)).items()}
         )
+    # a field of the user's own method that the record lacks was added since the run started:
+    # a change of the method, unlike a field added to fedlore's own (its default is the
+    # behaviour the run was made with)
+    gained = {k for k in users_fields(cls) if k in now and k not in before} if hyper_before else ()
     # an unset setting that stands for a value the others decide is that value: spelling it
     # out is no difference (asynchronous.concurrency unset is clients_per_round)
     rules = unset_rules({**config_paths(LocalTraining), **config_paths(cls)})
@@ -295,7 +299,8 @@ def config_diff(
     diff = sorted(
         k
         for k in set(before) | set(now)
-        if before.get(k, defaults.get(k)) != now.get(k) and not (k in before and k not in now)
+        if (before.get(k, defaults.get(k)) != now.get(k) and not (k in before and k not in now))
+        or (k in gained and k in now)
     )
     diff += sorted(k for k in set(before) - set(now))
     # ``hyper.lr`` repeats ``lr`` (``hyper.betas`` repeats ``optim.betas``) when the method
@@ -310,10 +315,50 @@ def config_diff(
         )
     ]
     more = f"; and {len(diff) - 5} more" if len(diff) > 5 else ""  # said, not left out
-    return (
-        "; ".join(f"{k}: {before.get(k, defaults.get(k))!r} -> {now.get(k)!r}" for k in diff[:5])
-        + more
-    )
+
+    def item(k: str) -> str:
+        field = k.removeprefix("hyper.")
+        if k in gained:  # the user's method gained the field since the run started
+            return f"{method}'s field {field}: not in the run -> {now.get(k)!r} (added since)"
+        if k.startswith("hyper.") and k not in now:  # the method lost the field since
+            return f"{method}'s field {field}: {before.get(k)!r} -> no such field (removed since)"
+        return f"{k}: {before.get(k, defaults.get(k))!r} -> {now.get(k)!r}"
+
+    return "; ".join(item(k) for k in diff[:5]) + more
+
+
+def _fedlores(cls: type) -> bool:
+    """Whether ``cls`` is defined in the fedlore package (a built-in method or its base)."""
+    module = getattr(cls, "__module__", "") or ""
+    return module == "fedlore" or module.startswith("fedlore.")
+
+
+def users_fields(cls: type) -> set[str]:
+    """The ``hyper.*`` keys of the fields of method class ``cls`` that a class outside the
+    fedlore package declares (a method of the user's own, registered through ``imports:``, or
+    the user's subclass of a built-in method; a settings sub-model such a class declares gives
+    its fields). A field the record of a run lacks counts as its default only when fedlore
+    declares it (a field added to a built-in method by a later fedlore keeps, at its default,
+    the behaviour the run was made with); a field of the user's added or removed since the run
+    started is a difference (:func:`config_diff`)."""
+    if not dataclasses.is_dataclass(cls):
+        return set()
+    keys: set[str] = set()
+    for f in dataclasses.fields(cls):
+        owner = next(
+            (c for c in reversed(cls.__mro__) if f.name in getattr(c, "__dataclass_fields__", {})),
+            cls,
+        )
+        if _fedlores(owner):
+            continue
+        default = f.default
+        if default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        if isinstance(default, BaseModel):
+            keys |= {f"hyper.{k}" for k in type(default).model_fields if k not in RUN_WIDE}
+        else:
+            keys.add(f"hyper.{f.name}")
+    return keys
 
 
 def _defaults(cls: type, method: str) -> dict[str, Any]:

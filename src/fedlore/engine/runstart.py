@@ -22,7 +22,7 @@ from fedlore.engine.node_states import FOLDER as NODE_STATES
 from fedlore.engine.rundir import RunFolder
 from fedlore.engine.store import ClientStore, remove_spill_temps
 from fedlore.privacy import Privacy
-from fedlore.progress import say
+from fedlore.progress import say, tell
 from fedlore.types import State
 
 
@@ -166,15 +166,16 @@ def resume_point(
         check_rows_reach(metrics.path, first_round, last)
         privacy = account_repeats(privacy, folder.out, metrics.path, last)  # before the rows go
         metrics.truncate_after(last)
-        say(
+        tell(
             "%s seed %d: resuming after round %d (its checkpoint; rounds count from 0)",
             method,
             seed,
             last,
         )
         return last, state, store, privacy
-    if folder.resume:
-        say(
+    if folder.resume:  # told when rounds of the run are trained again, else a progress line
+        rows = metrics.path.is_file() and metrics.path.stat().st_size > 0
+        (tell if rows or folder.from_start else say)(
             "%s seed %d: %s; starting from the first round",
             method,
             seed,

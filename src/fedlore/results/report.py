@@ -18,6 +18,7 @@ from typing import Any
 
 from fedlore import progress
 from fedlore.atomic import replacing, write_text
+from fedlore.results.failed_runs import failed_note, failed_runs
 from fedlore.results.folders import linked_folders, subfolders
 from fedlore.results.markdown import (
     diagnostics_markdown,
@@ -220,6 +221,7 @@ def _report_experiment(
     held = {s for rs in runs.values() for r in rs if (s := r.summary.get("data_test_split"))}
     text = (
         f"# {exp_dir.name}\n\n{to_markdown(table)}\n"
+        + failed_note(failed_runs(exp_dir))  # --keep-going's failures: named, not pooled
         + "".join(f"Test set: {s}.\n\n" for s in sorted(held))  # no test split of its own
         + "Mean ± sample std (ddof=1) over seeds (no ± with one seed); MB = 10^6 bytes, totals "
         "per run; optimizer state per client (moment tensors); client state the most one client "

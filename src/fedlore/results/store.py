@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlore.config_unset import FOLDERS_RECORD, same_folder
+from fedlore.results.failed_runs import FAILED, describe, read_failure
 from fedlore.results.folders import (
     SEED_DIR,
     UnreadableFolderWarning,
@@ -398,8 +399,9 @@ def load_runs(exp_dir: Path) -> dict[str, list[RunRecord]]:
     Returns:
         method name (the directory name) -> runs sorted by seed; methods sorted by name.
         Incomplete runs are repaired (summary derived from metrics) or skipped, each with an
-        :class:`IncompleteRunWarning`, and so are run folders of another tool (a
-        ``summary.json`` without any key fedlore writes).
+        :class:`IncompleteRunWarning`; a run that failed under ``--keep-going``
+        (:mod:`fedlore.results.failed_runs`) is left out with one, and so are run folders of
+        another tool (a ``summary.json`` without any key fedlore writes).
 
     Raises:
         NoFedloreRunError: if every run folder of ``exp_dir`` is another tool's (then nothing
@@ -411,6 +413,7 @@ def load_runs(exp_dir: Path) -> dict[str, list[RunRecord]]:
         raise FileNotFoundError(f"experiment directory not found: {exp_dir}")
     runs: dict[str, list[RunRecord]] = {}
     foreign: list[tuple[Path, str]] = []
+    failed: list[str] = []  # runs of fedlore run --keep-going that raised
     links = linked_folders(exp_dir)
     for method_dir in subfolders(exp_dir):  # no symbolic link is followed (results.folders)
         records = []
@@ -418,6 +421,16 @@ def load_runs(exp_dir: Path) -> dict[str, list[RunRecord]]:
         for run_dir in subfolders(method_dir):
             m = SEED_DIR.match(run_dir.name)
             if m is None:
+                continue
+            failure = read_failure(run_dir)
+            if failure is not None:  # --keep-going's: cut short, never pooled with finished runs
+                warnings.warn(
+                    f"{run_dir}: {describe(failure)}; left out of the table ({FAILED} holds its "
+                    "traceback; `fedlore run ... --resume` retries it)",
+                    IncompleteRunWarning,
+                    stacklevel=2,
+                )
+                failed.append(f"{method_dir.name} seed {m.group(1)}")
                 continue
             try:
                 record = _load_run(method_dir.name, int(m.group(1)), run_dir)
@@ -448,6 +461,11 @@ def load_runs(exp_dir: Path) -> dict[str, list[RunRecord]]:
         )
     for _, note in foreign:
         warnings.warn(note, IncompleteRunWarning, stacklevel=2)
+    if not runs and failed:
+        raise FileNotFoundError(
+            f"no finished run in {exp_dir}: every run failed ({', '.join(failed)}; each "
+            f"folder's {FAILED} says why); `fedlore run ... --resume` retries them after a fix"
+        )
     if not runs:
         raise FileNotFoundError(
             f"no runs found in {exp_dir}: expected <method>/seed-<s>/metrics.jsonl "
