@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -191,3 +192,25 @@ def test_sites_must_name_their_classes_as_the_server_does(tmp_path: Path) -> Non
     fewer = site_federation(cfg, 42, 0, str(tmp_path / "site3"))
     with pytest.raises(ValueError, match=r"gives 1\|1,3,4 \(classes\|input shape\)"):
         check_site(fewer, said, 0, "b")
+
+
+def test_hidden_files_and_folders_are_not_images(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        _grey(tmp_path / "train" / name)
+    (tmp_path / "train" / "a" / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    (tmp_path / "train" / "a" / "._0.png").write_bytes(b"\0\5\26\7\0\2\0\0Mac OS X")  # a fork
+    _grey(tmp_path / "train" / "b" / ".ipynb_checkpoints", n=1)  # would lie below its class
+    src = load_hf(str(tmp_path))
+    assert src.class_names == ["a", "b"] and len(src.train) == 4
+
+
+def test_the_class_order_is_the_servers_own(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    def fed(*names: str) -> Any:
+        return SimpleNamespace(num_classes=len(names), input_shape=(1, 2, 2), class_names=names)
+
+    said = site_config(fed("zebra", "ant"))  # an npz's class_names, in its own order
+    check_site(fed("zebra", "ant"), said, 0, "s0")
+    with pytest.raises(ValueError, match=r"names class 0 'ant', the server's test set 'zebra'"):
+        check_site(fed("ant", "zebra"), said, 1, "s1")
