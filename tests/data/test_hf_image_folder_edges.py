@@ -126,10 +126,13 @@ def test_class_folders_named_like_a_split_stay_in_their_split(tmp_path: Path) ->
     assert torch.bincount(src.test.y, minlength=3).tolist() == [2, 0, 3]
 
 
-def test_one_class_and_empty_class_folders_are_classes(tmp_path: Path) -> None:
+def test_one_class_is_refused_and_empty_class_folders_are_classes(tmp_path: Path) -> None:
     _grey(tmp_path / "one" / "train" / "only", n=3)
+    with pytest.raises(ValueError, match=r"one class only \('only' in column 'label'\)"):
+        load_hf(str(tmp_path / "one"))  # datasets alone would drop the label column
+    (tmp_path / "one" / "train" / "other").mkdir()
     src = load_hf(str(tmp_path / "one"))
-    assert src.class_names == ["only"] and src.train.y.tolist() == [0, 0, 0]
+    assert src.class_names == ["only", "other"] and src.train.y.tolist() == [0, 0, 0]
     root = tmp_path / "some"
     _grey(root / "train" / "cat")
     _grey(root / "train" / "owl")
@@ -188,9 +191,10 @@ def test_sites_must_name_their_classes_as_the_server_does(tmp_path: Path) -> Non
     site2 = site_federation(cfg, 42, 2, str(tmp_path / "site2"))
     with pytest.raises(ValueError, match=r"site 2: data-root=s2 names class 1 'hat', the server"):
         check_site(site2, said, 2, "s2")
-    _grey(tmp_path / "site3" / "train" / "bag", n=5)  # one class, no empty folders
+    _grey(tmp_path / "site3" / "train" / "bag", n=5)  # two classes, no empty folder for coat
+    _grey(tmp_path / "site3" / "train" / "shoe", n=5)
     fewer = site_federation(cfg, 42, 0, str(tmp_path / "site3"))
-    with pytest.raises(ValueError, match=r"gives 1\|1,3,4 \(classes\|input shape\)"):
+    with pytest.raises(ValueError, match=r"gives 2\|1,3,4 \(classes\|input shape\)"):
         check_site(fewer, said, 0, "b")
 
 

@@ -365,7 +365,8 @@ def load_hf(
             looked).
         ValueError: without the ``datasets`` package (naming the ``pip install`` line), or
             naming the root, the split and the column when a column is missing or
-            holds what this source cannot read, images differ in size, labels are negative or
+            holds what this source cannot read, images differ in size, there is one class
+            only, labels are negative or
             differ in kind between the splits, or (``non_finite="error"``) an input is NaN.
     """
     try:
@@ -419,6 +420,12 @@ def load_hf(
     for split, ims in images.items():
         inputs[split] = pixels(ims, input_column, f"{root} (split {split!r})", mode)
     labels, class_names = _classes(raw, label_column, root)
+    if len(class_names) < 2:
+        raise ValueError(
+            f"hf: {root}: one class only ({class_names[0]!r} in column {label_column!r}); a "
+            "classifier needs two or more (an image folder: a folder per class, an empty one "
+            "for a class with no image)"
+        )
     text = isinstance(inputs[next(iter(inputs))], list)
     if text:
         tok = load_tokenizer(tokenizer)
