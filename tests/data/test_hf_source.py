@@ -259,7 +259,7 @@ def test_images_of_different_sizes_are_refused(tmp_path: Path) -> None:
         str(tmp_path / "sizes")
     )
     with pytest.raises(
-        ValueError, match=r"differ in size \(\(8, 8\) at row 0, \(8, 9\) at row 1\)"
+        ValueError, match=r"row 1 of column 'image' is 9x8 pixels, row 0 8x8: the images"
     ):
         load_hf(str(tmp_path / "sizes"))
 

@@ -14,9 +14,11 @@ library's own readers (nothing is downloaded).
 * a folder of images (:data:`fedlore.data.hf_images.IMAGES`: PNG, JPEG, BMP, GIF, WebP,
   TIFF) in the layout of torchvision's ``ImageFolder`` and of the Hub's ``imagefolder``,
   ``train/<class>/<image>`` and ``test/<class>/<image>``: an image's folder names its class
-  (column ``image``, a ``ClassLabel`` ``label`` over both splits), and its split folder alone
-  its split (``train/cat/test_3.png`` is a training image); a folder of class folders alone
-  (``<class>/<image>``) is the training split.
+  (column ``image``, a ``ClassLabel`` ``label`` of every class folder of both splits, an
+  empty one too), and its split folder alone its split (``train/cat/test_3.png`` is a training
+  image, ``train/test/1.png`` one of class ``test``); a folder of class folders alone
+  (``<class>/<image>``) is the training split, a folder of ``test/<class>/<image>`` alone a
+  test split (a site-local server's). Symlinked folders are followed, hidden ones skipped.
 
 Files are read with ``datasets.load_dataset("parquet" | "csv" | "json" | "imagefolder",
 data_files=...)``, which caches them as Arrow files in the ``datasets`` cache
@@ -54,7 +56,15 @@ import torch
 from fedlore.data.checks import check_rows
 from fedlore.data.client_data import TensorSplit
 from fedlore.data.datasource import DataSource
-from fedlore.data.hf_images import IMAGES, check_class_folders, decoded, pixels
+from fedlore.data.hf_images import (
+    IMAGES,
+    class_folders,
+    decoded,
+    image_mode,
+    image_splits,
+    pixels,
+    walk,
+)
 from fedlore.data.text import label_order, load_tokenizer, tokenize
 from fedlore.registry import register_source
 
@@ -95,15 +105,12 @@ def _quiet() -> Iterator[None]:
 
 def _split_files(folder: Path, splits: tuple[str, str]) -> tuple[dict[str, list[str]], str]:
     """The data files of a folder grouped by split, and the builder that reads them."""
-    found = sorted(
-        p
-        for p in folder.rglob("*")
-        if p.is_file()
-        and _builder(p) is not None
-        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
-    )
+    found = sorted(p for p in walk(folder) if _builder(p) is not None)
     files: dict[str, list[str]] = {}
-    for split in splits:
+    kinds = {_builder(p) for p in found}
+    if kinds == {"imagefolder"}:  # by class folder: <split>/<class>/<image> or <class>/<image>
+        files = image_splits(folder, found, splits)
+    for split in splits if kinds != {"imagefolder"} else ():
         mine = [
             p
             for p in found
@@ -112,10 +119,8 @@ def _split_files(folder: Path, splits: tuple[str, str]) -> tuple[dict[str, list[
         ]
         if mine:
             files[split] = [str(p) for p in mine]
-    kinds = {_builder(p) for p in found}
-    if kinds == {"imagefolder"} and not files:  # <class>/<image>: the training split
-        files[splits[0]] = [str(p) for p in found]
-    if splits[0] not in files:
+    test_only = list(files) == [splits[1]] and len(files[splits[1]]) == len(found)
+    if splits[0] not in files and not test_only:  # a test split alone: a site's server
         shown = [str(p.relative_to(folder)) for p in found[:10]]
         raise FileNotFoundError(
             f"hf: no data file for the training split {splits[0]!r} in {folder} (looked for "
@@ -126,8 +131,6 @@ def _split_files(folder: Path, splits: tuple[str, str]) -> tuple[dict[str, list[
     kinds = {_builder(Path(f)) for fs in files.values() for f in fs}
     if len(kinds) > 1:
         raise ValueError(f"hf: {folder} mixes file formats {sorted(map(str, kinds))}; keep one")
-    if kinds == {"imagefolder"}:
-        check_class_folders(folder, files)
     return files, str(kinds.pop())
 
 
@@ -188,16 +191,34 @@ def read_splits(root: str | None, train_split: str, test_split: str) -> dict[str
                 loaded = datasets.load_dataset(
                     BUILDERS[path.suffix], data_files={train_split: str(path)}
                 )
+            elif builder == "imagefolder":  # classes by folder name, below (one class too)
+                loaded = datasets.load_dataset(builder, data_files=files, drop_labels=True)
+                names = class_folders(files)
+                loaded = {s: _folder_labels(ds, names) for s, ds in loaded.items()}
             else:
                 loaded = datasets.load_dataset(builder, data_files=files)
         except Exception as e:  # pyarrow's, json's and datasets' own errors on a corrupt file
             raise ValueError(_unreadable(root, e, [path] if path.is_file() else files)) from e
-    if train_split not in loaded:
+    if train_split not in loaded and (saved or list(loaded) != [test_split]):
         raise FileNotFoundError(
             f"hf: {root} has no split {train_split!r} (data.train_split); its splits: "
             f"{sorted(loaded)}"
         )
     return {s: loaded[s] for s in splits if s in loaded}
+
+
+def _folder_labels(ds: Any, names: list[str]) -> Any:
+    """An image folder's split with the column ``label``: the ``ClassLabel`` ``names`` (every
+    class folder, sorted), each image's class the name of its folder."""
+    import datasets
+    import pyarrow.compute as pc
+
+    stored = ds.with_format("arrow")["image"]  # {bytes, path} structs, nothing decoded
+    index = {n: k for k, n in enumerate(names)}
+    paths = [p for chunk in stored.chunks for p in pc.struct_field(chunk, "path").to_pylist()]
+    labels = [index[Path(p).parent.name] for p in paths]
+    ds = ds.remove_columns([c for c in ds.column_names if c == "label"])
+    return ds.add_column("label", labels, feature=datasets.ClassLabel(names=names))
 
 
 def _column(ds: Any, column: str, key: str, where: str) -> Any:
@@ -344,7 +365,8 @@ def load_hf(
             looked).
         ValueError: without the ``datasets`` package (naming the ``pip install`` line), or
             naming the root, the split and the column when a column is missing or
-            holds what this source cannot read, images differ in size, labels are negative or
+            holds what this source cannot read, images differ in size, there is one class
+            only, labels are negative or
             differ in kind between the splits, or (``non_finite="error"``) an input is NaN.
     """
     try:
@@ -357,7 +379,7 @@ def load_hf(
 
     data = read_splits(root, train_split, test_split)
     assert root is not None
-    first = data[train_split]
+    first = data.get(train_split) or data[test_split]  # a test split alone: a site's server
     if input_column is None:
         input_column = next((c for c in INPUT_COLUMNS if c in first.column_names), None)
         if input_column is None:
@@ -369,6 +391,7 @@ def load_hf(
     inputs: dict[str, Any] = {}
     raw: dict[str, tuple[np.ndarray, list[str] | None]] = {}
     owners: dict[str, list[str]] = {}
+    images: dict[str, list[Any]] = {}
     for split, ds in data.items():
         where = f"{root} (split {split!r})"
         feature = _column(ds, input_column, "input_column", where)
@@ -379,7 +402,7 @@ def load_hf(
             _missing(owner, id_column, where)
             owners[split] = [str(v) for v in owner]
         if isinstance(feature, datasets.Image):
-            inputs[split] = pixels(decoded(ds, input_column, where), input_column, where)
+            images[split] = decoded(ds, input_column, where)
         elif getattr(feature, "dtype", None) in ("string", "large_string"):
             texts = _values(ds, input_column)
             _missing(texts, input_column, where)
@@ -393,17 +416,33 @@ def load_hf(
                 if id_column is not None:
                     owners[split] = [owners[split][k] for k in kept]
             inputs[split] = x
+    mode = image_mode([im for ims in images.values() for im in ims])  # one for every split
+    for split, ims in images.items():
+        inputs[split] = pixels(ims, input_column, f"{root} (split {split!r})", mode)
     labels, class_names = _classes(raw, label_column, root)
-    text = isinstance(inputs[train_split], list)
+    if len(class_names) < 2:
+        raise ValueError(
+            f"hf: {root}: one class only ({class_names[0]!r} in column {label_column!r}); a "
+            "classifier needs two or more (an image folder: a folder per class, an empty one "
+            "for a class with no image)"
+        )
+    text = isinstance(inputs[next(iter(inputs))], list)
     if text:
         tok = load_tokenizer(tokenizer)
         xs = {s: tokenize(tok, v, max_length) for s, v in inputs.items()}
     else:
         shapes = {s: x.shape[1:] for s, x in inputs.items()}
         if len(set(shapes.values())) > 1:
-            raise ValueError(f"hf: {root}: the splits' inputs differ in shape: {shapes}")
+            firsts = {s: getattr(ims[0], "filename", "") for s, ims in images.items() if ims}
+            raise ValueError(
+                f"hf: {root}: the splits' inputs differ in shape: {shapes}"
+                + (f" (their first images: {firsts})" if any(firsts.values()) else "")
+            )
         xs = {s: _float(x) for s, x in inputs.items()}
-    train = TensorSplit(xs[train_split], torch.from_numpy(labels[train_split]))
+    if train_split in xs:
+        train = TensorSplit(xs[train_split], torch.from_numpy(labels[train_split]))
+    else:  # a test split alone (a site-local deployment's server): no training examples
+        train = TensorSplit(xs[test_split][:0].clone(), torch.from_numpy(labels[test_split][:0]))
     if test_split in xs:
         test = TensorSplit(xs[test_split], torch.from_numpy(labels[test_split]))
     else:

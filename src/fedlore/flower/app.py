@@ -69,7 +69,13 @@ from fedlore.flower.secure_client import (
     is_secagg_stage,
     secagg_mod,
 )
-from fedlore.flower.sites import server_federation, site_federation
+from fedlore.flower.sites import (
+    check_site,
+    data_shape,
+    server_federation,
+    site_config,
+    site_federation,
+)
 from fedlore.flower.transport import TRAIN_ROUND, FlowerTransport, bound_superlink_wait
 from fedlore.flower.wallclock import WallClockTransport
 from fedlore.seeding import CLIENT, generator
@@ -125,16 +131,6 @@ def _config(cfg_json: str) -> Config:
     return validate(json.loads(cfg_json))
 
 
-SITE_SHAPE = "site.data_shape"
-"""Broadcast config key of a site-local deployment: ``"<num_classes>|<input shape>"`` of the
-server's test set, which every site's data must match (one model for all)."""
-
-
-def data_shape(fed: Federation) -> str:
-    """``"<num_classes>|<d1>,<d2>,..."`` of a federation (see :data:`SITE_SHAPE`)."""
-    return f"{fed.num_classes}|" + ",".join(str(d) for d in fed.input_shape)
-
-
 def client_data(
     cfg: Config, context: Context, seed: int, device: torch.device, bcast: Broadcast
 ) -> tuple[Federation, ClientData]:
@@ -143,7 +139,7 @@ def client_data(
 
     Raises:
         ValueError: when a site has no ``data-root`` in its node config, or its data have a
-            different number of classes or input shape than the server's test set.
+            different number of classes, class names or input shape than the server's test set.
     """
     cid = int(context.node_config["partition-id"])
     if not cfg.flower.site_data:
@@ -156,12 +152,7 @@ def client_data(
             f"--node-config 'partition-id={cid} data-root=\"<its data folder or file>\"'"
         )
     fed = _site(cfg.model_dump_json(), seed, cid, str(root), str(device))
-    want = bcast.config.get(SITE_SHAPE)
-    if want is not None and data_shape(fed) != want:
-        raise ValueError(
-            f"site {cid}: data-root={root} gives {data_shape(fed)} (classes|input shape), "
-            f"the server's test set {want}; every site needs the same classes and input shape"
-        )
+    check_site(fed, bcast.config, cid, str(root))
     return fed, dataclasses.replace(fed.client(0), client_id=cid)
 
 
@@ -300,7 +291,7 @@ def server_main(
             wait_for_nodes=cfg.flower.wait_for_nodes_s,
             expected_nodes=cfg.num_clients,
             device=resolve_device(cfg.device),
-            extra_config=None if fed is None else {SITE_SHAPE: data_shape(fed)},
+            extra_config=None if fed is None else site_config(fed),
             secagg=secagg_settings(cfg, method, None if fed is not None else args[0]),
             keeps_client_states=keeps_client_states,
             node_files=node_files,

@@ -6,6 +6,10 @@ one-client federation, :func:`site_federation`), with the settings such a deploy
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 
 from fedlore.config import Config, ConfigError
@@ -24,6 +28,50 @@ SITE_REFUSED = {
     "not hold (select on a held-out site, or give the server a selection test set)",
 }
 """Settings a site-local deployment (``flower.site_data``) refuses, with the reason."""
+
+
+SITE_SHAPE = "site.data_shape"
+"""Broadcast config key of a site-local deployment: ``"<num_classes>|<input shape>"`` of the
+server's test set, which every site's data must match (one model for all)."""
+
+SITE_CLASSES = "site.class_names"
+"""Broadcast config key of a site-local deployment: the server's class names (a JSON list),
+which every site's must equal, in order (class k is one class on every site)."""
+
+
+def data_shape(fed: Federation) -> str:
+    """``"<num_classes>|<d1>,<d2>,..."`` of a federation (see :data:`SITE_SHAPE`)."""
+    return f"{fed.num_classes}|" + ",".join(str(d) for d in fed.input_shape)
+
+
+def site_config(fed: Federation) -> dict[str, int | float | str | bool]:
+    """What the server of a site-local deployment broadcasts for :func:`check_site`."""
+    return {SITE_SHAPE: data_shape(fed), SITE_CLASSES: json.dumps(list(fed.class_names))}
+
+
+def check_site(fed: Federation, config: Mapping[str, Any], cid: int, root: str) -> None:
+    """Refuse a site whose data do not fit the server's test set (:func:`site_config`).
+
+    Raises:
+        ValueError: naming the site, its folder and the server's value, when the number of
+            classes or the input shape differ, or a class's name (two image folders whose
+            class folders differ number their classes differently).
+    """
+    want = config.get(SITE_SHAPE)
+    if want is not None and data_shape(fed) != want:
+        raise ValueError(
+            f"site {cid}: data-root={root} gives {data_shape(fed)} (classes|input shape), "
+            f"the server's test set {want}; every site needs the same classes and input shape"
+        )
+    names = config.get(SITE_CLASSES)
+    theirs, mine = ([] if names is None else json.loads(names)), list(fed.class_names)
+    if names is not None and theirs != mine:
+        k = next(k for k, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b)
+        raise ValueError(
+            f"site {cid}: data-root={root} names class {k} {mine[k]!r}, the server's test set "
+            f"{theirs[k]!r}; every site needs the same class names in the same order (in an "
+            "image folder, the same class folders: an empty folder for a class it lacks)"
+        )
 
 
 def check_site_config(cfg: Config) -> None:
