@@ -218,3 +218,6 @@ def test_the_class_order_is_the_servers_own(tmp_path: Path) -> None:
     check_site(fed("zebra", "ant"), said, 0, "s0")
     with pytest.raises(ValueError, match=r"names class 0 'ant', the server's test set 'zebra'"):
         check_site(fed("ant", "zebra"), said, 1, "s1")
+    # an npz without class_names numbers its classes: it names none, so names are not compared
+    check_site(fed("0", "1"), said, 2, "s2")
+    check_site(fed("zebra", "ant"), site_config(fed("0", "1")), 3, "s3")

@@ -49,13 +49,21 @@ def site_config(fed: Federation) -> dict[str, int | float | str | bool]:
     return {SITE_SHAPE: data_shape(fed), SITE_CLASSES: json.dumps(list(fed.class_names))}
 
 
+def _numbered(names: list[str]) -> bool:
+    """Whether ``names`` are the numbers a source without class names gives (``"0"``, ``"1"``,
+    ...: an npz file without ``class_names``): such a side names no class, so names are not
+    compared with it."""
+    return names == [str(k) for k in range(len(names))]
+
+
 def check_site(fed: Federation, config: Mapping[str, Any], cid: int, root: str) -> None:
     """Refuse a site whose data do not fit the server's test set (:func:`site_config`).
 
     Raises:
         ValueError: naming the site, its folder and the server's value, when the number of
             classes or the input shape differ, or a class's name (two image folders whose
-            class folders differ number their classes differently).
+            class folders differ number their classes differently); a side whose classes are
+            only numbered (an npz file without ``class_names``) is not compared by name.
     """
     want = config.get(SITE_SHAPE)
     if want is not None and data_shape(fed) != want:
@@ -65,7 +73,7 @@ def check_site(fed: Federation, config: Mapping[str, Any], cid: int, root: str) 
         )
     names = config.get(SITE_CLASSES)
     theirs, mine = ([] if names is None else json.loads(names)), list(fed.class_names)
-    if names is not None and theirs != mine:
+    if names is not None and theirs != mine and not (_numbered(theirs) or _numbered(mine)):
         k = next(k for k, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b)
         raise ValueError(
             f"site {cid}: data-root={root} names class {k} {mine[k]!r}, the server's test set "
