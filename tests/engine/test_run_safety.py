@@ -216,7 +216,14 @@ def test_a_folder_the_lock_made_goes_when_nothing_was_written_there(
 
     with RunLock(tmp_path / "new" / "seed-0"):
         pass
-    assert not (tmp_path / "new" / "seed-0").exists()
+    assert not (tmp_path / "new").exists()  # its method folder too: the lock made both
+    (tmp_path / "out").mkdir()
+    with RunLock(tmp_path / "out" / "a" / "seed-0"), RunLock(tmp_path / "out" / "a" / "seed-1"):
+        (tmp_path / "out" / "a" / "seed-1" / "metrics.jsonl").write_text("")  # a run's file
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == ["a", "metrics.jsonl", "seed-1"]
+    with RunLock(tmp_path / "out" / "b" / "seed-0"):  # the method folder of a run that never ran
+        pass
+    assert not (tmp_path / "out" / "b").exists() and (tmp_path / "out").is_dir()  # not made: kept
     (tmp_path / "kept").mkdir()
     with RunLock(tmp_path / "kept"):
         pass

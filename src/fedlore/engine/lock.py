@@ -73,10 +73,16 @@ class RunLock:
         self._moved = None if moves_to is None else Path(moves_to) / LOCK_FILE
         self._fd: int | None = None
         self._nested = False
-        self._created = False
+        self._created: list[Path] = []
 
     def __enter__(self) -> RunLock:
-        self._created = not self.path.parent.is_dir()  # removed again if left empty
+        # the folders this lock makes (the run folder, its method folder, ...), deepest first:
+        # removed again if left empty
+        folder = self.path.parent
+        self._created = []
+        while not folder.is_dir() and folder != folder.parent:
+            self._created.append(folder)
+            folder = folder.parent
         self.path.parent.mkdir(parents=True, exist_ok=True)
         key = self.path.resolve()
         if key in _HELD:  # this process holds it already: re-entered, released by the outer
@@ -137,7 +143,8 @@ class RunLock:
     def _release(self, fd: int) -> None:
         """Remove the lock file while it is still locked (where the folder went, with
         ``moves_to``), unlock and close it; then remove the folder, if this lock created it and
-        nothing was written there."""
+        nothing was written there, and so on up the folders it created (the method folder of
+        a run that never started)."""
         try:
             with contextlib.suppress(OSError):  # a read-only folder: the file stays, unlocked
                 os.ftruncate(fd, 0)  # no stale holder text for the next reader
@@ -147,9 +154,13 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
-        if self._created:
-            with contextlib.suppress(OSError):  # not empty (a run's files), or gone: kept
-                self.path.parent.rmdir()
+        for folder in self._created:  # deepest first; the first one not empty stops it
+            try:
+                folder.rmdir()
+            except FileNotFoundError:  # removed already (by another run's lock): go on up
+                continue
+            except OSError:  # not empty (a run's files, another run's folder): kept
+                break
 
 
 def _in_use(folder: Path, holder: str) -> RunLocked:
