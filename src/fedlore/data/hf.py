@@ -106,19 +106,15 @@ def _quiet() -> Iterator[None]:
 def _split_files(folder: Path, splits: tuple[str, str]) -> tuple[dict[str, list[str]], str]:
     """The data files of a folder grouped by split, and the builder that reads them."""
     found = sorted(p for p in walk(folder) if _builder(p) is not None)
-    files: dict[str, list[str]] = {}
-    kinds = {_builder(p) for p in found}
-    if kinds == {"imagefolder"}:  # by class folder: <split>/<class>/<image> or <class>/<image>
+    if {_builder(p) for p in found} == {"imagefolder"}:  # <split>/<class>/<image>, by folder
         files = image_splits(folder, found, splits)
-    for split in splits if kinds != {"imagefolder"} else ():
-        mine = [
-            p
-            for p in found
-            if split in p.relative_to(folder).parts[:-1]
-            or (p.name.startswith(split) and _builder(p) != "imagefolder")  # images: by folder
-        ]
-        if mine:
-            files[split] = [str(p) for p in mine]
+    else:  # by name (train-00000.parquet) or folder (train/0.jsonl); images mixed in are refused
+        files = {}
+        parts = [(p, p.relative_to(folder).parts[:-1]) for p in found]
+        for split in splits:
+            mine = [str(p) for p, up in parts if split in up or p.name.startswith(split)]
+            if mine:
+                files[split] = mine
     test_only = list(files) == [splits[1]] and len(files[splits[1]]) == len(found)
     if splits[0] not in files and not test_only:  # a test split alone: a site's server
         shown = [str(p.relative_to(folder)) for p in found[:10]]
@@ -379,7 +375,7 @@ def load_hf(
 
     data = read_splits(root, train_split, test_split)
     assert root is not None
-    first = data.get(train_split) or data[test_split]  # a test split alone: a site's server
+    first = data[train_split if train_split in data else test_split]  # a site server's: test
     if input_column is None:
         input_column = next((c for c in INPUT_COLUMNS if c in first.column_names), None)
         if input_column is None:
