@@ -12,7 +12,8 @@
 * An interrupt and a refusal of the command still stop everything; the Python API raises
   :class:`~fedlore.experiment.RunsFailed` with the finished runs' summaries.
 * ``fedlore report`` names each failed run in one line and leaves it out of the table (it used
-  to pool the cut-off run's last round with the finished ones).
+  to pool the cut-off run's last round with the finished ones), and counts it in the seeds cell
+  of the row of its method and settings (``2 (+1 failed)``).
 """
 
 from __future__ import annotations
@@ -285,3 +286,39 @@ def test_dry_run_says_which_run_it_retries(
         "continue: the run that failed at round 1 (ValueError: boom at round 1) continues after "
         "round 0 of 3" in lines
     )
+
+
+def _fail(folder: Path) -> None:
+    """Turn a finished run into one that failed under --keep-going."""
+    (folder / "summary.json").unlink()
+    failed.record(folder.parent.name, int(folder.name[5:]), folder, ValueError("x"))
+
+
+def test_the_seeds_cell_counts_the_failed_runs_of_its_row(tmp_path: Path) -> None:
+    """``1 (+1 failed)``: a failed run counts in the row of its method and settings, not among
+    the seeds of the statistics; one made with settings no finished run has counts nowhere."""
+    out = tmp_path / "runs"
+    args = _args(out, tmp_path / "none.py")
+    cfg = load_config(Path(args[1]), [a for a in args[2:] if not a.startswith(("imports", "alg"))])
+    run_experiment(cfg.model_copy(update={"algorithms": ["fedavg"], "seeds": [42, 43, 44]}))
+    folder = {s: run_dir(cfg, "fedavg", s) for s in (42, 43, 44)}
+    finished = (folder[43] / "summary.json").read_text()
+    _fail(folder[43])
+    with pytest.warns(IncompleteRunWarning):
+        assert "| fedavg | 2 (+1 failed) |" in report(out / "kg", write=False)
+    _fail(folder[44])
+    with pytest.warns(IncompleteRunWarning):
+        assert "| fedavg | 1 (+2 failed) |" in report(out / "kg", write=False)
+    settings = json.loads((folder[44] / "config.json").read_text())
+    (folder[44] / "config.json").write_text(json.dumps({**settings, "lr": 0.5}))
+    with pytest.warns(IncompleteRunWarning):  # settings of no finished run: named only
+        text = report(out / "kg", write=False)
+    assert "| fedavg | 1 (+1 failed) |" in text and "fedavg seed 44 failed" in text
+    (folder[42] / "config.json").write_text(json.dumps({**settings, "lr": 0.5}))
+    shown = f"{cfg.lr}"
+    (folder[43] / "summary.json").write_text(finished)  # 43 finished (lr as made), 42 at 0.5
+    (folder[43] / failed.FAILED).unlink()
+    with pytest.warns(IncompleteRunWarning):
+        text = report(out / "kg", write=False)
+    assert "| fedavg [lr=0.5] | 1 (+1 failed) |" in text
+    assert f"| fedavg [lr={shown}] | 1 |" in text

@@ -5,12 +5,14 @@ A failed run's folder holds :data:`FAILED` (written by :mod:`fedlore.engine.fail
 error's type, message, round and traceback) and no ``summary.json``. The report leaves it out of
 the table, whose means would otherwise pool a run cut short with finished ones, and names it:
 one warning line per failed run (:func:`fedlore.results.store.load_runs`) and a line under the
-table of ``report.md`` (:func:`failed_note`).
+table of ``report.md`` (:func:`failed_note`); the seeds cell of the row it would have joined says
+``2 (+1 failed)`` (:func:`failed_per_row`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +68,26 @@ def failed_runs(exp_dir: Path) -> list[tuple[str, int, dict[str, Any]]]:
     except OSError:
         return out
     return sorted(out, key=lambda f: (f[0], f[1]))
+
+
+def failed_per_row(
+    failed: list[tuple[str, int, dict[str, Any]]],
+    rows: dict[str, list[Path]],
+    exp_dir: Path,
+    group: Callable[[Path], str],
+) -> dict[str, int]:
+    """How many failed runs each table row would have held: ``rows`` maps a row's label (a
+    method, or ``method [key=value, ...]`` when its runs were made with different settings) to
+    its run folders, and ``group`` gives a run folder's settings group
+    (:func:`fedlore.results.store.config_group`). A failed run counts for the row of its own
+    method whose runs share its settings; one made with settings no finished run has counts for
+    none (the note under the table names it all the same)."""
+    counts: dict[str, int] = {}
+    for method, seed, _ in failed:
+        key = group(exp_dir / method / f"seed-{seed}")
+        for label, folders in rows.items():
+            mine = label == method or label.startswith(f"{method} [")
+            if mine and folders and group(folders[0]) == key:
+                counts[label] = counts.get(label, 0) + 1
+                break
+    return counts

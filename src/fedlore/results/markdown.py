@@ -16,7 +16,8 @@ def seeds_cell(row: dict[str, Any]) -> str:
     their values are those of the last round written), have a summary.json that cannot be read
     (their values are the last round's too) or diverged (a training loss gone
     non-finite, or a model that blew up, :mod:`fedlore.results.divergence`: their final values
-    are left out of the statistics)."""
+    are left out of the statistics); and the runs of the row that failed under ``fedlore run
+    --keep-going``, not among them (``+1 failed``: left out, named under the table)."""
     notes = []
     if row.get("unfinished_runs"):
         notes.append(f"{row['unfinished_runs']} unfinished")
@@ -24,6 +25,8 @@ def seeds_cell(row: dict[str, Any]) -> str:
         notes.append(f"{row['unreadable_runs']} with an unreadable summary")
     if row.get("diverged_runs"):
         notes.append(f"{row['diverged_runs']} diverged")
+    if row.get("failed_runs"):  # not among the n: left out, named under the table
+        notes.append(f"+{row['failed_runs']} failed")
     n = str(int(row["n_seeds"]))
     return f"{n} ({', '.join(notes)})" if notes else n
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from fedlore import progress
 from fedlore.atomic import replacing, write_text
-from fedlore.results.failed_runs import failed_note, failed_runs
+from fedlore.results.failed_runs import failed_note, failed_per_row, failed_runs
 from fedlore.results.folders import linked_folders, subfolders
 from fedlore.results.markdown import (
     diagnostics_markdown,
@@ -41,6 +41,7 @@ from fedlore.results.store import (
     IncompleteRunWarning,
     NoFedloreRunError,
     RunRecord,
+    config_group,
     is_experiment_dir,
     load_runs,
     run_config,
@@ -204,6 +205,15 @@ def _report_experiment(
     if runs is None:
         runs = split_by_config(load_runs(exp_dir))  # runs of different configs never pool
     table = summary_table(runs)
+    failed = failed_runs(exp_dir)  # --keep-going's failures: named and counted, not pooled
+    per_row = failed_per_row(
+        failed,
+        {label: [r.path for r in rs] for label, rs in runs.items()},
+        exp_dir,
+        lambda path: config_group(RunRecord(0, [], {}, path))[0],
+    )
+    for row in table:
+        row["failed_runs"] = per_row.get(row["method"], 0)
     diag = diagnostics_table(runs)
     if keys is None:
         keys = [
@@ -221,7 +231,7 @@ def _report_experiment(
     held = {s for rs in runs.values() for r in rs if (s := r.summary.get("data_test_split"))}
     text = (
         f"# {exp_dir.name}\n\n{to_markdown(table)}\n"
-        + failed_note(failed_runs(exp_dir))  # --keep-going's failures: named, not pooled
+        + failed_note(failed)
         + "".join(f"Test set: {s}.\n\n" for s in sorted(held))  # no test split of its own
         + "Mean ± sample std (ddof=1) over seeds (no ± with one seed); MB = 10^6 bytes, totals "
         "per run; optimizer state per client (moment tensors); client state the most one client "

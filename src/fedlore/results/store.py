@@ -353,6 +353,15 @@ def run_config(record: RunRecord) -> dict[str, Any] | None:
     return out
 
 
+def config_group(record: RunRecord) -> tuple[str, dict[str, Any] | None]:
+    """The group of :func:`split_by_config` a run belongs to: its settings without
+    :data:`EVAL_ONLY` (None when unreadable) and their JSON text, equal for runs of one group."""
+    cfg = run_config(record)
+    if cfg is not None:
+        cfg = {k: v for k, v in cfg.items() if k not in EVAL_ONLY}
+    return json.dumps(cfg, sort_keys=True, default=str), cfg
+
+
 def split_by_config(runs: dict[str, list[RunRecord]]) -> dict[str, list[RunRecord]]:
     """The runs of each method grouped by the settings they were made with: runs of different
     configs left under one experiment name are never pooled. A method whose runs all share one
@@ -365,10 +374,7 @@ def split_by_config(runs: dict[str, list[RunRecord]]) -> dict[str, list[RunRecor
         groups: dict[str, list[RunRecord]] = {}
         configs: dict[str, dict[str, Any] | None] = {}
         for r in records:
-            cfg = run_config(r)
-            if cfg is not None:
-                cfg = {k: v for k, v in cfg.items() if k not in EVAL_ONLY}
-            key = json.dumps(cfg, sort_keys=True, default=str)
+            key, cfg = config_group(r)
             groups.setdefault(key, []).append(r)
             configs[key] = cfg
         if len(groups) == 1:
