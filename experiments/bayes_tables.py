@@ -5,6 +5,7 @@ files that ``experiments/sweep.py`` wrote under ``experiments/results/``.
     python experiments/bayes_tables.py [experiments/results] --write   # and write them
 
 ``--write`` writes each table beside its data as Markdown (``bayes_table2/summary.md``,
+``summary_e10.md`` (10 local epochs, the cells finished so far),
 ``bayes_table3/summary.md``, ``summary_e10.md`` (10 local epochs),
 ``bayes_table4/summary_cnn.md``, ``summary_cnn_steps20.md`` (the earlier protocol's),
 ``summary_resnet20.md``, ``bayes_table5/summary.md``, ``summary_fmnist_e10.md`` (10 local
@@ -49,36 +50,44 @@ FRACTIONS = ("1.0", "0.5", "0.25", "0.1")
 NOISES = ("0", "1e-4", "1e-3", "1e-2", "1e-1", "0.5")
 
 
-def table2_pairs(root: Path) -> list[tuple[str, str, Record, Record]]:
-    recs = load(root / "bayes_table2" / "table.json")
+def table2_pairs(root: Path, sub: str = "") -> list[tuple[str, str, Record, Record]]:
+    """The (|D|, ε) cells with both methods, in the seed's order; under ``sub`` (a sweep still
+    running, such as ``e10``) only the cells where both have the same seeds finished."""
+    recs = load(root / "bayes_table2" / sub / "table.json")
     pairs = []
     for frac in FRACTIONS:
         for eps in NOISES:
             a = find(recs, "fedavg", **{"data.fraction": frac, "data.noise": eps})
             b = find(recs, "bayfl", **{"data.fraction": frac, "data.noise": eps})
-            if a and b:
+            if a and b and (not sub or a.get("by_seed", {}).keys() == b.get("by_seed", {}).keys()):
                 pairs.append((frac, eps, a, b))
     return pairs
 
 
-def table2(root: Path) -> list[str]:
+def table2(root: Path, sub: str = "") -> list[str]:
     lines = [
-        "| \\|D\\| | ε | FedAvg acc. | BayFL acc. | Δ acc. | FedAvg NLL | BayFL NLL |",
-        "|---|---|---|---|---|---|---|",
+        "| \\|D\\| | ε | FedAvg acc. | BayFL acc. | Δ acc. | FedAvg NLL | BayFL NLL |"
+        + (" FedAvg ECE | BayFL ECE | seeds |" if sub else ""),
+        "|---|---|---|---|---|---|---|" + ("---|---|---|" if sub else ""),
     ]
-    for frac, eps, a, b in table2_pairs(root):
+    for frac, eps, a, b in table2_pairs(root, sub):
         delta = mean(b["final_accuracy"]) - mean(a["final_accuracy"])
         lines.append(
             f"| {float(frac) * 100:g} % | {eps} | {ms(a['final_accuracy'])} | "
             f"{ms(b['final_accuracy'])} | {delta:+.2f} | {ms(a['final_loss'], 1, 3)} | "
             f"{ms(b['final_loss'], 1, 3)} |"
+            + (
+                f" {ms(a['final_ece'], 1, 3)} | {ms(b['final_ece'], 1, 3)} | {a['seeds']} |"
+                if sub
+                else ""
+            )
         )
     return lines
 
 
-def table2_facts(root: Path) -> dict[str, Any]:
+def table2_facts(root: Path, sub: str = "") -> dict[str, Any]:
     """BayFL against FedAvg over the (|D|, ε) cells: how often it is ahead, by how much."""
-    pairs = table2_pairs(root)
+    pairs = table2_pairs(root, sub)
     lower_nll = lower_ece = higher_acc = within_std = 0
     diffs: list[float] = []
     stds: list[float] = []
@@ -301,6 +310,11 @@ def table6_facts(root: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- outputs
 TABLES: tuple[tuple[str, str, Callable[[Path], list[str]]], ...] = (
     ("Table II", "bayes_table2/summary.md", table2),
+    (
+        "Table II (10 local epochs, the cells finished so far)",
+        "bayes_table2/summary_e10.md",
+        lambda root: table2(root, "e10"),
+    ),
     ("Table III", "bayes_table3/summary.md", table3),
     ("Table III (10 local epochs)", "bayes_table3/summary_e10.md", table3_e10),
     ("Table IV (CNN)", "bayes_table4/summary_cnn.md", lambda root: table4(root, "cnn")),
@@ -355,7 +369,7 @@ TABLES: tuple[tuple[str, str, Callable[[Path], list[str]]], ...] = (
     ),
 )
 FACTS: tuple[tuple[str, Callable[[Path], dict[str, Any]]], ...] = (
-    ("bayes_table2/summary.json", table2_facts),
+    ("bayes_table2/summary.json", lambda root: {**table2_facts(root), "e10": e10_progress(root)}),
     (
         "bayes_table3/summary.json",
         lambda root: {**table3_facts(root), "e10": table3_e10_facts(root)},
@@ -365,6 +379,17 @@ FACTS: tuple[tuple[str, Callable[[Path], dict[str, Any]]], ...] = (
     ("bayes_table6/summary.json", table6_facts),
     ("bayes_table3_digits/summary.json", lambda root: epochs_facts(root)),
 )
+
+
+def e10_progress(root: Path) -> dict[str, Any]:
+    """Table II's rerun at 10 local epochs while it runs (``bayes_table2/e10``, the sweep's
+    ``--table-only`` over the runs finished so far): the complete cells' facts, and how many of
+    the grid's runs (every cell, both methods, the config's three seeds) have finished."""
+    recs = load(root / "bayes_table2" / "e10" / "table.json")
+    out = table2_facts(root, "e10") if table2_pairs(root, "e10") else {"cells": 0}
+    out["runs_finished"] = sum(r["seeds"] for r in recs)
+    out["runs_in_grid"] = len(FRACTIONS) * len(NOISES) * 2 * 3
+    return out
 
 
 def epochs_facts(root: Path) -> dict[str, Any]:
