@@ -82,13 +82,17 @@ class DataConfig(_Strict):
     non_finite: Literal["error", "drop"] = "error"
     """``npz``: a NaN or infinite input refuses the file naming the array and the first bad
     index (``error``); ``drop`` leaves out every such row and warns with the count."""
-    input_column: str | None = None
+    input_column: str | list[str] | None = None
     """``hf``: the column of each example's input. Images (a ``datasets`` ``Image`` feature, or
     arrays of uint8 pixels) become float32 ``[C, H, W]`` in [0, 1] as ``npz`` shapes them
     (greyscale: one channel; other modes: RGB); other arrays of numbers are cast to float32
     (``[H, W]``: one channel added; ``[F]``: features); strings are tokenized as the text sources
-    do (``tokenizer``, ``max_length``). None: the first of ``image``, ``img``, ``text``,
-    ``sentence`` the data have."""
+    do (``tokenizer``, ``max_length``). A list of two string columns, e.g. ``[sentence1,
+    sentence2]``, is a sentence pair (GLUE's MRPC, RTE, QNLI, MNLI, QQP), encoded with the
+    tokenizer's pair call as Hugging Face's ``run_glue.py`` does: ``[CLS] first [SEP] second
+    [SEP]``, the longer sentence truncated first to ``max_length``, the second sentence typed 1
+    for an encoder with token types (MiniLM, BERT); the order matters, and an empty sentence is
+    refused. None: the first of ``image``, ``img``, ``text``, ``sentence`` the data have."""
     label_column: str = "label"
     """``hf``: the column of class labels: a ``ClassLabel`` (its names become the class names),
     non-negative integers (classes 0 .. largest), or strings (numbered in sorted order,
@@ -114,6 +118,23 @@ class DataConfig(_Strict):
     seed, round and client), ``stream`` (one shuffled stream per client over the whole run,
     restarted when exhausted; seed 000's pre-training protocol). None: ``stream`` for the
     pre-training corpora, ``round`` otherwise."""
+
+    @field_validator("input_column", mode="before")
+    @classmethod
+    def _input_columns(cls, v: Any) -> Any:
+        pair = "the two string columns of a sentence pair, e.g. [sentence1, sentence2]"
+        if v is None or isinstance(v, str):
+            return v
+        if not isinstance(v, list | tuple):
+            raise ValueError(f"expected a column name or {pair}")
+        if len(v) != 2:
+            many = f"{len(v)} column" + ("" if len(v) == 1 else "s")
+            raise ValueError(f"names {many}: name one column, or {pair}")
+        if any(not isinstance(c, str) or not c for c in v):
+            raise ValueError("a sentence pair is two column names")
+        if v[0] == v[1]:
+            raise ValueError(f"names column {v[0]!r} twice; a sentence pair is two columns")
+        return list(v)
 
     @field_validator("categories")
     @classmethod

@@ -166,6 +166,66 @@ def test_minilm_padding_does_not_change_output(minilm: nn.Module) -> None:
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def _pooled(model: TextClassifier, ids: torch.Tensor, **types: torch.Tensor) -> torch.Tensor:
+    """The mean-pooled encoder output of ``ids``, the backbone called directly."""
+    mask = ids != model.pad_token_id
+    out = model.backbone(input_ids=ids, attention_mask=mask.long(), **types).last_hidden_state
+    w = mask.unsqueeze(-1).to(out.dtype)
+    return (out * w).sum(1) / w.sum(1).clamp(min=1.0)
+
+
+def test_minilm_gets_a_pairs_token_types_as_the_tokenizer_gives_them(minilm: nn.Module) -> None:
+    """MiniLM has two token types (type_vocab_size 2, rows that differ) and its tokenizer types
+    a pair's second sentence 1: the model rebuilds them from the ids, so a pair reaches the
+    encoder as ``tokenizer(a, b)`` would hand it over, and a single sentence as before."""
+    from fedlore.data.hf_text import tokenize_pairs
+    from fedlore.data.text import load_tokenizer, tokenize
+
+    assert isinstance(minilm, TextClassifier)
+    tok = load_tokenizer(None)
+    assert minilm.sep_token_id == tok.sep_token_id == 102
+    assert getattr(minilm.backbone.config, "type_vocab_size", None) == 2
+    a, b = ["A man is playing a guitar.", "The cat sleeps."], ["Someone plays music.", "No."]
+    ids = tokenize_pairs(tok, a, b, 32)
+    enc = tok(a, b, truncation=True, max_length=32, padding="max_length", return_tensors="pt")
+    minilm.eval()
+    with torch.no_grad():
+        got = minilm.pool(ids)
+        want = _pooled(minilm, ids, token_type_ids=enc["token_type_ids"])
+        untyped = _pooled(minilm, ids)
+        single = tokenize(tok, a, 32)
+        assert torch.equal(minilm.pool(single), _pooled(minilm, single))  # all type 0
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    gap = float((got - untyped).norm() / untyped.norm())
+    assert gap > 1e-2, gap  # the types change what the encoder sees (about 4 %)
+
+
+def test_an_encoder_without_token_types_gets_none() -> None:
+    from types import SimpleNamespace
+
+    from fedlore.models.text import separator_of
+
+    bert = SimpleNamespace(model_input_names=["input_ids", "token_type_ids"], sep_token_id=102)
+    roberta = SimpleNamespace(model_input_names=["input_ids", "attention_mask"], sep_token_id=2)
+    assert separator_of(bert, SimpleNamespace(type_vocab_size=2)) == 102
+    assert separator_of(bert, SimpleNamespace(type_vocab_size=1)) is None
+    assert separator_of(bert, SimpleNamespace()) is None
+    assert separator_of(roberta, SimpleNamespace(type_vocab_size=2)) is None
+    assert separator_of(None, SimpleNamespace(type_vocab_size=2)) is None
+    torch.manual_seed(0)
+    one_type = build_model(
+        "text_encoder",
+        (16,),
+        2,
+        random_init=True,
+        config_overrides={**TINY_BERT, "type_vocab_size": 1},
+    )
+    assert isinstance(one_type, TextClassifier) and one_type.sep_token_id is None
+    pair = torch.tensor([[101, 7, 102, 8, 102, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]])
+    assert one_type(pair).shape == (1, 2)  # no type 1 reaches a one-row type table
+    assert isinstance(_tiny_text(), TextClassifier) and _tiny_text().sep_token_id == 102
+
+
 def test_text_model_rejects_float_and_long_inputs(tmp_path: Path) -> None:
     model = _tiny_text()
     with pytest.raises(TypeError, match="token ids"):

@@ -33,7 +33,9 @@ dataset without the test split is tested on a held-out share of its training spl
   image is greyscale, else RGB; every image must have one size); a column of arrays or lists of
   numbers becomes float32 (uint8 scaled to [0, 1] as ``npz`` does; ``[B, H, W]`` gets one
   channel, ``[B, H, W, C]`` with C of 1 or 3 is moved to ``[B, C, H, W]``); a string column is
-  tokenized as the text sources do (``data.tokenizer``, ``data.max_length``).
+  tokenized as the text sources do (``data.tokenizer``, ``data.max_length``), and a list of two
+  string columns (``[sentence1, sentence2]``) is a sentence pair, encoded with the tokenizer's
+  pair call (:mod:`fedlore.data.hf_text`).
 * ``data.label_column`` (default ``label``): a ``ClassLabel`` gives the classes and their names;
   non-negative integers are classes ``0 .. largest``; strings are numbered in sorted order
   (numerically when every label is an integer), over both splits.
@@ -56,6 +58,13 @@ import torch
 from fedlore.data.checks import check_rows
 from fedlore.data.client_data import TensorSplit
 from fedlore.data.datasource import DataSource
+from fedlore.data.hf_columns import (
+    class_ids,
+    column_values,
+    feature_of,
+    raw_labels,
+    refuse_missing,
+)
 from fedlore.data.hf_images import (
     IMAGES,
     class_folders,
@@ -65,7 +74,8 @@ from fedlore.data.hf_images import (
     pixels,
     walk,
 )
-from fedlore.data.text import label_order, load_tokenizer, tokenize
+from fedlore.data.hf_text import encode, input_columns, is_text, read_texts
+from fedlore.data.text import label_order, load_tokenizer
 from fedlore.registry import register_source
 
 INPUT_COLUMNS = ("image", "img", "text", "sentence")
@@ -217,20 +227,6 @@ def _folder_labels(ds: Any, names: list[str]) -> Any:
     return ds.add_column("label", labels, feature=datasets.ClassLabel(names=names))
 
 
-def _column(ds: Any, column: str, key: str, where: str) -> Any:
-    """The feature of ``column``, refused naming the split, the key and the columns there are."""
-    if column not in ds.column_names:
-        raise ValueError(
-            f"hf: {where} has no column {column!r} (data.{key}); its columns: {ds.column_names}"
-        )
-    return ds.features[column]
-
-
-def _values(ds: Any, column: str) -> list[Any]:
-    """One column's values as Python objects (images decoded), no other column read."""
-    return list(ds.select_columns([column])[:][column])
-
-
 def _innermost(feature: Any) -> str | None:
     """The dtype of the numbers of a (nested) list or array feature, e.g. ``"uint8"``."""
     while not hasattr(feature, "dtype") and hasattr(feature, "feature"):
@@ -263,73 +259,11 @@ def _arrays(ds: Any, column: str, where: str) -> np.ndarray:
     return x if x.dtype == np.uint8 else x.astype(np.float32)
 
 
-def _missing(values: list[Any], column: str, where: str) -> None:
-    """Refuse a column with an empty (None) entry, naming its first row."""
-    empty = next((k for k, v in enumerate(values) if v is None), None)
-    if empty is not None:
-        raise ValueError(f"hf: {where}: row {empty} has no value in column {column!r}")
-
-
-def _raw_labels(ds: Any, column: str, where: str) -> tuple[np.ndarray, list[str] | None]:
-    """A label column as ``(values, ClassLabel names or None)``: ints, or strings (object)."""
-    import datasets
-
-    feature = _column(ds, column, "label_column", where)
-    values = _values(ds, column)
-    _missing(values, column, where)
-    if isinstance(feature, datasets.ClassLabel):
-        return np.asarray(values, dtype=np.int64), list(feature.names)
-    if getattr(feature, "dtype", None) in ("string", "large_string"):
-        return np.asarray([str(v) for v in values], dtype=object), None
-    y = np.asarray(values)
-    if y.dtype.kind not in "iu":
-        raise ValueError(
-            f"hf: {where}: label column {column!r} holds {feature}; the hf source reads class "
-            "labels (a ClassLabel, integers or strings)"
-        )
-    return y.astype(np.int64), None
-
-
-def _classes(
-    raw: dict[str, tuple[np.ndarray, list[str] | None]], column: str, root: str
-) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Class ids of every split and the class names (see the module docstring)."""
-    kinds = {
-        s: "strings" if v.dtype == object else "ClassLabel" if n is not None else "integers"
-        for s, (v, n) in raw.items()
-    }
-    names = [n for _, n in raw.values()]
-    if len(set(kinds.values())) > 1 or any(n != names[0] for n in names):
-        raise ValueError(
-            f"hf: {root}: label column {column!r} differs between the splits: {kinds}"
-            + ("" if len(set(kinds.values())) > 1 else " with other ClassLabel names")
-        )
-    if next(iter(kinds.values())) == "strings":
-        order = label_order([str(c) for v, _ in raw.values() for c in v.tolist()])
-        index = {c: k for k, c in enumerate(order)}
-        ids = {s: np.asarray([index[c] for c in v], dtype=np.int64) for s, (v, _) in raw.items()}
-        return ids, order
-    known = names[0]
-    for s, (v, _) in raw.items():
-        bad = np.flatnonzero((v < 0) | (v >= len(known) if known is not None else False))
-        if len(bad):
-            limit = f"outside its {len(known)} ClassLabel names" if known else "labels are >= 0"
-            raise ValueError(
-                f"hf: {root} (split {s!r}): row {int(bad[0])} has label {int(v[bad[0]])} in "
-                f"column {column!r} ({limit})"
-            )
-    labels = {s: v for s, (v, _) in raw.items()}
-    if known is not None:
-        return labels, list(known)
-    top = max((int(v.max()) + 1 for v in labels.values() if len(v)), default=1)
-    return labels, [str(c) for c in range(top)]
-
-
 @register_source("hf")
 def load_hf(
     root: str | None = None,
     *,
-    input_column: str | None = None,
+    input_column: str | list[str] | None = None,
     label_column: str = "label",
     id_column: str | None = None,
     train_split: str = "train",
@@ -343,13 +277,14 @@ def load_hf(
     Args:
         root: ``data.root``: a ``save_to_disk`` folder, or a parquet / CSV / JSON(L) file or
             folder of them.
-        input_column: ``data.input_column`` (None: the first of :data:`INPUT_COLUMNS`).
+        input_column: ``data.input_column``: a column, or the two string columns of a
+            sentence pair (None: the first of :data:`INPUT_COLUMNS`).
         label_column: ``data.label_column``.
         id_column: ``data.id_column``: the natural ids, or None.
         train_split: ``data.train_split``.
         test_split: ``data.test_split``.
         tokenizer: a string input's tokenizer folder (None: all-MiniLM-L6-v2).
-        max_length: a string input's tokens per example.
+        max_length: a string input's (or pair's) tokens per example.
         non_finite: ``data.non_finite``, for inputs of numbers (``error`` or ``drop``).
 
     Returns:
@@ -362,8 +297,9 @@ def load_hf(
         ValueError: without the ``datasets`` package (naming the ``pip install`` line), or
             naming the root, the split and the column when a column is missing or
             holds what this source cannot read, images differ in size, there is one class
-            only, labels are negative or
-            differ in kind between the splits, or (``non_finite="error"``) an input is NaN.
+            only, labels are negative or differ in kind between the splits,
+            (``non_finite="error"``) an input is NaN, or a sentence pair is refused
+            (:mod:`fedlore.data.hf_text`: not two string columns, an empty sentence).
     """
     try:
         import datasets
@@ -384,27 +320,28 @@ def load_hf(
                 f"{list(INPUT_COLUMNS)}; name it with data.input_column (its columns: "
                 f"{first.column_names})"
             )
+    columns = input_columns(input_column)
     inputs: dict[str, Any] = {}
     raw: dict[str, tuple[np.ndarray, list[str] | None]] = {}
     owners: dict[str, list[str]] = {}
     images: dict[str, list[Any]] = {}
+    texts: dict[str, list[tuple[str, ...]]] = {}
     for split, ds in data.items():
         where = f"{root} (split {split!r})"
-        feature = _column(ds, input_column, "input_column", where)
-        raw[split] = _raw_labels(ds, label_column, where)
+        features = [feature_of(ds, c, "input_column", where) for c in columns]
+        feature, column = features[0], columns[0]
+        raw[split] = raw_labels(ds, label_column, where)
         if id_column is not None:
-            _column(ds, id_column, "id_column", where)
-            owner = _values(ds, id_column)
-            _missing(owner, id_column, where)
+            feature_of(ds, id_column, "id_column", where)
+            owner = column_values(ds, id_column)
+            refuse_missing(owner, id_column, where)
             owners[split] = [str(v) for v in owner]
-        if isinstance(feature, datasets.Image):
-            images[split] = decoded(ds, input_column, where)
-        elif getattr(feature, "dtype", None) in ("string", "large_string"):
-            texts = _values(ds, input_column)
-            _missing(texts, input_column, where)
-            inputs[split] = [str(t) for t in texts]
+        if len(columns) == 2 or is_text(feature):  # tokenized below
+            texts[split] = read_texts(ds, columns, features, where)
+        elif isinstance(feature, datasets.Image):
+            images[split] = decoded(ds, column, where)
         else:
-            x = _arrays(ds, input_column, where)
+            x = _arrays(ds, column, where)
             _, kept = check_rows(where, x, np.arange(len(x)), non_finite)
             if len(kept) < len(x):
                 x = x[kept]
@@ -414,18 +351,22 @@ def load_hf(
             inputs[split] = x
     mode = image_mode([im for ims in images.values() for im in ims])  # one for every split
     for split, ims in images.items():
-        inputs[split] = pixels(ims, input_column, f"{root} (split {split!r})", mode)
-    labels, class_names = _classes(raw, label_column, root)
+        inputs[split] = pixels(ims, columns[0], f"{root} (split {split!r})", mode)
+    labels, class_names = class_ids(raw, label_column, root)
     if len(class_names) < 2:
         raise ValueError(
             f"hf: {root}: one class only ({class_names[0]!r} in column {label_column!r}); a "
             "classifier needs two or more (an image folder: a folder per class, an empty one "
             "for a class with no image)"
         )
-    text = isinstance(inputs[next(iter(inputs))], list)
-    if text:
+    if texts:
+        if len(texts) < len(data):  # a text column in one split, another kind in the other
+            raise ValueError(
+                f"hf: {root}: input column {columns[0]!r} holds strings in split(s) "
+                f"{sorted(texts)} but not in {sorted(set(data) - set(texts))}"
+            )
         tok = load_tokenizer(tokenizer)
-        xs = {s: tokenize(tok, v, max_length) for s, v in inputs.items()}
+        xs = {s: encode(tok, v, max_length, f"{root} (split {s!r})") for s, v in texts.items()}
     else:
         shapes = {s: x.shape[1:] for s, x in inputs.items()}
         if len(set(shapes.values())) > 1:

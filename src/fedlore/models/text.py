@@ -10,9 +10,13 @@ normalization is off by default here (a linear head on unit vectors would need a
 and can be turned on with ``normalize=True``. Any local folder that ``AutoModel`` loads works.
 
 The model builds ``attention_mask = (x != pad_token_id)`` itself, so it maps a plain int64 tensor
-to logits and the whole engine (local training, evaluation, every algorithm) runs unchanged. The
-data side (:mod:`fedlore.data.text`) must tokenize with the same folder's tokenizer; both default
-to the MiniLM folder.
+to logits and the whole engine (local training, evaluation, every algorithm) runs unchanged. An
+encoder with token types (BERT and MiniLM: ``type_vocab_size`` 2, a tokenizer that returns
+``token_type_ids``) gets them rebuilt the same way (:func:`token_types`): 0 up to the first
+separator, 1 after it, as the tokenizer types a sentence pair ``[CLS] a [SEP] b [SEP]``
+(:mod:`fedlore.data.hf_text`); a single sentence is all type 0, as before. The data side
+(:mod:`fedlore.data.text`) must tokenize with the same folder's tokenizer; both default to the
+MiniLM folder.
 
 Nothing is downloaded: every load passes ``local_files_only=True`` on a folder checked first.
 The encoder's pooler (a dense layer on [CLS], unused by mean pooling) is removed, so it neither
@@ -97,21 +101,26 @@ def resolve_text_folder(path: str | Path | None) -> Path:
     return local_hf_folder("text_encoder", path, MINILM_HINT)
 
 
-def pad_token_id_of(folder: Path, config: Any) -> int:
-    """The pad id the data is padded with: the folder's tokenizer's, else its config's.
+def folder_tokenizer(folder: Path) -> Any:
+    """The tokenizer of a model folder, or None when it has none (weights only)."""
+    from transformers import AutoTokenizer
+
+    try:
+        with quiet_transformers():
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError):  # a folder with weights but no tokenizer files
+        return None
+
+
+def pad_token_id_of(folder: Path, config: Any, tok: Any = None) -> int:
+    """The pad id the data is padded with: the folder's tokenizer's (``tok``: it, loaded), else
+    its config's.
 
     Raises:
         ValueError: when neither the tokenizer nor the config defines one.
     """
-    from transformers import AutoTokenizer
-
-    pad: int | None = None
-    try:
-        with quiet_transformers():
-            tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        pad = tok.pad_token_id
-    except (OSError, ValueError):  # a folder with weights but no tokenizer files
-        pad = None
+    tok = folder_tokenizer(folder) if tok is None else tok
+    pad: int | None = None if tok is None else tok.pad_token_id
     if pad is None:
         pad = getattr(config, "pad_token_id", None)
     if pad is None:
@@ -120,6 +129,36 @@ def pad_token_id_of(folder: Path, config: Any) -> int:
             "pad token id; pass pad_token_id=... in model.kwargs"
         )
     return int(pad)
+
+
+def separator_of(tok: Any, config: Any) -> int | None:
+    """The separator id whose later tokens are type 1, for an encoder with token types (a
+    ``type_vocab_size`` of 2 or more and a tokenizer that returns ``token_type_ids``, as BERT's
+    and MiniLM's); None for one without (RoBERTa, DistilBERT, a folder without a tokenizer)."""
+    if tok is None or "token_type_ids" not in getattr(tok, "model_input_names", ()):
+        return None
+    if int(getattr(config, "type_vocab_size", 0) or 0) < 2:
+        return None
+    sep = getattr(tok, "sep_token_id", None)
+    return None if sep is None else int(sep)
+
+
+def token_types(ids: torch.Tensor, sep_token_id: int, pad_token_id: int) -> torch.Tensor:
+    """Token types of token ids as a BERT tokenizer gives them: 0 up to and including the first
+    separator, 1 after it, 0 on padding. ``[CLS] a [SEP] b [SEP]`` -> ``0 0 0 1 1``; a single
+    sentence ``[CLS] a [SEP]`` is all 0.
+
+    Args:
+        ids: int64 ``[B, L]``.
+        sep_token_id: the separator's id.
+        pad_token_id: the pad id.
+
+    Returns:
+        int64 ``[B, L]`` of 0 and 1.
+    """
+    sep = (ids == sep_token_id).long()
+    before = sep.cumsum(dim=-1) - sep  # separators strictly before each position
+    return ((before > 0) & (ids != pad_token_id)).long()
 
 
 class TextClassifier(nn.Module):
@@ -133,6 +172,9 @@ class TextClassifier(nn.Module):
             from the mean.
         normalize: L2-normalize the pooled vector before the head (sentence-transformers' last
             step).
+        sep_token_id: the separator of an encoder with token types (:func:`separator_of`):
+            the tokens after the first one are type 1 (:func:`token_types`); None: no token
+            types are passed.
     """
 
     def __init__(
@@ -142,12 +184,14 @@ class TextClassifier(nn.Module):
         num_classes: int,
         pad_token_id: int,
         normalize: bool,
+        sep_token_id: int | None = None,
     ) -> None:
         super().__init__()
         self.backbone = backbone
         self.head = nn.Linear(hidden_size, num_classes)
         self.pad_token_id = int(pad_token_id)
         self.normalize = bool(normalize)
+        self.sep_token_id = None if sep_token_id is None else int(sep_token_id)
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
         """Mean of the last hidden states over non-pad tokens.
@@ -164,7 +208,10 @@ class TextClassifier(nn.Module):
         if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
             raise TypeError(f"text_encoder takes int64 token ids [B, L], got dtype {x.dtype}")
         mask = x != self.pad_token_id  # [B, L]
-        hidden = self.backbone(input_ids=x, attention_mask=mask.long()).last_hidden_state
+        types: dict[str, torch.Tensor] = {}
+        if self.sep_token_id is not None:  # a sentence pair's second sentence: type 1
+            types["token_type_ids"] = token_types(x, self.sep_token_id, self.pad_token_id)
+        hidden = self.backbone(input_ids=x, attention_mask=mask.long(), **types).last_hidden_state
         weights = mask.unsqueeze(-1).to(hidden.dtype)  # [B, L, 1]
         pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1.0)  # [B, H]
         return F.normalize(pooled, dim=-1) if self.normalize else pooled
@@ -274,8 +321,10 @@ def text_encoder(
             )
     _drop_pooler(backbone)
     backbone = backbone.float()
-    pad = pad_token_id if pad_token_id is not None else pad_token_id_of(folder, config)
-    return TextClassifier(backbone, int(config.hidden_size), num_classes, pad, normalize)
+    tok = folder_tokenizer(folder)
+    pad = pad_token_id if pad_token_id is not None else pad_token_id_of(folder, config, tok)
+    sep = separator_of(tok, config)
+    return TextClassifier(backbone, int(config.hidden_size), num_classes, pad, normalize, sep)
 
 
 text_encoder.takes_token_ids = True  # type: ignore[attr-defined]
