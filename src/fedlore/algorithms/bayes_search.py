@@ -53,8 +53,8 @@ class BayesSearch(Hyper):
         lr_search: ``"per_epoch"`` (seed 001 Algorithm 1 lines 7-17: a search before every
             local epoch), ``"per_round"`` (one search at the round's start) or ``"none"`` (the
             fixed ``lr``).
-        candidate_lrs: eta_1..eta_J (default {1e-2, 1e-3, 1e-4}, seed Table III and the
-            authors' supplementary code, with Adam).
+        candidate_lrs: eta_1..eta_J, distinct and > 0 (default {1e-2, 1e-3, 1e-4}, seed
+            Table III and the authors' supplementary code, with Adam).
         temp_steps: T_temp, steps of each temporary copy (reference notes Part 1.7).
         meta_fraction: share of the training split that forms d (seed: 20 %).
         meta_split: ``"subset"`` (the seed: d ⊂ D, the client trains on all of D) or
