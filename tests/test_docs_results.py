@@ -200,8 +200,8 @@ def test_the_meta_bayfl_pages_state_the_clients_sizes_their_configs_give() -> No
     held = sum(tr + te for tr, te in clients) / len(clients)
     train = sum(tr for tr, _ in clients) / len(clients)
     assert digits.local_epochs is not None
-    steps = sum(digits.local_epochs * math.ceil(tr / digits.batch_size) for tr, _ in clients)
-    steps /= len(clients)
+    epochs = digits.local_epochs
+    steps = sum(epochs * math.ceil(tr / digits.batch_size) for tr, _ in clients) / len(clients)
     said = f"about {about(held)} per client, {about(train)} of them for training:"
     page = flat("docs/results/meta-bayfl-epochs.md")
     assert (held, train) > (280, 225) and f"{said} 10 epochs are about {about(steps)} steps" in page

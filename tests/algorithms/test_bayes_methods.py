@@ -305,9 +305,9 @@ def test_a_bad_search_setting_is_refused_with_what_is_valid() -> None:
     for lrs, twice in (((1e-2, 0.01, 1e-3), "0.01"), ((1e-3, 1e-4, 1e-3, 1e-4), "0.0001, 0.001")):
         with pytest.raises(ValueError, match=rf"invalid candidate_lrs=.*: {twice} listed more"):
             MetaBayFL.of(candidate_lrs=lrs)
-    bad = load_config(None, ["method.meta_bayfl.candidate_lrs=[1e-2,0.01]"])
+    cfg = load_config(None, ["method.meta_bayfl.candidate_lrs=[1e-2,0.01]"])
     with pytest.raises(ValueError, match=r"method\.meta_bayfl: invalid candidate_lrs"):
-        make_algorithm("meta_bayfl", bad)
+        make_algorithm("meta_bayfl", cfg)
     assert MetaBayFL.of(candidate_lrs=(1e-2, 1e-3)).candidate_lrs == (1e-2, 1e-3)
 
 
