@@ -31,6 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bayes_stats, bayes_lr_table beside it
 
 from bayes_lr_table import table3, table3_e10, table3_e10_facts, table3_facts
+from bayes_run_facts import table3_run_facts, table4_run_facts
 from bayes_stats import (
     Record,
     find,
@@ -372,9 +373,15 @@ FACTS: tuple[tuple[str, Callable[[Path], dict[str, Any]]], ...] = (
     ("bayes_table2/summary.json", lambda root: {**table2_facts(root), "e10": e10_progress(root)}),
     (
         "bayes_table3/summary.json",
-        lambda root: {**table3_facts(root), "e10": table3_e10_facts(root)},
+        lambda root: {
+            **table3_facts(root),
+            "e10": {**table3_e10_facts(root), "runs": table3_run_facts(root.parent / "runs")},
+        },
     ),
-    ("bayes_table4/summary.json", table4_facts),
+    (
+        "bayes_table4/summary.json",
+        lambda root: {**table4_facts(root), "runs": table4_run_facts(root.parent / "runs")},
+    ),
     ("bayes_table5/summary.json", table5_facts),
     ("bayes_table6/summary.json", table6_facts),
     ("bayes_table3_digits/summary.json", lambda root: epochs_facts(root)),

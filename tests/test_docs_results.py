@@ -167,3 +167,56 @@ def test_dump_json_loads_lr_select_once(monkeypatch: pytest.MonkeyPatch) -> None
     texts = [results_common.dump_json({"a": [1.0, math.nan], "b": i}) for i in range(3)]
     assert texts[0] == '{\n "a": [\n  1.0,\n  null\n ],\n "b": 0\n}\n'
     assert loads == ["lr_select"]
+
+
+FASHION_MNIST_TRAIN = 60_000
+"""Fashion-MNIST's training images (every Meta-BayFL table's source before ``data.fraction``)."""
+
+
+def flat(path: str) -> str:
+    """A file's text with every run of whitespace (and a YAML comment's ``#``) one space."""
+    return " ".join((ROOT / path).read_text(encoding="utf-8").replace("\n#", " ").split())
+
+
+def about(x: float) -> str:
+    """``x`` to the nearest ten, as the pages write "about 290"."""
+    return f"{round(x, -1):,.0f}"
+
+
+def test_the_meta_bayfl_pages_state_the_clients_sizes_their_configs_give() -> None:
+    """The client sizes the Meta-BayFL pages (and the digits config's header) state are what the
+    configs build: per client, its images and its training share after the local 80/20 split
+    (the share a local epoch passes over), and the steps of 10 local epochs on digits."""
+    from fedlore.config import load_config
+    from fedlore.data.federation import build_federation
+
+    digits = load_config(ROOT / "experiments" / "bayes_table3_digits.yaml")
+    feds = [build_federation(digits, seed) for seed in digits.seeds]
+    clients = [
+        (len(tr), len(te))
+        for f in feds
+        for tr, te in zip(f.train_indices, f.test_indices, strict=True)
+    ]
+    held = sum(tr + te for tr, te in clients) / len(clients)
+    train = sum(tr for tr, _ in clients) / len(clients)
+    assert digits.local_epochs is not None
+    epochs = digits.local_epochs
+    steps = sum(epochs * math.ceil(tr / digits.batch_size) for tr, _ in clients) / len(clients)
+    said = f"about {about(held)} per client, {about(train)} of them for training:"
+    page = flat("docs/results/meta-bayfl-epochs.md")
+    assert (held, train) > (280, 225) and f"{said} 10 epochs are about {about(steps)} steps" in page
+    assert f"{said} 10 local epochs are about {about(steps)} steps" in flat(
+        "experiments/bayes_table3_digits.yaml"
+    )
+    for name, page, says in (
+        ("bayes_table3", "meta-bayfl-epochs", "{held:,.0f} images per client, {train:,.0f} for"),
+        ("bayes_table3", "meta-bayfl-tables", "a client's {train:,.0f} training images"),
+        ("bayes_table6", "meta-bayfl-epochs", "about {held10} images per client ({train10} for"),
+    ):
+        cfg = load_config(ROOT / "experiments" / f"{name}.yaml")
+        data = cfg.data
+        assert data.name == "fashion_mnist"
+        held = FASHION_MNIST_TRAIN * data.fraction * (1 - data.server_fraction) / cfg.num_clients
+        train = held * (1 - data.test_fraction)
+        text = says.format(held=held, train=train, held10=about(held), train10=about(train))
+        assert text in flat(f"docs/results/{page}.md"), (page, text)

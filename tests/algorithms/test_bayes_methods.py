@@ -288,6 +288,29 @@ def test_bad_hyperparameters_are_refused() -> None:
             MetaBayFL.of(**bad)
 
 
+def test_a_bad_search_setting_is_refused_with_what_is_valid() -> None:
+    """Each refusal names the key, the value and what a valid value is; a rate listed twice
+    (also spelled differently, 1e-2 and 0.01) is refused, not tried twice per search."""
+    for bad, valid in (
+        ({"candidate_lrs": (1e-2, 0.0)}, "each > 0"),
+        ({"candidate_lrs": (1e-2, -1e-3)}, "each > 0"),
+        ({"meta_fraction": 0.0}, "strictly between 0 and 1"),
+        ({"meta_fraction": 1.0}, "strictly between 0 and 1"),
+        ({"temp_steps": 0}, "at least 1"),
+        ({"prior_sigma": -1.0}, "finite and > 0"),
+    ):
+        key = next(iter(bad))
+        with pytest.raises(ValueError, match=rf"invalid {key}=.*: must be .*{valid}"):
+            MetaBayFL.of(**bad)
+    for lrs, twice in (((1e-2, 0.01, 1e-3), "0.01"), ((1e-3, 1e-4, 1e-3, 1e-4), "0.0001, 0.001")):
+        with pytest.raises(ValueError, match=rf"invalid candidate_lrs=.*: {twice} listed more"):
+            MetaBayFL.of(candidate_lrs=lrs)
+    cfg = load_config(None, ["method.meta_bayfl.candidate_lrs=[1e-2,0.01]"])
+    with pytest.raises(ValueError, match=r"method\.meta_bayfl: invalid candidate_lrs"):
+        make_algorithm("meta_bayfl", cfg)
+    assert MetaBayFL.of(candidate_lrs=(1e-2, 1e-3)).candidate_lrs == (1e-2, 1e-3)
+
+
 def test_run_records_chosen_lrs_and_local_and_global_metrics(tmp_path: Path) -> None:
     cfg = load_config(
         None,

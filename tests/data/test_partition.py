@@ -112,6 +112,19 @@ def test_gaussian_noise_clipped_and_seeded() -> None:
     assert torch.equal(add_gaussian_noise(x, 0.0, torch.Generator()), x)
 
 
+def test_gaussian_noise_is_eps_times_a_standard_normal_per_pixel() -> None:
+    """The noise model docs/explanation/protocols.md states: x <- clip(x + eps * N(0, 1), 0, 1),
+    one independent standard normal per pixel, eps its standard deviation in pixel units."""
+    x = torch.full((400, 1, 8, 8), 0.5)
+    out = add_gaussian_noise(x, 0.1, torch.Generator().manual_seed(3))
+    z = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+    assert torch.allclose(out, (x + 0.1 * z).clamp(0.0, 1.0), atol=1e-7)
+    noise = out - x  # eps 0.1 around 0.5: 5 sigma from either bound, so nothing is clipped
+    assert abs(float(noise.std()) - 0.1) < 0.002 and abs(float(noise.mean())) < 0.002
+    edge = add_gaussian_noise(torch.zeros(1000), 0.1, torch.Generator().manual_seed(3))
+    assert float(edge.min()) == 0.0 and 0.4 < float((edge == 0).float().mean()) < 0.6
+
+
 def test_flip_labels_always_other_class() -> None:
     y = np.arange(1000) % 10
     out = flip_labels(y, 0.3, 10, np.random.default_rng(0))

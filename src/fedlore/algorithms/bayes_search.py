@@ -53,8 +53,8 @@ class BayesSearch(Hyper):
         lr_search: ``"per_epoch"`` (seed 001 Algorithm 1 lines 7-17: a search before every
             local epoch), ``"per_round"`` (one search at the round's start) or ``"none"`` (the
             fixed ``lr``).
-        candidate_lrs: eta_1..eta_J (default {1e-2, 1e-3, 1e-4}, seed Table III and the
-            authors' supplementary code, with Adam).
+        candidate_lrs: eta_1..eta_J, distinct and > 0 (default {1e-2, 1e-3, 1e-4}, seed
+            Table III and the authors' supplementary code, with Adam).
         temp_steps: T_temp, steps of each temporary copy (reference notes Part 1.7).
         meta_fraction: share of the training split that forms d (seed: 20 %).
         meta_split: ``"subset"`` (the seed: d ⊂ D, the client trains on all of D) or
@@ -92,25 +92,43 @@ class BayesSearch(Hyper):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        checks = {
-            "lr_search": self.lr_search in ("per_epoch", "per_round", "none"),
-            "candidate_lrs": bool(self.candidate_lrs)
-            and all(isinstance(x, int | float) and x > 0 for x in self.candidate_lrs),
-            "temp_steps": self.temp_steps >= 1,
-            "meta_fraction": 0.0 < self.meta_fraction < 1.0,
-            "meta_split": self.meta_split in ("subset", "heldout"),
-            "meta_score": self.meta_score in ("nll", "elbo"),
-            "beta_kl": self.beta_kl >= 0,
-            "prior_sigma": self.prior_sigma > 0 and math.isfinite(self.prior_sigma),
-            "prior_mu": math.isfinite(self.prior_mu),
-            "rho_init": math.isfinite(self.rho_init),
-            "bnn_estimator": self.bnn_estimator in ESTIMATORS,
-            "meta_resample": self.meta_resample in ("round", "fixed"),
+        lrs = self.candidate_lrs
+        checks = {  # name: (valid, what a valid value is)
+            "lr_search": (
+                self.lr_search in ("per_epoch", "per_round", "none"),
+                "one of per_epoch, per_round, none",
+            ),
+            "candidate_lrs": (
+                bool(lrs) and all(isinstance(x, int | float) and x > 0 for x in lrs),
+                "one or more learning rates, each > 0",
+            ),
+            "temp_steps": (self.temp_steps >= 1, "at least 1 trial step"),
+            "meta_fraction": (
+                0.0 < self.meta_fraction < 1.0,
+                "the share of a client's training data in d, strictly between 0 and 1",
+            ),
+            "meta_split": (self.meta_split in ("subset", "heldout"), "subset or heldout"),
+            "meta_score": (self.meta_score in ("nll", "elbo"), "nll or elbo"),
+            "beta_kl": (self.beta_kl >= 0, ">= 0"),
+            "prior_sigma": (
+                self.prior_sigma > 0 and math.isfinite(self.prior_sigma),
+                "finite and > 0",
+            ),
+            "prior_mu": (math.isfinite(self.prior_mu), "finite"),
+            "rho_init": (math.isfinite(self.rho_init), "finite"),
+            "bnn_estimator": (self.bnn_estimator in ESTIMATORS, " or ".join(ESTIMATORS)),
+            "meta_resample": (self.meta_resample in ("round", "fixed"), "round or fixed"),
         }
-        for name, ok in checks.items():
+        who = getattr(self, "name", type(self).__name__)
+        for name, (ok, valid) in checks.items():
             if not ok:
-                who = getattr(self, "name", type(self).__name__)
-                raise ValueError(f"{who}: invalid {name}={getattr(self, name)!r}")
+                raise ValueError(f"{who}: invalid {name}={getattr(self, name)!r}: must be {valid}")
+        repeated = sorted({x for x in lrs if lrs.count(x) > 1})
+        if repeated:
+            raise ValueError(
+                f"{who}: invalid candidate_lrs={lrs!r}: {', '.join(f'{x:g}' for x in repeated)} "
+                "listed more than once; a search tries each candidate once, list each rate once"
+            )
 
     def searches(self, num_examples: int) -> bool:
         """Whether a client with ``num_examples`` training examples searches (a held-out d needs
