@@ -192,6 +192,20 @@ def test_a_missing_or_non_string_column_is_named(folder: Path, tmp_path: Path) -
         load_hf(str(tmp_path / "n.jsonl"), input_column=["s", "n"])
     with pytest.raises(ValueError, match=r"column 'n' of the sentence pair \['n', 's'\] holds "):
         load_hf(str(tmp_path / "n.jsonl"), input_column=["n", "s"])
+    # two names in one string (the brackets left out on the command line)
+    with pytest.raises(ValueError) as caught:
+        load_hf(str(folder), input_column="sentence1,sentence2")
+    assert str(caught.value).endswith(
+        "; a sentence pair is a list: data.input_column=[sentence1,sentence2]"
+    )
+    with pytest.raises(ValueError) as caught:
+        load_hf(str(folder), input_column="sentence1,hypothesis")
+    assert "a sentence pair is a list" not in str(caught.value)
+    # the second sentence missing from the test split's file alone
+    write_jsonl(tmp_path / "lack" / "train.jsonl", [{"a": "x", "b": "y", "label": 0}] * 3)
+    write_jsonl(tmp_path / "lack" / "test.jsonl", [{"a": "x", "label": 0}] * 2)
+    with pytest.raises(ValueError, match=r"\(split 'test'\) has no value in column 'b' in any of"):
+        load_hf(str(tmp_path / "lack"), input_column=["a", "b"])
 
 
 def test_an_empty_sentence_is_named_with_its_row(tmp_path: Path) -> None:

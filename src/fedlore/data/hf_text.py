@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from fedlore.data.hf_columns import refuse_missing
 from fedlore.data.text import tokenize
 from fedlore.models.text import token_types
 
@@ -74,7 +75,8 @@ def read_texts(ds: Any, columns: tuple[str, ...], features: list[Any], where: st
 
     Raises:
         ValueError: naming the split, the column and the row, for a pair column that does not
-            hold strings, a row without a value (None: in a CSV file, an empty field), or, in a
+            hold strings, a row without a value (None: in a CSV file, an empty field; in every
+            row: the split's files lack the column), or, in a
             pair, a sentence that is empty or only white space.
     """
     pair = len(columns) == 2
@@ -87,9 +89,8 @@ def read_texts(ds: Any, columns: tuple[str, ...], features: list[Any], where: st
     read = ds.select_columns(list(columns))[:]
     values = [list(read[c]) for c in columns]
     for column, texts in zip(columns, values, strict=True):
+        refuse_missing(texts, column, where)
         for row, text in enumerate(texts):
-            if text is None:
-                raise ValueError(f"hf: {where}: row {row} has no value in column {column!r}")
             if pair and not str(text).strip():
                 raise ValueError(
                     f"hf: {where}: row {row} has an empty sentence in column {column!r}; every "
