@@ -96,7 +96,9 @@ class DataConfig(_Strict):
     label_column: str = "label"
     """``hf``: the column of class labels: a ``ClassLabel`` (its names become the class names),
     non-negative integers (classes 0 .. largest), or strings (numbered in sorted order,
-    numerically when every label is an integer)."""
+    numerically when every label is an integer), over both splits. A test split none of whose
+    integer or string labels the training split has is refused; a test label no training
+    example has is warned of."""
     id_column: str | None = None
     """``hf``: a column naming the natural owner of each example (a writer, a speaker, a user):
     the ids of ``partition.name: natural`` and of a ``flwr:`` partitioner's

@@ -21,7 +21,7 @@ from fedlore.config import ConfigError, load_config
 from fedlore.data.datasource import DataSource
 from fedlore.data.federation import load_source
 from fedlore.data.hf import load_hf
-from fedlore.data.hf_text import input_columns, tokenize_pairs
+from fedlore.data.hf_text import _rebuild_fails, input_columns, tokenize_pairs
 from fedlore.data.text import load_tokenizer
 from fedlore.experiment import run_one
 from fedlore.models.text import minilm_folder, token_types
@@ -192,6 +192,20 @@ def test_a_missing_or_non_string_column_is_named(folder: Path, tmp_path: Path) -
         load_hf(str(tmp_path / "n.jsonl"), input_column=["s", "n"])
     with pytest.raises(ValueError, match=r"column 'n' of the sentence pair \['n', 's'\] holds "):
         load_hf(str(tmp_path / "n.jsonl"), input_column=["n", "s"])
+    # two names in one string (the brackets left out on the command line)
+    with pytest.raises(ValueError) as caught:
+        load_hf(str(folder), input_column="sentence1,sentence2")
+    assert str(caught.value).endswith(
+        "; a sentence pair is a list: data.input_column=[sentence1,sentence2]"
+    )
+    with pytest.raises(ValueError) as caught:
+        load_hf(str(folder), input_column="sentence1,hypothesis")
+    assert "a sentence pair is a list" not in str(caught.value)
+    # the second sentence missing from the test split's file alone
+    write_jsonl(tmp_path / "lack" / "train.jsonl", [{"a": "x", "b": "y", "label": 0}] * 3)
+    write_jsonl(tmp_path / "lack" / "test.jsonl", [{"a": "x", "label": 0}] * 2)
+    with pytest.raises(ValueError, match=r"\(split 'test'\) has no value in column 'b' in any of"):
+        load_hf(str(tmp_path / "lack"), input_column=["a", "b"])
 
 
 def test_an_empty_sentence_is_named_with_its_row(tmp_path: Path) -> None:
@@ -216,6 +230,32 @@ def test_a_separator_typed_into_the_first_sentence_is_named(tmp_path: Path) -> N
         load_hf(str(tmp_path / "sep.jsonl"), input_column=["a", "b"])
     src = load_hf(str(tmp_path / "sep.jsonl"), input_column=["b", "a"])  # in the second: fine
     assert src.train.x.shape[0] == 5
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_pad_token_typed_into_a_sentence_is_named(tmp_path: Path, first: bool) -> None:
+    rows = [{"a": "plain", "b": "text", "label": k % 2} for k in range(4)]
+    typed = {"a": "one [PAD] two", "b": "three"} if first else {"a": "one", "b": "x [PAD] y"}
+    rows.insert(2, {**typed, "label": 0})
+    rows.append({**typed, "label": 1})  # the first such row is named
+    write_jsonl(tmp_path / "pad.jsonl", rows)
+    with pytest.raises(ValueError) as caught:
+        load_hf(str(tmp_path / "pad.jsonl"), input_column=["a", "b"])
+    which = "first" if first else "second"
+    assert "(split 'train'): row 2: the model rebuilds a pair's attention mask and " in str(
+        caught.value
+    )
+    assert str(caught.value).endswith(
+        f"but its {which} sentence holds the pad token '[PAD]' itself, which the model would "
+        "mask out as padding; remove it from the text"
+    )
+
+
+def test_a_separator_in_the_second_sentence_is_not_blamed() -> None:
+    tok = SimpleNamespace(pad_token="[PAD]", sep_token="[SEP]")
+    said = _rebuild_fails(tok, "one", "two [SEP] three")  # harmless there: another cause
+    assert said.startswith("this tokenizer does not mark the second sentence as the tokens after")
+    assert "holds the separator token" in _rebuild_fails(tok, "one [SEP]", "two")
 
 
 def test_a_max_length_without_room_for_both_sentences_is_refused(folder: Path) -> None:

@@ -18,6 +18,7 @@ pytest.importorskip("datasets", reason="needs the [hf] extra: pip install -e '.[
 from ecosystem_data import digits, hf_images, write_hf_digits
 
 from fedlore.config import ConfigError, load_config
+from fedlore.data.checks import DataWarning
 from fedlore.data.datasource import DataSource
 from fedlore.data.federation import build_federation, load_source
 from fedlore.data.hf import load_hf
@@ -132,10 +133,11 @@ def test_parquet_json_and_csv_files_and_a_folder_of_split_files(tmp_path: Path) 
     assert len(only_train.test) == 0
     (tmp_path / "csv").mkdir()
     (tmp_path / "csv" / "train.csv").write_text("v,label\n1.5,b\n2.5,a\n3.5,b\n")
-    (tmp_path / "csv" / "test.csv").write_text("v,label\n4.5,c\n")
-    csv = load_hf(str(tmp_path / "csv"), input_column="v")
+    (tmp_path / "csv" / "test.csv").write_text("v,label\n4.5,c\n5.5,a\n")
+    with pytest.warns(DataWarning, match="label 'c' in column 'label' .* is no label of the"):
+        csv = load_hf(str(tmp_path / "csv"), input_column="v")
     assert csv.class_names == ["a", "b", "c"]  # strings numbered in sorted order, both splits
-    assert csv.train.y.tolist() == [1, 0, 1] and csv.test.y.tolist() == [2]
+    assert csv.train.y.tolist() == [1, 0, 1] and csv.test.y.tolist() == [2, 0]
     assert csv.train.x[:, 0].tolist() == [1.5, 2.5, 3.5] and csv.input_shape == (1,)
 
 

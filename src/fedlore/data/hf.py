@@ -38,7 +38,9 @@ dataset without the test split is tested on a held-out share of its training spl
   pair call (:mod:`fedlore.data.hf_text`).
 * ``data.label_column`` (default ``label``): a ``ClassLabel`` gives the classes and their names;
   non-negative integers are classes ``0 .. largest``; strings are numbered in sorted order
-  (numerically when every label is an integer), over both splits.
+  (numerically when every label is an integer), over both splits; a test split with no label
+  of the training split is refused, a test label no training example has warned of
+  (:func:`fedlore.data.hf_columns.refuse_unseen`).
 * ``data.id_column`` (optional): the natural owner of each example (writer, speaker, user), the
   ids of ``partition.name: natural``, numbered in sorted order over both splits.
 
@@ -352,7 +354,7 @@ def load_hf(
     mode = image_mode([im for ims in images.values() for im in ims])  # one for every split
     for split, ims in images.items():
         inputs[split] = pixels(ims, columns[0], f"{root} (split {split!r})", mode)
-    labels, class_names = class_ids(raw, label_column, root)
+    labels, class_names = class_ids(raw, label_column, root, train_split)
     if len(class_names) < 2:
         raise ValueError(
             f"hf: {root}: one class only ({class_names[0]!r} in column {label_column!r}); a "

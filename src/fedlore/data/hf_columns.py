@@ -3,7 +3,8 @@ and the class labels (``data.label_column``) of every split as class ids and nam
 
 A ``ClassLabel`` gives the classes and their names; non-negative integers are classes
 ``0 .. largest``; strings are numbered in sorted order (numerically when every label is an
-integer), over both splits. ``datasets`` is imported only when labels are read.
+integer), over both splits; a split none of whose labels the training split has is refused
+(:func:`refuse_unseen`). ``datasets`` is imported only when labels are read.
 """
 
 from __future__ import annotations
@@ -12,14 +13,23 @@ from typing import Any
 
 import numpy as np
 
+from fedlore.data.checks import DataWarning
 from fedlore.data.text import label_order
+from fedlore.progress import warn_once
 
 
 def feature_of(ds: Any, column: str, key: str, where: str) -> Any:
     """The feature of ``column``, refused naming the split, the key and the columns there are."""
     if column not in ds.column_names:
+        parts = [c.strip() for c in column.split(",")]
+        pair = (
+            f"; a sentence pair is a list: data.input_column=[{','.join(parts)}]"
+            if key == "input_column" and len(parts) > 1 and set(parts) <= set(ds.column_names)
+            else ""
+        )
         raise ValueError(
-            f"hf: {where} has no column {column!r} (data.{key}); its columns: {ds.column_names}"
+            f"hf: {where} has no column {column!r} (data.{key}); its columns: "
+            f"{ds.column_names}{pair}"
         )
     return ds.features[column]
 
@@ -30,10 +40,18 @@ def column_values(ds: Any, column: str) -> list[Any]:
 
 
 def refuse_missing(values: list[Any], column: str, where: str) -> None:
-    """Refuse a column with an empty (None) entry, naming its first row."""
+    """Refuse a column with an empty (None) entry, naming its first row, or saying the split
+    has no value in it at all (its files lack the column: ``datasets`` gives a column one split
+    lacks None in every row of that split)."""
     empty = next((k for k, v in enumerate(values) if v is None), None)
-    if empty is not None:
-        raise ValueError(f"hf: {where}: row {empty} has no value in column {column!r}")
+    if empty is None:
+        return
+    if all(v is None for v in values):
+        raise ValueError(
+            f"hf: {where} has no value in column {column!r} in any of its {len(values)} rows "
+            "(its files lack the column, which another split has)"
+        )
+    raise ValueError(f"hf: {where}: row {empty} has no value in column {column!r}")
 
 
 def raw_labels(ds: Any, column: str, where: str) -> tuple[np.ndarray, list[str] | None]:
@@ -57,9 +75,19 @@ def raw_labels(ds: Any, column: str, where: str) -> tuple[np.ndarray, list[str] 
 
 
 def class_ids(
-    raw: dict[str, tuple[np.ndarray, list[str] | None]], column: str, root: str
+    raw: dict[str, tuple[np.ndarray, list[str] | None]],
+    column: str,
+    root: str,
+    train_split: str = "train",
 ) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Class ids of every split and the class names (see the module docstring)."""
+    """Class ids of every split and the class names (see the module docstring).
+
+    Raises:
+        ValueError: for labels of different kinds in the splits, a negative label or one past
+            the ClassLabel names, and (integers or strings) a split none of whose labels
+            ``train_split`` has (:func:`refuse_unseen`, which warns of some).
+    """
+    refuse_unseen(raw, column, root, train_split)
     kinds = {
         s: "strings" if v.dtype == object else "ClassLabel" if n is not None else "integers"
         for s, (v, n) in raw.items()
@@ -89,3 +117,37 @@ def class_ids(
         return labels, list(known)
     top = max((int(v.max()) + 1 for v in labels.values() if len(v)), default=1)
     return labels, [str(c) for c in range(top)]
+
+
+def refuse_unseen(
+    raw: dict[str, tuple[np.ndarray, list[str] | None]], column: str, root: str, train_split: str
+) -> None:
+    """Refuse a split none of whose integer or string labels the training split has, and warn
+    of one with some such labels.
+
+    A label no training example has cannot be learned: its test rows all count as errors. A
+    split with no label in common with the training split is a mistake in the files: labels
+    written as words in one split and as numbers in the other (``datasets`` casts the numbers
+    to strings, ``"0"`` beside ``"yes"``), or another column. A ``ClassLabel`` names its
+    classes itself (a class may have no example) and is not checked; nor is a test split alone
+    (a site-local server's, no training split).
+    """
+    if train_split not in raw or raw[train_split][1] is not None:
+        return
+    known = {str(v) for v in raw[train_split][0].tolist()}
+    for split, (values, _) in raw.items():
+        unseen = [k for k, v in enumerate(values.tolist()) if str(v) not in known]
+        if not unseen:  # (never in the training split itself)
+            continue
+        labels, first = sorted({str(values[k]) for k in unseen}), str(values[unseen[0]])
+        said = (
+            f"hf: {root} (split {split!r}): label {first!r} in column {column!r} (row "
+            f"{unseen[0]}; {len(unseen)} of its {len(values)} rows, labels {labels}) is no label "
+            f"of the training split {train_split!r} (its labels: {sorted(known)})"
+        )
+        if len(unseen) == len(values):
+            raise ValueError(
+                f"{said}, nor is any other of its labels; write the labels alike in every "
+                "split (words or numbers), or give the column a ClassLabel naming every class"
+            )
+        warn_once(f"{said}: the model cannot learn it, so those rows count as errors", DataWarning)

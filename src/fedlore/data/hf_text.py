@@ -13,8 +13,9 @@ The examples stay one int64 tensor ``[N, L]`` of token ids. The model rebuilds w
 tokenizer returns from the ids: the attention mask from the pad id and, for an encoder with
 token types (BERT, MiniLM), the second sentence's type 1 from the separator
 (:func:`fedlore.models.text.token_types`). The encoding checks that this rebuild gives the
-tokenizer's own ``token_type_ids`` for every pair, so a sentence holding the separator token
-itself (``[SEP]`` typed into the text) is refused rather than mis-typed.
+tokenizer's own ``attention_mask`` and ``token_type_ids`` for every pair, so a first sentence
+holding the separator token itself (``[SEP]`` typed into the text) is refused rather than
+mis-typed, and a sentence holding the pad token (``[PAD]``) rather than masked out.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from fedlore.data.hf_columns import refuse_missing
 from fedlore.data.text import tokenize
 from fedlore.models.text import token_types
 
@@ -74,7 +76,8 @@ def read_texts(ds: Any, columns: tuple[str, ...], features: list[Any], where: st
 
     Raises:
         ValueError: naming the split, the column and the row, for a pair column that does not
-            hold strings, a row without a value (None: in a CSV file, an empty field), or, in a
+            hold strings, a row without a value (None: in a CSV file, an empty field; in every
+            row: the split's files lack the column), or, in a
             pair, a sentence that is empty or only white space.
     """
     pair = len(columns) == 2
@@ -87,9 +90,8 @@ def read_texts(ds: Any, columns: tuple[str, ...], features: list[Any], where: st
     read = ds.select_columns(list(columns))[:]
     values = [list(read[c]) for c in columns]
     for column, texts in zip(columns, values, strict=True):
+        refuse_missing(texts, column, where)
         for row, text in enumerate(texts):
-            if text is None:
-                raise ValueError(f"hf: {where}: row {row} has no value in column {column!r}")
             if pair and not str(text).strip():
                 raise ValueError(
                     f"hf: {where}: row {row} has an empty sentence in column {column!r}; every "
@@ -132,7 +134,9 @@ def tokenize_pairs(
     Raises:
         ValueError: when the tokenizer has no separator token (its pair encoding would run the
             two sentences together), ``max_length`` leaves no room for a token of each
-            sentence, or a pair's token types cannot be rebuilt from its ids (naming the row).
+            sentence, or a pair's attention mask or token types cannot be rebuilt from its ids
+            (naming the row: the pad token typed into a sentence, the separator into the
+            first).
     """
     sep = tokenizer.sep_token_id
     specials = tokenizer.num_special_tokens_to_add(pair=True)
@@ -159,20 +163,36 @@ def tokenize_pairs(
         return_tensors="pt",
     )
     ids = enc["input_ids"].to(torch.int64)
+    pad = int(tokenizer.pad_token_id)
+    # what the model rebuilds from the ids: the attention mask from the pad id, the token types
+    # from the first separator; a row where either differs from the tokenizer's own is refused
+    wrong = ((ids != pad) != enc["attention_mask"].bool()).any(dim=1)
     if "token_type_ids" in enc:
-        rebuilt = token_types(ids, sep, int(tokenizer.pad_token_id))
-        wrong = torch.nonzero((rebuilt != enc["token_type_ids"]).any(dim=1)).flatten()
-        if len(wrong):
-            row = int(wrong[0])
-            token = tokenizer.sep_token
-            why = (
-                f"its first sentence holds the separator token {token!r} itself"
-                if token in firsts[row]
-                else "this tokenizer does not mark the second sentence as the tokens after the "
-                f"first separator {token!r}"
-            )
-            raise ValueError(
-                f"hf: {where}: row {row}: the model rebuilds a pair's token types from its ids, "
-                f"but {why}; remove it from the text (or pick another tokenizer)"
-            )
+        wrong |= (token_types(ids, sep, pad) != enc["token_type_ids"]).any(dim=1)
+    if bool(wrong.any()):
+        row = int(torch.nonzero(wrong)[0])
+        raise ValueError(
+            f"hf: {where}: row {row}: the model rebuilds a pair's attention mask and token types "
+            f"from its ids, but {_rebuild_fails(tokenizer, firsts[row], seconds[row])}"
+        )
     return ids
+
+
+def _rebuild_fails(tokenizer: Any, first: str, second: str) -> str:
+    """Why the ids of the pair ``(first, second)`` do not give back the tokenizer's attention
+    mask or token types: a special token typed into the text, else the tokenizer's layout."""
+    pad, sep = tokenizer.pad_token, tokenizer.sep_token
+    for which, text in (("first", first), ("second", second)):
+        if pad in text:  # its id would be masked out as padding
+            return (
+                f"its {which} sentence holds the pad token {pad!r} itself, which the model "
+                "would mask out as padding; remove it from the text"
+            )
+    if sep in first:  # the second sentence's type would start at it
+        return (
+            f"its first sentence holds the separator token {sep!r} itself; remove it from the text"
+        )
+    return (
+        "this tokenizer does not mark the second sentence as the tokens after the first "
+        f"separator {sep!r}; pick another tokenizer (data.tokenizer)"
+    )
