@@ -105,7 +105,8 @@ def final_summary(
     cfg: Config = exp.cfg
     rows = read_metrics(metrics)  # once: the summary, the warning and the stopping rule's
     summary = summarize(exp.method, exp.seed, rows, cfg.eval.metrics)
-    warn_no_update(exp, rows)
+    if not warn_no_update(exp, rows):
+        warn_never_accepted(exp, rows)
     if stopper is not None:  # stopped_round, best_round; final_* of the best round
         stopper.finish(summary, rows, tuple(cfg.eval.metrics))
     if exp.fed.test_split is not None:  # no test split of its own: what was held out
@@ -125,18 +126,59 @@ class NoUpdateWarning(UserWarning):
     """A finished run none of whose rounds aggregated a client's update."""
 
 
-def warn_no_update(exp: Experiment, rows: list[dict[str, Any]]) -> None:
+class NeverAcceptedWarning(UserWarning):
+    """A finished run some of whose clients were asked in several rounds and never accepted."""
+
+
+def warn_no_update(exp: Experiment, rows: list[dict[str, Any]]) -> bool:
     """Warn when no round of a finished run aggregated an update (every reply lost or
     rejected: a round deadline nobody meets, uploads the checks refuse): its model is the
-    initial one, which its scores alone do not say. Names the first round's first reason."""
+    initial one, which its scores alone do not say. Names the first round's first reason.
+    Returns whether it warned."""
     train = [r for r in rows if isinstance(r.get("round"), int) and r["round"] >= 0]
     if not train or any(r.get("accepted", 1) for r in train):
-        return
+        return False
     reasons = [why for r in train for why in r.get("rejected_reasons", [])]
     first = f" (the first: {reasons[0]})" if reasons else ""
     warnings.warn(
         f"{exp.method} seed {exp.seed}: no round of {len(train)} aggregated a client update: "
         f"every reply was lost or rejected{first}; the model is the initial one",
         NoUpdateWarning,
+        stacklevel=2,
+    )
+    return True
+
+
+def warn_never_accepted(exp: Experiment, rows: list[dict[str, Any]]) -> None:
+    """Warn about the clients of a finished run that were asked in two rounds or more and whose
+    reply was rejected or lost every time (a site whose data does not match the server's, a
+    client that never meets the round deadline): none of their data reached the model, which
+    the run's scores do not say. Names each (up to five) with its first reason. Rows without
+    client ids (DP that hides the sample: :func:`fedlore.engine.loop.hide_client_ids`) are not
+    judged."""
+    asked: dict[str, int] = {}
+    first: dict[str, str] = {}
+    accepted: set[str] = set()
+    for row in rows:
+        if not (isinstance(row.get("round"), int) and row["round"] >= 0):
+            continue
+        if "accepted_clients" not in row:
+            continue
+        accepted |= {str(c) for c in row["accepted_clients"]}
+        for entry in row.get("rejected_reasons", []):
+            cid, _, why = str(entry).partition(": ")
+            asked[cid] = asked.get(cid, 0) + 1
+            first.setdefault(cid, why)
+    never = [c for c, n in asked.items() if n >= 2 and c not in accepted]
+    if not never:
+        return
+    named = "; ".join(
+        f"client {c}, rejected in {asked[c]} rounds (the first: {first[c]})" for c in never[:5]
+    )
+    more = f"; and {len(never) - 5} more" if len(never) > 5 else ""
+    warnings.warn(
+        f"{exp.method} seed {exp.seed}: {len(never)} client(s) asked in several rounds were "
+        f"never accepted, so none of their data reached the model: {named}{more}",
+        NeverAcceptedWarning,
         stacklevel=2,
     )
