@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
 from collections.abc import Iterator
@@ -305,7 +306,10 @@ def test_the_seeds_cell_counts_the_failed_runs_of_its_row(tmp_path: Path) -> Non
     finished = (folder[43] / "summary.json").read_text()
     _fail(folder[43])
     with pytest.warns(IncompleteRunWarning):
-        assert "| fedavg | 2 (+1 failed) |" in report(out / "kg", write=False)
+        assert "| fedavg | 2 (+1 failed) |" in report(out / "kg")
+    with (out / "kg" / "report.csv").open() as f:
+        (row,) = csv.DictReader(f)
+    assert (row["n_seeds"], row["failed_runs"], row["unfinished_runs"]) == ("2", "1", "0")
     _fail(folder[44])
     with pytest.warns(IncompleteRunWarning):
         assert "| fedavg | 1 (+2 failed) |" in report(out / "kg", write=False)

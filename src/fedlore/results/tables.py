@@ -21,6 +21,10 @@ from fedlore.results.store import RunRecord, value
 COLUMNS = [
     "method",
     "n_seeds",
+    "unfinished_runs",
+    "unreadable_runs",
+    "diverged_runs",
+    "failed_runs",
     "final_accuracy_pct_mean",
     "final_accuracy_pct_std",
     "best_accuracy_pct_mean",
@@ -262,6 +266,7 @@ def summary_table(runs: dict[str, list[RunRecord]]) -> list[dict[str, Any]]:
                     if r.summary.get("derived") and not r.summary.get("unreadable_summary")
                 ),
                 "unreadable_runs": sum(1 for r in records if r.summary.get("unreadable_summary")),
+                "failed_runs": 0,  # not among the records: counted by the report
                 "language_model": any("final_perplexity" in r.summary for r in records),
                 "final_rmse_mean": rmse_m,
                 "final_rmse_std": rmse_s,
