@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from fedlore.data.hf_columns import refuse_missing
-from fedlore.data.text import tokenize
+from fedlore.data.text import mask_not_rebuilt, tokenize
 from fedlore.models.text import token_types
 
 TEXT_DTYPES = ("string", "large_string")
@@ -166,7 +166,7 @@ def tokenize_pairs(
     pad = int(tokenizer.pad_token_id)
     # what the model rebuilds from the ids: the attention mask from the pad id, the token types
     # from the first separator; a row where either differs from the tokenizer's own is refused
-    wrong = ((ids != pad) != enc["attention_mask"].bool()).any(dim=1)
+    wrong = mask_not_rebuilt(ids, enc, pad)
     if "token_type_ids" in enc:
         wrong |= (token_types(ids, sep, pad) != enc["token_type_ids"]).any(dim=1)
     if bool(wrong.any()):

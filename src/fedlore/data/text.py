@@ -193,15 +193,23 @@ def tokenize(
         return_tensors="pt",
     )
     ids = enc["input_ids"].to(torch.int64)
-    if "attention_mask" in enc:  # the model rebuilds the mask from the pad id
-        wrong = ((ids != tokenizer.pad_token_id) != enc["attention_mask"].bool()).any(dim=1)
-        if bool(wrong.any()):
-            row = int(torch.nonzero(wrong)[0])
-            raise ValueError(
-                f"{where}: row {row} holds the pad token {tokenizer.pad_token!r} itself, which the "
-                f"model would mask out as padding; remove it from the text: {texts[row][:80]!r}"
-            )
+    wrong = mask_not_rebuilt(ids, enc, int(tokenizer.pad_token_id))
+    if bool(wrong.any()):
+        row = int(torch.nonzero(wrong)[0])
+        raise ValueError(
+            f"{where}: row {row} holds the pad token {tokenizer.pad_token!r} itself, which the "
+            f"model would mask out as padding; remove it from the text: {texts[row][:80]!r}"
+        )
     return ids
+
+
+def mask_not_rebuilt(ids: torch.Tensor, enc: Any, pad: int) -> torch.Tensor:
+    """Rows of ``ids`` ``[N, L]`` whose attention mask, as the model rebuilds it (every token but
+    the pad id ``pad``), differs from the tokenizer's own ``enc["attention_mask"]``: the pad
+    token typed into the text. bool ``[N]``; all false when the tokenizer returns no mask."""
+    if "attention_mask" not in enc:
+        return torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    return ((ids != pad) != enc["attention_mask"].to(ids.device).bool()).any(dim=1)
 
 
 def stratified_split(
