@@ -66,7 +66,8 @@ data:
 
 # Two pytest workers (pytest-xdist): every test process keeps one torch thread
 # (tests/conftest.py), so two workers fill two cores; 15.5 -> 11.6 min measured on two cores.
-# The 25 slowest tests are listed at the end, to watch CI's 20-minute budget.
+# The 25 slowest tests are listed at the end, to watch CI's 20-minute budget (where the time
+# goes, and the rules that keep it inside: docs/development/tests.md).
 PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=25
 test: lint data
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

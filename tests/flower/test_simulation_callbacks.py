@@ -24,7 +24,9 @@ from fedlore.tune import plan_search
 from fedlore.tune_study import run_search
 from fedlore.types import State
 
-pytestmark = pytest.mark.flower
+# one worker runs the whole module, so the module's one Ray starts once (spread over two
+# pytest-xdist workers, each started its own)
+pytestmark = [pytest.mark.flower, pytest.mark.xdist_group("ray-callbacks")]
 
 
 @pytest.fixture(scope="module", autouse=True)

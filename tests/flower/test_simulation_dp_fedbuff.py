@@ -30,7 +30,9 @@ from fedlore.flower.simulation import ray_session, run_simulated
 from fedlore.privacy.buffer_dp import contribution_epsilon
 from fedlore.privacy.randomness import SERVER, SecureSource, SeededSource
 
-pytestmark = pytest.mark.flower
+# one worker runs the whole module, so the module's one Ray starts once (spread over two
+# pytest-xdist workers, each started its own)
+pytestmark = [pytest.mark.flower, pytest.mark.xdist_group("ray-dp_fedbuff")]
 
 DP_FEDBUFF = [
     "asynchronous.buffer=2",

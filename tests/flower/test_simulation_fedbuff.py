@@ -28,7 +28,9 @@ from fedlore.engine.rundir import run_dir
 from fedlore.experiment import run_one
 from fedlore.flower.simulation import ray_session, run_simulated
 
-pytestmark = pytest.mark.flower
+# one worker runs the whole module, so the module's one Ray starts once (spread over two
+# pytest-xdist workers, each started its own)
+pytestmark = [pytest.mark.flower, pytest.mark.xdist_group("ray-fedbuff")]
 
 # three clients in flight, a step every two arrivals, lognormal speeds: stale updates, and a
 # fast client that starts twice from one version (its second start's generator is REPEAT + n)
