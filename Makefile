@@ -41,6 +41,7 @@ lint: $(STAMP)
 	@# mypy and the docs build each keep one core busy for about a minute: side by side they
 	@# take the longer one's time (about 35 s less on two cores). mypy's report is printed after.
 	@$(BIN)/mypy > $(VENV)/mypy.out 2>&1 & mypy=$$!; \
+	trap 'kill $$mypy 2>/dev/null; exit 130' INT TERM; \
 	$(MAKE) --no-print-directory docs; docs=$$?; \
 	wait $$mypy; typed=$$?; cat $(VENV)/mypy.out; \
 	test $$docs = 0 && test $$typed = 0
