@@ -64,3 +64,20 @@ def test_a_group_runs_on_one_worker_under_loadgroup(tmp_path: Path) -> None:
     assert len(grouped) == 1, f"the group ran on workers {sorted(grouped)}"
     # both workers took part: the suite was spread, only the group kept together
     assert set(ran.values()) == {"gw0", "gw1"}
+
+
+def test_every_long_first_prefix_names_tests_of_the_suite() -> None:
+    """``LONG_FIRST`` (tests/conftest.py) moves the longest modules to the front by path: a
+    renamed or moved module would silently drop back to its place in the collection."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("suite_conftest", root / "tests" / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    long_first = conftest.LONG_FIRST
+    files = [p.relative_to(root).as_posix() for p in (root / "tests").rglob("test_*.py")]
+    assert all(any(f.startswith(prefix) for f in files) for prefix in long_first), [
+        p for p in long_first if not any(f.startswith(p) for f in files)
+    ]
