@@ -20,7 +20,7 @@ from fedlore.algorithms.meta_lr import meta_split
 from fedlore.config import ConfigError, load_config
 from fedlore.experiment_parts import make_algorithm
 from fedlore.seeding import CLIENT, generator
-from fedlore.settings import LocalTraining, steps_for_epochs
+from fedlore.settings import STEP_BUDGET, LocalTraining, steps_for_epochs
 
 
 def _algo(events: list[tuple[Any, ...]], **kw: Any) -> MetaBayFL:
@@ -215,6 +215,56 @@ def test_trials_run_at_the_candidate_times_the_schedule_at_the_steps_they_stand_
     _, flat_scores = real(batched, model, opt, fit, meta, [], 7, None)
     assert bat_scores == pytest.approx(seq_scores, rel=1e-5)
     assert bat_scores != pytest.approx(flat_scores, rel=1e-5)  # the factors changed them
+
+
+@pytest.mark.parametrize(("kw", "n"), [({"local_steps": 2}, 40), ({"local_epochs": 1}, 15)])
+def test_trials_past_the_runs_last_step_run_at_its_rate_not_zero(
+    kw: dict[str, Any], n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the last round a trial of 3 steps may stand for steps after the run's last (2 local
+    steps; or 2 steps an epoch); under cosine with min_lr_ratio 0 the schedule is 0 there, and
+    the search refused its factors, so every client of the round was rejected. Those trial
+    steps run at the last step's rate."""
+    calls: list[list[float]] = []
+    real = meta_lr.select_lr
+
+    def spy(hyper: Any, model: Any, opt: Any, fit: Any, meta: Any, terms: Any, seed: int,
+            factors: Any = None) -> Any:  # fmt: skip
+        calls.append(list(factors))
+        return real(hyper, model, opt, fit, meta, terms, seed, factors)
+
+    monkeypatch.setattr(meta_lr, "select_lr", spy)
+    algo = _algo([], rounds=2, schedule="cosine", **kw)
+    _, reply = _round(algo, n, rnd=1)
+    schedule = algo.lr_schedule(n)
+    end = schedule.at(schedule.total_steps - 1) / algo.train.lr
+    assert calls and reply.metrics["lr_searches"] == len(calls)
+    assert calls[-1][-1] == pytest.approx(end, rel=1e-12) and end > 0
+
+
+def test_a_stragglers_trials_stand_for_the_steps_of_its_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A straggler that finishes 1 of its 4 steps (clients.partial_work) still searches at the
+    schedule of its round's steps (round 1 starts at the run's step 4, not at step 1)."""
+    calls: list[list[float]] = []
+    real = meta_lr.select_lr
+
+    def spy(hyper: Any, model: Any, opt: Any, fit: Any, meta: Any, terms: Any, seed: int,
+            factors: Any = None) -> Any:  # fmt: skip
+        calls.append(list(factors))
+        return real(hyper, model, opt, fit, meta, terms, seed, factors)
+
+    monkeypatch.setattr(meta_lr, "select_lr", spy)
+    algo = _algo([], rounds=3, schedule="cosine", local_steps=4)
+    token = STEP_BUDGET.set(1)
+    try:
+        _round(algo, 40, rnd=1)
+    finally:
+        STEP_BUDGET.reset(token)
+    schedule = algo.lr_schedule(40)
+    want = [schedule.at(4 + s) / algo.train.lr for s in range(3)]
+    assert len(calls) == 1 and calls[0] == pytest.approx(want, rel=1e-12)
 
 
 def test_trial_factors_must_fit_the_trial() -> None:

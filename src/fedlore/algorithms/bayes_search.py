@@ -219,14 +219,20 @@ def train_with_search(
     ``base`` holds the round's rates at ``train.lr`` (the schedule's); a stretch chosen ``eta``
     trains at ``eta · base[k] / train.lr``. Each trial step runs at its candidate times the
     schedule's factor at the local step it stands for (``first + a + s``, ``first`` the run's
-    index of this round's first step), so candidates are compared at the rates training uses.
+    index of this round's first step, at most the run's last step), so candidates are compared
+    at the rates training uses.
     Search i uses the seed ``search_seed + i``. ``on_grad`` hooks run in the real steps only
     (never in a trial).
     """
     lr0 = hyper.train.lr
     n_fit = len(fit)
     schedule = hyper.lr_schedule(n_fit)
-    first = max(rnd, 0) * len(base)  # the run's index of this round's first local step
+    # the run's index of this round's first local step: K steps per round (a straggler's
+    # ``base`` may be cut short, clients.partial_work), and the run's last step bounds every
+    # index a trial stands for (a trial past the run's end would otherwise run at the rate
+    # after the schedule, 0 under cosine with min_lr_ratio 0)
+    first = max(rnd, 0) * hyper.train.steps(n_fit)
+    last = schedule.total_steps - 1
     epoch = max(1, math.ceil(n_fit / min(hyper.train.batch_size, n_fit)))
     starts = {"per_epoch": range(0, len(base), epoch), "per_round": [0], "none": [0]}
     cuts = [*starts[hyper.lr_search], len(base)]
@@ -237,7 +243,8 @@ def train_with_search(
         lr = lr0
         if meta is not None:
             # trial step s stands for local step a + s: the schedule's factor there
-            factors = [schedule.at(first + a + s) / lr0 for s in range(hyper.temp_steps)]
+            steps = [min(first + a + s, last) for s in range(hyper.temp_steps)]
+            factors = [schedule.at(k) / lr0 for k in steps]
             lr, _ = hyper.select_lr(model, opt, fit, meta, terms, search_seed + i, factors)
             chosen.append(lr)
         seg = [lr * x / lr0 for x in base[a:b]]
