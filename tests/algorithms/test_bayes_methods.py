@@ -264,7 +264,7 @@ def test_fedprox_term_pulls_towards_the_global_model() -> None:
     loss = term(model)
     loss.backward()
     assert math.isclose(
-        float(loss), 0.5 * 0.5 * 4.0 * 2, rel_tol=1e-6
+        float(loss.detach()), 0.5 * 0.5 * 4.0 * 2, rel_tol=1e-6
     )  # (mu/2) ||dW||^2, 2 entries
     assert model.weight.grad is not None
     assert torch.allclose(model.weight.grad, torch.full((1, 2), 0.5 * 2.0))  # mu (w - w^t)

@@ -214,6 +214,41 @@ def test_ditto_personal_step_is_pulled_to_the_received_model() -> None:
         assert torch.allclose(v1[k], received[k] - 0.01 * grad, atol=1e-5), k
 
 
+@pytest.mark.parametrize("personal_steps", [None, 6])
+def test_ditto_personal_steps_follow_the_schedule_over_the_whole_run(
+    personal_steps: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under cosine, round r's personal steps run at the rates of a schedule over rounds x P
+    personal steps (P = personal_steps, else K): v's rate decays over the run as w's does."""
+    import fedlore.algorithms.ditto as ditto_module
+    from fedlore.train.local import Schedule
+
+    seen: list[list[float]] = []
+    real = ditto_module.local_train
+
+    def record(*args: object, **kwargs: object) -> object:
+        lrs = args[3]
+        assert isinstance(lrs, list)
+        seen.append(lrs)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ditto_module, "local_train", record)
+    algo = Ditto.of(
+        lr=0.1, local_steps=2, batch_size=16, rounds=4, schedule="cosine",
+        personal_steps=personal_steps,
+    )  # fmt: skip
+    state = algo.init_server(_model(), generator(7, 2))
+    p = personal_steps or 2
+    want = Schedule(0.1, "cosine", 4 * p, 0.0)
+    for rnd in range(4):
+        seen.clear()
+        algo.client_update(
+            algo.broadcast(state, rnd, 0), None, _model(), _client(0), generator(1, 2)
+        )
+        assert seen[-1] == pytest.approx(want.round_lrs(rnd, p)), rnd
+        assert min(seen[-1]) > 0.0
+
+
 def test_pfedme_keeps_theta_not_w_and_mixes_with_beta() -> None:
     algo = PFedMe.of(lr=0.05, local_steps=3, batch_size=16, rounds=2, beta=2.0)
     state = algo.init_server(_model(), generator(7, 2))
@@ -271,7 +306,7 @@ def test_pfedbayes_moves_z_toward_q_and_uploads_z() -> None:
     z = copy.deepcopy(start)
     load_model_arrays(z, {k: v[k] + reply.arrays["update." + k] for k in v})
     # q left v (it fit the data) and z followed it: KL(q || z) < KL(q || v)
-    assert float(posterior_kl(q, start)) > 0
+    assert float(posterior_kl(q, start).detach()) > 0
     assert float(posterior_kl(q, z)) < float(posterior_kl(q, start))
     assert math.isclose(float(reply.metrics["kl"]), float(posterior_kl(q, z)), rel_tol=1e-4)
 

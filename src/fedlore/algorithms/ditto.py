@@ -37,7 +37,7 @@ from fedlore.algorithms.personal import Personalized, keep_personal, personal_ar
 from fedlore.data.client_data import ClientData
 from fedlore.registry import register_algorithm
 from fedlore.tensors import load_model_arrays, select
-from fedlore.train.local import local_train
+from fedlore.train.local import Schedule, local_train
 from fedlore.types import Broadcast, Reply, Scalars, State
 
 
@@ -111,7 +111,12 @@ class Ditto(Personalized, FedAvg):
         self.set_frozen(model)
         steps = self.personal_steps or self.local_steps(data.num_examples)
         scale = (self.personal_lr or self.train.lr) / self.train.lr
-        base = self.lr_schedule(data.num_examples).round_lrs(max(rnd, 0), steps)
+        # v's steps follow the schedule over the run's rounds x personal_steps: placed on the
+        # global steps' schedule (rounds x K), personal_steps above K would run past its end
+        # (rate min_lr_ratio, 0 under cosine by default) halfway through the run
+        t = self.train
+        personal = Schedule(t.lr, t.schedule, t.rounds * steps, t.min_lr_ratio)
+        base = personal.round_lrs(max(rnd, 0), steps)
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=self.train.lr)
         t0 = time.perf_counter()
         stats = local_train(
