@@ -57,7 +57,9 @@ class Config(_Strict):
     the FL literature and of seed 001, whose clients train T local epochs): a client with n
     examples takes ``E * ceil(n / B)`` steps, so clients of different sizes take different
     numbers of steps. Set this or ``local_steps``, not both (an override of one replaces the
-    other given in the file)."""
+    other given in the file). Under ``data.sampling: stream`` (the pre-training corpora's
+    default) the steps are the same, but a stream's batches are all full and may straddle two
+    shuffles, so a round reads each example about E times rather than exactly E times."""
     batch_size: int = Field(32, ge=1)
     """Local minibatch size B."""
     lr: float = Field(1e-3, gt=0.0)
