@@ -53,6 +53,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from fedlore.atomic import write_text
 from fedlore.config import load_config
 from fedlore.results.plots import plot
 from fedlore.results.store import load_runs
@@ -176,13 +177,24 @@ def summary(root: str, name: str, lr: float, method: str, seed: int) -> dict[str
     """The ``summary.json`` of a finished run.
 
     Raises:
-        Unfinished: when the run has not finished (``--table-only`` before the grid has).
+        Unfinished: when the run has not finished (``--table-only`` before the grid has), or
+            its ``summary.json`` cannot be read (a torn or edited file).
     """
     path = run_dir(root, name, lr, method, seed) / "summary.json"
     if not path.is_file():
         raise Unfinished(f"{method} seed {seed} lr {lr:g}: not finished ({path.parent})")
-    data: dict[str, Any] = json.loads(path.read_text())
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise Unfinished(damaged(method, seed, lr, path, e)) from None
     return data
+
+
+def damaged(method: str, seed: int, lr: float, path: Path, e: Exception) -> str:
+    """One line for a run's file that cannot be read."""
+    return f"{method} seed {seed} lr {lr:g}: {path} cannot be read ({type(e).__name__}: {e})"
 
 
 class Unfinished(RuntimeError):
@@ -204,7 +216,10 @@ def per_round(root: str, name: str, lr: float, method: str, seed: int) -> dict[s
     byte of the run counted (setup rounds included), and the largest optimizer state one client
     held, from ``metrics.jsonl``."""
     path = run_dir(root, name, lr, method, seed) / "metrics.jsonl"
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    try:
+        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    except (OSError, ValueError) as e:  # a torn or edited row, a missing file
+        raise Unfinished(damaged(method, seed, lr, path, e)) from None
     train = [r for r in rows if r["round"] >= 0]
     clients = sum(r.get("clients", 0) or 0 for r in train) or 1
     up, down = sum(r["bytes_up"] for r in rows), sum(r["bytes_down"] for r in rows)
@@ -220,6 +235,16 @@ def per_round(root: str, name: str, lr: float, method: str, seed: int) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The grid (:func:`grid_main`); a run's file that cannot be read when the table is made
+    is one line, exit 1, and no file of the table is written."""
+    try:
+        return grid_main(argv)
+    except Unfinished as e:
+        print(f"lr_grid: {e}; no table written", file=sys.stderr)
+        return 1
+
+
+def grid_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
     ap.add_argument("--grid", action="append", required=True, help="METHODS=RATES")
@@ -331,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
                 failed.append(str(e))
     if failed:
         why = (
-            "runs the table needs have not finished (the same command without --table-only "
-            "trains them)"
+            "runs the table needs have not finished or cannot be read (the same command "
+            "without --table-only trains them)"
             if TABLE_ONLY
             else f"failed runs (each run's log is in {logs}/; a finished run that fedlore "
             "refuses is rerun with `fedlore run ... --overwrite` on its own, or its folder "
@@ -409,7 +434,6 @@ def main(argv: list[str] | None = None) -> int:
             "chosen_at_grid_edge": grid_edge(grid[method], lr),  # "top", "bottom" or None
             **comm,
         }
-    (out / "table.json").write_text(json.dumps(strict(table), indent=2, allow_nan=False))
     lines = [
         f"| method | lr | {'val loss | ' if lm else ''}{label} (mean ± std) | per seed "
         f"| seed-{first} selection-split grid | MB up / client / round "
@@ -429,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['down_per_client'] / 1e6:.3f} | {row['optimizer_state_bytes'] / 1e6:.3f} | "
             f"{row['wall_s_per_round']:.1f} |"
         )
-    (out / "table.md").write_text("\n".join(lines) + "\n")
+    write_text(out / "table.json", json.dumps(strict(table), indent=2, allow_nan=False))
+    write_text(out / "table.md", "\n".join(lines) + "\n")
     print(f"results in {out}/ (table.md, table.json; runs under {args.runs})")
     # curves of the chosen runs, one line per method (accuracy or perplexity vs round and bytes)
     chosen_runs = {m: load_runs(Path(args.runs) / f"lr-{chosen[m]:g}" / name)[m] for m in methods}

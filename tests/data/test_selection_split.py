@@ -461,3 +461,38 @@ def test_the_grids_rate_is_the_one_that_runs_over_a_methods_own_lr(
     for key in ("method.fedavg.lr", "method.fedprox.lr"):
         with pytest.raises(SystemExit, match=rf"--set {key}=\.\.\.: the grid sets each run's lr"):
             grid.main([str(config), "--set", f"{key}=0.1", "--grid", "fedavg,fedprox=1e-3", *out])
+
+
+def test_a_damaged_run_file_is_one_line_and_the_table_is_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A torn ``summary.json`` or ``metrics.jsonl`` (a copy cut short, an edit) was a traceback
+    (the summary's in a worker thread, then a KeyError); it is one line naming the file, exit 1,
+    and the table already at ``--out`` is kept as it was."""
+    grid = _lr_grid()
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        "name: tiny\nalgorithms: [fedavg]\nseeds: [42, 43]\ndata: {selection_fraction: 0.1}\n"
+    )
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    for seed in (42, 43):
+        folder = grid.run_dir(str(runs), "tiny", 1e-3, "fedavg", seed)
+        folder.mkdir(parents=True)
+        result = {"final_accuracy": 0.5, "final_selection_accuracy": 0.5, "final_loss": 1.0}
+        (folder / "summary.json").write_text(json.dumps(result))
+        row = {"round": 0, "wall_s": 1.0, "bytes_up": 100, "bytes_down": 200, "clients": 2}
+        row["accuracy"] = 0.5
+        (folder / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    args = [str(config), "--grid", "fedavg=1e-3", "--table-only", "--runs", str(runs)]
+    assert grid.main([*args, "--out", str(out)]) == 0
+    published = {f: (out / f).read_bytes() for f in ("table.json", "table.md")}
+    for seed, file in ((42, "summary.json"), (43, "metrics.jsonl")):
+        path = grid.run_dir(str(runs), "tiny", 1e-3, "fedavg", seed) / file
+        good = path.read_bytes()
+        path.write_bytes(good[:20])
+        capsys.readouterr()
+        assert grid.main([*args, "--out", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert f"{path} cannot be read (JSONDecodeError" in err and "Traceback" not in err
+        assert {f: (out / f).read_bytes() for f in published} == published
+        path.write_bytes(good)
