@@ -28,7 +28,9 @@ to ``<out>/logs/<method>-<seed>-lr<lr>.log``, appended to on a rerun, so resumin
 keeps every run's training log. Writes ``<out>/table.md``, ``<out>/table.json`` and the curves
 of the chosen runs (``<out>/*_vs_round.png``, ``*_vs_bytes.png``). Bytes per client per round
 count every byte of the run, FedLore's setup exchange (round -1) included, divided by the client
-contacts of the training rounds.
+contacts of the training rounds. Only the grid's own runs are tabulated: one whose ``config.json``
+differs from the grid's settings (``--table-only`` with another ``--set``), or whose files cannot
+be read, is named, and no table is written (exit 1).
 
 The seed tables' grids outlast one sitting (Table 2's 92 runs take about four hours on two
 cores), so their commands pass ``--runs experiments/runs/<table>``: a finished run's
@@ -55,6 +57,8 @@ from typing import Any
 
 from fedlore.atomic import write_text
 from fedlore.config import load_config
+from fedlore.engine.run_record import config_diff
+from fedlore.experiment_parts import make_algorithm
 from fedlore.results.plots import plot
 from fedlore.results.store import load_runs
 
@@ -76,6 +80,8 @@ from lr_select import (  # lr_grid.score and the rest, as before the split
 TABLE_ONLY = False
 EXTRA: list[str] = []  # --set overrides passed to every run
 NAME: list[str] = [""]  # the config's name (its runs' folder under <runs>/lr-<lr>/)
+CONFIG: list[str] = [""]  # the config file of every run
+CHECKED: dict[Path, str] = {}  # run folder -> why it is another config's run ('' if not)
 
 
 def parse_grid(items: list[str]) -> dict[str, list[float]]:
@@ -132,20 +138,8 @@ def launch(config: str, root: str, method: str, seed: int, lr: float, log_dir: P
         return
     if STOP.is_set():
         raise RuntimeError(f"{method} seed {seed} lr {lr:g}: not started (interrupted)")
-    cmd = [
-        sys.executable,
-        "-m",
-        "fedlore.cli",
-        "run",
-        "--resume",
-        config,
-        f"algorithms={method}",
-        f"seeds={seed}",
-        f"output_dir={root}/lr-{lr:g}",
-        "progress=false",
-        *passed_on(EXTRA),
-        *rate_overrides(method, lr),  # the grid's rate, the method's own lr too if set
-    ]
+    cmd = [sys.executable, "-m", "fedlore.cli", "run", "--resume", config]
+    cmd += run_overrides(root, method, seed, lr)
     log = log_dir / f"{method}-{seed}-lr{lr:g}.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     folder = run_dir(root, NAME[0], lr, method, seed)
@@ -165,6 +159,37 @@ def launch(config: str, root: str, method: str, seed: int, lr: float, log_dir: P
         raise RuntimeError(f"{method} seed {seed} lr {lr:g} failed ({rc}): {' '.join(tail)}")
 
 
+def run_overrides(root: str, method: str, seed: int, lr: float) -> list[str]:
+    """The overrides of the config that make a run of the grid."""
+    return [
+        f"algorithms={method}", f"seeds={seed}", f"output_dir={root}/lr-{lr:g}", "progress=false",
+        *passed_on(EXTRA), *rate_overrides(method, lr),  # the grid's rate, the method's own lr too
+    ]  # fmt: skip
+
+
+def other_config(root: str, name: str, lr: float, method: str, seed: int) -> str:
+    """Why the run in the folder of (``lr``, ``method``, ``seed``) is not this grid's ('' when
+    it is, or has no ``config.json``): its ``config.json`` differs from the grid's settings
+    (another grid's ``--set`` under the same folders) or cannot be read."""
+    folder = run_dir(root, name, lr, method, seed)
+    if folder not in CHECKED:
+        record = folder / "config.json"
+        why = ""
+        if record.is_file():
+            try:
+                recorded = json.loads(record.read_text())
+                if not isinstance(recorded, dict):
+                    raise ValueError("not a JSON object")
+            except (OSError, ValueError) as e:
+                why = f"{record} cannot be read ({type(e).__name__}: {e})"
+            else:
+                cfg = load_config(CONFIG[0], run_overrides(root, method, seed, lr))
+                diff = config_diff(cfg, method, recorded, make_algorithm)
+                why = f"{folder} holds a run of another config ({diff})" if diff else ""
+        CHECKED[folder] = why
+    return CHECKED[folder]
+
+
 FOUND = {
     "finished": "a finished run: reported after fedlore's rerun checks, not trained again",
     "unfinished": "an unfinished run with its checkpoint: continued from it",
@@ -177,12 +202,15 @@ def summary(root: str, name: str, lr: float, method: str, seed: int) -> dict[str
     """The ``summary.json`` of a finished run.
 
     Raises:
-        Unfinished: when the run has not finished (``--table-only`` before the grid has), or
-            its ``summary.json`` cannot be read (a torn or edited file).
+        Unfinished: when the run has not finished (``--table-only`` before the grid has), is
+            another config's (:func:`other_config`), or its ``summary.json`` cannot be read (a
+            torn or edited file).
     """
     path = run_dir(root, name, lr, method, seed) / "summary.json"
     if not path.is_file():
         raise Unfinished(f"{method} seed {seed} lr {lr:g}: not finished ({path.parent})")
+    if why := other_config(root, name, lr, method, seed):
+        raise Unfinished(f"{method} seed {seed} lr {lr:g}: {why}")
     try:
         data: dict[str, Any] = json.loads(path.read_text())
         if not isinstance(data, dict):
@@ -271,6 +299,8 @@ def grid_main(argv: list[str] | None = None) -> int:
         raise SystemExit(NO_SELECTION)
     name, methods, seeds = cfg.name, list(cfg.algorithms), list(cfg.seeds)
     NAME[0] = name
+    CONFIG[0] = args.config
+    CHECKED.clear()
     args.runs = args.runs or cfg.output_dir
     grid = parse_grid(args.grid)
     missing = [m for m in methods if m not in grid]
@@ -356,8 +386,8 @@ def grid_main(argv: list[str] | None = None) -> int:
                 failed.append(str(e))
     if failed:
         why = (
-            "runs the table needs have not finished or cannot be read (the same command "
-            "without --table-only trains them)"
+            "runs the table needs have not finished, cannot be read or are another config's "
+            "(the same command without --table-only trains the unfinished)"
             if TABLE_ONLY
             else f"failed runs (each run's log is in {logs}/; a finished run that fedlore "
             "refuses is rerun with `fedlore run ... --overwrite` on its own, or its folder "

@@ -496,3 +496,33 @@ def test_a_damaged_run_file_is_one_line_and_the_table_is_kept(
         assert f"{path} cannot be read (JSONDecodeError" in err and "Traceback" not in err
         assert {f: (out / f).read_bytes() for f in published} == published
         path.write_bytes(good)
+
+
+def test_a_table_only_grid_tabulates_no_run_of_another_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--table-only`` with another ``--set`` than the grid's runs were made with tabulated
+    them as its own (exit 0): a training grid refuses them (fedlore's finished-run check), a
+    table must too. Named, exit 1, no table; the grid's own settings still tabulate."""
+    from fedlore.config import load_config
+    from fedlore.engine.run_record import result_settings
+
+    grid = _lr_grid()
+    config = tmp_path / "tiny.yaml"
+    config.write_text("name: tiny\nalgorithms: [fedavg]\ndata: {selection_fraction: 0.1}\n")
+    runs = tmp_path / "runs"
+    folder = grid.run_dir(str(runs), "tiny", 1e-3, "fedavg", 42)
+    folder.mkdir(parents=True)
+    made = load_config(str(config), ["rounds=2", "lr=1e-3", "algorithms=fedavg", "seeds=42"])
+    (folder / "config.json").write_text(json.dumps(result_settings(made, "fedavg")))
+    result = {"final_accuracy": 0.5, "final_selection_accuracy": 0.5, "final_loss": 1.0}
+    (folder / "summary.json").write_text(json.dumps(result))
+    row = {"round": 0, "wall_s": 1.0, "bytes_up": 1, "bytes_down": 2, "clients": 2, "accuracy": 0.5}
+    (folder / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    args = [str(config), "--grid", "fedavg=1e-3", "--table-only", "--runs", str(runs)]
+    assert grid.main([*args, "--out", str(tmp_path / "a"), "--set", "rounds=5"]) == 1
+    err = capsys.readouterr().err
+    assert f"{folder} holds a run of another config (rounds: 2 -> 5)" in err
+    assert not (tmp_path / "a" / "table.json").exists()
+    assert grid.main([*args, "--out", str(tmp_path / "b"), "--set", "rounds=2"]) == 0
+    assert (tmp_path / "b" / "table.json").exists()
