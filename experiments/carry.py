@@ -366,6 +366,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    except KeyboardInterrupt:  # each file is whole (written atomically); unpack: rows first
+        print(
+            f"carry.py: {args.action} interrupted; every file is whole: run it again",
+            file=sys.stderr,
+        )
+        return 130
     except OSError as e:  # a failed read or write: each file is whole (written atomically)
         what = ADVICE.get(e.errno or 0, "fix the cause")
         print(f"carry.py: {args.action}: {e}; {what} and run it again", file=sys.stderr)

@@ -263,13 +263,15 @@ def per_round(root: str, name: str, lr: float, method: str, seed: int) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The grid (:func:`grid_main`); a run's file that cannot be read when the table is made
-    is one line, exit 1, and no file of the table is written."""
+    """The grid (:func:`grid_main`); a run's file found unreadable is one line, exit 1."""
     try:
         return grid_main(argv)
     except Unfinished as e:
         print(f"lr_grid: {e}; no table written", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # making the table: each file is whole (written atomically)
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
 
 
 def grid_main(argv: list[str] | None = None) -> int:

@@ -347,3 +347,27 @@ def test_a_full_disk_is_one_line(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "No space left on device (errno 28); free space" in err
     assert not (tmp_path / carry.ARCHIVE).exists()
+
+
+def test_an_interrupted_unpack_is_one_line_and_a_rerun_restores_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _fake_run(tmp_path, "a", 3)
+    carry.pack(tmp_path)
+    torch.save({"round": 1}, run / "checkpoint.pt")  # behind here: the archive's replaces it
+    real = carry.write_bytes
+    writes: list[str] = []
+
+    def ctrl_c(path: Path, data: bytes) -> None:
+        if writes:
+            raise KeyboardInterrupt
+        writes.append(str(path))
+        real(path, data)
+
+    monkeypatch.setattr(carry, "write_bytes", ctrl_c)
+    assert carry.main(["unpack", "--root", str(tmp_path)]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == "carry.py: unpack interrupted; every file is whole: run it again"
+    monkeypatch.setattr(carry, "write_bytes", real)
+    assert carry.main(["unpack", "--root", str(tmp_path)]) == 0
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["round"] == 3

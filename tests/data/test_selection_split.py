@@ -526,3 +526,26 @@ def test_a_table_only_grid_tabulates_no_run_of_another_config(
     assert not (tmp_path / "a" / "table.json").exists()
     assert grid.main([*args, "--out", str(tmp_path / "b"), "--set", "rounds=2"]) == 0
     assert (tmp_path / "b" / "table.json").exists()
+
+
+def test_an_interrupt_while_the_table_is_made_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    grid = _lr_grid()
+    config = tmp_path / "tiny.yaml"
+    config.write_text("name: tiny\nalgorithms: [fedavg]\ndata: {selection_fraction: 0.1}\n")
+    runs = tmp_path / "runs"
+    folder = grid.run_dir(str(runs), "tiny", 1e-3, "fedavg", 42)
+    folder.mkdir(parents=True)
+    result = {"final_accuracy": 0.5, "final_selection_accuracy": 0.5, "final_loss": 1.0}
+    (folder / "summary.json").write_text(json.dumps(result))
+    row = {"round": 0, "wall_s": 1.0, "bytes_up": 1, "bytes_down": 2, "clients": 2, "accuracy": 0.5}
+    (folder / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+
+    def ctrl_c(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(grid, "plot", ctrl_c)
+    args = [str(config), "--grid", "fedavg=1e-3", "--table-only", "--runs", str(runs)]
+    assert grid.main([*args, "--out", str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err.strip() == grid.INTERRUPTED
