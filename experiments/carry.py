@@ -13,8 +13,13 @@ it is superseded: a run packed here replaces its archived copy when it got as fa
 of the same or a later round), and a run finished here leaves the archive; the archive is
 removed once it holds nothing.
 ``unpack`` (the first step of ``experiments/reruns.sh``) restores each archived run that is not
-training here, not finished here and not as far along here, so the queue's ``--resume``
-continues it after the packed round and reaches the result an uninterrupted run reaches. Over a
+training here, not finished here, not another config's run here (its ``config.json`` differs in a
+setting, or cannot be read), not unreadable here (a damaged ``checkpoint.pt``) and not as far
+along here, so the queue's ``--resume`` continues it after the packed round and reaches the result
+an uninterrupted run reaches; what it keeps it names, with the way on (move the folder away).
+An archive with a member pack never writes (another file name, a link, a path out of its run
+folder) or a file that cannot be read is refused whole, in one line, before anything is written;
+so is a failed read or write (a full disk), after which every file is whole: run it again. Over a
 DP run's own attempt here, the releases that attempt made and the archive lacks stay counted in
 the restored ``dp_ledger.json`` (they were released: ε must count them).
 
@@ -42,10 +47,18 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from fedlore.atomic import write_bytes
+from fedlore.atomic import ADVICE, write_bytes
+from fedlore.config_unset import FOLDERS_RECORD
 from fedlore.engine.dp_ledger import LEDGER, repeated
+from fedlore.engine.resume_changes import CHANGES
 
 ARCHIVE = "in-progress.tar.gz"
+PACKED = ("checkpoint.pt", "config.json", "metrics.jsonl", LEDGER)
+"""The files of a run folder pack writes (besides its ``client_states/``): an archive member of
+another name (a ``summary.json`` would pass an unfinished run off as finished) is refused."""
+RECORD_ONLY = ("name", CHANGES, FOLDERS_RECORD)
+"""``config.json`` keys that record where and how a run ran, not its settings (with every
+``ran_*`` key): two machines' copies of one run differ in them."""
 Files = dict[str, tuple[bytes, float]]
 """A run's files: name relative to the root -> (content, modification time)."""
 
@@ -106,7 +119,38 @@ def run_of(name: str) -> PurePosixPath:
     run = path.parent.parent if path.parent.name == "client_states" else path.parent
     if path.is_absolute() or ".." in path.parts or not run.name.startswith("seed-"):
         raise ArchiveError(f"refusing member {name!r}: not a file of a seed-* run folder")
+    if run == path.parent and path.name not in PACKED:
+        raise ArchiveError(f"refusing member {name!r}: pack writes no such file")
     return run
+
+
+def unreadable(e: Exception) -> str:
+    """An exception as one short line."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0].split('. ')[0][:120] if text else ''}"
+
+
+def config_differs(folder: Path, files: Files, run: PurePosixPath) -> str:
+    """Why the run ``folder`` holds is not the archived copy's config ('' when it is, or holds
+    no ``config.json``): the settings that differ, or that its ``config.json`` cannot be read.
+    The ``ran_*`` keys and :data:`RECORD_ONLY` are left out."""
+
+    def settings(data: bytes) -> dict[str, object]:
+        raw = json.loads(data)
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        return {k: v for k, v in raw.items() if k not in RECORD_ONLY and not k.startswith("ran_")}
+
+    record = folder / "config.json"
+    if not record.is_file():
+        return ""
+    try:
+        here = settings(record.read_bytes())
+    except (OSError, ValueError) as e:
+        return f"its config.json here cannot be read ({unreadable(e)})"
+    theirs = settings(files[f"{run}/config.json"][0]) if f"{run}/config.json" in files else here
+    keys = sorted(k for k in here.keys() | theirs.keys() if here.get(k) != theirs.get(k))
+    return f"another config here: {', '.join(keys[:5])} differ" if keys else ""
 
 
 def read_archive(archive: Path) -> dict[PurePosixPath, Files]:
@@ -132,6 +176,14 @@ def read_archive(archive: Path) -> dict[PurePosixPath, Files]:
     for run, files in runs.items():
         if f"{run}/checkpoint.pt" not in files:
             raise ArchiveError(f"its run {run} has no checkpoint.pt")
+        for name, (data, _) in files.items():
+            try:
+                if name.endswith("/checkpoint.pt"):
+                    checkpoint_round(data)
+                elif name.endswith(".json") and not isinstance(json.loads(data), dict):
+                    raise ValueError("not a JSON object")  # config.json, the DP ledger
+            except Exception as e:  # torch.load raises many kinds
+                raise ArchiveError(f"its {name} cannot be read ({unreadable(e)})") from None
     return runs
 
 
@@ -173,7 +225,13 @@ def pack(root: Path) -> tuple[int, list[Path]]:
             print(f"left out (no config.json or metrics.jsonl beside the checkpoint): {run}")
             left_out.append(folder)
             continue
-        if missing := spilled_elsewhere(folder):
+        try:
+            missing = spilled_elsewhere(folder)
+        except Exception as e:  # torch.load raises many kinds
+            print(f"left out (its checkpoint.pt cannot be read: {unreadable(e)}): {run}")
+            left_out.append(folder)
+            continue
+        if missing:
             print(
                 f"left out ({len(missing)} spilled client states its checkpoint names are not in "
                 f"its client_states/, e.g. {missing[0]}: store.spill_dir keeps them elsewhere; "
@@ -240,8 +298,8 @@ def with_ledger(files: Files, run: PurePosixPath, extra: int) -> Files:
 
 
 def unpack(root: Path) -> int:
-    """Restore the archive's runs that are not training, finished or further along here; how
-    many were restored.
+    """Restore the archive's runs that are not training, finished, another config's, damaged or
+    further along here; how many were restored.
 
     Raises:
         ArchiveError: when the archive cannot be read (nothing is written).
@@ -256,8 +314,18 @@ def unpack(root: Path) -> int:
         if training(folder):
             print(f"kept as it is (training here now): {run}")
             continue
+        if why := config_differs(folder, files, run):
+            print(f"kept as it is ({why}; move it away to restore the archived one): {run}")
+            continue
         if (folder / "checkpoint.pt").exists():
-            here = checkpoint_round((folder / "checkpoint.pt").read_bytes())
+            try:
+                here = checkpoint_round((folder / "checkpoint.pt").read_bytes())
+            except Exception as e:  # torch.load raises many kinds
+                print(
+                    f"kept as it is (its checkpoint.pt here cannot be read: {unreadable(e)}; "
+                    f"move it away to restore the archived round {archived}): {run}"
+                )
+                continue
             if here >= archived:
                 print(f"kept as it is (round {here} here; archived: round {archived}): {run}")
                 continue
@@ -297,6 +365,16 @@ def main(argv: list[str] | None = None) -> int:
             "`git checkout -- <it>`, or move it away to start those runs over)",
             file=sys.stderr,
         )
+        return 2
+    except KeyboardInterrupt:  # each file is whole (written atomically); unpack: rows first
+        print(
+            f"carry.py: {args.action} interrupted; every file is whole: run it again",
+            file=sys.stderr,
+        )
+        return 130
+    except OSError as e:  # a failed read or write: each file is whole (written atomically)
+        what = ADVICE.get(e.errno or 0, "fix the cause")
+        print(f"carry.py: {args.action}: {e}; {what} and run it again", file=sys.stderr)
         return 2
     return 1 if left_out else 0
 

@@ -28,7 +28,9 @@ to ``<out>/logs/<method>-<seed>-lr<lr>.log``, appended to on a rerun, so resumin
 keeps every run's training log. Writes ``<out>/table.md``, ``<out>/table.json`` and the curves
 of the chosen runs (``<out>/*_vs_round.png``, ``*_vs_bytes.png``). Bytes per client per round
 count every byte of the run, FedLore's setup exchange (round -1) included, divided by the client
-contacts of the training rounds.
+contacts of the training rounds. Only the grid's own runs are tabulated: one whose ``config.json``
+differs from the grid's settings (``--table-only`` with another ``--set``), or whose files cannot
+be read, is named, and no table is written (exit 1).
 
 The seed tables' grids outlast one sitting (Table 2's 92 runs take about four hours on two
 cores), so their commands pass ``--runs experiments/runs/<table>``: a finished run's
@@ -53,7 +55,10 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from fedlore.atomic import write_text
 from fedlore.config import load_config
+from fedlore.engine.run_record import config_diff
+from fedlore.experiment_parts import make_algorithm
 from fedlore.results.plots import plot
 from fedlore.results.store import load_runs
 
@@ -75,6 +80,8 @@ from lr_select import (  # lr_grid.score and the rest, as before the split
 TABLE_ONLY = False
 EXTRA: list[str] = []  # --set overrides passed to every run
 NAME: list[str] = [""]  # the config's name (its runs' folder under <runs>/lr-<lr>/)
+CONFIG: list[str] = [""]  # the config file of every run
+CHECKED: dict[Path, str] = {}  # run folder -> why it is another config's run ('' if not)
 
 
 def parse_grid(items: list[str]) -> dict[str, list[float]]:
@@ -131,20 +138,8 @@ def launch(config: str, root: str, method: str, seed: int, lr: float, log_dir: P
         return
     if STOP.is_set():
         raise RuntimeError(f"{method} seed {seed} lr {lr:g}: not started (interrupted)")
-    cmd = [
-        sys.executable,
-        "-m",
-        "fedlore.cli",
-        "run",
-        "--resume",
-        config,
-        f"algorithms={method}",
-        f"seeds={seed}",
-        f"output_dir={root}/lr-{lr:g}",
-        "progress=false",
-        *passed_on(EXTRA),
-        *rate_overrides(method, lr),  # the grid's rate, the method's own lr too if set
-    ]
+    cmd = [sys.executable, "-m", "fedlore.cli", "run", "--resume", config]
+    cmd += run_overrides(root, method, seed, lr)
     log = log_dir / f"{method}-{seed}-lr{lr:g}.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     folder = run_dir(root, NAME[0], lr, method, seed)
@@ -164,6 +159,37 @@ def launch(config: str, root: str, method: str, seed: int, lr: float, log_dir: P
         raise RuntimeError(f"{method} seed {seed} lr {lr:g} failed ({rc}): {' '.join(tail)}")
 
 
+def run_overrides(root: str, method: str, seed: int, lr: float) -> list[str]:
+    """The overrides of the config that make a run of the grid."""
+    return [
+        f"algorithms={method}", f"seeds={seed}", f"output_dir={root}/lr-{lr:g}", "progress=false",
+        *passed_on(EXTRA), *rate_overrides(method, lr),  # the grid's rate, the method's own lr too
+    ]  # fmt: skip
+
+
+def other_config(root: str, name: str, lr: float, method: str, seed: int) -> str:
+    """Why the run in the folder of (``lr``, ``method``, ``seed``) is not this grid's ('' when
+    it is, or has no ``config.json``): its ``config.json`` differs from the grid's settings
+    (another grid's ``--set`` under the same folders) or cannot be read."""
+    folder = run_dir(root, name, lr, method, seed)
+    if folder not in CHECKED:
+        record = folder / "config.json"
+        why = ""
+        if record.is_file():
+            try:
+                recorded = json.loads(record.read_text())
+                if not isinstance(recorded, dict):
+                    raise ValueError("not a JSON object")
+            except (OSError, ValueError) as e:
+                why = f"{record} cannot be read ({type(e).__name__}: {e})"
+            else:
+                cfg = load_config(CONFIG[0], run_overrides(root, method, seed, lr))
+                diff = config_diff(cfg, method, recorded, make_algorithm)
+                why = f"{folder} holds a run of another config ({diff})" if diff else ""
+        CHECKED[folder] = why
+    return CHECKED[folder]
+
+
 FOUND = {
     "finished": "a finished run: reported after fedlore's rerun checks, not trained again",
     "unfinished": "an unfinished run with its checkpoint: continued from it",
@@ -176,13 +202,27 @@ def summary(root: str, name: str, lr: float, method: str, seed: int) -> dict[str
     """The ``summary.json`` of a finished run.
 
     Raises:
-        Unfinished: when the run has not finished (``--table-only`` before the grid has).
+        Unfinished: when the run has not finished (``--table-only`` before the grid has), is
+            another config's (:func:`other_config`), or its ``summary.json`` cannot be read (a
+            torn or edited file).
     """
     path = run_dir(root, name, lr, method, seed) / "summary.json"
     if not path.is_file():
         raise Unfinished(f"{method} seed {seed} lr {lr:g}: not finished ({path.parent})")
-    data: dict[str, Any] = json.loads(path.read_text())
+    if why := other_config(root, name, lr, method, seed):
+        raise Unfinished(f"{method} seed {seed} lr {lr:g}: {why}")
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise Unfinished(damaged(method, seed, lr, path, e)) from None
     return data
+
+
+def damaged(method: str, seed: int, lr: float, path: Path, e: Exception) -> str:
+    """One line for a run's file that cannot be read."""
+    return f"{method} seed {seed} lr {lr:g}: {path} cannot be read ({type(e).__name__}: {e})"
 
 
 class Unfinished(RuntimeError):
@@ -204,7 +244,10 @@ def per_round(root: str, name: str, lr: float, method: str, seed: int) -> dict[s
     byte of the run counted (setup rounds included), and the largest optimizer state one client
     held, from ``metrics.jsonl``."""
     path = run_dir(root, name, lr, method, seed) / "metrics.jsonl"
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    try:
+        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    except (OSError, ValueError) as e:  # a torn or edited row, a missing file
+        raise Unfinished(damaged(method, seed, lr, path, e)) from None
     train = [r for r in rows if r["round"] >= 0]
     clients = sum(r.get("clients", 0) or 0 for r in train) or 1
     up, down = sum(r["bytes_up"] for r in rows), sum(r["bytes_down"] for r in rows)
@@ -220,6 +263,18 @@ def per_round(root: str, name: str, lr: float, method: str, seed: int) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The grid (:func:`grid_main`); a run's file found unreadable is one line, exit 1."""
+    try:
+        return grid_main(argv)
+    except Unfinished as e:
+        print(f"lr_grid: {e}; no table written", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # making the table: each file is whole (written atomically)
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
+
+
+def grid_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
     ap.add_argument("--grid", action="append", required=True, help="METHODS=RATES")
@@ -246,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(NO_SELECTION)
     name, methods, seeds = cfg.name, list(cfg.algorithms), list(cfg.seeds)
     NAME[0] = name
+    CONFIG[0] = args.config
+    CHECKED.clear()
     args.runs = args.runs or cfg.output_dir
     grid = parse_grid(args.grid)
     missing = [m for m in methods if m not in grid]
@@ -331,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
                 failed.append(str(e))
     if failed:
         why = (
-            "runs the table needs have not finished (the same command without --table-only "
-            "trains them)"
+            "runs the table needs have not finished, cannot be read or are another config's "
+            "(the same command without --table-only trains the unfinished)"
             if TABLE_ONLY
             else f"failed runs (each run's log is in {logs}/; a finished run that fedlore "
             "refuses is rerun with `fedlore run ... --overwrite` on its own, or its folder "
@@ -409,7 +466,6 @@ def main(argv: list[str] | None = None) -> int:
             "chosen_at_grid_edge": grid_edge(grid[method], lr),  # "top", "bottom" or None
             **comm,
         }
-    (out / "table.json").write_text(json.dumps(strict(table), indent=2, allow_nan=False))
     lines = [
         f"| method | lr | {'val loss | ' if lm else ''}{label} (mean ± std) | per seed "
         f"| seed-{first} selection-split grid | MB up / client / round "
@@ -429,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['down_per_client'] / 1e6:.3f} | {row['optimizer_state_bytes'] / 1e6:.3f} | "
             f"{row['wall_s_per_round']:.1f} |"
         )
-    (out / "table.md").write_text("\n".join(lines) + "\n")
+    write_text(out / "table.json", json.dumps(strict(table), indent=2, allow_nan=False))
+    write_text(out / "table.md", "\n".join(lines) + "\n")
     print(f"results in {out}/ (table.md, table.json; runs under {args.runs})")
     # curves of the chosen runs, one line per method (accuracy or perplexity vs round and bytes)
     chosen_runs = {m: load_runs(Path(args.runs) / f"lr-{chosen[m]:g}" / name)[m] for m in methods}

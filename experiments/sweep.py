@@ -28,7 +28,14 @@ their last-round values per seed).
 Run names hold only the
 ``--vary`` settings: a finished run under the same name whose ``config.json`` differs (another
 sweep's ``--set`` values in the same runs root) is neither reused nor tabulated, and the sweep
-says so (give each sweep its own ``--runs`` root).
+says so (give each sweep its own ``--runs`` root). A run whose ``summary.json``,
+``config.json`` or ``metrics.jsonl`` cannot be read (a torn or edited file) is named in one line
+and left out of the table (the sweep exits 1).
+
+The table never loses results unasked: where ``<out>/table.json`` already holds a row or a seed
+the new table lacks (``--table-only`` over another ``--runs`` root, a fresh clone without the
+runs, fewer ``--vary`` values), both files are kept as they are, the sweep names what would go
+and exits 1; ``--overwrite`` replaces them all the same. Each file is written atomically.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from typing import Any
 
 import fedlore.algorithms  # noqa: F401  (registers the methods)
 from fedlore import registry
+from fedlore.atomic import write_text
 from fedlore.config import ConfigError, load_config
 from fedlore.engine.run_record import config_diff
 from fedlore.experiment_parts import make_algorithm
@@ -173,7 +181,10 @@ def chosen_lrs(path: Path) -> dict[str, int]:
     client's most frequent choice per round (``lr_chosen``)."""
     counts: dict[str, int] = {}
     for line in path.read_text().splitlines():
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except ValueError as e:  # a torn or edited row
+            raise ValueError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
         picks = row.get("lr_picks") or {}
         if picks:
             chosen = [float(x) for text in picks.values() for x in str(text).split(",") if x]
@@ -204,6 +215,38 @@ def final_per_client(method: str, runs: list[Path]) -> dict[str, dict[str, Any]]
     return out
 
 
+def read_json(path: Path) -> Any:
+    """``path``'s JSON.
+
+    Raises:
+        ValueError: naming ``path`` when it cannot be read or parsed (a torn or edited file).
+    """
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
+
+
+def lost_rows(table: Path, records: list[dict[str, Any]]) -> list[str]:
+    """The rows of the table at ``table`` (a ``table.json``) that ``records`` lack, or hold
+    fewer seeds of, as ``setting method (seeds ...)``; [] when there is none or it cannot be
+    read (nothing usable to keep)."""
+    try:
+        old = json.loads(table.read_text())
+        before = {(json.dumps(r["setting"], sort_keys=True), r["method"]): r for r in old}
+    except (OSError, ValueError, TypeError, KeyError):
+        return []
+    now = {(json.dumps(r["setting"], sort_keys=True), r["method"]): r for r in records}
+    lost = []
+    for key, row in before.items():
+        new = now.get(key, {"seeds": 0, "by_seed": {}})
+        gone = sorted(set(row.get("by_seed", {})) - set(new.get("by_seed", {})))
+        if gone or new.get("seeds", 0) < row.get("seeds", 0):
+            where = label(tuple((k, str(v)) for k, v in row["setting"].items()))
+            lost.append(f"{where} {row['method']} (seeds {', '.join(gone) or row['seeds']})")
+    return lost
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
@@ -214,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for every run")
     ap.add_argument("--table-only", action="store_true", help="tabulate finished runs only")
+    ap.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace <out>/table.* even where it holds rows or seeds the new table lacks",
+    )
     ap.add_argument("--bytes", action="store_true", help="add each run's MB up and down")
     ap.add_argument(
         "--fairness",
@@ -226,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("sweep: interrupted; finished runs are kept: rerun the same command to resume")
         return 130
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"sweep: {e}", file=sys.stderr)
         return 2
 
@@ -296,8 +344,12 @@ def sweep(args: argparse.Namespace) -> int:
         record = folder / "config.json"
         if not record.exists():
             return ""
+        try:
+            recorded = read_json(record)
+        except ValueError as e:
+            return str(e)
         run_cfg = load_config(args.config, overrides(setting, method, seed))
-        diff = config_diff(run_cfg, method, json.loads(record.read_text()), make_algorithm)
+        diff = config_diff(run_cfg, method, recorded, make_algorithm)
         return f"{folder} holds a run of another config ({diff})" if diff else ""
 
     stop = threading.Event()  # an interrupt: no run starts after it
@@ -352,16 +404,30 @@ def sweep(args: argparse.Namespace) -> int:
     for setting in settings:
         for method in methods:
             folder = Path(root) / f"{cfg.name}-{label(setting)}" / method
-            runs = [folder / f"seed-{s}" for s in cfg.seeds if not other_config(setting, method, s)]
-            finished = [r / "summary.json" for r in runs if (r / "summary.json").exists()]
-            done = [json.loads(f.read_text()) for f in finished]
+            runs: list[Path] = []
+            done: list[dict[str, Any]] = []
+            lrs: dict[str, int] = {}
+            for s in cfg.seeds:
+                r = folder / f"seed-{s}"
+                if other_config(setting, method, s):
+                    continue
+                try:  # a torn or edited file: the run is named and left out
+                    summ = read_json(r / "summary.json") if (r / "summary.json").exists() else None
+                    if summ is not None and not isinstance(summ, dict):
+                        raise ValueError(f"{r / 'summary.json'} cannot be read (not an object)")
+                    counts = chosen_lrs(r / "metrics.jsonl")
+                except FileNotFoundError:
+                    counts = {}
+                except (OSError, ValueError) as e:
+                    print(f"{label(setting)} {method} seed {s}: left out: {e}", flush=True)
+                    failed.append(f"{label(setting)} {method} seed {s} (a damaged file)")
+                    continue
+                runs.append(r)
+                done += [summ] if summ is not None else []
+                for k, v in counts.items():
+                    lrs[k] = lrs.get(k, 0) + v
             if not done:
                 continue
-            lrs: dict[str, int] = {}
-            for r in runs:
-                if (r / "metrics.jsonl").exists():
-                    for k, v in chosen_lrs(r / "metrics.jsonl").items():
-                        lrs[k] = lrs.get(k, 0) + v
             rec: dict[str, Any] = {"setting": dict(setting), "method": method, "seeds": len(done)}
             cells = []
             for key, _, scale in columns:
@@ -384,8 +450,17 @@ def sweep(args: argparse.Namespace) -> int:
             lr_cell = ", ".join(f"{k}: {v}" for k, v in sorted(lrs.items())) or "–"
             head = f"| {label(setting)} | {method} | {len(done)} | "
             lines.append(head + " | ".join(cells) + f" | {lr_cell} |")
-    (out / "table.md").write_text("\n".join(lines) + "\n")
-    (out / "table.json").write_text(json.dumps(records, indent=2))
+    lost = [] if args.overwrite else lost_rows(out / "table.json", records)
+    if lost:
+        print(
+            f"sweep: {out}/table.json holds results the new table lacks ({len(lost)} row(s): "
+            f"{'; '.join(lost[:3])}{'; ...' if len(lost) > 3 else ''}): kept {out}/table.* as "
+            f"they are (are the runs under --runs {root}? --overwrite replaces them)",
+            file=sys.stderr,
+        )
+        return 1
+    write_text(out / "table.json", json.dumps(records, indent=2))
+    write_text(out / "table.md", "\n".join(lines) + "\n")
     print(f"results in {out}/ (table.md, table.json; runs under {root})")
     print("\n".join(lines))
     if failed:

@@ -19,7 +19,16 @@ LORA = ("fedit", "ffa_lora", "flexlora", "lora_fair", "rolora", "flora", "frlora
 
 # ---------------------------------------------------------------- helpers
 def read(path: Path) -> Any:
-    return json.loads(path.read_text(encoding="utf-8"))
+    """``path``'s JSON.
+
+    Raises:
+        ValueError: naming ``path`` when it is no JSON (a torn or edited file).
+    """
+    text = path.read_text(encoding="utf-8")
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def read_grid(path: Path) -> dict[str, Any]:

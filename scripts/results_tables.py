@@ -18,6 +18,8 @@ difference, a span), this script writes it from the result files, beside them:
     python scripts/results_tables.py --check   # exit 1, naming each file that differs
 
 It only reformats what the result files hold; it never reruns an experiment or a benchmark.
+Every file is made before any is written, and each is written atomically: a result file that is
+missing or cannot be read is one line naming it (exit 2) and nothing is written.
 ``tests/test_docs_results.py`` checks that every committed file is what this writes.
 """
 
@@ -44,6 +46,8 @@ from results_experiments import (
 )
 from results_pfl import pfl_baselines
 from results_rivals import bayes_fedlore, grid_table_facts, pretrain, subspace_rivals
+
+from fedlore.atomic import write_text
 
 GENERATORS: tuple[Callable[[], dict[str, str]], ...] = (
     fmnist_dir01,
@@ -79,13 +83,26 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     check = "--check" in args
     stale = []
-    for path, text in outputs().items():
+    try:
+        made = outputs()
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a result file missing or torn
+        print(
+            f"results_tables: a result file cannot be read ({type(e).__name__}: {e}); nothing "
+            "was written",
+            file=sys.stderr,
+        )
+        return 2
+    for path, text in made.items():
         file = ROOT / path
         if check:
             if not file.is_file() or file.read_text(encoding="utf-8") != text:
                 stale.append(path)
         else:
-            file.write_text(text, encoding="utf-8")
+            try:
+                write_text(file, text)
+            except OSError as e:  # each file written is whole, the one that failed as it was
+                print(f"results_tables: {e}; fix it and run again", file=sys.stderr)
+                return 2
             print(f"wrote {path}")
     for path in stale:
         print(f"differs from its result files: {path}", file=sys.stderr)

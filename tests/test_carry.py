@@ -3,8 +3,10 @@ resumes to the result of an uninterrupted run; finished runs and runs further al
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import importlib.util
+import io
 import json
 import shutil
 import tarfile
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from fedlore.atomic import WriteError
 from fedlore.config import Config, load_config
 from fedlore.engine.rundir import run_dir
 from fedlore.experiment import run_one
@@ -275,3 +278,96 @@ def test_training_asks_the_lock_without_making_one(
         fcntl.flock(held, fcntl.LOCK_EX)
         assert carry.training(tmp_path) is True
     assert carry.training(tmp_path) is False
+
+
+def test_unpack_keeps_a_run_of_another_config_here(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Run folders are named by the grid, not the config: an archive made with other settings
+    (another lr) must not replace the run this machine trained with its own (its checkpoint is
+    in no archive and no commit). Where and how a copy ran (``ran_*``) is no difference."""
+    run = _fake_run(tmp_path, "a", 3)
+    (run / "config.json").write_text('{"lr": 0.1, "ran_on": "cuda", "ran_threads": 8}')
+    carry.pack(tmp_path)
+    (run / "config.json").write_text('{"lr": 0.2, "ran_on": "cpu"}')  # this machine's own run
+    torch.save({"round": 1}, run / "checkpoint.pt")
+    assert carry.main(["unpack", "--root", str(tmp_path)]) == 0
+    assert "kept as it is (another config here: lr differ" in capsys.readouterr().out
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["round"] == 1
+    assert json.loads((run / "config.json").read_text())["lr"] == 0.2
+    (run / "config.json").write_text('{"lr": 0.1, "ran_on": "cpu"}')  # the same run, behind
+    assert carry.unpack(tmp_path) == 1
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["round"] == 3
+
+
+def test_a_damaged_checkpoint_or_a_foreign_file_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A torn ``checkpoint.pt`` (archived or here) and an archived file pack never writes (a
+    ``summary.json`` would pass the run off as finished) end in one line, not a traceback; a
+    damaged run here is neither packed nor replaced."""
+    run = _fake_run(tmp_path, "a", 2)
+    carry.pack(tmp_path)
+    good = (tmp_path / carry.ARCHIVE).read_bytes()
+    torn = (run / "checkpoint.pt").read_bytes()[:40]
+    for name, data in (("checkpoint.pt", torn), ("summary.json", b"{}")):
+        with tarfile.open(tmp_path / carry.ARCHIVE, "w:gz") as tar:
+            for member, content in (("checkpoint.pt", b""), (name, data)):
+                info = tarfile.TarInfo(f"t/a/seed-0/{member}")
+                content = content or (run / "checkpoint.pt").read_bytes()
+                info.size = len(content)
+                tar.addfile(info, io.BytesIO(content))
+        shutil.rmtree(tmp_path / "t")
+        assert carry.main(["unpack", "--root", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert f"t/a/seed-0/{name}" in err and len(err.strip().splitlines()) == 1
+        assert not (tmp_path / "t").exists()
+        run = _fake_run(tmp_path, "a", 2)
+    (tmp_path / carry.ARCHIVE).write_bytes(good)
+    (run / "checkpoint.pt").write_bytes(torn)  # damaged here: the archive's round 2 kept
+    assert carry.main(["pack", "--root", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "left out (its checkpoint.pt cannot be read" in out and "Traceback" not in out
+    assert _archived(tmp_path) == {"t/a/seed-0": 2}
+    assert carry.main(["unpack", "--root", str(tmp_path)]) == 0
+    assert "kept as it is (its checkpoint.pt here cannot be read" in capsys.readouterr().out
+    assert (run / "checkpoint.pt").read_bytes() == torn
+
+
+def test_a_full_disk_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fake_run(tmp_path, "a", 2)
+
+    def full(path: Path, data: bytes) -> None:
+        raise WriteError(path, OSError(errno.ENOSPC, "No space left on device"))
+
+    monkeypatch.setattr(carry, "write_bytes", full)
+    assert carry.main(["pack", "--root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "No space left on device (errno 28); free space" in err
+    assert not (tmp_path / carry.ARCHIVE).exists()
+
+
+def test_an_interrupted_unpack_is_one_line_and_a_rerun_restores_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _fake_run(tmp_path, "a", 3)
+    carry.pack(tmp_path)
+    torch.save({"round": 1}, run / "checkpoint.pt")  # behind here: the archive's replaces it
+    real = carry.write_bytes
+    writes: list[str] = []
+
+    def ctrl_c(path: Path, data: bytes) -> None:
+        if writes:
+            raise KeyboardInterrupt
+        writes.append(str(path))
+        real(path, data)
+
+    monkeypatch.setattr(carry, "write_bytes", ctrl_c)
+    assert carry.main(["unpack", "--root", str(tmp_path)]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == "carry.py: unpack interrupted; every file is whole: run it again"
+    monkeypatch.setattr(carry, "write_bytes", real)
+    assert carry.main(["unpack", "--root", str(tmp_path)]) == 0
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["round"] == 3

@@ -16,7 +16,7 @@ import json
 import math
 import re
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -220,3 +220,25 @@ def test_the_meta_bayfl_pages_state_the_clients_sizes_their_configs_give() -> No
         train = held * (1 - data.test_fraction)
         text = says.format(held=held, train=train, held10=about(held), train10=about(train))
         assert text in flat(f"docs/results/{page}.md"), (page, text)
+
+
+def test_a_torn_result_file_is_one_line_and_nothing_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """scripts/results_tables.py over a torn result file: one line naming it, exit 2, and no
+    generated file written (it was a traceback that named no file)."""
+    import results_common
+
+    script = load_script()
+    torn = tmp_path / "table.json"
+    torn.write_text('{"methods": {"fedavg": ')
+    monkeypatch.setattr(script, "ROOT", tmp_path)
+    monkeypatch.setattr(script, "bayes_tables", lambda: SimpleNamespace(outputs=lambda _: {}))
+    made = (lambda: {"first.md": "made\n"}, lambda: {"second.md": results_common.read(torn)})
+    monkeypatch.setattr(script, "GENERATORS", made)
+    assert script.main([]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{torn}: Expecting value" in err
+    assert not (tmp_path / "first.md").exists()
+    monkeypatch.setattr(script, "GENERATORS", made[:1])
+    assert script.main([]) == 0 and (tmp_path / "first.md").read_text() == "made\n"

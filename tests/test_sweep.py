@@ -213,3 +213,51 @@ def test_a_vary_that_a_methods_own_setting_outranks_is_refused(
     sweep.refuse_outranked([("rank", ["2"])], {"lr": 0.05}, "fedavg")
     with pytest.raises(ConfigError, match=r"--vary server\.lr: the config sets method\.fedavg\."):
         sweep.refuse_outranked([("server.lr", ["0.1"])], {"server_eta": 0.5}, "fedavg")
+
+
+def test_a_published_table_loses_no_row_unasked_and_a_damaged_run_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--table-only`` over a runs root that lacks the table's runs (another ``--runs``, a
+    fresh clone) wrote an empty table over the published one and exited 0; a torn
+    ``summary.json`` or ``config.json`` was a traceback. The published table is kept (exit 1,
+    naming what would go) unless ``--overwrite``; a damaged run is named and left out."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        "name: tiny\nrounds: 2\nnum_clients: 3\nlocal_steps: 2\nbatch_size: 16\n"
+        "algorithms: [fedavg]\nseeds: [1]\npartition: {min_size: 10}\n"
+        "model: {name: mlp, kwargs: {hidden: [16]}}\n"
+    )
+    sweep = _sweep()
+    pub = tmp_path / "pub"
+    common = [str(config), "--vary", "lr=0.01,0.02", "--out", str(pub)]
+    runs = tmp_path / "runs"
+    assert sweep.main([*common, "--runs", str(runs)]) == 0
+    published = {f: (pub / f).read_bytes() for f in ("table.json", "table.md")}
+    assert len(json.loads(published["table.json"])) == 2
+
+    elsewhere = ["--runs", str(tmp_path / "elsewhere"), "--table-only"]
+    assert sweep.main([*common, *elsewhere]) == 1
+    err = capsys.readouterr().err
+    assert "holds results the new table lacks (2 row(s)" in err and "--overwrite" in err
+    assert {f: (pub / f).read_bytes() for f in published} == published
+
+    summary = runs / "tiny-lr-0.01" / "fedavg" / "seed-1" / "summary.json"
+    good = summary.read_bytes()
+    summary.write_bytes(good[:40])  # torn
+    assert sweep.main([*common, "--runs", str(runs), "--table-only"]) == 1
+    captured = capsys.readouterr()
+    assert f"{summary} cannot be read (JSONDecodeError" in captured.out
+    assert "lacks (1 row(s): lr-0.01 fedavg (seeds 1))" in captured.err
+    assert {f: (pub / f).read_bytes() for f in published} == published
+    record = summary.with_name("config.json")
+    kept = record.read_bytes()
+    summary.write_bytes(good)
+    record.write_bytes(kept[:40])
+    assert sweep.main([*common, "--runs", str(runs)]) == 1
+    assert f"{record} cannot be read" in capsys.readouterr().out
+    assert {f: (pub / f).read_bytes() for f in published} == published
+    record.write_bytes(kept)
+
+    assert sweep.main([*common, *elsewhere, "--overwrite"]) == 0  # told to: replaced
+    assert json.loads((pub / "table.json").read_text()) == []

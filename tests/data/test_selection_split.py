@@ -461,3 +461,91 @@ def test_the_grids_rate_is_the_one_that_runs_over_a_methods_own_lr(
     for key in ("method.fedavg.lr", "method.fedprox.lr"):
         with pytest.raises(SystemExit, match=rf"--set {key}=\.\.\.: the grid sets each run's lr"):
             grid.main([str(config), "--set", f"{key}=0.1", "--grid", "fedavg,fedprox=1e-3", *out])
+
+
+def test_a_damaged_run_file_is_one_line_and_the_table_is_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A torn ``summary.json`` or ``metrics.jsonl`` (a copy cut short, an edit) was a traceback
+    (the summary's in a worker thread, then a KeyError); it is one line naming the file, exit 1,
+    and the table already at ``--out`` is kept as it was."""
+    grid = _lr_grid()
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        "name: tiny\nalgorithms: [fedavg]\nseeds: [42, 43]\ndata: {selection_fraction: 0.1}\n"
+    )
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    for seed in (42, 43):
+        folder = grid.run_dir(str(runs), "tiny", 1e-3, "fedavg", seed)
+        folder.mkdir(parents=True)
+        result = {"final_accuracy": 0.5, "final_selection_accuracy": 0.5, "final_loss": 1.0}
+        (folder / "summary.json").write_text(json.dumps(result))
+        row = {"round": 0, "wall_s": 1.0, "bytes_up": 100, "bytes_down": 200, "clients": 2}
+        row["accuracy"] = 0.5
+        (folder / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    args = [str(config), "--grid", "fedavg=1e-3", "--table-only", "--runs", str(runs)]
+    assert grid.main([*args, "--out", str(out)]) == 0
+    published = {f: (out / f).read_bytes() for f in ("table.json", "table.md")}
+    for seed, file in ((42, "summary.json"), (43, "metrics.jsonl")):
+        path = grid.run_dir(str(runs), "tiny", 1e-3, "fedavg", seed) / file
+        good = path.read_bytes()
+        path.write_bytes(good[:20])
+        capsys.readouterr()
+        assert grid.main([*args, "--out", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert f"{path} cannot be read (JSONDecodeError" in err and "Traceback" not in err
+        assert {f: (out / f).read_bytes() for f in published} == published
+        path.write_bytes(good)
+
+
+def test_a_table_only_grid_tabulates_no_run_of_another_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--table-only`` with another ``--set`` than the grid's runs were made with tabulated
+    them as its own (exit 0): a training grid refuses them (fedlore's finished-run check), a
+    table must too. Named, exit 1, no table; the grid's own settings still tabulate."""
+    from fedlore.config import load_config
+    from fedlore.engine.run_record import result_settings
+
+    grid = _lr_grid()
+    config = tmp_path / "tiny.yaml"
+    config.write_text("name: tiny\nalgorithms: [fedavg]\ndata: {selection_fraction: 0.1}\n")
+    runs = tmp_path / "runs"
+    folder = grid.run_dir(str(runs), "tiny", 1e-3, "fedavg", 42)
+    folder.mkdir(parents=True)
+    made = load_config(str(config), ["rounds=2", "lr=1e-3", "algorithms=fedavg", "seeds=42"])
+    (folder / "config.json").write_text(json.dumps(result_settings(made, "fedavg")))
+    result = {"final_accuracy": 0.5, "final_selection_accuracy": 0.5, "final_loss": 1.0}
+    (folder / "summary.json").write_text(json.dumps(result))
+    row = {"round": 0, "wall_s": 1.0, "bytes_up": 1, "bytes_down": 2, "clients": 2, "accuracy": 0.5}
+    (folder / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    args = [str(config), "--grid", "fedavg=1e-3", "--table-only", "--runs", str(runs)]
+    assert grid.main([*args, "--out", str(tmp_path / "a"), "--set", "rounds=5"]) == 1
+    err = capsys.readouterr().err
+    assert f"{folder} holds a run of another config (rounds: 2 -> 5)" in err
+    assert not (tmp_path / "a" / "table.json").exists()
+    assert grid.main([*args, "--out", str(tmp_path / "b"), "--set", "rounds=2"]) == 0
+    assert (tmp_path / "b" / "table.json").exists()
+
+
+def test_an_interrupt_while_the_table_is_made_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    grid = _lr_grid()
+    config = tmp_path / "tiny.yaml"
+    config.write_text("name: tiny\nalgorithms: [fedavg]\ndata: {selection_fraction: 0.1}\n")
+    runs = tmp_path / "runs"
+    folder = grid.run_dir(str(runs), "tiny", 1e-3, "fedavg", 42)
+    folder.mkdir(parents=True)
+    result = {"final_accuracy": 0.5, "final_selection_accuracy": 0.5, "final_loss": 1.0}
+    (folder / "summary.json").write_text(json.dumps(result))
+    row = {"round": 0, "wall_s": 1.0, "bytes_up": 1, "bytes_down": 2, "clients": 2, "accuracy": 0.5}
+    (folder / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+
+    def ctrl_c(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(grid, "plot", ctrl_c)
+    args = [str(config), "--grid", "fedavg=1e-3", "--table-only", "--runs", str(runs)]
+    assert grid.main([*args, "--out", str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err.strip() == grid.INTERRUPTED
