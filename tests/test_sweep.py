@@ -14,6 +14,12 @@ import pytest
 from fedlore.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY = (
+    "name: tiny\nrounds: 2\nnum_clients: 3\nlocal_steps: 2\nbatch_size: 16\n"
+    "algorithms: [fedavg]\nseeds: [1]\npartition: {min_size: 10}\n"
+    "model: {name: mlp, kwargs: {hidden: [16]}}\n"
+)
+"""A two-round FedAvg config of a few seconds."""
 
 
 def _sweep() -> ModuleType:
@@ -28,11 +34,7 @@ def test_a_sweep_tabulates_only_runs_of_its_own_settings(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = tmp_path / "tiny.yaml"
-    config.write_text(
-        "name: tiny\nrounds: 2\nnum_clients: 3\nlocal_steps: 2\nbatch_size: 16\n"
-        "algorithms: [fedavg]\nseeds: [1]\npartition: {min_size: 10}\n"
-        "model: {name: mlp, kwargs: {hidden: [16]}}\n"
-    )
+    config.write_text(TINY)
     sweep = _sweep()
     common = [str(config), "--vary", "data.noise=0", "--runs", str(tmp_path / "runs")]
     assert sweep.main([*common, "--set", "lr=0.01", "--out", str(tmp_path / "a")]) == 0
@@ -223,11 +225,7 @@ def test_a_published_table_loses_no_row_unasked_and_a_damaged_run_is_one_line(
     ``summary.json`` or ``config.json`` was a traceback. The published table is kept (exit 1,
     naming what would go) unless ``--overwrite``; a damaged run is named and left out."""
     config = tmp_path / "tiny.yaml"
-    config.write_text(
-        "name: tiny\nrounds: 2\nnum_clients: 3\nlocal_steps: 2\nbatch_size: 16\n"
-        "algorithms: [fedavg]\nseeds: [1]\npartition: {min_size: 10}\n"
-        "model: {name: mlp, kwargs: {hidden: [16]}}\n"
-    )
+    config.write_text(TINY)
     sweep = _sweep()
     pub = tmp_path / "pub"
     common = [str(config), "--vary", "lr=0.01,0.02", "--out", str(pub)]

@@ -217,14 +217,8 @@ def test_trials_run_at_the_candidate_times_the_schedule_at_the_steps_they_stand_
     assert bat_scores != pytest.approx(flat_scores, rel=1e-5)  # the factors changed them
 
 
-@pytest.mark.parametrize(("kw", "n"), [({"local_steps": 2}, 40), ({"local_epochs": 1}, 15)])
-def test_trials_past_the_runs_last_step_run_at_its_rate_not_zero(
-    kw: dict[str, Any], n: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """In the last round a trial of 3 steps may stand for steps after the run's last (2 local
-    steps; or 2 steps an epoch); under cosine with min_lr_ratio 0 the schedule is 0 there, and
-    the search refused its factors, so every client of the round was rejected. Those trial
-    steps run at the last step's rate."""
+def _factors_searched(monkeypatch: pytest.MonkeyPatch) -> list[list[float]]:
+    """The schedule factors of every search (``meta_lr.select_lr``), as the searches run."""
     calls: list[list[float]] = []
     real = meta_lr.select_lr
 
@@ -234,6 +228,18 @@ def test_trials_past_the_runs_last_step_run_at_its_rate_not_zero(
         return real(hyper, model, opt, fit, meta, terms, seed, factors)
 
     monkeypatch.setattr(meta_lr, "select_lr", spy)
+    return calls
+
+
+@pytest.mark.parametrize(("kw", "n"), [({"local_steps": 2}, 40), ({"local_epochs": 1}, 15)])
+def test_trials_past_the_runs_last_step_run_at_its_rate_not_zero(
+    kw: dict[str, Any], n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the last round a trial of 3 steps may stand for steps after the run's last (2 local
+    steps; or 2 steps an epoch); under cosine with min_lr_ratio 0 the schedule is 0 there, and
+    the search refused its factors, so every client of the round was rejected. Those trial
+    steps run at the last step's rate."""
+    calls = _factors_searched(monkeypatch)
     algo = _algo([], rounds=2, schedule="cosine", **kw)
     _, reply = _round(algo, n, rnd=1)
     schedule = algo.lr_schedule(n)
@@ -247,15 +253,7 @@ def test_a_stragglers_trials_stand_for_the_steps_of_its_round(
 ) -> None:
     """A straggler that finishes 1 of its 4 steps (clients.partial_work) still searches at the
     schedule of its round's steps (round 1 starts at the run's step 4, not at step 1)."""
-    calls: list[list[float]] = []
-    real = meta_lr.select_lr
-
-    def spy(hyper: Any, model: Any, opt: Any, fit: Any, meta: Any, terms: Any, seed: int,
-            factors: Any = None) -> Any:  # fmt: skip
-        calls.append(list(factors))
-        return real(hyper, model, opt, fit, meta, terms, seed, factors)
-
-    monkeypatch.setattr(meta_lr, "select_lr", spy)
+    calls = _factors_searched(monkeypatch)
     algo = _algo([], rounds=3, schedule="cosine", local_steps=4)
     token = STEP_BUDGET.set(1)
     try:

@@ -498,6 +498,14 @@ def test_a_damaged_run_file_is_one_line_and_the_table_is_kept(
         path.write_bytes(good)
 
 
+def _one_round_run(folder: Path) -> None:
+    """A finished one-round run's ``summary.json`` and ``metrics.jsonl`` in ``folder``."""
+    result = {"final_accuracy": 0.5, "final_selection_accuracy": 0.5, "final_loss": 1.0}
+    (folder / "summary.json").write_text(json.dumps(result))
+    row = {"round": 0, "wall_s": 1.0, "bytes_up": 1, "bytes_down": 2, "clients": 2, "accuracy": 0.5}
+    (folder / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+
+
 def test_a_table_only_grid_tabulates_no_run_of_another_config(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -515,10 +523,7 @@ def test_a_table_only_grid_tabulates_no_run_of_another_config(
     folder.mkdir(parents=True)
     made = load_config(str(config), ["rounds=2", "lr=1e-3", "algorithms=fedavg", "seeds=42"])
     (folder / "config.json").write_text(json.dumps(result_settings(made, "fedavg")))
-    result = {"final_accuracy": 0.5, "final_selection_accuracy": 0.5, "final_loss": 1.0}
-    (folder / "summary.json").write_text(json.dumps(result))
-    row = {"round": 0, "wall_s": 1.0, "bytes_up": 1, "bytes_down": 2, "clients": 2, "accuracy": 0.5}
-    (folder / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    _one_round_run(folder)
     args = [str(config), "--grid", "fedavg=1e-3", "--table-only", "--runs", str(runs)]
     assert grid.main([*args, "--out", str(tmp_path / "a"), "--set", "rounds=5"]) == 1
     err = capsys.readouterr().err
@@ -537,10 +542,7 @@ def test_an_interrupt_while_the_table_is_made_is_one_line(
     runs = tmp_path / "runs"
     folder = grid.run_dir(str(runs), "tiny", 1e-3, "fedavg", 42)
     folder.mkdir(parents=True)
-    result = {"final_accuracy": 0.5, "final_selection_accuracy": 0.5, "final_loss": 1.0}
-    (folder / "summary.json").write_text(json.dumps(result))
-    row = {"round": 0, "wall_s": 1.0, "bytes_up": 1, "bytes_down": 2, "clients": 2, "accuracy": 0.5}
-    (folder / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    _one_round_run(folder)
 
     def ctrl_c(*_: Any) -> None:
         raise KeyboardInterrupt
