@@ -498,6 +498,17 @@ def test_a_damaged_run_file_is_one_line_and_the_table_is_kept(
         path.write_bytes(good)
 
 
+def _tiny_grid(tmp_path: Path) -> tuple[ModuleType, Path, Path, Path]:
+    """lr_grid, a tiny config, its runs root and the empty folder of its (1e-3, fedavg, 42) run."""
+    grid = _lr_grid()
+    config = tmp_path / "tiny.yaml"
+    config.write_text("name: tiny\nalgorithms: [fedavg]\ndata: {selection_fraction: 0.1}\n")
+    runs = tmp_path / "runs"
+    folder = grid.run_dir(str(runs), "tiny", 1e-3, "fedavg", 42)
+    folder.mkdir(parents=True)
+    return grid, config, runs, folder
+
+
 def _one_round_run(folder: Path) -> None:
     """A finished one-round run's ``summary.json`` and ``metrics.jsonl`` in ``folder``."""
     result = {"final_accuracy": 0.5, "final_selection_accuracy": 0.5, "final_loss": 1.0}
@@ -515,12 +526,7 @@ def test_a_table_only_grid_tabulates_no_run_of_another_config(
     from fedlore.config import load_config
     from fedlore.engine.run_record import result_settings
 
-    grid = _lr_grid()
-    config = tmp_path / "tiny.yaml"
-    config.write_text("name: tiny\nalgorithms: [fedavg]\ndata: {selection_fraction: 0.1}\n")
-    runs = tmp_path / "runs"
-    folder = grid.run_dir(str(runs), "tiny", 1e-3, "fedavg", 42)
-    folder.mkdir(parents=True)
+    grid, config, runs, folder = _tiny_grid(tmp_path)
     made = load_config(str(config), ["rounds=2", "lr=1e-3", "algorithms=fedavg", "seeds=42"])
     (folder / "config.json").write_text(json.dumps(result_settings(made, "fedavg")))
     _one_round_run(folder)
@@ -536,12 +542,7 @@ def test_a_table_only_grid_tabulates_no_run_of_another_config(
 def test_an_interrupt_while_the_table_is_made_is_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    grid = _lr_grid()
-    config = tmp_path / "tiny.yaml"
-    config.write_text("name: tiny\nalgorithms: [fedavg]\ndata: {selection_fraction: 0.1}\n")
-    runs = tmp_path / "runs"
-    folder = grid.run_dir(str(runs), "tiny", 1e-3, "fedavg", 42)
-    folder.mkdir(parents=True)
+    grid, config, runs, folder = _tiny_grid(tmp_path)
     _one_round_run(folder)
 
     def ctrl_c(*_: Any) -> None:
