@@ -11,20 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
-# The longest tests (Flower deployments, interrupted simulations, the docs' pages, `fedlore
-# tune`'s worker processes: 10-160 s each on two cores) start first, so that the two
-# pytest-xdist workers do not end with one of them running a long test alone; the deployment
-# tests run on one worker, one after another (their round timeouts assume the other worker is not
-# starting SuperNodes too). Replaying the recorded durations through xdist's scheduling, the
-# tune modules at the end of this list cut about 20 s off the suite's wall clock: collected last,
-# they kept one worker busy for 47 s after the other had finished.
+# The longest tests (Flower deployments, interrupted simulations, the docs' pages: 10-160 s each on
+# two cores) start first, so that the two pytest-xdist workers do not end with one of them
+# running a long test alone; the deployment tests run on one worker, one after another (their
+# round timeouts assume the other worker is not starting SuperNodes too). `fedlore tune`'s
+# worker tests stay where they are collected, near the end: moved to the front as well, beside
+# the deployments and simulations, every long test ran slower and the suite took 74 s longer
+# (docs/development/tests.md).
 LONG_FIRST = (
     "tests/flower/test_deployment.py",
     "tests/reliability/test_interrupts.py",
     "tests/flower/test_simulation",
     "tests/test_docs_examples.py",
-    "tests/test_tune_workers.py",
-    "tests/test_tune_pool.py",
 )
 
 
