@@ -30,7 +30,9 @@ of the chosen runs (``<out>/*_vs_round.png``, ``*_vs_bytes.png``). Bytes per cli
 count every byte of the run, FedLore's setup exchange (round -1) included, divided by the client
 contacts of the training rounds. Only the grid's own runs are tabulated: one whose ``config.json``
 differs from the grid's settings (``--table-only`` with another ``--set``), or whose files cannot
-be read, is named, and no table is written (exit 1).
+be read, is named, and no table is written (exit 1). A published ``<out>/table.json`` holding
+a method or a seed the new table lacks (``--table-only`` with fewer ``algorithms`` or
+``seeds``) is kept as it is and what would go is named (exit 1); ``--overwrite`` replaces it.
 
 The seed tables' grids outlast one sitting (Table 2's 92 runs take about four hours on two
 cores), so their commands pass ``--runs experiments/runs/<table>``: a finished run's
@@ -44,9 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 import threading
@@ -62,20 +62,15 @@ from fedlore.experiment_parts import make_algorithm
 from fedlore.results.plots import plot
 from fedlore.results.store import load_runs
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # lr_select beside it
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # lr_select, lr_table beside it
 
 from lr_select import (  # lr_grid.score and the rest, as before the split
-    NO_SCORE,
     NO_SELECTION,
-    cell,
-    diverged,
     edge_warning,
-    grid_edge,
-    mean_cell,
-    mean_std,
     score,
     strict,
 )
+from lr_table import Unfinished, damaged, lost_results, run_dir, tabulate
 
 TABLE_ONLY = False
 EXTRA: list[str] = []  # --set overrides passed to every run
@@ -123,10 +118,6 @@ def rate_overrides(method: str, lr: float) -> list[str]:
     """The overrides that make ``lr`` the rate a run of ``method`` trains at."""
     own = [f"method.{method}.lr={lr:g}"] if method in OWN_RATE else []
     return [f"lr={lr:g}", *own]
-
-
-def run_dir(root: str, name: str, lr: float, method: str, seed: int) -> Path:
-    return Path(root) / f"lr-{lr:g}" / name / method / f"seed-{seed}"
 
 
 STOP = threading.Event()
@@ -220,15 +211,6 @@ def summary(root: str, name: str, lr: float, method: str, seed: int) -> dict[str
     return data
 
 
-def damaged(method: str, seed: int, lr: float, path: Path, e: Exception) -> str:
-    """One line for a run's file that cannot be read."""
-    return f"{method} seed {seed} lr {lr:g}: {path} cannot be read ({type(e).__name__}: {e})"
-
-
-class Unfinished(RuntimeError):
-    """A run the table needs has not finished."""
-
-
 SEED_GRID = (1e-4, 3e-4, 5e-4, 8e-4, 1e-3, 3e-3, 5e-3)
 """Seed 000's learning-rate grid (Section 5 "Hyperparameter Settings", Appendices A and B)."""
 
@@ -237,29 +219,6 @@ INTERRUPTED = (
     "lr_grid: interrupted; no run starts after it, and finished runs are kept: the same command "
     "resumes the grid"
 )
-
-
-def per_round(root: str, name: str, lr: float, method: str, seed: int) -> dict[str, float]:
-    """Bytes per training round (all sampled clients together) and per client contact, every
-    byte of the run counted (setup rounds included), and the largest optimizer state one client
-    held, from ``metrics.jsonl``."""
-    path = run_dir(root, name, lr, method, seed) / "metrics.jsonl"
-    try:
-        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    except (OSError, ValueError) as e:  # a torn or edited row, a missing file
-        raise Unfinished(damaged(method, seed, lr, path, e)) from None
-    train = [r for r in rows if r["round"] >= 0]
-    clients = sum(r.get("clients", 0) or 0 for r in train) or 1
-    up, down = sum(r["bytes_up"] for r in rows), sum(r["bytes_down"] for r in rows)
-    return {
-        "up_per_round": up / len(train),
-        "down_per_round": down / len(train),
-        "up_per_client": up / clients,
-        "down_per_client": down / clients,
-        "setup_bytes": sum(r["bytes_up"] + r["bytes_down"] for r in rows if r["round"] < 0),
-        "optimizer_state_bytes": max(r.get("optimizer_state_bytes", 0) for r in rows),
-        "wall_s_per_round": sum(r["wall_s"] for r in train) / len(train),
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,6 +245,9 @@ def grid_main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--set", action="append", default=[], help="KEY=VALUE config override for every run"
+    )
+    ap.add_argument(
+        "--overwrite", action="store_true", help="replace a table.json the new one lacks rows of"
     )
     args = ap.parse_args(argv)
     global TABLE_ONLY
@@ -398,93 +360,17 @@ def grid_main(argv: list[str] | None = None) -> int:
         print(f"{why}:\n" + "\n".join(failed), file=sys.stderr)
         return 1
 
-    table: dict[str, Any] = {
-        "config": args.config,
-        "overrides": args.set,
-        "grid": grid,
-        "chosen": chosen,
-        "methods": {},
-    }
-    probe = summary(args.runs, name, chosen[methods[0]], methods[0], first)
-    lm = "final_perplexity" in probe
-    if lm:
-        key, sel_key, scale, label = (
-            "final_perplexity", "final_selection_perplexity", 1.0, "val PPL",
-        )  # fmt: skip
-    elif "final_rmse" in probe:  # regression
-        key, sel_key, scale, label = "final_rmse", "final_selection_rmse", 1.0, "test RMSE"
-    else:
-        key, sel_key, scale, label = (
-            "final_accuracy", "final_selection_accuracy", 100.0, "final acc. %",
-        )  # fmt: skip
-
-    def number(result: dict[str, Any], k: str) -> float:
-        """The run's ``k`` in the table's unit; NaN (null in table.json) when it diverged."""
-        v = result.get(k)
-        return float("nan") if v is None or diverged(result) else scale * float(v)
-
-    for method in methods:
-        lr = chosen[method]
-        runs = [summary(args.runs, name, lr, method, s) for s in seeds]
-        vals = [number(r, key) for r in runs]
-        losses = [number(r, "final_loss") / scale for r in runs]
-        mean, std = mean_std(vals)  # over the seeds that did not diverge
-        loss_mean, loss_std = mean_std(losses)
-        comm: dict[str, Any] = dict(per_round(args.runs, name, lr, method, first))
-        # seconds per round: the median over the seeds (runs of one grid may have finished in
-        # different sittings, on another machine or beside other work; bytes do not vary)
-        walls = {s: per_round(args.runs, name, lr, method, s)["wall_s_per_round"] for s in seeds}
-        comm["wall_s_per_round"] = statistics.median(walls.values())
-        comm["wall_s_per_round_per_seed"] = {str(s): w for s, w in walls.items()}
-        grid_runs = {g: summary(args.runs, name, g, method, first) for g in grid[method]}
-        table["methods"][method] = {
-            "lr": lr,
-            key: dict(zip(map(str, seeds), vals, strict=True)),
-            "mean": mean,
-            "std": std,
-            "diverged_seeds": sum(1 for v in vals if not math.isfinite(v)),
-            # why each diverged run did (its summary's reason, or no finite final score)
-            "diverged_by_seed": {
-                str(s): diverged(r) or NO_SCORE
-                for s, r, v in zip(seeds, runs, vals, strict=True)
-                if not math.isfinite(v)
-            },
-            "loss_mean": loss_mean,
-            "loss_std": loss_std,
-            # what chose the rate: the selection split of the first seed
-            f"selection_grid_seed{first}": {
-                f"{g:g}": number(r, sel_key) for g, r in grid_runs.items()
-            },
-            # for the record only (never used to choose): the test metric over the grid
-            f"test_grid_seed{first}": {f"{g:g}": number(r, key) for g, r in grid_runs.items()},
-            # the grid's points that diverged (null in both grids above), and why
-            f"diverged_grid_seed{first}": {
-                f"{g:g}": diverged(r) or NO_SCORE
-                for g, r in grid_runs.items()
-                if not math.isfinite(number(r, sel_key))
-            },
-            "chosen_at_grid_edge": grid_edge(grid[method], lr),  # "top", "bottom" or None
-            **comm,
-        }
-    lines = [
-        f"| method | lr | {'val loss | ' if lm else ''}{label} (mean ± std) | per seed "
-        f"| seed-{first} selection-split grid | MB up / client / round "
-        "| MB down / client / round | optimizer state (MB / client) | s / round |",
-        "|---|---|---|---|---|---|---|---|---|" + ("---|" if lm else ""),
-    ]
-    for method, row in table["methods"].items():
-        per_seed = ", ".join(cell(v, ".1f") for v in row[key].values())
-        grid_s = ", ".join(
-            f"{k}: {cell(v, '.1f')}" for k, v in row[f"selection_grid_seed{first}"].items()
+    head = {"config": args.config, "overrides": args.set}
+    table, lines = tabulate(summary, args.runs, name, methods, seeds, grid, chosen, head)
+    lost = [] if args.overwrite else lost_results(out / "table.json", table)
+    if lost:
+        print(
+            f"lr_grid: {out}/table.json holds results the new table lacks ({'; '.join(lost)}): "
+            f"kept {out}/table.* as they are (are the runs under --runs {args.runs}? "
+            "--overwrite replaces them)",
+            file=sys.stderr,
         )
-        loss = f"{mean_cell(row['loss_mean'], row['loss_std'], '.3f', 0)} | " if lm else ""
-        score_s = mean_cell(row["mean"], row["std"], ".2f", row["diverged_seeds"])
-        lines.append(
-            f"| {method} | {row['lr']:g} | {loss}{score_s} | "
-            f"{per_seed} | {grid_s} | {row['up_per_client'] / 1e6:.3f} | "
-            f"{row['down_per_client'] / 1e6:.3f} | {row['optimizer_state_bytes'] / 1e6:.3f} | "
-            f"{row['wall_s_per_round']:.1f} |"
-        )
+        return 1
     write_text(out / "table.json", json.dumps(strict(table), indent=2, allow_nan=False))
     write_text(out / "table.md", "\n".join(lines) + "\n")
     print(f"results in {out}/ (table.md, table.json; runs under {args.runs})")

@@ -119,6 +119,12 @@ def _lr_grid() -> ModuleType:
     return mod
 
 
+def _lr_select() -> ModuleType:
+    """lr_grid's choice and cells (``experiments/lr_select.py``, importable once lr_grid is)."""
+    _lr_grid()
+    return importlib.import_module("lr_select")
+
+
 def test_lr_grid_scores_the_selection_split_never_the_test_set() -> None:
     grid = _lr_grid()
     assert grid.SEED_GRID == (1e-4, 3e-4, 5e-4, 8e-4, 1e-3, 3e-3, 5e-3)
@@ -168,9 +174,10 @@ def test_a_run_that_diverges_at_the_end_never_reports_an_earlier_score(tmp_path:
         assert grid.score({**done, "diverged": "blew up"}) == -float("inf")
     lm_nan = {"final_perplexity": 1.0, "final_selection_perplexity": float("nan")}
     assert grid.score(lm_nan) == -float("inf")  # -NaN once: never the best, never the worst
-    mean, std = grid.mean_std([0.5, float("nan"), 0.7])
+    select = _lr_select()
+    mean, std = select.mean_std([0.5, float("nan"), 0.7])
     assert mean == pytest.approx(0.6) and std == pytest.approx(0.1414, abs=1e-3)
-    assert all(math.isnan(v) for v in grid.mean_std([float("nan")]))
+    assert all(math.isnan(v) for v in select.mean_std([float("nan")]))
 
 
 def test_a_rerun_of_the_grid_keeps_each_runs_earlier_log(
@@ -303,10 +310,11 @@ def test_a_rate_chosen_at_an_edge_of_its_grid_is_flagged() -> None:
     """The how-to's pitfall (widen a grid whose winner is an edge) is said by the tool itself:
     a warning naming the edge and a rate beyond it, and ``chosen_at_grid_edge`` in table.json."""
     grid = _lr_grid()
-    assert grid.grid_edge([3e-3, 1e-2], 1e-2) == "top"
-    assert grid.grid_edge([1e-4, 3e-4, 1e-3], 1e-4) == "bottom"
-    assert grid.grid_edge([1e-4, 3e-4, 1e-3], 3e-4) is None
-    assert grid.grid_edge([1e-3], 1e-3) is None  # one rate: nothing to widen
+    select = _lr_select()
+    assert select.grid_edge([3e-3, 1e-2], 1e-2) == "top"
+    assert select.grid_edge([1e-4, 3e-4, 1e-3], 1e-4) == "bottom"
+    assert select.grid_edge([1e-4, 3e-4, 1e-3], 3e-4) is None
+    assert select.grid_edge([1e-3], 1e-3) is None  # one rate: nothing to widen
     line = grid.edge_warning("fedlore", [1e-2, 3e-3], 1e-2)
     assert line is not None and "the top of its grid 0.003,0.01" in line
     assert "--grid fedlore=0.033," in line  # one more step of the grid's own ratio upward
@@ -341,18 +349,22 @@ def _grid_run(
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_a_diverged_grid_point_is_null_in_table_json_and_said_in_table_md(tmp_path: Path) -> None:
-    """table.json is strict JSON (it held NaN for a diverged point): null, and the point named
-    with its reason under ``diverged_grid_seed<s>`` / ``diverged_by_seed``; table.md says
-    ``diverged`` (it said ``nan``). A run its summary calls diverged never wins, even with a
-    finite (blown-up) selection score, and its scores are not reported."""
-    grid = _lr_grid()
+def _two_method_grid(tmp_path: Path) -> tuple[ModuleType, Path, Path, Path]:
+    """lr_grid, a config of fedavg and fedprox over seeds 42 and 43, its runs root and out."""
     config = tmp_path / "tiny.yaml"
     config.write_text(
         "name: tiny\nalgorithms: [fedavg, fedprox]\nseeds: [42, 43]\n"
         "data: {selection_fraction: 0.1}\n"
     )
-    runs, out = tmp_path / "runs", tmp_path / "out"
+    return _lr_grid(), config, tmp_path / "runs", tmp_path / "out"
+
+
+def test_a_diverged_grid_point_is_null_in_table_json_and_said_in_table_md(tmp_path: Path) -> None:
+    """table.json is strict JSON (it held NaN for a diverged point): null, and the point named
+    with its reason under ``diverged_grid_seed<s>`` / ``diverged_by_seed``; table.md says
+    ``diverged`` (it said ``nan``). A run its summary calls diverged never wins, even with a
+    finite (blown-up) selection score, and its scores are not reported."""
+    grid, config, runs, out = _two_method_grid(tmp_path)
     ok = {"final_accuracy": 0.5, "final_selection_accuracy": 0.5}
     blew = "the final test loss is 1e5 nats per example"
     gone = {"final_accuracy": None, "final_selection_accuracy": None, "final_loss": None}
@@ -385,6 +397,37 @@ def test_a_diverged_grid_point_is_null_in_table_json_and_said_in_table_md(tmp_pa
     assert "| fedavg | 0.001 | 50.00 ± 0.00 (1 diverged) | 50.0, diverged |" in md
     assert "| 0.001: 50.0, 0.01: diverged, 1e+06: diverged |" in md
     assert "| fedprox | 0.001 | diverged | diverged, diverged | 0.001: diverged |" in md
+
+
+def test_a_table_only_grid_keeps_a_published_table_it_would_lose_results_of(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--table-only`` with fewer methods or seeds (``--set algorithms=`` / ``seeds=``) wrote
+    its smaller table over the published one, exit 0: the published files are now kept byte for
+    byte, what would go is named, exit 1; the same table again, or ``--overwrite``, writes."""
+    grid, config, runs, out = _two_method_grid(tmp_path)
+    for method in ("fedavg", "fedprox"):
+        for seed in (42, 43):
+            _grid_run(grid, runs, 1e-3, method, seed, final_accuracy=0.5,
+                      final_selection_accuracy=0.5)  # fmt: skip
+    args = [str(config), "--grid", "fedavg,fedprox=1e-3", "--table-only", "--runs", str(runs)]
+    assert grid.main([*args, "--out", str(out)]) == 0
+    published = {f: (out / f).read_bytes() for f in ("table.json", "table.md")}
+    capsys.readouterr()
+    for fewer, gone in (
+        ("algorithms=[fedavg]", "fedprox (seeds 42, 43)"),
+        ("seeds=[42]", "fedavg (seeds 43); fedprox (seeds 43)"),
+    ):
+        assert grid.main([*args, "--out", str(out), "--set", fewer]) == 1
+        err = capsys.readouterr().err
+        assert f"table.json holds results the new table lacks ({gone})" in err, err
+        assert "Traceback" not in err and "--overwrite replaces them" in err
+        assert {f: (out / f).read_bytes() for f in published} == published
+    assert grid.main([*args, "--out", str(out)]) == 0  # the same table: no loss, written
+    assert grid.main([*args, "--out", str(out), "--set", "seeds=[42]", "--overwrite"]) == 0
+    assert set(
+        json.loads((out / "table.json").read_text())["methods"]["fedavg"]["final_accuracy"]
+    ) == {"42"}
 
 
 def test_a_set_of_the_grids_own_keys_chooses_what_it_runs(
@@ -548,7 +591,7 @@ def test_an_interrupt_while_the_table_is_made_is_one_line(
     def ctrl_c(*_: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(grid, "plot", ctrl_c)
+    monkeypatch.setattr(grid, "plot", ctrl_c)  # after the table: its files are whole
     args = [str(config), "--grid", "fedavg=1e-3", "--table-only", "--runs", str(runs)]
     assert grid.main([*args, "--out", str(tmp_path / "out")]) == 130
     assert capsys.readouterr().err.strip() == grid.INTERRUPTED
