@@ -79,7 +79,22 @@ def outputs() -> dict[str, str]:
     return out
 
 
+INTERRUPTED = (
+    "results_tables: interrupted; each file written is whole (the rest as they were): the same "
+    "command rewrites them all"
+)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Rewrite (or with ``--check``, compare) every generated file; an interrupt is one line."""
+    try:
+        return write_all(argv)
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
+
+
+def write_all(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     check = "--check" in args
     stale = []

@@ -242,3 +242,29 @@ def test_a_torn_result_file_is_one_line_and_nothing_is_written(
     assert not (tmp_path / "first.md").exists()
     monkeypatch.setattr(script, "GENERATORS", made[:1])
     assert script.main([]) == 0 and (tmp_path / "first.md").read_text() == "made\n"
+
+
+def test_an_interrupt_while_the_tables_are_written_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C in scripts/results_tables.py was a traceback: now one line, exit 130, and the file
+    written before it whole, the one being written as it was."""
+    script = load_script()
+    monkeypatch.setattr(script, "ROOT", tmp_path)
+    monkeypatch.setattr(script, "bayes_tables", lambda: SimpleNamespace(outputs=lambda _: {}))
+    (tmp_path / "second.md").write_text("published\n")
+    monkeypatch.setattr(
+        script, "GENERATORS", (lambda: {"first.md": "made\n", "second.md": "new\n"},)
+    )
+    written = script.write_text
+
+    def ctrl_c_on_second(path: Path, text: str) -> None:
+        if path.name == "second.md":
+            raise KeyboardInterrupt
+        written(path, text)
+
+    monkeypatch.setattr(script, "write_text", ctrl_c_on_second)
+    assert script.main([]) == 130
+    assert capsys.readouterr().err.strip() == script.INTERRUPTED
+    assert (tmp_path / "first.md").read_text() == "made\n"
+    assert (tmp_path / "second.md").read_text() == "published\n"
