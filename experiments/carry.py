@@ -11,7 +11,9 @@ a ``checkpoint.pt`` and no ``summary.json``: its ``config.json``, ``metrics.json
 archive, ``ROOT/in-progress.tar.gz``, to commit. What the archive already holds is kept unless
 it is superseded: a run packed here replaces its archived copy when it got as far (a checkpoint
 of the same or a later round), and a run finished here leaves the archive; the archive is
-removed once it holds nothing.
+removed once it holds nothing. An archived copy made with other settings than the run here (its
+``config.json`` differs) is neither replaced nor dropped: pack names it, and leaves the run here
+out (exit 1) when that one is unfinished.
 ``unpack`` (the first step of ``experiments/reruns.sh``) restores each archived run that is not
 training here, not finished here, not another config's run here (its ``config.json`` differs in a
 setting, or cannot be read), not unreadable here (a damaged ``checkpoint.pt``) and not as far
@@ -213,6 +215,9 @@ def pack(root: Path) -> tuple[int, list[Path]]:
     left_out: list[Path] = []
     for run in list(runs):
         if (root / run / "summary.json").exists():
+            if why := config_differs(root / run, runs[run], run):  # another table's progress
+                print(f"kept the archived copy ({why}; that one finished here): {run}")
+                continue
             print(f"finished here, dropped from the archive: {run}")
             del runs[run]
     for folder in unfinished(root):
@@ -237,6 +242,10 @@ def pack(root: Path) -> tuple[int, list[Path]]:
                 f"its client_states/, e.g. {missing[0]}: store.spill_dir keeps them elsewhere; "
                 f"resume it on this machine, or run it without store.spill_dir): {run}"
             )
+            left_out.append(folder)
+            continue
+        if run in runs and (why := config_differs(folder, runs[run], run)):
+            print(f"left out, the archived copy kept ({why}; move one of them away): {run}")
             left_out.append(folder)
             continue
         files = local_files(root, folder)

@@ -371,3 +371,29 @@ def test_an_interrupted_unpack_is_one_line_and_a_rerun_restores_the_run(
     monkeypatch.setattr(carry, "write_bytes", real)
     assert carry.main(["unpack", "--root", str(tmp_path)]) == 0
     assert torch.load(run / "checkpoint.pt", weights_only=True)["round"] == 3
+
+
+def test_pack_keeps_an_archived_run_of_another_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Pack replaced an archived copy made with other settings (another machine's progress on
+    another grid under the same folder name) once the run here got as far, and dropped it once
+    the run here finished: both now keep it and say so; the unfinished run here is left out
+    (exit 1), and the same config is still replaced or dropped as before."""
+    run = _fake_run(tmp_path, "a", 3)
+    (run / "config.json").write_text('{"lr": 0.1}')
+    carry.pack(tmp_path)
+    (run / "config.json").write_text('{"lr": 0.2}')
+    torch.save({"round": 7}, run / "checkpoint.pt")
+    assert carry.main(["pack", "--root", str(tmp_path)]) == 1
+    assert "left out, the archived copy kept (another config here: lr differ" in (
+        capsys.readouterr().out
+    )
+    assert _archived(tmp_path) == {"t/a/seed-0": 3}
+    (run / "summary.json").write_text("{}")
+    assert carry.main(["pack", "--root", str(tmp_path)]) == 0
+    assert "kept the archived copy (another config here: lr differ" in capsys.readouterr().out
+    assert _archived(tmp_path) == {"t/a/seed-0": 3}
+    (run / "config.json").write_text('{"lr": 0.1}')  # the archived copy's config: it finished
+    carry.pack(tmp_path)
+    assert not (tmp_path / carry.ARCHIVE).exists()
