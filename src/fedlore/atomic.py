@@ -8,7 +8,8 @@ the file's own folder, flushes it to disk (``fsync``) and renames it over ``<nam
 moment leaves the old file as it was. ``metrics.jsonl`` grows by whole lines instead
 (:func:`append_text`): an append that fails is cut back to the line before. A ``<name>.tmp``
 that a kill left is never read as ``<name>``; the next run of its folder deletes it
-(:func:`remove_temps`).
+(:func:`remove_temps`), and the next report of an experiment folder deletes what a killed
+report or plot write left there (:func:`remove_dead_shared_temps`).
 
 Any ``OSError`` on the way (no space left, a quota, no permission, a read-only file system) removes
 the temporary file and is raised as :class:`WriteError`; ``torch.save``, which reports a failed
@@ -23,8 +24,9 @@ import errno
 import gzip
 import json
 import os
+import re
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -75,6 +77,39 @@ def remove_temps(folder: Path, names: Iterable[str]) -> list[str]:
             if tmp.is_file() and not tmp.is_symlink():
                 tmp.unlink()
                 removed.append(tmp.name)
+    return removed
+
+
+_SHARED_TEMP = re.compile(r"^(?P<name>.+)\.(?P<pid>\d+)\.\d+" + re.escape(TMP_SUFFIX) + "$")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, under another user
+        return True
+    return True
+
+
+def remove_dead_shared_temps(folder: Path, owns: Callable[[str], bool]) -> list[str]:
+    """Delete the temporary files of ``shared`` writes (:func:`temp_path`,
+    ``<name>.<pid>.<thread>.tmp``) in ``folder`` whose ``<name>`` ``owns`` accepts and whose
+    writer is dead (a report or plot write cut by a kill), and return their names. A live
+    writer's file stays (its rename is still to come), and so does any file of another name.
+    As :mod:`fedlore.engine.lock`, this knows the processes of this machine only."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for tmp in sorted(Path(folder).iterdir()):
+            match = _SHARED_TEMP.match(tmp.name)
+            if not match or not owns(match["name"]) or _alive(int(match["pid"])):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if tmp.is_file() and not tmp.is_symlink():
+                    tmp.unlink()
+                    removed.append(tmp.name)
     return removed
 
 

@@ -129,13 +129,34 @@ def _show_warning(
 _PYTHON_SHOWWARNING = warnings.showwarning
 
 
-def _again(argv: list[str]) -> str:
+def _again(argv: list[str], overwrite_began: bool | None = None) -> str:
     """The command that continues an interrupted one: ``fedlore run ... --resume``, or the same
-    ``fedlore tune ...`` (a search always continues)."""
+    ``fedlore tune ...`` (a search always continues). An ``--overwrite`` stopped before it
+    began (no ``overwriting.json`` yet: nothing was replaced, and ``--overwrite --resume`` would
+    be refused) is continued by the same command; ``overwrite_began`` None looks on disk."""
     if argv[:1] == ["tune"]:
         return shlex.join(["fedlore", *argv])
     run = effective_overrides(argv)  # each key once, with the value it takes
+    resume = "--resume" in argv
+    if not resume and "--overwrite" in argv:
+        resume = _overwrite_began(argv) if overwrite_began is None else overwrite_began
+        if not resume:
+            return shlex.join(["fedlore", *run])
     return shlex.join(["fedlore", *run, *([] if "--resume" in argv else ["--resume"])])
+
+
+def _overwrite_began(argv: list[str]) -> bool:
+    """Whether the experiment folder of the ``fedlore run --overwrite`` line ``argv`` holds the
+    record of an ``--overwrite`` under way (True, too, when the line's config cannot be read)."""
+    from fedlore.engine.overwriting import RECORD
+
+    try:
+        items = [a for a in argv[1 if argv[:1] == ["run"] else 0 :] if not a.startswith("-")]
+        path, overrides = _split_args(items)
+        cfg = load_config(path if path is not None else _default_config(), overrides)
+    except Exception:  # a hint, never an error of its own
+        return True
+    return (Path(cfg.output_dir) / cfg.name / RECORD).is_file()
 
 
 def _resume_hint(argv: list[str]) -> str:
@@ -280,7 +301,7 @@ def _main(argv: list[str], command: bool) -> int:
         from fedlore.cli_run import run_command
 
         engine = ENGINES[cfg.engine]() if not ns.dry_run else None
-        return run_command(ns, cfg, overrides, engine, _again(argv), command)
+        return run_command(ns, cfg, overrides, engine, _again(argv, True), command)
     except (ConfigError, FileNotFoundError, KeyError, ValueError, StoreError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         lead, tail = _failed_in(e, argv, ns.verbose)

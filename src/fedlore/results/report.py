@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlore import progress
-from fedlore.atomic import replacing, write_text
+from fedlore.atomic import remove_dead_shared_temps, replacing, write_text
 from fedlore.results.failed_runs import failed_note, failed_per_row, failed_runs
 from fedlore.results.folders import linked_folders, subfolders
 from fedlore.results.markdown import (
@@ -191,6 +191,11 @@ def setting_title(name: str, runs: dict[str, list[RunRecord]]) -> str:
     return f"{name}: {', '.join(parts)}" if parts else name
 
 
+def _report_file(name: str) -> bool:
+    """Whether ``name`` is a file a report writes (``report.md``, ``report.csv``, a plot)."""
+    return name in ("report.md", "report.csv") or name.endswith(".png")
+
+
 def _report_experiment(
     exp_dir: Path,
     keys: Sequence[str] | None,
@@ -225,6 +230,9 @@ def _report_experiment(
     pngs = []
     if write:
         out.mkdir(parents=True, exist_ok=True)
+        gone = remove_dead_shared_temps(out, _report_file)  # what a killed report left
+        if gone:
+            progress.say("removed what a killed write left in %s: %s", out, ", ".join(gone))
         pngs = plot(runs, out, keys=keys, title=setting_title(exp_dir.name, runs))
         to_csv(table, out / "report.csv", (metric_keys, metrics), _paired(runs, baseline))
     images = "\n\n".join(f"![{p.stem.replace('_', ' ')}]({p.name})" for p in pngs)
