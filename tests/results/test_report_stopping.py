@@ -317,3 +317,17 @@ def test_report_of_proc_self_ends_in_one_line(capsys: pytest.CaptureFixture[str]
     assert "Traceback" not in err and "Permission denied" not in err
     assert err.startswith("fedlore: error: report: no runs found in /proc/self")
     assert "symbolic links to folders are not followed" in err
+
+
+def test_a_folder_gone_since_its_parent_was_listed_is_no_warning(tmp_path: Path) -> None:
+    """``fedlore report /proc/self`` began with "cannot be read (No such file or directory)"
+    warnings, one per thread that ended while the walk went (``/proc/self/task/<tid>``), about
+    one call in three beside a busy pytest worker: a folder gone is skipped without a word; one
+    that cannot be read is still said."""
+    from fedlore.results.folders import subfolders
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnreadableFolderWarning)
+        assert subfolders(tmp_path / "removed-while-listed") == []
+    with pytest.warns(UnreadableFolderWarning, match="cannot be read"):
+        assert subfolders(Path("/proc/self/mem")) == []  # a file: NotADirectoryError

@@ -29,9 +29,12 @@ def unreadable(path: Path, error: OSError) -> None:
 
 def subfolders(path: Path) -> list[Path]:
     """The folders in ``path``, sorted by name: no symbolic link to a folder, and none when
-    ``path`` cannot be read (said by :func:`unreadable`)."""
+    ``path`` cannot be read (said by :func:`unreadable`) or is gone (said by nothing: a folder
+    removed while a report walks its parent)."""
     try:
         entries = sorted(path.iterdir())
+    except FileNotFoundError:  # gone since its parent was listed (a removed run, a thread's
+        return []  # /proc/self/task/<tid>): nothing in it to leave out
     except OSError as e:
         unreadable(path, e)
         return []
