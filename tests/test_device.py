@@ -52,6 +52,29 @@ def test_auto_is_the_cpu_and_cuda_without_cuda_is_a_clear_error() -> None:
         run_one(cfg, "fedfull", 0)
 
 
+def test_a_device_that_is_not_there_is_refused_before_any_folder_but_not_for_a_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``fedlore run ... device=<no such device>`` built the data, refused, and left an empty
+    experiment folder; ``--dry-run`` said it would train (exit 0). Both now refuse in one line
+    naming the device (exit 2) and make no folder; an experiment whose runs are all finished
+    is still reported (a report needs no device). ``cuda:99`` is missing on any machine."""
+    from fedlore.cli import main
+
+    base = ["run", "rounds=1", "algorithms=[fedfull]", "seeds=[0]", "progress=false"]
+    base += ["model.name=mlp", f"output_dir={tmp_path}"]
+    for dry in (["--dry-run"], []):
+        assert main([*base, "name=new", "device=cuda:99", *dry]) == 2
+        err = capsys.readouterr().err
+        assert "device=cuda:99" in err and "Traceback" not in err
+        assert not (tmp_path / "new").exists()
+    assert main([*base, "name=done", "device=cpu"]) == 0
+    capsys.readouterr()
+    for dry in (["--dry-run"], []):
+        assert main([*base, "name=done", "device=cuda:99", *dry]) == 0
+        assert "fedfull" in capsys.readouterr().out
+
+
 SEEN: list[torch.dtype] = []
 """The dtypes of Probe's hidden activations in training (module level: methods may train a deep
 copy of the model they are given)."""

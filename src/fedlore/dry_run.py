@@ -295,6 +295,10 @@ def plan_runs(cfg: Config, resume: bool = False, overwrite: bool = False) -> lis
         _preflight(cfg, first_federation())  # what the command checks next, before any run
         trains = sum(1 for p in planned if p.action in ("train", "continue"))
         kept = sum(1 for p in planned if p.action == "keep")
+        if trains:  # as the command: device=cuda without CUDA refuses runs that would train
+            from fedlore.device import resolve_device
+
+            resolve_device(cfg.device)
         warn_test_selection(cfg, first_federation(), trains, kept)  # as the command says it
     return planned
 

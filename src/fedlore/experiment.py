@@ -396,7 +396,10 @@ def run_experiment(
         algos[name] = algo
     warn_many_releases(cfg, algos)  # DP: the runs' releases compose
     kept = overwriting.kept_runs(cfg, resume, overwrite)  # allow_test: said once, counted
-    warn_test_selection(cfg, first, len(cfg.algorithms) * len(cfg.seeds) - kept, kept)
+    trains = len(cfg.algorithms) * len(cfg.seeds) - kept
+    if trains:  # no CUDA for device=cuda: refused before a folder is made (reported runs need none)
+        resolve_device(cfg.device)
+    warn_test_selection(cfg, first, trains, kept)
     make_output_dir(cfg)
     with contextlib.ExitStack() as held:
         # every folder this experiment will write is its own from the start: a second process
