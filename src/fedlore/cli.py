@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     # the command counts from its process's start: a library's import may have swallowed the
     # KeyboardInterrupt of a Ctrl-C while the command loaded (leaving a module half-imported)
     before = 0 if command else interrupt.signals()
+    if command:  # a second Ctrl-C ends the process at once, with the same hint
+        interrupt.say_on_force_exit(lambda: _resume_hint(args))
     try:
         if interrupt.signals() > before:  # that Ctrl-C: nothing runs
             raise KeyboardInterrupt

@@ -219,6 +219,10 @@ def _force(proc: subprocess.Popen[bytes], err: Path, first: int) -> None:
     text = err.read_text()
     assert time.monotonic() - t0 < 2.0 and rc == 130, text[-2000:]
     assert "SIGINT again: quitting now" in text, text[-2000:]
+    # with the command that continues it, as the first signal's stop says it
+    again = text.split("SIGINT again: quitting now", 1)[1].splitlines()[0]
+    assert again.startswith("; `fedlore run ") and "--resume" in again, again
+    assert again.endswith("` continues unfinished runs from their last checkpoint"), again
     _assert_nothing_left(proc.pid, started)
 
 

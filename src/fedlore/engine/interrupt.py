@@ -31,7 +31,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -106,6 +106,13 @@ _depth = 0
 _deferred = 0
 _deferred_lock = threading.Lock()
 _previous: dict[int, Any] = {}
+_hint: list[Callable[[], str]] = []  # what continues the command (said by force_exit too)
+
+
+def say_on_force_exit(hint: Callable[[], str]) -> None:
+    """Have :func:`force_exit` end its line with ``hint()`` (the ``fedlore`` command's
+    ``fedlore run ... --resume``), as the first signal's stop does."""
+    _hint[:] = [hint]
 
 
 _count = 0
@@ -254,7 +261,10 @@ def pass_on(e: Interrupted) -> None:
 
 def force_exit(signum: int) -> None:
     """Kill every process this one started, then end this one now with ``128 + signum``."""
-    _say(f"{signal.Signals(signum).name} again: quitting now")
+    then = ""
+    with contextlib.suppress(Exception):  # a hint, never a reason not to quit
+        then = f"; {_hint[0]()}" if _hint else ""
+    _say(f"{signal.Signals(signum).name} again: quitting now{then}")
     with contextlib.suppress(Exception):
         kill(descendants())
     os._exit(128 + signum)
