@@ -52,8 +52,17 @@ def test_quickstart_config_loads() -> None:
     assert set(cfg.algorithms) <= set(registry.names("algorithm"))
 
 
-def test_empty_yaml_gives_defaults(tmp_path: Path) -> None:
-    assert load_config(_write(tmp_path / "empty.yaml", "")) == Config()
+def test_empty_yaml_gives_defaults_and_says_so(tmp_path: Path) -> None:
+    """An empty (or comments-only) config trained the whole default experiment without a word:
+    a wrong or unsaved file. It still loads, and a warning names it (and whose base it is)."""
+    from fedlore.config_load import EmptyConfigWarning
+
+    for text in ("", "# settings to come\n"):
+        with pytest.warns(EmptyConfigWarning, match=r"empty\.yaml holds no settings .*default"):
+            assert load_config(_write(tmp_path / "empty.yaml", text)) == Config()
+    child = _write(tmp_path / "child.yaml", "base: empty.yaml\nrounds: 3\n")
+    with pytest.warns(EmptyConfigWarning, match=r"empty\.yaml \(the base of .*child\.yaml\)"):
+        assert load_config(child).rounds == 3
 
 
 def test_non_mapping_yaml_is_an_error(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import reprlib
 import typing
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,10 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class EmptyConfigWarning(UserWarning):
+    """A config file holds no setting (empty, or comments only): every default runs."""
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a config file, resolving its ``base`` chain (a path relative to the file).
 
@@ -59,7 +64,16 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
             named = f" (the base of {seen[-2]})" if len(seen) > 1 else ""
             raise ConfigError(f"config file not found: {path}{named}{hint}")
         try:
-            raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+            raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+            if raw is None:  # empty, or comments only
+                of = f" (the base of {seen[-2]})" if len(seen) > 1 else ""
+                warnings.warn(
+                    f"{path}{of} holds no settings (a wrong or unsaved file?)"
+                    + ("" if of else ": every setting takes its default"),
+                    EmptyConfigWarning,
+                    stacklevel=2,
+                )
+                raw = {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}{_yaml_problem(e)}") from None
         except UnicodeDecodeError as e:
