@@ -179,14 +179,22 @@ def read_archive(archive: Path) -> dict[PurePosixPath, Files]:
         if f"{run}/checkpoint.pt" not in files:
             raise ArchiveError(f"its run {run} has no checkpoint.pt")
         for name, (data, _) in files.items():
-            try:
-                if name.endswith("/checkpoint.pt"):
-                    checkpoint_round(data)
-                elif name.endswith(".json") and not isinstance(json.loads(data), dict):
-                    raise ValueError("not a JSON object")  # config.json, the DP ledger
-            except Exception as e:  # torch.load raises many kinds
-                raise ArchiveError(f"its {name} cannot be read ({unreadable(e)})") from None
+            if why := unreadable_file(name, data):
+                raise ArchiveError(f"its {name} cannot be read ({why})")
     return runs
+
+
+def unreadable_file(name: str, data: bytes) -> str:
+    """Why a run's file ``name`` holding ``data`` cannot be read back ('' when it can): a
+    checkpoint torch cannot load, a ``.json`` (config.json, the DP ledger) that is no object."""
+    try:
+        if name.endswith("/checkpoint.pt"):
+            checkpoint_round(data)
+        elif name.endswith(".json") and not isinstance(json.loads(data), dict):
+            raise ValueError("not a JSON object")
+    except Exception as e:  # torch.load raises many kinds
+        return unreadable(e)
+    return ""
 
 
 def local_files(root: Path, folder: Path) -> Files:
@@ -249,6 +257,12 @@ def pack(root: Path) -> tuple[int, list[Path]]:
             left_out.append(folder)
             continue
         files = local_files(root, folder)
+        # one the archive could not be read back with: every later pack and unpack refused it
+        torn = [(n, why) for n, (d, _) in files.items() if (why := unreadable_file(n, d))]
+        if torn:
+            print(f"left out (its {torn[0][0]} cannot be read: {torn[0][1]}): {run}")
+            left_out.append(folder)
+            continue
         here = _round(files)
         if run in runs and (archived := _round(runs[run])) > here:
             print(f"kept the archived copy (round {archived}; round {here} here): {run}")

@@ -157,22 +157,30 @@ METRICS = ("final_accuracy", "final_perplexity", "final_rmse")
 """The per-seed keys a method's row of ``table.json`` may hold (the one its task reports)."""
 
 
+def _seeds(row: Any) -> set[str]:
+    """The seeds a method's row of ``table.json`` holds a score of (as ``table.json``'s keys);
+    none when it holds no per-seed record of :data:`METRICS`."""
+    if not isinstance(row, dict):
+        return set()
+    per_seed: object = next((row[k] for k in METRICS if k in row), {})
+    return set(per_seed) if isinstance(per_seed, dict) else set()
+
+
 def lost_results(path: Path, table: dict[str, Any]) -> list[str]:
     """The methods of the published ``table.json`` at ``path`` that ``table`` lacks, or holds
-    fewer seeds of, as ``method (seeds ...)``; [] when there is none or it cannot be read
-    (nothing usable to keep)."""
+    fewer seeds of, as ``method (seeds ...)`` (``method`` alone when its row names no seed);
+    [] when there is none or it cannot be read (nothing usable to keep)."""
     try:
         old = json.loads(path.read_text())["methods"]
-        before = {m: next(set(row[k]) for k in METRICS if k in row) for m, row in old.items()}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, StopIteration):
+        before = {m: _seeds(row) for m, row in old.items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return []
-    now = {
-        m: next((set(row[k]) for k in METRICS if k in row), set())
-        for m, row in table["methods"].items()
-    }
+    now = {m: _seeds(row) for m, row in table["methods"].items()}
     lost = []
     for method, seeds in before.items():
         gone = sorted(seeds - now.get(method, set()))
         if gone:
             lost.append(f"{method} (seeds {', '.join(gone)})")
+        elif method not in now:  # a row of another layout (an older lr_grid's): still a result
+            lost.append(method)
     return lost

@@ -397,3 +397,18 @@ def test_pack_keeps_an_archived_run_of_another_config(
     (run / "config.json").write_text('{"lr": 0.1}')  # the archived copy's config: it finished
     carry.pack(tmp_path)
     assert not (tmp_path / carry.ARCHIVE).exists()
+
+
+def test_a_run_whose_config_json_cannot_be_read_is_left_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Pack archived a run whose config.json is torn, and the archive it wrote was then refused
+    by every later pack and unpack ("its .../config.json cannot be read"): the run is left out
+    (exit 1) and named, and the others are packed into an archive that reads back."""
+    good = _fake_run(tmp_path, "a", 3)
+    torn = _fake_run(tmp_path, "b", 2)
+    (torn / "config.json").write_text('{"lr": 0.')
+    assert carry.main(["pack", "--root", str(tmp_path)]) == 1
+    assert "left out (its t/b/seed-0/config.json cannot be read" in capsys.readouterr().out
+    assert _archived(tmp_path) == {"t/a/seed-0": 3}
+    assert good.is_dir() and carry.main(["pack", "--root", str(tmp_path)]) == 1

@@ -8,8 +8,9 @@ the file's own folder, flushes it to disk (``fsync``) and renames it over ``<nam
 moment leaves the old file as it was. ``metrics.jsonl`` grows by whole lines instead
 (:func:`append_text`): an append that fails is cut back to the line before. A ``<name>.tmp``
 that a kill left is never read as ``<name>``; the next run of its folder deletes it
-(:func:`remove_temps`), and the next report of an experiment folder deletes what a killed
-report or plot write left there (:func:`remove_dead_shared_temps`).
+(:func:`remove_temps`), and a later report of an experiment folder deletes what a killed
+report or plot write left there, once untouched for ten minutes
+(:func:`remove_dead_shared_temps`).
 
 Any ``OSError`` on the way (no space left, a quota, no permission, a read-only file system) removes
 the temporary file and is raised as :class:`WriteError`; ``torch.save``, which reports a failed
@@ -26,6 +27,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -94,12 +96,19 @@ def _alive(pid: int) -> bool:
     return True
 
 
+SHARED_TEMP_GRACE_S = 600.0
+"""How long a ``shared`` write's temporary file stays untouched before
+:func:`remove_dead_shared_temps` may take it: a report or plot is written in seconds."""
+
+
 def remove_dead_shared_temps(folder: Path, owns: Callable[[str], bool]) -> list[str]:
     """Delete the temporary files of ``shared`` writes (:func:`temp_path`,
-    ``<name>.<pid>.<thread>.tmp``) in ``folder`` whose ``<name>`` ``owns`` accepts and whose
-    writer is dead (a report or plot write cut by a kill), and return their names. A live
-    writer's file stays (its rename is still to come), and so does any file of another name.
-    As :mod:`fedlore.engine.lock`, this knows the processes of this machine only."""
+    ``<name>.<pid>.<thread>.tmp``) in ``folder`` whose ``<name>`` ``owns`` accepts, whose
+    writer is dead (a report or plot write cut by a kill) and that nothing wrote for
+    :data:`SHARED_TEMP_GRACE_S`, and return their names. A live writer's file stays (its
+    rename is still to come), and so does any file of another name. This knows the processes
+    of this machine only (as :mod:`fedlore.engine.lock`): the grace keeps the file another
+    machine or PID namespace is writing into a shared folder (its PID is no process here)."""
     removed = []
     with contextlib.suppress(OSError):
         for tmp in sorted(Path(folder).iterdir()):
@@ -107,6 +116,8 @@ def remove_dead_shared_temps(folder: Path, owns: Callable[[str], bool]) -> list[
             if not match or not owns(match["name"]) or _alive(int(match["pid"])):
                 continue
             with contextlib.suppress(FileNotFoundError):
+                if time.time() - tmp.lstat().st_mtime < SHARED_TEMP_GRACE_S:
+                    continue  # being written, perhaps by another machine's process
                 if tmp.is_file() and not tmp.is_symlink():
                     tmp.unlink()
                     removed.append(tmp.name)

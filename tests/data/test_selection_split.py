@@ -430,6 +430,26 @@ def test_a_table_only_grid_keeps_a_published_table_it_would_lose_results_of(
     ) == {"42"}
 
 
+def test_a_published_row_of_another_layout_is_still_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A published row without a per-seed record the guard knows (an older lr_grid's
+    ``final_accuracy_pct``) made the whole published table count as unreadable, so a table
+    lacking that method replaced it, exit 0: the method is named and the table kept."""
+    grid, config, runs, out = _two_method_grid(tmp_path)
+    for seed in (42, 43):
+        _grid_run(grid, runs, 1e-3, "fedavg", seed, final_accuracy=0.5,
+                  final_selection_accuracy=0.5)  # fmt: skip
+    out.mkdir()
+    old = {"fedavg": {"final_accuracy": {"42": 50.0, "43": 50.0}},
+           "fedprox": {"final_accuracy_pct": {"42": 60.0}}}  # fmt: skip
+    (out / "table.json").write_text(json.dumps({"methods": old}))
+    args = [str(config), "--grid", "fedavg=1e-3", "--table-only", "--runs", str(runs)]
+    assert grid.main([*args, "--out", str(out), "--set", "algorithms=[fedavg]"]) == 1
+    assert "the new table lacks (fedprox)" in capsys.readouterr().err
+    assert json.loads((out / "table.json").read_text())["methods"] == old
+
+
 def test_a_set_of_the_grids_own_keys_chooses_what_it_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -8,8 +8,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from fedlore.atomic import SHARED_TEMP_GRACE_S
 from fedlore.results.report import report
 
 
@@ -38,8 +40,14 @@ def test_report_removes_what_a_killed_report_left(tmp_path: Path) -> None:
         f"notes.txt.{dead}.7.tmp",  # not a file a report writes
         "report.md.tmp",
     ]
+    long_ago = time.time() - 2 * SHARED_TEMP_GRACE_S
     for name in killed + kept:
         (exp / name).write_bytes(b"partial")
+        os.utime(exp / name, (long_ago, long_ago))
+    # being written now by a process this machine cannot see (another machine's run writing
+    # its report into a shared folder): its PID is no process here, and it stays
+    (exp / f"report.csv.{dead}.9.tmp").write_bytes(b"partial")
+    kept.append(f"report.csv.{dead}.9.tmp")
     report(exp)
     left = sorted(p.name for p in exp.iterdir() if p.is_file())
     assert not set(killed) & set(left)
