@@ -32,7 +32,8 @@ contacts of the training rounds. Only the grid's own runs are tabulated: one who
 differs from the grid's settings (``--table-only`` with another ``--set``), or whose files cannot
 be read, is named, and no table is written (exit 1). A published ``<out>/table.json`` holding
 a method or a seed the new table lacks (``--table-only`` with fewer ``algorithms`` or
-``seeds``) is kept as it is and what would go is named (exit 1); ``--overwrite`` replaces it.
+``seeds``) is kept as it is and what would go is named (exit 1), by a training grid before it
+trains anything; ``--overwrite`` replaces it.
 
 The seed tables' grids outlast one sitting (Table 2's 92 runs take about four hours on two
 cores), so their commands pass ``--runs experiments/runs/<table>``: a finished run's
@@ -70,7 +71,7 @@ from lr_select import (  # lr_grid.score and the rest, as before the split
     score,
     strict,
 )
-from lr_table import Unfinished, damaged, lost_results, run_dir, tabulate
+from lr_table import Unfinished, damaged, lost_results, run_dir, table_seeds, tabulate
 
 TABLE_ONLY = False
 EXTRA: list[str] = []  # --set overrides passed to every run
@@ -233,6 +234,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def keeps_published(out: Path, now: dict[str, set[str]], args: argparse.Namespace) -> bool:
+    """Whether ``<out>/table.json`` holds results a table of ``now`` (method -> seeds) would
+    lose, said on standard error (never under ``--overwrite``)."""
+    lost = [] if args.overwrite else lost_results(out / "table.json", now)
+    if lost:
+        print(
+            f"lr_grid: {out}/table.json holds results the new table lacks ({'; '.join(lost)}): "
+            f"kept {out}/table.* as they are (are the runs under --runs {args.runs}? "
+            "--overwrite replaces them)",
+            file=sys.stderr,
+        )
+    return bool(lost)
+
+
 def grid_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
@@ -279,6 +294,9 @@ def grid_main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     out = Path(args.out)
+    # before hours of training: a grid of fewer methods or seeds would end refusing its table
+    if keeps_published(out, {m: {str(s) for s in seeds} for m in methods}, args):
+        return 1
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     first, rest = seeds[0], seeds[1:]
@@ -362,14 +380,7 @@ def grid_main(argv: list[str] | None = None) -> int:
 
     head = {"config": args.config, "overrides": args.set}
     table, lines = tabulate(summary, args.runs, name, methods, seeds, grid, chosen, head)
-    lost = [] if args.overwrite else lost_results(out / "table.json", table)
-    if lost:
-        print(
-            f"lr_grid: {out}/table.json holds results the new table lacks ({'; '.join(lost)}): "
-            f"kept {out}/table.* as they are (are the runs under --runs {args.runs}? "
-            "--overwrite replaces them)",
-            file=sys.stderr,
-        )
+    if keeps_published(out, table_seeds(table), args):
         return 1
     write_text(out / "table.json", json.dumps(strict(table), indent=2, allow_nan=False))
     write_text(out / "table.md", "\n".join(lines) + "\n")

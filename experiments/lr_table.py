@@ -157,6 +157,11 @@ METRICS = ("final_accuracy", "final_perplexity", "final_rmse")
 """The per-seed keys a method's row of ``table.json`` may hold (the one its task reports)."""
 
 
+def table_seeds(table: dict[str, Any]) -> dict[str, set[str]]:
+    """Method -> the seeds a table's rows hold a score of (:func:`lost_results`' ``now``)."""
+    return {m: _seeds(row) for m, row in table["methods"].items()}
+
+
 def _seeds(row: Any) -> set[str]:
     """The seeds a method's row of ``table.json`` holds a score of (as ``table.json``'s keys);
     none when it holds no per-seed record of :data:`METRICS`."""
@@ -166,16 +171,17 @@ def _seeds(row: Any) -> set[str]:
     return set(per_seed) if isinstance(per_seed, dict) else set()
 
 
-def lost_results(path: Path, table: dict[str, Any]) -> list[str]:
-    """The methods of the published ``table.json`` at ``path`` that ``table`` lacks, or holds
-    fewer seeds of, as ``method (seeds ...)`` (``method`` alone when its row names no seed);
-    [] when there is none or it cannot be read (nothing usable to keep)."""
+def lost_results(path: Path, now: dict[str, set[str]]) -> list[str]:
+    """The methods of the published ``table.json`` at ``path`` that a table of ``now``
+    (method -> its seeds, as ``table.json``'s keys: :func:`table_seeds` of a new table, or the
+    methods and seeds a grid will run) lacks, or holds fewer seeds of, as ``method (seeds ...)``
+    (``method`` alone when its row names no seed); [] when there is none or it cannot be read
+    (nothing usable to keep)."""
     try:
         old = json.loads(path.read_text())["methods"]
         before = {m: _seeds(row) for m, row in old.items()}
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return []
-    now = {m: _seeds(row) for m, row in table["methods"].items()}
     lost = []
     for method, seeds in before.items():
         gone = sorted(seeds - now.get(method, set()))

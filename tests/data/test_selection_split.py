@@ -400,11 +400,12 @@ def test_a_diverged_grid_point_is_null_in_table_json_and_said_in_table_md(tmp_pa
 
 
 def test_a_table_only_grid_keeps_a_published_table_it_would_lose_results_of(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``--table-only`` with fewer methods or seeds (``--set algorithms=`` / ``seeds=``) wrote
     its smaller table over the published one, exit 0: the published files are now kept byte for
-    byte, what would go is named, exit 1; the same table again, or ``--overwrite``, writes."""
+    byte, what would go is named, exit 1; the same table again, or ``--overwrite``, writes. A
+    training grid of fewer methods or seeds says so before it trains anything."""
     grid, config, runs, out = _two_method_grid(tmp_path)
     for method in ("fedavg", "fedprox"):
         for seed in (42, 43):
@@ -423,6 +424,16 @@ def test_a_table_only_grid_keeps_a_published_table_it_would_lose_results_of(
         assert f"table.json holds results the new table lacks ({gone})" in err, err
         assert "Traceback" not in err and "--overwrite replaces them" in err
         assert {f: (out / f).read_bytes() for f in published} == published
+    calls: list[list[str]] = []
+
+    def fake_call(cmd: list[str], **_: Any) -> int:
+        calls.append(cmd)
+        return 0
+
+    monkeypatch.setattr(grid.subprocess, "call", fake_call)
+    training = [a for a in args if a != "--table-only"]
+    assert grid.main([*training, "--out", str(out), "--set", "algorithms=[fedavg]"]) == 1
+    assert calls == [] and "fedprox (seeds 42, 43)" in capsys.readouterr().err
     assert grid.main([*args, "--out", str(out)]) == 0  # the same table: no loss, written
     assert grid.main([*args, "--out", str(out), "--set", "seeds=[42]", "--overwrite"]) == 0
     assert set(
