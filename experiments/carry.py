@@ -224,7 +224,7 @@ def pack(root: Path) -> tuple[int, list[Path]]:
     for run in list(runs):
         if (root / run / "summary.json").exists():
             if why := config_differs(root / run, runs[run], run):  # another table's progress
-                print(f"kept the archived copy ({why}; that one finished here): {run}")
+                print(f"kept the archived copy ({why}, finished: move it away to go on): {run}")
                 continue
             print(f"finished here, dropped from the archive: {run}")
             del runs[run]
