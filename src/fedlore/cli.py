@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedlore import progress
 from fedlore.atomic import WriteError, explain
 from fedlore.cli_parser import build_parser
 from fedlore.config import Config, ConfigError, effective_overrides, load_config
@@ -241,6 +242,7 @@ def _main(argv: list[str], command: bool) -> int:
         if ns.command == "report":
             from fedlore.results.report import report
 
+            progress.enable(False)  # what happened to the files (progress.tell) is still said
             if ns.print_only:
                 print(report(ns.run_dir, write=False, baseline=ns.baseline))
                 return 0
@@ -270,8 +272,6 @@ def _main(argv: list[str], command: bool) -> int:
             return tune_command(ns, path if path is not None else _default_config(), overrides,
                                 ENGINES)  # fmt: skip
         cfg = load_config(path if path is not None else _default_config(), overrides)
-        from fedlore import progress
-
         progress.enable(cfg.progress)
         if ns.command == "partition":
             from fedlore.data.federation import build_federation

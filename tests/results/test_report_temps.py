@@ -11,8 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from fedlore.atomic import SHARED_TEMP_GRACE_S
-from fedlore.results.report import report
+from fedlore.cli import main
 
 
 def dead_pid() -> int:
@@ -22,7 +24,9 @@ def dead_pid() -> int:
     return child.pid
 
 
-def test_report_removes_what_a_killed_report_left(tmp_path: Path) -> None:
+def test_report_removes_what_a_killed_report_left(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     exp = tmp_path / "runs" / "quick"
     run = exp / "fedavg" / "seed-1"
     run.mkdir(parents=True)
@@ -48,7 +52,9 @@ def test_report_removes_what_a_killed_report_left(tmp_path: Path) -> None:
     # its report into a shared folder): its PID is no process here, and it stays
     (exp / f"report.csv.{dead}.9.tmp").write_bytes(b"partial")
     kept.append(f"report.csv.{dead}.9.tmp")
-    report(exp)
+    assert main(["report", str(exp)]) == 0
+    said = capsys.readouterr()
+    assert "removed what a killed write left" in said.out + said.err  # said, as progress=false
     left = sorted(p.name for p in exp.iterdir() if p.is_file())
     assert not set(killed) & set(left)
     assert set(kept) <= set(left)

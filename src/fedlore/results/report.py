@@ -232,7 +232,7 @@ def _report_experiment(
         out.mkdir(parents=True, exist_ok=True)
         gone = remove_dead_shared_temps(out, _report_file)  # what a killed report left
         if gone:
-            progress.say("removed what a killed write left in %s: %s", out, ", ".join(gone))
+            progress.tell("removed what a killed write left in %s: %s", out, ", ".join(gone))
         pngs = plot(runs, out, keys=keys, title=setting_title(exp_dir.name, runs))
         to_csv(table, out / "report.csv", (metric_keys, metrics), _paired(runs, baseline))
     images = "\n\n".join(f"![{p.stem.replace('_', ' ')}]({p.name})" for p in pngs)
