@@ -259,14 +259,30 @@ def pass_on(e: Interrupted) -> None:
     raise e
 
 
+HINT_WAIT = 1.0
+"""Seconds :func:`force_exit` waits for its hint (``--overwrite``'s rereads the config, and a
+stalled network file system must not keep a forced exit waiting): past it, the line ends
+without the hint."""
+
+
 def force_exit(signum: int) -> None:
-    """Kill every process this one started, then end this one now with ``128 + signum``."""
-    then = ""
-    with contextlib.suppress(Exception):  # a hint, never a reason not to quit
-        then = f"; {_hint[0]()}" if _hint else ""
-    _say(f"{signal.Signals(signum).name} again: quitting now{then}")
+    """Kill every process this one started, then say so (with the hint of
+    :func:`say_on_force_exit`, given :data:`HINT_WAIT` seconds) and end this one now with
+    ``128 + signum``. The kill comes first: nothing the hint does can delay it."""
     with contextlib.suppress(Exception):
         kill(descendants())
+    then: list[str] = []
+
+    def _compute() -> None:
+        with contextlib.suppress(Exception):  # a hint, never a reason not to quit
+            then.append(f"; {_hint[0]()}")
+
+    if _hint:
+        with contextlib.suppress(Exception):
+            worker = threading.Thread(target=_compute, name="fedlore-hint", daemon=True)
+            worker.start()
+            worker.join(HINT_WAIT)
+    _say(f"{signal.Signals(signum).name} again: quitting now{then[0] if then else ''}")
     os._exit(128 + signum)
 
 

@@ -1,0 +1,70 @@
+"""A second signal's forced exit (:func:`fedlore.engine.interrupt.force_exit`) kills what the
+process started before anything else, and a slow hint cannot hold it up: the processes are
+gone before the hint runs, and past ``HINT_WAIT`` the line ends without the hint."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, signal, subprocess, sys, time
+    from fedlore.engine import interrupt
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    open(sys.argv[1], "w").write(str(child.pid))
+    time.sleep(0.3)
+
+    def hint():
+        # the child must be dead (killed, or a zombie waiting for us) when the hint runs
+        state = open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        time.sleep(float(sys.argv[2]))
+        return f"child state {state}"
+
+    interrupt.say_on_force_exit(hint)
+    interrupt.force_exit(signal.SIGINT)
+    """
+)
+
+
+def _force(tmp_path: Path, hint_sleep: float) -> tuple[int, str, float, int]:
+    pid_file = tmp_path / "child.pid"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(pid_file), str(hint_sleep)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    return done.returncode, done.stderr, time.monotonic() - t0, int(pid_file.read_text())
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
+
+
+def test_the_kill_comes_before_the_hint(tmp_path: Path) -> None:
+    rc, err, _, child = _force(tmp_path, 0.0)
+    assert rc == 130, err
+    line = err.split("SIGINT again: quitting now", 1)[1].splitlines()[0]
+    assert line in ("; child state Z", "; child state X"), err  # killed before the hint ran
+    assert _gone(child)
+
+
+def test_a_slow_hint_does_not_hold_up_the_exit(tmp_path: Path) -> None:
+    rc, err, took, child = _force(tmp_path, 30.0)
+    assert rc == 130, err
+    assert took < 15.0, (took, err)  # the hint alone would take 30 s
+    assert "SIGINT again: quitting now\n" in err, err  # the line ends without the hint
+    assert _gone(child)
