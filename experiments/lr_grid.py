@@ -71,7 +71,15 @@ from lr_select import (  # lr_grid.score and the rest, as before the split
     score,
     strict,
 )
-from lr_table import Unfinished, damaged, lost_results, run_dir, table_seeds, tabulate
+from lr_table import (
+    Unfinished,
+    damaged,
+    lost_results,
+    run_dir,
+    table_measures,
+    table_seeds,
+    tabulate,
+)
 
 TABLE_ONLY = False
 EXTRA: list[str] = []  # --set overrides passed to every run
@@ -234,10 +242,16 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def keeps_published(out: Path, now: dict[str, set[str]], args: argparse.Namespace) -> bool:
-    """Whether ``<out>/table.json`` holds results a table of ``now`` (method -> seeds) would
-    lose, said on standard error (never under ``--overwrite``)."""
-    lost = [] if args.overwrite else lost_results(out / "table.json", now)
+def keeps_published(
+    out: Path,
+    now: dict[str, set[str]],
+    args: argparse.Namespace,
+    measures: dict[str, str | None] | None = None,
+) -> bool:
+    """Whether ``<out>/table.json`` holds results a table of ``now`` (method -> seeds; scored
+    by ``measures``, when known) would lose, said on standard error (never under
+    ``--overwrite``)."""
+    lost = [] if args.overwrite else lost_results(out / "table.json", now, measures)
     if lost:
         print(
             f"lr_grid: {out}/table.json holds results the new table lacks ({'; '.join(lost)}): "
@@ -380,7 +394,7 @@ def grid_main(argv: list[str] | None = None) -> int:
 
     head = {"config": args.config, "overrides": args.set}
     table, lines = tabulate(summary, args.runs, name, methods, seeds, grid, chosen, head)
-    if keeps_published(out, table_seeds(table), args):
+    if keeps_published(out, table_seeds(table), args, table_measures(table)):
         return 1
     write_text(out / "table.json", json.dumps(strict(table), indent=2, allow_nan=False))
     write_text(out / "table.md", "\n".join(lines) + "\n")

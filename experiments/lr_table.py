@@ -171,12 +171,15 @@ def _seeds(row: Any) -> set[str]:
     return set(per_seed) if isinstance(per_seed, dict) else set()
 
 
-def lost_results(path: Path, now: dict[str, set[str]]) -> list[str]:
+def lost_results(
+    path: Path, now: dict[str, set[str]], measures: dict[str, str | None] | None = None
+) -> list[str]:
     """The methods of the published ``table.json`` at ``path`` that a table of ``now``
     (method -> its seeds, as ``table.json``'s keys: :func:`table_seeds` of a new table, or the
     methods and seeds a grid will run) lacks, or holds fewer seeds of, as ``method (seeds ...)``
-    (``method`` alone when its row names no seed); [] when there is none or it cannot be read
-    (nothing usable to keep)."""
+    (``method`` alone when its row names no seed), or (given the new table's ``measures``,
+    :func:`table_measures`) scores by another measure (an accuracy table over a perplexity
+    one); [] when there is none or it cannot be read (nothing usable to keep)."""
     try:
         old = json.loads(path.read_text())["methods"]
         before = {m: _seeds(row) for m, row in old.items()}
@@ -189,4 +192,18 @@ def lost_results(path: Path, now: dict[str, set[str]]) -> list[str]:
             lost.append(f"{method} (seeds {', '.join(gone)})")
         elif method not in now:  # a row of another layout (an older lr_grid's): still a result
             lost.append(method)
+        elif measures is not None and method in measures:
+            was = _measure(old[method])
+            if was is not None and measures[method] is not None and was != measures[method]:
+                lost.append(f"{method} ({was}, where the new table has {measures[method]})")
     return lost
+
+
+def table_measures(table: dict[str, Any]) -> dict[str, str | None]:
+    """Method -> the measure (one of :data:`METRICS`) a table's rows score it by
+    (:func:`lost_results`' ``measures``)."""
+    return {m: _measure(row) for m, row in table["methods"].items()}
+
+
+def _measure(row: Any) -> str | None:
+    return next((k for k in METRICS if k in row), None) if isinstance(row, dict) else None

@@ -229,8 +229,10 @@ def read_json(path: Path) -> Any:
 
 def lost_rows(table: Path, records: list[dict[str, Any]]) -> list[str]:
     """The rows of the table at ``table`` (a ``table.json``) that ``records`` lack, or hold
-    fewer seeds of, as ``setting method (seeds ...)``; [] when there is none or it cannot be
-    read (nothing usable to keep)."""
+    fewer seeds of, as ``setting method (seeds ...)``, or hold without a column of
+    :data:`BYTES` or :data:`FAIRNESS` the published row has values of (a table made without
+    ``--bytes`` or ``--fairness``), as ``setting method (columns: pass --flag)``; [] when there
+    is none or it cannot be read (nothing usable to keep)."""
     try:
         old = json.loads(table.read_text())
         before = {(json.dumps(r["setting"], sort_keys=True), r["method"]): r for r in old}
@@ -241,9 +243,15 @@ def lost_rows(table: Path, records: list[dict[str, Any]]) -> list[str]:
     for key, row in before.items():
         new = now.get(key, {"seeds": 0, "by_seed": {}})
         gone = sorted(set(row.get("by_seed", {})) - set(new.get("by_seed", {})))
+        where = label(tuple((k, str(v)) for k, v in row["setting"].items()))
         if gone or new.get("seeds", 0) < row.get("seeds", 0):
-            where = label(tuple((k, str(v)) for k, v in row["setting"].items()))
             lost.append(f"{where} {row['method']} (seeds {', '.join(gone) or row['seeds']})")
+            continue
+        # a column of --bytes or --fairness the new table is made without
+        for flag, cols in (("--bytes", BYTES), ("--fairness", FAIRNESS)):
+            dropped = [k for k, _, _ in cols if row.get(k) and k not in new]
+            if dropped:
+                lost.append(f"{where} {row['method']} ({', '.join(dropped)}: pass {flag})")
     return lost
 
 

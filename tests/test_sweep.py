@@ -132,7 +132,9 @@ def test_an_interrupted_sweep_starts_no_further_run(
     assert len(calls) == 1 and "interrupted" in capsys.readouterr().out
 
 
-def test_fairness_adds_the_spread_of_the_clients_accuracies(tmp_path: Path) -> None:
+def test_fairness_adds_the_spread_of_the_clients_accuracies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``--fairness``: the global model's per-client accuracy mean, worst, p10 and std, each
     run's own (from its summary), as columns of table.md and values of table.json."""
     config = tmp_path / "tiny.yaml"
@@ -152,6 +154,13 @@ def test_fairness_adds_the_spread_of_the_clients_accuracies(tmp_path: Path) -> N
     assert row["final_client_accuracy_p10"][0] <= row["final_client_accuracy_mean"][0]
     head = (out / "table.md").read_text().splitlines()[0]
     assert "| worst client (%) | client p10 (%) | client std (pts) |" in head
+    # the same table made without --fairness would drop those columns: kept, named, exit 1
+    published = (out / "table.json").read_bytes()
+    assert _sweep().main([*args[:-1], "--table-only"]) == 1
+    err = capsys.readouterr().err
+    assert "final_client_accuracy_mean, final_client_accuracy_min" in err, err
+    assert "pass --fairness" in err and (out / "table.json").read_bytes() == published
+    assert _sweep().main([*args, "--table-only"]) == 0  # with it: the same table, written
 
 
 def test_a_set_of_the_sweeps_own_keys_chooses_what_it_runs(

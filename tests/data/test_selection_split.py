@@ -461,6 +461,27 @@ def test_a_published_row_of_another_layout_is_still_kept(
     assert json.loads((out / "table.json").read_text())["methods"] == old
 
 
+def test_a_published_table_of_another_measure_is_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The guard compared methods and seeds only, so an accuracy table of the same methods and
+    seeds replaced a published perplexity table, exit 0: the measure is compared too."""
+    grid, config, runs, out = _two_method_grid(tmp_path)
+    for seed in (42, 43):
+        _grid_run(grid, runs, 1e-3, "fedavg", seed, final_accuracy=0.5,
+                  final_selection_accuracy=0.5)  # fmt: skip
+    out.mkdir()
+    old = {"fedavg": {"final_perplexity": {"42": 30.0, "43": 31.0}}}
+    (out / "table.json").write_text(json.dumps({"methods": old}))
+    args = [str(config), "--grid", "fedavg=1e-3", "--table-only", "--runs", str(runs)]
+    assert grid.main([*args, "--out", str(out), "--set", "algorithms=[fedavg]"]) == 1
+    err = capsys.readouterr().err
+    assert "lacks (fedavg (final_perplexity, where the new table has final_accuracy))" in err
+    assert json.loads((out / "table.json").read_text())["methods"] == old
+    assert grid.main([*args, "--out", str(out), "--set", "algorithms=[fedavg]", "--overwrite"]) == 0
+    assert "final_accuracy" in json.loads((out / "table.json").read_text())["methods"]["fedavg"]
+
+
 def test_a_set_of_the_grids_own_keys_chooses_what_it_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
