@@ -398,6 +398,21 @@ def test_loose_npy_arrays_are_told_how_to_become_an_archive(tmp_path: Path) -> N
     assert str(e.value).endswith("(arrays x, y and optionally class_names)")
 
 
+def test_a_file_given_as_data_root_is_told_it_is_a_file(tmp_path: Path) -> None:
+    """data.root=wine/train.npz (the archive, not its folder) or data.root=wine.csv (a table
+    not yet converted) used to read "neither wine/train.npz/train.npz nor ... exists"."""
+    _npz(tmp_path, "train", 6)
+    with pytest.raises(FileNotFoundError) as e:
+        load_npz(str(tmp_path / "train.npz"))
+    assert str(e.value).endswith(f"; {tmp_path / 'train.npz'} is a file, not a folder: name "
+                                 f"its folder, data.root={tmp_path}")  # fmt: skip
+    (tmp_path / "wine.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(FileNotFoundError) as e:
+        load_npz(str(tmp_path / "wine.csv"))
+    assert str(e.value).endswith(" is a file, not a folder (convert a table to the archives "
+                                 "first; labelled text: data.name=text_csv)")  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("arrays", "told"),
     [

@@ -212,6 +212,12 @@ def load_npz(root: str | None = None, *, non_finite: str = "error") -> DataSourc
             if npy
             else ""
         )
+        if folder.is_file():  # the archive itself, or a table not yet converted
+            hint = f"; {folder} is a file, not a folder" + (
+                f": name its folder, data.root={folder.parent}"
+                if folder.suffix == ".npz"
+                else " (convert a table to the archives first; labelled text: data.name=text_csv)"
+            )
         raise FileNotFoundError(
             f"npz: neither {paths['train']} nor {paths['test']} exists; data.root must name a "
             "folder with train.npz and/or test.npz (arrays x, y and optionally class_names)" + hint
