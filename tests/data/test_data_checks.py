@@ -351,8 +351,9 @@ def test_a_partition_refusal_says_where_the_rest_of_the_data_went(tmp_path: Path
     with pytest.raises(ValueError) as e:
         build_federation(load_config(None, [*base, "data.fraction=0.1"]), 42)
     assert str(e.value).endswith(
-        " for 21 examples (min_size * num_clients > number of examples) (the clients share 21 "
-        "of the 200 training examples: data.fraction=0.1)"
+        " for 21 examples (min_size * num_clients > number of examples); lower min_size or "
+        "num_clients until min_size * num_clients <= 21 (the clients share 21 of the 200 "
+        "training examples: data.fraction=0.1)"
     )
     with pytest.raises(ValueError) as e:  # an empty client, after a selection split
         over = ["data.selection_fraction=0.5", "num_clients=150", "partition.min_size=0"]
@@ -362,7 +363,25 @@ def test_a_partition_refusal_says_where_the_rest_of_the_data_went(tmp_path: Path
     )
     with pytest.raises(ValueError) as e:  # the whole file shared: nothing to add
         build_federation(load_config(None, [*base, "num_clients=30"]), 42)
-    assert str(e.value).endswith("(min_size * num_clients > number of examples)")
+    assert str(e.value).endswith(
+        "(min_size * num_clients > number of examples); lower min_size or num_clients until "
+        "min_size * num_clients <= 200"
+    )  # a remedy, as the exhausted redraws give one
+
+
+def test_more_clients_than_examples_are_told_only_the_remedy_that_can_work(
+    tmp_path: Path,
+) -> None:
+    """With more clients than examples, ``partition.min_size >= 1`` cannot be met: the refusal
+    of the client left empty says to use fewer clients than the examples, not to raise it."""
+    _npz(tmp_path, "train", 40)
+    _npz(tmp_path, "test", 8, seed=1)
+    over = ["data.name=npz", f"data.root={tmp_path}", "num_clients=60", "partition.min_size=0"]
+    with pytest.raises(ValueError) as e:
+        build_federation(load_config(None, over), 42)
+    message = str(e.value)
+    assert "received no training data" in message and "min_size >= 1" not in message
+    assert message.endswith("; use fewer clients (num_clients) than the 40 examples")
 
 
 def test_loose_npy_arrays_are_told_how_to_become_an_archive(tmp_path: Path) -> None:
@@ -377,3 +396,51 @@ def test_loose_npy_arrays_are_told_how_to_become_an_archive(tmp_path: Path) -> N
     with pytest.raises(FileNotFoundError) as e:  # nothing there: no hint
         load_npz(str(tmp_path / "none"))
     assert str(e.value).endswith("(arrays x, y and optionally class_names)")
+
+
+def test_a_file_given_as_data_root_is_told_it_is_a_file(tmp_path: Path) -> None:
+    """data.root=wine/train.npz (the archive, not its folder) or data.root=wine.csv (a table
+    not yet converted) used to read "neither wine/train.npz/train.npz nor ... exists"."""
+    _npz(tmp_path, "train", 6)
+    with pytest.raises(FileNotFoundError) as e:
+        load_npz(str(tmp_path / "train.npz"))
+    assert str(e.value).endswith(f"; {tmp_path / 'train.npz'} is a file, not a folder: name "
+                                 f"its folder, data.root={tmp_path}")  # fmt: skip
+    (tmp_path / "wine.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(FileNotFoundError) as e:
+        load_npz(str(tmp_path / "wine.csv"))
+    assert str(e.value).endswith(" is a file, not a folder (convert a table to the archives "
+                                 "first; labelled text: data.name=text_csv)")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("arrays", "told"),
+    [
+        ({"y": np.array(["cat", "dog"] * 3)}, "got <U3 (text, such as y[0] = 'cat'): number the "
+         "classes, names, y = np.unique(y, return_inverse=True), and store names as class_names"),
+        ({"y": np.arange(6, dtype=np.float32) % 2}, "got float32 (whole numbers: store "
+         "y.astype(np.int64))"),
+        ({"y": np.array([0, 1, 0.5, 1, np.nan, 0])}, "got float64, and y[2] is 0.5, not a class "
+         "number"),
+        ({"y": np.array(["cat", 1] * 3, dtype=object)}, "array 'y' holds Python objects (dtype "
+         "object), which are not read; store it as integers"),
+        ({"x": np.array([[1.0, "n/a"]] * 6, dtype=object)}, "array 'x' holds Python objects"),
+        ({"class_names": np.array(["a", "b"], dtype=object)}, "array 'class_names' holds Python "
+         "objects (dtype object), which are not read; store it as strings, np.array(names, "
+         "dtype=str)"),
+    ],
+)  # fmt: skip
+def test_labels_of_another_type_and_object_arrays_are_told_how_to_store_them(
+    tmp_path: Path, arrays: dict[str, np.ndarray], told: str
+) -> None:
+    """Text labels (a CSV's class column saved as it is), floats and arrays of Python objects
+    (a pandas column or Index saved as it is) are refused naming the file and the array, with
+    how to store it: "labels y must be integers, got <U3" alone left the newcomer to find out
+    how; "cannot read the npz file (Object arrays cannot be loaded ...)" named no array."""
+    data: dict[str, np.ndarray] = {"x": np.zeros((6, 2), np.float32), "y": np.arange(6) % 2}
+    np.savez(tmp_path / "train.npz", allow_pickle=True, **{**data, **arrays})
+    with pytest.raises(ValueError) as e:
+        load_npz(str(tmp_path))
+    message = str(e.value)
+    assert message.startswith(f"{tmp_path / 'train.npz'}: ") and told in message
+    assert "\n" not in message

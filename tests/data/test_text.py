@@ -278,14 +278,35 @@ def test_csv_quoting_that_is_valid_still_reads(tmp_path: Path) -> None:
     path.write_text(
         'text,label\n"two\nlines, one row",a\n\n"say ""hi""",b\nsay "hi" now,a\nlast,b\n'
     )
-    from fedlore.data.text import _read_rows
+    from fedlore.data.text_rows import read_rows
 
-    rows = _read_rows(path, "csv")
+    rows = read_rows(path, "csv")
     assert [(r["text"], r["label"], r["_line"]) for r in rows] == [
         ("two\nlines, one row", "a", 3),
         ('say "hi"', "b", 5),
         ('say "hi" now', "a", 6),
         ("last", "b", 7),
+    ]
+
+
+def test_a_csv_row_with_more_fields_than_the_header_is_refused(tmp_path: Path) -> None:
+    """An unquoted comma in a text split the row in three: read leniently, the text's end
+    became the label (here " world", a class of its own) and the real label was dropped.
+    The row is refused with its line; empty fields past the header (trailing commas) read."""
+    path = tmp_path / "comma.csv"
+    path.write_text("text,label\nfine,a\nhello, world,b\nbye,b\n")
+    with pytest.raises(ValueError) as e:
+        load_text_csv(str(path))
+    assert str(e.value) == (
+        f"{path}:3: more fields than the header's 2 (text, label); a text that holds a comma "
+        'must be in quotes ("a, b")'
+    )
+    path.write_text('text,label\nfine,a,\n"hello, world",b, \n')
+    from fedlore.data.text_rows import read_rows
+
+    assert [(r["text"], r["label"]) for r in read_rows(path, "csv")] == [
+        ("fine", "a"),
+        ("hello, world", "b"),
     ]
 
 

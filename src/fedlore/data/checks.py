@@ -206,12 +206,15 @@ def empty_client_message(cfg: Config, client: int, num_examples: int, params: An
     It names the partitioner, the settings it reads (``params``: its signature's parameters)
     and a remedy that applies to it: ``partition.min_size >= 1`` only for a partitioner that
     reads ``min_size`` and has it below 1 (``dirichlet``); otherwise fewer clients, because
-    raising a key the partitioner never reads (``step``, ``iid``) would change nothing."""
+    raising a key the partitioner never reads (``step``, ``iid``) would change nothing. With
+    more clients than examples, only fewer clients can help, and the message says so."""
     name = cfg.partition.name
     read = {k: getattr(cfg.partition, k) for k in _OWN_KEYS if k in params}
     if cfg.partition.kwargs:
         read["kwargs"] = dict(cfg.partition.kwargs)
-    if "min_size" in params and cfg.partition.min_size < 1:
+    if cfg.num_clients > num_examples:
+        remedy = f"use fewer clients (num_clients) than the {num_examples} examples"
+    elif "min_size" in params and cfg.partition.min_size < 1:
         remedy = "set partition.min_size >= 1 or use fewer clients"
     else:
         remedy = "use fewer clients (num_clients) or a partition that gives every client data"

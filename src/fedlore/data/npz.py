@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +23,49 @@ Read = tuple[np.ndarray, np.ndarray, list[str] | None]
 """One file's ``(x, y, class_names or None)``."""
 
 
+_STORE_AS = {
+    "x": "numbers, x.astype(np.float32) (a table's text columns converted first)",
+    "y": "integers (text labels numbered: names, y = np.unique(y, return_inverse=True))",
+    "class_names": "strings, np.array(names, dtype=str)",
+}
+"""How to store each array that ``np.savez`` wrote as Python objects (``dtype=object``)."""
+
+
+def _array(f: Any, path: Path, name: str) -> np.ndarray:
+    """Array ``name`` of the open archive ``f``; one that holds Python objects (a pandas
+    column or Index of mixed types saved as it is), which a run does not unpickle, is an error
+    naming it and how to store it."""
+    try:
+        return np.asarray(f[name])
+    except ValueError as e:
+        if "allow_pickle" not in str(e):
+            raise
+        raise ValueError(
+            f"{path}: array {name!r} holds Python objects (dtype object), which are not read; "
+            f"store it as {_STORE_AS[name]}"
+        ) from None
+
+
+def _label_type_error(path: Path, y: np.ndarray) -> ValueError:
+    """The refusal of labels ``y`` that are not integers, with the remedy for their kind:
+    text is numbered, whole numbers of another type are cast, and the first label that is no
+    whole number is named with its row."""
+    got = f"{path}: labels y must be integers, got {y.dtype}"
+    if y.dtype.kind in "US":
+        return ValueError(
+            f"{got} (text, such as y[0] = {str(y[0])!r}): number the classes, names, y = "
+            "np.unique(y, return_inverse=True), and store names as class_names"
+        )
+    if y.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            off = ~np.isfinite(y) | (y != np.round(y))
+        if off.any():
+            i = int(np.argmax(off))
+            return ValueError(f"{got}, and y[{i}] is {y[i]}, not a class number")
+    whole = "whole numbers: " if y.dtype.kind == "f" else ""
+    return ValueError(f"{got} ({whole}store y.astype(np.int64))")
+
+
 def _read_npz(path: Path, non_finite: str) -> Read:
     try:
         with np.load(path, allow_pickle=False) as f:
@@ -31,8 +75,9 @@ def _read_npz(path: Path, non_finite: str) -> Read:
                     f"{path}: needs arrays 'x' (inputs) and 'y' (labels), missing {missing} "
                     f"(it holds {sorted(f.files)})"
                 )
-            x, y = np.asarray(f["x"]), np.asarray(f["y"])
-            names = [str(c) for c in f["class_names"]] if "class_names" in f.files else None
+            x, y = _array(f, path, "x"), _array(f, path, "y")
+            has_names = "class_names" in f.files
+            names = [str(c) for c in _array(f, path, "class_names")] if has_names else None
     except (OSError, EOFError, ValueError, zipfile.BadZipFile) as e:  # BadZipFile: a cut file
         if isinstance(e, ValueError) and str(path) in str(e):
             raise
@@ -49,7 +94,7 @@ def _read_npz(path: Path, non_finite: str) -> Read:
     if len(x) != len(y):
         raise ValueError(f"{path}: x has {len(x)} rows but y has {len(y)}")
     if y.dtype.kind not in "iu":
-        raise ValueError(f"{path}: labels y must be integers, got {y.dtype}")
+        raise _label_type_error(path, y)
     if len(y) and y.min() < 0:
         i = int(np.argmax(y < 0))
         raise ValueError(f"{path}: y[{i}] is {int(y[i])}; labels must be non-negative integers")
@@ -167,6 +212,12 @@ def load_npz(root: str | None = None, *, non_finite: str = "error") -> DataSourc
             if npy
             else ""
         )
+        if folder.is_file():  # the archive itself, or a table not yet converted
+            hint = f"; {folder} is a file, not a folder" + (
+                f": name its folder, data.root={folder.parent}"
+                if folder.suffix == ".npz"
+                else " (convert a table to the archives first; labelled text: data.name=text_csv)"
+            )
         raise FileNotFoundError(
             f"npz: neither {paths['train']} nor {paths['test']} exists; data.root must name a "
             "folder with train.npz and/or test.npz (arrays x, y and optionally class_names)" + hint

@@ -162,7 +162,10 @@ def partition_dirichlet(
         f"num_clients={num_clients} for {len(labels)} examples"
     )
     if min_size * num_clients > len(labels):
-        raise ValueError(infeasible + " (min_size * num_clients > number of examples)")
+        raise ValueError(
+            infeasible + " (min_size * num_clients > number of examples); lower min_size or "
+            f"num_clients until min_size * num_clients <= {len(labels)}"
+        )
     by_class = [np.flatnonzero(labels == c) for c in np.unique(labels)]
     for attempt in range(MAX_DIRICHLET_ATTEMPTS):
         _announce_redraw(attempt, min_size)

@@ -25,10 +25,6 @@ Sources:
 
 from __future__ import annotations
 
-import codecs
-import csv
-import io
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +34,7 @@ import torch
 
 from fedlore.data.client_data import TensorSplit
 from fedlore.data.datasource import DataSource
+from fedlore.data.text_rows import read_rows
 from fedlore.models.common import quiet_transformers
 from fedlore.models.text import MINILM_HINT, resolve_text_folder
 from fedlore.registry import register_source
@@ -323,78 +320,6 @@ def load_fortunes(
     return _text_source("fortunes", texts, y, names, stratified_split(y), tokenizer, max_length)
 
 
-def _read_text(path: Path) -> str:
-    """The file's text as UTF-8 (a leading byte-order mark, as spreadsheets write, is dropped);
-    bytes that are not UTF-8 are an error naming the file and line."""
-    data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 text ({e}); save the file as UTF-8") from None
-
-
-def _csv_rows(path: Path, text: str) -> list[dict[str, Any]]:
-    """:func:`_read_rows` of a CSV file, read strictly: a quote left open is an error naming
-    the line it opened on (the first of its row) and the line the csv module gave up on (the
-    end of the file, or a later quote that closed it with text after it); text after a closing
-    quote on one line is an error naming that line. (Read leniently, an open quote swallowed
-    the rows after it into one field, and the error, if any, named the file's last line.)"""
-    reader = csv.DictReader(io.StringIO(text, newline=""), strict=True)
-    rows: list[dict[str, Any]] = []
-    done = 0  # the last line read without error: the header's, then each row's
-    try:
-        if reader.fieldnames is not None:  # reads the header
-            done = reader.reader.line_num
-        for row in reader:
-            rows.append(dict(row, _line=reader.line_num))
-            done = reader.line_num
-    except csv.Error as e:
-        # the failed row's first line (blank lines are no rows): a row runs on past its first
-        # line only inside a quote opened on it
-        lines = list(io.StringIO(text, newline=""))
-        starts = (i for i in range(done + 1, len(lines) + 1) if lines[i - 1].strip("\r\n"))
-        opened, at = next(starts, done + 1), reader.reader.line_num
-        eof = str(e) == "unexpected end of data"
-        if opened >= at and not eof:  # on one line: text after a closing quote, or too long
-            hint = "; a field that starts with a quote must end with it, and a quote inside it "
-            hint += 'is written twice ("")'
-            hint = hint if '"' in str(e) else ""
-            raise ValueError(f"{path}:{at}: not valid CSV ({e}){hint}") from None
-        to = f"line {at} ({e})"
-        if eof:
-            to = "the end of the file" + (f" (line {at})" if at > opened else "")
-        raise ValueError(
-            f"{path}:{opened}: the quote opened on line {opened} runs on past its line, to {to}; "
-            'close it where its field ends, or write a quote inside a quoted field twice ("")'
-        ) from None
-    return rows
-
-
-def _read_rows(path: Path, kind: str) -> list[dict[str, Any]]:
-    """Rows of a CSV (header line) or JSONL (one object per line) file, as dicts.
-
-    Each row keeps its line number in ``_line``, blank lines counted (a CSV row whose quoted
-    field spans several lines: its last line). A CSV quote left open is an error naming the
-    line it opened on (:func:`_csv_rows`).
-    """
-    text = _read_text(path)
-    if kind == "csv":
-        return _csv_rows(path, text)
-    rows = []
-    for i, line in enumerate(io.StringIO(text, newline=None), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i}: not valid JSON ({e})") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"{path}:{i}: expected a JSON object, got {type(obj).__name__}")
-        rows.append(dict(obj, _line=i))
-    return rows
-
-
 def label_order(raw: list[str]) -> list[str]:
     """Distinct labels (or ids) sorted numerically when all are integers, else as strings."""
     distinct = set(raw)
@@ -437,7 +362,7 @@ def load_text_file(
             f"{name}: {path} {what}; data.root must name a .{kind} file with 'text' and "
             "'label' fields per row"
         )
-    rows = _read_rows(path, kind)
+    rows = read_rows(path, kind)
     if not rows:
         raise ValueError(f"{path}: no rows")
     texts: list[str] = []
