@@ -407,6 +407,50 @@ def test_runs_split_by_what_they_trained_with_only(tmp_path: Path) -> None:
     }
 
 
+def test_methods_run_on_other_data_under_one_name_are_marked(tmp_path: Path) -> None:
+    """Two commands under one ``name`` (fedavg on one data set, fedfull on another) gave rows
+    labelled by method alone, side by side in the table as if comparable: every row is now
+    marked by the shared settings that differ between the methods' runs; a method's own
+    overrides (``method``) never mark a row, and a method split by its own lr marks the other
+    method's row with the lr it ran at."""
+    from fedlore.config import load_config
+    from fedlore.results.store import split_by_config
+
+    base = load_config(None, []).model_dump(mode="json")
+    wine = {**base, "data": {**base["data"], "name": "npz", "root": "wine"}}
+
+    def experiment(name: str, configs: dict[str, list[dict[str, Any]]]) -> Path:
+        e = tmp_path / name
+        for method, cfgs in configs.items():
+            for seed, cfg in enumerate(cfgs, start=1):
+                run = write_run(e, method, seed, rows_for([0.5], 1, 1), summ(0.5, 0.5, 1, 1, 1, 1))
+                (run / "config.json").write_text(json.dumps(cfg))
+        return e
+
+    def labels(e: Path) -> dict[str, list[int]]:
+        return {k: [r.seed for r in v] for k, v in split_by_config(load_runs(e)).items()}
+
+    mixed = experiment("mixed", {"fedavg": [wine, wine], "fedfull": [base]})
+    assert labels(mixed) == {
+        "fedavg [data.name=npz, data.root=wine]": [1, 2],
+        f"fedfull [data.name={base['data']['name']}, data.root={base['data']['root']}]": [1],
+    }
+    own = {**base, "method": {"local_optimizer": "adamw"}}  # one command, per-method overrides
+    assert labels(experiment("one", {"fedavg": [own], "fedfull": [base]})) == {
+        "fedavg": [1],
+        "fedfull": [1],
+    }
+    faster = {**base, "lr": base["lr"] * 10}
+    lr = base["lr"]
+    assert labels(experiment("lrs", {"fedavg": [base, faster], "fedfull": [base]})) == {
+        f"fedavg [lr={lr}]": [1],
+        f"fedavg [lr={lr * 10}]": [2],
+        f"fedfull [lr={lr}]": [1],
+    }
+    table = report(mixed, write=False)
+    assert "| fedavg [data.name=npz, data.root=wine] |" in table, table
+
+
 def scored_experiment(e: Path) -> Path:
     """fedavg over seeds 1-3 with eval.metrics brier (every seed) and f1_macro (seed 1 only);
     fedlore naming none."""

@@ -252,7 +252,8 @@ def _report_experiment(
         "diverged runs "
         "(a training loss gone non-finite, or test predictions not finite or blown up) are left "
         "out of the final values. Runs of different configs under one name get a row each, "
-        "named by the settings that differ."
+        "named by the settings that differ (between methods too, a method's own overrides "
+        "aside)."
         + (
             FAIRNESS_NOTE
             if any(r.get(f"{c}_mean") is not None for r in table for c, _ in FAIRNESS)

@@ -362,27 +362,45 @@ def config_group(record: RunRecord) -> tuple[str, dict[str, Any] | None]:
     return json.dumps(cfg, sort_keys=True, default=str), cfg
 
 
+PER_METHOD = ("method",)
+"""``config.json`` keys that hold the run's own method's settings (``method``: its overrides):
+the methods compared under one name differ in them by design, so they never mark rows of
+different methods (:func:`split_by_config`)."""
+
+
+def _differing(configs: list[dict[str, Any]], skip: tuple[str, ...] = ()) -> set[str]:
+    """The keys (outside ``skip``) whose values are not the same in all of ``configs``."""
+    keys = {k for c in configs for k in c if k not in skip}
+    return {k for k in keys if len({json.dumps(c.get(k), default=str) for c in configs}) > 1}
+
+
 def split_by_config(runs: dict[str, list[RunRecord]]) -> dict[str, list[RunRecord]]:
     """The runs of each method grouped by the settings they were made with: runs of different
     configs left under one experiment name are never pooled. A method whose runs all share one
     config keeps its name; otherwise each group is named ``method [key=value, ...]`` by the keys
     that differ between its groups (runs without a readable config form a group
-    ``method [config unknown]``). A setting a run's record lacks counts at its default, and
-    the settings of :data:`EVAL_ONLY` do not split."""
-    out: dict[str, list[RunRecord]] = {}
+    ``method [config unknown]``). Methods run with different shared settings (another data
+    set, other rounds: two commands under one ``name``) are marked the same way, every row by
+    the settings outside :data:`PER_METHOD` that differ between the methods' runs, so rows of
+    different experiments never sit side by side as if comparable. A setting a run's record
+    lacks counts at its default, and the settings of :data:`EVAL_ONLY` do not split."""
+    grouped: dict[str, dict[str, list[RunRecord]]] = {}
+    configs: dict[str, dict[str, Any] | None] = {}
     for method, records in runs.items():
-        groups: dict[str, list[RunRecord]] = {}
-        configs: dict[str, dict[str, Any] | None] = {}
+        groups = grouped.setdefault(method, {})
         for r in records:
             key, cfg = config_group(r)
             groups.setdefault(key, []).append(r)
             configs[key] = cfg
-        if len(groups) == 1:
-            out[method] = records
+    every = [c for groups in grouped.values() for k in groups if (c := configs[k]) is not None]
+    across = _differing(every, PER_METHOD) if len(grouped) > 1 else set()
+    out: dict[str, list[RunRecord]] = {}
+    for method, groups in grouped.items():
+        if len(groups) == 1 and not across:
+            out[method] = runs[method]
             continue
-        known = [c for c in configs.values() if c is not None]
-        keys = sorted({k for c in known for k in c})
-        differ = [k for k in keys if len({json.dumps(c.get(k), default=str) for c in known}) > 1]
+        known = [c for k in groups if (c := configs[k]) is not None]
+        differ = sorted(_differing(known) | across)
         for key, members in groups.items():
             cfg = configs[key]
             if cfg is None:
