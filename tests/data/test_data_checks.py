@@ -413,6 +413,18 @@ def test_a_file_given_as_data_root_is_told_it_is_a_file(tmp_path: Path) -> None:
                                  "first; labelled text: data.name=text_csv)")  # fmt: skip
 
 
+def test_an_archive_of_another_name_given_as_data_root_is_told_to_rename_it(
+    tmp_path: Path,
+) -> None:
+    """data.root=wine/all.npz was told "name its folder, data.root=wine", a folder without
+    train.npz or test.npz that is refused again: the archive must be named train.npz."""
+    np.savez(tmp_path / "all.npz", x=np.zeros((4, 2), np.float32), y=np.array([0, 1, 0, 1]))
+    with pytest.raises(FileNotFoundError) as e:
+        load_npz(str(tmp_path / "all.npz"))
+    told = f"; {tmp_path / 'all.npz'} is a file, not a folder: name it train.npz (or test.npz)"
+    assert str(e.value).endswith(f"{told} and data.root its folder, {tmp_path}")
+
+
 @pytest.mark.parametrize(
     ("arrays", "told"),
     [

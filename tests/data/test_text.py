@@ -310,6 +310,28 @@ def test_a_csv_row_with_more_fields_than_the_header_is_refused(tmp_path: Path) -
     ]
 
 
+def test_a_csv_header_that_is_not_comma_separated_is_named_so(tmp_path: Path) -> None:
+    """The refusal of fields past the header told a file whose header is no header to put
+    quotes around its texts: a blank first line (read as a header of no names: "more fields
+    than the header's 0 ()") and a tab-separated file whose text holds a comma."""
+    blank = tmp_path / "blank.csv"
+    blank.write_text("\ntext,label\nhi,a\n")
+    with pytest.raises(ValueError) as e:
+        load_text_csv(str(blank))
+    assert str(e.value) == (
+        f"{blank}:1: the first line is blank; a CSV file's first line is its header, the names "
+        "of its columns (text,label)"
+    )
+    tabs = tmp_path / "tabs.csv"
+    tabs.write_text("text\tlabel\nhi, there\ta\n")
+    with pytest.raises(ValueError) as e:
+        load_text_csv(str(tabs))
+    assert str(e.value) == (
+        f"{tabs}:2: more fields than the header's 1 (text\tlabel); the header is one name: the "
+        "file is separated by tabs, not commas"
+    )
+
+
 def test_tokenize_truncates_and_pads() -> None:
     tok = load_tokenizer(None)
     assert tok.pad_token_id == PAD

@@ -451,6 +451,49 @@ def test_methods_run_on_other_data_under_one_name_are_marked(tmp_path: Path) -> 
     assert "| fedavg [data.name=npz, data.root=wine] |" in table, table
 
 
+def _config_experiment(e: Path, configs: dict[str, list[dict[str, Any]]]) -> dict[str, list[int]]:
+    """An experiment whose runs hold ``configs`` (per method, seeds 1, 2, ...), as
+    ``split_by_config``'s labels -> seeds."""
+    from fedlore.results.store import split_by_config
+
+    for method, cfgs in configs.items():
+        for seed, cfg in enumerate(cfgs, start=1):
+            run = write_run(e, method, seed, rows_for([0.5], 1, 1), summ(0.5, 0.5, 1, 1, 1, 1))
+            (run / "config.json").write_text(json.dumps(cfg))
+    return {k: [r.seed for r in v] for k, v in split_by_config(load_runs(e)).items()}
+
+
+def test_one_dp_command_is_not_marked_by_each_methods_sigma(tmp_path: Path) -> None:
+    """One DP command with σ solved from dp.epsilon records each method's σ in its
+    ``config.json`` (``dp_noise_multiplier``), solved over its own exchanges (fedlore_sketch's
+    setup exchange among them): every row of that one command was marked
+    ``[dp_noise_multiplier=...]`` as if of another experiment."""
+    from fedlore.config import load_config
+
+    base = load_config(None, ["dp.epsilon=5", "dp.clip_norm=1"]).model_dump(mode="json")
+    sketch = {**base, "dp_noise_multiplier": 3.3, "dp_noise_source": "os"}
+    full = {**base, "dp_noise_multiplier": 2.69, "dp_noise_source": "os"}
+    got = _config_experiment(tmp_path / "dp", {"fedlore_sketch": [sketch], "fedfull": [full]})
+    assert got == {"fedlore_sketch": [1], "fedfull": [1]}
+
+
+def test_groups_of_one_method_never_share_a_label(tmp_path: Path) -> None:
+    """Another command under one name that changed four settings marks every row by them; a
+    method's groups told apart by a fifth (rounds, after them in sorted order) got one label
+    ``fedavg [batch_size=..., data.name=..., data.root=..., local_steps=..., ...]``, and one
+    group's runs silently replaced the other's in the report."""
+    from fedlore.config import load_config
+
+    base = load_config(None, []).model_dump(mode="json")
+    wine = {**base["data"], "name": "npz", "root": "wine"}
+    other = {**base, "batch_size": 7, "local_steps": 3, "data": wine}
+    longer = {**base, "rounds": base["rounds"] + 5}
+    got = _config_experiment(tmp_path / "x", {"fedavg": [base, longer], "fedfull": [other]})
+    assert sorted(s for seeds in got.values() for s in seeds) == [1, 1, 2], got
+    assert len([k for k in got if k.startswith("fedavg [")]) == 2, got
+    assert all("rounds=" in k for k in got if k.startswith("fedavg [")), got
+
+
 def scored_experiment(e: Path) -> Path:
     """fedavg over seeds 1-3 with eval.metrics brier (every seed) and f1_macro (seed 1 only);
     fedlore naming none."""

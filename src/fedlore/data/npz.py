@@ -215,6 +215,8 @@ def load_npz(root: str | None = None, *, non_finite: str = "error") -> DataSourc
         if folder.is_file():  # the archive itself, or a table not yet converted
             hint = f"; {folder} is a file, not a folder" + (
                 f": name its folder, data.root={folder.parent}"
+                if folder.name in ("train.npz", "test.npz")
+                else f": name it train.npz (or test.npz) and data.root its folder, {folder.parent}"
                 if folder.suffix == ".npz"
                 else " (convert a table to the archives first; labelled text: data.name=text_csv)"
             )

@@ -37,12 +37,17 @@ def _csv_rows(path: Path, text: str) -> list[dict[str, Any]]:
     try:
         if reader.fieldnames is not None:  # reads the header
             done = reader.reader.line_num
+        header = list(reader.fieldnames or ())
+        if reader.fieldnames == []:  # a blank first line, read as a header of no names
+            raise ValueError(
+                f"{path}:1: the first line is blank; a CSV file's first line is its header, "
+                "the names of its columns (text,label)"
+            )
         for row in reader:
             if any(v.strip() for v in row.pop(None, None) or ()):  # fields past the header
                 raise ValueError(
-                    f"{path}:{reader.line_num}: more fields than the header's "
-                    f"{len(reader.fieldnames or ())} ({', '.join(reader.fieldnames or ())}); "
-                    'a text that holds a comma must be in quotes ("a, b")'
+                    f"{path}:{reader.line_num}: more fields than the header's {len(header)} "
+                    f"({', '.join(header)}); {_extra_hint(header)}"
                 )
             rows.append(dict(row, _line=reader.line_num))
             done = reader.line_num
@@ -66,6 +71,16 @@ def _csv_rows(path: Path, text: str) -> list[dict[str, Any]]:
             'close it where its field ends, or write a quote inside a quoted field twice ("")'
         ) from None
     return rows
+
+
+def _extra_hint(header: list[str]) -> str:
+    """The remedy for a row with more fields than ``header``: quotes around a text holding a
+    comma, unless the header is one name holding a tab or semicolon (a file of another
+    separator, whose texts' commas are then the only ones)."""
+    if len(header) == 1 and (sep := next((c for c in "\t;" if c in header[0]), None)):
+        name = "tabs" if sep == "\t" else "semicolons"
+        return f"the header is one name: the file is separated by {name}, not commas"
+    return 'a text that holds a comma must be in quotes ("a, b")'
 
 
 def read_rows(path: Path, kind: str) -> list[dict[str, Any]]:

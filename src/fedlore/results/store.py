@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlore.config_unset import FOLDERS_RECORD, same_folder
+from fedlore.results.config_labels import differing, group_labels
 from fedlore.results.failed_runs import FAILED, describe, read_failure
 from fedlore.results.folders import (
     SEED_DIR,
@@ -362,16 +363,11 @@ def config_group(record: RunRecord) -> tuple[str, dict[str, Any] | None]:
     return json.dumps(cfg, sort_keys=True, default=str), cfg
 
 
-PER_METHOD = ("method",)
-"""``config.json`` keys that hold the run's own method's settings (``method``: its overrides):
-the methods compared under one name differ in them by design, so they never mark rows of
-different methods (:func:`split_by_config`)."""
-
-
-def _differing(configs: list[dict[str, Any]], skip: tuple[str, ...] = ()) -> set[str]:
-    """The keys (outside ``skip``) whose values are not the same in all of ``configs``."""
-    keys = {k for c in configs for k in c if k not in skip}
-    return {k for k in keys if len({json.dumps(c.get(k), default=str) for c in configs}) > 1}
+PER_METHOD = ("method", "dp_noise_multiplier")
+"""``config.json`` keys that hold the run's own method's settings (``method``: its overrides;
+``dp_noise_multiplier``: σ as solved from the shared ``dp.*`` settings for the method's
+exchanges, its setup exchanges among them): the methods compared under one name differ in them
+by design, so they never mark rows of different methods (:func:`split_by_config`)."""
 
 
 def split_by_config(runs: dict[str, list[RunRecord]]) -> dict[str, list[RunRecord]]:
@@ -379,11 +375,12 @@ def split_by_config(runs: dict[str, list[RunRecord]]) -> dict[str, list[RunRecor
     configs left under one experiment name are never pooled. A method whose runs all share one
     config keeps its name; otherwise each group is named ``method [key=value, ...]`` by the keys
     that differ between its groups (runs without a readable config form a group
-    ``method [config unknown]``). Methods run with different shared settings (another data
-    set, other rounds: two commands under one ``name``) are marked the same way, every row by
-    the settings outside :data:`PER_METHOD` that differ between the methods' runs, so rows of
-    different experiments never sit side by side as if comparable. A setting a run's record
-    lacks counts at its default, and the settings of :data:`EVAL_ONLY` do not split."""
+    ``method [config unknown]``; ``fedlore.results.config_labels``). Methods
+    run with different shared settings (another data set, other rounds: two commands under one
+    ``name``) are marked the same way, every row by the settings outside :data:`PER_METHOD`
+    that differ between the methods' runs, so rows of different experiments never sit side by
+    side as if comparable. A setting a run's record lacks counts at its default, and the
+    settings of :data:`EVAL_ONLY` do not split."""
     grouped: dict[str, dict[str, list[RunRecord]]] = {}
     configs: dict[str, dict[str, Any] | None] = {}
     for method, records in runs.items():
@@ -393,24 +390,15 @@ def split_by_config(runs: dict[str, list[RunRecord]]) -> dict[str, list[RunRecor
             groups.setdefault(key, []).append(r)
             configs[key] = cfg
     every = [c for groups in grouped.values() for k in groups if (c := configs[k]) is not None]
-    across = _differing(every, PER_METHOD) if len(grouped) > 1 else set()
+    across = differing(every, PER_METHOD) if len(grouped) > 1 else set()
     out: dict[str, list[RunRecord]] = {}
     for method, groups in grouped.items():
         if len(groups) == 1 and not across:
             out[method] = runs[method]
             continue
-        known = [c for k in groups if (c := configs[k]) is not None]
-        differ = sorted(_differing(known) | across)
+        labels = group_labels(method, {k: configs[k] for k in groups}, across)
         for key, members in groups.items():
-            cfg = configs[key]
-            if cfg is None:
-                label = f"{method} [config unknown]"
-            elif not differ:  # the one config beside runs of none
-                label = method
-            else:
-                shown = ", ".join(f"{k}={cfg.get(k)}" for k in differ[:4])
-                label = f"{method} [{shown}{', ...' if len(differ) > 4 else ''}]"
-            out[label] = sorted(members, key=lambda r: r.seed)
+            out[labels[key]] = sorted(members, key=lambda r: r.seed)
     return out
 
 
