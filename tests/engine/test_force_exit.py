@@ -68,3 +68,20 @@ def test_a_slow_hint_does_not_hold_up_the_exit(tmp_path: Path) -> None:
     assert took < 15.0, (took, err)  # the hint alone would take 30 s
     assert "SIGINT again: quitting now\n" in err, err  # the line ends without the hint
     assert _gone(child)
+
+
+def test_a_hint_that_raises_ends_the_line_without_it(tmp_path: Path) -> None:
+    """A hint that raises (even ``KeyboardInterrupt``, which printed a thread's traceback) is
+    no reason not to quit, nor to say more than the one line."""
+    for error in ("ValueError('no config')", "KeyboardInterrupt()"):
+        script = (
+            "import signal\nfrom fedlore.engine import interrupt\n"
+            f"def hint():\n    raise {error}\n"
+            "interrupt.say_on_force_exit(hint)\ninterrupt.force_exit(signal.SIGTERM)\n"
+        )
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env
+        )
+        assert done.returncode == 143, done.stderr
+        assert done.stderr.strip() == "fedlore: SIGTERM again: quitting now", done.stderr

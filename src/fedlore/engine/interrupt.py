@@ -274,7 +274,7 @@ def force_exit(signum: int) -> None:
     then: list[str] = []
 
     def _compute() -> None:
-        with contextlib.suppress(Exception):  # a hint, never a reason not to quit
+        with contextlib.suppress(BaseException):  # a hint, never a reason not to quit
             then.append(f"; {_hint[0]()}")
 
     if _hint:
