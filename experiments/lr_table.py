@@ -165,9 +165,8 @@ def table_seeds(table: dict[str, Any]) -> dict[str, set[str]]:
 def _seeds(row: Any) -> set[str]:
     """The seeds a method's row of ``table.json`` holds a score of (as ``table.json``'s keys);
     none when it holds no per-seed record of :data:`METRICS`."""
-    if not isinstance(row, dict):
-        return set()
-    per_seed: object = next((row[k] for k in METRICS if k in row), {})
+    measure = _measure(row)
+    per_seed: object = row[measure] if measure is not None else {}
     return set(per_seed) if isinstance(per_seed, dict) else set()
 
 
@@ -206,4 +205,6 @@ def table_measures(table: dict[str, Any]) -> dict[str, str | None]:
 
 
 def _measure(row: Any) -> str | None:
+    """The first of :data:`METRICS` a method's row of ``table.json`` holds; None when it
+    holds none (or is not a row)."""
     return next((k for k in METRICS if k in row), None) if isinstance(row, dict) else None
