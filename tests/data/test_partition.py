@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -67,6 +69,17 @@ def test_dirichlet_min_size_and_infeasible() -> None:
         partition_dirichlet(LABELS, 20, np.random.default_rng(0), alpha=0.01, min_size=99)
     with pytest.raises(ValueError, match="alpha"):
         partition_dirichlet(LABELS, 5, np.random.default_rng(0), alpha=0.0)
+
+
+def test_a_refused_dirichlet_partition_announces_its_redraws_in_five_lines(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A slow partition is announced (after 50 draws), but a refusal after 1,000 draws is
+    preceded by five lines (50, 100, 200, 400, 800 draws), not the nineteen of every 50."""
+    with caplog.at_level(logging.INFO), pytest.raises(ValueError, match="infeasible"):
+        partition_dirichlet(LABELS, 20, np.random.default_rng(0), alpha=0.01, min_size=99)
+    said = [r.getMessage() for r in caplog.records if "draws so far" in r.getMessage()]
+    assert [int(m.split(": ")[1].split()[0]) for m in said] == [50, 100, 200, 400, 800]
 
 
 @pytest.mark.parametrize(("num_clients", "share"), [(10, 0.8), (5, 0.98), (20, 0.6)])
