@@ -231,8 +231,10 @@ def lost_rows(table: Path, records: list[dict[str, Any]]) -> list[str]:
     """The rows of the table at ``table`` (a ``table.json``) that ``records`` lack, or hold
     fewer seeds of, as ``setting method (seeds ...)``, or hold without a column of
     :data:`BYTES` or :data:`FAIRNESS` the published row has values of (a table made without
-    ``--bytes`` or ``--fairness``), as ``setting method (columns: pass --flag)``; [] when there
-    is none or it cannot be read (nothing usable to keep)."""
+    ``--bytes`` or ``--fairness``), as ``setting method (columns: pass --flag)``, or with fewer
+    values in such a column (its runs' summaries lack the key now), as ``setting method
+    (columns: fewer values in the runs now)``; [] when there is none or it cannot be read
+    (nothing usable to keep)."""
     try:
         old = json.loads(table.read_text())
         before = {(json.dumps(r["setting"], sort_keys=True), r["method"]): r for r in old}
@@ -247,11 +249,18 @@ def lost_rows(table: Path, records: list[dict[str, Any]]) -> list[str]:
         if gone or new.get("seeds", 0) < row.get("seeds", 0):
             lost.append(f"{where} {row['method']} (seeds {', '.join(gone) or row['seeds']})")
             continue
-        # a column of --bytes or --fairness the new table is made without
+        # a column of --bytes or --fairness the new table is made without, or holds fewer
+        # values of (its flag passed, but the runs' summaries lack the key now)
         for flag, cols in (("--bytes", BYTES), ("--fairness", FAIRNESS)):
-            dropped = [k for k, _, _ in cols if row.get(k) and k not in new]
+            had = [k for k, _, _ in cols if row.get(k)]
+            dropped = [k for k in had if k not in new]
             if dropped:
                 lost.append(f"{where} {row['method']} ({', '.join(dropped)}: pass {flag})")
+            fewer = [k for k in had if k in new and len(new[k] or ()) < len(row[k])]
+            if fewer:
+                lost.append(
+                    f"{where} {row['method']} ({', '.join(fewer)}: fewer values in the runs now)"
+                )
     return lost
 
 

@@ -161,6 +161,15 @@ def test_fairness_adds_the_spread_of_the_clients_accuracies(
     assert "final_client_accuracy_mean, final_client_accuracy_min" in err, err
     assert "pass --fairness" in err and (out / "table.json").read_bytes() == published
     assert _sweep().main([*args, "--table-only"]) == 0  # with it: the same table, written
+    # with the flag, but runs whose summaries lost the columns' values: kept, named, exit 1
+    path = tmp_path / "runs/tiny-base/fedavg/seed-1/summary.json"
+    path.write_text(
+        json.dumps({k: v for k, v in summary.items() if k != "final_client_accuracy_min"})
+    )
+    assert _sweep().main([*args, "--table-only"]) == 1
+    err = capsys.readouterr().err
+    assert "final_client_accuracy_min: fewer values in the runs now" in err, err
+    assert (out / "table.json").read_bytes() == published
 
 
 def test_a_set_of_the_sweeps_own_keys_chooses_what_it_runs(
