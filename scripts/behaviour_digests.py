@@ -208,13 +208,18 @@ def main() -> int:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--record", action="store_true", help=f"write {FIXTURE.name}")
     mode.add_argument("--check", action="store_true", help="compare with the recorded digests")
-    p.add_argument("--only", nargs="*", help="these runs only")
+    p.add_argument(
+        "--only", nargs="*", help="these runs only (with --record: the others' records kept)"
+    )
     a = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="fedlore-digests-") as tmp:
         got = run_all(Path(tmp), a.only)
     if a.record:
-        FIXTURE.write_text(json.dumps({"platform": platform(), "runs": got}, indent=1) + "\n")
+        runs = got
+        if a.only:  # re-record these runs, keep the others' records as they are
+            runs = {**json.loads(FIXTURE.read_text())["runs"], **got}
+        FIXTURE.write_text(json.dumps({"platform": platform(), "runs": runs}, indent=1) + "\n")
         for name, r in got.items():
             print(f"{name}: {r['digest'][:16]}")
         print(f"recorded in {FIXTURE}")

@@ -16,6 +16,9 @@ for every other run of the set, before the fixture was written again. A re-recor
 a check: it is the only way this test can be made to pass after a change it should catch.
 The same day ``bayes_personalized`` was written again for three new keys of ``eval.clients``
 (``client_accuracy_std``, ``_min``, ``_p10``): every other difference was none.
+``fmnist_partial_fedlore`` was written again (``--record --only``, which keeps the other runs'
+records) for one new key, ``diag.eps_eig`` (Proposition 2's ε_eig, summed over matrices, in its
+certificate rounds): the comparison before found that key and no other difference.
 """
 
 from __future__ import annotations

@@ -290,7 +290,7 @@ class Diagnoser:
         cands = getattr(self.algorithm, "diagnostic_candidates", None)
         cand = cands(state, rnd) if cands is not None else None
         if cand:
-            eps_loc2 = delta2 = d_r = bound2 = 0.0
+            eps_loc2 = delta2 = d_r = eps_eig = bound2 = 0.0
             spectral = 0.0
             for k, st in cand.items():
                 delta = float((st["hbar"] - grad[k]).norm())
@@ -298,12 +298,14 @@ class Diagnoser:
                 eps_loc2 += stats["eps_loc2"]
                 delta2 += delta**2
                 d_r += stats["d_r"]
+                eps_eig += stats["eps_eig"]
                 spectral = max(spectral, stats["M"])
                 bound2 += certificate_bound(stats, delta) ** 2
             out.update(
                 {
                     "diag.eps_loc2": eps_loc2,
                     "diag.d_r": d_r,
+                    "diag.eps_eig": eps_eig,
                     "diag.M": spectral,
                     "diag.delta2": delta2,
                     "diag.certificate2": bound2,

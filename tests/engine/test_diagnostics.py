@@ -120,8 +120,9 @@ def test_certificate2_sums_each_matrix_bound_squared(
 ) -> None:
     """docs (diagnostics, outputs): ``diag.certificate2`` is Σ_k R_k² over the projected
     matrices, each R_k = ε_loc,k + M_k √(d_r,k + ε_eig,k) + δ_k from that matrix's own terms,
-    while the row's ``eps_loc2``, ``d_r`` and ``delta2`` are sums over matrices and ``M`` the
-    largest: the bound with the row's values plugged in is another, looser number."""
+    while the row's ``eps_loc2``, ``d_r``, ``eps_eig`` and ``delta2`` are sums over matrices
+    and ``M`` the largest: the bound with the row's values plugged in is another, looser
+    number."""
     import fedlore.diagnostics as diagnostics
 
     seen: list[tuple[dict[str, float], float]] = []
@@ -132,7 +133,15 @@ def test_certificate2_sums_each_matrix_bound_squared(
         return original(stats, delta)
 
     monkeypatch.setattr(diagnostics, "certificate_bound", spy)
-    cfg = _cfg(tmp_path, "diagnostics.every=1", "rounds=2")
+    # a randomized server SVD without power iterations misses part of A's top-r mass, so
+    # ε_eig is positive and the row's sum can be told from one matrix's
+    cfg = _cfg(
+        tmp_path,
+        "diagnostics.every=1",
+        "rounds=2",
+        "method.fedlore.server_basis=randomized",
+        "method.fedlore.svd_niter=0",
+    )
     run_one(cfg, "fedlore", SEED)
     row = _rows(run_dir(cfg, "fedlore", SEED) / "metrics.jsonl")[-1]
     assert row["round"] == 1 and len(seen) == 2  # one call per projected matrix, round 1 only
@@ -144,10 +153,12 @@ def test_certificate2_sums_each_matrix_bound_squared(
     assert row["diag.eps_loc2"] == pytest.approx(sum(s["eps_loc2"] for s, _ in seen), rel=1e-12)
     assert row["diag.d_r"] == pytest.approx(sum(s["d_r"] for s, _ in seen), rel=1e-12)
     assert row["diag.M"] == max(s["M"] for s, _ in seen)
+    assert row["diag.eps_eig"] == pytest.approx(sum(s["eps_eig"] for s, _ in seen), rel=1e-12)
+    assert row["diag.eps_eig"] > 1e-6  # positive: a wrong sum shows
     assert row["diag.delta2"] == pytest.approx(sum(d * d for _, d in seen), rel=1e-12)
     plugged = (
         math.sqrt(row["diag.eps_loc2"])
-        + row["diag.M"] * math.sqrt(row["diag.d_r"] + sum(s["eps_eig"] for s, _ in seen))
+        + row["diag.M"] * math.sqrt(row["diag.d_r"] + row["diag.eps_eig"])
         + math.sqrt(row["diag.delta2"])
     ) ** 2
     assert row["diag.rho2"] <= row["diag.certificate2"] < plugged

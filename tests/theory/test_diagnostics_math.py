@@ -111,6 +111,26 @@ def test_proposition2_certificate_bounds_the_residual(
         assert stats["eps_loc2"] == pytest.approx(want, rel=1e-5)
 
 
+def test_eps_eig_is_the_top_r_mass_of_a_the_server_basis_misses() -> None:
+    """ε_eig = Σ_{j≤r} λ_j(A^cand) − tr(Π̂ A^cand) (the ``diag.eps_eig`` of outputs.md): a
+    server basis that is not A's top-r eigenspace (a random one) leaves a positive gap, equal
+    to the one computed from the dense A; A's own top-r eigenvectors leave none."""
+    gen = torch.Generator().manual_seed(3)
+    m, n, rank = 14, 9, 3
+    grads = [torch.randn(m, n, generator=gen) for _ in range(4)]
+    bases = [top_left_singular(h, rank) for h in grads]
+    weights = [1.0, 2.0, 3.0, 4.0]
+    dense = _dense_a(bases, weights).double()
+    eigval, eigvec = torch.linalg.eigh(dense)
+    top = eigvec[:, -rank:]
+    server = random_basis(11, m, rank).double()
+    want = float(eigval[-rank:].sum() - torch.trace(server.t() @ dense @ server))
+    stats, _ = candidate_certificate(grads, bases, weights, server)
+    assert want > 0.1 and stats["eps_eig"] == pytest.approx(want, rel=1e-6)
+    stats, _ = candidate_certificate(grads, bases, weights, top)
+    assert stats["eps_eig"] == pytest.approx(0.0, abs=1e-9)
+
+
 def test_certificate_bound_formula() -> None:
     stats = {"eps_loc2": 4.0, "M": 3.0, "d_r": 0.5, "eps_eig": 0.25}
     assert certificate_bound(stats, 1.0) == pytest.approx(2.0 + 3.0 * math.sqrt(0.75) + 1.0)
