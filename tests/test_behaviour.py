@@ -97,6 +97,27 @@ def test_tolerance_sees_a_changed_value_and_a_lost_key() -> None:
     assert differences(rows, {"m/seed-42": [{"round": 0, "accuracy": 0.5006, "bytes_up": 10}]})
 
 
+def test_recording_some_runs_keeps_the_other_runs_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--record --only a`` writes run a's record again and keeps b's (it once wrote a
+    fixture of a alone, dropping every other run's record)."""
+    module = _digests()
+    fixture = tmp_path / "digests.json"
+    old = {"digest": "0", "rows": {}}
+    fixture.write_text(json.dumps({"platform": {}, "runs": {"a": old, "b": old}}))
+    new = {"digest": "1", "rows": {"m/seed-42": []}}
+    monkeypatch.setattr(module, "FIXTURE", fixture)
+    monkeypatch.setattr(module, "run_all", lambda out, names: {n: new for n in names})
+    monkeypatch.setattr(sys, "argv", ["behaviour_digests.py", "--record", "--only", "a"])
+    assert module.main() == 0
+    assert json.loads(fixture.read_text())["runs"] == {"a": new, "b": old}
+    monkeypatch.setattr(sys, "argv", ["behaviour_digests.py", "--record"])
+    monkeypatch.setattr(module, "run_all", lambda out, names: {"a": new})
+    assert module.main() == 0  # the whole set recorded: the fixture is that set
+    assert json.loads(fixture.read_text())["runs"] == {"a": new}
+
+
 def _check(names: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)  # the runs name their configs relative to the repository
     recorded = json.loads(FIXTURE.read_text())["runs"]
