@@ -240,3 +240,36 @@ def test_a_head_of_another_width_than_the_classes_is_refused() -> None:
             build_model("_test_three_outputs", (4,), 10)
     finally:
         registry._TABLES["model"].pop("_test_three_outputs")
+
+
+def test_a_factory_of_another_signature_or_result_is_refused_by_name() -> None:
+    """A registered factory without ``num_classes`` was refused as "a keyword argument has the
+    wrong type ... {}", and one that returned no module as "does not name its classifier
+    Linear 'head'": each is named for what it is."""
+    from fedlore import registry
+
+    @registry.register_model("_test_no_classes")
+    def no_classes(input_shape: tuple[int, ...]) -> nn.Module:
+        return nn.Linear(4, 3)
+
+    @registry.register_model("_test_not_a_module")
+    def not_a_module(input_shape: tuple[int, ...], num_classes: int) -> object:
+        return "model"
+
+    try:
+        with pytest.raises(ValueError) as err:
+            build_model("_test_no_classes", (4,), 3)
+        said = str(err.value)
+        assert said.startswith("model '_test_no_classes': its factory no_classes(input_shape")
+        assert said.endswith(
+            "cannot be called as f(input_shape, num_classes, **model.kwargs) "
+            "(too many positional arguments)"
+        )
+        with pytest.raises(ValueError) as err:
+            build_model("_test_not_a_module", (4,), 3)
+        assert str(err.value) == (
+            "model '_test_not_a_module': its factory returned str, not an nn.Module"
+        )
+    finally:
+        registry._TABLES["model"].pop("_test_no_classes")
+        registry._TABLES["model"].pop("_test_not_a_module")
