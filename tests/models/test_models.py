@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -273,3 +275,44 @@ def test_a_factory_of_another_signature_or_result_is_refused_by_name() -> None:
     finally:
         registry._TABLES["model"].pop("_test_no_classes")
         registry._TABLES["model"].pop("_test_not_a_module")
+
+
+def test_a_model_that_returns_no_logits_is_refused_before_any_folder(tmp_path: Path) -> None:
+    """A registered classifier that returned its argmax (or one score per example), or whose
+    forward failed, had every client's update rejected in round 0 with torch's message about
+    the loss, after its run folder was made; the preflight names the shape or the error."""
+    from fedlore import registry
+    from fedlore.config import ConfigError
+    from fedlore.experiment import run_experiment
+
+    class Argmax(nn.Module):
+        def __init__(self, num_classes: int, width: int) -> None:
+            super().__init__()
+            self.body = nn.Linear(width, 8)  # digits: 64 features
+            self.head = nn.Linear(8, num_classes)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.body(x.flatten(1))).argmax(1)
+
+    @registry.register_model("_test_argmax")
+    def argmax(input_shape: tuple[int, ...], num_classes: int, *, width: int = 64) -> nn.Module:
+        return Argmax(num_classes, width)
+
+    base = ["model.name=_test_argmax", "algorithms=[fedavg]", "rounds=1", "num_clients=2"]
+    base += ["progress=false", "seeds=[0]", f"output_dir={tmp_path}"]
+    try:
+        with pytest.raises(ConfigError) as err:
+            run_experiment(load_config(None, base))
+        assert str(err.value) == (
+            "model '_test_argmax' returns torch.int64 (2,) for inputs (2, 1, 8, 8); a classifier "
+            "returns float logits of shape (2, 10) ([batch, num_classes])"
+        )
+        with pytest.raises(ConfigError) as err:
+            run_experiment(load_config(None, [*base, "model.kwargs={width: 10}"]))
+        assert str(err.value) == (
+            "model '_test_argmax' fails on inputs (2, 1, 8, 8): RuntimeError: mat1 and mat2 "
+            "shapes cannot be multiplied (2x64 and 10x8)"
+        )
+        assert not any(tmp_path.iterdir())  # refused before any run folder
+    finally:
+        registry._TABLES["model"].pop("_test_argmax")
