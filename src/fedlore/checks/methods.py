@@ -239,6 +239,19 @@ def check_method_settings(
                 "the setting would change nothing; set compression.kind=topk or qsgd (or "
                 f"method.{name}.compression), or leave it out"
             )
+    if kind in ("topk", "qsgd") and caps.compress_uploads:  # the other codec's setting
+        other = "levels" if kind == "topk" else "fraction"
+        default = 127 if kind == "topk" else 0.01
+        set_own, value = overrides.get(f"compression_{other}"), getattr(cfg.compression, other)
+        given = [f"method.{name}.compression_{other}={set_own}"] if set_own is not None else []
+        given += [f"compression.{other}={value}"] if value != default else []
+        if given:
+            codec = "QSGD" if kind == "topk" else "top-k"
+            raise ConfigError(
+                f"{', '.join(given)}: a {codec} setting, but {key}={kind}, so method {name!r} "
+                f"never reads it and the setting would change nothing; set the kind it belongs "
+                f"to (or method.{name}.compression), or leave it out"
+            )
     if kind == "topk" and rule in ("median", "trimmed_mean", "bulyan"):
         raise ConfigError(
             f"{rule_key}={rule} with {key}=topk: each client's top-k "
