@@ -316,3 +316,30 @@ def test_a_model_that_returns_no_logits_is_refused_before_any_folder(tmp_path: P
         assert not any(tmp_path.iterdir())  # refused before any run folder
     finally:
         registry._TABLES["model"].pop("_test_argmax")
+
+
+def test_the_same_definition_registered_again_replaces_it_and_another_is_refused() -> None:
+    """A notebook that runs the own-model tutorial's registration cell again (after changing
+    the model) was refused with "model 'tiny_cnn' is registered twice"; the same definition
+    (module and name) now replaces the old one, and another definition still is refused,
+    naming both."""
+    from fedlore import registry
+
+    def define(width: int) -> object:
+        @registry.register_model("_test_again")
+        def again(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+            model = nn.Module()
+            model.head = nn.Linear(width, num_classes)
+            return model
+
+        return again
+
+    try:
+        define(4)
+        define(5)  # the cell run again
+        head = build_model("_test_again", (4,), 3).head
+        assert isinstance(head, nn.Linear) and head.in_features == 5
+        with pytest.raises(ValueError, match=r"'_test_again' is registered twice: by .*again and"):
+            registry.register_model("_test_again")(lambda input_shape, num_classes: None)
+    finally:
+        registry._TABLES["model"].pop("_test_again")
