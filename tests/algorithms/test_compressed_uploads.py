@@ -427,11 +427,12 @@ REFUSED = [
     (["method.fedavg.error_feedback=true"], "method.fedavg.error_feedback=True: compression"),
     (  # the other codec's setting: QSGD never reads a fraction, top-k never reads levels
         ["compression.kind=qsgd", "compression.fraction=0.1"],
-        "compression.fraction=0.1: a top-k setting, but compression.kind=qsgd, so method",
+        "compression.fraction=0.1: a top-k setting that no method of the run reads "
+        "(compression.kind=qsgd for 'fedavg')",
     ),
     (
         ["method.fedavg.compression=topk", "method.fedavg.compression_levels=4"],
-        "method.fedavg.compression_levels=4: a QSGD setting, but method.fedavg.compression=topk",
+        "method.fedavg.compression_levels=4: a QSGD setting that no method of the run reads",
     ),
     (  # top-k's supports differ: a coordinate-wise median of them is zero almost everywhere
         ["compression.kind=topk", "robust.aggregate=median"],
