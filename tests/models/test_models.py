@@ -343,3 +343,23 @@ def test_the_same_definition_registered_again_replaces_it_and_another_is_refused
             registry.register_model("_test_again")(lambda input_shape, num_classes: None)
     finally:
         registry._TABLES["model"].pop("_test_again")
+
+
+def test_a_server_without_a_pool_checks_the_model_on_test_inputs() -> None:
+    """Under ``flower.site_data`` the server's federation has an empty pool: the model's
+    output is checked on its central test inputs instead (not on an empty batch)."""
+    import dataclasses
+
+    from fedlore.checks import check_model_output
+    from fedlore.config import ConfigError
+    from fedlore.data.client_data import TensorSplit
+    from fedlore.data.federation import build_federation
+
+    cfg = load_config(None, ["num_clients=2", "model.kwargs={hidden: [8]}"])
+    fed = build_federation(cfg, 0)
+    site = dataclasses.replace(fed, pool=TensorSplit(fed.pool.x[:0], fed.pool.y[:0]))
+    model = build_model("mlp", tuple(fed.input_shape), fed.num_classes, hidden=[8])
+    check_model_output(cfg, model, site)  # logits [2, 10]: fine
+    model.head = nn.Linear(8, 3)  # three logits, not ten
+    with pytest.raises(ConfigError, match=r"returns torch.float32 \(2, 3\) for inputs \(2, 1, 8"):
+        check_model_output(cfg, model, site)

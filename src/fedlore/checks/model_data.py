@@ -64,9 +64,10 @@ def check_params(cfg: Config, model: nn.Module) -> None:
 
 def check_model_output(cfg: Config, model: nn.Module, fed: Federation) -> None:
     """A classifier maps a batch ``[B, *input_shape]`` to logits ``[B, num_classes]``: checked
-    on two training inputs, in eval mode without gradients (no buffer or random draw changes).
-    A model that returned another shape (its argmax, one score per example) had every client's
-    update rejected in round 0 with torch's message about the loss.
+    on two training inputs (test inputs on a server without a pool: ``flower.site_data``), in
+    eval mode without gradients (no buffer or random draw changes). A model that returned
+    another shape (its argmax, one score per example) had every client's update rejected in
+    round 0 with torch's message about the loss.
 
     Raises:
         ConfigError: naming the model, the shape it returned and the one expected, or the
@@ -76,7 +77,9 @@ def check_model_output(cfg: Config, model: nn.Module, fed: Federation) -> None:
         return
     import torch
 
-    x = fed.pool.x[:2]
+    x = (fed.pool.x if len(fed.pool.x) else fed.central_test.x)[:2]  # site data: no pool
+    if not len(x):
+        return
     was_training = model.training
     model.eval()
     try:
