@@ -571,17 +571,26 @@ def test_compression_is_compared_as_the_method_used_it() -> None:
         return config_diff(load_config(None, now), "fedavg", record(was), make_algorithm)
 
     own = ["method.fedavg.compression=qsgd"]
+    # a run-wide setting of the other kind is read by another method (else it is refused)
+    topk = ["algorithms=[fedavg, fedprox]", "method.fedprox.compression=topk"]
+    qsgd = ["algorithms=[fedavg, fedprox]", "method.fedprox.compression=qsgd"]
     assert (
         diff(
-            ["compression.kind=topk", "compression.fraction=0.1", *own],
+            ["compression.kind=topk", "compression.fraction=0.1", *own, *topk],
             ["compression.kind=qsgd", *own],
         )
         == ""
     )
     assert (
-        diff(["compression.kind=qsgd"], ["compression.kind=qsgd", "compression.fraction=0.5"]) == ""
+        diff(
+            ["compression.kind=qsgd"], ["compression.kind=qsgd", "compression.fraction=0.5", *topk]
+        )
+        == ""
     )
-    assert diff(["compression.kind=topk"], ["compression.kind=topk", "compression.levels=15"]) == ""
+    assert (
+        diff(["compression.kind=topk"], ["compression.kind=topk", "compression.levels=15", *qsgd])
+        == ""
+    )
     assert diff([], ["compression.kind=none", "method.fedprox.compression=topk"]) == ""
     assert diff(["compression.kind=qsgd"], ["compression.kind=qsgd", "compression.levels=15"]) == (
         "hyper.compression_levels: 127 -> 15"

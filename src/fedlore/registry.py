@@ -38,12 +38,20 @@ _PREFIXES = {
 }
 
 
+def _where(obj: object) -> str:
+    """``module.qualname`` of a registered function or class."""
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}"
+
+
 def _register(kind: str, name: str) -> Callable[[F], F]:
     def deco(obj: F) -> F:
         table = _TABLES[kind]
-        if name in table and table[name] is not obj:
-            raise ValueError(f"{kind} {name!r} is registered twice")
-        table[name] = obj
+        old = table.get(name)
+        if old is not None and old is not obj and _where(old) != _where(obj):
+            raise ValueError(
+                f"{kind} {name!r} is registered twice: by {_where(old)} and {_where(obj)}"
+            )
+        table[name] = obj  # the same definition run again (a notebook's cell) replaces it
         return obj
 
     return deco

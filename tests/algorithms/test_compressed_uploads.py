@@ -425,6 +425,15 @@ REFUSED = [
         "compression.fraction=0.1: compression.kind=none, so method 'fedavg' uploads dense",
     ),
     (["method.fedavg.error_feedback=true"], "method.fedavg.error_feedback=True: compression"),
+    (  # the other codec's setting: QSGD never reads a fraction, top-k never reads levels
+        ["compression.kind=qsgd", "compression.fraction=0.1"],
+        "compression.fraction=0.1: a top-k setting that no method of the run reads "
+        "(compression.kind=qsgd for 'fedavg')",
+    ),
+    (
+        ["method.fedavg.compression=topk", "method.fedavg.compression_levels=4"],
+        "method.fedavg.compression_levels=4: a QSGD setting that no method of the run reads",
+    ),
     (  # top-k's supports differ: a coordinate-wise median of them is zero almost everywhere
         ["compression.kind=topk", "robust.aggregate=median"],
         "robust.aggregate=median with compression.kind=topk: each client's top-k",

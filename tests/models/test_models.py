@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -240,3 +242,124 @@ def test_a_head_of_another_width_than_the_classes_is_refused() -> None:
             build_model("_test_three_outputs", (4,), 10)
     finally:
         registry._TABLES["model"].pop("_test_three_outputs")
+
+
+def test_a_factory_of_another_signature_or_result_is_refused_by_name() -> None:
+    """A registered factory without ``num_classes`` was refused as "a keyword argument has the
+    wrong type ... {}", and one that returned no module as "does not name its classifier
+    Linear 'head'": each is named for what it is."""
+    from fedlore import registry
+
+    @registry.register_model("_test_no_classes")
+    def no_classes(input_shape: tuple[int, ...]) -> nn.Module:
+        return nn.Linear(4, 3)
+
+    @registry.register_model("_test_not_a_module")
+    def not_a_module(input_shape: tuple[int, ...], num_classes: int) -> object:
+        return "model"
+
+    try:
+        with pytest.raises(ValueError) as err:
+            build_model("_test_no_classes", (4,), 3)
+        said = str(err.value)
+        assert said.startswith("model '_test_no_classes': its factory no_classes(input_shape")
+        assert said.endswith(
+            "cannot be called as f(input_shape, num_classes, **model.kwargs) "
+            "(too many positional arguments)"
+        )
+        with pytest.raises(ValueError) as err:
+            build_model("_test_not_a_module", (4,), 3)
+        assert str(err.value) == (
+            "model '_test_not_a_module': its factory returned str, not an nn.Module"
+        )
+    finally:
+        registry._TABLES["model"].pop("_test_no_classes")
+        registry._TABLES["model"].pop("_test_not_a_module")
+
+
+def test_a_model_that_returns_no_logits_is_refused_before_any_folder(tmp_path: Path) -> None:
+    """A registered classifier that returned its argmax (or one score per example), or whose
+    forward failed, had every client's update rejected in round 0 with torch's message about
+    the loss, after its run folder was made; the preflight names the shape or the error."""
+    from fedlore import registry
+    from fedlore.config import ConfigError
+    from fedlore.experiment import run_experiment
+
+    class Argmax(nn.Module):
+        def __init__(self, num_classes: int, width: int) -> None:
+            super().__init__()
+            self.body = nn.Linear(width, 8)  # digits: 64 features
+            self.head = nn.Linear(8, num_classes)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.body(x.flatten(1))).argmax(1)
+
+    @registry.register_model("_test_argmax")
+    def argmax(input_shape: tuple[int, ...], num_classes: int, *, width: int = 64) -> nn.Module:
+        return Argmax(num_classes, width)
+
+    base = ["model.name=_test_argmax", "algorithms=[fedavg]", "rounds=1", "num_clients=2"]
+    base += ["progress=false", "seeds=[0]", f"output_dir={tmp_path}"]
+    try:
+        with pytest.raises(ConfigError) as err:
+            run_experiment(load_config(None, base))
+        assert str(err.value) == (
+            "model '_test_argmax' returns torch.int64 (2,) for inputs (2, 1, 8, 8); a classifier "
+            "returns float logits of shape (2, 10) ([batch, num_classes])"
+        )
+        with pytest.raises(ConfigError) as err:
+            run_experiment(load_config(None, [*base, "model.kwargs={width: 10}"]))
+        assert str(err.value) == (
+            "model '_test_argmax' fails on inputs (2, 1, 8, 8): RuntimeError: mat1 and mat2 "
+            "shapes cannot be multiplied (2x64 and 10x8)"
+        )
+        assert not any(tmp_path.iterdir())  # refused before any run folder
+    finally:
+        registry._TABLES["model"].pop("_test_argmax")
+
+
+def test_the_same_definition_registered_again_replaces_it_and_another_is_refused() -> None:
+    """A notebook that runs the own-model tutorial's registration cell again (after changing
+    the model) was refused with "model 'tiny_cnn' is registered twice"; the same definition
+    (module and name) now replaces the old one, and another definition still is refused,
+    naming both."""
+    from fedlore import registry
+
+    def define(width: int) -> object:
+        @registry.register_model("_test_again")
+        def again(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+            model = nn.Module()
+            model.head = nn.Linear(width, num_classes)
+            return model
+
+        return again
+
+    try:
+        define(4)
+        define(5)  # the cell run again
+        head = build_model("_test_again", (4,), 3).head
+        assert isinstance(head, nn.Linear) and head.in_features == 5
+        with pytest.raises(ValueError, match=r"'_test_again' is registered twice: by .*again and"):
+            registry.register_model("_test_again")(lambda input_shape, num_classes: None)
+    finally:
+        registry._TABLES["model"].pop("_test_again")
+
+
+def test_a_server_without_a_pool_checks_the_model_on_test_inputs() -> None:
+    """Under ``flower.site_data`` the server's federation has an empty pool: the model's
+    output is checked on its central test inputs instead (not on an empty batch)."""
+    import dataclasses
+
+    from fedlore.checks import check_model_output
+    from fedlore.config import ConfigError
+    from fedlore.data.client_data import TensorSplit
+    from fedlore.data.federation import build_federation
+
+    cfg = load_config(None, ["num_clients=2", "model.kwargs={hidden: [8]}"])
+    fed = build_federation(cfg, 0)
+    site = dataclasses.replace(fed, pool=TensorSplit(fed.pool.x[:0], fed.pool.y[:0]))
+    model = build_model("mlp", tuple(fed.input_shape), fed.num_classes, hidden=[8])
+    check_model_output(cfg, model, site)  # logits [2, 10]: fine
+    model.head = nn.Linear(8, 3)  # three logits, not ten
+    with pytest.raises(ConfigError, match=r"returns torch.float32 \(2, 3\) for inputs \(2, 1, 8"):
+        check_model_output(cfg, model, site)

@@ -16,8 +16,8 @@ problem (a misspelt source or setting), not a folder in the way:
 * early stopping against the data and privacy: :func:`check_early_stopping`
   (:mod:`fedlore.checks.stopping`);
 * the model against the data: :func:`check_model_fits_data`,
-  :func:`check_tokenizer_matches_model`, :func:`check_eval`, :func:`check_params`, and
-  :func:`check_site_data`;
+  :func:`check_tokenizer_matches_model`, :func:`check_eval`, :func:`check_params`,
+  :func:`check_model_output`, and :func:`check_site_data`;
 * :func:`preflight`: all of them for every method of an experiment on the real model, every
   problem at once, before any run folder is touched.
 
@@ -61,6 +61,7 @@ from fedlore.checks.methods import (
 from fedlore.checks.model_data import (
     check_eval,
     check_model_fits_data,
+    check_model_output,
     check_params,
     check_site_data,
     check_tokenizer_matches_model,
@@ -89,6 +90,7 @@ __all__ = [
     "check_method_settings",
     "check_min_clients",
     "check_model_fits_data",
+    "check_model_output",
     "check_overrides",
     "check_params",
     "check_privacy",

@@ -239,6 +239,20 @@ def check_method_settings(
                 "the setting would change nothing; set compression.kind=topk or qsgd (or "
                 f"method.{name}.compression), or leave it out"
             )
+    if kind in ("topk", "qsgd") and caps.compress_uploads:  # the other codec's setting
+        other = "levels" if kind == "topk" else "fraction"
+        default = 127 if kind == "topk" else 0.01
+        set_own, value = overrides.get(f"compression_{other}"), getattr(cfg.compression, other)
+        given = [f"method.{name}.compression_{other}={set_own}"] if set_own is not None else []
+        if value != default and not _section_read(cfg, other):
+            given.append(f"compression.{other}={value}")
+        if given:
+            codec = "QSGD" if kind == "topk" else "top-k"
+            raise ConfigError(
+                f"{', '.join(given)}: a {codec} setting that no method of the run reads "
+                f"({key}={kind} for {name!r}), so it would change nothing; set the kind it "
+                f"belongs to (or method.{name}.compression), or leave it out"
+            )
     if kind == "topk" and rule in ("median", "trimmed_mean", "bulyan"):
         raise ConfigError(
             f"{rule_key}={rule} with {key}=topk: each client's top-k "
@@ -259,6 +273,19 @@ def check_method_settings(
             "fedlore_fixed, fedlore_sketch, fedfull, fedavg, fedprox, fednova, qffl, moon, "
             "fedper, fedbn, fedrep and the LoRA methods (use transport_dtype=fp32)"
         )
+
+
+def _section_read(cfg: Config, setting: str) -> bool:
+    """Whether a method of the run reads ``compression.<setting>`` (``fraction`` or
+    ``levels``): its codec (its own ``compression`` or the section's ``kind``) is the one the
+    setting belongs to, and it does not set ``compression_<setting>`` itself."""
+    codec = "topk" if setting == "fraction" else "qsgd"
+    owns = [cfg.method.get(name, {}) for name in cfg.algorithms]
+    return any(
+        own.get("compression", cfg.compression.kind) == codec
+        and f"compression_{setting}" not in own
+        for own in owns
+    )
 
 
 def check_min_clients(name: str, algo: Algorithm, cfg: Config) -> None:

@@ -62,6 +62,45 @@ def check_params(cfg: Config, model: nn.Module) -> None:
         )
 
 
+def check_model_output(cfg: Config, model: nn.Module, fed: Federation) -> None:
+    """A classifier maps a batch ``[B, *input_shape]`` to logits ``[B, num_classes]``: checked
+    on two training inputs (test inputs on a server without a pool: ``flower.site_data``), in
+    eval mode without gradients (no buffer or random draw changes). A model that returned
+    another shape (its argmax, one score per example) had every client's update rejected in
+    round 0 with torch's message about the loss.
+
+    Raises:
+        ConfigError: naming the model, the shape it returned and the one expected, or the
+            error its forward raised.
+    """
+    if fed.task != "classification":
+        return
+    import torch
+
+    x = (fed.pool.x if len(fed.pool.x) else fed.central_test.x)[:2]  # site data: no pool
+    if not len(x):
+        return
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = model(x)
+    except Exception as e:  # the model's own bug: one line here, not a traceback per client
+        raise ConfigError(
+            f"model {cfg.model.name!r} fails on inputs {tuple(x.shape)}: {type(e).__name__}: {e}"
+        ) from e
+    finally:
+        model.train(was_training)
+    want = (len(x), fed.num_classes)
+    if isinstance(out, torch.Tensor) and out.is_floating_point() and out.shape == want:
+        return
+    got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+    raise ConfigError(
+        f"model {cfg.model.name!r} returns {got} for inputs {tuple(x.shape)}; a classifier "
+        f"returns float logits of shape {want} ([batch, num_classes])"
+    )
+
+
 def check_model_fits_data(model: str, fed: Federation) -> None:
     """Token-id data (text sources) needs a model that takes token ids, and image or feature
     data a model that does not; a pre-training corpus needs a causal language model, and
@@ -245,12 +284,13 @@ def preflight(
     build: Callable[[], nn.Module],
     start: Callable[[str], Algorithm],
 ) -> list[tuple[str, Algorithm]]:
-    """Refuse a config that would fail part-way: the model fits the data, the tokenizer is the
-    model's, and every method accepts ``params`` and its hyperparameters on the real model
-    (its server state is built once and dropped). Runs before any run folder is touched.
-    Returns every method's name with the method as built. Warns about a method that keeps
-    layers on the clients (:attr:`~fedlore.algorithm.Capabilities.keeps_layers_local`) in a
-    run without ``eval.local``.
+    """Refuse a config that would fail part-way: the model fits the data and returns logits of
+    its shape, the tokenizer is the model's, and every method accepts ``params`` and its
+    hyperparameters on the real model (its server state is built once and dropped). Runs
+    before any run folder is touched. Returns every method's name with the method as built.
+    Warns about a method that keeps layers on the clients
+    (:attr:`~fedlore.algorithm.Capabilities.keeps_layers_local`) in a run without
+    ``eval.local``.
 
     Args:
         build: the first seed's model factory (:func:`fedlore.experiment_parts.model_factory`).
@@ -266,7 +306,9 @@ def preflight(
     check_tokenizer_matches_model(cfg, fed)
     check_eval(cfg, fed)
     check_early_stopping(cfg, fed)
-    check_params(cfg, build())
+    model = build()
+    check_params(cfg, model)
+    check_model_output(cfg, model, fed)
     problems: list[str] = []
     accepted: list[tuple[str, Algorithm]] = []
     for name in cfg.algorithms:  # every method's problems at once, not only the first's

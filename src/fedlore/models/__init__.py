@@ -44,8 +44,10 @@ def build_model(
     Raises:
         KeyError: if ``name`` is not registered (the message lists the registered names).
         ValueError: on a malformed or unsupported input shape, a bad class count, an unknown
-            keyword argument, a bad keyword value, or a ``head`` with another number of outputs
-            than ``num_classes``, naming the model and the offending value.
+            keyword argument, a bad keyword value, a factory that cannot be called as
+            ``f(input_shape, num_classes, **kwargs)`` or returns no ``nn.Module``, or a ``head``
+            with another number of outputs than ``num_classes``, naming the model and the
+            offending value.
     """
     factory = registry.get("model", name)
     shape = check_shape(name, input_shape)
@@ -60,17 +62,29 @@ def build_model(
         if glued:
             hint = f" (YAML reads {{{glued[0]}}} as one key: put a space after the colon)"
         raise ValueError(f"model {name!r}: unknown kwargs {unknown}; accepted: {accepted}{hint}")
+    try:  # a factory of another signature failed with the misleading "wrong type" below
+        inspect.signature(factory).bind(shape, num_classes, **kwargs)
+    except TypeError as e:
+        raise ValueError(
+            f"model {name!r}: its factory {factory.__name__}{inspect.signature(factory)} cannot "
+            f"be called as f(input_shape, num_classes, **model.kwargs) ({e})"
+        ) from None
     try:
         model = factory(shape, num_classes, **kwargs)
     except TypeError as e:  # a kwarg of the wrong type (e.g. an int where a list is needed)
         raise ValueError(
             f"model {name!r}: a keyword argument has the wrong type ({e}): {kwargs}"
         ) from e
-    if not isinstance(getattr(model, "head", None), nn.Linear):
-        raise ValueError(f"model {name!r} does not name its classifier Linear 'head'")
-    if model.head.out_features != num_classes:  # else a run fails in its first loss
+    if not isinstance(model, nn.Module):  # else "does not name its classifier Linear 'head'"
         raise ValueError(
-            f"model {name!r}: its head gives {model.head.out_features} outputs, but the data "
+            f"model {name!r}: its factory returned {type(model).__name__}, not an nn.Module"
+        )
+    head = getattr(model, "head", None)
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"model {name!r} does not name its classifier Linear 'head'")
+    if head.out_features != num_classes:  # else a run fails in its first loss
+        raise ValueError(
+            f"model {name!r}: its head gives {head.out_features} outputs, but the data "
             f"have {num_classes} classes; build head = nn.Linear(..., num_classes)"
         )
     return model
