@@ -21,9 +21,10 @@ problem (a misspelt source or setting), not a folder in the way:
 * :func:`preflight`: all of them for every method of an experiment on the real model, every
   problem at once, before any run folder is touched.
 
-Two modules hold them: :mod:`fedlore.checks.methods` (names, overrides, each method against the
-config, privacy) and :mod:`fedlore.checks.model_data` (the model against the data, the
-preflight); everything is importable from here. :mod:`fedlore.checks.methods` is the one reader
+Three modules hold them: :mod:`fedlore.checks.methods` (names, overrides, each method against
+the config, privacy), :mod:`fedlore.checks.compression` (upload compression, which
+``check_method_settings`` asks) and :mod:`fedlore.checks.model_data` (the model against the
+data, the preflight); everything is importable from here. The first two are the only readers
 of a method's :class:`~fedlore.algorithm.Capabilities` (its
 ``capabilities`` record, and ``caps()`` where a value depends on hyperparameters): the refusals
 above, the construction-time refusals of :func:`check_wire_settings` and
@@ -37,11 +38,10 @@ from fedlore.checks.asynchronous import (
     check_asynchronous,
     check_in_process,
 )
+from fedlore.checks.compression import Declares, check_compression
 from fedlore.checks.methods import (
     NAMED,
-    Declares,
     adapts,
-    check_compression,
     check_method_settings,
     check_min_clients,
     check_overrides,

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
 from fedlore import registry
-from fedlore.algorithm import Algorithm, Capabilities
+from fedlore.algorithm import Algorithm
+from fedlore.checks.compression import (
+    NO_PRIVATE_COMPRESSION,
+    Declares,
+    check_compression_settings,
+)
 from fedlore.config import Config, ConfigError
 from fedlore.settings import hyperparameter_names, not_applicable, not_applicable_problems
 from fedlore.train.metrics import check_names as check_metric_names
@@ -20,12 +25,6 @@ if TYPE_CHECKING:
     from fedlore.privacy import Privacy
 
 log = logging.getLogger("fedlore.checks")
-
-
-class Declares(Protocol):
-    """A method class: it holds its :class:`~fedlore.algorithm.Capabilities` record."""
-
-    capabilities: ClassVar[Capabilities]
 
 
 NAMED = (("data.name", "source"), ("partition.name", "partition"), ("model.name", "model"))
@@ -217,42 +216,7 @@ def check_method_settings(
         )
     kind = overrides.get("compression", cfg.compression.kind)
     key = f"method.{name}.compression" if "compression" in overrides else "compression.kind"
-    if kind != "none" and not caps.compress_uploads:
-        raise ConfigError(
-            f"{key}={kind}: method {name!r} does not {COMPRESSING}; to compress one method's "
-            "uploads set method.<name>.compression for one of those"
-        )
-    if kind == "none" and caps.compress_uploads:  # a compression that does not run: no kind
-        sec = cfg.compression
-        idle = {
-            f"method.{name}.compression_fraction": overrides.get("compression_fraction"),
-            f"method.{name}.compression_levels": overrides.get("compression_levels"),
-            f"method.{name}.error_feedback": overrides.get("error_feedback"),
-            "compression.fraction": sec.fraction if sec.fraction != 0.01 else None,
-            "compression.levels": sec.levels if sec.levels != 127 else None,
-            "compression.error_feedback": sec.error_feedback,
-        }
-        given = [f"{k}={v}" for k, v in idle.items() if v is not None]
-        if given:
-            raise ConfigError(
-                f"{', '.join(given)}: {key}=none, so method {name!r} uploads dense deltas and "
-                "the setting would change nothing; set compression.kind=topk or qsgd (or "
-                f"method.{name}.compression), or leave it out"
-            )
-    if kind in ("topk", "qsgd") and caps.compress_uploads:  # the other codec's setting
-        other = "levels" if kind == "topk" else "fraction"
-        default = 127 if kind == "topk" else 0.01
-        set_own, value = overrides.get(f"compression_{other}"), getattr(cfg.compression, other)
-        given = [f"method.{name}.compression_{other}={set_own}"] if set_own is not None else []
-        if value != default and not _section_read(cfg, other):
-            given.append(f"compression.{other}={value}")
-        if given:
-            codec = "QSGD" if kind == "topk" else "top-k"
-            raise ConfigError(
-                f"{', '.join(given)}: a {codec} setting that no method of the run reads "
-                f"({key}={kind} for {name!r}), so it would change nothing; set the kind it "
-                f"belongs to (or method.{name}.compression), or leave it out"
-            )
+    check_compression_settings(name, caps, cfg, overrides)
     if kind == "topk" and rule in ("median", "trimmed_mean", "bulyan"):
         raise ConfigError(
             f"{rule_key}={rule} with {key}=topk: each client's top-k "
@@ -273,19 +237,6 @@ def check_method_settings(
             "fedlore_fixed, fedlore_sketch, fedfull, fedavg, fedprox, fednova, qffl, moon, "
             "fedper, fedbn, fedrep and the LoRA methods (use transport_dtype=fp32)"
         )
-
-
-def _section_read(cfg: Config, setting: str) -> bool:
-    """Whether a method of the run reads ``compression.<setting>`` (``fraction`` or
-    ``levels``): its codec (its own ``compression`` or the section's ``kind``) is the one the
-    setting belongs to, and it does not set ``compression_<setting>`` itself."""
-    codec = "topk" if setting == "fraction" else "qsgd"
-    owns = [cfg.method.get(name, {}) for name in cfg.algorithms]
-    return any(
-        own.get("compression", cfg.compression.kind) == codec
-        and f"compression_{setting}" not in own
-        for own in owns
-    )
 
 
 def check_min_clients(name: str, algo: Algorithm, cfg: Config) -> None:
@@ -354,47 +305,6 @@ def check_wire_settings(cls: type[Declares], upload_increments: bool, transport_
             "method sends its tensors at the model's dtype only (16-bit transport: FedLore and "
             "its variants, FedFull, FedAvg, FedProx, FedNova, q-FFL, MOON, FedPer, FedBN, FedRep "
             "and the LoRA methods)"
-        )
-
-
-COMPRESSING = (
-    "offer upload compression: only fedfull, fedavg and fedprox encode their dense deltas "
-    "(top-k, QSGD) and decode them on the server"
-)
-"""Why a method without the ``compress_uploads`` capability refuses ``compression``."""
-
-NO_PRIVATE_COMPRESSION = {
-    "topk": (
-        "each client's top-k indices differ, so the masked or clipped-and-noised sum of the "
-        "uploads (values and indices) is not the sum of the sparse deltas"
-    ),
-    "qsgd": (
-        "QSGD's integer codes and per-client norms are not offered under secure aggregation "
-        "and DP (no test covers it there)"
-    ),
-}
-"""Why ``compression`` is refused under secure aggregation and DP (``upload_increments``)."""
-
-
-def check_compression(cls: type[Declares], compression: str, upload_increments: bool) -> None:
-    """Refuse, when method class ``cls`` is instantiated, a ``compression`` it cannot honour:
-    any for a method without the ``compress_uploads`` capability, and any with
-    ``upload_increments`` (secure aggregation and DP).
-
-    Raises:
-        ValueError: naming the class, the setting and the reason.
-    """
-    if compression == "none":
-        return
-    if not cls.capabilities.compress_uploads:
-        raise ValueError(
-            f"{cls.__name__}: invalid compression={compression!r}: it does not {COMPRESSING}"
-        )
-    if upload_increments:
-        raise ValueError(
-            f"{cls.__name__}: invalid compression={compression!r} with upload_increments=True "
-            f"(secure aggregation or DP): {NO_PRIVATE_COMPRESSION[compression]}; use "
-            "compression=none"
         )
 
 

@@ -82,8 +82,10 @@ def check_model_output(cfg: Config, model: nn.Module, fed: Federation) -> None:
         return
     was_training = model.training
     model.eval()
+    # a CUDA model's own draws (MC dropout's masks) come from the device's generator
+    cuda = [x.device.index or 0] if x.device.type == "cuda" else []
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
             out = model(x)
     except Exception as e:  # the model's own bug: one line here, not a traceback per client
         raise ConfigError(
