@@ -93,7 +93,9 @@ def table2_facts(root: Path, sub: str = "") -> dict[str, Any]:
     diffs: list[float] = []
     stds: list[float] = []
     by_fraction: dict[str, list[float]] = {}
-    for frac, _, a, b in pairs:
+    at: dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any]]] = {}
+    for frac, eps, a, b in pairs:
+        at[frac, eps] = (a, b)
         delta = mean(b["final_accuracy"]) - mean(a["final_accuracy"])
         lower_nll += mean(b["final_loss"], 1) < mean(a["final_loss"], 1)
         lower_ece += mean(b["final_ece"], 1) < mean(a["final_ece"], 1)
@@ -116,6 +118,16 @@ def table2_facts(root: Path, sub: str = "") -> dict[str, Any]:
         "paired_mean_diff": statistics.mean(diffs),
         "accuracy_std": span(stds),
         "delta_by_fraction": {k: span(v) for k, v in by_fraction.items()},
+        # accuracy points each method loses from the clean images to the noisiest (ε 0 -> 0.5)
+        "noise_drop": {
+            f"{float(frac) * 100:g}": {
+                m: mean(at[frac, NOISES[0]][i]["final_accuracy"])
+                - mean(at[frac, NOISES[-1]][i]["final_accuracy"])
+                for i, m in enumerate(("fedavg", "bayfl"))
+            }
+            for frac in FRACTIONS
+            if (frac, NOISES[0]) in at and (frac, NOISES[-1]) in at
+        },
     }
 
 
