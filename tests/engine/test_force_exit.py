@@ -20,11 +20,20 @@ SCRIPT = textwrap.dedent(
     open(sys.argv[1], "w").write(str(child.pid))
     time.sleep(0.3)
 
+    def state():
+        return open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0]
+
     def hint():
-        # the child must be dead (killed, or a zombie waiting for us) when the hint runs
-        state = open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        # the child must be dead (killed, or a zombie waiting for us) when the hint runs: a
+        # SIGKILL is delivered when the child is next scheduled, so on a loaded machine it can
+        # still be running for a moment; it dies within 0.8 s only if it was killed before
+        # (a kill after the hint leaves it asleep in its time.sleep(60))
+        end = time.monotonic() + 0.8
+        while state() not in ("Z", "X") and time.monotonic() < end:
+            time.sleep(0.01)
+        seen = state()
         time.sleep(float(sys.argv[2]))
-        return f"child state {state}"
+        return f"child state {seen}"
 
     interrupt.say_on_force_exit(hint)
     interrupt.force_exit(signal.SIGINT)
