@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from fedlore.config import Config, ConfigError
+from fedlore.config_federation import CompressionConfig
 
 if TYPE_CHECKING:
     from fedlore.algorithm import Capabilities
@@ -35,6 +36,9 @@ NO_PRIVATE_COMPRESSION = {
     ),
 }
 """Why ``compression`` is refused under secure aggregation and DP (``upload_increments``)."""
+
+_DEFAULT = {k: CompressionConfig.model_fields[k].default for k in ("fraction", "levels")}
+"""The section's defaults of ``fraction`` and ``levels``: a value other than these was given."""
 
 
 def check_compression(cls: type[Declares], compression: str, upload_increments: bool) -> None:
@@ -83,8 +87,8 @@ def check_compression_settings(
             f"method.{name}.compression_fraction": overrides.get("compression_fraction"),
             f"method.{name}.compression_levels": overrides.get("compression_levels"),
             f"method.{name}.error_feedback": overrides.get("error_feedback"),
-            "compression.fraction": sec.fraction if sec.fraction != 0.01 else None,
-            "compression.levels": sec.levels if sec.levels != 127 else None,
+            "compression.fraction": sec.fraction if sec.fraction != _DEFAULT["fraction"] else None,
+            "compression.levels": sec.levels if sec.levels != _DEFAULT["levels"] else None,
             "compression.error_feedback": sec.error_feedback,
         }
         given = [f"{k}={v}" for k, v in idle.items() if v is not None]
@@ -96,10 +100,9 @@ def check_compression_settings(
             )
     if kind in ("topk", "qsgd") and caps.compress_uploads:  # the other codec's setting
         other = "levels" if kind == "topk" else "fraction"
-        default = 127 if kind == "topk" else 0.01
         set_own, value = overrides.get(f"compression_{other}"), getattr(cfg.compression, other)
         given = [f"method.{name}.compression_{other}={set_own}"] if set_own is not None else []
-        if value != default and not _section_read(cfg, other):
+        if value != _DEFAULT[other] and not _section_read(cfg, other):
             given.append(f"compression.{other}={value}")
         if given:
             codec = "QSGD" if kind == "topk" else "top-k"
