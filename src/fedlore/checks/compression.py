@@ -40,6 +40,9 @@ NO_PRIVATE_COMPRESSION = {
 _DEFAULT = {k: CompressionConfig.model_fields[k].default for k in ("fraction", "levels")}
 """The section's defaults of ``fraction`` and ``levels``: a value other than these was given."""
 
+_CODEC = {"fraction": "topk", "levels": "qsgd"}
+"""The codec each of the section's settings belongs to."""
+
 
 def check_compression(cls: type[Declares], compression: str, upload_increments: bool) -> None:
     """Refuse, when method class ``cls`` is instantiated, a ``compression`` it cannot honour:
@@ -99,7 +102,7 @@ def check_compression_settings(
                 f"method.{name}.compression), or leave it out"
             )
     if kind in ("topk", "qsgd") and caps.compress_uploads:  # the other codec's setting
-        other = "levels" if kind == "topk" else "fraction"
+        other = next(k for k, codec in _CODEC.items() if codec != kind)
         set_own, value = overrides.get(f"compression_{other}"), getattr(cfg.compression, other)
         given = [f"method.{name}.compression_{other}={set_own}"] if set_own is not None else []
         if value != _DEFAULT[other] and not _section_read(cfg, other):
@@ -117,10 +120,9 @@ def _section_read(cfg: Config, setting: str) -> bool:
     """Whether a method of the run reads ``compression.<setting>`` (``fraction`` or
     ``levels``): its codec (its own ``compression`` or the section's ``kind``) is the one the
     setting belongs to, and it does not set ``compression_<setting>`` itself."""
-    codec = "topk" if setting == "fraction" else "qsgd"
     owns = [cfg.method.get(name, {}) for name in cfg.algorithms]
     return any(
-        own.get("compression", cfg.compression.kind) == codec
+        own.get("compression", cfg.compression.kind) == _CODEC[setting]
         and f"compression_{setting}" not in own
         for own in owns
     )

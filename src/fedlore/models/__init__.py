@@ -52,7 +52,8 @@ def build_model(
     factory = registry.get("model", name)
     shape = check_shape(name, input_shape)
     check_num_classes(name, num_classes)
-    params = inspect.signature(factory).parameters
+    signature = inspect.signature(factory)
+    params = signature.parameters
     accepted = [p for p, spec in params.items() if spec.kind is inspect.Parameter.KEYWORD_ONLY]
     has_var_kw = any(s.kind is inspect.Parameter.VAR_KEYWORD for s in params.values())
     unknown = sorted(set(kwargs) - set(accepted))
@@ -63,10 +64,11 @@ def build_model(
             hint = f" (YAML reads {{{glued[0]}}} as one key: put a space after the colon)"
         raise ValueError(f"model {name!r}: unknown kwargs {unknown}; accepted: {accepted}{hint}")
     try:  # a factory of another signature failed with the misleading "wrong type" below
-        inspect.signature(factory).bind(shape, num_classes, **kwargs)
+        signature.bind(shape, num_classes, **kwargs)
     except TypeError as e:
+        called = getattr(factory, "__name__", "")  # a functools.partial has none
         raise ValueError(
-            f"model {name!r}: its factory {factory.__name__}{inspect.signature(factory)} cannot "
+            f"model {name!r}: its factory {called}{signature} cannot "
             f"be called as f(input_shape, num_classes, **model.kwargs) ({e})"
         ) from None
     try:
