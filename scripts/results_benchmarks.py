@@ -281,6 +281,24 @@ def flower_round_time() -> str:
     return table(["method", "in-process s / round", "Flower simulation s / round (ratio)"], rows)
 
 
+def sim_ending() -> tuple[str, dict[str, Any]]:
+    data = read(BENCH / "sim_ending.json")
+    med = data["median"]
+    labels = {"fedlore": "fedlore's (`sim_threads`)", "flower": "Flower's own"}
+    rows = [
+        [labels[arm], f"{med[arm]['tail']:.3f}", f"{med[arm]['total']:.2f}"]
+        for arm in ("fedlore", "flower")
+    ]
+    md = table(["threads", "s after the ServerApp ended", "s per 2-round simulation"], rows)
+    facts = {
+        "repeats": data["repeats"],
+        "tail_fedlore_s": med["fedlore"]["tail"],
+        "tail_flower_s": med["flower"]["tail"],
+        "saved_per_simulation_s": med["flower"]["total"] - med["fedlore"]["total"],
+    }
+    return md, facts
+
+
 def transport() -> tuple[str, str, dict[str, Any]]:
     data = read(BENCH / "transport.json")
     b = data["bytes"]
@@ -394,7 +412,13 @@ def benchmarks() -> dict[str, str]:
     sub_md, sub_facts = subspace()
     scale_md, scale_facts = scale()
     bytes_md, acc_md, transport_facts = transport()
-    facts = {"subspace": sub_facts, "scale": scale_facts, "transport": transport_facts}
+    ending_md, ending_facts = sim_ending()
+    facts = {
+        "subspace": sub_facts,
+        "scale": scale_facts,
+        "transport": transport_facts,
+        "sim_ending": ending_facts,
+    }
     return {
         "benchmarks/results/subspace.md": sub_md,
         "benchmarks/results/round_time.md": round_time(),
@@ -406,6 +430,7 @@ def benchmarks() -> dict[str, str]:
         "benchmarks/results/pool_layout.md": pool_layout(),
         "benchmarks/results/scale.md": scale_md,
         "benchmarks/results/flower_round_time.md": flower_round_time(),
+        "benchmarks/results/sim_ending.md": ending_md,
         "benchmarks/results/transport_bytes.md": bytes_md,
         "benchmarks/results/transport_accuracy.md": acc_md,
         "benchmarks/results/summary.json": dump_json(facts),

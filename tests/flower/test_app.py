@@ -1,16 +1,14 @@
 """The simulated ClientApp called in this process (no Ray): the same model as the in-process
-transport, torch threads set to ``flower.client_cpus``; Flower's message delivery, the
+transport, torch threads set to ``flower.client_cpus``; the
 transport's polling and its client -> node map without a running Flower."""
 
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
-from queue import Queue
 from typing import Any
 
 import pytest
@@ -26,7 +24,6 @@ from fedlore.engine.rundir import run_dir
 from fedlore.experiment import run_one
 from fedlore.flower.app import client_query, client_threads, make_apps
 from fedlore.flower.codec import record_to_reply
-from fedlore.flower.simulation import deliver_when_stored, prompt_delivery
 from fedlore.flower.transport import FlowerTransport, send_and_receive
 from fedlore.types import Broadcast, Reply
 
@@ -110,49 +107,6 @@ def test_client_threads() -> None:
     cfg = load_config(None, ["flower.client_cpus=0.5"])
     assert client_threads(cfg, simulated=True) == 1
     assert client_threads(load_config(None, ["flower.client_cpus=2.5"]), simulated=True) == 2
-
-
-class _State:
-    """The two methods of Flower's in-memory link state that the delivery thread uses."""
-
-    def __init__(self) -> None:
-        self.stored: dict[int, list[str]] = {}
-        self.lock = threading.Lock()
-
-    def store_message_ins(self, message: tuple[int, str]) -> str:
-        with self.lock:
-            self.stored.setdefault(message[0], []).append(message[1])
-        return message[1]
-
-    def get_message_ins(self, node_id: int, limit: int | None) -> list[str]:
-        with self.lock:
-            got = self.stored.get(node_id, [])
-            out, self.stored[node_id] = got[:limit], got[limit:]
-        return out
-
-
-def test_delivery_thread_delivers_every_stored_message_and_stops() -> None:
-    state, queue, stop = _State(), Queue[str](), threading.Event()
-    own = state.store_message_ins
-    th = threading.Thread(target=deliver_when_stored, args=(state, queue, {7: 0, 8: 1}, stop))
-    th.start()
-    for i in range(3):  # two for one node: each call hands over one message per node
-        state.store_message_ins((7, f"a{i}"))
-    state.store_message_ins((8, "b"))
-    got = sorted(queue.get(timeout=10) for _ in range(4))
-    stop.set()
-    th.join(timeout=10)
-    assert got == ["a0", "a1", "a2", "b"] and not th.is_alive()
-    assert state.store_message_ins == own  # the wrapper is gone with the thread
-
-
-def test_prompt_delivery_swaps_flowers_delivery_function_and_restores_it() -> None:
-    from flwr.server.superlink.fleet.vce import vce_api
-
-    own = vce_api.add_messages_to_queue
-    with prompt_delivery():
-        assert vce_api.add_messages_to_queue is deliver_when_stored
-    assert vce_api.add_messages_to_queue is own
 
 
 class _Grid:

@@ -60,7 +60,9 @@ def test_a_deployed_fedbuff_run_on_the_simulated_clock_gives_the_in_process_rows
     from fedlore.config import load_config
     from fedlore.experiment import run_one
 
-    common = [*COMMON, "rounds=3", "clients.speed=lognormal", "clients.speed_spread=1.0"]
+    # two steps: the first takes one client's reply twice (it was started again from version 0
+    # while the slowest trained), the second a reply one version stale
+    common = [*COMMON, "rounds=2", "clients.speed=lognormal", "clients.speed_spread=1.0"]
     common += digits_npz
     out_dir = tmp_path / "runs"
     deploy = [*common, "flower.wait_for_nodes_s=60", f"output_dir={out_dir}"]
@@ -78,7 +80,9 @@ def test_a_deployed_fedbuff_run_on_the_simulated_clock_gives_the_in_process_rows
     local = load_config(CONFIG, [*common, f"output_dir={tmp_path / 'local'}"])
     run_one(local, "fedavg", SEED)
     want, got = _rows(_metrics(tmp_path / "local")), _rows(_metrics(out_dir))
-    assert len(got) == len(want) == 3
+    assert len(got) == len(want) == 2
+    assert [r["staleness_max"] for r in got] == [0, 1]
+    assert len(set(got[0]["accepted_clients"])) == 1  # one client's two replies
     for a, b in zip(want, got, strict=True):
         for k in a.keys() - WALL_CLOCK:
             if isinstance(a[k], float):  # float32 training on another process: to 1e-5

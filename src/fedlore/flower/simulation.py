@@ -10,8 +10,10 @@ once per method and seed: Flower's backend would shut it down at the end of each
 they cached, end with them; the next simulation's actors are new processes).
 
 Flower hands a stored message to its virtual SuperNode by a thread that looks for new messages
-every 0.1 s; during :func:`run_simulated` that thread is woken when the server stores a message
-instead (:func:`prompt_delivery`), so a round of fast clients is not rounded up to the poll.
+every 0.1 s, and its other threads look whether the simulation has ended once a second; during
+:func:`run_simulated` the first is woken when the server stores a message and the others look
+every 0.02 s (:mod:`fedlore.flower.sim_threads`), so a round of fast clients is not rounded up
+to the poll and a simulation ends as soon as its ServerApp does.
 
 SIGINT (Ctrl-C) or SIGTERM during a simulation stops it cleanly (:mod:`fedlore.engine.interrupt`):
 the round loop, in the ServerApp's thread, starts no other round and discards the round in
@@ -47,7 +49,6 @@ flight at the kill may have trained from a version the checkpoint holds without 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import logging
 import os
@@ -56,7 +57,6 @@ import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from queue import Queue
 from typing import Any, TextIO
 
 from fedlore.config import Config
@@ -70,6 +70,7 @@ from fedlore.engine.run_record import check_same_config
 from fedlore.engine.rundir import run_dir
 from fedlore.experiment_parts import make_algorithm
 from fedlore.flower.app import make_apps
+from fedlore.flower.sim_threads import prompt_threads
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ def run_simulated(
     )
     with ray_session() as session, interrupt.handling(), interrupt.deferred():
         try:
-            with flower_output_to(folder / "flower.log"), prompt_delivery(), keep_ray():
+            with flower_output_to(folder / "flower.log"), prompt_threads(), keep_ray():
                 session.start(cfg)
                 run_simulation(
                     server_app=server,
@@ -304,65 +305,7 @@ def flower_output_to(path: Path) -> Iterator[None]:
         flwr_log.propagate = propagate
 
 
-DELIVERY_POLL_S = 0.1
-"""Seconds the delivery thread of :func:`prompt_delivery` waits for a wake-up before it looks for
-new messages anyway (Flower's own polling period)."""
-
 _patch_lock = threading.Lock()
-
-
-def deliver_when_stored(
-    state: Any, queue: Queue[Any], nodes_mapping: dict[int, int], f_stop: threading.Event
-) -> None:
-    """Flower's ``vce_api.add_messages_to_queue`` (the thread that moves the messages stored for
-    the virtual SuperNodes to the workers' queue), woken as soon as the server stores a message
-    rather than every 0.1 s: ``state.store_message_ins`` of this simulation's link state is
-    wrapped to set an event. Looks again at once after delivering something (a node's second
-    message), and every :data:`DELIVERY_POLL_S` seconds in any case; returns once ``f_stop`` is
-    set (the simulation ends)."""
-    stored = threading.Event()
-    store = state.store_message_ins
-
-    def store_and_wake(message: Any) -> Any:
-        msg_id = store(message)
-        stored.set()
-        return msg_id
-
-    state.store_message_ins = store_and_wake  # this state object only, not its class
-    try:
-        while not f_stop.is_set():
-            stored.clear()  # a message stored from here on wakes the wait below
-            found = False
-            for node_id in list(nodes_mapping.keys()):
-                for msg in state.get_message_ins(node_id=node_id, limit=1):
-                    queue.put(msg)
-                    found = True
-            if not found:
-                stored.wait(DELIVERY_POLL_S)
-    finally:
-        state.store_message_ins = store
-
-
-@contextlib.contextmanager
-def prompt_delivery() -> Iterator[None]:
-    """Use :func:`deliver_when_stored` as the Simulation Engine's delivery thread while inside;
-    Flower's own is put back on leaving. A Flower version whose delivery function has another
-    signature keeps its own (a 0.1 s poll: slower rounds, same results)."""
-    from flwr.server.superlink.fleet.vce import vce_api
-
-    own = getattr(vce_api, "add_messages_to_queue", None)
-    expected = ["state", "queue", "nodes_mapping", "f_stop"]
-    if own is None or list(inspect.signature(own).parameters) != expected:
-        log.debug("Flower's delivery thread is not the one known; keeping its 0.1 s poll")
-        yield
-        return
-    with _patch_lock:
-        vce_api.add_messages_to_queue = deliver_when_stored
-    try:
-        yield
-    finally:
-        with _patch_lock:
-            vce_api.add_messages_to_queue = own
 
 
 def backend_config(cfg: Config) -> dict[str, Any]:
