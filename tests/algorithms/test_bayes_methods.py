@@ -311,6 +311,27 @@ def test_a_bad_search_setting_is_refused_with_what_is_valid() -> None:
     assert MetaBayFL.of(candidate_lrs=(1e-2, 1e-3)).candidate_lrs == (1e-2, 1e-3)
 
 
+def test_a_search_setting_without_a_search_is_refused() -> None:
+    """With ``lr_search="none"`` (BayFL's, or set) no search runs, so a search setting would
+    change nothing: ``method.bayfl.meta_split=heldout`` does not take d out of BayFL's training
+    data. The refusal names the settings and lr_search; the defaults, and the same settings with
+    a search, pass."""
+    for overrides, named in (
+        (["method.bayfl.meta_split=heldout"], "meta_split='heldout'"),
+        (
+            ["method.bayfl.candidate_lrs=[1e-1]", "method.bayfl.temp_steps=3"],
+            r"candidate_lrs=\(0\.1,\), temp_steps=3",
+        ),
+    ):
+        cfg = load_config(None, ["algorithms=[bayfl]", *overrides])
+        with pytest.raises(ValueError, match=rf"^method\.bayfl: {named} with lr_search='none'"):
+            make_algorithm("bayfl", cfg)
+    with pytest.raises(ValueError, match=r"trials='batched' with lr_search='none'"):
+        MetaBayFL.of(lr_search="none", trials="batched")
+    assert MetaBayFL.of(lr_search="none").candidate_lrs == (1e-2, 1e-3, 1e-4)
+    assert MetaBayFL.of(meta_split="heldout", temp_steps=3).meta_split == "heldout"
+
+
 def test_run_records_chosen_lrs_and_local_and_global_metrics(tmp_path: Path) -> None:
     cfg = load_config(
         None,
