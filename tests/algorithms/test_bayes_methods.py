@@ -311,6 +311,27 @@ def test_a_bad_search_setting_is_refused_with_what_is_valid() -> None:
     assert MetaBayFL.of(candidate_lrs=(1e-2, 1e-3)).candidate_lrs == (1e-2, 1e-3)
 
 
+def test_a_search_setting_without_a_search_is_refused() -> None:
+    """With ``lr_search="none"`` (BayFL's, or set) no search runs, so a search setting would
+    change nothing: ``method.bayfl.meta_split=heldout`` does not take d out of BayFL's training
+    data. The refusal names the settings and lr_search; the defaults, and the same settings with
+    a search, pass."""
+    for overrides, named in (
+        (["method.bayfl.meta_split=heldout"], "meta_split='heldout'"),
+        (
+            ["method.bayfl.candidate_lrs=[1e-1]", "method.bayfl.temp_steps=3"],
+            r"candidate_lrs=\(0\.1,\), temp_steps=3",
+        ),
+    ):
+        cfg = load_config(None, ["algorithms=[bayfl]", *overrides])
+        with pytest.raises(ValueError, match=rf"^method\.bayfl: {named} with lr_search='none'"):
+            make_algorithm("bayfl", cfg)
+    with pytest.raises(ValueError, match=r"trials='batched' with lr_search='none'"):
+        MetaBayFL.of(lr_search="none", trials="batched")
+    assert MetaBayFL.of(lr_search="none").candidate_lrs == (1e-2, 1e-3, 1e-4)
+    assert MetaBayFL.of(meta_split="heldout", temp_steps=3).meta_split == "heldout"
+
+
 def test_run_records_chosen_lrs_and_local_and_global_metrics(tmp_path: Path) -> None:
     cfg = load_config(
         None,
@@ -541,7 +562,7 @@ def test_candidates_scored_in_channels_last_equal_the_reference_scores(
         posterior=posterior,
         candidate_lrs=(1e-1, 1e-2, 1e-3),
         temp_steps=3,
-        conv_dropout=0.2,
+        conv_dropout=0.2 if posterior == "mcdropout" else 0.0,  # the BNN refuses it
     )
     algo.prepare_model(model)
     opt = algo.make_optimizer(model)
@@ -597,6 +618,23 @@ def test_bad_bnn_estimators_are_refused() -> None:
         make_algorithm("meta_fl", load_config(None, ["method.meta_fl.bnn_estimator=local"]))
     with pytest.raises(ValueError, match="bnn_estimator"):
         make_algorithm("pfedbayes", load_config(None, ["method.pfedbayes.bnn_estimator=x"]))
+
+
+def test_a_setting_of_another_posterior_is_refused() -> None:
+    """The BNN's settings (beta_kl, prior_mu, prior_sigma, rho_init) do nothing without a BNN,
+    MC dropout's (dropout, conv_dropout) nothing without MC dropout: either is refused, with
+    the setting and the posterior, where the other posterior runs; the defaults pass."""
+    for name, override, named in (
+        ("meta_bayfl_mcd", "beta_kl=0.1", "beta_kl=0.1 with posterior='mcdropout'"),
+        ("meta_fl", "rho_init=-3", "rho_init=-3.0 with posterior='none'"),
+        ("meta_bayfl", "dropout=0.2", "dropout=0.2 with posterior='bnn'"),
+        ("fedavg_mcd", "prior_sigma=0.5", "prior_sigma=0.5 with posterior='mcdropout'"),
+    ):
+        cfg = load_config(None, [f"algorithms=[{name}]", f"method.{name}.{override}"])
+        with pytest.raises(ValueError, match=rf"^method\.{name}: {named}: only posterior="):
+            make_algorithm(name, cfg)
+    assert MetaBayFL.of(posterior="mcdropout", dropout=0.2).dropout == 0.2
+    assert MetaBayFL.of(posterior="none").beta_kl == 1.0
 
 
 def test_meta_bayfl_with_the_local_estimator_trains_a_client() -> None:

@@ -35,9 +35,9 @@ def bayes(cls: type[FedLoreBayes] = FedLoreBayes, **kw: Any) -> FedLoreBayes:
         "local_steps": 4,
         "batch_size": 8,
         "lr": 1e-2,
-        "temp_steps": 2,
-        "candidate_lrs": (1e-2, 1e-3),
     }
+    if cls.lr_search != "none":  # FedLoreBayFL refuses search settings it would not read
+        base.update(temp_steps=2, candidate_lrs=(1e-2, 1e-3))
     base.update(kw)
     return cls.of(**base)
 

@@ -176,18 +176,19 @@ def test_a_round_searches_before_every_pass_over_the_training_split(
 @pytest.mark.parametrize(("lr_search", "searches"), [("per_round", 1), ("none", 0)])
 def test_per_round_searches_once_and_none_never(lr_search: str, searches: int) -> None:
     """The comparators: ``per_round`` searches once, before the first of 12 steps (3 passes),
-    ``none`` never searches and trains every step at the base rate."""
+    ``none`` never searches and trains every step at the base rate (and refuses the search's
+    settings, which it would not read)."""
     events: list[tuple[Any, ...]] = []
+    search = {"candidate_lrs": (0.01, 0.1, 1.0), "temp_steps": 2} if searches else {}
     algo = _spying(events).of(
         posterior="none",
         local_optimizer="sgd",
         lr=0.05,
-        candidate_lrs=(0.01, 0.1, 1.0),
-        temp_steps=2,
         local_steps=12,
         batch_size=10,
         lr_search=lr_search,
         mc_samples=0,
+        **search,
     )
     model = nn.Sequential(nn.Linear(4, 2))
     state = algo.init_server(model, torch.Generator().manual_seed(0))

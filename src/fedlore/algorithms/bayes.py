@@ -80,6 +80,14 @@ from fedlore.types import Broadcast, Reply, State
 __all__ = ["BayFL", "FedAvgMCDropout", "MetaBayFL", "MetaBayFLMCDropout", "MetaFL", "elbo_kl_term"]
 
 
+POSTERIOR_SETTINGS = {
+    "bnn": ("beta_kl", "prior_mu", "prior_sigma", "rho_init"),
+    "mcdropout": ("dropout", "conv_dropout"),
+}
+"""The settings only one posterior reads, refused under another when not at their defaults:
+they would change nothing (``bnn_estimator`` has a check of its own)."""
+
+
 @register_algorithm("meta_bayfl")
 @dataclass(frozen=True)
 class MetaBayFL(BayesSearch, FedFull):
@@ -87,7 +95,9 @@ class MetaBayFL(BayesSearch, FedFull):
     and the BNN's and search's of :class:`~fedlore.algorithms.bayes_search.BayesSearch`:
 
     Attributes:
-        posterior: ``"bnn"``, ``"mcdropout"`` or ``"none"``.
+        posterior: ``"bnn"``, ``"mcdropout"`` or ``"none"``; a setting of one posterior (the
+            BNN's ``beta_kl``, ``prior_mu``, ``prior_sigma``, ``rho_init``, MC dropout's
+            ``dropout``, ``conv_dropout``) is refused under another unless at its default.
         local_optimizer: ``"adamw"`` (Adam when ``weight_decay`` = 0, the authors' choice) or
             ``"sgd"`` (the seed's update, Eq. 21).
         momentum: SGD momentum coefficient (≥ 0), read only with ``local_optimizer="sgd"``
@@ -154,6 +164,17 @@ class MetaBayFL(BayesSearch, FedFull):
                 f"{self.name}: invalid bnn_estimator={self.bnn_estimator!r}: the estimator of a "
                 f"BNN, but posterior={self.posterior!r}"
             )
+        for owner, names in POSTERIOR_SETTINGS.items():
+            idle = [
+                f"{f.name}={getattr(self, f.name)!r}"
+                for f in dataclasses.fields(self)
+                if f.name in names and getattr(self, f.name) != f.default
+            ]
+            if idle and self.posterior != owner:
+                raise ValueError(
+                    f"{self.name}: {', '.join(idle)} with posterior={self.posterior!r}: only "
+                    f"posterior={owner!r} reads it, so it would change nothing; leave it out"
+                )
 
     # -- model ----------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ lines 7-17). The search itself (the meta split d, the trials, their scores) is
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import math
 from collections.abc import Iterable, Sequence
@@ -44,6 +45,19 @@ def elbo_kl_term(beta_kl: float, num_examples: int) -> LossTerm:
     return term
 
 
+SEARCH_SETTINGS = (
+    "candidate_lrs",
+    "temp_steps",
+    "meta_fraction",
+    "meta_split",
+    "meta_score",
+    "meta_resample",
+    "trials",
+)
+"""The settings only the learning-rate search reads (``trials``: Meta-BayFL's), refused with
+``lr_search="none"`` when not at their defaults: they would change nothing."""
+
+
 @dataclass(frozen=True)
 class BayesSearch(Hyper):
     """The BNN's and the learning-rate search's hyperparameters, shared by Meta-BayFL and
@@ -52,7 +66,9 @@ class BayesSearch(Hyper):
     Attributes:
         lr_search: ``"per_epoch"`` (seed 001 Algorithm 1 lines 7-17: a search before every
             local epoch), ``"per_round"`` (one search at the round's start) or ``"none"`` (the
-            fixed ``lr``).
+            fixed ``lr``; the search's own settings, ``candidate_lrs``, ``temp_steps``,
+            ``meta_fraction``, ``meta_split``, ``meta_score``, ``meta_resample`` and
+            ``trials``, are then refused unless at their defaults: they would change nothing).
         candidate_lrs: eta_1..eta_J, distinct and > 0 (default {1e-2, 1e-3, 1e-4}, seed
             Table III and the authors' supplementary code, with Adam).
         temp_steps: T_temp, steps of each temporary copy (reference notes Part 1.7).
@@ -128,6 +144,18 @@ class BayesSearch(Hyper):
             raise ValueError(
                 f"{who}: invalid candidate_lrs={lrs!r}: {', '.join(f'{x:g}' for x in repeated)} "
                 "listed more than once; a search tries each candidate once, list each rate once"
+            )
+        idle = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if f.name in SEARCH_SETTINGS and getattr(self, f.name) != f.default
+        ]
+        if idle and self.lr_search == "none":
+            raise ValueError(
+                f"{who}: {', '.join(idle)} with lr_search='none': only the learning-rate search "
+                "reads it and none runs (every client trains at the fixed lr on all of its "
+                "data), so it would change nothing; set lr_search=per_epoch or per_round, or "
+                "leave it out"
             )
 
     def searches(self, num_examples: int) -> bool:
