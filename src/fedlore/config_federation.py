@@ -30,13 +30,16 @@ class ClientsConfig(_Strict):
     speed_trace: str | None = None
     """A JSON file with one speed (> 0) per client, replacing ``speed``."""
     step_s: float = Field(0.05, gt=0.0)
-    """Simulated seconds of one local step at speed 1: client i needs K_i · step_s / speed_i."""
+    """Simulated seconds of one optimizer step at speed 1: client i needs W_i · step_s / speed_i
+    for a round of K_i local steps, W_i = K_i plus the optimizer steps its method runs besides
+    (Meta-BayFL's trials, Ditto's personal steps; the method's ``round_work``)."""
     round_deadline_s: float | None = Field(None, gt=0.0)
     """The round's deadline in simulated seconds (None: no deadline): a client that needs
     longer is a straggler."""
     partial_work: bool = False
-    """A straggler sends what it finished by the deadline (floor(deadline · speed / step_s)
-    steps, at least 1), weighted by the share of its steps done; otherwise it is dropped."""
+    """A straggler sends what it finished by the deadline (the most local steps whose work fits:
+    floor(deadline · speed / step_s) when W = K; at least 1), weighted by the share of its local
+    steps done; otherwise it is dropped."""
     availability: str | None = None
     """A JSON file: a list of lists of client ids; round t samples only from list t mod its
     length (clients that come and go); None: every client is always available."""

@@ -276,7 +276,8 @@ def test_weighted_scales_only_the_update_at_the_models_dtype() -> None:
     assert weighted(r, 1.0, {"w": torch.float32}) is r
 
 
-def test_a_client_needs_its_steps_times_step_s_over_its_speed(tmp_path: Path) -> None:
+def test_a_client_needs_its_rounds_work_times_step_s_over_its_speed(tmp_path: Path) -> None:
+    """K = n local steps and 2 optimizer steps besides (``round_work``): n + 2 steps of work."""
     from fedlore.config import load_config
 
     trace = tmp_path / "speeds.json"
@@ -284,15 +285,18 @@ def test_a_client_needs_its_steps_times_step_s_over_its_speed(tmp_path: Path) ->
     cfg = load_config(None, ["num_clients=3", f"clients.speed_trace={trace}"])
 
     class Algo:
-        def local_steps(self, n: int) -> int:
+        def round_steps(self, n: int) -> int:
             return n
+
+        def round_work(self, n: int, steps: int) -> int:
+            return steps + 2
 
     class Data:
         def __init__(self, n: int) -> None:
             self.num_examples = n
 
     d = durations(cfg, Algo(), lambda c: Data(10 * (c + 1)), 0)
-    assert [d(c) for c in range(3)] == pytest.approx([10 * 0.05, 20 * 0.05 / 2, 30 * 0.05 / 0.5])
+    assert [d(c) for c in range(3)] == pytest.approx([12 * 0.05, 22 * 0.05 / 2, 32 * 0.05 / 0.5])
 
 
 def test_an_update_exactly_max_staleness_stale_is_kept() -> None:

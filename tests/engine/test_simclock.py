@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fedlore import progress
+from fedlore.algorithms.ditto import Ditto
 from fedlore.algorithms.fedavg import FedAvg
 from fedlore.config import Config, load_config
 from fedlore.data.client_data import ClientData, TensorSplit
@@ -64,6 +65,48 @@ def test_a_straggler_with_partial_work_counts_the_steps_it_trained(tmp_path: Pat
     assert clock.round_s(0, [1, 4]) == _need(4, 3) == pytest.approx(0.25)
     # client 2 (speed 0.5) trains floor(0.3 · 0.5 / 0.05) = 2 steps (0.15/0.05 < 3): 0.2 s
     assert clock.round_s(0, [1, 2]) == _need(2, 2)
+
+
+def test_the_clock_charges_the_optimizer_steps_a_method_runs_besides(tmp_path: Path) -> None:
+    """Ditto's round is its 4 local steps and 2 personal ones: 6 steps of work (the work a
+    method's clients run, ``round_work``, is checked against their optimizers in
+    ``tests/algorithms/test_round_work.py``)."""
+    trace = tmp_path / "speeds.json"
+    trace.write_text(json.dumps(SPEEDS))
+    cfg = load_config(None, ["num_clients=6", f"clients.speed_trace={trace}"])
+    clock = SimClock(cfg, Ditto.of(local_steps=4, personal_steps=2), _data, SEED)
+    assert clock.round_s(0, [0, 1, 2]) == pytest.approx(6 * 0.05 / SPEEDS[2])
+
+
+def test_a_stragglers_budget_is_the_most_local_steps_whose_work_fits(tmp_path: Path) -> None:
+    """With work beyond the local steps (here 3 trial steps before every second local step, as
+    a search before each epoch of 2 steps), a straggler keeps the most local steps whose work
+    ends by the deadline, and at least one."""
+    trace = tmp_path / "speeds.json"
+    trace.write_text(json.dumps(SPEEDS))
+    cfg = load_config(
+        None,
+        ["num_clients=6", f"clients.speed_trace={trace}", "clients.round_deadline_s=0.3",
+         "clients.partial_work=true"],
+    )  # fmt: skip
+
+    def work(b: int) -> int:
+        return b + 3 * ((b + 1) // 2)
+
+    speeds = client_speeds(cfg, SEED)
+    seen = set()
+    for cid in range(6):
+        can = 0.3 * SPEEDS[cid] / 0.05  # optimizer steps by the deadline
+        plan = client_plan(cfg, speeds, SEED, 0, cid, 8, work)
+        if plan is None:
+            assert work(8) <= can
+            seen.add("whole")
+            continue
+        assert isinstance(plan, int) and 1 <= plan < 8
+        assert work(plan) <= can or plan == 1
+        assert work(plan + 1) > can
+        seen.add("cut" if work(plan) <= can else "one")
+    assert seen == {"whole", "cut", "one"}  # each case met
 
 
 def _dropped(cfg: Config, rnd: int, cid: int) -> bool:

@@ -102,6 +102,21 @@ class Hyper:
         :meth:`~fedlore.settings.LocalTraining.steps`)."""
         return self.train.steps(num_examples)
 
+    def round_steps(self, num_examples: int) -> int:
+        """The local steps a client of ``num_examples`` training examples trains in a whole
+        round, as it trains them: :meth:`local_steps` here (a method that trains on part of the
+        client's data, Meta-BayFL with a held-out meta split, counts that part's epochs)."""
+        return self.local_steps(num_examples)
+
+    def round_work(self, num_examples: int, steps: int) -> int:
+        """The optimizer steps, of any model, that a client of ``num_examples`` training
+        examples runs in a round in which it trains ``steps`` local steps (all of
+        :meth:`round_steps`, or a straggler's budget): the work the simulated clock charges
+        (:mod:`fedlore.engine.simclock`). ``steps`` here; a method whose clients run other
+        optimizer steps besides adds them (Meta-BayFL's trials, Ditto's personal model).
+        Forward-only passes (scoring, evaluation) are not counted."""
+        return steps
+
     def lr_schedule(self, num_examples: int | None = None) -> Schedule:
         """The run's :class:`~fedlore.train.local.Schedule` for a client of ``num_examples``
         training examples: over its ``rounds x K`` local steps (under ``local_epochs`` each

@@ -164,6 +164,33 @@ class BayesSearch(Hyper):
         need = 2 if self.meta_split == "heldout" else 1
         return self.lr_search != "none" and num_examples >= need
 
+    def fit_size(self, num_examples: int) -> int:
+        """The examples a client of ``num_examples`` trains on: all of them, or without d
+        (``meta_split="heldout"``, a client that searches)."""
+        if self.meta_split == "heldout" and self.searches(num_examples):
+            return num_examples - meta_lr.meta_size(num_examples, self.meta_fraction, "heldout")
+        return num_examples
+
+    def round_steps(self, num_examples: int) -> int:
+        """K on the examples the client trains on (:meth:`fit_size`)."""
+        return self.local_steps(self.fit_size(num_examples))
+
+    def round_work(self, num_examples: int, steps: int) -> int:
+        """``steps`` and the trial steps of the round's searches: J candidates x ``temp_steps``
+        per search, one search before each local epoch (``ceil(steps / epoch)``, an epoch of
+        ``ceil(|fit| / B)`` steps, as :func:`train_with_search` cuts them) or one per round.
+        Batched trials run the J copies as one model, but the same J x ``temp_steps`` steps of
+        work; scoring d is a forward pass, not counted (:meth:`Hyper.round_work`)."""
+        if not self.searches(num_examples):
+            return steps
+        if self.lr_search == "per_round":
+            searches = 1
+        else:
+            n_fit = self.fit_size(num_examples)
+            epoch = max(1, math.ceil(n_fit / min(self.train.batch_size, n_fit)))
+            searches = math.ceil(steps / epoch)
+        return steps + searches * len(self.candidate_lrs) * self.temp_steps
+
     def meta_seed(self, rng: torch.Generator) -> int | None:
         """The seed of this round's meta split d_n^k (``meta_resample="round"``: from the
         client's round generator, itself seeded by (run seed, round, client), without drawing

@@ -88,6 +88,11 @@ class Ditto(Personalized, FedAvg):
         """None for the global side: Ditto's P-local is the personal ``v_k`` (scored below)."""
         return {}
 
+    def round_work(self, num_examples: int, steps: int) -> int:
+        """``steps`` of the global model and the personal model's ``personal_steps`` (all of
+        them: a straggler's budget cuts the global steps only)."""
+        return steps + (self.personal_steps or self.local_steps(num_examples))
+
     def client_update(
         self,
         msg: Broadcast,

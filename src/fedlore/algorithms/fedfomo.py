@@ -54,7 +54,7 @@ from torch import nn
 
 from fedlore.algorithms.base import ReplySpec, local_eval_due, local_scores, reply_metrics
 from fedlore.algorithms.fedavg import UNCOMPRESSED, FedAvg
-from fedlore.algorithms.meta_lr import meta_split
+from fedlore.algorithms.meta_lr import meta_size, meta_split
 from fedlore.algorithms.personal import Personalized, keep_personal, personal_arrays
 from fedlore.data.client_data import ClientData, TensorSplit
 from fedlore.registry import register_algorithm
@@ -189,6 +189,14 @@ class FedFomo(Personalized, FedAvg):
             )
 
     # -- server ---------------------------------------------------------------------------
+
+    def round_steps(self, num_examples: int) -> int:
+        """K on the examples the client trains on: its training split without the validation
+        share it holds out (all of it below 2 examples, as :meth:`client_update` does)."""
+        if num_examples < 2:
+            return self.local_steps(num_examples)
+        held = meta_size(num_examples, self.val_fraction, "heldout")
+        return self.local_steps(num_examples - held)
 
     def init_server(self, model: nn.Module, rng: torch.Generator) -> State:
         """The initial model (``model.*``) and a seed for the server's fallback choices."""

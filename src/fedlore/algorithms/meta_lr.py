@@ -80,6 +80,14 @@ class SearchHyper(Protocol):
     ) -> tuple[nn.Module, torch.optim.Optimizer]: ...
 
 
+def meta_size(n: int, fraction: float, mode: MetaSplit = "subset") -> int:
+    """|d| for a client of ``n`` training examples (``n`` >= 1, >= 2 with ``mode="heldout"``):
+    ``round(fraction · n)``, at least 1, and under ``"heldout"`` at most ``n - 1`` (one example
+    left to fit)."""
+    n_meta = max(1, round(fraction * n))
+    return min(n_meta, n - 1) if mode == "heldout" else n_meta
+
+
 def meta_split(
     data: ClientData, fraction: float, mode: MetaSplit = "subset", seed: int | None = None
 ) -> tuple[TensorSplit, TensorSplit]:
@@ -109,9 +117,7 @@ def meta_split(
                 else "needs at least 1"
             )
         )
-    n_meta = max(1, round(fraction * n))
-    if mode == "heldout":
-        n_meta = min(n_meta, n - 1)
+    n_meta = meta_size(n, fraction, mode)
     fixed = META_SPLIT_SALT * 1_000_003 + data.client_id
     g = torch.Generator().manual_seed(fixed if seed is None else seed)
     perm = torch.randperm(n, generator=g)

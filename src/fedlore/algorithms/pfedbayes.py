@@ -114,6 +114,10 @@ class PFedBayes(BetaMixing, Personalized, FedFull):
             if not ok:
                 raise ValueError(f"pfedbayes: invalid {field}={getattr(self, field)!r}")
 
+    def round_work(self, num_examples: int, steps: int) -> int:
+        """``inner_steps`` Adam steps on q_i and one on z_i per local step."""
+        return steps * (self.inner_steps + 1)
+
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Bayesianize the scratch model in place (idempotent; sampling by ``bnn_estimator``);
         the prior is unused (the KL is to the global posterior)."""

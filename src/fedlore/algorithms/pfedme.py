@@ -106,6 +106,11 @@ class PFedMe(BetaMixing, Personalized, FedAvg):
                     "and diverges; lower the step or lam (the sources keep it below 1)"
                 )
 
+    def round_work(self, num_examples: int, steps: int) -> int:
+        """``inner_steps`` SGD steps on theta per local step (the step of w is no optimizer's:
+        a closed-form move toward theta)."""
+        return steps * self.inner_steps
+
     def client_update(
         self,
         msg: Broadcast,

@@ -9,18 +9,19 @@ from collections.abc import Callable
 from typing import Any
 
 from fedlore.config import Config
-from fedlore.engine.unreliable import availability_trace, client_speeds
+from fedlore.engine.unreliable import availability_trace, client_speeds, client_work
 
 
 def durations(cfg: Config, algo: Any, client_data: Callable[[int], Any], seed: int) -> Any:
-    """Client id -> its simulated seconds per participation, ``K_i · step_s / s_i`` (cached)."""
+    """Client id -> its simulated seconds per participation, ``W_i · step_s / s_i`` (cached;
+    W_i the optimizer steps of its round, :func:`~fedlore.engine.unreliable.client_work`)."""
     speeds = client_speeds(cfg, seed)
     cache: dict[int, float] = {}
 
     def duration(cid: int) -> float:
         if cid not in cache:
-            steps = algo.local_steps(client_data(cid).num_examples)
-            cache[cid] = steps * cfg.clients.step_s / float(speeds[cid])
+            steps, work = client_work(algo, client_data(cid).num_examples)
+            cache[cid] = work(steps) * cfg.clients.step_s / float(speeds[cid])
         return cache[cid]
 
     return duration

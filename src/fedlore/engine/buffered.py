@@ -3,8 +3,9 @@ Asynchronous Aggregation", AISTATS 2022, Algorithm 1), in simulated time (``asyn
 
 The server keeps C clients (``concurrency``) training at once. A client started at simulated
 time t from the global model of version v (the number of server steps taken so far) finishes at
-``t + K_i · step_s / s_i`` (its local steps K_i, ``clients.step_s`` and its relative speed s_i
-from ``clients.speed``, as in :mod:`fedlore.engine.unreliable`). Its update Δ_i (its model
+``t + W_i · step_s / s_i`` (W_i the optimizer steps of its round: its local steps K_i, plus
+those its method runs besides, e.g. Ditto's personal steps; ``clients.step_s`` and its relative
+speed s_i from ``clients.speed``, as in :mod:`fedlore.engine.unreliable`). Its update Δ_i (its model
 after local training minus the model it started from: the method's ``update.*``) then enters a
 buffer with staleness ``s = v' - v``, v' the version when it arrives, weighted by w(s)
 (:func:`staleness_weight`); ``max_staleness`` drops updates staler than that. When the buffer

@@ -1,9 +1,13 @@
 """The simulated clock of synchronous rounds: ``sim_round_s`` and ``sim_time_s`` in the rows of
 an in-process run whose clients have simulated compute (:func:`simulates_time`).
 
-Client i needs ``K_i · step_s / s_i`` simulated seconds for the K_i local steps it trains at its
-relative speed s_i (:func:`fedlore.engine.unreliable.client_speeds`); a straggler under
-``partial_work`` trains only the steps it finished by the deadline, and its time counts those.
+Client i needs ``W_i · step_s / s_i`` simulated seconds for a round of K_i local steps at its
+relative speed s_i (:func:`fedlore.engine.unreliable.client_speeds`), W_i the optimizer steps
+the round runs: K_i, plus those the method runs besides (Meta-BayFL's trial steps, J candidates
+x ``temp_steps`` per search; Ditto's personal steps), the method's ``round_work``
+(:func:`fedlore.engine.unreliable.client_work`); forward-only passes are not counted. A
+straggler under ``partial_work`` trains only the local steps whose work it finished by the
+deadline, and its time counts that work.
 A round lasts as long as its slowest answering client (a reply the server then rejects counts
 too: the server waited for it), and, with ``round_deadline_s`` set, until the deadline when a
 sampled client does not answer (a straggler dropped, or a client that dropped out: the server
@@ -28,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlore.config import Config, ConfigError
-from fedlore.engine.unreliable import ClientDropped, client_plan, client_speeds
+from fedlore.engine.unreliable import ClientDropped, client_plan, client_speeds, client_work
 from fedlore.privacy import Privacy
 
 
@@ -68,13 +72,13 @@ class SimClock:
         times: list[float] = []
         missed = False
         for cid in ids:
-            steps = self.algo.local_steps(self.data(cid).num_examples)
-            what = client_plan(self.cfg, self.speeds, self.seed, rnd, cid, steps)
+            steps, work = client_work(self.algo, self.data(cid).num_examples)
+            what = client_plan(self.cfg, self.speeds, self.seed, rnd, cid, steps, work)
             if isinstance(what, ClientDropped):
                 missed = True
                 continue
             done = steps if what is None else what
-            times.append(done * c.step_s / float(self.speeds[cid]))
+            times.append(work(done) * c.step_s / float(self.speeds[cid]))
         if missed and c.round_deadline_s is not None:
             times.append(float(c.round_deadline_s))  # the server waits until the deadline
         return max(times, default=0.0)

@@ -7,11 +7,13 @@ slow, and that come and go.
   lost one: FedLore clients catch up from the log when they return).
 * **Speeds and a deadline.** Client i has a relative speed s_i (``speed``: all 1, lognormal,
   uniform, or a trace file), drawn once per run from ``generator(seed, SPEED)``. Its round of
-  K_i local steps takes ``K_i · step_s / s_i`` simulated seconds; past ``round_deadline_s`` it
-  is a straggler: dropped, or with ``partial_work`` it trains only the
-  ``floor(deadline · s_i / step_s)`` steps it finished (at least 1; the method's
-  ``round_lrs`` stop there, :data:`fedlore.settings.STEP_BUDGET`) and its reply is weighted by
-  the share of steps done (reply metric ``work_share``).
+  K_i local steps takes ``W_i · step_s / s_i`` simulated seconds, W_i the optimizer steps the
+  round runs (K_i, plus what the method runs besides: Meta-BayFL's trial steps, Ditto's
+  personal steps; ``round_work`` of the method, :func:`client_work`); past
+  ``round_deadline_s`` it is a straggler: dropped, or with ``partial_work`` it trains only the
+  local steps whose work it finished (``floor(deadline · s_i / step_s)`` when W = K; at least
+  1; the method's ``round_lrs`` stop there, :data:`fedlore.settings.STEP_BUDGET`) and its
+  reply is weighted by the share of local steps done (reply metric ``work_share``).
 * **Availability** (:func:`available_sampler`): a trace of which clients can be sampled in
   which round; the round samples ``clients_per_round`` of them (all when fewer are available).
 
@@ -22,7 +24,6 @@ whatever the machine. In-process engine only.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -72,12 +73,27 @@ def client_speeds(cfg: Config, seed: int) -> np.ndarray:
     return np.ones(n)
 
 
+def client_work(algo: Any, num_examples: int) -> tuple[int, Callable[[int], int]]:
+    """A client's round as the simulated clock sees it: its local steps K
+    (``algo.round_steps``) and the optimizer steps it runs when it trains b of them
+    (``algo.round_work``: b, plus what the method runs besides, e.g. Meta-BayFL's trials)."""
+    return algo.round_steps(num_examples), lambda b: algo.round_work(num_examples, b)
+
+
 def client_plan(
-    cfg: Config, speeds: np.ndarray, seed: int, rnd: int, cid: int, steps: int
+    cfg: Config,
+    speeds: np.ndarray,
+    seed: int,
+    rnd: int,
+    cid: int,
+    steps: int,
+    work: Callable[[int], int] | None = None,
 ) -> ClientDropped | int | None:
     """What client ``cid``, whose round is ``steps`` local steps, does in round ``rnd``: drops
     out (the exception to report), trains a budget of steps (a straggler's partial work), or
-    trains its whole round (None)."""
+    trains its whole round (None). ``work`` (local steps b -> the optimizer steps the round
+    runs, :func:`client_work`; None: b) is what takes simulated time; a straggler's budget is
+    the most local steps whose work fits before the deadline (at least 1)."""
     c = cfg.clients
     if c.dropout > 0:
         u = float(torch.rand(1, generator=generator(seed, DROPOUT, rnd, cid)))
@@ -85,15 +101,26 @@ def client_plan(
             return ClientDropped(f"dropped out (clients.dropout={c.dropout:g})")
     if c.round_deadline_s is None:
         return None
-    need = steps * c.step_s / float(speeds[cid])
+    cost = work or (lambda b: b)
+    total = cost(steps)
+    need = total * c.step_s / float(speeds[cid])
     if need <= c.round_deadline_s:
         return None
     if not c.partial_work:
+        besides = f" (and {total - steps} other optimizer steps)" if total > steps else ""
         return ClientDropped(
-            f"straggler: {need:.3g} s for {steps} steps > clients.round_deadline_s "
+            f"straggler: {need:.3g} s for {steps} steps{besides} > clients.round_deadline_s "
             f"{c.round_deadline_s:g}"
         )
-    return max(1, math.floor(c.round_deadline_s * float(speeds[cid]) / c.step_s))
+    can = c.round_deadline_s * float(speeds[cid]) / c.step_s  # optimizer steps by the deadline
+    lo, hi = 1, steps  # the work grows with the budget: the largest b with cost(b) <= can
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(mid) <= can:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class UnreliableTransport:
@@ -112,8 +139,8 @@ class UnreliableTransport:
 
     def plan(self, rnd: int, cid: int) -> ClientDropped | int | None:
         """What client ``cid`` does in round ``rnd`` (:func:`client_plan`)."""
-        steps = self.algo.local_steps(self.data(cid).num_examples)
-        return client_plan(self.cfg, self.speeds, self.seed, rnd, cid, steps)
+        steps, work = client_work(self.algo, self.data(cid).num_examples)
+        return client_plan(self.cfg, self.speeds, self.seed, rnd, cid, steps, work)
 
     def send(self, rnd: int, messages: dict[int, Broadcast]) -> dict[int, Reply | BaseException]:
         out: dict[int, Reply | BaseException] = {}
@@ -130,7 +157,7 @@ class UnreliableTransport:
                     got = self.inner.send(rnd, {cid: msg})
                 finally:
                     STEP_BUDGET.reset(token)
-                steps = self.algo.local_steps(self.data(cid).num_examples)
+                steps = self.algo.round_steps(self.data(cid).num_examples)
                 for k, reply in got.items():
                     if isinstance(reply, Reply):
                         share = min(1.0, what / steps)
