@@ -298,6 +298,13 @@ def test_a_client_needs_its_rounds_work_times_step_s_over_its_speed(tmp_path: Pa
     d = durations(cfg, Algo(), lambda c: Data(10 * (c + 1)), 0)
     assert [d(c) for c in range(3)] == pytest.approx([12 * 0.05, 22 * 0.05 / 2, 32 * 0.05 / 0.5])
 
+    class Own:  # a method of one's own with only local_steps: charged those
+        def local_steps(self, n: int) -> int:
+            return n
+
+    d = durations(cfg, Own(), lambda c: Data(10 * (c + 1)), 0)
+    assert [d(c) for c in range(3)] == pytest.approx([10 * 0.05, 20 * 0.05 / 2, 30 * 0.05 / 0.5])
+
 
 def test_an_update_exactly_max_staleness_stale_is_kept() -> None:
     algo = Scalar()

@@ -76,8 +76,14 @@ def client_speeds(cfg: Config, seed: int) -> np.ndarray:
 def client_work(algo: Any, num_examples: int) -> tuple[int, Callable[[int], int]]:
     """A client's round as the simulated clock sees it: its local steps K
     (``algo.round_steps``) and the optimizer steps it runs when it trains b of them
-    (``algo.round_work``: b, plus what the method runs besides, e.g. Meta-BayFL's trials)."""
-    return algo.round_steps(num_examples), lambda b: algo.round_work(num_examples, b)
+    (``algo.round_work``: b, plus what the method runs besides, e.g. Meta-BayFL's trials).
+    A method of one's own that does not derive from :class:`~fedlore.algorithms.base.Hyper`
+    and lacks the two is charged its ``local_steps``, b for b."""
+    round_steps = getattr(algo, "round_steps", None) or algo.local_steps
+    round_work = getattr(algo, "round_work", None)
+    if round_work is None:
+        return round_steps(num_examples), lambda b: b
+    return round_steps(num_examples), lambda b: round_work(num_examples, b)
 
 
 def client_plan(
