@@ -19,7 +19,7 @@ import torch
 from fedlore import cli, progress
 from fedlore.config import Config, apply_overrides, validate
 from fedlore.engine.rundir import run_dir
-from fedlore.experiment_privacy import PrivacyWarning, dp_noise_multiplier
+from fedlore.experiment_privacy import NO_PRIVACY, PrivacyWarning, dp_noise_multiplier
 from fedlore.privacy.composition import Exchanges, composed_epsilon
 from fedlore.privacy.dp import epsilon_spent, update_noise_multiplier
 from fedlore.privacy.local_dp import UPLOADS_KEY, local_epsilon
@@ -674,3 +674,32 @@ def test_a_damaged_folder_is_never_counted_at_fewer_exchanges_than_its_rows(
     cfg = config(tmp_path, "rounds=2")
     rows(cfg, [0, 1, 2, 3, 4])  # more rows than its configured rounds; no summary
     assert spend(cfg).exchanges == 5
+
+
+def test_a_search_whose_trials_drew_seeded_noise_says_it_has_no_privacy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``dp.reproducible_noise`` trials draw noise anyone with the seed removes: best.json and
+    the search's line say "no privacy" beside the ε the accountant gives the exchanges, as a
+    run's summary does; a search of secret noise says nothing of the kind."""
+    seeded = config(tmp_path, "dp.reproducible_noise=true")
+    rows(seeded, [0, 1])
+    assert spend(seeded).reproducible and not spend(config(tmp_path)).reproducible
+    honest = search_privacy(config(tmp_path), [spend(config(tmp_path))])
+    assert "privacy" not in honest.record() and NO_PRIVACY not in honest.line()
+    mixed = search_privacy(config(tmp_path), [spend(config(tmp_path)), spend(seeded)])
+    assert mixed.record()["privacy"] == NO_PRIVACY and NO_PRIVACY in mixed.line()
+
+    def plan() -> Any:
+        space = "tune.space={lr: 'cat:0.1,0.01'}"
+        extra = [*DP, "dp.reproducible_noise=true", "tune.trials=1", "name=seeded", space]
+        raw = apply_overrides({}, [*TINY, f"output_dir={tmp_path}", *extra])
+        return plan_search(validate(raw), raw, "tiny.yaml")
+
+    monkeypatch.setattr(progress, "_SAID", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PrivacyWarning)
+        out = run_search(plan())
+    best = json.loads((tmp_path / "seeded/tune/best.json").read_text())
+    assert best["privacy"] == NO_PRIVACY and best["dp_epsilon_of_search"] > 0
+    assert out.privacy is not None and out.privacy.line().endswith(NO_PRIVACY)

@@ -37,7 +37,7 @@ from fedlore.engine.checkpoint_io import load_tensors
 from fedlore.engine.dp_ledger import repeated
 from fedlore.engine.rundir import run_dir
 from fedlore.experiment_parts import make_algorithm
-from fedlore.experiment_privacy import dp_noise_multiplier
+from fedlore.experiment_privacy import NO_PRIVACY, dp_noise_multiplier
 from fedlore.privacy.composition import Exchanges, composed_epsilon
 from fedlore.privacy.dp import epsilon_spent
 from fedlore.privacy.local_dp import UPLOADS_KEY, Uploads, local_epsilon
@@ -61,6 +61,8 @@ class TrialSpend:
             share their clients).
         overcounted: why the folder could not be read, so it was counted at its configured
             exchanges ("" when it was read).
+        reproducible: it drew its noise and sample from the run seed (``dp.reproducible_noise``:
+            no privacy).
     """
 
     number: int
@@ -71,6 +73,7 @@ class TrialSpend:
     clients: dict[int, int] | None = None
     identity: str = ""
     overcounted: str = ""
+    reproducible: bool = False
 
     def part(self) -> Exchanges:
         return Exchanges(self.sigma, self.num_clients, self.per_round, self.exchanges)
@@ -88,6 +91,9 @@ class SearchPrivacy:
     delta: float
     local: bool
     spends: tuple[TrialSpend, ...] = field(default_factory=tuple)
+    reproducible: bool = False
+    """A trial drew its noise from the run seed (``dp.reproducible_noise``): the search has no
+    privacy, whatever ε the accountant gives its exchanges."""
 
     @property
     def trials(self) -> int:
@@ -111,6 +117,8 @@ class SearchPrivacy:
         out["dp_search_trials"] = self.trials
         out["dp_search_exchanges"] = self.exchanges
         out["dp_search_overcounted"] = self.overcounted
+        if self.reproducible:
+            out["privacy"] = NO_PRIVACY
         return out
 
     def line(self) -> str:
@@ -127,9 +135,10 @@ class SearchPrivacy:
                 f"; {len(self.overcounted)} damaged trial folder(s) counted at their configured "
                 f"exchanges: {'; '.join(self.overcounted)}"
             )
+        none = f"; {NO_PRIVACY}" if self.reproducible else ""
         return (
             f"ε of the search = {self.epsilon:.4g}{who} at δ = {self.delta:g}{known}: "
-            f"{self.exchanges} DP exchanges of {self.trials} trial(s) composed{over}"
+            f"{self.exchanges} DP exchanges of {self.trials} trial(s) composed{over}{none}"
         )
 
 
@@ -145,13 +154,14 @@ def search_privacy(
     dp = cfg.dp
     acc = accountant or dp.accountant
     delta = dp.delta
+    seeded = dp.reproducible_noise or any(s.reproducible for s in trials if s.exchanges > 0)
     if dp.mode == "local":
-        return SearchPrivacy(_local(trials, delta, acc), None, delta, True, tuple(trials))
+        return SearchPrivacy(_local(trials, delta, acc), None, delta, True, tuple(trials), seeded)
     parts = [s.part() for s in trials]
     eps = composed_epsilon(parts, delta, accountant=acc)
     sampled = any(p.per_round < p.num_clients for p in parts if p.count)
     known = composed_epsilon([p.known() for p in parts], delta, accountant=acc) if sampled else None
-    return SearchPrivacy(eps, known, delta, False, tuple(trials))
+    return SearchPrivacy(eps, known, delta, False, tuple(trials), seeded)
 
 
 def _local(trials: Sequence[TrialSpend], delta: float, accountant: str) -> float:
@@ -250,7 +260,7 @@ def trial_spend(
         clients = None
     return TrialSpend(
         number, sigma, cfg.num_clients, cfg.clients_per_round(), total, clients, identity,
-        "; ".join(problems),
+        "; ".join(problems), cfg.dp.reproducible_noise,
     )  # fmt: skip
 
 

@@ -30,6 +30,7 @@ from fedlore.engine.transport import Transport
 from fedlore.engine.validate import method_problem, validate_reply
 from fedlore.privacy import Privacy
 from fedlore.privacy.plan import WHY
+from fedlore.privacy.secagg import Abort
 from fedlore.robust import norm_screen
 from fedlore.tensors import nbytes
 from fedlore.types import LOCAL_KEYS, LOOP_KEYS, Broadcast, Reply, State
@@ -261,8 +262,9 @@ class RoundLoop:
                 f"secure_aggregation_threshold needs {need}: nothing is unmasked"
             )
         if isinstance(res, BaseException):
-            log.warning("round %d: the secure aggregation was aborted: %s", rnd, res)
-            why = {c: f"the secure round was aborted: {res}" for c in ids}
+            said = res.unnamed if isinstance(res, Abort) and privacy.hides_sample else res
+            log.warning("round %d: the secure aggregation was aborted: %s", rnd, said)
+            why = {c: f"the secure round was aborted: {said}" for c in ids}
             return [(c, None) for c in ids], privacy.aborted(rnd, ids), 0, why
         out, metrics = privacy.from_mean(
             rnd, spec, res.mean, res.metrics, ids, _device(self, state)

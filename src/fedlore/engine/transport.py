@@ -24,7 +24,14 @@ from fedlore.device import PeakMemory
 from fedlore.engine import interrupt
 from fedlore.engine.store import ClientStore, StoreError
 from fedlore.engine.validate import validate_reply
-from fedlore.privacy import Privacy, SecureSum, client_contribution, client_noise, privatize
+from fedlore.privacy import (
+    Privacy,
+    SecureSum,
+    client_contribution,
+    client_name,
+    client_noise,
+    privatize,
+)
 from fedlore.privacy.parties import LocalParties, secure_sum
 from fedlore.privacy.secagg import Abort
 from fedlore.seeding import CLIENT, generator
@@ -112,8 +119,9 @@ class LocalTransport:
         except (StoreError, WriteError):
             raise  # the server's own storage failed: stop rather than drop clients silently
         except Exception as e:  # a failing client must not stop the round
-            log.warning("client %d failed in round %d: %s: %s", cid, rnd, type(e).__name__, e)
-            log.debug("client %d traceback", cid, exc_info=e)
+            who = client_name(msg.config, cid)  # under DP the logs do not name the sample
+            log.warning("%s failed in round %d: %s: %s", who, rnd, type(e).__name__, e)
+            log.debug("%s traceback", who, exc_info=e)
             return e.with_traceback(None)
 
     def send_secure(
@@ -152,14 +160,18 @@ class LocalTransport:
             return ring
 
         clients = LocalParties(plan.params, upload, fatal=(StoreError, WriteError))
+
+        def say_who_left() -> None:
+            for cid, why in clients.failures.items():
+                who = client_name(messages[cid].config, cid)  # under DP the logs hide the sample
+                log.warning("round %d: %s left the secure round: %s", rnd, who, why)
+
         try:
             res = secure_sum(plan.params, clients, plan.length)
         except Abort as e:
-            for cid, why in clients.failures.items():
-                log.warning("round %d: client %d left the secure round: %s", rnd, cid, why)
+            say_who_left()
             return e
-        for cid, why in clients.failures.items():
-            log.warning("round %d: client %d left the secure round: %s", rnd, cid, why)
+        say_who_left()
         sum_wx, sum_w, counts = plan.decode(res.total)
         reasons = dict(clients.failures)
         reasons.update(

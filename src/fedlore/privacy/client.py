@@ -82,6 +82,16 @@ def spec_length(spec: ReplySpec) -> int:
     return sum(math.prod(shape) for shape, _ in spec.values())
 
 
+def client_name(config: Scalars, cid: int) -> str:
+    """How a log line names client ``cid`` of a round with broadcast ``config``: ``"a client"``
+    under DP with secret noise, whose sample the logs must not give away
+    (:attr:`fedlore.privacy.Privacy.hides_sample`), else ``"client <cid>"``."""
+    dp = float(config.get("privacy.clip_norm", 0.0)) > 0
+    if dp and not config.get("privacy.reproducible", False):
+        return "a client"
+    return f"client {cid}"
+
+
 def client_noise(config: Scalars, seed: int) -> NoiseSource:
     """The noise source a client uses for its shares: OS entropy, or the run seed when the
     broadcast says ``privacy.reproducible`` (``dp.reproducible_noise``)."""

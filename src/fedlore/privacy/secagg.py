@@ -79,12 +79,15 @@ SELF, MASK = "self", "mask"
 
 
 class Abort(RuntimeError):
-    """A secure round that cannot finish without revealing more than the survivors' sum."""
+    """A secure round that cannot finish without revealing more than the survivors' sum.
+    ``unnamed``: the message without the clients' ids (``reason`` when it names none), what
+    the rows and logs say under DP, whose sample is secret."""
 
-    def __init__(self, stage: str, reason: str) -> None:
+    def __init__(self, stage: str, reason: str, unnamed: str | None = None) -> None:
         super().__init__(f"secure aggregation aborted in the {stage} stage: {reason}")
         self.stage = stage
         self.reason = reason
+        self.unnamed = f"secure aggregation aborted in the {stage} stage: {unnamed or reason}"
 
 
 class Refused(RuntimeError):
@@ -387,11 +390,15 @@ class Server:
             )
         exposed = self.params.exposed(self.survivors)
         if exposed:
+            why = (
+                f"keep at most {self.params.colluders} surviving mask partners, so "
+                f"{self.params.colluders} colluding clients (the most the round withstands) "
+                "could unmask them alone"
+            )
             raise Abort(
                 "collect masked vectors",
-                f"survivors {exposed} keep at most {self.params.colluders} surviving mask "
-                f"partners, so {self.params.colluders} colluding clients (the most the round "
-                "withstands) could unmask them alone",
+                f"survivors {exposed} {why}",
+                f"{len(exposed)} survivor(s) {why}",
             )
         return list(self.survivors), list(self.dropped)
 
@@ -445,9 +452,10 @@ class Server:
     ) -> bytes:
         got = by_owner.get((u, kind), {})
         if len(got) < t:
+            seed = f"{'self-mask' if kind == SELF else 'mask-key'} seed has {len(got)} shares"
             raise Abort(
                 "unmask",
-                f"client {u}'s {'self-mask' if kind == SELF else 'mask-key'} seed has "
-                f"{len(got)} shares from live holders, {t} needed",
+                f"client {u}'s {seed} from live holders, {t} needed",
+                f"a client's {seed} from live holders, {t} needed",
             )
         return combine(sorted(got.items())[:t])
