@@ -5,6 +5,8 @@ transport's polling and its client -> node map without a running Flower."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 import time
 import uuid
 from collections.abc import Iterable
@@ -197,6 +199,65 @@ def test_a_round_waits_for_the_nodes_of_its_clients_not_for_a_dead_one(
     start = time.monotonic()
     t.refresh_nodes()
     assert time.monotonic() - start >= 0.3 and t.node_of == {0: 11, 1: 13}
+
+
+@pytest.mark.parametrize("dp", ["none", "secret", "reproducible"])
+def test_under_dp_the_flower_transport_names_no_client_of_the_sample(
+    dp: str, task_identity: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Client 1's SuperNode is dead and no node holds client 2: the round's warnings and the
+    failure it returns name them, except under DP with secret noise (the sample is secret:
+    ε's amplification assumes it), where they count them."""
+    grid = _Nodes({11: 0, 12: 1})
+    t = FlowerTransport(grid, round_timeout=0.2, expected_nodes=2)  # type: ignore[arg-type]
+    grid.dead.add(12)
+    privacy = {
+        "none": {},
+        "secret": {"privacy.clip_norm": 1.0},
+        "reproducible": {"privacy.clip_norm": 1.0, "privacy.reproducible": True},
+    }[dp]
+    msg = Broadcast({"w": torch.zeros(2)}, {"round": 1, **privacy})
+    with caplog.at_level(logging.WARNING, logger="fedlore.flower.transport"):
+        out = t.send(1, {1: msg, 2: msg})
+    said = [r.getMessage() for r in caplog.records] + [str(e) for e in out.values()]
+    assert any("no reply in time" in s for s in said) and isinstance(out[2], LookupError)
+    named = [s for s in said if re.search(r"clients? \[?\d", s)]
+    if dp == "secret":
+        assert not named, named
+        assert "no reply in time from 1 client(s)" in said[0]
+        assert str(out[2]) == "no connected SuperNode holds a client"
+    else:
+        assert len(named) == 2, said  # client 1's lost reply, client 2's missing node
+
+
+def test_under_dp_a_clients_error_reply_and_a_secure_rounds_dropouts_name_no_client(
+    task_identity: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error reply's failure says "a client" under DP with secret noise (``client 3``
+    otherwise), and the SecAgg+ round is told not to name the nodes that drop out."""
+    from flwr.app import Error
+
+    import fedlore.flower.transport as transport
+
+    t = FlowerTransport(_Nodes({11: 0}), round_timeout=0.2)  # type: ignore[arg-type]
+    err = Message(Error(code=0, reason="boom"), reply_to=train_message(1, 3, _BCAST))
+    assert str(t.decode(3, err, {"privacy.clip_norm": 1.0})) == "a client: boom"
+    assert str(t.decode(3, err, {})) == "client 3: boom"
+    told: list[bool] = []
+
+    def secure_round(*args: Any) -> BaseException:
+        told.append(args[-1])
+        return RuntimeError("stopped here")
+
+    monkeypatch.setattr(transport, "secure_round", secure_round)
+    spec: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"w": ((2,), torch.float32)}
+    for config in ({"privacy.clip_norm": 1.0}, {}):
+        msg = Broadcast({"w": torch.zeros(2)}, {"round": 1, **config})
+        assert isinstance(t.send_secure(1, {0: msg}, spec), RuntimeError)
+    assert told == [False, True]
+
+
+_BCAST = Broadcast({"w": torch.zeros(2)}, {"round": 1})
 
 
 class _Measuring(ClientAppInProcess):

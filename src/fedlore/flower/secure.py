@@ -340,6 +340,7 @@ def secure_round(
     send: Callable[[Grid, Iterable[Message], float | None], list[Message]] | None = None,
     min_survivors: int = 2,
     threshold: int | float = DEFAULT_THRESHOLD,
+    name_nodes: bool = True,
 ) -> tuple[np.ndarray, dict[int, Scalars], set[int]] | RuntimeError:
     """One SecAgg+ round over ``grid`` with flwr's workflow (see the module docstring).
 
@@ -358,6 +359,8 @@ def secure_round(
         threshold: ``secure_aggregation_threshold``; when ``settings.reconstruction_threshold``
             is None it sets the Shamir threshold t of a node's k share holders,
             ``min(k, threshold_count(threshold, k))`` (as in process).
+        name_nodes: whether the log names the nodes that dropped out (False under DP, whose
+            sample the logs must not give away: a count instead).
 
     Returns:
         ``(mean, metrics, nodes)``: the float64 ``(length,)`` weighted mean, the clear metrics
@@ -423,7 +426,8 @@ def secure_round(
             return RuntimeError(f"secure aggregation failed in the {name} stage: {e}")
         gone = live - state.active_node_ids
         if gone:
-            log.warning("round %d: SecAgg+ %s stage: nodes %s dropped out", rnd, name, gone)
+            said = f"nodes {gone}" if name_nodes else f"{len(gone)} node(s)"  # DP: a count
+            log.warning("round %d: SecAgg+ %s stage: %s dropped out", rnd, name, said)
         live = set(state.active_node_ids)
         if not ok and workflow.refusal is not None:
             log.warning(

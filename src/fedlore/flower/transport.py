@@ -30,11 +30,11 @@ from fedlore.engine import interrupt
 from fedlore.flower.codec import broadcast_to_record, record_nbytes, record_to_reply
 from fedlore.flower.node_files import Attempts
 from fedlore.flower.secure import SecAggSettings, secure_round
-from fedlore.privacy import SecureSum, spec_length
+from fedlore.privacy import SecureSum, client_name, clients_named, names_clients, spec_length
 from fedlore.privacy.aggregation import DEFAULT_THRESHOLD
 from fedlore.privacy.topology import threshold_count
 from fedlore.tensors import to_device
-from fedlore.types import Broadcast, Reply
+from fedlore.types import Broadcast, Reply, Scalars
 
 log = logging.getLogger(__name__)
 
@@ -326,9 +326,11 @@ class FlowerTransport:
             contents[node] = content
             client_of[node] = cid
         if missing:
-            log.warning("round %d: no connected SuperNode holds clients %s", rnd, missing)
+            said = clients_named(messages[missing[0]].config, missing)  # under DP: a count
+            log.warning("round %d: no connected SuperNode holds %s", rnd, said)
+        named = names_clients(next(iter(messages.values())).config) if messages else True
         got = secure_round(
-            self.grid, rnd, contents, length, settings, send_and_receive, need, threshold
+            self.grid, rnd, contents, length, settings, send_and_receive, need, threshold, named
         )
         if isinstance(got, BaseException):
             return got
@@ -370,7 +372,7 @@ class FlowerTransport:
         check_size(cid, msg, self.max_message_bytes)
         node = self.node_of.get(cid)
         if node is None:
-            return LookupError(f"no connected SuperNode holds client {cid}")
+            return LookupError(f"no connected SuperNode holds {client_name(msg.config, cid)}")
         content = broadcast_to_record(self.outgoing(rnd, msg, cid))
         self.wire_bytes_down += record_nbytes(content.array_records["arrays"])
         return Message(content, node, "train", group_id=str(rnd))
@@ -392,21 +394,24 @@ class FlowerTransport:
         for reply in send_and_receive(self.grid, outgoing, self.round_timeout):
             sender = client_of.get(reply.metadata.src_node_id)
             if sender is not None:
-                out[sender] = self.decode(sender, reply)
+                out[sender] = self.decode(sender, reply, messages[sender].config)
         missing = sorted(set(client_of.values()) - set(out))
         if missing:
-            log.warning("round %d: no reply in time from clients %s", rnd, missing)
+            said = clients_named(messages[missing[0]].config, missing)  # under DP: a count
+            log.warning("round %d: no reply in time from %s", rnd, said)
             # a node that does not answer may be gone: ask again who is there next round
             for cid in missing:
                 self.node_of.pop(cid, None)
         return out
 
-    def decode(self, cid: int, reply: Message) -> Reply | BaseException:
+    def decode(
+        self, cid: int, reply: Message, config: Scalars | None = None
+    ) -> Reply | BaseException:
         """Client ``cid``'s reply message as a :class:`Reply` on the server's device (its
         arrays counted in :attr:`wire_bytes_up`, its ``num_examples`` kept), or the error it
         carries."""
         if reply.has_error():
-            return RuntimeError(f"client {cid}: {reply.error.reason}")
+            return RuntimeError(f"{client_name(config or {}, cid)}: {reply.error.reason}")
         self.wire_bytes_up += record_nbytes(reply.content.array_records["arrays"])
         got = record_to_reply(reply.content)
         n = got.metrics.get("num_examples")

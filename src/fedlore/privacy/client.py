@@ -82,14 +82,24 @@ def spec_length(spec: ReplySpec) -> int:
     return sum(math.prod(shape) for shape, _ in spec.values())
 
 
+def names_clients(config: Scalars) -> bool:
+    """Whether the logs and rows of a round with broadcast ``config`` may name its clients: not
+    under DP with secret noise, whose sample they must not give away
+    (:attr:`fedlore.privacy.Privacy.hides_sample`)."""
+    dp = float(config.get("privacy.clip_norm", 0.0)) > 0
+    return not dp or bool(config.get("privacy.reproducible", False))
+
+
 def client_name(config: Scalars, cid: int) -> str:
     """How a log line names client ``cid`` of a round with broadcast ``config``: ``"a client"``
-    under DP with secret noise, whose sample the logs must not give away
-    (:attr:`fedlore.privacy.Privacy.hides_sample`), else ``"client <cid>"``."""
-    dp = float(config.get("privacy.clip_norm", 0.0)) > 0
-    if dp and not config.get("privacy.reproducible", False):
-        return "a client"
-    return f"client {cid}"
+    when it may not (:func:`names_clients`), else ``"client <cid>"``."""
+    return f"client {cid}" if names_clients(config) else "a client"
+
+
+def clients_named(config: Scalars, cids: list[int]) -> str:
+    """``cids`` as a log line names them: ``"clients [1, 3]"``, or ``"2 client(s)"`` when the
+    round's clients may not be named (:func:`names_clients`)."""
+    return f"clients {cids}" if names_clients(config) else f"{len(cids)} client(s)"
 
 
 def client_noise(config: Scalars, seed: int) -> NoiseSource:
