@@ -3,7 +3,8 @@ is the optimizer steps its round really runs: every method, counted from the opt
 step hooks inside ``client_update``, for a whole round and for a straggler's budget
 (``clients.partial_work``); Meta-BayFL's searches (J candidates x ``temp_steps`` trial steps
 before every local epoch, or once a round), a held-out meta split (the epochs of D \\ d) and
-Ditto's personal steps included."""
+Ditto's personal steps included, and the plain SGD steps a method takes by hand, without an
+optimizer (APFL's step of v_i, Per-FedAvg's inner step to w~: :data:`BY_HAND`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fedlore import registry
+from fedlore.algorithms import apfl, perfedavg
 from fedlore.config import load_config
 from fedlore.data.federation import build_federation
 from fedlore.experiment import run_one
@@ -31,6 +33,9 @@ OWN = {
     "fedbe": ["data.server_fraction=0.1"],
 }
 """What a method needs of the config: FedBN a BatchNorm, FedBE the server's unlabeled set."""
+BY_HAND = {"apfl": (apfl, "loss_and_grads"), "perfedavg": (perfedavg, "grads_of")}
+"""Where a method takes a plain SGD step by hand (no optimizer's ``step``): the gradient that
+each such step computes, counted as a step (APFL's step of v_i, Per-FedAvg's inner step)."""
 
 
 @contextmanager
@@ -53,13 +58,24 @@ def _counted(algo: Any, counts: list[tuple[int, int, int]]) -> Iterator[None]:
             counts.append((n, budget or self.round_steps(n), steps[0]))
         return out
 
+    hand = BY_HAND.get(algo.name)
+    grad = getattr(*hand) if hand else None
+
+    def by_hand(*args: Any) -> Any:
+        count()
+        return grad(*args)  # type: ignore[misc]
+
     handle = register_optimizer_step_post_hook(count)
     type(algo).client_update = client_update
+    if hand:
+        setattr(*hand, by_hand)
     try:
         yield
     finally:
         type(algo).client_update = own
         handle.remove()
+        if hand:
+            setattr(*hand, grad)
 
 
 def _work(name: str, tmp_path: Path, *extra: str) -> tuple[Any, list[tuple[int, int, int]]]:
@@ -98,7 +114,7 @@ def test_meta_bayfls_work_counts_its_searches_trials(how: str, tmp_path: Path) -
         assert algo.round_work(n, k) == ran, (n, k)
 
 
-@pytest.mark.parametrize("name", ["fedavg", "meta_bayfl", "ditto", "pfedme", "fedfomo"])
+@pytest.mark.parametrize("name", ["fedavg", "meta_bayfl", "ditto", "pfedme", "fedfomo", "apfl"])
 def test_a_stragglers_work_is_the_optimizer_steps_of_its_budget(name: str, tmp_path: Path) -> None:
     """Under ``clients.partial_work`` a straggler trains a budget of its local steps: the work
     of that budget is what it runs (Meta-BayFL searches before the epochs the budget starts,

@@ -16,6 +16,7 @@ from fedlore.data.client_data import ClientData
 from fedlore.engine.unreliable import ClientDropped, UnreliableTransport, available_sampler
 from fedlore.experiment import run_one
 from fedlore.experiment_parts import make_algorithm
+from fedlore.settings import STEP_BUDGET
 from fedlore.types import Broadcast, Reply
 
 SMALL = ["num_clients=6", "local_steps=4", "batch_size=16", "progress=false",
@@ -105,6 +106,29 @@ def test_stragglers_are_dropped_or_send_their_partial_work_with_its_share() -> N
     boast = Reply({}, {"num_examples": 10, "work_share": 1e6})
     low = Reply({}, {"num_examples": 10, "work_share": -3.0})
     assert algo.weights([boast, low]) == pytest.approx([10.0, 1e-5])
+
+
+def test_a_straggler_of_a_method_with_only_local_steps_sends_its_share(tmp_path: Path) -> None:
+    """A method of one's own with ``local_steps`` and no ``round_steps``/``round_work`` (not
+    derived from Hyper): its stragglers' budgets and shares count its local steps (the same
+    trace as above: 5 and 2 of 8 steps)."""
+
+    class Own:
+        def local_steps(self, n: int) -> int:
+            return 8
+
+        def round_lrs(self, rnd: int, n: int) -> list[float]:
+            return [1.0] * (STEP_BUDGET.get() or 8)
+
+    trace = tmp_path / "speeds.json"
+    trace.write_text("[1.0, 0.5, 0.25]")
+    base = ["num_clients=3", "clients.step_s=0.1", "clients.round_deadline_s=1"]
+    cfg = load_config(None, [*base, f"clients.speed_trace={trace}", "clients.partial_work=true"])
+    algo = Own()
+    t = UnreliableTransport(_Echo(algo, _data(40)), cfg, algo, _data(40), 42)
+    got = {c: r for c, r in t.send(0, _messages(3)).items() if isinstance(r, Reply)}
+    done = {c: (r.metrics["steps"], r.metrics.get("work_share", 1.0)) for c, r in got.items()}
+    assert done == {0: (8, 1.0), 1: (5, 5 / 8), 2: (2, 2 / 8)}
 
 
 def test_an_availability_trace_limits_who_is_sampled(tmp_path: Path) -> None:

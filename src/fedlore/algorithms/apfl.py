@@ -120,6 +120,11 @@ class APFL(FedAvg):
         if self.alpha_lr is not None and not self.alpha_lr > 0:
             raise ValueError(f"apfl: alpha_lr must be > 0, got {self.alpha_lr}")
 
+    def round_work(self, num_examples: int, steps: int) -> int:
+        """Two SGD steps per local step: ``w_i``'s optimizer's and ``v_i``'s, taken by hand with
+        a gradient of its own (α's step is a scalar's, not counted)."""
+        return 2 * steps
+
     def trained_model_metrics(self, model: nn.Module, data: ClientData, rnd: int) -> Scalars:
         """None for ``w_i`` alone: APFL's P-local is the mixed model (scored below)."""
         return {}

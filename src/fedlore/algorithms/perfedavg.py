@@ -115,6 +115,12 @@ class PerFedAvg(FedAvg):
         if self.adapt_steps < 1:
             raise ValueError(f"perfedavg: adapt_steps must be >= 1, got {self.adapt_steps}")
 
+    def round_work(self, num_examples: int, steps: int) -> int:
+        """Two SGD steps per local step: the inner step to ``w̃`` (by hand, at α) and the outer
+        step (HF's Hessian-vector product is no step; the last round's ``adapt_steps`` before
+        P-local are an evaluation's, not counted)."""
+        return 2 * steps
+
     @property
     def inner_lr(self) -> float:
         """α (``alpha``, or the run's ``lr``)."""

@@ -163,7 +163,7 @@ class UnreliableTransport:
                     got = self.inner.send(rnd, {cid: msg})
                 finally:
                     STEP_BUDGET.reset(token)
-                steps = self.algo.round_steps(self.data(cid).num_examples)
+                steps, _ = client_work(self.algo, self.data(cid).num_examples)
                 for k, reply in got.items():
                     if isinstance(reply, Reply):
                         share = min(1.0, what / steps)
