@@ -26,6 +26,7 @@ from fedlore.algorithms.meta_lr import MetaScore, MetaSplit
 from fedlore.bayes import ESTIMATORS, kl_divergence
 from fedlore.data.client_data import TensorSplit
 from fedlore.seeding import derive_seed
+from fedlore.settings import steps_for_epochs
 from fedlore.train.local import GradHook, LossTerm, Schedule, TrainStats, local_train
 
 
@@ -186,8 +187,7 @@ class BayesSearch(Hyper):
         if self.lr_search == "per_round":
             searches = 1
         else:
-            n_fit = self.fit_size(num_examples)
-            epoch = max(1, math.ceil(n_fit / min(self.train.batch_size, n_fit)))
+            epoch = steps_for_epochs(1, self.fit_size(num_examples), self.train.batch_size)
             searches = math.ceil(steps / epoch)
         return steps + searches * len(self.candidate_lrs) * self.temp_steps
 
@@ -288,7 +288,7 @@ def train_with_search(
     # after the schedule, 0 under cosine with min_lr_ratio 0)
     first = max(rnd, 0) * hyper.train.steps(n_fit)
     last = schedule.total_steps - 1
-    epoch = max(1, math.ceil(n_fit / min(hyper.train.batch_size, n_fit)))
+    epoch = steps_for_epochs(1, n_fit, hyper.train.batch_size)
     starts = {"per_epoch": range(0, len(base), epoch), "per_round": [0], "none": [0]}
     cuts = [*starts[hyper.lr_search], len(base)]
     chosen: list[float] = []
